@@ -1,0 +1,27 @@
+// Subcommand registry of geofp8-bench: each *_bench.cc registers one subcommand at static init.
+// Bench sources are compiled straight into the executable so registration is never dropped.
+#pragma once
+
+#include <string>
+#include <vector>
+
+namespace geofp8::bench {
+
+struct Command {
+  std::string name;  // subcommand, e.g. "codec"
+  std::string help;  // one line for `geofp8-bench --help`
+  int (*run)(int argc, char** argv);  // argv[0] is the subcommand name
+};
+
+std::vector<Command>& Commands();
+
+struct Registrar {
+  Registrar(std::string name, std::string help, int (*run)(int, char**)) {
+    Commands().push_back({std::move(name), std::move(help), run});
+  }
+};
+
+}  // namespace geofp8::bench
+
+#define GEOFP8_REGISTER_BENCH(name, help, fn) \
+  static const ::geofp8::bench::Registrar geofp8_bench_registrar_##fn(name, help, fn)

@@ -1,0 +1,23 @@
+# Small helpers shared by every component's CMakeLists.txt.
+
+# geofp8_test(NAME SOURCES a_test.cc ... LIBS lib ... [LABELS unit gpu ...] [TIMEOUT s])
+# Builds a GoogleTest binary and registers each TEST with ctest under the given labels.
+# Tests that need a GPU carry the label `gpu` and call GTEST_SKIP() when no device is present.
+function(geofp8_test name)
+  if(NOT GEOFP8_BUILD_TESTS)
+    return()
+  endif()
+  cmake_parse_arguments(T "" "TIMEOUT" "SOURCES;LIBS;LABELS" ${ARGN})
+  if(NOT T_TIMEOUT)
+    set(T_TIMEOUT 300)
+  endif()
+  if(NOT T_LABELS)
+    set(T_LABELS unit)
+  endif()
+  add_executable(${name} ${T_SOURCES})
+  target_link_libraries(${name} PRIVATE ${T_LIBS} geofp8_config GTest::gtest_main GTest::gmock)
+  gtest_discover_tests(${name}
+    DISCOVERY_MODE PRE_TEST
+    DISCOVERY_TIMEOUT 60
+    PROPERTIES LABELS "${T_LABELS}" TIMEOUT ${T_TIMEOUT})
+endfunction()

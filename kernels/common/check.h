@@ -1,0 +1,44 @@
+// Invariant checks for the numeric core: a failed check throws geofp8::Error carrying file:line.
+// Services catch it at the boundary and convert it to absl::Status; the core never sees Status.
+#pragma once
+
+#include <sstream>
+#include <stdexcept>
+#include <string>
+
+namespace geofp8 {
+
+// The one exception type the core throws. what() is a single line: "file:line: message".
+class Error : public std::runtime_error {
+ public:
+  using std::runtime_error::runtime_error;
+};
+
+namespace detail {
+
+template <typename... Args>
+[[noreturn]] inline void ThrowError(const char* file, int line, const Args&... args) {
+  std::ostringstream os;
+  const char* base = file;
+  for (const char* p = file; *p; ++p) {
+    if (*p == '/') base = p + 1;
+  }
+  os << base << ":" << line << ": ";
+  (os << ... << args);
+  throw Error(os.str());
+}
+
+}  // namespace detail
+}  // namespace geofp8
+
+// GEOFP8_CHECK(cond, "message parts", value, ...): throw geofp8::Error if cond is false.
+#define GEOFP8_CHECK(cond, ...)                                                              \
+  do {                                                                                       \
+    if (!(cond)) [[unlikely]] {                                                              \
+      ::geofp8::detail::ThrowError(__FILE__, __LINE__, "check failed: " #cond ": " __VA_OPT__(, ) \
+                                       __VA_ARGS__);                                         \
+    }                                                                                        \
+  } while (0)
+
+// GEOFP8_FAIL("message parts", ...): unconditional error (bad input reached the core).
+#define GEOFP8_FAIL(...) ::geofp8::detail::ThrowError(__FILE__, __LINE__, __VA_ARGS__)

@@ -1,0 +1,11 @@
+#!/usr/bin/env bash
+# Builds everything and runs the whole test suite (ctest). Installs missing Debian packages
+# when run as root. Usage: scripts/test.sh [ctest args...], e.g. scripts/test.sh -L unit
+set -euo pipefail
+source "$(dirname "$0")/lib/common.sh"
+
+ensure_packages
+configure_and_build
+log "running tests"
+cd "$GEOFP8_BUILD"
+ctest --output-on-failure -j "$(nproc)" --timeout 900 "$@"
