@@ -1,0 +1,46 @@
+// Per-layer compression policy and exchange algorithm choices: the vocabulary shared by the
+// exchange engine, the trainer, the coordinator's job spec and the proto API.
+#pragma once
+
+#include <cstdint>
+#include <optional>
+#include <string>
+#include <string_view>
+
+#include "kernels/codec/codec.h"
+#include "kernels/geometry/geometry.h"
+
+namespace geofp8 {
+
+enum class Algorithm : uint8_t {
+  kTwoPhase = 0,   // quantize, all-to-all, dequantize+sum fp32, requantize, all-gather
+  kAllGather = 1,  // quantize once, all-gather, sum locally
+  kNative = 2,     // NCCL >= 2.24 FP8 all-reduce (GPU only)
+  kFp32 = 3,       // backend's plain fp32 all-reduce (baseline)
+  kBf16 = 4,       // backend's plain bf16 all-reduce (baseline)
+};
+std::string_view AlgorithmName(Algorithm a);  // "two_phase", "allgather", "native", "fp32", "bf16"
+std::optional<Algorithm> ParseAlgorithm(std::string_view name);
+std::string_view AcceptedAlgorithms();
+
+// How one layer's gradient travels. Plain struct with defaults (DESIGN.md section 2 table).
+struct LayerPolicy {
+  Format format = Format::kFp8E4M3;
+  Scaling scaling = Scaling::kBlock;
+  uint32_t block = 128;
+  Rounding rounding = Rounding::kNearest;
+  GeometryMode geometry = GeometryMode::kNone;
+  int rank = 16;              // k for kLowRank
+  float alpha = 0.25f;        // whitening exponent
+  bool error_feedback = false;  // optional extension, off by default
+};
+
+// Per-layer geometry refresh: the owner rank re-estimates every `interval` steps, at steps
+// where (step - offset) % interval == 0 and step >= offset.
+struct RefreshSchedule {
+  int owner = 0;
+  int interval = 100;
+  int offset = 0;
+};
+
+}  // namespace geofp8

@@ -1,0 +1,72 @@
+// The GeoFP8 geometry: a per-layer linear map T that flattens a gradient's dominant singular
+// directions before quantization, and its inverse after the exchange (DESIGN.md section 2).
+#pragma once
+
+#include <cstdint>
+#include <optional>
+#include <span>
+#include <string_view>
+#include <vector>
+
+namespace geofp8 {
+
+enum class GeometryMode : uint8_t {
+  kNone = 0,     // identity: plain Euclidean quantization (always used for 1-D tensors)
+  kDiag = 1,     // per-row and per-column RMS scaling, O(mn)
+  kLowRank = 2,  // low-rank Kronecker whitening P_L G P_R with rank k
+};
+std::string_view GeometryModeName(GeometryMode m);  // "none", "diag", "lowrank"
+std::optional<GeometryMode> ParseGeometryMode(std::string_view name);
+std::string_view AcceptedGeometryModes();           // "none, diag, lowrank"
+
+// How to estimate a geometry. Plain struct with defaults.
+struct GeometryOptions {
+  GeometryMode mode = GeometryMode::kLowRank;
+  int rank = 16;          // k; clamped to min(m, n)
+  float alpha = 0.25f;    // whitening exponent on each side (Shampoo's 1/4)
+  int power_iters = 1;    // q: subspace iterations per refresh
+  uint64_t seed = 0;      // cold-start random matrix
+  float sigma_ema = 0.f;  // 0: no smoothing; else sigma = ema*old + (1-ema)*new across refreshes
+};
+
+// One layer's geometry. Matrices are row-major float32; the gradient G is m x n row-major.
+struct Geometry {
+  GeometryMode mode = GeometryMode::kNone;
+  uint64_t version = 0;  // 0 = never estimated (warm-up: behaves as kNone)
+  int64_t m = 0, n = 0;
+  int k = 0;
+  float alpha = 0.25f;
+  std::vector<float> U;      // m x k, orthonormal columns (kLowRank)
+  std::vector<float> V;      // n x k, orthonormal columns (kLowRank)
+  std::vector<float> sigma;  // k singular values, descending (kLowRank)
+  float delta_L = 0.f, delta_R = 0.f;  // residual energy per remaining dimension (kLowRank)
+  std::vector<float> row_scale, col_scale;  // m and n positive scales (kDiag)
+
+  bool is_identity() const { return mode == GeometryMode::kNone || version == 0; }
+};
+
+// What one refresh produced.
+struct RefreshResult {
+  Geometry geometry;
+  double drift = 0.0;  // subspace distance to the previous basis, in [0, 1]; 0 on cold start
+  double seconds = 0.0;
+};
+
+// Estimates the geometry of G (m x n) by randomized subspace iteration, warm-started from
+// `previous` when it has the same shape and mode. Version is previous->version + 1 (or 1).
+// Throws geofp8::Error if G holds a non-finite value. Never returns NaN.
+RefreshResult EstimateGeometry(std::span<const float> G, int64_t m, int64_t n,
+                               const GeometryOptions& options, const Geometry* previous);
+
+// In-place T(G) and T^-1(G). Identity geometries leave G untouched. Thread-safe for distinct G.
+void ApplyGeometry(const Geometry& geometry, std::span<float> G);
+void InvertGeometry(const Geometry& geometry, std::span<float> G);
+
+// Subspace distance between two bases of equal shape: ||sin Theta||_2-style, in [0, 1].
+double SubspaceDrift(const Geometry& a, const Geometry& b);
+
+// Wire form for the owner's broadcast: self-describing, versioned, little-endian.
+std::vector<uint8_t> SerializeGeometry(const Geometry& geometry);
+Geometry DeserializeGeometry(std::span<const uint8_t> bytes);  // throws geofp8::Error if malformed
+
+}  // namespace geofp8
