@@ -1,0 +1,66 @@
+// The collective operations the exchange algorithms need, over host memory, behind one
+// interface with a Gloo (CPU, TCP) and an NCCL (GPU) backend. Every call honours timeout().
+#pragma once
+
+#include <chrono>
+#include <cstddef>
+#include <cstdint>
+#include <span>
+#include <string_view>
+
+namespace geofp8 {
+
+// Default collective timeout (DESIGN.md section 4: every collective has one).
+inline constexpr std::chrono::milliseconds kDefaultCollectiveTimeout{300000};
+
+// What this rank put on the wire, as the backend's algorithm sends it.
+struct CommStats {
+  uint64_t bytes_sent = 0;
+  uint64_t collectives = 0;
+};
+
+// All spans are host memory. Every rank must issue the same collectives in the same order. A
+// failure or timeout throws geofp8::Error naming the operation; the communicator is then broken
+// and every later call throws as well.
+class Communicator {
+ public:
+  virtual ~Communicator() = default;
+
+  virtual int rank() const = 0;
+  virtual int size() const = 0;
+  virtual std::string_view backend() const = 0;  // "gloo", "nccl"
+
+  // Rank r sends send[sum(send_counts[0..j)) ..+ send_counts[j]) to rank j and receives rank i's
+  // part into recv at offset sum(recv_counts[0..i)). Counts are bytes; recv_counts[i] must equal
+  // rank i's send_counts[r].
+  virtual void AllToAllV(std::span<const uint8_t> send, std::span<const size_t> send_counts,
+                         std::span<uint8_t> recv, std::span<const size_t> recv_counts) = 0;
+
+  // recv is the concatenation of every rank's send, rank order; recv_counts[i] is rank i's size.
+  virtual void AllGatherV(std::span<const uint8_t> send, std::span<uint8_t> recv,
+                          std::span<const size_t> recv_counts) = 0;
+
+  // In-place sums. The result is identical on every rank.
+  virtual void AllReduceSum(std::span<float> data) = 0;
+  // bf16 values as raw bits; each partial sum is rounded to bf16 (nearest even), as on the wire.
+  virtual void AllReduceSumBf16(std::span<uint16_t> data) = 0;
+
+  // root's data is copied into every rank's data (same size everywhere).
+  virtual void Broadcast(std::span<uint8_t> data, int root) = 0;
+
+  // Maximum of value over ranks (the non-finite flag: every rank makes the same skip decision).
+  virtual uint32_t MaxReduce(uint32_t value) = 0;
+
+  virtual void Barrier() = 0;
+
+  void set_timeout(std::chrono::milliseconds timeout) { timeout_ = timeout; }
+  std::chrono::milliseconds timeout() const { return timeout_; }
+  const CommStats& stats() const { return stats_; }
+  void ResetStats() { stats_ = {}; }
+
+ protected:
+  std::chrono::milliseconds timeout_ = kDefaultCollectiveTimeout;
+  CommStats stats_;
+};
+
+}  // namespace geofp8

@@ -1,0 +1,267 @@
+// Gloo backend of the Communicator (see gloo_communicator.h). Gloo reports failures by throwing
+// gloo::Exception or gloo::EnforceNotMet; every call here converts them to geofp8::Error.
+#include "kernels/exchange/gloo_communicator.h"
+
+#include <algorithm>
+#include <exception>
+#include <numeric>
+#include <vector>
+
+#include <gloo/allgatherv.h>
+#include <gloo/allreduce.h>
+#include <gloo/alltoallv.h>
+#include <gloo/barrier.h>
+#include <gloo/broadcast.h>
+#include <gloo/common/error.h>
+#include <gloo/common/logging.h>
+#include <gloo/rendezvous/context.h>
+#include <gloo/rendezvous/prefix_store.h>
+#include <gloo/transport/tcp/device.h>
+
+#include "kernels/common/check.h"
+#include "kernels/exchange/bf16.h"
+
+namespace geofp8 {
+
+// ---- GlooStoreAdapter ----
+
+void GlooStoreAdapter::set(const std::string& key, const std::vector<char>& data) {
+  store_.Set(key, std::vector<uint8_t>(data.begin(), data.end()));
+}
+
+std::vector<char> GlooStoreAdapter::get(const std::string& key) {
+  const auto v = store_.Get(key, timeout_);
+  return std::vector<char>(v.begin(), v.end());
+}
+
+void GlooStoreAdapter::wait(const std::vector<std::string>& keys) { store_.Wait(keys, timeout_); }
+
+void GlooStoreAdapter::wait(const std::vector<std::string>& keys,
+                            const std::chrono::milliseconds& timeout) {
+  // gloo passes kNoTimeout (0) to mean "no limit"; we never wait forever, so use ours.
+  store_.Wait(keys, timeout.count() > 0 ? timeout : timeout_);
+}
+
+namespace {
+
+// Runs one gloo call, converting whatever gloo throws into a one-line geofp8::Error.
+template <typename Fn>
+void GlooCall(const char* op, int rank, bool* broken, Fn&& fn) {
+  GEOFP8_CHECK(!*broken, "gloo ", op, " on rank ", rank,
+               ": communicator is broken by an earlier failure");
+  try {
+    fn();
+  } catch (const geofp8::Error&) {
+    *broken = true;
+    throw;
+  } catch (const gloo::Exception& e) {
+    *broken = true;
+    GEOFP8_FAIL("gloo ", op, " failed on rank ", rank, ": ", e.what());
+  } catch (const gloo::EnforceNotMet& e) {
+    *broken = true;
+    GEOFP8_FAIL("gloo ", op, " failed on rank ", rank, ": ", e.what());
+  } catch (const std::exception& e) {
+    *broken = true;
+    GEOFP8_FAIL("gloo ", op, " failed on rank ", rank, ": ", e.what());
+  }
+}
+
+class GlooCommunicator final : public Communicator {
+ public:
+  GlooCommunicator(std::shared_ptr<gloo::rendezvous::Context> context,
+                   std::shared_ptr<gloo::transport::Device> device, std::chrono::milliseconds timeout)
+      : context_(std::move(context)), device_(std::move(device)) {
+    timeout_ = timeout;
+  }
+
+  ~GlooCommunicator() override {
+    try {
+      context_->closeConnections();
+    } catch (...) {
+      // A broken peer may already be gone; nothing to report from a destructor.
+    }
+  }
+
+  int rank() const override { return context_->rank; }
+  int size() const override { return context_->size; }
+  std::string_view backend() const override { return "gloo"; }
+
+  void AllToAllV(std::span<const uint8_t> send, std::span<const size_t> send_counts,
+                 std::span<uint8_t> recv, std::span<const size_t> recv_counts) override {
+    const int n = size();
+    GEOFP8_CHECK(static_cast<int>(send_counts.size()) == n && static_cast<int>(recv_counts.size()) == n,
+                 "alltoallv: counts must have one entry per rank (", n, ")");
+    const size_t send_total = std::accumulate(send_counts.begin(), send_counts.end(), size_t{0});
+    const size_t recv_total = std::accumulate(recv_counts.begin(), recv_counts.end(), size_t{0});
+    GEOFP8_CHECK(send.size() >= send_total, "alltoallv: send buffer holds ", send.size(),
+                 " bytes, counts need ", send_total);
+    GEOFP8_CHECK(recv.size() >= recv_total, "alltoallv: recv buffer holds ", recv.size(),
+                 " bytes, counts need ", recv_total);
+    ++stats_.collectives;
+    stats_.bytes_sent += send_total - send_counts[rank()];
+    if (n == 1) {
+      std::copy_n(send.data(), send_total, recv.data());
+      return;
+    }
+    std::vector<int64_t> in(send_counts.begin(), send_counts.end());
+    std::vector<int64_t> out(recv_counts.begin(), recv_counts.end());
+    // gloo needs real pointers even for empty buffers.
+    uint8_t dummy_in = 0, dummy_out = 0;
+    uint8_t* in_ptr = send_total ? const_cast<uint8_t*>(send.data()) : &dummy_in;
+    uint8_t* out_ptr = recv_total ? recv.data() : &dummy_out;
+    const uint32_t tag = next_tag_++;
+    GlooCall("alltoallv", rank(), &broken_, [&] {
+      gloo::AlltoallvOptions opts(context_);
+      opts.setInput(in_ptr, in);
+      opts.setOutput(out_ptr, out);
+      opts.setTag(tag);
+      opts.setTimeout(timeout_);
+      gloo::alltoallv(opts);
+    });
+  }
+
+  void AllGatherV(std::span<const uint8_t> send, std::span<uint8_t> recv,
+                  std::span<const size_t> recv_counts) override {
+    const int n = size();
+    GEOFP8_CHECK(static_cast<int>(recv_counts.size()) == n,
+                 "allgatherv: recv_counts must have one entry per rank (", n, ")");
+    GEOFP8_CHECK(send.size() == recv_counts[rank()], "allgatherv: rank ", rank(), " sends ",
+                 send.size(), " bytes but recv_counts says ", recv_counts[rank()]);
+    const size_t total = std::accumulate(recv_counts.begin(), recv_counts.end(), size_t{0});
+    GEOFP8_CHECK(recv.size() >= total, "allgatherv: recv buffer holds ", recv.size(),
+                 " bytes, counts need ", total);
+    ++stats_.collectives;
+    // Ring: a rank forwards every block except its successor's.
+    stats_.bytes_sent += total - recv_counts[(rank() + 1) % n];
+    if (n == 1) {
+      std::copy_n(send.data(), send.size(), recv.data());
+      return;
+    }
+    if (total == 0) return;  // every rank computes the same counts, so every rank skips
+    std::vector<size_t> elements(recv_counts.begin(), recv_counts.end());
+    uint8_t dummy_in = 0;
+    uint8_t* in_ptr = send.empty() ? &dummy_in : const_cast<uint8_t*>(send.data());
+    const uint32_t tag = next_tag_++;
+    GlooCall("allgatherv", rank(), &broken_, [&] {
+      gloo::AllgathervOptions opts(context_);
+      opts.setInput(in_ptr, send.size());
+      opts.setOutput(recv.data(), elements);
+      opts.setTag(tag);
+      opts.setTimeout(timeout_);
+      gloo::allgatherv(opts);
+    });
+  }
+
+  void AllReduceSum(std::span<float> data) override {
+    RunAllReduce<float>("allreduce fp32", data.data(), data.size(),
+                        [](void* c, const void* a, const void* b, size_t k) {
+                          auto* out = static_cast<float*>(c);
+                          auto* x = static_cast<const float*>(a);
+                          auto* y = static_cast<const float*>(b);
+                          for (size_t i = 0; i < k; ++i) out[i] = x[i] + y[i];
+                        });
+  }
+
+  void AllReduceSumBf16(std::span<uint16_t> data) override {
+    RunAllReduce<uint16_t>("allreduce bf16", data.data(), data.size(),
+                           [](void* c, const void* a, const void* b, size_t k) {
+                             auto* out = static_cast<uint16_t*>(c);
+                             auto* x = static_cast<const uint16_t*>(a);
+                             auto* y = static_cast<const uint16_t*>(b);
+                             for (size_t i = 0; i < k; ++i) {
+                               out[i] = FloatToBf16(Bf16ToFloat(x[i]) + Bf16ToFloat(y[i]));
+                             }
+                           });
+  }
+
+  void Broadcast(std::span<uint8_t> data, int root) override {
+    GEOFP8_CHECK(root >= 0 && root < size(), "broadcast: root ", root, " is not a rank of ", size());
+    ++stats_.collectives;
+    if (rank() == root) stats_.bytes_sent += data.size() * (size() - 1);
+    if (size() == 1 || data.empty()) return;
+    const uint32_t tag = next_tag_++;
+    GlooCall("broadcast", rank(), &broken_, [&] {
+      gloo::BroadcastOptions opts(context_);
+      if (rank() == root) opts.setInput(data.data(), data.size());
+      opts.setOutput(data.data(), data.size());
+      opts.setRoot(root);
+      opts.setTag(tag);
+      opts.setTimeout(timeout_);
+      gloo::broadcast(opts);
+    });
+  }
+
+  uint32_t MaxReduce(uint32_t value) override {
+    uint32_t v = value;
+    RunAllReduce<uint32_t>("max-reduce", &v, 1, [](void* c, const void* a, const void* b, size_t k) {
+      auto* out = static_cast<uint32_t*>(c);
+      auto* x = static_cast<const uint32_t*>(a);
+      auto* y = static_cast<const uint32_t*>(b);
+      for (size_t i = 0; i < k; ++i) out[i] = std::max(x[i], y[i]);
+    });
+    return v;
+  }
+
+  void Barrier() override {
+    ++stats_.collectives;
+    if (size() == 1) return;
+    const uint32_t tag = next_tag_++;
+    GlooCall("barrier", rank(), &broken_, [&] {
+      gloo::BarrierOptions opts(context_);
+      opts.setTag(tag);
+      opts.setTimeout(timeout_);
+      gloo::barrier(opts);
+    });
+  }
+
+ private:
+  template <typename T>
+  void RunAllReduce(const char* op, T* data, size_t count, gloo::AllreduceOptions::Func fn) {
+    ++stats_.collectives;
+    const int n = size();
+    // Ring reduce-scatter plus all-gather: 2(N-1)/N of the buffer leaves each rank.
+    stats_.bytes_sent += 2 * (n - 1) * count * sizeof(T) / n;
+    if (n == 1 || count == 0) return;
+    const uint32_t tag = next_tag_++;
+    GlooCall(op, rank(), &broken_, [&] {
+      gloo::AllreduceOptions opts(context_);
+      opts.setAlgorithm(gloo::AllreduceOptions::Algorithm::RING);
+      opts.setOutput(data, count);
+      opts.setReduceFunction(fn);
+      opts.setTag(tag);
+      opts.setTimeout(timeout_);
+      gloo::allreduce(opts);
+    });
+  }
+
+  std::shared_ptr<gloo::rendezvous::Context> context_;
+  std::shared_ptr<gloo::transport::Device> device_;
+  uint32_t next_tag_ = 1;
+  bool broken_ = false;
+};
+
+}  // namespace
+
+std::unique_ptr<Communicator> CreateGlooCommunicator(geofp8::Store& store, int rank, int size,
+                                                     const GlooOptions& options) {
+  GEOFP8_CHECK(size >= 1, "gloo: size must be >= 1 (", size, ")");
+  GEOFP8_CHECK(rank >= 0 && rank < size, "gloo: rank must be in [0, ", size, ") (", rank, ")");
+  GEOFP8_CHECK(options.timeout.count() > 0, "gloo: timeout must be positive (",
+               options.timeout.count(), " ms)");
+  std::shared_ptr<gloo::rendezvous::Context> context;
+  std::shared_ptr<gloo::transport::Device> device;
+  bool broken = false;
+  GlooCall("rendezvous", rank, &broken, [&] {
+    gloo::transport::tcp::attr attr;
+    attr.hostname = options.hostname;
+    device = gloo::transport::tcp::CreateDevice(attr);
+    context = std::make_shared<gloo::rendezvous::Context>(rank, size);
+    context->setTimeout(options.timeout);
+    GlooStoreAdapter adapter(store, options.timeout);
+    gloo::rendezvous::PrefixStore prefixed(options.prefix, adapter);
+    context->connectFullMesh(prefixed, device);
+  });
+  return std::make_unique<GlooCommunicator>(std::move(context), std::move(device), options.timeout);
+}
+
+}  // namespace geofp8

@@ -1,0 +1,37 @@
+// Names of the exchange algorithms: the one place that maps algorithm names to enums.
+// Every parser (CLI, YAML, proto) goes through ParseAlgorithm.
+#include "kernels/exchange/policy.h"
+
+#include <array>
+#include <utility>
+
+namespace geofp8 {
+namespace {
+
+constexpr std::array<std::pair<Algorithm, std::string_view>, 5> kAlgorithmNames = {{
+    {Algorithm::kTwoPhase, "two_phase"},
+    {Algorithm::kAllGather, "allgather"},
+    {Algorithm::kNative, "native"},
+    {Algorithm::kFp32, "fp32"},
+    {Algorithm::kBf16, "bf16"},
+}};
+
+}  // namespace
+
+std::string_view AlgorithmName(Algorithm a) {
+  for (const auto& [value, name] : kAlgorithmNames) {
+    if (value == a) return name;
+  }
+  return "unknown";
+}
+
+std::optional<Algorithm> ParseAlgorithm(std::string_view name) {
+  for (const auto& [value, n] : kAlgorithmNames) {
+    if (n == name) return value;
+  }
+  return std::nullopt;
+}
+
+std::string_view AcceptedAlgorithms() { return "two_phase, allgather, native, fp32, bf16"; }
+
+}  // namespace geofp8

@@ -1,0 +1,147 @@
+// Gloo communicator over real TCP on 127.0.0.1 with ranks as threads: every collective against
+// values each rank can predict exactly, world sizes 1..8, empty parts, timeouts and broken peers.
+#include <gtest/gtest.h>
+
+#include <numeric>
+#include <thread>
+
+#include "kernels/exchange/bf16.h"
+#include "tests/exchange/rank_threads.h"
+
+namespace geofp8 {
+namespace {
+
+using std::chrono::milliseconds;
+using testing::JoinErrors;
+using testing::RunRanks;
+
+// Bytes rank `from` sends to rank `to`: varies per pair, zero for some pairs.
+size_t PairBytes(int from, int to) { return static_cast<size_t>((from * 7 + to * 3) % 5) * 3; }
+uint8_t PairByte(int from, int to, size_t i) { return static_cast<uint8_t>(from * 31 + to * 17 + i); }
+
+class CommSweep : public ::testing::TestWithParam<int> {};
+
+TEST_P(CommSweep, EveryCollective) {
+  const int n = GetParam();
+  const auto errors = RunRanks(n, [n](Communicator& comm) {
+    const int r = comm.rank();
+    ASSERT_EQ(comm.size(), n);
+
+    // All-to-all-v with uneven and empty parts.
+    std::vector<size_t> send_counts(n), recv_counts(n);
+    std::vector<uint8_t> send;
+    for (int j = 0; j < n; ++j) {
+      send_counts[j] = PairBytes(r, j);
+      recv_counts[j] = PairBytes(j, r);
+      for (size_t i = 0; i < send_counts[j]; ++i) send.push_back(PairByte(r, j, i));
+    }
+    std::vector<uint8_t> recv(std::accumulate(recv_counts.begin(), recv_counts.end(), size_t{0}));
+    comm.AllToAllV(send, send_counts, recv, recv_counts);
+    size_t off = 0;
+    for (int i = 0; i < n; ++i) {
+      for (size_t k = 0; k < recv_counts[i]; ++k) ASSERT_EQ(recv[off + k], PairByte(i, r, k));
+      off += recv_counts[i];
+    }
+
+    // All-gather-v: rank i contributes i*5 bytes (rank 0 nothing).
+    std::vector<size_t> counts(n);
+    for (int i = 0; i < n; ++i) counts[i] = static_cast<size_t>(i) * 5;
+    std::vector<uint8_t> mine(counts[r]);
+    for (size_t k = 0; k < mine.size(); ++k) mine[k] = PairByte(r, 0, k);
+    std::vector<uint8_t> all(std::accumulate(counts.begin(), counts.end(), size_t{0}));
+    comm.AllGatherV(mine, all, counts);
+    off = 0;
+    for (int i = 0; i < n; ++i) {
+      for (size_t k = 0; k < counts[i]; ++k) ASSERT_EQ(all[off + k], PairByte(i, 0, k));
+      off += counts[i];
+    }
+
+    // Sums of small integers are exact in fp32 and bf16, whatever the reduction order.
+    for (size_t count : {size_t{0}, size_t{1}, size_t{7}, size_t{3000}}) {
+      std::vector<float> f(count);
+      std::vector<uint16_t> h(count);
+      for (size_t k = 0; k < count; ++k) {
+        f[k] = static_cast<float>((r + 1) * (k % 13));
+        h[k] = FloatToBf16(static_cast<float>(r + 1));
+      }
+      comm.AllReduceSum(f);
+      comm.AllReduceSumBf16(h);
+      for (size_t k = 0; k < count; ++k) {
+        ASSERT_EQ(f[k], static_cast<float>(n * (n + 1) / 2 * (k % 13)));
+        ASSERT_EQ(Bf16ToFloat(h[k]), static_cast<float>(n * (n + 1) / 2));
+      }
+    }
+
+    // Broadcast from the last rank.
+    std::vector<uint8_t> b(11, static_cast<uint8_t>(r));
+    comm.Broadcast(b, n - 1);
+    for (uint8_t v : b) ASSERT_EQ(v, n - 1);
+
+    EXPECT_EQ(comm.MaxReduce(r == n / 2 ? 9u : static_cast<uint32_t>(r % 2)), 9u);
+    EXPECT_EQ(comm.MaxReduce(0u), 0u);
+    comm.Barrier();
+    EXPECT_GT(comm.stats().collectives, 0u);
+  });
+  EXPECT_EQ(JoinErrors(errors), "");
+}
+
+INSTANTIATE_TEST_SUITE_P(Ranks, CommSweep, ::testing::Values(1, 2, 3, 4, 8));
+
+TEST(GlooCommunicator, CollectiveTimeoutFailsInsteadOfHanging) {
+  const auto start = std::chrono::steady_clock::now();
+  const auto errors = RunRanks(2, [](Communicator& comm) {
+    comm.Barrier();
+    if (comm.rank() == 0) {
+      comm.set_timeout(milliseconds(300));
+      std::vector<float> x(100, 1.f);
+      comm.AllReduceSum(x);  // rank 1 never joins
+    } else {
+      std::this_thread::sleep_for(milliseconds(1500));
+    }
+  });
+  const double seconds =
+      std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+  ASSERT_NE(errors[0], "");
+  EXPECT_NE(errors[0].find("allreduce fp32"), std::string::npos) << errors[0];
+  EXPECT_NE(errors[0].find("rank 0"), std::string::npos) << errors[0];
+  EXPECT_EQ(errors[1], "");
+  EXPECT_LT(seconds, 20.0);
+}
+
+TEST(GlooCommunicator, BrokenCommunicatorRefusesLaterCalls) {
+  const auto errors = RunRanks(2, [](Communicator& comm) {
+    comm.Barrier();
+    if (comm.rank() == 0) {
+      comm.set_timeout(milliseconds(200));
+      try {
+        comm.Barrier();
+      } catch (const Error&) {
+      }
+      comm.Barrier();  // must throw "broken", not hang
+    } else {
+      std::this_thread::sleep_for(milliseconds(1000));
+    }
+  });
+  EXPECT_NE(errors[0].find("broken"), std::string::npos) << errors[0];
+}
+
+TEST(GlooCommunicator, RendezvousTimeoutNamesMissingRank) {
+  MemoryStore store;
+  GlooOptions options;
+  options.timeout = milliseconds(300);
+  try {
+    CreateGlooCommunicator(store, 0, 2, options);  // rank 1 never shows up
+    FAIL() << "rendezvous did not time out";
+  } catch (const Error& e) {
+    EXPECT_NE(std::string(e.what()).find("timed out"), std::string::npos) << e.what();
+  }
+}
+
+TEST(GlooCommunicator, RejectsBadRank) {
+  MemoryStore store;
+  EXPECT_THROW(CreateGlooCommunicator(store, 2, 2), Error);
+  EXPECT_THROW(CreateGlooCommunicator(store, 0, 0), Error);
+}
+
+}  // namespace
+}  // namespace geofp8

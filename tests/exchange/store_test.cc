@@ -1,0 +1,89 @@
+// Tests of the rendezvous stores: set/get/wait/add semantics, timeouts that name the key, and
+// the gloo adapter.
+#include <gtest/gtest.h>
+
+#include <filesystem>
+#include <thread>
+
+#include "kernels/common/check.h"
+#include "kernels/exchange/gloo_communicator.h"
+#include "kernels/exchange/store.h"
+
+namespace geofp8 {
+namespace {
+
+using std::chrono::milliseconds;
+
+std::vector<uint8_t> Bytes(const std::string& s) { return {s.begin(), s.end()}; }
+
+void ExerciseStore(Store& store) {
+  store.Set("a/b c", Bytes("hello"));
+  EXPECT_EQ(store.Get("a/b c", milliseconds(10)), Bytes("hello"));
+  store.Set("a/b c", Bytes(""));
+  EXPECT_EQ(store.Get("a/b c", milliseconds(10)), Bytes(""));
+  EXPECT_EQ(store.Add("counter", 3), 3);
+  EXPECT_EQ(store.Add("counter", -5), -2);
+  EXPECT_EQ(ParseStoreInt(store.Get("counter", milliseconds(10))), -2);
+
+  // Get waits for a key set later by another thread.
+  std::thread writer([&] {
+    std::this_thread::sleep_for(milliseconds(50));
+    store.Set("late", Bytes("x"));
+  });
+  EXPECT_EQ(store.Get("late", milliseconds(5000)), Bytes("x"));
+  writer.join();
+
+  // A missing key times out with an error naming it.
+  try {
+    store.Wait({"late", "never"}, milliseconds(30));
+    FAIL() << "Wait did not time out";
+  } catch (const Error& e) {
+    EXPECT_NE(std::string(e.what()).find("'never'"), std::string::npos) << e.what();
+  }
+  EXPECT_THROW(store.Get("never", milliseconds(10)), Error);
+}
+
+TEST(MemoryStore, SetGetWaitAdd) {
+  MemoryStore store;
+  ExerciseStore(store);
+}
+
+TEST(FileStore, SetGetWaitAdd) {
+  const auto dir = std::filesystem::temp_directory_path() /
+                   ("geofp8_store_test_" + std::to_string(::getpid()));
+  std::filesystem::remove_all(dir);
+  {
+    FileStore store(dir.string());
+    ExerciseStore(store);
+  }
+  std::filesystem::remove_all(dir);
+}
+
+TEST(FileStore, ConcurrentAddIsAtomic) {
+  const auto dir = std::filesystem::temp_directory_path() /
+                   ("geofp8_store_add_" + std::to_string(::getpid()));
+  std::filesystem::remove_all(dir);
+  FileStore store(dir.string());
+  std::vector<std::thread> threads;
+  for (int t = 0; t < 4; ++t) {
+    threads.emplace_back([&] {
+      for (int i = 0; i < 50; ++i) store.Add("n", 1);
+    });
+  }
+  for (auto& t : threads) t.join();
+  EXPECT_EQ(ParseStoreInt(store.Get("n", milliseconds(10))), 200);
+  std::filesystem::remove_all(dir);
+}
+
+TEST(GlooStoreAdapter, ForwardsToStore) {
+  MemoryStore store;
+  GlooStoreAdapter adapter(store, milliseconds(20));
+  adapter.set("k", {'1', '2'});
+  EXPECT_EQ(adapter.get("k"), (std::vector<char>{'1', '2'}));
+  adapter.wait({"k"});
+  EXPECT_THROW(adapter.get("missing"), Error);
+  EXPECT_THROW(adapter.wait({"missing"}, milliseconds(10)), Error);
+}
+
+}  // namespace
+}  // namespace geofp8
