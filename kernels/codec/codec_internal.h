@@ -1,0 +1,40 @@
+// Internal pieces of the codec shared by the scalar reference (codec.cc), the AVX2 path
+// (codec_avx2.cc) and the CUDA kernels: the resolved layout of one encoded tensor.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+
+#include "kernels/codec/codec.h"
+
+namespace geofp8::detail {
+
+// What an encode actually does once format-specific rules are applied: fp32/bf16 never scale,
+// mxfp8 always uses E8M0 per 32, nvfp4 E4M3 per 16 plus an fp32 tensor scale.
+struct Layout {
+  Format format = Format::kFp8E4M3;
+  Scaling scaling = Scaling::kNone;
+  uint32_t block = 0;  // elements per scale (0 unless scaling == kBlock)
+  size_t count = 0;
+  size_t num_blocks = 0;  // scale entries (kTensor: 1)
+  size_t scale_bytes = 0;
+  size_t payload_bytes = 0;
+};
+
+Layout MakeLayout(Format format, Scaling scaling, uint32_t block, size_t n);
+Layout MakeLayout(const CodecOptions& options, size_t n);
+
+// Vectorized fp8 (E4M3/E5M2) paths, nearest rounding, fp32 scales; defined in codec_avx2.cc.
+// Return false (doing nothing) when the processor lacks AVX2+FMA+F16C or the case is not
+// covered, in which case the caller runs the scalar reference. Results are bit-identical.
+bool CpuHasAvx2();
+bool EncodeFp8Avx2(const float* x, const Layout& layout, uint8_t* scales, uint8_t* payload,
+                   EncodeStats* stats);
+bool DecodeFp8Avx2(const Layout& layout, const uint8_t* scales, const uint8_t* payload, float* out,
+                   bool accumulate);
+
+// Runtime switch for tests and the bench: false forces the scalar reference everywhere.
+void SetVectorizedEnabled(bool enabled);
+bool VectorizedEnabled();
+
+}  // namespace geofp8::detail

@@ -1,0 +1,101 @@
+// Bit-exactness of the shared per-element conversions against the CUDA toolkit's host-side
+// oracle (__nv_cvt_float_to_fp8 / __nv_cvt_float_to_fp4, compiled with plain g++).
+#include <gtest/gtest.h>
+
+#include <algorithm>
+#include <cmath>
+#include <atomic>
+#include <cstdint>
+#include <thread>
+#include <vector>
+
+#include "geofp8/config.h"
+#include "kernels/codec/element.h"
+#include "tests/codec/oracle_sweep.h"
+
+
+namespace geofp8::element {
+namespace {
+
+#if GEOFP8_HAVE_CUDA_FP8_HEADERS
+
+// Special and boundary values of all three formats: zeros, subnormal edges and midpoints,
+// normal-range midpoints, max, overflow thresholds, inf, NaN, float subnormals.
+std::vector<float> SpecialValues() {
+  std::vector<float> v = {0.f, 1e-45f, 1.17549435e-38f, 2e-38f, 0.25f, 0.2500001f, 0.24999999f,
+                          0.5f, 0.75f, 0.7500001f, 1.f, 1.25f, 1.75f, 2.5f, 3.5f, 5.f, 5.0000005f,
+                          4.9999995f, 6.f, 6.0000005f, 7.f, 448.f, 464.f, 463.99997f, 464.00003f,
+                          480.f, 57344.f, 61440.f, 61439.996f, 65536.f, 3.4028235e38f,
+                          std::ldexp(1.f, -9), std::ldexp(1.f, -10), std::ldexp(1.f, -10) * 1.0000001f,
+                          std::ldexp(1.f, -6), std::ldexp(1.f, -16), std::ldexp(1.f, -17),
+                          std::ldexp(1.f, -17) * 1.0000001f, std::ldexp(1.f, -14),
+                          std::ldexp(3.f, -10), std::ldexp(3.f, -11), std::ldexp(5.f, -11),
+                          BitsFloat(0x7F800000u), BitsFloat(0x7FC00000u), BitsFloat(0x7F800001u),
+                          BitsFloat(0x7FFFFFFFu)};
+  // Every representable value of each format and the midpoints around it.
+  for (int c = 0; c < 128; ++c) {
+    for (float f : {E4M3ToFloat(c), E5M2ToFloat(c), E2M1ToFloat(c & 15)}) {
+      if (!std::isfinite(f)) continue;
+      const uint32_t b = FloatBits(f);
+      for (int d = -2; d <= 2; ++d) v.push_back(BitsFloat(b + d));
+    }
+  }
+  const size_t n = v.size();
+  for (size_t i = 0; i < n; ++i) v.push_back(-v[i]);
+  return v;
+}
+
+TEST(ElementOracle, SpecialAndBoundaryValues) {
+  for (float x : SpecialValues()) {
+    const uint32_t u = FloatBits(x);
+    EXPECT_EQ(FloatToE4M3(x), OracleE4M3(x)) << std::hex << "e4m3 bits 0x" << u;
+    EXPECT_EQ(FloatToE5M2(x), OracleE5M2(x)) << std::hex << "e5m2 bits 0x" << u;
+    EXPECT_EQ(FloatToE2M1(x), OracleE2M1(x)) << std::hex << "e2m1 bits 0x" << u;
+  }
+}
+
+// A fast strided pass over the float space (every 101st pattern), run with the unit tests.
+TEST(ElementOracle, StridedSweep) {
+  uint32_t first = 0;
+  EXPECT_EQ(SweepAllFloats(SameE4M3, 101, &first), 0u) << std::hex << "first 0x" << first;
+  EXPECT_EQ(SweepAllFloats(SameE5M2, 101, &first), 0u) << std::hex << "first 0x" << first;
+  EXPECT_EQ(SweepAllFloats(SameE2M1, 101, &first), 0u) << std::hex << "first 0x" << first;
+}
+
+// Decode: every code against the oracle's fp8 -> float conversion.
+TEST(ElementOracle, DecodeEveryCode) {
+  for (int c = 0; c < 256; ++c) {
+    __nv_fp8_e4m3 a;
+    a.__x = static_cast<__nv_fp8_storage_t>(c);
+    __nv_fp8_e5m2 b;
+    b.__x = static_cast<__nv_fp8_storage_t>(c);
+    const float fa = static_cast<float>(a), fb = static_cast<float>(b);
+    const float ma = E4M3ToFloat(c), mb = E5M2ToFloat(c);
+    if (std::isnan(fa)) {
+      EXPECT_TRUE(std::isnan(ma)) << c;
+    } else {
+      EXPECT_EQ(FloatBits(ma), FloatBits(fa)) << c;
+    }
+    if (std::isnan(fb)) {
+      EXPECT_TRUE(std::isnan(mb)) << c;
+    } else {
+      EXPECT_EQ(FloatBits(mb), FloatBits(fb)) << c;
+    }
+  }
+  for (int c = 0; c < 16; ++c) {
+    __nv_fp4_e2m1 e;
+    e.__x = static_cast<__nv_fp4_storage_t>(c);
+    EXPECT_EQ(FloatBits(E2M1ToFloat(c)), FloatBits(static_cast<float>(e))) << c;
+  }
+}
+
+#else
+
+TEST(ElementOracle, SpecialAndBoundaryValues) { GTEST_SKIP() << "cuda_fp8.h/cuda_fp4.h absent"; }
+TEST(ElementOracle, StridedSweep) { GTEST_SKIP() << "cuda_fp8.h/cuda_fp4.h absent"; }
+TEST(ElementOracle, DecodeEveryCode) { GTEST_SKIP() << "cuda_fp8.h/cuda_fp4.h absent"; }
+
+#endif
+
+}  // namespace
+}  // namespace geofp8::element
