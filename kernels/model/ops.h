@@ -1,0 +1,81 @@
+// Forward and backward of the Llama building blocks on the CPU: embedding, RMSNorm, linear,
+// rotary embedding, causal attention, SwiGLU, cross-entropy. GEMMs go through OpenBLAS cblas.
+#pragma once
+
+#include <cstdint>
+#include <span>
+
+#include "kernels/model/ops_math.h"
+
+namespace geofp8::model {
+
+// Every op is templated on the scalar type: float for training, double for the finite-difference
+// tests. Activations are row-major [T, width] with T = batch * seq tokens. Backward functions
+// ACCUMULATE into parameter gradients (dW += ...) and OVERWRITE input gradients (dx = ...) unless
+// the comment says otherwise.
+
+// C[M,N] = alpha * op(A) op(B) + beta * C, row-major, through cblas_{s,d}gemm.
+template <typename T>
+void Gemm(bool trans_a, bool trans_b, int M, int N, int K, T alpha, const T* A, int lda,
+          const T* B, int ldb, T beta, T* C, int ldc);
+
+// Pins OpenBLAS to `threads` threads for the whole process (ranks on threads share it).
+void SetBlasThreads(int threads);
+
+// x[t, :] = table[tokens[t], :]; table is [vocab, d].
+template <typename T>
+void EmbeddingForward(std::span<const int32_t> tokens, const T* table, int d, T* x);
+// dtable[tokens[t], :] += dx[t, :].
+template <typename T>
+void EmbeddingBackward(std::span<const int32_t> tokens, const T* dx, int d, T* dtable);
+
+// y = x / sqrt(mean(x^2) + eps) * gain. Saves inv_rms[t] for the backward.
+template <typename T>
+void RmsNormForward(const T* x, const T* gain, int rows, int d, T eps, T* y, T* inv_rms);
+// dx = (overwrite), dgain += .
+template <typename T>
+void RmsNormBackward(const T* x, const T* gain, const T* inv_rms, const T* dy, int rows, int d,
+                     T* dx, T* dgain);
+
+// y[T, out] = x[T, in] W^T with W [out, in] (a 2-D weight is the m x n = out x in gradient).
+template <typename T>
+void LinearForward(const T* x, const T* W, int rows, int in, int out, T* y);
+// dx = dy W (overwrite when accumulate_dx is false, else dx +=), dW += dy^T x.
+template <typename T>
+void LinearBackward(const T* x, const T* W, const T* dy, int rows, int in, int out, T* dx,
+                    T* dW, bool accumulate_dx = false);
+// Only dW += dy^T x (for callers that want to publish dW before computing dx).
+template <typename T>
+void LinearBackwardWeight(const T* x, const T* dy, int rows, int in, int out, T* dW);
+
+// Rotates each head's pairs (2i, 2i+1) by angle pos * theta^(-2i/head_dim), pos = t % seq.
+// In place on x [T, heads*head_dim]. The backward is the rotation by the negative angle.
+template <typename T>
+void RopeForward(T* x, int rows, int seq, int heads, int head_dim, T theta);
+template <typename T>
+void RopeBackward(T* dx, int rows, int seq, int heads, int head_dim, T theta);
+
+// Causal multi-head attention on q, k, v [batch*seq, heads*head_dim] (already rotated).
+// probs [batch, heads, seq, seq] is saved for the backward; out [batch*seq, heads*head_dim].
+template <typename T>
+void AttentionForward(const T* q, const T* k, const T* v, int batch, int seq, int heads,
+                      int head_dim, T* probs, T* out);
+// dq, dk, dv overwritten. scratch needs seq*seq elements.
+template <typename T>
+void AttentionBackward(const T* q, const T* k, const T* v, const T* probs, const T* dout,
+                       int batch, int seq, int heads, int head_dim, T* dq, T* dk, T* dv,
+                       T* scratch);
+
+// h = silu(a) * b, elementwise over n.
+template <typename T>
+void SwiGluForward(const T* a, const T* b, int64_t n, T* h);
+// da, db overwritten.
+template <typename T>
+void SwiGluBackward(const T* a, const T* b, const T* dh, int64_t n, T* da, T* db);
+
+// Mean cross-entropy of logits [rows, vocab] against targets; writes dlogits = d(loss)/d(logits)
+// when dlogits is non-null. Returns the loss (accumulated in double).
+template <typename T>
+double CrossEntropy(const T* logits, std::span<const int32_t> targets, int vocab, T* dlogits);
+
+}  // namespace geofp8::model

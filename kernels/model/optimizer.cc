@@ -1,0 +1,90 @@
+// AdamW, the warmup+cosine schedule and gradient clipping of kernels/model/optimizer.h.
+
+#include "kernels/model/optimizer.h"
+
+#include <cmath>
+#include <sstream>
+
+#include "kernels/common/check.h"
+
+namespace geofp8::model {
+
+std::string ValidateOptimizerOptions(const OptimizerOptions& o) {
+  std::ostringstream os;
+  auto finite = [](float v) { return std::isfinite(v); };
+  if (!(o.lr > 0) || !finite(o.lr)) {
+    os << "optimizer.lr: must be a finite value > 0 (" << o.lr << ")";
+  } else if (!(o.min_lr >= 0) || o.min_lr > o.lr) {
+    os << "optimizer.min_lr: must be in [0, lr] (" << o.min_lr << ")";
+  } else if (o.warmup_steps < 0) {
+    os << "optimizer.warmup_steps: must be >= 0 (" << o.warmup_steps << ")";
+  } else if (o.total_steps < 1) {
+    os << "optimizer.total_steps: must be >= 1 (" << o.total_steps << ")";
+  } else if (!(o.beta1 >= 0 && o.beta1 < 1)) {
+    os << "optimizer.beta1: must be in [0, 1) (" << o.beta1 << ")";
+  } else if (!(o.beta2 >= 0 && o.beta2 < 1)) {
+    os << "optimizer.beta2: must be in [0, 1) (" << o.beta2 << ")";
+  } else if (!(o.eps > 0) || !finite(o.eps)) {
+    os << "optimizer.eps: must be a finite value > 0 (" << o.eps << ")";
+  } else if (!(o.weight_decay >= 0) || !finite(o.weight_decay)) {
+    os << "optimizer.weight_decay: must be a finite value >= 0 (" << o.weight_decay << ")";
+  } else if (!(o.clip_norm >= 0) || !finite(o.clip_norm)) {
+    os << "optimizer.clip_norm: must be a finite value >= 0 (" << o.clip_norm << ")";
+  }
+  return os.str();
+}
+
+float LearningRate(const OptimizerOptions& o, int64_t step) {
+  if (step < o.warmup_steps) {
+    return static_cast<float>(o.lr * double(step + 1) / double(o.warmup_steps));
+  }
+  const int64_t span = o.total_steps - o.warmup_steps;
+  if (span <= 0) return o.lr;
+  double progress = double(step - o.warmup_steps) / double(span);
+  if (progress > 1) progress = 1;
+  const double cosine = 0.5 * (1.0 + std::cos(M_PI * progress));
+  return static_cast<float>(o.min_lr + (o.lr - o.min_lr) * cosine);
+}
+
+double ClipGradNorm(std::span<float> grad, float max_norm) {
+  double ss = 0;
+  for (float g : grad) ss += double(g) * g;
+  const double norm = std::sqrt(ss);
+  if (max_norm > 0 && norm > max_norm) {
+    const float scale = static_cast<float>(max_norm / (norm + 1e-6));
+    for (float& g : grad) g *= scale;
+  }
+  return norm;
+}
+
+AdamW::AdamW(const OptimizerOptions& options, const std::vector<ParamInfo>& params)
+    : options_(options), params_(params) {
+  const std::string err = ValidateOptimizerOptions(options);
+  GEOFP8_CHECK(err.empty(), err);
+  const size_t total = params.empty() ? 0 : params.back().offset + params.back().size();
+  m_.assign(total, 0.f);
+  v_.assign(total, 0.f);
+}
+
+void AdamW::Step(std::span<float> weights, std::span<const float> grad, int64_t step) {
+  GEOFP8_CHECK(weights.size() == m_.size() && grad.size() == m_.size(),
+               "optimizer buffer size mismatch: ", weights.size(), " ", grad.size(), " ",
+               m_.size());
+  const OptimizerOptions& o = options_;
+  const float lr = LearningRate(o, step);
+  const double t = double(step + 1);
+  const float bc1 = static_cast<float>(1.0 - std::pow(double(o.beta1), t));
+  const float bc2 = static_cast<float>(1.0 - std::pow(double(o.beta2), t));
+  for (const ParamInfo& p : params_) {
+    const float decay = p.is_matrix() ? lr * o.weight_decay : 0.f;
+    for (int64_t i = p.offset; i < p.offset + p.size(); ++i) {
+      const float g = grad[i];
+      m_[i] = o.beta1 * m_[i] + (1.f - o.beta1) * g;
+      v_[i] = o.beta2 * v_[i] + (1.f - o.beta2) * g * g;
+      const float mhat = m_[i] / bc1, vhat = v_[i] / bc2;
+      weights[i] -= lr * (mhat / (std::sqrt(vhat) + o.eps)) + decay * weights[i];
+    }
+  }
+}
+
+}  // namespace geofp8::model
