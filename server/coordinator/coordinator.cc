@@ -1,0 +1,795 @@
+// Coordinator handlers. One mutex guards all state; store writes happen under it (they are the
+// durability point of each RPC), stream writes happen after it is released (Outbox).
+#include "server/coordinator/coordinator.h"
+
+#include <algorithm>
+#include <chrono>
+#include <cstdio>
+
+#include "server/coordinator/policy_engine.h"
+
+namespace geofp8 {
+namespace {
+
+class RealClock : public Clock {
+ public:
+  int64_t NowMs() override {
+    return std::chrono::duration_cast<std::chrono::milliseconds>(
+               std::chrono::system_clock::now().time_since_epoch())
+        .count();
+  }
+};
+
+std::string StateName(v1::JobState s) {
+  std::string n = v1::JobState_Name(s);
+  return n.rfind("JOB_", 0) == 0 ? n.substr(4) : n;
+}
+
+// Progress is persisted at most this often per job; state changes and checkpoints always are.
+constexpr int64_t kProgressPersistMs = 1000;
+
+}  // namespace
+
+Clock* SystemClock() {
+  static RealClock clock;
+  return &clock;
+}
+
+Coordinator::Coordinator(Store* store, Clock* clock, CoordinatorOptions options)
+    : store_(store), clock_(clock), options_(options) {}
+
+Coordinator::~Coordinator() { Shutdown(); }
+
+bool Coordinator::IsFinal(v1::JobState s) {
+  return s == v1::JOB_SUCCEEDED || s == v1::JOB_FAILED || s == v1::JOB_CANCELLED;
+}
+
+void Coordinator::Flush(Outbox& out) {
+  for (auto& [sink, message] : out) sink->Send(message);
+  out.clear();
+}
+
+absl::Status Coordinator::Recover() {
+  auto snap = store_->Load();
+  if (!snap.ok()) return snap.status();
+  std::lock_guard<std::mutex> lock(mu_);
+  for (auto& job : snap->jobs) {
+    auto rec = std::make_unique<JobRec>();
+    auto spec = ParseJobSpec(job.spec_yaml());
+    if (!spec.ok()) {
+      return absl::DataLossError("store: job " + job.id() +
+                                 " holds a spec that no longer parses: " +
+                                 std::string(spec.status().message()));
+    }
+    rec->spec = *spec;
+    rec->events.assign(job.events().begin(), job.events().end());
+    job.clear_events();
+    rec->job = std::move(job);
+    if (!rec->job.idempotency_key().empty()) {
+      by_idempotency_key_[rec->job.idempotency_key()] = rec->job.id();
+    }
+    job_order_.push_back(rec.get());
+    jobs_[rec->job.id()] = std::move(rec);
+  }
+  for (auto& p : snap->policies) {
+    auto it = jobs_.find(p.job_id());
+    if (it == jobs_.end()) continue;
+    it->second->policies.push_back(std::move(p));
+  }
+  for (JobRec* rec : job_order_) {
+    rec->job.clear_ranks();
+    if (rec->job.state() == v1::JOB_SCHEDULED || rec->job.state() == v1::JOB_RUNNING) {
+      rec->job.set_attempt(rec->job.attempt() + 1);
+      SetState(*rec, v1::JOB_PENDING,
+               "coordinator restarted; rescheduling from checkpoint step " +
+                   std::to_string(rec->job.progress().checkpoint_step()));
+    }
+  }
+  return absl::OkStatus();
+}
+
+// ------------------------------------------------------------------------------------------
+// Jobs
+
+v1::Job Coordinator::Snapshot(const JobRec& rec, bool with_events) const {
+  v1::Job job = rec.job;
+  if (with_events) {
+    for (const auto& e : rec.events) *job.add_events() = e;
+  }
+  return job;
+}
+
+absl::StatusOr<Coordinator::JobRec*> Coordinator::FindJob(const std::string& job_id) {
+  if (job_id.empty()) return absl::InvalidArgumentError("job_id: required");
+  auto it = jobs_.find(job_id);
+  if (it == jobs_.end()) return absl::NotFoundError("job " + job_id + " not found");
+  return it->second.get();
+}
+
+void Coordinator::Changed(JobRec& rec) {
+  ++rec.change;
+  changed_.notify_all();
+}
+
+absl::Status Coordinator::PersistJob(JobRec& rec) {
+  rec.persisted_progress_ms = clock_->NowMs();
+  return store_->PutJob(rec.job);
+}
+
+void Coordinator::SetState(JobRec& rec, v1::JobState state, const std::string& reason) {
+  const int64_t now = clock_->NowMs();
+  rec.job.set_state(state);
+  rec.job.set_reason(reason);
+  rec.job.set_updated_unix_ms(now);
+  v1::JobEvent event;
+  event.set_unix_ms(now);
+  event.set_state(state);
+  event.set_message(StateName(state) + ": " + reason);
+  rec.events.push_back(event);
+  absl::Status s = store_->Transaction([&]() -> absl::Status {
+    if (auto st = PersistJob(rec); !st.ok()) return st;
+    return store_->AppendEvent(rec.job.id(), event);
+  });
+  if (!s.ok()) std::fprintf(stderr, "geofp8-coordinator: %s\n", s.ToString().c_str());
+  if (IsFinal(state)) kv_.Clear(rec.job.id());
+  Changed(rec);
+}
+
+absl::StatusOr<v1::SubmitJobResponse> Coordinator::SubmitJob(const v1::SubmitJobRequest& request) {
+  auto spec = ParseJobSpec(request.spec_yaml());
+  if (!spec.ok()) return spec.status();
+  Outbox out;
+  v1::SubmitJobResponse response;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    if (!request.idempotency_key().empty()) {
+      auto it = by_idempotency_key_.find(request.idempotency_key());
+      if (it != by_idempotency_key_.end()) {
+        JobRec& existing = *jobs_.at(it->second);
+        if (existing.job.spec_yaml() != request.spec_yaml()) {
+          return absl::AlreadyExistsError("idempotency_key " + request.idempotency_key() +
+                                          " was used for job " + existing.job.id() +
+                                          " with a different spec");
+        }
+        *response.mutable_job() = Snapshot(existing, false);
+        response.set_created(false);
+        return response;
+      }
+    }
+    const int64_t now = clock_->NowMs();
+    char id[32];
+    std::snprintf(id, sizeof id, "job-%06zu", job_order_.size() + 1);
+    auto rec = std::make_unique<JobRec>();
+    rec->spec = *spec;
+    v1::Job& job = rec->job;
+    job.set_id(id);
+    job.set_name(spec->name);
+    job.set_state(v1::JOB_PENDING);
+    job.set_reason("submitted; waiting for " + std::to_string(spec->world_size) +
+                   " idle workers");
+    job.set_spec_yaml(request.spec_yaml());
+    job.set_world_size(spec->world_size);
+    job.set_max_restarts(spec->restarts.max_restarts);
+    job.set_policy_version(1);
+    job.mutable_progress()->set_total_steps(spec->training.steps);
+    job.set_created_unix_ms(now);
+    job.set_updated_unix_ms(now);
+    job.set_idempotency_key(request.idempotency_key());
+    v1::JobEvent event;
+    event.set_unix_ms(now);
+    event.set_state(v1::JOB_PENDING);
+    event.set_message("PENDING: " + job.reason());
+    v1::Policy policy = InitialPolicy(job.id(), *spec, now);
+    // The job, its first event and policy v1 become durable together, before the reply.
+    absl::Status s = store_->Transaction([&]() -> absl::Status {
+      if (auto st = store_->PutJob(job); !st.ok()) return st;
+      if (auto st = store_->AppendEvent(job.id(), event); !st.ok()) return st;
+      return store_->PutPolicy(policy);
+    });
+    if (!s.ok()) return s;
+    rec->events.push_back(event);
+    rec->policies.push_back(policy);
+    if (!request.idempotency_key().empty()) by_idempotency_key_[request.idempotency_key()] = id;
+    JobRec* raw = rec.get();
+    job_order_.push_back(raw);
+    jobs_[id] = std::move(rec);
+    TrySchedule(out);
+    *response.mutable_job() = Snapshot(*raw, false);
+    response.set_created(true);
+    changed_.notify_all();
+  }
+  Flush(out);
+  return response;
+}
+
+absl::StatusOr<v1::Job> Coordinator::GetJob(const v1::GetJobRequest& request) {
+  std::lock_guard<std::mutex> lock(mu_);
+  auto rec = FindJob(request.job_id());
+  if (!rec.ok()) return rec.status();
+  return Snapshot(**rec, true);
+}
+
+absl::StatusOr<v1::ListJobsResponse> Coordinator::ListJobs(const v1::ListJobsRequest& request) {
+  if (request.limit() < 0) {
+    return absl::InvalidArgumentError("limit: must be >= 0 (" + std::to_string(request.limit()) +
+                                      ")");
+  }
+  std::lock_guard<std::mutex> lock(mu_);
+  v1::ListJobsResponse response;
+  for (auto it = job_order_.rbegin(); it != job_order_.rend(); ++it) {
+    const JobRec& rec = **it;
+    if (request.states_size() > 0 &&
+        std::find(request.states().begin(), request.states().end(), rec.job.state()) ==
+            request.states().end()) {
+      continue;
+    }
+    *response.add_jobs() = Snapshot(rec, false);
+    if (request.limit() > 0 && response.jobs_size() >= request.limit()) break;
+  }
+  return response;
+}
+
+absl::StatusOr<v1::Job> Coordinator::CancelJob(const v1::CancelJobRequest& request) {
+  Outbox out;
+  v1::Job result;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    auto found = FindJob(request.job_id());
+    if (!found.ok()) return found.status();
+    JobRec& rec = **found;
+    if (IsFinal(rec.job.state())) {
+      return absl::FailedPreconditionError("job " + rec.job.id() + " is already " +
+                                           StateName(rec.job.state()));
+    }
+    const std::string reason =
+        "cancelled" + (request.reason().empty() ? std::string() : ": " + request.reason());
+    ReleaseRanks(rec, reason, out);
+    SetState(rec, v1::JOB_CANCELLED, reason);
+    TrySchedule(out);
+    result = Snapshot(rec, true);
+  }
+  Flush(out);
+  return result;
+}
+
+absl::StatusOr<std::optional<v1::WatchJobResponse>> Coordinator::WatchNext(
+    const std::string& job_id, WatchCursor* cursor, int timeout_ms) {
+  std::unique_lock<std::mutex> lock(mu_);
+  auto found = FindJob(job_id);
+  if (!found.ok()) return found.status();
+  JobRec* rec = *found;
+  const auto deadline = std::chrono::steady_clock::now() + std::chrono::milliseconds(timeout_ms);
+  while (rec->change <= cursor->change && !shutdown_) {
+    if (changed_.wait_until(lock, deadline) == std::cv_status::timeout) break;
+  }
+  if (shutdown_) return absl::UnavailableError("coordinator shutting down");
+  if (rec->change <= cursor->change) return std::optional<v1::WatchJobResponse>();
+  v1::WatchJobResponse response;
+  *response.mutable_job() = Snapshot(*rec, false);
+  for (size_t i = cursor->events; i < rec->events.size(); ++i) {
+    *response.add_events() = rec->events[i];
+  }
+  cursor->change = rec->change;
+  cursor->events = rec->events.size();
+  return std::optional<v1::WatchJobResponse>(std::move(response));
+}
+
+// ------------------------------------------------------------------------------------------
+// Policies
+
+absl::StatusOr<v1::Policy> Coordinator::GetPolicy(const v1::GetPolicyRequest& request) {
+  std::lock_guard<std::mutex> lock(mu_);
+  auto found = FindJob(request.job_id());
+  if (!found.ok()) return found.status();
+  const JobRec& rec = **found;
+  if (rec.policies.empty()) return absl::InternalError("job " + rec.job.id() + " has no policy");
+  if (request.version() == 0) return rec.policies.back();
+  if (request.version() > rec.policies.size()) {
+    return absl::NotFoundError("policy version " + std::to_string(request.version()) +
+                               " of job " + rec.job.id() + " not found (latest is " +
+                               std::to_string(rec.policies.size()) + ")");
+  }
+  return rec.policies[request.version() - 1];
+}
+
+absl::StatusOr<v1::ListPolicyVersionsResponse> Coordinator::ListPolicyVersions(
+    const v1::ListPolicyVersionsRequest& request) {
+  std::lock_guard<std::mutex> lock(mu_);
+  auto found = FindJob(request.job_id());
+  if (!found.ok()) return found.status();
+  v1::ListPolicyVersionsResponse response;
+  for (const auto& p : (*found)->policies) *response.add_policies() = p;
+  return response;
+}
+
+absl::StatusOr<v1::Policy> Coordinator::AddPolicyVersion(
+    JobRec& rec, const std::vector<v1::LayerPatch>& patches, const std::string& reason,
+    const std::string& author, Outbox& out) {
+  const v1::Policy& latest = rec.policies.back();
+  v1::Policy next = latest;
+  next.set_version(latest.version() + 1);
+  // Ranks that already passed the effective step would diverge, so it lies beyond the largest
+  // step any rank has reported, by the job's margin.
+  next.set_effective_step(rec.job.progress().step() + rec.spec.policy.margin);
+  for (const auto& p : patches) *next.add_patches() = p;
+  next.set_reason(reason);
+  next.set_author(author);
+  next.set_created_unix_ms(clock_->NowMs());
+  next.clear_refresh();
+  if (!rec.catalog.empty()) {
+    rec.schedules = ComputeSchedules(rec.catalog, next, rec.job.world_size(),
+                                     rec.spec.geometry_refresh);
+    for (const auto& s : rec.schedules) *next.add_refresh() = s;
+  }
+  rec.job.set_policy_version(next.version());
+  rec.job.set_updated_unix_ms(next.created_unix_ms());
+  v1::JobEvent event;
+  event.set_unix_ms(next.created_unix_ms());
+  event.set_state(rec.job.state());
+  event.set_message("policy v" + std::to_string(next.version()) + " effective at step " +
+                    std::to_string(next.effective_step()) + " (" + author + "): " + reason);
+  absl::Status s = store_->Transaction([&]() -> absl::Status {
+    if (auto st = store_->PutPolicy(next); !st.ok()) return st;
+    if (auto st = PersistJob(rec); !st.ok()) return st;
+    return store_->AppendEvent(rec.job.id(), event);
+  });
+  if (!s.ok()) {
+    rec.job.set_policy_version(latest.version());
+    return s;
+  }
+  rec.events.push_back(event);
+  rec.policies.push_back(next);
+  ++counters_.policy_updates;
+  if (author == "auto") ++counters_.auto_policy_updates;
+  v1::CoordinatorMessage m;
+  *m.mutable_policy() = next;
+  SendToRanks(rec, m, out);
+  Changed(rec);
+  return next;
+}
+
+absl::StatusOr<v1::UpdatePolicyResponse> Coordinator::UpdatePolicy(
+    const v1::UpdatePolicyRequest& request) {
+  if (request.patches_size() == 0) {
+    return absl::InvalidArgumentError("patches: at least one layer patch is required");
+  }
+  std::vector<v1::LayerPatch> patches;
+  for (int i = 0; i < request.patches_size(); ++i) {
+    auto spec = FromProto(request.patches(i), "patches[" + std::to_string(i) + "]");
+    if (!spec.ok()) return spec.status();
+    patches.push_back(ToProto(*spec));  // canonical form: only the fields that were set
+  }
+  Outbox out;
+  v1::UpdatePolicyResponse response;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    auto found = FindJob(request.job_id());
+    if (!found.ok()) return found.status();
+    JobRec& rec = **found;
+    if (IsFinal(rec.job.state())) {
+      return absl::FailedPreconditionError("job " + rec.job.id() + " is " +
+                                           StateName(rec.job.state()) +
+                                           "; its policy can no longer change");
+    }
+    auto policy = AddPolicyVersion(rec, patches,
+                                   request.reason().empty() ? "user update" : request.reason(),
+                                   "user", out);
+    if (!policy.ok()) return policy.status();
+    *response.mutable_policy() = *policy;
+  }
+  Flush(out);
+  return response;
+}
+
+// ------------------------------------------------------------------------------------------
+// Workers
+
+absl::StatusOr<v1::RegisterResponse> Coordinator::Register(const v1::RegisterRequest& request) {
+  if (request.name().empty()) return absl::InvalidArgumentError("name: required");
+  if (request.name().size() > 200) {
+    return absl::InvalidArgumentError("name: longer than 200 characters");
+  }
+  Outbox out;
+  v1::RegisterResponse response;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    if (shutdown_) return absl::UnavailableError("coordinator shutting down");
+    auto gen = store_->NextGeneration(request.name());
+    if (!gen.ok()) return gen.status();
+    auto it = workers_.find(request.name());
+    if (it != workers_.end() && it->second.fenced_reason.empty()) {
+      // A new generation replaces the old one, which is fenced from now on.
+      DeclareDead(it->second,
+                  "re-registered as generation " + std::to_string(*gen), out);
+    }
+    WorkerRec& w = workers_[request.name()];
+    w.info.set_id(request.name());
+    w.info.set_name(request.name());
+    w.info.set_host(request.host());
+    w.info.set_device(request.device());
+    w.info.set_memory_bytes(request.memory_bytes());
+    w.info.set_generation(*gen);
+    w.info.set_state(v1::WORKER_DISCONNECTED);
+    w.info.clear_job_id();
+    w.info.set_rank(-1);
+    w.info.set_last_heartbeat_unix_ms(clock_->NowMs());
+    w.info.set_last_step(-1);
+    w.sink.reset();
+    w.fenced_reason.clear();
+    response.set_worker_id(w.info.id());
+    response.set_generation(*gen);
+    response.set_heartbeat_interval_ms(options_.heartbeat_interval_ms);
+    response.set_heartbeat_timeout_ms(options_.heartbeat_timeout_ms);
+  }
+  Flush(out);
+  return response;
+}
+
+absl::Status Coordinator::OpenSession(const std::string& worker_id, uint64_t generation,
+                                      std::shared_ptr<SessionSink> sink) {
+  Outbox out;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    if (shutdown_) return absl::UnavailableError("coordinator shutting down");
+    auto it = workers_.find(worker_id);
+    if (it == workers_.end()) {
+      return absl::FailedPreconditionError("worker " + worker_id +
+                                           " is not registered; call Register first");
+    }
+    WorkerRec& w = it->second;
+    if (generation != w.info.generation() || !w.fenced_reason.empty()) {
+      ++counters_.fenced_messages;
+      return absl::FailedPreconditionError(
+          "worker " + worker_id + " generation " + std::to_string(generation) +
+          " is fenced (current generation " + std::to_string(w.info.generation()) +
+          (w.fenced_reason.empty() ? "" : ", " + w.fenced_reason) + ")");
+    }
+    w.sink = std::move(sink);
+    w.info.set_last_heartbeat_unix_ms(clock_->NowMs());
+    if (w.info.state() == v1::WORKER_DISCONNECTED) {
+      w.info.set_state(w.info.job_id().empty() ? v1::WORKER_IDLE : v1::WORKER_ASSIGNED);
+    }
+    TrySchedule(out);
+  }
+  Flush(out);
+  return absl::OkStatus();
+}
+
+void Coordinator::CloseSession(const std::string& worker_id, uint64_t generation) {
+  std::lock_guard<std::mutex> lock(mu_);
+  auto it = workers_.find(worker_id);
+  if (it == workers_.end() || it->second.info.generation() != generation) return;
+  WorkerRec& w = it->second;
+  w.sink.reset();
+  // An assigned worker keeps its rank until its heartbeats time out: a short reconnect is fine.
+  if (w.info.state() == v1::WORKER_IDLE) w.info.set_state(v1::WORKER_DISCONNECTED);
+}
+
+v1::ListWorkersResponse Coordinator::ListWorkers() {
+  std::lock_guard<std::mutex> lock(mu_);
+  v1::ListWorkersResponse response;
+  for (const auto& [id, w] : workers_) *response.add_workers() = w.info;
+  return response;
+}
+
+void Coordinator::SendToRanks(const JobRec& rec, const v1::CoordinatorMessage& m, Outbox& out) {
+  for (const auto& r : rec.ranks) {
+    auto it = workers_.find(r.worker_id);
+    if (it == workers_.end() || it->second.info.generation() != r.generation) continue;
+    if (it->second.sink) out.emplace_back(it->second.sink, m);
+  }
+}
+
+void Coordinator::ReleaseRanks(JobRec& rec, const std::string& stop_reason, Outbox& out) {
+  v1::CoordinatorMessage m;
+  m.mutable_stop()->set_job_id(rec.job.id());
+  m.mutable_stop()->set_reason(stop_reason);
+  SendToRanks(rec, m, out);
+  for (const auto& r : rec.ranks) {
+    auto it = workers_.find(r.worker_id);
+    if (it == workers_.end() || it->second.info.generation() != r.generation) continue;
+    v1::Worker& info = it->second.info;
+    info.clear_job_id();
+    info.set_rank(-1);
+    if (info.state() == v1::WORKER_ASSIGNED) {
+      info.set_state(it->second.sink ? v1::WORKER_IDLE : v1::WORKER_DISCONNECTED);
+    }
+  }
+  rec.ranks.clear();
+  rec.job.clear_ranks();
+}
+
+void Coordinator::FailAttempt(JobRec& rec, const std::string& reason, bool restartable,
+                              Outbox& out) {
+  if (IsFinal(rec.job.state())) return;
+  ReleaseRanks(rec, reason, out);
+  kv_.Clear(rec.job.id());
+  if (restartable && rec.job.restarts() < rec.job.max_restarts()) {
+    rec.job.set_restarts(rec.job.restarts() + 1);
+    rec.job.set_attempt(rec.job.attempt() + 1);
+    SetState(rec, v1::JOB_PENDING,
+             reason + "; restart " + std::to_string(rec.job.restarts()) + "/" +
+                 std::to_string(rec.job.max_restarts()) + " from checkpoint step " +
+                 std::to_string(rec.job.progress().checkpoint_step()));
+  } else if (restartable) {
+    SetState(rec, v1::JOB_FAILED,
+             reason + "; no restarts left (max_restarts " +
+                 std::to_string(rec.job.max_restarts()) + ")");
+  } else {
+    SetState(rec, v1::JOB_FAILED, reason);
+  }
+}
+
+void Coordinator::TrySchedule(Outbox& out) {
+  for (JobRec* rec : job_order_) {
+    if (rec->job.state() != v1::JOB_PENDING) continue;
+    std::vector<WorkerRec*> idle;
+    for (auto& [id, w] : workers_) {
+      if (w.info.state() == v1::WORKER_IDLE && w.sink && w.fenced_reason.empty()) {
+        idle.push_back(&w);
+      }
+    }
+    const int world = rec->job.world_size();
+    // First come, first served: a job that does not fit blocks later ones, so large jobs are
+    // never starved by a stream of small ones.
+    if (static_cast<int>(idle.size()) < world) return;
+    rec->ranks.clear();
+    rec->job.clear_ranks();
+    for (int r = 0; r < world; ++r) {
+      WorkerRec& w = *idle[r];
+      w.info.set_state(v1::WORKER_ASSIGNED);
+      w.info.set_job_id(rec->job.id());
+      w.info.set_rank(r);
+      w.info.set_last_step(-1);
+      RankState rs;
+      rs.worker_id = w.info.id();
+      rs.generation = w.info.generation();
+      rec->ranks.push_back(rs);
+      auto* ra = rec->job.add_ranks();
+      ra->set_rank(r);
+      ra->set_worker_id(w.info.id());
+      ra->set_generation(w.info.generation());
+    }
+    for (int r = 0; r < world; ++r) {
+      v1::CoordinatorMessage m;
+      v1::Assignment* a = m.mutable_assignment();
+      a->set_job_id(rec->job.id());
+      a->set_attempt(rec->job.attempt());
+      a->set_rank(r);
+      a->set_world_size(world);
+      a->set_spec_yaml(rec->job.spec_yaml());
+      a->set_rendezvous_prefix(rec->job.id() + "/" + std::to_string(rec->job.attempt()) + "/");
+      a->set_resume_step(rec->job.progress().checkpoint_step());
+      a->set_checkpoint_path(rec->spec.checkpoint.dir);
+      *a->mutable_policy() = rec->policies.back();
+      *a->mutable_peers() = rec->job.ranks();
+      out.emplace_back(idle[r]->sink, std::move(m));
+    }
+    std::string workers;
+    for (int r = 0; r < world; ++r) workers += (r ? ", " : "") + idle[r]->info.id();
+    SetState(*rec, v1::JOB_SCHEDULED,
+             "assigned ranks 0.." + std::to_string(world - 1) + " to " + workers);
+  }
+}
+
+void Coordinator::DeclareDead(WorkerRec& w, const std::string& reason, Outbox& out) {
+  w.fenced_reason = "declared dead: " + reason;
+  w.info.set_state(v1::WORKER_DEAD);
+  if (w.sink) {
+    v1::CoordinatorMessage m;
+    m.mutable_stop()->set_reason("generation " + std::to_string(w.info.generation()) +
+                                 " fenced: " + reason);
+    if (!w.info.job_id().empty()) m.mutable_stop()->set_job_id(w.info.job_id());
+    out.emplace_back(w.sink, std::move(m));
+  }
+  w.sink.reset();
+  ++counters_.workers_declared_dead;
+  if (!w.info.job_id().empty()) {
+    auto it = jobs_.find(w.info.job_id());
+    const int rank = w.info.rank();
+    w.info.clear_job_id();
+    w.info.set_rank(-1);
+    if (it != jobs_.end()) {
+      FailAttempt(*it->second,
+                  "worker " + w.info.id() + " (rank " + std::to_string(rank) + ", generation " +
+                      std::to_string(w.info.generation()) + ") " + reason,
+                  /*restartable=*/true, out);
+    }
+  }
+}
+
+void Coordinator::Tick() {
+  Outbox out;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    const int64_t now = clock_->NowMs();
+    for (auto& [id, w] : workers_) {
+      if (!w.fenced_reason.empty()) continue;
+      const int64_t silent = now - w.info.last_heartbeat_unix_ms();
+      if (silent > options_.heartbeat_timeout_ms) {
+        DeclareDead(w,
+                    "missed heartbeats for " + std::to_string(silent) + " ms (timeout " +
+                        std::to_string(options_.heartbeat_timeout_ms) + " ms)",
+                    out);
+      }
+    }
+    TrySchedule(out);
+  }
+  Flush(out);
+}
+
+void Coordinator::OnProgress(JobRec& rec, int rank, const v1::StepProgress& p, Outbox& out) {
+  RankState& rs = rec.ranks[rank];
+  rs.step = std::max(rs.step, p.step());
+  rs.bytes_sent = p.bytes_sent();
+  rs.bytes_baseline = p.bytes_baseline();
+  // A rank that ran a step under an older policy than the one in force there has diverged.
+  if (p.policy_version() != 0) {
+    for (const auto& policy : rec.policies) {
+      if (policy.version() > p.policy_version() && p.step() >= policy.effective_step() &&
+          policy.effective_step() > 0) {
+        FailAttempt(rec,
+                    "rank " + std::to_string(rank) + " ran step " + std::to_string(p.step()) +
+                        " under policy v" + std::to_string(p.policy_version()) + " but v" +
+                        std::to_string(policy.version()) + " took effect at step " +
+                        std::to_string(policy.effective_step()),
+                    /*restartable=*/false, out);
+        return;
+      }
+    }
+  }
+  v1::JobProgress* prog = rec.job.mutable_progress();
+  prog->set_step(std::max(prog->step(), p.step()));
+  if (rank == 0) {
+    prog->set_loss(p.loss());
+    prog->set_tokens_per_second(p.tokens_per_second());
+  }
+  uint64_t sent = 0, base = 0;
+  for (const auto& r : rec.ranks) {
+    sent += r.bytes_sent;
+    base += r.bytes_baseline;
+  }
+  prog->set_bytes_sent(sent);
+  prog->set_bytes_baseline(base);
+  const int64_t now = clock_->NowMs();
+  prog->set_updated_unix_ms(now);
+  if (rec.job.state() == v1::JOB_SCHEDULED &&
+      std::all_of(rec.ranks.begin(), rec.ranks.end(), [](const RankState& r) { return r.step >= 0; })) {
+    SetState(rec, v1::JOB_RUNNING, "all " + std::to_string(rec.ranks.size()) +
+                                       " ranks reported progress");
+    return;
+  }
+  if (now - rec.persisted_progress_ms >= kProgressPersistMs) {
+    if (auto s = PersistJob(rec); !s.ok()) {
+      std::fprintf(stderr, "geofp8-coordinator: %s\n", s.ToString().c_str());
+    }
+  }
+  Changed(rec);
+}
+
+absl::Status Coordinator::HandleWorkerMessage(const v1::WorkerMessage& message) {
+  Outbox out;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    auto it = workers_.find(message.worker_id());
+    if (it == workers_.end()) {
+      return absl::FailedPreconditionError("worker " + message.worker_id() +
+                                           " is not registered");
+    }
+    WorkerRec& w = it->second;
+    if (message.generation() != w.info.generation() || !w.fenced_reason.empty()) {
+      ++counters_.fenced_messages;
+      return absl::FailedPreconditionError(
+          "worker " + message.worker_id() + " generation " + std::to_string(message.generation()) +
+          " is fenced (current generation " + std::to_string(w.info.generation()) +
+          (w.fenced_reason.empty() ? "" : ", " + w.fenced_reason) + ")");
+    }
+    w.info.set_last_heartbeat_unix_ms(clock_->NowMs());
+    JobRec* rec = nullptr;
+    int rank = w.info.rank();
+    if (!w.info.job_id().empty()) {
+      auto j = jobs_.find(w.info.job_id());
+      if (j != jobs_.end() && rank >= 0 && rank < static_cast<int>(j->second->ranks.size()) &&
+          j->second->ranks[rank].worker_id == w.info.id()) {
+        rec = j->second.get();
+      }
+    }
+    switch (message.body_case()) {
+      case v1::WorkerMessage::kHeartbeat:
+        if (w.sink) {
+          v1::CoordinatorMessage ack;
+          ack.mutable_ack()->set_seq(message.seq());
+          out.emplace_back(w.sink, std::move(ack));
+        }
+        break;
+      case v1::WorkerMessage::kProgress:
+        w.info.set_last_step(message.progress().step());
+        if (rec) OnProgress(*rec, rank, message.progress(), out);
+        break;
+      case v1::WorkerMessage::kCatalog:
+        if (rec && rank == 0) {
+          rec->catalog.assign(message.catalog().layers().begin(),
+                              message.catalog().layers().end());
+          rec->schedules = ComputeSchedules(rec->catalog, rec->policies.back(),
+                                            rec->job.world_size(), rec->spec.geometry_refresh);
+          v1::CoordinatorMessage m;
+          m.mutable_refresh()->set_job_id(rec->job.id());
+          m.mutable_refresh()->set_policy_version(rec->policies.back().version());
+          for (const auto& s : rec->schedules) *m.mutable_refresh()->add_schedules() = s;
+          SendToRanks(*rec, m, out);
+        }
+        break;
+      case v1::WorkerMessage::kSummaries:
+        break;  // exported by the workers' own /metrics; nothing to decide here
+      case v1::WorkerMessage::kProbes:
+        if (rec && rec->spec.auto_policy.enabled && !IsFinal(rec->job.state())) {
+          std::vector<v1::ProbeResult> probes(message.probes().probes().begin(),
+                                              message.probes().probes().end());
+          auto decisions = DecideAuto(rec->spec.auto_policy, rec->spec.geometry_refresh.interval,
+                                      rec->policies.back(), probes);
+          if (!decisions.empty()) {
+            std::vector<v1::LayerPatch> patches;
+            std::string reason = "auto:";
+            for (auto& d : decisions) {
+              patches.push_back(d.patch);
+              reason += " " + d.reason + ";";
+            }
+            reason.pop_back();
+            auto s = AddPolicyVersion(*rec, patches, reason, "auto", out);
+            if (!s.ok()) return s.status();
+          }
+        }
+        break;
+      case v1::WorkerMessage::kCheckpoint:
+        if (rec && rank == 0) {
+          rec->job.mutable_progress()->set_checkpoint_step(message.checkpoint().step());
+          if (auto s = PersistJob(*rec); !s.ok()) return s;
+          Changed(*rec);
+        }
+        break;
+      case v1::WorkerMessage::kFinished:
+        if (rec) {
+          if (!message.finished().success()) {
+            FailAttempt(*rec,
+                        "rank " + std::to_string(rank) + " failed: " + message.finished().reason(),
+                        /*restartable=*/false, out);
+          } else {
+            rec->ranks[rank].finished = true;
+            if (std::all_of(rec->ranks.begin(), rec->ranks.end(),
+                            [](const RankState& r) { return r.finished; })) {
+              ReleaseRanks(*rec, "job succeeded", out);
+              SetState(*rec, v1::JOB_SUCCEEDED,
+                       "all ranks finished at step " +
+                           std::to_string(rec->job.progress().step()));
+            }
+          }
+          TrySchedule(out);
+        }
+        break;
+      case v1::WorkerMessage::kPolicyAck:
+      case v1::WorkerMessage::BODY_NOT_SET:
+        break;
+    }
+  }
+  Flush(out);
+  return absl::OkStatus();
+}
+
+Coordinator::Counts Coordinator::GetCounts() {
+  std::lock_guard<std::mutex> lock(mu_);
+  Counts c = counters_;
+  for (const JobRec* rec : job_order_) ++c.jobs_by_state[rec->job.state()];
+  for (const auto& [id, w] : workers_) ++c.workers_by_state[w.info.state()];
+  return c;
+}
+
+void Coordinator::Shutdown() {
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    shutdown_ = true;
+  }
+  changed_.notify_all();
+  kv_.Shutdown();
+}
+
+}  // namespace geofp8

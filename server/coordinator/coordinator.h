@@ -1,0 +1,165 @@
+// The coordinator's handlers: job lifecycle, policy versions, worker sessions with fencing, and
+// rank assignment. Plain C++ over proto messages; the gRPC adapters (grpc_services.h) are thin.
+#pragma once
+
+#include <condition_variable>
+#include <cstdint>
+#include <map>
+#include <memory>
+#include <mutex>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include "absl/status/status.h"
+#include "absl/status/statusor.h"
+#include "geofp8/v1/geofp8.pb.h"
+#include "server/coordinator/job_spec.h"
+#include "server/coordinator/kv.h"
+#include "server/coordinator/store.h"
+
+namespace geofp8 {
+
+class Clock {
+ public:
+  virtual ~Clock() = default;
+  virtual int64_t NowMs() = 0;  // wall clock, unix milliseconds
+};
+Clock* SystemClock();
+
+// The coordinator's end of one worker's Session stream. Send must not block for long; after the
+// stream ends it silently drops messages.
+class SessionSink {
+ public:
+  virtual ~SessionSink() = default;
+  virtual void Send(const v1::CoordinatorMessage& message) = 0;
+};
+
+struct CoordinatorOptions {
+  int heartbeat_interval_ms = 1000;  // told to workers at Register
+  int heartbeat_timeout_ms = 10000;  // silence after which a worker is declared dead and fenced
+};
+
+// Where a watcher stands in a job's change stream.
+struct WatchCursor {
+  uint64_t change = 0;  // last change number seen
+  size_t events = 0;    // events already delivered
+};
+
+class Coordinator {
+ public:
+  Coordinator(Store* store, Clock* clock, CoordinatorOptions options);
+  ~Coordinator();
+
+  // Loads jobs and policies from the store. Jobs that were SCHEDULED or RUNNING go back to
+  // PENDING: their workers must re-register with this coordinator.
+  absl::Status Recover();
+
+  // --- JobService
+  absl::StatusOr<v1::SubmitJobResponse> SubmitJob(const v1::SubmitJobRequest& request);
+  absl::StatusOr<v1::Job> GetJob(const v1::GetJobRequest& request);
+  absl::StatusOr<v1::ListJobsResponse> ListJobs(const v1::ListJobsRequest& request);
+  absl::StatusOr<v1::Job> CancelJob(const v1::CancelJobRequest& request);
+  // Returns the snapshot and new events once the job changed after *cursor, or nullopt when
+  // timeout_ms passed without a change. Snapshot.job.state tells the watcher when to stop.
+  absl::StatusOr<std::optional<v1::WatchJobResponse>> WatchNext(const std::string& job_id,
+                                                                WatchCursor* cursor,
+                                                                int timeout_ms);
+
+  // --- PolicyService
+  absl::StatusOr<v1::Policy> GetPolicy(const v1::GetPolicyRequest& request);
+  absl::StatusOr<v1::UpdatePolicyResponse> UpdatePolicy(const v1::UpdatePolicyRequest& request);
+  absl::StatusOr<v1::ListPolicyVersionsResponse> ListPolicyVersions(
+      const v1::ListPolicyVersionsRequest& request);
+
+  // --- WorkerService
+  absl::StatusOr<v1::RegisterResponse> Register(const v1::RegisterRequest& request);
+  // Attaches the stream of (worker_id, generation). FAILED_PRECONDITION if fenced or unknown.
+  absl::Status OpenSession(const std::string& worker_id, uint64_t generation,
+                           std::shared_ptr<SessionSink> sink);
+  // FAILED_PRECONDITION for a fenced or unknown generation: the adapter ends the stream.
+  absl::Status HandleWorkerMessage(const v1::WorkerMessage& message);
+  void CloseSession(const std::string& worker_id, uint64_t generation);
+  v1::ListWorkersResponse ListWorkers();
+
+  // Declares workers dead whose heartbeats stopped; restarts or fails their jobs. Called by a
+  // timer in the daemon and directly by tests (with a fake clock).
+  void Tick();
+
+  RendezvousKv& kv() { return kv_; }
+
+  struct Counts {
+    std::map<int, int64_t> jobs_by_state;     // v1::JobState -> count
+    std::map<int, int64_t> workers_by_state;  // v1::WorkerState -> count
+    uint64_t policy_updates = 0;              // versions created after v1 (user and auto)
+    uint64_t auto_policy_updates = 0;
+    uint64_t fenced_messages = 0;             // messages rejected for a stale generation
+    uint64_t workers_declared_dead = 0;
+  };
+  Counts GetCounts();
+
+  // Wakes watchers and stops accepting sessions.
+  void Shutdown();
+
+ private:
+  struct RankState {
+    std::string worker_id;
+    uint64_t generation = 0;
+    int64_t step = -1;  // -1 until the rank reports progress in this attempt
+    uint64_t bytes_sent = 0, bytes_baseline = 0;
+    bool finished = false;
+  };
+  struct JobRec {
+    v1::Job job;  // without events
+    std::vector<v1::JobEvent> events;
+    JobSpec spec;
+    std::vector<v1::Policy> policies;  // policies[v - 1] is version v
+    std::vector<v1::LayerInfo> catalog;
+    std::vector<v1::RefreshSchedule> schedules;
+    std::vector<RankState> ranks;  // current attempt, empty unless SCHEDULED or RUNNING
+    uint64_t change = 1;
+    int64_t persisted_progress_ms = 0;
+  };
+  struct WorkerRec {
+    v1::Worker info;
+    std::shared_ptr<SessionSink> sink;
+    std::string fenced_reason;  // non-empty once the current generation is fenced
+  };
+  // Messages to send after the lock is released, so a slow stream never stalls the coordinator.
+  using Outbox = std::vector<std::pair<std::shared_ptr<SessionSink>, v1::CoordinatorMessage>>;
+
+  static bool IsFinal(v1::JobState s);
+  v1::Job Snapshot(const JobRec& rec, bool with_events) const;
+  absl::StatusOr<JobRec*> FindJob(const std::string& job_id);
+  // State change with a reason: persisted with its event before anyone can observe it.
+  void SetState(JobRec& rec, v1::JobState state, const std::string& reason);
+  absl::Status PersistJob(JobRec& rec);
+  void Changed(JobRec& rec);
+  void ReleaseRanks(JobRec& rec, const std::string& stop_reason, Outbox& out);
+  void FailAttempt(JobRec& rec, const std::string& reason, bool restartable, Outbox& out);
+  void TrySchedule(Outbox& out);
+  void SendToRanks(const JobRec& rec, const v1::CoordinatorMessage& m, Outbox& out);
+  absl::StatusOr<v1::Policy> AddPolicyVersion(JobRec& rec,
+                                              const std::vector<v1::LayerPatch>& patches,
+                                              const std::string& reason,
+                                              const std::string& author, Outbox& out);
+  void DeclareDead(WorkerRec& w, const std::string& reason, Outbox& out);
+  void OnProgress(JobRec& rec, int rank, const v1::StepProgress& p, Outbox& out);
+  static void Flush(Outbox& out);
+
+  Store* store_;
+  Clock* clock_;
+  CoordinatorOptions options_;
+  RendezvousKv kv_;
+
+  std::mutex mu_;
+  std::condition_variable changed_;
+  std::map<std::string, std::unique_ptr<JobRec>> jobs_;
+  std::vector<JobRec*> job_order_;  // submission order: scheduling is first come, first served
+  std::map<std::string, std::string> by_idempotency_key_;
+  std::map<std::string, WorkerRec> workers_;  // by worker id (= name)
+  Counts counters_;
+  bool shutdown_ = false;
+};
+
+}  // namespace geofp8

@@ -1,0 +1,476 @@
+// YAML -> JobSpec / PolicyPatchSpec with validation of every field. yaml-cpp's Mark gives the
+// line of each node, so every error reads "line N: spec.path: problem (value)".
+#include "server/coordinator/job_spec.h"
+
+#include <fnmatch.h>
+
+#include <algorithm>
+#include <cmath>
+#include <limits>
+#include <set>
+#include <sstream>
+
+#include "yaml-cpp/yaml.h"
+
+namespace geofp8 {
+namespace {
+
+// Debian's abseil has its own string_view, so joins of std::string_view are done here.
+template <typename Range>
+std::string Join(const Range& items, std::string_view sep) {
+  std::string out;
+  for (const auto& item : items) {
+    if (!out.empty()) out += sep;
+    out += item;
+  }
+  return out;
+}
+
+template <typename E>
+struct NameEntry {
+  std::string_view name;
+  E value;
+};
+
+// The shared vocabulary's canonical names (kernels/codec/format.h, geometry.h, policy.h).
+constexpr NameEntry<Format> kFormats[] = {
+    {"fp32", Format::kFp32},         {"bf16", Format::kBf16},   {"fp8_e4m3", Format::kFp8E4M3},
+    {"fp8_e5m2", Format::kFp8E5M2}, {"mxfp8", Format::kMxfp8}, {"nvfp4", Format::kNvfp4}};
+constexpr NameEntry<Scaling> kScalings[] = {
+    {"none", Scaling::kNone}, {"tensor", Scaling::kTensor}, {"block", Scaling::kBlock}};
+constexpr NameEntry<Rounding> kRoundings[] = {{"nearest", Rounding::kNearest},
+                                              {"stochastic", Rounding::kStochastic}};
+constexpr NameEntry<GeometryMode> kGeometries[] = {{"none", GeometryMode::kNone},
+                                                   {"diag", GeometryMode::kDiag},
+                                                   {"lowrank", GeometryMode::kLowRank}};
+constexpr NameEntry<Algorithm> kAlgorithms[] = {{"two_phase", Algorithm::kTwoPhase},
+                                                {"allgather", Algorithm::kAllGather},
+                                                {"native", Algorithm::kNative},
+                                                {"fp32", Algorithm::kFp32},
+                                                {"bf16", Algorithm::kBf16}};
+
+template <typename E, size_t N>
+std::optional<E> Lookup(const NameEntry<E> (&table)[N], std::string_view name) {
+  for (const auto& e : table) {
+    if (e.name == name) return e.value;
+  }
+  return std::nullopt;
+}
+template <typename E, size_t N>
+std::string_view NameOf(const NameEntry<E> (&table)[N], E value) {
+  for (const auto& e : table) {
+    if (e.value == value) return e.name;
+  }
+  return "unknown";
+}
+
+// Collects errors while walking the document, each tagged with a path and a line.
+class Reader {
+ public:
+  std::vector<std::string> errors;
+
+  void Error(const YAML::Node& node, const std::string& path, const std::string& problem) {
+    std::ostringstream os;
+    if (node.IsDefined() && node.Mark().line >= 0) os << "line " << node.Mark().line + 1 << ": ";
+    os << path << ": " << problem;
+    errors.push_back(os.str());
+  }
+
+  static std::string Show(const YAML::Node& node) {
+    if (node.IsScalar()) return node.Scalar();
+    if (node.IsSequence()) return "a list";
+    if (node.IsMap()) return "a mapping";
+    return "null";
+  }
+
+  // A mapping whose keys are all in `allowed`. Returns false (with an error) if not a mapping.
+  bool Map(const YAML::Node& node, const std::string& path,
+           std::initializer_list<std::string_view> allowed) {
+    if (!node.IsMap()) {
+      Error(node, path, "expected a mapping (" + Show(node) + ")");
+      return false;
+    }
+    for (const auto& kv : node) {
+      const std::string key = kv.first.IsScalar() ? kv.first.Scalar() : "?";
+      if (std::find(allowed.begin(), allowed.end(), key) == allowed.end()) {
+        Error(kv.first, path + "." + key,
+              "unknown field (accepted: " + Join(allowed, ", ") + ")");
+      }
+    }
+    return true;
+  }
+
+  // Reads map[key] into *out if present; returns the node (undefined if absent).
+  template <typename T>
+  YAML::Node Get(const YAML::Node& map, const char* key, const std::string& path, T* out,
+                 const char* expected) {
+    YAML::Node node = map[key];
+    if (!node.IsDefined() || node.IsNull()) return YAML::Node(YAML::NodeType::Undefined);
+    if (!node.IsScalar()) {
+      Error(node, path + "." + key, std::string("expected ") + expected + " (" + Show(node) + ")");
+      return YAML::Node(YAML::NodeType::Undefined);
+    }
+    try {
+      *out = node.as<T>();
+    } catch (const YAML::Exception&) {
+      Error(node, path + "." + key,
+            std::string("expected ") + expected + " (" + node.Scalar() + ")");
+      return YAML::Node(YAML::NodeType::Undefined);
+    }
+    return node;
+  }
+
+  void String(const YAML::Node& map, const char* key, const std::string& path, std::string* out) {
+    Get(map, key, path, out, "a string");
+  }
+  void Bool(const YAML::Node& map, const char* key, const std::string& path, bool* out) {
+    Get(map, key, path, out, "true or false");
+  }
+
+  template <typename T>
+  void Number(const YAML::Node& map, const char* key, const std::string& path, T* out, T lo,
+              T hi) {
+    T value{};
+    const char* expected = std::is_integral_v<T> ? "an integer" : "a number";
+    YAML::Node node = Get(map, key, path, &value, expected);
+    if (!node.IsDefined()) return;
+    if constexpr (std::is_floating_point_v<T>) {
+      if (!std::isfinite(value)) {
+        Error(node, path + "." + key, "must be finite (" + node.Scalar() + ")");
+        return;
+      }
+    }
+    if (value < lo || value > hi) {
+      std::ostringstream os;
+      os << "must be in [" << lo << ", " << hi << "] (" << node.Scalar() << ")";
+      Error(node, path + "." + key, os.str());
+      return;
+    }
+    *out = value;
+  }
+
+  template <typename E, size_t N>
+  void Enum(const YAML::Node& map, const char* key, const std::string& path,
+            const NameEntry<E> (&table)[N], E* out) {
+    std::string name;
+    YAML::Node node = Get(map, key, path, &name, "a name");
+    if (!node.IsDefined()) return;
+    auto value = Lookup(table, name);
+    if (!value) {
+      std::vector<std::string_view> names;
+      for (const auto& e : table) names.push_back(e.name);
+      Error(node, path + "." + key,
+            "unknown value (" + name + "); accepted: " + Join(names, ", "));
+      return;
+    }
+    *out = *value;
+  }
+
+  template <typename E, size_t N>
+  void OptionalEnum(const YAML::Node& map, const char* key, const std::string& path,
+                    const NameEntry<E> (&table)[N], std::optional<E>* out) {
+    if (!map[key].IsDefined() || map[key].IsNull()) return;
+    E value{};
+    size_t before = errors.size();
+    Enum(map, key, path, table, &value);
+    if (errors.size() == before) *out = value;
+  }
+  template <typename T>
+  void OptionalNumber(const YAML::Node& map, const char* key, const std::string& path,
+                      std::optional<T>* out, T lo, T hi) {
+    if (!map[key].IsDefined() || map[key].IsNull()) return;
+    T value{};
+    size_t before = errors.size();
+    Number(map, key, path, &value, lo, hi);
+    if (errors.size() == before) *out = value;
+  }
+};
+
+void ReadLayerPolicy(Reader& r, const YAML::Node& node, const std::string& path,
+                     LayerPolicy* out) {
+  if (!r.Map(node, path,
+             {"format", "scaling", "block", "rounding", "geometry", "rank", "alpha",
+              "error_feedback"})) {
+    return;
+  }
+  r.Enum(node, "format", path, kFormats, &out->format);
+  r.Enum(node, "scaling", path, kScalings, &out->scaling);
+  r.Number<uint32_t>(node, "block", path, &out->block, 1, 1u << 20);
+  r.Enum(node, "rounding", path, kRoundings, &out->rounding);
+  r.Enum(node, "geometry", path, kGeometries, &out->geometry);
+  r.Number(node, "rank", path, &out->rank, 1, 4096);
+  r.Number(node, "alpha", path, &out->alpha, 0.f, 1.f);
+  r.Bool(node, "error_feedback", path, &out->error_feedback);
+}
+
+void ReadLayerPatch(Reader& r, const YAML::Node& node, const std::string& path,
+                    LayerPatchSpec* out) {
+  if (!r.Map(node, path,
+             {"match", "format", "scaling", "block", "rounding", "geometry", "rank", "alpha",
+              "error_feedback", "refresh_interval"})) {
+    return;
+  }
+  YAML::Node match = r.Get(node, "match", path, &out->match, "a layer name or glob");
+  if (!node["match"].IsDefined() || node["match"].IsNull()) {
+    r.Error(node, path + ".match", "required (a layer name or glob such as blocks.*.attn.*)");
+  } else if (match.IsDefined() && out->match.empty()) {
+    r.Error(match, path + ".match", "must not be empty");
+  }
+  r.OptionalEnum(node, "format", path, kFormats, &out->format);
+  r.OptionalEnum(node, "scaling", path, kScalings, &out->scaling);
+  r.OptionalNumber<uint32_t>(node, "block", path, &out->block, 1, 1u << 20);
+  r.OptionalEnum(node, "rounding", path, kRoundings, &out->rounding);
+  r.OptionalEnum(node, "geometry", path, kGeometries, &out->geometry);
+  r.OptionalNumber(node, "rank", path, &out->rank, 1, 4096);
+  r.OptionalNumber(node, "alpha", path, &out->alpha, 0.f, 1.f);
+  if (node["error_feedback"].IsDefined() && !node["error_feedback"].IsNull()) {
+    bool v = false;
+    size_t before = r.errors.size();
+    r.Bool(node, "error_feedback", path, &v);
+    if (r.errors.size() == before) out->error_feedback = v;
+  }
+  r.OptionalNumber(node, "refresh_interval", path, &out->refresh_interval, 1, 1000000);
+}
+
+void ReadPatchList(Reader& r, const YAML::Node& node, const std::string& path,
+                   std::vector<LayerPatchSpec>* out) {
+  if (!node.IsDefined() || node.IsNull()) return;
+  if (!node.IsSequence()) {
+    r.Error(node, path, "expected a list of layer patches (" + Reader::Show(node) + ")");
+    return;
+  }
+  for (size_t i = 0; i < node.size(); ++i) {
+    LayerPatchSpec patch;
+    ReadLayerPatch(r, node[i], path + "[" + std::to_string(i) + "]", &patch);
+    out->push_back(std::move(patch));
+  }
+}
+
+bool ValidName(const std::string& s) {
+  if (s.empty() || s.size() > 63) return false;
+  return std::all_of(s.begin(), s.end(), [](char c) {
+    return std::isalnum(static_cast<unsigned char>(c)) || c == '.' || c == '_' || c == '-';
+  });
+}
+
+absl::Status Invalid(const std::vector<std::string>& errors) {
+  return absl::InvalidArgumentError(Join(errors, "; "));
+}
+
+absl::StatusOr<YAML::Node> Load(std::string_view yaml) {
+  try {
+    return YAML::Load(std::string(yaml));
+  } catch (const YAML::Exception& e) {
+    return absl::InvalidArgumentError("line " + std::to_string(e.mark.line + 1) +
+                                      ": spec: malformed YAML: " + e.msg);
+  }
+}
+
+}  // namespace
+
+absl::StatusOr<JobSpec> ParseJobSpec(std::string_view yaml) {
+  auto loaded = Load(yaml);
+  if (!loaded.ok()) return loaded.status();
+  const YAML::Node& root = *loaded;
+  Reader r;
+  JobSpec spec;
+  const std::string p = "spec";
+  if (!r.Map(root, p,
+             {"name", "world_size", "backend", "model", "data", "training", "exchange", "policy",
+              "auto_policy", "geometry_refresh", "checkpoint", "restarts"})) {
+    return Invalid(r.errors);
+  }
+  YAML::Node name = r.Get(root, "name", p, &spec.name, "a string");
+  if (!name.IsDefined()) {
+    if (!root["name"].IsDefined() || root["name"].IsNull())
+      r.Error(root, p + ".name", "required");
+  } else if (!ValidName(spec.name)) {
+    r.Error(name, p + ".name", "must be 1-63 characters of [A-Za-z0-9._-] (" + spec.name + ")");
+  }
+  r.Number(root, "world_size", p, &spec.world_size, 1, 1024);
+  YAML::Node backend = r.Get(root, "backend", p, &spec.backend, "a string");
+  if (backend.IsDefined() && spec.backend != "gloo" && spec.backend != "nccl") {
+    r.Error(backend, p + ".backend", "unknown value (" + spec.backend + "); accepted: gloo, nccl");
+  }
+
+  if (YAML::Node n = root["model"]; n.IsDefined() && !n.IsNull() && r.Map(n, p + ".model", {"preset"})) {
+    YAML::Node preset = r.Get(n, "preset", p + ".model", &spec.model.preset, "a string");
+    if (preset.IsDefined() && !ValidName(spec.model.preset)) {
+      r.Error(preset, p + ".model.preset",
+              "must be 1-63 characters of [A-Za-z0-9._-] (" + spec.model.preset + ")");
+    }
+  }
+  if (YAML::Node n = root["data"];
+      n.IsDefined() && !n.IsNull() && r.Map(n, p + ".data", {"source", "path", "seed"})) {
+    const std::string q = p + ".data";
+    YAML::Node source = r.Get(n, "source", q, &spec.data.source, "a string");
+    r.String(n, "path", q, &spec.data.path);
+    r.Number<uint64_t>(n, "seed", q, &spec.data.seed, 0, std::numeric_limits<uint64_t>::max());
+    if (source.IsDefined() && spec.data.source != "synthetic" && spec.data.source != "file") {
+      r.Error(source, q + ".source",
+              "unknown value (" + spec.data.source + "); accepted: synthetic, file");
+    }
+    if (spec.data.source == "file" && spec.data.path.empty()) {
+      r.Error(n, q + ".path", "required when data.source is file");
+    }
+  }
+  if (YAML::Node n = root["training"];
+      n.IsDefined() && !n.IsNull() &&
+      r.Map(n, p + ".training",
+            {"steps", "batch_size", "seq_len", "lr", "weight_decay", "warmup_steps", "optimizer",
+             "grad_clip", "seed"})) {
+    const std::string q = p + ".training";
+    auto& t = spec.training;
+    r.Number<int64_t>(n, "steps", q, &t.steps, 1, int64_t{1} << 40);
+    r.Number(n, "batch_size", q, &t.batch_size, 1, 1 << 20);
+    r.Number(n, "seq_len", q, &t.seq_len, 1, 1 << 20);
+    r.Number(n, "lr", q, &t.lr, 1e-12, 10.0);
+    r.Number(n, "weight_decay", q, &t.weight_decay, 0.0, 10.0);
+    r.Number<int64_t>(n, "warmup_steps", q, &t.warmup_steps, 0, int64_t{1} << 40);
+    YAML::Node opt = r.Get(n, "optimizer", q, &t.optimizer, "a string");
+    if (opt.IsDefined() && t.optimizer != "adamw" && t.optimizer != "sgd") {
+      r.Error(opt, q + ".optimizer", "unknown value (" + t.optimizer + "); accepted: adamw, sgd");
+    }
+    r.Number(n, "grad_clip", q, &t.grad_clip, 0.0, 1e6);
+    r.Number<uint64_t>(n, "seed", q, &t.seed, 0, std::numeric_limits<uint64_t>::max());
+    if (t.warmup_steps >= t.steps && n["warmup_steps"].IsDefined()) {
+      r.Error(n["warmup_steps"], q + ".warmup_steps",
+              "must be less than training.steps (" + std::to_string(t.warmup_steps) + " >= " +
+                  std::to_string(t.steps) + ")");
+    }
+  }
+  if (YAML::Node n = root["exchange"];
+      n.IsDefined() && !n.IsNull() &&
+      r.Map(n, p + ".exchange", {"algorithm", "bucket_mb", "timeout_s"})) {
+    const std::string q = p + ".exchange";
+    r.Enum(n, "algorithm", q, kAlgorithms, &spec.exchange.algorithm);
+    r.Number(n, "bucket_mb", q, &spec.exchange.bucket_mb, 0.001, 4096.0);
+    r.Number(n, "timeout_s", q, &spec.exchange.timeout_s, 1, 86400);
+  }
+  if (YAML::Node n = root["policy"];
+      n.IsDefined() && !n.IsNull() && r.Map(n, p + ".policy", {"default", "layers", "margin"})) {
+    const std::string q = p + ".policy";
+    if (YAML::Node d = n["default"]; d.IsDefined() && !d.IsNull()) {
+      ReadLayerPolicy(r, d, q + ".default", &spec.policy.defaults);
+    }
+    ReadPatchList(r, n["layers"], q + ".layers", &spec.policy.layers);
+    r.Number(n, "margin", q, &spec.policy.margin, 1, 1000000);
+  }
+  if (YAML::Node n = root["auto_policy"];
+      n.IsDefined() && !n.IsNull() &&
+      r.Map(n, p + ".auto_policy",
+            {"enabled", "probe_every", "min_gain", "off_gain", "max_cost_fraction", "geometry",
+             "rank", "min_interval", "max_interval", "drift_low", "drift_high"})) {
+    const std::string q = p + ".auto_policy";
+    auto& a = spec.auto_policy;
+    r.Bool(n, "enabled", q, &a.enabled);
+    r.Number(n, "probe_every", q, &a.probe_every, 1, 1000000);
+    r.Number(n, "min_gain", q, &a.min_gain, 1.0, 1e9);
+    r.Number(n, "off_gain", q, &a.off_gain, 0.0, 1e9);
+    r.Number(n, "max_cost_fraction", q, &a.max_cost_fraction, 0.0, 1.0);
+    r.Enum(n, "geometry", q, kGeometries, &a.geometry);
+    r.Number(n, "rank", q, &a.rank, 1, 4096);
+    r.Number(n, "min_interval", q, &a.min_interval, 1, 1000000);
+    r.Number(n, "max_interval", q, &a.max_interval, 1, 1000000);
+    r.Number(n, "drift_low", q, &a.drift_low, 0.0, 1.0);
+    r.Number(n, "drift_high", q, &a.drift_high, 0.0, 1.0);
+    if (a.off_gain > a.min_gain) {
+      r.Error(n, q + ".off_gain", "must not exceed min_gain (" + std::to_string(a.off_gain) + ")");
+    }
+    if (a.min_interval > a.max_interval) {
+      r.Error(n, q + ".min_interval",
+              "must not exceed max_interval (" + std::to_string(a.min_interval) + ")");
+    }
+    if (a.drift_low > a.drift_high) {
+      r.Error(n, q + ".drift_low", "must not exceed drift_high (" + std::to_string(a.drift_low) + ")");
+    }
+    if (a.geometry == GeometryMode::kNone) {
+      r.Error(n["geometry"], q + ".geometry", "must be diag or lowrank (none)");
+    }
+  }
+  if (YAML::Node n = root["geometry_refresh"];
+      n.IsDefined() && !n.IsNull() && r.Map(n, p + ".geometry_refresh", {"interval", "stagger"})) {
+    r.Number(n, "interval", p + ".geometry_refresh", &spec.geometry_refresh.interval, 1, 1000000);
+    r.Bool(n, "stagger", p + ".geometry_refresh", &spec.geometry_refresh.stagger);
+  }
+  if (YAML::Node n = root["checkpoint"];
+      n.IsDefined() && !n.IsNull() && r.Map(n, p + ".checkpoint", {"dir", "every"})) {
+    r.String(n, "dir", p + ".checkpoint", &spec.checkpoint.dir);
+    r.Number<int64_t>(n, "every", p + ".checkpoint", &spec.checkpoint.every, 0, int64_t{1} << 40);
+    if (spec.checkpoint.every > 0 && spec.checkpoint.dir.empty()) {
+      r.Error(n, p + ".checkpoint.dir", "required when checkpoint.every > 0");
+    }
+  }
+  if (YAML::Node n = root["restarts"];
+      n.IsDefined() && !n.IsNull() && r.Map(n, p + ".restarts", {"max_restarts"})) {
+    r.Number(n, "max_restarts", p + ".restarts", &spec.restarts.max_restarts, 0, 1000);
+  }
+  if (spec.auto_policy.enabled && spec.auto_policy.min_interval > spec.geometry_refresh.interval) {
+    r.Error(root["auto_policy"], p + ".auto_policy.min_interval",
+            "must not exceed geometry_refresh.interval (" +
+                std::to_string(spec.auto_policy.min_interval) + ")");
+  }
+  if (spec.backend == "gloo" && spec.exchange.algorithm == Algorithm::kNative) {
+    r.Error(root["exchange"], p + ".exchange.algorithm",
+            "native needs backend nccl (backend is gloo)");
+  }
+  if (!r.errors.empty()) return Invalid(r.errors);
+  return spec;
+}
+
+absl::StatusOr<PolicyPatchSpec> ParsePolicyPatch(std::string_view yaml) {
+  auto loaded = Load(yaml);
+  if (!loaded.ok()) return loaded.status();
+  const YAML::Node& root = *loaded;
+  Reader r;
+  PolicyPatchSpec patch;
+  if (!r.Map(root, "patch", {"reason", "layers"})) return Invalid(r.errors);
+  r.String(root, "reason", "patch", &patch.reason);
+  if (!root["layers"].IsDefined() || root["layers"].IsNull()) {
+    r.Error(root, "patch.layers", "required (a list of layer patches)");
+  }
+  ReadPatchList(r, root["layers"], "patch.layers", &patch.layers);
+  if (r.errors.empty() && patch.layers.empty()) {
+    r.Error(root["layers"], "patch.layers", "must hold at least one layer patch");
+  }
+  if (!r.errors.empty()) return Invalid(r.errors);
+  return patch;
+}
+
+std::string ValidateLayerPatch(const LayerPatchSpec& patch, const std::string& path) {
+  std::vector<std::string> errors;
+  if (patch.match.empty()) errors.push_back(path + ".layer: must not be empty");
+  if (patch.block && (*patch.block < 1 || *patch.block > (1u << 20)))
+    errors.push_back(path + ".block: must be in [1, 1048576] (" + std::to_string(*patch.block) + ")");
+  if (patch.rank && (*patch.rank < 1 || *patch.rank > 4096))
+    errors.push_back(path + ".rank: must be in [1, 4096] (" + std::to_string(*patch.rank) + ")");
+  if (patch.alpha && !(*patch.alpha >= 0.f && *patch.alpha <= 1.f))
+    errors.push_back(path + ".alpha: must be in [0, 1] (" + std::to_string(*patch.alpha) + ")");
+  if (patch.refresh_interval && (*patch.refresh_interval < 1 || *patch.refresh_interval > 1000000))
+    errors.push_back(path + ".refresh_interval: must be in [1, 1000000] (" +
+                     std::to_string(*patch.refresh_interval) + ")");
+  return Join(errors, "; ");
+}
+
+std::optional<Format> ParseFormatName(std::string_view n) { return Lookup(kFormats, n); }
+std::optional<Scaling> ParseScalingName(std::string_view n) { return Lookup(kScalings, n); }
+std::optional<Rounding> ParseRoundingName(std::string_view n) { return Lookup(kRoundings, n); }
+std::optional<GeometryMode> ParseGeometryName(std::string_view n) { return Lookup(kGeometries, n); }
+std::optional<Algorithm> ParseAlgorithmName(std::string_view n) { return Lookup(kAlgorithms, n); }
+std::string_view FormatNameOf(Format f) { return NameOf(kFormats, f); }
+std::string_view ScalingNameOf(Scaling s) { return NameOf(kScalings, s); }
+std::string_view RoundingNameOf(Rounding r) { return NameOf(kRoundings, r); }
+std::string_view GeometryNameOf(GeometryMode g) { return NameOf(kGeometries, g); }
+std::string_view AlgorithmNameOf(Algorithm a) { return NameOf(kAlgorithms, a); }
+std::string_view AcceptedFormatNames() { return "fp32, bf16, fp8_e4m3, fp8_e5m2, mxfp8, nvfp4"; }
+std::string_view AcceptedScalingNames() { return "none, tensor, block"; }
+std::string_view AcceptedRoundingNames() { return "nearest, stochastic"; }
+std::string_view AcceptedGeometryNames() { return "none, diag, lowrank"; }
+std::string_view AcceptedAlgorithmNames() { return "two_phase, allgather, native, fp32, bf16"; }
+
+bool LayerMatches(std::string_view pattern, std::string_view name) {
+  if (pattern == name) return true;
+  return fnmatch(std::string(pattern).c_str(), std::string(name).c_str(), 0) == 0;
+}
+
+}  // namespace geofp8

@@ -1,0 +1,142 @@
+// The job spec (docs/job-spec.md): plain structs with defaults, parsed from YAML in one place.
+// Every error names the field path and the YAML line; parsing never throws.
+#pragma once
+
+#include <cstdint>
+#include <optional>
+#include <string>
+#include <string_view>
+#include <vector>
+
+#include "absl/status/statusor.h"
+#include "kernels/exchange/policy.h"
+
+namespace geofp8 {
+
+// A partial LayerPolicy for the layers whose name matches `match` (exact, or a glob with * ? []).
+struct LayerPatchSpec {
+  std::string match;
+  std::optional<Format> format;
+  std::optional<Scaling> scaling;
+  std::optional<uint32_t> block;
+  std::optional<Rounding> rounding;
+  std::optional<GeometryMode> geometry;
+  std::optional<int> rank;
+  std::optional<float> alpha;
+  std::optional<bool> error_feedback;
+  std::optional<int> refresh_interval;  // geometry refresh interval override, steps
+};
+
+struct ModelSpec {
+  std::string preset = "gpt-tiny";  // model preset name understood by the worker's trainer
+};
+
+struct DataSpec {
+  std::string source = "synthetic";  // "synthetic" or "file"
+  std::string path;                  // required when source is "file"
+  uint64_t seed = 0;
+};
+
+struct TrainingSpec {
+  int64_t steps = 1000;       // total optimizer steps
+  int batch_size = 8;         // sequences per rank per step
+  int seq_len = 128;          // tokens per sequence
+  double lr = 3e-4;           // peak learning rate
+  double weight_decay = 0.0;
+  int64_t warmup_steps = 0;   // linear warm-up, < steps
+  std::string optimizer = "adamw";  // "adamw" or "sgd"
+  double grad_clip = 1.0;     // global norm clip; 0 = off
+  uint64_t seed = 0;
+};
+
+struct ExchangeSpec {
+  Algorithm algorithm = Algorithm::kTwoPhase;
+  double bucket_mb = 25.0;  // bucket size cap
+  int timeout_s = 60;       // per-collective timeout
+};
+
+struct PolicySpec {
+  LayerPolicy defaults;                // applied to every layer first
+  std::vector<LayerPatchSpec> layers;  // then each matching patch, in order
+  int margin = 5;  // effective_step = largest reported step + margin
+};
+
+// Bounds for the auto policy engine (DESIGN.md section 2, "auto" mode).
+struct AutoPolicySpec {
+  bool enabled = false;
+  int probe_every = 50;            // workers probe each layer every this many steps
+  double min_gain = 1.5;           // geometry on when error_without / error_with >= this
+  double off_gain = 1.1;           // geometry off when the gain falls below this
+  double max_cost_fraction = 0.1;  // ... and off when transform time / step time exceeds this
+  GeometryMode geometry = GeometryMode::kLowRank;  // what "on" means
+  int rank = 16;
+  int min_interval = 25;           // refresh interval bounds the engine stays within
+  int max_interval = 800;
+  double drift_low = 0.05;         // drift below: double the interval
+  double drift_high = 0.3;         // drift above: halve the interval
+};
+
+struct RefreshSpec {
+  int interval = 100;   // default steps between geometry refreshes
+  bool stagger = true;  // spread owners over ranks and offsets over the interval
+};
+
+struct CheckpointSpec {
+  std::string dir;      // where workers write checkpoints; empty = no checkpoints
+  int64_t every = 0;    // steps between checkpoints; 0 = off
+};
+
+struct RestartSpec {
+  int max_restarts = 3;  // restarts after a dead worker before the job fails
+};
+
+struct JobSpec {
+  std::string name;       // required, [A-Za-z0-9._-], at most 63 characters
+  int world_size = 1;     // ranks, 1..1024
+  std::string backend = "gloo";  // "gloo" (CPU) or "nccl" (GPU)
+  ModelSpec model;
+  DataSpec data;
+  TrainingSpec training;
+  ExchangeSpec exchange;
+  PolicySpec policy;
+  AutoPolicySpec auto_policy;
+  RefreshSpec geometry_refresh;
+  CheckpointSpec checkpoint;
+  RestartSpec restarts;
+};
+
+// A policy patch file for `geofp8ctl policy apply -f`: {reason: ..., layers: [patch, ...]}.
+struct PolicyPatchSpec {
+  std::string reason;
+  std::vector<LayerPatchSpec> layers;
+};
+
+// Parse and validate. INVALID_ARGUMENT with "line N: spec.a.b: problem (value)"; several errors
+// are joined with "; ".
+absl::StatusOr<JobSpec> ParseJobSpec(std::string_view yaml);
+absl::StatusOr<PolicyPatchSpec> ParsePolicyPatch(std::string_view yaml);
+
+// Checks one patch's values (used for patches that arrive over the API). `path` prefixes errors.
+std::string ValidateLayerPatch(const LayerPatchSpec& patch, const std::string& path);
+
+// Name tables of the shared vocabulary, in the form the service layer needs.
+std::optional<Format> ParseFormatName(std::string_view name);
+std::optional<Scaling> ParseScalingName(std::string_view name);
+std::optional<Rounding> ParseRoundingName(std::string_view name);
+std::optional<GeometryMode> ParseGeometryName(std::string_view name);
+std::optional<Algorithm> ParseAlgorithmName(std::string_view name);
+std::string_view FormatNameOf(Format f);
+std::string_view ScalingNameOf(Scaling s);
+std::string_view RoundingNameOf(Rounding r);
+std::string_view GeometryNameOf(GeometryMode g);
+std::string_view AlgorithmNameOf(Algorithm a);
+std::string_view AcceptedFormatNames();
+std::string_view AcceptedScalingNames();
+std::string_view AcceptedRoundingNames();
+std::string_view AcceptedGeometryNames();
+std::string_view AcceptedAlgorithmNames();
+
+// True when `name` matches the layer pattern (exact or shell glob).
+bool LayerMatches(std::string_view pattern, std::string_view name);
+
+}  // namespace geofp8
