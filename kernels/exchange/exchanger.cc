@@ -1,0 +1,303 @@
+// The exchange engine (see exchanger.h). One gradient's trip: fingerprint + non-finite flag
+// gather, divide by N, geometry Apply, the bucket algorithm, geometry Invert.
+#include "kernels/exchange/exchanger.h"
+
+#include <cmath>
+#include <cstring>
+#include <sstream>
+
+#include "kernels/codec/codec.h"
+#include "kernels/common/check.h"
+#include "kernels/exchange/algorithms.h"
+#include "kernels/exchange/fingerprint.h"
+
+namespace geofp8 {
+
+std::string ValidateLayerPolicy(const LayerSpec& layer) {
+  std::ostringstream os;
+  os << "layer '" << layer.name << "': ";
+  if (layer.rows < 0 || layer.cols < 1) {
+    os << "shape: rows must be >= 0 and cols >= 1 (" << layer.rows << "x" << layer.cols << ")";
+    return os.str();
+  }
+  const LayerPolicy& p = layer.policy;
+  CodecOptions o;
+  o.format = p.format;
+  o.scaling = p.scaling;
+  o.block = p.block;
+  o.rounding = p.rounding;
+  if (std::string err = ValidateCodecOptions(o); !err.empty()) return os.str() + err;
+  if (p.geometry == GeometryMode::kLowRank && p.rank < 1) {
+    os << "rank: must be >= 1 for lowrank geometry (" << p.rank << ")";
+    return os.str();
+  }
+  if (p.geometry != GeometryMode::kNone && !(p.alpha > 0.f && p.alpha <= 1.f)) {
+    os << "alpha: must be in (0, 1] (" << p.alpha << ")";
+    return os.str();
+  }
+  if (p.error_feedback) {
+    os << "error_feedback: not supported by the exchange engine yet (on)";
+    return os.str();
+  }
+  return "";
+}
+
+std::vector<Bucket> MakeBuckets(std::span<const LayerSpec> layers, size_t cap_bytes) {
+  std::vector<Bucket> buckets;
+  for (size_t k = layers.size(); k-- > 0;) {
+    const size_t bytes = static_cast<size_t>(layers[k].count()) * sizeof(float);
+    if (buckets.empty() || (buckets.back().bytes + bytes > cap_bytes && !buckets.back().layers.empty())) {
+      buckets.emplace_back();
+    }
+    buckets.back().layers.push_back(static_cast<uint32_t>(k));
+    buckets.back().bytes += bytes;
+  }
+  return buckets;
+}
+
+Exchanger::Exchanger(Communicator& comm, std::vector<LayerSpec> layers, ExchangeOptions options,
+                     std::vector<RefreshSchedule> schedule)
+    : comm_(comm),
+      layers_(std::move(layers)),
+      options_(options),
+      schedule_(std::move(schedule)),
+      state_(layers_.size()) {
+  GEOFP8_CHECK(options_.bucket_cap_bytes > 0, "bucket_cap_bytes: must be positive (0)");
+  GEOFP8_CHECK(options_.timeout.count() > 0, "timeout: must be positive (", options_.timeout.count(),
+               " ms)");
+  GEOFP8_CHECK(options_.activation_delay >= 1, "activation_delay: must be >= 1 (",
+               options_.activation_delay, ")");
+  for (const auto& l : layers_) {
+    if (std::string err = ValidateLayerPolicy(l); !err.empty()) GEOFP8_FAIL(err);
+  }
+  GEOFP8_CHECK(schedule_.empty() || schedule_.size() == layers_.size(),
+               "schedule: needs one entry per layer (", schedule_.size(), " entries for ",
+               layers_.size(), " layers)");
+  for (size_t l = 0; l < schedule_.size(); ++l) {
+    const auto& s = schedule_[l];
+    GEOFP8_CHECK(s.owner >= 0 && s.owner < comm_.size(), "schedule: layer '", layers_[l].name,
+                 "': owner must be a rank in [0, ", comm_.size(), ") (", s.owner, ")");
+    GEOFP8_CHECK(s.interval >= 1, "schedule: layer '", layers_[l].name,
+                 "': interval must be >= 1 (", s.interval, ")");
+    GEOFP8_CHECK(s.offset >= 0, "schedule: layer '", layers_[l].name, "': offset must be >= 0 (",
+                 s.offset, ")");
+  }
+  comm_.set_timeout(options_.timeout);
+  buckets_ = MakeBuckets(layers_, options_.bucket_cap_bytes);
+  worker_ = std::thread([this] { WorkerLoop(); });
+}
+
+Exchanger::~Exchanger() {
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    stop_ = true;
+  }
+  cv_.notify_all();
+  worker_.join();
+}
+
+void Exchanger::Enqueue(std::function<void()> task) {
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    queue_.push_back(std::move(task));
+  }
+  cv_.notify_all();
+}
+
+void Exchanger::WorkerLoop() {
+  for (;;) {
+    std::function<void()> task;
+    {
+      std::unique_lock<std::mutex> lock(mu_);
+      cv_.wait(lock, [&] { return stop_ || !queue_.empty(); });
+      if (queue_.empty()) return;  // stop_ and drained
+      task = std::move(queue_.front());
+      queue_.pop_front();
+    }
+    task();  // packaged tasks: exceptions land in their futures
+  }
+}
+
+bool Exchanger::UsesGeometry(uint32_t layer) const {
+  const auto& spec = layers_[layer];
+  return spec.policy.geometry != GeometryMode::kNone && spec.rows > 1 && spec.cols > 1 &&
+         options_.algorithm != Algorithm::kFp32 && options_.algorithm != Algorithm::kBf16;
+}
+
+std::shared_future<BucketResult> Exchanger::Submit(uint64_t step, size_t bucket,
+                                                   std::vector<std::span<float>> grads) {
+  GEOFP8_CHECK(bucket < buckets_.size(), "submit: bucket ", bucket, " out of range (",
+               buckets_.size(), " buckets)");
+  GEOFP8_CHECK(grads.size() == layers_.size(), "submit: ", grads.size(), " gradients for ",
+               layers_.size(), " layers");
+  auto& pending = steps_[step];
+  GEOFP8_CHECK(pending.futures.size() == bucket, "submit: step ", step, " expects bucket ",
+               pending.futures.size(), " next, got ", bucket);
+  if (bucket == 0) pending.start = std::chrono::steady_clock::now();
+  pending.grads = grads;
+  auto task = std::make_shared<std::packaged_task<BucketResult()>>(
+      [this, step, bucket, grads = std::move(grads)] { return RunBucket(step, bucket, grads); });
+  std::shared_future<BucketResult> future = task->get_future().share();
+  pending.futures.push_back(future);
+  Enqueue([task] { (*task)(); });
+  return future;
+}
+
+StepResult Exchanger::Finish(uint64_t step) {
+  auto it = steps_.find(step);
+  GEOFP8_CHECK(it != steps_.end(), "finish: step ", step, " has no submitted buckets");
+  Pending pending = std::move(it->second);
+  steps_.erase(it);
+  GEOFP8_CHECK(pending.futures.size() == buckets_.size(), "finish: step ", step, " submitted ",
+               pending.futures.size(), " of ", buckets_.size(), " buckets");
+  StepResult result;
+  result.step = step;
+  std::exception_ptr first_error;
+  for (auto& f : pending.futures) {
+    try {
+      result.buckets.push_back(f.get());
+      result.skipped = result.skipped || result.buckets.back().skipped;
+      result.bytes_sent += result.buckets.back().bytes_sent;
+    } catch (...) {
+      if (!first_error) first_error = std::current_exception();
+    }
+  }
+  if (first_error) std::rethrow_exception(first_error);
+  if (!result.skipped && !schedule_.empty()) {
+    auto task = std::make_shared<std::packaged_task<std::vector<RefreshRecord>()>>(
+        [this, step, grads = pending.grads] { return RunRefreshes(step, grads); });
+    auto f = task->get_future();
+    Enqueue([task] { (*task)(); });
+    result.refreshes = f.get();
+  }
+  result.seconds =
+      std::chrono::duration<double>(std::chrono::steady_clock::now() - pending.start).count();
+  return result;
+}
+
+StepResult Exchanger::Exchange(uint64_t step, std::vector<std::span<float>> grads) {
+  for (size_t b = 0; b < buckets_.size(); ++b) Submit(step, b, grads);
+  return Finish(step);
+}
+
+BucketResult Exchanger::RunBucket(uint64_t step, size_t bucket,
+                                  const std::vector<std::span<float>>& grads) {
+  const auto start = std::chrono::steady_clock::now();
+  const uint64_t bytes_before = comm_.stats().bytes_sent;
+  const Bucket& b = buckets_[bucket];
+  BucketResult result;
+  result.bucket = bucket;
+
+  std::vector<LayerRecord> records;
+  uint32_t nonfinite = 0;
+  for (uint32_t l : b.layers) {
+    const LayerSpec& spec = layers_[l];
+    GEOFP8_CHECK(grads[l].size() == static_cast<size_t>(spec.count()), "layer '", spec.name,
+                 "': gradient has ", grads[l].size(), " elements, shape ", spec.rows, "x",
+                 spec.cols, " needs ", spec.count());
+    LayerState& st = state_[l];
+    if (st.has_pending && step >= st.pending_from) {
+      st.active = std::move(st.pending);
+      st.has_pending = false;
+    }
+    for (float v : grads[l]) nonfinite |= !std::isfinite(v);
+    LayerRecord rec;
+    rec.layer = l;
+    rec.format = static_cast<uint8_t>(spec.policy.format);
+    rec.scaling = static_cast<uint8_t>(spec.policy.scaling);
+    rec.rounding = static_cast<uint8_t>(spec.policy.rounding);
+    rec.block = spec.policy.block;
+    rec.rows = spec.rows;
+    rec.cols = spec.cols;
+    if (UsesGeometry(l)) {
+      rec.geometry = static_cast<uint8_t>(spec.policy.geometry);
+      rec.rank_k = spec.policy.rank;
+      rec.alpha = spec.policy.alpha;
+      rec.geometry_version = st.active.version;
+    }
+    records.push_back(rec);
+  }
+  BucketRecord header;
+  header.policy_version = options_.policy_version;
+  header.step = step;
+  header.bucket = static_cast<uint32_t>(bucket);
+  header.algorithm = static_cast<uint32_t>(options_.algorithm);
+  header.nonfinite = nonfinite;
+  std::vector<std::string> names;
+  names.reserve(layers_.size());
+  for (const auto& l : layers_) names.push_back(l.name);
+  if (CheckFingerprints(comm_, header, records, names) != 0) {
+    result.skipped = true;
+  } else {
+    const float n = static_cast<float>(comm_.size());
+    std::vector<BucketLayer> work;
+    for (uint32_t l : b.layers) {
+      for (float& v : grads[l]) v /= n;  // pre-divide: the sum is the average and cannot overflow
+      if (UsesGeometry(l)) ApplyGeometry(state_[l].active, grads[l]);
+      work.push_back({l, layers_[l].policy, grads[l]});
+    }
+    ExchangeBucketData(comm_, options_.algorithm, options_.seed, step, work);
+    for (uint32_t l : b.layers) {
+      if (UsesGeometry(l)) InvertGeometry(state_[l].active, grads[l]);
+    }
+  }
+  result.bytes_sent = comm_.stats().bytes_sent - bytes_before;
+  result.seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+  return result;
+}
+
+std::vector<RefreshRecord> Exchanger::RunRefreshes(uint64_t step,
+                                                   const std::vector<std::span<float>>& grads) {
+  std::vector<RefreshRecord> out;
+  for (uint32_t l = 0; l < layers_.size(); ++l) {
+    if (!UsesGeometry(l)) continue;
+    const RefreshSchedule& s = schedule_[l];
+    if (step < static_cast<uint64_t>(s.offset) || (step - s.offset) % s.interval != 0) continue;
+    const LayerSpec& spec = layers_[l];
+    LayerState& st = state_[l];
+    RefreshRecord rec;
+    rec.layer = l;
+    std::vector<uint8_t> bytes;
+    std::string owner_error;
+    if (comm_.rank() == s.owner) {
+      try {
+        GeometryOptions go;
+        go.mode = spec.policy.geometry;
+        go.rank = spec.policy.rank;
+        go.alpha = spec.policy.alpha;
+        go.power_iters = options_.power_iters;
+        go.seed = options_.seed ^ (0x5851f42d4c957f2dull * (l + 1));
+        go.sigma_ema = options_.sigma_ema;
+        const Geometry* previous = st.has_pending ? &st.pending
+                                   : st.active.version > 0 ? &st.active
+                                                           : nullptr;
+        RefreshResult r = EstimateGeometry(grads[l], spec.rows, spec.cols, go, previous);
+        rec.drift = r.drift;
+        rec.seconds = r.seconds;
+        bytes = SerializeGeometry(r.geometry);
+      } catch (const std::exception& e) {
+        owner_error = e.what();
+        bytes.clear();
+      }
+    }
+    // Size first (0 tells the others the owner failed), then the serialized geometry.
+    uint64_t size = bytes.size();
+    comm_.Broadcast({reinterpret_cast<uint8_t*>(&size), sizeof size}, s.owner);
+    if (size == 0) {
+      GEOFP8_FAIL("geometry refresh of layer '", spec.name, "' at step ", step,
+                  " failed on owner rank ", s.owner,
+                  owner_error.empty() ? "" : ": ", owner_error);
+    }
+    bytes.resize(size);
+    comm_.Broadcast(bytes, s.owner);
+    st.pending = DeserializeGeometry(bytes);
+    st.pending_from = step + options_.activation_delay;
+    st.has_pending = true;
+    rec.version = st.pending.version;
+    rec.active_from = st.pending_from;
+    out.push_back(rec);
+  }
+  return out;
+}
+
+}  // namespace geofp8

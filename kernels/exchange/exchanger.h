@@ -1,0 +1,151 @@
+// The exchange engine: averages a model's layer gradients across ranks, bucket by bucket on a
+// background thread (one future per bucket, so a trainer can overlap them with its backward
+// pass), with per-layer policies, the geometry transform, fingerprints and the non-finite skip.
+#pragma once
+
+#include <chrono>
+#include <condition_variable>
+#include <cstdint>
+#include <deque>
+#include <functional>
+#include <future>
+#include <map>
+#include <mutex>
+#include <span>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "kernels/exchange/communicator.h"
+#include "kernels/exchange/policy.h"
+#include "kernels/geometry/geometry.h"
+
+namespace geofp8 {
+
+// One parameter's gradient as the exchange sees it.
+struct LayerSpec {
+  std::string name;   // for error messages, e.g. "blocks.3.mlp.fc1.weight"
+  int64_t rows = 0;   // a 1-D parameter has cols == 1 and always uses geometry none
+  int64_t cols = 1;
+  LayerPolicy policy;
+  int64_t count() const { return rows * cols; }
+};
+
+struct ExchangeOptions {
+  Algorithm algorithm = Algorithm::kTwoPhase;
+  // Largest bucket in fp32 bytes of gradient; a larger layer gets a bucket of its own.
+  size_t bucket_cap_bytes = size_t{25} << 20;
+  // Every collective's timeout (DESIGN.md section 4).
+  std::chrono::milliseconds timeout = kDefaultCollectiveTimeout;
+  // Checked across ranks in every bucket's fingerprint.
+  uint64_t policy_version = 0;
+  // Stochastic rounding streams and geometry cold starts derive from it.
+  uint64_t seed = 0;
+  // A geometry refreshed after step s is used from step s + activation_delay on every rank.
+  int activation_delay = 1;
+  // Subspace iterations per refresh and sigma smoothing (GeometryOptions fields).
+  int power_iters = 1;
+  float sigma_ema = 0.f;
+};
+
+// Buckets: layers in reverse order (the order backward produces them), greedily packed.
+struct Bucket {
+  std::vector<uint32_t> layers;
+  size_t bytes = 0;  // fp32 bytes
+};
+std::vector<Bucket> MakeBuckets(std::span<const LayerSpec> layers, size_t cap_bytes);
+
+struct BucketResult {
+  size_t bucket = 0;
+  bool skipped = false;     // some rank had a non-finite value: gradients left untouched
+  uint64_t bytes_sent = 0;  // this rank's payload on the wire (fingerprint included)
+  double seconds = 0.0;
+};
+
+struct RefreshRecord {
+  uint32_t layer = 0;
+  uint64_t version = 0;         // the new geometry's version
+  uint64_t active_from = 0;     // step at which every rank switches to it
+  double drift = 0.0;           // owner-measured subspace distance to the previous basis
+  double seconds = 0.0;         // owner's estimate time (0 on other ranks)
+};
+
+struct StepResult {
+  uint64_t step = 0;
+  bool skipped = false;  // any bucket skipped: the same decision on every rank
+  uint64_t bytes_sent = 0;
+  double seconds = 0.0;  // wall time from the first submit to the end of the refreshes
+  std::vector<BucketResult> buckets;
+  std::vector<RefreshRecord> refreshes;
+};
+
+// Thread-compatible: one caller thread drives an Exchanger; collectives run on its own thread.
+class Exchanger {
+ public:
+  // Validates every layer's policy (error names the layer and field) and the schedule, which has
+  // one entry per layer or is empty (no refreshes).
+  Exchanger(Communicator& comm, std::vector<LayerSpec> layers, ExchangeOptions options,
+            std::vector<RefreshSchedule> schedule = {});
+  ~Exchanger();
+  Exchanger(const Exchanger&) = delete;
+  Exchanger& operator=(const Exchanger&) = delete;
+
+  const std::vector<Bucket>& buckets() const { return buckets_; }
+  const std::vector<LayerSpec>& layers() const { return layers_; }
+
+  // Queues bucket `bucket` of `step`. grads[l] is layer l's gradient (count() floats) for every
+  // l; only the bucket's layers are read and, unless the step is skipped, replaced by the average
+  // over ranks. They must stay valid until the future is ready. Buckets of a step are submitted
+  // in bucket order, each once.
+  std::shared_future<BucketResult> Submit(uint64_t step, size_t bucket, std::vector<std::span<float>> grads);
+
+  // Waits for every bucket of `step` (all must have been submitted), then runs the step's
+  // scheduled geometry refreshes (skipped on a skipped step). Rethrows the first bucket error.
+  StepResult Finish(uint64_t step);
+
+  // Submit every bucket, then Finish.
+  StepResult Exchange(uint64_t step, std::vector<std::span<float>> grads);
+
+  // The geometry layer l uses at `step` (after activations up to it). For tests and metrics.
+  const Geometry& active_geometry(uint32_t layer) const { return state_[layer].active; }
+
+ private:
+  struct LayerState {
+    Geometry active;             // in use now (version 0: identity)
+    Geometry pending;            // broadcast, waits for activation
+    uint64_t pending_from = 0;   // step at which pending becomes active
+    bool has_pending = false;
+  };
+
+  BucketResult RunBucket(uint64_t step, size_t bucket, const std::vector<std::span<float>>& grads);
+  std::vector<RefreshRecord> RunRefreshes(uint64_t step, const std::vector<std::span<float>>& grads);
+  bool UsesGeometry(uint32_t layer) const;
+  void Enqueue(std::function<void()> task);
+  void WorkerLoop();
+
+  Communicator& comm_;
+  std::vector<LayerSpec> layers_;
+  ExchangeOptions options_;
+  std::vector<RefreshSchedule> schedule_;
+  std::vector<Bucket> buckets_;
+  std::vector<LayerState> state_;  // touched only on the worker thread while tasks run
+
+  // Per-step bookkeeping on the caller's thread.
+  struct Pending {
+    std::vector<std::shared_future<BucketResult>> futures;
+    std::vector<std::span<float>> grads;
+    std::chrono::steady_clock::time_point start;
+  };
+  std::map<uint64_t, Pending> steps_;
+
+  std::mutex mu_;
+  std::condition_variable cv_;
+  std::deque<std::function<void()>> queue_;
+  bool stop_ = false;
+  std::thread worker_;
+};
+
+// Validates a policy for a layer; "" if usable, else one line naming the layer and the field.
+std::string ValidateLayerPolicy(const LayerSpec& layer);
+
+}  // namespace geofp8

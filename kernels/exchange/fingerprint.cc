@@ -1,0 +1,156 @@
+// Cross-rank fingerprint check of one bucket (see fingerprint.h).
+#include "kernels/exchange/fingerprint.h"
+
+#include <cstring>
+#include <map>
+#include <sstream>
+
+#include "kernels/common/check.h"
+
+namespace geofp8 {
+
+uint64_t LayerDigest(std::span<const LayerRecord> layers) {
+  uint64_t h = 0xcbf29ce484222325ull;
+  const auto* p = reinterpret_cast<const uint8_t*>(layers.data());
+  for (size_t i = 0; i < layers.size_bytes(); ++i) h = (h ^ p[i]) * 0x100000001b3ull;
+  return h;
+}
+
+namespace {
+
+std::string NameOf(uint32_t layer, std::span<const std::string> names) {
+  std::ostringstream os;
+  os << "layer " << layer;
+  if (layer < names.size() && !names[layer].empty()) os << " '" << names[layer] << "'";
+  return os.str();
+}
+
+// Index of the record that most ranks hold (ties: lowest rank), by bytewise equality.
+template <typename T, typename Eq>
+int MajorityRank(const std::vector<T>& records, Eq eq) {
+  int best = 0, best_count = 0;
+  for (size_t i = 0; i < records.size(); ++i) {
+    int count = 0;
+    for (const auto& r : records) count += eq(records[i], r);
+    if (count > best_count) best = static_cast<int>(i), best_count = count;
+  }
+  return best;
+}
+
+std::string DescribeLayerDifference(const LayerRecord& a, const LayerRecord& ref) {
+  std::ostringstream os;
+  auto fmt = [](uint8_t f) { return std::string(FormatName(static_cast<Format>(f))); };
+  if (a.layer != ref.layer) {
+    os << "holds layer " << a.layer << " where rank majority holds layer " << ref.layer;
+  } else if (a.format != ref.format) {
+    os << "format " << fmt(a.format) << " (others: " << fmt(ref.format) << ")";
+  } else if (a.scaling != ref.scaling) {
+    os << "scaling " << ScalingName(static_cast<Scaling>(a.scaling))
+       << " (others: " << ScalingName(static_cast<Scaling>(ref.scaling)) << ")";
+  } else if (a.rounding != ref.rounding) {
+    os << "rounding " << RoundingName(static_cast<Rounding>(a.rounding))
+       << " (others: " << RoundingName(static_cast<Rounding>(ref.rounding)) << ")";
+  } else if (a.block != ref.block) {
+    os << "block " << a.block << " (others: " << ref.block << ")";
+  } else if (a.rows != ref.rows || a.cols != ref.cols) {
+    os << "shape " << a.rows << "x" << a.cols << " (others: " << ref.rows << "x" << ref.cols << ")";
+  } else if (a.geometry != ref.geometry) {
+    os << "geometry " << GeometryModeName(static_cast<GeometryMode>(a.geometry))
+       << " (others: " << GeometryModeName(static_cast<GeometryMode>(ref.geometry)) << ")";
+  } else if (a.geometry_version != ref.geometry_version) {
+    os << "geometry version " << a.geometry_version << " (others: " << ref.geometry_version << ")";
+  } else if (a.rank_k != ref.rank_k || std::memcmp(&a.alpha, &ref.alpha, 4) != 0) {
+    os << "geometry rank/alpha " << a.rank_k << "/" << a.alpha << " (others: " << ref.rank_k
+       << "/" << ref.alpha << ")";
+  } else {
+    os << "a different layer record";
+  }
+  return os.str();
+}
+
+}  // namespace
+
+uint32_t CheckFingerprints(Communicator& comm, BucketRecord record,
+                           std::span<const LayerRecord> layers,
+                           std::span<const std::string> layer_names) {
+  const int n = comm.size();
+  record.layer_count = static_cast<uint32_t>(layers.size());
+  record.digest = LayerDigest(layers);
+  std::vector<BucketRecord> all(n);
+  std::vector<size_t> counts(n, sizeof(BucketRecord));
+  comm.AllGatherV({reinterpret_cast<const uint8_t*>(&record), sizeof record},
+                  {reinterpret_cast<uint8_t*>(all.data()), all.size() * sizeof(BucketRecord)},
+                  counts);
+
+  auto same = [](const BucketRecord& a, const BucketRecord& b) {
+    return a.policy_version == b.policy_version && a.step == b.step && a.digest == b.digest &&
+           a.bucket == b.bucket && a.layer_count == b.layer_count && a.algorithm == b.algorithm;
+  };
+  uint32_t nonfinite = 0;
+  bool agree = true;
+  for (const auto& r : all) {
+    nonfinite = std::max(nonfinite, r.nonfinite);
+    agree = agree && same(r, all[0]);
+  }
+  if (agree) return nonfinite;
+
+  // Every rank saw the same records, so every rank takes this path and the second gather below
+  // is matched on all of them.
+  const int ref = MajorityRank(all, same);
+  const BucketRecord& R = all[ref];
+  std::ostringstream msg;
+  msg << "exchange fingerprint mismatch in bucket " << R.bucket << " at step " << R.step << ": ";
+  for (int r = 0; r < n; ++r) {
+    const BucketRecord& a = all[r];
+    if (a.policy_version != R.policy_version) {
+      msg << "rank " << r << " has policy version " << a.policy_version << ", rank " << ref
+          << " has " << R.policy_version;
+      GEOFP8_FAIL(msg.str());
+    }
+    if (a.step != R.step || a.bucket != R.bucket || a.algorithm != R.algorithm) {
+      msg << "rank " << r << " is at step " << a.step << " bucket " << a.bucket << " algorithm "
+          << AlgorithmName(static_cast<Algorithm>(a.algorithm)) << ", rank " << ref << " at step "
+          << R.step << " bucket " << R.bucket << " algorithm "
+          << AlgorithmName(static_cast<Algorithm>(R.algorithm));
+      GEOFP8_FAIL(msg.str());
+    }
+  }
+  // Layers differ: gather every rank's layer records (sizes known from the first gather).
+  std::vector<size_t> layer_counts(n);
+  size_t total = 0;
+  for (int r = 0; r < n; ++r) total += layer_counts[r] = all[r].layer_count * sizeof(LayerRecord);
+  std::vector<LayerRecord> gathered(total / sizeof(LayerRecord));
+  comm.AllGatherV({reinterpret_cast<const uint8_t*>(layers.data()), layers.size_bytes()},
+                  {reinterpret_cast<uint8_t*>(gathered.data()), total}, layer_counts);
+  std::vector<std::span<const LayerRecord>> per_rank(n);
+  size_t off = 0;
+  for (int r = 0; r < n; ++r) {
+    per_rank[r] = std::span<const LayerRecord>(gathered).subspan(off, all[r].layer_count);
+    off += all[r].layer_count;
+  }
+  const auto& ref_layers = per_rank[ref];
+  for (int r = 0; r < n; ++r) {
+    const auto& mine = per_rank[r];
+    for (size_t i = 0; i < std::max(mine.size(), ref_layers.size()); ++i) {
+      if (i >= mine.size()) {
+        msg << "rank " << r << " lacks " << NameOf(ref_layers[i].layer, layer_names)
+            << " that rank " << ref << " sends";
+        GEOFP8_FAIL(msg.str());
+      }
+      if (i >= ref_layers.size()) {
+        msg << "rank " << r << " sends " << NameOf(mine[i].layer, layer_names) << " that rank "
+            << ref << " does not";
+        GEOFP8_FAIL(msg.str());
+      }
+      if (std::memcmp(&mine[i], &ref_layers[i], sizeof(LayerRecord)) != 0) {
+        msg << "rank " << r << " " << NameOf(mine[i].layer, layer_names) << " has "
+            << DescribeLayerDifference(mine[i], ref_layers[i]) << " vs rank " << ref;
+        GEOFP8_FAIL(msg.str());
+      }
+    }
+  }
+  msg << "records differ but no layer does (digest collision?)";
+  GEOFP8_FAIL(msg.str());
+}
+
+}  // namespace geofp8

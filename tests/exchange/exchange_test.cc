@@ -1,0 +1,244 @@
+// Exchange engine over real Gloo TCP with ranks as threads: every CPU algorithm, world sizes
+// {1,2,3,4,8} x counts {0,1,7,1000}, mixed per-layer policies, bucketing, fingerprint mismatches
+// naming rank and layer, the non-finite skip and collective timeouts.
+#include <gtest/gtest.h>
+
+#include <thread>
+#include <tuple>
+
+#include "tests/exchange/exchange_harness.h"
+
+namespace geofp8 {
+namespace {
+
+using namespace geofp8::testing;
+using std::chrono::milliseconds;
+
+std::vector<LayerSpec> OneLayer(size_t count, LayerPolicy p = {}) {
+  return {LayerSpec{"grad", static_cast<int64_t>(count), 1, p}};
+}
+
+class Sweep : public ::testing::TestWithParam<std::tuple<int, size_t, Algorithm>> {};
+
+TEST_P(Sweep, MatchesReferenceOnEveryRank) {
+  const auto [n, count, algorithm] = GetParam();
+  ExchangeOptions options;
+  options.algorithm = algorithm;
+  options.timeout = milliseconds(60000);
+  const auto layers = OneLayer(count);
+  const auto run = RunStep(n, layers, options);
+  CheckRun(run, layers, options);
+  EXPECT_FALSE(run.results[0].skipped);
+}
+
+std::string SweepName(const ::testing::TestParamInfo<Sweep::ParamType>& info) {
+  return "n" + std::to_string(std::get<0>(info.param)) + "_count" +
+         std::to_string(std::get<1>(info.param)) + "_" +
+         std::string(AlgorithmName(std::get<2>(info.param)));
+}
+
+INSTANTIATE_TEST_SUITE_P(Exchange, Sweep,
+                         ::testing::Combine(::testing::Values(1, 2, 3, 4, 8),
+                                            ::testing::Values(size_t{0}, size_t{1}, size_t{7},
+                                                              size_t{1000}),
+                                            ::testing::Values(Algorithm::kTwoPhase,
+                                                              Algorithm::kAllGather,
+                                                              Algorithm::kFp32, Algorithm::kBf16)),
+                         SweepName);
+
+// Several layers with different policies share buckets; a small cap splits them.
+std::vector<LayerSpec> MixedLayers() {
+  auto policy = [](Format f, Scaling s, uint32_t block, Rounding r) {
+    LayerPolicy p;
+    p.format = f;
+    p.scaling = s;
+    p.block = block;
+    p.rounding = r;
+    return p;
+  };
+  return {
+      {"embed", 40, 25, policy(Format::kFp8E4M3, Scaling::kTensor, 128, Rounding::kNearest)},
+      {"fc1", 33, 31, policy(Format::kFp8E5M2, Scaling::kBlock, 64, Rounding::kNearest)},
+      {"fc2", 999, 1, policy(Format::kMxfp8, Scaling::kBlock, 32, Rounding::kNearest)},
+      {"fc3", 517, 1, policy(Format::kNvfp4, Scaling::kBlock, 16, Rounding::kNearest)},
+      {"norm", 7, 1, policy(Format::kBf16, Scaling::kNone, 1, Rounding::kNearest)},
+      {"head", 300, 3, policy(Format::kFp8E4M3, Scaling::kBlock, 100, Rounding::kStochastic)},
+      {"bias", 1, 1, policy(Format::kFp32, Scaling::kNone, 1, Rounding::kNearest)},
+  };
+}
+
+class Mixed : public ::testing::TestWithParam<std::tuple<int, Algorithm>> {};
+
+TEST_P(Mixed, PerLayerPoliciesInBuckets) {
+  const auto [n, algorithm] = GetParam();
+  ExchangeOptions options;
+  options.algorithm = algorithm;
+  options.seed = 1234;
+  options.bucket_cap_bytes = 4096;  // several buckets
+  const auto layers = MixedLayers();
+  const auto run = RunStep(n, layers, options, /*step=*/5);
+  CheckRun(run, layers, options, 5);
+  EXPECT_GT(run.results[0].buckets.size(), 2u);
+}
+
+INSTANTIATE_TEST_SUITE_P(Exchange, Mixed,
+                         ::testing::Combine(::testing::Values(2, 3, 4),
+                                            ::testing::Values(Algorithm::kTwoPhase,
+                                                              Algorithm::kAllGather)));
+
+TEST(Buckets, ReverseOrderWithCap) {
+  std::vector<LayerSpec> layers = {{"a", 10, 1, {}}, {"b", 100, 1, {}}, {"c", 5, 1, {}},
+                                   {"d", 1000, 1, {}}, {"e", 20, 1, {}}};
+  const auto buckets = MakeBuckets(layers, 500);  // bytes: 40, 400, 20, 4000, 80
+  ASSERT_EQ(buckets.size(), 3u);
+  EXPECT_EQ(buckets[0].layers, (std::vector<uint32_t>{4}));        // e; d would exceed the cap
+  EXPECT_EQ(buckets[1].layers, (std::vector<uint32_t>{3}));        // d alone, over the cap
+  EXPECT_EQ(buckets[2].layers, (std::vector<uint32_t>{2, 1, 0}));  // c + b + a = 460
+  EXPECT_EQ(buckets[2].bytes, 460u);
+  EXPECT_TRUE(MakeBuckets({}, 500).empty());
+  EXPECT_EQ(MakeBuckets(layers, size_t{25} << 20).size(), 1u);
+}
+
+TEST(Exchanger, FuturesPerBucketAndBytesOnTheWire) {
+  const int n = 4;
+  const size_t count = 4096;
+  std::vector<LayerSpec> layers = {{"l0", 1024, 1, {}}, {"l1", 2048, 1, {}}, {"l2", 1024, 1, {}}};
+  ExchangeOptions options;
+  options.bucket_cap_bytes = 4096 * 2;  // {l2}, {l1}, {l0}: no two neighbours fit together
+  std::vector<uint64_t> bytes(n);
+  const auto errors = RunRanks(n, [&](Communicator& comm) {
+    Exchanger ex(comm, layers, options);
+    ASSERT_EQ(ex.buckets().size(), 3u);
+    Tensors data = MakeInputs(comm.rank(), layers);
+    std::vector<std::span<float>> grads;
+    for (auto& t : data) grads.emplace_back(t);
+    std::vector<std::shared_future<BucketResult>> futures;
+    for (size_t b = 0; b < ex.buckets().size(); ++b) futures.push_back(ex.Submit(3, b, grads));
+    EXPECT_THROW(ex.Submit(3, 0, grads), Error);  // bucket 0 twice
+    for (auto& f : futures) f.wait();
+    const StepResult result = ex.Finish(3);
+    bytes[comm.rank()] = result.bytes_sent;
+  });
+  ASSERT_EQ(JoinErrors(errors), "");
+  // two_phase e4m3 block 128: 2(N-1)/N * n * (1 + 4/128) bytes plus headers and fingerprints.
+  const double ideal = 2.0 * (n - 1) / n * count * (1 + 4.0 / 128);
+  for (int r = 0; r < n; ++r) {
+    EXPECT_GT(bytes[r], ideal * 0.9) << r;
+    EXPECT_LT(bytes[r], ideal * 1.5) << r;
+  }
+}
+
+TEST(Exchanger, PolicyMismatchNamesRankAndLayer) {
+  const auto layers = MixedLayers();
+  ExchangeOptions options;
+  const auto run = RunStep(3, layers, options, 0,
+                           [](int r, std::vector<LayerSpec>& l, ExchangeOptions&, Tensors&) {
+                             if (r == 2) l[1].policy.format = Format::kFp8E4M3;  // fc1 was e5m2
+                           });
+  for (int r = 0; r < 3; ++r) {
+    EXPECT_NE(run.errors[r].find("rank 2 layer 1 'fc1' has format fp8_e4m3"), std::string::npos)
+        << "rank " << r << ": " << run.errors[r];
+  }
+}
+
+TEST(Exchanger, ShapeMismatchNamesRankAndLayer) {
+  const auto layers = MixedLayers();
+  ExchangeOptions options;
+  const auto run = RunStep(4, layers, options, 0,
+                           [](int r, std::vector<LayerSpec>& l, ExchangeOptions&, Tensors& d) {
+                             if (r == 1) {
+                               l[5].rows = 299;  // head: 300x3 elsewhere
+                               d[5].resize(299 * 3);
+                             }
+                           });
+  for (int r = 0; r < 4; ++r) {
+    EXPECT_NE(run.errors[r].find("rank 1 layer 5 'head'"), std::string::npos)
+        << "rank " << r << ": " << run.errors[r];
+  }
+}
+
+TEST(Exchanger, PolicyVersionMismatchFailsEverywhere) {
+  const auto layers = OneLayer(100);
+  ExchangeOptions options;
+  const auto run = RunStep(3, layers, options, 0,
+                           [](int r, std::vector<LayerSpec>&, ExchangeOptions& o, Tensors&) {
+                             if (r == 0) o.policy_version = 7;
+                           });
+  for (int r = 0; r < 3; ++r) {
+    EXPECT_NE(run.errors[r].find("rank 0 has policy version 7"), std::string::npos)
+        << "rank " << r << ": " << run.errors[r];
+  }
+}
+
+TEST(Exchanger, NonFiniteOnOneRankSkipsEverywhere) {
+  const auto layers = MixedLayers();
+  for (Algorithm a : {Algorithm::kTwoPhase, Algorithm::kAllGather, Algorithm::kFp32}) {
+    ExchangeOptions options;
+    options.algorithm = a;
+    const auto run = RunStep(3, layers, options, 0,
+                             [](int r, std::vector<LayerSpec>&, ExchangeOptions&, Tensors& d) {
+                               if (r == 1) d[2][17] = std::nanf("");
+                             });
+    ASSERT_EQ(JoinErrors(run.errors), "");
+    for (int r = 0; r < 3; ++r) {
+      EXPECT_TRUE(run.results[r].skipped) << "rank " << r;
+      // The skipped bucket's gradients are left as they were.
+      const auto inputs = MakeInputs(r, layers);
+      const size_t skipped_bucket_layer = 2;
+      if (r != 1) {
+        EXPECT_TRUE(SameBytes(run.outputs[r][skipped_bucket_layer], inputs[skipped_bucket_layer]));
+      }
+    }
+  }
+}
+
+TEST(Exchanger, CollectiveTimeoutFailsInsteadOfHanging) {
+  const auto layers = OneLayer(1000);
+  const auto start = std::chrono::steady_clock::now();
+  const auto errors = RunRanks(2, [&](Communicator& comm) {
+    ExchangeOptions options;
+    options.timeout = milliseconds(300);
+    Exchanger ex(comm, layers, options);
+    if (comm.rank() == 1) {
+      std::this_thread::sleep_for(milliseconds(1500));  // never exchanges
+      return;
+    }
+    Tensors data = MakeInputs(0, layers);
+    ex.Exchange(0, {std::span<float>(data[0])});
+  });
+  const double seconds =
+      std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+  EXPECT_NE(errors[0].find("rank 0"), std::string::npos) << errors[0];
+  EXPECT_EQ(errors[1], "");
+  EXPECT_LT(seconds, 20.0);
+}
+
+TEST(Exchanger, RejectsBadPolicyNamingLayerAndField) {
+  MemoryStore store;
+  auto comm = CreateGlooCommunicator(store, 0, 1);
+  auto layers = OneLayer(10);
+  layers[0].name = "w";
+  layers[0].policy.error_feedback = true;
+  try {
+    Exchanger ex(*comm, layers, {});
+    FAIL();
+  } catch (const Error& e) {
+    EXPECT_NE(std::string(e.what()).find("layer 'w': error_feedback"), std::string::npos) << e.what();
+  }
+  layers[0].policy.error_feedback = false;
+  EXPECT_THROW(Exchanger(*comm, layers, {}, {RefreshSchedule{3, 10, 0}}), Error);  // owner 3 of 1
+  ExchangeOptions native;
+  native.algorithm = Algorithm::kNative;
+  Exchanger ex(*comm, layers, native);
+  std::vector<float> g(10, 1.f);
+  try {
+    ex.Exchange(0, {std::span<float>(g)});
+    FAIL();
+  } catch (const Error& e) {
+    EXPECT_NE(std::string(e.what()).find("native needs the nccl backend"), std::string::npos)
+        << e.what();
+  }
+}
+
+}  // namespace
+}  // namespace geofp8
