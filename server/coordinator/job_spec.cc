@@ -10,6 +10,7 @@
 #include <set>
 #include <sstream>
 
+#include "kernels/model/model.h"
 #include "yaml-cpp/yaml.h"
 
 namespace geofp8 {
@@ -295,9 +296,10 @@ absl::StatusOr<JobSpec> ParseJobSpec(std::string_view yaml) {
 
   if (YAML::Node n = root["model"]; n.IsDefined() && !n.IsNull() && r.Map(n, p + ".model", {"preset"})) {
     YAML::Node preset = r.Get(n, "preset", p + ".model", &spec.model.preset, "a string");
-    if (preset.IsDefined() && !ValidName(spec.model.preset)) {
+    if (preset.IsDefined() && !model::PresetConfig(spec.model.preset)) {
       r.Error(preset, p + ".model.preset",
-              "must be 1-63 characters of [A-Za-z0-9._-] (" + spec.model.preset + ")");
+              "unknown preset (" + spec.model.preset +
+                  "); accepted: " + std::string(model::AcceptedPresets()));
     }
   }
   if (YAML::Node n = root["data"];

@@ -28,7 +28,7 @@ struct LayerPatchSpec {
 };
 
 struct ModelSpec {
-  std::string preset = "gpt-tiny";  // model preset name understood by the worker's trainer
+  std::string preset = "llama-tiny";  // kernels/model PresetConfig name
 };
 
 struct DataSpec {

@@ -1,0 +1,330 @@
+// gRPC adapters: each method checks auth, calls the handler, converts absl::Status to
+// grpc::Status (the codes map one to one) and records the call. No logic lives here.
+#include "server/coordinator/grpc_services.h"
+
+#include <grpcpp/grpcpp.h>
+#include <grpcpp/health_check_service_interface.h>
+#include <grpcpp/security/server_credentials.h>
+
+#include <chrono>
+#include <fstream>
+#include <sstream>
+
+#include "geofp8/v1/geofp8.grpc.pb.h"
+
+namespace geofp8 {
+namespace {
+
+grpc::Status ToGrpc(const absl::Status& s) {
+  if (s.ok()) return grpc::Status::OK;
+  return grpc::Status(static_cast<grpc::StatusCode>(s.code()), std::string(s.message()));
+}
+
+// Shared by the four services: auth and instrumentation.
+class Common {
+ public:
+  Common(Coordinator* c, Metrics* m, std::string token) : c_(c), m_(m), token_(std::move(token)) {}
+
+  grpc::Status Authorize(grpc::ServerContext* ctx) const {
+    if (token_.empty()) return grpc::Status::OK;
+    const auto& md = ctx->client_metadata();
+    auto it = md.find("authorization");
+    if (it == md.end()) {
+      return grpc::Status(grpc::StatusCode::UNAUTHENTICATED,
+                          "authorization: missing bearer token (this coordinator requires one)");
+    }
+    const std::string expected = "Bearer " + token_;
+    const std::string got(it->second.data(), it->second.size());
+    // Constant-time comparison: the token is a secret.
+    unsigned diff = got.size() != expected.size();
+    for (size_t i = 0; i < expected.size(); ++i) {
+      diff |= static_cast<unsigned>(expected[i] ^ (i < got.size() ? got[i] : 0));
+    }
+    if (diff) return grpc::Status(grpc::StatusCode::UNAUTHENTICATED, "authorization: wrong token");
+    return grpc::Status::OK;
+  }
+
+  // Runs fn (returning grpc::Status) and records method, code and latency.
+  template <typename Fn>
+  grpc::Status Call(const char* method, grpc::ServerContext* ctx, bool mutating, Fn&& fn) {
+    const auto start = std::chrono::steady_clock::now();
+    grpc::Status s = mutating ? Authorize(ctx) : grpc::Status::OK;
+    if (s.ok()) s = fn();
+    const double secs =
+        std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+    m_->RecordRpc(method, absl::StatusCodeToString(static_cast<absl::StatusCode>(s.error_code())),
+                  secs);
+    return s;
+  }
+
+  template <typename T, typename Out>
+  static grpc::Status Reply(absl::StatusOr<T> r, Out* out) {
+    if (!r.ok()) return ToGrpc(r.status());
+    *out = std::move(*r);
+    return grpc::Status::OK;
+  }
+
+  Coordinator* c_;
+  Metrics* m_;
+  std::string token_;
+};
+
+class JobServiceImpl final : public v1::JobService::Service {
+ public:
+  explicit JobServiceImpl(Common* k) : k_(k) {}
+  grpc::Status SubmitJob(grpc::ServerContext* ctx, const v1::SubmitJobRequest* req,
+                         v1::SubmitJobResponse* resp) override {
+    return k_->Call("JobService/SubmitJob", ctx, true,
+                    [&] { return Common::Reply(k_->c_->SubmitJob(*req), resp); });
+  }
+  grpc::Status GetJob(grpc::ServerContext* ctx, const v1::GetJobRequest* req,
+                      v1::Job* resp) override {
+    return k_->Call("JobService/GetJob", ctx, false,
+                    [&] { return Common::Reply(k_->c_->GetJob(*req), resp); });
+  }
+  grpc::Status ListJobs(grpc::ServerContext* ctx, const v1::ListJobsRequest* req,
+                        v1::ListJobsResponse* resp) override {
+    return k_->Call("JobService/ListJobs", ctx, false,
+                    [&] { return Common::Reply(k_->c_->ListJobs(*req), resp); });
+  }
+  grpc::Status CancelJob(grpc::ServerContext* ctx, const v1::CancelJobRequest* req,
+                         v1::Job* resp) override {
+    return k_->Call("JobService/CancelJob", ctx, true,
+                    [&] { return Common::Reply(k_->c_->CancelJob(*req), resp); });
+  }
+  grpc::Status WatchJob(grpc::ServerContext* ctx, const v1::WatchJobRequest* req,
+                        grpc::ServerWriter<v1::WatchJobResponse>* writer) override {
+    return k_->Call("JobService/WatchJob", ctx, false, [&]() -> grpc::Status {
+      WatchCursor cursor;
+      while (!ctx->IsCancelled()) {
+        auto next = k_->c_->WatchNext(req->job_id(), &cursor, 500);
+        if (!next.ok()) return ToGrpc(next.status());
+        if (!next->has_value()) continue;
+        const v1::JobState state = (*next)->job().state();
+        if (!writer->Write(**next)) return grpc::Status::OK;  // the client went away
+        if (state == v1::JOB_SUCCEEDED || state == v1::JOB_FAILED || state == v1::JOB_CANCELLED) {
+          return grpc::Status::OK;
+        }
+      }
+      return grpc::Status(grpc::StatusCode::CANCELLED, "watch cancelled by the client");
+    });
+  }
+
+ private:
+  Common* k_;
+};
+
+class PolicyServiceImpl final : public v1::PolicyService::Service {
+ public:
+  explicit PolicyServiceImpl(Common* k) : k_(k) {}
+  grpc::Status GetPolicy(grpc::ServerContext* ctx, const v1::GetPolicyRequest* req,
+                         v1::Policy* resp) override {
+    return k_->Call("PolicyService/GetPolicy", ctx, false,
+                    [&] { return Common::Reply(k_->c_->GetPolicy(*req), resp); });
+  }
+  grpc::Status UpdatePolicy(grpc::ServerContext* ctx, const v1::UpdatePolicyRequest* req,
+                            v1::UpdatePolicyResponse* resp) override {
+    return k_->Call("PolicyService/UpdatePolicy", ctx, true,
+                    [&] { return Common::Reply(k_->c_->UpdatePolicy(*req), resp); });
+  }
+  grpc::Status ListPolicyVersions(grpc::ServerContext* ctx,
+                                  const v1::ListPolicyVersionsRequest* req,
+                                  v1::ListPolicyVersionsResponse* resp) override {
+    return k_->Call("PolicyService/ListPolicyVersions", ctx, false,
+                    [&] { return Common::Reply(k_->c_->ListPolicyVersions(*req), resp); });
+  }
+
+ private:
+  Common* k_;
+};
+
+// The coordinator's end of one Session stream. Write may run concurrently with the handler
+// thread's Read (gRPC allows one reader and one writer); writers serialize on mu_.
+class StreamSink : public SessionSink {
+ public:
+  explicit StreamSink(grpc::ServerReaderWriter<v1::CoordinatorMessage, v1::WorkerMessage>* s)
+      : stream_(s) {}
+  void Send(const v1::CoordinatorMessage& message) override {
+    std::lock_guard<std::mutex> lock(mu_);
+    if (stream_) stream_->Write(message);
+  }
+  void Close() {
+    std::lock_guard<std::mutex> lock(mu_);
+    stream_ = nullptr;
+  }
+
+ private:
+  std::mutex mu_;
+  grpc::ServerReaderWriter<v1::CoordinatorMessage, v1::WorkerMessage>* stream_;
+};
+
+class WorkerServiceImpl final : public v1::WorkerService::Service {
+ public:
+  explicit WorkerServiceImpl(Common* k) : k_(k) {}
+  grpc::Status Register(grpc::ServerContext* ctx, const v1::RegisterRequest* req,
+                        v1::RegisterResponse* resp) override {
+    return k_->Call("WorkerService/Register", ctx, true,
+                    [&] { return Common::Reply(k_->c_->Register(*req), resp); });
+  }
+  grpc::Status ListWorkers(grpc::ServerContext* ctx, const v1::ListWorkersRequest*,
+                           v1::ListWorkersResponse* resp) override {
+    return k_->Call("WorkerService/ListWorkers", ctx, false, [&] {
+      *resp = k_->c_->ListWorkers();
+      return grpc::Status::OK;
+    });
+  }
+  grpc::Status Session(
+      grpc::ServerContext* ctx,
+      grpc::ServerReaderWriter<v1::CoordinatorMessage, v1::WorkerMessage>* stream) override {
+    if (grpc::Status s = k_->Authorize(ctx); !s.ok()) {
+      k_->m_->RecordRpc("WorkerService/Session", "UNAUTHENTICATED", 0);
+      return s;
+    }
+    v1::WorkerMessage message;
+    if (!stream->Read(&message)) {
+      return grpc::Status(grpc::StatusCode::INVALID_ARGUMENT,
+                          "session: stream ended before the first message");
+    }
+    auto sink = std::make_shared<StreamSink>(stream);
+    const std::string id = message.worker_id();
+    const uint64_t generation = message.generation();
+    absl::Status status = k_->c_->OpenSession(id, generation, sink);
+    // Every message is timed on its own: that is the latency a worker's heartbeat sees.
+    while (status.ok()) {
+      const auto start = std::chrono::steady_clock::now();
+      status = k_->c_->HandleWorkerMessage(message);
+      k_->m_->RecordRpc("WorkerService/Session",
+                        absl::StatusCodeToString(status.code()),
+                        std::chrono::duration<double>(std::chrono::steady_clock::now() - start)
+                            .count());
+      if (!status.ok() || !stream->Read(&message)) break;
+    }
+    sink->Close();
+    k_->c_->CloseSession(id, generation);
+    return ToGrpc(status);
+  }
+
+ private:
+  Common* k_;
+};
+
+class RendezvousServiceImpl final : public v1::RendezvousService::Service {
+ public:
+  explicit RendezvousServiceImpl(Common* k) : k_(k) {}
+  grpc::Status Set(grpc::ServerContext* ctx, const v1::KvSetRequest* req,
+                   v1::KvSetResponse*) override {
+    return k_->Call("RendezvousService/Set", ctx, true, [&] {
+      return ToGrpc(k_->c_->kv().Set(req->job_id(), req->key(), req->value()));
+    });
+  }
+  grpc::Status Get(grpc::ServerContext* ctx, const v1::KvGetRequest* req,
+                   v1::KvGetResponse* resp) override {
+    return k_->Call("RendezvousService/Get", ctx, false, [&]() -> grpc::Status {
+      auto v = k_->c_->kv().Get(req->job_id(), req->key(), req->wait_ms());
+      if (!v.ok()) return ToGrpc(v.status());
+      resp->set_value(std::move(*v));
+      return grpc::Status::OK;
+    });
+  }
+  grpc::Status Wait(grpc::ServerContext* ctx, const v1::KvWaitRequest* req,
+                    v1::KvWaitResponse*) override {
+    return k_->Call("RendezvousService/Wait", ctx, false, [&] {
+      std::vector<std::string> keys(req->keys().begin(), req->keys().end());
+      return ToGrpc(k_->c_->kv().Wait(req->job_id(), keys, req->timeout_ms()));
+    });
+  }
+  grpc::Status Add(grpc::ServerContext* ctx, const v1::KvAddRequest* req,
+                   v1::KvAddResponse* resp) override {
+    return k_->Call("RendezvousService/Add", ctx, true, [&]() -> grpc::Status {
+      auto v = k_->c_->kv().Add(req->job_id(), req->key(), req->delta());
+      if (!v.ok()) return ToGrpc(v.status());
+      resp->set_value(*v);
+      return grpc::Status::OK;
+    });
+  }
+
+ private:
+  Common* k_;
+};
+
+}  // namespace
+
+struct CoordinatorServer::Impl {
+  Impl(Coordinator* c, Metrics* m, std::string token)
+      : common(c, m, std::move(token)), jobs(&common), policies(&common), workers(&common),
+        rendezvous(&common) {}
+  Common common;
+  JobServiceImpl jobs;
+  PolicyServiceImpl policies;
+  WorkerServiceImpl workers;
+  RendezvousServiceImpl rendezvous;
+  std::unique_ptr<grpc::Server> server;
+  int port = 0;
+};
+
+absl::StatusOr<std::string> ReadFileForFlag(const std::string& flag, const std::string& path) {
+  std::ifstream in(path, std::ios::binary);
+  if (!in) return absl::InvalidArgumentError(flag + ": cannot read " + path);
+  std::ostringstream os;
+  os << in.rdbuf();
+  return os.str();
+}
+
+absl::StatusOr<std::unique_ptr<CoordinatorServer>> CoordinatorServer::Start(
+    Coordinator* coordinator, Metrics* metrics, const ServerOptions& options) {
+  std::shared_ptr<grpc::ServerCredentials> creds = grpc::InsecureServerCredentials();
+  if (!options.tls_cert.empty() || !options.tls_key.empty()) {
+    if (options.tls_cert.empty() || options.tls_key.empty()) {
+      return absl::InvalidArgumentError("--tls-cert and --tls-key: both are required for TLS");
+    }
+    auto cert = ReadFileForFlag("--tls-cert", options.tls_cert);
+    if (!cert.ok()) return cert.status();
+    auto key = ReadFileForFlag("--tls-key", options.tls_key);
+    if (!key.ok()) return key.status();
+    grpc::SslServerCredentialsOptions ssl(GRPC_SSL_DONT_REQUEST_CLIENT_CERTIFICATE);
+    ssl.pem_key_cert_pairs.push_back({*key, *cert});
+    if (!options.tls_client_ca.empty()) {
+      auto ca = ReadFileForFlag("--tls-client-ca", options.tls_client_ca);
+      if (!ca.ok()) return ca.status();
+      ssl.pem_root_certs = *ca;
+      ssl.client_certificate_request = GRPC_SSL_REQUEST_AND_REQUIRE_CLIENT_CERTIFICATE_AND_VERIFY;
+    }
+    creds = grpc::SslServerCredentials(ssl);
+  } else if (!options.tls_client_ca.empty()) {
+    return absl::InvalidArgumentError("--tls-client-ca: needs --tls-cert and --tls-key");
+  }
+  auto impl = std::make_unique<Impl>(coordinator, metrics, options.token);
+  grpc::EnableDefaultHealthCheckService(true);
+  grpc::ServerBuilder builder;
+  builder.AddListeningPort(options.listen, creds, &impl->port);
+  builder.RegisterService(&impl->jobs);
+  builder.RegisterService(&impl->policies);
+  builder.RegisterService(&impl->workers);
+  builder.RegisterService(&impl->rendezvous);
+  // Idle streams must not be cut by keepalive defaults; workers keep their sessions for days.
+  builder.AddChannelArgument(GRPC_ARG_KEEPALIVE_PERMIT_WITHOUT_CALLS, 1);
+  builder.AddChannelArgument(GRPC_ARG_HTTP2_MIN_RECV_PING_INTERVAL_WITHOUT_DATA_MS, 10000);
+  impl->server = builder.BuildAndStart();
+  if (!impl->server || impl->port == 0) {
+    return absl::UnavailableError("--listen: cannot listen on " + options.listen);
+  }
+  impl->server->GetHealthCheckService()->SetServingStatus(true);
+  return std::unique_ptr<CoordinatorServer>(new CoordinatorServer(std::move(impl)));
+}
+
+CoordinatorServer::CoordinatorServer(std::unique_ptr<Impl> impl) : impl_(std::move(impl)) {}
+
+CoordinatorServer::~CoordinatorServer() {
+  if (impl_ && impl_->server) impl_->server->Shutdown();
+}
+
+int CoordinatorServer::port() const { return impl_->port; }
+
+void CoordinatorServer::Shutdown(int grace_ms) {
+  if (auto* health = impl_->server->GetHealthCheckService()) health->SetServingStatus(false);
+  impl_->server->Shutdown(std::chrono::system_clock::now() + std::chrono::milliseconds(grace_ms));
+}
+
+void CoordinatorServer::Wait() { impl_->server->Wait(); }
+
+}  // namespace geofp8

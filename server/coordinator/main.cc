@@ -1,0 +1,132 @@
+// geofp8-coordinator: the control-plane daemon. Serves the geofp8.v1 gRPC API and grpc.health.v1,
+// keeps durable state in SQLite under --data-dir, and exposes Prometheus /metrics.
+#include <signal.h>
+
+#include <atomic>
+#include <chrono>
+#include <cstdio>
+#include <thread>
+
+#include "CLI/CLI.hpp"
+#include "server/coordinator/coordinator.h"
+#include "server/coordinator/grpc_services.h"
+#include "server/coordinator/metrics.h"
+#include "server/coordinator/store.h"
+
+namespace {
+
+int Fail(const std::string& message) {
+  std::fprintf(stderr, "geofp8-coordinator: error: %s\n", message.c_str());
+  return 1;
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  CLI::App app{"geofp8-coordinator: GeoFP8 control plane (jobs, policies, workers, rendezvous)"};
+  geofp8::ServerOptions server;
+  geofp8::CoordinatorOptions coord;
+  std::string data_dir = "./geofp8-data";
+  std::string metrics_listen = "127.0.0.1:9464";
+  std::string token_file;
+  int tick_ms = 200;
+  int grace_ms = 5000;
+  app.add_option("--listen", server.listen, "gRPC address host:port (port 0 picks a free one)")
+      ->capture_default_str();
+  app.add_option("--data-dir", data_dir, "Directory of the SQLite state (coordinator.db)")
+      ->capture_default_str();
+  app.add_option("--metrics-listen", metrics_listen,
+                 "Prometheus /metrics address host:port; empty disables")
+      ->capture_default_str();
+  app.add_option("--token-file", token_file,
+                 "File holding the bearer token required on mutating RPCs (or env GEOFP8_TOKEN)");
+  app.add_option("--tls-cert", server.tls_cert, "PEM server certificate (enables TLS)");
+  app.add_option("--tls-key", server.tls_key, "PEM private key of --tls-cert");
+  app.add_option("--tls-client-ca", server.tls_client_ca,
+                 "PEM CA bundle; clients must present a certificate it signed (mTLS)");
+  app.add_option("--heartbeat-interval-ms", coord.heartbeat_interval_ms,
+                 "Heartbeat period told to workers")
+      ->capture_default_str()
+      ->check(CLI::Range(10, 3600000));
+  app.add_option("--heartbeat-timeout-ms", coord.heartbeat_timeout_ms,
+                 "Silence after which a worker is declared dead and fenced")
+      ->capture_default_str()
+      ->check(CLI::Range(50, 86400000));
+  app.add_option("--tick-ms", tick_ms, "Period of the dead-worker check")
+      ->capture_default_str()
+      ->check(CLI::Range(5, 60000));
+  app.add_option("--shutdown-grace-ms", grace_ms, "How long SIGTERM waits for running calls")
+      ->capture_default_str()
+      ->check(CLI::Range(0, 600000));
+  try {
+    app.parse(argc, argv);
+  } catch (const CLI::ParseError& e) {
+    if (e.get_exit_code() == 0) return app.exit(e);
+    std::fprintf(stderr, "geofp8-coordinator: error: %s\n", e.what());
+    return 2;
+  }
+  if (!token_file.empty()) {
+    auto token = geofp8::ReadFileForFlag("--token-file", token_file);
+    if (!token.ok()) {
+      std::fprintf(stderr, "geofp8-coordinator: error: %s\n",
+                   std::string(token.status().message()).c_str());
+      return 2;
+    }
+    server.token = *token;
+    while (!server.token.empty() && (server.token.back() == '\n' || server.token.back() == '\r' ||
+                                     server.token.back() == ' ')) {
+      server.token.pop_back();
+    }
+    if (server.token.empty()) {
+      std::fprintf(stderr, "geofp8-coordinator: error: --token-file: %s is empty\n",
+                   token_file.c_str());
+      return 2;
+    }
+  } else if (const char* env = std::getenv("GEOFP8_TOKEN"); env && *env) {
+    server.token = env;
+  }
+
+  // SIGTERM/SIGINT are taken by one thread with sigwait, so shutdown runs outside signal context.
+  sigset_t signals;
+  sigemptyset(&signals);
+  sigaddset(&signals, SIGTERM);
+  sigaddset(&signals, SIGINT);
+  pthread_sigmask(SIG_BLOCK, &signals, nullptr);
+
+  auto store = geofp8::Store::Open(data_dir);
+  if (!store.ok()) return Fail(std::string(store.status().message()));
+  geofp8::Coordinator coordinator(store->get(), geofp8::SystemClock(), coord);
+  if (auto s = coordinator.Recover(); !s.ok()) return Fail(s.ToString());
+  geofp8::Metrics metrics(&coordinator);
+  if (!metrics_listen.empty()) {
+    auto port = metrics.Serve(metrics_listen);
+    if (!port.ok()) return Fail(std::string(port.status().message()));
+    std::printf("geofp8-coordinator: metrics on http://%s:%d/metrics\n",
+                metrics_listen.substr(0, metrics_listen.rfind(':')).c_str(), *port);
+  }
+  auto srv = geofp8::CoordinatorServer::Start(&coordinator, &metrics, server);
+  if (!srv.ok()) return Fail(std::string(srv.status().message()));
+  std::printf("geofp8-coordinator: serving on %s:%d (data %s, auth %s, tls %s)\n",
+              server.listen.substr(0, server.listen.rfind(':')).c_str(), (*srv)->port(),
+              data_dir.c_str(), server.token.empty() ? "off" : "token",
+              server.tls_cert.empty() ? "off" : (server.tls_client_ca.empty() ? "on" : "mutual"));
+  std::fflush(stdout);
+
+  std::atomic<bool> stopping{false};
+  std::thread ticker([&] {
+    while (!stopping.load()) {
+      coordinator.Tick();
+      std::this_thread::sleep_for(std::chrono::milliseconds(tick_ms));
+    }
+  });
+  int sig = 0;
+  sigwait(&signals, &sig);
+  std::printf("geofp8-coordinator: %s received, shutting down\n", sig == SIGTERM ? "SIGTERM" : "SIGINT");
+  std::fflush(stdout);
+  stopping = true;
+  coordinator.Shutdown();  // wakes watchers and rendezvous waiters
+  (*srv)->Shutdown(grace_ms);
+  ticker.join();
+  std::printf("geofp8-coordinator: stopped\n");
+  return 0;
+}

@@ -1,0 +1,120 @@
+// prometheus-cpp pull exposition. Gauges of jobs and workers by state are computed on each
+// scrape by a Collectable, so they can never drift from the coordinator's state.
+#include "server/coordinator/metrics.h"
+
+#include <prometheus/counter.h>
+#include <prometheus/exposer.h>
+#include <prometheus/histogram.h>
+#include <prometheus/registry.h>
+#include <prometheus/text_serializer.h>
+
+#include <exception>
+
+namespace geofp8 {
+namespace {
+
+prometheus::ClientMetric Value(double v, std::vector<prometheus::ClientMetric::Label> labels) {
+  prometheus::ClientMetric m;
+  m.label = std::move(labels);
+  m.gauge.value = v;
+  m.counter.value = v;
+  return m;
+}
+
+std::string Lower(std::string s) {
+  for (char& c : s) c = static_cast<char>(std::tolower(static_cast<unsigned char>(c)));
+  return s;
+}
+
+}  // namespace
+
+class Metrics::StateCollector : public prometheus::Collectable {
+ public:
+  explicit StateCollector(Coordinator* c) : c_(c) {}
+  std::vector<prometheus::MetricFamily> Collect() const override {
+    Coordinator::Counts counts = c_->GetCounts();
+    std::vector<prometheus::MetricFamily> out;
+    prometheus::MetricFamily jobs{"geofp8_jobs", "Jobs by state", prometheus::MetricType::Gauge,
+                                  {}};
+    for (int s = v1::JOB_PENDING; s <= v1::JOB_CANCELLED; ++s) {
+      std::string name = Lower(v1::JobState_Name(static_cast<v1::JobState>(s)).substr(4));
+      jobs.metric.push_back(Value(static_cast<double>(counts.jobs_by_state[s]), {{"state", name}}));
+    }
+    out.push_back(std::move(jobs));
+    prometheus::MetricFamily workers{"geofp8_workers", "Workers by state",
+                                     prometheus::MetricType::Gauge, {}};
+    for (int s = v1::WORKER_IDLE; s <= v1::WORKER_DISCONNECTED; ++s) {
+      std::string name = Lower(v1::WorkerState_Name(static_cast<v1::WorkerState>(s)).substr(7));
+      workers.metric.push_back(
+          Value(static_cast<double>(counts.workers_by_state[s]), {{"state", name}}));
+    }
+    out.push_back(std::move(workers));
+    auto counter = [&](const char* name, const char* help, double v,
+                       std::vector<prometheus::ClientMetric::Label> labels = {}) {
+      prometheus::MetricFamily f{name, help, prometheus::MetricType::Counter, {}};
+      f.metric.push_back(Value(v, std::move(labels)));
+      out.push_back(std::move(f));
+    };
+    prometheus::MetricFamily updates{"geofp8_policy_updates_total",
+                                     "Policy versions created after the spec's v1, by author",
+                                     prometheus::MetricType::Counter, {}};
+    updates.metric.push_back(Value(
+        static_cast<double>(counts.policy_updates - counts.auto_policy_updates), {{"author", "user"}}));
+    updates.metric.push_back(
+        Value(static_cast<double>(counts.auto_policy_updates), {{"author", "auto"}}));
+    out.push_back(std::move(updates));
+    counter("geofp8_fenced_messages_total", "Worker messages rejected for a fenced generation",
+            static_cast<double>(counts.fenced_messages));
+    counter("geofp8_workers_declared_dead_total", "Workers declared dead (heartbeat timeout or re-registration)",
+            static_cast<double>(counts.workers_declared_dead));
+    return out;
+  }
+
+ private:
+  Coordinator* c_;
+};
+
+Metrics::Metrics(Coordinator* coordinator)
+    : coordinator_(coordinator),
+      registry_(std::make_shared<prometheus::Registry>()),
+      collector_(std::make_shared<StateCollector>(coordinator)) {
+  rpcs_ = &prometheus::BuildCounter()
+               .Name("geofp8_rpcs_total")
+               .Help("RPCs handled, by method and status code")
+               .Register(*registry_);
+  latency_ = &prometheus::BuildHistogram()
+                  .Name("geofp8_rpc_latency_seconds")
+                  .Help("RPC handling latency (streams: per message), by method")
+                  .Register(*registry_);
+}
+
+Metrics::~Metrics() = default;
+
+absl::StatusOr<int> Metrics::Serve(const std::string& listen) {
+  try {
+    exposer_ = std::make_unique<prometheus::Exposer>(listen);
+  } catch (const std::exception& e) {
+    return absl::FailedPreconditionError("--metrics-listen: cannot listen on " + listen + ": " +
+                                         e.what());
+  }
+  exposer_->RegisterCollectable(registry_);
+  exposer_->RegisterCollectable(collector_);
+  auto ports = exposer_->GetListeningPorts();
+  return ports.empty() ? 0 : ports.front();
+}
+
+void Metrics::RecordRpc(const std::string& method, const std::string& code, double seconds) {
+  static const prometheus::Histogram::BucketBoundaries kBuckets = {
+      0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 1, 5};
+  rpcs_->Add({{"method", method}, {"code", code}}).Increment();
+  latency_->Add({{"method", method}}, kBuckets).Observe(seconds);
+}
+
+std::string Metrics::Render() {
+  auto families = registry_->Collect();
+  auto state = collector_->Collect();
+  families.insert(families.end(), state.begin(), state.end());
+  return prometheus::TextSerializer().Serialize(families);
+}
+
+}  // namespace geofp8
