@@ -1,0 +1,352 @@
+// geofp8-bench exchange: times each exchange algorithm on one gradient buffer across N ranks
+// (threads over Gloo TCP on 127.0.0.1, or one process per rank for bench/netem.sh) and prints
+// medians, bytes on the wire, bus bandwidth and the ratio to a same-run fp32 Gloo all-reduce.
+// The engine is built only once the codec and geometry libraries exist (kernels/exchange).
+#if defined(GEOFP8_EXCHANGE_ENGINE)
+#include <algorithm>
+#include <chrono>
+#include <cmath>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <memory>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "bench/registry.h"
+#include "kernels/common/check.h"
+#include "kernels/exchange/exchanger.h"
+#include "kernels/exchange/gloo_communicator.h"
+#include "kernels/exchange/store.h"
+
+namespace geofp8::bench {
+namespace {
+
+constexpr const char* kProg = "geofp8-bench exchange";
+
+struct Variant {
+  std::string label;
+  Algorithm algorithm = Algorithm::kFp32;
+  LayerPolicy policy;
+};
+
+struct Args {
+  int ranks = 4;
+  double mib = 64;
+  int iters = 5;
+  int warmup = 1;
+  int64_t cols = 1024;  // layers are rows x cols matrices of at most 4 MiB
+  int geometry_rank = 16;
+  double timeout_s = 300;
+  std::string variants = "fp32,bf16,two_phase:fp8_e4m3,allgather:fp8_e4m3,two_phase:nvfp4,"
+                         "two_phase:fp8_e4m3:lowrank";
+  // Process mode: this process is rank `rank`, rendezvousing through a shared directory.
+  int rank = -1;
+  std::string store_dir;
+  std::string hostname = "127.0.0.1";
+  std::string prefix = "bench";
+};
+
+[[noreturn]] void UsageError(const std::string& field, const std::string& problem,
+                             const std::string& value) {
+  std::fprintf(stderr, "%s: error: %s: %s (%s)\n", kProg, field.c_str(), problem.c_str(),
+               value.c_str());
+  std::exit(2);
+}
+
+void PrintHelp() {
+  std::printf(
+      "usage: %s [--ranks N] [--mib M] [--iters K] [--warmup W] [--variants LIST]\n"
+      "          [--cols C] [--geometry-rank K] [--timeout-s S]\n"
+      "          [--rank R --store-dir DIR [--hostname H] [--prefix P]]\n"
+      "  --variants   comma list of fp32, bf16, ALGO:FORMAT[:lowrank|:diag] with ALGO two_phase\n"
+      "               or allgather (default %s)\n"
+      "  --rank       process mode: run only rank R; all ranks share --store-dir (a FileStore)\n"
+      "               and listen on --hostname. Without --rank, ranks run as threads.\n",
+      kProg, Args().variants.c_str());
+}
+
+template <typename T>
+T ParseNumber(const std::string& flag, const std::string& text) {
+  char* end = nullptr;
+  errno = 0;
+  const double v = std::strtod(text.c_str(), &end);
+  if (text.empty() || *end != '\0' || errno != 0) UsageError(flag, "not a number", text);
+  if constexpr (std::is_integral_v<T>) {
+    if (v != std::floor(v)) UsageError(flag, "not an integer", text);
+  }
+  return static_cast<T>(v);
+}
+
+Args ParseArgs(int argc, char** argv) {
+  Args a;
+  for (int i = 1; i < argc; ++i) {
+    const std::string flag = argv[i];
+    if (flag == "--help" || flag == "-h") {
+      PrintHelp();
+      std::exit(0);
+    }
+    if (i + 1 >= argc) UsageError(flag, "missing value", "end of arguments");
+    const std::string v = argv[++i];
+    if (flag == "--ranks") a.ranks = ParseNumber<int>(flag, v);
+    else if (flag == "--mib") a.mib = ParseNumber<double>(flag, v);
+    else if (flag == "--iters") a.iters = ParseNumber<int>(flag, v);
+    else if (flag == "--warmup") a.warmup = ParseNumber<int>(flag, v);
+    else if (flag == "--cols") a.cols = ParseNumber<int64_t>(flag, v);
+    else if (flag == "--geometry-rank") a.geometry_rank = ParseNumber<int>(flag, v);
+    else if (flag == "--timeout-s") a.timeout_s = ParseNumber<double>(flag, v);
+    else if (flag == "--variants") a.variants = v;
+    else if (flag == "--rank") a.rank = ParseNumber<int>(flag, v);
+    else if (flag == "--store-dir") a.store_dir = v;
+    else if (flag == "--hostname") a.hostname = v;
+    else if (flag == "--prefix") a.prefix = v;
+    else UsageError(flag, "unknown option", flag);
+  }
+  if (a.ranks < 1) UsageError("--ranks", "must be >= 1", std::to_string(a.ranks));
+  if (!(a.mib > 0)) UsageError("--mib", "must be positive", std::to_string(a.mib));
+  if (a.iters < 1) UsageError("--iters", "must be >= 1", std::to_string(a.iters));
+  if (a.warmup < 0) UsageError("--warmup", "must be >= 0", std::to_string(a.warmup));
+  if (a.cols < 1) UsageError("--cols", "must be >= 1", std::to_string(a.cols));
+  if (a.geometry_rank < 1) UsageError("--geometry-rank", "must be >= 1", std::to_string(a.geometry_rank));
+  if (!(a.timeout_s > 0)) UsageError("--timeout-s", "must be positive", std::to_string(a.timeout_s));
+  if (a.rank >= a.ranks) UsageError("--rank", "must be < --ranks", std::to_string(a.rank));
+  if (a.rank >= 0 && a.store_dir.empty()) UsageError("--store-dir", "required with --rank", "empty");
+  return a;
+}
+
+std::vector<Variant> ParseVariants(const Args& a) {
+  std::vector<Variant> out;
+  size_t start = 0;
+  const std::string& s = a.variants;
+  while (start <= s.size()) {
+    const size_t comma = std::min(s.find(',', start), s.size());
+    const std::string item = s.substr(start, comma - start);
+    start = comma + 1;
+    if (item.empty()) continue;
+    std::vector<std::string> parts;
+    for (size_t p = 0; p <= item.size();) {
+      const size_t colon = std::min(item.find(':', p), item.size());
+      parts.push_back(item.substr(p, colon - p));
+      p = colon + 1;
+    }
+    Variant v;
+    v.label = item;
+    const auto algo = ParseAlgorithm(parts[0]);
+    if (!algo || *algo == Algorithm::kNative) {
+      UsageError("--variants", std::string("unknown algorithm, accepted: fp32, bf16, two_phase, allgather"),
+                 parts[0]);
+    }
+    v.algorithm = *algo;
+    if (v.algorithm == Algorithm::kTwoPhase || v.algorithm == Algorithm::kAllGather) {
+      if (parts.size() < 2) UsageError("--variants", "needs ALGO:FORMAT", item);
+      const auto fmt = ParseFormat(parts[1]);
+      if (!fmt) {
+        UsageError("--variants", "unknown format, accepted: " + std::string(AcceptedFormats()), parts[1]);
+      }
+      v.policy.format = *fmt;
+      if (parts.size() >= 3) {
+        const auto g = ParseGeometryMode(parts[2]);
+        if (!g) {
+          UsageError("--variants", "unknown geometry, accepted: " + std::string(AcceptedGeometryModes()),
+                     parts[2]);
+        }
+        v.policy.geometry = *g;
+        v.policy.rank = a.geometry_rank;
+      }
+      if (parts.size() > 3) UsageError("--variants", "too many fields", item);
+    } else if (parts.size() > 1) {
+      UsageError("--variants", "baselines take no format", item);
+    }
+    out.push_back(v);
+  }
+  if (out.empty()) UsageError("--variants", "empty list", a.variants);
+  return out;
+}
+
+// Layer shapes covering `mib` MiB of fp32: rows x cols matrices of at most 4 MiB.
+std::vector<LayerSpec> MakeLayers(const Args& a) {
+  int64_t remaining = static_cast<int64_t>(a.mib * (1 << 20) / 4);
+  const int64_t rows_per_layer = std::max<int64_t>(1, (int64_t{1} << 20) / a.cols);
+  std::vector<LayerSpec> layers;
+  while (remaining > 0) {
+    const int64_t rows = std::min(rows_per_layer, (remaining + a.cols - 1) / a.cols);
+    LayerSpec l;
+    l.name = "layer" + std::to_string(layers.size());
+    l.rows = rows;
+    l.cols = std::min(a.cols, remaining);
+    if (rows > 1) l.cols = a.cols;
+    layers.push_back(l);
+    remaining -= l.rows * l.cols;
+  }
+  return layers;
+}
+
+// A gradient with a few strong directions plus noise, different on every rank.
+std::vector<float> MakeGradient(const LayerSpec& l, int rank, uint32_t layer) {
+  std::vector<float> g(l.count());
+  for (int64_t i = 0; i < l.rows; ++i) {
+    for (int64_t j = 0; j < l.cols; ++j) {
+      uint64_t z = (static_cast<uint64_t>(rank) << 56) ^ (static_cast<uint64_t>(layer) << 40) ^
+                   static_cast<uint64_t>(i * l.cols + j);
+      z = (z ^ (z >> 33)) * 0xff51afd7ed558ccdull;
+      z ^= z >> 33;
+      const float noise = static_cast<float>(z >> 40) / 16777216.0f - 0.5f;
+      g[i * l.cols + j] = 4.0f * std::sin(0.01f * i + rank) * std::cos(0.013f * j) +
+                          1.0f * std::cos(0.05f * i) * std::sin(0.07f * j + layer) + 0.05f * noise;
+    }
+  }
+  return g;
+}
+
+struct Row {
+  std::string label;
+  double median_ms = 0;
+  double wire_mib = 0;
+  double rel_err = 0;
+};
+
+// Runs every variant on this rank; rank 0 gets the rows.
+std::vector<Row> RunRank(Communicator& comm, const Args& a, const std::vector<Variant>& variants) {
+  const auto base_layers = MakeLayers(a);
+  std::vector<std::vector<float>> input(base_layers.size());
+  for (size_t l = 0; l < base_layers.size(); ++l) input[l] = MakeGradient(base_layers[l], comm.rank(), l);
+  std::vector<std::vector<float>> work = input;
+  std::vector<std::vector<float>> fp32_result;
+  std::vector<Row> rows;
+  for (const Variant& v : variants) {
+    auto layers = base_layers;
+    std::vector<RefreshSchedule> schedule;
+    for (size_t l = 0; l < layers.size(); ++l) {
+      layers[l].policy = v.policy;
+      // Owners spread over ranks; one refresh at step 0, active from step 1.
+      schedule.push_back({static_cast<int>(l % comm.size()), 1 << 30, 0});
+    }
+    ExchangeOptions options;
+    options.algorithm = v.algorithm;
+    options.timeout = std::chrono::milliseconds(static_cast<int64_t>(a.timeout_s * 1000));
+    const bool geometry = v.policy.geometry != GeometryMode::kNone;
+    Exchanger ex(comm, layers, options, geometry ? schedule : std::vector<RefreshSchedule>{});
+    const int warmup = geometry ? std::max(a.warmup, 2) : a.warmup;
+    std::vector<double> times;
+    uint64_t wire = 0;
+    for (int it = 0; it < warmup + a.iters; ++it) {
+      for (size_t l = 0; l < work.size(); ++l) std::copy(input[l].begin(), input[l].end(), work[l].begin());
+      std::vector<std::span<float>> grads(work.begin(), work.end());
+      comm.Barrier();
+      const auto t0 = std::chrono::steady_clock::now();
+      const StepResult r = ex.Exchange(it, grads);
+      const double us = std::chrono::duration<double, std::micro>(std::chrono::steady_clock::now() - t0).count();
+      // The step takes as long as its slowest rank.
+      const double slowest = comm.MaxReduce(static_cast<uint32_t>(std::min(us, 4e9)));
+      if (it >= warmup) {
+        times.push_back(slowest / 1000.0);
+        wire = r.bytes_sent;
+      }
+    }
+    if (v.algorithm == Algorithm::kFp32 && fp32_result.empty()) fp32_result = work;
+    Row row;
+    row.label = v.label;
+    std::sort(times.begin(), times.end());
+    row.median_ms = times[times.size() / 2];
+    row.wire_mib = wire / double(1 << 20);
+    if (!fp32_result.empty()) {
+      double err = 0, norm = 0;
+      for (size_t l = 0; l < work.size(); ++l) {
+        for (size_t i = 0; i < work[l].size(); ++i) {
+          const double d = work[l][i] - fp32_result[l][i];
+          err += d * d;
+          norm += static_cast<double>(fp32_result[l][i]) * fp32_result[l][i];
+        }
+      }
+      row.rel_err = norm > 0 ? std::sqrt(err / norm) : 0;
+    } else {
+      row.rel_err = -1;
+    }
+    rows.push_back(row);
+  }
+  return rows;
+}
+
+void Print(const Args& a, const std::vector<Row>& rows, bool processes) {
+  const auto layers = MakeLayers(a);
+  const double bytes = a.mib * (1 << 20);
+  std::printf("exchange: %d ranks (%s, gloo tcp), %.1f MiB fp32 per rank in %zu layers of up to %lldx%lld, "
+              "median of %d iters\n",
+              a.ranks, processes ? "processes" : "threads", a.mib, layers.size(),
+              static_cast<long long>(layers[0].rows), static_cast<long long>(layers[0].cols), a.iters);
+  double fp32_ms = 0;
+  for (const auto& r : rows) {
+    if (r.label == "fp32") fp32_ms = r.median_ms;
+  }
+  std::printf("%-30s %10s %14s %11s %9s %10s\n", "variant", "time_ms", "wire_MiB/rank", "busbw_GB/s",
+              "vs_fp32", "rel_err");
+  for (const auto& r : rows) {
+    const double algbw = bytes / (r.median_ms / 1000.0) / 1e9;
+    const double busbw = algbw * 2.0 * (a.ranks - 1) / a.ranks;
+    char ratio[32] = "n/a", err[32] = "n/a";
+    if (fp32_ms > 0) std::snprintf(ratio, sizeof ratio, "%.3f", r.median_ms / fp32_ms);
+    if (r.rel_err >= 0) std::snprintf(err, sizeof err, "%.2e", r.rel_err);
+    std::printf("%-30s %10.2f %14.2f %11.3f %9s %10s\n", r.label.c_str(), r.median_ms, r.wire_mib,
+                busbw, ratio, err);
+  }
+  if (fp32_ms == 0) std::printf("(add fp32 to --variants for the ratio column)\n");
+}
+
+int RunExchangeBench(int argc, char** argv) {
+  const Args a = ParseArgs(argc, argv);
+  auto variants = ParseVariants(a);
+  // fp32 first: it is the baseline for both the ratio and the error column.
+  std::stable_partition(variants.begin(), variants.end(),
+                        [](const Variant& v) { return v.algorithm == Algorithm::kFp32; });
+  GlooOptions go;
+  go.hostname = a.hostname;
+  go.prefix = a.prefix;
+  go.timeout = std::chrono::milliseconds(static_cast<int64_t>(a.timeout_s * 1000));
+  try {
+    if (a.rank >= 0) {
+      FileStore store(a.store_dir);
+      auto comm = CreateGlooCommunicator(store, a.rank, a.ranks, go);
+      const auto rows = RunRank(*comm, a, variants);
+      if (a.rank == 0) Print(a, rows, true);
+      comm->Barrier();
+      return 0;
+    }
+    MemoryStore store;
+    std::vector<std::string> errors(a.ranks);
+    std::vector<Row> rows;
+    std::vector<std::thread> threads;
+    for (int r = 0; r < a.ranks; ++r) {
+      threads.emplace_back([&, r] {
+        try {
+          auto comm = CreateGlooCommunicator(store, r, a.ranks, go);
+          auto mine = RunRank(*comm, a, variants);
+          if (r == 0) rows = std::move(mine);
+        } catch (const std::exception& e) {
+          errors[r] = e.what();
+        }
+      });
+    }
+    for (auto& t : threads) t.join();
+    for (int r = 0; r < a.ranks; ++r) {
+      if (!errors[r].empty()) {
+        std::fprintf(stderr, "%s: error: rank %d: %s\n", kProg, r, errors[r].c_str());
+        return 1;
+      }
+    }
+    Print(a, rows, false);
+    return 0;
+  } catch (const std::exception& e) {
+    std::fprintf(stderr, "%s: error: rank %d: %s\n", kProg, a.rank, e.what());
+    return 1;
+  }
+}
+
+}  // namespace
+
+GEOFP8_REGISTER_BENCH("exchange", "compressed gradient all-reduce: time, wire bytes, busbw vs fp32",
+                      RunExchangeBench);
+
+}  // namespace geofp8::bench
+
+#endif  // GEOFP8_EXCHANGE_ENGINE
