@@ -1,0 +1,420 @@
+// CPU implementation of the geometry contract (geometry.h): estimation by randomized subspace
+// iteration, the low-rank Kronecker whitening and its inverse with thin GEMMs, diag mode, drift.
+#include "kernels/geometry/geometry.h"
+
+#include <cblas.h>
+
+#include <algorithm>
+#include <chrono>
+#include <cmath>
+#include <cstring>
+#include <numeric>
+
+#include "kernels/common/check.h"
+#include "kernels/geometry/factors.h"
+#include "kernels/geometry/geometry_math.h"
+#include "kernels/geometry/lapack.h"
+
+namespace geofp8 {
+
+std::string_view GeometryModeName(GeometryMode m) {
+  switch (m) {
+    case GeometryMode::kNone: return "none";
+    case GeometryMode::kDiag: return "diag";
+    case GeometryMode::kLowRank: return "lowrank";
+  }
+  return "unknown";
+}
+
+std::optional<GeometryMode> ParseGeometryMode(std::string_view name) {
+  if (name == "none") return GeometryMode::kNone;
+  if (name == "diag") return GeometryMode::kDiag;
+  if (name == "lowrank") return GeometryMode::kLowRank;
+  return std::nullopt;
+}
+
+std::string_view AcceptedGeometryModes() { return "none, diag, lowrank"; }
+
+namespace geometry {
+
+// Deterministic standard normals from a seed: splitmix64 + Box-Muller, so every rank and every
+// standard library produce the same cold-start matrix.
+void SeededGaussian(uint64_t seed, std::span<float> out) {
+  uint64_t state = seed ^ 0x6a09e667f3bcc909ull;
+  auto next = [&state]() {
+    uint64_t z = (state += 0x9e3779b97f4a7c15ull);
+    z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ull;
+    z = (z ^ (z >> 27)) * 0x94d049bb133111ebull;
+    return z ^ (z >> 31);
+  };
+  constexpr double kTwoPi = 6.283185307179586;
+  for (size_t i = 0; i < out.size(); i += 2) {
+    const double u1 = (static_cast<double>(next() >> 11) + 1.0) * 0x1.0p-53;  // (0, 1]
+    const double u2 = static_cast<double>(next() >> 11) * 0x1.0p-53;
+    const double r = std::sqrt(-2.0 * std::log(u1));
+    out[i] = static_cast<float>(r * std::cos(kTwoPi * u2));
+    if (i + 1 < out.size()) out[i + 1] = static_cast<float>(r * std::sin(kTwoPi * u2));
+  }
+}
+
+std::vector<float> WhitenFactors(const Geometry& g, bool left) {
+  std::vector<float> f(static_cast<size_t>(g.k), 1.0f);
+  const int64_t dim = left ? g.m : g.n;
+  // A side without residual dimensions has no bulk to whiten towards: leave it alone.
+  if (g.k <= 0 || dim <= g.k) return f;
+  const double delta = left ? g.delta_L : g.delta_R;
+  const double top = static_cast<double>(g.sigma[0]) * g.sigma[0];
+  for (int i = 0; i < g.k; ++i) {
+    const double e = static_cast<double>(g.sigma[i]) * g.sigma[i];
+    f[i] = static_cast<float>(WhitenFactor(e, delta, top, g.alpha));
+  }
+  return f;
+}
+
+}  // namespace geometry
+
+namespace {
+
+using geometry::lapack::QrInPlace;
+
+bool SameLowRankShape(const Geometry& a, int64_t m, int64_t n, int k) {
+  return a.mode == GeometryMode::kLowRank && a.version > 0 && a.m == m && a.n == n && a.k == k &&
+         static_cast<int64_t>(a.U.size()) == m * k && static_cast<int64_t>(a.V.size()) == n * k;
+}
+
+// Row-major float (rows x cols) <-> column-major double, the layouts of BLAS callers and LAPACK.
+std::vector<double> ToColMajor(const std::vector<float>& a, int64_t rows, int64_t cols) {
+  std::vector<double> out(static_cast<size_t>(rows * cols));
+  for (int64_t i = 0; i < rows; ++i)
+    for (int64_t j = 0; j < cols; ++j) out[j * rows + i] = a[i * cols + j];
+  return out;
+}
+void FromColMajor(const std::vector<double>& a, int64_t rows, int64_t cols, std::vector<float>& out) {
+  out.resize(static_cast<size_t>(rows * cols));
+  for (int64_t i = 0; i < rows; ++i)
+    for (int64_t j = 0; j < cols; ++j) out[i * cols + j] = static_cast<float>(a[j * rows + i]);
+}
+
+void CheckFinite(std::span<const float> G) {
+  for (size_t i = 0; i < G.size(); ++i) {
+    if (!std::isfinite(G[i])) {
+      GEOFP8_FAIL("EstimateGeometry: G holds a non-finite value (", G[i], ") at index ", i,
+                  "; refusing to estimate a geometry from it");
+    }
+  }
+}
+
+void ValidateOptions(const GeometryOptions& o) {
+  if (o.mode == GeometryMode::kLowRank && o.rank < 1) {
+    GEOFP8_FAIL("GeometryOptions.rank: must be >= 1 (", o.rank, ")");
+  }
+  if (!(o.alpha >= 0.f && o.alpha <= 1.f)) {
+    GEOFP8_FAIL("GeometryOptions.alpha: must be in [0, 1] (", o.alpha, ")");
+  }
+  if (o.power_iters < 1) GEOFP8_FAIL("GeometryOptions.power_iters: must be >= 1 (", o.power_iters, ")");
+  if (!(o.sigma_ema >= 0.f && o.sigma_ema < 1.f)) {
+    GEOFP8_FAIL("GeometryOptions.sigma_ema: must be in [0, 1) (", o.sigma_ema, ")");
+  }
+}
+
+void EstimateDiag(std::span<const float> G, int64_t m, int64_t n, float alpha, Geometry& g) {
+  std::vector<double> row(static_cast<size_t>(m), 0.0), col(static_cast<size_t>(n), 0.0);
+  for (int64_t i = 0; i < m; ++i) {
+    const float* r = G.data() + i * n;
+    double s = 0;
+    for (int64_t j = 0; j < n; ++j) {
+      const double x = r[j];
+      s += x * x;
+      col[j] += x * x;
+    }
+    row[i] = s;
+  }
+  // Each row's energy is compared with the median row energy (robust to the few dominant rows
+  // that diag mode exists to tame); rows at or below it are never amplified.
+  auto scales = [alpha](const std::vector<double>& e) {
+    std::vector<float> out(e.size(), 1.0f);
+    if (e.empty()) return out;
+    std::vector<double> sorted = e;
+    std::nth_element(sorted.begin(), sorted.begin() + sorted.size() / 2, sorted.end());
+    double ref = sorted[sorted.size() / 2];
+    if (!(ref > 0.0)) ref = std::accumulate(e.begin(), e.end(), 0.0) / e.size();
+    const double top = *std::max_element(e.begin(), e.end());
+    for (size_t i = 0; i < e.size(); ++i) {
+      out[i] = static_cast<float>(geometry::WhitenFactor(e[i], ref, top, alpha));
+    }
+    return out;
+  };
+  g.row_scale = scales(row);
+  g.col_scale = scales(col);
+}
+
+void EstimateLowRank(std::span<const float> G, int64_t m, int64_t n, const GeometryOptions& o,
+                     const Geometry* previous, Geometry& g) {
+  const int k = static_cast<int>(std::min<int64_t>({o.rank, m, n}));
+  g.k = k;
+  if (k == 0) return;
+  const bool warm = previous && SameLowRankShape(*previous, m, n, k);
+
+  std::vector<float> omega(static_cast<size_t>(n * k));
+  if (warm) {
+    omega = previous->V;
+  } else {
+    geometry::SeededGaussian(o.seed, omega);
+  }
+  std::vector<float> y(static_cast<size_t>(m * k)), z(static_cast<size_t>(n * k));
+  std::vector<float> u_f, v_f;
+  std::vector<double> u_d, v_d, r_z;
+  for (int it = 0; it < o.power_iters; ++it) {
+    // Y = G Omega, U = qr(Y), Z = G^T U, V = qr(Z).
+    cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, m, k, n, 1.f, G.data(), n, omega.data(),
+                k, 0.f, y.data(), k);
+    u_d = ToColMajor(y, m, k);
+    QrInPlace(u_d, m, k, nullptr);
+    FromColMajor(u_d, m, k, u_f);
+    cblas_sgemm(CblasRowMajor, CblasTrans, CblasNoTrans, n, k, m, 1.f, G.data(), n, u_f.data(), k,
+                0.f, z.data(), k);
+    v_d = ToColMajor(z, n, k);
+    QrInPlace(v_d, n, k, &r_z);
+    FromColMajor(v_d, n, k, v_f);
+    omega = v_f;
+  }
+  // Core B = U^T G V = Z^T V = R_z^T (Z = V R_z): its SVD rotates the bases onto singular vectors.
+  std::vector<double> b(static_cast<size_t>(k * k));
+  for (int i = 0; i < k; ++i)
+    for (int j = 0; j < k; ++j) b[j * k + i] = r_z[i * k + j];
+  geometry::lapack::Svd svd = geometry::lapack::ThinSvd(b, k, k);
+  std::vector<double> u_rot(static_cast<size_t>(m * k)), v_rot(static_cast<size_t>(n * k));
+  cblas_dgemm(CblasColMajor, CblasNoTrans, CblasNoTrans, m, k, k, 1.0, u_d.data(), m,
+              svd.u.data(), k, 0.0, u_rot.data(), m);
+  // V_final = V Vb with Vb = Vt^T.
+  cblas_dgemm(CblasColMajor, CblasNoTrans, CblasTrans, n, k, k, 1.0, v_d.data(), n, svd.vt.data(),
+              k, 0.0, v_rot.data(), n);
+  FromColMajor(u_rot, m, k, g.U);
+  FromColMajor(v_rot, n, k, g.V);
+
+  double total = 0.0;
+  for (float x : G) total += static_cast<double>(x) * x;
+  double captured = 0.0;
+  g.sigma.resize(static_cast<size_t>(k));
+  for (int i = 0; i < k; ++i) {
+    captured += svd.s[i] * svd.s[i];
+    g.sigma[i] = static_cast<float>(svd.s[i]);
+  }
+  const double residual = std::max(0.0, total - captured);
+  g.delta_L = m > k ? static_cast<float>(residual / static_cast<double>(m - k)) : 0.f;
+  g.delta_R = n > k ? static_cast<float>(residual / static_cast<double>(n - k)) : 0.f;
+  if (warm && o.sigma_ema > 0.f) {
+    for (int i = 0; i < k; ++i) {
+      g.sigma[i] = o.sigma_ema * previous->sigma[i] + (1.f - o.sigma_ema) * g.sigma[i];
+    }
+    // Both sequences descend, so their convex combination does too: columns stay paired.
+  }
+}
+
+void CheckShape(const Geometry& g, std::span<float> G) {
+  GEOFP8_CHECK(g.m >= 0 && g.n >= 0 && static_cast<int64_t>(G.size()) == g.m * g.n,
+               "geometry is for ", g.m, "x", g.n, " but the tensor has ", G.size(), " elements");
+}
+
+void ApplyDiag(const Geometry& g, std::span<float> G, bool inverse) {
+  GEOFP8_CHECK(static_cast<int64_t>(g.row_scale.size()) == g.m &&
+                   static_cast<int64_t>(g.col_scale.size()) == g.n,
+               "diag geometry scale sizes ", g.row_scale.size(), ", ", g.col_scale.size());
+  for (int64_t i = 0; i < g.m; ++i) {
+    float* r = G.data() + i * g.n;
+    const float rs = g.row_scale[i];
+    if (inverse) {
+      for (int64_t j = 0; j < g.n; ++j) r[j] = geometry::DiagInverse(r[j], rs, g.col_scale[j]);
+    } else {
+      for (int64_t j = 0; j < g.n; ++j) r[j] = geometry::DiagForward(r[j], rs, g.col_scale[j]);
+    }
+  }
+}
+
+// Core matrix of one side. Forward: P = I - Q diag(1 - f) Q^T. Inverse: the exact inverse of that
+// same P for the float basis Q we hold, by Woodbury, P^-1 = I - Q [-A (I - M A)^-1] Q^T with
+// A = diag(1 - f) and M = Q^T Q accumulated in double. For an exactly orthonormal Q this is
+// diag(1 - 1/f); using M keeps the round trip at float round-off even though Q's orthonormality
+// is only float-accurate and the inverse amplifies the top directions by 1/f.
+std::vector<float> SideCore(const std::vector<float>& q, int64_t rows, int k,
+                            const std::vector<float>& f, bool inverse) {
+  std::vector<float> core(static_cast<size_t>(k * k), 0.f);
+  if (!inverse) {
+    for (int i = 0; i < k; ++i) core[i * k + i] = geometry::ForwardCoefficient(f[i]);
+    return core;
+  }
+  std::vector<double> a(static_cast<size_t>(k));
+  bool any = false;
+  for (int i = 0; i < k; ++i) {
+    a[i] = 1.0 - static_cast<double>(f[i]);
+    any = any || a[i] != 0.0;
+  }
+  if (!any) return core;
+  // S = I - M A (column-major for LAPACK), solve S X = I, core = -A X.
+  std::vector<double> s_mat(static_cast<size_t>(k * k));
+  for (int i = 0; i < k; ++i)
+    for (int j = i; j < k; ++j) {
+      const double mij = cblas_dsdot(static_cast<int>(rows), q.data() + i, k, q.data() + j, k);
+      s_mat[j * k + i] = (i == j ? 1.0 : 0.0) - mij * a[j];
+      s_mat[i * k + j] = (i == j ? 1.0 : 0.0) - mij * a[i];
+    }
+  const std::vector<double> x = geometry::lapack::Inverse(s_mat, k);
+  for (int i = 0; i < k; ++i)
+    for (int j = 0; j < k; ++j) core[i * k + j] = static_cast<float>(-a[i] * x[j * k + i]);
+  return core;
+}
+
+// G <- (I - U Ab U^T) G (I - V Bb V^T) with k x k cores Ab, Bb, as one rank-2k update:
+//   G -= [U | X Bb - U Ab C Bb] [Ab W ; V^T],  W = U^T G, X = G V, C = W V.
+// Three GEMMs (two reads of G and one read-modify-write) instead of four passes.
+void ApplyLowRank(const Geometry& g, std::span<float> G, bool inverse) {
+  const int64_t m = g.m, n = g.n;
+  const int k = g.k;
+  GEOFP8_CHECK(k >= 0 && static_cast<int64_t>(g.U.size()) == m * k &&
+                   static_cast<int64_t>(g.V.size()) == n * k &&
+                   static_cast<int64_t>(g.sigma.size()) == k,
+               "lowrank geometry arrays do not match m=", m, " n=", n, " k=", k);
+  if (k == 0 || m == 0 || n == 0) return;
+  const std::vector<float> fl = geometry::WhitenFactors(g, /*left=*/true);
+  const std::vector<float> fr = geometry::WhitenFactors(g, /*left=*/false);
+  bool any = false;
+  for (int i = 0; i < k; ++i) any = any || fl[i] != 1.f || fr[i] != 1.f;
+  if (!any) return;
+  const std::vector<float> ab = SideCore(g.U, m, k, fl, inverse);
+  const std::vector<float> bb = SideCore(g.V, n, k, fr, inverse);
+  const int k2 = 2 * k;
+  std::vector<float> w(static_cast<size_t>(k * n)), x(static_cast<size_t>(m * k));
+  std::vector<float> c(static_cast<size_t>(k * k)), t(static_cast<size_t>(k * k));
+  cblas_sgemm(CblasRowMajor, CblasTrans, CblasNoTrans, k, n, m, 1.f, g.U.data(), k, G.data(), n,
+              0.f, w.data(), n);
+  cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, m, k, n, 1.f, G.data(), n, g.V.data(), k,
+              0.f, x.data(), k);
+  cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, k, k, n, 1.f, w.data(), n, g.V.data(), k,
+              0.f, c.data(), k);
+  // t = Ab C Bb (k x k); left = [U | X Bb - U t] (m x 2k); right = [Ab W ; V^T] (2k x n).
+  std::vector<float> abc(static_cast<size_t>(k * k));
+  cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, k, k, k, 1.f, ab.data(), k, c.data(), k,
+              0.f, abc.data(), k);
+  cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, k, k, k, 1.f, abc.data(), k, bb.data(), k,
+              0.f, t.data(), k);
+  std::vector<float> left(static_cast<size_t>(m * k2));
+  for (int64_t i = 0; i < m; ++i) std::memcpy(left.data() + i * k2, g.U.data() + i * k, k * sizeof(float));
+  cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, m, k, k, 1.f, x.data(), k, bb.data(), k,
+              0.f, left.data() + k, k2);
+  cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, m, k, k, -1.f, g.U.data(), k, t.data(),
+              k, 1.f, left.data() + k, k2);
+  std::vector<float> right(static_cast<size_t>(k2 * n));
+  cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, k, n, k, 1.f, ab.data(), k, w.data(), n,
+              0.f, right.data(), n);
+  for (int64_t j = 0; j < n; ++j)
+    for (int i = 0; i < k; ++i) right[(k + i) * n + j] = g.V[j * k + i];
+  cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, m, n, k2, -1.f, left.data(), k2,
+              right.data(), n, 1.f, G.data(), n);
+}
+
+void Transform(const Geometry& g, std::span<float> G, bool inverse) {
+  if (g.is_identity()) return;
+  CheckShape(g, G);
+  switch (g.mode) {
+    case GeometryMode::kNone: return;
+    case GeometryMode::kDiag: return ApplyDiag(g, G, inverse);
+    case GeometryMode::kLowRank: return ApplyLowRank(g, G, inverse);
+  }
+  GEOFP8_FAIL("geometry.mode: unknown value (", static_cast<int>(g.mode), "); accepted: ",
+              AcceptedGeometryModes());
+}
+
+// ||sin Theta||_2 between span(A) and span(B) (both rows x k, orthonormal columns): the largest
+// singular value of B - A (A^T B), from the eigenvalues of its k x k Gram matrix. Working with
+// sin directly avoids the cancellation of 1 - cos^2 for nearly equal bases.
+double SinTheta(const std::vector<float>& A, const std::vector<float>& B, int64_t rows, int k) {
+  std::vector<double> atb(static_cast<size_t>(k * k), 0.0);
+  for (int64_t r = 0; r < rows; ++r)
+    for (int i = 0; i < k; ++i) {
+      const double ai = A[r * k + i];
+      for (int j = 0; j < k; ++j) atb[i * k + j] += ai * B[r * k + j];
+    }
+  std::vector<double> gram(static_cast<size_t>(k * k), 0.0), res(static_cast<size_t>(k));
+  for (int64_t r = 0; r < rows; ++r) {
+    for (int j = 0; j < k; ++j) {
+      double s = B[r * k + j];
+      for (int i = 0; i < k; ++i) s -= A[r * k + i] * atb[i * k + j];
+      res[j] = s;
+    }
+    for (int i = 0; i < k; ++i)
+      for (int j = 0; j < k; ++j) gram[j * k + i] += res[i] * res[j];
+  }
+  const double lmax = geometry::lapack::LargestEigenvalue(gram, k);
+  return std::clamp(std::sqrt(std::max(0.0, lmax)), 0.0, 1.0);
+}
+
+}  // namespace
+
+RefreshResult EstimateGeometry(std::span<const float> G, int64_t m, int64_t n,
+                               const GeometryOptions& options, const Geometry* previous) {
+  const auto start = std::chrono::steady_clock::now();
+  if (m < 0 || n < 0) GEOFP8_FAIL("EstimateGeometry: shape must be non-negative (", m, "x", n, ")");
+  if (static_cast<int64_t>(G.size()) != m * n) {
+    GEOFP8_FAIL("EstimateGeometry: G has ", G.size(), " elements, shape ", m, "x", n, " needs ", m * n);
+  }
+  ValidateOptions(options);
+  CheckFinite(G);
+  RefreshResult result;
+  Geometry& g = result.geometry;
+  g.mode = options.mode;
+  g.version = previous ? previous->version + 1 : 1;
+  g.m = m;
+  g.n = n;
+  g.alpha = options.alpha;
+  switch (options.mode) {
+    case GeometryMode::kNone: break;
+    case GeometryMode::kDiag: EstimateDiag(G, m, n, options.alpha, g); break;
+    case GeometryMode::kLowRank: EstimateLowRank(G, m, n, options, previous, g); break;
+    default:
+      GEOFP8_FAIL("GeometryOptions.mode: unknown value (", static_cast<int>(options.mode),
+                  "); accepted: ", AcceptedGeometryModes());
+  }
+  if (previous && previous->version > 0 && previous->mode == g.mode && previous->m == m &&
+      previous->n == n && previous->k == g.k) {
+    result.drift = SubspaceDrift(*previous, g);
+  }
+  result.seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+  return result;
+}
+
+void ApplyGeometry(const Geometry& geometry, std::span<float> G) { Transform(geometry, G, false); }
+void InvertGeometry(const Geometry& geometry, std::span<float> G) { Transform(geometry, G, true); }
+
+double SubspaceDrift(const Geometry& a, const Geometry& b) {
+  if (a.is_identity() && b.is_identity()) return 0.0;
+  if (a.is_identity() || b.is_identity() || a.mode != b.mode) return 1.0;
+  if (a.m != b.m || a.n != b.n || a.k != b.k) {
+    GEOFP8_FAIL("SubspaceDrift: shapes differ (", a.m, "x", a.n, " k=", a.k, " vs ", b.m, "x",
+                b.n, " k=", b.k, ")");
+  }
+  if (a.mode == GeometryMode::kDiag) {
+    // Relative change of the scale vectors: 0 for equal scales, at most 1.
+    double num = 0, den_a = 0, den_b = 0;
+    auto add = [&](const std::vector<float>& x, const std::vector<float>& y) {
+      GEOFP8_CHECK(x.size() == y.size(), "diag scale sizes differ: ", x.size(), " vs ", y.size());
+      for (size_t i = 0; i < x.size(); ++i) {
+        num += (double(x[i]) - y[i]) * (double(x[i]) - y[i]);
+        den_a += double(x[i]) * x[i];
+        den_b += double(y[i]) * y[i];
+      }
+    };
+    add(a.row_scale, b.row_scale);
+    add(a.col_scale, b.col_scale);
+    const double den = std::sqrt(std::max(den_a, den_b));
+    return den > 0 ? std::clamp(std::sqrt(num) / den, 0.0, 1.0) : 0.0;
+  }
+  if (a.k == 0) return 0.0;
+  GEOFP8_CHECK(static_cast<int64_t>(a.U.size()) == a.m * a.k &&
+                   static_cast<int64_t>(b.U.size()) == b.m * b.k &&
+                   static_cast<int64_t>(a.V.size()) == a.n * a.k &&
+                   static_cast<int64_t>(b.V.size()) == b.n * b.k,
+               "SubspaceDrift: basis sizes do not match the shape");
+  return std::max(SinTheta(a.U, b.U, a.m, a.k), SinTheta(a.V, b.V, a.n, a.k));
+}
+
+}  // namespace geofp8

@@ -1,0 +1,116 @@
+// LAPACK wrappers for the geometry: Householder QR, divide-and-conquer SVD, symmetric eigen.
+// Each call checks LAPACK's info and throws geofp8::Error naming the routine.
+#include "kernels/geometry/lapack.h"
+
+#include <algorithm>
+
+#include "kernels/common/check.h"
+
+extern "C" {
+void dgeqrf_(const int* m, const int* n, double* a, const int* lda, double* tau, double* work,
+             const int* lwork, int* info);
+void dorgqr_(const int* m, const int* n, const int* k, double* a, const int* lda,
+             const double* tau, double* work, const int* lwork, int* info);
+void dgesdd_(const char* jobz, const int* m, const int* n, double* a, const int* lda, double* s,
+             double* u, const int* ldu, double* vt, const int* ldvt, double* work,
+             const int* lwork, int* iwork, int* info);
+void dgesv_(const int* n, const int* nrhs, double* a, const int* lda, int* ipiv, double* b,
+            const int* ldb, int* info);
+void dsyev_(const char* jobz, const char* uplo, const int* n, double* a, const int* lda,
+            double* w, double* work, const int* lwork, int* info);
+}
+
+namespace geofp8::geometry::lapack {
+namespace {
+
+int ToInt(int64_t v, const char* what) {
+  GEOFP8_CHECK(v >= 0 && v <= INT32_MAX, what, " out of LAPACK's int range: ", v);
+  return static_cast<int>(v);
+}
+
+}  // namespace
+
+void QrInPlace(std::vector<double>& a, int64_t rows, int64_t cols, std::vector<double>* r) {
+  GEOFP8_CHECK(rows >= cols && cols >= 0, "QR needs rows >= cols, got ", rows, "x", cols);
+  GEOFP8_CHECK(static_cast<int64_t>(a.size()) == rows * cols, "QR buffer size ", a.size());
+  if (r) r->assign(static_cast<size_t>(cols * cols), 0.0);
+  if (cols == 0) return;
+  const int m = ToInt(rows, "rows"), n = ToInt(cols, "cols"), lda = std::max(1, m);
+  std::vector<double> tau(static_cast<size_t>(n));
+  int info = 0, lwork = -1;
+  double query = 0;
+  dgeqrf_(&m, &n, a.data(), &lda, tau.data(), &query, &lwork, &info);
+  GEOFP8_CHECK(info == 0, "dgeqrf workspace query failed, info=", info);
+  lwork = std::max(1, static_cast<int>(query));
+  std::vector<double> work(static_cast<size_t>(lwork));
+  dgeqrf_(&m, &n, a.data(), &lda, tau.data(), work.data(), &lwork, &info);
+  GEOFP8_CHECK(info == 0, "dgeqrf failed, info=", info);
+  if (r) {
+    for (int j = 0; j < n; ++j)
+      for (int i = 0; i <= j; ++i) (*r)[static_cast<size_t>(j) * n + i] = a[static_cast<size_t>(j) * m + i];
+  }
+  lwork = -1;
+  dorgqr_(&m, &n, &n, a.data(), &lda, tau.data(), &query, &lwork, &info);
+  GEOFP8_CHECK(info == 0, "dorgqr workspace query failed, info=", info);
+  lwork = std::max(1, static_cast<int>(query));
+  work.assign(static_cast<size_t>(lwork), 0.0);
+  dorgqr_(&m, &n, &n, a.data(), &lda, tau.data(), work.data(), &lwork, &info);
+  GEOFP8_CHECK(info == 0, "dorgqr failed, info=", info);
+}
+
+Svd ThinSvd(std::vector<double>& a, int64_t rows, int64_t cols) {
+  GEOFP8_CHECK(static_cast<int64_t>(a.size()) == rows * cols, "SVD buffer size ", a.size());
+  Svd out;
+  const int64_t p64 = std::min(rows, cols);
+  if (p64 == 0) return out;
+  const int m = ToInt(rows, "rows"), n = ToInt(cols, "cols"), p = ToInt(p64, "rank");
+  out.u.resize(static_cast<size_t>(m) * p);
+  out.s.resize(static_cast<size_t>(p));
+  out.vt.resize(static_cast<size_t>(p) * n);
+  const char jobz = 'S';
+  const int lda = m, ldu = m, ldvt = p;
+  std::vector<int> iwork(static_cast<size_t>(8) * p);
+  int info = 0, lwork = -1;
+  double query = 0;
+  dgesdd_(&jobz, &m, &n, a.data(), &lda, out.s.data(), out.u.data(), &ldu, out.vt.data(), &ldvt,
+          &query, &lwork, iwork.data(), &info);
+  GEOFP8_CHECK(info == 0, "dgesdd workspace query failed, info=", info);
+  lwork = std::max(1, static_cast<int>(query));
+  std::vector<double> work(static_cast<size_t>(lwork));
+  dgesdd_(&jobz, &m, &n, a.data(), &lda, out.s.data(), out.u.data(), &ldu, out.vt.data(), &ldvt,
+          work.data(), &lwork, iwork.data(), &info);
+  GEOFP8_CHECK(info == 0, "dgesdd failed to converge, info=", info);
+  return out;
+}
+
+std::vector<double> Inverse(std::vector<double> a, int64_t n64) {
+  GEOFP8_CHECK(static_cast<int64_t>(a.size()) == n64 * n64, "inverse buffer size ", a.size());
+  std::vector<double> b(a.size(), 0.0);
+  if (n64 == 0) return b;
+  const int n = ToInt(n64, "n");
+  for (int i = 0; i < n; ++i) b[static_cast<size_t>(i) * n + i] = 1.0;
+  std::vector<int> ipiv(static_cast<size_t>(n));
+  int info = 0;
+  dgesv_(&n, &n, a.data(), &n, ipiv.data(), b.data(), &n, &info);
+  GEOFP8_CHECK(info == 0, "dgesv: matrix is singular, info=", info);
+  return b;
+}
+
+double LargestEigenvalue(std::vector<double>& a, int64_t n64) {
+  GEOFP8_CHECK(static_cast<int64_t>(a.size()) == n64 * n64, "eigen buffer size ", a.size());
+  if (n64 == 0) return 0.0;
+  const int n = ToInt(n64, "n");
+  const char jobz = 'N', uplo = 'U';
+  std::vector<double> w(static_cast<size_t>(n));
+  int info = 0, lwork = -1;
+  double query = 0;
+  dsyev_(&jobz, &uplo, &n, a.data(), &n, w.data(), &query, &lwork, &info);
+  GEOFP8_CHECK(info == 0, "dsyev workspace query failed, info=", info);
+  lwork = std::max(1, static_cast<int>(query));
+  std::vector<double> work(static_cast<size_t>(lwork));
+  dsyev_(&jobz, &uplo, &n, a.data(), &n, w.data(), work.data(), &lwork, &info);
+  GEOFP8_CHECK(info == 0, "dsyev failed to converge, info=", info);
+  return w.back();  // ascending order
+}
+
+}  // namespace geofp8::geometry::lapack
