@@ -1,0 +1,270 @@
+// Rendering for geofp8ctl. JSON comes from protobuf's own printer; YAML is that JSON re-emitted
+// in block style by yaml-cpp, so the two formats always carry the same fields.
+#include "client/ctl/render.h"
+
+#include <google/protobuf/util/json_util.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdio>
+#include <sstream>
+
+#include "yaml-cpp/yaml.h"
+
+namespace geofp8::ctl {
+namespace {
+
+std::string Fmt(const char* fmt, double v) {
+  char buf[64];
+  std::snprintf(buf, sizeof buf, fmt, v);
+  return buf;
+}
+
+void ToBlock(YAML::Node node) {
+  node.SetStyle(YAML::EmitterStyle::Block);
+  if (node.IsMap()) {
+    for (auto kv : node) ToBlock(kv.second);
+  } else if (node.IsSequence()) {
+    for (auto item : node) ToBlock(item);
+  }
+}
+
+std::string Age(int64_t since_ms, int64_t now_ms) {
+  if (since_ms <= 0) return "-";
+  return Duration(static_cast<double>(now_ms - since_ms) / 1000.0);
+}
+
+std::string LayerFields(const v1::LayerPatch& p) {
+  std::vector<std::string> parts;
+  if (p.has_format()) parts.push_back("format=" + p.format());
+  if (p.has_scaling()) parts.push_back("scaling=" + p.scaling());
+  if (p.has_block()) parts.push_back("block=" + std::to_string(p.block()));
+  if (p.has_rounding()) parts.push_back("rounding=" + p.rounding());
+  if (p.has_geometry()) parts.push_back("geometry=" + p.geometry());
+  if (p.has_rank()) parts.push_back("rank=" + std::to_string(p.rank()));
+  if (p.has_alpha()) parts.push_back("alpha=" + Fmt("%g", p.alpha()));
+  if (p.has_error_feedback()) parts.push_back(std::string("error_feedback=") + (p.error_feedback() ? "on" : "off"));
+  if (p.has_refresh_interval()) parts.push_back("refresh_interval=" + std::to_string(p.refresh_interval()));
+  std::string out;
+  for (const auto& s : parts) out += (out.empty() ? "" : " ") + s;
+  return out;
+}
+
+}  // namespace
+
+std::string ToJson(const google::protobuf::Message& m) {
+  std::string out;
+  google::protobuf::util::JsonPrintOptions options;
+  options.add_whitespace = true;
+  options.preserve_proto_field_names = true;
+  options.always_print_primitive_fields = true;
+  (void)google::protobuf::util::MessageToJsonString(m, &out, options);
+  return out;
+}
+
+std::string ToYaml(const google::protobuf::Message& m) {
+  YAML::Node node = YAML::Load(ToJson(m));
+  ToBlock(node);
+  YAML::Emitter out;
+  out << node;
+  return std::string(out.c_str()) + "\n";
+}
+
+std::string Table(const std::vector<std::vector<std::string>>& rows) {
+  std::vector<size_t> width;
+  for (const auto& row : rows) {
+    if (width.size() < row.size()) width.resize(row.size(), 0);
+    for (size_t i = 0; i < row.size(); ++i) width[i] = std::max(width[i], row[i].size());
+  }
+  std::ostringstream os;
+  for (const auto& row : rows) {
+    std::string line;
+    for (size_t i = 0; i < row.size(); ++i) {
+      line += row[i];
+      if (i + 1 < row.size()) line += std::string(width[i] - row[i].size() + 2, ' ');
+    }
+    while (!line.empty() && line.back() == ' ') line.pop_back();
+    os << line << "\n";
+  }
+  return os.str();
+}
+
+std::string StateName(v1::JobState s) {
+  std::string n = v1::JobState_Name(s);
+  return n.rfind("JOB_", 0) == 0 ? n.substr(4) : n;
+}
+
+std::string WorkerStateName(v1::WorkerState s) {
+  std::string n = v1::WorkerState_Name(s);
+  return n.rfind("WORKER_", 0) == 0 ? n.substr(7) : n;
+}
+
+std::string Duration(double seconds) {
+  if (seconds < 0 || !std::isfinite(seconds)) return "-";
+  const int64_t s = static_cast<int64_t>(seconds + 0.5);
+  char buf[64];
+  if (s < 60) {
+    std::snprintf(buf, sizeof buf, "%llds", static_cast<long long>(s));
+  } else if (s < 3600) {
+    std::snprintf(buf, sizeof buf, "%lldm%02llds", static_cast<long long>(s / 60),
+                  static_cast<long long>(s % 60));
+  } else if (s < 86400) {
+    std::snprintf(buf, sizeof buf, "%lldh%02lldm", static_cast<long long>(s / 3600),
+                  static_cast<long long>((s % 3600) / 60));
+  } else {
+    std::snprintf(buf, sizeof buf, "%lldd%02lldh", static_cast<long long>(s / 86400),
+                  static_cast<long long>((s % 86400) / 3600));
+  }
+  return buf;
+}
+
+std::string Bytes(double bytes) {
+  const char* units[] = {"B", "KiB", "MiB", "GiB", "TiB"};
+  int u = 0;
+  while (std::fabs(bytes) >= 1024 && u < 4) {
+    bytes /= 1024;
+    ++u;
+  }
+  char buf[64];
+  std::snprintf(buf, sizeof buf, u == 0 ? "%.0f %s" : "%.1f %s", bytes, units[u]);
+  return buf;
+}
+
+std::string JobsTable(const std::vector<v1::Job>& jobs, int64_t now_ms) {
+  std::vector<std::vector<std::string>> rows = {
+      {"ID", "NAME", "STATE", "STEP", "WORLD", "RESTARTS", "POLICY", "AGE", "REASON"}};
+  for (const auto& j : jobs) {
+    rows.push_back({j.id(), j.name(), StateName(j.state()),
+                    std::to_string(j.progress().step()) + "/" +
+                        std::to_string(j.progress().total_steps()),
+                    std::to_string(j.world_size()),
+                    std::to_string(j.restarts()) + "/" + std::to_string(j.max_restarts()),
+                    "v" + std::to_string(j.policy_version()), Age(j.created_unix_ms(), now_ms),
+                    j.reason()});
+  }
+  return Table(rows);
+}
+
+std::string WorkersTable(const v1::ListWorkersResponse& workers, int64_t now_ms) {
+  std::vector<std::vector<std::string>> rows = {
+      {"ID", "STATE", "GEN", "JOB", "RANK", "DEVICE", "MEMORY", "STEP", "LAST-HEARTBEAT"}};
+  for (const auto& w : workers.workers()) {
+    rows.push_back({w.id(), WorkerStateName(w.state()), std::to_string(w.generation()),
+                    w.job_id().empty() ? "-" : w.job_id(),
+                    w.rank() >= 0 && !w.job_id().empty() ? std::to_string(w.rank()) : "-",
+                    w.device().empty() ? "-" : w.device(),
+                    w.memory_bytes() ? Bytes(static_cast<double>(w.memory_bytes())) : "-",
+                    w.last_step() >= 0 ? std::to_string(w.last_step()) : "-",
+                    Age(w.last_heartbeat_unix_ms(), now_ms) + " ago"});
+  }
+  return Table(rows);
+}
+
+std::string PolicyTable(const v1::Policy& p) {
+  std::ostringstream os;
+  os << "job " << p.job_id() << "  policy v" << p.version() << "  effective at step "
+     << p.effective_step() << "  (" << p.author() << ": " << p.reason() << ")\n\n";
+  const auto& d = p.default_policy();
+  std::vector<std::vector<std::string>> rows = {
+      {"LAYER", "FORMAT", "SCALING", "BLOCK", "ROUNDING", "GEOMETRY", "RANK", "ALPHA", "EF"},
+      {"(default)", d.format(), d.scaling(), std::to_string(d.block()), d.rounding(), d.geometry(),
+       std::to_string(d.rank()), Fmt("%g", d.alpha()), d.error_feedback() ? "on" : "off"}};
+  os << Table(rows);
+  if (p.patches_size() > 0) {
+    os << "\npatches, applied in order:\n";
+    std::vector<std::vector<std::string>> prow = {{"#", "LAYER", "FIELDS"}};
+    for (int i = 0; i < p.patches_size(); ++i) {
+      prow.push_back({std::to_string(i), p.patches(i).layer(), LayerFields(p.patches(i))});
+    }
+    os << Table(prow);
+  }
+  if (p.refresh_size() > 0) {
+    os << "\ngeometry refresh schedule:\n";
+    std::vector<std::vector<std::string>> rrow = {{"LAYER", "OWNER", "INTERVAL", "OFFSET"}};
+    for (const auto& r : p.refresh()) {
+      rrow.push_back({r.layer(), std::to_string(r.owner()), std::to_string(r.interval()),
+                      std::to_string(r.offset())});
+    }
+    os << Table(rrow);
+  }
+  return os.str();
+}
+
+std::string PolicyHistoryTable(const v1::ListPolicyVersionsResponse& versions) {
+  std::vector<std::vector<std::string>> rows = {
+      {"VERSION", "EFFECTIVE-STEP", "AUTHOR", "PATCHES", "REASON"}};
+  for (const auto& p : versions.policies()) {
+    rows.push_back({"v" + std::to_string(p.version()), std::to_string(p.effective_step()),
+                    p.author(), std::to_string(p.patches_size()), p.reason()});
+  }
+  return Table(rows);
+}
+
+std::string DescribeJob(const v1::Job& j, const v1::Policy* policy, int64_t now_ms) {
+  std::ostringstream os;
+  const auto& pr = j.progress();
+  os << "Job:          " << j.id() << "\n"
+     << "Name:         " << j.name() << "\n"
+     << "State:        " << StateName(j.state()) << "\n"
+     << "Reason:       " << j.reason() << "\n"
+     << "World size:   " << j.world_size() << "\n"
+     << "Attempt:      " << j.attempt() << "  (restarts " << j.restarts() << "/"
+     << j.max_restarts() << ")\n"
+     << "Progress:     step " << pr.step() << "/" << pr.total_steps() << ", loss "
+     << Fmt("%.4f", pr.loss()) << ", " << Fmt("%.0f", pr.tokens_per_second()) << " tok/s\n"
+     << "Checkpoint:   step " << pr.checkpoint_step() << "\n";
+  if (pr.bytes_baseline() > 0) {
+    os << "Bytes:        sent " << Bytes(static_cast<double>(pr.bytes_sent())) << " of fp32 "
+       << Bytes(static_cast<double>(pr.bytes_baseline())) << " (saved "
+       << Fmt("%.1f", 100.0 * (1.0 - static_cast<double>(pr.bytes_sent()) /
+                                         static_cast<double>(pr.bytes_baseline())))
+       << "%)\n";
+  }
+  os << "Policy:       v" << j.policy_version() << "\n"
+     << "Idempotency:  " << (j.idempotency_key().empty() ? "-" : j.idempotency_key()) << "\n"
+     << "Created:      " << Age(j.created_unix_ms(), now_ms) << " ago\n";
+  if (j.ranks_size() > 0) {
+    os << "\nRanks:\n";
+    std::vector<std::vector<std::string>> rows = {{"  RANK", "WORKER", "GEN"}};
+    for (const auto& r : j.ranks()) {
+      rows.push_back({"  " + std::to_string(r.rank()), r.worker_id(), std::to_string(r.generation())});
+    }
+    os << Table(rows);
+  }
+  if (policy) os << "\n" << PolicyTable(*policy);
+  if (j.events_size() > 0) {
+    os << "\nEvents:\n";
+    std::vector<std::vector<std::string>> rows = {{"  AGE", "STATE", "MESSAGE"}};
+    for (const auto& e : j.events()) {
+      rows.push_back({"  " + Age(e.unix_ms(), now_ms), StateName(e.state()), e.message()});
+    }
+    os << Table(rows);
+  }
+  return os.str();
+}
+
+std::string ProgressLine(const v1::Job& job, double steps_per_second, int bar_width) {
+  const auto& p = job.progress();
+  const double total = static_cast<double>(std::max<int64_t>(p.total_steps(), 1));
+  const double frac = std::clamp(static_cast<double>(p.step()) / total, 0.0, 1.0);
+  const int filled = static_cast<int>(frac * bar_width + 0.5);
+  std::string line = "[" + std::string(filled, '#') + std::string(bar_width - filled, '.') + "] ";
+  line += std::to_string(p.step()) + "/" + std::to_string(p.total_steps());
+  line += "  " + Fmt("%3.0f%%", 100 * frac);
+  line += "  loss " + Fmt("%.4g", p.loss());
+  const double tps = p.tokens_per_second();
+  line += "  " + (tps >= 1000 ? Fmt("%.1fk", tps / 1000) : Fmt("%.0f", tps)) + " tok/s";
+  if (p.bytes_baseline() > 0) {
+    const double saved = static_cast<double>(p.bytes_baseline()) - static_cast<double>(p.bytes_sent());
+    line += "  saved " + Fmt("%.0f%%", 100 * saved / static_cast<double>(p.bytes_baseline())) +
+            " (" + Bytes(saved) + ")";
+  } else {
+    line += "  saved -";
+  }
+  const double remaining = static_cast<double>(p.total_steps() - p.step());
+  line += "  ETA " + (steps_per_second > 0 ? Duration(remaining / steps_per_second) : std::string("-"));
+  line += "  " + StateName(job.state());
+  return line;
+}
+
+}  // namespace geofp8::ctl
