@@ -7,9 +7,11 @@
 #include <cmath>
 #include <cstring>
 #include <sstream>
+#include <vector>
 
 #include "kernels/codec/codec_internal.h"
 #include "kernels/codec/element.h"
+#include "kernels/codec/raw.h"
 #include "kernels/common/check.h"
 
 namespace geofp8 {
@@ -122,24 +124,6 @@ inline float FiniteAmax(const float* x, size_t n, uint64_t* nonfinite) {
   return amax;
 }
 
-// One fp8 element: the non-finite rule first (NaN code, or E5M2's inf), then the scaled value.
-template <Format F>
-inline uint8_t EncodeFp8Element(float x, float scale, bool stochastic, uint32_t r,
-                                uint64_t* saturated) {
-  constexpr float kMax = F == Format::kFp8E5M2 ? 57344.f : 448.f;
-  const uint32_t u = el::FloatBits(x);
-  if ((u & 0x7FFFFFFFu) >= 0x7F800000u) {
-    const uint8_t sign = static_cast<uint8_t>((u >> 24) & 0x80u);
-    if ((u & 0x7FFFFFFFu) > 0x7F800000u) return 0x7F;
-    return F == Format::kFp8E5M2 ? static_cast<uint8_t>(sign | 0x7Cu)
-                                 : static_cast<uint8_t>(sign | 0x7Fu);
-  }
-  const float y = x * scale;
-  if (std::fabs(y) > kMax) ++*saturated;
-  return F == Format::kFp8E5M2 ? el::FloatToE5M2(y, stochastic, r)
-                               : el::FloatToE4M3(y, stochastic, r);
-}
-
 template <Format F>
 void EncodeFp8Scalar(const float* x, const Layout& l, const CodecOptions& o, uint8_t* scales,
                      uint8_t* payload, EncodeStats* st) {
@@ -158,7 +142,7 @@ void EncodeFp8Scalar(const float* x, const Layout& l, const CodecOptions& o, uin
     }
     for (size_t i = b0; i < b0 + len; ++i) {
       const uint32_t r = stochastic ? el::RandomBits(key, i) : 0u;
-      payload[i] = EncodeFp8Element<F>(x[i], scale, stochastic, r, &st->saturated);
+      payload[i] = detail::EncodeFp8Element<F>(x[i], scale, stochastic, r, &st->saturated);
     }
   }
   if (l.scaling == Scaling::kTensor && n == 0) StoreF32(scales, 1.f);
@@ -409,6 +393,78 @@ void Decode(std::span<const uint8_t> in, std::span<float> out) { DecodeImpl<fals
 
 void DecodeAccumulate(std::span<const uint8_t> in, std::span<float> acc) {
   DecodeImpl<true>(in, acc);
+}
+
+}  // namespace geofp8
+
+// ---------------------------------------------------------------------------------------------
+// Raw conversion (kernels/codec/raw.h).
+
+namespace geofp8 {
+
+size_t RawBytes(Format format, size_t n) {
+  const int bits = FormatBits(format);
+  GEOFP8_CHECK(bits > 0, "format: unknown value ", static_cast<int>(format), " (accepted: ",
+               AcceptedFormats(), ")");
+  return bits == 4 ? (n + 1) / 2 : n * static_cast<size_t>(bits / 8);
+}
+
+EncodeStats EncodeRaw(std::span<const float> x, const CodecOptions& options,
+                      std::span<uint8_t> out) {
+  const size_t need = RawBytes(options.format, x.size());
+  GEOFP8_CHECK(out.size() >= need, "encode raw: output holds ", out.size(), " bytes, needs ",
+               need);
+  EncodeStats st;
+  if (options.format != Format::kNvfp4) {
+    CodecOptions o = options;
+    o.scaling = Scaling::kNone;
+    if (o.format == Format::kMxfp8) o.format = Format::kFp8E4M3;
+    std::vector<uint8_t> buf(EncodedBytes(o, x.size()));
+    st = Encode(x, o, buf);
+    if (need) std::memcpy(out.data(), buf.data() + sizeof(EncodedHeader), need);
+    return st;
+  }
+  const bool stochastic = options.rounding == Rounding::kStochastic;
+  const uint64_t key = el::StreamKey(options.seed, options.step, options.layer, options.rank);
+  std::memset(out.data(), 0, need);
+  for (size_t i = 0; i < x.size(); ++i) {
+    GEOFP8_CHECK(el::IsFinite(x[i]), "encode raw: input[", i, "] is non-finite (", x[i],
+                 ") and nvfp4 has no NaN code");
+    if (std::fabs(x[i]) > 6.f) ++st.saturated;
+    const uint8_t e = el::FloatToE2M1(x[i], stochastic, stochastic ? el::RandomBits(key, i) : 0u);
+    out[i / 2] |= static_cast<uint8_t>(e << (4 * (i & 1)));
+  }
+  return st;
+}
+
+void DecodeRaw(std::span<const uint8_t> in, Format format, std::span<float> out) {
+  const size_t need = RawBytes(format, out.size());
+  GEOFP8_CHECK(in.size() == need, "decode raw: ", in.size(), " bytes do not hold ", out.size(),
+               " ", FormatName(format), " elements (need ", need, ")");
+  const Tables& t = DecodeTables();
+  for (size_t i = 0; i < out.size(); ++i) {
+    switch (format) {
+      case Format::kFp32:
+        out[i] = LoadF32(in.data() + 4 * i);
+        break;
+      case Format::kBf16: {
+        uint16_t h;
+        std::memcpy(&h, in.data() + 2 * i, 2);
+        out[i] = el::Bf16ToFloat(h);
+        break;
+      }
+      case Format::kFp8E4M3:
+      case Format::kMxfp8:
+        out[i] = t.e4m3[in[i]];
+        break;
+      case Format::kFp8E5M2:
+        out[i] = t.e5m2[in[i]];
+        break;
+      case Format::kNvfp4:
+        out[i] = t.e2m1[(in[i / 2] >> (4 * (i & 1))) & 0xF];
+        break;
+    }
+  }
 }
 
 }  // namespace geofp8

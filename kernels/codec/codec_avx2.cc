@@ -1,11 +1,282 @@
-// AVX2 path of the fp8 codec (E4M3/E5M2, nearest rounding), chosen at run time.
-// Bit-identical to the scalar reference in codec.cc; tests compare the two.
+// AVX2 path of the fp8 codec (E4M3/E5M2, nearest rounding, none/tensor/block scaling), chosen at
+// run time. Bit-identical to the scalar reference in codec.cc; tests compare the two.
+#include <algorithm>
+#include <cstring>
+
 #include "kernels/codec/codec_internal.h"
+#include "kernels/codec/element.h"
+
+#if defined(__x86_64__)
+#include <immintrin.h>
+#define GEOFP8_X86 1
+#else
+#define GEOFP8_X86 0
+#endif
 
 namespace geofp8::detail {
+
+#if GEOFP8_X86
+
+bool CpuHasAvx2() {
+  static const bool has = [] {
+    __builtin_cpu_init();
+    return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") &&
+           __builtin_cpu_supports("f16c");
+  }();
+  return has;
+}
+
+namespace {
+
+#define GEOFP8_AVX2 __attribute__((target("avx2,fma,f16c")))
+
+// Format constants, as in element::FloatToSmall: M mantissa bits, bias B.
+template <Format F>
+struct Fp8Params {
+  static constexpr int M = F == Format::kFp8E5M2 ? 2 : 3;
+  static constexpr int B = F == Format::kFp8E5M2 ? 15 : 7;
+  static constexpr uint32_t kMaxCode = F == Format::kFp8E5M2 ? 0x7Bu : 0x7Eu;
+  static constexpr uint32_t kOverflowBits = F == Format::kFp8E5M2 ? 0x476FFFFFu : 0x43E80000u;
+  static constexpr float kMax = F == Format::kFp8E5M2 ? 57344.f : 448.f;
+};
+
+// Eight finite scaled values -> eight codes in the low byte of each 32-bit lane. Same cases as
+// element::FloatToSmall (nearest): normal range by integer round-half-even on the float bits;
+// below the smallest normal, |y| * 2^(B+M-1) is exact and rounding it to the nearest even integer
+// gives the subnormal code directly (0 below half the smallest subnormal, 2^M at the boundary).
+template <Format F>
+GEOFP8_AVX2 inline __m256i ConvertFinite(__m256 y) {
+  using P = Fp8Params<F>;
+  constexpr int kShift = 23 - P::M;
+  const __m256i u = _mm256_castps_si256(y);
+  const __m256i sign = _mm256_and_si256(_mm256_srli_epi32(u, 24), _mm256_set1_epi32(0x80));
+  const __m256i a = _mm256_and_si256(u, _mm256_set1_epi32(0x7FFFFFFF));
+  // Normal: (a + half - 1 + lsb) >> shift, minus the exponent rebias.
+  const __m256i lsb = _mm256_and_si256(_mm256_srli_epi32(a, kShift), _mm256_set1_epi32(1));
+  const __m256i t =
+      _mm256_add_epi32(_mm256_add_epi32(a, _mm256_set1_epi32((1 << (kShift - 1)) - 1)), lsb);
+  const __m256i normal = _mm256_sub_epi32(_mm256_srli_epi32(t, kShift),
+                                          _mm256_set1_epi32((127 - P::B) << P::M));
+  // Subnormal (and zero): round(|y| * 2^(B+M-1)) to nearest even.
+  const __m256 mag = _mm256_castsi256_ps(a);
+  const __m256 scaled =
+      _mm256_mul_ps(mag, _mm256_set1_ps(static_cast<float>(1u << (P::B + P::M - 1))));
+  const __m256i sub =
+      _mm256_cvttps_epi32(_mm256_round_ps(scaled, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+  const __m256i is_normal =
+      _mm256_cmpgt_epi32(a, _mm256_set1_epi32(static_cast<int>(((128 - P::B) << 23) - 1)));
+  __m256i res = _mm256_blendv_epi8(sub, normal, is_normal);
+  const __m256i over = _mm256_cmpgt_epi32(a, _mm256_set1_epi32(static_cast<int>(P::kOverflowBits)));
+  res = _mm256_blendv_epi8(res, _mm256_set1_epi32(static_cast<int>(P::kMaxCode)), over);
+  return _mm256_or_si256(res, sign);
+}
+
+// Packs four vectors of 32-bit codes (each < 256) into 32 bytes in element order.
+GEOFP8_AVX2 inline void Store32Codes(uint8_t* dst, __m256i r0, __m256i r1, __m256i r2,
+                                     __m256i r3) {
+  const __m256i p01 = _mm256_packus_epi32(r0, r1);
+  const __m256i p23 = _mm256_packus_epi32(r2, r3);
+  const __m256i b = _mm256_packus_epi16(p01, p23);
+  const __m256i ordered = _mm256_permutevar8x32_epi32(b, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst), ordered);
+}
+
+// Finite amax of x[0..n); returns false if any value is non-finite.
+GEOFP8_AVX2 bool AmaxAllFinite(const float* x, size_t n, float* amax) {
+  const __m256i abs_mask = _mm256_set1_epi32(0x7FFFFFFF);
+  const __m256i inf_minus_1 = _mm256_set1_epi32(0x7F7FFFFF);
+  __m256i m0 = _mm256_setzero_si256(), m1 = _mm256_setzero_si256();
+  __m256i bad = _mm256_setzero_si256();
+  size_t i = 0;
+  // Finite non-negative floats order like their bit patterns, so an integer max is exact.
+  for (; i + 16 <= n; i += 16) {
+    const __m256i a0 = _mm256_and_si256(
+        _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x + i)), abs_mask);
+    const __m256i a1 = _mm256_and_si256(
+        _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x + i + 8)), abs_mask);
+    m0 = _mm256_max_epi32(m0, a0);
+    m1 = _mm256_max_epi32(m1, a1);
+  }
+  for (; i + 8 <= n; i += 8) {
+    const __m256i a0 = _mm256_and_si256(
+        _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x + i)), abs_mask);
+    m0 = _mm256_max_epi32(m0, a0);
+  }
+  m0 = _mm256_max_epi32(m0, m1);
+  bad = _mm256_cmpgt_epi32(m0, inf_minus_1);
+  alignas(32) uint32_t lanes[8];
+  _mm256_store_si256(reinterpret_cast<__m256i*>(lanes), m0);
+  uint32_t best = 0;
+  for (uint32_t v : lanes) best = std::max(best, v);
+  for (; i < n; ++i) {
+    uint32_t b;
+    std::memcpy(&b, x + i, 4);
+    best = std::max(best, b & 0x7FFFFFFFu);
+  }
+  if (!_mm256_testz_si256(bad, bad) || best >= 0x7F800000u) return false;
+  *amax = element::BitsFloat(best);
+  return true;
+}
+
+// Encodes n finite values with one scale; returns the saturated count.
+template <Format F>
+GEOFP8_AVX2 uint64_t EncodeRun(const float* x, size_t n, float scale, uint8_t* out) {
+  using P = Fp8Params<F>;
+  const __m256 s = _mm256_set1_ps(scale);
+  const __m256 vmax = _mm256_set1_ps(P::kMax);
+  const __m256 abs_mask = _mm256_castsi256_ps(_mm256_set1_epi32(0x7FFFFFFF));
+  uint64_t saturated = 0;
+  size_t i = 0;
+  for (; i + 32 <= n; i += 32) {
+    const __m256 y0 = _mm256_mul_ps(_mm256_loadu_ps(x + i), s);
+    const __m256 y1 = _mm256_mul_ps(_mm256_loadu_ps(x + i + 8), s);
+    const __m256 y2 = _mm256_mul_ps(_mm256_loadu_ps(x + i + 16), s);
+    const __m256 y3 = _mm256_mul_ps(_mm256_loadu_ps(x + i + 24), s);
+    const int sat = _mm256_movemask_ps(_mm256_cmp_ps(_mm256_and_ps(y0, abs_mask), vmax, _CMP_GT_OQ)) |
+                    _mm256_movemask_ps(_mm256_cmp_ps(_mm256_and_ps(y1, abs_mask), vmax, _CMP_GT_OQ)) << 8 |
+                    _mm256_movemask_ps(_mm256_cmp_ps(_mm256_and_ps(y2, abs_mask), vmax, _CMP_GT_OQ)) << 16 |
+                    _mm256_movemask_ps(_mm256_cmp_ps(_mm256_and_ps(y3, abs_mask), vmax, _CMP_GT_OQ)) << 24;
+    if (sat) [[unlikely]] saturated += __builtin_popcount(static_cast<unsigned>(sat));
+    Store32Codes(out + i, ConvertFinite<F>(y0), ConvertFinite<F>(y1), ConvertFinite<F>(y2),
+                 ConvertFinite<F>(y3));
+  }
+  for (; i < n; ++i) out[i] = EncodeFp8Element<F>(x[i], scale, false, 0, &saturated);
+  return saturated;
+}
+
+template <Format F>
+GEOFP8_AVX2 void EncodeFp8(const float* x, const Layout& l, uint8_t* scales, uint8_t* payload,
+                           EncodeStats* st) {
+  using P = Fp8Params<F>;
+  const size_t n = l.count;
+  const size_t block = l.scaling == Scaling::kBlock ? l.block : std::max<size_t>(n, 1);
+  for (size_t b0 = 0, bi = 0; b0 < n; b0 += block, ++bi) {
+    const size_t len = std::min(block, n - b0);
+    float amax = 0.f;
+    const bool finite = AmaxAllFinite(x + b0, len, &amax);
+    float scale = 1.f;
+    if (finite) {
+      if (l.scaling != Scaling::kNone) scale = element::ScaleFromAmax(amax, P::kMax);
+      st->saturated += EncodeRun<F>(x + b0, len, scale, payload + b0);
+    } else {
+      // Rare: a non-finite value in this run. The scalar reference rule, element by element.
+      float famax = 0.f;
+      for (size_t i = b0; i < b0 + len; ++i) {
+        if (element::IsFinite(x[i])) famax = std::max(famax, x[i] < 0 ? -x[i] : x[i]);
+        else ++st->nonfinite;
+      }
+      if (l.scaling != Scaling::kNone) scale = element::ScaleFromAmax(famax, P::kMax);
+      for (size_t i = b0; i < b0 + len; ++i) {
+        payload[i] = EncodeFp8Element<F>(x[i], scale, false, 0, &st->saturated);
+      }
+    }
+    if (l.scaling != Scaling::kNone) std::memcpy(scales + 4 * bi, &scale, 4);
+  }
+  if (l.scaling == Scaling::kTensor && n == 0) {
+    const float one = 1.f;
+    std::memcpy(scales, &one, 4);
+  }
+}
+
+// Eight codes -> eight floats, as element::E4M3ToFloat / E5M2ToFloat.
+template <Format F>
+GEOFP8_AVX2 inline __m256 DecodeCodes(__m256i c) {
+  using P = Fp8Params<F>;
+  const __m256i sign = _mm256_slli_epi32(_mm256_and_si256(c, _mm256_set1_epi32(0x80)), 24);
+  const __m256i mag = _mm256_and_si256(c, _mm256_set1_epi32(0x7F));
+  const __m256i normal = _mm256_add_epi32(_mm256_slli_epi32(mag, 23 - P::M),
+                                          _mm256_set1_epi32((127 - P::B) << 23));
+  const __m256 sub = _mm256_mul_ps(_mm256_cvtepi32_ps(mag),
+                                   _mm256_set1_ps(1.f / static_cast<float>(1u << (P::B + P::M - 1))));
+  const __m256i is_sub = _mm256_cmpgt_epi32(_mm256_set1_epi32(1 << P::M), mag);
+  __m256i bits = _mm256_blendv_epi8(normal, _mm256_castps_si256(sub), is_sub);
+  if constexpr (F == Format::kFp8E4M3) {
+    const __m256i nan = _mm256_cmpeq_epi32(mag, _mm256_set1_epi32(0x7F));
+    bits = _mm256_blendv_epi8(bits, _mm256_set1_epi32(0x7FC00000), nan);
+  } else {
+    const __m256i inf = _mm256_cmpeq_epi32(mag, _mm256_set1_epi32(0x7C));
+    const __m256i nan = _mm256_cmpgt_epi32(mag, _mm256_set1_epi32(0x7C));
+    bits = _mm256_blendv_epi8(bits, _mm256_set1_epi32(0x7F800000), inf);
+    bits = _mm256_blendv_epi8(bits, _mm256_set1_epi32(0x7FC00000), nan);
+  }
+  return _mm256_castsi256_ps(_mm256_or_si256(bits, sign));
+}
+
+template <Format F, bool kAcc, bool kScaled>
+GEOFP8_AVX2 void DecodeRun(const uint8_t* in, size_t n, float scale, float* out) {
+  const __m256 s = _mm256_set1_ps(scale);
+  size_t i = 0;
+  for (; i + 8 <= n; i += 8) {
+    int64_t eight;
+    std::memcpy(&eight, in + i, 8);
+    __m256 v = DecodeCodes<F>(_mm256_cvtepu8_epi32(_mm_cvtsi64_si128(eight)));
+    if constexpr (kScaled) v = _mm256_div_ps(v, s);
+    if constexpr (kAcc) v = _mm256_add_ps(_mm256_loadu_ps(out + i), v);
+    _mm256_storeu_ps(out + i, v);
+  }
+  for (; i < n; ++i) {
+    float v = F == Format::kFp8E4M3 ? element::E4M3ToFloat(in[i]) : element::E5M2ToFloat(in[i]);
+    if constexpr (kScaled) v = v / scale;
+    if constexpr (kAcc) {
+      out[i] += v;
+    } else {
+      out[i] = v;
+    }
+  }
+}
+
+template <Format F, bool kAcc>
+GEOFP8_AVX2 void DecodeFp8(const Layout& l, const uint8_t* scales, const uint8_t* payload,
+                           float* out) {
+  const size_t n = l.count;
+  if (l.scaling == Scaling::kNone) {
+    DecodeRun<F, kAcc, false>(payload, n, 1.f, out);
+    return;
+  }
+  const size_t block = l.scaling == Scaling::kBlock ? l.block : n;
+  for (size_t b0 = 0, bi = 0; b0 < n; b0 += block, ++bi) {
+    float scale;
+    std::memcpy(&scale, scales + 4 * bi, 4);
+    DecodeRun<F, kAcc, true>(payload + b0, std::min(block, n - b0), scale, out + b0);
+  }
+}
+
+}  // namespace
+
+bool EncodeFp8Avx2(const float* x, const Layout& l, uint8_t* scales, uint8_t* payload,
+                   EncodeStats* st) {
+  if (!CpuHasAvx2()) return false;
+  if (l.format == Format::kFp8E4M3) {
+    EncodeFp8<Format::kFp8E4M3>(x, l, scales, payload, st);
+  } else if (l.format == Format::kFp8E5M2) {
+    EncodeFp8<Format::kFp8E5M2>(x, l, scales, payload, st);
+  } else {
+    return false;
+  }
+  return true;
+}
+
+bool DecodeFp8Avx2(const Layout& l, const uint8_t* scales, const uint8_t* payload, float* out,
+                   bool accumulate) {
+  if (!CpuHasAvx2()) return false;
+  if (l.format == Format::kFp8E4M3) {
+    accumulate ? DecodeFp8<Format::kFp8E4M3, true>(l, scales, payload, out)
+               : DecodeFp8<Format::kFp8E4M3, false>(l, scales, payload, out);
+  } else if (l.format == Format::kFp8E5M2) {
+    accumulate ? DecodeFp8<Format::kFp8E5M2, true>(l, scales, payload, out)
+               : DecodeFp8<Format::kFp8E5M2, false>(l, scales, payload, out);
+  } else {
+    return false;
+  }
+  return true;
+}
+
+#else  // not x86: the scalar reference is the only CPU path
 
 bool CpuHasAvx2() { return false; }
 bool EncodeFp8Avx2(const float*, const Layout&, uint8_t*, uint8_t*, EncodeStats*) { return false; }
 bool DecodeFp8Avx2(const Layout&, const uint8_t*, const uint8_t*, float*, bool) { return false; }
+
+#endif
 
 }  // namespace geofp8::detail

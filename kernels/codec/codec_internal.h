@@ -6,6 +6,7 @@
 #include <cstdint>
 
 #include "kernels/codec/codec.h"
+#include "kernels/codec/element.h"
 
 namespace geofp8::detail {
 
@@ -23,6 +24,24 @@ struct Layout {
 
 Layout MakeLayout(Format format, Scaling scaling, uint32_t block, size_t n);
 Layout MakeLayout(const CodecOptions& options, size_t n);
+
+// One fp8 element (scalar reference; the AVX2 path uses it for blocks with non-finite values).
+template <Format F>
+inline uint8_t EncodeFp8Element(float x, float scale, bool stochastic, uint32_t r,
+                                uint64_t* saturated) {
+  constexpr float kMax = F == Format::kFp8E5M2 ? 57344.f : 448.f;
+  const uint32_t u = element::FloatBits(x);
+  if ((u & 0x7FFFFFFFu) >= 0x7F800000u) {
+    const uint8_t sign = static_cast<uint8_t>((u >> 24) & 0x80u);
+    if ((u & 0x7FFFFFFFu) > 0x7F800000u) return 0x7F;
+    return F == Format::kFp8E5M2 ? static_cast<uint8_t>(sign | 0x7Cu)
+                                 : static_cast<uint8_t>(sign | 0x7Fu);
+  }
+  const float y = x * scale;
+  if ((y < 0.f ? -y : y) > kMax) ++*saturated;
+  return F == Format::kFp8E5M2 ? element::FloatToE5M2(y, stochastic, r)
+                               : element::FloatToE4M3(y, stochastic, r);
+}
 
 // Vectorized fp8 (E4M3/E5M2) paths, nearest rounding, fp32 scales; defined in codec_avx2.cc.
 // Return false (doing nothing) when the processor lacks AVX2+FMA+F16C or the case is not

@@ -6,6 +6,7 @@
 #include <cstdio>
 #include <sstream>
 
+#include "kernels/codec/codec_internal.h"
 #include "kernels/common/check.h"
 
 namespace geofp8 {
@@ -76,8 +77,10 @@ std::string Num(double v) {
 std::string CodecReportJson(const CodecReport& r) {
   std::ostringstream os;
   const ErrorMetrics& m = r.metrics;
+  // Report what the encode actually used (mxfp8: block 32, nvfp4: 16, fp32/bf16: no scaling).
+  const detail::Layout l = detail::MakeLayout(r.options, 0);
   os << "{\"format\": \"" << FormatName(r.options.format) << "\", \"scaling\": \""
-     << ScalingName(r.options.scaling) << "\", \"block\": " << r.options.block
+     << ScalingName(l.scaling) << "\", \"block\": " << l.block
      << ", \"rounding\": \"" << RoundingName(r.options.rounding) << "\", \"count\": " << m.count
      << ", \"rel_fro_error\": " << Num(m.rel_fro_error) << ", \"cosine\": " << Num(m.cosine)
      << ", \"max_abs_error\": " << Num(m.max_abs_error)

@@ -44,7 +44,7 @@ struct CodecReport {
 CodecReport AnalyzeCodec(std::span<const float> x, const CodecOptions& options,
                          std::vector<float>* decoded = nullptr);
 
-// The report as one JSON object (keys: format, scaling, block, rounding, count, rel_fro_error,
+// The report as one JSON object; scaling and block are the ones the encode used (keys: format, scaling, block, rounding, count, rel_fro_error,
 // cosine, max_abs_error, underflow_fraction, saturation_fraction, nonfinite_count,
 // header_bytes, scale_bytes, payload_bytes, compression_ratio).
 std::string CodecReportJson(const CodecReport& report);
