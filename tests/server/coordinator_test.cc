@@ -1,0 +1,535 @@
+// Coordinator handlers with fakes (clock, session sinks) and an in-memory or temp-dir SQLite
+// store: lifecycle, idempotency, rank assignment, fencing, restarts, policy versions, recovery.
+#include "server/coordinator/coordinator.h"
+
+#include <gtest/gtest.h>
+
+#include <filesystem>
+#include <thread>
+
+#include "server/coordinator/policy_engine.h"
+
+namespace geofp8 {
+namespace {
+
+class FakeClock : public Clock {
+ public:
+  int64_t now = 1'000'000;
+  int64_t NowMs() override { return now; }
+};
+
+class FakeSink : public SessionSink {
+ public:
+  void Send(const v1::CoordinatorMessage& m) override {
+    std::lock_guard<std::mutex> lock(mu);
+    messages.push_back(m);
+  }
+  std::vector<v1::CoordinatorMessage> Take(v1::CoordinatorMessage::BodyCase kind) {
+    std::lock_guard<std::mutex> lock(mu);
+    std::vector<v1::CoordinatorMessage> out;
+    for (const auto& m : messages) {
+      if (m.body_case() == kind) out.push_back(m);
+    }
+    return out;
+  }
+  std::mutex mu;
+  std::vector<v1::CoordinatorMessage> messages;
+};
+
+constexpr const char* kSpec2 =
+    "name: t\nworld_size: 2\nrestarts: {max_restarts: 1}\npolicy: {margin: 5}\n";
+
+struct Worker {
+  std::string id;
+  uint64_t generation = 0;
+  std::shared_ptr<FakeSink> sink = std::make_shared<FakeSink>();
+};
+
+class CoordinatorTest : public ::testing::Test {
+ protected:
+  void SetUp() override { Open(""); }
+  void Open(const std::string& dir) {
+    coordinator.reset();
+    auto s = Store::Open(dir);
+    ASSERT_TRUE(s.ok()) << s.status();
+    store = std::move(*s);
+    CoordinatorOptions options;
+    options.heartbeat_timeout_ms = 1000;
+    coordinator = std::make_unique<Coordinator>(store.get(), &clock, options);
+    ASSERT_TRUE(coordinator->Recover().ok());
+  }
+
+  std::string Submit(const std::string& yaml, const std::string& key = "") {
+    v1::SubmitJobRequest req;
+    req.set_spec_yaml(yaml);
+    req.set_idempotency_key(key);
+    auto r = coordinator->SubmitJob(req);
+    EXPECT_TRUE(r.ok()) << r.status();
+    return r.ok() ? r->job().id() : "";
+  }
+  v1::Job Get(const std::string& id) {
+    v1::GetJobRequest req;
+    req.set_job_id(id);
+    auto r = coordinator->GetJob(req);
+    EXPECT_TRUE(r.ok()) << r.status();
+    return r.ok() ? *r : v1::Job();
+  }
+  Worker Join(const std::string& name) {
+    v1::RegisterRequest req;
+    req.set_name(name);
+    req.set_device("cpu");
+    auto r = coordinator->Register(req);
+    EXPECT_TRUE(r.ok()) << r.status();
+    Worker w;
+    w.id = r->worker_id();
+    w.generation = r->generation();
+    EXPECT_TRUE(coordinator->OpenSession(w.id, w.generation, w.sink).ok());
+    return w;
+  }
+  absl::Status Send(const Worker& w, v1::WorkerMessage m) {
+    m.set_worker_id(w.id);
+    m.set_generation(w.generation);
+    return coordinator->HandleWorkerMessage(m);
+  }
+  absl::Status Progress(const Worker& w, int64_t step, uint64_t policy_version = 0) {
+    v1::WorkerMessage m;
+    m.mutable_progress()->set_step(step);
+    m.mutable_progress()->set_loss(2.5);
+    m.mutable_progress()->set_bytes_sent(100);
+    m.mutable_progress()->set_bytes_baseline(400);
+    m.mutable_progress()->set_policy_version(policy_version);
+    return Send(w, m);
+  }
+  absl::Status Heartbeat(const Worker& w, uint64_t seq = 0) {
+    v1::WorkerMessage m;
+    m.set_seq(seq);
+    m.mutable_heartbeat()->set_unix_ms(clock.now);
+    return Send(w, m);
+  }
+  absl::StatusOr<v1::Policy> Update(const std::string& id, const std::string& layer,
+                                    const std::string& format) {
+    v1::UpdatePolicyRequest req;
+    req.set_job_id(id);
+    auto* p = req.add_patches();
+    p->set_layer(layer);
+    p->set_format(format);
+    auto r = coordinator->UpdatePolicy(req);
+    if (!r.ok()) return r.status();
+    return r->policy();
+  }
+
+  FakeClock clock;
+  std::unique_ptr<Store> store;
+  std::unique_ptr<Coordinator> coordinator;
+};
+
+TEST_F(CoordinatorTest, SubmitValidatesAndStartsPending) {
+  v1::SubmitJobRequest bad;
+  bad.set_spec_yaml("name: x\nworld_size: -1\n");
+  auto r = coordinator->SubmitJob(bad);
+  ASSERT_FALSE(r.ok());
+  EXPECT_EQ(r.status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_NE(r.status().message().find("line 2: spec.world_size"), std::string::npos);
+
+  std::string id = Submit(kSpec2);
+  v1::Job job = Get(id);
+  EXPECT_EQ(job.state(), v1::JOB_PENDING);
+  EXPECT_EQ(job.world_size(), 2);
+  EXPECT_EQ(job.policy_version(), 1u);
+  ASSERT_EQ(job.events_size(), 1);
+  EXPECT_NE(job.events(0).message().find("waiting for 2 idle workers"), std::string::npos);
+}
+
+TEST_F(CoordinatorTest, IdempotencyKeyNeverMakesTwoJobs) {
+  std::string a = Submit(kSpec2, "key-1");
+  v1::SubmitJobRequest again;
+  again.set_spec_yaml(kSpec2);
+  again.set_idempotency_key("key-1");
+  auto r = coordinator->SubmitJob(again);
+  ASSERT_TRUE(r.ok());
+  EXPECT_FALSE(r->created());
+  EXPECT_EQ(r->job().id(), a);
+  again.set_spec_yaml("name: other\n");
+  r = coordinator->SubmitJob(again);
+  ASSERT_FALSE(r.ok());
+  EXPECT_EQ(r.status().code(), absl::StatusCode::kAlreadyExists);
+  auto list = coordinator->ListJobs(v1::ListJobsRequest());
+  ASSERT_TRUE(list.ok());
+  EXPECT_EQ(list->jobs_size(), 1);
+}
+
+TEST_F(CoordinatorTest, AssignsRanksWhenEnoughIdleWorkersThenRunsAndSucceeds) {
+  std::string id = Submit(kSpec2);
+  Worker a = Join("a");
+  EXPECT_EQ(Get(id).state(), v1::JOB_PENDING);
+  Worker b = Join("b");
+  v1::Job job = Get(id);
+  ASSERT_EQ(job.state(), v1::JOB_SCHEDULED);
+  ASSERT_EQ(job.ranks_size(), 2);
+  auto as = a.sink->Take(v1::CoordinatorMessage::kAssignment);
+  auto bs = b.sink->Take(v1::CoordinatorMessage::kAssignment);
+  ASSERT_EQ(as.size(), 1u);
+  ASSERT_EQ(bs.size(), 1u);
+  EXPECT_EQ(as[0].assignment().rank(), 0);
+  EXPECT_EQ(bs[0].assignment().rank(), 1);
+  EXPECT_EQ(as[0].assignment().world_size(), 2);
+  EXPECT_EQ(as[0].assignment().rendezvous_prefix(), id + "/0/");
+  EXPECT_EQ(as[0].assignment().policy().version(), 1u);
+
+  ASSERT_TRUE(Progress(a, 1).ok());
+  EXPECT_EQ(Get(id).state(), v1::JOB_SCHEDULED);  // not every rank has reported yet
+  ASSERT_TRUE(Progress(b, 1).ok());
+  job = Get(id);
+  EXPECT_EQ(job.state(), v1::JOB_RUNNING);
+  EXPECT_EQ(job.progress().bytes_sent(), 200u);
+  EXPECT_EQ(job.progress().bytes_baseline(), 800u);
+
+  v1::WorkerMessage done;
+  done.mutable_finished()->set_success(true);
+  ASSERT_TRUE(Send(a, done).ok());
+  EXPECT_EQ(Get(id).state(), v1::JOB_RUNNING);
+  ASSERT_TRUE(Send(b, done).ok());
+  EXPECT_EQ(Get(id).state(), v1::JOB_SUCCEEDED);
+  auto workers = coordinator->ListWorkers();
+  for (const auto& w : workers.workers()) EXPECT_EQ(w.state(), v1::WORKER_IDLE) << w.id();
+}
+
+TEST_F(CoordinatorTest, HeartbeatsAreAcked) {
+  Worker a = Join("a");
+  ASSERT_TRUE(Heartbeat(a, 42).ok());
+  auto acks = a.sink->Take(v1::CoordinatorMessage::kAck);
+  ASSERT_EQ(acks.size(), 1u);
+  EXPECT_EQ(acks[0].ack().seq(), 42u);
+}
+
+TEST_F(CoordinatorTest, DeadWorkerIsFencedAndJobRestartsThenFails) {
+  std::string id = Submit(kSpec2);  // max_restarts 1
+  Worker a = Join("a");
+  Worker b = Join("b");
+  ASSERT_TRUE(Progress(a, 10).ok());
+  ASSERT_TRUE(Progress(b, 10).ok());
+  v1::WorkerMessage ckpt;
+  ckpt.mutable_checkpoint()->set_step(8);
+  ASSERT_TRUE(Send(a, ckpt).ok());
+
+  clock.now += 600;
+  ASSERT_TRUE(Heartbeat(a).ok());  // a stays alive, b goes silent
+  clock.now += 600;
+  coordinator->Tick();
+  v1::Job job = Get(id);
+  EXPECT_EQ(job.state(), v1::JOB_PENDING);
+  EXPECT_EQ(job.restarts(), 1);
+  EXPECT_EQ(job.attempt(), 1);
+  EXPECT_NE(job.reason().find("worker b (rank 1, generation 1) missed heartbeats"),
+            std::string::npos)
+      << job.reason();
+  EXPECT_NE(job.reason().find("restart 1/1 from checkpoint step 8"), std::string::npos);
+  EXPECT_EQ(a.sink->Take(v1::CoordinatorMessage::kStop).size(), 1u);
+
+  // The fenced generation's late messages are rejected.
+  absl::Status late = Heartbeat(b);
+  EXPECT_EQ(late.code(), absl::StatusCode::kFailedPrecondition);
+  EXPECT_NE(late.message().find("generation 1 is fenced"), std::string::npos) << late;
+
+  // b comes back as generation 2: the job is reassigned, resuming from the checkpoint.
+  Worker b2 = Join("b");
+  EXPECT_EQ(b2.generation, 2u);
+  job = Get(id);
+  ASSERT_EQ(job.state(), v1::JOB_SCHEDULED);
+  auto assignments = b2.sink->Take(v1::CoordinatorMessage::kAssignment);
+  ASSERT_EQ(assignments.size(), 1u);
+  EXPECT_EQ(assignments[0].assignment().resume_step(), 8);
+  EXPECT_EQ(assignments[0].assignment().rendezvous_prefix(), id + "/1/");
+
+  // Second death: no restarts left.
+  clock.now += 2000;
+  coordinator->Tick();
+  job = Get(id);
+  EXPECT_EQ(job.state(), v1::JOB_FAILED);
+  EXPECT_NE(job.reason().find("no restarts left (max_restarts 1)"), std::string::npos)
+      << job.reason();
+}
+
+TEST_F(CoordinatorTest, ReRegistrationFencesTheOldGeneration) {
+  Worker a1 = Join("a");
+  Worker a2 = Join("a");
+  EXPECT_EQ(a2.generation, a1.generation + 1);
+  EXPECT_EQ(Heartbeat(a1).code(), absl::StatusCode::kFailedPrecondition);
+  EXPECT_TRUE(Heartbeat(a2).ok());
+  EXPECT_EQ(coordinator->OpenSession(a1.id, a1.generation, a1.sink).code(),
+            absl::StatusCode::kFailedPrecondition);
+  EXPECT_EQ(coordinator->OpenSession("nobody", 1, a1.sink).code(),
+            absl::StatusCode::kFailedPrecondition);
+}
+
+TEST_F(CoordinatorTest, PolicyTakesEffectAtLargestReportedStepPlusMargin) {
+  std::string id = Submit(kSpec2);
+  Worker a = Join("a");
+  Worker b = Join("b");
+  ASSERT_TRUE(Progress(a, 40).ok());
+  ASSERT_TRUE(Progress(b, 37).ok());
+  auto p = Update(id, "*attn*", "nvfp4");
+  ASSERT_TRUE(p.ok()) << p.status();
+  EXPECT_EQ(p->version(), 2u);
+  EXPECT_EQ(p->effective_step(), 45);
+  ASSERT_EQ(p->patches_size(), 1);
+  // Both ranks receive it.
+  EXPECT_EQ(a.sink->Take(v1::CoordinatorMessage::kPolicy).size(), 1u);
+  EXPECT_EQ(b.sink->Take(v1::CoordinatorMessage::kPolicy).size(), 1u);
+
+  auto bad = Update(id, "*attn*", "fp7");
+  ASSERT_FALSE(bad.ok());
+  EXPECT_EQ(bad.status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_NE(bad.status().message().find("patches[0].format: unknown value (fp7)"),
+            std::string::npos);
+  EXPECT_EQ(Update("job-999999", "x", "bf16").status().code(), absl::StatusCode::kNotFound);
+
+  v1::ListPolicyVersionsRequest lr;
+  lr.set_job_id(id);
+  auto versions = coordinator->ListPolicyVersions(lr);
+  ASSERT_TRUE(versions.ok());
+  ASSERT_EQ(versions->policies_size(), 2);
+  EXPECT_EQ(versions->policies(0).author(), "spec");
+  EXPECT_EQ(versions->policies(1).author(), "user");
+
+  // A rank that runs the effective step under v1 has diverged: the job fails loudly.
+  ASSERT_TRUE(Progress(a, 45, /*policy_version=*/1).ok());
+  v1::Job job = Get(id);
+  EXPECT_EQ(job.state(), v1::JOB_FAILED);
+  EXPECT_NE(job.reason().find("ran step 45 under policy v1 but v2 took effect at step 45"),
+            std::string::npos)
+      << job.reason();
+  EXPECT_EQ(Update(id, "*", "bf16").status().code(), absl::StatusCode::kFailedPrecondition);
+}
+
+TEST_F(CoordinatorTest, WorkerReportedFailureFailsTheJobWithItsReason) {
+  std::string id = Submit(kSpec2);
+  Worker a = Join("a");
+  Worker b = Join("b");
+  v1::WorkerMessage m;
+  m.mutable_finished()->set_success(false);
+  m.mutable_finished()->set_reason("policy v3 effective at step 40 arrived at step 42");
+  ASSERT_TRUE(Send(b, m).ok());
+  v1::Job job = Get(id);
+  EXPECT_EQ(job.state(), v1::JOB_FAILED);
+  EXPECT_EQ(job.reason(), "rank 1 failed: policy v3 effective at step 40 arrived at step 42");
+  EXPECT_EQ(a.sink->Take(v1::CoordinatorMessage::kStop).size(), 1u);
+}
+
+TEST_F(CoordinatorTest, CancelStopsRanksAndIsFinal) {
+  std::string id = Submit(kSpec2);
+  Worker a = Join("a");
+  Worker b = Join("b");
+  v1::CancelJobRequest req;
+  req.set_job_id(id);
+  req.set_reason("user asked");
+  auto r = coordinator->CancelJob(req);
+  ASSERT_TRUE(r.ok());
+  EXPECT_EQ(r->state(), v1::JOB_CANCELLED);
+  EXPECT_EQ(r->reason(), "cancelled: user asked");
+  EXPECT_EQ(b.sink->Take(v1::CoordinatorMessage::kStop).size(), 1u);
+  EXPECT_EQ(coordinator->CancelJob(req).status().code(), absl::StatusCode::kFailedPrecondition);
+  req.set_job_id("job-404");
+  EXPECT_EQ(coordinator->CancelJob(req).status().code(), absl::StatusCode::kNotFound);
+}
+
+TEST_F(CoordinatorTest, CatalogProducesStaggeredRefreshSchedules) {
+  std::string id = Submit("name: t\nworld_size: 2\ngeometry_refresh: {interval: 100}\n");
+  Worker a = Join("a");
+  Worker b = Join("b");
+  v1::WorkerMessage m;
+  for (const char* name : {"l0", "l1", "bias", "l2", "l3"}) {
+    auto* l = m.mutable_catalog()->add_layers();
+    l->set_name(name);
+    l->set_rows(64);
+    l->set_cols(std::string(name) == "bias" ? 1 : 64);
+  }
+  ASSERT_TRUE(Send(a, m).ok());
+  auto got = b.sink->Take(v1::CoordinatorMessage::kRefresh);
+  ASSERT_EQ(got.size(), 1u);
+  const auto& s = got[0].refresh().schedules();
+  ASSERT_EQ(s.size(), 4);  // the 1-D bias has no geometry
+  EXPECT_EQ(s[0].layer(), "l0");
+  EXPECT_EQ(s[0].owner(), 0);
+  EXPECT_EQ(s[1].owner(), 1);
+  EXPECT_EQ(s[2].owner(), 0);
+  EXPECT_EQ(s[0].offset(), 0);
+  EXPECT_EQ(s[1].offset(), 25);
+  EXPECT_EQ(s[2].offset(), 50);
+  EXPECT_EQ(s[3].offset(), 75);
+  for (const auto& r : s) EXPECT_EQ(r.interval(), 100);
+  // Later policy versions carry the schedule.
+  auto p = Update(id, "l1", "bf16");
+  ASSERT_TRUE(p.ok());
+  EXPECT_EQ(p->refresh_size(), 4);
+}
+
+TEST_F(CoordinatorTest, AutoEngineTurnsGeometryOnAndLogsAVersionWithReason) {
+  std::string id = Submit(
+      "name: t\nworld_size: 1\nauto_policy: {enabled: true, min_gain: 1.5, off_gain: 1.1,"
+      " max_cost_fraction: 0.1, min_interval: 25, max_interval: 400}\n"
+      "geometry_refresh: {interval: 100}\n");
+  Worker a = Join("a");
+  ASSERT_TRUE(Progress(a, 50).ok());
+  v1::WorkerMessage m;
+  auto* good = m.mutable_probes()->add_probes();
+  good->set_layer("blocks.0.attn.wq");
+  good->set_error_without(0.3);
+  good->set_error_with(0.1);
+  good->set_transform_seconds(0.001);
+  good->set_step_seconds(0.1);
+  auto* weak = m.mutable_probes()->add_probes();
+  weak->set_layer("blocks.0.mlp.up");
+  weak->set_error_without(0.1);
+  weak->set_error_with(0.09);
+  weak->set_transform_seconds(0.001);
+  weak->set_step_seconds(0.1);
+  ASSERT_TRUE(Send(a, m).ok());
+  v1::GetPolicyRequest g;
+  g.set_job_id(id);
+  auto p = coordinator->GetPolicy(g);
+  ASSERT_TRUE(p.ok());
+  EXPECT_EQ(p->version(), 2u);
+  EXPECT_EQ(p->author(), "auto");
+  EXPECT_EQ(p->effective_step(), 55);
+  EXPECT_NE(p->reason().find("blocks.0.attn.wq: geometry lowrank on: gain 3"), std::string::npos)
+      << p->reason();
+  EXPECT_EQ(ResolveLayer(*p, "blocks.0.attn.wq").policy.geometry(), "lowrank");
+  EXPECT_EQ(ResolveLayer(*p, "blocks.0.mlp.up").policy.geometry(), "none");
+
+  // Low drift on the now-geometric layer doubles its interval; high drift halves it.
+  v1::WorkerMessage d;
+  auto* probe = d.mutable_probes()->add_probes();
+  *probe = *good;
+  probe->set_drift(0.01);
+  ASSERT_TRUE(Send(a, d).ok());
+  p = coordinator->GetPolicy(g);
+  EXPECT_EQ(p->version(), 3u);
+  EXPECT_EQ(ResolveLayer(*p, "blocks.0.attn.wq").refresh_interval, 200);
+  probe->set_drift(0.9);
+  ASSERT_TRUE(Send(a, d).ok());
+  p = coordinator->GetPolicy(g);
+  EXPECT_EQ(p->version(), 4u);
+  EXPECT_EQ(ResolveLayer(*p, "blocks.0.attn.wq").refresh_interval, 100);
+  // A probe with an unchanged verdict makes no version.
+  probe->set_drift(0.1);
+  ASSERT_TRUE(Send(a, d).ok());
+  EXPECT_EQ(coordinator->GetPolicy(g)->version(), 4u);
+  // Gain collapses: geometry off.
+  probe->set_error_with(0.3);
+  ASSERT_TRUE(Send(a, d).ok());
+  p = coordinator->GetPolicy(g);
+  EXPECT_EQ(p->version(), 5u);
+  EXPECT_EQ(ResolveLayer(*p, "blocks.0.attn.wq").policy.geometry(), "none");
+  EXPECT_NE(p->reason().find("geometry off: gain 1 < 1.1"), std::string::npos) << p->reason();
+}
+
+TEST_F(CoordinatorTest, IntervalStaysWithinBounds) {
+  AutoPolicySpec bounds;
+  bounds.min_interval = 50;
+  bounds.max_interval = 150;
+  v1::Policy policy;
+  policy.mutable_default_policy()->set_geometry("lowrank");
+  v1::ProbeResult probe;
+  probe.set_layer("x");
+  probe.set_error_without(1);
+  probe.set_error_with(0.5);
+  probe.set_drift(0.001);
+  auto d = DecideAuto(bounds, 100, policy, {probe});
+  ASSERT_EQ(d.size(), 1u);
+  EXPECT_EQ(d[0].patch.refresh_interval(), 150);
+  probe.set_drift(0.99);
+  d = DecideAuto(bounds, 60, policy, {probe});
+  ASSERT_EQ(d.size(), 1u);
+  EXPECT_EQ(d[0].patch.refresh_interval(), 50);
+}
+
+TEST_F(CoordinatorTest, WatchSeesChangesAndEvents) {
+  std::string id = Submit(kSpec2);
+  WatchCursor cursor;
+  auto first = coordinator->WatchNext(id, &cursor, 10);
+  ASSERT_TRUE(first.ok());
+  ASSERT_TRUE(first->has_value());
+  EXPECT_EQ((*first)->events_size(), 1);
+  auto none = coordinator->WatchNext(id, &cursor, 10);
+  ASSERT_TRUE(none.ok());
+  EXPECT_FALSE(none->has_value());
+  std::thread t([&] {
+    Join("a");
+    Join("b");
+  });
+  auto next = coordinator->WatchNext(id, &cursor, 5000);
+  t.join();
+  ASSERT_TRUE(next.ok());
+  ASSERT_TRUE(next->has_value());
+  EXPECT_EQ((*next)->job().state(), v1::JOB_SCHEDULED);
+  EXPECT_EQ(coordinator->WatchNext("job-404", &cursor, 1).status().code(),
+            absl::StatusCode::kNotFound);
+}
+
+TEST_F(CoordinatorTest, StateSurvivesReopeningTheStore) {
+  const auto dir = std::filesystem::temp_directory_path() /
+                   ("geofp8-coordinator-test-" + std::to_string(::getpid()));
+  std::filesystem::remove_all(dir);
+  Open(dir.string());
+  std::string id = Submit(kSpec2, "k");
+  Worker a = Join("a");
+  Worker b = Join("b");
+  ASSERT_TRUE(Progress(a, 12).ok());
+  ASSERT_TRUE(Progress(b, 12).ok());
+  ASSERT_TRUE(Update(id, "*", "bf16").ok());
+  Open(dir.string());  // a new coordinator over the same directory
+  v1::Job job = Get(id);
+  EXPECT_EQ(job.state(), v1::JOB_PENDING);  // its workers belong to the old process
+  EXPECT_NE(job.reason().find("coordinator restarted"), std::string::npos);
+  EXPECT_EQ(job.policy_version(), 2u);
+  EXPECT_EQ(job.attempt(), 1);
+  v1::GetPolicyRequest g;
+  g.set_job_id(id);
+  g.set_version(2);
+  auto p = coordinator->GetPolicy(g);
+  ASSERT_TRUE(p.ok());
+  EXPECT_EQ(p->effective_step(), 17);
+  // Idempotency survives too, and generations keep growing.
+  v1::SubmitJobRequest again;
+  again.set_spec_yaml(kSpec2);
+  again.set_idempotency_key("k");
+  auto r = coordinator->SubmitJob(again);
+  ASSERT_TRUE(r.ok());
+  EXPECT_FALSE(r->created());
+  EXPECT_EQ(r->job().id(), id);
+  EXPECT_EQ(Join("a").generation, 2u);
+  coordinator.reset();
+  store.reset();
+  std::filesystem::remove_all(dir);
+}
+
+TEST(RendezvousKv, SetGetWaitAdd) {
+  RendezvousKv kv;
+  EXPECT_EQ(kv.Get("j", "k", 0).status().code(), absl::StatusCode::kNotFound);
+  EXPECT_EQ(kv.Get("j", "k", 20).status().code(), absl::StatusCode::kDeadlineExceeded);
+  ASSERT_TRUE(kv.Set("j", "k", std::string("v\0x", 3)).ok());
+  auto v = kv.Get("j", "k", 0);
+  ASSERT_TRUE(v.ok());
+  EXPECT_EQ(*v, std::string("v\0x", 3));
+  EXPECT_EQ(kv.Get("other-job", "k", 0).status().code(), absl::StatusCode::kNotFound);
+  std::thread setter([&] {
+    std::this_thread::sleep_for(std::chrono::milliseconds(20));
+    kv.Set("j", "late", "x").IgnoreError();
+  });
+  EXPECT_TRUE(kv.Wait("j", {"k", "late"}, 5000).ok());
+  setter.join();
+  auto timeout = kv.Wait("j", {"k", "never"}, 20);
+  EXPECT_EQ(timeout.code(), absl::StatusCode::kDeadlineExceeded);
+  EXPECT_NE(timeout.message().find("key never"), std::string::npos);
+  EXPECT_EQ(*kv.Add("j", "n", 5), 5);
+  EXPECT_EQ(*kv.Add("j", "n", -2), 3);
+  EXPECT_EQ(*kv.Get("j", "n", 0), "3");
+  EXPECT_EQ(kv.Add("j", "k", 1).status().code(), absl::StatusCode::kFailedPrecondition);
+  EXPECT_EQ(kv.Set("", "k", "v").code(), absl::StatusCode::kInvalidArgument);
+  kv.Clear("j");
+  EXPECT_EQ(kv.Get("j", "n", 0).status().code(), absl::StatusCode::kNotFound);
+}
+
+}  // namespace
+}  // namespace geofp8

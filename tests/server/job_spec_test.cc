@@ -1,0 +1,182 @@
+// Job spec and policy patch parsing: defaults, every example file, and errors that name the field
+// path and the YAML line.
+#include "server/coordinator/job_spec.h"
+
+#include <gtest/gtest.h>
+
+#include <filesystem>
+#include <fstream>
+#include <sstream>
+
+namespace geofp8 {
+namespace {
+
+std::string Read(const std::filesystem::path& p) {
+  std::ifstream in(p);
+  std::ostringstream os;
+  os << in.rdbuf();
+  return os.str();
+}
+
+std::string ErrorOf(const std::string& yaml) {
+  auto r = ParseJobSpec(yaml);
+  EXPECT_FALSE(r.ok()) << yaml;
+  if (r.ok()) return "";
+  EXPECT_EQ(r.status().code(), absl::StatusCode::kInvalidArgument);
+  return std::string(r.status().message());
+}
+
+TEST(JobSpec, MinimalSpecTakesDefaults) {
+  auto spec = ParseJobSpec("name: a\n");
+  ASSERT_TRUE(spec.ok()) << spec.status();
+  EXPECT_EQ(spec->name, "a");
+  EXPECT_EQ(spec->world_size, 1);
+  EXPECT_EQ(spec->backend, "gloo");
+  EXPECT_EQ(spec->model.preset, "llama-tiny");
+  EXPECT_EQ(spec->policy.defaults.format, Format::kFp8E4M3);
+  EXPECT_EQ(spec->policy.margin, 5);
+  EXPECT_EQ(spec->restarts.max_restarts, 3);
+}
+
+TEST(JobSpec, FullSpecParsesEveryField) {
+  auto spec = ParseJobSpec(R"(name: full
+world_size: 4
+backend: nccl
+model: {preset: llama-small}
+data: {source: file, path: /data/x.txt, seed: 3}
+training: {steps: 500, batch_size: 4, seq_len: 32, lr: 0.01, weight_decay: 0.1,
+           warmup_steps: 10, optimizer: sgd, grad_clip: 0.5, seed: 9}
+exchange: {algorithm: native, bucket_mb: 4, timeout_s: 30}
+policy:
+  default: {format: nvfp4, scaling: tensor, block: 64, rounding: stochastic,
+            geometry: diag, rank: 4, alpha: 0.5, error_feedback: true}
+  layers:
+    - {match: "*attn*", format: mxfp8, refresh_interval: 40}
+  margin: 7
+auto_policy: {enabled: true, probe_every: 10, min_gain: 2, off_gain: 1.2,
+              max_cost_fraction: 0.2, geometry: lowrank, rank: 8, min_interval: 10,
+              max_interval: 100, drift_low: 0.01, drift_high: 0.5}
+geometry_refresh: {interval: 20, stagger: false}
+checkpoint: {dir: /ckpt, every: 50}
+restarts: {max_restarts: 0}
+)");
+  ASSERT_TRUE(spec.ok()) << spec.status();
+  EXPECT_EQ(spec->world_size, 4);
+  EXPECT_EQ(spec->data.path, "/data/x.txt");
+  EXPECT_EQ(spec->training.optimizer, "sgd");
+  EXPECT_DOUBLE_EQ(spec->training.lr, 0.01);
+  EXPECT_EQ(spec->exchange.algorithm, Algorithm::kNative);
+  EXPECT_EQ(spec->policy.defaults.format, Format::kNvfp4);
+  EXPECT_EQ(spec->policy.defaults.scaling, Scaling::kTensor);
+  EXPECT_EQ(spec->policy.defaults.rounding, Rounding::kStochastic);
+  EXPECT_EQ(spec->policy.defaults.geometry, GeometryMode::kDiag);
+  EXPECT_TRUE(spec->policy.defaults.error_feedback);
+  ASSERT_EQ(spec->policy.layers.size(), 1u);
+  EXPECT_EQ(spec->policy.layers[0].match, "*attn*");
+  EXPECT_EQ(spec->policy.layers[0].format, Format::kMxfp8);
+  EXPECT_FALSE(spec->policy.layers[0].geometry.has_value());
+  EXPECT_EQ(spec->policy.layers[0].refresh_interval, 40);
+  EXPECT_EQ(spec->policy.margin, 7);
+  EXPECT_TRUE(spec->auto_policy.enabled);
+  EXPECT_EQ(spec->auto_policy.max_interval, 100);
+  EXPECT_FALSE(spec->geometry_refresh.stagger);
+  EXPECT_EQ(spec->checkpoint.every, 50);
+  EXPECT_EQ(spec->restarts.max_restarts, 0);
+}
+
+TEST(JobSpec, EveryExampleJobParses) {
+  int parsed = 0;
+  for (const auto& e : std::filesystem::directory_iterator(GEOFP8_EXAMPLES_DIR)) {
+    const std::string name = e.path().filename().string();
+    if (name.rfind("patch-", 0) == 0 || name == "invalid.yaml") continue;
+    auto spec = ParseJobSpec(Read(e.path()));
+    EXPECT_TRUE(spec.ok()) << name << ": " << spec.status();
+    ++parsed;
+  }
+  EXPECT_GE(parsed, 3);
+}
+
+TEST(JobSpec, InvalidExampleReportsEveryFieldWithItsLine) {
+  std::string e = ErrorOf(Read(std::filesystem::path(GEOFP8_EXAMPLES_DIR) / "invalid.yaml"));
+  EXPECT_NE(e.find("line 2: spec.name:"), std::string::npos) << e;
+  EXPECT_NE(e.find("line 3: spec.world_size: must be in [1, 1024] (0)"), std::string::npos) << e;
+  EXPECT_NE(e.find("line 5: spec.training.lr: expected a number (fast)"), std::string::npos) << e;
+  EXPECT_NE(e.find("line 6: spec.training.stepz: unknown field"), std::string::npos) << e;
+  EXPECT_NE(e.find("line 9: spec.policy.default.format: unknown value (fp7)"), std::string::npos)
+      << e;
+}
+
+TEST(JobSpec, ErrorsNameThePathAndLine) {
+  EXPECT_NE(ErrorOf("world_size: 2\n").find("spec.name: required"), std::string::npos);
+  EXPECT_NE(ErrorOf("name: a\nbackend: mpi\n").find("line 2: spec.backend: unknown value (mpi)"),
+            std::string::npos);
+  EXPECT_NE(ErrorOf("name: a\nmodel:\n  preset: gpt5\n").find("line 3: spec.model.preset"),
+            std::string::npos);
+  EXPECT_NE(ErrorOf("name: a\npolicy:\n  layers:\n    - match: x\n      rank: 0\n")
+                .find("line 5: spec.policy.layers[0].rank: must be in [1, 4096] (0)"),
+            std::string::npos);
+  EXPECT_NE(ErrorOf("name: a\npolicy:\n  layers:\n    - format: bf16\n")
+                .find("spec.policy.layers[0].match: required"),
+            std::string::npos);
+  EXPECT_NE(ErrorOf("name: a\ntraining:\n  steps: 10\n  warmup_steps: 10\n")
+                .find("line 4: spec.training.warmup_steps: must be less than training.steps"),
+            std::string::npos);
+  EXPECT_NE(ErrorOf("name: a\nexchange:\n  algorithm: native\n").find("native needs backend nccl"),
+            std::string::npos);
+  EXPECT_NE(ErrorOf("name: a\ncheckpoint:\n  every: 5\n").find("spec.checkpoint.dir: required"),
+            std::string::npos);
+  EXPECT_NE(ErrorOf("name: a\ndata:\n  source: file\n").find("spec.data.path: required"),
+            std::string::npos);
+  EXPECT_NE(ErrorOf("name: a\ntraining: 5\n").find("line 2: spec.training: expected a mapping (5)"),
+            std::string::npos);
+  EXPECT_NE(ErrorOf("name: a\nauto_policy:\n  min_gain: 1.2\n  off_gain: 1.5\n")
+                .find("spec.auto_policy.off_gain: must not exceed min_gain"),
+            std::string::npos);
+  EXPECT_NE(ErrorOf("- a\n- b\n").find("spec: expected a mapping"), std::string::npos);
+  EXPECT_NE(ErrorOf("name: [unclosed\n").find("malformed YAML"), std::string::npos);
+  EXPECT_NE(ErrorOf("name: a\nworld_size: 2.5\n").find("spec.world_size: expected an integer (2.5)"),
+            std::string::npos);
+}
+
+TEST(PolicyPatch, ParsesAndValidates) {
+  auto p = ParsePolicyPatch(Read(std::filesystem::path(GEOFP8_EXAMPLES_DIR) /
+                                 "patch-attn-nvfp4.yaml"));
+  ASSERT_TRUE(p.ok()) << p.status();
+  ASSERT_EQ(p->layers.size(), 1u);
+  EXPECT_EQ(p->layers[0].format, Format::kNvfp4);
+  EXPECT_EQ(p->layers[0].geometry, GeometryMode::kLowRank);
+  EXPECT_EQ(p->layers[0].refresh_interval, 200);
+  EXPECT_FALSE(p->reason.empty());
+
+  auto empty = ParsePolicyPatch("reason: x\n");
+  ASSERT_FALSE(empty.ok());
+  EXPECT_NE(empty.status().message().find("patch.layers: required"), std::string::npos);
+  auto bad = ParsePolicyPatch("layers:\n  - match: a\n    geometry: svd\n");
+  ASSERT_FALSE(bad.ok());
+  EXPECT_NE(bad.status().message().find("line 3: patch.layers[0].geometry: unknown value (svd)"),
+            std::string::npos)
+      << bad.status();
+}
+
+TEST(LayerMatches, ExactAndGlob) {
+  EXPECT_TRUE(LayerMatches("blocks.0.attn.wq", "blocks.0.attn.wq"));
+  EXPECT_TRUE(LayerMatches("blocks.*.attn.*", "blocks.3.attn.wo"));
+  EXPECT_TRUE(LayerMatches("*", "anything"));
+  EXPECT_TRUE(LayerMatches("blocks.?.mlp*", "blocks.1.mlp.up"));
+  EXPECT_FALSE(LayerMatches("blocks.*.attn.*", "blocks.3.mlp.up"));
+  EXPECT_FALSE(LayerMatches("embed", "embedding"));
+}
+
+TEST(Vocabulary, NamesRoundTrip) {
+  for (auto f : {Format::kFp32, Format::kBf16, Format::kFp8E4M3, Format::kFp8E5M2, Format::kMxfp8,
+                 Format::kNvfp4}) {
+    EXPECT_EQ(ParseFormatName(FormatNameOf(f)), f);
+  }
+  for (auto g : {GeometryMode::kNone, GeometryMode::kDiag, GeometryMode::kLowRank}) {
+    EXPECT_EQ(ParseGeometryName(GeometryNameOf(g)), g);
+  }
+  EXPECT_FALSE(ParseFormatName("fp8").has_value());
+}
+
+}  // namespace
+}  // namespace geofp8
