@@ -1,8 +1,6 @@
 // geofp8-bench exchange: times each exchange algorithm on one gradient buffer across N ranks
 // (threads over Gloo TCP on 127.0.0.1, or one process per rank for bench/netem.sh) and prints
 // medians, bytes on the wire, bus bandwidth and the ratio to a same-run fp32 Gloo all-reduce.
-// The engine is built only once the codec and geometry libraries exist (kernels/exchange).
-#if defined(GEOFP8_EXCHANGE_ENGINE)
 #include <algorithm>
 #include <chrono>
 #include <cmath>
@@ -348,5 +346,3 @@ GEOFP8_REGISTER_BENCH("exchange", "compressed gradient all-reduce: time, wire by
                       RunExchangeBench);
 
 }  // namespace geofp8::bench
-
-#endif  // GEOFP8_EXCHANGE_ENGINE

@@ -1,11 +1,17 @@
 // two_phase, allgather and the fp32/bf16 baselines over one bucket (see algorithms.h).
 // two_phase: quantize every layer's chunk j for rank j, all-to-all, rank j decodes and sums its
-// chunks in rank order in fp32, requantizes, all-gather, everyone decodes every chunk.
+// chunks in rank order in fp32, requantizes, all-gather, everyone decodes every chunk. Groups of
+// layers are pipelined: collectives stay on the calling thread in one fixed order on every rank,
+// while a helper thread does the codec work of the neighbouring groups.
 #include "kernels/exchange/algorithms.h"
 
 #include <algorithm>
 #include <cmath>
+#include <condition_variable>
 #include <cstring>
+#include <exception>
+#include <mutex>
+#include <thread>
 
 #include "kernels/codec/codec.h"
 #include "kernels/common/check.h"
@@ -17,158 +23,310 @@ namespace {
 
 void RunFp32(Communicator& comm, std::span<const BucketLayer> layers) {
   size_t total = 0;
-  for (const auto& l : layers) total += l.data.size();
+  for (const auto& l : layers) total += l.in.size();
   std::vector<float> flat(total);
   size_t off = 0;
   for (const auto& l : layers) {
-    std::copy(l.data.begin(), l.data.end(), flat.begin() + off);
-    off += l.data.size();
+    std::copy(l.in.begin(), l.in.end(), flat.begin() + off);
+    off += l.in.size();
   }
   comm.AllReduceSum(flat);
   off = 0;
   for (const auto& l : layers) {
-    std::copy_n(flat.begin() + off, l.data.size(), l.data.begin());
-    off += l.data.size();
+    std::copy_n(flat.begin() + off, l.out.size(), l.out.begin());
+    off += l.out.size();
   }
 }
 
 void RunBf16(Communicator& comm, std::span<const BucketLayer> layers) {
   size_t total = 0;
-  for (const auto& l : layers) total += l.data.size();
+  for (const auto& l : layers) total += l.in.size();
   std::vector<uint16_t> flat(total);
   size_t off = 0;
   for (const auto& l : layers) {
-    for (float v : l.data) flat[off++] = FloatToBf16(v);
+    for (float v : l.in) flat[off++] = FloatToBf16(v);
   }
   comm.AllReduceSumBf16(flat);
   off = 0;
   for (const auto& l : layers) {
-    for (float& v : l.data) v = Bf16ToFloat(flat[off++]);
+    for (float& v : l.out) v = Bf16ToFloat(flat[off++]);
   }
 }
 
-void RunAllGather(Communicator& comm, uint64_t seed, uint64_t step,
+void RunAllGather(Communicator& comm, const AlgorithmOptions& ao,
                   std::span<const BucketLayer> layers) {
   const int n = comm.size();
   const uint32_t r = static_cast<uint32_t>(comm.rank());
   std::vector<CodecOptions> opts;
+  std::vector<size_t> layer_offset;
   size_t per_rank = 0;
   for (const auto& l : layers) {
-    opts.push_back(LayerCodecOptions(l.policy, seed, step, l.layer, r, 1, 0));
-    per_rank += EncodedBytes(opts.back(), l.data.size());
+    opts.push_back(LayerCodecOptions(l.policy, ao.seed, ao.step, l.layer, r, 1, 0));
+    layer_offset.push_back(per_rank);
+    per_rank += EncodedBytes(opts.back(), l.in.size());
   }
   std::vector<uint8_t> mine(per_rank);
-  size_t off = 0;
   for (size_t i = 0; i < layers.size(); ++i) {
-    const size_t bytes = EncodedBytes(opts[i], layers[i].data.size());
-    Encode(layers[i].data, opts[i], std::span(mine).subspan(off, bytes));
-    off += bytes;
+    const size_t bytes = EncodedBytes(opts[i], layers[i].in.size());
+    Encode(layers[i].in, opts[i], std::span(mine).subspan(layer_offset[i], bytes));
   }
   std::vector<uint8_t> all(per_rank * n);
   comm.AllGatherV(mine, all, std::vector<size_t>(n, per_rank));
   // Every rank sums the same bytes in the same (rank) order: identical results.
-  off = 0;
-  std::vector<size_t> layer_offset(layers.size());
   for (size_t i = 0; i < layers.size(); ++i) {
-    layer_offset[i] = off;
-    off += EncodedBytes(opts[i], layers[i].data.size());
-    std::fill(layers[i].data.begin(), layers[i].data.end(), 0.f);
-  }
-  for (int src = 0; src < n; ++src) {
-    for (size_t i = 0; i < layers.size(); ++i) {
-      const size_t bytes = EncodedBytes(opts[i], layers[i].data.size());
-      DecodeAccumulate(std::span<const uint8_t>(all).subspan(src * per_rank + layer_offset[i], bytes),
-                       layers[i].data);
-    }
-  }
-}
-
-void RunTwoPhase(Communicator& comm, uint64_t seed, uint64_t step,
-                 std::span<const BucketLayer> layers) {
-  const int n = comm.size();
-  const int r = comm.rank();
-  const size_t L = layers.size();
-  // chunk[i][j]: layer i's chunk for rank j; opts1[i][j]: this rank's phase-1 options for it.
-  std::vector<std::vector<ChunkRange>> chunk(L, std::vector<ChunkRange>(n));
-  std::vector<std::vector<CodecOptions>> opts1(L);
-  std::vector<CodecOptions> opts2;  // requantization of this rank's own chunk of each layer
-  for (size_t i = 0; i < L; ++i) {
-    for (int j = 0; j < n; ++j) {
-      opts1[i].push_back(LayerCodecOptions(layers[i].policy, seed, step, layers[i].layer, r, 1, j));
-      chunk[i][j] = ChunkOf(layers[i].data.size(), ChunkAlignment(opts1[i][j]), n, j);
-    }
-    opts2.push_back(LayerCodecOptions(layers[i].policy, seed, step, layers[i].layer, r, 2, r));
-  }
-  // Encoded sizes depend only on the policy and the chunk length, so every rank knows them all.
-  auto bytes_of = [&](size_t i, int j) { return EncodedBytes(opts1[i][0], chunk[i][j].size()); };
-  std::vector<size_t> send_counts(n, 0), recv_counts(n, 0), gather_counts(n, 0);
-  for (int j = 0; j < n; ++j) {
-    for (size_t i = 0; i < L; ++i) send_counts[j] += bytes_of(i, j);
-  }
-  std::fill(recv_counts.begin(), recv_counts.end(), send_counts[r]);
-  gather_counts = send_counts;  // requantized chunk j has the same encoded size as phase 1's
-
-  size_t send_total = 0;
-  for (size_t c : send_counts) send_total += c;
-  std::vector<uint8_t> send(send_total);
-  size_t off = 0;
-  for (int j = 0; j < n; ++j) {
-    for (size_t i = 0; i < L; ++i) {
-      const size_t bytes = bytes_of(i, j);
-      Encode(layers[i].data.subspan(chunk[i][j].begin, chunk[i][j].size()), opts1[i][j],
-             std::span(send).subspan(off, bytes));
-      off += bytes;
-    }
-  }
-  std::vector<uint8_t> recv(send_counts[r] * n);
-  comm.AllToAllV(send, send_counts, recv, recv_counts);
-
-  // Sum this rank's chunk of every layer over sources in rank order, then requantize.
-  std::vector<uint8_t> mine(send_counts[r]);
-  off = 0;
-  std::vector<float> acc;
-  for (size_t i = 0; i < L; ++i) {
-    const size_t len = chunk[i][r].size();
-    const size_t bytes = bytes_of(i, r);
-    acc.assign(len, 0.f);
-    size_t layer_off = 0;
-    for (size_t k = 0; k < i; ++k) layer_off += bytes_of(k, r);
+    const size_t bytes = EncodedBytes(opts[i], layers[i].in.size());
+    std::fill(layers[i].out.begin(), layers[i].out.end(), 0.f);
     for (int src = 0; src < n; ++src) {
-      DecodeAccumulate(std::span<const uint8_t>(recv).subspan(src * send_counts[r] + layer_off, bytes),
-                       acc);
-    }
-    Encode(acc, opts2[i], std::span(mine).subspan(off, bytes));
-    off += bytes;
-  }
-
-  size_t gather_total = 0;
-  for (size_t c : gather_counts) gather_total += c;
-  std::vector<uint8_t> all(gather_total);
-  comm.AllGatherV(mine, all, gather_counts);
-  off = 0;
-  for (int j = 0; j < n; ++j) {
-    for (size_t i = 0; i < L; ++i) {
-      const size_t bytes = bytes_of(i, j);
-      Decode(std::span<const uint8_t>(all).subspan(off, bytes),
-             layers[i].data.subspan(chunk[i][j].begin, chunk[i][j].size()));
-      off += bytes;
+      DecodeAccumulate(std::span<const uint8_t>(all).subspan(src * per_rank + layer_offset[i], bytes),
+                       layers[i].out);
     }
   }
 }
+
+// ---- two_phase ----
+
+// The wire layout of one group of layers. Within the group's all-to-all block for destination j,
+// layers follow each other in bucket order; the all-gather block of rank j has the same layout.
+struct Group {
+  size_t first = 0, last = 0;            // layers [first, last)
+  std::vector<size_t> counts;            // bytes of chunk j of all the group's layers
+  std::vector<size_t> dest_offset;       // offset of destination j's block in the send buffer
+  size_t total = 0;                      // sum of counts
+  std::vector<uint8_t> send, recv, mine, all;
+};
+
+class TwoPhase {
+ public:
+  TwoPhase(Communicator& comm, const AlgorithmOptions& ao, std::span<const BucketLayer> layers)
+      : comm_(comm), ao_(ao), layers_(layers), n_(comm.size()), r_(comm.rank()) {
+    const size_t L = layers.size();
+    chunk_.assign(L, std::vector<ChunkRange>(n_));
+    bytes_.assign(L, std::vector<size_t>(n_));
+    for (size_t i = 0; i < L; ++i) {
+      const CodecOptions o = Options(i, r_, 1, 0);
+      for (int j = 0; j < n_; ++j) {
+        chunk_[i][j] = ChunkOf(layers[i].in.size(), ChunkAlignment(o), n_, j);
+        // Encoded sizes depend only on the policy and chunk length: every rank knows them all.
+        bytes_[i][j] = EncodedBytes(o, chunk_[i][j].size());
+      }
+    }
+    const size_t cap = std::max<size_t>(ao.segment_bytes, 1);
+    for (size_t i = 0; i < L;) {
+      Group g;
+      g.first = i;
+      size_t fp32 = 0;
+      do {
+        fp32 += layers[i].in.size() * sizeof(float);
+        ++i;
+      } while (i < L && fp32 + layers[i].in.size() * sizeof(float) <= cap);
+      g.last = i;
+      g.counts.assign(n_, 0);
+      g.dest_offset.assign(n_, 0);
+      for (int j = 0; j < n_; ++j) {
+        g.dest_offset[j] = g.total;
+        for (size_t k = g.first; k < g.last; ++k) g.counts[j] += bytes_[k][j];
+        g.total += g.counts[j];
+      }
+      groups_.push_back(std::move(g));
+    }
+    state_.assign(groups_.size(), 0);
+  }
+
+  void Run() {
+    const size_t G = groups_.size();
+    std::thread helper([this] { HelperLoop(); });
+    try {
+      // Collectives: A(0), A(1), G(0), A(2), G(1), ..., G(last), the same order on every rank.
+      for (size_t s = 0; s <= G; ++s) {
+        if (s < G) {
+          WaitFor(s, kEncoded);
+          auto& g = groups_[s];
+          g.recv.resize(g.counts[r_] * n_);
+          comm_.AllToAllV(g.send, g.counts, g.recv, std::vector<size_t>(n_, g.counts[r_]));
+          Mark(s, kExchanged);
+        }
+        if (s >= 1) {
+          WaitFor(s - 1, kRequantized);
+          auto& g = groups_[s - 1];
+          g.all.resize(g.total);
+          comm_.AllGatherV(g.mine, g.all, g.counts);
+          Mark(s - 1, kGathered);
+        }
+      }
+      WaitAllDecoded();
+    } catch (...) {
+      Abort();
+      helper.join();
+      throw;
+    }
+    helper.join();
+    if (helper_error_) std::rethrow_exception(helper_error_);
+  }
+
+ private:
+  enum Stage : int { kEncoded = 1, kExchanged = 2, kRequantized = 3, kGathered = 4, kDecoded = 5 };
+
+  CodecOptions Options(size_t i, int rank, uint32_t phase, int chunk) const {
+    return LayerCodecOptions(layers_[i].policy, ao_.seed, ao_.step, layers_[i].layer,
+                             static_cast<uint32_t>(rank), phase, static_cast<uint32_t>(chunk));
+  }
+
+  void Encode1(Group& g) {
+    g.send.resize(g.total);
+    for (int j = 0; j < n_; ++j) {
+      size_t off = g.dest_offset[j];
+      for (size_t i = g.first; i < g.last; ++i) {
+        const ChunkRange c = chunk_[i][j];
+        Encode(layers_[i].in.subspan(c.begin, c.size()), Options(i, r_, 1, j),
+               std::span(g.send).subspan(off, bytes_[i][j]));
+        off += bytes_[i][j];
+      }
+    }
+  }
+
+  // Sum this rank's chunk of each layer over sources in rank order, then requantize.
+  void SumRequantize(Group& g) {
+    g.mine.resize(g.counts[r_]);
+    size_t off = 0;
+    std::vector<float> acc;
+    for (size_t i = g.first; i < g.last; ++i) {
+      acc.assign(chunk_[i][r_].size(), 0.f);
+      for (int src = 0; src < n_; ++src) {
+        DecodeAccumulate(
+            std::span<const uint8_t>(g.recv).subspan(src * g.counts[r_] + off, bytes_[i][r_]), acc);
+      }
+      Encode(acc, Options(i, r_, 2, r_), std::span(g.mine).subspan(off, bytes_[i][r_]));
+      off += bytes_[i][r_];
+    }
+  }
+
+  void DecodeAll(Group& g) {
+    for (int j = 0; j < n_; ++j) {
+      size_t off = g.dest_offset[j];
+      for (size_t i = g.first; i < g.last; ++i) {
+        const ChunkRange c = chunk_[i][j];
+        Decode(std::span<const uint8_t>(g.all).subspan(off, bytes_[i][j]),
+               layers_[i].out.subspan(c.begin, c.size()));
+        off += bytes_[i][j];
+      }
+    }
+  }
+
+  // Codec work, most advanced stage first so the wire never waits on a backlog of encodes.
+  void HelperLoop() {
+    try {
+      const size_t G = groups_.size();
+      size_t next_encode = 0;
+      for (;;) {
+        size_t pick = G;
+        int stage = 0;
+        {
+          std::unique_lock<std::mutex> lock(mu_);
+          cv_.wait(lock, [&] {
+            if (abort_) return true;
+            for (size_t s = 0; s < G; ++s) {
+              if (state_[s] == kGathered || state_[s] == kExchanged) {
+                pick = s;
+                stage = state_[s];
+                return true;
+              }
+            }
+            if (next_encode < G) {
+              pick = next_encode;
+              stage = 0;
+              return true;
+            }
+            return std::all_of(state_.begin(), state_.end(), [](int v) { return v == kDecoded; });
+          });
+          if (abort_ || pick == G) return;
+        }
+        Group& g = groups_[pick];
+        if (stage == 0) {
+          Encode1(g);
+          ++next_encode;
+          Mark(pick, kEncoded);
+        } else if (stage == kExchanged) {
+          SumRequantize(g);
+          Mark(pick, kRequantized);
+        } else {
+          DecodeAll(g);
+          Mark(pick, kDecoded);
+        }
+      }
+    } catch (...) {
+      helper_error_ = std::current_exception();
+      Abort();
+    }
+  }
+
+  void Mark(size_t s, int stage) {
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      state_[s] = stage;
+    }
+    cv_.notify_all();
+  }
+
+  void Abort() {
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      abort_ = true;
+    }
+    cv_.notify_all();
+  }
+
+  // Throws if the helper failed (its error is rethrown by Run).
+  void WaitFor(size_t s, int stage) {
+    std::unique_lock<std::mutex> lock(mu_);
+    cv_.wait(lock, [&] { return abort_ || state_[s] >= stage; });
+    if (abort_) throw Aborted();
+  }
+
+  void WaitAllDecoded() {
+    std::unique_lock<std::mutex> lock(mu_);
+    cv_.wait(lock, [&] {
+      return abort_ || std::all_of(state_.begin(), state_.end(), [](int v) { return v == kDecoded; });
+    });
+    if (abort_) throw Aborted();
+  }
+
+  struct Aborted : std::exception {
+    const char* what() const noexcept override { return "two_phase: helper thread failed"; }
+  };
+
+  Communicator& comm_;
+  const AlgorithmOptions& ao_;
+  std::span<const BucketLayer> layers_;
+  const int n_, r_;
+  std::vector<std::vector<ChunkRange>> chunk_;  // [layer][rank]
+  std::vector<std::vector<size_t>> bytes_;      // [layer][rank] encoded bytes of that chunk
+  std::vector<Group> groups_;
+
+  std::mutex mu_;
+  std::condition_variable cv_;
+  std::vector<int> state_;  // per group: last completed Stage
+  bool abort_ = false;
+  std::exception_ptr helper_error_;
+};
 
 }  // namespace
 
-void ExchangeBucketData(Communicator& comm, Algorithm algorithm, uint64_t seed, uint64_t step,
+void ExchangeBucketData(Communicator& comm, Algorithm algorithm, const AlgorithmOptions& options,
                         std::span<const BucketLayer> layers) {
+  for (const auto& l : layers) {
+    GEOFP8_CHECK(l.in.size() == l.out.size(), "layer ", l.layer, ": input has ", l.in.size(),
+                 " elements, output ", l.out.size());
+  }
   switch (algorithm) {
     case Algorithm::kFp32:
       return RunFp32(comm, layers);
     case Algorithm::kBf16:
       return RunBf16(comm, layers);
     case Algorithm::kAllGather:
-      return RunAllGather(comm, seed, step, layers);
+      return RunAllGather(comm, options, layers);
     case Algorithm::kTwoPhase:
-      return RunTwoPhase(comm, seed, step, layers);
+      if (layers.empty()) return;
+      return TwoPhase(comm, options, layers).Run();
     case Algorithm::kNative:
       GEOFP8_FAIL("algorithm: native needs the nccl backend (backend ", comm.backend(), ")");
   }

@@ -1,6 +1,6 @@
 // The exchange algorithms over one bucket: two_phase, allgather and the fp32/bf16 baselines.
-// Input and output are in place, already pre-divided by N and moved into geometry coordinates;
-// the engine (exchanger.h) does that, the fingerprint check and the skip decision around them.
+// Inputs are already pre-divided by N and moved into geometry coordinates; the engine
+// (exchanger.h) does that, the fingerprint check and the skip decision around them.
 #pragma once
 
 #include <cstdint>
@@ -13,15 +13,24 @@
 namespace geofp8 {
 
 struct BucketLayer {
-  uint32_t layer = 0;      // model layer index: part of the stochastic-rounding stream key
-  LayerPolicy policy;      // format, scaling, block, rounding (geometry is applied outside)
-  std::span<float> data;   // this rank's contribution in, the reduced result out
+  uint32_t layer = 0;          // model layer index: part of the stochastic-rounding stream key
+  LayerPolicy policy;          // format, scaling, block, rounding (geometry is applied outside)
+  std::span<const float> in;   // this rank's contribution
+  std::span<float> out;        // the reduced result (same size; may alias in)
 };
 
-// Runs `algorithm` over the bucket's layers. Every rank ends with byte-identical data: the sum
+struct AlgorithmOptions {
+  uint64_t seed = 0;  // stochastic rounding streams (chunking.h StreamSeed)
+  uint64_t step = 0;
+  // two_phase pipelines groups of whole layers of about this many fp32 bytes: while one group is
+  // on the wire, a helper thread encodes the next and sums/decodes the previous ones.
+  size_t segment_bytes = size_t{4} << 20;
+};
+
+// Runs `algorithm` over the bucket's layers. Every rank ends with byte-identical outputs: the sum
 // over ranks of the inputs, through the algorithm's quantization. Throws geofp8::Error for
 // kNative (GPU only) or a collective failure.
-void ExchangeBucketData(Communicator& comm, Algorithm algorithm, uint64_t seed, uint64_t step,
+void ExchangeBucketData(Communicator& comm, Algorithm algorithm, const AlgorithmOptions& options,
                         std::span<const BucketLayer> layers);
 
 }  // namespace geofp8

@@ -200,7 +200,6 @@ BucketResult Exchanger::RunBucket(uint64_t step, size_t bucket,
       st.active = std::move(st.pending);
       st.has_pending = false;
     }
-    for (float v : grads[l]) nonfinite |= !std::isfinite(v);
     LayerRecord rec;
     rec.layer = l;
     rec.format = static_cast<uint8_t>(spec.policy.format);
@@ -222,21 +221,47 @@ BucketResult Exchanger::RunBucket(uint64_t step, size_t bucket,
   header.step = step;
   header.bucket = static_cast<uint32_t>(bucket);
   header.algorithm = static_cast<uint32_t>(options_.algorithm);
-  header.nonfinite = nonfinite;
   std::vector<std::string> names;
   names.reserve(layers_.size());
   for (const auto& l : layers_) names.push_back(l.name);
+  // One pass: divide by N into scratch (the sum is then the average and cannot overflow) and
+  // look for non-finite values. The caller's gradients stay untouched until the step is agreed.
+  size_t total = 0;
+  for (uint32_t l : b.layers) total += grads[l].size();
+  if (scratch_.size() < total) scratch_.resize(total);
+  const float n = static_cast<float>(comm_.size());
+  std::vector<BucketLayer> work;
+  std::vector<std::span<float>> divided;
+  size_t off = 0;
+  for (uint32_t l : b.layers) {
+    const float* g = grads[l].data();
+    float* w = scratch_.data() + off;
+    const size_t count = grads[l].size();
+    uint32_t bad = 0;
+    for (size_t i = 0; i < count; ++i) {
+      uint32_t bits;
+      std::memcpy(&bits, &g[i], 4);
+      bad |= (bits & 0x7f800000u) == 0x7f800000u;  // inf or NaN
+      w[i] = g[i] / n;
+    }
+    nonfinite |= bad;
+    divided.emplace_back(w, count);
+    work.push_back({l, layers_[l].policy, divided.back(), grads[l]});
+    off += count;
+  }
+  header.nonfinite = nonfinite;
   if (CheckFingerprints(comm_, header, records, names) != 0) {
     result.skipped = true;
   } else {
-    const float n = static_cast<float>(comm_.size());
-    std::vector<BucketLayer> work;
-    for (uint32_t l : b.layers) {
-      for (float& v : grads[l]) v /= n;  // pre-divide: the sum is the average and cannot overflow
-      if (UsesGeometry(l)) ApplyGeometry(state_[l].active, grads[l]);
-      work.push_back({l, layers_[l].policy, grads[l]});
+    for (size_t k = 0; k < work.size(); ++k) {
+      const uint32_t l = b.layers[k];
+      if (UsesGeometry(l)) ApplyGeometry(state_[l].active, divided[k]);
     }
-    ExchangeBucketData(comm_, options_.algorithm, options_.seed, step, work);
+    AlgorithmOptions ao;
+    ao.seed = options_.seed;
+    ao.step = step;
+    ao.segment_bytes = options_.segment_bytes;
+    ExchangeBucketData(comm_, options_.algorithm, ao, work);
     for (uint32_t l : b.layers) {
       if (UsesGeometry(l)) InvertGeometry(state_[l].active, grads[l]);
     }

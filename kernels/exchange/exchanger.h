@@ -35,6 +35,8 @@ struct ExchangeOptions {
   Algorithm algorithm = Algorithm::kTwoPhase;
   // Largest bucket in fp32 bytes of gradient; a larger layer gets a bucket of its own.
   size_t bucket_cap_bytes = size_t{25} << 20;
+  // two_phase pipelines groups of layers of about this many fp32 bytes within a bucket.
+  size_t segment_bytes = size_t{4} << 20;
   // Every collective's timeout (DESIGN.md section 4).
   std::chrono::milliseconds timeout = kDefaultCollectiveTimeout;
   // Checked across ranks in every bucket's fingerprint.
@@ -129,6 +131,7 @@ class Exchanger {
   std::vector<RefreshSchedule> schedule_;
   std::vector<Bucket> buckets_;
   std::vector<LayerState> state_;  // touched only on the worker thread while tasks run
+  std::vector<float> scratch_;     // the bucket divided by N (and transformed): worker thread only
 
   // Per-step bookkeeping on the caller's thread.
   struct Pending {

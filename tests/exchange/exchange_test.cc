@@ -67,12 +67,13 @@ std::vector<LayerSpec> MixedLayers() {
   };
 }
 
-class Mixed : public ::testing::TestWithParam<std::tuple<int, Algorithm>> {};
+class Mixed : public ::testing::TestWithParam<std::tuple<int, Algorithm, size_t>> {};
 
 TEST_P(Mixed, PerLayerPoliciesInBuckets) {
-  const auto [n, algorithm] = GetParam();
+  const auto [n, algorithm, segment_bytes] = GetParam();
   ExchangeOptions options;
   options.algorithm = algorithm;
+  options.segment_bytes = segment_bytes;  // 1: every layer its own pipelined two_phase group
   options.seed = 1234;
   options.bucket_cap_bytes = 4096;  // several buckets
   const auto layers = MixedLayers();
@@ -84,7 +85,8 @@ TEST_P(Mixed, PerLayerPoliciesInBuckets) {
 INSTANTIATE_TEST_SUITE_P(Exchange, Mixed,
                          ::testing::Combine(::testing::Values(2, 3, 4),
                                             ::testing::Values(Algorithm::kTwoPhase,
-                                                              Algorithm::kAllGather)));
+                                                              Algorithm::kAllGather),
+                                            ::testing::Values(size_t{1}, size_t{4} << 20)));
 
 TEST(Buckets, ReverseOrderWithCap) {
   std::vector<LayerSpec> layers = {{"a", 10, 1, {}}, {"b", 100, 1, {}}, {"c", 5, 1, {}},
