@@ -1,0 +1,153 @@
+// Binary checkpoint format (little-endian):
+//   "GFP8CKPT" | u32 version | str fingerprint | i64 next_step | u64 rng_seed |
+//   f32[] weights | f32[] m | f32[] v | u64 layers | per layer: bytes active, bytes pending,
+//   u64 pending_from | u64 FNV-1a of everything before it.
+// str/bytes/f32[] are a u64 count followed by the elements.
+
+#include "worker/train/checkpoint.h"
+
+#include <fcntl.h>
+#include <unistd.h>
+
+#include <cerrno>
+#include <cstdio>
+#include <cstring>
+#include <fstream>
+#include <sstream>
+
+#include "kernels/common/check.h"
+
+namespace geofp8::train {
+namespace {
+
+constexpr char kMagic[8] = {'G', 'F', 'P', '8', 'C', 'K', 'P', 'T'};
+constexpr uint32_t kVersion = 1;
+
+uint64_t Fnv(const uint8_t* p, size_t n, uint64_t h = 0xcbf29ce484222325ULL) {
+  for (size_t i = 0; i < n; ++i) h = (h ^ p[i]) * 0x100000001b3ULL;
+  return h;
+}
+
+struct Writer {
+  std::string out;
+  void Raw(const void* p, size_t n) { out.append(static_cast<const char*>(p), n); }
+  template <typename T>
+  void Pod(T v) { Raw(&v, sizeof v); }
+  template <typename T>
+  void Vec(const std::vector<T>& v) {
+    Pod<uint64_t>(v.size());
+    Raw(v.data(), v.size() * sizeof(T));
+  }
+  void Str(const std::string& s) {
+    Pod<uint64_t>(s.size());
+    Raw(s.data(), s.size());
+  }
+};
+
+struct Reader {
+  const std::string& in;
+  const std::string& path;
+  size_t pos = 0;
+  void Raw(void* p, size_t n) {
+    GEOFP8_CHECK(n <= in.size() - pos, "checkpoint ", path, ": truncated at byte ", pos);
+    std::memcpy(p, in.data() + pos, n);
+    pos += n;
+  }
+  template <typename T>
+  T Pod() {
+    T v;
+    Raw(&v, sizeof v);
+    return v;
+  }
+  template <typename T>
+  std::vector<T> Vec() {
+    const uint64_t n = Pod<uint64_t>();
+    GEOFP8_CHECK(n <= (in.size() - pos) / sizeof(T), "checkpoint ", path, ": truncated at byte ",
+                 pos);
+    std::vector<T> v(n);
+    Raw(v.data(), n * sizeof(T));
+    return v;
+  }
+  std::string Str() {
+    std::vector<char> v = Vec<char>();
+    return std::string(v.begin(), v.end());
+  }
+};
+
+}  // namespace
+
+void SaveCheckpoint(const std::string& path, const Checkpoint& c) {
+  Writer w;
+  w.Raw(kMagic, sizeof kMagic);
+  w.Pod(kVersion);
+  w.Str(c.fingerprint);
+  w.Pod(c.next_step);
+  w.Pod(c.rng_seed);
+  w.Vec(c.weights);
+  w.Vec(c.m);
+  w.Vec(c.v);
+  w.Pod<uint64_t>(c.geometry.size());
+  for (const auto& g : c.geometry) {
+    w.Vec(g.active);
+    w.Vec(g.pending);
+    w.Pod(g.pending_from);
+  }
+  w.Pod(Fnv(reinterpret_cast<const uint8_t*>(w.out.data()), w.out.size()));
+
+  const std::string tmp = path + ".tmp";
+  const int fd = ::open(tmp.c_str(), O_WRONLY | O_CREAT | O_TRUNC, 0644);
+  GEOFP8_CHECK(fd >= 0, "checkpoint ", tmp, ": cannot create: ", std::strerror(errno));
+  size_t done = 0;
+  while (done < w.out.size()) {
+    const ssize_t n = ::write(fd, w.out.data() + done, w.out.size() - done);
+    if (n < 0 && errno == EINTR) continue;
+    if (n <= 0) {
+      const int err = errno;
+      ::close(fd);
+      GEOFP8_FAIL("checkpoint ", tmp, ": write failed: ", std::strerror(err));
+    }
+    done += size_t(n);
+  }
+  const bool synced = ::fsync(fd) == 0;
+  ::close(fd);
+  GEOFP8_CHECK(synced, "checkpoint ", tmp, ": fsync failed: ", std::strerror(errno));
+  GEOFP8_CHECK(std::rename(tmp.c_str(), path.c_str()) == 0, "checkpoint ", path,
+               ": rename failed: ", std::strerror(errno));
+}
+
+Checkpoint LoadCheckpoint(const std::string& path) {
+  std::ifstream f(path, std::ios::binary);
+  GEOFP8_CHECK(f.good(), "checkpoint ", path, ": cannot open");
+  std::ostringstream os;
+  os << f.rdbuf();
+  const std::string in = os.str();
+  GEOFP8_CHECK(in.size() >= sizeof kMagic + 4 + 8 && std::memcmp(in.data(), kMagic, 8) == 0,
+               "checkpoint ", path, ": not a GeoFP8 checkpoint (bad magic)");
+  uint64_t stored;
+  std::memcpy(&stored, in.data() + in.size() - 8, 8);
+  GEOFP8_CHECK(stored == Fnv(reinterpret_cast<const uint8_t*>(in.data()), in.size() - 8),
+               "checkpoint ", path, ": hash mismatch (corrupt or truncated)");
+  Reader r{in, path};
+  r.pos = sizeof kMagic;
+  const uint32_t version = r.Pod<uint32_t>();
+  GEOFP8_CHECK(version == kVersion, "checkpoint ", path, ": unsupported version ", version);
+  Checkpoint c;
+  c.fingerprint = r.Str();
+  c.next_step = r.Pod<int64_t>();
+  c.rng_seed = r.Pod<uint64_t>();
+  c.weights = r.Vec<float>();
+  c.m = r.Vec<float>();
+  c.v = r.Vec<float>();
+  const uint64_t layers = r.Pod<uint64_t>();
+  GEOFP8_CHECK(layers <= c.weights.size(), "checkpoint ", path, ": bad layer count ", layers);
+  c.geometry.resize(layers);
+  for (auto& g : c.geometry) {
+    g.active = r.Vec<uint8_t>();
+    g.pending = r.Vec<uint8_t>();
+    g.pending_from = r.Pod<uint64_t>();
+  }
+  GEOFP8_CHECK(r.pos == in.size() - 8, "checkpoint ", path, ": trailing bytes");
+  return c;
+}
+
+}  // namespace geofp8::train

@@ -1,0 +1,38 @@
+// The trainer's exchange policy: one LayerPolicy per model parameter plus the algorithm and the
+// geometry refresh cadence, from a preset name (fp32, bf16, fp8, geofp8, nvfp4, geonvfp4) or a
+// YAML file with per-layer globs. Parsed and validated here, at the edge.
+#pragma once
+
+#include <string>
+#include <vector>
+
+#include "kernels/exchange/policy.h"
+#include "kernels/model/model.h"
+
+namespace geofp8::train {
+
+// Plain struct: what the Exchanger needs besides the communicator.
+struct ExchangePlan {
+  std::string name;                       // preset name or file path
+  Algorithm algorithm = Algorithm::kTwoPhase;
+  std::vector<LayerPolicy> layers;        // one per model parameter, in params() order
+  int refresh_interval = 20;              // steps between geometry refreshes of a layer
+  int power_iters = 1;                    // subspace iterations per refresh
+  float sigma_ema = 0.f;                  // sigma smoothing across refreshes
+  size_t bucket_cap_bytes = size_t{1} << 20;  // fp32 bytes per bucket
+  bool uses_geometry() const;
+};
+
+// "fp32, bf16, fp8, geofp8, nvfp4, geonvfp4"
+std::string_view AcceptedPolicyPresets();
+
+// Builds the plan for `spec`: a preset name, or a path to a YAML file (anything ending in
+// .yaml/.yml). Throws geofp8::Error with one line naming the field ("policy.layers[1].format:
+// unknown value 'fp9' (accepted: ...)") on a bad file.
+ExchangePlan MakeExchangePlan(const std::string& spec, const std::vector<model::ParamInfo>& params);
+
+// Geometry refresh schedule: owner = layer % ranks (spreads the work), offsets staggered over
+// the interval. Empty when the plan uses no geometry.
+std::vector<RefreshSchedule> MakeRefreshSchedule(const ExchangePlan& plan, int ranks);
+
+}  // namespace geofp8::train

@@ -1,0 +1,414 @@
+// One training step, as every rank runs it (see trainer.h):
+//   batch (step, rank) -> forward+backward; each finished bucket goes to the exchange engine
+//   while the backward continues -> wait for the average -> clip -> AdamW -> metrics, checksum,
+//   validation, checkpoint, gradient dump.
+
+#include "worker/train/trainer.h"
+
+#include <fnmatch.h>
+
+#include <atomic>
+#include <filesystem>
+#include <fstream>
+#include <iomanip>
+#include <memory>
+#include <mutex>
+#include <sstream>
+#include <thread>
+
+#include "kernels/common/check.h"
+#include "kernels/exchange/exchanger.h"
+#include "kernels/exchange/gloo_communicator.h"
+#include "kernels/exchange/store.h"
+#include "kernels/model/data.h"
+#include "kernels/model/ops.h"
+#include "worker/train/checkpoint.h"
+#include "worker/train/exchange_policy.h"
+
+namespace geofp8::train {
+
+using Clock = std::chrono::steady_clock;
+
+std::string ValidateTrainOptions(const TrainOptions& o) {
+  std::ostringstream os;
+  if (std::string err = model::ValidateModelConfig(o.model); !err.empty()) return err;
+  model::OptimizerOptions opt = o.optimizer;
+  if (opt.total_steps == 0) opt.total_steps = int(std::max<int64_t>(o.steps, 1));
+  if (std::string err = model::ValidateOptimizerOptions(opt); !err.empty()) return err;
+  if (o.ranks < 1 || o.ranks > 64) {
+    os << "ranks: must be in [1, 64] (" << o.ranks << ")";
+  } else if (o.batch < 1) {
+    os << "batch: must be >= 1 (" << o.batch << ")";
+  } else if (o.seq < 0 || o.seq > o.model.seq) {
+    os << "seq: must be in [0, model.seq = " << o.model.seq << "] (" << o.seq << ")";
+  } else if (o.steps < 1) {
+    os << "steps: must be >= 1 (" << o.steps << ")";
+  } else if (o.eval_every < 0) {
+    os << "eval_every: must be >= 0 (" << o.eval_every << ")";
+  } else if (o.eval_batches < 1) {
+    os << "eval_batches: must be >= 1 (" << o.eval_batches << ")";
+  } else if (o.checksum_every < 0) {
+    os << "checksum_every: must be >= 0 (" << o.checksum_every << ")";
+  } else if (o.error_every < 0) {
+    os << "error_every: must be >= 0 (" << o.error_every << ")";
+  } else if (o.checkpoint_every < 0) {
+    os << "checkpoint_every: must be >= 0 (" << o.checkpoint_every << ")";
+  } else if (o.checkpoint_every > 0 && o.checkpoint.empty()) {
+    os << "checkpoint: needs a path when checkpoint_every is set (" << o.checkpoint_every << ")";
+  } else if (o.resume && o.checkpoint.empty()) {
+    os << "resume: needs a checkpoint path (empty)";
+  } else if (o.blas_threads < 1) {
+    os << "blas_threads: must be >= 1 (" << o.blas_threads << ")";
+  } else if (o.timeout.count() < 1) {
+    os << "timeout: must be >= 1 ms (" << o.timeout.count() << ")";
+  } else if (o.data.empty()) {
+    os << "data: must name a source (empty)";
+  } else if (!o.dump_steps.empty() && o.dump_dir.empty()) {
+    os << "dump_grads: needs an output folder when dump steps are given";
+  }
+  return os.str();
+}
+
+uint64_t Checksum(std::initializer_list<std::span<const float>> buffers) {
+  uint64_t h = 0xcbf29ce484222325ULL;
+  for (auto b : buffers) {
+    const auto* p = reinterpret_cast<const uint8_t*>(b.data());
+    for (size_t i = 0; i < b.size_bytes(); ++i) h = (h ^ p[i]) * 0x100000001b3ULL;
+  }
+  return h;
+}
+
+namespace {
+
+std::string Fingerprint(const TrainOptions& o) {
+  std::ostringstream os;
+  const model::ModelConfig& m = o.model;
+  os << "model=" << m.vocab << "/" << m.dim << "/" << m.layers << "/" << m.heads << "/" << m.ffn
+     << "/" << m.seq << " ranks=" << o.ranks << " batch=" << o.batch << " seq=" << o.seq
+     << " policy=" << o.policy << " data=" << o.data << " seed=" << o.seed;
+  return os.str();
+}
+
+bool Matches(const std::vector<std::string>& globs, const std::string& name) {
+  for (const auto& g : globs) {
+    if (fnmatch(g.c_str(), name.c_str(), 0) == 0) return true;
+  }
+  return false;
+}
+
+void WriteFloats(const std::filesystem::path& path, std::span<const float> data) {
+  std::ofstream f(path, std::ios::binary);
+  f.write(reinterpret_cast<const char*>(data.data()), std::streamsize(data.size_bytes()));
+  GEOFP8_CHECK(f.good(), "dump_grads: cannot write ", path.string());
+}
+
+// Everything one rank owns.
+class RankRunner {
+ public:
+  RankRunner(const TrainOptions& options, Communicator& comm)
+      : o_(options),
+        comm_(comm),
+        rank_(comm.rank()),
+        ranks_(comm.size()),
+        seq_(options.seq > 0 ? options.seq : options.model.seq),
+        model_(options.model) {
+    GEOFP8_CHECK(ranks_ == o_.ranks, "ranks: the communicator has ", ranks_, " ranks, options say ",
+                 o_.ranks);
+    model::OptimizerOptions opt = o_.optimizer;
+    if (opt.total_steps == 0) opt.total_steps = int(o_.steps);
+    optimizer_ = std::make_unique<model::AdamW>(opt, model_.params());
+    data_ = model::MakeDataSource(o_.data, o_.seed);
+    plan_ = MakeExchangePlan(o_.policy, model_.params());
+    std::vector<LayerSpec> layers;
+    for (size_t i = 0; i < model_.params().size(); ++i) {
+      const model::ParamInfo& p = model_.params()[i];
+      LayerSpec spec;
+      spec.name = p.name;
+      spec.rows = p.is_matrix() ? p.rows : p.size();  // the engine's 1-D layers have cols == 1
+      spec.cols = p.is_matrix() ? p.cols : 1;
+      spec.policy = plan_.layers[i];
+      layers.push_back(spec);
+    }
+    ExchangeOptions eo;
+    eo.algorithm = plan_.algorithm;
+    eo.bucket_cap_bytes = plan_.bucket_cap_bytes;
+    eo.timeout = o_.timeout;
+    eo.seed = o_.seed;
+    eo.power_iters = plan_.power_iters;
+    eo.sigma_ema = plan_.sigma_ema;
+    exchanger_ = std::make_unique<Exchanger>(comm_, std::move(layers), eo,
+                                             MakeRefreshSchedule(plan_, ranks_));
+    bucket_of_.assign(model_.params().size(), 0);
+    for (size_t b = 0; b < exchanger_->buckets().size(); ++b) {
+      for (uint32_t l : exchanger_->buckets()[b].layers) bucket_of_[l] = b;
+    }
+  }
+
+  TrainResult Run(const StepCallback& on_step) {
+    TrainResult result;
+    result.params = model_.params();
+    result.entropy_bound = data_->EntropyBound();
+    model_.Init(o_.seed);
+    int64_t start = 0;
+    if (o_.resume && std::filesystem::exists(o_.checkpoint)) start = Restore();
+    result.start_step = start;
+    const auto run_start = Clock::now();
+    for (int64_t step = start; step < o_.steps; ++step) {
+      StepRecord rec = Step(step);
+      const bool last = step + 1 == o_.steps;
+      if (last || (o_.eval_every > 0 && (step + 1) % o_.eval_every == 0)) {
+        rec.val_loss = Validate();
+        result.final_val_loss = rec.val_loss;
+        if (!(result.best_val_loss <= rec.val_loss)) result.best_val_loss = rec.val_loss;
+      }
+      if (o_.checksum_every > 0 && ((step + 1) % o_.checksum_every == 0 || last)) VerifyChecksum(step);
+      if (!o_.checkpoint.empty() &&
+          (last || (o_.checkpoint_every > 0 && (step + 1) % o_.checkpoint_every == 0))) {
+        Save(step + 1);
+      }
+      result.bytes_sent += rec.bytes_sent;
+      if (rank_ == 0 && on_step) on_step(rec);
+    }
+    result.steps = o_.steps;
+    result.seconds = std::chrono::duration<double>(Clock::now() - run_start).count();
+    result.weights = model_.weights();
+    result.checksum = Checksum({model_.weights(), optimizer_->m(), optimizer_->v()});
+    return result;
+  }
+
+ private:
+  StepRecord Step(int64_t step) {
+    const auto t0 = Clock::now();
+    StepRecord rec;
+    rec.step = step;
+    const size_t L = model_.params().size();
+    const bool measure = o_.error_every > 0 && step % o_.error_every == 0;
+    const bool dump = !o_.dump_dir.empty() &&
+                      std::find(o_.dump_steps.begin(), o_.dump_steps.end(), step) !=
+                          o_.dump_steps.end();
+    data_->TrainBatch(step, rank_, ranks_, o_.batch, seq_, &tokens_);
+
+    std::vector<std::span<float>> grads(L);
+    for (size_t i = 0; i < L; ++i) grads[i] = model_.grad(int(i));
+    if (measure || dump) local_.resize(model_.grads().size());
+    // Buckets hold layers in reverse order, so they complete in bucket order during backward.
+    std::vector<size_t> remaining(exchanger_->buckets().size());
+    for (size_t b = 0; b < remaining.size(); ++b) remaining[b] = exchanger_->buckets()[b].layers.size();
+    size_t next_bucket = 0;
+    auto on_ready = [&](int i) {
+      if (measure || dump) {
+        auto g = model_.grad(i);
+        std::copy(g.begin(), g.end(), local_.begin() + model_.params()[i].offset);
+      }
+      --remaining[bucket_of_[i]];
+      while (next_bucket < remaining.size() && remaining[next_bucket] == 0) {
+        exchanger_->Submit(uint64_t(step), next_bucket++, grads);
+      }
+    };
+    const double loss = model_.ForwardBackward(tokens_, o_.batch, seq_, on_ready);
+    GEOFP8_CHECK(next_bucket == remaining.size(), "backward left buckets unsubmitted");
+    const auto t_backward = Clock::now();
+    const StepResult ex = exchanger_->Finish(uint64_t(step));
+    rec.wait_seconds = std::chrono::duration<double>(Clock::now() - t_backward).count();
+    rec.exchange_seconds = ex.seconds;
+    rec.bytes_sent = ex.bytes_sent;
+    rec.skipped = ex.skipped;
+    rec.refreshes = int(ex.refreshes.size());
+
+    if (measure) rec.layer_error = LayerErrors();
+    if (dump) Dump(step);
+
+    rec.lr = model::LearningRate(optimizer_->options(), step);
+    if (!ex.skipped) {
+      rec.grad_norm = model::ClipGradNorm(model_.grads(), optimizer_->options().clip_norm);
+      optimizer_->Step(model_.weights(), model_.grads(), step);
+    }
+    if (rank_ == o_.debug_perturb_rank && step == o_.debug_perturb_step) model_.weights()[0] += 1e-3f;
+
+    float sum[1] = {float(loss)};
+    comm_.AllReduceSum(sum);
+    rec.loss = double(sum[0]) / ranks_;
+    rec.tokens = int64_t(ranks_) * o_.batch * seq_;
+    rec.step_seconds = std::chrono::duration<double>(Clock::now() - t0).count();
+    return rec;
+  }
+
+  // rel_fro_error of each layer's exchanged average against the exact fp32 average of the
+  // local gradients (pre-divided by N and summed the way the fp32 baseline sums).
+  std::vector<double> LayerErrors() {
+    std::vector<float> exact(local_.size());
+    const float n = float(ranks_);
+    for (size_t i = 0; i < exact.size(); ++i) exact[i] = local_[i] / n;
+    comm_.AllReduceSum(exact);
+    std::vector<double> err;
+    for (const model::ParamInfo& p : model_.params()) {
+      double e2 = 0, g2 = 0;
+      for (int64_t j = p.offset; j < p.offset + p.size(); ++j) {
+        const double d = double(model_.grads()[j]) - exact[j];
+        e2 += d * d;
+        g2 += double(exact[j]) * exact[j];
+      }
+      err.push_back(g2 > 0 ? std::sqrt(e2 / g2) : std::sqrt(e2));
+    }
+    return err;
+  }
+
+  void Dump(int64_t step) {
+    namespace fs = std::filesystem;
+    const fs::path dir = fs::path(o_.dump_dir) / ("step_" + std::to_string(step));
+    fs::create_directories(dir);
+    std::ostringstream json;
+    json << "{\n  \"step\": " << step << ",\n  \"ranks\": " << ranks_ << ",\n  \"policy\": \""
+         << plan_.name << "\",\n  \"dtype\": \"float32\",\n  \"layout\": \"row-major\",\n"
+         << "  \"layers\": [";
+    bool first = true;
+    for (size_t i = 0; i < model_.params().size(); ++i) {
+      const model::ParamInfo& p = model_.params()[i];
+      if (!Matches(o_.dump_layers, p.name)) continue;
+      std::span<const float> mine(local_.data() + p.offset, size_t(p.size()));
+      WriteFloats(dir / (p.name + ".rank" + std::to_string(rank_) + ".f32"), mine);
+      if (rank_ != 0) continue;
+      WriteFloats(dir / (p.name + ".avg.f32"), model_.grad(int(i)));
+      json << (first ? "\n" : ",\n") << "    {\"name\": \"" << p.name << "\", \"rows\": " << p.rows
+           << ", \"cols\": " << p.cols << ", \"avg\": \"" << p.name << ".avg.f32\", \"per_rank\": [";
+      for (int r = 0; r < ranks_; ++r) {
+        json << (r ? ", " : "") << "\"" << p.name << ".rank" << r << ".f32\"";
+      }
+      json << "]}";
+      first = false;
+    }
+    json << "\n  ]\n}\n";
+    if (rank_ == 0) {
+      std::ofstream f(dir / "shapes.json");
+      f << json.str();
+      GEOFP8_CHECK(f.good(), "dump_grads: cannot write ", (dir / "shapes.json").string());
+    }
+  }
+
+  // Validation batches are split over ranks and the loss sums all-reduced.
+  double Validate() {
+    constexpr int kRows = 16;
+    float sum[1] = {0.f};
+    for (int i = rank_; i < o_.eval_batches; i += ranks_) {
+      data_->ValidationBatch(i, kRows, seq_, &tokens_);
+      sum[0] += float(model_.Loss(tokens_, kRows, seq_));
+    }
+    comm_.AllReduceSum(sum);
+    return double(sum[0]) / o_.eval_batches;
+  }
+
+  void VerifyChecksum(int64_t step) {
+    const uint64_t mine = Checksum({model_.weights(), optimizer_->m(), optimizer_->v()});
+    std::vector<uint64_t> all(ranks_);
+    std::vector<size_t> counts(ranks_, sizeof(uint64_t));
+    comm_.AllGatherV({reinterpret_cast<const uint8_t*>(&mine), sizeof mine},
+                     {reinterpret_cast<uint8_t*>(all.data()), all.size() * sizeof(uint64_t)},
+                     counts);
+    for (int r = 1; r < ranks_; ++r) {
+      if (all[r] != all[0]) {
+        std::ostringstream hex;
+        hex << std::hex << all[r] << " vs rank 0 " << all[0];
+        GEOFP8_FAIL("parameter checksum mismatch after step ", step, ": rank ", r, " has ",
+                    hex.str(), "; ranks are no longer bitwise identical");
+      }
+    }
+  }
+
+  void Save(int64_t next_step) {
+    if (rank_ != 0) return;  // every rank holds the same state (checked by the checksum)
+    Checkpoint c;
+    c.fingerprint = Fingerprint(o_);
+    c.next_step = next_step;
+    c.rng_seed = o_.seed;
+    c.weights = model_.weights();
+    c.m = optimizer_->m();
+    c.v = optimizer_->v();
+    if (plan_.uses_geometry()) {
+      c.geometry.resize(model_.params().size());
+      for (size_t l = 0; l < c.geometry.size(); ++l) {
+        const Geometry& g = exchanger_->active_geometry(uint32_t(l));
+        if (!g.is_identity()) c.geometry[l].active = SerializeGeometry(g);
+      }
+    }
+    SaveCheckpoint(o_.checkpoint, c);
+  }
+
+  int64_t Restore() {
+    const Checkpoint c = LoadCheckpoint(o_.checkpoint);
+    const std::string expected = Fingerprint(o_);
+    GEOFP8_CHECK(c.fingerprint == expected, "checkpoint ", o_.checkpoint,
+                 ": written by a different run (", c.fingerprint, ") than this one (", expected, ")");
+    GEOFP8_CHECK(c.weights.size() == model_.weights().size() && c.m.size() == c.weights.size() &&
+                     c.v.size() == c.weights.size(),
+                 "checkpoint ", o_.checkpoint, ": parameter count ", c.weights.size(),
+                 " does not match the model (", model_.weights().size(), ")");
+    model_.weights() = c.weights;
+    optimizer_->m() = c.m;
+    optimizer_->v() = c.v;
+    GEOFP8_CHECK(c.next_step <= o_.steps, "checkpoint ", o_.checkpoint, ": already at step ",
+                 c.next_step, ", beyond steps = ", o_.steps);
+    return c.next_step;
+  }
+
+  const TrainOptions& o_;
+  Communicator& comm_;
+  const int rank_, ranks_, seq_;
+  model::Model<float> model_;
+  std::unique_ptr<model::AdamW> optimizer_;
+  std::unique_ptr<model::DataSource> data_;
+  ExchangePlan plan_;
+  std::unique_ptr<Exchanger> exchanger_;
+  std::vector<size_t> bucket_of_;
+  std::vector<int32_t> tokens_;
+  std::vector<float> local_;
+};
+
+}  // namespace
+
+TrainResult TrainRank(const TrainOptions& options, Communicator& comm, const StepCallback& on_step) {
+  const std::string err = ValidateTrainOptions(options);
+  GEOFP8_CHECK(err.empty(), err);
+  model::SetBlasThreads(options.blas_threads);
+  RankRunner runner(options, comm);
+  return runner.Run(on_step);
+}
+
+TrainResult Train(const TrainOptions& options, const StepCallback& on_step) {
+  const std::string err = ValidateTrainOptions(options);
+  GEOFP8_CHECK(err.empty(), err);
+  model::SetBlasThreads(options.blas_threads);
+  static std::atomic<int> group{0};
+  MemoryStore store;
+  const std::string prefix = "train" + std::to_string(group++);
+  std::vector<std::string> errors(options.ranks);
+  std::vector<TrainResult> results(options.ranks);
+  std::vector<std::thread> threads;
+  for (int r = 0; r < options.ranks; ++r) {
+    threads.emplace_back([&, r] {
+      try {
+        GlooOptions go;
+        go.prefix = prefix;
+        go.timeout = options.timeout;
+        auto comm = CreateGlooCommunicator(store, r, options.ranks, go);
+        RankRunner runner(options, *comm);
+        results[r] = runner.Run(r == 0 ? on_step : nullptr);
+      } catch (const std::exception& e) {
+        errors[r] = e.what();
+      }
+    });
+  }
+  for (auto& t : threads) t.join();
+  // Report the root cause: a rank's own error before the timeouts it caused in the others.
+  for (int r = 0; r < options.ranks; ++r) {
+    if (!errors[r].empty() && errors[r].find("timeout") == std::string::npos &&
+        errors[r].find("timed out") == std::string::npos) {
+      throw Error("rank " + std::to_string(r) + ": " + errors[r]);
+    }
+  }
+  for (int r = 0; r < options.ranks; ++r) {
+    if (!errors[r].empty()) throw Error("rank " + std::to_string(r) + ": " + errors[r]);
+  }
+  return results[0];
+}
+
+}  // namespace geofp8::train
