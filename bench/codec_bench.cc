@@ -1,0 +1,217 @@
+// geofp8-bench codec: encode / decode / decode-accumulate throughput per format and scaling,
+// against memcpy measured in the same run with the same thread count. Medians over repetitions.
+#include <CLI/CLI.hpp>
+
+#include <algorithm>
+#include <chrono>
+#include <cstdio>
+#include <cstring>
+#include <functional>
+#include <random>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "bench/registry.h"
+#include "kernels/codec/codec.h"
+#include "kernels/codec/codec_internal.h"
+
+namespace geofp8 {
+namespace {
+
+struct Config {
+  Format format;
+  Scaling scaling;
+};
+
+struct Row {
+  Config config;
+  int threads = 1;
+  double memcpy_gbps = 0, encode_gbps = 0, decode_gbps = 0, decode_acc_gbps = 0;
+};
+
+// Runs fn(t) on `threads` threads (t = 0 on the caller) and returns the wall time in seconds.
+double TimeParallel(int threads, const std::function<void(int)>& fn) {
+  const auto start = std::chrono::steady_clock::now();
+  std::vector<std::thread> pool;
+  for (int t = 1; t < threads; ++t) pool.emplace_back(fn, t);
+  fn(0);
+  for (auto& th : pool) th.join();
+  return std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+}
+
+double Median(std::vector<double> v) {
+  std::sort(v.begin(), v.end());
+  const size_t m = v.size() / 2;
+  return v.size() % 2 ? v[m] : 0.5 * (v[m - 1] + v[m]);
+}
+
+int RunCodecBench(int argc, char** argv) {
+  CLI::App app{"geofp8-bench codec: codec throughput against same-run memcpy", "codec"};
+  double size_mib = 64;
+  int reps = 7;
+  std::vector<int> thread_counts = {1, 2};
+  std::vector<std::string> formats = {"fp8_e4m3", "fp8_e5m2", "mxfp8", "nvfp4", "bf16", "fp32"};
+  std::vector<std::string> scalings = {"block", "tensor", "none"};
+  uint32_t block = 128;
+  bool json = false;
+  bool scalar = false;
+  app.add_option("--size-mib", size_mib, "input size in MiB of float32")->capture_default_str();
+  app.add_option("--reps", reps, "timed repetitions per measurement (median)")
+      ->capture_default_str();
+  app.add_option("--threads", thread_counts, "thread counts")->capture_default_str();
+  app.add_option("--formats", formats, "formats")->capture_default_str();
+  app.add_option("--scalings", scalings, "fp8 scalings (others use their own)")
+      ->capture_default_str();
+  app.add_option("--block", block, "block size for block scaling")->capture_default_str();
+  app.add_flag("--json", json, "machine-readable output");
+  app.add_flag("--scalar", scalar, "force the scalar reference (no AVX2)");
+  try {
+    app.parse(argc, argv);
+  } catch (const CLI::ParseError& e) {
+    return app.exit(e) == 0 ? 0 : 2;
+  }
+  if (size_mib <= 0 || reps < 1 || block == 0) {
+    std::fprintf(stderr, "geofp8-bench codec: error: size-mib, reps and block must be positive\n");
+    return 2;
+  }
+  for (int t : thread_counts) {
+    if (t < 1 || t > 256) {
+      std::fprintf(stderr, "geofp8-bench codec: error: threads: must be in [1, 256] (%d)\n", t);
+      return 2;
+    }
+  }
+  std::vector<Config> configs;
+  for (const auto& name : formats) {
+    const auto f = ParseFormat(name);
+    if (!f) {
+      std::fprintf(stderr, "geofp8-bench codec: error: formats: unknown format (%s); accepted: %s\n",
+                   name.c_str(), std::string(AcceptedFormats()).c_str());
+      return 2;
+    }
+    if (*f == Format::kFp8E4M3 || *f == Format::kFp8E5M2) {
+      for (const auto& sname : scalings) {
+        const auto s = ParseScaling(sname);
+        if (!s) {
+          std::fprintf(stderr, "geofp8-bench codec: error: scalings: unknown scaling (%s)\n",
+                       sname.c_str());
+          return 2;
+        }
+        configs.push_back({*f, *s});
+      }
+    } else {
+      configs.push_back({*f, *f == Format::kMxfp8 || *f == Format::kNvfp4 ? Scaling::kBlock
+                                                                         : Scaling::kNone});
+    }
+  }
+  detail::SetVectorizedEnabled(!scalar);
+
+  // Element count: a multiple of every block size in use times the largest thread count, so
+  // each thread gets whole blocks and the split does not change the encoding.
+  const int max_threads = *std::max_element(thread_counts.begin(), thread_counts.end());
+  const size_t quantum = static_cast<size_t>(block) * 32 * max_threads;
+  const size_t n =
+      std::max(quantum, static_cast<size_t>(size_mib * 1024 * 1024 / 4) / quantum * quantum);
+  std::vector<float> x(n);
+  {
+    std::mt19937 rng(1);
+    std::normal_distribution<float> d(0.f, 1e-3f);
+    for (auto& v : x) v = d(rng);
+  }
+  std::vector<float> copy(n, 0.f), acc(n, 0.f);
+
+  // Each repetition times memcpy, encode, decode and decode-accumulate back to back, so a
+  // shared machine's drifting load hits the baseline and the codec alike; medians per column.
+  std::vector<Row> rows;
+  for (int threads : thread_counts) {
+    const size_t per = n / threads;
+    for (const Config& c : configs) {
+      CodecOptions o;
+      o.format = c.format;
+      o.scaling = c.scaling;
+      o.block = block;
+      const size_t enc_bytes = EncodedBytes(o, per);
+      std::vector<std::vector<uint8_t>> bufs(threads, std::vector<uint8_t>(enc_bytes, 0));
+      const auto memcpy_fn = [&](int t) {
+        std::memcpy(copy.data() + t * per, x.data() + t * per, per * 4);
+      };
+      const auto enc_fn = [&](int t) { Encode(std::span(x).subspan(t * per, per), o, bufs[t]); };
+      const auto dec_fn = [&](int t) { Decode(bufs[t], std::span(copy).subspan(t * per, per)); };
+      const auto dacc_fn = [&](int t) {
+        DecodeAccumulate(bufs[t], std::span(acc).subspan(t * per, per));
+      };
+      std::vector<double> mem, enc, dec, dacc;
+      for (int r = -1; r < reps; ++r) {  // r = -1: warm-up, not recorded
+        const double m = TimeParallel(threads, memcpy_fn);
+        const double e = TimeParallel(threads, enc_fn);
+        const double d = TimeParallel(threads, dec_fn);
+        const double a = TimeParallel(threads, dacc_fn);
+        if (r < 0) continue;
+        mem.push_back(m), enc.push_back(e), dec.push_back(d), dacc.push_back(a);
+      }
+      const double wire = static_cast<double>(enc_bytes) * threads;
+      Row row;
+      row.config = c;
+      row.threads = threads;
+      row.memcpy_gbps = 2.0 * n * 4 / Median(mem) / 1e9;
+      row.encode_gbps = (4.0 * n + wire) / Median(enc) / 1e9;
+      row.decode_gbps = (4.0 * n + wire) / Median(dec) / 1e9;
+      row.decode_acc_gbps = (8.0 * n + wire) / Median(dacc) / 1e9;
+      rows.push_back(row);
+    }
+  }
+
+  auto speedup = [&](const Row& r) -> double {
+    for (const Row& one : rows) {
+      if (one.threads == 1 && one.config.format == r.config.format &&
+          one.config.scaling == r.config.scaling) {
+        return r.encode_gbps / one.encode_gbps;
+      }
+    }
+    return 0;
+  };
+  const bool avx2 = !scalar && detail::CpuHasAvx2();
+  if (json) {
+    std::printf("{\"bench\": \"codec\", \"elements\": %zu, \"input_bytes\": %zu, \"reps\": %d, "
+                "\"block\": %u, \"avx2\": %s, \"results\": [",
+                n, n * 4, reps, block, avx2 ? "true" : "false");
+    for (size_t i = 0; i < rows.size(); ++i) {
+      const Row& r = rows[i];
+      std::printf("%s\n  {\"format\": \"%s\", \"scaling\": \"%s\", \"threads\": %d, "
+                  "\"memcpy_gbps\": %.3f, \"encode_gbps\": %.3f, \"decode_gbps\": %.3f, "
+                  "\"decode_acc_gbps\": %.3f, \"encode_vs_memcpy\": %.3f, "
+                  "\"decode_vs_memcpy\": %.3f, \"decode_acc_vs_memcpy\": %.3f, "
+                  "\"encode_speedup_vs_1_thread\": %.3f}",
+                  i ? "," : "", std::string(FormatName(r.config.format)).c_str(),
+                  std::string(ScalingName(r.config.scaling)).c_str(), r.threads, r.memcpy_gbps,
+                  r.encode_gbps, r.decode_gbps, r.decode_acc_gbps, r.encode_gbps / r.memcpy_gbps,
+                  r.decode_gbps / r.memcpy_gbps, r.decode_acc_gbps / r.memcpy_gbps, speedup(r));
+    }
+    std::printf("\n]}\n");
+    return 0;
+  }
+  std::printf("codec bench: %zu floats (%.1f MiB), block %u, median of %d, %s path\n", n,
+              n * 4.0 / (1 << 20), block, reps, avx2 ? "AVX2" : "scalar");
+  std::printf("GB/s count bytes read + written; ratios are against memcpy at the same thread "
+              "count, measured in this run\n\n");
+  std::printf("%-9s %-7s %3s %8s %8s %6s %8s %6s %8s %6s %8s\n", "format", "scaling", "thr",
+              "memcpy", "encode", "ratio", "decode", "ratio", "dec+acc", "ratio", "enc x1thr");
+  for (const Row& r : rows) {
+    std::printf("%-9s %-7s %3d %8.2f %8.2f %6.2f %8.2f %6.2f %8.2f %6.2f %8.2f\n",
+                std::string(FormatName(r.config.format)).c_str(),
+                std::string(ScalingName(r.config.scaling)).c_str(), r.threads, r.memcpy_gbps,
+                r.encode_gbps, r.encode_gbps / r.memcpy_gbps, r.decode_gbps,
+                r.decode_gbps / r.memcpy_gbps, r.decode_acc_gbps,
+                r.decode_acc_gbps / r.memcpy_gbps, speedup(r));
+  }
+  return 0;
+}
+
+}  // namespace
+}  // namespace geofp8
+
+namespace {
+int CodecBenchMain(int argc, char** argv) { return geofp8::RunCodecBench(argc, argv); }
+}  // namespace
+GEOFP8_REGISTER_BENCH("codec", "codec encode/decode GB/s per format vs same-run memcpy",
+                      CodecBenchMain);
