@@ -1,6 +1,9 @@
 // geofp8-coordinator: the control-plane daemon. Serves the geofp8.v1 gRPC API and grpc.health.v1,
 // keeps durable state in SQLite under --data-dir, and exposes Prometheus /metrics.
 #include <signal.h>
+#include <unistd.h>
+
+#include <cerrno>
 
 #include <atomic>
 #include <chrono>
@@ -14,6 +17,14 @@
 #include "server/coordinator/store.h"
 
 namespace {
+
+int g_signal_pipe[2] = {-1, -1};
+
+void OnSignal(int sig) {
+  const int saved = errno;
+  (void)!write(g_signal_pipe[1], &sig, sizeof sig);
+  errno = saved;
+}
 
 int Fail(const std::string& message) {
   std::fprintf(stderr, "geofp8-coordinator: error: %s\n", message.c_str());
@@ -86,12 +97,14 @@ int main(int argc, char** argv) {
     server.token = env;
   }
 
-  // SIGTERM/SIGINT are taken by one thread with sigwait, so shutdown runs outside signal context.
-  sigset_t signals;
-  sigemptyset(&signals);
-  sigaddset(&signals, SIGTERM);
-  sigaddset(&signals, SIGINT);
-  pthread_sigmask(SIG_BLOCK, &signals, nullptr);
+  // SIGTERM/SIGINT write to a pipe that main reads, so shutdown runs outside signal context. A
+  // handler rather than sigwait: libraries (OpenBLAS) start threads before main could mask them.
+  if (pipe(g_signal_pipe) != 0) return Fail("pipe() failed");
+  struct sigaction action = {};
+  action.sa_handler = OnSignal;
+  sigemptyset(&action.sa_mask);
+  sigaction(SIGTERM, &action, nullptr);
+  sigaction(SIGINT, &action, nullptr);
 
   auto store = geofp8::Store::Open(data_dir);
   if (!store.ok()) return Fail(std::string(store.status().message()));
@@ -120,7 +133,8 @@ int main(int argc, char** argv) {
     }
   });
   int sig = 0;
-  sigwait(&signals, &sig);
+  while (read(g_signal_pipe[0], &sig, sizeof sig) < 0 && errno == EINTR) {
+  }
   std::printf("geofp8-coordinator: %s received, shutting down\n", sig == SIGTERM ? "SIGTERM" : "SIGINT");
   std::fflush(stdout);
   stopping = true;

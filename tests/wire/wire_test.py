@@ -1,0 +1,592 @@
+#!/usr/bin/python3
+# Wire tests: the real geofp8-coordinator on 127.0.0.1 (free port), driven by a Python client
+# generated from proto/ at test time (independent of the C++ server code) and by geofp8ctl.
+import json
+import os
+import queue
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+import unittest
+import urllib.request
+
+COORDINATOR = os.environ["GEOFP8_COORDINATOR"]
+CTL = os.environ["GEOFP8CTL"]
+PROTO_DIR = os.environ["GEOFP8_PROTO_DIR"]
+PYGEN = os.environ["GEOFP8_PYGEN_DIR"]
+EXAMPLES = os.environ["GEOFP8_EXAMPLES_DIR"]
+
+
+def generate_client():
+    """protoc + grpc_python_plugin into the build dir. Debian's grpc_tools (1.14) bundles a
+    protoc too old for proto3 `optional`, so the system protoc 3.21 generates the code."""
+    os.makedirs(PYGEN, exist_ok=True)
+    protos = []
+    for root, _, files in os.walk(os.path.join(PROTO_DIR, "geofp8")):
+        protos += [os.path.join(root, f) for f in files if f.endswith(".proto")]
+    subprocess.run(["protoc", "-I" + PROTO_DIR, "--python_out=" + PYGEN,
+                    "--grpc_python_out=" + PYGEN,
+                    "--plugin=protoc-gen-grpc_python=/usr/bin/grpc_python_plugin"] + protos,
+                   check=True)
+    sys.path.insert(0, PYGEN)
+
+
+generate_client()
+import grpc  # noqa: E402
+import yaml  # noqa: E402
+from geofp8.v1 import geofp8_pb2 as pb  # noqa: E402
+from geofp8.v1 import geofp8_pb2_grpc as rpc  # noqa: E402
+
+SPEC2 = "name: wire\nworld_size: 2\nrestarts: {max_restarts: 1}\ntraining: {steps: 100}\n"
+
+
+class Server:
+    """One geofp8-coordinator process on a free port."""
+
+    def __init__(self, data_dir, *extra):
+        self.data_dir = data_dir
+        self.proc = subprocess.Popen(
+            [COORDINATOR, "--listen", "127.0.0.1:0", "--metrics-listen", "127.0.0.1:0",
+             "--data-dir", data_dir, "--tick-ms", "50", *extra],
+            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        self.port = self.metrics_port = None
+        self.lines = []
+        deadline = time.time() + 20
+        while self.port is None:
+            line = self.proc.stdout.readline()
+            if not line:
+                raise RuntimeError("coordinator exited: " + "".join(self.lines))
+            self.lines.append(line)
+            if "metrics on" in line:
+                self.metrics_port = int(line.rsplit(":", 1)[1].split("/")[0])
+            if "serving on" in line:
+                self.port = int(line.split("serving on ")[1].split(" ")[0].rsplit(":", 1)[1])
+            if time.time() > deadline:
+                raise RuntimeError("coordinator did not start")
+        threading.Thread(target=self._drain, daemon=True).start()
+        self.address = "127.0.0.1:%d" % self.port
+
+    def _drain(self):
+        for line in self.proc.stdout:
+            self.lines.append(line)
+
+    def channel(self, credentials=None):
+        if credentials:
+            return grpc.secure_channel(self.address, credentials)
+        return grpc.insecure_channel(self.address)
+
+    def kill9(self):
+        self.proc.send_signal(signal.SIGKILL)
+        self.proc.wait(10)
+        self.proc.stdout.close()
+
+    def stop(self):
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(15)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        self.proc.stdout.close()
+
+
+class SimWorker:
+    """A worker over the real Session stream: a send queue and a reader thread."""
+
+    def __init__(self, channel, name, metadata=()):
+        stub = rpc.WorkerServiceStub(channel)
+        r = stub.Register(pb.RegisterRequest(name=name, device="cpu", memory_bytes=1 << 30),
+                          metadata=metadata, timeout=5)
+        self.id, self.generation = r.worker_id, r.generation
+        self.out = queue.Queue()
+        self.inbox = queue.Queue()
+        self.error = None
+        self.call = stub.Session(self._requests(), metadata=metadata)
+        threading.Thread(target=self._read, daemon=True).start()
+        self.send(heartbeat=pb.Heartbeat(unix_ms=int(time.time() * 1000)), seq=1)
+
+    def _requests(self):
+        while True:
+            m = self.out.get()
+            if m is None:
+                return
+            yield m
+
+    def _read(self):
+        try:
+            for m in self.call:
+                self.inbox.put(m)
+        except grpc.RpcError as e:
+            self.error = e
+        self.inbox.put(None)
+
+    def send(self, seq=0, **body):
+        self.out.put(pb.WorkerMessage(worker_id=self.id, generation=self.generation, seq=seq,
+                                      **body))
+
+    def expect(self, kind, timeout=10):
+        deadline = time.time() + timeout
+        while time.time() < deadline:
+            try:
+                m = self.inbox.get(timeout=max(0.01, deadline - time.time()))
+            except queue.Empty:
+                break
+            if m is None:
+                raise AssertionError("session ended while waiting for %s: %s" % (kind, self.error))
+            if m.WhichOneof("body") == kind:
+                return m
+        raise AssertionError("no %s within %ss" % (kind, timeout))
+
+    def wait_closed(self, timeout=10):
+        deadline = time.time() + timeout
+        while time.time() < deadline:
+            try:
+                if self.inbox.get(timeout=0.1) is None:
+                    return self.error
+            except queue.Empty:
+                pass
+        raise AssertionError("session still open")
+
+    def close(self):
+        self.out.put(None)
+
+
+def ctl(server, *args, token=None, extra_env=None):
+    env = dict(os.environ)
+    env.pop("GEOFP8_TOKEN", None)
+    if token:
+        env["GEOFP8_TOKEN"] = token
+    if extra_env:
+        env.update(extra_env)
+    p = subprocess.run([CTL, "-s", server.address if server else "127.0.0.1:1", "--timeout", "5",
+                        *args], capture_output=True, text=True, env=env, timeout=60)
+    return p.returncode, p.stdout, p.stderr
+
+
+def wait_for(fn, timeout=10, what="condition"):
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        v = fn()
+        if v:
+            return v
+        time.sleep(0.05)
+    raise AssertionError("timed out waiting for " + what)
+
+
+class Base(unittest.TestCase):
+    extra_args = ()
+
+    def setUp(self):
+        self.tmp = tempfile.TemporaryDirectory(prefix="geofp8-wire-")
+        self.server = Server(self.tmp.name, *self.extra_args)
+        self.channel = self.server.channel()
+        self.jobs = rpc.JobServiceStub(self.channel)
+        self.policies = rpc.PolicyServiceStub(self.channel)
+        self.workers_stub = rpc.WorkerServiceStub(self.channel)
+        self.kv = rpc.RendezvousServiceStub(self.channel)
+        self.sims = []
+
+    def tearDown(self):
+        for w in self.sims:
+            w.close()
+        self.channel.close()
+        self.server.stop()
+        self.tmp.cleanup()
+
+    def worker(self, name, channel=None, metadata=()):
+        w = SimWorker(channel or self.channel, name, metadata)
+        self.sims.append(w)
+        return w
+
+    def submit(self, spec=SPEC2, key=""):
+        return self.jobs.SubmitJob(pb.SubmitJobRequest(spec_yaml=spec, idempotency_key=key),
+                                   timeout=5)
+
+    def get(self, job_id):
+        return self.jobs.GetJob(pb.GetJobRequest(job_id=job_id), timeout=5)
+
+
+class ApiTest(Base):
+    def test_submit_get_list_cancel(self):
+        r = self.submit()
+        self.assertTrue(r.created)
+        self.assertEqual(r.job.state, pb.JOB_PENDING)
+        job = self.get(r.job.id)
+        self.assertEqual(job.world_size, 2)
+        self.assertEqual(job.progress.total_steps, 100)
+        self.assertEqual(len(job.events), 1)
+        listed = self.jobs.ListJobs(pb.ListJobsRequest(states=[pb.JOB_PENDING]), timeout=5)
+        self.assertEqual([j.id for j in listed.jobs], [r.job.id])
+        c = self.jobs.CancelJob(pb.CancelJobRequest(job_id=r.job.id, reason="test"), timeout=5)
+        self.assertEqual(c.state, pb.JOB_CANCELLED)
+        with self.assertRaises(grpc.RpcError) as e:
+            self.jobs.CancelJob(pb.CancelJobRequest(job_id=r.job.id), timeout=5)
+        self.assertEqual(e.exception.code(), grpc.StatusCode.FAILED_PRECONDITION)
+        with self.assertRaises(grpc.RpcError) as e:
+            self.get("job-424242")
+        self.assertEqual(e.exception.code(), grpc.StatusCode.NOT_FOUND)
+
+    def test_validation_errors_name_field_paths_and_server_keeps_serving(self):
+        with open(os.path.join(EXAMPLES, "invalid.yaml")) as f:
+            bad = f.read()
+        with self.assertRaises(grpc.RpcError) as e:
+            self.submit(bad)
+        self.assertEqual(e.exception.code(), grpc.StatusCode.INVALID_ARGUMENT)
+        d = e.exception.details()
+        self.assertIn("line 3: spec.world_size: must be in [1, 1024] (0)", d)
+        self.assertIn("line 9: spec.policy.default.format: unknown value (fp7)", d)
+        self.assertIn("line 6: spec.training.stepz: unknown field", d)
+        # Still serving: health says SERVING and a valid submit works.
+        check = self.channel.unary_unary("/grpc.health.v1.Health/Check",
+                                         request_serializer=lambda b: b,
+                                         response_deserializer=lambda b: b)
+        self.assertEqual(check(b"", timeout=5), b"\x08\x01")  # status: SERVING
+        self.assertTrue(self.submit().created)
+
+    def test_idempotency_key(self):
+        a = self.submit(key="same")
+        b = self.submit(key="same")
+        self.assertTrue(a.created)
+        self.assertFalse(b.created)
+        self.assertEqual(a.job.id, b.job.id)
+        with self.assertRaises(grpc.RpcError) as e:
+            self.submit("name: different\n", key="same")
+        self.assertEqual(e.exception.code(), grpc.StatusCode.ALREADY_EXISTS)
+        self.assertEqual(len(self.jobs.ListJobs(pb.ListJobsRequest(), timeout=5).jobs), 1)
+
+    def test_rendezvous_kv(self):
+        self.kv.Set(pb.KvSetRequest(job_id="j", key="nccl/unique_id", value=b"\x00\x01\xff"),
+                    timeout=5)
+        self.assertEqual(self.kv.Get(pb.KvGetRequest(job_id="j", key="nccl/unique_id"),
+                                     timeout=5).value, b"\x00\x01\xff")
+        with self.assertRaises(grpc.RpcError) as e:
+            self.kv.Get(pb.KvGetRequest(job_id="j", key="missing"), timeout=5)
+        self.assertEqual(e.exception.code(), grpc.StatusCode.NOT_FOUND)
+        threading.Timer(0.2, lambda: self.kv.Set(
+            pb.KvSetRequest(job_id="j", key="rank/1", value=b"addr"), timeout=5)).start()
+        self.kv.Wait(pb.KvWaitRequest(job_id="j", keys=["rank/1"], timeout_ms=5000), timeout=10)
+        with self.assertRaises(grpc.RpcError) as e:
+            self.kv.Wait(pb.KvWaitRequest(job_id="j", keys=["never"], timeout_ms=100), timeout=5)
+        self.assertEqual(e.exception.code(), grpc.StatusCode.DEADLINE_EXCEEDED)
+        self.assertEqual(self.kv.Add(pb.KvAddRequest(job_id="j", key="n", delta=3), timeout=5).value, 3)
+        self.assertEqual(self.kv.Add(pb.KvAddRequest(job_id="j", key="n", delta=4), timeout=5).value, 7)
+
+    def test_metrics_endpoint(self):
+        self.submit()
+        with self.assertRaises(grpc.RpcError):
+            self.get("job-404")
+        body = urllib.request.urlopen(
+            "http://127.0.0.1:%d/metrics" % self.server.metrics_port, timeout=5).read().decode()
+        self.assertIn('geofp8_jobs{state="pending"} 1', body)
+        self.assertIn('geofp8_rpcs_total{code="NOT_FOUND",method="JobService/GetJob"} 1', body)
+        self.assertIn('geofp8_rpcs_total{code="OK",method="JobService/SubmitJob"} 1', body)
+        self.assertIn("geofp8_rpc_latency_seconds_bucket", body)
+        self.assertIn("geofp8_policy_updates_total", body)
+        self.assertIn('geofp8_workers{state="idle"} 0', body)
+
+    def test_sigterm_is_graceful(self):
+        self.server.proc.send_signal(signal.SIGTERM)
+        self.assertEqual(self.server.proc.wait(15), 0)
+        self.assertTrue(any("shutting down" in l for l in self.server.lines))
+
+
+class WorkerTest(Base):
+    extra_args = ("--heartbeat-timeout-ms", "700")
+
+    def start_job(self, spec=SPEC2):
+        job_id = self.submit(spec).job.id
+        a, b = self.worker("a"), self.worker("b")
+        ra = a.expect("assignment").assignment
+        rb = b.expect("assignment").assignment
+        self.assertEqual(sorted([ra.rank, rb.rank]), [0, 1])
+        self.assertEqual(ra.job_id, job_id)
+        self.assertEqual(self.get(job_id).state, pb.JOB_SCHEDULED)
+        return job_id, a, b
+
+    def test_assignment_progress_policy_effective_step(self):
+        job_id, a, b = self.start_job()
+        a.send(progress=pb.StepProgress(step=30, loss=3.0, bytes_sent=10, bytes_baseline=40))
+        b.send(progress=pb.StepProgress(step=33, loss=3.1, bytes_sent=10, bytes_baseline=40))
+        wait_for(lambda: self.get(job_id).state == pb.JOB_RUNNING, what="RUNNING")
+        wait_for(lambda: self.get(job_id).progress.step == 33, what="step 33")
+        r = self.policies.UpdatePolicy(pb.UpdatePolicyRequest(
+            job_id=job_id, reason="wire", patches=[pb.LayerPatch(layer="*attn*", format="nvfp4")]),
+            timeout=5)
+        self.assertEqual(r.policy.version, 2)
+        self.assertEqual(r.policy.effective_step, 38)  # largest reported step 33 + margin 5
+        for w in (a, b):
+            p = w.expect("policy").policy
+            self.assertEqual((p.version, p.effective_step), (2, 38))
+        versions = self.policies.ListPolicyVersions(
+            pb.ListPolicyVersionsRequest(job_id=job_id), timeout=5).policies
+        self.assertEqual([v.version for v in versions], [1, 2])
+        with self.assertRaises(grpc.RpcError) as e:
+            self.policies.UpdatePolicy(pb.UpdatePolicyRequest(
+                job_id=job_id, patches=[pb.LayerPatch(layer="x", geometry="svd")]), timeout=5)
+        self.assertEqual(e.exception.code(), grpc.StatusCode.INVALID_ARGUMENT)
+        self.assertIn("patches[0].geometry: unknown value (svd)", e.exception.details())
+        for w in (a, b):
+            w.send(finished=pb.JobFinished(success=True))
+        wait_for(lambda: self.get(job_id).state == pb.JOB_SUCCEEDED, what="SUCCEEDED")
+
+    def test_stale_generation_is_fenced(self):
+        old = self.worker("w")
+        old.expect("ack")
+        new = self.worker("w")  # re-registration: generation + 1 fences the old one
+        self.assertEqual(new.generation, old.generation + 1)
+        old.send(heartbeat=pb.Heartbeat(), seq=2)
+        err = old.wait_closed()
+        self.assertIsNotNone(err)
+        self.assertEqual(err.code(), grpc.StatusCode.FAILED_PRECONDITION)
+        self.assertIn("generation %d is fenced" % old.generation, err.details())
+        self.assertEqual(new.expect("ack").ack.seq, 1)  # the first heartbeat's ack
+        new.send(heartbeat=pb.Heartbeat(), seq=3)
+        self.assertEqual(new.expect("ack").ack.seq, 3)
+
+    def test_dead_worker_restarts_job_then_fails(self):
+        job_id, a, b = self.start_job()
+        # Only a keeps heartbeating; b is declared dead after 700 ms and fenced.
+        deadline = time.time() + 10
+        while time.time() < deadline and self.get(job_id).restarts == 0:
+            a.send(heartbeat=pb.Heartbeat())
+            time.sleep(0.1)
+        job = self.get(job_id)
+        self.assertEqual(job.restarts, 1)
+        self.assertIn("missed heartbeats", job.reason)
+        self.assertIn("restart 1/1", job.reason)
+        b.send(heartbeat=pb.Heartbeat())
+        self.assertEqual(b.wait_closed().code(), grpc.StatusCode.FAILED_PRECONDITION)
+        workers = {w.id: w for w in self.workers_stub.ListWorkers(
+            pb.ListWorkersRequest(), timeout=5).workers}
+        self.assertEqual(workers[b.id].state, pb.WORKER_DEAD)
+        # Nobody heartbeats now: the job exhausts its restarts.
+        b2 = self.worker("b")
+        wait_for(lambda: self.get(job_id).state == pb.JOB_FAILED, what="FAILED")
+        self.assertIn("no restarts left", self.get(job_id).reason)
+        b2.close()
+
+    def test_ctl_watch_shows_progress_until_success(self):
+        job_id, a, b = self.start_job()
+        result = {}
+
+        def run_watch():
+            result["out"] = ctl(self.server, "watch", job_id)
+
+        t = threading.Thread(target=run_watch)
+        t.start()
+        for step in (10, 50, 100):
+            for w in (a, b):
+                w.send(progress=pb.StepProgress(step=step, loss=2.0, tokens_per_second=1500,
+                                                bytes_sent=25 * step, bytes_baseline=100 * step))
+            time.sleep(0.3)
+        for w in (a, b):
+            w.send(finished=pb.JobFinished(success=True))
+        t.join(30)
+        rc, out, err = result["out"]
+        self.assertEqual(rc, 0, err)
+        self.assertIn("100/100", out)
+        self.assertIn("saved 75%", out)
+        self.assertIn("ETA", out)
+        self.assertIn("SUCCEEDED", out)
+        rc, out, err = ctl(self.server, "get", "workers")
+        self.assertEqual(rc, 0, err)
+        self.assertIn("IDLE", out)
+
+
+class PersistenceTest(Base):
+    def test_kill9_keeps_every_acknowledged_job_and_policy(self):
+        ids = [self.submit(key="key-%d" % i).job.id for i in range(5)]
+        v = self.policies.UpdatePolicy(pb.UpdatePolicyRequest(
+            job_id=ids[2], patches=[pb.LayerPatch(layer="*", format="bf16")]), timeout=5)
+        self.assertEqual(v.policy.version, 2)
+        self.channel.close()
+        self.server.kill9()
+        self.server = Server(self.tmp.name)
+        self.channel = self.server.channel()
+        self.jobs = rpc.JobServiceStub(self.channel)
+        self.policies = rpc.PolicyServiceStub(self.channel)
+        listed = self.jobs.ListJobs(pb.ListJobsRequest(), timeout=5).jobs
+        self.assertEqual(sorted(j.id for j in listed), sorted(ids))
+        p = self.policies.GetPolicy(pb.GetPolicyRequest(job_id=ids[2]), timeout=5)
+        self.assertEqual(p.version, 2)
+        self.assertEqual(p.patches[0].format, "bf16")
+        again = self.submit(key="key-3")
+        self.assertFalse(again.created)
+        self.assertEqual(again.job.id, ids[3])
+        self.assertEqual(len(self.jobs.ListJobs(pb.ListJobsRequest(), timeout=5).jobs), 5)
+
+    def test_kill9_during_a_stream_of_submits(self):
+        acked = []
+        stop = threading.Event()
+
+        def submitter():
+            i = 0
+            while not stop.is_set():
+                try:
+                    acked.append(self.submit(key="s-%d" % i).job.id)
+                except grpc.RpcError:
+                    return
+                i += 1
+
+        t = threading.Thread(target=submitter)
+        t.start()
+        time.sleep(1.0)
+        self.server.kill9()
+        stop.set()
+        t.join(10)
+        self.assertGreater(len(acked), 0)
+        self.channel.close()
+        self.server = Server(self.tmp.name)
+        self.channel = self.server.channel()
+        self.jobs = rpc.JobServiceStub(self.channel)
+        present = {j.id for j in self.jobs.ListJobs(pb.ListJobsRequest(), timeout=5).jobs}
+        self.assertTrue(set(acked) <= present, set(acked) - present)
+
+
+class AuthTest(Base):
+    extra_args = ("--token-file", os.path.join(tempfile.gettempdir(), "geofp8-wire-token"))
+
+    @classmethod
+    def setUpClass(cls):
+        with open(cls.extra_args[1], "w") as f:
+            f.write("s3cret\n")
+
+    def test_mutating_rpcs_need_the_token(self):
+        with self.assertRaises(grpc.RpcError) as e:
+            self.submit()
+        self.assertEqual(e.exception.code(), grpc.StatusCode.UNAUTHENTICATED)
+        with self.assertRaises(grpc.RpcError) as e:
+            self.jobs.SubmitJob(pb.SubmitJobRequest(spec_yaml=SPEC2), timeout=5,
+                                metadata=[("authorization", "Bearer wrong")])
+        self.assertEqual(e.exception.code(), grpc.StatusCode.UNAUTHENTICATED)
+        r = self.jobs.SubmitJob(pb.SubmitJobRequest(spec_yaml=SPEC2), timeout=5,
+                                metadata=[("authorization", "Bearer s3cret")])
+        self.assertTrue(r.created)
+        self.assertEqual(self.get(r.job.id).id, r.job.id)  # reads need no token
+        with self.assertRaises(grpc.RpcError) as e:
+            SimWorker(self.channel, "w")
+        self.assertEqual(e.exception.code(), grpc.StatusCode.UNAUTHENTICATED)
+        rc, _, err = ctl(self.server, "submit", "-f", os.path.join(EXAMPLES, "tiny-fp8.yaml"))
+        self.assertEqual(rc, 6, err)
+        self.assertIn("UNAUTHENTICATED".lower(), err.lower() + "unauthenticated")
+        rc, out, err = ctl(self.server, "submit", "-f", os.path.join(EXAMPLES, "tiny-fp8.yaml"),
+                           token="s3cret")
+        self.assertEqual(rc, 0, err)
+
+
+class TlsTest(Base):
+    @classmethod
+    def setUpClass(cls):
+        cls.certs = tempfile.mkdtemp(prefix="geofp8-certs-")
+        c = lambda *a: subprocess.run(["openssl", *a], check=True, capture_output=True, cwd=cls.certs)
+        c("req", "-x509", "-newkey", "rsa:2048", "-nodes", "-keyout", "ca.key", "-out", "ca.pem",
+          "-days", "2", "-subj", "/CN=geofp8-test-ca")
+        for name, cn in (("server", "localhost"), ("client", "geofp8-client")):
+            c("req", "-newkey", "rsa:2048", "-nodes", "-keyout", name + ".key", "-out",
+              name + ".csr", "-subj", "/CN=" + cn)
+            with open(os.path.join(cls.certs, name + ".ext"), "w") as f:
+                f.write("subjectAltName=IP:127.0.0.1,DNS:localhost\n")
+            c("x509", "-req", "-in", name + ".csr", "-CA", "ca.pem", "-CAkey", "ca.key",
+              "-CAcreateserial", "-out", name + ".pem", "-days", "2", "-extfile", name + ".ext")
+        p = lambda n: os.path.join(cls.certs, n)
+        cls.extra_args = ("--tls-cert", p("server.pem"), "--tls-key", p("server.key"),
+                          "--tls-client-ca", p("ca.pem"))
+
+    def read(self, name):
+        with open(os.path.join(self.certs, name), "rb") as f:
+            return f.read()
+
+    def test_mutual_tls(self):
+        creds = grpc.ssl_channel_credentials(root_certificates=self.read("ca.pem"),
+                                             private_key=self.read("client.key"),
+                                             certificate_chain=self.read("client.pem"))
+        ch = self.server.channel(creds)
+        jobs = rpc.JobServiceStub(ch)
+        self.assertTrue(jobs.SubmitJob(pb.SubmitJobRequest(spec_yaml=SPEC2), timeout=5).created)
+        # Without a client certificate the handshake is refused.
+        no_cert = self.server.channel(grpc.ssl_channel_credentials(root_certificates=self.read("ca.pem")))
+        with self.assertRaises(grpc.RpcError) as e:
+            rpc.JobServiceStub(no_cert).ListJobs(pb.ListJobsRequest(), timeout=3)
+        self.assertEqual(e.exception.code(), grpc.StatusCode.UNAVAILABLE)
+        ch.close()
+        no_cert.close()
+        p = lambda n: os.path.join(self.certs, n)
+        rc, out, err = ctl(self.server, "--tls-ca", p("ca.pem"), "--tls-cert", p("client.pem"),
+                           "--tls-key", p("client.key"), "get", "jobs")
+        self.assertEqual(rc, 0, err)
+        self.assertIn("wire", out)
+        rc, out, err = ctl(self.server, "get", "jobs")  # plaintext against TLS
+        self.assertEqual(rc, 4, err)
+
+
+class CtlTest(Base):
+    def test_commands_outputs_and_exit_codes(self):
+        tiny = os.path.join(EXAMPLES, "tiny-fp8.yaml")
+        rc, out, err = ctl(self.server, "submit", "-f", tiny, "--idempotency-key", "k")
+        self.assertEqual(rc, 0, err)
+        self.assertIn("job/job-000001 created", out)
+        rc, out, err = ctl(self.server, "-o", "json", "submit", "-f", tiny, "--idempotency-key", "k")
+        self.assertEqual(rc, 0, err)
+        self.assertFalse(json.loads(out)["created"])
+        rc, out, err = ctl(self.server, "get", "jobs")
+        self.assertEqual(rc, 0, err)
+        self.assertEqual(out.splitlines()[0].split()[:3], ["ID", "NAME", "STATE"])
+        self.assertIn("tiny-fp8", out)
+        rc, out, err = ctl(self.server, "-o", "yaml", "get", "job", "job-000001")
+        self.assertEqual(rc, 0, err)
+        doc = yaml.safe_load(out)
+        self.assertEqual(doc["state"], "JOB_PENDING")
+        self.assertEqual(doc["world_size"], 2)
+        rc, out, err = ctl(self.server, "-o", "json", "get", "jobs")
+        self.assertEqual(json.loads(out)["jobs"][0]["id"], "job-000001")
+        rc, out, err = ctl(self.server, "describe", "job", "job-000001")
+        self.assertEqual(rc, 0, err)
+        self.assertIn("Events:", out)
+        self.assertIn("(default)  fp8_e4m3", out)
+        rc, out, err = ctl(self.server, "policy", "set", "job-000001", "--layer", "*mlp*",
+                           "--format", "nvfp4", "--geometry", "diag")
+        self.assertEqual(rc, 0, err)
+        self.assertEqual(out.strip(), "job/job-000001 policy v2 effective at step 5")
+        rc, out, err = ctl(self.server, "policy", "apply", "job-000001", "-f",
+                           os.path.join(EXAMPLES, "patch-attn-nvfp4.yaml"))
+        self.assertEqual(rc, 0, err)
+        self.assertEqual(out.strip(), "job/job-000001 policy v3 effective at step 5")
+        rc, out, err = ctl(self.server, "policy", "get", "job-000001")
+        self.assertIn("policy v3", out)
+        self.assertIn("*attn*", out)
+        rc, out, err = ctl(self.server, "policy", "history", "job-000001")
+        self.assertEqual(len(out.strip().splitlines()), 4)
+        rc, out, err = ctl(self.server, "policy", "get", "job-000001", "--version", "9")
+        self.assertEqual(rc, 3, err)
+        # Exit codes: usage 2, not found 3, unreachable 4, rejected 5.
+        rc, _, err = ctl(self.server, "get", "job", "job-999999")
+        self.assertEqual(rc, 3, err)
+        self.assertIn("job job-999999 not found", err)
+        rc, _, err = ctl(self.server, "frobnicate")
+        self.assertEqual(rc, 2, err)
+        rc, _, err = ctl(self.server, "policy", "set", "job-000001", "--layer", "x", "--format", "fp7")
+        self.assertEqual(rc, 2, err)
+        self.assertIn("--format: unknown value (fp7)", err)
+        rc, _, err = ctl(self.server, "submit", "-f", "/nonexistent.yaml")
+        self.assertEqual(rc, 2, err)
+        rc, _, err = ctl(self.server, "submit", "-f", os.path.join(EXAMPLES, "invalid.yaml"))
+        self.assertEqual(rc, 5, err)
+        self.assertIn("line 3: spec.world_size", err)
+        self.assertEqual(len(err.strip().splitlines()), 1)
+        rc, _, err = ctl(None, "get", "jobs")
+        self.assertEqual(rc, 4, err)
+        self.assertIn("unreachable", err)
+        rc, out, err = ctl(self.server, "cancel", "job-000001")
+        self.assertEqual(rc, 0, err)
+        self.assertIn("CANCELLED", out)
+        rc, _, err = ctl(self.server, "cancel", "job-000001")
+        self.assertEqual(rc, 5, err)
+
+
+if __name__ == "__main__":
+    unittest.main(verbosity=2)
