@@ -37,6 +37,8 @@ struct Args {
   int64_t cols = 1024;  // layers are rows x cols matrices of at most 4 MiB
   int geometry_rank = 16;
   double timeout_s = 300;
+  double bucket_mib = 25;   // ExchangeOptions::bucket_cap_bytes
+  double segment_mib = 1;   // ExchangeOptions::segment_bytes
   std::string variants = "fp32,bf16,two_phase:fp8_e4m3,allgather:fp8_e4m3,two_phase:nvfp4,"
                          "two_phase:fp8_e4m3:lowrank";
   // Process mode: this process is rank `rank`, rendezvousing through a shared directory.
@@ -56,7 +58,7 @@ struct Args {
 void PrintHelp() {
   std::printf(
       "usage: %s [--ranks N] [--mib M] [--iters K] [--warmup W] [--variants LIST]\n"
-      "          [--cols C] [--geometry-rank K] [--timeout-s S]\n"
+      "          [--cols C] [--geometry-rank K] [--timeout-s S] [--bucket-mib B] [--segment-mib S]\n"
       "          [--rank R --store-dir DIR [--hostname H] [--prefix P]]\n"
       "  --variants   comma list of fp32, bf16, ALGO:FORMAT[:lowrank|:diag] with ALGO two_phase\n"
       "               or allgather (default %s)\n"
@@ -95,6 +97,8 @@ Args ParseArgs(int argc, char** argv) {
     else if (flag == "--geometry-rank") a.geometry_rank = ParseNumber<int>(flag, v);
     else if (flag == "--timeout-s") a.timeout_s = ParseNumber<double>(flag, v);
     else if (flag == "--variants") a.variants = v;
+    else if (flag == "--bucket-mib") a.bucket_mib = ParseNumber<double>(flag, v);
+    else if (flag == "--segment-mib") a.segment_mib = ParseNumber<double>(flag, v);
     else if (flag == "--rank") a.rank = ParseNumber<int>(flag, v);
     else if (flag == "--store-dir") a.store_dir = v;
     else if (flag == "--hostname") a.hostname = v;
@@ -108,6 +112,8 @@ Args ParseArgs(int argc, char** argv) {
   if (a.cols < 1) UsageError("--cols", "must be >= 1", std::to_string(a.cols));
   if (a.geometry_rank < 1) UsageError("--geometry-rank", "must be >= 1", std::to_string(a.geometry_rank));
   if (!(a.timeout_s > 0)) UsageError("--timeout-s", "must be positive", std::to_string(a.timeout_s));
+  if (!(a.bucket_mib > 0)) UsageError("--bucket-mib", "must be positive", std::to_string(a.bucket_mib));
+  if (!(a.segment_mib > 0)) UsageError("--segment-mib", "must be positive", std::to_string(a.segment_mib));
   if (a.rank >= a.ranks) UsageError("--rank", "must be < --ranks", std::to_string(a.rank));
   if (a.rank >= 0 && a.store_dir.empty()) UsageError("--store-dir", "required with --rank", "empty");
   return a;
@@ -223,6 +229,8 @@ std::vector<Row> RunRank(Communicator& comm, const Args& a, const std::vector<Va
     ExchangeOptions options;
     options.algorithm = v.algorithm;
     options.timeout = std::chrono::milliseconds(static_cast<int64_t>(a.timeout_s * 1000));
+    options.bucket_cap_bytes = static_cast<size_t>(a.bucket_mib * (1 << 20));
+    options.segment_bytes = static_cast<size_t>(a.segment_mib * (1 << 20));
     const bool geometry = v.policy.geometry != GeometryMode::kNone;
     Exchanger ex(comm, layers, options, geometry ? schedule : std::vector<RefreshSchedule>{});
     const int warmup = geometry ? std::max(a.warmup, 2) : a.warmup;
@@ -270,9 +278,10 @@ void Print(const Args& a, const std::vector<Row>& rows, bool processes) {
   const auto layers = MakeLayers(a);
   const double bytes = a.mib * (1 << 20);
   std::printf("exchange: %d ranks (%s, gloo tcp), %.1f MiB fp32 per rank in %zu layers of up to %lldx%lld, "
-              "median of %d iters\n",
+              "buckets of %.0f MiB, median of %d iters\n",
               a.ranks, processes ? "processes" : "threads", a.mib, layers.size(),
-              static_cast<long long>(layers[0].rows), static_cast<long long>(layers[0].cols), a.iters);
+              static_cast<long long>(layers[0].rows), static_cast<long long>(layers[0].cols),
+              a.bucket_mib, a.iters);
   double fp32_ms = 0;
   for (const auto& r : rows) {
     if (r.label == "fp32") fp32_ms = r.median_ms;

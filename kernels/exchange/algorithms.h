@@ -24,7 +24,7 @@ struct AlgorithmOptions {
   uint64_t step = 0;
   // two_phase pipelines groups of whole layers of about this many fp32 bytes: while one group is
   // on the wire, a helper thread encodes the next and sums/decodes the previous ones.
-  size_t segment_bytes = size_t{4} << 20;
+  size_t segment_bytes = size_t{1} << 20;
 };
 
 // Runs `algorithm` over the bucket's layers. Every rank ends with byte-identical outputs: the sum

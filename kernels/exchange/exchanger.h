@@ -36,7 +36,7 @@ struct ExchangeOptions {
   // Largest bucket in fp32 bytes of gradient; a larger layer gets a bucket of its own.
   size_t bucket_cap_bytes = size_t{25} << 20;
   // two_phase pipelines groups of layers of about this many fp32 bytes within a bucket.
-  size_t segment_bytes = size_t{4} << 20;
+  size_t segment_bytes = size_t{1} << 20;
   // Every collective's timeout (DESIGN.md section 4).
   std::chrono::milliseconds timeout = kDefaultCollectiveTimeout;
   // Checked across ranks in every bucket's fingerprint.
