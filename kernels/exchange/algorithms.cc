@@ -53,6 +53,25 @@ void RunBf16(Communicator& comm, std::span<const BucketLayer> layers) {
   }
 }
 
+// Flattens the bucket, hands it to the backend's FP8 all-reduce, copies back.
+void RunNative(Communicator& comm, std::span<const BucketLayer> layers) {
+  if (!comm.HasNativeFp8()) comm.AllReduceSumNativeFp8({});  // throws the backend's message
+  size_t total = 0;
+  for (const auto& l : layers) total += l.in.size();
+  std::vector<float> flat(total);
+  size_t off = 0;
+  for (const auto& l : layers) {
+    std::copy(l.in.begin(), l.in.end(), flat.begin() + off);
+    off += l.in.size();
+  }
+  comm.AllReduceSumNativeFp8(flat);
+  off = 0;
+  for (const auto& l : layers) {
+    std::copy_n(flat.begin() + off, l.out.size(), l.out.begin());
+    off += l.out.size();
+  }
+}
+
 void RunAllGather(Communicator& comm, const AlgorithmOptions& ao,
                   std::span<const BucketLayer> layers) {
   const int n = comm.size();
@@ -328,7 +347,7 @@ void ExchangeBucketData(Communicator& comm, Algorithm algorithm, const Algorithm
       if (layers.empty()) return;
       return TwoPhase(comm, options, layers).Run();
     case Algorithm::kNative:
-      GEOFP8_FAIL("algorithm: native needs the nccl backend (backend ", comm.backend(), ")");
+      return RunNative(comm, layers);
   }
   GEOFP8_FAIL("algorithm: unknown value ", static_cast<int>(algorithm), " (accepted: ",
               AcceptedAlgorithms(), ")");

@@ -8,6 +8,8 @@
 #include <span>
 #include <string_view>
 
+#include "kernels/common/check.h"
+
 namespace geofp8 {
 
 // Default collective timeout (DESIGN.md section 4: every collective has one).
@@ -53,6 +55,12 @@ class Communicator {
 
   virtual void Barrier() = 0;
 
+  // The `native` algorithm: in-place sum of data over ranks through the backend's own FP8 E4M3
+  // all-reduce (NCCL >= 2.24 on sm90+), one scale shared by all ranks. Backends without one
+  // report false and throw.
+  virtual bool HasNativeFp8() const { return false; }
+  virtual void AllReduceSumNativeFp8(std::span<float> data);
+
   void set_timeout(std::chrono::milliseconds timeout) { timeout_ = timeout; }
   std::chrono::milliseconds timeout() const { return timeout_; }
   const CommStats& stats() const { return stats_; }
@@ -62,5 +70,10 @@ class Communicator {
   std::chrono::milliseconds timeout_ = kDefaultCollectiveTimeout;
   CommStats stats_;
 };
+
+inline void Communicator::AllReduceSumNativeFp8(std::span<float>) {
+  GEOFP8_FAIL("algorithm: native needs a backend with FP8 all-reduce (NCCL >= 2.24 on sm90+); "
+              "backend ", backend(), " has none");
+}
 
 }  // namespace geofp8

@@ -237,7 +237,7 @@ TEST(Exchanger, RejectsBadPolicyNamingLayerAndField) {
     ex.Exchange(0, {std::span<float>(g)});
     FAIL();
   } catch (const Error& e) {
-    EXPECT_NE(std::string(e.what()).find("native needs the nccl backend"), std::string::npos)
+    EXPECT_NE(std::string(e.what()).find("native needs a backend with FP8 all-reduce"), std::string::npos)
         << e.what();
   }
 }

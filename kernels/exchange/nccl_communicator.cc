@@ -1,0 +1,302 @@
+// NCCL backend (see nccl_communicator.h). Every call copies host data to a device staging
+// buffer, runs the collective on this rank's stream and polls it against the timeout, aborting
+// the communicator (ncclCommAbort) instead of hanging.
+#include "kernels/exchange/nccl_communicator.h"
+
+#include <cuda_runtime.h>
+#include <nccl.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstring>
+#include <numeric>
+#include <thread>
+#include <vector>
+
+#include "kernels/codec/codec.h"
+#include "kernels/common/check.h"
+
+#define GEOFP8_CUDA_CHECK(expr)                                                         \
+  do {                                                                                  \
+    const cudaError_t geofp8_err = (expr);                                              \
+    GEOFP8_CHECK(geofp8_err == cudaSuccess, #expr, ": ", cudaGetErrorString(geofp8_err)); \
+  } while (0)
+
+#define GEOFP8_NCCL_CHECK(expr)                                                          \
+  do {                                                                                   \
+    const ncclResult_t geofp8_res = (expr);                                              \
+    GEOFP8_CHECK(geofp8_res == ncclSuccess, #expr, ": ", ncclGetErrorString(geofp8_res)); \
+  } while (0)
+
+namespace geofp8 {
+
+int CudaDeviceCount() {
+  int count = 0;
+  if (cudaGetDeviceCount(&count) != cudaSuccess) {
+    (void)cudaGetLastError();  // clear the sticky "no device" error
+    return 0;
+  }
+  return count;
+}
+
+namespace {
+
+#if NCCL_VERSION_CODE >= NCCL_VERSION(2, 24, 0)
+constexpr bool kNcclHasFp8 = true;
+#else
+constexpr bool kNcclHasFp8 = false;
+#endif
+
+class NcclCommunicator final : public Communicator {
+ public:
+  NcclCommunicator(ncclComm_t comm, cudaStream_t stream, int device, int rank, int size,
+                   std::chrono::milliseconds timeout)
+      : comm_(comm), stream_(stream), device_(device), rank_(rank), size_(size) {
+    timeout_ = timeout;
+    int major = 0;
+    cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device_);
+    native_fp8_ = kNcclHasFp8 && major >= 9;
+  }
+
+  ~NcclCommunicator() override {
+    cudaSetDevice(device_);
+    if (broken_) {
+      ncclCommAbort(comm_);
+    } else {
+      ncclCommDestroy(comm_);
+    }
+    if (staging_) cudaFree(staging_);
+    cudaStreamDestroy(stream_);
+  }
+
+  int rank() const override { return rank_; }
+  int size() const override { return size_; }
+  std::string_view backend() const override { return "nccl"; }
+  bool HasNativeFp8() const override { return native_fp8_; }
+
+  void AllToAllV(std::span<const uint8_t> send, std::span<const size_t> send_counts,
+                 std::span<uint8_t> recv, std::span<const size_t> recv_counts) override {
+    GEOFP8_CHECK(static_cast<int>(send_counts.size()) == size_ &&
+                     static_cast<int>(recv_counts.size()) == size_,
+                 "alltoallv: counts must have one entry per rank (", size_, ")");
+    const size_t send_total = std::accumulate(send_counts.begin(), send_counts.end(), size_t{0});
+    const size_t recv_total = std::accumulate(recv_counts.begin(), recv_counts.end(), size_t{0});
+    GEOFP8_CHECK(send.size() >= send_total && recv.size() >= recv_total,
+                 "alltoallv: buffers smaller than their counts");
+    ++stats_.collectives;
+    stats_.bytes_sent += send_total - send_counts[rank_];
+    uint8_t* d = Stage(send_total + recv_total);
+    Upload(d, send.data(), send_total);
+    Run("alltoallv", [&] {
+      GEOFP8_NCCL_CHECK(ncclGroupStart());
+      size_t so = 0, ro = 0;
+      for (int p = 0; p < size_; ++p) {
+        if (send_counts[p]) GEOFP8_NCCL_CHECK(ncclSend(d + so, send_counts[p], ncclUint8, p, comm_, stream_));
+        if (recv_counts[p]) {
+          GEOFP8_NCCL_CHECK(ncclRecv(d + send_total + ro, recv_counts[p], ncclUint8, p, comm_, stream_));
+        }
+        so += send_counts[p];
+        ro += recv_counts[p];
+      }
+      GEOFP8_NCCL_CHECK(ncclGroupEnd());
+    });
+    Download(recv.data(), d + send_total, recv_total);
+  }
+
+  void AllGatherV(std::span<const uint8_t> send, std::span<uint8_t> recv,
+                  std::span<const size_t> recv_counts) override {
+    GEOFP8_CHECK(static_cast<int>(recv_counts.size()) == size_,
+                 "allgatherv: recv_counts must have one entry per rank (", size_, ")");
+    GEOFP8_CHECK(send.size() == recv_counts[rank_], "allgatherv: rank ", rank_, " sends ",
+                 send.size(), " bytes but recv_counts says ", recv_counts[rank_]);
+    const size_t total = std::accumulate(recv_counts.begin(), recv_counts.end(), size_t{0});
+    GEOFP8_CHECK(recv.size() >= total, "allgatherv: recv buffer smaller than the counts");
+    ++stats_.collectives;
+    stats_.bytes_sent += send.size() * (size_ - 1);
+    if (total == 0) return;
+    uint8_t* d = Stage(total);
+    size_t my_off = 0;
+    for (int p = 0; p < rank_; ++p) my_off += recv_counts[p];
+    Upload(d + my_off, send.data(), send.size());
+    // One broadcast per rank, fused in a group: NCCL has no all-gather with uneven parts.
+    Run("allgatherv", [&] {
+      GEOFP8_NCCL_CHECK(ncclGroupStart());
+      size_t off = 0;
+      for (int p = 0; p < size_; ++p) {
+        if (recv_counts[p]) {
+          GEOFP8_NCCL_CHECK(ncclBroadcast(d + off, d + off, recv_counts[p], ncclUint8, p, comm_, stream_));
+        }
+        off += recv_counts[p];
+      }
+      GEOFP8_NCCL_CHECK(ncclGroupEnd());
+    });
+    Download(recv.data(), d, total);
+  }
+
+  void AllReduceSum(std::span<float> data) override {
+    AllReduce("allreduce fp32", data.data(), data.size(), ncclFloat32, ncclSum, sizeof(float));
+  }
+
+  void AllReduceSumBf16(std::span<uint16_t> data) override {
+    AllReduce("allreduce bf16", data.data(), data.size(), ncclBfloat16, ncclSum, sizeof(uint16_t));
+  }
+
+  void Broadcast(std::span<uint8_t> data, int root) override {
+    GEOFP8_CHECK(root >= 0 && root < size_, "broadcast: root ", root, " is not a rank of ", size_);
+    ++stats_.collectives;
+    if (rank_ == root) stats_.bytes_sent += data.size();
+    if (data.empty()) return;
+    uint8_t* d = Stage(data.size());
+    Upload(d, data.data(), data.size());
+    Run("broadcast", [&] {
+      GEOFP8_NCCL_CHECK(ncclBroadcast(d, d, data.size(), ncclUint8, root, comm_, stream_));
+    });
+    Download(data.data(), d, data.size());
+  }
+
+  uint32_t MaxReduce(uint32_t value) override {
+    AllReduce("max-reduce", &value, 1, ncclUint32, ncclMax, sizeof(uint32_t));
+    return value;
+  }
+
+  void Barrier() override {
+    uint32_t one = 1;
+    AllReduce("barrier", &one, 1, ncclUint32, ncclSum, sizeof(uint32_t));
+  }
+
+  void AllReduceSumNativeFp8(std::span<float> data) override {
+    if (!native_fp8_) Communicator::AllReduceSumNativeFp8(data);
+#if NCCL_VERSION_CODE >= NCCL_VERSION(2, 24, 0)
+    // One scale for all ranks: the sum of N values of magnitude <= A fits in E4M3's 448.
+    float amax = 0.f;
+    for (float v : data) amax = std::max(amax, std::fabs(v));
+    uint32_t bits;
+    std::memcpy(&bits, &amax, 4);
+    bits = MaxReduce(bits);  // non-negative floats order like their bit patterns
+    std::memcpy(&amax, &bits, 4);
+    GEOFP8_CHECK(std::isfinite(amax), "native: non-finite input reached the FP8 all-reduce");
+    const float scale = amax > 0.f ? FormatMax(Format::kFp8E4M3) / (amax * size_) : 1.f;
+    std::vector<float> scaled(data.size());
+    for (size_t i = 0; i < data.size(); ++i) scaled[i] = data[i] * scale;
+    // Raw E4M3 codes through the codec (scaling none): header then one byte per element.
+    CodecOptions o;
+    o.format = Format::kFp8E4M3;
+    o.scaling = Scaling::kNone;
+    std::vector<uint8_t> enc(EncodedBytes(o, data.size()));
+    Encode(scaled, o, enc);
+    const size_t header = sizeof(EncodedHeader) + ScaleBytes(o, data.size());
+    std::span<uint8_t> codes(enc.data() + header, data.size());
+    AllReduce("allreduce fp8_e4m3", codes.data(), codes.size(), ncclFloat8e4m3, ncclSum, 1);
+    Decode(enc, data);
+    for (float& v : data) v /= scale;
+#endif
+  }
+
+ private:
+  void AllReduce(const char* op, void* host, size_t count, ncclDataType_t type, ncclRedOp_t red,
+                 size_t elem) {
+    ++stats_.collectives;
+    stats_.bytes_sent += 2 * (size_ - 1) * count * elem / size_;
+    if (count == 0) return;
+    uint8_t* d = Stage(count * elem);
+    Upload(d, host, count * elem);
+    Run(op, [&] { GEOFP8_NCCL_CHECK(ncclAllReduce(d, d, count, type, red, comm_, stream_)); });
+    Download(host, d, count * elem);
+  }
+
+  uint8_t* Stage(size_t bytes) {
+    GEOFP8_CHECK(!broken_, "nccl on rank ", rank_, ": communicator is broken by an earlier failure");
+    GEOFP8_CUDA_CHECK(cudaSetDevice(device_));
+    if (bytes > staging_bytes_) {
+      if (staging_) GEOFP8_CUDA_CHECK(cudaFree(staging_));
+      staging_ = nullptr;
+      GEOFP8_CUDA_CHECK(cudaMalloc(&staging_, bytes));
+      staging_bytes_ = bytes;
+    }
+    return static_cast<uint8_t*>(staging_);
+  }
+
+  void Upload(void* d, const void* h, size_t bytes) {
+    if (bytes) GEOFP8_CUDA_CHECK(cudaMemcpyAsync(d, h, bytes, cudaMemcpyHostToDevice, stream_));
+  }
+
+  void Download(void* h, const void* d, size_t bytes) {
+    if (bytes) GEOFP8_CUDA_CHECK(cudaMemcpyAsync(h, d, bytes, cudaMemcpyDeviceToHost, stream_));
+    Wait("download");
+  }
+
+  template <typename Fn>
+  void Run(const char* op, Fn&& enqueue) {
+    try {
+      enqueue();
+    } catch (const Error& e) {
+      broken_ = true;
+      GEOFP8_FAIL("nccl ", op, " failed on rank ", rank_, ": ", e.what());
+    }
+    Wait(op);
+  }
+
+  // Polls the stream until done, an asynchronous NCCL error, or the timeout.
+  void Wait(const char* op) {
+    const auto deadline = std::chrono::steady_clock::now() + timeout_;
+    for (;;) {
+      const cudaError_t q = cudaStreamQuery(stream_);
+      if (q == cudaSuccess) return;
+      if (q != cudaErrorNotReady) {
+        broken_ = true;
+        GEOFP8_FAIL("nccl ", op, " failed on rank ", rank_, ": ", cudaGetErrorString(q));
+      }
+      ncclResult_t async = ncclSuccess;
+      ncclCommGetAsyncError(comm_, &async);
+      if (async != ncclSuccess && async != ncclInProgress) {
+        broken_ = true;
+        GEOFP8_FAIL("nccl ", op, " failed on rank ", rank_, ": ", ncclGetErrorString(async));
+      }
+      if (std::chrono::steady_clock::now() >= deadline) {
+        broken_ = true;
+        GEOFP8_FAIL("nccl ", op, " on rank ", rank_, " timed out after ", timeout_.count(), " ms");
+      }
+      std::this_thread::sleep_for(std::chrono::microseconds(50));
+    }
+  }
+
+  ncclComm_t comm_;
+  cudaStream_t stream_;
+  int device_, rank_, size_;
+  bool native_fp8_ = false;
+  bool broken_ = false;
+  void* staging_ = nullptr;
+  size_t staging_bytes_ = 0;
+};
+
+}  // namespace
+
+std::unique_ptr<Communicator> CreateNcclCommunicator(Store& store, int rank, int size,
+                                                     const NcclOptions& options) {
+  GEOFP8_CHECK(size >= 1, "nccl: size must be >= 1 (", size, ")");
+  GEOFP8_CHECK(rank >= 0 && rank < size, "nccl: rank must be in [0, ", size, ") (", rank, ")");
+  const int devices = CudaDeviceCount();
+  GEOFP8_CHECK(devices > 0, "nccl: no CUDA device visible on rank ", rank);
+  const int device = options.device >= 0 ? options.device : rank % devices;
+  GEOFP8_CHECK(device < devices, "nccl: device ", device, " out of range (", devices, " devices)");
+  GEOFP8_CUDA_CHECK(cudaSetDevice(device));
+  ncclUniqueId id;
+  const std::string key = options.prefix + "/nccl_unique_id";
+  if (rank == 0) {
+    GEOFP8_NCCL_CHECK(ncclGetUniqueId(&id));
+    store.Set(key, std::vector<uint8_t>(reinterpret_cast<uint8_t*>(&id),
+                                        reinterpret_cast<uint8_t*>(&id) + sizeof id));
+  } else {
+    const auto bytes = store.Get(key, options.timeout);
+    GEOFP8_CHECK(bytes.size() == sizeof id, "nccl: unique id under '", key, "' has ", bytes.size(),
+                 " bytes, expected ", sizeof id);
+    std::memcpy(&id, bytes.data(), sizeof id);
+  }
+  ncclComm_t comm;
+  GEOFP8_NCCL_CHECK(ncclCommInitRank(&comm, size, id, rank));
+  cudaStream_t stream;
+  GEOFP8_CUDA_CHECK(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
+  return std::make_unique<NcclCommunicator>(comm, stream, device, rank, size, options.timeout);
+}
+
+}  // namespace geofp8

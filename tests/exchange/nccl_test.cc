@@ -1,0 +1,133 @@
+// NCCL backend on real GPUs (label `gpu`; skips without a device): every collective against
+// exactly predictable values, the engine's algorithms against the reference, and the native FP8
+// all-reduce within its error bound. Ranks are threads, one device each.
+#include <gtest/gtest.h>
+
+#include <numeric>
+#include <thread>
+
+#include "kernels/exchange/bf16.h"
+#include "kernels/exchange/nccl_communicator.h"
+#include "tests/exchange/exchange_harness.h"
+
+namespace geofp8 {
+namespace {
+
+using namespace geofp8::testing;
+
+std::vector<std::string> RunNcclRanks(int n, const std::function<void(Communicator&)>& body) {
+  MemoryStore store;
+  std::vector<std::string> errors(n);
+  std::vector<std::thread> threads;
+  for (int r = 0; r < n; ++r) {
+    threads.emplace_back([&, r] {
+      try {
+        NcclOptions o;
+        o.device = r;
+        o.timeout = std::chrono::milliseconds(60000);
+        auto comm = CreateNcclCommunicator(store, r, n, o);
+        body(*comm);
+      } catch (const std::exception& e) {
+        errors[r] = e.what();
+      }
+    });
+  }
+  for (auto& t : threads) t.join();
+  return errors;
+}
+
+int Ranks() {
+  const int devices = CudaDeviceCount();
+  return std::min(devices, 4);
+}
+
+TEST(Nccl, EveryCollective) {
+  const int n = Ranks();
+  if (n == 0) GTEST_SKIP() << "no CUDA device";
+  const auto errors = RunNcclRanks(n, [n](Communicator& comm) {
+    const int r = comm.rank();
+    std::vector<size_t> counts(n);
+    for (int i = 0; i < n; ++i) counts[i] = 3 + i;
+    std::vector<uint8_t> send, recv(5 * n);
+    std::vector<size_t> send_counts(n, 5), recv_counts(n, 5);
+    for (int j = 0; j < n; ++j) {
+      for (int k = 0; k < 5; ++k) send.push_back(static_cast<uint8_t>(r * 16 + j * 4 + k));
+    }
+    comm.AllToAllV(send, send_counts, recv, recv_counts);
+    for (int i = 0; i < n; ++i) {
+      for (int k = 0; k < 5; ++k) ASSERT_EQ(recv[i * 5 + k], i * 16 + r * 4 + k);
+    }
+    std::vector<uint8_t> mine(counts[r], static_cast<uint8_t>(r + 1));
+    std::vector<uint8_t> all(std::accumulate(counts.begin(), counts.end(), size_t{0}));
+    comm.AllGatherV(mine, all, counts);
+    size_t off = 0;
+    for (int i = 0; i < n; ++i) {
+      for (size_t k = 0; k < counts[i]; ++k) ASSERT_EQ(all[off + k], i + 1);
+      off += counts[i];
+    }
+    std::vector<float> f(1001, static_cast<float>(r + 1));
+    comm.AllReduceSum(f);
+    for (float v : f) ASSERT_EQ(v, n * (n + 1) / 2);
+    std::vector<uint16_t> h(77, FloatToBf16(static_cast<float>(r + 1)));
+    comm.AllReduceSumBf16(h);
+    for (uint16_t v : h) ASSERT_EQ(Bf16ToFloat(v), n * (n + 1) / 2);
+    std::vector<uint8_t> b(9, static_cast<uint8_t>(r));
+    comm.Broadcast(b, n - 1);
+    for (uint8_t v : b) ASSERT_EQ(v, n - 1);
+    EXPECT_EQ(comm.MaxReduce(static_cast<uint32_t>(r * 3)), static_cast<uint32_t>((n - 1) * 3));
+    comm.Barrier();
+  });
+  EXPECT_EQ(JoinErrors(errors), "");
+}
+
+TEST(Nccl, EngineMatchesReference) {
+  const int n = Ranks();
+  if (n == 0) GTEST_SKIP() << "no CUDA device";
+  for (Algorithm a : {Algorithm::kTwoPhase, Algorithm::kAllGather, Algorithm::kFp32}) {
+    const std::vector<LayerSpec> layers = {{"w", 300, 7, {}}, {"b", 1000, 1, {}}};
+    ExchangeOptions options;
+    options.algorithm = a;
+    RankRun run;
+    run.outputs.resize(n);
+    run.results.resize(n);
+    run.errors = RunNcclRanks(n, [&](Communicator& comm) {
+      Tensors data = MakeInputs(comm.rank(), layers);
+      Exchanger ex(comm, layers, options);
+      std::vector<std::span<float>> grads(data.begin(), data.end());
+      run.results[comm.rank()] = ex.Exchange(0, grads);
+      run.outputs[comm.rank()] = data;
+    });
+    CheckRun(run, layers, options);
+  }
+}
+
+TEST(Nccl, NativeFp8WithinBound) {
+  const int n = Ranks();
+  if (n == 0) GTEST_SKIP() << "no CUDA device";
+  std::vector<std::vector<float>> out(n);
+  bool native = false;
+  const auto errors = RunNcclRanks(n, [&](Communicator& comm) {
+    native = comm.HasNativeFp8();
+    if (!native) return;
+    std::vector<float> x(4096);
+    for (size_t i = 0; i < x.size(); ++i) x[i] = InputValue(comm.rank(), 0, i) / n;
+    comm.AllReduceSumNativeFp8(x);
+    out[comm.rank()] = x;
+  });
+  ASSERT_EQ(JoinErrors(errors), "");
+  if (!native) GTEST_SKIP() << "NCCL or GPU without FP8 all-reduce";
+  double amax = 0;
+  for (int r = 0; r < n; ++r) {
+    for (size_t i = 0; i < 4096; ++i) amax = std::max<double>(amax, std::fabs(InputValue(r, 0, i) / n));
+  }
+  for (size_t i = 0; i < 4096; ++i) {
+    double exact = 0;
+    for (int r = 0; r < n; ++r) exact += InputValue(r, 0, i) / n;
+    for (int r = 1; r < n; ++r) ASSERT_EQ(out[r][i], out[0][i]);
+    // n roundings to E4M3 (relative 2^-4 of the shared range n*amax) plus the sums in FP8.
+    ASSERT_LE(std::fabs(out[0][i] - exact), 2.0 * n * n * amax * std::ldexp(1.0, -4)) << i;
+  }
+}
+
+}  // namespace
+}  // namespace geofp8
