@@ -162,14 +162,9 @@ void EncodeMxfp8(const float* x, const Layout& l, const CodecOptions& o, uint8_t
     const float X = el::E8M0ToFloat(code);
     for (size_t i = b0; i < b0 + len; ++i) {
       const uint32_t r = stochastic ? el::RandomBits(key, i) : 0u;
-      const uint32_t u = el::FloatBits(x[i]);
-      if ((u & 0x7FFFFFFFu) >= 0x7F800000u) {
-        payload[i] = (u & 0x7FFFFFFFu) > 0x7F800000u ? 0x7F : static_cast<uint8_t>((u >> 24) | 0x7F);
-        continue;
-      }
-      const float y = x[i] / X;
-      if (std::fabs(y) > 448.f) ++st->saturated;
-      payload[i] = el::FloatToE4M3(y, stochastic, r);
+      bool sat;
+      payload[i] = el::EncodeMxElement(x[i], X, stochastic, r, &sat);
+      st->saturated += sat;
     }
   }
 }
@@ -196,9 +191,9 @@ void EncodeNvfp4(const float* x, const Layout& l, const CodecOptions& o, uint8_t
     const float den = el::NvDenominator(code, g);
     for (size_t i = b0; i < b0 + len; ++i) {
       const uint32_t r = stochastic ? el::RandomBits(key, i) : 0u;
-      const float y = x[i] / den;
-      if (std::fabs(y) > 6.f) ++st->saturated;
-      const uint8_t e = el::FloatToE2M1(y, stochastic, r);
+      bool sat;
+      const uint8_t e = el::EncodeNvElement(x[i], den, stochastic, r, &sat);
+      st->saturated += sat;
       payload[i / 2] |= static_cast<uint8_t>(e << (4 * (i & 1)));
     }
   }
@@ -358,12 +353,7 @@ EncodeStats Encode(std::span<const float> x, const CodecOptions& options, std::s
   return st;
 }
 
-EncodedView ParseEncoded(std::span<const uint8_t> in) {
-  GEOFP8_CHECK(in.size() >= sizeof(EncodedHeader), "encoded buffer: truncated header (",
-               in.size(), " bytes, need ", sizeof(EncodedHeader), ")");
-  EncodedView v;
-  std::memcpy(&v.header, in.data(), sizeof(EncodedHeader));
-  const EncodedHeader& h = v.header;
+size_t detail::ValidateHeader(const EncodedHeader& h) {
   GEOFP8_CHECK(h.magic == kEncodedMagic, "encoded buffer: bad magic byte (",
                static_cast<int>(h.magic), ")");
   GEOFP8_CHECK(h.version == kEncodedVersion, "encoded buffer: unsupported version (",
@@ -381,9 +371,18 @@ EncodedView ParseEncoded(std::span<const uint8_t> in) {
                ScalingName(s), " with block ", h.block, " is inconsistent with format ",
                FormatName(f));
   GEOFP8_CHECK(s != Scaling::kBlock || h.block > 0, "encoded buffer: block is 0");
-  const size_t need = sizeof(EncodedHeader) + l.scale_bytes + l.payload_bytes;
+  return sizeof(EncodedHeader) + l.scale_bytes + l.payload_bytes;
+}
+
+EncodedView ParseEncoded(std::span<const uint8_t> in) {
+  GEOFP8_CHECK(in.size() >= sizeof(EncodedHeader), "encoded buffer: truncated header (",
+               in.size(), " bytes, need ", sizeof(EncodedHeader), ")");
+  EncodedView v;
+  std::memcpy(&v.header, in.data(), sizeof(EncodedHeader));
+  const size_t need = detail::ValidateHeader(v.header);
   GEOFP8_CHECK(in.size() >= need, "encoded buffer: truncated (", in.size(), " bytes, need ", need,
                ")");
+  const Layout l = LayoutFromHeader(v.header);
   v.scales = in.subspan(sizeof(EncodedHeader), l.scale_bytes);
   v.payload = in.subspan(sizeof(EncodedHeader) + l.scale_bytes, l.payload_bytes);
   return v;

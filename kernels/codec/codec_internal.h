@@ -25,22 +25,19 @@ struct Layout {
 Layout MakeLayout(Format format, Scaling scaling, uint32_t block, size_t n);
 Layout MakeLayout(const CodecOptions& options, size_t n);
 
+// Checks a header (magic, version, enums, block consistency); returns the total encoded bytes it
+// implies. Throws geofp8::Error naming the problem.
+size_t ValidateHeader(const EncodedHeader& header);
+
 // One fp8 element (scalar reference; the AVX2 path uses it for blocks with non-finite values).
 template <Format F>
 inline uint8_t EncodeFp8Element(float x, float scale, bool stochastic, uint32_t r,
                                 uint64_t* saturated) {
-  constexpr float kMax = F == Format::kFp8E5M2 ? 57344.f : 448.f;
-  const uint32_t u = element::FloatBits(x);
-  if ((u & 0x7FFFFFFFu) >= 0x7F800000u) {
-    const uint8_t sign = static_cast<uint8_t>((u >> 24) & 0x80u);
-    if ((u & 0x7FFFFFFFu) > 0x7F800000u) return 0x7F;
-    return F == Format::kFp8E5M2 ? static_cast<uint8_t>(sign | 0x7Cu)
-                                 : static_cast<uint8_t>(sign | 0x7Fu);
-  }
-  const float y = x * scale;
-  if ((y < 0.f ? -y : y) > kMax) ++*saturated;
-  return F == Format::kFp8E5M2 ? element::FloatToE5M2(y, stochastic, r)
-                               : element::FloatToE4M3(y, stochastic, r);
+  bool sat;
+  const uint8_t code =
+      element::EncodeFp8Scaled(F == Format::kFp8E5M2, x, scale, stochastic, r, &sat);
+  *saturated += sat;
+  return code;
 }
 
 // Vectorized fp8 (E4M3/E5M2) paths, nearest rounding, fp32 scales; defined in codec_avx2.cc.

@@ -231,4 +231,47 @@ GEOFP8_HD uint8_t NvBlockScaleCode(float amax_block, float g) {
 }
 GEOFP8_HD float NvDenominator(uint8_t code, float g) { return E4M3ToFloat(code) * g; }
 
+// ---------------------------------------------------------------------------------------------
+// One element under the codec's rules, as both the CPU paths and the CUDA kernels encode it.
+// Non-finite inputs are never encoded finite: fp8 NaN -> 0x7F, inf -> E5M2 inf or E4M3 NaN (with
+// sign). *saturated is set when the scaled magnitude exceeds the format max.
+
+GEOFP8_HD float AbsF(float x) { return BitsFloat(FloatBits(x) & 0x7FFFFFFFu); }
+
+// fp8 (E4M3, or E5M2 when e5m2) of x * scale.
+GEOFP8_HD uint8_t EncodeFp8Scaled(bool e5m2, float x, float scale, bool stochastic, uint32_t r,
+                                  bool* saturated) {
+  const uint32_t u = FloatBits(x);
+  *saturated = false;
+  if ((u & 0x7FFFFFFFu) >= 0x7F800000u) {
+    const uint8_t sign = static_cast<uint8_t>((u >> 24) & 0x80u);
+    if ((u & 0x7FFFFFFFu) > 0x7F800000u) return 0x7F;
+    return e5m2 ? static_cast<uint8_t>(sign | 0x7Cu) : static_cast<uint8_t>(sign | 0x7Fu);
+  }
+  const float y = x * scale;
+  *saturated = AbsF(y) > (e5m2 ? 57344.f : 448.f);
+  return e5m2 ? FloatToE5M2(y, stochastic, r) : FloatToE4M3(y, stochastic, r);
+}
+
+// mxfp8 element: E4M3 of x / X (X = E8M0ToFloat(scale code)).
+GEOFP8_HD uint8_t EncodeMxElement(float x, float X, bool stochastic, uint32_t r, bool* saturated) {
+  const uint32_t u = FloatBits(x);
+  *saturated = false;
+  if ((u & 0x7FFFFFFFu) >= 0x7F800000u) {
+    return (u & 0x7FFFFFFFu) > 0x7F800000u ? static_cast<uint8_t>(0x7F)
+                                           : static_cast<uint8_t>((u >> 24) | 0x7Fu);
+  }
+  const float y = x / X;
+  *saturated = AbsF(y) > 448.f;
+  return FloatToE4M3(y, stochastic, r);
+}
+
+// nvfp4 element (finite x; a block with a non-finite value is poisoned via its scale instead).
+GEOFP8_HD uint8_t EncodeNvElement(float x, float den, bool stochastic, uint32_t r,
+                                  bool* saturated) {
+  const float y = x / den;
+  *saturated = AbsF(y) > 6.f;
+  return FloatToE2M1(y, stochastic, r);
+}
+
 }  // namespace geofp8::element
