@@ -27,43 +27,18 @@ std::string Join(const Range& items, std::string_view sep) {
   return out;
 }
 
+// One vocabulary: the enum names come from the shared core headers (format.h, geometry.h,
+// policy.h); this table only pairs each parser with its list of accepted names.
 template <typename E>
-struct NameEntry {
-  std::string_view name;
-  E value;
+struct Vocabulary {
+  std::optional<E> (*parse)(std::string_view);
+  std::string_view (*accepted)();
 };
-
-// The shared vocabulary's canonical names (kernels/codec/format.h, geometry.h, policy.h).
-constexpr NameEntry<Format> kFormats[] = {
-    {"fp32", Format::kFp32},         {"bf16", Format::kBf16},   {"fp8_e4m3", Format::kFp8E4M3},
-    {"fp8_e5m2", Format::kFp8E5M2}, {"mxfp8", Format::kMxfp8}, {"nvfp4", Format::kNvfp4}};
-constexpr NameEntry<Scaling> kScalings[] = {
-    {"none", Scaling::kNone}, {"tensor", Scaling::kTensor}, {"block", Scaling::kBlock}};
-constexpr NameEntry<Rounding> kRoundings[] = {{"nearest", Rounding::kNearest},
-                                              {"stochastic", Rounding::kStochastic}};
-constexpr NameEntry<GeometryMode> kGeometries[] = {{"none", GeometryMode::kNone},
-                                                   {"diag", GeometryMode::kDiag},
-                                                   {"lowrank", GeometryMode::kLowRank}};
-constexpr NameEntry<Algorithm> kAlgorithms[] = {{"two_phase", Algorithm::kTwoPhase},
-                                                {"allgather", Algorithm::kAllGather},
-                                                {"native", Algorithm::kNative},
-                                                {"fp32", Algorithm::kFp32},
-                                                {"bf16", Algorithm::kBf16}};
-
-template <typename E, size_t N>
-std::optional<E> Lookup(const NameEntry<E> (&table)[N], std::string_view name) {
-  for (const auto& e : table) {
-    if (e.name == name) return e.value;
-  }
-  return std::nullopt;
-}
-template <typename E, size_t N>
-std::string_view NameOf(const NameEntry<E> (&table)[N], E value) {
-  for (const auto& e : table) {
-    if (e.value == value) return e.name;
-  }
-  return "unknown";
-}
+constexpr Vocabulary<Format> kFormats{ParseFormat, AcceptedFormats};
+constexpr Vocabulary<Scaling> kScalings{ParseScaling, AcceptedScalings};
+constexpr Vocabulary<Rounding> kRoundings{ParseRounding, AcceptedRoundings};
+constexpr Vocabulary<GeometryMode> kGeometries{ParseGeometryMode, AcceptedGeometryModes};
+constexpr Vocabulary<Algorithm> kAlgorithms{ParseAlgorithm, AcceptedAlgorithms};
 
 // Collects errors while walking the document, each tagged with a path and a line.
 class Reader {
@@ -150,26 +125,24 @@ class Reader {
     *out = value;
   }
 
-  template <typename E, size_t N>
+  template <typename E>
   void Enum(const YAML::Node& map, const char* key, const std::string& path,
-            const NameEntry<E> (&table)[N], E* out) {
+            const Vocabulary<E>& table, E* out) {
     std::string name;
     YAML::Node node = Get(map, key, path, &name, "a name");
     if (!node.IsDefined()) return;
-    auto value = Lookup(table, name);
+    auto value = table.parse(name);
     if (!value) {
-      std::vector<std::string_view> names;
-      for (const auto& e : table) names.push_back(e.name);
       Error(node, path + "." + key,
-            "unknown value (" + name + "); accepted: " + Join(names, ", "));
+            "unknown value (" + name + "); accepted: " + std::string(table.accepted()));
       return;
     }
     *out = *value;
   }
 
-  template <typename E, size_t N>
+  template <typename E>
   void OptionalEnum(const YAML::Node& map, const char* key, const std::string& path,
-                    const NameEntry<E> (&table)[N], std::optional<E>* out) {
+                    const Vocabulary<E>& table, std::optional<E>* out) {
     if (!map[key].IsDefined() || map[key].IsNull()) return;
     E value{};
     size_t before = errors.size();
@@ -454,21 +427,21 @@ std::string ValidateLayerPatch(const LayerPatchSpec& patch, const std::string& p
   return Join(errors, "; ");
 }
 
-std::optional<Format> ParseFormatName(std::string_view n) { return Lookup(kFormats, n); }
-std::optional<Scaling> ParseScalingName(std::string_view n) { return Lookup(kScalings, n); }
-std::optional<Rounding> ParseRoundingName(std::string_view n) { return Lookup(kRoundings, n); }
-std::optional<GeometryMode> ParseGeometryName(std::string_view n) { return Lookup(kGeometries, n); }
-std::optional<Algorithm> ParseAlgorithmName(std::string_view n) { return Lookup(kAlgorithms, n); }
-std::string_view FormatNameOf(Format f) { return NameOf(kFormats, f); }
-std::string_view ScalingNameOf(Scaling s) { return NameOf(kScalings, s); }
-std::string_view RoundingNameOf(Rounding r) { return NameOf(kRoundings, r); }
-std::string_view GeometryNameOf(GeometryMode g) { return NameOf(kGeometries, g); }
-std::string_view AlgorithmNameOf(Algorithm a) { return NameOf(kAlgorithms, a); }
-std::string_view AcceptedFormatNames() { return "fp32, bf16, fp8_e4m3, fp8_e5m2, mxfp8, nvfp4"; }
-std::string_view AcceptedScalingNames() { return "none, tensor, block"; }
-std::string_view AcceptedRoundingNames() { return "nearest, stochastic"; }
-std::string_view AcceptedGeometryNames() { return "none, diag, lowrank"; }
-std::string_view AcceptedAlgorithmNames() { return "two_phase, allgather, native, fp32, bf16"; }
+std::optional<Format> ParseFormatName(std::string_view n) { return ParseFormat(n); }
+std::optional<Scaling> ParseScalingName(std::string_view n) { return ParseScaling(n); }
+std::optional<Rounding> ParseRoundingName(std::string_view n) { return ParseRounding(n); }
+std::optional<GeometryMode> ParseGeometryName(std::string_view n) { return ParseGeometryMode(n); }
+std::optional<Algorithm> ParseAlgorithmName(std::string_view n) { return ParseAlgorithm(n); }
+std::string_view FormatNameOf(Format f) { return FormatName(f); }
+std::string_view ScalingNameOf(Scaling s) { return ScalingName(s); }
+std::string_view RoundingNameOf(Rounding r) { return RoundingName(r); }
+std::string_view GeometryNameOf(GeometryMode g) { return GeometryModeName(g); }
+std::string_view AlgorithmNameOf(Algorithm a) { return AlgorithmName(a); }
+std::string_view AcceptedFormatNames() { return AcceptedFormats(); }
+std::string_view AcceptedScalingNames() { return AcceptedScalings(); }
+std::string_view AcceptedRoundingNames() { return AcceptedRoundings(); }
+std::string_view AcceptedGeometryNames() { return AcceptedGeometryModes(); }
+std::string_view AcceptedAlgorithmNames() { return AcceptedAlgorithms(); }
 
 bool LayerMatches(std::string_view pattern, std::string_view name) {
   if (pattern == name) return true;

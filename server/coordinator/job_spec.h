@@ -119,7 +119,7 @@ absl::StatusOr<PolicyPatchSpec> ParsePolicyPatch(std::string_view yaml);
 // Checks one patch's values (used for patches that arrive over the API). `path` prefixes errors.
 std::string ValidateLayerPatch(const LayerPatchSpec& patch, const std::string& path);
 
-// Name tables of the shared vocabulary, in the form the service layer needs.
+// The shared vocabulary (format.h, geometry.h, policy.h) under the names the services use.
 std::optional<Format> ParseFormatName(std::string_view name);
 std::optional<Scaling> ParseScalingName(std::string_view name);
 std::optional<Rounding> ParseRoundingName(std::string_view name);
