@@ -13,6 +13,7 @@
 
 #include "kernels/codec/codec_internal.h"
 #include "kernels/codec/element.h"
+#include "kernels/codec/error_metrics.h"
 #include "kernels/common/check.h"
 
 namespace geofp8 {
@@ -524,6 +525,44 @@ TEST(CodecStochastic, UnbiasedWithinSixSigma) {
     sum += element::E2M1ToFloat(element::FloatToE2M1(2.4f, true, element::RandomBits(key, i)));
   }
   EXPECT_LE(std::fabs(sum / kN - 2.4), 6 * 1.0 / (2 * std::sqrt(double(kN))));
+}
+
+TEST(CodecMetrics, HandComputedValues) {
+  const float nan = std::numeric_limits<float>::quiet_NaN();
+  const std::vector<float> ref = {1.f, 2.f, 0.f, 4.f, nan};
+  const std::vector<float> dec = {1.f, 2.5f, 0.f, 0.f, nan};
+  const ErrorMetrics m = ComputeErrorMetrics(ref, dec, /*saturated=*/1);
+  EXPECT_EQ(m.count, 5u);
+  EXPECT_EQ(m.nonfinite_count, 1u);
+  EXPECT_NEAR(m.rel_fro_error, std::sqrt(16.25 / 21.0), 1e-12);
+  EXPECT_NEAR(m.cosine, 6.0 / std::sqrt(7.25 * 21.0), 1e-12);
+  EXPECT_EQ(m.max_abs_error, 4.0);
+  EXPECT_NEAR(m.underflow_fraction, 1.0 / 3.0, 1e-12);
+  EXPECT_NEAR(m.saturation_fraction, 0.2, 1e-12);
+  const ErrorMetrics z = ComputeErrorMetrics(std::vector<float>(3, 0.f), std::vector<float>(3, 0.f));
+  EXPECT_EQ(z.rel_fro_error, 0.0);
+  EXPECT_EQ(z.cosine, 1.0);
+  EXPECT_THROW(ComputeErrorMetrics(ref, std::vector<float>(2)), Error);
+  // A finite input decoded as NaN shows up in max_abs_error.
+  const ErrorMetrics n = ComputeErrorMetrics(std::vector<float>{1.f}, std::vector<float>{nan});
+  EXPECT_TRUE(std::isnan(n.max_abs_error));
+}
+
+TEST(CodecMetrics, AnalyzeReportsSizes) {
+  const auto x = Gaussian(1000, 9);
+  CodecOptions o;
+  o.format = Format::kNvfp4;
+  std::vector<float> decoded;
+  const CodecReport r = AnalyzeCodec(x, o, &decoded);
+  EXPECT_EQ(decoded.size(), x.size());
+  EXPECT_EQ(r.payload_bytes, 500u);
+  EXPECT_EQ(r.scale_bytes, 4u + 63);
+  EXPECT_NEAR(r.compression_ratio, 4000.0 / 567, 1e-9);
+  EXPECT_LT(r.metrics.rel_fro_error, 0.11);
+  const std::string json = CodecReportJson(r);
+  EXPECT_NE(json.find("\"format\": \"nvfp4\", \"scaling\": \"block\", \"block\": 16"),
+            std::string::npos)
+      << json;
 }
 
 }  // namespace
