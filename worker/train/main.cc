@@ -281,7 +281,7 @@ int main(int argc, char** argv) {
   }
   std::cerr << kProgram << ": " << preset << " (" << geofp8::model::ParameterCount(o.model)
             << " params), " << o.ranks << " ranks as " << launcher << ", policy " << o.policy
-            << ", data " << o.data << "\n";
+            << ", data " << geofp8::model::MakeDataSource(o.data, o.seed)->Describe() << "\n";
   if (launcher == "processes") return RunProcesses(o, csv, quiet);
   try {
     geofp8::model::Model<float> shape(o.model);

@@ -1,0 +1,107 @@
+#!/usr/bin/env python3
+"""Plots geofp8-train CSVs (training and validation loss per policy) and prints a summary table.
+
+Usage: scripts/plot_loss.py --out docs/img/convergence.png [--baseline fp32] LABEL=FILE.csv ...
+The table (markdown) lists final and best validation loss, the gap to the baseline, bytes on
+the wire per step (rank 0), and the median step time, all read from the CSVs.
+"""
+import argparse
+import csv
+import math
+import statistics
+import sys
+
+import matplotlib
+
+matplotlib.use("Agg")
+import matplotlib.pyplot as plt  # noqa: E402
+
+
+def load(path):
+    with open(path, newline="") as f:
+        rows = list(csv.DictReader(f))
+    if not rows:
+        sys.exit(f"plot_loss.py: error: {path}: no rows")
+    for key in ("step", "loss", "val_loss", "step_s", "bytes_sent"):
+        if key not in rows[0]:
+            sys.exit(f"plot_loss.py: error: {path}: missing column {key}")
+    return rows
+
+
+def ema(values, beta=0.9):
+    out, m = [], None
+    for v in values:
+        m = v if m is None else beta * m + (1 - beta) * v
+        out.append(m)
+    return out
+
+
+def summarize(label, rows):
+    val = [(int(r["step"]), float(r["val_loss"])) for r in rows if r["val_loss"]]
+    if not val:
+        sys.exit(f"plot_loss.py: error: {label}: no validation loss in the CSV")
+    errs = [float(r["max_layer_err"]) for r in rows if r.get("max_layer_err")]
+    return {
+        "final": val[-1][1],
+        "best": min(v for _, v in val),
+        "bytes": statistics.median(int(r["bytes_sent"]) for r in rows),
+        "step_s": statistics.median(float(r["step_s"]) for r in rows),
+        "max_layer_err": statistics.median(errs) if errs else math.nan,
+        "steps": int(rows[-1]["step"]) + 1,
+        "val": val,
+    }
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--out", required=True, help="PNG path")
+    ap.add_argument("--baseline", default="fp32", help="label the gaps are measured against")
+    ap.add_argument("--title", default="llama-small, 4 ranks: validation loss by exchange policy")
+    ap.add_argument("runs", nargs="+", help="LABEL=FILE.csv")
+    args = ap.parse_args()
+    runs = []
+    for spec in args.runs:
+        if "=" not in spec:
+            sys.exit(f"plot_loss.py: error: run: expected LABEL=FILE.csv ({spec})")
+        label, path = spec.split("=", 1)
+        runs.append((label, load(path)))
+    stats = {label: summarize(label, rows) for label, rows in runs}
+    if args.baseline not in stats:
+        sys.exit(f"plot_loss.py: error: baseline: no run labelled {args.baseline}")
+    base = stats[args.baseline]
+
+    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(13, 5))
+    for label, rows in runs:
+        steps = [int(r["step"]) + 1 for r in rows]
+        ax1.plot(steps, ema([float(r["loss"]) for r in rows]), label=label, lw=1)
+        s = stats[label]
+        ax2.plot([t + 1 for t, _ in s["val"]], [v for _, v in s["val"]], marker=".", label=label)
+    ax1.set_title("training loss (EMA 0.9)")
+    ax2.set_title("validation loss")
+    for ax in (ax1, ax2):
+        ax.set_xlabel("step")
+        ax.set_ylabel("cross-entropy (nats/byte)")
+        ax.grid(alpha=0.3)
+        ax.legend()
+    # Zoom the validation panel on the tail, where the policies differ.
+    tail = [v for s in stats.values() for t, v in s["val"] if t + 1 >= s["steps"] // 2]
+    if tail:
+        lo, hi = min(tail), max(tail)
+        ax2.set_ylim(lo - 0.05 * (hi - lo + 1e-3), hi + 0.6 * (hi - lo + 1e-3))
+        ax2.set_xlim(base["steps"] // 2, base["steps"] + 10)
+    fig.suptitle(args.title)
+    fig.tight_layout()
+    fig.savefig(args.out, dpi=110)
+
+    print("| policy | final val loss | best val loss | gap to %s (final) | bytes/step rank 0 | "
+          "wire vs %s | median step s | median max layer rel err |" % (args.baseline, args.baseline))
+    print("|---|---|---|---|---|---|---|---|")
+    for label, _ in runs:
+        s = stats[label]
+        gap = (s["final"] - base["final"]) / base["final"] * 100
+        print(f"| {label} | {s['final']:.4f} | {s['best']:.4f} | {gap:+.2f}% | {s['bytes']:,.0f} | "
+              f"{s['bytes'] / base['bytes']:.3f} | {s['step_s']:.3f} | {s['max_layer_err']:.4g} |")
+
+
+if __name__ == "__main__":
+    main()
