@@ -14,6 +14,12 @@ namespace geofp8::geometry {
 // all ones when that side has no residual dimension (k >= m or k >= n). See geometry_math.h.
 std::vector<float> WhitenFactors(const Geometry& g, bool left);
 
+// k x k core of one side's map I - Q core Q^T (row-major): diag(1 - f) forward; for the inverse,
+// the exact inverse of that map for the float basis Q (Woodbury with M = Q^T Q in double).
+// Shared by the CPU path and the CUDA path, which uploads it once per refresh.
+std::vector<float> SideCore(const std::vector<float>& q, int64_t rows, int k,
+                            const std::vector<float>& f, bool inverse);
+
 // Standard normals from a seed (splitmix64 + Box-Muller): identical on every rank and platform.
 void SeededGaussian(uint64_t seed, std::span<float> out);
 

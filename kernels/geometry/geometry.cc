@@ -71,6 +71,40 @@ std::vector<float> WhitenFactors(const Geometry& g, bool left) {
   return f;
 }
 
+// Core matrix of one side. Forward: P = I - Q diag(1 - f) Q^T. Inverse: the exact inverse of that
+// same P for the float basis Q we hold, by Woodbury, P^-1 = I - Q [-A (I - M A)^-1] Q^T with
+// A = diag(1 - f) and M = Q^T Q accumulated in double. For an exactly orthonormal Q this is
+// diag(1 - 1/f); using M makes the inverse exact for the basis we hold rather than for an ideal
+// one. What remains of the round-trip error is the forward map's cancellation in the top
+// directions: about float epsilon times the condition number 1 / (min f_L * min f_R).
+std::vector<float> SideCore(const std::vector<float>& q, int64_t rows, int k,
+                            const std::vector<float>& f, bool inverse) {
+  std::vector<float> core(static_cast<size_t>(k * k), 0.f);
+  if (!inverse) {
+    for (int i = 0; i < k; ++i) core[i * k + i] = geometry::ForwardCoefficient(f[i]);
+    return core;
+  }
+  std::vector<double> a(static_cast<size_t>(k));
+  bool any = false;
+  for (int i = 0; i < k; ++i) {
+    a[i] = 1.0 - static_cast<double>(f[i]);
+    any = any || a[i] != 0.0;
+  }
+  if (!any) return core;
+  // S = I - M A (column-major for LAPACK), solve S X = I, core = -A X.
+  std::vector<double> s_mat(static_cast<size_t>(k * k));
+  for (int i = 0; i < k; ++i)
+    for (int j = i; j < k; ++j) {
+      const double mij = cblas_dsdot(static_cast<int>(rows), q.data() + i, k, q.data() + j, k);
+      s_mat[j * k + i] = (i == j ? 1.0 : 0.0) - mij * a[j];
+      s_mat[i * k + j] = (i == j ? 1.0 : 0.0) - mij * a[i];
+    }
+  const std::vector<double> x = geometry::lapack::Inverse(s_mat, k);
+  for (int i = 0; i < k; ++i)
+    for (int j = 0; j < k; ++j) core[i * k + j] = static_cast<float>(-a[i] * x[j * k + i]);
+  return core;
+}
+
 }  // namespace geometry
 
 namespace {
@@ -231,39 +265,6 @@ void ApplyDiag(const Geometry& g, std::span<float> G, bool inverse) {
   }
 }
 
-// Core matrix of one side. Forward: P = I - Q diag(1 - f) Q^T. Inverse: the exact inverse of that
-// same P for the float basis Q we hold, by Woodbury, P^-1 = I - Q [-A (I - M A)^-1] Q^T with
-// A = diag(1 - f) and M = Q^T Q accumulated in double. For an exactly orthonormal Q this is
-// diag(1 - 1/f); using M keeps the round trip at float round-off even though Q's orthonormality
-// is only float-accurate and the inverse amplifies the top directions by 1/f.
-std::vector<float> SideCore(const std::vector<float>& q, int64_t rows, int k,
-                            const std::vector<float>& f, bool inverse) {
-  std::vector<float> core(static_cast<size_t>(k * k), 0.f);
-  if (!inverse) {
-    for (int i = 0; i < k; ++i) core[i * k + i] = geometry::ForwardCoefficient(f[i]);
-    return core;
-  }
-  std::vector<double> a(static_cast<size_t>(k));
-  bool any = false;
-  for (int i = 0; i < k; ++i) {
-    a[i] = 1.0 - static_cast<double>(f[i]);
-    any = any || a[i] != 0.0;
-  }
-  if (!any) return core;
-  // S = I - M A (column-major for LAPACK), solve S X = I, core = -A X.
-  std::vector<double> s_mat(static_cast<size_t>(k * k));
-  for (int i = 0; i < k; ++i)
-    for (int j = i; j < k; ++j) {
-      const double mij = cblas_dsdot(static_cast<int>(rows), q.data() + i, k, q.data() + j, k);
-      s_mat[j * k + i] = (i == j ? 1.0 : 0.0) - mij * a[j];
-      s_mat[i * k + j] = (i == j ? 1.0 : 0.0) - mij * a[i];
-    }
-  const std::vector<double> x = geometry::lapack::Inverse(s_mat, k);
-  for (int i = 0; i < k; ++i)
-    for (int j = 0; j < k; ++j) core[i * k + j] = static_cast<float>(-a[i] * x[j * k + i]);
-  return core;
-}
-
 // G <- (I - U Ab U^T) G (I - V Bb V^T) with k x k cores Ab, Bb, as one rank-2k update:
 //   G -= [U | X Bb - U Ab C Bb] [Ab W ; V^T],  W = U^T G, X = G V, C = W V.
 // Three GEMMs (two reads of G and one read-modify-write) instead of four passes.
@@ -280,8 +281,8 @@ void ApplyLowRank(const Geometry& g, std::span<float> G, bool inverse) {
   bool any = false;
   for (int i = 0; i < k; ++i) any = any || fl[i] != 1.f || fr[i] != 1.f;
   if (!any) return;
-  const std::vector<float> ab = SideCore(g.U, m, k, fl, inverse);
-  const std::vector<float> bb = SideCore(g.V, n, k, fr, inverse);
+  const std::vector<float> ab = geometry::SideCore(g.U, m, k, fl, inverse);
+  const std::vector<float> bb = geometry::SideCore(g.V, n, k, fr, inverse);
   const int k2 = 2 * k;
   std::vector<float> w(static_cast<size_t>(k * n)), x(static_cast<size_t>(m * k));
   std::vector<float> c(static_cast<size_t>(k * k)), t(static_cast<size_t>(k * k));

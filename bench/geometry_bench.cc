@@ -1,0 +1,410 @@
+// geofp8-bench geometry: quality of geometry-aware quantization against Euclidean on a seeded
+// anisotropic suite (band errors), and the cost of transform + inverse against same-run sgemm.
+#include <cblas.h>
+
+#include <algorithm>
+#include <cerrno>
+#include <chrono>
+#include <cmath>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <string>
+#include <vector>
+
+#include "bench/registry.h"
+#include "kernels/codec/codec.h"
+#include "kernels/codec/error_metrics.h"
+#include "kernels/common/check.h"
+#include "kernels/geometry/analysis.h"
+#include "kernels/geometry/geometry.h"
+#include "kernels/geometry/synthetic.h"
+
+namespace geofp8::bench {
+namespace {
+
+constexpr const char* kProg = "geofp8-bench geometry";
+
+struct Shape {
+  int64_t m, n;
+};
+
+struct Args {
+  std::string mode = "all";  // quality, cost, all
+  bool large = false;        // add the 4096-wide shapes
+  int threads = 1;           // OpenBLAS threads for everything in this run
+  int reps = 5;              // timed repetitions per cost point (median reported)
+  int rank = 16;             // k of the quality suite
+  double drift = 0.3;        // basis rotation of the stale twin
+  uint64_t seed = 1;
+  std::vector<Shape> shapes;  // overrides the default shape list of the chosen mode
+  bool require_target = false;  // exit 1 if any quality case with fit >= 1 misses the target
+};
+
+[[noreturn]] void UsageError(const std::string& field, const std::string& problem,
+                             const std::string& value) {
+  std::fprintf(stderr, "%s: error: %s: %s (%s)\n", kProg, field.c_str(), problem.c_str(),
+               value.c_str());
+  std::exit(2);
+}
+
+void PrintHelp() {
+  std::printf(
+      "usage: %s [--mode quality|cost|all] [--large] [--threads N] [--reps R] [--rank K]\n"
+      "          [--drift D] [--seed S] [--shapes MxN,MxN,...] [--require-target]\n"
+      "  quality: families spectral, kron, lowrank_noise x decay p in {0.5,1,1.5,2} x shapes\n"
+      "           (default 64x64, 256x1024, 1024x256, 512x512, 2048x2048; --large adds\n"
+      "           4096x4096); fp8_e4m3 (tensor and block 128 scaling) and nvfp4, each with the\n"
+      "           same scaling with and without geometry; stale basis = drifted twin (--drift).\n"
+      "  cost:    apply + inverse for k in {8,16,32,64} vs sgemm m x n x 8k (same FLOPs)\n"
+      "           (default 1024x1024, 2048x2048, 4096x1024; --large adds 4096x4096)\n",
+      kProg);
+}
+
+double ParseDouble(const std::string& flag, const char* text) {
+  char* end = nullptr;
+  errno = 0;
+  const double v = std::strtod(text, &end);
+  if (!*text || *end != '\0' || errno != 0 || !std::isfinite(v)) UsageError(flag, "not a number", text);
+  return v;
+}
+
+int ParseInt(const std::string& flag, const char* text, int lo, int hi) {
+  const double v = ParseDouble(flag, text);
+  if (v != std::floor(v)) UsageError(flag, "not an integer", text);
+  if (v < lo || v > hi) UsageError(flag, "must be in [" + std::to_string(lo) + ", " + std::to_string(hi) + "]", text);
+  return static_cast<int>(v);
+}
+
+std::vector<Shape> ParseShapes(const char* text) {
+  std::vector<Shape> out;
+  std::string s = text;
+  size_t pos = 0;
+  while (pos <= s.size()) {
+    const size_t comma = std::min(s.find(',', pos), s.size());
+    const std::string item = s.substr(pos, comma - pos);
+    long long m = 0, n = 0;
+    char tail = 0;
+    if (std::sscanf(item.c_str(), "%lldx%lld%c", &m, &n, &tail) != 2 || m < 1 || n < 1 ||
+        m > 16384 || n > 16384) {
+      UsageError("--shapes", "expected MxN with 1 <= M, N <= 16384", item);
+    }
+    out.push_back({m, n});
+    pos = comma + 1;
+  }
+  return out;
+}
+
+Args ParseArgs(int argc, char** argv) {
+  Args a;
+  for (int i = 1; i < argc; ++i) {
+    const std::string flag = argv[i];
+    auto value = [&]() -> const char* {
+      if (i + 1 >= argc) UsageError(flag, "missing value", "");
+      return argv[++i];
+    };
+    if (flag == "--help" || flag == "-h") {
+      PrintHelp();
+      std::exit(0);
+    } else if (flag == "--mode") {
+      a.mode = value();
+      if (a.mode != "quality" && a.mode != "cost" && a.mode != "all") {
+        UsageError("--mode", "accepted: quality, cost, all", a.mode);
+      }
+    } else if (flag == "--require-target") {
+      a.require_target = true;
+    } else if (flag == "--large") {
+      a.large = true;
+    } else if (flag == "--threads") {
+      a.threads = ParseInt(flag, value(), 1, 256);
+    } else if (flag == "--reps") {
+      a.reps = ParseInt(flag, value(), 1, 1000);
+    } else if (flag == "--rank") {
+      a.rank = ParseInt(flag, value(), 1, 4096);
+    } else if (flag == "--drift") {
+      a.drift = ParseDouble(flag, value());
+      if (a.drift < 0 || a.drift > 10) UsageError(flag, "must be in [0, 10]", std::to_string(a.drift));
+    } else if (flag == "--seed") {
+      a.seed = static_cast<uint64_t>(ParseInt(flag, value(), 0, 1 << 30));
+    } else if (flag == "--shapes") {
+      a.shapes = ParseShapes(value());
+    } else {
+      UsageError("argument", "unknown flag, see --help", flag);
+    }
+  }
+  return a;
+}
+
+double Seconds(std::chrono::steady_clock::time_point t0) {
+  return std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+}
+
+double Median(std::vector<double> v) {
+  std::sort(v.begin(), v.end());
+  const size_t h = v.size() / 2;
+  return v.size() % 2 ? v[h] : 0.5 * (v[h - 1] + v[h]);
+}
+
+// ---------------------------------------------------------------------------------------------
+// Quality
+
+struct Candidate {
+  double worst = 0, rel_fro = 0;
+};
+
+Candidate Evaluate(const SpectralReference& ref, const std::vector<float>& g, const Geometry* geo,
+                   const CodecOptions& codec, int64_t k) {
+  std::vector<float> x = g, decoded;
+  if (geo) ApplyGeometry(*geo, x);
+  AnalyzeCodec(x, codec, &decoded);
+  if (geo) InvertGeometry(*geo, decoded);
+  Candidate c;
+  c.worst = ComputeBandErrors(ref, g, decoded, k).worst_band_error;
+  c.rel_fro = RelFroError(g, decoded);
+  return c;
+}
+
+struct CodecCase {
+  const char* label;
+  CodecOptions options;
+};
+
+std::vector<CodecCase> QualityCodecs() {
+  CodecOptions tensor;
+  tensor.format = Format::kFp8E4M3;
+  tensor.scaling = Scaling::kTensor;
+  CodecOptions block;
+  block.format = Format::kFp8E4M3;
+  block.scaling = Scaling::kBlock;
+  block.block = 128;
+  CodecOptions nvfp4;
+  nvfp4.format = Format::kNvfp4;
+  return {{"fp8_e4m3, tensor scaling", tensor},
+          {"fp8_e4m3, block(128) scaling", block},
+          {"nvfp4 (E4M3 per 16 + fp32 tensor scale)", nvfp4}};
+}
+
+// Least-squares slope of -log sigma_i against log(i+1) over the top half of the spectrum (the
+// bottom half of steep spectra sits at float32 round-off): the decay exponent the target is about.
+double FittedDecay(const std::vector<double>& sigma) {
+  const size_t half = std::max<size_t>(2, sigma.size() / 2);
+  double sx = 0, sy = 0, sxx = 0, sxy = 0;
+  int cnt = 0;
+  for (size_t i = 0; i < std::min(half, sigma.size()); ++i) {
+    if (!(sigma[i] > 0)) break;
+    const double x = std::log(double(i + 1)), y = std::log(sigma[i]);
+    sx += x;
+    sy += y;
+    sxx += x * x;
+    sxy += x * y;
+    ++cnt;
+  }
+  if (cnt < 2) return 0;
+  return -(cnt * sxy - sx * sy) / (cnt * sxx - sx * sx);
+}
+
+struct QualityRow {
+  std::string matrix;
+  double decay = 0, fitted = 0, drift = 0;
+  Candidate euclid, fresh, stale, diag;
+};
+
+int RunQuality(const Args& a) {
+  std::vector<Shape> shapes = a.shapes;
+  if (shapes.empty()) {
+    shapes = {{64, 64}, {256, 1024}, {1024, 256}, {512, 512}, {2048, 2048}};
+    if (a.large) shapes.push_back({4096, 4096});
+  }
+  const std::vector<CodecCase> codecs = QualityCodecs();
+  std::vector<std::vector<QualityRow>> rows(codecs.size());
+  const auto t_start = std::chrono::steady_clock::now();
+  for (const Shape& s : shapes) {
+    for (SyntheticFamily fam : {SyntheticFamily::kSpectral, SyntheticFamily::kKronecker,
+                                SyntheticFamily::kLowRankNoise}) {
+      for (double p : {0.5, 1.0, 1.5, 2.0}) {
+        SyntheticSpec spec{fam, s.m, s.n, p, a.seed, 0.0};
+        const std::vector<float> g = MakeSyntheticGradient(spec);
+        spec.drift = a.drift;
+        const std::vector<float> g_prev = MakeSyntheticGradient(spec);
+        const SpectralReference ref = ComputeSpectralReference(g, s.m, s.n);
+        GeometryOptions lo;
+        lo.mode = GeometryMode::kLowRank;
+        lo.rank = a.rank;
+        lo.seed = a.seed;
+        lo.power_iters = 4;  // the stale basis stands for a long warm-started history
+        const Geometry stale = EstimateGeometry(g_prev, s.m, s.n, lo, nullptr).geometry;
+        lo.power_iters = 1;  // one refresh, warm-started from the stale basis
+        const RefreshResult fresh = EstimateGeometry(g, s.m, s.n, lo, &stale);
+        GeometryOptions dg;
+        dg.mode = GeometryMode::kDiag;
+        const Geometry diag = EstimateGeometry(g_prev, s.m, s.n, dg, nullptr).geometry;
+        char name[96];
+        std::snprintf(name, sizeof(name), "%s %lldx%lld", std::string(SyntheticFamilyName(fam)).c_str(),
+                      static_cast<long long>(s.m), static_cast<long long>(s.n));
+        for (size_t c = 0; c < codecs.size(); ++c) {
+          QualityRow r;
+          r.matrix = name;
+          r.decay = p;
+          r.fitted = FittedDecay(ref.sigma);
+          r.drift = fresh.drift;
+          r.euclid = Evaluate(ref, g, nullptr, codecs[c].options, a.rank);
+          r.fresh = Evaluate(ref, g, &fresh.geometry, codecs[c].options, a.rank);
+          r.stale = Evaluate(ref, g, &stale, codecs[c].options, a.rank);
+          r.diag = Evaluate(ref, g, &diag, codecs[c].options, a.rank);
+          rows[c].push_back(r);
+        }
+        std::fprintf(stderr, "  [%6.1fs] %s p=%.1f done\n", Seconds(t_start), name, p);
+      }
+    }
+  }
+  std::printf("## Quality: worst_band_error and rel_fro_error, lowrank k=%d (alpha 0.25), seed %llu\n\n",
+              a.rank, static_cast<unsigned long long>(a.seed));
+  std::printf("gain = euclid worst_band_error / geometry worst_band_error; fro = geometry rel_fro / "
+              "euclid rel_fro.\nfresh: refreshed on this gradient (q=1, warm from stale); stale: "
+              "estimated on the drifted twin (drift --drift %.2f; `drift` column = measured "
+              "subspace distance stale->fresh); diag: estimated on the twin.\n"
+              "p = generator parameter; fit = fitted decay exponent of the singular values (top half).\n"
+              "target (fit >= 1): gain >= 3 and fro <= 1.1, shown for fresh/stale.\n\n",
+              a.drift);
+  int met = 0, applicable = 0;
+  for (size_t c = 0; c < codecs.size(); ++c) {
+    std::printf("### %s\n\n", codecs[c].label);
+    std::printf("| matrix | p | fit | drift | euclid worst | fresh worst | stale worst | diag worst | gain fresh "
+                "| gain stale | gain diag | euclid rel_fro | fro fresh | fro stale | target |\n");
+    std::printf("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|\n");
+    for (const QualityRow& r : rows[c]) {
+      const double gf = r.euclid.worst / std::max(r.fresh.worst, 1e-300);
+      const double gs = r.euclid.worst / std::max(r.stale.worst, 1e-300);
+      const double gd = r.euclid.worst / std::max(r.diag.worst, 1e-300);
+      const double ff = r.fresh.rel_fro / std::max(r.euclid.rel_fro, 1e-300);
+      const double fs = r.stale.rel_fro / std::max(r.euclid.rel_fro, 1e-300);
+      std::string target = "n/a";
+      if (r.fitted >= 1.0) {
+        const bool ok_f = gf >= 3 && ff <= 1.1, ok_s = gs >= 3 && fs <= 1.1;
+        target = std::string(ok_f ? "yes" : "NO") + "/" + (ok_s ? "yes" : "NO");
+        applicable += 2;
+        met += ok_f + ok_s;
+      }
+      std::printf("| %s | %.1f | %.2f | %.3f | %.3g | %.3g | %.3g | %.3g | %.1f | %.1f | %.1f | %.3g | %.2f | %.2f | %s |\n",
+                  r.matrix.c_str(), r.decay, r.fitted, r.drift, r.euclid.worst, r.fresh.worst, r.stale.worst,
+                  r.diag.worst, gf, gs, gd, r.euclid.rel_fro, ff, fs, target.c_str());
+    }
+    std::printf("\n");
+  }
+  std::printf("target met on %d of %d (matrix, format, fresh|stale) cases with fit >= 1; quality "
+              "suite took %.1f s\n\n", met, applicable, Seconds(t_start));
+  if (a.require_target && met != applicable) {
+    std::fprintf(stderr, "%s: error: --require-target: %d case(s) missed the target\n", kProg,
+                 applicable - met);
+    return 1;
+  }
+  return 0;
+}
+
+// ---------------------------------------------------------------------------------------------
+// Cost
+
+int RunCost(const Args& a) {
+  std::vector<Shape> shapes = a.shapes;
+  if (shapes.empty()) {
+    shapes = {{1024, 1024}, {2048, 2048}, {4096, 1024}};
+    if (a.large) shapes.push_back({4096, 4096});
+  }
+  std::printf("## Cost: apply + inverse vs sgemm of the same FLOPs (16 m n k), %d BLAS thread(s), "
+              "median of %d\n\n", a.threads, a.reps);
+  std::printf("| shape | k | apply+inverse ns/elem | GFLOP/s | sgemm m x n x 8k GFLOP/s | ratio to sgemm "
+              "| refresh q=1 ms | fp8 enc+dec ns/elem | transform / codec |\n");
+  std::printf("|---|---|---|---|---|---|---|---|---|\n");
+  for (const Shape& s : shapes) {
+    const int64_t m = s.m, n = s.n, elems = m * n;
+    const std::vector<float> g = MakeSyntheticGradient({SyntheticFamily::kSpectral, m, n, 1.0, a.seed, 0});
+    // Codec baseline: fp8_e4m3 block(128) encode + decode of the same matrix.
+    CodecOptions co;
+    std::vector<uint8_t> wire(EncodedBytes(co, g.size()));
+    std::vector<float> dec(g.size());
+    std::vector<double> tc;
+    for (int r = 0; r <= a.reps; ++r) {
+      const auto t0 = std::chrono::steady_clock::now();
+      Encode(g, co, wire);
+      Decode(wire, dec);
+      if (r) tc.push_back(Seconds(t0));
+    }
+    const double codec_ns = Median(tc) * 1e9 / elems;
+    auto row = [&](const std::string& label, const Geometry& geo, double flops, double refresh_ms) {
+      std::vector<float> x(g.size());
+      std::vector<double> tt;
+      for (int r = 0; r <= a.reps; ++r) {
+        std::copy(g.begin(), g.end(), x.begin());
+        const auto t0 = std::chrono::steady_clock::now();
+        ApplyGeometry(geo, x);
+        InvertGeometry(geo, x);
+        if (r) tt.push_back(Seconds(t0));
+      }
+      const double t = Median(tt);
+      std::string gemm = "-", ratio = "-";
+      if (geo.mode == GeometryMode::kLowRank) {
+        // Same-run baseline: C (m x n) = A (m x 8k) B (8k x n), 16 m n k FLOP like apply+inverse.
+        const int64_t kk = 8 * geo.k;
+        std::vector<float> A(static_cast<size_t>(m * kk), 0.5f), B(static_cast<size_t>(kk * n), 0.25f),
+            C(static_cast<size_t>(m * n));
+        std::vector<double> tg;
+        for (int r = 0; r <= a.reps; ++r) {
+          const auto t0 = std::chrono::steady_clock::now();
+          cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, m, n, kk, 1.f, A.data(), kk,
+                      B.data(), n, 0.f, C.data(), n);
+          if (r) tg.push_back(Seconds(t0));
+        }
+        const double tgm = Median(tg);
+        char b1[32], b2[32];
+        std::snprintf(b1, sizeof(b1), "%.1f", flops / tgm * 1e-9);
+        std::snprintf(b2, sizeof(b2), "%.2f", tgm / t);
+        gemm = b1;
+        ratio = b2;
+      }
+      char gf[32];
+      std::snprintf(gf, sizeof(gf), "%.1f", flops > 0 ? flops / t * 1e-9 : 0.0);
+      std::printf("| %lldx%lld | %s | %.2f | %s | %s | %s | %.1f | %.2f | %.2f |\n",
+                  static_cast<long long>(m), static_cast<long long>(n), label.c_str(), t * 1e9 / elems,
+                  flops > 0 ? gf : "-", gemm.c_str(), ratio.c_str(), refresh_ms, codec_ns,
+                  t * 1e9 / elems / codec_ns);
+      std::fflush(stdout);
+    };
+    for (int k : {8, 16, 32, 64}) {
+      GeometryOptions o;
+      o.rank = k;
+      o.seed = a.seed;
+      Geometry geo = EstimateGeometry(g, m, n, o, nullptr).geometry;
+      std::vector<double> tr;
+      for (int r = 0; r < a.reps; ++r) tr.push_back(EstimateGeometry(g, m, n, o, &geo).seconds);
+      row(std::to_string(k), geo, 16.0 * m * n * k, Median(tr) * 1e3);
+    }
+    GeometryOptions d;
+    d.mode = GeometryMode::kDiag;
+    const Geometry diag = EstimateGeometry(g, m, n, d, nullptr).geometry;
+    std::vector<double> tr;
+    for (int r = 0; r < a.reps; ++r) tr.push_back(EstimateGeometry(g, m, n, d, nullptr).seconds);
+    row("diag", diag, 0, Median(tr) * 1e3);
+  }
+  std::printf("\n");
+  return 0;
+}
+
+int RunGeometryBench(int argc, char** argv) {
+  const Args a = ParseArgs(argc, argv);
+  openblas_set_num_threads(a.threads);
+  try {
+    if (a.mode == "cost" || a.mode == "all") RunCost(a);
+    if (a.mode == "quality" || a.mode == "all") return RunQuality(a);
+  } catch (const Error& e) {
+    std::fprintf(stderr, "%s: error: %s\n", kProg, e.what());
+    return 1;
+  }
+  return 0;
+}
+
+}  // namespace
+
+GEOFP8_REGISTER_BENCH("geometry", "geometry transform: band-error quality vs Euclidean, cost vs sgemm",
+                      RunGeometryBench);
+
+}  // namespace geofp8::bench
