@@ -1,7 +1,6 @@
 // geofp8-bench codec: encode / decode / decode-accumulate throughput per format and scaling,
 // against memcpy measured in the same run with the same thread count. Medians over repetitions.
 #include <CLI/CLI.hpp>
-
 #include <algorithm>
 #include <chrono>
 #include <cstdio>
@@ -85,7 +84,8 @@ int RunCodecBench(int argc, char** argv) {
   for (const auto& name : formats) {
     const auto f = ParseFormat(name);
     if (!f) {
-      std::fprintf(stderr, "geofp8-bench codec: error: formats: unknown format (%s); accepted: %s\n",
+      std::fprintf(stderr,
+                   "geofp8-bench codec: error: formats: unknown format (%s); accepted: %s\n",
                    name.c_str(), std::string(AcceptedFormats()).c_str());
       return 2;
     }
@@ -100,8 +100,8 @@ int RunCodecBench(int argc, char** argv) {
         configs.push_back({*f, *s});
       }
     } else {
-      configs.push_back({*f, *f == Format::kMxfp8 || *f == Format::kNvfp4 ? Scaling::kBlock
-                                                                         : Scaling::kNone});
+      configs.push_back(
+          {*f, *f == Format::kMxfp8 || *f == Format::kNvfp4 ? Scaling::kBlock : Scaling::kNone});
     }
   }
   detail::SetVectorizedEnabled(!scalar);
@@ -172,28 +172,31 @@ int RunCodecBench(int argc, char** argv) {
   };
   const bool avx2 = !scalar && detail::CpuHasAvx2();
   if (json) {
-    std::printf("{\"bench\": \"codec\", \"elements\": %zu, \"input_bytes\": %zu, \"reps\": %d, "
-                "\"block\": %u, \"avx2\": %s, \"results\": [",
-                n, n * 4, reps, block, avx2 ? "true" : "false");
+    std::printf(
+        "{\"bench\": \"codec\", \"elements\": %zu, \"input_bytes\": %zu, \"reps\": %d, "
+        "\"block\": %u, \"avx2\": %s, \"results\": [",
+        n, n * 4, reps, block, avx2 ? "true" : "false");
     for (size_t i = 0; i < rows.size(); ++i) {
       const Row& r = rows[i];
-      std::printf("%s\n  {\"format\": \"%s\", \"scaling\": \"%s\", \"threads\": %d, "
-                  "\"memcpy_gbps\": %.3f, \"encode_gbps\": %.3f, \"decode_gbps\": %.3f, "
-                  "\"decode_acc_gbps\": %.3f, \"encode_vs_memcpy\": %.3f, "
-                  "\"decode_vs_memcpy\": %.3f, \"decode_acc_vs_memcpy\": %.3f, "
-                  "\"encode_speedup_vs_1_thread\": %.3f}",
-                  i ? "," : "", std::string(FormatName(r.config.format)).c_str(),
-                  std::string(ScalingName(r.config.scaling)).c_str(), r.threads, r.memcpy_gbps,
-                  r.encode_gbps, r.decode_gbps, r.decode_acc_gbps, r.encode_gbps / r.memcpy_gbps,
-                  r.decode_gbps / r.memcpy_gbps, r.decode_acc_gbps / r.memcpy_gbps, speedup(r));
+      std::printf(
+          "%s\n  {\"format\": \"%s\", \"scaling\": \"%s\", \"threads\": %d, "
+          "\"memcpy_gbps\": %.3f, \"encode_gbps\": %.3f, \"decode_gbps\": %.3f, "
+          "\"decode_acc_gbps\": %.3f, \"encode_vs_memcpy\": %.3f, "
+          "\"decode_vs_memcpy\": %.3f, \"decode_acc_vs_memcpy\": %.3f, "
+          "\"encode_speedup_vs_1_thread\": %.3f}",
+          i ? "," : "", std::string(FormatName(r.config.format)).c_str(),
+          std::string(ScalingName(r.config.scaling)).c_str(), r.threads, r.memcpy_gbps,
+          r.encode_gbps, r.decode_gbps, r.decode_acc_gbps, r.encode_gbps / r.memcpy_gbps,
+          r.decode_gbps / r.memcpy_gbps, r.decode_acc_gbps / r.memcpy_gbps, speedup(r));
     }
     std::printf("\n]}\n");
     return 0;
   }
   std::printf("codec bench: %zu floats (%.1f MiB), block %u, median of %d, %s path\n", n,
               n * 4.0 / (1 << 20), block, reps, avx2 ? "AVX2" : "scalar");
-  std::printf("GB/s count bytes read + written; ratios are against memcpy at the same thread "
-              "count, measured in this run\n\n");
+  std::printf(
+      "GB/s count bytes read + written; ratios are against memcpy at the same thread "
+      "count, measured in this run\n\n");
   std::printf("%-9s %-7s %3s %8s %8s %6s %8s %6s %8s %6s %8s\n", "format", "scaling", "thr",
               "memcpy", "encode", "ratio", "decode", "ratio", "dec+acc", "ratio", "enc x1thr");
   for (const Row& r : rows) {
@@ -201,8 +204,8 @@ int RunCodecBench(int argc, char** argv) {
                 std::string(FormatName(r.config.format)).c_str(),
                 std::string(ScalingName(r.config.scaling)).c_str(), r.threads, r.memcpy_gbps,
                 r.encode_gbps, r.encode_gbps / r.memcpy_gbps, r.decode_gbps,
-                r.decode_gbps / r.memcpy_gbps, r.decode_acc_gbps,
-                r.decode_acc_gbps / r.memcpy_gbps, speedup(r));
+                r.decode_gbps / r.memcpy_gbps, r.decode_acc_gbps, r.decode_acc_gbps / r.memcpy_gbps,
+                speedup(r));
   }
   return 0;
 }

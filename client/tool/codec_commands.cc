@@ -64,8 +64,8 @@ void RunDecode(const DecodeArgs& a) {
     if (a.format.empty()) UsageError("format", "required with --raw");
     const auto f = ParseFormat(a.format);
     if (!f) {
-      UsageError("format", "unknown format (" + a.format + "); accepted: " +
-                               std::string(AcceptedFormats()));
+      UsageError("format",
+                 "unknown format (" + a.format + "); accepted: " + std::string(AcceptedFormats()));
     }
     const int bits = FormatBits(*f);
     size_t n = bytes.size() * 8 / bits;
@@ -105,7 +105,8 @@ void RunDecode(const DecodeArgs& a) {
     out.assign(v.header.count, 0.f);
     Decode(bytes, out);
     if (v.header.flags & kFlagNonFinite) {
-      std::fprintf(stderr, "geofp8-tool: warning: in: encoded tensor carries the non-finite flag\n");
+      std::fprintf(stderr,
+                   "geofp8-tool: warning: in: encoded tensor carries the non-finite flag\n");
     }
   }
   WriteFloats(a.out, out);

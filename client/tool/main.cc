@@ -1,7 +1,6 @@
 // geofp8-tool: the codec on raw little-endian float32 files (encode, decode, roundtrip, analyze).
 // Errors are one line "geofp8-tool: error: <field>: <problem> (<value>)"; exit 2 usage, 1 runtime.
 #include <CLI/CLI.hpp>
-
 #include <cstdio>
 
 #include "client/tool/tool_common.h"

@@ -36,18 +36,18 @@ CodecOptions ToOptions(const CodecFlags& f) {
   CodecOptions o;
   const auto format = ParseFormat(f.format);
   if (!format) {
-    UsageError("format", "unknown format (" + f.format + "); accepted: " +
-                             std::string(AcceptedFormats()));
+    UsageError("format",
+               "unknown format (" + f.format + "); accepted: " + std::string(AcceptedFormats()));
   }
   const auto scaling = ParseScaling(f.scaling);
   if (!scaling) {
-    UsageError("scaling", "unknown scaling (" + f.scaling + "); accepted: " +
-                              std::string(AcceptedScalings()));
+    UsageError("scaling",
+               "unknown scaling (" + f.scaling + "); accepted: " + std::string(AcceptedScalings()));
   }
   const auto rounding = ParseRounding(f.rounding);
   if (!rounding) {
-    UsageError("rounding", "unknown rounding (" + f.rounding + "); accepted: " +
-                               std::string(AcceptedRoundings()));
+    UsageError("rounding", "unknown rounding (" + f.rounding +
+                               "); accepted: " + std::string(AcceptedRoundings()));
   }
   o.format = *format;
   o.scaling = *scaling;
@@ -55,7 +55,8 @@ CodecOptions ToOptions(const CodecFlags& f) {
   o.block = f.block;
   o.seed = f.seed;
   if (f.block == 0) UsageError("block", "must be at least 1 (0)");
-  if (f.block > (1u << 30)) UsageError("block", "implausibly large (" + std::to_string(f.block) + ")");
+  if (f.block > (1u << 30))
+    UsageError("block", "implausibly large (" + std::to_string(f.block) + ")");
   if (f.block_set && o.format == Format::kMxfp8 && f.block != 32) {
     UsageError("block", "mxfp8 always uses blocks of 32 (" + std::to_string(f.block) + ")");
   }

@@ -75,14 +75,14 @@ namespace el = element;
 std::string ValidateCodecOptions(const CodecOptions& o) {
   std::ostringstream os;
   if (FormatName(o.format) == "unknown") {
-    os << "format: unknown value " << static_cast<int>(o.format) << " (accepted: "
-       << AcceptedFormats() << ")";
+    os << "format: unknown value " << static_cast<int>(o.format)
+       << " (accepted: " << AcceptedFormats() << ")";
   } else if (ScalingName(o.scaling) == "unknown") {
-    os << "scaling: unknown value " << static_cast<int>(o.scaling) << " (accepted: "
-       << AcceptedScalings() << ")";
+    os << "scaling: unknown value " << static_cast<int>(o.scaling)
+       << " (accepted: " << AcceptedScalings() << ")";
   } else if (RoundingName(o.rounding) == "unknown") {
-    os << "rounding: unknown value " << static_cast<int>(o.rounding) << " (accepted: "
-       << AcceptedRoundings() << ")";
+    os << "rounding: unknown value " << static_cast<int>(o.rounding)
+       << " (accepted: " << AcceptedRoundings() << ")";
   } else if (o.scaling == Scaling::kBlock && o.block == 0 &&
              (o.format == Format::kFp8E4M3 || o.format == Format::kFp8E5M2)) {
     os << "block: must be >= 1 for block scaling (0)";
@@ -205,8 +205,10 @@ void EncodeBf16(const float* x, const Layout& l, const CodecOptions& o, uint8_t*
   const uint64_t key = el::StreamKey(o.seed, o.step, o.layer, o.rank);
   for (size_t i = 0; i < l.count; ++i) {
     const uint32_t a = el::FloatBits(x[i]) & 0x7FFFFFFFu;
-    if (a >= 0x7F800000u) ++st->nonfinite;
-    else if (a > 0x7F7F0000u) ++st->saturated;
+    if (a >= 0x7F800000u)
+      ++st->nonfinite;
+    else if (a > 0x7F7F0000u)
+      ++st->saturated;
     const uint16_t h = el::FloatToBf16(x[i], stochastic, stochastic ? el::RandomBits(key, i) : 0u);
     std::memcpy(payload + 2 * i, &h, 2);
   }
@@ -287,8 +289,8 @@ void DecodeScalar(const Layout& l, const uint8_t* scales, const uint8_t* payload
 }
 
 Layout LayoutFromHeader(const EncodedHeader& h) {
-  return detail::MakeLayout(static_cast<Format>(h.format), static_cast<Scaling>(h.scaling),
-                            h.block, h.count);
+  return detail::MakeLayout(static_cast<Format>(h.format), static_cast<Scaling>(h.scaling), h.block,
+                            h.count);
 }
 
 template <bool kAcc>
@@ -364,19 +366,17 @@ size_t detail::ValidateHeader(const EncodedHeader& h) {
   const Scaling s = static_cast<Scaling>(h.scaling);
   GEOFP8_CHECK(ScalingName(s) != "unknown", "encoded buffer: unknown scaling (",
                static_cast<int>(h.scaling), ")");
-  GEOFP8_CHECK(h.count <= (uint64_t{1} << 60), "encoded buffer: implausible count (", h.count,
-               ")");
+  GEOFP8_CHECK(h.count <= (uint64_t{1} << 60), "encoded buffer: implausible count (", h.count, ")");
   const Layout l = detail::MakeLayout(f, s, h.block, h.count);
-  GEOFP8_CHECK(l.scaling == s && l.block == h.block, "encoded buffer: scaling ",
-               ScalingName(s), " with block ", h.block, " is inconsistent with format ",
-               FormatName(f));
+  GEOFP8_CHECK(l.scaling == s && l.block == h.block, "encoded buffer: scaling ", ScalingName(s),
+               " with block ", h.block, " is inconsistent with format ", FormatName(f));
   GEOFP8_CHECK(s != Scaling::kBlock || h.block > 0, "encoded buffer: block is 0");
   return sizeof(EncodedHeader) + l.scale_bytes + l.payload_bytes;
 }
 
 EncodedView ParseEncoded(std::span<const uint8_t> in) {
-  GEOFP8_CHECK(in.size() >= sizeof(EncodedHeader), "encoded buffer: truncated header (",
-               in.size(), " bytes, need ", sizeof(EncodedHeader), ")");
+  GEOFP8_CHECK(in.size() >= sizeof(EncodedHeader), "encoded buffer: truncated header (", in.size(),
+               " bytes, need ", sizeof(EncodedHeader), ")");
   EncodedView v;
   std::memcpy(&v.header, in.data(), sizeof(EncodedHeader));
   const size_t need = detail::ValidateHeader(v.header);
@@ -403,16 +403,15 @@ namespace geofp8 {
 
 size_t RawBytes(Format format, size_t n) {
   const int bits = FormatBits(format);
-  GEOFP8_CHECK(bits > 0, "format: unknown value ", static_cast<int>(format), " (accepted: ",
-               AcceptedFormats(), ")");
+  GEOFP8_CHECK(bits > 0, "format: unknown value ", static_cast<int>(format),
+               " (accepted: ", AcceptedFormats(), ")");
   return bits == 4 ? (n + 1) / 2 : n * static_cast<size_t>(bits / 8);
 }
 
 EncodeStats EncodeRaw(std::span<const float> x, const CodecOptions& options,
                       std::span<uint8_t> out) {
   const size_t need = RawBytes(options.format, x.size());
-  GEOFP8_CHECK(out.size() >= need, "encode raw: output holds ", out.size(), " bytes, needs ",
-               need);
+  GEOFP8_CHECK(out.size() >= need, "encode raw: output holds ", out.size(), " bytes, needs ", need);
   EncodeStats st;
   if (options.format != Format::kNvfp4) {
     CodecOptions o = options;
@@ -438,8 +437,8 @@ EncodeStats EncodeRaw(std::span<const float> x, const CodecOptions& options,
 
 void DecodeRaw(std::span<const uint8_t> in, Format format, std::span<float> out) {
   const size_t need = RawBytes(format, out.size());
-  GEOFP8_CHECK(in.size() == need, "decode raw: ", in.size(), " bytes do not hold ", out.size(),
-               " ", FormatName(format), " elements (need ", need, ")");
+  GEOFP8_CHECK(in.size() == need, "decode raw: ", in.size(), " bytes do not hold ", out.size(), " ",
+               FormatName(format), " elements (need ", need, ")");
   const Tables& t = DecodeTables();
   for (size_t i = 0; i < out.size(); ++i) {
     switch (format) {

@@ -48,11 +48,11 @@ inline constexpr uint8_t kEncodedVersion = 1;
 struct EncodedHeader {
   uint8_t magic = kEncodedMagic;
   uint8_t version = kEncodedVersion;
-  uint8_t format = 0;    // Format
-  uint8_t scaling = 0;   // Scaling actually used (mxfp8/nvfp4 report kBlock)
-  uint32_t block = 0;    // elements per scale block actually used (32 mxfp8, 16 nvfp4)
-  uint64_t count = 0;    // element count
-  uint8_t flags = 0;     // bit 0: input held a non-finite value
+  uint8_t format = 0;   // Format
+  uint8_t scaling = 0;  // Scaling actually used (mxfp8/nvfp4 report kBlock)
+  uint32_t block = 0;   // elements per scale block actually used (32 mxfp8, 16 nvfp4)
+  uint64_t count = 0;   // element count
+  uint8_t flags = 0;    // bit 0: input held a non-finite value
   uint8_t reserved[7] = {};
 };
 #pragma pack(pop)

@@ -71,8 +71,7 @@ GEOFP8_AVX2 inline __m256i ConvertFinite(__m256i u, __m256i a) {
 constexpr size_t kPrefetchFloats = 1024;
 
 // Packs four vectors of 32-bit codes (each < 256) into 32 bytes in element order.
-GEOFP8_AVX2 inline void Store32Codes(uint8_t* dst, __m256i r0, __m256i r1, __m256i r2,
-                                     __m256i r3) {
+GEOFP8_AVX2 inline void Store32Codes(uint8_t* dst, __m256i r0, __m256i r1, __m256i r2, __m256i r3) {
   const __m256i p01 = _mm256_packus_epi32(r0, r1);
   const __m256i p23 = _mm256_packus_epi32(r2, r3);
   const __m256i b = _mm256_packus_epi16(p01, p23);
@@ -87,16 +86,16 @@ GEOFP8_AVX2 bool AmaxAllFinite(const float* x, size_t n, float* amax) {
   size_t i = 0;
   // Finite non-negative floats order like their bit patterns, so an integer max is exact.
   for (; i + 16 <= n; i += 16) {
-    const __m256i a0 = _mm256_and_si256(
-        _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x + i)), abs_mask);
-    const __m256i a1 = _mm256_and_si256(
-        _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x + i + 8)), abs_mask);
+    const __m256i a0 =
+        _mm256_and_si256(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(x + i)), abs_mask);
+    const __m256i a1 =
+        _mm256_and_si256(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(x + i + 8)), abs_mask);
     m0 = _mm256_max_epi32(m0, a0);
     m1 = _mm256_max_epi32(m1, a1);
   }
   for (; i + 8 <= n; i += 8) {
-    const __m256i a0 = _mm256_and_si256(
-        _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x + i)), abs_mask);
+    const __m256i a0 =
+        _mm256_and_si256(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(x + i)), abs_mask);
     m0 = _mm256_max_epi32(m0, a0);
   }
   m0 = _mm256_max_epi32(m0, m1);
@@ -169,8 +168,10 @@ GEOFP8_AVX2 void EncodeFp8(const float* x, const Layout& l, uint8_t* scales, uin
       // Rare: a non-finite value in this run. The scalar reference rule, element by element.
       float famax = 0.f;
       for (size_t i = b0; i < b0 + len; ++i) {
-        if (element::IsFinite(x[i])) famax = std::max(famax, x[i] < 0 ? -x[i] : x[i]);
-        else ++st->nonfinite;
+        if (element::IsFinite(x[i]))
+          famax = std::max(famax, x[i] < 0 ? -x[i] : x[i]);
+        else
+          ++st->nonfinite;
       }
       if (l.scaling != Scaling::kNone) scale = element::ScaleFromAmax(famax, P::kMax);
       for (size_t i = b0; i < b0 + len; ++i) {
@@ -191,10 +192,10 @@ GEOFP8_AVX2 inline __m256 DecodeCodes(__m256i c) {
   using P = Fp8Params<F>;
   const __m256i sign = _mm256_slli_epi32(_mm256_and_si256(c, _mm256_set1_epi32(0x80)), 24);
   const __m256i mag = _mm256_and_si256(c, _mm256_set1_epi32(0x7F));
-  const __m256i normal = _mm256_add_epi32(_mm256_slli_epi32(mag, 23 - P::M),
-                                          _mm256_set1_epi32((127 - P::B) << 23));
-  const __m256 sub = _mm256_mul_ps(_mm256_cvtepi32_ps(mag),
-                                   _mm256_set1_ps(1.f / static_cast<float>(1u << (P::B + P::M - 1))));
+  const __m256i normal =
+      _mm256_add_epi32(_mm256_slli_epi32(mag, 23 - P::M), _mm256_set1_epi32((127 - P::B) << 23));
+  const __m256 sub = _mm256_mul_ps(
+      _mm256_cvtepi32_ps(mag), _mm256_set1_ps(1.f / static_cast<float>(1u << (P::B + P::M - 1))));
   const __m256i is_sub = _mm256_cmpgt_epi32(_mm256_set1_epi32(1 << P::M), mag);
   __m256i bits = _mm256_blendv_epi8(normal, _mm256_castps_si256(sub), is_sub);
   if constexpr (F == Format::kFp8E4M3) {

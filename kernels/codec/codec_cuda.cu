@@ -10,11 +10,11 @@
 #include "kernels/codec/element.h"
 #include "kernels/common/check.h"
 
-#define GEOFP8_CUDA_CHECK(expr)                                                          \
-  do {                                                                                   \
-    const cudaError_t geofp8_err_ = (expr);                                              \
-    GEOFP8_CHECK(geofp8_err_ == cudaSuccess, "CUDA call " #expr " failed: ",             \
-                 cudaGetErrorString(geofp8_err_));                                       \
+#define GEOFP8_CUDA_CHECK(expr)                                                    \
+  do {                                                                             \
+    const cudaError_t geofp8_err_ = (expr);                                        \
+    GEOFP8_CHECK(geofp8_err_ == cudaSuccess,                                       \
+                 "CUDA call " #expr " failed: ", cudaGetErrorString(geofp8_err_)); \
   } while (0)
 
 namespace geofp8::cuda {
@@ -129,7 +129,7 @@ __global__ void EncodeNvKernel(const float* x, size_t n, uint8_t* scales, uint8_
   const size_t t = blockIdx.x * (size_t)blockDim.x + threadIdx.x;
   const unsigned lane = threadIdx.x & 31;
   if ((t & ~size_t{31}) >= n) return;  // the warp's first element is past the end
-  const size_t i = t;                   // element index; block = i / 16
+  const size_t i = t;                  // element index; block = i / 16
   const bool valid = i < n;
   const float v = valid ? x[i] : 0.f;
   const float g = el::NvTensorScale(el::BitsFloat(c->amax_bits));
@@ -235,8 +235,8 @@ EncodeStats Encode(const float* x, size_t n, const CodecOptions& options, uint8_
                    size_t out_bytes, void* stream_ptr) {
   const Layout l = detail::MakeLayout(options, n);
   const size_t total = sizeof(EncodedHeader) + l.scale_bytes + l.payload_bytes;
-  GEOFP8_CHECK(out_bytes >= total, "cuda encode: output buffer holds ", out_bytes,
-               " bytes, needs ", total);
+  GEOFP8_CHECK(out_bytes >= total, "cuda encode: output buffer holds ", out_bytes, " bytes, needs ",
+               total);
   cudaStream_t stream = static_cast<cudaStream_t>(stream_ptr);
   uint8_t* scales = out + sizeof(EncodedHeader);
   uint8_t* payload = scales + l.scale_bytes;
@@ -256,8 +256,8 @@ EncodeStats Encode(const float* x, size_t n, const CodecOptions& options, uint8_
     case Format::kFp32:
     case Format::kBf16:
       if (n) {
-        EncodeWideKernel<<<Grid(n), kThreads, 0, stream>>>(x, n, l.format == Format::kBf16,
-                                                           payload, key, stochastic, c);
+        EncodeWideKernel<<<Grid(n), kThreads, 0, stream>>>(x, n, l.format == Format::kBf16, payload,
+                                                           key, stochastic, c);
       }
       break;
     case Format::kFp8E4M3:
@@ -266,8 +266,8 @@ EncodeStats Encode(const float* x, size_t n, const CodecOptions& options, uint8_
       const size_t warps = (n + unit - 1) / unit;
       if (warps) {
         EncodeFp8Kernel<<<Grid(warps * 32), kThreads, 0, stream>>>(
-            x, n, l.format == Format::kFp8E5M2, static_cast<int>(l.scaling), unit, scales,
-            payload, key, stochastic, c);
+            x, n, l.format == Format::kFp8E5M2, static_cast<int>(l.scaling), unit, scales, payload,
+            key, stochastic, c);
       } else if (l.scaling == Scaling::kTensor) {
         static const float kOne = 1.f;
         GEOFP8_CUDA_CHECK(cudaMemcpyAsync(scales, &kOne, 4, cudaMemcpyHostToDevice, stream));
@@ -276,14 +276,14 @@ EncodeStats Encode(const float* x, size_t n, const CodecOptions& options, uint8_
     }
     case Format::kMxfp8:
       if (n) {
-        EncodeMxKernel<<<Grid(l.num_blocks * 32), kThreads, 0, stream>>>(x, n, scales, payload,
-                                                                         key, stochastic, c);
+        EncodeMxKernel<<<Grid(l.num_blocks * 32), kThreads, 0, stream>>>(x, n, scales, payload, key,
+                                                                         stochastic, c);
       }
       break;
     case Format::kNvfp4:
       if (n) {
-        EncodeNvKernel<<<Grid(l.num_blocks * 16), kThreads, 0, stream>>>(x, n, scales, payload,
-                                                                         key, stochastic, c);
+        EncodeNvKernel<<<Grid(l.num_blocks * 16), kThreads, 0, stream>>>(x, n, scales, payload, key,
+                                                                         stochastic, c);
       } else {
         static const float kOne = 1.f;
         GEOFP8_CUDA_CHECK(cudaMemcpyAsync(scales, &kOne, 4, cudaMemcpyHostToDevice, stream));
@@ -321,15 +321,14 @@ void Decode(const uint8_t* in, size_t in_bytes, float* out, size_t n, bool accum
   const size_t need = detail::ValidateHeader(h);
   const Layout l = detail::MakeLayout(static_cast<Format>(h.format),
                                       static_cast<Scaling>(h.scaling), h.block, h.count);
-  GEOFP8_CHECK(in_bytes >= need, "cuda decode: truncated buffer (", in_bytes, " bytes, need ",
-               need, ")");
+  GEOFP8_CHECK(in_bytes >= need, "cuda decode: truncated buffer (", in_bytes, " bytes, need ", need,
+               ")");
   GEOFP8_CHECK(n == h.count, "cuda decode: output holds ", n, " floats but the buffer encodes ",
                h.count);
   if (n == 0) return;
   const uint8_t* scales = in + sizeof(EncodedHeader);
-  DecodeKernel<<<Grid(n), kThreads, 0, stream>>>(h.format, h.scaling, l.block ? l.block : 1,
-                                                 scales, scales + l.scale_bytes, n, out,
-                                                 accumulate);
+  DecodeKernel<<<Grid(n), kThreads, 0, stream>>>(h.format, h.scaling, l.block ? l.block : 1, scales,
+                                                 scales + l.scale_bytes, n, out, accumulate);
   GEOFP8_CUDA_CHECK(cudaGetLastError());
 }
 

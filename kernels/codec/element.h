@@ -73,7 +73,8 @@ GEOFP8_HD uint32_t RoundShifted(uint32_t res, uint64_t rem, uint32_t shift, bool
 // Float bits of the largest finite value of a small format whose max code is kMaxCode.
 template <int M, int B, uint32_t kMaxCode>
 GEOFP8_HD constexpr uint32_t kMaxBitsOf() {
-  return ((((kMaxCode >> M) & 0xFFu) + 127u - B) << 23) | ((kMaxCode & ((1u << M) - 1u)) << (23 - M));
+  return ((((kMaxCode >> M) & 0xFFu) + 127u - B) << 23) |
+         ((kMaxCode & ((1u << M) - 1u)) << (23 - M));
 }
 
 // Shared small-float conversion for E4M3, E5M2 and E2M1 (M mantissa bits, exponent bias B).
@@ -126,8 +127,7 @@ GEOFP8_HD uint8_t FloatToE4M3(float x, bool stochastic = false, uint32_t r = 0) 
 }
 // E5M2: bias 15, max 57344 (0x7B); nearest saturates at |x| >= 61440 (max + ulp/2).
 GEOFP8_HD uint8_t FloatToE5M2(float x, bool stochastic = false, uint32_t r = 0) {
-  return static_cast<uint8_t>(
-      FloatToSmall<2, 15, 0x7Bu, 0x476FFFFFu, 0x7Fu, 7>(x, stochastic, r));
+  return static_cast<uint8_t>(FloatToSmall<2, 15, 0x7Bu, 0x476FFFFFu, 0x7Fu, 7>(x, stochastic, r));
 }
 // E2M1: bias 1, max 6 (0x7); |x| > 6 saturates, NaN -> +6 (E2M1 has no NaN).
 GEOFP8_HD uint8_t FloatToE2M1(float x, bool stochastic = false, uint32_t r = 0) {

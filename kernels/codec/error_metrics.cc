@@ -80,8 +80,8 @@ std::string CodecReportJson(const CodecReport& r) {
   // Report what the encode actually used (mxfp8: block 32, nvfp4: 16, fp32/bf16: no scaling).
   const detail::Layout l = detail::MakeLayout(r.options, 0);
   os << "{\"format\": \"" << FormatName(r.options.format) << "\", \"scaling\": \""
-     << ScalingName(l.scaling) << "\", \"block\": " << l.block
-     << ", \"rounding\": \"" << RoundingName(r.options.rounding) << "\", \"count\": " << m.count
+     << ScalingName(l.scaling) << "\", \"block\": " << l.block << ", \"rounding\": \""
+     << RoundingName(r.options.rounding) << "\", \"count\": " << m.count
      << ", \"rel_fro_error\": " << Num(m.rel_fro_error) << ", \"cosine\": " << Num(m.cosine)
      << ", \"max_abs_error\": " << Num(m.max_abs_error)
      << ", \"underflow_fraction\": " << Num(m.underflow_fraction)

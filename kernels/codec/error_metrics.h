@@ -14,10 +14,10 @@ namespace geofp8 {
 
 // Element-wise error of decoded vs reference. Norms are accumulated in double.
 struct ErrorMetrics {
-  size_t count = 0;             // elements compared
-  double rel_fro_error = 0.0;   // ||decoded - reference||_F / ||reference||_F (0 if both are 0)
-  double cosine = 1.0;          // <decoded, reference> / (|decoded| |reference|); 1 if both are 0
-  double max_abs_error = 0.0;   // max |decoded - reference|
+  size_t count = 0;            // elements compared
+  double rel_fro_error = 0.0;  // ||decoded - reference||_F / ||reference||_F (0 if both are 0)
+  double cosine = 1.0;         // <decoded, reference> / (|decoded| |reference|); 1 if both are 0
+  double max_abs_error = 0.0;  // max |decoded - reference|
   double underflow_fraction = 0.0;  // nonzero finite inputs decoded to exactly 0, over nonzero ones
   double saturation_fraction = 0.0;  // inputs clipped to the format max, over all inputs
   uint64_t nonfinite_count = 0;      // non-finite inputs (left out of the norms above)
@@ -44,9 +44,10 @@ struct CodecReport {
 CodecReport AnalyzeCodec(std::span<const float> x, const CodecOptions& options,
                          std::vector<float>* decoded = nullptr);
 
-// The report as one JSON object; scaling and block are the ones the encode used (keys: format, scaling, block, rounding, count, rel_fro_error,
-// cosine, max_abs_error, underflow_fraction, saturation_fraction, nonfinite_count,
-// header_bytes, scale_bytes, payload_bytes, compression_ratio).
+// The report as one JSON object; scaling and block are the ones the encode used (keys: format,
+// scaling, block, rounding, count, rel_fro_error, cosine, max_abs_error, underflow_fraction,
+// saturation_fraction, nonfinite_count, header_bytes, scale_bytes, payload_bytes,
+// compression_ratio).
 std::string CodecReportJson(const CodecReport& report);
 
 }  // namespace geofp8

@@ -18,7 +18,8 @@ size_t RawBytes(Format format, size_t n);
 // options); options.scaling and block are ignored. Non-finite inputs follow the codec's rule
 // (fp8: NaN code, E5M2 keeps inf; bf16/fp32 keep them) and are counted; nvfp4 has no NaN code,
 // so a non-finite input throws geofp8::Error naming its index. out must hold RawBytes bytes.
-EncodeStats EncodeRaw(std::span<const float> x, const CodecOptions& options, std::span<uint8_t> out);
+EncodeStats EncodeRaw(std::span<const float> x, const CodecOptions& options,
+                      std::span<uint8_t> out);
 
 // Inverse of EncodeRaw: out.size() elements from RawBytes(format, out.size()) bytes.
 void DecodeRaw(std::span<const uint8_t> in, Format format, std::span<float> out);

@@ -70,11 +70,22 @@ std::vector<float> MakeData(Data kind, size_t n, uint32_t seed) {
         x[i] = element::BitsFloat(bits(rng));
         break;
       case Data::kSpecials: {
-        const float s[] = {0.f, -0.f, std::numeric_limits<float>::infinity(),
+        const float s[] = {0.f,
+                           -0.f,
+                           std::numeric_limits<float>::infinity(),
                            -std::numeric_limits<float>::infinity(),
-                           std::numeric_limits<float>::quiet_NaN(), 448.f, 464.f, -465.f,
-                           57344.f, 61440.f, 1e-45f, std::ldexp(1.f, -10), std::ldexp(1.f, -17),
-                           3e38f, -3e38f, 1.f};
+                           std::numeric_limits<float>::quiet_NaN(),
+                           448.f,
+                           464.f,
+                           -465.f,
+                           57344.f,
+                           61440.f,
+                           1e-45f,
+                           std::ldexp(1.f, -10),
+                           std::ldexp(1.f, -17),
+                           3e38f,
+                           -3e38f,
+                           1.f};
         x[i] = (bits(rng) % 4 == 0) ? s[bits(rng) % 16] : g(rng);
         break;
       }
@@ -99,8 +110,8 @@ TEST(CodecAvx2, BitIdenticalToScalar) {
     for (Scaling s : {Scaling::kNone, Scaling::kTensor, Scaling::kBlock}) {
       for (uint32_t block : {1u, 16u, 32u, 100u, 128u}) {
         if (s != Scaling::kBlock && block != 128) continue;
-        for (Data d : {Data::kGaussian, Data::kWideRange, Data::kRandomBits, Data::kSpecials,
-                       Data::kTies}) {
+        for (Data d :
+             {Data::kGaussian, Data::kWideRange, Data::kRandomBits, Data::kSpecials, Data::kTies}) {
           for (size_t n : sizes) {
             const auto src = MakeData(d, n, static_cast<uint32_t>(n * 31 + block));
             std::span<const float> x(src.data() + 1, n);  // 4-byte but not 32-byte aligned
@@ -111,11 +122,10 @@ TEST(CodecAvx2, BitIdenticalToScalar) {
             EncodeStats sv, ss;
             const auto vec = EncodeWith(true, x, o, &sv);
             const auto ref = EncodeWith(false, x, o, &ss);
-            const std::string where = std::string(FormatName(f)) + "/" +
-                                      std::string(ScalingName(s)) + " block " +
-                                      std::to_string(block) + " data " +
-                                      std::to_string(static_cast<int>(d)) + " n " +
-                                      std::to_string(n);
+            const std::string where =
+                std::string(FormatName(f)) + "/" + std::string(ScalingName(s)) + " block " +
+                std::to_string(block) + " data " + std::to_string(static_cast<int>(d)) + " n " +
+                std::to_string(n);
             ASSERT_EQ(vec, ref) << where;
             ASSERT_EQ(sv.nonfinite, ss.nonfinite) << where;
             ASSERT_EQ(sv.saturated, ss.saturated) << where;

@@ -78,11 +78,10 @@ TEST(CodecGpu, MatchesCpuBitForBit) {
               o.step = 4;
               o.layer = 5;
               o.rank = 6;
-              const std::string where = std::string(FormatName(f)) + "/" +
-                                        std::string(ScalingName(s)) + "/" +
-                                        std::string(RoundingName(r)) + " block " +
-                                        std::to_string(block) + " n " + std::to_string(n) +
-                                        (specials ? " specials" : "");
+              const std::string where =
+                  std::string(FormatName(f)) + "/" + std::string(ScalingName(s)) + "/" +
+                  std::string(RoundingName(r)) + " block " + std::to_string(block) + " n " +
+                  std::to_string(n) + (specials ? " specials" : "");
               const size_t bytes = EncodedBytes(o, n);
               std::vector<uint8_t> cpu(bytes);
               const EncodeStats cs = Encode(x, o, cpu);

@@ -245,8 +245,8 @@ TEST(CodecScaling, TinyAmaxGivesFiniteScale) {
 // OCP MX v1.0: X = 2^(floor(log2(amax)) - 8) as E8M0; elements E4M3(x / X), saturating.
 TEST(CodecMxfp8, SharedScaleFollowsTheSpec) {
   std::vector<float> x(96, 0.f);
-  x[0] = 1.f;    // block 0: amax 1 -> X = 2^-8 (code 119), 1.0 -> 256
-  x[1] = -0.5f;  //   -> -128
+  x[0] = 1.f;     // block 0: amax 1 -> X = 2^-8 (code 119), 1.0 -> 256
+  x[1] = -0.5f;   //   -> -128
   x[32] = 500.f;  // block 1: amax 500 -> floor(log2) = 8 -> X = 1 (code 127), 500 -> 448 (sat)
   x[33] = 3.f;
   x[64] = 7e-3f;  // block 2: floor(log2(0.007)) = -8 -> X = 2^-16 (code 111); 458.75 -> 448
@@ -272,10 +272,10 @@ TEST(CodecMxfp8, SharedScaleFollowsTheSpec) {
   EXPECT_EQ(y[32], 448.f);
   EXPECT_EQ(y[33], 3.f);
   EXPECT_EQ(element::MxScaleCode(0.f), 127);
-  EXPECT_EQ(element::MxScaleCode(3.4e38f), 246);  // floor(log2) = 127 -> 127 - 8 + 127
-  EXPECT_EQ(element::MxScaleCode(BitsFloat(1)), 0);                 // 2^-149 clamps at 0
-  EXPECT_EQ(element::MxScaleCode(std::ldexp(1.f, -120)), 0);     // 2^-128 clamps at 0
-  EXPECT_EQ(element::MxScaleCode(std::ldexp(1.5f, -100)), 19);   // 2^-108 -> 19
+  EXPECT_EQ(element::MxScaleCode(3.4e38f), 246);              // floor(log2) = 127 -> 127 - 8 + 127
+  EXPECT_EQ(element::MxScaleCode(BitsFloat(1)), 0);           // 2^-149 clamps at 0
+  EXPECT_EQ(element::MxScaleCode(std::ldexp(1.f, -120)), 0);  // 2^-128 clamps at 0
+  EXPECT_EQ(element::MxScaleCode(std::ldexp(1.5f, -100)), 19);  // 2^-108 -> 19
 }
 
 // NVFP4: g = amax_t / 2688, d_b = E4M3(amax_b / (6 g)), element = E2M1(x / (d_b g)),
@@ -394,7 +394,8 @@ TEST(CodecRoundTrip, ErrorBoundsPerFormat) {
       x2 += double(x[i]) * x[i];
       // Absolute floor: half the smallest subnormal step, in input units.
       double floor_abs = 0, clip = 0;
-      if (b.format == Format::kFp8E4M3) floor_abs = std::ldexp(1.0, -10) / Scale(buf, b.scaling == Scaling::kBlock ? i / 128 : 0);
+      if (b.format == Format::kFp8E4M3)
+        floor_abs = std::ldexp(1.0, -10) / Scale(buf, b.scaling == Scaling::kBlock ? i / 128 : 0);
       if (b.format == Format::kFp8E5M2) floor_abs = std::ldexp(1.0, -17) / Scale(buf, i / 128);
       if (b.format == Format::kMxfp8) {
         const double X = element::E8M0ToFloat(v.scales[i / 32]);
@@ -455,8 +456,8 @@ TEST(CodecSizes, OddSizesAndUnalignedBuffers) {
 
 TEST(CodecStochastic, ReproduciblePerStreamAndDifferentAcrossStreams) {
   const auto x = Gaussian(1000, 8);
-  for (Format f : {Format::kFp8E4M3, Format::kFp8E5M2, Format::kMxfp8, Format::kNvfp4,
-                   Format::kBf16}) {
+  for (Format f :
+       {Format::kFp8E4M3, Format::kFp8E5M2, Format::kMxfp8, Format::kNvfp4, Format::kBf16}) {
     CodecOptions o;
     o.format = f;
     o.rounding = Rounding::kStochastic;
@@ -539,7 +540,8 @@ TEST(CodecMetrics, HandComputedValues) {
   EXPECT_EQ(m.max_abs_error, 4.0);
   EXPECT_NEAR(m.underflow_fraction, 1.0 / 3.0, 1e-12);
   EXPECT_NEAR(m.saturation_fraction, 0.2, 1e-12);
-  const ErrorMetrics z = ComputeErrorMetrics(std::vector<float>(3, 0.f), std::vector<float>(3, 0.f));
+  const ErrorMetrics z =
+      ComputeErrorMetrics(std::vector<float>(3, 0.f), std::vector<float>(3, 0.f));
   EXPECT_EQ(z.rel_fro_error, 0.0);
   EXPECT_EQ(z.cosine, 1.0);
   EXPECT_THROW(ComputeErrorMetrics(ref, std::vector<float>(2)), Error);

@@ -46,7 +46,8 @@ TEST(ElementOracleExhaustive, VectorizedFp8AllFloats) {
         std::vector<float> x(kChunk);
         std::vector<uint8_t> buf(EncodedBytes(o, kChunk));
         for (uint64_t c = t; c < kChunks; c += threads) {
-          for (uint64_t i = 0; i < kChunk; ++i) x[i] = BitsFloat(static_cast<uint32_t>(c * kChunk + i));
+          for (uint64_t i = 0; i < kChunk; ++i)
+            x[i] = BitsFloat(static_cast<uint32_t>(c * kChunk + i));
           Encode(x, o, buf);
           const uint8_t* payload = buf.data() + sizeof(EncodedHeader);
           for (uint64_t i = 0; i < kChunk; ++i) {

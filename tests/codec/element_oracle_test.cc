@@ -3,8 +3,8 @@
 #include <gtest/gtest.h>
 
 #include <algorithm>
-#include <cmath>
 #include <atomic>
+#include <cmath>
 #include <cstdint>
 #include <thread>
 #include <vector>
@@ -12,7 +12,6 @@
 #include "geofp8/config.h"
 #include "kernels/codec/element.h"
 #include "tests/codec/oracle_sweep.h"
-
 
 namespace geofp8::element {
 namespace {
@@ -22,15 +21,51 @@ namespace {
 // Special and boundary values of all three formats: zeros, subnormal edges and midpoints,
 // normal-range midpoints, max, overflow thresholds, inf, NaN, float subnormals.
 std::vector<float> SpecialValues() {
-  std::vector<float> v = {0.f, 1e-45f, 1.17549435e-38f, 2e-38f, 0.25f, 0.2500001f, 0.24999999f,
-                          0.5f, 0.75f, 0.7500001f, 1.f, 1.25f, 1.75f, 2.5f, 3.5f, 5.f, 5.0000005f,
-                          4.9999995f, 6.f, 6.0000005f, 7.f, 448.f, 464.f, 463.99997f, 464.00003f,
-                          480.f, 57344.f, 61440.f, 61439.996f, 65536.f, 3.4028235e38f,
-                          std::ldexp(1.f, -9), std::ldexp(1.f, -10), std::ldexp(1.f, -10) * 1.0000001f,
-                          std::ldexp(1.f, -6), std::ldexp(1.f, -16), std::ldexp(1.f, -17),
-                          std::ldexp(1.f, -17) * 1.0000001f, std::ldexp(1.f, -14),
-                          std::ldexp(3.f, -10), std::ldexp(3.f, -11), std::ldexp(5.f, -11),
-                          BitsFloat(0x7F800000u), BitsFloat(0x7FC00000u), BitsFloat(0x7F800001u),
+  std::vector<float> v = {0.f,
+                          1e-45f,
+                          1.17549435e-38f,
+                          2e-38f,
+                          0.25f,
+                          0.2500001f,
+                          0.24999999f,
+                          0.5f,
+                          0.75f,
+                          0.7500001f,
+                          1.f,
+                          1.25f,
+                          1.75f,
+                          2.5f,
+                          3.5f,
+                          5.f,
+                          5.0000005f,
+                          4.9999995f,
+                          6.f,
+                          6.0000005f,
+                          7.f,
+                          448.f,
+                          464.f,
+                          463.99997f,
+                          464.00003f,
+                          480.f,
+                          57344.f,
+                          61440.f,
+                          61439.996f,
+                          65536.f,
+                          3.4028235e38f,
+                          std::ldexp(1.f, -9),
+                          std::ldexp(1.f, -10),
+                          std::ldexp(1.f, -10) * 1.0000001f,
+                          std::ldexp(1.f, -6),
+                          std::ldexp(1.f, -16),
+                          std::ldexp(1.f, -17),
+                          std::ldexp(1.f, -17) * 1.0000001f,
+                          std::ldexp(1.f, -14),
+                          std::ldexp(3.f, -10),
+                          std::ldexp(3.f, -11),
+                          std::ldexp(5.f, -11),
+                          BitsFloat(0x7F800000u),
+                          BitsFloat(0x7FC00000u),
+                          BitsFloat(0x7F800001u),
                           BitsFloat(0x7FFFFFFFu)};
   // Every representable value of each format and the midpoints around it.
   for (int c = 0; c < 128; ++c) {

@@ -1,15 +1,14 @@
 // geofp8-tool end to end: raw encodes compared byte by byte with the CUDA toolkit oracle,
 // wire round trips, analyze's JSON, and one-line errors with the documented exit codes.
 #include <gtest/gtest.h>
-
 #include <sys/wait.h>
 #include <unistd.h>
 
 #include <algorithm>
 #include <cmath>
-#include <cstring>
 #include <cstdio>
 #include <cstdlib>
+#include <cstring>
 #include <fstream>
 #include <random>
 #include <string>
@@ -39,8 +38,8 @@ class ToolTest : public ::testing::Test {
   std::string Path(const std::string& name) const { return dir_ + "/" + name; }
 
   Result Run(const std::string& args) const {
-    const std::string cmd = std::string(GEOFP8_TOOL_PATH) + " " + args + " >" + Path("stdout") +
-                            " 2>" + Path("stderr");
+    const std::string cmd =
+        std::string(GEOFP8_TOOL_PATH) + " " + args + " >" + Path("stdout") + " 2>" + Path("stderr");
     const int status = std::system(cmd.c_str());
     Result r{WIFEXITED(status) ? WEXITSTATUS(status) : -1, Slurp(Path("stdout")),
              Slurp(Path("stderr"))};
@@ -67,9 +66,10 @@ class ToolTest : public ::testing::Test {
 
 // Finite special values plus random values over a wide exponent range.
 std::vector<float> TestValues() {
-  std::vector<float> x = {0.f, -0.f, 1.f, -1.f, 448.f, 464.f, 465.f, 1e6f, -1e6f, 57344.f,
-                          61440.f, 1e-3f, 1e-7f, 6.f, 5.f, 0.25f, 0.2500001f, 0.75f, 3e38f,
-                          1.17549435e-38f, 1e-45f, 2.5f, 3.5f, -5.5f};
+  std::vector<float> x = {0.f,  -0.f,  1.f,        -1.f,    448.f, 464.f,           465.f,
+                          1e6f, -1e6f, 57344.f,    61440.f, 1e-3f, 1e-7f,           6.f,
+                          5.f,  0.25f, 0.2500001f, 0.75f,   3e38f, 1.17549435e-38f, 1e-45f,
+                          2.5f, 3.5f,  -5.5f};
   std::mt19937 rng(11);
   std::uniform_int_distribution<uint32_t> bits;
   while (x.size() < 4001) {
@@ -120,9 +120,9 @@ TEST_F(ToolTest, EncodeDecodeMatchesTheLibrary) {
   WriteFloats("x.f32", small);
   for (const std::string fmt : {"fp32", "bf16", "fp8_e4m3", "fp8_e5m2", "mxfp8", "nvfp4"}) {
     const std::string block = fmt == "mxfp8" ? "32" : "16";
-    const Result r = Run("encode --format " + fmt + " --scaling block --block " + block +
-                         " --rounding stochastic --seed 5 --in " + Path("x.f32") + " --out " +
-                         Path("x.enc"));
+    const Result r =
+        Run("encode --format " + fmt + " --scaling block --block " + block +
+            " --rounding stochastic --seed 5 --in " + Path("x.f32") + " --out " + Path("x.enc"));
     ASSERT_EQ(r.code, 0) << fmt << r.err;
     CodecOptions o;
     o.format = *ParseFormat(fmt);
@@ -146,13 +146,13 @@ TEST_F(ToolTest, AnalyzePrintsJsonAndWritesDecoded) {
   std::normal_distribution<float> d;
   for (auto& v : x) v = d(rng);
   WriteFloats("x.f32", x);
-  const Result r = Run("analyze --format fp8_e4m3 --in " + Path("x.f32") + " --out " +
-                       Path("y.f32"));
+  const Result r =
+      Run("analyze --format fp8_e4m3 --in " + Path("x.f32") + " --out " + Path("y.f32"));
   ASSERT_EQ(r.code, 0) << r.err;
-  for (const char* key : {"\"rel_fro_error\"", "\"cosine\"", "\"max_abs_error\"",
-                          "\"underflow_fraction\"", "\"saturation_fraction\"",
-                          "\"nonfinite_count\": 0", "\"payload_bytes\": 1000",
-                          "\"scale_bytes\": 32", "\"compression_ratio\": 3.87596899"}) {
+  for (const char* key :
+       {"\"rel_fro_error\"", "\"cosine\"", "\"max_abs_error\"", "\"underflow_fraction\"",
+        "\"saturation_fraction\"", "\"nonfinite_count\": 0", "\"payload_bytes\": 1000",
+        "\"scale_bytes\": 32", "\"compression_ratio\": 3.87596899"}) {
     EXPECT_NE(r.out.find(key), std::string::npos) << key << " in " << r.out;
   }
   EXPECT_EQ(ReadFloats("y.f32").size(), x.size());
