@@ -191,6 +191,9 @@ class TwoPhase {
   }
 
   void Encode1(Group& g) {
+    for (size_t i = g.first; i < g.last; ++i) {
+      if (layers_[i].geometry) ApplyGeometry(*layers_[i].geometry, layers_[i].in);
+    }
     g.send.resize(g.total);
     for (int j = 0; j < n_; ++j) {
       size_t off = g.dest_offset[j];
@@ -228,6 +231,9 @@ class TwoPhase {
                layers_[i].out.subspan(c.begin, c.size()));
         off += bytes_[i][j];
       }
+    }
+    for (size_t i = g.first; i < g.last; ++i) {
+      if (layers_[i].geometry) InvertGeometry(*layers_[i].geometry, layers_[i].out);
     }
   }
 
@@ -336,21 +342,33 @@ void ExchangeBucketData(Communicator& comm, Algorithm algorithm, const Algorithm
     GEOFP8_CHECK(l.in.size() == l.out.size(), "layer ", l.layer, ": input has ", l.in.size(),
                  " elements, output ", l.out.size());
   }
+  if (algorithm == Algorithm::kTwoPhase) {
+    if (!layers.empty()) TwoPhase(comm, options, layers).Run();  // transforms inside the pipeline
+    return;
+  }
+  for (const auto& l : layers) {
+    if (l.geometry) ApplyGeometry(*l.geometry, l.in);
+  }
   switch (algorithm) {
     case Algorithm::kFp32:
-      return RunFp32(comm, layers);
+      RunFp32(comm, layers);
+      break;
     case Algorithm::kBf16:
-      return RunBf16(comm, layers);
+      RunBf16(comm, layers);
+      break;
     case Algorithm::kAllGather:
-      return RunAllGather(comm, options, layers);
-    case Algorithm::kTwoPhase:
-      if (layers.empty()) return;
-      return TwoPhase(comm, options, layers).Run();
+      RunAllGather(comm, options, layers);
+      break;
     case Algorithm::kNative:
-      return RunNative(comm, layers);
+      RunNative(comm, layers);
+      break;
+    default:
+      GEOFP8_FAIL("algorithm: unknown value ", static_cast<int>(algorithm), " (accepted: ",
+                  AcceptedAlgorithms(), ")");
   }
-  GEOFP8_FAIL("algorithm: unknown value ", static_cast<int>(algorithm), " (accepted: ",
-              AcceptedAlgorithms(), ")");
+  for (const auto& l : layers) {
+    if (l.geometry) InvertGeometry(*l.geometry, l.out);
+  }
 }
 
 }  // namespace geofp8

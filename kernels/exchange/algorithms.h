@@ -1,6 +1,6 @@
-// The exchange algorithms over one bucket: two_phase, allgather and the fp32/bf16 baselines.
-// Inputs are already pre-divided by N and moved into geometry coordinates; the engine
-// (exchanger.h) does that, the fingerprint check and the skip decision around them.
+// The exchange algorithms over one bucket: two_phase, allgather, native and the fp32/bf16
+// baselines. Inputs are already pre-divided by N; each layer's geometry is applied before its
+// quantization and inverted after its decode here, so two_phase can pipeline the transforms too.
 #pragma once
 
 #include <cstdint>
@@ -9,14 +9,16 @@
 
 #include "kernels/exchange/communicator.h"
 #include "kernels/exchange/policy.h"
+#include "kernels/geometry/geometry.h"
 
 namespace geofp8 {
 
 struct BucketLayer {
   uint32_t layer = 0;          // model layer index: part of the stochastic-rounding stream key
-  LayerPolicy policy;          // format, scaling, block, rounding (geometry is applied outside)
-  std::span<const float> in;   // this rank's contribution
-  std::span<float> out;        // the reduced result (same size; may alias in)
+  LayerPolicy policy;          // format, scaling, block, rounding
+  const Geometry* geometry = nullptr;  // applied to `in`, inverted on `out`; null: identity
+  std::span<float> in;         // this rank's contribution; overwritten by the transform
+  std::span<float> out;        // the reduced result in gradient coordinates (same size)
 };
 
 struct AlgorithmOptions {

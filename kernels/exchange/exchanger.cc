@@ -231,7 +231,6 @@ BucketResult Exchanger::RunBucket(uint64_t step, size_t bucket,
   if (scratch_.size() < total) scratch_.resize(total);
   const float n = static_cast<float>(comm_.size());
   std::vector<BucketLayer> work;
-  std::vector<std::span<float>> divided;
   size_t off = 0;
   for (uint32_t l : b.layers) {
     const float* g = grads[l].data();
@@ -245,26 +244,19 @@ BucketResult Exchanger::RunBucket(uint64_t step, size_t bucket,
       w[i] = g[i] / n;
     }
     nonfinite |= bad;
-    divided.emplace_back(w, count);
-    work.push_back({l, layers_[l].policy, divided.back(), grads[l]});
+    work.push_back({l, layers_[l].policy, UsesGeometry(l) ? &state_[l].active : nullptr,
+                    std::span<float>(w, count), grads[l]});
     off += count;
   }
   header.nonfinite = nonfinite;
   if (CheckFingerprints(comm_, header, records, names) != 0) {
     result.skipped = true;
   } else {
-    for (size_t k = 0; k < work.size(); ++k) {
-      const uint32_t l = b.layers[k];
-      if (UsesGeometry(l)) ApplyGeometry(state_[l].active, divided[k]);
-    }
     AlgorithmOptions ao;
     ao.seed = options_.seed;
     ao.step = step;
     ao.segment_bytes = options_.segment_bytes;
     ExchangeBucketData(comm_, options_.algorithm, ao, work);
-    for (uint32_t l : b.layers) {
-      if (UsesGeometry(l)) InvertGeometry(state_[l].active, grads[l]);
-    }
   }
   result.bytes_sent = comm_.stats().bytes_sent - bytes_before;
   result.seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();

@@ -25,7 +25,9 @@ std::vector<float> LowRankish(int rank, uint64_t step, int64_t m, int64_t n) {
   return g;
 }
 
-TEST(ExchangeGeometry, OwnerRefreshActivatesEverywhereAndMatchesReference) {
+class GeometryAlgorithms : public ::testing::TestWithParam<Algorithm> {};
+
+TEST_P(GeometryAlgorithms, OwnerRefreshActivatesEverywhereAndMatchesReference) {
   const int N = 3;
   const int64_t m = 64, n = 48;
   LayerPolicy lowrank;
@@ -36,6 +38,7 @@ TEST(ExchangeGeometry, OwnerRefreshActivatesEverywhereAndMatchesReference) {
   const std::vector<RefreshSchedule> schedule = {{1, 2, 0}, {0, 1, 0}};
   ExchangeOptions options;
   options.seed = 99;
+  options.algorithm = GetParam();
 
   std::vector<std::vector<StepResult>> results(N);
   std::vector<std::vector<std::vector<uint8_t>>> active(N);  // [rank][step] serialized geometry
@@ -84,7 +87,9 @@ TEST(ExchangeGeometry, OwnerRefreshActivatesEverywhereAndMatchesReference) {
       }
       ApplyGeometry(g, transformed[r]);
     }
-    auto ref = ReferenceTwoPhase(transformed, lowrank, options.seed, s, 0);
+    auto ref = options.algorithm == Algorithm::kTwoPhase
+                   ? ReferenceTwoPhase(transformed, lowrank, options.seed, s, 0)
+                   : ReferenceAllGather(transformed, lowrank, options.seed, s, 0);
     InvertGeometry(g, ref);
     ASSERT_TRUE(SameBytes(outputs[0][s], ref))
         << "step " << s << " first difference at " << FirstBitDifference(outputs[0][s], ref);
@@ -96,6 +101,9 @@ TEST(ExchangeGeometry, OwnerRefreshActivatesEverywhereAndMatchesReference) {
     EXPECT_LT(std::sqrt(err / norm), 0.1) << "step " << s;
   }
 }
+
+INSTANTIATE_TEST_SUITE_P(ExchangeGeometry, GeometryAlgorithms,
+                         ::testing::Values(Algorithm::kTwoPhase, Algorithm::kAllGather));
 
 TEST(ExchangeGeometry, GeometryVersionIsPartOfTheFingerprint) {
   // Rank 1 refreshes on a different schedule, so at step 1 its active version differs.
