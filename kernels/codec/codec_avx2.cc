@@ -210,7 +210,8 @@ GEOFP8_AVX2 inline __m256 DecodeCodes(__m256i c) {
   return _mm256_castsi256_ps(_mm256_or_si256(bits, sign));
 }
 
-template <Format F, bool kAcc, bool kScaled>
+// kScale: 0 none, 1 divide by scale (fp8 fp32 scales), 2 multiply by it (mxfp8 X = 2^k).
+template <Format F, bool kAcc, int kScale>
 GEOFP8_AVX2 void DecodeRun(const uint8_t* in, size_t n, float scale, float* out) {
   const __m256 s = _mm256_set1_ps(scale);
   size_t i = 0;
@@ -218,13 +219,15 @@ GEOFP8_AVX2 void DecodeRun(const uint8_t* in, size_t n, float scale, float* out)
     int64_t eight;
     std::memcpy(&eight, in + i, 8);
     __m256 v = DecodeCodes<F>(_mm256_cvtepu8_epi32(_mm_cvtsi64_si128(eight)));
-    if constexpr (kScaled) v = _mm256_div_ps(v, s);
+    if constexpr (kScale == 1) v = _mm256_div_ps(v, s);
+    if constexpr (kScale == 2) v = _mm256_mul_ps(v, s);
     if constexpr (kAcc) v = _mm256_add_ps(_mm256_loadu_ps(out + i), v);
     _mm256_storeu_ps(out + i, v);
   }
   for (; i < n; ++i) {
     float v = F == Format::kFp8E4M3 ? element::E4M3ToFloat(in[i]) : element::E5M2ToFloat(in[i]);
-    if constexpr (kScaled) v = v / scale;
+    if constexpr (kScale == 1) v = v / scale;
+    if constexpr (kScale == 2) v = v * scale;
     if constexpr (kAcc) {
       out[i] += v;
     } else {
@@ -238,14 +241,56 @@ GEOFP8_AVX2 void DecodeFp8(const Layout& l, const uint8_t* scales, const uint8_t
                            float* out) {
   const size_t n = l.count;
   if (l.scaling == Scaling::kNone) {
-    DecodeRun<F, kAcc, false>(payload, n, 1.f, out);
+    DecodeRun<F, kAcc, 0>(payload, n, 1.f, out);
     return;
   }
   const size_t block = l.scaling == Scaling::kBlock ? l.block : n;
   for (size_t b0 = 0, bi = 0; b0 < n; b0 += block, ++bi) {
     float scale;
     std::memcpy(&scale, scales + 4 * bi, 4);
-    DecodeRun<F, kAcc, true>(payload + b0, std::min(block, n - b0), scale, out + b0);
+    DecodeRun<F, kAcc, 1>(payload + b0, std::min(block, n - b0), scale, out + b0);
+  }
+}
+
+// mxfp8: E4M3 elements of x / X with X = 2^k from the block's E8M0 code. Multiplying by the exact
+// power of two 1/X rounds the same real number x * 2^-k as the scalar path's division, so the
+// codes are identical.
+GEOFP8_AVX2 void EncodeMx(const float* x, const Layout& l, uint8_t* scales, uint8_t* payload,
+                          EncodeStats* st) {
+  const size_t n = l.count;
+  for (size_t b0 = 0, bi = 0; b0 < n; b0 += 32, ++bi) {
+    const size_t len = std::min<size_t>(32, n - b0);
+    float amax = 0.f;
+    const bool finite = AmaxAllFinite(x + b0, len, &amax);
+    if (!finite) {
+      amax = 0.f;
+      for (size_t i = b0; i < b0 + len; ++i) {
+        if (element::IsFinite(x[i]))
+          amax = std::max(amax, element::AbsF(x[i]));
+        else
+          ++st->nonfinite;
+      }
+    }
+    const uint8_t code = element::MxScaleCode(amax);
+    scales[bi] = code;
+    const float inv = code == 254 ? element::BitsFloat(0x00400000u)
+                                  : element::BitsFloat(static_cast<uint32_t>(254 - code) << 23);
+    if (finite) {
+      st->saturated += EncodeRun<Format::kFp8E4M3, true>(x + b0, len, inv, payload + b0);
+    } else {
+      for (size_t i = b0; i < b0 + len; ++i) {
+        payload[i] = EncodeFp8Element<Format::kFp8E4M3>(x[i], inv, false, 0, &st->saturated);
+      }
+    }
+  }
+}
+
+template <bool kAcc>
+GEOFP8_AVX2 void DecodeMx(const Layout& l, const uint8_t* scales, const uint8_t* payload,
+                          float* out) {
+  for (size_t b0 = 0, bi = 0; b0 < l.count; b0 += 32, ++bi) {
+    DecodeRun<Format::kFp8E4M3, kAcc, 2>(payload + b0, std::min<size_t>(32, l.count - b0),
+                                         element::E8M0ToFloat(scales[bi]), out + b0);
   }
 }
 
@@ -258,6 +303,8 @@ bool EncodeFp8Avx2(const float* x, const Layout& l, uint8_t* scales, uint8_t* pa
     EncodeFp8<Format::kFp8E4M3>(x, l, scales, payload, st);
   } else if (l.format == Format::kFp8E5M2) {
     EncodeFp8<Format::kFp8E5M2>(x, l, scales, payload, st);
+  } else if (l.format == Format::kMxfp8) {
+    EncodeMx(x, l, scales, payload, st);
   } else {
     return false;
   }
@@ -273,6 +320,8 @@ bool DecodeFp8Avx2(const Layout& l, const uint8_t* scales, const uint8_t* payloa
   } else if (l.format == Format::kFp8E5M2) {
     accumulate ? DecodeFp8<Format::kFp8E5M2, true>(l, scales, payload, out)
                : DecodeFp8<Format::kFp8E5M2, false>(l, scales, payload, out);
+  } else if (l.format == Format::kMxfp8) {
+    accumulate ? DecodeMx<true>(l, scales, payload, out) : DecodeMx<false>(l, scales, payload, out);
   } else {
     return false;
   }

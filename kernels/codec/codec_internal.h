@@ -40,7 +40,8 @@ inline uint8_t EncodeFp8Element(float x, float scale, bool stochastic, uint32_t 
   return code;
 }
 
-// Vectorized fp8 (E4M3/E5M2) paths, nearest rounding, fp32 scales; defined in codec_avx2.cc.
+// Vectorized fp8 paths (E4M3/E5M2 with fp32 scales, and mxfp8), nearest rounding; defined in
+// codec_avx2.cc.
 // Return false (doing nothing) when the processor lacks AVX2+FMA+F16C or the case is not
 // covered, in which case the caller runs the scalar reference. Results are bit-identical.
 bool CpuHasAvx2();

@@ -106,10 +106,11 @@ std::vector<float> MakeData(Data kind, size_t n, uint32_t seed) {
 TEST(CodecAvx2, BitIdenticalToScalar) {
   if (!detail::CpuHasAvx2()) GTEST_SKIP() << "processor lacks AVX2";
   const size_t sizes[] = {0, 1, 7, 8, 15, 17, 31, 32, 33, 127, 128, 129, 1000, 4101};
-  for (Format f : {Format::kFp8E4M3, Format::kFp8E5M2}) {
+  for (Format f : {Format::kFp8E4M3, Format::kFp8E5M2, Format::kMxfp8}) {
     for (Scaling s : {Scaling::kNone, Scaling::kTensor, Scaling::kBlock}) {
+      if (f == Format::kMxfp8 && s != Scaling::kBlock) continue;  // mxfp8 ignores scaling
       for (uint32_t block : {1u, 16u, 32u, 100u, 128u}) {
-        if (s != Scaling::kBlock && block != 128) continue;
+        if ((s != Scaling::kBlock || f == Format::kMxfp8) && block != 128) continue;
         for (Data d :
              {Data::kGaussian, Data::kWideRange, Data::kRandomBits, Data::kSpecials, Data::kTies}) {
           for (size_t n : sizes) {
