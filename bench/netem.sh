@@ -88,6 +88,8 @@ for ((r = 0; r < ranks; r++)); do
   shape "$bridge_ns" "${tag}b$r"       # bridge -> rank
 done
 
+# The ranks share this machine's cores: one BLAS thread each unless the caller says otherwise.
+export OPENBLAS_NUM_THREADS="${OPENBLAS_NUM_THREADS:-1}"
 echo "netem.sh: $ranks ranks in namespaces ${tag}r*, links $rate with $delay delay each way"
 for ((r = 0; r < ranks; r++)); do
   ip netns exec "${tag}r$r" "$bench" exchange --ranks "$ranks" --rank "$r" --store-dir "$store_dir" \
