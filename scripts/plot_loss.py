@@ -1,4 +1,4 @@
-#!/usr/bin/env python3
+#!/usr/bin/python3
 """Plots geofp8-train CSVs (training and validation loss per policy) and prints a summary table.
 
 Usage: scripts/plot_loss.py --out docs/img/convergence.png [--baseline fp32] LABEL=FILE.csv ...
@@ -19,7 +19,8 @@ import matplotlib.pyplot as plt  # noqa: E402
 
 def load(path):
     with open(path, newline="") as f:
-        rows = list(csv.DictReader(f))
+        # A run still in progress may end in a partial line: keep complete rows only.
+        rows = [r for r in csv.DictReader(f) if None not in r.values() and r["bytes_sent"]]
     if not rows:
         sys.exit(f"plot_loss.py: error: {path}: no rows")
     for key in ("step", "loss", "val_loss", "step_s", "bytes_sent"):
@@ -70,25 +71,27 @@ def main():
         sys.exit(f"plot_loss.py: error: baseline: no run labelled {args.baseline}")
     base = stats[args.baseline]
 
-    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(13, 5))
+    fig, (ax1, ax2, ax3) = plt.subplots(1, 3, figsize=(18, 5))
+    base_val = dict(base["val"])
     for label, rows in runs:
         steps = [int(r["step"]) + 1 for r in rows]
         ax1.plot(steps, ema([float(r["loss"]) for r in rows]), label=label, lw=1)
         s = stats[label]
         ax2.plot([t + 1 for t, _ in s["val"]], [v for _, v in s["val"]], marker=".", label=label)
+        gap = [(t + 1, (v - base_val[t]) / base_val[t] * 100) for t, v in s["val"] if t in base_val]
+        ax3.plot([t for t, _ in gap], [g for _, g in gap], marker=".", label=label)
     ax1.set_title("training loss (EMA 0.9)")
     ax2.set_title("validation loss")
-    for ax in (ax1, ax2):
+    ax3.set_title(f"validation loss gap to {args.baseline} at the same step (%)")
+    ax3.axhline(1.0, color="grey", ls="--", lw=0.8)
+    ax3.axhline(0.0, color="black", lw=0.6)
+    for ax in (ax1, ax2, ax3):
         ax.set_xlabel("step")
-        ax.set_ylabel("cross-entropy (nats/byte)")
         ax.grid(alpha=0.3)
         ax.legend()
-    # Zoom the validation panel on the tail, where the policies differ.
-    tail = [v for s in stats.values() for t, v in s["val"] if t + 1 >= s["steps"] // 2]
-    if tail:
-        lo, hi = min(tail), max(tail)
-        ax2.set_ylim(lo - 0.05 * (hi - lo + 1e-3), hi + 0.6 * (hi - lo + 1e-3))
-        ax2.set_xlim(base["steps"] // 2, base["steps"] + 10)
+    ax1.set_ylabel("cross-entropy (nats/byte)")
+    ax2.set_ylabel("cross-entropy (nats/byte)")
+    ax3.set_ylabel("% above baseline")
     fig.suptitle(args.title)
     fig.tight_layout()
     fig.savefig(args.out, dpi=110)
