@@ -412,10 +412,10 @@ absl::StatusOr<v1::RegisterResponse> Coordinator::Register(const v1::RegisterReq
     w.info.set_state(v1::WORKER_DISCONNECTED);
     w.info.clear_job_id();
     w.info.set_rank(-1);
-    w.info.set_last_heartbeat_unix_ms(clock_->NowMs());
     w.info.set_last_step(-1);
     w.sink.reset();
     w.fenced_reason.clear();
+    SyncLive(w, /*touch=*/true);
     response.set_worker_id(w.info.id());
     response.set_generation(*gen);
     response.set_heartbeat_interval_ms(options_.heartbeat_interval_ms);
@@ -438,14 +438,10 @@ absl::Status Coordinator::OpenSession(const std::string& worker_id, uint64_t gen
     }
     WorkerRec& w = it->second;
     if (generation != w.info.generation() || !w.fenced_reason.empty()) {
-      ++counters_.fenced_messages;
-      return absl::FailedPreconditionError(
-          "worker " + worker_id + " generation " + std::to_string(generation) +
-          " is fenced (current generation " + std::to_string(w.info.generation()) +
-          (w.fenced_reason.empty() ? "" : ", " + w.fenced_reason) + ")");
+      return FencedError(worker_id, generation, w.info.generation(), w.fenced_reason);
     }
     w.sink = std::move(sink);
-    w.info.set_last_heartbeat_unix_ms(clock_->NowMs());
+    SyncLive(w, /*touch=*/true);
     if (w.info.state() == v1::WORKER_DISCONNECTED) {
       w.info.set_state(w.info.job_id().empty() ? v1::WORKER_IDLE : v1::WORKER_ASSIGNED);
     }
@@ -461,6 +457,7 @@ void Coordinator::CloseSession(const std::string& worker_id, uint64_t generation
   if (it == workers_.end() || it->second.info.generation() != generation) return;
   WorkerRec& w = it->second;
   w.sink.reset();
+  SyncLive(w, /*touch=*/false);
   // An assigned worker keeps its rank until its heartbeats time out: a short reconnect is fine.
   if (w.info.state() == v1::WORKER_IDLE) w.info.set_state(v1::WORKER_DISCONNECTED);
 }
@@ -468,7 +465,11 @@ void Coordinator::CloseSession(const std::string& worker_id, uint64_t generation
 v1::ListWorkersResponse Coordinator::ListWorkers() {
   std::lock_guard<std::mutex> lock(mu_);
   v1::ListWorkersResponse response;
-  for (const auto& [id, w] : workers_) *response.add_workers() = w.info;
+  for (const auto& [id, w] : workers_) {
+    v1::Worker* out = response.add_workers();
+    *out = w.info;
+    out->set_last_heartbeat_unix_ms(LastSeen(id));
+  }
   return response;
 }
 
@@ -583,6 +584,7 @@ void Coordinator::DeclareDead(WorkerRec& w, const std::string& reason, Outbox& o
     out.emplace_back(w.sink, std::move(m));
   }
   w.sink.reset();
+  SyncLive(w, /*touch=*/false);
   ++counters_.workers_declared_dead;
   if (!w.info.job_id().empty()) {
     auto it = jobs_.find(w.info.job_id());
@@ -605,7 +607,7 @@ void Coordinator::Tick() {
     const int64_t now = clock_->NowMs();
     for (auto& [id, w] : workers_) {
       if (!w.fenced_reason.empty()) continue;
-      const int64_t silent = now - w.info.last_heartbeat_unix_ms();
+      const int64_t silent = now - LastSeen(id);
       if (silent > options_.heartbeat_timeout_ms) {
         DeclareDead(w,
                     "missed heartbeats for " + std::to_string(silent) + " ms (timeout " +
@@ -668,6 +670,32 @@ void Coordinator::OnProgress(JobRec& rec, int rank, const v1::StepProgress& p, O
 }
 
 absl::Status Coordinator::HandleWorkerMessage(const v1::WorkerMessage& message) {
+  const int64_t now = clock_->NowMs();
+  if (message.body_case() == v1::WorkerMessage::kHeartbeat) {
+    // Fast path: liveness and the ack only, without mu_.
+    std::shared_ptr<SessionSink> sink;
+    {
+      std::lock_guard<std::mutex> lock(live_mu_);
+      auto it = live_.find(message.worker_id());
+      if (it == live_.end()) {
+        return absl::FailedPreconditionError("worker " + message.worker_id() +
+                                             " is not registered");
+      }
+      Liveness& l = it->second;
+      if (message.generation() != l.generation || !l.fenced_reason.empty()) {
+        return FencedError(message.worker_id(), message.generation(), l.generation,
+                           l.fenced_reason);
+      }
+      l.last_ms = now;
+      sink = l.sink;
+    }
+    if (sink) {
+      v1::CoordinatorMessage ack;
+      ack.mutable_ack()->set_seq(message.seq());
+      sink->Send(ack);
+    }
+    return absl::OkStatus();
+  }
   Outbox out;
   {
     std::lock_guard<std::mutex> lock(mu_);
@@ -678,13 +706,10 @@ absl::Status Coordinator::HandleWorkerMessage(const v1::WorkerMessage& message) 
     }
     WorkerRec& w = it->second;
     if (message.generation() != w.info.generation() || !w.fenced_reason.empty()) {
-      ++counters_.fenced_messages;
-      return absl::FailedPreconditionError(
-          "worker " + message.worker_id() + " generation " + std::to_string(message.generation()) +
-          " is fenced (current generation " + std::to_string(w.info.generation()) +
-          (w.fenced_reason.empty() ? "" : ", " + w.fenced_reason) + ")");
+      return FencedError(message.worker_id(), message.generation(), w.info.generation(),
+                         w.fenced_reason);
     }
-    w.info.set_last_heartbeat_unix_ms(clock_->NowMs());
+    SyncLive(w, /*touch=*/true);
     JobRec* rec = nullptr;
     int rank = w.info.rank();
     if (!w.info.job_id().empty()) {
@@ -695,12 +720,7 @@ absl::Status Coordinator::HandleWorkerMessage(const v1::WorkerMessage& message) 
       }
     }
     switch (message.body_case()) {
-      case v1::WorkerMessage::kHeartbeat:
-        if (w.sink) {
-          v1::CoordinatorMessage ack;
-          ack.mutable_ack()->set_seq(message.seq());
-          out.emplace_back(w.sink, std::move(ack));
-        }
+      case v1::WorkerMessage::kHeartbeat:  // handled on the fast path above
         break;
       case v1::WorkerMessage::kProgress:
         w.info.set_last_step(message.progress().step());
@@ -778,9 +798,34 @@ absl::Status Coordinator::HandleWorkerMessage(const v1::WorkerMessage& message) 
 Coordinator::Counts Coordinator::GetCounts() {
   std::lock_guard<std::mutex> lock(mu_);
   Counts c = counters_;
+  c.fenced_messages = fenced_messages_.load();
   for (const JobRec* rec : job_order_) ++c.jobs_by_state[rec->job.state()];
   for (const auto& [id, w] : workers_) ++c.workers_by_state[w.info.state()];
   return c;
+}
+
+void Coordinator::SyncLive(const WorkerRec& w, bool touch) {
+  std::lock_guard<std::mutex> lock(live_mu_);
+  Liveness& l = live_[w.info.id()];
+  l.generation = w.info.generation();
+  l.fenced_reason = w.fenced_reason;
+  l.sink = w.sink;
+  if (touch) l.last_ms = clock_->NowMs();
+}
+
+int64_t Coordinator::LastSeen(const std::string& worker_id) {
+  std::lock_guard<std::mutex> lock(live_mu_);
+  auto it = live_.find(worker_id);
+  return it == live_.end() ? 0 : it->second.last_ms;
+}
+
+absl::Status Coordinator::FencedError(const std::string& worker_id, uint64_t generation,
+                                      uint64_t current, const std::string& reason) {
+  ++fenced_messages_;
+  return absl::FailedPreconditionError(
+      "worker " + worker_id + " generation " + std::to_string(generation) +
+      " is fenced (current generation " + std::to_string(current) +
+      (reason.empty() ? "" : ", " + reason) + ")");
 }
 
 void Coordinator::Shutdown() {

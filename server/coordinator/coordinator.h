@@ -2,6 +2,7 @@
 // rank assignment. Plain C++ over proto messages; the gRPC adapters (grpc_services.h) are thin.
 #pragma once
 
+#include <atomic>
 #include <condition_variable>
 #include <cstdint>
 #include <map>
@@ -125,6 +126,20 @@ class Coordinator {
     std::shared_ptr<SessionSink> sink;
     std::string fenced_reason;  // non-empty once the current generation is fenced
   };
+  // Heartbeat fast path: what a heartbeat needs, under its own mutex, so heartbeats never wait
+  // behind a store fsync held under mu_. Written under mu_ + live_mu_ (that order); the last
+  // heartbeat time lives only here.
+  struct Liveness {
+    uint64_t generation = 0;
+    std::string fenced_reason;
+    std::shared_ptr<SessionSink> sink;
+    int64_t last_ms = 0;
+  };
+  void SyncLive(const WorkerRec& w, bool touch);
+  int64_t LastSeen(const std::string& worker_id);
+  absl::Status FencedError(const std::string& worker_id, uint64_t generation,
+                           uint64_t current, const std::string& reason);
+
   // Messages to send after the lock is released, so a slow stream never stalls the coordinator.
   using Outbox = std::vector<std::pair<std::shared_ptr<SessionSink>, v1::CoordinatorMessage>>;
 
@@ -159,7 +174,10 @@ class Coordinator {
   std::map<std::string, std::string> by_idempotency_key_;
   std::map<std::string, WorkerRec> workers_;  // by worker id (= name)
   Counts counters_;
+  std::atomic<uint64_t> fenced_messages_{0};
   bool shutdown_ = false;
+  std::mutex live_mu_;
+  std::map<std::string, Liveness> live_;
 };
 
 }  // namespace geofp8
