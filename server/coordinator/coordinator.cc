@@ -166,7 +166,7 @@ absl::StatusOr<v1::SubmitJobResponse> Coordinator::SubmitJob(const v1::SubmitJob
     job.set_name(spec->name);
     job.set_state(v1::JOB_PENDING);
     job.set_reason("submitted; waiting for " + std::to_string(spec->world_size) +
-                   " idle workers");
+                   " idle workers" + (spec->backend == "nccl" ? " with a CUDA device" : ""));
     job.set_spec_yaml(request.spec_yaml());
     job.set_world_size(spec->world_size);
     job.set_max_restarts(spec->restarts.max_restarts);
@@ -524,9 +524,12 @@ void Coordinator::FailAttempt(JobRec& rec, const std::string& reason, bool resta
 void Coordinator::TrySchedule(Outbox& out) {
   for (JobRec* rec : job_order_) {
     if (rec->job.state() != v1::JOB_PENDING) continue;
+    // NCCL ranks need a GPU; Gloo ranks run anywhere.
+    const bool needs_gpu = rec->spec.backend == "nccl";
     std::vector<WorkerRec*> idle;
     for (auto& [id, w] : workers_) {
-      if (w.info.state() == v1::WORKER_IDLE && w.sink && w.fenced_reason.empty()) {
+      if (w.info.state() == v1::WORKER_IDLE && w.sink && w.fenced_reason.empty() &&
+          (!needs_gpu || w.info.device().rfind("cuda", 0) == 0)) {
         idle.push_back(&w);
       }
     }

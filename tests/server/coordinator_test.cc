@@ -194,6 +194,23 @@ TEST_F(CoordinatorTest, AssignsRanksWhenEnoughIdleWorkersThenRunsAndSucceeds) {
   for (const auto& w : workers.workers()) EXPECT_EQ(w.state(), v1::WORKER_IDLE) << w.id();
 }
 
+TEST_F(CoordinatorTest, NcclJobsOnlyGoToCudaWorkers) {
+  std::string id = Submit("name: g\nworld_size: 1\nbackend: nccl\n");
+  EXPECT_NE(Get(id).reason().find("with a CUDA device"), std::string::npos);
+  Worker cpu = Join("cpu-worker");  // Join registers device "cpu"
+  EXPECT_EQ(Get(id).state(), v1::JOB_PENDING);
+  v1::RegisterRequest req;
+  req.set_name("gpu-worker");
+  req.set_device("cuda:0");
+  auto r = coordinator->Register(req);
+  ASSERT_TRUE(r.ok());
+  auto sink = std::make_shared<FakeSink>();
+  ASSERT_TRUE(coordinator->OpenSession(r->worker_id(), r->generation(), sink).ok());
+  v1::Job job = Get(id);
+  ASSERT_EQ(job.state(), v1::JOB_SCHEDULED);
+  EXPECT_EQ(job.ranks(0).worker_id(), "gpu-worker");
+}
+
 TEST_F(CoordinatorTest, HeartbeatsAreAcked) {
   Worker a = Join("a");
   ASSERT_TRUE(Heartbeat(a, 42).ok());
