@@ -297,16 +297,21 @@ std::vector<RefreshRecord> Exchanger::RunRefreshes(uint64_t step,
         bytes.clear();
       }
     }
-    // Size first (0 tells the others the owner failed), then the serialized geometry.
-    uint64_t size = bytes.size();
-    comm_.Broadcast({reinterpret_cast<uint8_t*>(&size), sizeof size}, s.owner);
-    if (size == 0) {
+    // A small header first (size 0 tells the others the owner failed), then the geometry.
+    struct {
+      uint64_t size;
+      double drift, seconds;
+    } head = {bytes.size(), rec.drift, rec.seconds};
+    comm_.Broadcast({reinterpret_cast<uint8_t*>(&head), sizeof head}, s.owner);
+    if (head.size == 0) {
       GEOFP8_FAIL("geometry refresh of layer '", spec.name, "' at step ", step,
                   " failed on owner rank ", s.owner,
                   owner_error.empty() ? "" : ": ", owner_error);
     }
-    bytes.resize(size);
+    bytes.resize(head.size);
     comm_.Broadcast(bytes, s.owner);
+    rec.drift = head.drift;
+    rec.seconds = head.seconds;
     st.pending = DeserializeGeometry(bytes);
     st.pending_from = step + options_.activation_delay;
     st.has_pending = true;

@@ -69,7 +69,7 @@ struct RefreshRecord {
   uint64_t version = 0;         // the new geometry's version
   uint64_t active_from = 0;     // step at which every rank switches to it
   double drift = 0.0;           // owner-measured subspace distance to the previous basis
-  double seconds = 0.0;         // owner's estimate time (0 on other ranks)
+  double seconds = 0.0;         // owner's estimate time (the same figure on every rank)
 };
 
 struct StepResult {

@@ -67,6 +67,11 @@ TEST_P(GeometryAlgorithms, OwnerRefreshActivatesEverywhereAndMatchesReference) {
         EXPECT_EQ(refreshes[0].layer, 0u);
         EXPECT_EQ(refreshes[0].version, static_cast<uint64_t>(s / 2 + 1));
         EXPECT_EQ(refreshes[0].active_from, static_cast<uint64_t>(s + 1));
+        EXPECT_EQ(refreshes[0].drift, results[0][s].refreshes[0].drift);  // owner's, broadcast
+        if (s > 0) {
+          EXPECT_GE(refreshes[0].drift, 0.0);
+          EXPECT_LE(refreshes[0].drift, 1.0);
+        }
       } else {
         EXPECT_TRUE(refreshes.empty());
       }
