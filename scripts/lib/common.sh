@@ -11,7 +11,7 @@ GEOFP8_PACKAGES=(
   prometheus-cpp-dev libyaml-cpp-dev libopenblas-dev libsqlite3-dev libcli11-dev
   libgtest-dev libgmock-dev libbenchmark-dev
   python3 python3-grpcio python3-grpc-tools python3-matplotlib python3-yaml
-  prometheus sqlite3 iproute2 hyperfine
+  prometheus sqlite3 iproute2 hyperfine openssl
 )
 
 log() { printf '\033[1m==> %s\033[0m\n' "$*" >&2; }

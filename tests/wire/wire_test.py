@@ -449,7 +449,7 @@ class PersistenceTest(Base):
 
 
 class AuthTest(Base):
-    extra_args = ("--token-file", os.path.join(tempfile.gettempdir(), "geofp8-wire-token"))
+    extra_args = ("--token-file", os.path.join(tempfile.gettempdir(), "geofp8-wire-token-%d" % os.getpid()))
 
     @classmethod
     def setUpClass(cls):
