@@ -244,3 +244,65 @@ TEST(Exchanger, RejectsBadPolicyNamingLayerAndField) {
 
 }  // namespace
 }  // namespace geofp8
+
+namespace geofp8 {
+namespace {
+
+// Forwards to a real communicator but fails the k-th all-to-all: a transport failure in the
+// middle of the two_phase pipeline, while the helper thread is busy.
+class FailingComm final : public Communicator {
+ public:
+  FailingComm(Communicator& inner, int fail_at) : inner_(inner), fail_at_(fail_at) {}
+  int rank() const override { return inner_.rank(); }
+  int size() const override { return inner_.size(); }
+  std::string_view backend() const override { return "failing"; }
+  void AllToAllV(std::span<const uint8_t> s, std::span<const size_t> sc, std::span<uint8_t> r,
+                 std::span<const size_t> rc) override {
+    if (++calls_ == fail_at_) GEOFP8_FAIL("injected alltoallv failure");
+    inner_.AllToAllV(s, sc, r, rc);
+  }
+  void AllGatherV(std::span<const uint8_t> s, std::span<uint8_t> r,
+                  std::span<const size_t> c) override {
+    inner_.AllGatherV(s, r, c);
+  }
+  void AllReduceSum(std::span<float> d) override { inner_.AllReduceSum(d); }
+  void AllReduceSumBf16(std::span<uint16_t> d) override { inner_.AllReduceSumBf16(d); }
+  void Broadcast(std::span<uint8_t> d, int root) override { inner_.Broadcast(d, root); }
+  uint32_t MaxReduce(uint32_t v) override { return inner_.MaxReduce(v); }
+  void Barrier() override { inner_.Barrier(); }
+
+ private:
+  Communicator& inner_;
+  int fail_at_;
+  int calls_ = 0;
+};
+
+TEST(Exchanger, TransportFailureInsidePipelineSurfacesAsError) {
+  MemoryStore store;
+  auto real = CreateGlooCommunicator(store, 0, 1);
+  FailingComm comm(*real, /*fail_at=*/3);  // third group of the first bucket
+  std::vector<LayerSpec> layers;
+  for (int i = 0; i < 6; ++i) layers.push_back({"l" + std::to_string(i), 512, 1, {}});
+  ExchangeOptions options;
+  options.segment_bytes = 1;  // one group per layer
+  Exchanger ex(comm, layers, options);
+  Tensors data = MakeInputs(0, layers);
+  std::vector<std::span<float>> grads(data.begin(), data.end());
+  try {
+    ex.Exchange(0, grads);
+    FAIL() << "no error";
+  } catch (const Error& e) {
+    EXPECT_NE(std::string(e.what()).find("injected alltoallv failure"), std::string::npos)
+        << e.what();
+  }
+  // The engine stays usable: the next step goes through and averages (N = 1: identity through
+  // fp8 quantization).
+  Tensors again = MakeInputs(0, layers);
+  std::vector<std::span<float>> grads2(again.begin(), again.end());
+  const StepResult r = ex.Exchange(1, grads2);
+  EXPECT_FALSE(r.skipped);
+  EXPECT_EQ(r.buckets.size(), 1u);
+}
+
+}  // namespace
+}  // namespace geofp8
