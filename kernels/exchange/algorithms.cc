@@ -1,8 +1,9 @@
-// two_phase, allgather and the fp32/bf16 baselines over one bucket (see algorithms.h).
+// two_phase, allgather, native and the fp32/bf16 baselines over one bucket (see algorithms.h).
 // two_phase: quantize every layer's chunk j for rank j, all-to-all, rank j decodes and sums its
-// chunks in rank order in fp32, requantizes, all-gather, everyone decodes every chunk. Groups of
-// layers are pipelined: collectives stay on the calling thread in one fixed order on every rank,
-// while a helper thread does the codec work of the neighbouring groups.
+// chunks in rank order in fp32, requantizes, all-gather, everyone decodes every chunk. allgather:
+// quantize once, all-gather, everyone sums every rank's copy in rank order. Both are pipelined
+// over groups of layers: collectives stay on the calling thread in one fixed order on every
+// rank, while a helper thread does the codec and geometry work of the neighbouring groups.
 #include "kernels/exchange/algorithms.h"
 
 #include <algorithm>
@@ -72,40 +73,11 @@ void RunNative(Communicator& comm, std::span<const BucketLayer> layers) {
   }
 }
 
-void RunAllGather(Communicator& comm, const AlgorithmOptions& ao,
-                  std::span<const BucketLayer> layers) {
-  const int n = comm.size();
-  const uint32_t r = static_cast<uint32_t>(comm.rank());
-  std::vector<CodecOptions> opts;
-  std::vector<size_t> layer_offset;
-  size_t per_rank = 0;
-  for (const auto& l : layers) {
-    opts.push_back(LayerCodecOptions(l.policy, ao.seed, ao.step, l.layer, r, 1, 0));
-    layer_offset.push_back(per_rank);
-    per_rank += EncodedBytes(opts.back(), l.in.size());
-  }
-  std::vector<uint8_t> mine(per_rank);
-  for (size_t i = 0; i < layers.size(); ++i) {
-    const size_t bytes = EncodedBytes(opts[i], layers[i].in.size());
-    Encode(layers[i].in, opts[i], std::span(mine).subspan(layer_offset[i], bytes));
-  }
-  std::vector<uint8_t> all(per_rank * n);
-  comm.AllGatherV(mine, all, std::vector<size_t>(n, per_rank));
-  // Every rank sums the same bytes in the same (rank) order: identical results.
-  for (size_t i = 0; i < layers.size(); ++i) {
-    const size_t bytes = EncodedBytes(opts[i], layers[i].in.size());
-    std::fill(layers[i].out.begin(), layers[i].out.end(), 0.f);
-    for (int src = 0; src < n; ++src) {
-      DecodeAccumulate(std::span<const uint8_t>(all).subspan(src * per_rank + layer_offset[i], bytes),
-                       layers[i].out);
-    }
-  }
-}
+// ---- two_phase and allgather, pipelined over groups of layers ----
 
-// ---- two_phase ----
-
-// The wire layout of one group of layers. Within the group's all-to-all block for destination j,
-// layers follow each other in bucket order; the all-gather block of rank j has the same layout.
+// The wire layout of one group of layers. two_phase: within the group's all-to-all block for
+// destination j, layers follow each other in bucket order, and the all-gather block of rank j has
+// the same layout. allgather: rank j's all-gather block holds its whole encoded layers in order.
 struct Group {
   size_t first = 0, last = 0;            // layers [first, last)
   std::vector<size_t> counts;            // bytes of chunk j of all the group's layers
@@ -114,17 +86,21 @@ struct Group {
   std::vector<uint8_t> send, recv, mine, all;
 };
 
-class TwoPhase {
+class Pipeline {
  public:
-  TwoPhase(Communicator& comm, const AlgorithmOptions& ao, std::span<const BucketLayer> layers)
-      : comm_(comm), ao_(ao), layers_(layers), n_(comm.size()), r_(comm.rank()) {
+  Pipeline(Communicator& comm, const AlgorithmOptions& ao, std::span<const BucketLayer> layers,
+           bool two_phase)
+      : comm_(comm), ao_(ao), layers_(layers), two_phase_(two_phase), n_(comm.size()),
+        r_(comm.rank()) {
     const size_t L = layers.size();
     chunk_.assign(L, std::vector<ChunkRange>(n_));
     bytes_.assign(L, std::vector<size_t>(n_));
     for (size_t i = 0; i < L; ++i) {
       const CodecOptions o = Options(i, r_, 1, 0);
       for (int j = 0; j < n_; ++j) {
-        chunk_[i][j] = ChunkOf(layers[i].in.size(), ChunkAlignment(o), n_, j);
+        // allgather: every rank's "chunk" is its whole layer.
+        chunk_[i][j] = two_phase ? ChunkOf(layers[i].in.size(), ChunkAlignment(o), n_, j)
+                                 : ChunkRange{0, layers[i].in.size()};
         // Encoded sizes depend only on the policy and chunk length: every rank knows them all.
         bytes_[i][j] = EncodedBytes(o, chunk_[i][j].size());
       }
@@ -156,7 +132,15 @@ class TwoPhase {
     std::thread helper([this] { HelperLoop(); });
     try {
       // Collectives: A(0), A(1), G(0), A(2), G(1), ..., G(last), the same order on every rank.
-      for (size_t s = 0; s <= G; ++s) {
+      // allgather has no A: G(0), G(1), ...
+      for (size_t s = 0; s < G && !two_phase_; ++s) {
+        WaitFor(s, kEncoded);
+        auto& g = groups_[s];
+        g.all.resize(g.total);
+        comm_.AllGatherV(g.mine, g.all, g.counts);
+        Mark(s, kGathered);
+      }
+      for (size_t s = 0; s <= G && two_phase_; ++s) {
         if (s < G) {
           WaitFor(s, kEncoded);
           auto& g = groups_[s];
@@ -194,6 +178,15 @@ class TwoPhase {
     for (size_t i = g.first; i < g.last; ++i) {
       if (layers_[i].geometry) ApplyGeometry(*layers_[i].geometry, layers_[i].in);
     }
+    if (!two_phase_) {  // allgather: this rank's whole layers, once
+      g.mine.resize(g.counts[r_]);
+      size_t off = 0;
+      for (size_t i = g.first; i < g.last; ++i) {
+        Encode(layers_[i].in, Options(i, r_, 1, 0), std::span(g.mine).subspan(off, bytes_[i][r_]));
+        off += bytes_[i][r_];
+      }
+      return;
+    }
     g.send.resize(g.total);
     for (int j = 0; j < n_; ++j) {
       size_t off = g.dest_offset[j];
@@ -223,6 +216,21 @@ class TwoPhase {
   }
 
   void DecodeAll(Group& g) {
+    if (!two_phase_) {
+      // allgather: every rank sums the same bytes in the same (rank) order.
+      size_t layer_off = 0;
+      for (size_t i = g.first; i < g.last; ++i) {
+        std::fill(layers_[i].out.begin(), layers_[i].out.end(), 0.f);
+        for (int src = 0; src < n_; ++src) {
+          DecodeAccumulate(
+              std::span<const uint8_t>(g.all).subspan(g.dest_offset[src] + layer_off, bytes_[i][src]),
+              layers_[i].out);
+        }
+        layer_off += bytes_[i][r_];
+        if (layers_[i].geometry) InvertGeometry(*layers_[i].geometry, layers_[i].out);
+      }
+      return;
+    }
     for (int j = 0; j < n_; ++j) {
       size_t off = g.dest_offset[j];
       for (size_t i = g.first; i < g.last; ++i) {
@@ -316,12 +324,13 @@ class TwoPhase {
   }
 
   struct Aborted : std::exception {
-    const char* what() const noexcept override { return "two_phase: helper thread failed"; }
+    const char* what() const noexcept override { return "exchange pipeline: helper thread failed"; }
   };
 
   Communicator& comm_;
   const AlgorithmOptions& ao_;
   std::span<const BucketLayer> layers_;
+  const bool two_phase_;
   const int n_, r_;
   std::vector<std::vector<ChunkRange>> chunk_;  // [layer][rank]
   std::vector<std::vector<size_t>> bytes_;      // [layer][rank] encoded bytes of that chunk
@@ -342,8 +351,9 @@ void ExchangeBucketData(Communicator& comm, Algorithm algorithm, const Algorithm
     GEOFP8_CHECK(l.in.size() == l.out.size(), "layer ", l.layer, ": input has ", l.in.size(),
                  " elements, output ", l.out.size());
   }
-  if (algorithm == Algorithm::kTwoPhase) {
-    if (!layers.empty()) TwoPhase(comm, options, layers).Run();  // transforms inside the pipeline
+  if (algorithm == Algorithm::kTwoPhase || algorithm == Algorithm::kAllGather) {
+    // Geometry transforms run inside the pipeline, per group.
+    if (!layers.empty()) Pipeline(comm, options, layers, algorithm == Algorithm::kTwoPhase).Run();
     return;
   }
   for (const auto& l : layers) {
@@ -355,9 +365,6 @@ void ExchangeBucketData(Communicator& comm, Algorithm algorithm, const Algorithm
       break;
     case Algorithm::kBf16:
       RunBf16(comm, layers);
-      break;
-    case Algorithm::kAllGather:
-      RunAllGather(comm, options, layers);
       break;
     case Algorithm::kNative:
       RunNative(comm, layers);
