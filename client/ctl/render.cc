@@ -231,6 +231,17 @@ std::string DescribeJob(const v1::Job& j, const v1::Policy* policy, int64_t now_
     }
     os << Table(rows);
   }
+  if (j.layers_size() > 0) {
+    os << "\nLayers (latest summaries):\n";
+    std::vector<std::vector<std::string>> rows = {
+        {"  LAYER", "STEP", "REL-ERROR", "RESIDUAL-ERROR", "GEOMETRY-V", "DRIFT"}};
+    for (const auto& l : j.layers()) {
+      rows.push_back({"  " + l.layer(), std::to_string(l.step()), Fmt("%.4g", l.rel_fro_error()),
+                      Fmt("%.4g", l.residual_error()), std::to_string(l.geometry_version()),
+                      Fmt("%.3g", l.drift())});
+    }
+    os << Table(rows);
+  }
   if (policy) os << "\n" << PolicyTable(*policy);
   if (j.events_size() > 0) {
     os << "\nEvents:\n";

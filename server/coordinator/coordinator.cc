@@ -95,6 +95,7 @@ v1::Job Coordinator::Snapshot(const JobRec& rec, bool with_events) const {
   v1::Job job = rec.job;
   if (with_events) {
     for (const auto& e : rec.events) *job.add_events() = e;
+    for (const auto& [name, summary] : rec.layers) *job.add_layers() = summary;
   }
   return job;
 }
@@ -566,6 +567,7 @@ void Coordinator::TrySchedule(Outbox& out) {
       a->set_resume_step(rec->job.progress().checkpoint_step());
       a->set_checkpoint_path(rec->spec.checkpoint.dir);
       *a->mutable_policy() = rec->policies.back();
+      for (const auto& p : rec->policies) *a->add_policy_history() = p;
       *a->mutable_peers() = rec->job.ranks();
       out.emplace_back(idle[r]->sink, std::move(m));
     }
@@ -743,7 +745,13 @@ absl::Status Coordinator::HandleWorkerMessage(const v1::WorkerMessage& message) 
         }
         break;
       case v1::WorkerMessage::kSummaries:
-        break;  // exported by the workers' own /metrics; nothing to decide here
+        if (rec) {
+          for (const auto& l : message.summaries().layers()) {
+            v1::LayerSummary& kept = rec->layers[l.layer()];
+            if (l.step() >= kept.step()) kept = l;
+          }
+        }
+        break;
       case v1::WorkerMessage::kProbes:
         if (rec && rec->spec.auto_policy.enabled && !IsFinal(rec->job.state())) {
           std::vector<v1::ProbeResult> probes(message.probes().probes().begin(),

@@ -117,6 +117,7 @@ class Coordinator {
     std::vector<v1::Policy> policies;  // policies[v - 1] is version v
     std::vector<v1::LayerInfo> catalog;
     std::vector<v1::RefreshSchedule> schedules;
+    std::map<std::string, v1::LayerSummary> layers;  // latest summary per layer
     std::vector<RankState> ranks;  // current attempt, empty unless SCHEDULED or RUNNING
     uint64_t change = 1;
     int64_t persisted_progress_ms = 0;

@@ -175,6 +175,7 @@ TEST_F(CoordinatorTest, AssignsRanksWhenEnoughIdleWorkersThenRunsAndSucceeds) {
   EXPECT_EQ(as[0].assignment().world_size(), 2);
   EXPECT_EQ(as[0].assignment().rendezvous_prefix(), id + "/0/");
   EXPECT_EQ(as[0].assignment().policy().version(), 1u);
+  EXPECT_EQ(as[0].assignment().policy_history_size(), 1);
 
   ASSERT_TRUE(Progress(a, 1).ok());
   EXPECT_EQ(Get(id).state(), v1::JOB_SCHEDULED);  // not every rank has reported yet
@@ -183,6 +184,18 @@ TEST_F(CoordinatorTest, AssignsRanksWhenEnoughIdleWorkersThenRunsAndSucceeds) {
   EXPECT_EQ(job.state(), v1::JOB_RUNNING);
   EXPECT_EQ(job.progress().bytes_sent(), 200u);
   EXPECT_EQ(job.progress().bytes_baseline(), 800u);
+
+  v1::WorkerMessage summaries;
+  for (int step : {5, 9, 7}) {  // a late, older summary never replaces a newer one
+    auto* l = summaries.mutable_summaries()->add_layers();
+    l->set_layer("blocks.0.attn.wq");
+    l->set_step(step);
+    l->set_rel_fro_error(step / 100.0);
+  }
+  ASSERT_TRUE(Send(a, summaries).ok());
+  job = Get(id);
+  ASSERT_EQ(job.layers_size(), 1);
+  EXPECT_EQ(job.layers(0).step(), 9);
 
   v1::WorkerMessage done;
   done.mutable_finished()->set_success(true);
