@@ -160,6 +160,7 @@ class Pipeline {
     } catch (...) {
       Abort();
       helper.join();
+      if (helper_error_) std::rethrow_exception(helper_error_);  // the cause, not "Aborted"
       throw;
     }
     helper.join();

@@ -6,6 +6,7 @@
 #include <thread>
 #include <tuple>
 
+#include "kernels/exchange/algorithms.h"
 #include "tests/exchange/exchange_harness.h"
 
 namespace geofp8 {
@@ -302,6 +303,36 @@ TEST(Exchanger, TransportFailureInsidePipelineSurfacesAsError) {
   const StepResult r = ex.Exchange(1, grads2);
   EXPECT_FALSE(r.skipped);
   EXPECT_EQ(r.buckets.size(), 1u);
+}
+
+}  // namespace
+}  // namespace geofp8
+
+namespace geofp8 {
+namespace {
+
+TEST(ExchangeBucketData, HelperThreadErrorIsReportedNotSwallowed) {
+  MemoryStore store;
+  auto comm = CreateGlooCommunicator(store, 0, 1);
+  // A geometry whose shape does not match the layer: ApplyGeometry throws on the helper thread.
+  Geometry g;
+  g.mode = GeometryMode::kDiag;
+  g.version = 1;
+  g.m = 3;
+  g.n = 3;
+  g.row_scale.assign(3, 1.f);
+  g.col_scale.assign(3, 1.f);
+  for (Algorithm a : {Algorithm::kTwoPhase, Algorithm::kAllGather}) {
+    std::vector<float> in(10, 1.f), out(10);
+    std::vector<BucketLayer> layers = {{0, {}, &g, in, out}};
+    AlgorithmOptions ao;
+    try {
+      ExchangeBucketData(*comm, a, ao, layers);
+      FAIL() << "no error for " << AlgorithmName(a);
+    } catch (const std::exception& e) {
+      EXPECT_EQ(std::string(e.what()).find("helper thread failed"), std::string::npos) << e.what();
+    }
+  }
 }
 
 }  // namespace
