@@ -1,6 +1,5 @@
 // geofp8-bench coordinator: an in-process coordinator (real gRPC on 127.0.0.1, SQLite WAL +
 // synchronous=FULL) against simulated workers heartbeating at 1 Hz, then a policy update stream.
-#include <grpcpp/generic/generic_stub.h>
 #include <grpcpp/grpcpp.h>
 #include <sqlite3.h>
 #include <unistd.h>
@@ -216,61 +215,60 @@ int Run(int argc, char** argv) {
     stubs.push_back(v1::WorkerService::NewStub(chans.back()));
   }
 
-  // Baseline 1: an empty unary RPC (grpc.health.v1 Check) round trip on an idle server.
-  std::vector<double> health;
-  {
-    grpc::GenericStub generic(chans[0]);
-    for (int i = 0; i < 300; ++i) {
-      grpc::ClientContext ctx;
-      grpc::ByteBuffer req, resp;
-      grpc::Slice empty;
-      req = grpc::ByteBuffer(&empty, 1);
-      grpc::Status s;
-      std::mutex m;
-      std::condition_variable cv;
-      bool done = false;
-      const auto t0 = Clock::now();
-      generic.UnaryCall(&ctx, "/grpc.health.v1.Health/Check", grpc::StubOptions(), &req, &resp,
-                        [&](grpc::Status st) {
-                          std::lock_guard<std::mutex> l(m);
-                          s = st;
-                          done = true;
-                          cv.notify_all();
-                        });
-      std::unique_lock<std::mutex> l(m);
-      cv.wait(l, [&] { return done; });
-      if (i >= 50) health.push_back(Ms(Clock::now() - t0));
-    }
+  // Baseline, measured in the same run: the round trip of a near-empty unary RPC (a rendezvous
+  // Get of a missing key: no coordinator lock, no store). Once idle, and again during every
+  // level, so the machine's own scheduling noise is visible next to the heartbeat figures.
+  auto kv_stub = v1::RendezvousService::NewStub(chans[0]);
+  auto unary_rtt = [&]() {
+    grpc::ClientContext ctx;
+    v1::KvGetRequest req;
+    req.set_job_id("bench-probe");
+    req.set_key("missing");
+    v1::KvGetResponse resp;
+    const auto t0 = Clock::now();
+    kv_stub->Get(&ctx, req, &resp).IgnoreError();
+    return Ms(Clock::now() - t0);
+  };
+  std::vector<double> idle;
+  for (int i = 0; i < 300; ++i) {
+    const double ms = unary_rtt();
+    if (i >= 50) idle.push_back(ms);
   }
-  const double health_p50 = Percentile(health, 0.5);
+  const double base_p50 = Percentile(idle, 0.5);
 
   std::printf("geofp8-bench coordinator: %s, %d client connections, %.0f s per level, "
               "heartbeats at 1 Hz per worker\n",
               address.c_str(), channels, seconds);
-  std::printf("baseline: empty unary RPC (health Check) round trip p50 %.3f ms, p99 %.3f ms\n\n",
-              health_p50, Percentile(health, 0.99));
-  std::printf("%8s %10s %9s %9s %9s %9s %8s %6s\n", "workers", "beats/s", "p50 ms", "p99 ms",
-              "max ms", "p50/base", "skipped", "held");
+  std::printf("baseline: empty unary RPC round trip on the idle server p50 %.3f ms, p99 %.3f ms\n",
+              base_p50, Percentile(idle, 0.99));
+  std::printf("probe: the same RPC every 10 ms during each level (machine noise floor)\n\n");
+  std::printf("%8s %10s %9s %9s %9s %9s %10s %8s %6s\n", "workers", "beats/s", "p50 ms",
+              "p99 ms", "max ms", "p50/base", "probe p99", "skipped", "held");
 
   std::vector<std::unique_ptr<SimWorker>> workers;
   std::atomic<bool> beating{false};
   std::mutex workers_mu;
   const auto epoch = Clock::now() + std::chrono::seconds(1);
 
-  auto measure = [&](double secs, std::vector<double>* lat, uint64_t* skipped) {
+  auto measure = [&](double secs, std::vector<double>* lat, uint64_t* skipped,
+                     std::vector<double>* probe) {
     {
       std::lock_guard<std::mutex> lock(workers_mu);
       std::vector<double> discard;
       uint64_t s = 0;
       for (auto& w : workers) w->Drain(&discard, &s);
     }
-    std::this_thread::sleep_for(std::chrono::duration<double>(secs));
+    const auto until = Clock::now() + std::chrono::duration<double>(secs);
+    while (Clock::now() < until) {
+      const double ms = unary_rtt();
+      if (probe) probe->push_back(ms);
+      std::this_thread::sleep_for(std::chrono::milliseconds(10));
+    }
     std::lock_guard<std::mutex> lock(workers_mu);
     for (auto& w : workers) w->Drain(lat, skipped);
   };
 
   int held = 0;
-  Level at_held;
   int next_id = 0;
   for (int target : levels) {
     // Register and connect the extra workers (Register is a durable write: fsync each).
@@ -301,27 +299,29 @@ int Run(int argc, char** argv) {
     beating = true;
     std::vector<double> warm;
     uint64_t warm_skipped = 0;
-    measure(1.5, &warm, &warm_skipped);  // settle: every worker's session is open
+    measure(1.5, &warm, &warm_skipped, nullptr);  // settle: every worker's session is open
     std::vector<double> lat;
     Level level;
     level.workers = target;
-    measure(seconds, &lat, &level.skipped);
+    std::vector<double> probe;
+    measure(seconds, &lat, &level.skipped, &probe);
     level.beats_per_s = static_cast<double>(lat.size()) / seconds;
     level.p50 = Percentile(lat, 0.5);
     level.p99 = Percentile(lat, 0.99);
     level.max = lat.empty() ? 0 : *std::max_element(lat.begin(), lat.end());
     const bool ok = !lat.empty() && level.p99 < p99_target_ms &&
                     level.skipped * 100 <= static_cast<uint64_t>(target * seconds);
-    std::printf("%8d %10.0f %9.3f %9.3f %9.2f %9.1f %8llu %6s\n", target, level.beats_per_s,
-                level.p50, level.p99, level.max, level.p50 / health_p50,
-                static_cast<unsigned long long>(level.skipped), ok ? "yes" : "no");
+    std::printf("%8d %10.0f %9.3f %9.3f %9.2f %9.1f %10.3f %8llu %6s\n", target,
+                level.beats_per_s, level.p50, level.p99, level.max, level.p50 / base_p50,
+                Percentile(probe, 0.99), static_cast<unsigned long long>(level.skipped),
+                ok ? "yes" : "no");
     std::fflush(stdout);
-    if (!ok) break;
-    held = target;
-    at_held = level;
+    // Every level runs: on a shared machine a noisy level need not mean the next one fails.
+    if (ok) held = target;
   }
-  std::printf("\nheld %d workers at heartbeat p99 < %.0f ms (target >= 1000)\n\n", held,
-              p99_target_ms);
+  std::printf("\nheld %d workers at heartbeat p99 < %.0f ms (largest level that passed; "
+              "target >= 1000)\n\n",
+              held, p99_target_ms);
 
   // Policy update stream while the workers keep heartbeating. A 4-rank job receives every
   // version on its workers' streams, as in a real run.
@@ -361,7 +361,8 @@ int Run(int argc, char** argv) {
       }
     });
   }
-  measure(update_seconds, &during, &during_skipped);
+  std::vector<double> during_probe;
+  measure(update_seconds, &during, &during_skipped, &during_probe);
   updating = false;
   for (auto& t : updaters) t.join();
   const double elapsed = std::chrono::duration<double>(Clock::now() - u0).count();
@@ -375,9 +376,10 @@ int Run(int argc, char** argv) {
               Percentile(ulat, 0.5), Percentile(ulat, 0.99));
   std::printf("  baseline: %.0f SQLite WAL+FULL commits/s on the same disk; ratio %.2f\n",
               commits, commits > 0 ? rate / commits : 0.0);
-  std::printf("  heartbeat p50 %.3f ms p99 %.3f ms during the update stream (%llu skipped)\n",
+  std::printf("  heartbeat p50 %.3f ms p99 %.3f ms during the update stream (%llu skipped); "
+              "probe p99 %.3f ms\n",
               Percentile(during, 0.5), Percentile(during, 0.99),
-              static_cast<unsigned long long>(during_skipped));
+              static_cast<unsigned long long>(during_skipped), Percentile(during_probe, 0.99));
 
   beating = false;
   for (auto& w : workers) w->Stop();
