@@ -42,12 +42,19 @@ def summarize(label, rows):
     if not val:
         sys.exit(f"plot_loss.py: error: {label}: no validation loss in the CSV")
     errs = [float(r["max_layer_err"]) for r in rows if r.get("max_layer_err")]
+    # Mean over layers of the per-layer relative error, on the steps where it was measured.
+    layer_cols = [k for k in rows[0] if k.startswith("err:")]
+    mean_errs = [statistics.fmean(float(r[k]) for k in layer_cols)
+                 for r in rows if layer_cols and r[layer_cols[0]]]
     return {
         "final": val[-1][1],
         "best": min(v for _, v in val),
         "bytes": statistics.median(int(r["bytes_sent"]) for r in rows),
         "step_s": statistics.median(float(r["step_s"]) for r in rows),
         "max_layer_err": statistics.median(errs) if errs else math.nan,
+        "mean_layer_err": statistics.median(mean_errs) if mean_errs else math.nan,
+        "exchange_s": statistics.median(float(r["exchange_s"]) for r in rows),
+        "wait_s": statistics.median(float(r["wait_s"]) for r in rows),
         "steps": int(rows[-1]["step"]) + 1,
         "val": val,
     }
@@ -97,13 +104,15 @@ def main():
     fig.savefig(args.out, dpi=110)
 
     print("| policy | final val loss | best val loss | gap to %s (final) | bytes/step rank 0 | "
-          "wire vs %s | median step s | median max layer rel err |" % (args.baseline, args.baseline))
-    print("|---|---|---|---|---|---|---|---|")
+          "wire vs %s | median step s | median exchange s | median wait s | "
+          "mean layer rel err | max layer rel err |" % (args.baseline, args.baseline))
+    print("|---|---|---|---|---|---|---|---|---|---|---|")
     for label, _ in runs:
         s = stats[label]
         gap = (s["final"] - base["final"]) / base["final"] * 100
         print(f"| {label} | {s['final']:.4f} | {s['best']:.4f} | {gap:+.2f}% | {s['bytes']:,.0f} | "
-              f"{s['bytes'] / base['bytes']:.3f} | {s['step_s']:.3f} | {s['max_layer_err']:.4g} |")
+              f"{s['bytes'] / base['bytes']:.3f} | {s['step_s']:.3f} | {s['exchange_s']:.3f} | "
+              f"{s['wait_s']:.3f} | {s['mean_layer_err']:.4g} | {s['max_layer_err']:.4g} |")
 
 
 if __name__ == "__main__":
