@@ -323,9 +323,8 @@ EncodeStats Encode(std::span<const float> x, const CodecOptions& options, std::s
   uint8_t* payload = scales + l.scale_bytes;
   EncodeStats st;
   const float* p = x.data();
-  const bool fp8 =
-      l.format == Format::kFp8E4M3 || l.format == Format::kFp8E5M2 || l.format == Format::kMxfp8;
-  if (fp8 && options.rounding == Rounding::kNearest && detail::VectorizedEnabled() &&
+  const bool vectorizable = l.format != Format::kFp32 && l.format != Format::kBf16;
+  if (vectorizable && options.rounding == Rounding::kNearest && detail::VectorizedEnabled() &&
       detail::EncodeFp8Avx2(p, l, scales, payload, &st)) {
     // done by the vectorized path
   } else {

@@ -33,11 +33,12 @@ namespace {
 // Format constants, as in element::FloatToSmall: M mantissa bits, bias B.
 template <Format F>
 struct Fp8Params {
-  static constexpr int M = F == Format::kFp8E5M2 ? 2 : 3;
-  static constexpr int B = F == Format::kFp8E5M2 ? 15 : 7;
-  static constexpr uint32_t kMaxCode = F == Format::kFp8E5M2 ? 0x7Bu : 0x7Eu;
-  static constexpr uint32_t kOverflowBits = F == Format::kFp8E5M2 ? 0x476FFFFFu : 0x43E80000u;
-  static constexpr float kMax = F == Format::kFp8E5M2 ? 57344.f : 448.f;
+  static constexpr bool kE2M1 = F == Format::kNvfp4;  // nvfp4 elements
+  static constexpr int M = kE2M1 ? 1 : F == Format::kFp8E5M2 ? 2 : 3;
+  static constexpr int B = kE2M1 ? 1 : F == Format::kFp8E5M2 ? 15 : 7;
+  static constexpr int kSignBit = kE2M1 ? 3 : 7;
+  static constexpr uint32_t kMaxCode = kE2M1 ? 0x7u : F == Format::kFp8E5M2 ? 0x7Bu : 0x7Eu;
+  static constexpr float kMax = kE2M1 ? 6.f : F == Format::kFp8E5M2 ? 57344.f : 448.f;
 };
 
 // Eight finite scaled values (bits u, magnitude bits a = u & 0x7FFFFFFF) -> eight codes in the
@@ -53,7 +54,8 @@ GEOFP8_AVX2 inline __m256i ConvertFinite(__m256i u, __m256i a) {
   using P = Fp8Params<F>;
   constexpr int kShift = 23 - P::M;
   constexpr int kAddend = (1 << (kShift - 1)) - 1 - ((127 - P::B) << 23);
-  const __m256i sign = _mm256_and_si256(_mm256_srli_epi32(u, 24), _mm256_set1_epi32(0x80));
+  const __m256i sign =
+      _mm256_and_si256(_mm256_srli_epi32(u, 31 - P::kSignBit), _mm256_set1_epi32(1 << P::kSignBit));
   const __m256i lsb = _mm256_and_si256(_mm256_srli_epi32(a, kShift), _mm256_set1_epi32(1));
   const __m256i t = _mm256_add_epi32(_mm256_add_epi32(a, _mm256_set1_epi32(kAddend)), lsb);
   __m256i normal = _mm256_srai_epi32(t, kShift);
@@ -294,6 +296,61 @@ GEOFP8_AVX2 void DecodeMx(const Layout& l, const uint8_t* scales, const uint8_t*
   }
 }
 
+// nvfp4 (rule in element.h): tensor amax, then per 16-element block an E4M3 scale code, elements
+// E2M1(x / den) with the same IEEE division as the scalar path, two per byte. Returns false
+// (writing nothing) if the tensor holds a non-finite value: the scalar path handles that case.
+GEOFP8_AVX2 bool EncodeNv(const float* x, const Layout& l, uint8_t* scales, uint8_t* payload,
+                          EncodeStats* st) {
+  const size_t n = l.count;
+  float amax_t = 0.f;
+  if (!AmaxAllFinite(x, n, &amax_t)) return false;
+  const float g = element::NvTensorScale(amax_t);
+  std::memcpy(scales, &g, 4);
+  const __m256i abs_mask = _mm256_set1_epi32(0x7FFFFFFF);
+  const __m256i six = _mm256_set1_epi32(static_cast<int>(element::FloatBits(6.f)));
+  const __m128i nibble_pairs = _mm_set1_epi16(0x1001);  // byte0 * 1 + byte1 * 16
+  __m256i sat = _mm256_setzero_si256();
+  size_t b0 = 0, bi = 0;
+  for (; b0 + 16 <= n; b0 += 16, ++bi) {
+    float amax = 0.f;
+    AmaxAllFinite(x + b0, 16, &amax);
+    const uint8_t code = element::NvBlockScaleCode(amax, g);
+    scales[4 + bi] = code;
+    const __m256 den = _mm256_set1_ps(element::NvDenominator(code, g));
+    const __m256i u0 = _mm256_castps_si256(_mm256_div_ps(_mm256_loadu_ps(x + b0), den));
+    const __m256i u1 = _mm256_castps_si256(_mm256_div_ps(_mm256_loadu_ps(x + b0 + 8), den));
+    const __m256i a0 = _mm256_and_si256(u0, abs_mask), a1 = _mm256_and_si256(u1, abs_mask);
+    sat = _mm256_sub_epi32(sat, _mm256_cmpgt_epi32(a0, six));
+    sat = _mm256_sub_epi32(sat, _mm256_cmpgt_epi32(a1, six));
+    const __m256i c0 = ConvertFinite<Format::kNvfp4, true>(u0, a0);
+    const __m256i c1 = ConvertFinite<Format::kNvfp4, true>(u1, a1);
+    // 16 codes -> 16 bytes in element order -> 8 bytes of nibble pairs.
+    const __m256i w = _mm256_packus_epi16(_mm256_packus_epi32(c0, c1), _mm256_setzero_si256());
+    const __m128i bytes = _mm256_castsi256_si128(
+        _mm256_permutevar8x32_epi32(w, _mm256_setr_epi32(0, 4, 1, 5, 2, 3, 6, 7)));
+    const __m128i pairs = _mm_maddubs_epi16(bytes, nibble_pairs);
+    _mm_storel_epi64(reinterpret_cast<__m128i*>(payload + bi * 8), _mm_packus_epi16(pairs, pairs));
+  }
+  alignas(32) uint32_t lanes[8];
+  _mm256_store_si256(reinterpret_cast<__m256i*>(lanes), sat);
+  for (uint32_t c : lanes) st->saturated += c;
+  if (b0 < n) {  // final partial block, as the scalar path does it
+    float amax = 0.f;
+    for (size_t i = b0; i < n; ++i) amax = std::max(amax, element::AbsF(x[i]));
+    const uint8_t code = element::NvBlockScaleCode(amax, g);
+    scales[4 + bi] = code;
+    const float den = element::NvDenominator(code, g);
+    std::memset(payload + b0 / 2, 0, (n - b0 + 1) / 2);
+    for (size_t i = b0; i < n; ++i) {
+      bool s;
+      const uint8_t e = element::EncodeNvElement(x[i], den, false, 0, &s);
+      st->saturated += s;
+      payload[i / 2] |= static_cast<uint8_t>(e << (4 * (i & 1)));
+    }
+  }
+  return true;
+}
+
 }  // namespace
 
 bool EncodeFp8Avx2(const float* x, const Layout& l, uint8_t* scales, uint8_t* payload,
@@ -305,6 +362,8 @@ bool EncodeFp8Avx2(const float* x, const Layout& l, uint8_t* scales, uint8_t* pa
     EncodeFp8<Format::kFp8E5M2>(x, l, scales, payload, st);
   } else if (l.format == Format::kMxfp8) {
     EncodeMx(x, l, scales, payload, st);
+  } else if (l.format == Format::kNvfp4) {
+    return EncodeNv(x, l, scales, payload, st);
   } else {
     return false;
   }

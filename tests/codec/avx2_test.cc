@@ -106,11 +106,12 @@ std::vector<float> MakeData(Data kind, size_t n, uint32_t seed) {
 TEST(CodecAvx2, BitIdenticalToScalar) {
   if (!detail::CpuHasAvx2()) GTEST_SKIP() << "processor lacks AVX2";
   const size_t sizes[] = {0, 1, 7, 8, 15, 17, 31, 32, 33, 127, 128, 129, 1000, 4101};
-  for (Format f : {Format::kFp8E4M3, Format::kFp8E5M2, Format::kMxfp8}) {
+  for (Format f : {Format::kFp8E4M3, Format::kFp8E5M2, Format::kMxfp8, Format::kNvfp4}) {
     for (Scaling s : {Scaling::kNone, Scaling::kTensor, Scaling::kBlock}) {
-      if (f == Format::kMxfp8 && s != Scaling::kBlock) continue;  // mxfp8 ignores scaling
+      const bool own_blocks = f == Format::kMxfp8 || f == Format::kNvfp4;
+      if (own_blocks && s != Scaling::kBlock) continue;  // mxfp8/nvfp4 ignore scaling
       for (uint32_t block : {1u, 16u, 32u, 100u, 128u}) {
-        if ((s != Scaling::kBlock || f == Format::kMxfp8) && block != 128) continue;
+        if ((s != Scaling::kBlock || own_blocks) && block != 128) continue;
         for (Data d :
              {Data::kGaussian, Data::kWideRange, Data::kRandomBits, Data::kSpecials, Data::kTies}) {
           for (size_t n : sizes) {
