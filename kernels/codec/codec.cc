@@ -323,7 +323,7 @@ EncodeStats Encode(std::span<const float> x, const CodecOptions& options, std::s
   uint8_t* payload = scales + l.scale_bytes;
   EncodeStats st;
   const float* p = x.data();
-  const bool vectorizable = l.format != Format::kFp32 && l.format != Format::kBf16;
+  const bool vectorizable = l.format != Format::kFp32;
   if (vectorizable && options.rounding == Rounding::kNearest && detail::VectorizedEnabled() &&
       detail::EncodeFp8Avx2(p, l, scales, payload, &st)) {
     // done by the vectorized path

@@ -351,6 +351,50 @@ GEOFP8_AVX2 bool EncodeNv(const float* x, const Layout& l, uint8_t* scales, uint
   return true;
 }
 
+// bf16, round-to-nearest-even on the float bits, finite values saturating at 0x7F7F, as
+// element::FloatToBf16. Chunks holding a non-finite value take the scalar rule.
+GEOFP8_AVX2 void EncodeBf16(const float* x, const Layout& l, uint8_t* payload, EncodeStats* st) {
+  const size_t n = l.count;
+  constexpr size_t kChunk = 256;
+  const __m256i abs_mask = _mm256_set1_epi32(0x7FFFFFFF);
+  const __m256i bf16_max = _mm256_set1_epi32(0x7F7F0000);
+  __m256i sat = _mm256_setzero_si256();
+  for (size_t c0 = 0; c0 < n; c0 += kChunk) {
+    const size_t len = std::min(kChunk, n - c0);
+    float unused;
+    if (len < kChunk || !AmaxAllFinite(x + c0, len, &unused)) {
+      for (size_t i = c0; i < c0 + len; ++i) {
+        const uint32_t a = element::FloatBits(x[i]) & 0x7FFFFFFFu;
+        if (a >= 0x7F800000u)
+          ++st->nonfinite;
+        else if (a > 0x7F7F0000u)
+          ++st->saturated;
+        const uint16_t h = element::FloatToBf16(x[i]);
+        std::memcpy(payload + 2 * i, &h, 2);
+      }
+      continue;
+    }
+    for (size_t i = c0; i < c0 + len; i += 16) {
+      __m256i r[2];
+      for (int k = 0; k < 2; ++k) {
+        const __m256i u = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x + i + 8 * k));
+        const __m256i a = _mm256_and_si256(u, abs_mask);
+        sat = _mm256_sub_epi32(sat, _mm256_cmpgt_epi32(a, bf16_max));
+        const __m256i lsb = _mm256_and_si256(_mm256_srli_epi32(a, 16), _mm256_set1_epi32(1));
+        const __m256i t = _mm256_add_epi32(_mm256_add_epi32(a, _mm256_set1_epi32(0x7FFF)), lsb);
+        const __m256i mag = _mm256_min_epi32(_mm256_srli_epi32(t, 16), _mm256_set1_epi32(0x7F7F));
+        const __m256i sign = _mm256_and_si256(_mm256_srli_epi32(u, 16), _mm256_set1_epi32(0x8000));
+        r[k] = _mm256_or_si256(mag, sign);
+      }
+      const __m256i packed = _mm256_permute4x64_epi64(_mm256_packus_epi32(r[0], r[1]), 0xD8);
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(payload + 2 * i), packed);
+    }
+  }
+  alignas(32) uint32_t lanes[8];
+  _mm256_store_si256(reinterpret_cast<__m256i*>(lanes), sat);
+  for (uint32_t c : lanes) st->saturated += c;
+}
+
 }  // namespace
 
 bool EncodeFp8Avx2(const float* x, const Layout& l, uint8_t* scales, uint8_t* payload,
@@ -364,6 +408,8 @@ bool EncodeFp8Avx2(const float* x, const Layout& l, uint8_t* scales, uint8_t* pa
     EncodeMx(x, l, scales, payload, st);
   } else if (l.format == Format::kNvfp4) {
     return EncodeNv(x, l, scales, payload, st);
+  } else if (l.format == Format::kBf16) {
+    EncodeBf16(x, l, payload, st);
   } else {
     return false;
   }

@@ -96,6 +96,11 @@ std::vector<float> MakeData(Data kind, size_t n, uint32_t seed) {
         const float mid = 0.5f * (lo + hi);
         x[i] = element::BitsFloat(element::FloatBits(mid) + static_cast<int>(bits(rng) % 3) - 1);
         if (bits(rng) & 1) x[i] = -x[i];
+        if (bits(rng) % 3 == 0) {
+          // bf16 ties and near-ties: low 16 bits 0x7FFF, 0x8000 or 0x8001.
+          const uint32_t hi = bits(rng) & 0xBFFF0000u;  // finite, any sign
+          x[i] = element::BitsFloat(hi | (0x7FFFu + bits(rng) % 3));
+        }
         break;
       }
     }
@@ -105,10 +110,11 @@ std::vector<float> MakeData(Data kind, size_t n, uint32_t seed) {
 
 TEST(CodecAvx2, BitIdenticalToScalar) {
   if (!detail::CpuHasAvx2()) GTEST_SKIP() << "processor lacks AVX2";
-  const size_t sizes[] = {0, 1, 7, 8, 15, 17, 31, 32, 33, 127, 128, 129, 1000, 4101};
-  for (Format f : {Format::kFp8E4M3, Format::kFp8E5M2, Format::kMxfp8, Format::kNvfp4}) {
+  const size_t sizes[] = {0, 1, 7, 8, 15, 17, 31, 32, 33, 127, 128, 129, 1000, 4101, 2560};
+  for (Format f :
+       {Format::kFp8E4M3, Format::kFp8E5M2, Format::kMxfp8, Format::kNvfp4, Format::kBf16}) {
     for (Scaling s : {Scaling::kNone, Scaling::kTensor, Scaling::kBlock}) {
-      const bool own_blocks = f == Format::kMxfp8 || f == Format::kNvfp4;
+      const bool own_blocks = f == Format::kMxfp8 || f == Format::kNvfp4 || f == Format::kBf16;
       if (own_blocks && s != Scaling::kBlock) continue;  // mxfp8/nvfp4 ignore scaling
       for (uint32_t block : {1u, 16u, 32u, 100u, 128u}) {
         if ((s != Scaling::kBlock || own_blocks) && block != 128) continue;
