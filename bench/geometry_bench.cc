@@ -38,6 +38,9 @@ struct Args {
   double drift = 0.3;        // basis rotation of the stale twin
   uint64_t seed = 1;
   std::vector<Shape> shapes;  // overrides the default shape list of the chosen mode
+  std::vector<SyntheticFamily> families = {SyntheticFamily::kSpectral, SyntheticFamily::kKronecker,
+                                           SyntheticFamily::kLowRankNoise};
+  std::vector<double> decays = {0.5, 1.0, 1.5, 2.0};
   bool require_target = false;  // exit 1 if any quality case with fit >= 1 misses the target
 };
 
@@ -51,11 +54,14 @@ struct Args {
 void PrintHelp() {
   std::printf(
       "usage: %s [--mode quality|cost|all] [--large] [--threads N] [--reps R] [--rank K]\n"
-      "          [--drift D] [--seed S] [--shapes MxN,MxN,...] [--require-target]\n"
-      "  quality: families spectral, kron, lowrank_noise x decay p in {0.5,1,1.5,2} x shapes\n"
-      "           (default 64x64, 256x1024, 1024x256, 512x512, 2048x2048; --large adds\n"
-      "           4096x4096); fp8_e4m3 (tensor and block 128 scaling) and nvfp4, each with the\n"
-      "           same scaling with and without geometry; stale basis = drifted twin (--drift).\n"
+      "          [--drift D] [--seed S] [--shapes MxN,MxN,...] [--families F,F] [--decays P,P]\n"
+      "          [--require-target]\n"
+      "  quality: families (spectral, kron, lowrank_noise) x decay p (0.5,1,1.5,2) x shapes\n"
+      "           (default 64x64, 256x1024, 1024x256, 512x512: the brute-force SVD and band\n"
+      "           projections of 2048x2048 take minutes each on 2 cores, so --large adds\n"
+      "           2048x2048 and 4096x4096); fp8_e4m3 (tensor and block 128 scaling) and nvfp4,\n"
+      "           each with the same scaling with and without geometry; stale basis = drifted\n"
+      "           twin (--drift).\n"
       "  cost:    apply + inverse for k in {8,16,32,64} vs sgemm m x n x 8k (same FLOPs)\n"
       "           (default 1024x1024, 2048x2048, 4096x1024; --large adds 4096x4096)\n",
       kProg);
@@ -128,6 +134,28 @@ Args ParseArgs(int argc, char** argv) {
       a.seed = static_cast<uint64_t>(ParseInt(flag, value(), 0, 1 << 30));
     } else if (flag == "--shapes") {
       a.shapes = ParseShapes(value());
+    } else if (flag == "--families") {
+      a.families.clear();
+      std::string list = value();
+      for (size_t pos = 0; pos <= list.size();) {
+        const size_t comma = std::min(list.find(',', pos), list.size());
+        const std::string name = list.substr(pos, comma - pos);
+        const auto f = ParseSyntheticFamily(name);
+        if (!f) UsageError("--families", "accepted: spectral, kron, lowrank_noise", name);
+        a.families.push_back(*f);
+        pos = comma + 1;
+      }
+    } else if (flag == "--decays") {
+      a.decays.clear();
+      std::string list = value();
+      for (size_t pos = 0; pos <= list.size();) {
+        const size_t comma = std::min(list.find(',', pos), list.size());
+        const std::string item = list.substr(pos, comma - pos);
+        const double p = ParseDouble("--decays", item.c_str());
+        if (p < 0 || p > 8) UsageError("--decays", "each must be in [0, 8]", item);
+        a.decays.push_back(p);
+        pos = comma + 1;
+      }
     } else {
       UsageError("argument", "unknown flag, see --help", flag);
     }
@@ -212,16 +240,18 @@ struct QualityRow {
 int RunQuality(const Args& a) {
   std::vector<Shape> shapes = a.shapes;
   if (shapes.empty()) {
-    shapes = {{64, 64}, {256, 1024}, {1024, 256}, {512, 512}, {2048, 2048}};
-    if (a.large) shapes.push_back({4096, 4096});
+    shapes = {{64, 64}, {256, 1024}, {1024, 256}, {512, 512}};
+    if (a.large) {
+      shapes.push_back({2048, 2048});
+      shapes.push_back({4096, 4096});
+    }
   }
   const std::vector<CodecCase> codecs = QualityCodecs();
   std::vector<std::vector<QualityRow>> rows(codecs.size());
   const auto t_start = std::chrono::steady_clock::now();
   for (const Shape& s : shapes) {
-    for (SyntheticFamily fam : {SyntheticFamily::kSpectral, SyntheticFamily::kKronecker,
-                                SyntheticFamily::kLowRankNoise}) {
-      for (double p : {0.5, 1.0, 1.5, 2.0}) {
+    for (SyntheticFamily fam : a.families) {
+      for (double p : a.decays) {
         SyntheticSpec spec{fam, s.m, s.n, p, a.seed, 0.0};
         const std::vector<float> g = MakeSyntheticGradient(spec);
         spec.drift = a.drift;
@@ -311,7 +341,7 @@ int RunCost(const Args& a) {
     if (a.large) shapes.push_back({4096, 4096});
   }
   std::printf("## Cost: apply + inverse vs sgemm of the same FLOPs (16 m n k), %d BLAS thread(s), "
-              "median of %d\n\n", a.threads, a.reps);
+              "median of %d interleaved reps\n\n", a.threads, a.reps);
   std::printf("| shape | k | apply+inverse ns/elem | GFLOP/s | sgemm m x n x 8k GFLOP/s | ratio to sgemm "
               "| refresh q=1 ms | fp8 enc+dec ns/elem | transform / codec |\n");
   std::printf("|---|---|---|---|---|---|---|---|---|\n");
@@ -331,29 +361,30 @@ int RunCost(const Args& a) {
     }
     const double codec_ns = Median(tc) * 1e9 / elems;
     auto row = [&](const std::string& label, const Geometry& geo, double flops, double refresh_ms) {
+      // Transform and its sgemm baseline are timed interleaved, rep by rep, so a load change on
+      // a shared machine hits both alike and the ratio stays meaningful.
+      const bool lowrank = geo.mode == GeometryMode::kLowRank;
+      const int64_t kk = lowrank ? 8 * geo.k : 0;  // C (m x n) = A (m x 8k) B (8k x n): 16 m n k FLOP
+      std::vector<float> A(static_cast<size_t>(m * kk), 0.5f), B(static_cast<size_t>(kk * n), 0.25f),
+          C(lowrank ? static_cast<size_t>(m * n) : 0);
       std::vector<float> x(g.size());
-      std::vector<double> tt;
+      std::vector<double> tt, tg;
       for (int r = 0; r <= a.reps; ++r) {
         std::copy(g.begin(), g.end(), x.begin());
-        const auto t0 = std::chrono::steady_clock::now();
+        auto t0 = std::chrono::steady_clock::now();
         ApplyGeometry(geo, x);
         InvertGeometry(geo, x);
         if (r) tt.push_back(Seconds(t0));
-      }
-      const double t = Median(tt);
-      std::string gemm = "-", ratio = "-";
-      if (geo.mode == GeometryMode::kLowRank) {
-        // Same-run baseline: C (m x n) = A (m x 8k) B (8k x n), 16 m n k FLOP like apply+inverse.
-        const int64_t kk = 8 * geo.k;
-        std::vector<float> A(static_cast<size_t>(m * kk), 0.5f), B(static_cast<size_t>(kk * n), 0.25f),
-            C(static_cast<size_t>(m * n));
-        std::vector<double> tg;
-        for (int r = 0; r <= a.reps; ++r) {
-          const auto t0 = std::chrono::steady_clock::now();
+        if (lowrank) {
+          t0 = std::chrono::steady_clock::now();
           cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, m, n, kk, 1.f, A.data(), kk,
                       B.data(), n, 0.f, C.data(), n);
           if (r) tg.push_back(Seconds(t0));
         }
+      }
+      const double t = Median(tt);
+      std::string gemm = "-", ratio = "-";
+      if (lowrank) {
         const double tgm = Median(tg);
         char b1[32], b2[32];
         std::snprintf(b1, sizeof(b1), "%.1f", flops / tgm * 1e-9);
