@@ -1,0 +1,262 @@
+// End to end: the real geofp8-coordinator and geofp8-worker processes on 127.0.0.1 running tiny
+// jobs: success with bitwise-equal final parameters on every rank, a live policy change applied
+// at its effective step, a late policy failing loudly, cancel, a dead worker's restart from the
+// checkpoint, session re-registration after a coordinator restart, and /metrics.
+#include <gtest/gtest.h>
+
+#include <netinet/in.h>
+#include <sys/socket.h>
+
+#include <filesystem>
+
+#include "tests/worker/worker_process.h"
+
+namespace geofp8::testing {
+namespace {
+
+using std::chrono::seconds;
+
+// A tiny job: llama-tiny, fp8 with low-rank geometry on the matrices, checkpoints every 10.
+std::string TinySpec(const std::string& name, int steps, const std::string& extra_policy = "",
+                     int world = 2) {
+  return "name: " + name + "\nworld_size: " + std::to_string(world) +
+         "\nbackend: gloo\n"
+         "model: {preset: llama-tiny}\n"
+         "data: {source: synthetic, seed: 1}\n"
+         "training: {steps: " + std::to_string(steps) +
+         ", batch_size: 4, seq_len: 32, lr: 0.002, warmup_steps: 5, seed: 3}\n"
+         "exchange: {timeout_s: 10}\n"
+         "policy:\n"
+         "  default: {format: fp8_e4m3, scaling: block, block: 64, geometry: lowrank, rank: 4}\n" +
+         extra_policy +
+         "geometry_refresh: {interval: 10}\n"
+         "checkpoint: {dir: ckpt, every: 10}\n"
+         "restarts: {max_restarts: 2}\n";
+}
+
+std::string Scrape(int port) {
+  // Minimal HTTP/1.0 GET, enough for prometheus-cpp's civetweb.
+  const int fd = ::socket(AF_INET, SOCK_STREAM, 0);
+  sockaddr_in addr{};
+  addr.sin_family = AF_INET;
+  addr.sin_port = htons(uint16_t(port));
+  addr.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+  if (::connect(fd, reinterpret_cast<sockaddr*>(&addr), sizeof addr) != 0) {
+    ::close(fd);
+    return "";
+  }
+  const std::string req = "GET /metrics HTTP/1.0\r\nHost: 127.0.0.1\r\n\r\n";
+  [[maybe_unused]] ssize_t n = ::write(fd, req.data(), req.size());
+  std::string out;
+  char buf[4096];
+  ssize_t got;
+  while ((got = ::read(fd, buf, sizeof buf)) > 0) out.append(buf, size_t(got));
+  ::close(fd);
+  return out;
+}
+
+class WorkerE2ETest : public ::testing::Test {
+ protected:
+  // Starts n workers and waits until each is registered and idle.
+  void StartWorkers(int n, std::vector<std::string> extra = {}) {
+    std::vector<std::string> names;
+    for (int i = 0; i < n; ++i) {
+      names.push_back("w" + std::to_string(workers_.size()));
+      workers_.push_back(std::make_unique<WorkerProcess>(coordinator_->address(), names.back(),
+                                                         extra));
+    }
+    const auto deadline = std::chrono::steady_clock::now() + seconds(30);
+    for (;;) {
+      size_t idle = 0;
+      for (const auto& w : client_->Workers()) {
+        idle += w.state() == v1::WORKER_IDLE &&
+                std::find(names.begin(), names.end(), w.name()) != names.end();
+      }
+      if (idle == names.size()) return;
+      ASSERT_LT(std::chrono::steady_clock::now(), deadline) << Everything(v1::Job());
+      std::this_thread::sleep_for(std::chrono::milliseconds(20));
+    }
+  }
+  void SetUp() override {
+    coordinator_ = std::make_unique<CoordinatorProcess>(
+        std::vector<std::string>{"--heartbeat-timeout-ms", "2000"});
+    client_ = std::make_unique<Client>(coordinator_->address());
+  }
+  std::string Everything(const v1::Job& job) {
+    std::vector<WorkerProcess*> ws;
+    for (auto& w : workers_) ws.push_back(w.get());
+    return Describe(job, *coordinator_, ws);
+  }
+
+  std::unique_ptr<CoordinatorProcess> coordinator_;
+  std::unique_ptr<Client> client_;
+  std::vector<std::unique_ptr<WorkerProcess>> workers_;
+};
+
+TEST_F(WorkerE2ETest, TwoWorkersFinishATinyJobWithEqualChecksums) {
+  StartWorkers(2);
+  v1::Job job = client_->Submit(TinySpec("e2e", 30));
+  job = client_->WaitFinal(job.id(), seconds(120));
+  ASSERT_EQ(job.state(), v1::JOB_SUCCEEDED) << Everything(job);
+  EXPECT_EQ(job.progress().step(), 29);
+  EXPECT_EQ(job.progress().checkpoint_step(), 30);
+  EXPECT_GT(job.progress().bytes_sent(), 0u);
+  // fp8 with 64-element blocks: well under half of what fp32 would have sent.
+  EXPECT_LT(job.progress().bytes_sent(), job.progress().bytes_baseline() / 2) << Everything(job);
+  auto r0 = workers_[0]->Result(job.id());
+  auto r1 = workers_[1]->Result(job.id());
+  ASSERT_EQ(r0["success"], "1") << Everything(job);
+  ASSERT_EQ(r1["success"], "1") << Everything(job);
+  EXPECT_EQ(r0["steps"], "30");
+  EXPECT_EQ(r0["checksum"], r1["checksum"]);
+  EXPECT_NE(r0["checksum"], "0000000000000000");
+  EXPECT_NE(r0["rank"], r1["rank"]);
+  // Each worker wrote its own checkpoint of the final state.
+  EXPECT_TRUE(std::filesystem::exists(workers_[0]->data_dir() + "/ckpt/" + job.id() + "/w0.ckpt"));
+  EXPECT_TRUE(std::filesystem::exists(workers_[1]->data_dir() + "/ckpt/" + job.id() + "/w1.ckpt"));
+  // /metrics in Prometheus text format with the per-layer series.
+  const std::string m = Scrape(workers_[0]->MetricsPort());
+  EXPECT_NE(m.find("geofp8_worker_step{job=\"" + job.id() + "\"} 29"), std::string::npos) << m;
+  EXPECT_NE(m.find("geofp8_exchange_bytes_total{"), std::string::npos) << m;
+  EXPECT_NE(m.find("format=\"fp8_e4m3\""), std::string::npos) << m;
+  EXPECT_NE(m.find("geofp8_exchange_seconds_count 30"), std::string::npos) << m;
+  EXPECT_NE(m.find("geofp8_quantization_rel_error{layer=\"layers.0.attn.wq\"}"), std::string::npos)
+      << m;
+  EXPECT_NE(m.find("geofp8_worker_jobs_total{result=\"succeeded\"} 1"), std::string::npos) << m;
+  // Both workers are free again.
+  EXPECT_TRUE(client_->WaitIdle(2, seconds(10)));
+}
+
+TEST_F(WorkerE2ETest, LivePolicyChangeTakesEffectAtItsStep) {
+  StartWorkers(2, {"--debug-step-delay-ms", "40"});
+  v1::Job job = client_->Submit(TinySpec("live", 60));
+  job = client_->WaitStep(job.id(), 10, seconds(60));
+  ASSERT_EQ(job.state(), v1::JOB_RUNNING) << Everything(job);
+  v1::LayerPatch patch;
+  patch.set_layer("layers.*");
+  patch.set_format("bf16");
+  patch.set_geometry("none");
+  const v1::Policy p = client_->UpdatePolicy(job.id(), patch, "test: bf16");
+  ASSERT_EQ(p.version(), 2u);
+  job = client_->WaitFinal(job.id(), seconds(120));
+  // The coordinator fails a job whose rank reports a step at or after the effective step under
+  // an older version, so success means both ranks switched in time.
+  ASSERT_EQ(job.state(), v1::JOB_SUCCEEDED) << Everything(job);
+  for (auto& w : workers_) {
+    auto r = w->Result(job.id());
+    EXPECT_EQ(r["policy_version"], "2");
+    EXPECT_NE(w->process().output().find("policy v2 in force from step " +
+                                         std::to_string(p.effective_step()) + " "),
+              std::string::npos)
+        << w->process().output();
+  }
+  EXPECT_EQ(workers_[0]->Result(job.id())["checksum"], workers_[1]->Result(job.id())["checksum"]);
+  const std::string m = Scrape(workers_[0]->MetricsPort());
+  EXPECT_NE(m.find("format=\"bf16\""), std::string::npos) << m;
+}
+
+TEST_F(WorkerE2ETest, PolicyArrivingAfterItsEffectiveStepFailsTheJobLoudly) {
+  StartWorkers(2);
+  // margin 1: the effective step is the step right after the largest reported one, which the
+  // fastest rank has usually started by the time the policy reaches it.
+  v1::Job job = client_->Submit(TinySpec("late", 3000, "  margin: 1\n"));
+  job = client_->WaitStep(job.id(), 20, seconds(60));
+  ASSERT_EQ(job.state(), v1::JOB_RUNNING) << Everything(job);
+  v1::LayerPatch patch;
+  patch.set_layer("*");
+  patch.set_format("bf16");
+  client_->UpdatePolicy(job.id(), patch, "test: late");
+  job = client_->WaitFinal(job.id(), seconds(60));
+  ASSERT_EQ(job.state(), v1::JOB_FAILED) << Everything(job);
+  EXPECT_TRUE(job.reason().find("policy v2 effective at step") != std::string::npos ||
+              job.reason().find("but v2 took effect at step") != std::string::npos)
+      << job.reason();
+  EXPECT_TRUE(client_->WaitIdle(2, seconds(30))) << Everything(job);
+}
+
+TEST_F(WorkerE2ETest, CancelStopsEveryRankAtTheSameStep) {
+  StartWorkers(2);
+  v1::Job job = client_->Submit(TinySpec("cancel", 100000));
+  job = client_->WaitStep(job.id(), 5, seconds(60));
+  ASSERT_EQ(job.state(), v1::JOB_RUNNING) << Everything(job);
+  grpc::ClientContext ctx;
+  auto stub = v1::JobService::NewStub(
+      grpc::CreateChannel(coordinator_->address(), grpc::InsecureChannelCredentials()));
+  v1::CancelJobRequest req;
+  req.set_job_id(job.id());
+  req.set_reason("test");
+  v1::Job cancelled;
+  ASSERT_TRUE(stub->CancelJob(&ctx, req, &cancelled).ok());
+  ASSERT_TRUE(client_->WaitIdle(2, seconds(30))) << Everything(job);
+  // Both ranks agree on the step they stopped at.
+  const auto deadline = std::chrono::steady_clock::now() + seconds(20);
+  std::map<std::string, std::string> r0, r1;
+  while (std::chrono::steady_clock::now() < deadline &&
+         (r0.empty() || r1.empty())) {
+    r0 = workers_[0]->Result(job.id());
+    r1 = workers_[1]->Result(job.id());
+    std::this_thread::sleep_for(std::chrono::milliseconds(50));
+  }
+  EXPECT_EQ(r0["stopped"], "1") << Everything(job);
+  EXPECT_EQ(r1["stopped"], "1") << Everything(job);
+  EXPECT_EQ(r0["steps"], r1["steps"]);
+  EXPECT_EQ(client_->Get(job.id()).state(), v1::JOB_CANCELLED);
+}
+
+TEST_F(WorkerE2ETest, DeadWorkerRestartsTheJobFromItsCheckpoint) {
+  StartWorkers(2, {"--debug-step-delay-ms", "20"});
+  v1::Job job = client_->Submit(TinySpec("restart", 60));
+  job = client_->WaitStep(job.id(), 25, seconds(60));
+  ASSERT_EQ(job.state(), v1::JOB_RUNNING) << Everything(job);
+  ASSERT_GE(job.progress().checkpoint_step(), 10) << Everything(job);
+  // A spare worker joins, then w1 dies without a word.
+  StartWorkers(1, {"--debug-step-delay-ms", "20"});
+  workers_[1]->process().Kill(SIGKILL);
+  job = client_->WaitFinal(job.id(), seconds(120));
+  ASSERT_EQ(job.state(), v1::JOB_SUCCEEDED) << Everything(job);
+  EXPECT_EQ(job.restarts(), 1);
+  EXPECT_EQ(job.attempt(), 1);
+  auto a = workers_[0]->Result(job.id(), 1);
+  auto b = workers_[2]->Result(job.id(), 1);
+  ASSERT_EQ(a["success"], "1") << Everything(job);
+  ASSERT_EQ(b["success"], "1") << Everything(job);
+  EXPECT_EQ(a["checksum"], b["checksum"]);
+  // The spare had no checkpoint of its own: the state came from w0's by broadcast.
+  EXPECT_NE(workers_[2]->process().output().find("resumed at step"), std::string::npos);
+}
+
+TEST_F(WorkerE2ETest, WorkerReRegistersAfterACoordinatorRestart) {
+  StartWorkers(1);
+  const auto before = client_->Workers();
+  ASSERT_EQ(before.size(), 1u);
+  const uint64_t gen = before[0].generation();
+  // Heartbeats keep an idle worker alive well past the 2 s timeout.
+  std::this_thread::sleep_for(seconds(3));
+  ASSERT_EQ(client_->Workers()[0].state(), v1::WORKER_IDLE);
+  // Restart the coordinator on the same port and data directory.
+  const std::string address = coordinator_->address();
+  const std::string port = address.substr(address.rfind(':') + 1);
+  coordinator_->process().Kill(SIGKILL);
+  coordinator_->process().Wait();
+  ChildProcess again({GEOFP8_COORDINATOR_BIN, "--listen", "127.0.0.1:" + port, "--metrics-listen",
+                      "", "--data-dir", coordinator_->data_dir(), "--tick-ms", "50"});
+  ASSERT_TRUE(again.WaitFor("serving on", seconds(20))) << again.output();
+  Client client(address);
+  ASSERT_TRUE(client.WaitIdle(1, seconds(30))) << workers_[0]->process().output();
+  EXPECT_GT(client.Workers()[0].generation(), gen);
+  EXPECT_NE(workers_[0]->process().output().find("registering again"), std::string::npos);
+}
+
+TEST(WorkerCliTest, BadFlagsAreNamedAndExitWith2) {
+  for (const auto& [flag, value] : std::vector<std::pair<std::string, std::string>>{
+           {"--device", "cuda:0"}, {"--capacity", "lots"}, {"--metrics-port", "70000"},
+           {"--coordinator", "nocolon"}}) {
+    ChildProcess p({GEOFP8_WORKER_BIN, flag, value, "--metrics-port",
+                    flag == "--metrics-port" ? value : "-1"});
+    EXPECT_EQ(p.Wait(), 2) << flag;
+    EXPECT_NE(p.output().find("geofp8-worker: error: " + flag), std::string::npos) << p.output();
+  }
+}
+
+}  // namespace
+}  // namespace geofp8::testing

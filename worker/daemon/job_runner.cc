@@ -1,0 +1,712 @@
+// One rank's training loop under the coordinator (see job_runner.h). Per step:
+//   control consensus (stop / abort) -> policy version due at this step -> batch ->
+//   forward+backward with buckets submitted to the exchange engine as they fill -> average ->
+//   clip -> AdamW -> loss all-reduce -> progress, metrics, summaries, checksum, checkpoint.
+
+#include "worker/daemon/job_runner.h"
+
+#include <cmath>
+#include <cstdio>
+#include <filesystem>
+#include <fstream>
+#include <limits>
+#include <optional>
+#include <sstream>
+
+#include "kernels/codec/codec.h"
+#include "kernels/common/check.h"
+#include "kernels/exchange/exchanger.h"
+#include "kernels/exchange/gloo_communicator.h"
+#include "kernels/model/data.h"
+#include "kernels/model/ops.h"
+#include "kernels/model/optimizer.h"
+#include "server/coordinator/policy_engine.h"
+#include "worker/daemon/grpc_store.h"
+#include "worker/daemon/log.h"
+#include "worker/train/checkpoint.h"
+#include "worker/train/trainer.h"
+
+namespace geofp8::worker {
+
+using Clock = std::chrono::steady_clock;
+using std::chrono::milliseconds;
+
+absl::StatusOr<model::ModelConfig> ModelConfigFor(const JobSpec& spec) {
+  std::optional<model::ModelConfig> mc = model::PresetConfig(spec.model.preset);
+  if (!mc) {
+    return absl::InvalidArgumentError("model.preset: unknown preset '" + spec.model.preset +
+                                      "' (accepted: " + std::string(model::AcceptedPresets()) + ")");
+  }
+  // The preset's context length is a default; the job's sequence length wins when longer.
+  mc->seq = std::max(mc->seq, spec.training.seq_len);
+  if (std::string err = model::ValidateModelConfig(*mc); !err.empty()) {
+    return absl::InvalidArgumentError(err);
+  }
+  return *mc;
+}
+
+absl::StatusOr<std::vector<LayerPolicy>> ResolvePolicies(
+    const v1::Policy& policy, const std::vector<model::ParamInfo>& params) {
+  std::vector<LayerPolicy> out;
+  for (const auto& p : params) {
+    const v1::LayerPolicy lp = ResolveLayer(policy, p.name).policy;
+    LayerPolicy r;
+    auto fail = [&](const std::string& field, const std::string& value) {
+      return absl::InvalidArgumentError("policy v" + std::to_string(policy.version()) +
+                                        ": layer " + p.name + ": " + field + ": unknown value '" +
+                                        value + "'");
+    };
+    auto format = ParseFormatName(lp.format());
+    if (!format) return fail("format", lp.format());
+    r.format = *format;
+    if (!lp.scaling().empty()) {
+      auto s = ParseScalingName(lp.scaling());
+      if (!s) return fail("scaling", lp.scaling());
+      r.scaling = *s;
+    }
+    if (lp.block() > 0) r.block = lp.block();
+    if (!lp.rounding().empty()) {
+      auto s = ParseRoundingName(lp.rounding());
+      if (!s) return fail("rounding", lp.rounding());
+      r.rounding = *s;
+    }
+    if (!lp.geometry().empty()) {
+      auto g = ParseGeometryName(lp.geometry());
+      if (!g) return fail("geometry", lp.geometry());
+      r.geometry = *g;
+    }
+    if (lp.rank() > 0) r.rank = lp.rank();
+    if (lp.alpha() > 0) r.alpha = lp.alpha();
+    r.error_feedback = lp.error_feedback();
+    if (!p.is_matrix()) r.geometry = GeometryMode::kNone;  // DESIGN.md section 2
+    out.push_back(r);
+  }
+  return out;
+}
+
+namespace {
+
+std::string Hex(uint64_t v) {
+  char buf[24];
+  std::snprintf(buf, sizeof buf, "%016llx", static_cast<unsigned long long>(v));
+  return buf;
+}
+
+int64_t NowUnixMs() {
+  return std::chrono::duration_cast<milliseconds>(
+             std::chrono::system_clock::now().time_since_epoch())
+      .count();
+}
+
+// Encoded size of a layer under its policy, to attribute a bucket's wire bytes to its layers.
+double EncodedWeight(const LayerPolicy& p, int64_t count) {
+  if (p.format == Format::kFp32) return 4.0 * double(count);
+  if (p.format == Format::kBf16) return 2.0 * double(count);
+  CodecOptions o;
+  o.format = p.format;
+  o.scaling = p.scaling;
+  o.block = p.block;
+  try {
+    return double(EncodedBytes(o, size_t(count)));
+  } catch (const std::exception&) {
+    return double(count);
+  }
+}
+
+}  // namespace
+
+// ---------------------------------------------------------------------------------------------
+
+struct JobRunner::Impl {
+  JobRunner& r;
+  const v1::Assignment& a;
+  JobSpec spec;
+  std::unique_ptr<model::Model<float>> model;
+  std::unique_ptr<model::AdamW> optimizer;
+  std::unique_ptr<model::DataSource> data;
+  std::unique_ptr<GrpcStore> store;
+  std::unique_ptr<Communicator> comm;
+  std::unique_ptr<Exchanger> exchanger;
+  std::vector<LayerPolicy> layer_policies;
+  v1::Policy policy;  // in force
+  std::vector<size_t> bucket_of;
+  std::vector<int32_t> tokens;
+  std::vector<float> local;  // this rank's gradient before the exchange (when measuring)
+  std::string checkpoint_path;  // empty: checkpoints off
+  int rank = 0, world = 1, seq = 0;
+  uint64_t bytes_sent = 0, bytes_baseline = 0;
+  double tokens_per_second = 0;
+
+  explicit Impl(JobRunner& runner) : r(runner), a(runner.assignment_) {}
+
+  void Send(v1::WorkerMessage m, bool reliable) { r.send_(std::move(m), reliable); }
+
+  // Registers every policy version of the job the coordinator knows, so a resumed attempt
+  // applies the one in force at its start step and queues the later ones.
+  void LoadPolicyVersions() {
+    auto stub = v1::PolicyService::NewStub(r.connection_->channel());
+    v1::ListPolicyVersionsRequest req;
+    req.set_job_id(a.job_id());
+    v1::ListPolicyVersionsResponse resp;
+    grpc::Status s = stub->ListPolicyVersions(r.connection_->Context(milliseconds(10000)).get(),
+                                              req, &resp);
+    std::lock_guard<std::mutex> lock(r.mu_);
+    if (s.ok()) {
+      for (const auto& p : resp.policies()) r.policies_.emplace(p.version(), p);
+    } else {
+      Log("job " + a.job_id() + ": listing policy versions failed (" + DescribeStatus(s) +
+          "); using the assignment's policy v" + std::to_string(a.policy().version()));
+    }
+    r.policies_.emplace(a.policy().version(), a.policy());
+  }
+
+  // The newest queued version with effective_step <= step, removing every such version.
+  // From here on a version effective at or before `step` arrives too late (see OfferPolicy).
+  std::optional<v1::Policy> TakeDuePolicy(int64_t step) {
+    std::lock_guard<std::mutex> lock(r.mu_);
+    r.started_step_ = step;
+    std::optional<v1::Policy> due;
+    for (auto it = r.policies_.begin(); it != r.policies_.end();) {
+      if (it->second.effective_step() <= step) {
+        if (it->first > policy.version()) due = it->second;
+        it = r.policies_.erase(it);
+      } else {
+        ++it;
+      }
+    }
+    return due;
+  }
+
+  // Schedule for the exchanger: the policy's own, else the one sent for the catalog. Layers
+  // without geometry get an entry that never fires on a used layer.
+  std::vector<RefreshSchedule> ScheduleFor(const v1::Policy& p, bool* missing, std::string* which) {
+    std::map<std::string, v1::RefreshSchedule> by_layer;
+    {
+      std::lock_guard<std::mutex> lock(r.mu_);
+      for (const auto& s : r.initial_schedule_) by_layer[s.layer()] = s;
+    }
+    for (const auto& s : p.refresh()) by_layer[s.layer()] = s;
+    std::vector<RefreshSchedule> out;
+    *missing = false;
+    for (size_t l = 0; l < model->params().size(); ++l) {
+      RefreshSchedule rs;
+      rs.owner = 0;
+      rs.interval = std::numeric_limits<int>::max();
+      rs.offset = 0;
+      auto it = by_layer.find(model->params()[l].name);
+      if (it != by_layer.end()) {
+        rs.owner = it->second.owner();
+        rs.interval = std::max(1, it->second.interval());
+        rs.offset = std::max(0, it->second.offset());
+      } else if (layer_policies.size() > l && layer_policies[l].geometry != GeometryMode::kNone) {
+        *missing = true;
+        *which = model->params()[l].name;
+      }
+      out.push_back(rs);
+    }
+    return out;
+  }
+
+  bool UsesGeometry() const {
+    for (const auto& p : layer_policies) {
+      if (p.geometry != GeometryMode::kNone) return true;
+    }
+    return false;
+  }
+
+  // Puts `p` in force: resolves every layer's policy and rebuilds the exchange engine with
+  // the version in its fingerprint. Geometry state does not carry over (the engine cannot
+  // import it): layers with geometry re-warm until their next scheduled refresh.
+  void Apply(const v1::Policy& p, int64_t step) {
+    auto resolved = ResolvePolicies(p, model->params());
+    GEOFP8_CHECK(resolved.ok(), std::string(resolved.status().message()));
+    layer_policies = *resolved;
+    std::vector<RefreshSchedule> schedule;
+    if (UsesGeometry()) {
+      bool missing = false;
+      std::string which;
+      schedule = ScheduleFor(p, &missing, &which);
+      if (missing) {
+        // The schedule follows rank 0's layer catalog; wait for it (same answer on every rank).
+        std::unique_lock<std::mutex> lock(r.mu_);
+        r.cv_.wait_for(lock, r.options_.schedule_wait,
+                       [&] { return !r.initial_schedule_.empty() || !r.stop_reason_.empty(); });
+        lock.unlock();
+        schedule = ScheduleFor(p, &missing, &which);
+        GEOFP8_CHECK(!missing, "policy v", p.version(), ": no geometry refresh schedule for layer ",
+                     which, " arrived within ", r.options_.schedule_wait.count(), " ms");
+      }
+    }
+    std::vector<LayerSpec> layers;
+    for (size_t i = 0; i < model->params().size(); ++i) {
+      const model::ParamInfo& pi = model->params()[i];
+      LayerSpec ls;
+      ls.name = pi.name;
+      ls.rows = pi.is_matrix() ? pi.rows : pi.size();
+      ls.cols = pi.is_matrix() ? pi.cols : 1;
+      ls.policy = layer_policies[i];
+      layers.push_back(ls);
+    }
+    ExchangeOptions eo;
+    eo.algorithm = spec.exchange.algorithm;
+    eo.bucket_cap_bytes = size_t(std::max(1.0, spec.exchange.bucket_mb * 1024 * 1024));
+    eo.timeout = milliseconds(int64_t(spec.exchange.timeout_s) * 1000);
+    eo.policy_version = p.version();
+    eo.seed = spec.training.seed;
+    exchanger.reset();
+    exchanger = std::make_unique<Exchanger>(*comm, std::move(layers), eo, std::move(schedule));
+    bucket_of.assign(model->params().size(), 0);
+    for (size_t b = 0; b < exchanger->buckets().size(); ++b) {
+      for (uint32_t l : exchanger->buckets()[b].layers) bucket_of[l] = b;
+    }
+    policy = p;
+    r.version_in_force_ = p.version();
+    if (r.metrics_) r.metrics_->PolicyVersion(p.version());
+    Log("job " + a.job_id() + " rank " + std::to_string(rank) + ": policy v" +
+        std::to_string(p.version()) + " in force from step " + std::to_string(step) + " (" +
+        p.reason() + ")");
+    v1::WorkerMessage ack;
+    ack.mutable_policy_ack()->set_version(p.version());
+    Send(std::move(ack), false);
+  }
+
+  std::string ResolveCheckpointPath() const {
+    if (spec.checkpoint.dir.empty() || spec.checkpoint.every <= 0) return "";
+    std::filesystem::path dir = spec.checkpoint.dir;
+    if (dir.is_relative()) dir = std::filesystem::path(r.options_.data_dir) / dir;
+    dir /= a.job_id();
+    std::error_code ec;
+    std::filesystem::create_directories(dir, ec);
+    GEOFP8_CHECK(!ec, "checkpoint.dir: cannot create ", dir.string(), ": ", ec.message());
+    return (dir / (r.options_.worker_name + ".ckpt")).string();
+  }
+
+  std::string Fingerprint() const {
+    const model::ModelConfig& m = model->config();
+    std::ostringstream os;
+    os << "job=" << a.job_id() << " model=" << m.vocab << "/" << m.dim << "/" << m.layers << "/"
+       << m.heads << "/" << m.ffn << "/" << m.seq << " world=" << world
+       << " batch=" << spec.training.batch_size << " seq=" << seq
+       << " seed=" << spec.training.seed;
+    return os.str();
+  }
+
+  void SaveCheckpoint(int64_t next_step) {
+    train::Checkpoint c;
+    c.fingerprint = Fingerprint();
+    c.next_step = next_step;
+    c.rng_seed = spec.training.seed;
+    c.weights = model->weights();
+    c.m = optimizer->m();
+    c.v = optimizer->v();
+    train::SaveCheckpoint(checkpoint_path, c);
+    if (r.metrics_) r.metrics_->Checkpoint(next_step);
+    if (rank == 0) {
+      v1::WorkerMessage m;
+      m.mutable_checkpoint()->set_step(next_step);
+      m.mutable_checkpoint()->set_path(checkpoint_path);
+      Send(std::move(m), true);
+    }
+  }
+
+  // Resumes at a.resume_step(): any rank whose own checkpoint is at that step broadcasts its
+  // state (every rank's is identical), so a restart may land on different workers.
+  void Restore(int64_t resume_step) {
+    bool have = false;
+    train::Checkpoint c;
+    if (!checkpoint_path.empty() && std::filesystem::exists(checkpoint_path)) {
+      try {
+        c = train::LoadCheckpoint(checkpoint_path);
+        have = c.next_step == resume_step && c.fingerprint == Fingerprint() &&
+               c.weights.size() == model->weights().size();
+      } catch (const std::exception& e) {
+        Log("job " + a.job_id() + ": ignoring checkpoint " + checkpoint_path + ": " + e.what());
+      }
+    }
+    const uint32_t holder = comm->MaxReduce(have ? uint32_t(rank + 1) : 0u);
+    GEOFP8_CHECK(holder > 0, "resume: no rank holds a checkpoint at step ", resume_step,
+                 " (looked for ", checkpoint_path.empty() ? "<checkpoints off>" : checkpoint_path,
+                 " on every worker)");
+    const int root = int(holder) - 1;
+    if (rank == root) {
+      model->weights() = c.weights;
+      optimizer->m() = c.m;
+      optimizer->v() = c.v;
+    }
+    for (std::vector<float>* buf : {&model->weights(), &optimizer->m(), &optimizer->v()}) {
+      comm->Broadcast({reinterpret_cast<uint8_t*>(buf->data()), buf->size() * sizeof(float)}, root);
+    }
+    Log("job " + a.job_id() + " rank " + std::to_string(rank) + ": resumed at step " +
+        std::to_string(resume_step) + " from rank " + std::to_string(root) + "'s checkpoint");
+  }
+
+  void VerifyChecksum(int64_t step, uint64_t* out) {
+    const uint64_t mine = train::Checksum({model->weights(), optimizer->m(), optimizer->v()});
+    std::vector<uint64_t> all(world);
+    std::vector<size_t> counts(world, sizeof(uint64_t));
+    comm->AllGatherV({reinterpret_cast<const uint8_t*>(&mine), sizeof mine},
+                     {reinterpret_cast<uint8_t*>(all.data()), all.size() * sizeof(uint64_t)},
+                     counts);
+    for (int q = 1; q < world; ++q) {
+      GEOFP8_CHECK(all[q] == all[0], "parameter checksum mismatch after step ", step, ": rank ", q,
+                   " has ", Hex(all[q]), " vs rank 0 ", Hex(all[0]),
+                   "; ranks are no longer bitwise identical");
+    }
+    if (out) *out = mine;
+  }
+
+  // rel_fro_error of each layer's exchanged average against the exact fp32 average.
+  void Summaries(int64_t step) {
+    std::vector<float> exact(local.size());
+    const float n = float(world);
+    for (size_t i = 0; i < exact.size(); ++i) exact[i] = local[i] / n;
+    comm->AllReduceSum(exact);
+    if (rank != 0) return;
+    v1::WorkerMessage m;
+    auto* sums = m.mutable_summaries();
+    for (size_t l = 0; l < model->params().size(); ++l) {
+      const model::ParamInfo& p = model->params()[l];
+      double e2 = 0, g2 = 0;
+      for (int64_t j = p.offset; j < p.offset + p.size(); ++j) {
+        const double d = double(model->grads()[j]) - exact[j];
+        e2 += d * d;
+        g2 += double(exact[j]) * exact[j];
+      }
+      const double err = g2 > 0 ? std::sqrt(e2 / g2) : std::sqrt(e2);
+      auto* s = sums->add_layers();
+      s->set_layer(p.name);
+      s->set_step(step);
+      s->set_rel_fro_error(err);
+      s->set_geometry_version(exchanger->active_geometry(uint32_t(l)).version);
+      if (r.metrics_) r.metrics_->LayerError(p.name, err);
+    }
+    Send(std::move(m), false);
+  }
+
+  // Returns the control decision agreed by all ranks: 0 run, 1 stop, 2 abort (a rank failed).
+  uint32_t Control(int64_t step) {
+    uint32_t mine = 0;
+    {
+      std::lock_guard<std::mutex> lock(r.mu_);
+      if (!r.stop_reason_.empty()) mine = 1;
+      if (!r.late_policy_error_.empty()) mine = 2;
+    }
+    return comm->MaxReduce(mine);
+  }
+
+  JobOutcome Run() {
+    JobOutcome out;
+    rank = a.rank();
+    world = a.world_size();
+    auto parsed = ParseJobSpec(a.spec_yaml());
+    GEOFP8_CHECK(parsed.ok(), "spec: ", std::string(parsed.status().message()));
+    spec = *parsed;
+    GEOFP8_CHECK(spec.backend == "gloo", "backend: this worker runs --device cpu, which needs gloo (",
+                 spec.backend, ")");
+    GEOFP8_CHECK(spec.training.optimizer == "adamw",
+                 "training.optimizer: the worker's trainer implements adamw only (",
+                 spec.training.optimizer, ")");
+    GEOFP8_CHECK(spec.data.source == "synthetic" || spec.data.source == "file",
+                 "data.source: unknown (", spec.data.source, ")");
+    auto mc = ModelConfigFor(spec);
+    GEOFP8_CHECK(mc.ok(), std::string(mc.status().message()));
+    model::SetBlasThreads(r.options_.blas_threads);
+    model = std::make_unique<model::Model<float>>(*mc);
+    seq = spec.training.seq_len;
+    model::OptimizerOptions oo;
+    oo.lr = float(spec.training.lr);
+    oo.min_lr = oo.lr * 0.1f;
+    oo.warmup_steps = int(spec.training.warmup_steps);
+    oo.total_steps = int(std::max<int64_t>(spec.training.steps, 1));
+    oo.weight_decay = float(spec.training.weight_decay);
+    oo.clip_norm = float(spec.training.grad_clip);
+    if (std::string err = model::ValidateOptimizerOptions(oo); !err.empty()) {
+      GEOFP8_FAIL("training: ", err);
+    }
+    optimizer = std::make_unique<model::AdamW>(oo, model->params());
+    data = model::MakeDataSource(spec.data.source == "file" ? spec.data.path : "synthetic",
+                                 spec.data.seed);
+    model->Init(spec.training.seed);
+    checkpoint_path = ResolveCheckpointPath();
+    LoadPolicyVersions();
+
+    // Rendezvous through the coordinator, under this attempt's key prefix.
+    store = std::make_unique<GrpcStore>(r.connection_, a.job_id(), a.rendezvous_prefix());
+    GlooOptions go;
+    go.hostname = r.options_.advertise_host;
+    go.prefix = "gloo";
+    go.timeout = milliseconds(int64_t(spec.exchange.timeout_s) * 1000);
+    comm = CreateGlooCommunicator(*store, rank, world, go);
+    comm->set_timeout(go.timeout);
+    Log("job " + a.job_id() + " attempt " + std::to_string(a.attempt()) + ": rank " +
+        std::to_string(rank) + "/" + std::to_string(world) + " connected over gloo");
+
+    if (rank == 0) {
+      v1::WorkerMessage m;
+      for (const auto& p : model->params()) {
+        auto* li = m.mutable_catalog()->add_layers();
+        li->set_name(p.name);
+        li->set_rows(p.is_matrix() ? p.rows : p.size());
+        li->set_cols(p.is_matrix() ? p.cols : 1);
+      }
+      Send(std::move(m), true);
+    }
+
+    int64_t start = 0;
+    if (a.resume_step() > 0) {
+      Restore(a.resume_step());
+      start = a.resume_step();
+    }
+    policy.set_version(0);
+    {
+      std::optional<v1::Policy> first = TakeDuePolicy(start);
+      GEOFP8_CHECK(first.has_value(), "policy: no version in force at step ", start);
+      Apply(*first, start);
+    }
+
+    const int64_t steps = spec.training.steps;
+    const size_t L = model->params().size();
+    const double baseline_per_step =
+        world > 1 ? 2.0 * (world - 1) / world * 4.0 * double(model->weights().size()) : 0.0;
+    const int64_t step_tokens = int64_t(world) * spec.training.batch_size * seq;
+    for (int64_t step = start; step < steps; ++step) {
+      const uint32_t control = Control(step);
+      if (control != 0) {
+        std::lock_guard<std::mutex> lock(r.mu_);
+        if (control == 2 && !r.late_policy_error_.empty()) GEOFP8_FAIL(r.late_policy_error_);
+        out.stopped = true;
+        out.reason = control == 2 ? "aborted at step " + std::to_string(step) +
+                                        ": another rank failed"
+                     : !r.stop_reason_.empty() ? "stopped at step " + std::to_string(step) + ": " +
+                                                     r.stop_reason_
+                                               : "stopped at step " + std::to_string(step) +
+                                                     " (another rank was told to stop)";
+        out.steps = step;
+        return out;
+      }
+      if (std::optional<v1::Policy> due = TakeDuePolicy(step)) Apply(*due, step);
+
+      const auto t0 = Clock::now();
+      const bool measure = r.options_.summary_every > 0 && step % r.options_.summary_every == 0;
+      data->TrainBatch(step, rank, world, spec.training.batch_size, seq, &tokens);
+      std::vector<std::span<float>> grads(L);
+      for (size_t i = 0; i < L; ++i) grads[i] = model->grad(int(i));
+      if (measure) local.resize(model->grads().size());
+      std::vector<size_t> remaining(exchanger->buckets().size());
+      for (size_t b = 0; b < remaining.size(); ++b) {
+        remaining[b] = exchanger->buckets()[b].layers.size();
+      }
+      size_t next_bucket = 0;
+      auto on_ready = [&](int i) {
+        if (measure) {
+          auto g = model->grad(i);
+          std::copy(g.begin(), g.end(), local.begin() + model->params()[i].offset);
+        }
+        --remaining[bucket_of[i]];
+        while (next_bucket < remaining.size() && remaining[next_bucket] == 0) {
+          exchanger->Submit(uint64_t(step), next_bucket++, grads);
+        }
+      };
+      const double loss =
+          model->ForwardBackward(tokens, spec.training.batch_size, seq, on_ready);
+      GEOFP8_CHECK(next_bucket == remaining.size(), "backward left buckets unsubmitted");
+      const StepResult ex = exchanger->Finish(uint64_t(step));
+      if (measure) Summaries(step);
+      if (!ex.skipped) {
+        model::ClipGradNorm(model->grads(), optimizer->options().clip_norm);
+        optimizer->Step(model->weights(), model->grads(), step);
+      }
+      float sum[1] = {float(loss)};
+      comm->AllReduceSum(sum);
+      const double mean_loss = double(sum[0]) / world;
+      const double seconds = std::chrono::duration<double>(Clock::now() - t0).count();
+      const double tps = seconds > 0 ? double(step_tokens) / seconds : 0;
+      tokens_per_second = tokens_per_second == 0 ? tps : 0.8 * tokens_per_second + 0.2 * tps;
+      bytes_sent += ex.bytes_sent;
+      bytes_baseline += uint64_t(baseline_per_step);
+      GEOFP8_CHECK(std::isfinite(mean_loss) || ex.skipped, "loss is not finite at step ", step);
+
+      if (r.metrics_) {
+        r.metrics_->Step(step, mean_loss, tokens_per_second, seconds, ex.seconds, ex.skipped);
+        for (const BucketResult& b : ex.buckets) {
+          const auto& ls = exchanger->buckets()[b.bucket].layers;
+          double total = 0;
+          for (uint32_t l : ls) total += EncodedWeight(layer_policies[l], model->params()[l].size());
+          for (uint32_t l : ls) {
+            const double share =
+                total > 0 ? EncodedWeight(layer_policies[l], model->params()[l].size()) / total : 0;
+            r.metrics_->LayerBytes(model->params()[l].name,
+                                   std::string(FormatNameOf(layer_policies[l].format)),
+                                   double(b.bytes_sent) * share);
+          }
+        }
+        for (const RefreshRecord& rr : ex.refreshes) {
+          r.metrics_->Refresh(model->params()[rr.layer].name, rr.drift);
+        }
+      }
+      v1::WorkerMessage pm;
+      auto* p = pm.mutable_progress();
+      p->set_step(step);
+      p->set_loss(mean_loss);
+      p->set_tokens_per_second(tokens_per_second);
+      p->set_bytes_sent(bytes_sent);
+      p->set_bytes_baseline(bytes_baseline);
+      p->set_policy_version(policy.version());
+      Send(std::move(pm), false);
+
+      const bool last = step + 1 == steps;
+      if (last || (r.options_.checksum_every > 0 && (step + 1) % r.options_.checksum_every == 0)) {
+        VerifyChecksum(step, last ? &out.checksum : nullptr);
+      }
+      if (!checkpoint_path.empty() && (last || (step + 1) % spec.checkpoint.every == 0)) {
+        SaveCheckpoint(step + 1);
+      }
+      if (r.options_.debug_step_delay.count() > 0) {
+        std::this_thread::sleep_for(r.options_.debug_step_delay);
+      }
+    }
+    out.success = true;
+    out.steps = steps;
+    out.policy_version = policy.version();
+    if (start == steps) VerifyChecksum(steps - 1, &out.checksum);
+    out.reason = "completed " + std::to_string(steps) + " steps; checksum " + Hex(out.checksum);
+    return out;
+  }
+};
+
+// ---------------------------------------------------------------------------------------------
+
+JobRunner::JobRunner(std::shared_ptr<Connection> connection, v1::Assignment assignment,
+                     JobRunnerOptions options, SendFn send, WorkerMetrics* metrics)
+    : connection_(std::move(connection)),
+      assignment_(std::move(assignment)),
+      options_(std::move(options)),
+      send_(std::move(send)),
+      metrics_(metrics) {
+  for (const auto& s : assignment_.policy().refresh()) initial_schedule_.push_back(s);
+  if (!initial_schedule_.empty()) initial_schedule_version_ = assignment_.policy().version();
+}
+
+JobRunner::~JobRunner() { Join(); }
+
+void JobRunner::Start() {
+  thread_ = std::thread([this] {
+    JobOutcome o = Run();
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      outcome_ = o;
+    }
+    done_ = true;
+  });
+}
+
+void JobRunner::Join() {
+  if (thread_.joinable()) thread_.join();
+}
+
+JobOutcome JobRunner::outcome() const {
+  std::lock_guard<std::mutex> lock(mu_);
+  return outcome_;
+}
+
+void JobRunner::OfferPolicy(const v1::Policy& policy) {
+  std::lock_guard<std::mutex> lock(mu_);
+  if (policy.version() <= version_in_force_.load() || policies_.count(policy.version())) return;
+  const int64_t at = started_step_.load();
+  if (at >= 0 && policy.effective_step() <= at) {
+    if (late_policy_error_.empty()) {
+      late_policy_error_ = "policy v" + std::to_string(policy.version()) + " effective at step " +
+                           std::to_string(policy.effective_step()) + " arrived at step " +
+                           std::to_string(at) + " on rank " + std::to_string(assignment_.rank()) +
+                           " (already passed; the ranks would diverge)";
+      Log("job " + assignment_.job_id() + ": " + late_policy_error_);
+      if (metrics_) metrics_->Error("policy_late");
+    }
+    return;
+  }
+  policies_.emplace(policy.version(), policy);
+}
+
+void JobRunner::OfferRefresh(const v1::RefreshSchedules& refresh) {
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    // The catalog's schedule is taken once, before the first step: it has no effective step,
+    // so a later one could not be applied at the same step on every rank. Policy versions carry
+    // their own schedules after that.
+    if (!initial_schedule_.empty()) return;
+    initial_schedule_.assign(refresh.schedules().begin(), refresh.schedules().end());
+    initial_schedule_version_ = refresh.policy_version();
+  }
+  cv_.notify_all();
+}
+
+void JobRunner::RequestStop(const std::string& reason) {
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    if (stop_reason_.empty()) stop_reason_ = reason.empty() ? "stop requested" : reason;
+  }
+  cv_.notify_all();
+}
+
+JobOutcome JobRunner::Run() {
+  const auto start = Clock::now();
+  if (metrics_) metrics_->JobStarted(assignment_.job_id(), assignment_.rank(), assignment_.world_size());
+  Log("job " + assignment_.job_id() + " attempt " + std::to_string(assignment_.attempt()) +
+      ": starting rank " + std::to_string(assignment_.rank()) + " of " +
+      std::to_string(assignment_.world_size()) +
+      (assignment_.resume_step() > 0
+           ? " from checkpoint step " + std::to_string(assignment_.resume_step())
+           : std::string()));
+  JobOutcome out;
+  try {
+    Impl impl(*this);
+    out = impl.Run();
+  } catch (const std::exception& e) {
+    out.success = false;
+    out.reason = e.what();
+    std::unique_lock<std::mutex> lock(mu_);
+    // A collective that failed because a peer vanished is the coordinator's to judge: it
+    // declares the peer dead and restarts the attempt from its checkpoint (a Stop reaches us).
+    // Reporting the failure ourselves would make it final.
+    const bool transport = out.reason.find("gloo") != std::string::npos ||
+                           out.reason.find("timed out") != std::string::npos ||
+                           out.reason.find("timeout") != std::string::npos;
+    if (transport && stop_reason_.empty()) {
+      Log("job " + assignment_.job_id() + ": collective failed (" + out.reason +
+          "); waiting up to " + std::to_string(options_.peer_failure_grace.count()) +
+          " ms for the coordinator's verdict");
+      cv_.wait_for(lock, options_.peer_failure_grace, [&] { return !stop_reason_.empty(); });
+    }
+    // A failure while a stop was pending is the stop's consequence (peers left), not news.
+    if (!stop_reason_.empty()) {
+      out.stopped = true;
+      out.reason = "stopped (" + stop_reason_ + "); then: " + out.reason;
+    }
+  }
+  out.policy_version = version_in_force_.load();
+  if (!out.stopped) {
+    v1::WorkerMessage m;
+    m.mutable_finished()->set_success(out.success);
+    m.mutable_finished()->set_reason(out.reason);
+    send_(std::move(m), true);
+  }
+  Log("job " + assignment_.job_id() + " attempt " + std::to_string(assignment_.attempt()) +
+      " rank " + std::to_string(assignment_.rank()) + ": " +
+      (out.success ? "SUCCEEDED" : out.stopped ? "STOPPED" : "FAILED") + ": " + out.reason +
+      " (" + std::to_string(std::chrono::duration<double>(Clock::now() - start).count()) + " s)");
+  // A small result file: tests and operators read the final checksum without scraping logs.
+  std::error_code ec;
+  const std::filesystem::path dir = std::filesystem::path(options_.data_dir) / "results";
+  std::filesystem::create_directories(dir, ec);
+  std::ofstream f(dir / (assignment_.job_id() + ".attempt" + std::to_string(assignment_.attempt()) +
+                         ".txt"));
+  f << "job=" << assignment_.job_id() << "\nattempt=" << assignment_.attempt()
+    << "\nrank=" << assignment_.rank() << "\nsuccess=" << (out.success ? 1 : 0)
+    << "\nstopped=" << (out.stopped ? 1 : 0) << "\nsteps=" << out.steps
+    << "\nchecksum=" << Hex(out.checksum) << "\npolicy_version=" << out.policy_version
+    << "\nfinished_unix_ms=" << NowUnixMs() << "\nreason=" << out.reason << "\n";
+  if (metrics_) metrics_->JobEnded(out.success);
+  return out;
+}
+
+}  // namespace geofp8::worker

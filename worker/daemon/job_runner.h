@@ -1,0 +1,107 @@
+// One rank of one job attempt, as the coordinator assigned it: the Llama trainer over the
+// exchange engine with Gloo rendezvoused through the coordinator, policy versions applied at
+// their effective step, progress/summaries/checkpoints reported over the session.
+#pragma once
+
+#include <atomic>
+#include <chrono>
+#include <condition_variable>
+#include <cstdint>
+#include <functional>
+#include <map>
+#include <memory>
+#include <mutex>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "geofp8/v1/geofp8.pb.h"
+#include "kernels/exchange/policy.h"
+#include "kernels/model/model.h"
+#include "server/coordinator/job_spec.h"
+#include "worker/daemon/connection.h"
+#include "worker/daemon/metrics.h"
+
+namespace geofp8::worker {
+
+struct JobRunnerOptions {
+  std::string worker_name;        // names this worker's checkpoint file
+  std::string data_dir;           // checkpoints (relative checkpoint.dir) and results live here
+  std::string advertise_host = "127.0.0.1";  // address peers reach this rank's Gloo pairs on
+  int summary_every = 10;         // per-layer error summaries (rank 0), steps; 0: never
+  int checksum_every = 10;        // cross-rank parameter checksum, steps; 0: only at the end
+  int blas_threads = 1;
+  std::chrono::milliseconds schedule_wait{30000};  // wait for the refresh schedule at start
+  // After a transport failure (a peer vanished), how long to wait for the coordinator's Stop
+  // before reporting the failure: a dead peer makes the attempt restartable, and only the
+  // coordinator can tell (heartbeat timeout). The daemon sets it from the heartbeat timeout.
+  std::chrono::milliseconds peer_failure_grace{15000};
+  // Tests: sleep this long after every step (to make a live policy change land mid-run).
+  std::chrono::milliseconds debug_step_delay{0};
+};
+
+// What one attempt ended with, also written to <data_dir>/results/<job_id>.<attempt>.txt.
+struct JobOutcome {
+  bool success = false;
+  bool stopped = false;        // ended by a coordinator Stop (no Finished sent)
+  std::string reason;
+  int64_t steps = 0;           // steps completed (the last step index + 1)
+  uint64_t checksum = 0;       // FNV-1a of final weights and moments (train::Checksum)
+  uint64_t policy_version = 0; // in force at the end
+};
+
+// Everything the daemon feeds a runner from the session thread is thread-safe; Run() happens
+// on the runner's own thread.
+class JobRunner {
+ public:
+  using SendFn = std::function<bool(v1::WorkerMessage message, bool reliable)>;
+
+  JobRunner(std::shared_ptr<Connection> connection, v1::Assignment assignment,
+            JobRunnerOptions options, SendFn send, WorkerMetrics* metrics);
+  ~JobRunner();  // joins
+
+  void Start();
+  // Thread-safe notifications from the session.
+  void OfferPolicy(const v1::Policy& policy);
+  void OfferRefresh(const v1::RefreshSchedules& refresh);
+  void RequestStop(const std::string& reason);
+
+  bool done() const { return done_.load(); }
+  void Join();
+  const v1::Assignment& assignment() const { return assignment_; }
+  JobOutcome outcome() const;
+
+ private:
+  struct Impl;
+  JobOutcome Run();
+
+  std::shared_ptr<Connection> connection_;
+  v1::Assignment assignment_;
+  JobRunnerOptions options_;
+  SendFn send_;
+  WorkerMetrics* metrics_;
+
+  mutable std::mutex mu_;
+  std::condition_variable cv_;
+  std::map<uint64_t, v1::Policy> policies_;  // by version, not yet in force
+  std::vector<v1::RefreshSchedule> initial_schedule_;
+  uint64_t initial_schedule_version_ = 0;
+  std::string stop_reason_;        // non-empty once the coordinator asked to stop
+  std::string late_policy_error_;  // non-empty once a policy arrived after its effective step
+  std::atomic<int64_t> started_step_{-1};  // index of the step running or last run
+  std::atomic<uint64_t> version_in_force_{0};
+
+  std::atomic<bool> done_{false};
+  JobOutcome outcome_;
+  std::thread thread_;
+};
+
+// Converts the job spec to the model's shape (preset, with seq widened to training.seq_len);
+// errors name the spec field.
+absl::StatusOr<model::ModelConfig> ModelConfigFor(const JobSpec& spec);
+// The LayerPolicy of every parameter under `policy` (default plus matching patches); 1-D
+// parameters always use geometry none. Errors name the layer and field.
+absl::StatusOr<std::vector<LayerPolicy>> ResolvePolicies(const v1::Policy& policy,
+                                                         const std::vector<model::ParamInfo>& params);
+
+}  // namespace geofp8::worker

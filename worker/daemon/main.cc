@@ -1,0 +1,176 @@
+// geofp8-worker: registers with the coordinator, runs the ranks it is assigned (trainer +
+// exchange engine over Gloo), streams progress, and serves Prometheus /metrics.
+#include <signal.h>
+#include <sys/sysinfo.h>
+#include <unistd.h>
+
+#include <cerrno>
+#include <cstdio>
+#include <cstdlib>
+#include <fstream>
+#include <string>
+
+#include <CLI/CLI.hpp>
+
+#include "worker/daemon/log.h"
+#include "worker/daemon/worker.h"
+
+namespace {
+
+int g_signal_pipe[2] = {-1, -1};
+void OnSignal(int sig) {
+  const int saved = errno;
+  [[maybe_unused]] ssize_t n = write(g_signal_pipe[1], &sig, sizeof sig);
+  errno = saved;
+}
+
+int UsageError(const std::string& message) {
+  std::fprintf(stderr, "geofp8-worker: error: %s\n", message.c_str());
+  return 2;
+}
+
+// "8GiB", "512MiB", "1000000" (bytes). Returns false on anything else.
+bool ParseBytes(const std::string& text, uint64_t* out) {
+  size_t used = 0;
+  double v = 0;
+  try {
+    v = std::stod(text, &used);
+  } catch (const std::exception&) {
+    return false;
+  }
+  const std::string unit = text.substr(used);
+  double mult = 1;
+  if (unit == "" || unit == "B") mult = 1;
+  else if (unit == "KiB") mult = 1024.0;
+  else if (unit == "MiB") mult = 1024.0 * 1024;
+  else if (unit == "GiB") mult = 1024.0 * 1024 * 1024;
+  else if (unit == "TiB") mult = 1024.0 * 1024 * 1024 * 1024;
+  else return false;
+  if (v < 0) return false;
+  *out = uint64_t(v * mult);
+  return true;
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  CLI::App app{"geofp8-worker: a GeoFP8 training worker driven by geofp8-coordinator"};
+  geofp8::worker::WorkerOptions o;
+  o.connection.address = "127.0.0.1:7070";
+  std::string token_file, capacity, device = "cpu";
+  int grace_ms = 10000;
+  int step_delay_ms = 0;
+  o.job.data_dir = "geofp8-worker-data";
+  char host[256] = {};
+  gethostname(host, sizeof host - 1);
+  o.session.host = host;
+  app.add_option("--coordinator", o.connection.address, "Coordinator gRPC address host:port")
+      ->capture_default_str();
+  app.add_option("--token", o.connection.token,
+                 "Bearer token for the coordinator (or env GEOFP8_TOKEN)");
+  app.add_option("--token-file", token_file, "File holding the bearer token");
+  app.add_option("--tls-ca", o.connection.tls_ca, "PEM CA bundle: connect over TLS");
+  app.add_option("--name", o.session.name,
+                 "Stable worker name; re-registering a name fences its previous process "
+                 "(default: host:pid)");
+  app.add_option("--metrics-port", o.metrics_port,
+                 "Prometheus /metrics port (0: a free one, -1: off)")
+      ->capture_default_str();
+  app.add_option("--metrics-host", o.metrics_host, "Address /metrics listens on")
+      ->capture_default_str();
+  app.add_option("--data-dir", o.job.data_dir,
+                 "Checkpoints (relative checkpoint.dir of a job) and result files")
+      ->capture_default_str();
+  app.add_option("--device", device, "Compute device: cpu")->capture_default_str();
+  app.add_option("--capacity", capacity,
+                 "Memory offered to jobs, e.g. 8GiB (default: physical memory)");
+  app.add_option("--advertise-host", o.job.advertise_host,
+                 "Address peers reach this worker's Gloo connections on")
+      ->capture_default_str();
+  app.add_option("--blas-threads", o.job.blas_threads, "OpenBLAS threads per rank")
+      ->capture_default_str();
+  app.add_option("--summary-every", o.job.summary_every,
+                 "Steps between per-layer error summaries (0: off)")
+      ->capture_default_str();
+  app.add_option("--checksum-every", o.job.checksum_every,
+                 "Steps between cross-rank parameter checksums (0: end only)")
+      ->capture_default_str();
+  app.add_option("--shutdown-grace-ms", grace_ms, "How long SIGTERM waits for the rank to stop")
+      ->capture_default_str();
+  app.add_option("--debug-step-delay-ms", step_delay_ms, "Sleep after every step (tests, demos)")
+      ->group("");
+  try {
+    app.parse(argc, argv);
+  } catch (const CLI::ParseError& e) {
+    if (e.get_exit_code() == 0) return app.exit(e);
+    return UsageError(e.what());
+  }
+  if (device != "cpu") {
+    return UsageError("--device: only cpu is supported by this worker (" + device + ")");
+  }
+  o.session.device = device;
+  if (o.metrics_port < -1 || o.metrics_port > 65535) {
+    return UsageError("--metrics-port: must be in [-1, 65535] (" + std::to_string(o.metrics_port) + ")");
+  }
+  if (o.job.blas_threads < 1) {
+    return UsageError("--blas-threads: must be >= 1 (" + std::to_string(o.job.blas_threads) + ")");
+  }
+  if (o.job.summary_every < 0 || o.job.checksum_every < 0) {
+    return UsageError("--summary-every/--checksum-every: must be >= 0");
+  }
+  if (o.job.data_dir.empty()) return UsageError("--data-dir: must not be empty");
+  if (!token_file.empty()) {
+    std::ifstream in(token_file);
+    if (!in) return UsageError("--token-file: cannot read " + token_file);
+    std::getline(in, o.connection.token);
+    while (!o.connection.token.empty() &&
+           (o.connection.token.back() == '\r' || o.connection.token.back() == ' ')) {
+      o.connection.token.pop_back();
+    }
+  }
+  if (o.connection.token.empty()) {
+    if (const char* t = std::getenv("GEOFP8_TOKEN")) o.connection.token = t;
+  }
+  if (capacity.empty()) {
+    struct sysinfo si {};
+    if (sysinfo(&si) == 0) o.session.memory_bytes = uint64_t(si.totalram) * si.mem_unit;
+  } else if (!ParseBytes(capacity, &o.session.memory_bytes)) {
+    return UsageError("--capacity: expected bytes with an optional KiB/MiB/GiB/TiB suffix (" +
+                      capacity + ")");
+  }
+  if (o.session.name.empty()) o.session.name = std::string(host) + ":" + std::to_string(getpid());
+  o.job.worker_name = o.session.name;
+  o.job.debug_step_delay = std::chrono::milliseconds(step_delay_ms);
+  geofp8::worker::SetLogName(o.session.name);
+
+  if (pipe(g_signal_pipe) != 0) return UsageError("pipe() failed");
+  struct sigaction action = {};
+  action.sa_handler = OnSignal;
+  sigemptyset(&action.sa_mask);
+  sigaction(SIGTERM, &action, nullptr);
+  sigaction(SIGINT, &action, nullptr);
+
+  geofp8::worker::Worker worker(o);
+  if (auto s = worker.Start(); !s.ok()) {
+    std::fprintf(stderr, "geofp8-worker: error: %s\n", std::string(s.message()).c_str());
+    return 2;
+  }
+  if (worker.metrics_port() >= 0) {
+    std::printf("geofp8-worker: metrics on http://%s:%d/metrics\n", o.metrics_host.c_str(),
+                worker.metrics_port());
+  }
+  std::printf("geofp8-worker: %s connecting to %s (device %s, data %s)\n",
+              o.session.name.c_str(), o.connection.address.c_str(), device.c_str(),
+              o.job.data_dir.c_str());
+  std::fflush(stdout);
+  int sig = 0;
+  while (read(g_signal_pipe[0], &sig, sizeof sig) < 0 && errno == EINTR) {
+  }
+  geofp8::worker::Log(std::string(sig == SIGTERM ? "SIGTERM" : "SIGINT") + " received, shutting down");
+  if (!worker.Shutdown(std::chrono::milliseconds(grace_ms))) {
+    std::fflush(stdout);
+    std::_Exit(0);
+  }
+  geofp8::worker::Log("stopped");
+  return 0;
+}

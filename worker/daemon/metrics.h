@@ -1,0 +1,71 @@
+// The worker's Prometheus metrics (prometheus-cpp pull Exposer): training progress, exchange
+// bytes and time, per-layer quantization error, session health and errors.
+#pragma once
+
+#include <cstdint>
+#include <map>
+#include <memory>
+#include <mutex>
+#include <string>
+
+#include <prometheus/counter.h>
+#include <prometheus/exposer.h>
+#include <prometheus/family.h>
+#include <prometheus/gauge.h>
+#include <prometheus/histogram.h>
+#include <prometheus/registry.h>
+
+#include "absl/status/statusor.h"
+
+namespace geofp8::worker {
+
+class WorkerMetrics {
+ public:
+  WorkerMetrics();
+  // Serves GET /metrics on host:port (port 0 picks a free one); returns the bound port.
+  absl::StatusOr<int> Serve(const std::string& host, int port);
+  const std::shared_ptr<prometheus::Registry>& registry() const { return registry_; }
+
+  // A job (attempt) starts on this worker: labels step/loss gauges and resets per-job gauges.
+  void JobStarted(const std::string& job_id, int rank, int world_size);
+  void JobEnded(bool success);
+  void Step(int64_t step, double loss, double tokens_per_second, double step_seconds,
+            double exchange_seconds, bool skipped);
+  void PolicyVersion(uint64_t version);
+  void LayerBytes(const std::string& layer, const std::string& format, double bytes);
+  void LayerError(const std::string& layer, double rel_fro_error);
+  void Refresh(const std::string& layer, double drift);
+  void Checkpoint(int64_t step);
+  void Error(const std::string& kind);  // job_failed, session_lost, policy_late, ...
+  // Session counters are sampled at scrape time by the daemon.
+  void Session(bool connected, uint64_t generation, uint64_t heartbeats, uint64_t reconnects);
+
+ private:
+  std::shared_ptr<prometheus::Registry> registry_;
+  std::unique_ptr<prometheus::Exposer> exposer_;
+  std::mutex mu_;
+  prometheus::Family<prometheus::Gauge>& step_;
+  prometheus::Family<prometheus::Gauge>& loss_;
+  prometheus::Family<prometheus::Gauge>& tokens_per_second_;
+  prometheus::Family<prometheus::Counter>& steps_total_;
+  prometheus::Family<prometheus::Counter>& skipped_total_;
+  prometheus::Family<prometheus::Histogram>& step_seconds_;
+  prometheus::Family<prometheus::Histogram>& exchange_seconds_;
+  prometheus::Family<prometheus::Counter>& bytes_total_;
+  prometheus::Family<prometheus::Gauge>& rel_error_;
+  prometheus::Family<prometheus::Counter>& refreshes_total_;
+  prometheus::Family<prometheus::Gauge>& drift_;
+  prometheus::Family<prometheus::Gauge>& policy_version_;
+  prometheus::Family<prometheus::Gauge>& checkpoint_step_;
+  prometheus::Family<prometheus::Counter>& jobs_total_;
+  prometheus::Family<prometheus::Counter>& errors_total_;
+  prometheus::Family<prometheus::Gauge>& assigned_;
+  prometheus::Family<prometheus::Gauge>& connected_;
+  prometheus::Family<prometheus::Gauge>& generation_;
+  prometheus::Family<prometheus::Counter>& heartbeats_;
+  prometheus::Family<prometheus::Counter>& reconnects_;
+  uint64_t heartbeats_seen_ = 0, reconnects_seen_ = 0;  // session totals already counted
+  std::string job_;  // label of the current job
+};
+
+}  // namespace geofp8::worker

@@ -1,0 +1,148 @@
+// Worker daemon wiring (see worker.h). Coordinator messages arrive on the session thread and
+// are handed to the rank's thread-safe entry points; a supervisor starts queued assignments
+// once the previous rank has ended and samples session state for /metrics.
+#include "worker/daemon/worker.h"
+
+#include "worker/daemon/log.h"
+
+namespace geofp8::worker {
+
+Worker::Worker(WorkerOptions options) : options_(std::move(options)) {}
+
+Worker::~Worker() { Shutdown(std::chrono::hours(1)); }
+
+absl::Status Worker::Start() {
+  auto c = Connection::Open(options_.connection);
+  if (!c.ok()) return c.status();
+  connection_ = *c;
+  metrics_ = std::make_unique<WorkerMetrics>();
+  if (options_.metrics_port >= 0) {
+    auto port = metrics_->Serve(options_.metrics_host, options_.metrics_port);
+    if (!port.ok()) return port.status();
+    metrics_port_ = *port;
+  }
+  SessionEvents events;
+  events.on_message = [this](const v1::CoordinatorMessage& m) { OnMessage(m); };
+  events.on_generation_lost = [this](const std::string& reason) { OnGenerationLost(reason); };
+  session_ = std::make_unique<SessionClient>(connection_, options_.session, std::move(events));
+  session_->Start();
+  supervisor_ = std::thread([this] { Supervise(); });
+  return absl::OkStatus();
+}
+
+bool Worker::Shutdown(std::chrono::milliseconds grace) {
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    if (stopping_) return !runner_ || runner_->done();
+    stopping_ = true;
+    pending_.reset();
+    if (runner_ && !runner_->done()) runner_->RequestStop("worker shutting down");
+  }
+  cv_.notify_all();
+  if (supervisor_.joinable()) supervisor_.join();
+  // The rank stops at its next step boundary (its peers with it); waiting longer than the grace
+  // only delays the exit, the coordinator restarts the job either way.
+  const auto deadline = std::chrono::steady_clock::now() + grace;
+  while (runner_ && !runner_->done() && std::chrono::steady_clock::now() < deadline) {
+    std::this_thread::sleep_for(std::chrono::milliseconds(20));
+  }
+  if (runner_ && !runner_->done()) {
+    Log("the rank is still inside a collective after the grace period");
+    return false;
+  }
+  if (session_) session_->Stop();
+  runner_.reset();
+  return true;
+}
+
+void Worker::StartRunner(const v1::Assignment& a) {
+  auto send = [this](v1::WorkerMessage m, bool reliable) {
+    return session_->Send(std::move(m), reliable);
+  };
+  JobRunnerOptions o = options_.job;
+  o.peer_failure_grace = session_->heartbeat_timeout() + std::chrono::milliseconds(3000);
+  runner_ = std::make_unique<JobRunner>(connection_, a, o, send, metrics_.get());
+  runner_->Start();
+}
+
+void Worker::OnMessage(const v1::CoordinatorMessage& message) {
+  std::lock_guard<std::mutex> lock(mu_);
+  if (stopping_) return;
+  const bool active = runner_ && !runner_->done();
+  switch (message.body_case()) {
+    case v1::CoordinatorMessage::kAssignment: {
+      const v1::Assignment& a = message.assignment();
+      if (active && runner_->assignment().job_id() == a.job_id() &&
+          runner_->assignment().attempt() == a.attempt()) {
+        return;  // a repeat of what is running
+      }
+      Log("assignment: job " + a.job_id() + " attempt " + std::to_string(a.attempt()) +
+          " rank " + std::to_string(a.rank()) + "/" + std::to_string(a.world_size()));
+      if (active) {
+        // The coordinator has moved on (e.g. released our ranks); the old rank winds down first.
+        runner_->RequestStop("superseded by job " + a.job_id() + " attempt " +
+                             std::to_string(a.attempt()));
+        pending_ = a;
+        cv_.notify_all();
+        return;
+      }
+      if (runner_) runner_.reset();  // joins the finished thread
+      StartRunner(a);
+      return;
+    }
+    case v1::CoordinatorMessage::kPolicy:
+      if (pending_ && pending_->job_id() == message.policy().job_id()) {
+        *pending_->mutable_policy() = message.policy().version() > pending_->policy().version()
+                                          ? message.policy()
+                                          : pending_->policy();
+      }
+      if (active && runner_->assignment().job_id() == message.policy().job_id()) {
+        runner_->OfferPolicy(message.policy());
+      }
+      return;
+    case v1::CoordinatorMessage::kRefresh:
+      if (active && runner_->assignment().job_id() == message.refresh().job_id()) {
+        runner_->OfferRefresh(message.refresh());
+      }
+      return;
+    case v1::CoordinatorMessage::kStop: {
+      const v1::Stop& s = message.stop();
+      if (pending_ && (s.job_id().empty() || s.job_id() == pending_->job_id())) pending_.reset();
+      if (active && (s.job_id().empty() || s.job_id() == runner_->assignment().job_id())) {
+        Log("stop: job " + runner_->assignment().job_id() + ": " + s.reason());
+        runner_->RequestStop(s.reason());
+      }
+      return;
+    }
+    default:
+      return;
+  }
+}
+
+void Worker::OnGenerationLost(const std::string& reason) {
+  std::lock_guard<std::mutex> lock(mu_);
+  pending_.reset();
+  if (runner_ && !runner_->done()) runner_->RequestStop("generation lost: " + reason);
+  if (metrics_) metrics_->Error("session_lost");
+}
+
+void Worker::Supervise() {
+  std::unique_lock<std::mutex> lock(mu_);
+  while (!stopping_) {
+    cv_.wait_for(lock, std::chrono::milliseconds(200));
+    if (stopping_) break;
+    if (pending_ && (!runner_ || runner_->done())) {
+      v1::Assignment a = *pending_;
+      pending_.reset();
+      runner_.reset();
+      StartRunner(a);
+    }
+    if (metrics_ && session_) {
+      const SessionCounters& c = session_->counters();
+      metrics_->Session(session_->connected(), session_->generation(), c.heartbeats_sent.load(),
+                        c.reconnects.load());
+    }
+  }
+}
+
+}  // namespace geofp8::worker

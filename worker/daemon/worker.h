@@ -1,0 +1,65 @@
+// The worker daemon: a session with the coordinator, at most one job rank at a time, and the
+// /metrics endpoint. Routes coordinator messages (assignment, policy, refresh, stop) to the rank.
+#pragma once
+
+#include <atomic>
+#include <condition_variable>
+#include <memory>
+#include <mutex>
+#include <optional>
+#include <string>
+#include <thread>
+
+#include "worker/daemon/connection.h"
+#include "worker/daemon/job_runner.h"
+#include "worker/daemon/metrics.h"
+#include "worker/daemon/session.h"
+
+namespace geofp8::worker {
+
+struct WorkerOptions {
+  ConnectionOptions connection;
+  SessionOptions session;
+  JobRunnerOptions job;
+  std::string metrics_host = "127.0.0.1";
+  int metrics_port = 9465;  // 0: a free port; -1: no /metrics
+};
+
+class Worker {
+ public:
+  explicit Worker(WorkerOptions options);
+  ~Worker();
+
+  // Opens /metrics, connects and registers (in the background, with backoff). Errors name the
+  // flag (--metrics-port, --coordinator, --tls-ca).
+  absl::Status Start();
+  // Stops the running rank (its peers stop at the same step; the coordinator restarts the job
+  // from its checkpoint once this worker's heartbeats stop) and closes the session. Returns
+  // false if the rank was still inside a collective after `grace`: the caller must then end the
+  // process without destroying the Worker.
+  bool Shutdown(std::chrono::milliseconds grace);
+
+  int metrics_port() const { return metrics_port_; }
+  SessionClient* session() { return session_.get(); }
+
+ private:
+  void OnMessage(const v1::CoordinatorMessage& message);
+  void OnGenerationLost(const std::string& reason);
+  void StartRunner(const v1::Assignment& assignment);  // mu_ held
+  void Supervise();
+
+  WorkerOptions options_;
+  std::shared_ptr<Connection> connection_;
+  std::unique_ptr<WorkerMetrics> metrics_;
+  std::unique_ptr<SessionClient> session_;
+  int metrics_port_ = -1;
+
+  std::mutex mu_;
+  std::condition_variable cv_;
+  bool stopping_ = false;
+  std::unique_ptr<JobRunner> runner_;
+  std::optional<v1::Assignment> pending_;  // arrived while the previous rank was winding down
+  std::thread supervisor_;
+};
+
+}  // namespace geofp8::worker
