@@ -46,9 +46,8 @@ class SimWorker {
   SimWorker(v1::WorkerService::Stub* stub, std::string id, uint64_t generation,
             Clock::time_point phase, const std::atomic<bool>* beating)
       : beating_(beating) {
-    thread_ = std::thread([this, stub, id = std::move(id), generation, phase] {
-      Loop(stub, id, generation, phase);
-    });
+    thread_ = std::thread(
+        [this, stub, id = std::move(id), generation, phase] { Loop(stub, id, generation, phase); });
   }
   ~SimWorker() { Stop(); }
 
@@ -144,8 +143,10 @@ double SqliteCommitsPerSecond(const std::string& dir, double seconds) {
   sqlite3* db = nullptr;
   const std::string path = dir + "/baseline.db";
   if (sqlite3_open(path.c_str(), &db) != SQLITE_OK) return 0;
-  sqlite3_exec(db, "PRAGMA journal_mode=WAL; PRAGMA synchronous=FULL;"
-               "CREATE TABLE t(k INTEGER PRIMARY KEY, v BLOB)", nullptr, nullptr, nullptr);
+  sqlite3_exec(db,
+               "PRAGMA journal_mode=WAL; PRAGMA synchronous=FULL;"
+               "CREATE TABLE t(k INTEGER PRIMARY KEY, v BLOB)",
+               nullptr, nullptr, nullptr);
   const auto start = Clock::now();
   int n = 0;
   while (std::chrono::duration<double>(Clock::now() - start).count() < seconds) {
@@ -236,14 +237,15 @@ int Run(int argc, char** argv) {
   }
   const double base_p50 = Percentile(idle, 0.5);
 
-  std::printf("geofp8-bench coordinator: %s, %d client connections, %.0f s per level, "
-              "heartbeats at 1 Hz per worker\n",
-              address.c_str(), channels, seconds);
+  std::printf(
+      "geofp8-bench coordinator: %s, %d client connections, %.0f s per level, "
+      "heartbeats at 1 Hz per worker\n",
+      address.c_str(), channels, seconds);
   std::printf("baseline: empty unary RPC round trip on the idle server p50 %.3f ms, p99 %.3f ms\n",
               base_p50, Percentile(idle, 0.99));
   std::printf("probe: the same RPC every 10 ms during each level (machine noise floor)\n\n");
-  std::printf("%8s %10s %9s %9s %9s %9s %10s %8s %6s\n", "workers", "beats/s", "p50 ms",
-              "p99 ms", "max ms", "p50/base", "probe p99", "skipped", "held");
+  std::printf("%8s %10s %9s %9s %9s %9s %10s %8s %6s\n", "workers", "beats/s", "p50 ms", "p99 ms",
+              "max ms", "p50/base", "probe p99", "skipped", "held");
 
   std::vector<std::unique_ptr<SimWorker>> workers;
   std::atomic<bool> beating{false};
@@ -311,17 +313,17 @@ int Run(int argc, char** argv) {
     level.max = lat.empty() ? 0 : *std::max_element(lat.begin(), lat.end());
     const bool ok = !lat.empty() && level.p99 < p99_target_ms &&
                     level.skipped * 100 <= static_cast<uint64_t>(target * seconds);
-    std::printf("%8d %10.0f %9.3f %9.3f %9.2f %9.1f %10.3f %8llu %6s\n", target,
-                level.beats_per_s, level.p50, level.p99, level.max, level.p50 / base_p50,
-                Percentile(probe, 0.99), static_cast<unsigned long long>(level.skipped),
-                ok ? "yes" : "no");
+    std::printf("%8d %10.0f %9.3f %9.3f %9.2f %9.1f %10.3f %8llu %6s\n", target, level.beats_per_s,
+                level.p50, level.p99, level.max, level.p50 / base_p50, Percentile(probe, 0.99),
+                static_cast<unsigned long long>(level.skipped), ok ? "yes" : "no");
     std::fflush(stdout);
     // Every level runs: on a shared machine a noisy level need not mean the next one fails.
     if (ok) held = target;
   }
-  std::printf("\nheld %d workers at heartbeat p99 < %.0f ms (largest level that passed; "
-              "target >= 1000)\n\n",
-              held, p99_target_ms);
+  std::printf(
+      "\nheld %d workers at heartbeat p99 < %.0f ms (largest level that passed; "
+      "target >= 1000)\n\n",
+      held, p99_target_ms);
 
   // Policy update stream while the workers keep heartbeating. A 4-rank job receives every
   // version on its workers' streams, as in a real run.
@@ -372,14 +374,15 @@ int Run(int argc, char** argv) {
   const double commits = SqliteCommitsPerSecond(dir, 2.0);
   std::printf("policy updates: %d callers for %.1f s with %zu workers heartbeating\n",
               update_threads, elapsed, workers.size());
-  std::printf("  %.0f updates/s, latency p50 %.2f ms p99 %.2f ms\n", rate,
-              Percentile(ulat, 0.5), Percentile(ulat, 0.99));
-  std::printf("  baseline: %.0f SQLite WAL+FULL commits/s on the same disk; ratio %.2f\n",
-              commits, commits > 0 ? rate / commits : 0.0);
-  std::printf("  heartbeat p50 %.3f ms p99 %.3f ms during the update stream (%llu skipped); "
-              "probe p99 %.3f ms\n",
-              Percentile(during, 0.5), Percentile(during, 0.99),
-              static_cast<unsigned long long>(during_skipped), Percentile(during_probe, 0.99));
+  std::printf("  %.0f updates/s, latency p50 %.2f ms p99 %.2f ms\n", rate, Percentile(ulat, 0.5),
+              Percentile(ulat, 0.99));
+  std::printf("  baseline: %.0f SQLite WAL+FULL commits/s on the same disk; ratio %.2f\n", commits,
+              commits > 0 ? rate / commits : 0.0);
+  std::printf(
+      "  heartbeat p50 %.3f ms p99 %.3f ms during the update stream (%llu skipped); "
+      "probe p99 %.3f ms\n",
+      Percentile(during, 0.5), Percentile(during, 0.99),
+      static_cast<unsigned long long>(during_skipped), Percentile(during_probe, 0.99));
 
   beating = false;
   for (auto& w : workers) w->Stop();
@@ -392,6 +395,7 @@ int Run(int argc, char** argv) {
 
 }  // namespace
 
-GEOFP8_REGISTER_BENCH("coordinator", "coordinator: workers held at heartbeat p99 < 10 ms, policy updates/s", Run);
+GEOFP8_REGISTER_BENCH("coordinator",
+                      "coordinator: workers held at heartbeat p99 < 10 ms, policy updates/s", Run);
 
 }  // namespace geofp8::bench

@@ -140,7 +140,8 @@ class Client {
     v1::SubmitJobResponse resp;
     grpc::Status s = jobs_->SubmitJob(Context().get(), req, &resp);
     if (!s.ok()) return FromStatus(s, g_);
-    Print(resp, "job/" + resp.job().id() + (resp.created() ? " created" : " unchanged (idempotency key " + key + ")") +
+    Print(resp, "job/" + resp.job().id() +
+                    (resp.created() ? " created" : " unchanged (idempotency key " + key + ")") +
                     " (" + StateName(resp.job().state()) + ")\n");
     return kOk;
   }
@@ -361,18 +362,24 @@ int Run(int argc, char** argv) {
   policy_get->add_option("--version", version, "Version (0 = latest)");
   auto* policy_history = policy->add_subcommand("history", "List the policy versions");
   policy_history->add_option("id", id, "Job id")->required();
-  auto* policy_set = policy->add_subcommand("set", "Patch the policy of the layers matching a glob");
+  auto* policy_set =
+      policy->add_subcommand("set", "Patch the policy of the layers matching a glob");
   policy_set->add_option("id", id, "Job id")->required();
-  policy_set->add_option("--layer", layer, "Layer name or glob, e.g. 'blocks.*.attn.*'")->required();
+  policy_set->add_option("--layer", layer, "Layer name or glob, e.g. 'blocks.*.attn.*'")
+      ->required();
   std::string format, scaling, rounding, geometry, ef;
   std::optional<uint32_t> block;
   std::optional<int> rank, refresh;
   std::optional<float> alpha;
-  policy_set->add_option("--format", format, std::string("One of: ") + std::string(AcceptedFormatNames()));
-  policy_set->add_option("--scaling", scaling, std::string("One of: ") + std::string(AcceptedScalingNames()));
+  policy_set->add_option("--format", format,
+                         std::string("One of: ") + std::string(AcceptedFormatNames()));
+  policy_set->add_option("--scaling", scaling,
+                         std::string("One of: ") + std::string(AcceptedScalingNames()));
   policy_set->add_option("--block", block, "Elements per scale block");
-  policy_set->add_option("--rounding", rounding, std::string("One of: ") + std::string(AcceptedRoundingNames()));
-  policy_set->add_option("--geometry", geometry, std::string("One of: ") + std::string(AcceptedGeometryNames()));
+  policy_set->add_option("--rounding", rounding,
+                         std::string("One of: ") + std::string(AcceptedRoundingNames()));
+  policy_set->add_option("--geometry", geometry,
+                         std::string("One of: ") + std::string(AcceptedGeometryNames()));
   policy_set->add_option("--rank", rank, "Low-rank k");
   policy_set->add_option("--alpha", alpha, "Whitening exponent");
   policy_set->add_option("--error-feedback", ef, "on or off")->check(CLI::IsMember({"on", "off"}));
@@ -401,8 +408,8 @@ int Run(int argc, char** argv) {
       if (value.empty()) return true;
       auto v = parse(value);
       if (!v) {
-        Error(kUsage, std::string(flag) + ": unknown value (" + value + "); accepted: " +
-                          std::string(accepted));
+        Error(kUsage, std::string(flag) + ": unknown value (" + value +
+                          "); accepted: " + std::string(accepted));
         return false;
       }
       *dst = *v;
@@ -421,9 +428,10 @@ int Run(int argc, char** argv) {
     if (!ef.empty()) p.error_feedback = ef == "on";
     if (!p.format && !p.scaling && !p.block && !p.rounding && !p.geometry && !p.rank && !p.alpha &&
         !p.error_feedback && !p.refresh_interval) {
-      return Error(kUsage, "policy set: give at least one of --format --scaling --block "
-                           "--rounding --geometry --rank --alpha --error-feedback "
-                           "--refresh-interval");
+      return Error(kUsage,
+                   "policy set: give at least one of --format --scaling --block "
+                   "--rounding --geometry --rank --alpha --error-feedback "
+                   "--refresh-interval");
     }
     if (std::string e = ValidateLayerPatch(p, "--layer " + layer); !e.empty()) {
       return Error(kUsage, e);

@@ -43,8 +43,10 @@ std::string LayerFields(const v1::LayerPatch& p) {
   if (p.has_geometry()) parts.push_back("geometry=" + p.geometry());
   if (p.has_rank()) parts.push_back("rank=" + std::to_string(p.rank()));
   if (p.has_alpha()) parts.push_back("alpha=" + Fmt("%g", p.alpha()));
-  if (p.has_error_feedback()) parts.push_back(std::string("error_feedback=") + (p.error_feedback() ? "on" : "off"));
-  if (p.has_refresh_interval()) parts.push_back("refresh_interval=" + std::to_string(p.refresh_interval()));
+  if (p.has_error_feedback())
+    parts.push_back(std::string("error_feedback=") + (p.error_feedback() ? "on" : "off"));
+  if (p.has_refresh_interval())
+    parts.push_back("refresh_interval=" + std::to_string(p.refresh_interval()));
   std::string out;
   for (const auto& s : parts) out += (out.empty() ? "" : " ") + s;
   return out;
@@ -134,13 +136,12 @@ std::string JobsTable(const std::vector<v1::Job>& jobs, int64_t now_ms) {
   std::vector<std::vector<std::string>> rows = {
       {"ID", "NAME", "STATE", "STEP", "WORLD", "RESTARTS", "POLICY", "AGE", "REASON"}};
   for (const auto& j : jobs) {
-    rows.push_back({j.id(), j.name(), StateName(j.state()),
-                    std::to_string(j.progress().step()) + "/" +
-                        std::to_string(j.progress().total_steps()),
-                    std::to_string(j.world_size()),
-                    std::to_string(j.restarts()) + "/" + std::to_string(j.max_restarts()),
-                    "v" + std::to_string(j.policy_version()), Age(j.created_unix_ms(), now_ms),
-                    j.reason()});
+    rows.push_back(
+        {j.id(), j.name(), StateName(j.state()),
+         std::to_string(j.progress().step()) + "/" + std::to_string(j.progress().total_steps()),
+         std::to_string(j.world_size()),
+         std::to_string(j.restarts()) + "/" + std::to_string(j.max_restarts()),
+         "v" + std::to_string(j.policy_version()), Age(j.created_unix_ms(), now_ms), j.reason()});
   }
   return Table(rows);
 }
@@ -208,8 +209,8 @@ std::string DescribeJob(const v1::Job& j, const v1::Policy* policy, int64_t now_
      << "State:        " << StateName(j.state()) << "\n"
      << "Reason:       " << j.reason() << "\n"
      << "World size:   " << j.world_size() << "\n"
-     << "Attempt:      " << j.attempt() << "  (restarts " << j.restarts() << "/"
-     << j.max_restarts() << ")\n"
+     << "Attempt:      " << j.attempt() << "  (restarts " << j.restarts() << "/" << j.max_restarts()
+     << ")\n"
      << "Progress:     step " << pr.step() << "/" << pr.total_steps() << ", loss "
      << Fmt("%.4f", pr.loss()) << ", " << Fmt("%.0f", pr.tokens_per_second()) << " tok/s\n"
      << "Checkpoint:   step " << pr.checkpoint_step() << "\n";
@@ -227,7 +228,8 @@ std::string DescribeJob(const v1::Job& j, const v1::Policy* policy, int64_t now_
     os << "\nRanks:\n";
     std::vector<std::vector<std::string>> rows = {{"  RANK", "WORKER", "GEN"}};
     for (const auto& r : j.ranks()) {
-      rows.push_back({"  " + std::to_string(r.rank()), r.worker_id(), std::to_string(r.generation())});
+      rows.push_back(
+          {"  " + std::to_string(r.rank()), r.worker_id(), std::to_string(r.generation())});
     }
     os << Table(rows);
   }
@@ -266,14 +268,16 @@ std::string ProgressLine(const v1::Job& job, double steps_per_second, int bar_wi
   const double tps = p.tokens_per_second();
   line += "  " + (tps >= 1000 ? Fmt("%.1fk", tps / 1000) : Fmt("%.0f", tps)) + " tok/s";
   if (p.bytes_baseline() > 0) {
-    const double saved = static_cast<double>(p.bytes_baseline()) - static_cast<double>(p.bytes_sent());
+    const double saved =
+        static_cast<double>(p.bytes_baseline()) - static_cast<double>(p.bytes_sent());
     line += "  saved " + Fmt("%.0f%%", 100 * saved / static_cast<double>(p.bytes_baseline())) +
             " (" + Bytes(saved) + ")";
   } else {
     line += "  saved -";
   }
   const double remaining = static_cast<double>(p.total_steps() - p.step());
-  line += "  ETA " + (steps_per_second > 0 ? Duration(remaining / steps_per_second) : std::string("-"));
+  line +=
+      "  ETA " + (steps_per_second > 0 ? Duration(remaining / steps_per_second) : std::string("-"));
   line += "  " + StateName(job.state());
   return line;
 }

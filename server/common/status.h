@@ -35,9 +35,9 @@ absl::Status Annotate(const absl::Status& status, const std::string& context);
 #define GEOFP8_STATUS_CONCAT(a, b) GEOFP8_STATUS_CONCAT_INNER(a, b)
 
 // RETURN_IF_ERROR(expr): return the Status of expr from the current function if it is not OK.
-#define RETURN_IF_ERROR(expr)                       \
-  do {                                              \
-    ::absl::Status geofp8_status_ = (expr);         \
+#define RETURN_IF_ERROR(expr)                        \
+  do {                                               \
+    ::absl::Status geofp8_status_ = (expr);          \
     if (!geofp8_status_.ok()) return geofp8_status_; \
   } while (0)
 

@@ -57,9 +57,9 @@ absl::Status Coordinator::Recover() {
     auto rec = std::make_unique<JobRec>();
     auto spec = ParseJobSpec(job.spec_yaml());
     if (!spec.ok()) {
-      return absl::DataLossError("store: job " + job.id() +
-                                 " holds a spec that no longer parses: " +
-                                 std::string(spec.status().message()));
+      return absl::DataLossError(
+          "store: job " + job.id() +
+          " holds a spec that no longer parses: " + std::string(spec.status().message()));
     }
     rec->spec = *spec;
     rec->events.assign(job.events().begin(), job.events().end());
@@ -166,8 +166,8 @@ absl::StatusOr<v1::SubmitJobResponse> Coordinator::SubmitJob(const v1::SubmitJob
     job.set_id(id);
     job.set_name(spec->name);
     job.set_state(v1::JOB_PENDING);
-    job.set_reason("submitted; waiting for " + std::to_string(spec->world_size) +
-                   " idle workers" + (spec->backend == "nccl" ? " with a CUDA device" : ""));
+    job.set_reason("submitted; waiting for " + std::to_string(spec->world_size) + " idle workers" +
+                   (spec->backend == "nccl" ? " with a CUDA device" : ""));
     job.set_spec_yaml(request.spec_yaml());
     job.set_world_size(spec->world_size);
     job.set_max_restarts(spec->restarts.max_restarts);
@@ -219,9 +219,8 @@ absl::StatusOr<v1::ListJobsResponse> Coordinator::ListJobs(const v1::ListJobsReq
   v1::ListJobsResponse response;
   for (auto it = job_order_.rbegin(); it != job_order_.rend(); ++it) {
     const JobRec& rec = **it;
-    if (request.states_size() > 0 &&
-        std::find(request.states().begin(), request.states().end(), rec.job.state()) ==
-            request.states().end()) {
+    if (request.states_size() > 0 && std::find(request.states().begin(), request.states().end(),
+                                               rec.job.state()) == request.states().end()) {
       continue;
     }
     *response.add_jobs() = Snapshot(rec, false);
@@ -286,8 +285,8 @@ absl::StatusOr<v1::Policy> Coordinator::GetPolicy(const v1::GetPolicyRequest& re
   if (rec.policies.empty()) return absl::InternalError("job " + rec.job.id() + " has no policy");
   if (request.version() == 0) return rec.policies.back();
   if (request.version() > rec.policies.size()) {
-    return absl::NotFoundError("policy version " + std::to_string(request.version()) +
-                               " of job " + rec.job.id() + " not found (latest is " +
+    return absl::NotFoundError("policy version " + std::to_string(request.version()) + " of job " +
+                               rec.job.id() + " not found (latest is " +
                                std::to_string(rec.policies.size()) + ")");
   }
   return rec.policies[request.version() - 1];
@@ -303,9 +302,10 @@ absl::StatusOr<v1::ListPolicyVersionsResponse> Coordinator::ListPolicyVersions(
   return response;
 }
 
-absl::StatusOr<v1::Policy> Coordinator::AddPolicyVersion(
-    JobRec& rec, const std::vector<v1::LayerPatch>& patches, const std::string& reason,
-    const std::string& author, Outbox& out) {
+absl::StatusOr<v1::Policy> Coordinator::AddPolicyVersion(JobRec& rec,
+                                                         const std::vector<v1::LayerPatch>& patches,
+                                                         const std::string& reason,
+                                                         const std::string& author, Outbox& out) {
   const v1::Policy& latest = rec.policies.back();
   v1::Policy next = latest;
   next.set_version(latest.version() + 1);
@@ -318,8 +318,8 @@ absl::StatusOr<v1::Policy> Coordinator::AddPolicyVersion(
   next.set_created_unix_ms(clock_->NowMs());
   next.clear_refresh();
   if (!rec.catalog.empty()) {
-    rec.schedules = ComputeSchedules(rec.catalog, next, rec.job.world_size(),
-                                     rec.spec.geometry_refresh);
+    rec.schedules =
+        ComputeSchedules(rec.catalog, next, rec.job.world_size(), rec.spec.geometry_refresh);
     for (const auto& s : rec.schedules) *next.add_refresh() = s;
   }
   rec.job.set_policy_version(next.version());
@@ -372,9 +372,8 @@ absl::StatusOr<v1::UpdatePolicyResponse> Coordinator::UpdatePolicy(
                                            StateName(rec.job.state()) +
                                            "; its policy can no longer change");
     }
-    auto policy = AddPolicyVersion(rec, patches,
-                                   request.reason().empty() ? "user update" : request.reason(),
-                                   "user", out);
+    auto policy = AddPolicyVersion(
+        rec, patches, request.reason().empty() ? "user update" : request.reason(), "user", out);
     if (!policy.ok()) return policy.status();
     *response.mutable_policy() = *policy;
   }
@@ -400,8 +399,7 @@ absl::StatusOr<v1::RegisterResponse> Coordinator::Register(const v1::RegisterReq
     auto it = workers_.find(request.name());
     if (it != workers_.end() && it->second.fenced_reason.empty()) {
       // A new generation replaces the old one, which is fenced from now on.
-      DeclareDead(it->second,
-                  "re-registered as generation " + std::to_string(*gen), out);
+      DeclareDead(it->second, "re-registered as generation " + std::to_string(*gen), out);
     }
     WorkerRec& w = workers_[request.name()];
     w.info.set_id(request.name());
@@ -515,8 +513,8 @@ void Coordinator::FailAttempt(JobRec& rec, const std::string& reason, bool resta
                  std::to_string(rec.job.progress().checkpoint_step()));
   } else if (restartable) {
     SetState(rec, v1::JOB_FAILED,
-             reason + "; no restarts left (max_restarts " +
-                 std::to_string(rec.job.max_restarts()) + ")");
+             reason + "; no restarts left (max_restarts " + std::to_string(rec.job.max_restarts()) +
+                 ")");
   } else {
     SetState(rec, v1::JOB_FAILED, reason);
   }
@@ -661,9 +659,10 @@ void Coordinator::OnProgress(JobRec& rec, int rank, const v1::StepProgress& p, O
   const int64_t now = clock_->NowMs();
   prog->set_updated_unix_ms(now);
   if (rec.job.state() == v1::JOB_SCHEDULED &&
-      std::all_of(rec.ranks.begin(), rec.ranks.end(), [](const RankState& r) { return r.step >= 0; })) {
-    SetState(rec, v1::JOB_RUNNING, "all " + std::to_string(rec.ranks.size()) +
-                                       " ranks reported progress");
+      std::all_of(rec.ranks.begin(), rec.ranks.end(),
+                  [](const RankState& r) { return r.step >= 0; })) {
+    SetState(rec, v1::JOB_RUNNING,
+             "all " + std::to_string(rec.ranks.size()) + " ranks reported progress");
     return;
   }
   if (now - rec.persisted_progress_ms >= kProgressPersistMs) {
@@ -706,8 +705,7 @@ absl::Status Coordinator::HandleWorkerMessage(const v1::WorkerMessage& message) 
     std::lock_guard<std::mutex> lock(mu_);
     auto it = workers_.find(message.worker_id());
     if (it == workers_.end()) {
-      return absl::FailedPreconditionError("worker " + message.worker_id() +
-                                           " is not registered");
+      return absl::FailedPreconditionError("worker " + message.worker_id() + " is not registered");
     }
     WorkerRec& w = it->second;
     if (message.generation() != w.info.generation() || !w.fenced_reason.empty()) {
@@ -733,8 +731,7 @@ absl::Status Coordinator::HandleWorkerMessage(const v1::WorkerMessage& message) 
         break;
       case v1::WorkerMessage::kCatalog:
         if (rec && rank == 0) {
-          rec->catalog.assign(message.catalog().layers().begin(),
-                              message.catalog().layers().end());
+          rec->catalog.assign(message.catalog().layers().begin(), message.catalog().layers().end());
           rec->schedules = ComputeSchedules(rec->catalog, rec->policies.back(),
                                             rec->job.world_size(), rec->spec.geometry_refresh);
           v1::CoordinatorMessage m;
@@ -790,8 +787,7 @@ absl::Status Coordinator::HandleWorkerMessage(const v1::WorkerMessage& message) 
                             [](const RankState& r) { return r.finished; })) {
               ReleaseRanks(*rec, "job succeeded", out);
               SetState(*rec, v1::JOB_SUCCEEDED,
-                       "all ranks finished at step " +
-                           std::to_string(rec->job.progress().step()));
+                       "all ranks finished at step " + std::to_string(rec->job.progress().step()));
             }
           }
           TrySchedule(out);
@@ -833,10 +829,10 @@ int64_t Coordinator::LastSeen(const std::string& worker_id) {
 absl::Status Coordinator::FencedError(const std::string& worker_id, uint64_t generation,
                                       uint64_t current, const std::string& reason) {
   ++fenced_messages_;
-  return absl::FailedPreconditionError(
-      "worker " + worker_id + " generation " + std::to_string(generation) +
-      " is fenced (current generation " + std::to_string(current) +
-      (reason.empty() ? "" : ", " + reason) + ")");
+  return absl::FailedPreconditionError("worker " + worker_id + " generation " +
+                                       std::to_string(generation) +
+                                       " is fenced (current generation " + std::to_string(current) +
+                                       (reason.empty() ? "" : ", " + reason) + ")");
 }
 
 void Coordinator::Shutdown() {

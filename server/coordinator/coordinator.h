@@ -94,7 +94,7 @@ class Coordinator {
     std::map<int, int64_t> workers_by_state;  // v1::WorkerState -> count
     uint64_t policy_updates = 0;              // versions created after v1 (user and auto)
     uint64_t auto_policy_updates = 0;
-    uint64_t fenced_messages = 0;             // messages rejected for a stale generation
+    uint64_t fenced_messages = 0;  // messages rejected for a stale generation
     uint64_t workers_declared_dead = 0;
   };
   Counts GetCounts();
@@ -138,8 +138,8 @@ class Coordinator {
   };
   void SyncLive(const WorkerRec& w, bool touch);
   int64_t LastSeen(const std::string& worker_id);
-  absl::Status FencedError(const std::string& worker_id, uint64_t generation,
-                           uint64_t current, const std::string& reason);
+  absl::Status FencedError(const std::string& worker_id, uint64_t generation, uint64_t current,
+                           const std::string& reason);
 
   // Messages to send after the lock is released, so a slow stream never stalls the coordinator.
   using Outbox = std::vector<std::pair<std::shared_ptr<SessionSink>, v1::CoordinatorMessage>>;
@@ -157,8 +157,8 @@ class Coordinator {
   void SendToRanks(const JobRec& rec, const v1::CoordinatorMessage& m, Outbox& out);
   absl::StatusOr<v1::Policy> AddPolicyVersion(JobRec& rec,
                                               const std::vector<v1::LayerPatch>& patches,
-                                              const std::string& reason,
-                                              const std::string& author, Outbox& out);
+                                              const std::string& reason, const std::string& author,
+                                              Outbox& out);
   void DeclareDead(WorkerRec& w, const std::string& reason, Outbox& out);
   void OnProgress(JobRec& rec, int rank, const v1::StepProgress& p, Outbox& out);
   static void Flush(Outbox& out);

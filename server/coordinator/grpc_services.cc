@@ -193,10 +193,9 @@ class WorkerServiceImpl final : public v1::WorkerService::Service {
     while (status.ok()) {
       const auto start = std::chrono::steady_clock::now();
       status = k_->c_->HandleWorkerMessage(message);
-      k_->m_->RecordRpc("WorkerService/Session",
-                        absl::StatusCodeToString(status.code()),
-                        std::chrono::duration<double>(std::chrono::steady_clock::now() - start)
-                            .count());
+      k_->m_->RecordRpc(
+          "WorkerService/Session", absl::StatusCodeToString(status.code()),
+          std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count());
       if (!status.ok() || !stream->Read(&message)) break;
     }
     sink->Close();
@@ -251,7 +250,10 @@ class RendezvousServiceImpl final : public v1::RendezvousService::Service {
 
 struct CoordinatorServer::Impl {
   Impl(Coordinator* c, Metrics* m, std::string token)
-      : common(c, m, std::move(token)), jobs(&common), policies(&common), workers(&common),
+      : common(c, m, std::move(token)),
+        jobs(&common),
+        policies(&common),
+        workers(&common),
         rendezvous(&common) {}
   Common common;
   JobServiceImpl jobs;

@@ -23,8 +23,8 @@ struct ServerOptions {
 class CoordinatorServer {
  public:
   static absl::StatusOr<std::unique_ptr<CoordinatorServer>> Start(Coordinator* coordinator,
-                                                                   Metrics* metrics,
-                                                                   const ServerOptions& options);
+                                                                  Metrics* metrics,
+                                                                  const ServerOptions& options);
   ~CoordinatorServer();
   int port() const;
   // Stops accepting calls and waits up to grace_ms for running ones, then cancels the rest.

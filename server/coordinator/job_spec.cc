@@ -69,8 +69,7 @@ class Reader {
     for (const auto& kv : node) {
       const std::string key = kv.first.IsScalar() ? kv.first.Scalar() : "?";
       if (std::find(allowed.begin(), allowed.end(), key) == allowed.end()) {
-        Error(kv.first, path + "." + key,
-              "unknown field (accepted: " + Join(allowed, ", ") + ")");
+        Error(kv.first, path + "." + key, "unknown field (accepted: " + Join(allowed, ", ") + ")");
       }
     }
     return true;
@@ -104,8 +103,7 @@ class Reader {
   }
 
   template <typename T>
-  void Number(const YAML::Node& map, const char* key, const std::string& path, T* out, T lo,
-              T hi) {
+  void Number(const YAML::Node& map, const char* key, const std::string& path, T* out, T lo, T hi) {
     T value{};
     const char* expected = std::is_integral_v<T> ? "an integer" : "a number";
     YAML::Node node = Get(map, key, path, &value, expected);
@@ -160,8 +158,7 @@ class Reader {
   }
 };
 
-void ReadLayerPolicy(Reader& r, const YAML::Node& node, const std::string& path,
-                     LayerPolicy* out) {
+void ReadLayerPolicy(Reader& r, const YAML::Node& node, const std::string& path, LayerPolicy* out) {
   if (!r.Map(node, path,
              {"format", "scaling", "block", "rounding", "geometry", "rank", "alpha",
               "error_feedback"})) {
@@ -256,8 +253,7 @@ absl::StatusOr<JobSpec> ParseJobSpec(std::string_view yaml) {
   }
   YAML::Node name = r.Get(root, "name", p, &spec.name, "a string");
   if (!name.IsDefined()) {
-    if (!root["name"].IsDefined() || root["name"].IsNull())
-      r.Error(root, p + ".name", "required");
+    if (!root["name"].IsDefined() || root["name"].IsNull()) r.Error(root, p + ".name", "required");
   } else if (!ValidName(spec.name)) {
     r.Error(name, p + ".name", "must be 1-63 characters of [A-Za-z0-9._-] (" + spec.name + ")");
   }
@@ -267,7 +263,8 @@ absl::StatusOr<JobSpec> ParseJobSpec(std::string_view yaml) {
     r.Error(backend, p + ".backend", "unknown value (" + spec.backend + "); accepted: gloo, nccl");
   }
 
-  if (YAML::Node n = root["model"]; n.IsDefined() && !n.IsNull() && r.Map(n, p + ".model", {"preset"})) {
+  if (YAML::Node n = root["model"];
+      n.IsDefined() && !n.IsNull() && r.Map(n, p + ".model", {"preset"})) {
     YAML::Node preset = r.Get(n, "preset", p + ".model", &spec.model.preset, "a string");
     if (preset.IsDefined() && !model::PresetConfig(spec.model.preset)) {
       r.Error(preset, p + ".model.preset",
@@ -310,8 +307,8 @@ absl::StatusOr<JobSpec> ParseJobSpec(std::string_view yaml) {
     r.Number<uint64_t>(n, "seed", q, &t.seed, 0, std::numeric_limits<uint64_t>::max());
     if (t.warmup_steps >= t.steps && n["warmup_steps"].IsDefined()) {
       r.Error(n["warmup_steps"], q + ".warmup_steps",
-              "must be less than training.steps (" + std::to_string(t.warmup_steps) + " >= " +
-                  std::to_string(t.steps) + ")");
+              "must be less than training.steps (" + std::to_string(t.warmup_steps) +
+                  " >= " + std::to_string(t.steps) + ")");
     }
   }
   if (YAML::Node n = root["exchange"];
@@ -357,7 +354,8 @@ absl::StatusOr<JobSpec> ParseJobSpec(std::string_view yaml) {
               "must not exceed max_interval (" + std::to_string(a.min_interval) + ")");
     }
     if (a.drift_low > a.drift_high) {
-      r.Error(n, q + ".drift_low", "must not exceed drift_high (" + std::to_string(a.drift_low) + ")");
+      r.Error(n, q + ".drift_low",
+              "must not exceed drift_high (" + std::to_string(a.drift_low) + ")");
     }
     if (a.geometry == GeometryMode::kNone) {
       r.Error(n["geometry"], q + ".geometry", "must be diag or lowrank (none)");
@@ -416,7 +414,8 @@ std::string ValidateLayerPatch(const LayerPatchSpec& patch, const std::string& p
   std::vector<std::string> errors;
   if (patch.match.empty()) errors.push_back(path + ".layer: must not be empty");
   if (patch.block && (*patch.block < 1 || *patch.block > (1u << 20)))
-    errors.push_back(path + ".block: must be in [1, 1048576] (" + std::to_string(*patch.block) + ")");
+    errors.push_back(path + ".block: must be in [1, 1048576] (" + std::to_string(*patch.block) +
+                     ")");
   if (patch.rank && (*patch.rank < 1 || *patch.rank > 4096))
     errors.push_back(path + ".rank: must be in [1, 4096] (" + std::to_string(*patch.rank) + ")");
   if (patch.alpha && !(*patch.alpha >= 0.f && *patch.alpha <= 1.f))

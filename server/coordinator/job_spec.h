@@ -38,14 +38,14 @@ struct DataSpec {
 };
 
 struct TrainingSpec {
-  int64_t steps = 1000;       // total optimizer steps
-  int batch_size = 8;         // sequences per rank per step
-  int seq_len = 128;          // tokens per sequence
-  double lr = 3e-4;           // peak learning rate
+  int64_t steps = 1000;  // total optimizer steps
+  int batch_size = 8;    // sequences per rank per step
+  int seq_len = 128;     // tokens per sequence
+  double lr = 3e-4;      // peak learning rate
   double weight_decay = 0.0;
-  int64_t warmup_steps = 0;   // linear warm-up, < steps
+  int64_t warmup_steps = 0;         // linear warm-up, < steps
   std::string optimizer = "adamw";  // "adamw" or "sgd"
-  double grad_clip = 1.0;     // global norm clip; 0 = off
+  double grad_clip = 1.0;           // global norm clip; 0 = off
   uint64_t seed = 0;
 };
 
@@ -58,7 +58,7 @@ struct ExchangeSpec {
 struct PolicySpec {
   LayerPolicy defaults;                // applied to every layer first
   std::vector<LayerPatchSpec> layers;  // then each matching patch, in order
-  int margin = 5;  // effective_step = largest reported step + margin
+  int margin = 5;                      // effective_step = largest reported step + margin
 };
 
 // Bounds for the auto policy engine (DESIGN.md section 2, "auto" mode).
@@ -70,10 +70,10 @@ struct AutoPolicySpec {
   double max_cost_fraction = 0.1;  // ... and off when transform time / step time exceeds this
   GeometryMode geometry = GeometryMode::kLowRank;  // what "on" means
   int rank = 16;
-  int min_interval = 25;           // refresh interval bounds the engine stays within
+  int min_interval = 25;  // refresh interval bounds the engine stays within
   int max_interval = 800;
-  double drift_low = 0.05;         // drift below: double the interval
-  double drift_high = 0.3;         // drift above: halve the interval
+  double drift_low = 0.05;  // drift below: double the interval
+  double drift_high = 0.3;  // drift above: halve the interval
 };
 
 struct RefreshSpec {
@@ -82,8 +82,8 @@ struct RefreshSpec {
 };
 
 struct CheckpointSpec {
-  std::string dir;      // where workers write checkpoints; empty = no checkpoints
-  int64_t every = 0;    // steps between checkpoints; 0 = off
+  std::string dir;    // where workers write checkpoints; empty = no checkpoints
+  int64_t every = 0;  // steps between checkpoints; 0 = off
 };
 
 struct RestartSpec {
@@ -91,8 +91,8 @@ struct RestartSpec {
 };
 
 struct JobSpec {
-  std::string name;       // required, [A-Za-z0-9._-], at most 63 characters
-  int world_size = 1;     // ranks, 1..1024
+  std::string name;              // required, [A-Za-z0-9._-], at most 63 characters
+  int world_size = 1;            // ranks, 1..1024
   std::string backend = "gloo";  // "gloo" (CPU) or "nccl" (GPU)
   ModelSpec model;
   DataSpec data;

@@ -1,8 +1,8 @@
 // Rendezvous KV: one mutex and one condition variable; waiters re-check their keys on each set.
 #include "server/coordinator/kv.h"
 
-#include <chrono>
 #include <charconv>
+#include <chrono>
 
 namespace geofp8 {
 namespace {

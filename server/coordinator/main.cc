@@ -3,9 +3,8 @@
 #include <signal.h>
 #include <unistd.h>
 
-#include <cerrno>
-
 #include <atomic>
+#include <cerrno>
 #include <chrono>
 #include <cstdio>
 #include <thread>
@@ -135,7 +134,8 @@ int main(int argc, char** argv) {
   int sig = 0;
   while (read(g_signal_pipe[0], &sig, sizeof sig) < 0 && errno == EINTR) {
   }
-  std::printf("geofp8-coordinator: %s received, shutting down\n", sig == SIGTERM ? "SIGTERM" : "SIGINT");
+  std::printf("geofp8-coordinator: %s received, shutting down\n",
+              sig == SIGTERM ? "SIGTERM" : "SIGINT");
   std::fflush(stdout);
   stopping = true;
   coordinator.Shutdown();  // wakes watchers and rendezvous waiters

@@ -34,15 +34,15 @@ class Metrics::StateCollector : public prometheus::Collectable {
   std::vector<prometheus::MetricFamily> Collect() const override {
     Coordinator::Counts counts = c_->GetCounts();
     std::vector<prometheus::MetricFamily> out;
-    prometheus::MetricFamily jobs{"geofp8_jobs", "Jobs by state", prometheus::MetricType::Gauge,
-                                  {}};
+    prometheus::MetricFamily jobs{
+        "geofp8_jobs", "Jobs by state", prometheus::MetricType::Gauge, {}};
     for (int s = v1::JOB_PENDING; s <= v1::JOB_CANCELLED; ++s) {
       std::string name = Lower(v1::JobState_Name(static_cast<v1::JobState>(s)).substr(4));
       jobs.metric.push_back(Value(static_cast<double>(counts.jobs_by_state[s]), {{"state", name}}));
     }
     out.push_back(std::move(jobs));
-    prometheus::MetricFamily workers{"geofp8_workers", "Workers by state",
-                                     prometheus::MetricType::Gauge, {}};
+    prometheus::MetricFamily workers{
+        "geofp8_workers", "Workers by state", prometheus::MetricType::Gauge, {}};
     for (int s = v1::WORKER_IDLE; s <= v1::WORKER_DISCONNECTED; ++s) {
       std::string name = Lower(v1::WorkerState_Name(static_cast<v1::WorkerState>(s)).substr(7));
       workers.metric.push_back(
@@ -57,15 +57,18 @@ class Metrics::StateCollector : public prometheus::Collectable {
     };
     prometheus::MetricFamily updates{"geofp8_policy_updates_total",
                                      "Policy versions created after the spec's v1, by author",
-                                     prometheus::MetricType::Counter, {}};
-    updates.metric.push_back(Value(
-        static_cast<double>(counts.policy_updates - counts.auto_policy_updates), {{"author", "user"}}));
+                                     prometheus::MetricType::Counter,
+                                     {}};
+    updates.metric.push_back(
+        Value(static_cast<double>(counts.policy_updates - counts.auto_policy_updates),
+              {{"author", "user"}}));
     updates.metric.push_back(
         Value(static_cast<double>(counts.auto_policy_updates), {{"author", "auto"}}));
     out.push_back(std::move(updates));
     counter("geofp8_fenced_messages_total", "Worker messages rejected for a fenced generation",
             static_cast<double>(counts.fenced_messages));
-    counter("geofp8_workers_declared_dead_total", "Workers declared dead (heartbeat timeout or re-registration)",
+    counter("geofp8_workers_declared_dead_total",
+            "Workers declared dead (heartbeat timeout or re-registration)",
             static_cast<double>(counts.workers_declared_dead));
     return out;
   }

@@ -5,7 +5,6 @@
 #include <cmath>
 #include <cstdio>
 
-
 namespace geofp8 {
 namespace {
 std::string JoinErrors(const std::vector<std::string>& items, const char* sep) {
@@ -52,8 +51,8 @@ absl::StatusOr<LayerPatchSpec> FromProto(const v1::LayerPatch& p, const std::str
     if (!has) return;
     auto v = parse(value);
     if (!v) {
-      errors.push_back(path + "." + field + ": unknown value (" + value + "); accepted: " +
-                       std::string(accepted));
+      errors.push_back(path + "." + field + ": unknown value (" + value +
+                       "); accepted: " + std::string(accepted));
     } else {
       *dst = *v;
     }
@@ -138,10 +137,9 @@ std::vector<AutoDecision> DecideAuto(const AutoPolicySpec& bounds, int default_i
     if (probe.layer().empty()) continue;
     ResolvedLayer r = ResolveLayer(current, probe.layer());
     const bool on = r.policy.geometry() != "none";
-    const double gain =
-        probe.error_with() > 0 ? probe.error_without() / probe.error_with() : 0.0;
-    const double cost = probe.step_seconds() > 0 ? probe.transform_seconds() / probe.step_seconds()
-                                                 : 0.0;
+    const double gain = probe.error_with() > 0 ? probe.error_without() / probe.error_with() : 0.0;
+    const double cost =
+        probe.step_seconds() > 0 ? probe.transform_seconds() / probe.step_seconds() : 0.0;
     v1::LayerPatch patch;
     patch.set_layer(probe.layer());
     std::vector<std::string> why;

@@ -38,7 +38,7 @@ class Store {
   absl::StatusOr<uint64_t> NextGeneration(const std::string& worker_name);
 
   struct Snapshot {
-    std::vector<v1::Job> jobs;  // oldest first, events filled in
+    std::vector<v1::Job> jobs;         // oldest first, events filled in
     std::vector<v1::Policy> policies;  // by job, then version
   };
   absl::StatusOr<Snapshot> Load();

@@ -134,13 +134,14 @@ TEST(JobSpec, ErrorsNameThePathAndLine) {
             std::string::npos);
   EXPECT_NE(ErrorOf("- a\n- b\n").find("spec: expected a mapping"), std::string::npos);
   EXPECT_NE(ErrorOf("name: [unclosed\n").find("malformed YAML"), std::string::npos);
-  EXPECT_NE(ErrorOf("name: a\nworld_size: 2.5\n").find("spec.world_size: expected an integer (2.5)"),
-            std::string::npos);
+  EXPECT_NE(
+      ErrorOf("name: a\nworld_size: 2.5\n").find("spec.world_size: expected an integer (2.5)"),
+      std::string::npos);
 }
 
 TEST(PolicyPatch, ParsesAndValidates) {
-  auto p = ParsePolicyPatch(Read(std::filesystem::path(GEOFP8_EXAMPLES_DIR) /
-                                 "patch-attn-nvfp4.yaml"));
+  auto p =
+      ParsePolicyPatch(Read(std::filesystem::path(GEOFP8_EXAMPLES_DIR) / "patch-attn-nvfp4.yaml"));
   ASSERT_TRUE(p.ok()) << p.status();
   ASSERT_EQ(p->layers.size(), 1u);
   EXPECT_EQ(p->layers[0].format, Format::kNvfp4);

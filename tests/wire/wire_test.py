@@ -296,7 +296,7 @@ class ApiTest(Base):
 
 
 class WorkerTest(Base):
-    extra_args = ("--heartbeat-timeout-ms", "700")
+    extra_args = ("--heartbeat-timeout-ms", "1500")
 
     def start_job(self, spec=SPEC2):
         job_id = self.submit(spec).job.id
@@ -350,7 +350,7 @@ class WorkerTest(Base):
 
     def test_dead_worker_restarts_job_then_fails(self):
         job_id, a, b = self.start_job()
-        # Only a keeps heartbeating; b is declared dead after 700 ms and fenced.
+        # Only a keeps heartbeating; b is declared dead after 1.5 s and fenced.
         deadline = time.time() + 10
         while time.time() < deadline and self.get(job_id).restarts == 0:
             a.send(heartbeat=pb.Heartbeat())
@@ -578,6 +578,11 @@ class CtlTest(Base):
         self.assertEqual(rc, 5, err)
         self.assertIn("line 3: spec.world_size", err)
         self.assertEqual(len(err.strip().splitlines()), 1)
+        rc, _, err = ctl(self.server, "watch", "job-404")
+        self.assertEqual(rc, 3, err)
+        rc, out, err = ctl(self.server, "-o", "json", "get", "workers")
+        self.assertEqual(rc, 0, err)
+        self.assertEqual(json.loads(out).get("workers", []), [])
         rc, _, err = ctl(None, "get", "jobs")
         self.assertEqual(rc, 4, err)
         self.assertIn("unreachable", err)
