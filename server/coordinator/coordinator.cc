@@ -53,18 +53,22 @@ absl::Status Coordinator::Recover() {
   auto snap = store_->Load();
   if (!snap.ok()) return snap.status();
   std::lock_guard<std::mutex> lock(mu_);
+  std::map<std::string, std::string> invalid_specs;  // job id -> reason
   for (auto& job : snap->jobs) {
     auto rec = std::make_unique<JobRec>();
+    // A spec accepted by an older coordinator may fail today's validation (a preset was
+    // removed, say). Such a job keeps its history; if it was still live it fails with the reason.
     auto spec = ParseJobSpec(job.spec_yaml());
-    if (!spec.ok()) {
-      return absl::DataLossError(
-          "store: job " + job.id() +
-          " holds a spec that no longer parses: " + std::string(spec.status().message()));
+    std::string invalid;
+    if (spec.ok()) {
+      rec->spec = *spec;
+    } else {
+      invalid = "stored spec no longer valid: " + std::string(spec.status().message());
     }
-    rec->spec = *spec;
     rec->events.assign(job.events().begin(), job.events().end());
     job.clear_events();
     rec->job = std::move(job);
+    if (!invalid.empty()) invalid_specs[rec->job.id()] = invalid;
     if (!rec->job.idempotency_key().empty()) {
       by_idempotency_key_[rec->job.idempotency_key()] = rec->job.id();
     }
@@ -78,6 +82,14 @@ absl::Status Coordinator::Recover() {
   }
   for (JobRec* rec : job_order_) {
     rec->job.clear_ranks();
+    if (rec->policies.empty()) {
+      SetState(*rec, v1::JOB_FAILED, "store: job has no policy version");
+      continue;
+    }
+    if (auto it = invalid_specs.find(rec->job.id()); it != invalid_specs.end()) {
+      if (!IsFinal(rec->job.state())) SetState(*rec, v1::JOB_FAILED, it->second);
+      continue;
+    }
     if (rec->job.state() == v1::JOB_SCHEDULED || rec->job.state() == v1::JOB_RUNNING) {
       rec->job.set_attempt(rec->job.attempt() + 1);
       SetState(*rec, v1::JOB_PENDING,

@@ -534,6 +534,27 @@ TEST_F(CoordinatorTest, StateSurvivesReopeningTheStore) {
   std::filesystem::remove_all(dir);
 }
 
+TEST_F(CoordinatorTest, RecoveryFailsLiveJobsWhoseStoredSpecNoLongerValidates) {
+  const auto dir = std::filesystem::temp_directory_path() /
+                   ("geofp8-coordinator-spec-test-" + std::to_string(::getpid()));
+  std::filesystem::remove_all(dir);
+  Open(dir.string());
+  std::string id = Submit(kSpec2);
+  v1::Job job = Get(id);
+  job.clear_events();
+  job.set_spec_yaml("name: t\nmodel: {preset: retired-model}\n");
+  ASSERT_TRUE(store->PutJob(job).ok());
+  Open(dir.string());
+  job = Get(id);
+  EXPECT_EQ(job.state(), v1::JOB_FAILED);
+  EXPECT_NE(job.reason().find("stored spec no longer valid: line 2: spec.model.preset"),
+            std::string::npos)
+      << job.reason();
+  coordinator.reset();
+  store.reset();
+  std::filesystem::remove_all(dir);
+}
+
 TEST(RendezvousKv, SetGetWaitAdd) {
   RendezvousKv kv;
   EXPECT_EQ(kv.Get("j", "k", 0).status().code(), absl::StatusCode::kNotFound);
