@@ -395,6 +395,54 @@ GEOFP8_AVX2 void EncodeBf16(const float* x, const Layout& l, uint8_t* payload, E
   for (uint32_t c : lanes) st->saturated += c;
 }
 
+// nvfp4 decode: 8 payload bytes -> 16 nibble codes in element order -> E2M1 values * den, as
+// the scalar path (table value times the fp32 denominator, one rounding).
+GEOFP8_AVX2 inline __m256 DecodeE2M1(__m256i c) {
+  const __m256i sign = _mm256_slli_epi32(_mm256_and_si256(c, _mm256_set1_epi32(0x8)), 28);
+  const __m256i mag = _mm256_and_si256(c, _mm256_set1_epi32(0x7));
+  const __m256i normal = _mm256_add_epi32(_mm256_slli_epi32(mag, 22), _mm256_set1_epi32(126 << 23));
+  const __m256 sub = _mm256_mul_ps(_mm256_cvtepi32_ps(mag), _mm256_set1_ps(0.5f));
+  const __m256i is_sub = _mm256_cmpgt_epi32(_mm256_set1_epi32(2), mag);
+  const __m256i bits = _mm256_blendv_epi8(normal, _mm256_castps_si256(sub), is_sub);
+  return _mm256_castsi256_ps(_mm256_or_si256(bits, sign));
+}
+
+template <bool kAcc>
+GEOFP8_AVX2 void DecodeNv(const Layout& l, const uint8_t* scales, const uint8_t* payload,
+                          float* out) {
+  const size_t n = l.count;
+  float g;
+  std::memcpy(&g, scales, 4);
+  const __m128i low_mask = _mm_set1_epi8(0x0F);
+  size_t b0 = 0, bi = 0;
+  for (; b0 + 16 <= n; b0 += 16, ++bi) {
+    const __m256 den = _mm256_set1_ps(element::NvDenominator(scales[4 + bi], g));
+    const __m128i bytes = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(payload + bi * 8));
+    const __m128i lo = _mm_and_si128(bytes, low_mask);
+    const __m128i hi = _mm_and_si128(_mm_srli_epi16(bytes, 4), low_mask);
+    const __m128i codes = _mm_unpacklo_epi8(lo, hi);  // element 2i from the low nibble
+    __m256 v0 = _mm256_mul_ps(DecodeE2M1(_mm256_cvtepu8_epi32(codes)), den);
+    __m256 v1 = _mm256_mul_ps(DecodeE2M1(_mm256_cvtepu8_epi32(_mm_srli_si128(codes, 8))), den);
+    if constexpr (kAcc) {
+      v0 = _mm256_add_ps(_mm256_loadu_ps(out + b0), v0);
+      v1 = _mm256_add_ps(_mm256_loadu_ps(out + b0 + 8), v1);
+    }
+    _mm256_storeu_ps(out + b0, v0);
+    _mm256_storeu_ps(out + b0 + 8, v1);
+  }
+  if (b0 < n) {
+    const float den = element::NvDenominator(scales[4 + bi], g);
+    for (size_t i = b0; i < n; ++i) {
+      const float v = element::E2M1ToFloat((payload[i / 2] >> (4 * (i & 1))) & 0xF) * den;
+      if constexpr (kAcc) {
+        out[i] += v;
+      } else {
+        out[i] = v;
+      }
+    }
+  }
+}
+
 }  // namespace
 
 bool EncodeFp8Avx2(const float* x, const Layout& l, uint8_t* scales, uint8_t* payload,
@@ -427,6 +475,8 @@ bool DecodeFp8Avx2(const Layout& l, const uint8_t* scales, const uint8_t* payloa
                : DecodeFp8<Format::kFp8E5M2, false>(l, scales, payload, out);
   } else if (l.format == Format::kMxfp8) {
     accumulate ? DecodeMx<true>(l, scales, payload, out) : DecodeMx<false>(l, scales, payload, out);
+  } else if (l.format == Format::kNvfp4) {
+    accumulate ? DecodeNv<true>(l, scales, payload, out) : DecodeNv<false>(l, scales, payload, out);
   } else {
     return false;
   }
