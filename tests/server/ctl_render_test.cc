@@ -1,0 +1,88 @@
+// geofp8ctl rendering: durations, byte sizes, tables, the watch progress line, and that JSON and
+// YAML output carry the same fields.
+#include "client/ctl/render.h"
+
+#include <gtest/gtest.h>
+
+#include "yaml-cpp/yaml.h"
+
+namespace geofp8::ctl {
+namespace {
+
+TEST(Render, DurationAndBytes) {
+  EXPECT_EQ(Duration(0), "0s");
+  EXPECT_EQ(Duration(59.4), "59s");
+  EXPECT_EQ(Duration(90), "1m30s");
+  EXPECT_EQ(Duration(3 * 3600 + 120), "3h02m");
+  EXPECT_EQ(Duration(2 * 86400 + 3600), "2d01h");
+  EXPECT_EQ(Duration(-1), "-");
+  EXPECT_EQ(Bytes(512), "512 B");
+  EXPECT_EQ(Bytes(1536), "1.5 KiB");
+  EXPECT_EQ(Bytes(3.0 * (1 << 30)), "3.0 GiB");
+}
+
+TEST(Render, TableAlignsColumns) {
+  EXPECT_EQ(Table({{"A", "BB"}, {"ccc", "d"}}), "A    BB\nccc  d\n");
+}
+
+TEST(Render, ProgressLine) {
+  v1::Job job;
+  job.set_state(v1::JOB_RUNNING);
+  auto* p = job.mutable_progress();
+  p->set_step(250);
+  p->set_total_steps(1000);
+  p->set_loss(3.25);
+  p->set_tokens_per_second(12345);
+  p->set_bytes_sent(1 << 20);
+  p->set_bytes_baseline(4 << 20);
+  const std::string line = ProgressLine(job, 5.0, 20);
+  EXPECT_EQ(line.substr(0, 22), "[#####...............]");
+  EXPECT_NE(line.find("250/1000"), std::string::npos) << line;
+  EXPECT_NE(line.find(" 25%"), std::string::npos) << line;
+  EXPECT_NE(line.find("loss 3.25"), std::string::npos) << line;
+  EXPECT_NE(line.find("12.3k tok/s"), std::string::npos) << line;
+  EXPECT_NE(line.find("saved 75% (3.0 MiB)"), std::string::npos) << line;
+  EXPECT_NE(line.find("ETA 2m30s"), std::string::npos) << line;  // 750 steps at 5 steps/s
+  EXPECT_NE(line.find("RUNNING"), std::string::npos) << line;
+  EXPECT_NE(ProgressLine(job, 0, 20).find("ETA -"), std::string::npos);
+}
+
+TEST(Render, JsonAndYamlCarryTheSameFields) {
+  v1::Job job;
+  job.set_id("job-000007");
+  job.set_state(v1::JOB_FAILED);
+  job.set_world_size(4);
+  job.mutable_progress()->set_step(12);
+  YAML::Node from_json = YAML::Load(ToJson(job));
+  YAML::Node from_yaml = YAML::Load(ToYaml(job));
+  EXPECT_EQ(from_json["id"].as<std::string>(), "job-000007");
+  EXPECT_EQ(from_yaml["id"].as<std::string>(), "job-000007");
+  EXPECT_EQ(from_yaml["state"].as<std::string>(), "JOB_FAILED");
+  EXPECT_EQ(from_yaml["world_size"].as<int>(), 4);
+  EXPECT_EQ(from_yaml["progress"]["step"].as<std::string>(), "12");
+  EXPECT_EQ(from_json.size(), from_yaml.size());
+  EXPECT_EQ(ToYaml(job).find('{'), std::string::npos);  // block style, not flow
+}
+
+TEST(Render, DescribeShowsEventsAndPolicy) {
+  v1::Job job;
+  job.set_id("job-1");
+  job.set_state(v1::JOB_PENDING);
+  auto* e = job.add_events();
+  e->set_state(v1::JOB_PENDING);
+  e->set_message("PENDING: submitted");
+  v1::Policy policy;
+  policy.set_version(2);
+  policy.set_effective_step(45);
+  policy.mutable_default_policy()->set_format("fp8_e4m3");
+  auto* patch = policy.add_patches();
+  patch->set_layer("*attn*");
+  patch->set_format("nvfp4");
+  const std::string out = DescribeJob(job, &policy, 0);
+  EXPECT_NE(out.find("PENDING: submitted"), std::string::npos) << out;
+  EXPECT_NE(out.find("policy v2  effective at step 45"), std::string::npos) << out;
+  EXPECT_NE(out.find("*attn*  format=nvfp4"), std::string::npos) << out;
+}
+
+}  // namespace
+}  // namespace geofp8::ctl
