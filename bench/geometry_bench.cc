@@ -41,7 +41,7 @@ struct Args {
   std::vector<SyntheticFamily> families = {SyntheticFamily::kSpectral, SyntheticFamily::kKronecker,
                                            SyntheticFamily::kLowRankNoise};
   std::vector<double> decays = {0.5, 1.0, 1.5, 2.0};
-  bool require_target = false;  // exit 1 if any quality case with fit >= 1 misses the target
+  bool require_target = false;  // exit 1 if any quality case with fit >= 0.99 misses the target
 };
 
 [[noreturn]] void UsageError(const std::string& field, const std::string& problem,
@@ -294,7 +294,8 @@ int RunQuality(const Args& a) {
               "estimated on the drifted twin (drift --drift %.2f; `drift` column = measured "
               "subspace distance stale->fresh); diag: estimated on the twin.\n"
               "p = generator parameter; fit = fitted decay exponent of the singular values (top half).\n"
-              "target (fit >= 1): gain >= 3 and fro <= 1.1, shown for fresh/stale.\n\n",
+              "target (fit >= 0.99, i.e. decay at least i^-1 within the fit's round-off): gain >= 3 and "
+              "fro <= 1.1, shown for fresh/stale.\n\n",
               a.drift);
   int met = 0, applicable = 0;
   for (size_t c = 0; c < codecs.size(); ++c) {
@@ -309,7 +310,7 @@ int RunQuality(const Args& a) {
       const double ff = r.fresh.rel_fro / std::max(r.euclid.rel_fro, 1e-300);
       const double fs = r.stale.rel_fro / std::max(r.euclid.rel_fro, 1e-300);
       std::string target = "n/a";
-      if (r.fitted >= 1.0) {
+      if (r.fitted >= 0.99) {
         const bool ok_f = gf >= 3 && ff <= 1.1, ok_s = gs >= 3 && fs <= 1.1;
         target = std::string(ok_f ? "yes" : "NO") + "/" + (ok_s ? "yes" : "NO");
         applicable += 2;
@@ -321,7 +322,7 @@ int RunQuality(const Args& a) {
     }
     std::printf("\n");
   }
-  std::printf("target met on %d of %d (matrix, format, fresh|stale) cases with fit >= 1; quality "
+  std::printf("target met on %d of %d (matrix, format, fresh|stale) cases with fit >= 0.99; quality "
               "suite took %.1f s\n\n", met, applicable, Seconds(t_start));
   if (a.require_target && met != applicable) {
     std::fprintf(stderr, "%s: error: --require-target: %d case(s) missed the target\n", kProg,
