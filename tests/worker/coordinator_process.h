@@ -89,6 +89,8 @@ class ChildProcess {
       if (r == pid_) {
         exited_ = true;
         status_ = WIFEXITED(st) ? WEXITSTATUS(st) : 128 + WTERMSIG(st);
+        // The pipe reaches EOF now that the child is gone: collect the rest of its output.
+        if (reader_.joinable()) reader_.join();
         return status_;
       }
       if (std::chrono::steady_clock::now() > deadline) return -1;

@@ -174,6 +174,25 @@ TEST_F(WorkerE2ETest, PolicyArrivingAfterItsEffectiveStepFailsTheJobLoudly) {
   EXPECT_TRUE(client_->WaitIdle(2, seconds(30))) << Everything(job);
 }
 
+// Auto mode: rank 0's probes reach the coordinator's policy engine, which turns geometry on
+// with a new version; the ranks apply it at its effective step and finish.
+TEST_F(WorkerE2ETest, AutoPolicyProbesLeadToAnAutoVersion) {
+  StartWorkers(2, {"--debug-step-delay-ms", "10"});
+  std::string spec = TinySpec("auto", 80);
+  spec.replace(spec.find("geometry: lowrank, rank: 4"), 26, "geometry: none");
+  spec += "auto_policy: {enabled: true, probe_every: 10, min_gain: 1.0001, off_gain: 1.00001,"
+          " max_cost_fraction: 1.0, geometry: lowrank, rank: 4, min_interval: 5,"
+          " max_interval: 100}\n";
+  v1::Job job = client_->Submit(spec);
+  job = client_->WaitFinal(job.id(), seconds(120));
+  ASSERT_EQ(job.state(), v1::JOB_SUCCEEDED) << Everything(job);
+  EXPECT_GE(job.policy_version(), 2u) << Everything(job);
+  bool auto_event = false;
+  for (const auto& e : job.events()) auto_event |= e.message().find("(auto): auto:") != std::string::npos;
+  EXPECT_TRUE(auto_event) << Everything(job);
+  EXPECT_EQ(workers_[0]->Result(job.id())["checksum"], workers_[1]->Result(job.id())["checksum"]);
+}
+
 TEST_F(WorkerE2ETest, CancelStopsEveryRankAtTheSameStep) {
   StartWorkers(2);
   v1::Job job = client_->Submit(TinySpec("cancel", 100000));

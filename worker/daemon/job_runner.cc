@@ -17,6 +17,7 @@
 #include "kernels/common/check.h"
 #include "kernels/exchange/exchanger.h"
 #include "kernels/exchange/gloo_communicator.h"
+#include "kernels/geometry/geometry.h"
 #include "kernels/model/data.h"
 #include "kernels/model/ops.h"
 #include "kernels/model/optimizer.h"
@@ -133,6 +134,8 @@ struct JobRunner::Impl {
   std::vector<int32_t> tokens;
   std::vector<float> local;  // this rank's gradient before the exchange (when measuring)
   std::string checkpoint_path;  // empty: checkpoints off
+  std::map<uint32_t, double> drift;  // per layer, from the refreshes this rank owned
+  double last_step_seconds = 0;
   int rank = 0, world = 1, seq = 0;
   uint64_t bytes_sent = 0, bytes_baseline = 0;
   double tokens_per_second = 0;
@@ -383,6 +386,73 @@ struct JobRunner::Impl {
     Send(std::move(m), false);
   }
 
+  // ||decode(encode(T(g))) mapped back - g|| / ||g|| for one layer under policy p, with T the
+  // geometry (identity when null). Adds the forward + inverse transform time to *seconds.
+  static double RoundTripError(std::span<const float> g, const LayerPolicy& p,
+                               const Geometry* geometry, double* seconds) {
+    std::vector<float> x(g.begin(), g.end());
+    if (geometry) {
+      const auto t0 = Clock::now();
+      ApplyGeometry(*geometry, x);
+      *seconds += std::chrono::duration<double>(Clock::now() - t0).count();
+    }
+    if (p.format != Format::kFp32) {
+      CodecOptions o;
+      o.format = p.format;
+      o.scaling = p.scaling;
+      o.block = p.block;
+      std::vector<uint8_t> buf(EncodedBytes(o, x.size()));
+      Encode(x, o, buf);
+      Decode(buf, x);
+    }
+    if (geometry) {
+      const auto t0 = Clock::now();
+      InvertGeometry(*geometry, x);
+      *seconds += std::chrono::duration<double>(Clock::now() - t0).count();
+    }
+    double e2 = 0, g2 = 0;
+    for (size_t i = 0; i < x.size(); ++i) {
+      const double d = double(x[i]) - g[i];
+      e2 += d * d;
+      g2 += double(g[i]) * g[i];
+    }
+    return g2 > 0 ? std::sqrt(e2 / g2) : std::sqrt(e2);
+  }
+
+  // Auto mode (DESIGN.md section 2): rank 0 quantizes each matrix's local gradient with and
+  // without geometry, no communication, and reports the errors and the transform cost.
+  void Probes(int64_t step) {
+    v1::WorkerMessage m;
+    auto* probes = m.mutable_probes();
+    for (size_t l = 0; l < model->params().size(); ++l) {
+      const model::ParamInfo& p = model->params()[l];
+      if (!p.is_matrix()) continue;
+      std::span<const float> g(local.data() + p.offset, size_t(p.size()));
+      double unused = 0, transform = 0;
+      const double without = RoundTripError(g, layer_policies[l], nullptr, &unused);
+      Geometry geometry = exchanger->active_geometry(uint32_t(l));
+      if (geometry.is_identity()) {
+        GeometryOptions go;
+        go.mode = spec.auto_policy.geometry;
+        go.rank = spec.auto_policy.rank;
+        go.alpha = layer_policies[l].alpha;
+        go.seed = spec.training.seed ^ (l + 1);
+        geometry = EstimateGeometry(g, p.rows, p.cols, go, nullptr).geometry;
+      }
+      const double with = RoundTripError(g, layer_policies[l], &geometry, &transform);
+      auto* pr = probes->add_probes();
+      pr->set_layer(p.name);
+      pr->set_step(step);
+      pr->set_error_without(without);
+      pr->set_error_with(with);
+      pr->set_transform_seconds(transform);
+      pr->set_step_seconds(last_step_seconds);
+      auto d = drift.find(uint32_t(l));
+      pr->set_drift(d == drift.end() ? 0.0 : d->second);
+    }
+    Send(std::move(m), false);
+  }
+
   // Returns the control decision agreed by all ranks: 0 run, 1 stop, 2 abort (a rank failed).
   uint32_t Control(int64_t step) {
     uint32_t mine = 0;
@@ -487,7 +557,11 @@ struct JobRunner::Impl {
       if (std::optional<v1::Policy> due = TakeDuePolicy(step)) Apply(*due, step);
 
       const auto t0 = Clock::now();
-      const bool measure = r.options_.summary_every > 0 && step % r.options_.summary_every == 0;
+      const bool summarize = r.options_.summary_every > 0 && step % r.options_.summary_every == 0;
+      const bool probe = spec.auto_policy.enabled && rank == 0 && step > 0 &&
+                         spec.auto_policy.probe_every > 0 &&
+                         step % spec.auto_policy.probe_every == 0;
+      const bool measure = summarize || probe;
       data->TrainBatch(step, rank, world, spec.training.batch_size, seq, &tokens);
       std::vector<std::span<float>> grads(L);
       for (size_t i = 0; i < L; ++i) grads[i] = model->grad(int(i));
@@ -511,7 +585,11 @@ struct JobRunner::Impl {
           model->ForwardBackward(tokens, spec.training.batch_size, seq, on_ready);
       GEOFP8_CHECK(next_bucket == remaining.size(), "backward left buckets unsubmitted");
       const StepResult ex = exchanger->Finish(uint64_t(step));
-      if (measure) Summaries(step);
+      if (summarize) Summaries(step);
+      if (probe) Probes(step);
+      for (const RefreshRecord& rr : ex.refreshes) {
+        if (rr.seconds > 0) drift[rr.layer] = rr.drift;  // measured by this rank as the owner
+      }
       if (!ex.skipped) {
         model::ClipGradNorm(model->grads(), optimizer->options().clip_norm);
         optimizer->Step(model->weights(), model->grads(), step);
@@ -520,6 +598,7 @@ struct JobRunner::Impl {
       comm->AllReduceSum(sum);
       const double mean_loss = double(sum[0]) / world;
       const double seconds = std::chrono::duration<double>(Clock::now() - t0).count();
+      last_step_seconds = seconds;
       const double tps = seconds > 0 ? double(step_tokens) / seconds : 0;
       tokens_per_second = tokens_per_second == 0 ? tps : 0.8 * tokens_per_second + 0.2 * tps;
       bytes_sent += ex.bytes_sent;
@@ -541,7 +620,7 @@ struct JobRunner::Impl {
           }
         }
         for (const RefreshRecord& rr : ex.refreshes) {
-          r.metrics_->Refresh(model->params()[rr.layer].name, rr.drift);
+          if (rr.seconds > 0) r.metrics_->Refresh(model->params()[rr.layer].name, rr.drift);
         }
       }
       v1::WorkerMessage pm;
