@@ -5,6 +5,7 @@
 #include <gtest/gtest.h>
 
 #include <atomic>
+#include <cstdlib>
 #include <fstream>
 #include <thread>
 
@@ -20,6 +21,15 @@ using testing::CoordinatorProcess;
 
 std::vector<uint8_t> Bytes(const std::string& s) { return {s.begin(), s.end()}; }
 
+ConnectionOptions Opts(const std::string& address, const std::string& token,
+                       const std::string& tls_ca) {
+  ConnectionOptions o;
+  o.address = address;
+  o.token = token;
+  o.tls_ca = tls_ca;
+  return o;
+}
+
 class GrpcStoreTest : public ::testing::Test {
  protected:
   static void SetUpTestSuite() { coordinator_ = new CoordinatorProcess(); }
@@ -28,7 +38,7 @@ class GrpcStoreTest : public ::testing::Test {
     coordinator_ = nullptr;
   }
   std::shared_ptr<Connection> Connect(const std::string& token = "") {
-    auto c = Connection::Open({coordinator_->address(), token, ""});
+    auto c = Connection::Open(Opts(coordinator_->address(), token, ""));
     EXPECT_TRUE(c.ok()) << c.status();
     return *c;
   }
@@ -154,7 +164,7 @@ TEST_F(GrpcStoreTest, GlooRendezvousThroughTheCoordinator) {
 
 TEST(GrpcStoreNoServerTest, UnreachableCoordinatorFailsNamingTheAddress) {
   // A port nobody listens on: bind, read the port, close.
-  auto c = Connection::Open({"127.0.0.1:1", "", ""});
+  auto c = Connection::Open(Opts("127.0.0.1:1", "", ""));
   ASSERT_TRUE(c.ok());
   GrpcStore store(*c, "job", "job/0/");
   store.set_rpc_timeout(milliseconds(500));
@@ -172,8 +182,8 @@ TEST(GrpcStoreAuthTest, TokenIsSentAndAWrongOneIsRejected) {
   const std::string token_file = dir.path() + "/token";
   std::ofstream(token_file) << "s3cret\n";
   CoordinatorProcess coordinator({"--token-file", token_file});
-  auto good = Connection::Open({coordinator.address(), "s3cret", ""});
-  auto bad = Connection::Open({coordinator.address(), "wrong", ""});
+  auto good = Connection::Open(Opts(coordinator.address(), "s3cret", ""));
+  auto bad = Connection::Open(Opts(coordinator.address(), "wrong", ""));
   ASSERT_TRUE(good.ok() && bad.ok());
   GrpcStore ok_store(*good, "job", "job/0/");
   ok_store.Set("k", Bytes("v"));
@@ -187,13 +197,61 @@ TEST(GrpcStoreAuthTest, TokenIsSentAndAWrongOneIsRejected) {
   }
 }
 
+// TLS: server-authenticated, then mutual (the coordinator requires a client certificate).
+TEST(GrpcStoreTlsTest, ServerAndMutualTls) {
+  testing::TempDir dir("geofp8-certs");
+  const std::string d = dir.path();
+  auto sh = [&](const std::string& cmd) {
+    return std::system(("cd " + d + " && " + cmd + " >/dev/null 2>&1").c_str());
+  };
+  ASSERT_EQ(sh("openssl req -x509 -newkey rsa:2048 -nodes -keyout ca.key -out ca.pem -days 2 "
+               "-subj /CN=geofp8-test-ca"), 0);
+  for (const std::string name : {"server", "client"}) {
+    ASSERT_EQ(sh("openssl req -newkey rsa:2048 -nodes -keyout " + name + ".key -out " + name +
+                 ".csr -subj /CN=" + name),
+              0);
+    std::ofstream(d + "/" + name + ".ext") << "subjectAltName=IP:127.0.0.1,DNS:localhost\n";
+    ASSERT_EQ(sh("openssl x509 -req -in " + name + ".csr -CA ca.pem -CAkey ca.key "
+                 "-CAcreateserial -out " + name + ".pem -days 2 -extfile " + name + ".ext"),
+              0);
+  }
+  {
+    CoordinatorProcess tls({"--tls-cert", d + "/server.pem", "--tls-key", d + "/server.key"});
+    auto c = Connection::Open(Opts(tls.address(), "", d + "/ca.pem"));
+    ASSERT_TRUE(c.ok()) << c.status();
+    GrpcStore store(*c, "job", "job/0/");
+    store.Set("k", Bytes("over tls"));
+    EXPECT_EQ(store.Get("k", milliseconds(1000)), Bytes("over tls"));
+  }
+  CoordinatorProcess mtls({"--tls-cert", d + "/server.pem", "--tls-key", d + "/server.key",
+                           "--tls-client-ca", d + "/ca.pem"});
+  ConnectionOptions with_cert = Opts(mtls.address(), "", d + "/ca.pem");
+  with_cert.tls_cert = d + "/client.pem";
+  with_cert.tls_key = d + "/client.key";
+  auto c = Connection::Open(with_cert);
+  ASSERT_TRUE(c.ok()) << c.status();
+  GrpcStore store(*c, "job", "job/0/");
+  store.Set("k", Bytes("mutual"));
+  EXPECT_EQ(store.Get("k", milliseconds(1000)), Bytes("mutual"));
+  auto no_cert = Connection::Open(Opts(mtls.address(), "", d + "/ca.pem"));
+  ASSERT_TRUE(no_cert.ok());
+  GrpcStore refused(*no_cert, "job", "job/0/");
+  refused.set_rpc_timeout(milliseconds(1000));
+  EXPECT_THROW(refused.Set("k", Bytes("x")), Error);
+}
+
 TEST(ConnectionTest, BadFlagsAreNamed) {
-  auto c = Connection::Open({"nohostport", "", ""});
+  auto c = Connection::Open(Opts("nohostport", "", ""));
   ASSERT_FALSE(c.ok());
   EXPECT_NE(c.status().message().find("--coordinator"), std::string::npos);
-  auto t = Connection::Open({"127.0.0.1:1", "", "/nonexistent/ca.pem"});
+  auto t = Connection::Open(Opts("127.0.0.1:1", "", "/nonexistent/ca.pem"));
   ASSERT_FALSE(t.ok());
   EXPECT_NE(t.status().message().find("--tls-ca"), std::string::npos);
+  ConnectionOptions half = Opts("127.0.0.1:1", "", "/nonexistent/ca.pem");
+  half.tls_cert = "/nonexistent/c.pem";
+  auto h = Connection::Open(half);
+  ASSERT_FALSE(h.ok());
+  EXPECT_NE(h.status().message().find("--tls-cert/--tls-key"), std::string::npos);
 }
 
 }  // namespace

@@ -16,16 +16,31 @@ absl::StatusOr<std::shared_ptr<Connection>> Connection::Open(const ConnectionOpt
   auto c = std::shared_ptr<Connection>(new Connection());
   c->address_ = options.address;
   c->token_ = options.token;
+  auto read = [](const std::string& flag, const std::string& path,
+                 std::string* out) -> absl::Status {
+    std::ifstream in(path);
+    if (!in) return absl::InvalidArgumentError(flag + ": cannot read " + path);
+    std::stringstream pem;
+    pem << in.rdbuf();
+    *out = pem.str();
+    return absl::OkStatus();
+  };
+  if (options.tls_cert.empty() != options.tls_key.empty()) {
+    return absl::InvalidArgumentError("--tls-cert/--tls-key: give both or neither");
+  }
+  if (!options.tls_cert.empty() && options.tls_ca.empty()) {
+    return absl::InvalidArgumentError("--tls-cert: needs --tls-ca (TLS is off without it)");
+  }
   std::shared_ptr<grpc::ChannelCredentials> creds;
   if (options.tls_ca.empty()) {
     creds = grpc::InsecureChannelCredentials();
   } else {
-    std::ifstream in(options.tls_ca);
-    if (!in) return absl::InvalidArgumentError("--tls-ca: cannot read " + options.tls_ca);
-    std::stringstream pem;
-    pem << in.rdbuf();
     grpc::SslCredentialsOptions ssl;
-    ssl.pem_root_certs = pem.str();
+    if (auto s = read("--tls-ca", options.tls_ca, &ssl.pem_root_certs); !s.ok()) return s;
+    if (!options.tls_cert.empty()) {
+      if (auto s = read("--tls-cert", options.tls_cert, &ssl.pem_cert_chain); !s.ok()) return s;
+      if (auto s = read("--tls-key", options.tls_key, &ssl.pem_private_key); !s.ok()) return s;
+    }
     creds = grpc::SslCredentials(ssl);
   }
   grpc::ChannelArguments args;

@@ -16,6 +16,8 @@ struct ConnectionOptions {
   std::string address;  // coordinator host:port
   std::string token;    // bearer token; empty: none sent
   std::string tls_ca;   // PEM CA bundle path; empty: plaintext
+  std::string tls_cert; // PEM client certificate path, for coordinators that require mutual TLS
+  std::string tls_key;  // PEM private key of tls_cert
 };
 
 class Connection {

@@ -70,6 +70,8 @@ int main(int argc, char** argv) {
                  "Bearer token for the coordinator (or env GEOFP8_TOKEN)");
   app.add_option("--token-file", token_file, "File holding the bearer token");
   app.add_option("--tls-ca", o.connection.tls_ca, "PEM CA bundle: connect over TLS");
+  app.add_option("--tls-cert", o.connection.tls_cert, "PEM client certificate (mutual TLS)");
+  app.add_option("--tls-key", o.connection.tls_key, "PEM private key of --tls-cert");
   app.add_option("--name", o.session.name,
                  "Stable worker name; re-registering a name fences its previous process "
                  "(default: host:pid)");
