@@ -116,7 +116,7 @@ TEST_F(WorkerE2ETest, TwoWorkersFinishATinyJobWithEqualChecksums) {
   EXPECT_TRUE(std::filesystem::exists(workers_[1]->data_dir() + "/ckpt/" + job.id() + "/w1.ckpt"));
   // /metrics in Prometheus text format with the per-layer series.
   const std::string m = Scrape(workers_[0]->MetricsPort());
-  EXPECT_NE(m.find("geofp8_worker_step{job=\"" + job.id() + "\"} 29"), std::string::npos) << m;
+  EXPECT_NE(m.find("geofp8_worker_step{job_id=\"" + job.id() + "\"} 29"), std::string::npos) << m;
   EXPECT_NE(m.find("geofp8_exchange_bytes_total{"), std::string::npos) << m;
   EXPECT_NE(m.find("format=\"fp8_e4m3\""), std::string::npos) << m;
   EXPECT_NE(m.find("geofp8_exchange_seconds_count 30"), std::string::npos) << m;
@@ -156,9 +156,9 @@ TEST_F(WorkerE2ETest, LivePolicyChangeTakesEffectAtItsStep) {
 }
 
 TEST_F(WorkerE2ETest, PolicyArrivingAfterItsEffectiveStepFailsTheJobLoudly) {
-  StartWorkers(2);
-  // margin 1: the effective step is the step right after the largest reported one, which the
-  // fastest rank has usually started by the time the policy reaches it.
+  // margin 1 puts the effective step right after the largest reported one; the workers hold each
+  // policy for 2 s (a slow network), by which time both ranks have run far past it.
+  StartWorkers(2, {"--debug-policy-delay-ms", "2000"});
   v1::Job job = client_->Submit(TinySpec("late", 3000, "  margin: 1\n"));
   job = client_->WaitStep(job.id(), 20, seconds(60));
   ASSERT_EQ(job.state(), v1::JOB_RUNNING) << Everything(job);

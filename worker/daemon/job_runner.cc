@@ -689,6 +689,7 @@ JobOutcome JobRunner::outcome() const {
 }
 
 void JobRunner::OfferPolicy(const v1::Policy& policy) {
+  if (options_.debug_policy_delay.count() > 0) std::this_thread::sleep_for(options_.debug_policy_delay);
   std::lock_guard<std::mutex> lock(mu_);
   if (policy.version() <= version_in_force_.load() || policies_.count(policy.version())) return;
   const int64_t at = started_step_.load();

@@ -38,6 +38,9 @@ struct JobRunnerOptions {
   std::chrono::milliseconds peer_failure_grace{15000};
   // Tests: sleep this long after every step (to make a live policy change land mid-run).
   std::chrono::milliseconds debug_step_delay{0};
+  // Fault injection: hold each policy version this long before the rank sees it, as a slow
+  // network would. Tests use it to make a policy arrive after its effective step for certain.
+  std::chrono::milliseconds debug_policy_delay{0};
 };
 
 // What one attempt ended with, also written to <data_dir>/results/<job_id>.<attempt>.txt.

@@ -60,6 +60,7 @@ int main(int argc, char** argv) {
   std::string token_file, capacity, device = "cpu";
   int grace_ms = 10000;
   int step_delay_ms = 0;
+  int policy_delay_ms = 0;
   o.job.data_dir = "geofp8-worker-data";
   char host[256] = {};
   gethostname(host, sizeof host - 1);
@@ -100,6 +101,11 @@ int main(int argc, char** argv) {
   app.add_option("--shutdown-grace-ms", grace_ms, "How long SIGTERM waits for the rank to stop")
       ->capture_default_str();
   app.add_option("--debug-step-delay-ms", step_delay_ms, "Sleep after every step (tests, demos)")
+      ->check(CLI::NonNegativeNumber)
+      ->group("");
+  app.add_option("--debug-policy-delay-ms", policy_delay_ms,
+                 "Fault injection: hold each policy version this long before applying it")
+      ->check(CLI::NonNegativeNumber)
       ->group("");
   try {
     app.parse(argc, argv);
@@ -143,6 +149,7 @@ int main(int argc, char** argv) {
   if (o.session.name.empty()) o.session.name = std::string(host) + ":" + std::to_string(getpid());
   o.job.worker_name = o.session.name;
   o.job.debug_step_delay = std::chrono::milliseconds(step_delay_ms);
+  o.job.debug_policy_delay = std::chrono::milliseconds(policy_delay_ms);
   geofp8::worker::SetLogName(o.session.name);
 
   if (pipe(g_signal_pipe) != 0) return UsageError("pipe() failed");

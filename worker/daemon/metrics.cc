@@ -62,7 +62,9 @@ void WorkerMetrics::JobStarted(const std::string& job_id, int rank, int world_si
   std::lock_guard<std::mutex> lock(mu_);
   job_ = job_id;
   assigned_.Add({}).Set(1);
-  step_.Add({{"job", job_}}).Set(-1);
+  // "job_id", not "job": Prometheus sets its own `job` label (the scrape job) and would rename
+  // ours to exported_job, which breaks the dashboard's `by (job_id)` queries.
+  step_.Add({{"job_id", job_}}).Set(-1);
 }
 
 void WorkerMetrics::JobEnded(bool success) {
@@ -75,7 +77,7 @@ void WorkerMetrics::JobEnded(bool success) {
 void WorkerMetrics::Step(int64_t step, double loss, double tokens_per_second, double step_seconds,
                          double exchange_seconds, bool skipped) {
   std::lock_guard<std::mutex> lock(mu_);
-  const prometheus::Labels job = {{"job", job_}};
+  const prometheus::Labels job = {{"job_id", job_}};
   step_.Add(job).Set(double(step));
   loss_.Add(job).Set(loss);
   tokens_per_second_.Add(job).Set(tokens_per_second);
@@ -87,7 +89,7 @@ void WorkerMetrics::Step(int64_t step, double loss, double tokens_per_second, do
 
 void WorkerMetrics::PolicyVersion(uint64_t version) {
   std::lock_guard<std::mutex> lock(mu_);
-  policy_version_.Add({{"job", job_}}).Set(double(version));
+  policy_version_.Add({{"job_id", job_}}).Set(double(version));
 }
 
 void WorkerMetrics::LayerBytes(const std::string& layer, const std::string& format, double bytes) {
@@ -108,7 +110,7 @@ void WorkerMetrics::Refresh(const std::string& layer, double drift) {
 
 void WorkerMetrics::Checkpoint(int64_t step) {
   std::lock_guard<std::mutex> lock(mu_);
-  checkpoint_step_.Add({{"job", job_}}).Set(double(step));
+  checkpoint_step_.Add({{"job_id", job_}}).Set(double(step));
 }
 
 void WorkerMetrics::Error(const std::string& kind) {
