@@ -46,9 +46,7 @@ struct Args {
 
 [[noreturn]] void UsageError(const std::string& field, const std::string& problem,
                              const std::string& value) {
-  std::fprintf(stderr, "%s: error: %s: %s (%s)\n", kProg, field.c_str(), problem.c_str(),
-               value.c_str());
-  std::exit(2);
+  bench::UsageError(kProg, field, problem, value);
 }
 
 void PrintHelp() {

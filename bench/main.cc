@@ -2,6 +2,7 @@
 // Every benchmark prints ratios against a baseline measured in the same run.
 #include <algorithm>
 #include <cstdio>
+#include <cstdlib>
 #include <cstring>
 #include <string>
 
@@ -11,6 +12,13 @@ namespace geofp8::bench {
 std::vector<Command>& Commands() {
   static std::vector<Command> commands;
   return commands;
+}
+
+void UsageError(const std::string& prog, const std::string& field, const std::string& problem,
+                const std::string& value) {
+  std::fprintf(stderr, "%s: error: %s: %s (%s)\n", prog.c_str(), field.c_str(), problem.c_str(),
+               value.c_str());
+  std::exit(2);
 }
 }  // namespace geofp8::bench
 

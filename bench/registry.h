@@ -15,6 +15,11 @@ struct Command {
 
 std::vector<Command>& Commands();
 
+// Prints "prog: error: field: problem (value)" and exits 2: the usage-error convention of every
+// command-line program in this project.
+[[noreturn]] void UsageError(const std::string& prog, const std::string& field,
+                             const std::string& problem, const std::string& value);
+
 struct Registrar {
   Registrar(std::string name, std::string help, int (*run)(int, char**)) {
     Commands().push_back({std::move(name), std::move(help), run});

@@ -22,7 +22,8 @@
 namespace geofp8 {
 namespace {
 
-void RunFp32(Communicator& comm, std::span<const BucketLayer> layers) {
+// The baselines reduce the whole bucket as one flat buffer, as DDP does.
+std::vector<float> Flatten(std::span<const BucketLayer> layers) {
   size_t total = 0;
   for (const auto& l : layers) total += l.in.size();
   std::vector<float> flat(total);
@@ -31,12 +32,21 @@ void RunFp32(Communicator& comm, std::span<const BucketLayer> layers) {
     std::copy(l.in.begin(), l.in.end(), flat.begin() + off);
     off += l.in.size();
   }
-  comm.AllReduceSum(flat);
-  off = 0;
+  return flat;
+}
+
+void Unflatten(std::span<const float> flat, std::span<const BucketLayer> layers) {
+  size_t off = 0;
   for (const auto& l : layers) {
     std::copy_n(flat.begin() + off, l.out.size(), l.out.begin());
     off += l.out.size();
   }
+}
+
+void RunFp32(Communicator& comm, std::span<const BucketLayer> layers) {
+  std::vector<float> flat = Flatten(layers);
+  comm.AllReduceSum(flat);
+  Unflatten(flat, layers);
 }
 
 void RunBf16(Communicator& comm, std::span<const BucketLayer> layers) {
@@ -57,20 +67,9 @@ void RunBf16(Communicator& comm, std::span<const BucketLayer> layers) {
 // Flattens the bucket, hands it to the backend's FP8 all-reduce, copies back.
 void RunNative(Communicator& comm, std::span<const BucketLayer> layers) {
   if (!comm.HasNativeFp8()) comm.AllReduceSumNativeFp8({});  // throws the backend's message
-  size_t total = 0;
-  for (const auto& l : layers) total += l.in.size();
-  std::vector<float> flat(total);
-  size_t off = 0;
-  for (const auto& l : layers) {
-    std::copy(l.in.begin(), l.in.end(), flat.begin() + off);
-    off += l.in.size();
-  }
+  std::vector<float> flat = Flatten(layers);
   comm.AllReduceSumNativeFp8(flat);
-  off = 0;
-  for (const auto& l : layers) {
-    std::copy_n(flat.begin() + off, l.out.size(), l.out.begin());
-    off += l.out.size();
-  }
+  Unflatten(flat, layers);
 }
 
 // ---- two_phase and allgather, pipelined over groups of layers ----
