@@ -2,6 +2,7 @@
 # Checks the deployment assets against the programs they deploy: manifests parse, every flag they
 # pass exists in the binary's --help, every metric the dashboard queries is exported, every Helm
 # value a template reads is defined, and a real Prometheus server scrapes a real coordinator.
+import http.client
 import json
 import os
 import re
@@ -10,6 +11,7 @@ import socket
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 import unittest
 import urllib.parse
@@ -108,41 +110,70 @@ def free_port():
         return s.getsockname()[1]
 
 
+def start_coordinator(data_dir):
+    """Starts geofp8-coordinator on free ports; returns (process, metrics port)."""
+    proc = subprocess.Popen([COORDINATOR, "--listen", "127.0.0.1:0", "--metrics-listen",
+                             "127.0.0.1:0", "--data-dir", data_dir],
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    for line in proc.stdout:
+        if "metrics on" in line:
+            port = int(line.rsplit(":", 1)[1].split("/")[0])
+            threading.Thread(target=proc.stdout.read, daemon=True).start()
+            return proc, port
+    raise RuntimeError("coordinator exited before serving /metrics")
+
+
+def start_prometheus(tmp, config):
+    """Starts Prometheus on a free port, retrying if another process took the port first."""
+    for attempt in range(5):
+        port = free_port()
+        proc = subprocess.Popen(["prometheus", "--config.file=" + config,
+                                 "--storage.tsdb.path=" + os.path.join(tmp, "tsdb%d" % attempt),
+                                 "--web.listen-address=127.0.0.1:%d" % port],
+                                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        deadline = time.time() + 30
+        while time.time() < deadline and proc.poll() is None:
+            try:
+                urllib.request.urlopen("http://127.0.0.1:%d/-/ready" % port, timeout=2).read()
+                return proc, port
+            except (OSError, http.client.HTTPException):
+                time.sleep(0.2)
+        proc.terminate()
+        proc.wait(timeout=30)
+    raise RuntimeError("prometheus did not become ready")
+
+
 @unittest.skipIf(shutil.which("prometheus") is None, "prometheus not installed")
 class PrometheusScrapeTest(unittest.TestCase):
     """A real Prometheus server scrapes a real coordinator; the dashboard's jobs query answers."""
 
     def test_scrape(self):
         tmp = tempfile.mkdtemp()
-        metrics_port, prom_port = free_port(), free_port()
-        coord = subprocess.Popen([COORDINATOR, "--listen", "127.0.0.1:0",
-                                  "--metrics-listen", "127.0.0.1:%d" % metrics_port,
-                                  "--data-dir", os.path.join(tmp, "coord")],
-                                 stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-        config = os.path.join(tmp, "prometheus.yml")
-        with open(config, "w") as f:
-            f.write("global: {scrape_interval: 1s}\nscrape_configs:\n"
-                    "  - job_name: geofp8-coordinator\n"
-                    "    static_configs: [{targets: ['127.0.0.1:%d']}]\n" % metrics_port)
-        prom = subprocess.Popen(["prometheus", "--config.file=" + config,
-                                 "--storage.tsdb.path=" + os.path.join(tmp, "tsdb"),
-                                 "--web.listen-address=127.0.0.1:%d" % prom_port],
-                                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        procs = []
         try:
-            query = urllib.parse.quote('sum by (state) (geofp8_jobs)')
+            coord, metrics_port = start_coordinator(os.path.join(tmp, "coord"))
+            procs.append(coord)
+            config = os.path.join(tmp, "prometheus.yml")
+            with open(config, "w") as f:
+                f.write("global: {scrape_interval: 1s}\nscrape_configs:\n"
+                        "  - job_name: geofp8-coordinator\n"
+                        "    static_configs: [{targets: ['127.0.0.1:%d']}]\n" % metrics_port)
+            prom, prom_port = start_prometheus(tmp, config)
+            procs.append(prom)
+            query = urllib.parse.quote("sum by (state) (geofp8_jobs)")
             url = "http://127.0.0.1:%d/api/v1/query?query=%s" % (prom_port, query)
             states, deadline = set(), time.time() + 60
             while time.time() < deadline and "pending" not in states:
                 time.sleep(1)
                 try:
                     body = json.load(urllib.request.urlopen(url, timeout=5))
-                except OSError:
+                except (OSError, http.client.HTTPException):
                     continue
                 states = {r["metric"].get("state") for r in body["data"]["result"]}
             self.assertIn("pending", states, "Prometheus never saw geofp8_jobs{state=pending}")
             self.assertIn("running", states)
         finally:
-            for p in (prom, coord):
+            for p in reversed(procs):
                 p.terminate()
                 p.wait(timeout=30)
             shutil.rmtree(tmp, ignore_errors=True)
