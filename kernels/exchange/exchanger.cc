@@ -2,6 +2,7 @@
 // gather, divide by N, geometry Apply, the bucket algorithm, geometry Invert.
 #include "kernels/exchange/exchanger.h"
 
+#include <algorithm>
 #include <cmath>
 #include <cstring>
 #include <sstream>
@@ -178,6 +179,102 @@ StepResult Exchanger::Finish(uint64_t step) {
 StepResult Exchanger::Exchange(uint64_t step, std::vector<std::span<float>> grads) {
   for (size_t b = 0; b < buckets_.size(); ++b) Submit(step, b, grads);
   return Finish(step);
+}
+
+std::vector<LayerGeometryState> Exchanger::ExportGeometry() const {
+  if (!steps_.empty()) GEOFP8_FAIL("ExportGeometry: step ", steps_.begin()->first, " is in flight");
+  std::vector<LayerGeometryState> out(layers_.size());
+  for (size_t l = 0; l < layers_.size(); ++l) {
+    const LayerState& st = state_[l];
+    if (!st.active.is_identity()) out[l].active = SerializeGeometry(st.active);
+    if (st.has_pending) {
+      out[l].pending = SerializeGeometry(st.pending);
+      out[l].pending_from = st.pending_from;
+    }
+  }
+  return out;
+}
+
+// "" when geometry g is what layer l's policy would estimate here, else "field: problem".
+std::string Exchanger::PolicyMismatch(uint32_t l, const Geometry& g) const {
+  const LayerSpec& spec = layers_[l];
+  const LayerPolicy& p = spec.policy;
+  std::ostringstream os;
+  if (!UsesGeometry(l)) {
+    os << "geometry: the layer uses none here ("
+       << (spec.rows <= 1 || spec.cols <= 1       ? "1-D"
+           : p.geometry == GeometryMode::kNone ? "policy geometry none"
+                                               : "fp32/bf16 algorithm")
+       << ") but the state holds a " << GeometryModeName(g.mode) << " geometry";
+  } else if (g.mode != p.geometry) {
+    os << "mode: " << GeometryModeName(g.mode) << " but the policy says "
+       << GeometryModeName(p.geometry);
+  } else if (const int64_t k = std::min<int64_t>({p.rank, spec.rows, spec.cols});
+             g.mode == GeometryMode::kLowRank && g.k != k) {
+    os << "rank: k = " << g.k << " but the policy's rank " << p.rank << " gives k = " << k;
+  } else if (g.alpha != p.alpha) {
+    os << "alpha: " << g.alpha << " but the policy says " << p.alpha;
+  }
+  return os.str();
+}
+
+std::vector<uint32_t> Exchanger::ImportGeometry(const std::vector<LayerGeometryState>& state,
+                                                GeometryImport mode) {
+  if (!steps_.empty()) GEOFP8_FAIL("ImportGeometry: step ", steps_.begin()->first, " is in flight");
+  GEOFP8_CHECK(state.size() == layers_.size(), "ImportGeometry: ", state.size(),
+               " layer states for ", layers_.size(), " layers");
+  std::vector<LayerState> next(layers_.size());
+  std::vector<uint32_t> reset;
+  for (uint32_t l = 0; l < layers_.size(); ++l) {
+    const LayerSpec& spec = layers_[l];
+    const LayerGeometryState& in = state[l];
+    auto fail = [&](const auto&... parts) {
+      GEOFP8_FAIL("ImportGeometry: layer ", l, " '", spec.name, "': ", parts...);
+    };
+    const bool has_active = !in.active.empty(), has_pending = !in.pending.empty();
+    if (!has_pending && in.pending_from != 0) {
+      fail("pending_from: set without a pending geometry (", in.pending_from, ")");
+    }
+    if (!has_active && !has_pending) continue;
+    Geometry active, pending;
+    for (const bool is_pending : {false, true}) {
+      const std::vector<uint8_t>& bytes = is_pending ? in.pending : in.active;
+      if (bytes.empty()) continue;
+      const char* field = is_pending ? "pending" : "active";
+      Geometry& g = is_pending ? pending : active;
+      try {
+        g = DeserializeGeometry(bytes);
+      } catch (const Error& e) {
+        fail(field, ": ", e.what());
+      }
+      if (g.m != spec.rows || g.n != spec.cols) {
+        fail(field, ".shape: ", g.m, "x", g.n, " but the layer is ", spec.rows, "x", spec.cols);
+      }
+      if (g.version == 0) fail(field, ".version: must be >= 1 (0)");
+    }
+    if (has_pending && in.pending_from < 1) fail("pending_from: must be >= 1 (0)");
+    if (has_pending && pending.version <= active.version) {
+      fail("pending.version: must be newer than active.version (", pending.version, " <= ",
+           active.version, ")");
+    }
+    std::string mismatch;
+    if (has_active && !(mismatch = PolicyMismatch(l, active)).empty()) {
+      mismatch = "active." + mismatch;
+    } else if (has_pending && !(mismatch = PolicyMismatch(l, pending)).empty()) {
+      mismatch = "pending." + mismatch;
+    }
+    if (!mismatch.empty()) {
+      if (mode == GeometryImport::kStrict) fail(mismatch);
+      reset.push_back(l);
+      continue;
+    }
+    next[l].active = std::move(active);
+    next[l].pending = std::move(pending);
+    next[l].pending_from = has_pending ? in.pending_from : 0;
+    next[l].has_pending = has_pending;
+  }
+  state_ = std::move(next);
+  return reset;
 }
 
 BucketResult Exchanger::RunBucket(uint64_t step, size_t bucket,

@@ -81,6 +81,21 @@ struct StepResult {
   std::vector<RefreshRecord> refreshes;
 };
 
+// One layer's geometry state in the checksummed wire form of kernels/geometry
+// (SerializeGeometry), for checkpoints and policy changes. Empty bytes mean identity (never
+// refreshed) for `active` and nothing waiting for `pending`.
+struct LayerGeometryState {
+  std::vector<uint8_t> active;   // the geometry in use
+  std::vector<uint8_t> pending;  // refreshed and broadcast, not yet active
+  uint64_t pending_from = 0;     // step at which `pending` becomes active (0 when none)
+};
+
+// How ImportGeometry treats a layer whose saved geometry disagrees with the layer's policy.
+enum class GeometryImport {
+  kStrict,          // resume: any disagreement is an error naming the layer and field
+  kDropMismatched,  // policy change: such a layer restarts from identity (warm-up) instead
+};
+
 // Thread-compatible: one caller thread drives an Exchanger; collectives run on its own thread.
 class Exchanger {
  public:
@@ -111,6 +126,20 @@ class Exchanger {
   // The geometry layer l uses at `step` (after activations up to it). For tests and metrics.
   const Geometry& active_geometry(uint32_t layer) const { return state_[layer].active; }
 
+  // Every layer's geometry state (one entry per layer), for a checkpoint or a policy change.
+  // Only between steps: throws if a step was submitted and not finished.
+  std::vector<LayerGeometryState> ExportGeometry() const;
+
+  // Takes in state from ExportGeometry (one entry per layer), between steps. Every non-empty
+  // entry must deserialize (checksum) and match the layer's shape, and a pending one must be
+  // newer than the active one with pending_from >= 1; those are always errors. Mode, rank
+  // (k = min(rank, rows, cols)) and alpha must match the layer's policy, and a layer that uses no
+  // geometry here (1-D, geometry none, fp32/bf16 algorithm) takes only empty state: kStrict
+  // throws naming the layer and field, kDropMismatched resets such a layer to identity. On an
+  // error nothing is changed. Returns the layers reset.
+  std::vector<uint32_t> ImportGeometry(const std::vector<LayerGeometryState>& state,
+                                       GeometryImport mode = GeometryImport::kStrict);
+
  private:
   struct LayerState {
     Geometry active;             // in use now (version 0: identity)
@@ -122,6 +151,7 @@ class Exchanger {
   BucketResult RunBucket(uint64_t step, size_t bucket, const std::vector<std::span<float>>& grads);
   std::vector<RefreshRecord> RunRefreshes(uint64_t step, const std::vector<std::span<float>>& grads);
   bool UsesGeometry(uint32_t layer) const;
+  std::string PolicyMismatch(uint32_t layer, const Geometry& geometry) const;
   void Enqueue(std::function<void()> task);
   void WorkerLoop();
 

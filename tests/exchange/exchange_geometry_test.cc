@@ -142,5 +142,147 @@ TEST(ExchangeGeometry, GeometryVersionIsPartOfTheFingerprint) {
   }
 }
 
+// Export after a step whose refresh is still pending, import into a fresh engine: the next
+// steps are bit for bit those of the engine that never stopped. Without the import they differ.
+TEST(ExchangeGeometry, ExportImportContinuesExactly) {
+  const int N = 2;
+  const int64_t m = 40, n = 24;
+  LayerPolicy lowrank;
+  lowrank.geometry = GeometryMode::kLowRank;
+  lowrank.rank = 3;
+  const std::vector<LayerSpec> layers = {{"w", m, n, lowrank}, {"b", 24, 1, lowrank}};
+  const std::vector<RefreshSchedule> schedule = {{1, 2, 0}, {0, 1, 0}};
+  ExchangeOptions options;
+  options.seed = 7;
+  const int cut = 3, steps = 6;  // refresh at step 2, active from 3: pending across the cut
+  std::vector<std::vector<std::vector<float>>> straight(N), resumed(N), cold(N);
+  std::vector<std::vector<LayerGeometryState>> saved(N);
+  const auto errors = RunRanks(N, [&](Communicator& comm) {
+    const int r = comm.rank();
+    auto run = [&](Exchanger& ex, int from, int to, std::vector<std::vector<float>>& out) {
+      for (int s = from; s < to; ++s) {
+        auto w = LowRankish(r, s, m, n);
+        std::vector<float> b(24, 0.25f * (r + s));
+        ex.Exchange(s, {std::span<float>(w), std::span<float>(b)});
+        out.push_back(w);
+      }
+    };
+    {
+      Exchanger ex(comm, layers, options, schedule);
+      run(ex, 0, steps, straight[r]);
+    }
+    {
+      Exchanger ex(comm, layers, options, schedule);
+      std::vector<std::vector<float>> unused;
+      run(ex, 0, cut, unused);
+      saved[r] = ex.ExportGeometry();
+    }
+    {
+      Exchanger ex(comm, layers, options, schedule);
+      EXPECT_TRUE(ex.ImportGeometry(saved[r]).empty());
+      EXPECT_EQ(ex.active_geometry(0).version, 1u);  // from step 0's refresh; step 2's waits
+      run(ex, cut, steps, resumed[r]);
+    }
+    {
+      Exchanger ex(comm, layers, options, schedule);
+      run(ex, cut, steps, cold[r]);
+    }
+  });
+  ASSERT_EQ(JoinErrors(errors), "");
+  for (int r = 0; r < N; ++r) {
+    ASSERT_EQ(saved[r].size(), 2u);
+    EXPECT_EQ(saved[r][0].active, saved[0][0].active) << "rank " << r;
+    EXPECT_FALSE(saved[r][0].pending.empty()) << "rank " << r;
+    EXPECT_EQ(saved[r][0].pending_from, uint64_t(cut));
+    EXPECT_TRUE(saved[r][1].active.empty() && saved[r][1].pending.empty());  // 1-D layer
+    ASSERT_EQ(resumed[r].size(), size_t(steps - cut));
+    for (int s = 0; s < steps - cut; ++s) {
+      EXPECT_TRUE(SameBytes(resumed[r][s], straight[r][cut + s]))
+          << "rank " << r << " step " << cut + s << " first difference at "
+          << FirstBitDifference(resumed[r][s], straight[r][cut + s]);
+    }
+    // The control: a fresh engine without the state quantizes differently.
+    EXPECT_FALSE(SameBytes(cold[r][0], straight[r][cut])) << "rank " << r;
+  }
+}
+
+// Bad state is refused naming the layer and the field, and leaves the engine unchanged.
+TEST(ExchangeGeometry, ImportValidatesAgainstTheLayers) {
+  const int64_t m = 20, n = 12;
+  LayerPolicy lowrank;
+  lowrank.geometry = GeometryMode::kLowRank;
+  lowrank.rank = 2;
+  const std::vector<LayerSpec> layers = {{"w", m, n, lowrank}};
+  const auto errors = RunRanks(1, [&](Communicator& comm) {
+    std::vector<LayerGeometryState> good;
+    {
+      Exchanger ex(comm, layers, {}, {{0, 1, 0}});
+      for (int s = 0; s < 2; ++s) {
+        auto w = LowRankish(0, s, m, n);
+        ex.Exchange(s, {std::span<float>(w)});
+      }
+      good = ex.ExportGeometry();
+    }
+    ASSERT_FALSE(good[0].active.empty());
+    ASSERT_FALSE(good[0].pending.empty());
+    auto expect_error = [&](Exchanger& ex, const std::vector<LayerGeometryState>& state,
+                            const std::string& needle) {
+      try {
+        ex.ImportGeometry(state);
+        ADD_FAILURE() << "expected an error containing '" << needle << "'";
+      } catch (const Error& e) {
+        EXPECT_NE(std::string(e.what()).find(needle), std::string::npos) << e.what();
+      }
+      EXPECT_EQ(ex.active_geometry(0).version, 0u);  // unchanged
+    };
+    Exchanger same(comm, layers, {}, {{0, 1, 0}});
+    expect_error(same, {}, "0 layer states for 1 layers");
+    auto corrupt = good;
+    corrupt[0].active[30] ^= 0x40;
+    expect_error(same, corrupt, "layer 0 'w': active: ");
+    auto no_step = good;
+    no_step[0].pending_from = 0;
+    expect_error(same, no_step, "layer 0 'w': pending_from: must be >= 1 (0)");
+    auto stale = good;
+    std::swap(stale[0].active, stale[0].pending);
+    expect_error(same, stale, "pending.version: must be newer than active.version");
+    auto dangling = good;
+    dangling[0].pending.clear();
+    expect_error(same, dangling, "pending_from: set without a pending geometry");
+
+    std::vector<LayerSpec> wider = layers;
+    wider[0].cols = n + 1;
+    Exchanger shape(comm, wider, {}, {{0, 1, 0}});
+    expect_error(shape, good, "active.shape: 20x12 but the layer is 20x13");
+
+    std::vector<LayerSpec> rank4 = layers;
+    rank4[0].policy.rank = 4;
+    Exchanger other_rank(comm, rank4, {}, {{0, 1, 0}});
+    expect_error(other_rank, good, "active.rank: k = 2 but the policy's rank 4 gives k = 4");
+    // A policy change drops such a layer to warm-up instead.
+    EXPECT_EQ(other_rank.ImportGeometry(good, GeometryImport::kDropMismatched),
+              std::vector<uint32_t>{0});
+    EXPECT_EQ(other_rank.active_geometry(0).version, 0u);
+    EXPECT_TRUE(other_rank.ExportGeometry()[0].pending.empty());
+
+    std::vector<LayerSpec> none = layers;
+    none[0].policy.geometry = GeometryMode::kNone;
+    Exchanger plain(comm, none, {}, {});
+    expect_error(plain, good, "active.geometry: the layer uses none here (policy geometry none)");
+
+    std::vector<LayerSpec> diag = layers;
+    diag[0].policy.geometry = GeometryMode::kDiag;
+    Exchanger other_mode(comm, diag, {}, {{0, 1, 0}});
+    expect_error(other_mode, good, "active.mode: lowrank but the policy says diag");
+
+    EXPECT_TRUE(same.ImportGeometry(good).empty());
+    const auto back = same.ExportGeometry();
+    EXPECT_EQ(back[0].active, good[0].active);
+    EXPECT_EQ(back[0].pending, good[0].pending);
+    EXPECT_EQ(back[0].pending_from, good[0].pending_from);
+  });
+  ASSERT_EQ(JoinErrors(errors), "");
+}
+
 }  // namespace
 }  // namespace geofp8
