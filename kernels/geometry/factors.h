@@ -2,7 +2,9 @@
 // geometry and the seeded Gaussian cold-start matrix. Not part of the exchange-facing contract.
 #pragma once
 
+#include <cstddef>
 #include <cstdint>
+#include <functional>
 #include <span>
 #include <vector>
 
@@ -19,6 +21,38 @@ std::vector<float> WhitenFactors(const Geometry& g, bool left);
 // Shared by the CPU path and the CUDA path, which uploads it once per refresh.
 std::vector<float> SideCore(const std::vector<float>& q, int64_t rows, int k,
                             const std::vector<float>& f, bool inverse);
+
+// ---- Row-tiled transform engine, shared by ApplyGeometry/InvertGeometry (in place) and the
+// fused codec paths (fused.h), so both sum in the same order and give the same bits.
+
+// Bytes of G per row tile: well inside the 2 MiB per-core L2 of the development machine, so a tile
+// stays in cache between the GEMM that finishes it and the codec that consumes it.
+inline constexpr size_t kTileBytes = 512 * 1024;
+// Rows per tile for an m x n matrix (at least 1, at most m).
+int64_t TileRows(int64_t m, int64_t n);
+
+// Hands out rows [r0, r1) of the input (row-major, leading dimension n): either a pointer into
+// memory that holds them, or `scratch` (room for TileRows(m, n) rows) after filling it.
+using RowSource = std::function<const float*(int64_t r0, int64_t r1, float* scratch)>;
+
+// The lowrank map of one input as a rank-2k update: T(G) = G - left right.
+struct LowRankUpdate {
+  bool identity = true;  // every whitening factor is 1 (or k = 0): nothing to do
+  int64_t n = 0;
+  int k2 = 0;                // 2k
+  std::vector<float> left;   // m x 2k: [U | X Bb - U Ab C Bb]
+  std::vector<float> right;  // 2k x n: [Ab W ; V^T]
+};
+
+// Pass 1: reduces W = U^T G and X = G V over row tiles (TileRows) read from `rows_of`, in row
+// order, and forms the update for T (inverse = false) or T^-1 (inverse = true).
+LowRankUpdate PrepareLowRank(const Geometry& g, bool inverse, const RowSource& rows_of);
+// Pass 2 on rows [r0, r1), held at `rows` (leading dimension n): rows -= left[r0:r1] right.
+void UpdateRows(const LowRankUpdate& u, int64_t r0, int64_t r1, float* rows);
+
+// Diag mode on rows [r0, r1): out = in scaled (inverse: unscaled); in may equal out.
+void CheckDiag(const Geometry& g);
+void DiagRows(const Geometry& g, int64_t r0, int64_t r1, const float* in, float* out, bool inverse);
 
 // Standard normals from a seed (splitmix64 + Box-Muller): identical on every rank and platform.
 void SeededGaussian(uint64_t seed, std::span<float> out);

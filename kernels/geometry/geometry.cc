@@ -105,6 +105,98 @@ std::vector<float> SideCore(const std::vector<float>& q, int64_t rows, int k,
   return core;
 }
 
+int64_t TileRows(int64_t m, int64_t n) {
+  const int64_t rows = static_cast<int64_t>(kTileBytes / sizeof(float)) / std::max<int64_t>(n, 1);
+  return std::clamp<int64_t>(rows, 1, std::max<int64_t>(m, 1));
+}
+
+// G <- (I - U Ab U^T) G (I - V Bb V^T) with k x k cores Ab, Bb, as one rank-2k update:
+//   G -= [U | X Bb - U Ab C Bb] [Ab W ; V^T],  W = U^T G, X = G V, C = W V.
+// W and X are reduced over row tiles, so each tile of G is read once for both while it is in
+// cache, and a fused caller can produce the tiles on the fly (decoding them from the wire).
+LowRankUpdate PrepareLowRank(const Geometry& g, bool inverse, const RowSource& rows_of) {
+  const int64_t m = g.m, n = g.n;
+  const int k = g.k;
+  GEOFP8_CHECK(g.mode == GeometryMode::kLowRank && k >= 0 &&
+                   static_cast<int64_t>(g.U.size()) == m * k &&
+                   static_cast<int64_t>(g.V.size()) == n * k &&
+                   static_cast<int64_t>(g.sigma.size()) == k,
+               "lowrank geometry arrays do not match m=", m, " n=", n, " k=", k);
+  LowRankUpdate u;
+  u.n = n;
+  if (k == 0 || m == 0 || n == 0) return u;
+  const std::vector<float> fl = WhitenFactors(g, /*left=*/true);
+  const std::vector<float> fr = WhitenFactors(g, /*left=*/false);
+  bool any = false;
+  for (int i = 0; i < k; ++i) any = any || fl[i] != 1.f || fr[i] != 1.f;
+  if (!any) return u;
+  u.identity = false;
+  u.k2 = 2 * k;
+  const std::vector<float> ab = SideCore(g.U, m, k, fl, inverse);
+  const std::vector<float> bb = SideCore(g.V, n, k, fr, inverse);
+  const int k2 = u.k2;
+  std::vector<float> w(static_cast<size_t>(k * n)), x(static_cast<size_t>(m * k));
+  std::vector<float> c(static_cast<size_t>(k * k)), t(static_cast<size_t>(k * k));
+  const int64_t tile = TileRows(m, n);
+  std::vector<float> scratch(static_cast<size_t>(tile * n));
+  for (int64_t r0 = 0; r0 < m; r0 += tile) {
+    const int64_t r1 = std::min(m, r0 + tile), len = r1 - r0;
+    const float* rows = rows_of(r0, r1, scratch.data());
+    cblas_sgemm(CblasRowMajor, CblasTrans, CblasNoTrans, k, n, len, 1.f, g.U.data() + r0 * k, k,
+                rows, n, r0 == 0 ? 0.f : 1.f, w.data(), n);
+    cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, len, k, n, 1.f, rows, n, g.V.data(), k,
+                0.f, x.data() + r0 * k, k);
+  }
+  cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, k, k, n, 1.f, w.data(), n, g.V.data(), k,
+              0.f, c.data(), k);
+  // t = Ab C Bb (k x k); left = [U | X Bb - U t] (m x 2k); right = [Ab W ; V^T] (2k x n).
+  std::vector<float> abc(static_cast<size_t>(k * k));
+  cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, k, k, k, 1.f, ab.data(), k, c.data(), k,
+              0.f, abc.data(), k);
+  cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, k, k, k, 1.f, abc.data(), k, bb.data(), k,
+              0.f, t.data(), k);
+  u.left.resize(static_cast<size_t>(m * k2));
+  for (int64_t i = 0; i < m; ++i) {
+    std::memcpy(u.left.data() + i * k2, g.U.data() + i * k, k * sizeof(float));
+  }
+  cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, m, k, k, 1.f, x.data(), k, bb.data(), k,
+              0.f, u.left.data() + k, k2);
+  cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, m, k, k, -1.f, g.U.data(), k, t.data(),
+              k, 1.f, u.left.data() + k, k2);
+  u.right.resize(static_cast<size_t>(k2 * n));
+  cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, k, n, k, 1.f, ab.data(), k, w.data(), n,
+              0.f, u.right.data(), n);
+  for (int64_t j = 0; j < n; ++j)
+    for (int i = 0; i < k; ++i) u.right[(k + i) * n + j] = g.V[j * k + i];
+  return u;
+}
+
+void CheckDiag(const Geometry& g) {
+  GEOFP8_CHECK(static_cast<int64_t>(g.row_scale.size()) == g.m &&
+                   static_cast<int64_t>(g.col_scale.size()) == g.n,
+               "diag geometry scale sizes ", g.row_scale.size(), ", ", g.col_scale.size());
+}
+
+void DiagRows(const Geometry& g, int64_t r0, int64_t r1, const float* in, float* out,
+              bool inverse) {
+  for (int64_t i = r0; i < r1; ++i) {
+    const float* src = in + (i - r0) * g.n;
+    float* dst = out + (i - r0) * g.n;
+    const float rs = g.row_scale[i];
+    if (inverse) {
+      for (int64_t j = 0; j < g.n; ++j) dst[j] = DiagInverse(src[j], rs, g.col_scale[j]);
+    } else {
+      for (int64_t j = 0; j < g.n; ++j) dst[j] = DiagForward(src[j], rs, g.col_scale[j]);
+    }
+  }
+}
+
+void UpdateRows(const LowRankUpdate& u, int64_t r0, int64_t r1, float* rows) {
+  if (u.identity || r1 <= r0) return;
+  cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, r1 - r0, u.n, u.k2, -1.f,
+              u.left.data() + r0 * u.k2, u.k2, u.right.data(), u.n, 1.f, rows, u.n);
+}
+
 }  // namespace geometry
 
 namespace {
@@ -251,66 +343,20 @@ void CheckShape(const Geometry& g, std::span<float> G) {
 }
 
 void ApplyDiag(const Geometry& g, std::span<float> G, bool inverse) {
-  GEOFP8_CHECK(static_cast<int64_t>(g.row_scale.size()) == g.m &&
-                   static_cast<int64_t>(g.col_scale.size()) == g.n,
-               "diag geometry scale sizes ", g.row_scale.size(), ", ", g.col_scale.size());
-  for (int64_t i = 0; i < g.m; ++i) {
-    float* r = G.data() + i * g.n;
-    const float rs = g.row_scale[i];
-    if (inverse) {
-      for (int64_t j = 0; j < g.n; ++j) r[j] = geometry::DiagInverse(r[j], rs, g.col_scale[j]);
-    } else {
-      for (int64_t j = 0; j < g.n; ++j) r[j] = geometry::DiagForward(r[j], rs, g.col_scale[j]);
-    }
-  }
+  geometry::CheckDiag(g);
+  geometry::DiagRows(g, 0, g.m, G.data(), G.data(), inverse);
 }
 
-// G <- (I - U Ab U^T) G (I - V Bb V^T) with k x k cores Ab, Bb, as one rank-2k update:
-//   G -= [U | X Bb - U Ab C Bb] [Ab W ; V^T],  W = U^T G, X = G V, C = W V.
-// Three GEMMs (two reads of G and one read-modify-write) instead of four passes.
 void ApplyLowRank(const Geometry& g, std::span<float> G, bool inverse) {
-  const int64_t m = g.m, n = g.n;
-  const int k = g.k;
-  GEOFP8_CHECK(k >= 0 && static_cast<int64_t>(g.U.size()) == m * k &&
-                   static_cast<int64_t>(g.V.size()) == n * k &&
-                   static_cast<int64_t>(g.sigma.size()) == k,
-               "lowrank geometry arrays do not match m=", m, " n=", n, " k=", k);
-  if (k == 0 || m == 0 || n == 0) return;
-  const std::vector<float> fl = geometry::WhitenFactors(g, /*left=*/true);
-  const std::vector<float> fr = geometry::WhitenFactors(g, /*left=*/false);
-  bool any = false;
-  for (int i = 0; i < k; ++i) any = any || fl[i] != 1.f || fr[i] != 1.f;
-  if (!any) return;
-  const std::vector<float> ab = geometry::SideCore(g.U, m, k, fl, inverse);
-  const std::vector<float> bb = geometry::SideCore(g.V, n, k, fr, inverse);
-  const int k2 = 2 * k;
-  std::vector<float> w(static_cast<size_t>(k * n)), x(static_cast<size_t>(m * k));
-  std::vector<float> c(static_cast<size_t>(k * k)), t(static_cast<size_t>(k * k));
-  cblas_sgemm(CblasRowMajor, CblasTrans, CblasNoTrans, k, n, m, 1.f, g.U.data(), k, G.data(), n,
-              0.f, w.data(), n);
-  cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, m, k, n, 1.f, G.data(), n, g.V.data(), k,
-              0.f, x.data(), k);
-  cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, k, k, n, 1.f, w.data(), n, g.V.data(), k,
-              0.f, c.data(), k);
-  // t = Ab C Bb (k x k); left = [U | X Bb - U t] (m x 2k); right = [Ab W ; V^T] (2k x n).
-  std::vector<float> abc(static_cast<size_t>(k * k));
-  cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, k, k, k, 1.f, ab.data(), k, c.data(), k,
-              0.f, abc.data(), k);
-  cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, k, k, k, 1.f, abc.data(), k, bb.data(), k,
-              0.f, t.data(), k);
-  std::vector<float> left(static_cast<size_t>(m * k2));
-  for (int64_t i = 0; i < m; ++i) std::memcpy(left.data() + i * k2, g.U.data() + i * k, k * sizeof(float));
-  cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, m, k, k, 1.f, x.data(), k, bb.data(), k,
-              0.f, left.data() + k, k2);
-  cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, m, k, k, -1.f, g.U.data(), k, t.data(),
-              k, 1.f, left.data() + k, k2);
-  std::vector<float> right(static_cast<size_t>(k2 * n));
-  cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, k, n, k, 1.f, ab.data(), k, w.data(), n,
-              0.f, right.data(), n);
-  for (int64_t j = 0; j < n; ++j)
-    for (int i = 0; i < k; ++i) right[(k + i) * n + j] = g.V[j * k + i];
-  cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, m, n, k2, -1.f, left.data(), k2,
-              right.data(), n, 1.f, G.data(), n);
+  const int64_t n = g.n;
+  const geometry::LowRankUpdate u = geometry::PrepareLowRank(
+      g, inverse, [&](int64_t r0, int64_t, float*) -> const float* { return G.data() + r0 * n; });
+  if (u.identity) return;
+  const int64_t rows = geometry::TileRows(g.m, n);
+  for (int64_t r0 = 0; r0 < g.m; r0 += rows) {
+    const int64_t r1 = std::min(g.m, r0 + rows);
+    geometry::UpdateRows(u, r0, r1, G.data() + r0 * n);
+  }
 }
 
 void Transform(const Geometry& g, std::span<float> G, bool inverse) {
