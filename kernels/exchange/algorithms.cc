@@ -23,16 +23,15 @@ namespace geofp8 {
 namespace {
 
 // The baselines reduce the whole bucket as one flat buffer, as DDP does.
-std::vector<float> Flatten(std::span<const BucketLayer> layers) {
+void Flatten(std::span<const BucketLayer> layers, UninitializedVector<float>& flat) {
   size_t total = 0;
   for (const auto& l : layers) total += l.in.size();
-  std::vector<float> flat(total);
+  flat.resize(total);
   size_t off = 0;
   for (const auto& l : layers) {
     std::copy(l.in.begin(), l.in.end(), flat.begin() + off);
     off += l.in.size();
   }
-  return flat;
 }
 
 void Unflatten(std::span<const float> flat, std::span<const BucketLayer> layers) {
@@ -43,16 +42,17 @@ void Unflatten(std::span<const float> flat, std::span<const BucketLayer> layers)
   }
 }
 
-void RunFp32(Communicator& comm, std::span<const BucketLayer> layers) {
-  std::vector<float> flat = Flatten(layers);
-  comm.AllReduceSum(flat);
-  Unflatten(flat, layers);
+void RunFp32(Communicator& comm, std::span<const BucketLayer> layers, ExchangeWorkspace& ws) {
+  Flatten(layers, ws.flat);
+  comm.AllReduceSum(ws.flat);
+  Unflatten(ws.flat, layers);
 }
 
-void RunBf16(Communicator& comm, std::span<const BucketLayer> layers) {
+void RunBf16(Communicator& comm, std::span<const BucketLayer> layers, ExchangeWorkspace& ws) {
   size_t total = 0;
   for (const auto& l : layers) total += l.in.size();
-  std::vector<uint16_t> flat(total);
+  auto& flat = ws.flat_bf16;
+  flat.resize(total);
   size_t off = 0;
   for (const auto& l : layers) {
     for (float v : l.in) flat[off++] = FloatToBf16(v);
@@ -65,11 +65,11 @@ void RunBf16(Communicator& comm, std::span<const BucketLayer> layers) {
 }
 
 // Flattens the bucket, hands it to the backend's FP8 all-reduce, copies back.
-void RunNative(Communicator& comm, std::span<const BucketLayer> layers) {
+void RunNative(Communicator& comm, std::span<const BucketLayer> layers, ExchangeWorkspace& ws) {
   if (!comm.HasNativeFp8()) comm.AllReduceSumNativeFp8({});  // throws the backend's message
-  std::vector<float> flat = Flatten(layers);
-  comm.AllReduceSumNativeFp8(flat);
-  Unflatten(flat, layers);
+  Flatten(layers, ws.flat);
+  comm.AllReduceSumNativeFp8(ws.flat);
+  Unflatten(ws.flat, layers);
 }
 
 // ---- two_phase and allgather, pipelined over groups of layers ----
@@ -82,13 +82,15 @@ struct Group {
   std::vector<size_t> counts;            // bytes of chunk j of all the group's layers
   std::vector<size_t> dest_offset;       // offset of destination j's block in the send buffer
   size_t total = 0;                      // sum of counts
-  std::vector<uint8_t> send, recv, mine, all;
+  // Workspace buffers (ExchangeWorkspace), each fully written before it is read.
+  UninitializedVector<uint8_t>*send = nullptr, *recv = nullptr, *mine = nullptr, *all = nullptr;
+  UninitializedVector<float>* acc = nullptr;  // the sum of this rank's chunk of one layer
 };
 
 class Pipeline {
  public:
   Pipeline(Communicator& comm, const AlgorithmOptions& ao, std::span<const BucketLayer> layers,
-           bool two_phase)
+           bool two_phase, ExchangeWorkspace& ws)
       : comm_(comm), ao_(ao), layers_(layers), two_phase_(two_phase), n_(comm.size()),
         r_(comm.rank()) {
     const size_t L = layers.size();
@@ -123,6 +125,17 @@ class Pipeline {
       }
       groups_.push_back(std::move(g));
     }
+    // Group s always uses the same workspace buffers, so sizes repeat from step to step.
+    if (ws.bytes.size() < 4 * groups_.size()) ws.bytes.resize(4 * groups_.size());
+    if (ws.floats.size() < groups_.size()) ws.floats.resize(groups_.size());
+    for (size_t s = 0; s < groups_.size(); ++s) {
+      Group& g = groups_[s];
+      g.send = &ws.bytes[4 * s];
+      g.recv = &ws.bytes[4 * s + 1];
+      g.mine = &ws.bytes[4 * s + 2];
+      g.all = &ws.bytes[4 * s + 3];
+      g.acc = &ws.floats[s];
+    }
     state_.assign(groups_.size(), 0);
   }
 
@@ -135,23 +148,23 @@ class Pipeline {
       for (size_t s = 0; s < G && !two_phase_; ++s) {
         WaitFor(s, kEncoded);
         auto& g = groups_[s];
-        g.all.resize(g.total);
-        comm_.AllGatherV(g.mine, g.all, g.counts);
+        g.all->resize(g.total);
+        comm_.AllGatherV(*g.mine, *g.all, g.counts);
         Mark(s, kGathered);
       }
       for (size_t s = 0; s <= G && two_phase_; ++s) {
         if (s < G) {
           WaitFor(s, kEncoded);
           auto& g = groups_[s];
-          g.recv.resize(g.counts[r_] * n_);
-          comm_.AllToAllV(g.send, g.counts, g.recv, std::vector<size_t>(n_, g.counts[r_]));
+          g.recv->resize(g.counts[r_] * n_);
+          comm_.AllToAllV(*g.send, g.counts, *g.recv, std::vector<size_t>(n_, g.counts[r_]));
           Mark(s, kExchanged);
         }
         if (s >= 1) {
           WaitFor(s - 1, kRequantized);
           auto& g = groups_[s - 1];
-          g.all.resize(g.total);
-          comm_.AllGatherV(g.mine, g.all, g.counts);
+          g.all->resize(g.total);
+          comm_.AllGatherV(*g.mine, *g.all, g.counts);
           Mark(s - 1, kGathered);
         }
       }
@@ -179,21 +192,21 @@ class Pipeline {
       if (layers_[i].geometry) ApplyGeometry(*layers_[i].geometry, layers_[i].in);
     }
     if (!two_phase_) {  // allgather: this rank's whole layers, once
-      g.mine.resize(g.counts[r_]);
+      g.mine->resize(g.counts[r_]);
       size_t off = 0;
       for (size_t i = g.first; i < g.last; ++i) {
-        Encode(layers_[i].in, Options(i, r_, 1, 0), std::span(g.mine).subspan(off, bytes_[i][r_]));
+        Encode(layers_[i].in, Options(i, r_, 1, 0), std::span(*g.mine).subspan(off, bytes_[i][r_]));
         off += bytes_[i][r_];
       }
       return;
     }
-    g.send.resize(g.total);
+    g.send->resize(g.total);
     for (int j = 0; j < n_; ++j) {
       size_t off = g.dest_offset[j];
       for (size_t i = g.first; i < g.last; ++i) {
         const ChunkRange c = chunk_[i][j];
         Encode(layers_[i].in.subspan(c.begin, c.size()), Options(i, r_, 1, j),
-               std::span(g.send).subspan(off, bytes_[i][j]));
+               std::span(*g.send).subspan(off, bytes_[i][j]));
         off += bytes_[i][j];
       }
     }
@@ -201,16 +214,16 @@ class Pipeline {
 
   // Sum this rank's chunk of each layer over sources in rank order, then requantize.
   void SumRequantize(Group& g) {
-    g.mine.resize(g.counts[r_]);
+    g.mine->resize(g.counts[r_]);
     size_t off = 0;
-    std::vector<float> acc;
+    auto& acc = *g.acc;
     for (size_t i = g.first; i < g.last; ++i) {
       acc.assign(chunk_[i][r_].size(), 0.f);
       for (int src = 0; src < n_; ++src) {
         DecodeAccumulate(
-            std::span<const uint8_t>(g.recv).subspan(src * g.counts[r_] + off, bytes_[i][r_]), acc);
+            std::span<const uint8_t>(*g.recv).subspan(src * g.counts[r_] + off, bytes_[i][r_]), acc);
       }
-      Encode(acc, Options(i, r_, 2, r_), std::span(g.mine).subspan(off, bytes_[i][r_]));
+      Encode(acc, Options(i, r_, 2, r_), std::span(*g.mine).subspan(off, bytes_[i][r_]));
       off += bytes_[i][r_];
     }
   }
@@ -223,7 +236,7 @@ class Pipeline {
         std::fill(layers_[i].out.begin(), layers_[i].out.end(), 0.f);
         for (int src = 0; src < n_; ++src) {
           DecodeAccumulate(
-              std::span<const uint8_t>(g.all).subspan(g.dest_offset[src] + layer_off, bytes_[i][src]),
+              std::span<const uint8_t>(*g.all).subspan(g.dest_offset[src] + layer_off, bytes_[i][src]),
               layers_[i].out);
         }
         layer_off += bytes_[i][r_];
@@ -235,7 +248,7 @@ class Pipeline {
       size_t off = g.dest_offset[j];
       for (size_t i = g.first; i < g.last; ++i) {
         const ChunkRange c = chunk_[i][j];
-        Decode(std::span<const uint8_t>(g.all).subspan(off, bytes_[i][j]),
+        Decode(std::span<const uint8_t>(*g.all).subspan(off, bytes_[i][j]),
                layers_[i].out.subspan(c.begin, c.size()));
         off += bytes_[i][j];
       }
@@ -351,9 +364,13 @@ void ExchangeBucketData(Communicator& comm, Algorithm algorithm, const Algorithm
     GEOFP8_CHECK(l.in.size() == l.out.size(), "layer ", l.layer, ": input has ", l.in.size(),
                  " elements, output ", l.out.size());
   }
+  ExchangeWorkspace local;
+  ExchangeWorkspace& ws = options.workspace ? *options.workspace : local;
   if (algorithm == Algorithm::kTwoPhase || algorithm == Algorithm::kAllGather) {
     // Geometry transforms run inside the pipeline, per group.
-    if (!layers.empty()) Pipeline(comm, options, layers, algorithm == Algorithm::kTwoPhase).Run();
+    if (!layers.empty()) {
+      Pipeline(comm, options, layers, algorithm == Algorithm::kTwoPhase, ws).Run();
+    }
     return;
   }
   for (const auto& l : layers) {
@@ -361,13 +378,13 @@ void ExchangeBucketData(Communicator& comm, Algorithm algorithm, const Algorithm
   }
   switch (algorithm) {
     case Algorithm::kFp32:
-      RunFp32(comm, layers);
+      RunFp32(comm, layers, ws);
       break;
     case Algorithm::kBf16:
-      RunBf16(comm, layers);
+      RunBf16(comm, layers, ws);
       break;
     case Algorithm::kNative:
-      RunNative(comm, layers);
+      RunNative(comm, layers, ws);
       break;
     default:
       GEOFP8_FAIL("algorithm: unknown value ", static_cast<int>(algorithm), " (accepted: ",

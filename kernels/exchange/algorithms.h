@@ -3,8 +3,11 @@
 // quantization and inverted after its decode here, so two_phase can pipeline the transforms too.
 #pragma once
 
+#include <cstddef>
 #include <cstdint>
+#include <memory>
 #include <span>
+#include <utility>
 #include <vector>
 
 #include "kernels/exchange/communicator.h"
@@ -21,12 +24,47 @@ struct BucketLayer {
   std::span<float> out;        // the reduced result in gradient coordinates (same size)
 };
 
+// A vector whose resize() leaves new elements uninitialized: exchange buffers are always fully
+// written before they are read, so zeroing them would be a wasted pass over memory.
+template <typename T>
+struct UninitializedAllocator : std::allocator<T> {
+  template <typename U>
+  struct rebind {
+    using other = UninitializedAllocator<U>;
+  };
+  UninitializedAllocator() = default;
+  template <typename U>
+  UninitializedAllocator(const UninitializedAllocator<U>&) noexcept {}
+  template <typename U>
+  void construct(U* p) noexcept {
+    ::new (static_cast<void*>(p)) U;
+  }
+  template <typename U, typename... Args>
+  void construct(U* p, Args&&... args) {
+    ::new (static_cast<void*>(p)) U(std::forward<Args>(args)...);
+  }
+};
+template <typename T>
+using UninitializedVector = std::vector<T, UninitializedAllocator<T>>;
+
+// Buffers that outlive one bucket, so a steady-state exchange allocates nothing: fresh multi-MiB
+// allocations come from mmap and cost a page fault per 4 KiB on every step. Not thread-safe; one
+// per Exchanger (used on its worker thread).
+struct ExchangeWorkspace {
+  std::vector<UninitializedVector<uint8_t>> bytes;  // per pipeline group: send, recv, mine, all
+  std::vector<UninitializedVector<float>> floats;   // per pipeline group: sum accumulator
+  UninitializedVector<float> flat;                  // the fp32 baseline's flattened bucket
+  UninitializedVector<uint16_t> flat_bf16;          // the bf16 baseline's flattened bucket
+};
+
 struct AlgorithmOptions {
   uint64_t seed = 0;  // stochastic rounding streams (chunking.h StreamSeed)
   uint64_t step = 0;
   // two_phase pipelines groups of whole layers of about this many fp32 bytes: while one group is
   // on the wire, a helper thread encodes the next and sums/decodes the previous ones.
   size_t segment_bytes = size_t{1} << 20;
+  // Reused buffers; null: the call allocates its own (tests, one-off calls).
+  ExchangeWorkspace* workspace = nullptr;
 };
 
 // Runs `algorithm` over the bucket's layers. Every rank ends with byte-identical outputs: the sum

@@ -353,6 +353,7 @@ BucketResult Exchanger::RunBucket(uint64_t step, size_t bucket,
     ao.seed = options_.seed;
     ao.step = step;
     ao.segment_bytes = options_.segment_bytes;
+    ao.workspace = &workspace_;
     ExchangeBucketData(comm_, options_.algorithm, ao, work);
   }
   result.bytes_sent = comm_.stats().bytes_sent - bytes_before;

@@ -16,6 +16,7 @@
 #include <thread>
 #include <vector>
 
+#include "kernels/exchange/algorithms.h"
 #include "kernels/exchange/communicator.h"
 #include "kernels/exchange/policy.h"
 #include "kernels/geometry/geometry.h"
@@ -162,6 +163,7 @@ class Exchanger {
   std::vector<Bucket> buckets_;
   std::vector<LayerState> state_;  // touched only on the worker thread while tasks run
   std::vector<float> scratch_;     // the bucket divided by N (and transformed): worker thread only
+  ExchangeWorkspace workspace_;    // the algorithms' buffers, reused every step: worker thread only
 
   // Per-step bookkeeping on the caller's thread.
   struct Pending {
