@@ -1,11 +1,13 @@
 // Data-parallel trainer: N ranks (threads over Gloo TCP) with the fp32 exchange match one rank on
-// the combined batch; checkpoint/resume is bitwise identical; a rank that drifts is caught by
-// the parameter checksum; gradient dumps; bad options are rejected naming the field.
+// the combined batch; checkpoint/resume is bitwise identical, geometry included; a policy change
+// at a step carries geometry over; a rank that drifts is caught by the parameter checksum;
+// gradient dumps; bad options and checkpoints are rejected naming the field.
 
 #include "worker/train/trainer.h"
 
 #include <gtest/gtest.h>
 
+#include <cstring>
 #include <filesystem>
 #include <fstream>
 
@@ -13,6 +15,7 @@
 #include "kernels/model/data.h"
 #include "kernels/model/model.h"
 #include "kernels/model/optimizer.h"
+#include "tests/exchange/rank_threads.h"
 #include "worker/train/checkpoint.h"
 
 namespace geofp8::train {
@@ -113,6 +116,241 @@ TEST(Trainer, ResumeFromCheckpointIsBitwiseIdentical) {
   }
 }
 
+// A geofp8 policy whose matrices refresh every 3 steps (staggered offsets 0, 1, 2) with sigma
+// smoothing: the geometry state a resume has to carry.
+fs::path GeoPolicyFile(const std::string& tag) {
+  const fs::path path = TempPath(tag + ".yaml");
+  std::ofstream f(path);
+  f << "refresh: {interval: 3, sigma_ema: 0.5}\n"
+       "default: {format: fp8_e4m3, scaling: block, block: 32, geometry: lowrank, rank: 4}\n";
+  return path;
+}
+
+TEST(Trainer, GeometryResumeIsBitwiseIdentical) {
+  const fs::path policy = GeoPolicyFile("geo");
+  const fs::path ckpt = TempPath("geo.ckpt");
+  fs::remove(ckpt);
+  // Step 3 refreshes the offset-0 layers, active from step 4: pending across the checkpoint.
+  const int64_t N = 9, K = 4;
+  TrainOptions straight = Tiny(3, 2, N, policy.string());
+  straight.optimizer.total_steps = N;
+  straight.eval_every = 2;  // K is a multiple: both runs validate at the same steps
+  std::vector<StepRecord> full_log, part_log, resumed_log;
+  const TrainResult full = Train(straight, [&](const StepRecord& s) { full_log.push_back(s); });
+
+  TrainOptions first = straight;
+  first.steps = K;
+  first.checkpoint = ckpt.string();
+  Train(first, [&](const StepRecord& s) { part_log.push_back(s); });
+  const Checkpoint c = LoadCheckpoint(ckpt.string());
+  EXPECT_EQ(c.next_step, K);
+  ASSERT_EQ(c.geometry.size(), full.params.size());
+  int active = 0, pending = 0;
+  for (const auto& g : c.geometry) {
+    active += !g.active.empty();
+    if (!g.pending.empty()) {
+      ++pending;
+      EXPECT_EQ(g.pending_from, uint64_t(K));
+    }
+  }
+  EXPECT_GT(active, 0);
+  EXPECT_GT(pending, 0) << "the test needs a refresh pending across the checkpoint";
+
+  TrainOptions second = straight;
+  second.checkpoint = ckpt.string();
+  second.resume = true;
+  const TrainResult resumed =
+      Train(second, [&](const StepRecord& s) { resumed_log.push_back(s); });
+  EXPECT_EQ(resumed.start_step, K);
+  EXPECT_EQ(resumed.weights, full.weights);
+  EXPECT_EQ(resumed.checksum, full.checksum);
+  EXPECT_EQ(resumed.bytes_sent, full.bytes_sent);
+  EXPECT_EQ(resumed.best_val_loss, full.best_val_loss);
+  EXPECT_EQ(resumed.final_val_loss, full.final_val_loss);
+  part_log.insert(part_log.end(), resumed_log.begin(), resumed_log.end());
+  ASSERT_EQ(part_log.size(), full_log.size());
+  int refreshes = 0;
+  for (size_t i = 0; i < full_log.size(); ++i) {
+    EXPECT_EQ(part_log[i].loss, full_log[i].loss) << "step " << i;  // bitwise
+    EXPECT_EQ(part_log[i].refreshes, full_log[i].refreshes) << "step " << i;
+    refreshes += full_log[i].refreshes;
+  }
+  EXPECT_GT(refreshes, 0);
+  fs::remove(ckpt);
+  fs::remove(policy);
+}
+
+// The worker's use of the trainer: a policy version switched in at a known step keeps the
+// geometry of layers whose mode, rank and alpha stay and drops the others; a checkpoint written
+// under the old version, resumed under the new one, continues exactly like the run that never
+// stopped.
+TEST(Trainer, SetPoliciesCarriesGeometryAndResumesExactlyAcrossTheChange) {
+  const fs::path policy = GeoPolicyFile("change");
+  TrainOptions o = Tiny(2, 2, 8, policy.string());
+  o.optimizer.total_steps = 8;
+  const int64_t change = 4;
+  const auto params = model::Model<float>(o.model).params();
+  auto is_mlp = [&](size_t i) { return params[i].name.find(".mlp.w") != std::string::npos; };
+  std::vector<LayerPolicy> changed = MakeExchangePlan(o.policy, params).layers;
+  for (size_t i = 0; i < changed.size(); ++i) {
+    if (is_mlp(i)) changed[i].rank = 2;
+  }
+  std::vector<std::vector<float>> straight(2), resumed(2);
+  std::vector<std::vector<double>> straight_loss(2), resumed_loss(2);
+  const auto errors = geofp8::testing::RunRanks(2, [&](Communicator& comm) {
+    const int r = comm.rank();
+    const std::vector<RefreshSchedule> schedule =
+        MakeRefreshSchedule(MakeExchangePlan(o.policy, params), 2);
+    Checkpoint saved;
+    {
+      Trainer t(o, comm);
+      for (int64_t s = 0; s < change; ++s) straight_loss[r].push_back(t.Step(s).loss);
+      saved = t.MakeCheckpoint(change);
+      std::vector<uint64_t> before;
+      for (uint32_t l = 0; l < params.size(); ++l) {
+        before.push_back(t.exchanger().active_geometry(l).version);
+      }
+      try {
+        t.SetPolicies(change - 1, changed, schedule, 1);
+        ADD_FAILURE() << "a step that already ran must be refused";
+      } catch (const Error& e) {
+        EXPECT_NE(std::string(e.what()).find("policy v1: effective from step 3, but step 3 has "
+                                             "already run"),
+                  std::string::npos)
+            << e.what();
+      }
+      std::vector<LayerPolicy> bad = changed;
+      bad[2].rank = 0;  // layers.0.attn.wq
+      try {
+        t.SetPolicies(change, bad, schedule, 1);
+        ADD_FAILURE() << "rank 0 must be refused";
+      } catch (const Error& e) {
+        EXPECT_NE(std::string(e.what()).find("policy v1: layer '" + params[2].name + "': rank"),
+                  std::string::npos)
+            << e.what();
+      }
+      t.SetPolicies(change, changed, schedule, 1);
+      EXPECT_EQ(t.policy_version(), 0u);  // not before its step
+      straight_loss[r].push_back(t.Step(change).loss);
+      EXPECT_EQ(t.policy_version(), 1u);
+      for (uint32_t l = 0; l < params.size(); ++l) {
+        if (!params[l].is_matrix()) continue;
+        const uint64_t v = t.exchanger().active_geometry(l).version;
+        if (is_mlp(l)) {
+          EXPECT_EQ(v, 0u) << params[l].name << ": rank changed, must re-warm";
+        } else {
+          EXPECT_GT(before[l], 0u) << params[l].name;
+          EXPECT_GE(v, before[l]) << params[l].name << ": unchanged, must keep its geometry";
+        }
+      }
+      for (int64_t s = change + 1; s < o.steps; ++s) straight_loss[r].push_back(t.Step(s).loss);
+      straight[r] = t.model().weights();
+    }
+    {
+      ExchangePlan plan = MakeExchangePlan(o.policy, params);
+      plan.layers = changed;
+      Trainer t(o, comm, plan, schedule, 1);
+      EXPECT_EQ(t.Restore(saved), change);
+      for (int64_t s = change; s < o.steps; ++s) resumed_loss[r].push_back(t.Step(s).loss);
+      resumed[r] = t.model().weights();
+    }
+  });
+  ASSERT_EQ(geofp8::testing::JoinErrors(errors), "");
+  for (int r = 0; r < 2; ++r) {
+    EXPECT_EQ(resumed[r], straight[r]) << "rank " << r;
+    ASSERT_EQ(resumed_loss[r].size(), size_t(o.steps - change));
+    for (size_t i = 0; i < resumed_loss[r].size(); ++i) {
+      EXPECT_EQ(resumed_loss[r][i], straight_loss[r][change + i]) << "step " << change + i;
+    }
+  }
+  EXPECT_EQ(straight[0], straight[1]);
+  fs::remove(policy);
+}
+
+// Format version 1 (no policy version, totals or pending geometry), written by hand from its
+// documented layout: read when it holds no geometry, refused when it does; unknown versions and
+// geometry that does not fit the model are refused naming the problem.
+TEST(Trainer, CheckpointVersionsAndGeometryAreValidated) {
+  auto fnv = [](const std::string& s) {
+    uint64_t h = 0xcbf29ce484222325ULL;
+    for (unsigned char ch : s) h = (h ^ ch) * 0x100000001b3ULL;
+    return h;
+  };
+  auto v1 = [&](bool with_geometry) {
+    std::string out = "GFP8CKPT";
+    auto pod = [&](auto v) { out.append(reinterpret_cast<const char*>(&v), sizeof v); };
+    pod(uint32_t{1});
+    pod(uint64_t{3});
+    out += "abc";
+    pod(int64_t{5});
+    pod(uint64_t{7});
+    for (int k = 0; k < 3; ++k) {
+      pod(uint64_t{2});
+      pod(1.5f);
+      pod(-2.f);
+    }
+    pod(uint64_t{1});
+    pod(uint64_t{with_geometry ? 1u : 0u});
+    if (with_geometry) out += 'x';
+    pod(uint64_t{0});
+    pod(uint64_t{0});
+    pod(fnv(out));
+    return out;
+  };
+  const Checkpoint c = ParseCheckpoint(v1(false), "old");
+  EXPECT_EQ(c.fingerprint, "abc");
+  EXPECT_EQ(c.next_step, 5);
+  EXPECT_EQ(c.rng_seed, 7u);
+  EXPECT_EQ(c.policy_version, 0u);
+  EXPECT_TRUE(std::isnan(c.best_val_loss));
+  EXPECT_EQ(c.weights, (std::vector<float>{1.5f, -2.f}));
+  EXPECT_TRUE(c.geometry.empty());
+  try {
+    ParseCheckpoint(v1(true), "old");
+    FAIL() << "expected an error";
+  } catch (const Error& e) {
+    EXPECT_NE(std::string(e.what()).find("checkpoint old: format version 1 holds geometry (layer 0)"),
+              std::string::npos)
+        << e.what();
+  }
+  std::string v3 = SerializeCheckpoint(c);
+  v3[8] = 3;
+  const uint64_t h = fnv(v3.substr(0, v3.size() - 8));
+  std::memcpy(v3.data() + v3.size() - 8, &h, 8);
+  try {
+    ParseCheckpoint(v3, "new");
+    FAIL() << "expected an error";
+  } catch (const Error& e) {
+    EXPECT_NE(std::string(e.what()).find(
+                  "checkpoint new: format version 3 is not supported (this build reads 1 and 2)"),
+              std::string::npos)
+        << e.what();
+  }
+
+  // A geofp8 checkpoint whose geometry was tampered with is refused on resume, naming the layer.
+  const fs::path policy = GeoPolicyFile("tamper");
+  const fs::path ckpt = TempPath("tamper.ckpt");
+  TrainOptions o = Tiny(1, 2, 3, policy.string());
+  o.checkpoint = ckpt.string();
+  Train(o);
+  Checkpoint saved = LoadCheckpoint(ckpt.string());
+  ASSERT_FALSE(saved.geometry[2].active.empty());  // layers.0.attn.wq
+  saved.geometry[2].active[40] ^= 1;
+  SaveCheckpoint(ckpt.string(), saved);
+  o.steps = 4;
+  o.resume = true;
+  try {
+    Train(o);
+    FAIL() << "expected an error";
+  } catch (const Error& e) {
+    EXPECT_NE(std::string(e.what()).find("ImportGeometry: layer 2 'layers.0.attn.wq': active: "),
+              std::string::npos)
+        << e.what();
+  }
+  fs::remove(ckpt);
+  fs::remove(policy);
+}
+
 TEST(Trainer, CheckpointRejectsCorruptionAndOtherRuns) {
   const fs::path ckpt = TempPath("c.ckpt");
   TrainOptions o = Tiny(1, 2, 2);
@@ -174,6 +412,21 @@ TEST(Trainer, CompressedPoliciesTrainAndReportErrors) {
     for (double e : records[5].layer_error) worst = std::max(worst, e);
     EXPECT_GT(worst, 0.0) << policy << ": a lossy format must show some error";
     EXPECT_LT(worst, policy == "nvfp4" ? 0.5 : 0.1) << policy;
+    // Residual-subspace error: over the whole space (so equal to rel_fro_error) without a
+    // low-rank basis; with one, the error left in the weak directions, finite and nonzero.
+    ASSERT_EQ(records[10].residual_error.size(), r.params.size());
+    int with_basis = 0;
+    for (size_t i = 0; i < r.params.size(); ++i) {
+      const double rel = records[10].layer_error[i], res = records[10].residual_error[i];
+      if (policy == "geofp8" && r.params[i].is_matrix()) {
+        ++with_basis;
+        EXPECT_TRUE(std::isfinite(res) && res > 0) << r.params[i].name << ": " << res;
+        EXPECT_NE(res, rel) << r.params[i].name;
+      } else {
+        EXPECT_NEAR(res, rel, 1e-5 * rel) << policy << " " << r.params[i].name;
+      }
+    }
+    EXPECT_EQ(with_basis > 0, policy == "geofp8");
   }
 }
 

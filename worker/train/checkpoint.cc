@@ -1,8 +1,10 @@
-// Binary checkpoint format (little-endian):
+// Binary checkpoint format (little-endian), version 2:
 //   "GFP8CKPT" | u32 version | str fingerprint | i64 next_step | u64 rng_seed |
-//   f32[] weights | f32[] m | f32[] v | u64 layers | per layer: bytes active, bytes pending,
-//   u64 pending_from | u64 FNV-1a of everything before it.
-// str/bytes/f32[] are a u64 count followed by the elements.
+//   u64 policy_version | f64 best_val_loss | u64 bytes_sent | f32[] weights | f32[] m |
+//   f32[] v | u64 layers | per layer: bytes active, bytes pending, u64 pending_from |
+//   u64 FNV-1a of everything before it.
+// Version 1 lacks the three fields after rng_seed. str/bytes/f32[] are a u64 count followed by
+// the elements; geometry bytes are kernels/geometry's checksummed wire form.
 
 #include "worker/train/checkpoint.h"
 
@@ -21,7 +23,7 @@ namespace geofp8::train {
 namespace {
 
 constexpr char kMagic[8] = {'G', 'F', 'P', '8', 'C', 'K', 'P', 'T'};
-constexpr uint32_t kVersion = 1;
+constexpr uint32_t kVersion = 2;
 
 uint64_t Fnv(const uint8_t* p, size_t n, uint64_t h = 0xcbf29ce484222325ULL) {
   for (size_t i = 0; i < n; ++i) h = (h ^ p[i]) * 0x100000001b3ULL;
@@ -45,7 +47,7 @@ struct Writer {
 };
 
 struct Reader {
-  const std::string& in;
+  std::string_view in;
   const std::string& path;
   size_t pos = 0;
   void Raw(void* p, size_t n) {
@@ -76,13 +78,16 @@ struct Reader {
 
 }  // namespace
 
-void SaveCheckpoint(const std::string& path, const Checkpoint& c) {
+std::string SerializeCheckpoint(const Checkpoint& c) {
   Writer w;
   w.Raw(kMagic, sizeof kMagic);
   w.Pod(kVersion);
   w.Str(c.fingerprint);
   w.Pod(c.next_step);
   w.Pod(c.rng_seed);
+  w.Pod(c.policy_version);
+  w.Pod(c.best_val_loss);
+  w.Pod(c.bytes_sent);
   w.Vec(c.weights);
   w.Vec(c.m);
   w.Vec(c.v);
@@ -93,13 +98,17 @@ void SaveCheckpoint(const std::string& path, const Checkpoint& c) {
     w.Pod(g.pending_from);
   }
   w.Pod(Fnv(reinterpret_cast<const uint8_t*>(w.out.data()), w.out.size()));
+  return std::move(w.out);
+}
 
+void SaveCheckpoint(const std::string& path, const Checkpoint& c) {
+  const std::string bytes = SerializeCheckpoint(c);
   const std::string tmp = path + ".tmp";
   const int fd = ::open(tmp.c_str(), O_WRONLY | O_CREAT | O_TRUNC, 0644);
   GEOFP8_CHECK(fd >= 0, "checkpoint ", tmp, ": cannot create: ", std::strerror(errno));
   size_t done = 0;
-  while (done < w.out.size()) {
-    const ssize_t n = ::write(fd, w.out.data() + done, w.out.size() - done);
+  while (done < bytes.size()) {
+    const ssize_t n = ::write(fd, bytes.data() + done, bytes.size() - done);
     if (n < 0 && errno == EINTR) continue;
     if (n <= 0) {
       const int err = errno;
@@ -115,12 +124,7 @@ void SaveCheckpoint(const std::string& path, const Checkpoint& c) {
                ": rename failed: ", std::strerror(errno));
 }
 
-Checkpoint LoadCheckpoint(const std::string& path) {
-  std::ifstream f(path, std::ios::binary);
-  GEOFP8_CHECK(f.good(), "checkpoint ", path, ": cannot open");
-  std::ostringstream os;
-  os << f.rdbuf();
-  const std::string in = os.str();
+Checkpoint ParseCheckpoint(std::string_view in, const std::string& path) {
   GEOFP8_CHECK(in.size() >= sizeof kMagic + 4 + 8 && std::memcmp(in.data(), kMagic, 8) == 0,
                "checkpoint ", path, ": not a GeoFP8 checkpoint (bad magic)");
   uint64_t stored;
@@ -130,11 +134,17 @@ Checkpoint LoadCheckpoint(const std::string& path) {
   Reader r{in, path};
   r.pos = sizeof kMagic;
   const uint32_t version = r.Pod<uint32_t>();
-  GEOFP8_CHECK(version == kVersion, "checkpoint ", path, ": unsupported version ", version);
+  GEOFP8_CHECK(version == 1 || version == kVersion, "checkpoint ", path, ": format version ",
+               version, " is not supported (this build reads 1 and ", kVersion, ")");
   Checkpoint c;
   c.fingerprint = r.Str();
   c.next_step = r.Pod<int64_t>();
   c.rng_seed = r.Pod<uint64_t>();
+  if (version >= 2) {
+    c.policy_version = r.Pod<uint64_t>();
+    c.best_val_loss = r.Pod<double>();
+    c.bytes_sent = r.Pod<uint64_t>();
+  }
   c.weights = r.Vec<float>();
   c.m = r.Vec<float>();
   c.v = r.Vec<float>();
@@ -147,7 +157,24 @@ Checkpoint LoadCheckpoint(const std::string& path) {
     g.pending_from = r.Pod<uint64_t>();
   }
   GEOFP8_CHECK(r.pos == in.size() - 8, "checkpoint ", path, ": trailing bytes");
+  if (version == 1) {
+    for (size_t l = 0; l < c.geometry.size(); ++l) {
+      GEOFP8_CHECK(c.geometry[l].active.empty() && c.geometry[l].pending.empty(), "checkpoint ",
+                   path, ": format version 1 holds geometry (layer ", l,
+                   ") but not its pending refreshes, so a resume could not continue exactly; "
+                   "restart the run from step 0");
+    }
+    c.geometry.clear();
+  }
   return c;
+}
+
+Checkpoint LoadCheckpoint(const std::string& path) {
+  std::ifstream f(path, std::ios::binary);
+  GEOFP8_CHECK(f.good(), "checkpoint ", path, ": cannot open");
+  std::ostringstream os;
+  os << f.rdbuf();
+  return ParseCheckpoint(os.str(), path);
 }
 
 }  // namespace geofp8::train

@@ -1,26 +1,36 @@
-// Trainer checkpoints: parameters, AdamW moments, geometry state, step and RNG state, written
-// atomically (temporary file, fsync, rename) so a crash never leaves a torn checkpoint.
+// Trainer checkpoints: parameters, AdamW moments, geometry state, policy version, step and RNG
+// state, written atomically (temporary file, fsync, rename) so a crash never leaves a torn one.
 #pragma once
 
+#include <cmath>
 #include <cstdint>
 #include <string>
+#include <string_view>
 #include <vector>
+
+#include "kernels/exchange/exchanger.h"
 
 namespace geofp8::train {
 
-struct CheckpointLayerGeometry {
-  std::vector<uint8_t> active;   // SerializeGeometry bytes; empty: identity (never refreshed)
-  std::vector<uint8_t> pending;  // broadcast but not yet active; empty: none
-  uint64_t pending_from = 0;
-};
-
+// Format versions: 2 (written) adds the policy version, the run totals and each layer's pending
+// geometry. 1 is still read when it holds no geometry (fp32/bf16/fp8/nvfp4 runs); a version 1
+// checkpoint with geometry is refused, since its pending refreshes were never saved and a resume
+// from it could not continue exactly.
 struct Checkpoint {
   std::string fingerprint;   // model shape, ranks, batch, seq, policy, data, seed: must match
   int64_t next_step = 0;     // the first step a resumed run executes
   uint64_t rng_seed = 0;     // data windows and rounding streams are pure functions of (seed, step)
+  uint64_t policy_version = 0;     // the exchange policy version in force (the worker's)
+  double best_val_loss = NAN;      // run totals, so a resumed run reports what an uninterrupted
+  uint64_t bytes_sent = 0;         // one would (rank 0's wire bytes)
   std::vector<float> weights, m, v;
-  std::vector<CheckpointLayerGeometry> geometry;  // one per parameter, or empty
+  std::vector<LayerGeometryState> geometry;  // Exchanger::ExportGeometry: one per parameter, or empty
 };
+
+// The checkpoint as bytes (the file's contents), and back. Parse throws geofp8::Error naming
+// `name` and the problem (truncated, bad magic, bad hash, unsupported version).
+std::string SerializeCheckpoint(const Checkpoint& checkpoint);
+Checkpoint ParseCheckpoint(std::string_view bytes, const std::string& name);
 
 // Writes path.tmp, fsyncs, renames over path. Throws geofp8::Error naming the path.
 void SaveCheckpoint(const std::string& path, const Checkpoint& checkpoint);

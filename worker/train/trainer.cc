@@ -1,4 +1,4 @@
-// One training step, as every rank runs it (see trainer.h):
+// One training step, as every rank runs it (Trainer::Step, see trainer.h):
 //   batch (step, rank) -> forward+backward; each finished bucket goes to the exchange engine
 //   while the backward continues -> wait for the average -> clip -> AdamW -> metrics, checksum,
 //   validation, checkpoint, gradient dump.
@@ -21,10 +21,9 @@
 #include "kernels/exchange/exchanger.h"
 #include "kernels/exchange/gloo_communicator.h"
 #include "kernels/exchange/store.h"
+#include "kernels/geometry/analysis.h"
 #include "kernels/model/data.h"
 #include "kernels/model/ops.h"
-#include "worker/train/checkpoint.h"
-#include "worker/train/exchange_policy.h"
 
 namespace geofp8::train {
 
@@ -103,285 +102,375 @@ void WriteFloats(const std::filesystem::path& path, std::span<const float> data)
   GEOFP8_CHECK(f.good(), "dump_grads: cannot write ", path.string());
 }
 
-// Everything one rank owns.
-class RankRunner {
- public:
-  RankRunner(const TrainOptions& options, Communicator& comm)
-      : o_(options),
-        comm_(comm),
-        rank_(comm.rank()),
-        ranks_(comm.size()),
-        seq_(options.seq > 0 ? options.seq : options.model.seq),
-        model_(options.model) {
-    GEOFP8_CHECK(ranks_ == o_.ranks, "ranks: the communicator has ", ranks_, " ranks, options say ",
-                 o_.ranks);
-    model::OptimizerOptions opt = o_.optimizer;
-    if (opt.total_steps == 0) opt.total_steps = int(o_.steps);
-    optimizer_ = std::make_unique<model::AdamW>(opt, model_.params());
-    data_ = model::MakeDataSource(o_.data, o_.seed);
-    plan_ = MakeExchangePlan(o_.policy, model_.params());
-    std::vector<LayerSpec> layers;
-    for (size_t i = 0; i < model_.params().size(); ++i) {
-      const model::ParamInfo& p = model_.params()[i];
-      LayerSpec spec;
-      spec.name = p.name;
-      spec.rows = p.is_matrix() ? p.rows : p.size();  // the engine's 1-D layers have cols == 1
-      spec.cols = p.is_matrix() ? p.cols : 1;
-      spec.policy = plan_.layers[i];
-      layers.push_back(spec);
-    }
-    ExchangeOptions eo;
-    eo.algorithm = plan_.algorithm;
-    eo.bucket_cap_bytes = plan_.bucket_cap_bytes;
-    eo.timeout = o_.timeout;
-    eo.seed = o_.seed;
-    eo.power_iters = plan_.power_iters;
-    eo.sigma_ema = plan_.sigma_ema;
-    exchanger_ = std::make_unique<Exchanger>(comm_, std::move(layers), eo,
-                                             MakeRefreshSchedule(plan_, ranks_));
-    bucket_of_.assign(model_.params().size(), 0);
-    for (size_t b = 0; b < exchanger_->buckets().size(); ++b) {
-      for (uint32_t l : exchanger_->buckets()[b].layers) bucket_of_[l] = b;
-    }
-  }
-
-  TrainResult Run(const StepCallback& on_step) {
-    TrainResult result;
-    result.params = model_.params();
-    result.entropy_bound = data_->EntropyBound();
-    model_.Init(o_.seed);
-    int64_t start = 0;
-    if (o_.resume && std::filesystem::exists(o_.checkpoint)) start = Restore();
-    result.start_step = start;
-    const auto run_start = Clock::now();
-    for (int64_t step = start; step < o_.steps; ++step) {
-      StepRecord rec = Step(step);
-      const bool last = step + 1 == o_.steps;
-      if (last || (o_.eval_every > 0 && (step + 1) % o_.eval_every == 0)) {
-        rec.val_loss = Validate();
-        result.final_val_loss = rec.val_loss;
-        if (!(result.best_val_loss <= rec.val_loss)) result.best_val_loss = rec.val_loss;
-      }
-      if (o_.checksum_every > 0 && ((step + 1) % o_.checksum_every == 0 || last)) VerifyChecksum(step);
-      if (!o_.checkpoint.empty() &&
-          (last || (o_.checkpoint_every > 0 && (step + 1) % o_.checkpoint_every == 0))) {
-        Save(step + 1);
-      }
-      result.bytes_sent += rec.bytes_sent;
-      if (rank_ == 0 && on_step) on_step(rec);
-    }
-    result.steps = o_.steps;
-    result.seconds = std::chrono::duration<double>(Clock::now() - run_start).count();
-    result.weights = model_.weights();
-    result.checksum = Checksum({model_.weights(), optimizer_->m(), optimizer_->v()});
-    return result;
-  }
-
- private:
-  StepRecord Step(int64_t step) {
-    const auto t0 = Clock::now();
-    StepRecord rec;
-    rec.step = step;
-    const size_t L = model_.params().size();
-    const bool measure = o_.error_every > 0 && step % o_.error_every == 0;
-    const bool dump = !o_.dump_dir.empty() &&
-                      std::find(o_.dump_steps.begin(), o_.dump_steps.end(), step) !=
-                          o_.dump_steps.end();
-    data_->TrainBatch(step, rank_, ranks_, o_.batch, seq_, &tokens_);
-
-    std::vector<std::span<float>> grads(L);
-    for (size_t i = 0; i < L; ++i) grads[i] = model_.grad(int(i));
-    if (measure || dump) local_.resize(model_.grads().size());
-    // Buckets hold layers in reverse order, so they complete in bucket order during backward.
-    std::vector<size_t> remaining(exchanger_->buckets().size());
-    for (size_t b = 0; b < remaining.size(); ++b) remaining[b] = exchanger_->buckets()[b].layers.size();
-    size_t next_bucket = 0;
-    auto on_ready = [&](int i) {
-      if (measure || dump) {
-        auto g = model_.grad(i);
-        std::copy(g.begin(), g.end(), local_.begin() + model_.params()[i].offset);
-      }
-      --remaining[bucket_of_[i]];
-      while (next_bucket < remaining.size() && remaining[next_bucket] == 0) {
-        exchanger_->Submit(uint64_t(step), next_bucket++, grads);
-      }
-    };
-    const double loss = model_.ForwardBackward(tokens_, o_.batch, seq_, on_ready);
-    GEOFP8_CHECK(next_bucket == remaining.size(), "backward left buckets unsubmitted");
-    const auto t_backward = Clock::now();
-    const StepResult ex = exchanger_->Finish(uint64_t(step));
-    rec.wait_seconds = std::chrono::duration<double>(Clock::now() - t_backward).count();
-    rec.exchange_seconds = ex.seconds;
-    rec.bytes_sent = ex.bytes_sent;
-    rec.skipped = ex.skipped;
-    rec.refreshes = int(ex.refreshes.size());
-
-    if (measure) rec.layer_error = LayerErrors();
-    if (dump) Dump(step);
-
-    rec.lr = model::LearningRate(optimizer_->options(), step);
-    if (!ex.skipped) {
-      rec.grad_norm = model::ClipGradNorm(model_.grads(), optimizer_->options().clip_norm);
-      optimizer_->Step(model_.weights(), model_.grads(), step);
-    }
-    if (rank_ == o_.debug_perturb_rank && step == o_.debug_perturb_step) model_.weights()[0] += 1e-3f;
-
-    float sum[1] = {float(loss)};
-    comm_.AllReduceSum(sum);
-    rec.loss = double(sum[0]) / ranks_;
-    rec.tokens = int64_t(ranks_) * o_.batch * seq_;
-    rec.step_seconds = std::chrono::duration<double>(Clock::now() - t0).count();
-    return rec;
-  }
-
-  // rel_fro_error of each layer's exchanged average against the exact fp32 average of the
-  // local gradients (pre-divided by N and summed the way the fp32 baseline sums).
-  std::vector<double> LayerErrors() {
-    std::vector<float> exact(local_.size());
-    const float n = float(ranks_);
-    for (size_t i = 0; i < exact.size(); ++i) exact[i] = local_[i] / n;
-    comm_.AllReduceSum(exact);
-    std::vector<double> err;
-    for (const model::ParamInfo& p : model_.params()) {
-      double e2 = 0, g2 = 0;
-      for (int64_t j = p.offset; j < p.offset + p.size(); ++j) {
-        const double d = double(model_.grads()[j]) - exact[j];
-        e2 += d * d;
-        g2 += double(exact[j]) * exact[j];
-      }
-      err.push_back(g2 > 0 ? std::sqrt(e2 / g2) : std::sqrt(e2));
-    }
-    return err;
-  }
-
-  void Dump(int64_t step) {
-    namespace fs = std::filesystem;
-    const fs::path dir = fs::path(o_.dump_dir) / ("step_" + std::to_string(step));
-    fs::create_directories(dir);
-    std::ostringstream json;
-    json << "{\n  \"step\": " << step << ",\n  \"ranks\": " << ranks_ << ",\n  \"policy\": \""
-         << plan_.name << "\",\n  \"dtype\": \"float32\",\n  \"layout\": \"row-major\",\n"
-         << "  \"layers\": [";
-    bool first = true;
-    for (size_t i = 0; i < model_.params().size(); ++i) {
-      const model::ParamInfo& p = model_.params()[i];
-      if (!Matches(o_.dump_layers, p.name)) continue;
-      std::span<const float> mine(local_.data() + p.offset, size_t(p.size()));
-      WriteFloats(dir / (p.name + ".rank" + std::to_string(rank_) + ".f32"), mine);
-      if (rank_ != 0) continue;
-      WriteFloats(dir / (p.name + ".avg.f32"), model_.grad(int(i)));
-      json << (first ? "\n" : ",\n") << "    {\"name\": \"" << p.name << "\", \"rows\": " << p.rows
-           << ", \"cols\": " << p.cols << ", \"avg\": \"" << p.name << ".avg.f32\", \"per_rank\": [";
-      for (int r = 0; r < ranks_; ++r) {
-        json << (r ? ", " : "") << "\"" << p.name << ".rank" << r << ".f32\"";
-      }
-      json << "]}";
-      first = false;
-    }
-    json << "\n  ]\n}\n";
-    if (rank_ == 0) {
-      std::ofstream f(dir / "shapes.json");
-      f << json.str();
-      GEOFP8_CHECK(f.good(), "dump_grads: cannot write ", (dir / "shapes.json").string());
-    }
-  }
-
-  // Validation batches are split over ranks and the loss sums all-reduced.
-  double Validate() {
-    constexpr int kRows = 16;
-    float sum[1] = {0.f};
-    for (int i = rank_; i < o_.eval_batches; i += ranks_) {
-      data_->ValidationBatch(i, kRows, seq_, &tokens_);
-      sum[0] += float(model_.Loss(tokens_, kRows, seq_));
-    }
-    comm_.AllReduceSum(sum);
-    return double(sum[0]) / o_.eval_batches;
-  }
-
-  void VerifyChecksum(int64_t step) {
-    const uint64_t mine = Checksum({model_.weights(), optimizer_->m(), optimizer_->v()});
-    std::vector<uint64_t> all(ranks_);
-    std::vector<size_t> counts(ranks_, sizeof(uint64_t));
-    comm_.AllGatherV({reinterpret_cast<const uint8_t*>(&mine), sizeof mine},
-                     {reinterpret_cast<uint8_t*>(all.data()), all.size() * sizeof(uint64_t)},
-                     counts);
-    for (int r = 1; r < ranks_; ++r) {
-      if (all[r] != all[0]) {
-        std::ostringstream hex;
-        hex << std::hex << all[r] << " vs rank 0 " << all[0];
-        GEOFP8_FAIL("parameter checksum mismatch after step ", step, ": rank ", r, " has ",
-                    hex.str(), "; ranks are no longer bitwise identical");
-      }
-    }
-  }
-
-  void Save(int64_t next_step) {
-    if (rank_ != 0) return;  // every rank holds the same state (checked by the checksum)
-    Checkpoint c;
-    c.fingerprint = Fingerprint(o_);
-    c.next_step = next_step;
-    c.rng_seed = o_.seed;
-    c.weights = model_.weights();
-    c.m = optimizer_->m();
-    c.v = optimizer_->v();
-    if (plan_.uses_geometry()) {
-      c.geometry.resize(model_.params().size());
-      for (size_t l = 0; l < c.geometry.size(); ++l) {
-        const Geometry& g = exchanger_->active_geometry(uint32_t(l));
-        if (!g.is_identity()) c.geometry[l].active = SerializeGeometry(g);
-      }
-    }
-    SaveCheckpoint(o_.checkpoint, c);
-  }
-
-  int64_t Restore() {
-    const Checkpoint c = LoadCheckpoint(o_.checkpoint);
-    const std::string expected = Fingerprint(o_);
-    GEOFP8_CHECK(c.fingerprint == expected, "checkpoint ", o_.checkpoint,
-                 ": written by a different run (", c.fingerprint, ") than this one (", expected, ")");
-    GEOFP8_CHECK(c.weights.size() == model_.weights().size() && c.m.size() == c.weights.size() &&
-                     c.v.size() == c.weights.size(),
-                 "checkpoint ", o_.checkpoint, ": parameter count ", c.weights.size(),
-                 " does not match the model (", model_.weights().size(), ")");
-    model_.weights() = c.weights;
-    optimizer_->m() = c.m;
-    optimizer_->v() = c.v;
-    // The checkpoint carries each layer's active geometry, but the exchange engine has no way yet
-    // to take a geometry in: layers restart from warm-up (identity) and refresh on schedule, so a
-    // resumed run with a geometry policy is close to, not bitwise equal to, an uninterrupted one.
-    bool has_geometry = false;
-    for (const auto& g : c.geometry) has_geometry |= !g.active.empty();
-    if (has_geometry && rank_ == 0) {
-      std::fprintf(stderr, "geofp8-train: warning: checkpoint %s: geometry state is not restored "
-                   "(the exchange engine cannot import it yet); layers re-warm from identity\n",
-                   o_.checkpoint.c_str());
-    }
-    GEOFP8_CHECK(c.next_step <= o_.steps, "checkpoint ", o_.checkpoint, ": already at step ",
-                 c.next_step, ", beyond steps = ", o_.steps);
-    return c.next_step;
-  }
-
-  const TrainOptions& o_;
-  Communicator& comm_;
-  const int rank_, ranks_, seq_;
-  model::Model<float> model_;
-  std::unique_ptr<model::AdamW> optimizer_;
-  std::unique_ptr<model::DataSource> data_;
-  ExchangePlan plan_;
-  std::unique_ptr<Exchanger> exchanger_;
-  std::vector<size_t> bucket_of_;
-  std::vector<int32_t> tokens_;
-  std::vector<float> local_;
-};
-
 }  // namespace
+
+Trainer::Trainer(const TrainOptions& options, Communicator& comm)
+    : Trainer(options, comm, ExchangePlan{}, {}, 0) {}
+
+Trainer::Trainer(const TrainOptions& options, Communicator& comm, ExchangePlan plan,
+                 std::vector<RefreshSchedule> schedule, uint64_t policy_version)
+    : o_(options),
+      comm_(comm),
+      rank_(comm.rank()),
+      ranks_(comm.size()),
+      seq_(options.seq > 0 ? options.seq : options.model.seq),
+      model_(options.model),
+      plan_(std::move(plan)),
+      policy_version_(policy_version) {
+  const std::string err = ValidateTrainOptions(o_);
+  GEOFP8_CHECK(err.empty(), err);
+  GEOFP8_CHECK(ranks_ == o_.ranks, "ranks: the communicator has ", ranks_, " ranks, options say ",
+               o_.ranks);
+  model::OptimizerOptions opt = o_.optimizer;
+  if (opt.total_steps == 0) opt.total_steps = int(o_.steps);
+  optimizer_ = std::make_unique<model::AdamW>(opt, model_.params());
+  data_ = model::MakeDataSource(o_.data, o_.data_seed.value_or(o_.seed));
+  if (plan_.layers.empty()) {  // the delegating constructor: the plan of options.policy
+    plan_ = MakeExchangePlan(o_.policy, model_.params());
+    schedule = MakeRefreshSchedule(plan_, ranks_);
+  }
+  GEOFP8_CHECK(plan_.layers.size() == model_.params().size(), "policy: ", plan_.layers.size(),
+               " layer policies for ", model_.params().size(), " parameters");
+  model_.Init(o_.seed);
+  drift_.assign(model_.params().size(), 0.0);
+  BuildExchanger(std::move(schedule));
+}
+
+Trainer::~Trainer() = default;
+
+void Trainer::BuildExchanger(std::vector<RefreshSchedule> schedule) {
+  std::vector<LayerSpec> layers;
+  for (size_t i = 0; i < model_.params().size(); ++i) {
+    const model::ParamInfo& p = model_.params()[i];
+    LayerSpec spec;
+    spec.name = p.name;
+    spec.rows = p.is_matrix() ? p.rows : p.size();  // the engine's 1-D layers have cols == 1
+    spec.cols = p.is_matrix() ? p.cols : 1;
+    spec.policy = plan_.layers[i];
+    layers.push_back(spec);
+  }
+  ExchangeOptions eo;
+  eo.algorithm = plan_.algorithm;
+  eo.bucket_cap_bytes = plan_.bucket_cap_bytes;
+  eo.timeout = o_.timeout;
+  eo.policy_version = policy_version_;
+  eo.seed = o_.seed;
+  eo.power_iters = plan_.power_iters;
+  eo.sigma_ema = plan_.sigma_ema;
+  auto next = std::make_unique<Exchanger>(comm_, std::move(layers), eo, std::move(schedule));
+  if (exchanger_) {
+    // Carry the geometry over where the new policy would estimate the same kind of geometry.
+    for (uint32_t l : next->ImportGeometry(exchanger_->ExportGeometry(),
+                                           GeometryImport::kDropMismatched)) {
+      drift_[l] = 0.0;
+    }
+  }
+  exchanger_ = std::move(next);
+  bucket_of_.assign(model_.params().size(), 0);
+  for (size_t b = 0; b < exchanger_->buckets().size(); ++b) {
+    for (uint32_t l : exchanger_->buckets()[b].layers) bucket_of_[l] = b;
+  }
+}
+
+void Trainer::SetPolicies(uint64_t from_step, std::vector<LayerPolicy> policies,
+                          std::vector<RefreshSchedule> schedule, uint64_t policy_version) {
+  GEOFP8_CHECK(int64_t(from_step) >= next_step_, "policy v", policy_version,
+               ": effective from step ", from_step, ", but step ", next_step_ - 1,
+               " has already run on rank ", rank_);
+  GEOFP8_CHECK(policies.size() == model_.params().size(), "policy v", policy_version, ": ",
+               policies.size(), " layer policies for ", model_.params().size(), " parameters");
+  // Validate now, so a bad policy fails where it is set rather than at its step.
+  for (size_t i = 0; i < policies.size(); ++i) {
+    const model::ParamInfo& p = model_.params()[i];
+    LayerSpec spec{p.name, p.is_matrix() ? p.rows : p.size(), p.is_matrix() ? p.cols : 1,
+                   policies[i]};
+    if (std::string err = ValidateLayerPolicy(spec); !err.empty()) {
+      GEOFP8_FAIL("policy v", policy_version, ": ", err);
+    }
+  }
+  policy_changes_[from_step] = {std::move(policies), std::move(schedule), policy_version};
+}
+
+void Trainer::ApplyDuePolicies(int64_t step) {
+  while (!policy_changes_.empty() && int64_t(policy_changes_.begin()->first) <= step) {
+    PolicyChange change = std::move(policy_changes_.begin()->second);
+    policy_changes_.erase(policy_changes_.begin());
+    ExchangePlan plan = plan_;
+    plan.layers = std::move(change.policies);
+    const uint64_t old_version = policy_version_;
+    std::swap(plan_, plan);
+    policy_version_ = change.version;
+    try {
+      BuildExchanger(std::move(change.schedule));
+    } catch (...) {
+      std::swap(plan_, plan);  // the old engine is still in place
+      policy_version_ = old_version;
+      throw;
+    }
+  }
+}
+
+TrainResult Trainer::Run(const StepCallback& on_step) {
+  TrainResult result;
+  result.params = model_.params();
+  result.entropy_bound = data_->EntropyBound();
+  int64_t start = 0;
+  if (o_.resume && std::filesystem::exists(o_.checkpoint)) start = RestoreFile();
+  result.start_step = start;
+  const auto run_start = Clock::now();
+  for (int64_t step = start; step < o_.steps; ++step) {
+    StepControl control;
+    control.measure_error = o_.error_every > 0 && step % o_.error_every == 0;
+    StepRecord rec = Step(step, control);
+    const bool last = step + 1 == o_.steps;
+    if (last || (o_.eval_every > 0 && (step + 1) % o_.eval_every == 0)) {
+      rec.val_loss = Validate();
+      result.final_val_loss = rec.val_loss;
+      if (!(best_val_loss_ <= rec.val_loss)) best_val_loss_ = rec.val_loss;
+    }
+    if (o_.checksum_every > 0 && ((step + 1) % o_.checksum_every == 0 || last)) VerifyChecksum(step);
+    if (!o_.checkpoint.empty() &&
+        (last || (o_.checkpoint_every > 0 && (step + 1) % o_.checkpoint_every == 0))) {
+      Save(step + 1);
+    }
+    if (rank_ == 0 && on_step) on_step(rec);
+  }
+  result.steps = o_.steps;
+  result.best_val_loss = best_val_loss_;
+  result.bytes_sent = bytes_sent_;
+  result.seconds = std::chrono::duration<double>(Clock::now() - run_start).count();
+  result.weights = model_.weights();
+  result.checksum = Checksum({model_.weights(), optimizer_->m(), optimizer_->v()});
+  return result;
+}
+
+StepRecord Trainer::Step(int64_t step, const StepControl& control) {
+  GEOFP8_CHECK(step >= next_step_, "step ", step, " after step ", next_step_ - 1,
+               ": steps run in increasing order");
+  ApplyDuePolicies(step);
+  next_step_ = step + 1;
+  const auto t0 = Clock::now();
+  StepRecord rec;
+  rec.step = step;
+  const size_t L = model_.params().size();
+  const bool dump = !o_.dump_dir.empty() &&
+                    std::find(o_.dump_steps.begin(), o_.dump_steps.end(), step) !=
+                        o_.dump_steps.end();
+  const bool keep = control.measure_error || control.keep_local || dump;
+  data_->TrainBatch(step, rank_, ranks_, o_.batch, seq_, &tokens_);
+
+  std::vector<std::span<float>> grads(L);
+  for (size_t i = 0; i < L; ++i) grads[i] = model_.grad(int(i));
+  if (keep) local_.resize(model_.grads().size());
+  // Buckets hold layers in reverse order, so they complete in bucket order during backward.
+  std::vector<size_t> remaining(exchanger_->buckets().size());
+  for (size_t b = 0; b < remaining.size(); ++b) remaining[b] = exchanger_->buckets()[b].layers.size();
+  size_t next_bucket = 0;
+  auto on_ready = [&](int i) {
+    if (keep) {
+      auto g = model_.grad(i);
+      std::copy(g.begin(), g.end(), local_.begin() + model_.params()[i].offset);
+    }
+    --remaining[bucket_of_[i]];
+    while (next_bucket < remaining.size() && remaining[next_bucket] == 0) {
+      exchanger_->Submit(uint64_t(step), next_bucket++, grads);
+    }
+  };
+  const double loss = model_.ForwardBackward(tokens_, o_.batch, seq_, on_ready);
+  GEOFP8_CHECK(next_bucket == remaining.size(), "backward left buckets unsubmitted");
+  const auto t_backward = Clock::now();
+  rec.exchange = exchanger_->Finish(uint64_t(step));
+  const StepResult& ex = rec.exchange;
+  rec.wait_seconds = std::chrono::duration<double>(Clock::now() - t_backward).count();
+  rec.exchange_seconds = ex.seconds;
+  rec.bytes_sent = ex.bytes_sent;
+  bytes_sent_ += ex.bytes_sent;
+  rec.skipped = ex.skipped;
+  rec.refreshes = int(ex.refreshes.size());
+  for (const RefreshRecord& r : ex.refreshes) drift_[r.layer] = r.drift;
+
+  if (control.measure_error) LayerErrors(rec);
+  if (dump) Dump(step);
+
+  rec.lr = model::LearningRate(optimizer_->options(), step);
+  if (!ex.skipped) {
+    rec.grad_norm = model::ClipGradNorm(model_.grads(), optimizer_->options().clip_norm);
+    optimizer_->Step(model_.weights(), model_.grads(), step);
+  }
+  if (rank_ == o_.debug_perturb_rank && step == o_.debug_perturb_step) model_.weights()[0] += 1e-3f;
+
+  float sum[1] = {float(loss)};
+  comm_.AllReduceSum(sum);
+  rec.loss = double(sum[0]) / ranks_;
+  rec.tokens = int64_t(ranks_) * o_.batch * seq_;
+  rec.step_seconds = std::chrono::duration<double>(Clock::now() - t0).count();
+  return rec;
+}
+
+// rel_fro_error of each layer's exchanged average against the exact fp32 average of the local
+// gradients (pre-divided by N and summed the way the fp32 baseline sums), and the residual-
+// subspace error against the basis the step used.
+void Trainer::LayerErrors(StepRecord& rec) {
+  std::vector<float> exact(local_.size());
+  const float n = float(ranks_);
+  for (size_t i = 0; i < exact.size(); ++i) exact[i] = local_[i] / n;
+  comm_.AllReduceSum(exact);
+  for (size_t l = 0; l < model_.params().size(); ++l) {
+    const model::ParamInfo& p = model_.params()[l];
+    std::span<const float> g(exact.data() + p.offset, size_t(p.size()));
+    std::span<const float> g_hat(model_.grads().data() + p.offset, size_t(p.size()));
+    double e2 = 0, g2 = 0;
+    for (size_t j = 0; j < g.size(); ++j) {
+      const double d = double(g_hat[j]) - g[j];
+      e2 += d * d;
+      g2 += double(g[j]) * g[j];
+    }
+    rec.layer_error.push_back(g2 > 0 ? std::sqrt(e2 / g2) : std::sqrt(e2));
+    // The step's basis: a pending refresh activates only at a later step.
+    const Geometry& geo = exchanger_->active_geometry(uint32_t(l));
+    const bool basis = geo.mode == GeometryMode::kLowRank && !geo.is_identity();
+    const int64_t rows = p.is_matrix() ? p.rows : p.size(), cols = p.is_matrix() ? p.cols : 1;
+    const std::optional<double> residual = ResidualSubspaceError(
+        g, g_hat, rows, cols, basis ? std::span<const float>(geo.U) : std::span<const float>(),
+        basis ? std::span<const float>(geo.V) : std::span<const float>(), basis ? geo.k : 0);
+    rec.residual_error.push_back(residual.value_or(NAN));
+  }
+}
+
+void Trainer::Dump(int64_t step) {
+  namespace fs = std::filesystem;
+  const fs::path dir = fs::path(o_.dump_dir) / ("step_" + std::to_string(step));
+  fs::create_directories(dir);
+  std::ostringstream json;
+  json << "{\n  \"step\": " << step << ",\n  \"ranks\": " << ranks_ << ",\n  \"policy\": \""
+       << plan_.name << "\",\n  \"dtype\": \"float32\",\n  \"layout\": \"row-major\",\n"
+       << "  \"layers\": [";
+  bool first = true;
+  for (size_t i = 0; i < model_.params().size(); ++i) {
+    const model::ParamInfo& p = model_.params()[i];
+    if (!Matches(o_.dump_layers, p.name)) continue;
+    std::span<const float> mine(local_.data() + p.offset, size_t(p.size()));
+    WriteFloats(dir / (p.name + ".rank" + std::to_string(rank_) + ".f32"), mine);
+    if (rank_ != 0) continue;
+    WriteFloats(dir / (p.name + ".avg.f32"), model_.grad(int(i)));
+    json << (first ? "\n" : ",\n") << "    {\"name\": \"" << p.name << "\", \"rows\": " << p.rows
+         << ", \"cols\": " << p.cols << ", \"avg\": \"" << p.name << ".avg.f32\", \"per_rank\": [";
+    for (int r = 0; r < ranks_; ++r) {
+      json << (r ? ", " : "") << "\"" << p.name << ".rank" << r << ".f32\"";
+    }
+    json << "]}";
+    first = false;
+  }
+  json << "\n  ]\n}\n";
+  if (rank_ == 0) {
+    std::ofstream f(dir / "shapes.json");
+    f << json.str();
+    GEOFP8_CHECK(f.good(), "dump_grads: cannot write ", (dir / "shapes.json").string());
+  }
+}
+
+// Validation batches are split over ranks and the loss sums all-reduced.
+double Trainer::Validate() {
+  constexpr int kRows = 16;
+  float sum[1] = {0.f};
+  for (int i = rank_; i < o_.eval_batches; i += ranks_) {
+    data_->ValidationBatch(i, kRows, seq_, &tokens_);
+    sum[0] += float(model_.Loss(tokens_, kRows, seq_));
+  }
+  comm_.AllReduceSum(sum);
+  return double(sum[0]) / o_.eval_batches;
+}
+
+uint64_t Trainer::VerifyChecksum(int64_t step) {
+  const uint64_t mine = Checksum({model_.weights(), optimizer_->m(), optimizer_->v()});
+  std::vector<uint64_t> all(ranks_);
+  std::vector<size_t> counts(ranks_, sizeof(uint64_t));
+  comm_.AllGatherV({reinterpret_cast<const uint8_t*>(&mine), sizeof mine},
+                   {reinterpret_cast<uint8_t*>(all.data()), all.size() * sizeof(uint64_t)},
+                   counts);
+  for (int r = 1; r < ranks_; ++r) {
+    if (all[r] != all[0]) {
+      std::ostringstream hex;
+      hex << std::hex << std::setfill('0') << std::setw(16) << all[r] << " vs rank 0 "
+          << std::setw(16) << all[0];
+      GEOFP8_FAIL("parameter checksum mismatch after step ", step, ": rank ", r, " has ",
+                  hex.str(), "; ranks are no longer bitwise identical");
+    }
+  }
+  return mine;
+}
+
+Checkpoint Trainer::MakeCheckpoint(int64_t next_step) const {
+  Checkpoint c;
+  c.fingerprint = Fingerprint(o_);
+  c.next_step = next_step;
+  c.rng_seed = o_.seed;
+  c.policy_version = policy_version_;
+  c.best_val_loss = best_val_loss_;
+  c.bytes_sent = bytes_sent_;
+  c.weights = model_.weights();
+  c.m = optimizer_->m();
+  c.v = optimizer_->v();
+  c.geometry = exchanger_->ExportGeometry();
+  return c;
+}
+
+int64_t Trainer::Restore(const Checkpoint& c) {
+  GEOFP8_CHECK(c.weights.size() == model_.weights().size() && c.m.size() == c.weights.size() &&
+                   c.v.size() == c.weights.size(),
+               "checkpoint: parameter count ", c.weights.size(), " does not match the model (",
+               model_.weights().size(), ")");
+  GEOFP8_CHECK(c.rng_seed == o_.seed, "checkpoint: rng_seed ", c.rng_seed,
+               " does not match this run's seed (", o_.seed, ")");
+  GEOFP8_CHECK(c.next_step >= next_step_ && c.next_step <= o_.steps, "checkpoint: next_step ",
+               c.next_step, " is outside [", next_step_, ", steps = ", o_.steps, "]");
+  // Geometry first: it is the only part that can be refused for a reason other than size.
+  std::vector<LayerGeometryState> geometry = c.geometry;
+  if (geometry.empty()) geometry.resize(model_.params().size());  // no geometry was saved
+  GEOFP8_CHECK(geometry.size() == model_.params().size(), "checkpoint: geometry for ",
+               geometry.size(), " layers, the model has ", model_.params().size());
+  // Under the policy version it was written with, the geometry must fit exactly; a checkpoint
+  // from before a policy change keeps what the change would have kept (see SetPolicies).
+  const GeometryImport mode = c.policy_version == policy_version_
+                                  ? GeometryImport::kStrict
+                                  : GeometryImport::kDropMismatched;
+  try {
+    for (uint32_t l : exchanger_->ImportGeometry(geometry, mode)) drift_[l] = 0.0;
+  } catch (const Error& e) {
+    GEOFP8_FAIL("checkpoint: ", e.what());
+  }
+  model_.weights() = c.weights;
+  optimizer_->m() = c.m;
+  optimizer_->v() = c.v;
+  best_val_loss_ = c.best_val_loss;
+  bytes_sent_ = c.bytes_sent;
+  next_step_ = c.next_step;
+  return c.next_step;
+}
+
+void Trainer::Save(int64_t next_step) {
+  if (rank_ != 0) return;  // every rank holds the same state (checked by the checksum)
+  SaveCheckpoint(o_.checkpoint, MakeCheckpoint(next_step));
+}
+
+int64_t Trainer::RestoreFile() {
+  const Checkpoint c = LoadCheckpoint(o_.checkpoint);
+  const std::string expected = Fingerprint(o_);
+  GEOFP8_CHECK(c.fingerprint == expected, "checkpoint ", o_.checkpoint,
+               ": written by a different run (", c.fingerprint, ") than this one (", expected, ")");
+  try {
+    return Restore(c);
+  } catch (const Error& e) {
+    GEOFP8_FAIL("checkpoint ", o_.checkpoint, ": ", e.what());
+  }
+}
 
 TrainResult TrainRank(const TrainOptions& options, Communicator& comm, const StepCallback& on_step) {
   const std::string err = ValidateTrainOptions(options);
   GEOFP8_CHECK(err.empty(), err);
   model::SetBlasThreads(options.blas_threads);
-  RankRunner runner(options, comm);
-  return runner.Run(on_step);
+  Trainer trainer(options, comm);
+  return trainer.Run(on_step);
 }
 
 TrainResult Train(const TrainOptions& options, const StepCallback& on_step) {
@@ -401,8 +490,8 @@ TrainResult Train(const TrainOptions& options, const StepCallback& on_step) {
         go.prefix = prefix;
         go.timeout = options.timeout;
         auto comm = CreateGlooCommunicator(store, r, options.ranks, go);
-        RankRunner runner(options, *comm);
-        results[r] = runner.Run(r == 0 ? on_step : nullptr);
+        Trainer trainer(options, *comm);
+        results[r] = trainer.Run(r == 0 ? on_step : nullptr);
       } catch (const std::exception& e) {
         errors[r] = e.what();
       }

@@ -7,12 +7,19 @@
 #include <cmath>
 #include <cstdint>
 #include <functional>
+#include <map>
+#include <memory>
+#include <optional>
 #include <string>
 #include <vector>
 
 #include "kernels/exchange/communicator.h"
+#include "kernels/exchange/exchanger.h"
+#include "kernels/model/data.h"
 #include "kernels/model/model.h"
 #include "kernels/model/optimizer.h"
+#include "worker/train/checkpoint.h"
+#include "worker/train/exchange_policy.h"
 
 namespace geofp8::train {
 
@@ -25,6 +32,7 @@ struct TrainOptions {
   int seq = 0;                         // tokens per sequence; 0: model.seq
   int64_t steps = 100;                 // total optimizer steps (a resumed run stops here too)
   uint64_t seed = 1;                   // model init, data windows, rounding streams
+  std::optional<uint64_t> data_seed;   // data windows only, when set (the worker's data.seed)
   std::string data = "synthetic";      // "synthetic", "markov:SEED", or a UTF-8 file/folder
   std::string policy = "fp32";         // preset (fp32, bf16, fp8, geofp8, nvfp4, geonvfp4) or FILE.yaml
   int eval_every = 50;                 // validation cadence in steps (and always at the end); 0: end only
@@ -62,6 +70,17 @@ struct StepRecord {
   int64_t tokens = 0;           // tokens over all ranks this step
   int refreshes = 0;            // geometry refreshes this step
   std::vector<double> layer_error;  // per parameter rel_fro_error, empty when not measured
+  // Per parameter residual-subspace error (DESIGN.md section 6) against the basis the step used;
+  // a layer without a low-rank basis projects nothing, so it equals layer_error. NaN where the
+  // exact gradient has no residual energy. Empty when not measured.
+  std::vector<double> residual_error;
+  StepResult exchange;          // the exchange engine's own report (buckets, refresh records)
+};
+
+// Per-step switches a driver chooses (Run derives them from TrainOptions).
+struct StepControl {
+  bool measure_error = false;  // layer_error/residual_error: a collective, same on every rank
+  bool keep_local = false;     // keep this rank's pre-exchange gradient (local_gradient())
 };
 
 struct TrainResult {
@@ -79,12 +98,110 @@ struct TrainResult {
 
 using StepCallback = std::function<void(const StepRecord&)>;
 
+// One rank's trainer: its model, optimizer, data shard and exchange engine. Run() is the whole
+// geofp8-train loop; a driver that owns the loop (the worker daemon: stop consensus, policy
+// versions from the coordinator, its own checkpoint files) calls Step, SetPolicies,
+// VerifyChecksum, MakeCheckpoint and Restore itself. Every call that says "collective" must be
+// made by every rank in the same order.
+class Trainer {
+ public:
+  // The exchange plan of options.policy (preset or YAML) with its staggered refresh schedule,
+  // policy version 0. Throws geofp8::Error naming the field on bad options.
+  Trainer(const TrainOptions& options, Communicator& comm);
+  // An explicit plan (plan.layers: one policy per parameter) and refresh schedule (one entry per
+  // parameter, or empty when no layer uses geometry) under `policy_version`, which every bucket's
+  // fingerprint carries.
+  Trainer(const TrainOptions& options, Communicator& comm, ExchangePlan plan,
+          std::vector<RefreshSchedule> schedule, uint64_t policy_version);
+  ~Trainer();
+  Trainer(const Trainer&) = delete;
+  Trainer& operator=(const Trainer&) = delete;
+
+  // The whole loop from step 0, or from options.checkpoint when options.resume and it exists:
+  // steps, validation, checksums, checkpoints (rank 0 writes), gradient dumps. Collective.
+  TrainResult Run(const StepCallback& on_step = nullptr);
+
+  // One optimizer step (collective): policies due at `step` take effect, then batch, forward and
+  // backward with buckets submitted as they fill, average, clip, AdamW, loss all-reduce. Steps
+  // run in increasing order.
+  StepRecord Step(int64_t step, const StepControl& control = {});
+
+  // Switches the exchange to `policies` (one per parameter; the plan's algorithm, buckets and
+  // refresh options stay) with `schedule` (as in the constructor) and `policy_version` from the
+  // start of step `from_step`. Layers whose geometry mode, rank and alpha are unchanged keep
+  // their active and pending geometry (a live change does not re-warm them); the others restart
+  // from identity. Throws if `from_step` has already run or a policy is invalid (naming the layer
+  // and field). The same call at the same step on every rank keeps them consistent.
+  void SetPolicies(uint64_t from_step, std::vector<LayerPolicy> policies,
+                   std::vector<RefreshSchedule> schedule, uint64_t policy_version);
+
+  // Validation loss over options.eval_batches held-out batches, split over ranks. Collective.
+  double Validate();
+  // Checksum of weights and moments, compared across ranks; throws naming the first rank that
+  // differs from rank 0. Collective.
+  uint64_t VerifyChecksum(int64_t step);
+
+  // Everything the trajectory depends on after `next_step` steps: weights, moments, the
+  // exchange's geometry state and policy version, run totals. Fingerprint from the options.
+  // Between steps only.
+  Checkpoint MakeCheckpoint(int64_t next_step) const;
+  // Takes a checkpoint's state in and returns its next_step. Sizes, seed, geometry shapes and
+  // (under the same policy version) geometry policies must match; a checkpoint written under
+  // another policy version keeps only the geometry the current policies can use, exactly as
+  // SetPolicies would have. Does not check the fingerprint (Run does, drivers have their own).
+  int64_t Restore(const Checkpoint& checkpoint);
+
+  const TrainOptions& options() const { return o_; }
+  const model::Model<float>& model() const { return model_; }
+  const model::AdamW& optimizer() const { return *optimizer_; }
+  const Exchanger& exchanger() const { return *exchanger_; }
+  const ExchangePlan& plan() const { return plan_; }
+  uint64_t policy_version() const { return policy_version_; }
+  // This rank's gradient before the exchange at the last step run with keep_local or
+  // measure_error, flat in params() layout.
+  const std::vector<float>& local_gradient() const { return local_; }
+  // Drift of each layer's last geometry refresh (0 before its second refresh: a cold start has
+  // no previous basis, and for layers without geometry).
+  const std::vector<double>& last_drift() const { return drift_; }
+
+ private:
+  void BuildExchanger(std::vector<RefreshSchedule> schedule);
+  void ApplyDuePolicies(int64_t step);
+  void LayerErrors(StepRecord& rec);
+  void Dump(int64_t step);
+  void Save(int64_t next_step);
+  int64_t RestoreFile();
+
+  const TrainOptions o_;
+  Communicator& comm_;
+  const int rank_, ranks_, seq_;
+  model::Model<float> model_;
+  std::unique_ptr<model::AdamW> optimizer_;
+  std::unique_ptr<model::DataSource> data_;
+  ExchangePlan plan_;
+  uint64_t policy_version_ = 0;
+  std::unique_ptr<Exchanger> exchanger_;
+  std::vector<size_t> bucket_of_;
+  struct PolicyChange {
+    std::vector<LayerPolicy> policies;
+    std::vector<RefreshSchedule> schedule;
+    uint64_t version = 0;
+  };
+  std::map<uint64_t, PolicyChange> policy_changes_;  // by from_step
+  int64_t next_step_ = 0;                            // the lowest step Step may run
+  std::vector<int32_t> tokens_;
+  std::vector<float> local_;
+  std::vector<double> drift_;
+  double best_val_loss_ = NAN;  // run totals, carried by checkpoints
+  uint64_t bytes_sent_ = 0;
+};
+
 // Runs ranks as threads, each with its own Gloo communicator over TCP on 127.0.0.1. Throws
 // geofp8::Error naming the rank on any rank's failure. on_step runs on rank 0's thread.
 TrainResult Train(const TrainOptions& options, const StepCallback& on_step = nullptr);
 
-// Runs this process's rank over an existing communicator (ranks as processes). on_step is called
-// on rank 0 only.
+// Runs this process's rank over an existing communicator (ranks as processes): Trainer::Run
+// after setting the BLAS threads. on_step is called on rank 0 only.
 TrainResult TrainRank(const TrainOptions& options, Communicator& comm,
                       const StepCallback& on_step = nullptr);
 
