@@ -9,6 +9,8 @@
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
+#include <limits>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -17,6 +19,7 @@
 #include "kernels/codec/error_metrics.h"
 #include "kernels/common/check.h"
 #include "kernels/geometry/analysis.h"
+#include "kernels/geometry/fused.h"
 #include "kernels/geometry/geometry.h"
 #include "kernels/geometry/synthetic.h"
 
@@ -42,6 +45,8 @@ struct Args {
                                            SyntheticFamily::kLowRankNoise};
   std::vector<double> decays = {0.5, 1.0, 1.5, 2.0};
   bool require_target = false;  // exit 1 if any quality case with fit >= 0.99 misses the target
+  std::string grads;        // a geofp8-train --dump-grads step folder: real-gradient table only
+  std::string grads_stale;  // an earlier step folder of the same run: the stale basis
 };
 
 [[noreturn]] void UsageError(const std::string& field, const std::string& problem,
@@ -53,7 +58,7 @@ void PrintHelp() {
   std::printf(
       "usage: %s [--mode quality|cost|all] [--large] [--threads N] [--reps R] [--rank K]\n"
       "          [--drift D] [--seed S] [--shapes MxN,MxN,...] [--families F,F] [--decays P,P]\n"
-      "          [--require-target]\n"
+      "          [--require-target] [--grads DIR [--grads-stale DIR]]\n"
       "  quality: families (spectral, kron, lowrank_noise) x decay p (0.5,1,1.5,2) x shapes\n"
       "           (default 64x64, 256x1024, 1024x256, 512x512: the brute-force SVD and band\n"
       "           projections of 2048x2048 take minutes each on 2 cores, so --large adds\n"
@@ -61,7 +66,11 @@ void PrintHelp() {
       "           each with the same scaling with and without geometry; stale basis = drifted\n"
       "           twin (--drift).\n"
       "  cost:    apply + inverse for k in {8,16,32,64} vs sgemm m x n x 8k (same FLOPs)\n"
-      "           (default 1024x1024, 2048x2048, 4096x1024; --large adds 4096x4096)\n",
+      "           (default 1024x1024, 2048x2048, 4096x1024; --large adds 4096x4096), and the\n"
+      "           fused codec path (fused.h) against ApplyGeometry + Encode + Decode + Invert\n"
+      "  --grads:   the quality table on the matrices of a `geofp8-train --dump-grads` step\n"
+      "           folder (shapes.json + float32 files), instead of the synthetic suite;\n"
+      "           --grads-stale DIR takes the stale basis from an earlier step's folder\n",
       kProg);
 }
 
@@ -115,6 +124,10 @@ Args ParseArgs(int argc, char** argv) {
       if (a.mode != "quality" && a.mode != "cost" && a.mode != "all") {
         UsageError("--mode", "accepted: quality, cost, all", a.mode);
       }
+    } else if (flag == "--grads") {
+      a.grads = value();
+    } else if (flag == "--grads-stale") {
+      a.grads_stale = value();
     } else if (flag == "--require-target") {
       a.require_target = true;
     } else if (flag == "--large") {
@@ -157,6 +170,9 @@ Args ParseArgs(int argc, char** argv) {
     } else {
       UsageError("argument", "unknown flag, see --help", flag);
     }
+  }
+  if (!a.grads_stale.empty() && a.grads.empty()) {
+    UsageError("--grads-stale", "needs --grads", a.grads_stale);
   }
   return a;
 }
@@ -229,11 +245,98 @@ double FittedDecay(const std::vector<double>& sigma) {
   return -(cnt * sxy - sx * sy) / (cnt * sxx - sx * sx);
 }
 
+// Best worst_band_error gain any transform that leaves the directions beyond k untouched can
+// reach, roughly: the quantization noise follows the energy of what the transform leaves, which is
+// at least the tail ||G - G_k||_F, while Euclidean noise follows ||G||_F.
+double TailBound(const std::vector<double>& sigma, int64_t k) {
+  double total = 0, tail = 0;
+  for (size_t i = 0; i < sigma.size(); ++i) {
+    total += sigma[i] * sigma[i];
+    if (static_cast<int64_t>(i) >= k) tail += sigma[i] * sigma[i];
+  }
+  return tail > 0 ? std::sqrt(total / tail) : std::numeric_limits<double>::infinity();
+}
+
 struct QualityRow {
   std::string matrix;
-  double decay = 0, fitted = 0, drift = 0;
+  std::string p;  // generator parameter, "-" for real gradients
+  double fitted = 0, drift = 0, bound = 0;
+  bool has_stale = true, has_diag = true;
   Candidate euclid, fresh, stale, diag;
 };
+
+// One matrix under every codec: Euclidean, fresh, and (when given) stale and diag geometries.
+void EvaluateMatrix(const std::string& name, const std::string& p, const std::vector<float>& g,
+                    int64_t m, int64_t n, const RefreshResult& fresh, const Geometry* stale,
+                    const Geometry* diag, int k, const std::vector<CodecCase>& codecs,
+                    std::vector<std::vector<QualityRow>>& rows) {
+  const SpectralReference ref = ComputeSpectralReference(g, m, n);
+  for (size_t c = 0; c < codecs.size(); ++c) {
+    QualityRow r;
+    r.matrix = name;
+    r.p = p;
+    r.fitted = FittedDecay(ref.sigma);
+    r.bound = TailBound(ref.sigma, k);
+    r.drift = fresh.drift;
+    r.has_stale = stale != nullptr;
+    r.has_diag = diag != nullptr;
+    r.euclid = Evaluate(ref, g, nullptr, codecs[c].options, k);
+    r.fresh = Evaluate(ref, g, &fresh.geometry, codecs[c].options, k);
+    if (stale) r.stale = Evaluate(ref, g, stale, codecs[c].options, k);
+    if (diag) r.diag = Evaluate(ref, g, diag, codecs[c].options, k);
+    rows[c].push_back(r);
+  }
+}
+
+std::string Fmt(const char* f, double v) {
+  char b[48];
+  std::snprintf(b, sizeof(b), f, v);
+  return b;
+}
+
+// Prints one table per codec; counts the (fresh|stale) cases with fit >= 0.99 meeting the target.
+void PrintQualityTables(const std::vector<CodecCase>& codecs,
+                        const std::vector<std::vector<QualityRow>>& rows, int* met, int* applicable) {
+  for (size_t c = 0; c < codecs.size(); ++c) {
+    std::printf("#### %s\n\n", codecs[c].label);
+    std::printf("| matrix | p | fit | bound | drift | euclid worst | fresh worst | stale worst | diag worst "
+                "| gain fresh | gain stale | gain diag | euclid rel_fro | fro fresh | fro stale | target |\n");
+    std::printf("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|\n");
+    for (const QualityRow& r : rows[c]) {
+      const double gf = r.euclid.worst / std::max(r.fresh.worst, 1e-300);
+      const double gs = r.euclid.worst / std::max(r.stale.worst, 1e-300);
+      const double gd = r.euclid.worst / std::max(r.diag.worst, 1e-300);
+      const double ff = r.fresh.rel_fro / std::max(r.euclid.rel_fro, 1e-300);
+      const double fs = r.stale.rel_fro / std::max(r.euclid.rel_fro, 1e-300);
+      std::string target = "n/a";
+      if (r.fitted >= 0.99) {
+        const bool ok_f = gf >= 3 && ff <= 1.1, ok_s = gs >= 3 && fs <= 1.1;
+        target = ok_f ? "yes" : "NO";
+        *applicable += 1;
+        *met += ok_f;
+        if (r.has_stale) {
+          target += std::string("/") + (ok_s ? "yes" : "NO");
+          *applicable += 1;
+          *met += ok_s;
+        }
+      }
+      const std::string dash = "-";
+      std::printf("| %s | %s | %.2f | %.3g | %s | %.3g | %.3g | %s | %s | %.1f | %s | %s | %.3g | %.2f | %s | %s |\n",
+                  r.matrix.c_str(), r.p.c_str(), r.fitted, r.bound,
+                  r.has_stale ? Fmt("%.3f", r.drift).c_str() : "-", r.euclid.worst, r.fresh.worst,
+                  r.has_stale ? Fmt("%.3g", r.stale.worst).c_str() : "-",
+                  r.has_diag ? Fmt("%.3g", r.diag.worst).c_str() : "-", gf,
+                  r.has_stale ? Fmt("%.1f", gs).c_str() : "-", r.has_diag ? Fmt("%.1f", gd).c_str() : "-",
+                  r.euclid.rel_fro, ff, r.has_stale ? Fmt("%.2f", fs).c_str() : "-", target.c_str());
+    }
+    std::printf("\n");
+  }
+}
+
+const char* kBoundNote =
+    "bound = ||G||_F / ||G - G_k||_F from the exact SVD: roughly the largest worst-band gain a "
+    "transform that leaves the directions beyond k untouched can reach; where it is below 3 the "
+    "target is out of reach at this k.\n";
 
 int RunQuality(const Args& a) {
   std::vector<Shape> shapes = a.shapes;
@@ -254,7 +357,6 @@ int RunQuality(const Args& a) {
         const std::vector<float> g = MakeSyntheticGradient(spec);
         spec.drift = a.drift;
         const std::vector<float> g_prev = MakeSyntheticGradient(spec);
-        const SpectralReference ref = ComputeSpectralReference(g, s.m, s.n);
         GeometryOptions lo;
         lo.mode = GeometryMode::kLowRank;
         lo.rank = a.rank;
@@ -269,57 +371,24 @@ int RunQuality(const Args& a) {
         char name[96];
         std::snprintf(name, sizeof(name), "%s %lldx%lld", std::string(SyntheticFamilyName(fam)).c_str(),
                       static_cast<long long>(s.m), static_cast<long long>(s.n));
-        for (size_t c = 0; c < codecs.size(); ++c) {
-          QualityRow r;
-          r.matrix = name;
-          r.decay = p;
-          r.fitted = FittedDecay(ref.sigma);
-          r.drift = fresh.drift;
-          r.euclid = Evaluate(ref, g, nullptr, codecs[c].options, a.rank);
-          r.fresh = Evaluate(ref, g, &fresh.geometry, codecs[c].options, a.rank);
-          r.stale = Evaluate(ref, g, &stale, codecs[c].options, a.rank);
-          r.diag = Evaluate(ref, g, &diag, codecs[c].options, a.rank);
-          rows[c].push_back(r);
-        }
+        EvaluateMatrix(name, Fmt("%.1f", p), g, s.m, s.n, fresh, &stale, &diag, a.rank, codecs, rows);
         std::fprintf(stderr, "  [%6.1fs] %s p=%.1f done\n", Seconds(t_start), name, p);
       }
     }
   }
-  std::printf("## Quality: worst_band_error and rel_fro_error, lowrank k=%d (alpha 0.25), seed %llu\n\n",
+  std::printf("### Quality: worst_band_error and rel_fro_error, lowrank k=%d (alpha 0.25), seed %llu\n\n",
               a.rank, static_cast<unsigned long long>(a.seed));
   std::printf("gain = euclid worst_band_error / geometry worst_band_error; fro = geometry rel_fro / "
               "euclid rel_fro.\nfresh: refreshed on this gradient (q=1, warm from stale); stale: "
               "estimated on the drifted twin (drift --drift %.2f; `drift` column = measured "
               "subspace distance stale->fresh); diag: estimated on the twin.\n"
               "p = generator parameter; fit = fitted decay exponent of the singular values (top half).\n"
+              "%s"
               "target (fit >= 0.99, i.e. decay at least i^-1 within the fit's round-off): gain >= 3 and "
               "fro <= 1.1, shown for fresh/stale.\n\n",
-              a.drift);
+              a.drift, kBoundNote);
   int met = 0, applicable = 0;
-  for (size_t c = 0; c < codecs.size(); ++c) {
-    std::printf("### %s\n\n", codecs[c].label);
-    std::printf("| matrix | p | fit | drift | euclid worst | fresh worst | stale worst | diag worst | gain fresh "
-                "| gain stale | gain diag | euclid rel_fro | fro fresh | fro stale | target |\n");
-    std::printf("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|\n");
-    for (const QualityRow& r : rows[c]) {
-      const double gf = r.euclid.worst / std::max(r.fresh.worst, 1e-300);
-      const double gs = r.euclid.worst / std::max(r.stale.worst, 1e-300);
-      const double gd = r.euclid.worst / std::max(r.diag.worst, 1e-300);
-      const double ff = r.fresh.rel_fro / std::max(r.euclid.rel_fro, 1e-300);
-      const double fs = r.stale.rel_fro / std::max(r.euclid.rel_fro, 1e-300);
-      std::string target = "n/a";
-      if (r.fitted >= 0.99) {
-        const bool ok_f = gf >= 3 && ff <= 1.1, ok_s = gs >= 3 && fs <= 1.1;
-        target = std::string(ok_f ? "yes" : "NO") + "/" + (ok_s ? "yes" : "NO");
-        applicable += 2;
-        met += ok_f + ok_s;
-      }
-      std::printf("| %s | %.1f | %.2f | %.3f | %.3g | %.3g | %.3g | %.3g | %.1f | %.1f | %.1f | %.3g | %.2f | %.2f | %s |\n",
-                  r.matrix.c_str(), r.decay, r.fitted, r.drift, r.euclid.worst, r.fresh.worst, r.stale.worst,
-                  r.diag.worst, gf, gs, gd, r.euclid.rel_fro, ff, fs, target.c_str());
-    }
-    std::printf("\n");
-  }
+  PrintQualityTables(codecs, rows, &met, &applicable);
   std::printf("target met on %d of %d (matrix, format, fresh|stale) cases with fit >= 0.99; quality "
               "suite took %.1f s\n\n", met, applicable, Seconds(t_start));
   if (a.require_target && met != applicable) {
@@ -327,6 +396,150 @@ int RunQuality(const Args& a) {
                  applicable - met);
     return 1;
   }
+  return 0;
+}
+
+// ---------------------------------------------------------------------------------------------
+// Real gradients: a `geofp8-train --dump-grads` step folder (shapes.json + raw float32 files).
+
+struct DumpedLayer {
+  std::string name, avg;
+  int64_t rows = 0, cols = 0;
+};
+
+std::string ReadFile(const std::string& path, const std::string& field) {
+  std::FILE* f = std::fopen(path.c_str(), "rb");
+  if (!f) UsageError(field, std::string("cannot open: ") + std::strerror(errno), path);
+  std::string out;
+  char buf[65536];
+  size_t got;
+  while ((got = std::fread(buf, 1, sizeof(buf), f)) > 0) out.append(buf, got);
+  std::fclose(f);
+  return out;
+}
+
+// The value of "key" in one flat JSON object `obj`: a string or an integer, as text.
+std::string JsonField(const std::string& obj, const std::string& key, const std::string& where) {
+  const std::string quoted = "\"" + key + "\"";
+  size_t pos = obj.find(quoted);
+  if (pos == std::string::npos) UsageError(where, "layer entry has no \"" + key + "\"", obj);
+  pos = obj.find(':', pos + quoted.size());
+  if (pos == std::string::npos) UsageError(where, "malformed entry", obj);
+  pos = obj.find_first_not_of(" \t\r\n", pos + 1);
+  if (pos == std::string::npos) UsageError(where, "malformed entry", obj);
+  if (obj[pos] == '"') {
+    const size_t close = obj.find('"', pos + 1);
+    if (close == std::string::npos) UsageError(where, "unterminated string", obj);
+    return obj.substr(pos + 1, close - pos - 1);
+  }
+  const size_t stop = obj.find_first_of(",} \t\r\n", pos);
+  return obj.substr(pos, stop == std::string::npos ? std::string::npos : stop - pos);
+}
+
+// Reads DIR/shapes.json as geofp8-train writes it: {"layers": [{"name", "rows", "cols", "avg",
+// "per_rank"}, ...]}. Only the flat per-layer objects are read.
+std::vector<DumpedLayer> ReadDump(const std::string& dir, const std::string& flag) {
+  const std::string path = dir + "/shapes.json";
+  const std::string text = ReadFile(path, flag);
+  const size_t layers = text.find("\"layers\"");
+  if (layers == std::string::npos) UsageError(flag, "no \"layers\" in shapes.json", path);
+  std::vector<DumpedLayer> out;
+  for (size_t pos = text.find('{', layers); pos != std::string::npos; pos = text.find('{', pos)) {
+    const size_t close = text.find('}', pos);
+    if (close == std::string::npos) UsageError(flag, "unterminated layer entry in shapes.json", path);
+    const std::string obj = text.substr(pos, close - pos + 1);
+    DumpedLayer l;
+    l.name = JsonField(obj, "name", flag);
+    l.avg = JsonField(obj, "avg", flag);
+    const std::string rows = JsonField(obj, "rows", flag), cols = JsonField(obj, "cols", flag);
+    char* end = nullptr;
+    l.rows = std::strtoll(rows.c_str(), &end, 10);
+    if (*end || l.rows < 1) UsageError(flag, "layer " + l.name + ": rows must be a positive integer", rows);
+    l.cols = std::strtoll(cols.c_str(), &end, 10);
+    if (*end || l.cols < 1) UsageError(flag, "layer " + l.name + ": cols must be a positive integer", cols);
+    out.push_back(l);
+    pos = close + 1;
+  }
+  if (out.empty()) UsageError(flag, "shapes.json lists no layers", path);
+  return out;
+}
+
+std::vector<float> ReadMatrix(const std::string& dir, const DumpedLayer& l, const std::string& flag) {
+  const std::string path = dir + "/" + l.avg;
+  const std::string bytes = ReadFile(path, flag);
+  const size_t want = static_cast<size_t>(l.rows * l.cols) * sizeof(float);
+  if (bytes.size() != want) {
+    UsageError(flag, "layer " + l.name + ": file holds " + std::to_string(bytes.size()) +
+                         " bytes, shape " + std::to_string(l.rows) + "x" + std::to_string(l.cols) +
+                         " needs " + std::to_string(want), path);
+  }
+  std::vector<float> g(static_cast<size_t>(l.rows * l.cols));
+  std::memcpy(g.data(), bytes.data(), want);
+  for (float v : g) {
+    if (!std::isfinite(v)) UsageError(flag, "layer " + l.name + ": holds a non-finite value", path);
+  }
+  return g;
+}
+
+int RunGrads(const Args& a) {
+  const std::vector<DumpedLayer> layers = ReadDump(a.grads, "--grads");
+  std::vector<DumpedLayer> stale_layers;
+  if (!a.grads_stale.empty()) stale_layers = ReadDump(a.grads_stale, "--grads-stale");
+  const std::vector<CodecCase> codecs = QualityCodecs();
+  std::vector<std::vector<QualityRow>> rows(codecs.size());
+  const auto t_start = std::chrono::steady_clock::now();
+  int skipped = 0;
+  for (const DumpedLayer& l : layers) {
+    if (l.rows < 2 || l.cols < 2) {  // 1-D tensors always use geometry none
+      ++skipped;
+      continue;
+    }
+    const std::vector<float> g = ReadMatrix(a.grads, l, "--grads");
+    GeometryOptions lo;
+    lo.mode = GeometryMode::kLowRank;
+    lo.rank = a.rank;
+    lo.seed = a.seed;
+    std::optional<Geometry> stale;
+    RefreshResult fresh;
+    if (!stale_layers.empty()) {
+      auto it = std::find_if(stale_layers.begin(), stale_layers.end(),
+                             [&](const DumpedLayer& s) { return s.name == l.name; });
+      if (it == stale_layers.end() || it->rows != l.rows || it->cols != l.cols) {
+        UsageError("--grads-stale", "no layer " + l.name + " of shape " + std::to_string(l.rows) +
+                                        "x" + std::to_string(l.cols), a.grads_stale);
+      }
+      const std::vector<float> g_prev = ReadMatrix(a.grads_stale, *it, "--grads-stale");
+      lo.power_iters = 4;  // the earlier step's basis, as a warm-started history would leave it
+      stale = EstimateGeometry(g_prev, l.rows, l.cols, lo, nullptr).geometry;
+      lo.power_iters = 1;  // one refresh on this step, warm from it
+      fresh = EstimateGeometry(g, l.rows, l.cols, lo, &*stale);
+    } else {
+      lo.power_iters = 4;  // no history: a cold estimate with as many iterations
+      fresh = EstimateGeometry(g, l.rows, l.cols, lo, nullptr);
+    }
+    GeometryOptions dg;
+    dg.mode = GeometryMode::kDiag;
+    const Geometry diag = EstimateGeometry(g, l.rows, l.cols, dg, nullptr).geometry;
+    const std::string name = l.name + " " + std::to_string(l.rows) + "x" + std::to_string(l.cols);
+    EvaluateMatrix(name, "-", g, l.rows, l.cols, fresh, stale ? &*stale : nullptr, &diag, a.rank,
+                   codecs, rows);
+    std::fprintf(stderr, "  [%6.1fs] %s done\n", Seconds(t_start), name.c_str());
+  }
+  std::printf("### Real gradients: %s, lowrank k=%d (alpha 0.25)\n\n", a.grads.c_str(), a.rank);
+  std::printf("Averaged gradients from `geofp8-train --dump-grads`; %d 1-D layer(s) skipped (always "
+              "geometry none).\nfresh: %s; stale: %s; diag: estimated on this gradient.\n%s"
+              "Same columns and target as the synthetic suite (gain >= 3 and fro <= 1.1 where fit >= 0.99).\n\n",
+              skipped,
+              stale_layers.empty() ? "cold estimate on this gradient (q=4)"
+                                   : "one q=1 refresh on this gradient, warm from the stale basis",
+              stale_layers.empty() ? "none given (--grads-stale)"
+                                   : ("estimated (q=4) on the same layer in " + a.grads_stale +
+                                      "; `drift` = measured subspace distance stale->fresh").c_str(),
+              kBoundNote);
+  int met = 0, applicable = 0;
+  PrintQualityTables(codecs, rows, &met, &applicable);
+  std::printf("target met on %d of %d (layer, format, fresh|stale) cases with fit >= 0.99; took %.1f s\n\n",
+              met, applicable, Seconds(t_start));
   return 0;
 }
 
@@ -339,11 +552,16 @@ int RunCost(const Args& a) {
     shapes = {{1024, 1024}, {2048, 2048}, {4096, 1024}};
     if (a.large) shapes.push_back({4096, 4096});
   }
-  std::printf("## Cost: apply + inverse vs sgemm of the same FLOPs (16 m n k), %d BLAS thread(s), "
+  std::printf("### Cost: apply + inverse vs sgemm of the same FLOPs (16 m n k), %d BLAS thread(s), "
               "median of %d interleaved reps\n\n", a.threads, a.reps);
+  std::printf("unfused = ApplyGeometry in place, Encode of 4 block-aligned chunks (fp8_e4m3 block 128, "
+              "as two_phase at 4 ranks), Decode of the 4 chunks, InvertGeometry in place; fused = "
+              "EncodeWithGeometry + DecodeWithGeometry (kernels/geometry/fused.h) on the same "
+              "chunks, checked bit-identical to unfused.\n\n");
   std::printf("| shape | k | apply+inverse ns/elem | GFLOP/s | sgemm m x n x 8k GFLOP/s | ratio to sgemm "
-              "| refresh q=1 ms | fp8 enc+dec ns/elem | transform / codec |\n");
-  std::printf("|---|---|---|---|---|---|---|---|---|\n");
+              "| refresh q=1 ms | fp8 enc+dec ns/elem | transform / codec | unfused ns/elem "
+              "| fused ns/elem | fused / unfused |\n");
+  std::printf("|---|---|---|---|---|---|---|---|---|---|---|---|\n");
   for (const Shape& s : shapes) {
     const int64_t m = s.m, n = s.n, elems = m * n;
     const std::vector<float> g = MakeSyntheticGradient({SyntheticFamily::kSpectral, m, n, 1.0, a.seed, 0});
@@ -359,6 +577,16 @@ int RunCost(const Args& a) {
       if (r) tc.push_back(Seconds(t0));
     }
     const double codec_ns = Median(tc) * 1e9 / elems;
+    // The chunks of two_phase at 4 ranks: block-aligned, near even (kernels/exchange/chunking.h).
+    constexpr int kChunks = 4;
+    std::vector<std::pair<size_t, size_t>> chunks;
+    {
+      const size_t blocks = (g.size() + co.block - 1) / co.block;
+      for (int j = 0; j < kChunks; ++j) {
+        chunks.push_back({std::min(g.size(), blocks * j / kChunks * co.block),
+                          std::min(g.size(), blocks * (j + 1) / kChunks * co.block)});
+      }
+    }
     auto row = [&](const std::string& label, const Geometry& geo, double flops, double refresh_ms) {
       // Transform and its sgemm baseline are timed interleaved, rep by rep, so a load change on
       // a shared machine hits both alike and the ratio stays meaningful.
@@ -366,8 +594,21 @@ int RunCost(const Args& a) {
       const int64_t kk = lowrank ? 8 * geo.k : 0;  // C (m x n) = A (m x 8k) B (8k x n): 16 m n k FLOP
       std::vector<float> A(static_cast<size_t>(m * kk), 0.5f), B(static_cast<size_t>(kk * n), 0.25f),
           C(lowrank ? static_cast<size_t>(m * n) : 0);
-      std::vector<float> x(g.size());
-      std::vector<double> tt, tg;
+      std::vector<float> x(g.size()), y_u(g.size()), y_f(g.size());
+      std::vector<std::vector<uint8_t>> wire_u(kChunks), wire_f(kChunks);
+      std::vector<FusedEncodeTarget> targets(kChunks);
+      std::vector<FusedDecodeSource> sources(kChunks);
+      for (int j = 0; j < kChunks; ++j) {
+        const size_t len = chunks[j].second - chunks[j].first;
+        wire_u[j].resize(EncodedBytes(co, len));
+        wire_f[j].resize(EncodedBytes(co, len));
+        targets[j].begin = sources[j].begin = chunks[j].first;
+        targets[j].end = sources[j].end = chunks[j].second;
+        targets[j].options = co;
+        targets[j].out = wire_f[j];
+        sources[j].in = wire_f[j];
+      }
+      std::vector<double> tt, tg, tu, tf;
       for (int r = 0; r <= a.reps; ++r) {
         std::copy(g.begin(), g.end(), x.begin());
         auto t0 = std::chrono::steady_clock::now();
@@ -379,6 +620,27 @@ int RunCost(const Args& a) {
           cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, m, n, kk, 1.f, A.data(), kk,
                       B.data(), n, 0.f, C.data(), n);
           if (r) tg.push_back(Seconds(t0));
+        }
+        std::copy(g.begin(), g.end(), x.begin());
+        t0 = std::chrono::steady_clock::now();
+        ApplyGeometry(geo, x);
+        for (int j = 0; j < kChunks; ++j) {
+          Encode(std::span<const float>(x).subspan(chunks[j].first, chunks[j].second - chunks[j].first),
+                 co, wire_u[j]);
+        }
+        for (int j = 0; j < kChunks; ++j) {
+          Decode(wire_u[j],
+                 std::span<float>(y_u).subspan(chunks[j].first, chunks[j].second - chunks[j].first));
+        }
+        InvertGeometry(geo, y_u);
+        if (r) tu.push_back(Seconds(t0));
+        t0 = std::chrono::steady_clock::now();
+        EncodeWithGeometry(geo, g, targets);
+        DecodeWithGeometry(geo, sources, y_f);
+        if (r) tf.push_back(Seconds(t0));
+        if (r == 0 && (wire_u != wire_f ||
+                       std::memcmp(y_u.data(), y_f.data(), y_u.size() * sizeof(float)) != 0)) {
+          GEOFP8_FAIL("fused and unfused paths differ for ", m, "x", n, " geometry ", label);
         }
       }
       const double t = Median(tt);
@@ -393,10 +655,11 @@ int RunCost(const Args& a) {
       }
       char gf[32];
       std::snprintf(gf, sizeof(gf), "%.1f", flops > 0 ? flops / t * 1e-9 : 0.0);
-      std::printf("| %lldx%lld | %s | %.2f | %s | %s | %s | %.1f | %.2f | %.2f |\n",
+      const double tun = Median(tu), tfu = Median(tf);
+      std::printf("| %lldx%lld | %s | %.2f | %s | %s | %s | %.1f | %.2f | %.2f | %.2f | %.2f | %.2f |\n",
                   static_cast<long long>(m), static_cast<long long>(n), label.c_str(), t * 1e9 / elems,
                   flops > 0 ? gf : "-", gemm.c_str(), ratio.c_str(), refresh_ms, codec_ns,
-                  t * 1e9 / elems / codec_ns);
+                  t * 1e9 / elems / codec_ns, tun * 1e9 / elems, tfu * 1e9 / elems, tfu / tun);
       std::fflush(stdout);
     };
     for (int k : {8, 16, 32, 64}) {
@@ -423,6 +686,7 @@ int RunGeometryBench(int argc, char** argv) {
   const Args a = ParseArgs(argc, argv);
   openblas_set_num_threads(a.threads);
   try {
+    if (!a.grads.empty()) return RunGrads(a);
     if (a.mode == "cost" || a.mode == "all") RunCost(a);
     if (a.mode == "quality" || a.mode == "all") return RunQuality(a);
   } catch (const Error& e) {
