@@ -1,12 +1,16 @@
 // CUDA implementation of the geometry transform (geometry_cuda.h): the CPU path's three-GEMM
-// rank-2k update on cuBLAS, and the diag scaling as an element kernel sharing geometry_math.h.
+// rank-2k update on cuBLAS, the diag scaling as an element kernel sharing geometry_math.h, and
+// the update fused into fp8 quantization (EncodeFused).
 #include "kernels/geometry/geometry_cuda.h"
 
 #include <cublas_v2.h>
 #include <cuda_runtime.h>
 
 #include <algorithm>
+#include <string>
 
+#include "kernels/codec/codec_cuda.h"
+#include "kernels/codec/element.h"
 #include "kernels/common/check.h"
 #include "kernels/geometry/factors.h"
 #include "kernels/geometry/geometry_math.h"
@@ -45,6 +49,87 @@ __global__ void DiagKernel(float* g, const float* row, const float* col, int64_t
     const int64_t i = idx / n, j = idx - i * n;
     g[idx] = inverse ? geometry::DiagInverse(g[idx], row[i], col[j])
                      : geometry::DiagForward(g[idx], row[i], col[j]);
+  }
+}
+
+// ---- Fused transform + fp8 quantization (EncodeFused) ----
+
+namespace el = element;
+constexpr unsigned kFull = 0xFFFFFFFFu;
+
+// Finite |x| as bits (0 for non-finite), so an unsigned max gives the finite amax.
+__device__ inline unsigned FiniteAbsBits(float x) {
+  const unsigned a = el::FloatBits(x) & 0x7FFFFFFFu;
+  return a < 0x7F800000u ? a : 0u;
+}
+__device__ inline unsigned WarpMax(unsigned v) {
+  for (int o = 16; o > 0; o >>= 1) v = max(v, __shfl_xor_sync(kFull, v, o));
+  return v;
+}
+// Lane 0 adds the warp's count of `flag` to *counter.
+__device__ inline void WarpCount(bool flag, unsigned long long* counter) {
+  const unsigned ballot = __ballot_sync(kFull, flag);
+  if ((threadIdx.x & 31) == 0 && ballot) atomicAdd(counter, (unsigned long long)__popc(ballot));
+}
+
+enum FusedMode : int { kFusedNone = 0, kFusedDiag = 1, kFusedLowRank = 2 };
+
+// What element e of T(G) is made of.
+struct FusedSource {
+  const float* g;
+  int64_t n;
+  const float* left;   // lowrank: m x k2
+  const float* right;  // lowrank: k2 x n
+  int k2;
+  const float* row;    // diag: m
+  const float* col;    // diag: n
+};
+
+template <int kMode>
+__device__ inline float TransformedElement(const FusedSource& s, size_t e) {
+  const float g = s.g[e];
+  if constexpr (kMode == kFusedNone) {
+    return g;
+  } else {
+    const int64_t i = static_cast<int64_t>(e) / s.n, j = static_cast<int64_t>(e) - i * s.n;
+    if constexpr (kMode == kFusedDiag) {
+      return geometry::DiagForward(g, s.row[i], s.col[j]);
+    } else {
+      return geometry::LowRankUpdateElement(g, s.left + i * s.k2, s.right + j, s.n, s.k2);
+    }
+  }
+}
+
+// One warp per scale block of the chunk [begin, begin + count) of T(G). The block's elements are
+// computed twice, for the amax and then to encode, rather than stored: the GPU has FLOPs to spare
+// (2 k2 per element), and storing them is the memory pass this kernel exists to remove. Same
+// element math as the codec's EncodeFp8Kernel (element.h), same layout as codec.h.
+template <int kMode>
+__global__ void FusedEncodeFp8Kernel(FusedSource s, size_t begin, size_t count, uint32_t block,
+                                     bool e5m2, uint8_t* scales, uint8_t* payload, uint64_t key,
+                                     bool stochastic, unsigned long long* counters) {
+  const size_t warp = (blockIdx.x * (size_t)blockDim.x + threadIdx.x) / 32;
+  const unsigned lane = threadIdx.x & 31;
+  const size_t b0 = warp * block;
+  if (b0 >= count) return;  // whole warp leaves together
+  const size_t b1 = min(count, b0 + block);
+  unsigned m = 0;
+  for (size_t i = b0 + lane; i < b1; i += 32) {
+    m = max(m, FiniteAbsBits(TransformedElement<kMode>(s, begin + i)));
+  }
+  const float scale = el::ScaleFromAmax(el::BitsFloat(WarpMax(m)), e5m2 ? 57344.f : 448.f);
+  if (lane == 0) memcpy(scales + 4 * warp, &scale, 4);
+  for (size_t base = b0; base < b1; base += 32) {
+    const size_t i = base + lane;
+    bool sat = false, nonfinite = false;
+    if (i < b1) {
+      const float v = TransformedElement<kMode>(s, begin + i);
+      nonfinite = !el::IsFinite(v);
+      const uint32_t r = stochastic ? el::RandomBits(key, i) : 0u;
+      payload[i] = el::EncodeFp8Scaled(e5m2, v, scale, stochastic, r, &sat);
+    }
+    WarpCount(nonfinite, &counters[0]);
+    WarpCount(sat, &counters[1]);
   }
 }
 
@@ -100,20 +185,12 @@ void DeviceGeometry::Invert(float* dG, cudaStream_t stream, cublasContext* handl
   Transform(dG, true, stream, handle);
 }
 
-void DeviceGeometry::Transform(float* dG, bool inverse, cudaStream_t stream, cublasContext* handle) {
-  if (identity_) return;
-  const int64_t m = host_.m, n = host_.n;
-  if (host_.mode == GeometryMode::kDiag) {
-    if (m * n == 0) return;
-    const int threads = 256;
-    const int blocks = static_cast<int>(std::min<int64_t>((m * n + threads - 1) / threads, 65535));
-    DiagKernel<<<blocks, threads, 0, stream>>>(dG, row_, col_, m, n, inverse);
-    GEOFP8_CUDA_CHECK(cudaGetLastError());
-    return;
-  }
+void DeviceGeometry::PrepareUpdate(const float* dG, bool inverse, cudaStream_t stream,
+                                   cublasContext* handle) {
   GEOFP8_CHECK(handle != nullptr, "DeviceGeometry: a cuBLAS handle is required for lowrank");
   cublasHandle_t h = handle;
   GEOFP8_CUBLAS_CHECK(cublasSetStream(h, stream));
+  const int64_t m = host_.m, n = host_.n;
   const int64_t k = host_.k, k2 = 2 * k;
   const float* ab = core_[inverse ? 2 : 0];
   const float* bb = core_[inverse ? 3 : 1];
@@ -124,7 +201,7 @@ void DeviceGeometry::Transform(float* dG, bool inverse, cudaStream_t stream, cub
   float* t = abc + k * k;          // k x k
   float* left = t + k * k;         // m x 2k
   float* right = left + m * k2;    // 2k x n
-  // Same sequence as the CPU path (geometry.cc ApplyLowRank).
+  // Same sequence as the CPU path (geometry.cc PrepareLowRank, without its row tiling).
   RowMajorGemm(h, true, false, k, n, m, 1.f, u_, k, dG, n, 0.f, w, n);
   RowMajorGemm(h, false, false, m, k, n, 1.f, dG, n, v_, k, 0.f, x, k);
   RowMajorGemm(h, false, false, k, k, n, 1.f, w, n, v_, k, 0.f, c, k);
@@ -143,7 +220,136 @@ void DeviceGeometry::Transform(float* dG, bool inverse, cudaStream_t stream, cub
                                   static_cast<int>(k), &one, v_, static_cast<int>(k), &zero,
                                   right + k * n, static_cast<int>(n), right + k * n,
                                   static_cast<int>(n)));
-  RowMajorGemm(h, false, false, m, n, k2, -1.f, left, k2, right, n, 1.f, dG, n);
+}
+
+void DeviceGeometry::Transform(float* dG, bool inverse, cudaStream_t stream, cublasContext* handle) {
+  if (identity_) return;
+  const int64_t m = host_.m, n = host_.n;
+  if (host_.mode == GeometryMode::kDiag) {
+    if (m * n == 0) return;
+    const int threads = 256;
+    const int blocks = static_cast<int>(std::min<int64_t>((m * n + threads - 1) / threads, 65535));
+    DiagKernel<<<blocks, threads, 0, stream>>>(dG, row_, col_, m, n, inverse);
+    GEOFP8_CUDA_CHECK(cudaGetLastError());
+    return;
+  }
+  PrepareUpdate(dG, inverse, stream, handle);
+  const int64_t k = host_.k, k2 = 2 * k;
+  const float* left = scratch_ + k * n + m * k + 3 * k * k;
+  const float* right = left + m * k2;
+  RowMajorGemm(handle, false, false, m, n, k2, -1.f, left, k2, right, n, 1.f, dG, n);
+}
+
+void DeviceGeometry::DownloadUpdate(const float* dG, std::vector<float>* left,
+                                    std::vector<float>* right, cudaStream_t stream,
+                                    cublasContext* handle) {
+  GEOFP8_CHECK(!identity_ && host_.mode == GeometryMode::kLowRank,
+               "DownloadUpdate: only a lowrank geometry has update factors");
+  PrepareUpdate(dG, /*inverse=*/false, stream, handle);
+  const int64_t m = host_.m, n = host_.n, k = host_.k, k2 = 2 * k;
+  const float* d_left = scratch_ + k * n + m * k + 3 * k * k;
+  left->resize(static_cast<size_t>(m * k2));
+  right->resize(static_cast<size_t>(k2 * n));
+  GEOFP8_CUDA_CHECK(cudaMemcpyAsync(left->data(), d_left, left->size() * sizeof(float),
+                                    cudaMemcpyDeviceToHost, stream));
+  GEOFP8_CUDA_CHECK(cudaMemcpyAsync(right->data(), d_left + m * k2, right->size() * sizeof(float),
+                                    cudaMemcpyDeviceToHost, stream));
+  GEOFP8_CUDA_CHECK(cudaStreamSynchronize(stream));
+}
+
+void DeviceGeometry::EncodeFused(const float* dG, std::span<DeviceEncodeTarget> targets,
+                                 cudaStream_t stream, cublasContext* handle) {
+  const size_t total = static_cast<size_t>(host_.m * host_.n);
+  for (size_t i = 0; i < targets.size(); ++i) {
+    const DeviceEncodeTarget& t = targets[i];
+    if (t.begin > t.end || t.end > total) {
+      GEOFP8_FAIL("EncodeFused: targets[", i, "].begin/end: [", t.begin, ", ", t.end,
+                  ") is not a range inside the ", total, " elements of G");
+    }
+    const std::string error = ValidateCodecOptions(t.options);
+    if (!error.empty()) GEOFP8_FAIL("EncodeFused: targets[", i, "].options.", error);
+    const size_t need = EncodedBytes(t.options, t.end - t.begin);
+    if (t.out_bytes < need) {
+      GEOFP8_FAIL("EncodeFused: targets[", i, "].out_bytes: ", t.out_bytes, " < ", need);
+    }
+  }
+  const int mode = identity_ ? kFusedNone
+                   : host_.mode == GeometryMode::kDiag ? kFusedDiag
+                                                        : kFusedLowRank;
+  FusedSource src{dG, host_.n, nullptr, nullptr, 0, row_, col_};
+  if (mode == kFusedLowRank) {
+    PrepareUpdate(dG, /*inverse=*/false, stream, handle);
+    const int64_t m = host_.m, n = host_.n, k = host_.k;
+    src.left = scratch_ + k * n + m * k + 3 * k * k;
+    src.right = src.left + m * 2 * k;
+    src.k2 = static_cast<int>(2 * k);
+  }
+  float* transformed = nullptr;  // T(dG), only for codecs without a fused kernel
+  unsigned long long* counters = nullptr;
+  GEOFP8_CUDA_CHECK(cudaMallocAsync(reinterpret_cast<void**>(&counters), 2 * sizeof(*counters), stream));
+  try {
+    for (DeviceEncodeTarget& t : targets) {
+      const size_t count = t.end - t.begin;
+      const CodecOptions& o = t.options;
+      const bool fp8 = o.format == Format::kFp8E4M3 || o.format == Format::kFp8E5M2;
+      if (!(fp8 && o.scaling == Scaling::kBlock && count > 0)) {
+        if (!transformed) {
+          GEOFP8_CUDA_CHECK(cudaMallocAsync(reinterpret_cast<void**>(&transformed),
+                                            std::max<size_t>(total, 1) * sizeof(float), stream));
+          GEOFP8_CUDA_CHECK(cudaMemcpyAsync(transformed, dG, total * sizeof(float),
+                                            cudaMemcpyDeviceToDevice, stream));
+          Transform(transformed, /*inverse=*/false, stream, handle);
+        }
+        t.stats = Encode(transformed + t.begin, count, o, t.out, t.out_bytes, stream);
+        continue;
+      }
+      GEOFP8_CUDA_CHECK(cudaMemsetAsync(counters, 0, 2 * sizeof(*counters), stream));
+      const uint32_t block = o.block;
+      const size_t blocks = (count + block - 1) / block;
+      uint8_t* scales = t.out + sizeof(EncodedHeader);
+      uint8_t* payload = scales + 4 * blocks;
+      const bool e5m2 = o.format == Format::kFp8E5M2;
+      const bool stochastic = o.rounding == Rounding::kStochastic;
+      const uint64_t key = el::StreamKey(o.seed, o.step, o.layer, o.rank);
+      constexpr int kThreads = 256;
+      const unsigned grid = static_cast<unsigned>((blocks * 32 + kThreads - 1) / kThreads);
+      switch (mode) {
+        case kFusedNone:
+          FusedEncodeFp8Kernel<kFusedNone><<<grid, kThreads, 0, stream>>>(
+              src, t.begin, count, block, e5m2, scales, payload, key, stochastic, counters);
+          break;
+        case kFusedDiag:
+          FusedEncodeFp8Kernel<kFusedDiag><<<grid, kThreads, 0, stream>>>(
+              src, t.begin, count, block, e5m2, scales, payload, key, stochastic, counters);
+          break;
+        default:
+          FusedEncodeFp8Kernel<kFusedLowRank><<<grid, kThreads, 0, stream>>>(
+              src, t.begin, count, block, e5m2, scales, payload, key, stochastic, counters);
+          break;
+      }
+      GEOFP8_CUDA_CHECK(cudaGetLastError());
+      unsigned long long host_counters[2] = {0, 0};
+      GEOFP8_CUDA_CHECK(cudaMemcpyAsync(host_counters, counters, sizeof(host_counters),
+                                        cudaMemcpyDeviceToHost, stream));
+      GEOFP8_CUDA_CHECK(cudaStreamSynchronize(stream));
+      t.stats.nonfinite = host_counters[0];
+      t.stats.saturated = host_counters[1];
+      EncodedHeader header;
+      header.format = static_cast<uint8_t>(o.format);
+      header.scaling = static_cast<uint8_t>(Scaling::kBlock);
+      header.block = block;
+      header.count = count;
+      header.flags = t.stats.nonfinite ? kFlagNonFinite : 0;
+      GEOFP8_CUDA_CHECK(cudaMemcpyAsync(t.out, &header, sizeof(header), cudaMemcpyHostToDevice, stream));
+      GEOFP8_CUDA_CHECK(cudaStreamSynchronize(stream));  // `header` lives on this stack frame
+    }
+  } catch (...) {
+    cudaFreeAsync(counters, stream);
+    if (transformed) cudaFreeAsync(transformed, stream);
+    throw;
+  }
+  GEOFP8_CUDA_CHECK(cudaFreeAsync(counters, stream));
+  if (transformed) GEOFP8_CUDA_CHECK(cudaFreeAsync(transformed, stream));
 }
 
 }  // namespace geofp8::cuda

@@ -1,11 +1,15 @@
 // CUDA path of the geometry: the same T and T^-1 as ApplyGeometry/InvertGeometry on a device
-// buffer, with cuBLAS thin GEMMs for lowrank and a GEOFP8_HD element kernel for diag.
+// buffer, with cuBLAS thin GEMMs for lowrank and a GEOFP8_HD element kernel for diag, and the
+// device counterpart of EncodeWithGeometry (fused.h).
 #pragma once
 
 #include <cuda_runtime_api.h>
 
+#include <cstddef>
 #include <cstdint>
+#include <span>
 
+#include "kernels/codec/codec.h"
 #include "kernels/geometry/geometry.h"
 
 // cuBLAS handle type without including cublas_v2.h in every consumer.
@@ -15,6 +19,16 @@ namespace geofp8::cuda {
 
 // True when a CUDA device is present (GPU tests skip otherwise).
 bool HaveDevice();
+
+// One encode of a fused device pass: elements [begin, end) of T(G) (row-major, flattened) encoded
+// with `options` into the device buffer `out` of out_bytes >= EncodedBytes(options, end - begin).
+struct DeviceEncodeTarget {
+  size_t begin = 0, end = 0;
+  CodecOptions options;
+  uint8_t* out = nullptr;
+  size_t out_bytes = 0;
+  EncodeStats stats;  // filled in
+};
 
 // A geometry uploaded to the device once per refresh: bases, the forward and inverse k x k cores
 // (computed on the host by the CPU path's code, geometry::SideCore), diag scales, and scratch for
@@ -30,10 +44,28 @@ class DeviceGeometry {
   void Apply(float* dG, cudaStream_t stream, cublasContext* handle);
   void Invert(float* dG, cudaStream_t stream, cublasContext* handle);
 
+  // EncodeWithGeometry on the device: T(dG) encoded into every target, dG left unchanged. For
+  // fp8 (e4m3, e5m2) with block scaling, the last step of T (the rank-2k update, or the diag
+  // scaling) runs inside the quantization kernel, one warp per scale block, so T(dG) is never
+  // written to memory. Other codecs transform a scratch copy and call cuda::Encode. The wire
+  // bytes equal the host reference of the kernel's math (geometry_math.h LowRankUpdateElement
+  // with the device's update factors); against the CPU path they differ within float round-off
+  // of T, since cuBLAS and OpenBLAS sum in other orders: every rank must use the same path.
+  // Synchronizes `stream` to read the stats.
+  void EncodeFused(const float* dG, std::span<DeviceEncodeTarget> targets, cudaStream_t stream,
+                   cublasContext* handle);
+
+  // The device's rank-2k update factors of T (left m x 2k, right 2k x n, row-major) for dG, as
+  // EncodeFused uses them; for tests that rebuild its output on the host. Lowrank only.
+  void DownloadUpdate(const float* dG, std::vector<float>* left, std::vector<float>* right,
+                      cudaStream_t stream, cublasContext* handle);
+
   const Geometry& host() const { return host_; }
 
  private:
   void Transform(float* dG, bool inverse, cudaStream_t stream, cublasContext* handle);
+  // Stage A of lowrank: fills the scratch's left and right factors for dG (read only).
+  void PrepareUpdate(const float* dG, bool inverse, cudaStream_t stream, cublasContext* handle);
 
   Geometry host_;
   bool identity_ = true;

@@ -3,6 +3,7 @@
 #pragma once
 
 #include <cmath>
+#include <cstdint>
 
 #include "kernels/common/hd.h"
 
@@ -38,6 +39,18 @@ GEOFP8_HD float DiagForward(float x, float row_scale, float col_scale) {
 }
 GEOFP8_HD float DiagInverse(float x, float row_scale, float col_scale) {
   return x / (row_scale * col_scale);
+}
+
+// Element (i, j) of the lowrank map written as a rank-2k update, T(G) = G - left right (factors.h
+// LowRankUpdate): g minus the dot product of left's row i (k2 values) with right's column j
+// (stride ld). The fused CUDA encode computes T(G) this way, element by element, instead of
+// storing it. Accumulated in index order with one rounding per step (fmaf) so host and device
+// agree bit for bit; OpenBLAS and cuBLAS block the sum differently, within float round-off.
+GEOFP8_HD float LowRankUpdateElement(float g, const float* left_row, const float* right_col,
+                                     int64_t ld, int k2) {
+  float acc = 0.0f;
+  for (int p = 0; p < k2; ++p) acc = fmaf(left_row[p], right_col[p * ld], acc);
+  return g - acc;
 }
 
 }  // namespace geofp8::geometry

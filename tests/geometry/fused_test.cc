@@ -15,6 +15,7 @@
 #include "kernels/common/check.h"
 #include "kernels/geometry/factors.h"
 #include "kernels/geometry/geometry.h"
+#include "kernels/geometry/geometry_math.h"
 #include "kernels/geometry/synthetic.h"
 
 namespace geofp8 {
@@ -254,6 +255,30 @@ TEST(FusedEncodeTest, TiledTransformMatchesExplicitProjections) {
   EXPECT_LT(std::sqrt(num / den), 1e-5);
   // And the transform did something: the top direction was scaled down.
   EXPECT_LT(fl[0], 0.5f);
+}
+
+// The per-element form the fused CUDA kernel uses (geometry_math.h LowRankUpdateElement) on the
+// CPU path's own update factors: T(G) element by element, within float round-off of the GEMMs.
+TEST(FusedEncodeTest, PerElementUpdateOfTheCudaKernelMatchesTheCpuTransform) {
+  const int64_t m = 37, n = 53;
+  const std::vector<float> g = Gradient(m, n);
+  const Geometry geo = MakeGeometry(GeometryMode::kLowRank, g, m, n);
+  const geometry::LowRankUpdate u = geometry::PrepareLowRank(
+      geo, false, [&](int64_t r0, int64_t, float*) -> const float* { return g.data() + r0 * n; });
+  ASSERT_FALSE(u.identity);
+  std::vector<float> x = g;
+  ApplyGeometry(geo, x);
+  double num = 0, den = 0, moved = 0;
+  for (int64_t i = 0; i < m; ++i)
+    for (int64_t j = 0; j < n; ++j) {
+      const float t = geometry::LowRankUpdateElement(g[i * n + j], u.left.data() + i * u.k2,
+                                                     u.right.data() + j, n, u.k2);
+      num += (double(t) - x[i * n + j]) * (double(t) - x[i * n + j]);
+      den += double(x[i * n + j]) * x[i * n + j];
+      moved += (double(t) - g[i * n + j]) * (double(t) - g[i * n + j]);
+    }
+  EXPECT_LT(std::sqrt(num / den), 1e-6);
+  EXPECT_GT(std::sqrt(moved / den), 0.1);  // the update is not the identity
 }
 
 TEST(FusedDecodeTest, DecodeRangeMatchesDecodeForEverySubRange) {
