@@ -1,6 +1,7 @@
 // The exchange algorithms over one bucket: two_phase, allgather, native and the fp32/bf16
-// baselines. Inputs are already pre-divided by N; each layer's geometry is applied before its
-// quantization and inverted after its decode here, so two_phase can pipeline the transforms too.
+// baselines. Each rank's input is divided by AlgorithmOptions::divisor (N, so the sum is the
+// average) as it is read; each layer's geometry is applied before its quantization and inverted
+// after its decode here, so two_phase can pipeline the division and the transforms too.
 #pragma once
 
 #include <cstddef>
@@ -20,7 +21,10 @@ struct BucketLayer {
   uint32_t layer = 0;          // model layer index: part of the stochastic-rounding stream key
   LayerPolicy policy;          // format, scaling, block, rounding
   const Geometry* geometry = nullptr;  // applied to `in`, inverted on `out`; null: identity
-  std::span<float> in;         // this rank's contribution; overwritten by the transform
+  // This rank's contribution before the division. Clobbered (divided and transformed in place)
+  // when the layer has a geometry. May be the same memory as `out`: a group's inputs are all read
+  // before any of its outputs is written.
+  std::span<float> in;
   std::span<float> out;        // the reduced result in gradient coordinates (same size)
 };
 
@@ -53,6 +57,7 @@ using UninitializedVector = std::vector<T, UninitializedAllocator<T>>;
 struct ExchangeWorkspace {
   std::vector<UninitializedVector<uint8_t>> bytes;  // per pipeline group: send, recv, mine, all
   std::vector<UninitializedVector<float>> floats;   // per pipeline group: sum accumulator
+  UninitializedVector<float> divided;               // one chunk of input, divided, to encode
   UninitializedVector<float> flat;                  // the fp32 baseline's flattened bucket
   UninitializedVector<uint16_t> flat_bf16;          // the bf16 baseline's flattened bucket
 };
@@ -60,6 +65,8 @@ struct ExchangeWorkspace {
 struct AlgorithmOptions {
   uint64_t seed = 0;  // stochastic rounding streams (chunking.h StreamSeed)
   uint64_t step = 0;
+  // Every input element is divided by this (IEEE division) before anything else touches it.
+  float divisor = 1.f;
   // two_phase pipelines groups of whole layers of about this many fp32 bytes: while one group is
   // on the wire, a helper thread encodes the next and sums/decodes the previous ones.
   size_t segment_bytes = size_t{1} << 20;
@@ -68,9 +75,12 @@ struct AlgorithmOptions {
 };
 
 // Runs `algorithm` over the bucket's layers. Every rank ends with byte-identical outputs: the sum
-// over ranks of the inputs, through the algorithm's quantization. Throws geofp8::Error for
+// over ranks of the inputs, through the algorithm's quantization. Each rank notes a NaN or inf in
+// its input as it reads it, and one MaxReduce at the end agrees on it: the result is true on every
+// rank if any rank had one, and then the outputs hold no meaningful values (the caller skips the
+// step, as mixed-precision loss scaling does after its all-reduce). Throws geofp8::Error for
 // kNative (GPU only) or a collective failure.
-void ExchangeBucketData(Communicator& comm, Algorithm algorithm, const AlgorithmOptions& options,
+bool ExchangeBucketData(Communicator& comm, Algorithm algorithm, const AlgorithmOptions& options,
                         std::span<const BucketLayer> layers);
 
 }  // namespace geofp8

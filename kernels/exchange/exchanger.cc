@@ -286,7 +286,6 @@ BucketResult Exchanger::RunBucket(uint64_t step, size_t bucket,
   result.bucket = bucket;
 
   std::vector<LayerRecord> records;
-  uint32_t nonfinite = 0;
   for (uint32_t l : b.layers) {
     const LayerSpec& spec = layers_[l];
     GEOFP8_CHECK(grads[l].size() == static_cast<size_t>(spec.count()), "layer '", spec.name,
@@ -321,41 +320,22 @@ BucketResult Exchanger::RunBucket(uint64_t step, size_t bucket,
   std::vector<std::string> names;
   names.reserve(layers_.size());
   for (const auto& l : layers_) names.push_back(l.name);
-  // One pass: divide by N into scratch (the sum is then the average and cannot overflow) and
-  // look for non-finite values. The caller's gradients stay untouched until the step is agreed.
-  size_t total = 0;
-  for (uint32_t l : b.layers) total += grads[l].size();
-  if (scratch_.size() < total) scratch_.resize(total);
-  const float n = static_cast<float>(comm_.size());
+  CheckFingerprints(comm_, header, records, names);
+  // The algorithms divide by N as they read each chunk (the sum is then the average and cannot
+  // overflow), note any NaN or inf on the way and agree on it after the data has moved: one pass
+  // over the gradient instead of a scan before the fingerprints plus one to divide.
   std::vector<BucketLayer> work;
-  size_t off = 0;
   for (uint32_t l : b.layers) {
-    const float* g = grads[l].data();
-    float* w = scratch_.data() + off;
-    const size_t count = grads[l].size();
-    uint32_t bad = 0;
-    for (size_t i = 0; i < count; ++i) {
-      uint32_t bits;
-      std::memcpy(&bits, &g[i], 4);
-      bad |= (bits & 0x7f800000u) == 0x7f800000u;  // inf or NaN
-      w[i] = g[i] / n;
-    }
-    nonfinite |= bad;
-    work.push_back({l, layers_[l].policy, UsesGeometry(l) ? &state_[l].active : nullptr,
-                    std::span<float>(w, count), grads[l]});
-    off += count;
+    work.push_back({l, layers_[l].policy, UsesGeometry(l) ? &state_[l].active : nullptr, grads[l],
+                    grads[l]});
   }
-  header.nonfinite = nonfinite;
-  if (CheckFingerprints(comm_, header, records, names) != 0) {
-    result.skipped = true;
-  } else {
-    AlgorithmOptions ao;
-    ao.seed = options_.seed;
-    ao.step = step;
-    ao.segment_bytes = options_.segment_bytes;
-    ao.workspace = &workspace_;
-    ExchangeBucketData(comm_, options_.algorithm, ao, work);
-  }
+  AlgorithmOptions ao;
+  ao.seed = options_.seed;
+  ao.step = step;
+  ao.divisor = static_cast<float>(comm_.size());
+  ao.segment_bytes = options_.segment_bytes;
+  ao.workspace = &workspace_;
+  result.skipped = ExchangeBucketData(comm_, options_.algorithm, ao, work);
   result.bytes_sent = comm_.stats().bytes_sent - bytes_before;
   result.seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
   return result;

@@ -60,7 +60,9 @@ std::vector<Bucket> MakeBuckets(std::span<const LayerSpec> layers, size_t cap_by
 
 struct BucketResult {
   size_t bucket = 0;
-  bool skipped = false;     // some rank had a non-finite value: gradients left untouched
+  // Some rank's gradient held a NaN or inf: the bucket's gradients hold no meaningful values and
+  // the caller must not apply them (found while the data moves, as loss scaling does).
+  bool skipped = false;
   uint64_t bytes_sent = 0;  // this rank's payload on the wire (fingerprint included)
   double seconds = 0.0;
 };
@@ -112,8 +114,8 @@ class Exchanger {
   const std::vector<LayerSpec>& layers() const { return layers_; }
 
   // Queues bucket `bucket` of `step`. grads[l] is layer l's gradient (count() floats) for every
-  // l; only the bucket's layers are read and, unless the step is skipped, replaced by the average
-  // over ranks. They must stay valid until the future is ready. Buckets of a step are submitted
+  // l; only the bucket's layers are read and replaced by the average over ranks (by values with
+  // no meaning if the bucket is skipped). They must stay valid until the future is ready. Buckets of a step are submitted
   // in bucket order, each once.
   std::shared_future<BucketResult> Submit(uint64_t step, size_t bucket, std::vector<std::span<float>> grads);
 
@@ -162,7 +164,6 @@ class Exchanger {
   std::vector<RefreshSchedule> schedule_;
   std::vector<Bucket> buckets_;
   std::vector<LayerState> state_;  // touched only on the worker thread while tasks run
-  std::vector<float> scratch_;     // the bucket divided by N (and transformed): worker thread only
   ExchangeWorkspace workspace_;    // the algorithms' buffers, reused every step: worker thread only
 
   // Per-step bookkeeping on the caller's thread.

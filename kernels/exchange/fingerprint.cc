@@ -70,7 +70,7 @@ std::string DescribeLayerDifference(const LayerRecord& a, const LayerRecord& ref
 
 }  // namespace
 
-uint32_t CheckFingerprints(Communicator& comm, BucketRecord record,
+void CheckFingerprints(Communicator& comm, BucketRecord record,
                            std::span<const LayerRecord> layers,
                            std::span<const std::string> layer_names) {
   const int n = comm.size();
@@ -86,13 +86,9 @@ uint32_t CheckFingerprints(Communicator& comm, BucketRecord record,
     return a.policy_version == b.policy_version && a.step == b.step && a.digest == b.digest &&
            a.bucket == b.bucket && a.layer_count == b.layer_count && a.algorithm == b.algorithm;
   };
-  uint32_t nonfinite = 0;
   bool agree = true;
-  for (const auto& r : all) {
-    nonfinite = std::max(nonfinite, r.nonfinite);
-    agree = agree && same(r, all[0]);
-  }
-  if (agree) return nonfinite;
+  for (const auto& r : all) agree = agree && same(r, all[0]);
+  if (agree) return;
 
   // Every rank saw the same records, so every rank takes this path and the second gather below
   // is matched on all of them.

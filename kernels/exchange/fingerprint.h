@@ -1,6 +1,6 @@
 // Bucket fingerprints: before any payload moves, ranks all-gather one small fixed-size record per
-// bucket (policy version, step, layer digest, non-finite flag). A mismatch is diagnosed with a
-// second gather of per-layer records and reported naming the rank and the layer, on every rank.
+// bucket (policy version, step, algorithm, layer digest). A mismatch is diagnosed with a second
+// gather of per-layer records and reported naming the rank and the layer, on every rank.
 #pragma once
 
 #include <cstdint>
@@ -33,7 +33,7 @@ struct BucketRecord {
   uint32_t bucket = 0;
   uint32_t layer_count = 0;
   uint32_t algorithm = 0;
-  uint32_t nonfinite = 0;  // 1 if this rank's bucket holds a NaN or inf
+  uint32_t reserved = 0;  // 0
 };
 static_assert(sizeof(BucketRecord) == 40);
 #pragma pack(pop)
@@ -41,10 +41,9 @@ static_assert(sizeof(BucketRecord) == 40);
 uint64_t LayerDigest(std::span<const LayerRecord> layers);
 
 // Gathers every rank's record. Throws geofp8::Error naming the first disagreeing rank and layer
-// (compared with the value most ranks hold) if anything but the non-finite flag differs; the same
-// error is raised on every rank. Returns the maximum non-finite flag over ranks.
-// `layer_names[i]` names layer index i for the message (may be empty).
-uint32_t CheckFingerprints(Communicator& comm, BucketRecord record,
+// (compared with the value most ranks hold) if any record differs; the same error is raised on
+// every rank. `layer_names[i]` names layer index i for the message (may be empty).
+void CheckFingerprints(Communicator& comm, BucketRecord record,
                            std::span<const LayerRecord> layers,
                            std::span<const std::string> layer_names);
 

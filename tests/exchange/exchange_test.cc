@@ -3,6 +3,8 @@
 // naming rank and layer, the non-finite skip and collective timeouts.
 #include <gtest/gtest.h>
 
+#include <algorithm>
+#include <limits>
 #include <thread>
 #include <tuple>
 
@@ -175,21 +177,35 @@ TEST(Exchanger, PolicyVersionMismatchFailsEverywhere) {
 
 TEST(Exchanger, NonFiniteOnOneRankSkipsEverywhere) {
   const auto layers = MixedLayers();
-  for (Algorithm a : {Algorithm::kTwoPhase, Algorithm::kAllGather, Algorithm::kFp32}) {
-    ExchangeOptions options;
-    options.algorithm = a;
-    const auto run = RunStep(3, layers, options, 0,
-                             [](int r, std::vector<LayerSpec>&, ExchangeOptions&, Tensors& d) {
-                               if (r == 1) d[2][17] = std::nanf("");
-                             });
-    ASSERT_EQ(JoinErrors(run.errors), "");
-    for (int r = 0; r < 3; ++r) {
-      EXPECT_TRUE(run.results[r].skipped) << "rank " << r;
-      // The skipped bucket's gradients are left as they were.
-      const auto inputs = MakeInputs(r, layers);
-      const size_t skipped_bucket_layer = 2;
-      if (r != 1) {
-        EXPECT_TRUE(SameBytes(run.outputs[r][skipped_bucket_layer], inputs[skipped_bucket_layer]));
+  for (Algorithm a : {Algorithm::kTwoPhase, Algorithm::kAllGather, Algorithm::kFp32,
+                      Algorithm::kBf16}) {
+    for (float bad : {std::nanf(""), -std::numeric_limits<float>::infinity()}) {
+      ExchangeOptions options;
+      options.algorithm = a;
+      options.bucket_cap_bytes = 4096;  // several buckets: only fc2's may be skipped
+      const auto run = RunStep(3, layers, options, 0,
+                               [&](int r, std::vector<LayerSpec>&, ExchangeOptions&, Tensors& d) {
+                                 if (r == 1) d[2][17] = bad;  // fc2
+                               });
+      ASSERT_EQ(JoinErrors(run.errors), "") << AlgorithmName(a);
+      const auto buckets = MakeBuckets(layers, options.bucket_cap_bytes);
+      for (int r = 0; r < 3; ++r) {
+        const std::string where = std::string(AlgorithmName(a)) + " rank " + std::to_string(r);
+        EXPECT_TRUE(run.results[r].skipped) << where;
+        ASSERT_EQ(run.results[r].buckets.size(), run.results[0].buckets.size()) << where;
+        size_t skipped = 0;
+        for (const auto& b : run.results[r].buckets) {
+          const auto& members = buckets.at(b.bucket).layers;
+          const bool has_fc2 = std::find(members.begin(), members.end(), 2u) != members.end();
+          EXPECT_EQ(b.skipped, has_fc2) << where << " bucket " << b.bucket;
+          skipped += b.skipped;
+          if (b.skipped) continue;
+          // The other buckets are averaged as usual: byte-identical on every rank.
+          for (uint32_t l : members) {
+            EXPECT_TRUE(SameBytes(run.outputs[r][l], run.outputs[0][l])) << where << " layer " << l;
+          }
+        }
+        EXPECT_EQ(skipped, 1u) << where;
       }
     }
   }
