@@ -294,6 +294,9 @@ std::string Fmt(const char* f, double v) {
   return b;
 }
 
+// Gains with one decimal, and two significant digits below 1 (a stale basis can lose 50x).
+std::string Gain(double g) { return g < 1 ? Fmt("%.2g", g) : Fmt("%.1f", g); }
+
 // Prints one table per codec; counts the (fresh|stale) cases with fit >= 0.99 meeting the target.
 void PrintQualityTables(const std::vector<CodecCase>& codecs,
                         const std::vector<std::vector<QualityRow>>& rows, int* met, int* applicable) {
@@ -321,12 +324,12 @@ void PrintQualityTables(const std::vector<CodecCase>& codecs,
         }
       }
       const std::string dash = "-";
-      std::printf("| %s | %s | %.2f | %.3g | %s | %.3g | %.3g | %s | %s | %.1f | %s | %s | %.3g | %.2f | %s | %s |\n",
+      std::printf("| %s | %s | %.2f | %.3g | %s | %.3g | %.3g | %s | %s | %s | %s | %s | %.3g | %.2f | %s | %s |\n",
                   r.matrix.c_str(), r.p.c_str(), r.fitted, r.bound,
                   r.has_stale ? Fmt("%.3f", r.drift).c_str() : "-", r.euclid.worst, r.fresh.worst,
                   r.has_stale ? Fmt("%.3g", r.stale.worst).c_str() : "-",
-                  r.has_diag ? Fmt("%.3g", r.diag.worst).c_str() : "-", gf,
-                  r.has_stale ? Fmt("%.1f", gs).c_str() : "-", r.has_diag ? Fmt("%.1f", gd).c_str() : "-",
+                  r.has_diag ? Fmt("%.3g", r.diag.worst).c_str() : "-", Gain(gf).c_str(),
+                  r.has_stale ? Gain(gs).c_str() : "-", r.has_diag ? Gain(gd).c_str() : "-",
                   r.euclid.rel_fro, ff, r.has_stale ? Fmt("%.2f", fs).c_str() : "-", target.c_str());
     }
     std::printf("\n");
