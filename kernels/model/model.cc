@@ -169,14 +169,18 @@ double Model<T>::Run(std::span<const int32_t> tokens, int batch, int seq, bool b
     }
   }
   const size_t rd = size_t(rows) * d, rf = size_t(rows) * f;
+  rope_cos_.resize(size_t(seq) * (hd / 2)), rope_sin_.resize(rope_cos_.size());
+  RopeTable<T>(seq, hd, theta, rope_cos_.data(), rope_sin_.data());
+  auto rope = [&](std::vector<T>& x, bool inverse) {
+    RopeApply<T>(x.data(), rows, seq, H, hd, rope_cos_.data(), rope_sin_.data(), inverse);
+  };
 
-  // Forward. acts_[l].x is the residual stream entering layer l.
-  std::vector<T> x(rd);
-  EmbeddingForward<T>(inputs_, W(tok_emb_), d, x.data());
+  // Forward. acts_[l].x is the residual stream entering layer l, xf_ the one leaving the last.
+  acts_[0].x.resize(rd);
+  EmbeddingForward<T>(inputs_, W(tok_emb_), d, acts_[0].x.data());
   for (int l = 0; l < c.layers; ++l) {
     const LayerIndex& li = layer_index_[l];
     LayerActs& A = acts_[l];
-    A.x = x;
     A.xn1.resize(rd), A.rms1.resize(rows), A.q.resize(rd), A.k.resize(rd), A.v.resize(rd);
     A.probs.resize(size_t(batch) * H * seq * seq), A.attn.resize(rd), A.xmid.resize(rd);
     A.xn2.resize(rd), A.rms2.resize(rows), A.a.resize(rf), A.b.resize(rf), A.h.resize(rf);
@@ -184,8 +188,8 @@ double Model<T>::Run(std::span<const int32_t> tokens, int batch, int seq, bool b
     LinearForward<T>(A.xn1.data(), W(li.wq), rows, d, d, A.q.data());
     LinearForward<T>(A.xn1.data(), W(li.wk), rows, d, d, A.k.data());
     LinearForward<T>(A.xn1.data(), W(li.wv), rows, d, d, A.v.data());
-    RopeForward<T>(A.q.data(), rows, seq, H, hd, theta);
-    RopeForward<T>(A.k.data(), rows, seq, H, hd, theta);
+    rope(A.q, false);
+    rope(A.k, false);
     AttentionForward<T>(A.q.data(), A.k.data(), A.v.data(), batch, seq, H, hd, A.probs.data(),
                         A.attn.data());
     // xmid = x + attn Wo^T
@@ -195,10 +199,10 @@ double Model<T>::Run(std::span<const int32_t> tokens, int batch, int seq, bool b
     LinearForward<T>(A.xn2.data(), W(li.w1), rows, d, f, A.a.data());
     LinearForward<T>(A.xn2.data(), W(li.w3), rows, d, f, A.b.data());
     SwiGluForward<T>(A.a.data(), A.b.data(), int64_t(rf), A.h.data());
-    x = A.xmid;
-    Gemm<T>(false, true, rows, d, f, T(1), A.h.data(), f, W(li.w2), f, T(1), x.data(), d);
+    std::vector<T>& out = l + 1 < c.layers ? acts_[l + 1].x : xf_;
+    out = A.xmid;
+    Gemm<T>(false, true, rows, d, f, T(1), A.h.data(), f, W(li.w2), f, T(1), out.data(), d);
   }
-  xf_ = x;
   xnf_.resize(rd), rmsf_.resize(rows), logits_.resize(size_t(rows) * c.vocab);
   RmsNormForward<T>(xf_.data(), W(final_norm_), rows, d, eps, xnf_.data(), rmsf_.data());
   LinearForward<T>(xnf_.data(), W(lm_head_), rows, d, c.vocab, logits_.data());
@@ -206,16 +210,25 @@ double Model<T>::Run(std::span<const int32_t> tokens, int batch, int seq, bool b
 
   dlogits_.resize(logits_.size());
   const double loss = CrossEntropy<T>(logits_.data(), targets_, c.vocab, dlogits_.data());
-  std::fill(grads_.begin(), grads_.end(), T(0));
+  // Every weight matrix's gradient is written once (the GEMM's beta = 0, below); only the
+  // embedding (scatter-added) and the norm gains (summed over rows) accumulate from zero.
+  auto zero = [&](int i) { std::fill_n(G(i), params_[i].size(), T(0)); };
+  zero(tok_emb_);
+  zero(final_norm_);
+  for (const LayerIndex& li : layer_index_) zero(li.attn_norm), zero(li.mlp_norm);
   auto ready = [&](int i) {
     if (on_ready) on_ready(i);
+  };
+  // dx = dy W (+= when accumulate_dx), dW = dy^T x.
+  auto linear_backward = [&](const T* x, int w, const T* dy, int in, int out, T* dx,
+                             bool accumulate_dx = false) {
+    LinearBackward<T>(x, W(w), dy, rows, in, out, dx, G(w), accumulate_dx, false);
   };
 
   // Backward. dx_ carries d(loss)/d(residual stream).
   dn_.resize(rd), dx_.resize(rd), dtmp_.resize(rd), dq_.resize(rd), dk_.resize(rd), dv_.resize(rd);
   da_.resize(rf), db_.resize(rf), dh_.resize(rf), scratch_.resize(size_t(seq) * seq);
-  LinearBackward<T>(xnf_.data(), W(lm_head_), dlogits_.data(), rows, d, c.vocab, dn_.data(),
-                    G(lm_head_));
+  linear_backward(xnf_.data(), lm_head_, dlogits_.data(), d, c.vocab, dn_.data());
   ready(lm_head_);
   RmsNormBackward<T>(xf_.data(), W(final_norm_), rmsf_.data(), dn_.data(), rows, d, dx_.data(),
                      G(final_norm_));
@@ -224,29 +237,29 @@ double Model<T>::Run(std::span<const int32_t> tokens, int batch, int seq, bool b
     const LayerIndex& li = layer_index_[l];
     LayerActs& A = acts_[l];
     // MLP: x = xmid + h W2^T.
-    LinearBackward<T>(A.h.data(), W(li.w2), dx_.data(), rows, f, d, dh_.data(), G(li.w2));
+    linear_backward(A.h.data(), li.w2, dx_.data(), f, d, dh_.data());
     ready(li.w2);
     SwiGluBackward<T>(A.a.data(), A.b.data(), dh_.data(), int64_t(rf), da_.data(), db_.data());
-    LinearBackward<T>(A.xn2.data(), W(li.w3), db_.data(), rows, d, f, dn_.data(), G(li.w3));
+    linear_backward(A.xn2.data(), li.w3, db_.data(), d, f, dn_.data());
     ready(li.w3);
-    LinearBackward<T>(A.xn2.data(), W(li.w1), da_.data(), rows, d, f, dn_.data(), G(li.w1), true);
+    linear_backward(A.xn2.data(), li.w1, da_.data(), d, f, dn_.data(), true);
     ready(li.w1);
     RmsNormBackward<T>(A.xmid.data(), W(li.mlp_norm), A.rms2.data(), dn_.data(), rows, d,
                        dtmp_.data(), G(li.mlp_norm));
     ready(li.mlp_norm);
     for (size_t i = 0; i < rd; ++i) dx_[i] += dtmp_[i];  // d xmid = residual + MLP branch
     // Attention: xmid = x + attn Wo^T.
-    LinearBackward<T>(A.attn.data(), W(li.wo), dx_.data(), rows, d, d, dtmp_.data(), G(li.wo));
+    linear_backward(A.attn.data(), li.wo, dx_.data(), d, d, dtmp_.data());
     ready(li.wo);
     AttentionBackward<T>(A.q.data(), A.k.data(), A.v.data(), A.probs.data(), dtmp_.data(), batch,
                          seq, H, hd, dq_.data(), dk_.data(), dv_.data(), scratch_.data());
-    RopeBackward<T>(dq_.data(), rows, seq, H, hd, theta);
-    RopeBackward<T>(dk_.data(), rows, seq, H, hd, theta);
-    LinearBackward<T>(A.xn1.data(), W(li.wv), dv_.data(), rows, d, d, dn_.data(), G(li.wv));
+    rope(dq_, true);
+    rope(dk_, true);
+    linear_backward(A.xn1.data(), li.wv, dv_.data(), d, d, dn_.data());
     ready(li.wv);
-    LinearBackward<T>(A.xn1.data(), W(li.wk), dk_.data(), rows, d, d, dn_.data(), G(li.wk), true);
+    linear_backward(A.xn1.data(), li.wk, dk_.data(), d, d, dn_.data(), true);
     ready(li.wk);
-    LinearBackward<T>(A.xn1.data(), W(li.wq), dq_.data(), rows, d, d, dn_.data(), G(li.wq), true);
+    linear_backward(A.xn1.data(), li.wq, dq_.data(), d, d, dn_.data(), true);
     ready(li.wq);
     RmsNormBackward<T>(A.x.data(), W(li.attn_norm), A.rms1.data(), dn_.data(), rows, d,
                        dtmp_.data(), G(li.attn_norm));

@@ -96,7 +96,7 @@ class Model {
   // Activation buffers, reused across calls.
   std::vector<LayerActs> acts_;
   std::vector<T> xf_, xnf_, rmsf_, logits_, dlogits_, dx_, dtmp_, dq_, dk_, dv_, da_, db_, dh_,
-      dn_, scratch_;
+      dn_, scratch_, rope_cos_, rope_sin_;
   std::vector<int32_t> inputs_, targets_;
 };
 

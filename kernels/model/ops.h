@@ -4,6 +4,7 @@
 
 #include <cstdint>
 #include <span>
+#include <string>
 
 #include "kernels/model/ops_math.h"
 
@@ -21,6 +22,16 @@ void Gemm(bool trans_a, bool trans_b, int M, int N, int K, T alpha, const T* A, 
 
 // Pins OpenBLAS to `threads` threads for the whole process (ranks on threads share it).
 void SetBlasThreads(int threads);
+
+// The kernel set OpenBLAS chose at load time, e.g. "SkylakeX" ("" for a non-OpenBLAS cblas).
+std::string BlasCoreName();
+
+// OpenBLAS picks its kernels once, at library load, from the CPU model, and falls back to
+// generic SSE3 ("Prescott") kernels on models it does not know (Debian 12's 0.3.21 on Emerald
+// Rapids), which runs sgemm several times slower. Returns the OPENBLAS_CORETYPE a program should
+// re-execute itself with ("SkylakeX" for AVX-512, "Haswell" for AVX2+FMA) when the loaded core
+// uses less of the CPU than it supports and OPENBLAS_CORETYPE is unset; "" otherwise.
+std::string PreferredBlasCore();
 
 // x[t, :] = table[tokens[t], :]; table is [vocab, d].
 template <typename T>
@@ -40,10 +51,11 @@ void RmsNormBackward(const T* x, const T* gain, const T* inv_rms, const T* dy, i
 // y[T, out] = x[T, in] W^T with W [out, in] (a 2-D weight is the m x n = out x in gradient).
 template <typename T>
 void LinearForward(const T* x, const T* W, int rows, int in, int out, T* y);
-// dx = dy W (overwrite when accumulate_dx is false, else dx +=), dW += dy^T x.
+// dx = dy W (overwrite when accumulate_dx is false, else dx +=), dW += dy^T x (dW = dy^T x when
+// accumulate_dw is false: the model writes each weight's gradient once and skips zeroing it).
 template <typename T>
 void LinearBackward(const T* x, const T* W, const T* dy, int rows, int in, int out, T* dx,
-                    T* dW, bool accumulate_dx = false);
+                    T* dW, bool accumulate_dx = false, bool accumulate_dw = true);
 // Only dW += dy^T x (for callers that want to publish dW before computing dx).
 template <typename T>
 void LinearBackwardWeight(const T* x, const T* dy, int rows, int in, int out, T* dW);
@@ -54,6 +66,13 @@ template <typename T>
 void RopeForward(T* x, int rows, int seq, int heads, int head_dim, T theta);
 template <typename T>
 void RopeBackward(T* dx, int rows, int seq, int heads, int head_dim, T theta);
+// The same with the angles' cos and sin [seq, head_dim/2] computed once (RopeTable) and applied
+// to every q, k, dq, dk of a step (RopeApply; inverse: the backward's negative angle).
+template <typename T>
+void RopeTable(int seq, int head_dim, T theta, T* cos, T* sin);
+template <typename T>
+void RopeApply(T* x, int rows, int seq, int heads, int head_dim, const T* cos, const T* sin,
+               bool inverse);
 
 // Causal multi-head attention on q, k, v [batch*seq, heads*head_dim] (already rotated).
 // probs [batch, heads, seq, seq] is saved for the backward; out [batch*seq, heads*head_dim].

@@ -6,6 +6,8 @@
 #include <gtest/gtest.h>
 
 #include <cmath>
+#include <cstdlib>
+#include <string>
 #include <vector>
 
 #include "kernels/common/check.h"
@@ -172,6 +174,114 @@ TEST(ModelOps, FloatForwardAgreesWithDouble) {
   AttentionForward<float>(qf.data(), kf.data(), vf.data(), batch, seq, heads, hd, pf.data(),
                           of.data());
   for (size_t i = 0; i < od.size(); ++i) EXPECT_NEAR(of[i], od[i], 1e-5 * (1 + std::abs(od[i])));
+}
+
+TEST(ModelOps, FastExpMatchesLibm) {
+  // ExpF32 against std::exp in double: a few ulp over the range the model uses, 0 below it, NaN
+  // for NaN.
+  double worst = 0;
+  for (float x = -87.f; x <= 88.f; x += 0.001953125f * 7.f) {
+    const double ref = std::exp(double(x));
+    worst = std::max(worst, std::abs(double(ExpF32(x)) - ref) / ref);
+  }
+  EXPECT_LT(worst, 3 * 0x1p-24) << "worst relative error " << worst;
+  EXPECT_EQ(ExpF32(0.f), 1.f);
+  EXPECT_EQ(ExpF32(-100.f), 0.f);
+  EXPECT_TRUE(std::isnan(ExpF32(std::nanf(""))));
+  EXPECT_NEAR(ExpF32(1.f), 2.718281828f, 2e-7f);
+}
+
+TEST(ModelOps, FloatElementwiseOpsAgreeWithDouble) {
+  // Rows of 8..200 elements run both the eight-lane main loops and the tails.
+  for (int d : {8, 13, 64, 200}) {
+    const int rows = 3;
+    const std::vector<double> xd = RandomVector(rows * d, 30 + d, 2.0),
+                              gd = RandomVector(d, 31 + d), dyd = RandomVector(rows * d, 32 + d);
+    const std::vector<float> xf(xd.begin(), xd.end()), gf(gd.begin(), gd.end()),
+        dyf(dyd.begin(), dyd.end());
+    auto close = [&](const std::vector<float>& f, const std::vector<double>& ref, double tol,
+                     const char* what) {
+      for (size_t i = 0; i < ref.size(); ++i) {
+        ASSERT_NEAR(f[i], ref[i], tol * (1 + std::abs(ref[i]))) << what << " d=" << d << " i=" << i;
+      }
+    };
+    // RMSNorm forward and backward.
+    std::vector<double> yd(xd.size()), invd(rows), dxd(xd.size()), dgd(d, 0.0);
+    std::vector<float> yf(xd.size()), invf(rows), dxf(xd.size()), dgf(d, 0.f);
+    RmsNormForward<double>(xd.data(), gd.data(), rows, d, 1e-5, yd.data(), invd.data());
+    RmsNormForward<float>(xf.data(), gf.data(), rows, d, 1e-5f, yf.data(), invf.data());
+    close(yf, yd, 1e-5, "rmsnorm y");
+    RmsNormBackward<double>(xd.data(), gd.data(), invd.data(), dyd.data(), rows, d, dxd.data(),
+                            dgd.data());
+    RmsNormBackward<float>(xf.data(), gf.data(), invf.data(), dyf.data(), rows, d, dxf.data(),
+                           dgf.data());
+    close(dxf, dxd, 1e-5, "rmsnorm dx");
+    close(dgf, dgd, 1e-5, "rmsnorm dgain");
+    // SwiGLU forward and backward on the same values.
+    std::vector<double> hd(xd.size()), dad(xd.size()), dbd(xd.size());
+    std::vector<float> hf(xd.size()), daf(xd.size()), dbf(xd.size());
+    SwiGluForward<double>(xd.data(), dyd.data(), int64_t(xd.size()), hd.data());
+    SwiGluForward<float>(xf.data(), dyf.data(), int64_t(xd.size()), hf.data());
+    close(hf, hd, 1e-6, "swiglu h");
+    SwiGluBackward<double>(xd.data(), dyd.data(), yd.data(), int64_t(xd.size()), dad.data(),
+                           dbd.data());
+    SwiGluBackward<float>(xf.data(), dyf.data(), yf.data(), int64_t(xd.size()), daf.data(),
+                          dbf.data());
+    close(daf, dad, 1e-5, "swiglu da");
+    close(dbf, dbd, 1e-5, "swiglu db");
+    // Cross-entropy with its gradient, logits scaled up so the softmax is peaked.
+    std::vector<double> ld(xd.size());
+    for (size_t i = 0; i < ld.size(); ++i) ld[i] = 4 * xd[i];
+    const std::vector<float> lf(ld.begin(), ld.end());
+    const std::vector<int32_t> targets = {0, d - 1, d / 2};
+    std::vector<double> dld(ld.size());
+    std::vector<float> dlf(ld.size());
+    const double cd = CrossEntropy<double>(ld.data(), targets, d, dld.data());
+    const double cf = CrossEntropy<float>(lf.data(), targets, d, dlf.data());
+    EXPECT_NEAR(cf, cd, 1e-6 * (1 + cd)) << "d=" << d;
+    EXPECT_NEAR(CrossEntropy<float>(lf.data(), targets, d, nullptr), cf, 1e-6 * (1 + cd));
+    close(dlf, dld, 1e-6, "cross-entropy dlogits");
+  }
+}
+
+TEST(ModelOps, RopeTableMatchesTheDirectRotation) {
+  const int rows = 12, seq = 6, heads = 2, hd = 8;
+  std::vector<double> x = RandomVector(rows * heads * hd, 40), y = x;
+  RopeForward<double>(x.data(), rows, seq, heads, hd, 10000.0);
+  for (int t = 0; t < rows; ++t) {
+    for (int h = 0; h < heads; ++h) {
+      for (int i = 0; i < hd / 2; ++i) {
+        const double angle = (t % seq) * std::pow(10000.0, -2.0 * i / hd);
+        double* p = y.data() + (t * heads + h) * hd + 2 * i;
+        const double a = p[0], b = p[1];
+        p[0] = a * std::cos(angle) - b * std::sin(angle);
+        p[1] = a * std::sin(angle) + b * std::cos(angle);
+      }
+    }
+  }
+  for (size_t i = 0; i < x.size(); ++i) EXPECT_NEAR(x[i], y[i], 1e-12) << i;
+}
+
+TEST(ModelOps, LinearBackwardCanOverwriteTheWeightGradient) {
+  const int rows = 4, in = 5, out = 3;
+  const std::vector<double> x = RandomVector(rows * in, 50), W = RandomVector(out * in, 51),
+                            dy = RandomVector(rows * out, 52);
+  std::vector<double> dx(rows * in), dw_acc(out * in, 0.0), dw_new(out * in, 123.0);
+  LinearBackward<double>(x.data(), W.data(), dy.data(), rows, in, out, dx.data(), dw_acc.data());
+  LinearBackward<double>(x.data(), W.data(), dy.data(), rows, in, out, dx.data(), dw_new.data(),
+                         false, false);
+  for (size_t i = 0; i < dw_acc.size(); ++i) EXPECT_NEAR(dw_new[i], dw_acc[i], 1e-14) << i;
+}
+
+TEST(ModelOps, PreferredBlasCoreIsEmptyWhenTheUserChose) {
+  // With OPENBLAS_CORETYPE set the user's choice stands, whatever the CPU.
+  const char* saved = std::getenv("OPENBLAS_CORETYPE");
+  const std::string keep = saved ? saved : "";
+  setenv("OPENBLAS_CORETYPE", "Haswell", 1);
+  EXPECT_EQ(PreferredBlasCore(), "");
+  if (saved) setenv("OPENBLAS_CORETYPE", keep.c_str(), 1);
+  else unsetenv("OPENBLAS_CORETYPE");
+  EXPECT_FALSE(BlasCoreName().empty());
 }
 
 TEST(ModelOps, RejectsBadArguments) {

@@ -20,6 +20,7 @@
 #include "kernels/exchange/store.h"
 #include "kernels/model/data.h"
 #include "kernels/model/model.h"
+#include "kernels/model/ops.h"
 #include "worker/train/exchange_policy.h"
 #include "worker/train/trainer.h"
 
@@ -180,6 +181,15 @@ int RunProcesses(const TrainOptions& o, const std::string& csv, bool quiet) {
 }  // namespace
 
 int main(int argc, char** argv) {
+  // OpenBLAS reads OPENBLAS_CORETYPE only when it loads, before main: when it fell back to
+  // generic kernels on this CPU, run again once with the right kernels named (see
+  // PreferredBlasCore). The variable is then set, so this cannot loop.
+  if (const std::string core = geofp8::model::PreferredBlasCore(); !core.empty()) {
+    setenv("OPENBLAS_CORETYPE", core.c_str(), 1);
+    execv("/proc/self/exe", argv);
+    std::cerr << kProgram << ": warning: could not re-execute with OPENBLAS_CORETYPE=" << core
+              << "; continuing with OpenBLAS core " << geofp8::model::BlasCoreName() << "\n";
+  }
   CLI::App app{"Train a Llama-style model data-parallel through the GeoFP8 gradient exchange"};
   TrainOptions o;
   std::string preset = "llama-small", csv, launcher = "threads";
@@ -281,7 +291,9 @@ int main(int argc, char** argv) {
   }
   std::cerr << kProgram << ": " << preset << " (" << geofp8::model::ParameterCount(o.model)
             << " params), " << o.ranks << " ranks as " << launcher << ", policy " << o.policy
-            << ", data " << geofp8::model::MakeDataSource(o.data, o.seed)->Describe() << "\n";
+            << ", data " << geofp8::model::MakeDataSource(o.data, o.seed)->Describe()
+            << ", OpenBLAS core " << geofp8::model::BlasCoreName() << " x" << o.blas_threads
+            << " thread(s) per process\n";
   if (launcher == "processes") return RunProcesses(o, csv, quiet);
   try {
     geofp8::model::Model<float> shape(o.model);
