@@ -46,7 +46,10 @@ std::optional<ModelConfig> PresetConfig(std::string_view name) {
   if (name == "llama-tiny") {
     c.dim = 64, c.layers = 2, c.heads = 4, c.ffn = 128, c.seq = 32;
   } else if (name == "llama-small") {
-    c.dim = 128, c.layers = 4, c.heads = 4, c.ffn = 384, c.seq = 64;
+    // 3,344,640 parameters: the largest round shape whose 1000-step, 4-rank run fits about ten
+    // minutes on the 2-core CI machine (worker/train/README.md). SwiGLU 704 = 8/3 x 256 rounded
+    // to a multiple of 64.
+    c.dim = 256, c.layers = 4, c.heads = 4, c.ffn = 704, c.seq = 64;
   } else if (name == "llama-300m") {
     c.dim = 1024, c.layers = 24, c.heads = 16, c.ffn = 2816, c.seq = 1024;
   } else if (name == "llama-600m") {

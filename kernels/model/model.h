@@ -30,7 +30,7 @@ struct ModelConfig {
 // "" when usable, else one line naming the field: "model.heads: must divide model.dim (64 % 5)".
 std::string ValidateModelConfig(const ModelConfig& config);
 
-// Presets: llama-tiny (~0.1M params, tests), llama-small (a few M, demos and the convergence
+// Presets: llama-tiny (~0.1M params, tests), llama-small (3.3M, demos and the convergence
 // study on 2 CPU cores), llama-300m and llama-600m (the paper's scale, for GPU clusters).
 std::optional<ModelConfig> PresetConfig(std::string_view name);
 std::string_view AcceptedPresets();  // "llama-tiny, llama-small, llama-300m, llama-600m"
