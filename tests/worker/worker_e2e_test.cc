@@ -1,7 +1,8 @@
 // End to end: the real geofp8-coordinator and geofp8-worker processes on 127.0.0.1 running tiny
 // jobs: success with bitwise-equal final parameters on every rank, a live policy change applied
 // at its effective step, a late policy failing loudly, cancel, a dead worker's restart from the
-// checkpoint, session re-registration after a coordinator restart, and /metrics.
+// checkpoint (bitwise equal to an uninterrupted run), session re-registration after a
+// coordinator restart, and /metrics.
 #include <gtest/gtest.h>
 
 #include <netinet/in.h>
@@ -111,6 +112,27 @@ TEST_F(WorkerE2ETest, TwoWorkersFinishATinyJobWithEqualChecksums) {
   EXPECT_EQ(r0["checksum"], r1["checksum"]);
   EXPECT_NE(r0["checksum"], "0000000000000000");
   EXPECT_NE(r0["rank"], r1["rank"]);
+  // Rank 0's last layer summaries (step 20): by then every matrix has been refreshed twice
+  // (interval 10, offsets within it), so its drift is measured, and its residual-subspace error
+  // is taken against a real basis, so it differs from the whole-space rel_fro_error.
+  int matrices = 0;
+  for (const v1::LayerSummary& l : job.layers()) {
+    EXPECT_EQ(l.step(), 20) << l.layer();
+    EXPECT_GT(l.rel_fro_error(), 0.0) << l.layer();
+    if (l.layer().find("norm") != std::string::npos) {
+      EXPECT_EQ(l.geometry_version(), 0u) << l.layer();
+      EXPECT_EQ(l.drift(), 0.0) << l.layer();
+      EXPECT_NEAR(l.residual_error(), l.rel_fro_error(), 1e-5 * l.rel_fro_error()) << l.layer();
+      continue;
+    }
+    ++matrices;
+    EXPECT_GE(l.geometry_version(), 2u) << l.layer();
+    EXPECT_GT(l.drift(), 0.0) << l.layer();
+    EXPECT_LE(l.drift(), 1.0) << l.layer();
+    EXPECT_GT(l.residual_error(), 0.0) << l.layer();
+    EXPECT_NE(l.residual_error(), l.rel_fro_error()) << l.layer();
+  }
+  EXPECT_EQ(matrices, 2 + 2 * 7) << Everything(job);  // tok_emb, lm_head, 7 per block
   // Each worker wrote its own checkpoint of the final state.
   EXPECT_TRUE(std::filesystem::exists(workers_[0]->data_dir() + "/ckpt/" + job.id() + "/w0.ckpt"));
   EXPECT_TRUE(std::filesystem::exists(workers_[1]->data_dir() + "/ckpt/" + job.id() + "/w1.ckpt"));
@@ -242,6 +264,13 @@ TEST_F(WorkerE2ETest, DeadWorkerRestartsTheJobFromItsCheckpoint) {
   EXPECT_EQ(a["checksum"], b["checksum"]);
   // The spare had no checkpoint of its own: the state came from w0's by broadcast.
   EXPECT_NE(workers_[2]->process().output().find("resumed at step"), std::string::npos);
+  // And the restart continued exactly: the same job run without a break ends bitwise equal.
+  // The spec refreshes low-rank geometry every 10 steps at staggered offsets, so some layer's
+  // refresh is pending across every checkpoint; the checkpoint carries it.
+  v1::Job straight = client_->Submit(TinySpec("straight", 60));
+  straight = client_->WaitFinal(straight.id(), seconds(120));
+  ASSERT_EQ(straight.state(), v1::JOB_SUCCEEDED) << Everything(straight);
+  EXPECT_EQ(workers_[0]->Result(straight.id())["checksum"], a["checksum"]);
 }
 
 TEST_F(WorkerE2ETest, WorkerReRegistersAfterACoordinatorRestart) {

@@ -1,7 +1,7 @@
 // One rank's training loop under the coordinator (see job_runner.h). Per step:
-//   control consensus (stop / abort) -> policy version due at this step -> batch ->
-//   forward+backward with buckets submitted to the exchange engine as they fill -> average ->
-//   clip -> AdamW -> loss all-reduce -> progress, metrics, summaries, checksum, checkpoint.
+//   control consensus (stop / abort) -> policy version due at this step (Trainer::SetPolicies)
+//   -> Trainer::Step (batch, forward+backward with buckets into the exchange engine, average,
+//   clip, AdamW, loss all-reduce) -> progress, metrics, summaries, probes, checksum, checkpoint.
 
 #include "worker/daemon/job_runner.h"
 
@@ -18,7 +18,6 @@
 #include "kernels/exchange/exchanger.h"
 #include "kernels/exchange/gloo_communicator.h"
 #include "kernels/geometry/geometry.h"
-#include "kernels/model/data.h"
 #include "kernels/model/ops.h"
 #include "kernels/model/optimizer.h"
 #include "server/coordinator/policy_engine.h"
@@ -122,22 +121,16 @@ struct JobRunner::Impl {
   JobRunner& r;
   const v1::Assignment& a;
   JobSpec spec;
-  std::unique_ptr<model::Model<float>> model;
-  std::unique_ptr<model::AdamW> optimizer;
-  std::unique_ptr<model::DataSource> data;
+  model::ModelConfig model_config;
+  std::vector<model::ParamInfo> params;  // the model's parameters, in exchange layer order
   std::unique_ptr<GrpcStore> store;
   std::unique_ptr<Communicator> comm;
-  std::unique_ptr<Exchanger> exchanger;
-  std::vector<LayerPolicy> layer_policies;
+  std::unique_ptr<train::Trainer> trainer;  // model, optimizer, data, exchange engine
+  std::vector<LayerPolicy> layer_policies;  // of the version in force (for metrics and probes)
   v1::Policy policy;  // in force
-  std::vector<size_t> bucket_of;
-  std::vector<int32_t> tokens;
-  std::vector<float> local;  // this rank's gradient before the exchange (when measuring)
   std::string checkpoint_path;  // empty: checkpoints off
-  std::map<uint32_t, double> drift;  // per layer, from the refreshes this rank owned
   double last_step_seconds = 0;
   int rank = 0, world = 1, seq = 0;
-  uint64_t bytes_sent = 0, bytes_baseline = 0;
   double tokens_per_second = 0;
 
   explicit Impl(JobRunner& runner) : r(runner), a(runner.assignment_) {}
@@ -191,19 +184,19 @@ struct JobRunner::Impl {
     for (const auto& s : p.refresh()) by_layer[s.layer()] = s;
     std::vector<RefreshSchedule> out;
     *missing = false;
-    for (size_t l = 0; l < model->params().size(); ++l) {
+    for (size_t l = 0; l < params.size(); ++l) {
       RefreshSchedule rs;
       rs.owner = 0;
       rs.interval = std::numeric_limits<int>::max();
       rs.offset = 0;
-      auto it = by_layer.find(model->params()[l].name);
+      auto it = by_layer.find(params[l].name);
       if (it != by_layer.end()) {
         rs.owner = it->second.owner();
         rs.interval = std::max(1, it->second.interval());
         rs.offset = std::max(0, it->second.offset());
       } else if (layer_policies.size() > l && layer_policies[l].geometry != GeometryMode::kNone) {
         *missing = true;
-        *which = model->params()[l].name;
+        *which = params[l].name;
       }
       out.push_back(rs);
     }
@@ -217,11 +210,9 @@ struct JobRunner::Impl {
     return false;
   }
 
-  // Puts `p` in force: resolves every layer's policy and rebuilds the exchange engine with
-  // the version in its fingerprint. Geometry state does not carry over (the engine cannot
-  // import it): layers with geometry re-warm until their next scheduled refresh.
-  void Apply(const v1::Policy& p, int64_t step) {
-    auto resolved = ResolvePolicies(p, model->params());
+  // Every layer's policy under `p` and the refresh schedule (empty when no layer uses geometry).
+  std::vector<RefreshSchedule> Resolve(const v1::Policy& p) {
+    auto resolved = ResolvePolicies(p, params);
     GEOFP8_CHECK(resolved.ok(), std::string(resolved.status().message()));
     layer_policies = *resolved;
     std::vector<RefreshSchedule> schedule;
@@ -240,28 +231,18 @@ struct JobRunner::Impl {
                      which, " arrived within ", r.options_.schedule_wait.count(), " ms");
       }
     }
-    std::vector<LayerSpec> layers;
-    for (size_t i = 0; i < model->params().size(); ++i) {
-      const model::ParamInfo& pi = model->params()[i];
-      LayerSpec ls;
-      ls.name = pi.name;
-      ls.rows = pi.is_matrix() ? pi.rows : pi.size();
-      ls.cols = pi.is_matrix() ? pi.cols : 1;
-      ls.policy = layer_policies[i];
-      layers.push_back(ls);
-    }
-    ExchangeOptions eo;
-    eo.algorithm = spec.exchange.algorithm;
-    eo.bucket_cap_bytes = size_t(std::max(1.0, spec.exchange.bucket_mb * 1024 * 1024));
-    eo.timeout = milliseconds(int64_t(spec.exchange.timeout_s) * 1000);
-    eo.policy_version = p.version();
-    eo.seed = spec.training.seed;
-    exchanger.reset();
-    exchanger = std::make_unique<Exchanger>(*comm, std::move(layers), eo, std::move(schedule));
-    bucket_of.assign(model->params().size(), 0);
-    for (size_t b = 0; b < exchanger->buckets().size(); ++b) {
-      for (uint32_t l : exchanger->buckets()[b].layers) bucket_of[l] = b;
-    }
+    return schedule;
+  }
+
+  // Puts `p` in force from `step`: the trainer switches its exchange at that step boundary,
+  // keeping the geometry of layers whose mode and rank stay (Trainer::SetPolicies).
+  void Apply(const v1::Policy& p, int64_t step) {
+    std::vector<RefreshSchedule> schedule = Resolve(p);
+    trainer->SetPolicies(uint64_t(step), layer_policies, std::move(schedule), p.version());
+    Announce(p, step);
+  }
+
+  void Announce(const v1::Policy& p, int64_t step) {
     policy = p;
     r.version_in_force_ = p.version();
     if (r.metrics_) r.metrics_->PolicyVersion(p.version());
@@ -285,7 +266,7 @@ struct JobRunner::Impl {
   }
 
   std::string Fingerprint() const {
-    const model::ModelConfig& m = model->config();
+    const model::ModelConfig& m = model_config;
     std::ostringstream os;
     os << "job=" << a.job_id() << " model=" << m.vocab << "/" << m.dim << "/" << m.layers << "/"
        << m.heads << "/" << m.ffn << "/" << m.seq << " world=" << world
@@ -295,13 +276,8 @@ struct JobRunner::Impl {
   }
 
   void SaveCheckpoint(int64_t next_step) {
-    train::Checkpoint c;
+    train::Checkpoint c = trainer->MakeCheckpoint(next_step);
     c.fingerprint = Fingerprint();
-    c.next_step = next_step;
-    c.rng_seed = spec.training.seed;
-    c.weights = model->weights();
-    c.m = optimizer->m();
-    c.v = optimizer->v();
     train::SaveCheckpoint(checkpoint_path, c);
     if (r.metrics_) r.metrics_->Checkpoint(next_step);
     if (rank == 0) {
@@ -312,8 +288,10 @@ struct JobRunner::Impl {
     }
   }
 
-  // Resumes at a.resume_step(): any rank whose own checkpoint is at that step broadcasts its
-  // state (every rank's is identical), so a restart may land on different workers.
+  // Resumes at a.resume_step(): any rank whose own checkpoint is at that step broadcasts it
+  // (every rank's is identical), so a restart may land on different workers. The geometry comes
+  // with it; written under an older policy version, it is kept where the version in force now
+  // would have kept it.
   void Restore(int64_t resume_step) {
     bool have = false;
     train::Checkpoint c;
@@ -321,7 +299,7 @@ struct JobRunner::Impl {
       try {
         c = train::LoadCheckpoint(checkpoint_path);
         have = c.next_step == resume_step && c.fingerprint == Fingerprint() &&
-               c.weights.size() == model->weights().size();
+               c.weights.size() == trainer->model().weights().size();
       } catch (const std::exception& e) {
         Log("job " + a.job_id() + ": ignoring checkpoint " + checkpoint_path + ": " + e.what());
       }
@@ -331,57 +309,33 @@ struct JobRunner::Impl {
                  " (looked for ", checkpoint_path.empty() ? "<checkpoints off>" : checkpoint_path,
                  " on every worker)");
     const int root = int(holder) - 1;
-    if (rank == root) {
-      model->weights() = c.weights;
-      optimizer->m() = c.m;
-      optimizer->v() = c.v;
-    }
-    for (std::vector<float>* buf : {&model->weights(), &optimizer->m(), &optimizer->v()}) {
-      comm->Broadcast({reinterpret_cast<uint8_t*>(buf->data()), buf->size() * sizeof(float)}, root);
-    }
+    std::string bytes = rank == root ? train::SerializeCheckpoint(c) : std::string();
+    uint64_t size = bytes.size();
+    comm->Broadcast({reinterpret_cast<uint8_t*>(&size), sizeof size}, root);
+    bytes.resize(size);
+    comm->Broadcast({reinterpret_cast<uint8_t*>(bytes.data()), bytes.size()}, root);
+    if (rank != root) c = train::ParseCheckpoint(bytes, "rank " + std::to_string(root) + "'s checkpoint");
+    trainer->Restore(c);
     Log("job " + a.job_id() + " rank " + std::to_string(rank) + ": resumed at step " +
-        std::to_string(resume_step) + " from rank " + std::to_string(root) + "'s checkpoint");
+        std::to_string(resume_step) + " from rank " + std::to_string(root) +
+        "'s checkpoint (policy v" + std::to_string(c.policy_version) + ")");
   }
 
-  void VerifyChecksum(int64_t step, uint64_t* out) {
-    const uint64_t mine = train::Checksum({model->weights(), optimizer->m(), optimizer->v()});
-    std::vector<uint64_t> all(world);
-    std::vector<size_t> counts(world, sizeof(uint64_t));
-    comm->AllGatherV({reinterpret_cast<const uint8_t*>(&mine), sizeof mine},
-                     {reinterpret_cast<uint8_t*>(all.data()), all.size() * sizeof(uint64_t)},
-                     counts);
-    for (int q = 1; q < world; ++q) {
-      GEOFP8_CHECK(all[q] == all[0], "parameter checksum mismatch after step ", step, ": rank ", q,
-                   " has ", Hex(all[q]), " vs rank 0 ", Hex(all[0]),
-                   "; ranks are no longer bitwise identical");
-    }
-    if (out) *out = mine;
-  }
-
-  // rel_fro_error of each layer's exchanged average against the exact fp32 average.
-  void Summaries(int64_t step) {
-    std::vector<float> exact(local.size());
-    const float n = float(world);
-    for (size_t i = 0; i < exact.size(); ++i) exact[i] = local[i] / n;
-    comm->AllReduceSum(exact);
+  // Rank 0 sends each layer's rel_fro_error and residual-subspace error from a measured step,
+  // with its geometry version and the drift of its last refresh.
+  void Summaries(const train::StepRecord& rec) {
     if (rank != 0) return;
     v1::WorkerMessage m;
     auto* sums = m.mutable_summaries();
-    for (size_t l = 0; l < model->params().size(); ++l) {
-      const model::ParamInfo& p = model->params()[l];
-      double e2 = 0, g2 = 0;
-      for (int64_t j = p.offset; j < p.offset + p.size(); ++j) {
-        const double d = double(model->grads()[j]) - exact[j];
-        e2 += d * d;
-        g2 += double(exact[j]) * exact[j];
-      }
-      const double err = g2 > 0 ? std::sqrt(e2 / g2) : std::sqrt(e2);
+    for (size_t l = 0; l < params.size(); ++l) {
       auto* s = sums->add_layers();
-      s->set_layer(p.name);
-      s->set_step(step);
-      s->set_rel_fro_error(err);
-      s->set_geometry_version(exchanger->active_geometry(uint32_t(l)).version);
-      if (r.metrics_) r.metrics_->LayerError(p.name, err);
+      s->set_layer(params[l].name);
+      s->set_step(rec.step);
+      s->set_rel_fro_error(rec.layer_error[l]);
+      s->set_residual_error(rec.residual_error[l]);
+      s->set_geometry_version(trainer->exchanger().active_geometry(uint32_t(l)).version);
+      s->set_drift(trainer->last_drift()[l]);
+      if (r.metrics_) r.metrics_->LayerError(params[l].name, rec.layer_error[l]);
     }
     Send(std::move(m), false);
   }
@@ -424,13 +378,14 @@ struct JobRunner::Impl {
   void Probes(int64_t step) {
     v1::WorkerMessage m;
     auto* probes = m.mutable_probes();
-    for (size_t l = 0; l < model->params().size(); ++l) {
-      const model::ParamInfo& p = model->params()[l];
+    const std::vector<float>& local = trainer->local_gradient();
+    for (size_t l = 0; l < params.size(); ++l) {
+      const model::ParamInfo& p = params[l];
       if (!p.is_matrix()) continue;
       std::span<const float> g(local.data() + p.offset, size_t(p.size()));
       double unused = 0, transform = 0;
       const double without = RoundTripError(g, layer_policies[l], nullptr, &unused);
-      Geometry geometry = exchanger->active_geometry(uint32_t(l));
+      Geometry geometry = trainer->exchanger().active_geometry(uint32_t(l));
       if (geometry.is_identity()) {
         GeometryOptions go;
         go.mode = spec.auto_policy.geometry;
@@ -447,8 +402,7 @@ struct JobRunner::Impl {
       pr->set_error_with(with);
       pr->set_transform_seconds(transform);
       pr->set_step_seconds(last_step_seconds);
-      auto d = drift.find(uint32_t(l));
-      pr->set_drift(d == drift.end() ? 0.0 : d->second);
+      pr->set_drift(trainer->last_drift()[l]);
     }
     Send(std::move(m), false);
   }
@@ -480,23 +434,36 @@ struct JobRunner::Impl {
                  "data.source: unknown (", spec.data.source, ")");
     auto mc = ModelConfigFor(spec);
     GEOFP8_CHECK(mc.ok(), std::string(mc.status().message()));
+    model_config = *mc;
+    params = model::Model<float>(model_config).params();
     model::SetBlasThreads(r.options_.blas_threads);
-    model = std::make_unique<model::Model<float>>(*mc);
     seq = spec.training.seq_len;
-    model::OptimizerOptions oo;
-    oo.lr = float(spec.training.lr);
-    oo.min_lr = oo.lr * 0.1f;
-    oo.warmup_steps = int(spec.training.warmup_steps);
-    oo.total_steps = int(std::max<int64_t>(spec.training.steps, 1));
-    oo.weight_decay = float(spec.training.weight_decay);
-    oo.clip_norm = float(spec.training.grad_clip);
-    if (std::string err = model::ValidateOptimizerOptions(oo); !err.empty()) {
+    train::TrainOptions to;
+    to.model = model_config;
+    to.optimizer.lr = float(spec.training.lr);
+    to.optimizer.min_lr = to.optimizer.lr * 0.1f;
+    to.optimizer.warmup_steps = int(spec.training.warmup_steps);
+    to.optimizer.total_steps = int(std::max<int64_t>(spec.training.steps, 1));
+    to.optimizer.weight_decay = float(spec.training.weight_decay);
+    to.optimizer.clip_norm = float(spec.training.grad_clip);
+    if (std::string err = model::ValidateOptimizerOptions(to.optimizer); !err.empty()) {
       GEOFP8_FAIL("training: ", err);
     }
-    optimizer = std::make_unique<model::AdamW>(oo, model->params());
-    data = model::MakeDataSource(spec.data.source == "file" ? spec.data.path : "synthetic",
-                                 spec.data.seed);
-    model->Init(spec.training.seed);
+    to.ranks = world;
+    to.batch = spec.training.batch_size;
+    to.seq = seq;
+    to.steps = spec.training.steps;
+    to.seed = spec.training.seed;
+    to.data_seed = spec.data.seed;
+    to.data = spec.data.source == "file" ? spec.data.path : "synthetic";
+    to.policy = "coordinator";  // the versions come from the coordinator (SetPolicies)
+    to.eval_every = 0;          // the loop below owns checksums and checkpoints
+    to.checksum_every = 0;
+    to.blas_threads = r.options_.blas_threads;
+    to.timeout = milliseconds(int64_t(spec.exchange.timeout_s) * 1000);
+    if (std::string err = train::ValidateTrainOptions(to); !err.empty()) {
+      GEOFP8_FAIL("training: ", err);
+    }
     checkpoint_path = ResolveCheckpointPath();
     LoadPolicyVersions();
 
@@ -505,7 +472,7 @@ struct JobRunner::Impl {
     GlooOptions go;
     go.hostname = r.options_.advertise_host;
     go.prefix = "gloo";
-    go.timeout = milliseconds(int64_t(spec.exchange.timeout_s) * 1000);
+    go.timeout = to.timeout;
     comm = CreateGlooCommunicator(*store, rank, world, go);
     comm->set_timeout(go.timeout);
     Log("job " + a.job_id() + " attempt " + std::to_string(a.attempt()) + ": rank " +
@@ -513,7 +480,7 @@ struct JobRunner::Impl {
 
     if (rank == 0) {
       v1::WorkerMessage m;
-      for (const auto& p : model->params()) {
+      for (const auto& p : params) {
         auto* li = m.mutable_catalog()->add_layers();
         li->set_name(p.name);
         li->set_rows(p.is_matrix() ? p.rows : p.size());
@@ -522,23 +489,27 @@ struct JobRunner::Impl {
       Send(std::move(m), true);
     }
 
-    int64_t start = 0;
-    if (a.resume_step() > 0) {
-      Restore(a.resume_step());
-      start = a.resume_step();
-    }
+    const int64_t start = a.resume_step() > 0 ? a.resume_step() : 0;
     policy.set_version(0);
+    std::optional<v1::Policy> first = TakeDuePolicy(start);
+    GEOFP8_CHECK(first.has_value(), "policy: no version in force at step ", start);
     {
-      std::optional<v1::Policy> first = TakeDuePolicy(start);
-      GEOFP8_CHECK(first.has_value(), "policy: no version in force at step ", start);
-      Apply(*first, start);
+      train::ExchangePlan plan;
+      plan.name = "policy v" + std::to_string(first->version());
+      plan.algorithm = spec.exchange.algorithm;
+      plan.bucket_cap_bytes = size_t(std::max(1.0, spec.exchange.bucket_mb * 1024 * 1024));
+      std::vector<RefreshSchedule> schedule = Resolve(*first);
+      plan.layers = layer_policies;
+      trainer = std::make_unique<train::Trainer>(to, *comm, std::move(plan), std::move(schedule),
+                                                 first->version());
     }
+    if (start > 0) Restore(start);
+    Announce(*first, start);
 
     const int64_t steps = spec.training.steps;
-    const size_t L = model->params().size();
     const double baseline_per_step =
-        world > 1 ? 2.0 * (world - 1) / world * 4.0 * double(model->weights().size()) : 0.0;
-    const int64_t step_tokens = int64_t(world) * spec.training.batch_size * seq;
+        world > 1 ? 2.0 * (world - 1) / world * 4.0 * double(trainer->model().weights().size())
+                  : 0.0;
     for (int64_t step = start; step < steps; ++step) {
       const uint32_t control = Control(step);
       if (control != 0) {
@@ -556,86 +527,52 @@ struct JobRunner::Impl {
       }
       if (std::optional<v1::Policy> due = TakeDuePolicy(step)) Apply(*due, step);
 
-      const auto t0 = Clock::now();
-      const bool summarize = r.options_.summary_every > 0 && step % r.options_.summary_every == 0;
+      train::StepControl sc;
+      sc.measure_error = r.options_.summary_every > 0 && step % r.options_.summary_every == 0;
       const bool probe = spec.auto_policy.enabled && rank == 0 && step > 0 &&
                          spec.auto_policy.probe_every > 0 &&
                          step % spec.auto_policy.probe_every == 0;
-      const bool measure = summarize || probe;
-      data->TrainBatch(step, rank, world, spec.training.batch_size, seq, &tokens);
-      std::vector<std::span<float>> grads(L);
-      for (size_t i = 0; i < L; ++i) grads[i] = model->grad(int(i));
-      if (measure) local.resize(model->grads().size());
-      std::vector<size_t> remaining(exchanger->buckets().size());
-      for (size_t b = 0; b < remaining.size(); ++b) {
-        remaining[b] = exchanger->buckets()[b].layers.size();
-      }
-      size_t next_bucket = 0;
-      auto on_ready = [&](int i) {
-        if (measure) {
-          auto g = model->grad(i);
-          std::copy(g.begin(), g.end(), local.begin() + model->params()[i].offset);
-        }
-        --remaining[bucket_of[i]];
-        while (next_bucket < remaining.size() && remaining[next_bucket] == 0) {
-          exchanger->Submit(uint64_t(step), next_bucket++, grads);
-        }
-      };
-      const double loss =
-          model->ForwardBackward(tokens, spec.training.batch_size, seq, on_ready);
-      GEOFP8_CHECK(next_bucket == remaining.size(), "backward left buckets unsubmitted");
-      const StepResult ex = exchanger->Finish(uint64_t(step));
-      if (summarize) Summaries(step);
+      sc.keep_local = probe;
+      const train::StepRecord rec = trainer->Step(step, sc);
+      if (sc.measure_error) Summaries(rec);
       if (probe) Probes(step);
-      for (const RefreshRecord& rr : ex.refreshes) {
-        if (rr.seconds > 0) drift[rr.layer] = rr.drift;  // measured by this rank as the owner
-      }
-      if (!ex.skipped) {
-        model::ClipGradNorm(model->grads(), optimizer->options().clip_norm);
-        optimizer->Step(model->weights(), model->grads(), step);
-      }
-      float sum[1] = {float(loss)};
-      comm->AllReduceSum(sum);
-      const double mean_loss = double(sum[0]) / world;
-      const double seconds = std::chrono::duration<double>(Clock::now() - t0).count();
-      last_step_seconds = seconds;
-      const double tps = seconds > 0 ? double(step_tokens) / seconds : 0;
+      last_step_seconds = rec.step_seconds;
+      const double tps = rec.step_seconds > 0 ? double(rec.tokens) / rec.step_seconds : 0;
       tokens_per_second = tokens_per_second == 0 ? tps : 0.8 * tokens_per_second + 0.2 * tps;
-      bytes_sent += ex.bytes_sent;
-      bytes_baseline += uint64_t(baseline_per_step);
-      GEOFP8_CHECK(std::isfinite(mean_loss) || ex.skipped, "loss is not finite at step ", step);
+      GEOFP8_CHECK(std::isfinite(rec.loss) || rec.skipped, "loss is not finite at step ", step);
 
       if (r.metrics_) {
-        r.metrics_->Step(step, mean_loss, tokens_per_second, seconds, ex.seconds, ex.skipped);
-        for (const BucketResult& b : ex.buckets) {
-          const auto& ls = exchanger->buckets()[b.bucket].layers;
+        r.metrics_->Step(step, rec.loss, tokens_per_second, rec.step_seconds,
+                         rec.exchange_seconds, rec.skipped);
+        for (const BucketResult& b : rec.exchange.buckets) {
+          const auto& ls = trainer->exchanger().buckets()[b.bucket].layers;
           double total = 0;
-          for (uint32_t l : ls) total += EncodedWeight(layer_policies[l], model->params()[l].size());
+          for (uint32_t l : ls) total += EncodedWeight(layer_policies[l], params[l].size());
           for (uint32_t l : ls) {
             const double share =
-                total > 0 ? EncodedWeight(layer_policies[l], model->params()[l].size()) / total : 0;
-            r.metrics_->LayerBytes(model->params()[l].name,
-                                   std::string(FormatNameOf(layer_policies[l].format)),
+                total > 0 ? EncodedWeight(layer_policies[l], params[l].size()) / total : 0;
+            r.metrics_->LayerBytes(params[l].name, std::string(FormatNameOf(layer_policies[l].format)),
                                    double(b.bytes_sent) * share);
           }
         }
-        for (const RefreshRecord& rr : ex.refreshes) {
-          if (rr.seconds > 0) r.metrics_->Refresh(model->params()[rr.layer].name, rr.drift);
+        for (const RefreshRecord& rr : rec.exchange.refreshes) {
+          if (rr.seconds > 0) r.metrics_->Refresh(params[rr.layer].name, rr.drift);
         }
       }
       v1::WorkerMessage pm;
       auto* p = pm.mutable_progress();
       p->set_step(step);
-      p->set_loss(mean_loss);
+      p->set_loss(rec.loss);
       p->set_tokens_per_second(tokens_per_second);
-      p->set_bytes_sent(bytes_sent);
-      p->set_bytes_baseline(bytes_baseline);
+      p->set_bytes_sent(trainer->bytes_sent());
+      p->set_bytes_baseline(uint64_t(baseline_per_step * double(step + 1)));
       p->set_policy_version(policy.version());
       Send(std::move(pm), false);
 
       const bool last = step + 1 == steps;
       if (last || (r.options_.checksum_every > 0 && (step + 1) % r.options_.checksum_every == 0)) {
-        VerifyChecksum(step, last ? &out.checksum : nullptr);
+        const uint64_t checksum = trainer->VerifyChecksum(step);
+        if (last) out.checksum = checksum;
       }
       if (!checkpoint_path.empty() && (last || (step + 1) % spec.checkpoint.every == 0)) {
         SaveCheckpoint(step + 1);
@@ -647,7 +584,7 @@ struct JobRunner::Impl {
     out.success = true;
     out.steps = steps;
     out.policy_version = policy.version();
-    if (start == steps) VerifyChecksum(steps - 1, &out.checksum);
+    if (start == steps) out.checksum = trainer->VerifyChecksum(steps - 1);
     out.reason = "completed " + std::to_string(steps) + " steps; checksum " + Hex(out.checksum);
     return out;
   }

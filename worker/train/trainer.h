@@ -157,6 +157,8 @@ class Trainer {
   const Exchanger& exchanger() const { return *exchanger_; }
   const ExchangePlan& plan() const { return plan_; }
   uint64_t policy_version() const { return policy_version_; }
+  // This rank's wire bytes over the whole run (a resumed run includes the checkpoint's).
+  uint64_t bytes_sent() const { return bytes_sent_; }
   // This rank's gradient before the exchange at the last step run with keep_local or
   // measure_error, flat in params() layout.
   const std::vector<float>& local_gradient() const { return local_; }
