@@ -186,7 +186,10 @@ int main(int argc, char** argv) {
   // PreferredBlasCore). The variable is then set, so this cannot loop.
   if (const std::string core = geofp8::model::PreferredBlasCore(); !core.empty()) {
     setenv("OPENBLAS_CORETYPE", core.c_str(), 1);
-    execv("/proc/self/exe", argv);
+    // The resolved path, not /proc/self/exe itself, so ps and perf still name geofp8-train.
+    std::error_code ec;
+    const std::string self = std::filesystem::read_symlink("/proc/self/exe", ec).string();
+    execv(ec ? "/proc/self/exe" : self.c_str(), argv);
     std::cerr << kProgram << ": warning: could not re-execute with OPENBLAS_CORETYPE=" << core
               << "; continuing with OpenBLAS core " << geofp8::model::BlasCoreName() << "\n";
   }
