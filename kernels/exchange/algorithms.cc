@@ -37,17 +37,33 @@ bool Divide(std::span<const float> in, float divisor, std::span<float> out) {
   return bad != 0;
 }
 
+uint64_t FlagBit(const BucketLayer& l) { return uint64_t{1} << l.flag_bit; }
+
+// The OR over ranks of every rank's flags: one direct all-gather of 8 bytes.
+uint64_t AgreeFlags(Communicator& comm, uint64_t mine) {
+  const int n = comm.size();
+  std::vector<uint64_t> all(n, 0);
+  comm.AllGatherV({reinterpret_cast<const uint8_t*>(&mine), 8},
+                  {reinterpret_cast<uint8_t*>(all.data()), all.size() * 8},
+                  std::vector<size_t>(n, 8));
+  uint64_t any = 0;
+  for (uint64_t f : all) any |= f;
+  return any;
+}
+
 // The baselines reduce the whole bucket as one flat buffer, as DDP does, dividing as they copy.
-// Returns whether the input holds a NaN or inf.
-bool Flatten(std::span<const BucketLayer> layers, float divisor, UninitializedVector<float>& flat) {
+// Returns the flag bits of layers whose input holds a NaN or inf.
+uint64_t Flatten(std::span<const BucketLayer> layers, float divisor, UninitializedVector<float>& flat) {
   size_t total = 0;
   for (const auto& l : layers) total += l.in.size();
   flat.resize(total);
   size_t off = 0;
-  bool bad = false;
+  uint64_t bad = 0;
   for (const auto& l : layers) {
     // Geometry layers were divided (and transformed) in place already.
-    bad |= Divide(l.in, l.geometry ? 1.f : divisor, std::span(flat).subspan(off, l.in.size()));
+    if (Divide(l.in, l.geometry ? 1.f : divisor, std::span(flat).subspan(off, l.in.size()))) {
+      bad |= FlagBit(l);
+    }
     off += l.in.size();
   }
   return bad;
@@ -61,44 +77,46 @@ void Unflatten(std::span<const float> flat, std::span<const BucketLayer> layers)
   }
 }
 
-bool RunFp32(Communicator& comm, std::span<const BucketLayer> layers, float divisor,
-             ExchangeWorkspace& ws) {
-  const bool bad = Flatten(layers, divisor, ws.flat);
+uint64_t RunFp32(Communicator& comm, std::span<const BucketLayer> layers, float divisor,
+                 ExchangeWorkspace& ws) {
+  const uint64_t bad = Flatten(layers, divisor, ws.flat);
   comm.AllReduceSum(ws.flat);
   Unflatten(ws.flat, layers);
   return bad;
 }
 
-bool RunBf16(Communicator& comm, std::span<const BucketLayer> layers, float divisor,
-             ExchangeWorkspace& ws) {
+uint64_t RunBf16(Communicator& comm, std::span<const BucketLayer> layers, float divisor,
+                 ExchangeWorkspace& ws) {
   size_t total = 0;
   for (const auto& l : layers) total += l.in.size();
   auto& flat = ws.flat_bf16;
   flat.resize(total);
   size_t off = 0;
-  uint32_t bad = 0;
+  uint64_t bad = 0;
   for (const auto& l : layers) {
     const float d = l.geometry ? 1.f : divisor;  // geometry layers were divided in place
+    uint32_t layer_bad = 0;
     for (float v : l.in) {
       uint32_t bits;
       std::memcpy(&bits, &v, 4);
-      bad |= (bits & 0x7f800000u) == 0x7f800000u;
+      layer_bad |= (bits & 0x7f800000u) == 0x7f800000u;
       flat[off++] = FloatToBf16(v / d);
     }
+    if (layer_bad) bad |= FlagBit(l);
   }
   comm.AllReduceSumBf16(flat);
   off = 0;
   for (const auto& l : layers) {
     for (float& v : l.out) v = Bf16ToFloat(flat[off++]);
   }
-  return bad != 0;
+  return bad;
 }
 
 // Flattens the bucket, hands it to the backend's FP8 all-reduce, copies back.
-bool RunNative(Communicator& comm, std::span<const BucketLayer> layers, float divisor,
-               ExchangeWorkspace& ws) {
+uint64_t RunNative(Communicator& comm, std::span<const BucketLayer> layers, float divisor,
+                   ExchangeWorkspace& ws) {
   if (!comm.HasNativeFp8()) comm.AllReduceSumNativeFp8({});  // throws the backend's message
-  const bool bad = Flatten(layers, divisor, ws.flat);
+  const uint64_t bad = Flatten(layers, divisor, ws.flat);
   comm.AllReduceSumNativeFp8(ws.flat);
   Unflatten(ws.flat, layers);
   return bad;
@@ -172,33 +190,35 @@ class Pipeline {
     state_.assign(groups_.size(), 0);
   }
 
-  // Returns whether this rank's input held a NaN or inf.
-  bool Run() {
+  // Returns the OR over ranks of the flag bits (BucketLayer::flag_bit) of layers whose input held
+  // a NaN or inf: the same answer on every rank.
+  uint64_t Run() {
     const size_t G = groups_.size();
     std::thread helper([this] { HelperLoop(); });
+    uint64_t agreed = 0;
     try {
-      // Collectives: A(0), A(1), G(0), A(2), G(1), ..., G(last), the same order on every rank.
-      // allgather has no A: G(0), G(1), ...
+      // The caller's check (fingerprints) runs while the helper encodes the first groups.
+      if (ao_.before_data) ao_.before_data();
+      // allgather: G(0), G(1), ..., the same order on every rank. The flags are agreed once every
+      // group is encoded, before the last gather.
       for (size_t s = 0; s < G && !two_phase_; ++s) {
         WaitFor(s, kEncoded);
-        auto& g = groups_[s];
-        g.all->resize(g.total);
-        comm_.AllGatherV(*g.mine, *g.all, g.counts);
+        if (s + 1 == G) agreed = AgreeFlags(comm_, nonfinite_);
+        AllGather(s);
         Mark(s, kGathered);
       }
+      // two_phase: A(0), A(1), G(0), A(2), G(1), ..., G(last): group s's all-to-all goes out
+      // while the helper still sums group s-1, whose all-gather follows. The last all-to-all
+      // carries the flags.
       for (size_t s = 0; s <= G && two_phase_; ++s) {
         if (s < G) {
           WaitFor(s, kEncoded);
-          auto& g = groups_[s];
-          g.recv->resize(g.counts[r_] * n_);
-          comm_.AllToAllV(*g.send, g.counts, *g.recv, std::vector<size_t>(n_, g.counts[r_]));
+          AllToAll(s, /*with_flags=*/s + 1 == G, &agreed);
           Mark(s, kExchanged);
         }
         if (s >= 1) {
           WaitFor(s - 1, kRequantized);
-          auto& g = groups_[s - 1];
-          g.all->resize(g.total);
-          comm_.AllGatherV(*g.mine, *g.all, g.counts);
+          AllGather(s - 1);
           Mark(s - 1, kGathered);
         }
       }
@@ -211,10 +231,49 @@ class Pipeline {
     }
     helper.join();
     if (helper_error_) std::rethrow_exception(helper_error_);
-    return nonfinite_;
+    return agreed;
   }
 
+
  private:
+  static constexpr uint8_t kAllToAllChannel = 0, kFlagChannel = 1;
+
+  // two_phase's first phase for group s: chunk j of every layer to rank j, straight to each peer.
+  // With `with_flags` (the last group: every group is encoded, so this rank's flags are final) it
+  // also carries each rank's non-finite flags, and *agreed gets their OR over ranks, without a
+  // round trip of its own.
+  void AllToAll(size_t s, bool with_flags, uint64_t* agreed) {
+    auto& g = groups_[s];
+    const size_t mine = g.counts[r_];
+    g.recv->resize(mine * n_);
+    std::copy_n(g.send->data() + g.dest_offset[r_], mine, g.recv->data() + r_ * mine);
+    std::vector<PeerSend> sends;
+    std::vector<PeerRecv> recvs;
+    const uint64_t my_flags = nonfinite_;
+    std::vector<uint64_t> flags(n_, 0);
+    flags[r_] = my_flags;
+    for (int k = 1; k < n_; ++k) {  // staggered: rank r starts with r+1
+      const int to = (r_ + k) % n_, from = (r_ - k + n_) % n_;
+      sends.push_back({to, kAllToAllChannel,
+                       std::span<const uint8_t>(*g.send).subspan(g.dest_offset[to], g.counts[to])});
+      recvs.push_back({from, kAllToAllChannel, std::span(*g.recv).subspan(from * mine, mine)});
+      if (with_flags) {
+        sends.push_back({to, kFlagChannel, {reinterpret_cast<const uint8_t*>(&my_flags), 8}});
+        recvs.push_back({from, kFlagChannel, {reinterpret_cast<uint8_t*>(&flags[from]), 8}});
+      }
+    }
+    comm_.SendRecv(sends, recvs);
+    if (with_flags) {
+      for (uint64_t f : flags) *agreed |= f;
+    }
+  }
+
+  // two_phase's second phase for group s: this rank's requantized chunks to every rank.
+  void AllGather(size_t s) {
+    auto& g = groups_[s];
+    g.all->resize(g.total);
+    comm_.AllGatherV(*g.mine, *g.all, g.counts);
+  }
   enum Stage : int { kEncoded = 1, kExchanged = 2, kRequantized = 3, kGathered = 4, kDecoded = 5 };
 
   CodecOptions Options(size_t i, int rank, uint32_t phase, int chunk) const {
@@ -229,14 +288,14 @@ class Pipeline {
     const std::span<const float> x = layers_[i].in.subspan(c.begin, c.size());
     if (layers_[i].geometry) return x;
     divided_->resize(c.size());
-    nonfinite_ |= Divide(x, ao_.divisor, *divided_);
+    if (Divide(x, ao_.divisor, *divided_)) nonfinite_ |= FlagBit(layers_[i]);
     return *divided_;
   }
 
   void Encode1(Group& g) {
     for (size_t i = g.first; i < g.last; ++i) {
       if (!layers_[i].geometry) continue;
-      nonfinite_ |= Divide(layers_[i].in, ao_.divisor, layers_[i].in);
+      if (Divide(layers_[i].in, ao_.divisor, layers_[i].in)) nonfinite_ |= FlagBit(layers_[i]);
       ApplyGeometry(*layers_[i].geometry, layers_[i].in);
     }
     if (!two_phase_) {  // allgather: this rank's whole layers, once
@@ -398,7 +457,9 @@ class Pipeline {
   std::vector<std::vector<size_t>> bytes_;      // [layer][rank] encoded bytes of that chunk
   std::vector<Group> groups_;
   UninitializedVector<float>* divided_ = nullptr;  // Divided()'s buffer: helper thread only
-  bool nonfinite_ = false;  // set by the helper thread, read after it joined
+  // Flag bits of layers whose input held a NaN or inf: written by the helper while encoding, read
+  // once every group is encoded.
+  uint64_t nonfinite_ = 0;
 
   std::mutex mu_;
   std::condition_variable cv_;
@@ -409,26 +470,28 @@ class Pipeline {
 
 }  // namespace
 
-bool ExchangeBucketData(Communicator& comm, Algorithm algorithm, const AlgorithmOptions& options,
-                        std::span<const BucketLayer> layers) {
+uint64_t ExchangeBucketData(Communicator& comm, Algorithm algorithm, const AlgorithmOptions& options,
+                            std::span<const BucketLayer> layers) {
   for (const auto& l : layers) {
     GEOFP8_CHECK(l.in.size() == l.out.size(), "layer ", l.layer, ": input has ", l.in.size(),
                  " elements, output ", l.out.size());
+    GEOFP8_CHECK(l.flag_bit < 64, "layer ", l.layer, ": flag_bit must be < 64 (", l.flag_bit, ")");
   }
   ExchangeWorkspace local;
   ExchangeWorkspace& ws = options.workspace ? *options.workspace : local;
   if (algorithm == Algorithm::kTwoPhase || algorithm == Algorithm::kAllGather) {
     // Geometry transforms run inside the pipeline, per group.
-    bool bad = false;
-    if (!layers.empty()) {
-      bad = Pipeline(comm, options, layers, algorithm == Algorithm::kTwoPhase, ws).Run();
+    if (layers.empty()) {  // every rank has the same (fingerprinted) layers: nothing to agree on
+      if (options.before_data) options.before_data();
+      return 0;
     }
-    return comm.MaxReduce(bad ? 1 : 0) != 0;
+    return Pipeline(comm, options, layers, algorithm == Algorithm::kTwoPhase, ws).Run();
   }
-  bool bad = false;
+  if (options.before_data) options.before_data();
+  uint64_t bad = 0;
   for (const auto& l : layers) {
     if (!l.geometry) continue;
-    bad |= Divide(l.in, options.divisor, l.in);
+    if (Divide(l.in, options.divisor, l.in)) bad |= FlagBit(l);
     ApplyGeometry(*l.geometry, l.in);
   }
   switch (algorithm) {
@@ -448,7 +511,7 @@ bool ExchangeBucketData(Communicator& comm, Algorithm algorithm, const Algorithm
   for (const auto& l : layers) {
     if (l.geometry) InvertGeometry(*l.geometry, l.out);
   }
-  return comm.MaxReduce(bad ? 1 : 0) != 0;
+  return AgreeFlags(comm, bad);
 }
 
 }  // namespace geofp8

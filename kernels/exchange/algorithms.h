@@ -6,6 +6,7 @@
 
 #include <cstddef>
 #include <cstdint>
+#include <functional>
 #include <memory>
 #include <span>
 #include <utility>
@@ -26,6 +27,9 @@ struct BucketLayer {
   // before any of its outputs is written.
   std::span<float> in;
   std::span<float> out;        // the reduced result in gradient coordinates (same size)
+  // Which bit of ExchangeBucketData's result reports a NaN or inf in this layer's input (< 64):
+  // the exchanger gives each bucket of a coalesced exchange its own bit.
+  uint32_t flag_bit = 0;
 };
 
 // A vector whose resize() leaves new elements uninitialized: exchange buffers are always fully
@@ -72,15 +76,20 @@ struct AlgorithmOptions {
   size_t segment_bytes = size_t{1} << 20;
   // Reused buffers; null: the call allocates its own (tests, one-off calls).
   ExchangeWorkspace* workspace = nullptr;
+  // Run on the calling thread before the first collective that moves data (the exchanger's
+  // fingerprint check); two_phase and allgather encode their first groups meanwhile. If it
+  // throws, nothing is sent and the exception propagates.
+  std::function<void()> before_data;
 };
 
 // Runs `algorithm` over the bucket's layers. Every rank ends with byte-identical outputs: the sum
 // over ranks of the inputs, through the algorithm's quantization. Each rank notes a NaN or inf in
-// its input as it reads it, and one MaxReduce at the end agrees on it: the result is true on every
-// rank if any rank had one, and then the outputs hold no meaningful values (the caller skips the
-// step, as mixed-precision loss scaling does after its all-reduce). Throws geofp8::Error for
-// kNative (GPU only) or a collective failure.
-bool ExchangeBucketData(Communicator& comm, Algorithm algorithm, const AlgorithmOptions& options,
-                        std::span<const BucketLayer> layers);
+// a layer's input as it reads it and sets that layer's flag_bit; the result is the OR of those
+// bits over ranks, the same on every rank (two_phase sends the flags with its last all-to-all,
+// the others with one small all-gather). Outputs of layers whose bit is set hold no meaningful
+// values: the caller skips them, as mixed-precision loss scaling does after its all-reduce.
+// Throws geofp8::Error for kNative (GPU only) or a collective failure.
+uint64_t ExchangeBucketData(Communicator& comm, Algorithm algorithm, const AlgorithmOptions& options,
+                            std::span<const BucketLayer> layers);
 
 }  // namespace geofp8

@@ -137,7 +137,9 @@ std::shared_future<BucketResult> Exchanger::Submit(uint64_t step, size_t bucket,
   if (bucket == 0) pending.start = std::chrono::steady_clock::now();
   pending.grads = grads;
   auto task = std::make_shared<std::packaged_task<BucketResult()>>(
-      [this, step, bucket, grads = std::move(grads)] { return RunBucket(step, bucket, grads); });
+      [this, step, bucket, grads = std::move(grads)] {
+        return RunBuckets(step, bucket, bucket + 1, grads)[0];
+      });
   std::shared_future<BucketResult> future = task->get_future().share();
   pending.futures.push_back(future);
   Enqueue([task] { (*task)(); });
@@ -177,7 +179,28 @@ StepResult Exchanger::Finish(uint64_t step) {
 }
 
 StepResult Exchanger::Exchange(uint64_t step, std::vector<std::span<float>> grads) {
-  for (size_t b = 0; b < buckets_.size(); ++b) Submit(step, b, grads);
+  GEOFP8_CHECK(grads.size() == layers_.size(), "exchange: ", grads.size(), " gradients for ",
+               layers_.size(), " layers");
+  GEOFP8_CHECK(!steps_.contains(step), "exchange: step ", step, " already has submitted buckets");
+  // Every bucket is here at once, on every rank: run them as one pipeline (up to 64 buckets per
+  // run, one non-finite flag bit each), so there is one fill and one drain instead of one per
+  // bucket. Results and errors are per bucket, as with Submit.
+  auto& pending = steps_[step];
+  pending.start = std::chrono::steady_clock::now();
+  pending.grads = grads;
+  for (size_t first = 0; first < buckets_.size(); first += 64) {
+    const size_t last = std::min(buckets_.size(), first + 64);
+    auto promises = std::make_shared<std::vector<std::promise<BucketResult>>>(last - first);
+    for (auto& p : *promises) pending.futures.push_back(p.get_future().share());
+    Enqueue([this, step, first, last, grads, promises] {
+      try {
+        auto results = RunBuckets(step, first, last, grads);
+        for (size_t i = 0; i < results.size(); ++i) (*promises)[i].set_value(results[i]);
+      } catch (...) {
+        for (auto& p : *promises) p.set_exception(std::current_exception());
+      }
+    });
+  }
   return Finish(step);
 }
 
@@ -277,68 +300,91 @@ std::vector<uint32_t> Exchanger::ImportGeometry(const std::vector<LayerGeometryS
   return reset;
 }
 
-BucketResult Exchanger::RunBucket(uint64_t step, size_t bucket,
-                                  const std::vector<std::span<float>>& grads) {
+std::vector<BucketResult> Exchanger::RunBuckets(uint64_t step, size_t first, size_t last,
+                                                const std::vector<std::span<float>>& grads) {
   const auto start = std::chrono::steady_clock::now();
   const uint64_t bytes_before = comm_.stats().bytes_sent;
-  const Bucket& b = buckets_[bucket];
-  BucketResult result;
-  result.bucket = bucket;
-
-  std::vector<LayerRecord> records;
-  for (uint32_t l : b.layers) {
-    const LayerSpec& spec = layers_[l];
-    GEOFP8_CHECK(grads[l].size() == static_cast<size_t>(spec.count()), "layer '", spec.name,
-                 "': gradient has ", grads[l].size(), " elements, shape ", spec.rows, "x",
-                 spec.cols, " needs ", spec.count());
-    LayerState& st = state_[l];
-    if (st.has_pending && step >= st.pending_from) {
-      st.active = std::move(st.pending);
-      st.has_pending = false;
+  GEOFP8_CHECK(first < last && last <= buckets_.size() && last - first <= 64,
+               "exchange: bucket range [", first, ", ", last, ") is invalid");
+  struct Fingerprint {
+    BucketRecord header;
+    std::vector<LayerRecord> records;
+  };
+  std::vector<Fingerprint> prints;
+  // The algorithms divide by N as they read each chunk (the sum is then the average and cannot
+  // overflow) and note any NaN or inf on the way, in the bucket's own flag bit; the ranks agree on
+  // the flags after the data has moved. One pass over the gradient.
+  std::vector<BucketLayer> work;
+  for (size_t bucket = first; bucket < last; ++bucket) {
+    Fingerprint fp;
+    for (uint32_t l : buckets_[bucket].layers) {
+      const LayerSpec& spec = layers_[l];
+      GEOFP8_CHECK(grads[l].size() == static_cast<size_t>(spec.count()), "layer '", spec.name,
+                   "': gradient has ", grads[l].size(), " elements, shape ", spec.rows, "x",
+                   spec.cols, " needs ", spec.count());
+      LayerState& st = state_[l];
+      if (st.has_pending && step >= st.pending_from) {
+        st.active = std::move(st.pending);
+        st.has_pending = false;
+      }
+      LayerRecord rec;
+      rec.layer = l;
+      rec.format = static_cast<uint8_t>(spec.policy.format);
+      rec.scaling = static_cast<uint8_t>(spec.policy.scaling);
+      rec.rounding = static_cast<uint8_t>(spec.policy.rounding);
+      rec.block = spec.policy.block;
+      rec.rows = spec.rows;
+      rec.cols = spec.cols;
+      if (UsesGeometry(l)) {
+        rec.geometry = static_cast<uint8_t>(spec.policy.geometry);
+        rec.rank_k = spec.policy.rank;
+        rec.alpha = spec.policy.alpha;
+        rec.geometry_version = st.active.version;
+      }
+      fp.records.push_back(rec);
+      BucketLayer w{l, spec.policy, UsesGeometry(l) ? &st.active : nullptr, grads[l], grads[l]};
+      w.flag_bit = static_cast<uint32_t>(bucket - first);
+      work.push_back(w);
     }
-    LayerRecord rec;
-    rec.layer = l;
-    rec.format = static_cast<uint8_t>(spec.policy.format);
-    rec.scaling = static_cast<uint8_t>(spec.policy.scaling);
-    rec.rounding = static_cast<uint8_t>(spec.policy.rounding);
-    rec.block = spec.policy.block;
-    rec.rows = spec.rows;
-    rec.cols = spec.cols;
-    if (UsesGeometry(l)) {
-      rec.geometry = static_cast<uint8_t>(spec.policy.geometry);
-      rec.rank_k = spec.policy.rank;
-      rec.alpha = spec.policy.alpha;
-      rec.geometry_version = st.active.version;
-    }
-    records.push_back(rec);
+    fp.header.policy_version = options_.policy_version;
+    fp.header.step = step;
+    fp.header.bucket = static_cast<uint32_t>(bucket);
+    fp.header.algorithm = static_cast<uint32_t>(options_.algorithm);
+    prints.push_back(std::move(fp));
   }
-  BucketRecord header;
-  header.policy_version = options_.policy_version;
-  header.step = step;
-  header.bucket = static_cast<uint32_t>(bucket);
-  header.algorithm = static_cast<uint32_t>(options_.algorithm);
   std::vector<std::string> names;
   names.reserve(layers_.size());
   for (const auto& l : layers_) names.push_back(l.name);
-  CheckFingerprints(comm_, header, records, names);
-  // The algorithms divide by N as they read each chunk (the sum is then the average and cannot
-  // overflow), note any NaN or inf on the way and agree on it after the data has moved: one pass
-  // over the gradient instead of a scan before the fingerprints plus one to divide.
-  std::vector<BucketLayer> work;
-  for (uint32_t l : b.layers) {
-    work.push_back({l, layers_[l].policy, UsesGeometry(l) ? &state_[l].active : nullptr, grads[l],
-                    grads[l]});
-  }
   AlgorithmOptions ao;
   ao.seed = options_.seed;
   ao.step = step;
   ao.divisor = static_cast<float>(comm_.size());
   ao.segment_bytes = options_.segment_bytes;
   ao.workspace = &workspace_;
-  result.skipped = ExchangeBucketData(comm_, options_.algorithm, ao, work);
-  result.bytes_sent = comm_.stats().bytes_sent - bytes_before;
-  result.seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
-  return result;
+  // The fingerprints are compared while the first groups are encoded; nothing moves before.
+  ao.before_data = [&] {
+    for (const auto& fp : prints) CheckFingerprints(comm_, fp.header, fp.records, names);
+  };
+  const uint64_t nonfinite = ExchangeBucketData(comm_, options_.algorithm, ao, work);
+  // One run moved every bucket's bytes: each bucket is charged its share of the fp32 size.
+  const uint64_t bytes = comm_.stats().bytes_sent - bytes_before;
+  size_t total_fp32 = 0;
+  for (size_t b = first; b < last; ++b) total_fp32 += buckets_[b].bytes;
+  const double seconds =
+      std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+  std::vector<BucketResult> results;
+  uint64_t charged = 0;
+  for (size_t b = first; b < last; ++b) {
+    BucketResult r;
+    r.bucket = b;
+    r.skipped = (nonfinite >> (b - first)) & 1;
+    r.bytes_sent = b + 1 == last ? bytes - charged
+                                 : (total_fp32 ? bytes * buckets_[b].bytes / total_fp32 : 0);
+    charged += r.bytes_sent;
+    r.seconds = seconds;
+    results.push_back(r);
+  }
+  return results;
 }
 
 std::vector<RefreshRecord> Exchanger::RunRefreshes(uint64_t step,

@@ -123,7 +123,9 @@ class Exchanger {
   // scheduled geometry refreshes (skipped on a skipped step). Rethrows the first bucket error.
   StepResult Finish(uint64_t step);
 
-  // Submit every bucket, then Finish.
+  // Every bucket at once, then Finish: the same results as submitting each bucket, but the
+  // buckets share one pipeline run (one fill and one drain), as nothing has to overlap a backward
+  // pass.
   StepResult Exchange(uint64_t step, std::vector<std::span<float>> grads);
 
   // The geometry layer l uses at `step` (after activations up to it). For tests and metrics.
@@ -151,7 +153,9 @@ class Exchanger {
     bool has_pending = false;
   };
 
-  BucketResult RunBucket(uint64_t step, size_t bucket, const std::vector<std::span<float>>& grads);
+  // Buckets [first, last) of `step` (at most 64) through one run of the algorithm.
+  std::vector<BucketResult> RunBuckets(uint64_t step, size_t first, size_t last,
+                                       const std::vector<std::span<float>>& grads);
   std::vector<RefreshRecord> RunRefreshes(uint64_t step, const std::vector<std::span<float>>& grads);
   bool UsesGeometry(uint32_t layer) const;
   std::string PolicyMismatch(uint32_t layer, const Geometry& geometry) const;
