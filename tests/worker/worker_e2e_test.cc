@@ -145,6 +145,15 @@ TEST_F(WorkerE2ETest, TwoWorkersFinishATinyJobWithEqualChecksums) {
   EXPECT_NE(m.find("geofp8_quantization_rel_error{layer=\"layers.0.attn.wq\"}"), std::string::npos)
       << m;
   EXPECT_NE(m.find("geofp8_worker_jobs_total{result=\"succeeded\"} 1"), std::string::npos) << m;
+  // A refresh is counted by the rank that estimated it (the layer's owner), not by every rank.
+  const std::string m1 = Scrape(workers_[1]->MetricsPort());
+  for (const v1::LayerSummary& l : job.layers()) {
+    if (l.layer().find("norm") != std::string::npos) continue;
+    const std::string series = "geofp8_geometry_refreshes_total{layer=\"" + l.layer() + "\"} 3";
+    EXPECT_EQ(int(m.find(series) != std::string::npos) + int(m1.find(series) != std::string::npos),
+              1)
+        << series << "\n" << m << m1;
+  }
   // Both workers are free again.
   EXPECT_TRUE(client_->WaitIdle(2, seconds(10)));
 }

@@ -127,6 +127,7 @@ struct JobRunner::Impl {
   std::unique_ptr<Communicator> comm;
   std::unique_ptr<train::Trainer> trainer;  // model, optimizer, data, exchange engine
   std::vector<LayerPolicy> layer_policies;  // of the version in force (for metrics and probes)
+  std::vector<RefreshSchedule> schedule;    // of the version in force; empty: no geometry
   v1::Policy policy;  // in force
   std::string checkpoint_path;  // empty: checkpoints off
   double last_step_seconds = 0;
@@ -210,12 +211,13 @@ struct JobRunner::Impl {
     return false;
   }
 
-  // Every layer's policy under `p` and the refresh schedule (empty when no layer uses geometry).
+  // Every layer's policy under `p` and the refresh schedule (empty when no layer uses geometry),
+  // kept as the ones in force: Apply hands them to the trainer for the step about to run.
   std::vector<RefreshSchedule> Resolve(const v1::Policy& p) {
     auto resolved = ResolvePolicies(p, params);
     GEOFP8_CHECK(resolved.ok(), std::string(resolved.status().message()));
     layer_policies = *resolved;
-    std::vector<RefreshSchedule> schedule;
+    schedule.clear();
     if (UsesGeometry()) {
       bool missing = false;
       std::string which;
@@ -556,7 +558,10 @@ struct JobRunner::Impl {
           }
         }
         for (const RefreshRecord& rr : rec.exchange.refreshes) {
-          if (rr.seconds > 0) r.metrics_->Refresh(params[rr.layer].name, rr.drift);
+          // Every rank learns each refresh; the metric counts the ones this rank estimated.
+          if (schedule[rr.layer].owner == rank) {
+            r.metrics_->Refresh(params[rr.layer].name, rr.drift);
+          }
         }
       }
       v1::WorkerMessage pm;
