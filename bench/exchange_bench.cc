@@ -17,6 +17,7 @@
 #include "kernels/exchange/exchanger.h"
 #include "kernels/exchange/gloo_communicator.h"
 #include "kernels/exchange/store.h"
+#include "kernels/model/ops.h"
 
 namespace geofp8::bench {
 namespace {
@@ -276,10 +277,10 @@ void Print(const Args& a, const std::vector<Row>& rows, bool processes) {
   const auto layers = MakeLayers(a);
   const double bytes = a.mib * (1 << 20);
   std::printf("exchange: %d ranks (%s, gloo tcp), %.1f MiB fp32 per rank in %zu layers of up to %lldx%lld, "
-              "buckets of %.0f MiB, median of %d iters\n",
+              "buckets of %.0f MiB, median of %d iters, OpenBLAS core %s\n",
               a.ranks, processes ? "processes" : "threads", a.mib, layers.size(),
               static_cast<long long>(layers[0].rows), static_cast<long long>(layers[0].cols),
-              a.bucket_mib, a.iters);
+              a.bucket_mib, a.iters, model::BlasCoreName().c_str());
   double fp32_ms = 0;
   for (const auto& r : rows) {
     if (r.label == "fp32") fp32_ms = r.median_ms;

@@ -23,16 +23,32 @@ namespace geofp8 {
 namespace {
 
 // out[i] = in[i] / divisor, the IEEE quotient every reference computes; in may be out. Returns
-// whether in holds a NaN or inf. One pass, vectorized (this library is built with -O3).
-bool Divide(std::span<const float> in, float divisor, std::span<float> out) {
+// whether in holds a NaN or inf. One pass, vectorized (this library is built with -O3), in an AVX2
+// clone where the CPU has it. For a power-of-two divisor (N = 2, 4, 8, ...) it multiplies by the
+// exact reciprocal instead: both round the same real number, so the bits are the same.
+__attribute__((target_clones("avx2", "default"))) bool Divide(std::span<const float> in,
+                                                              float divisor, std::span<float> out) {
   const float* x = in.data();
   float* y = out.data();
+  const size_t n = in.size();
+  int exp = 0;
+  const bool pow2 = std::frexp(divisor, &exp) == 0.5f && exp > -125 && exp < 126;
+  const float inv = 1.f / divisor;
   uint32_t bad = 0;
-  for (size_t i = 0, n = in.size(); i < n; ++i) {
-    uint32_t bits;
-    std::memcpy(&bits, &x[i], 4);
-    bad |= (bits & 0x7f800000u) == 0x7f800000u;
-    y[i] = x[i] / divisor;
+  if (pow2) {
+    for (size_t i = 0; i < n; ++i) {
+      uint32_t bits;
+      std::memcpy(&bits, &x[i], 4);
+      bad |= (bits & 0x7f800000u) == 0x7f800000u;
+      y[i] = x[i] * inv;
+    }
+  } else {
+    for (size_t i = 0; i < n; ++i) {
+      uint32_t bits;
+      std::memcpy(&bits, &x[i], 4);
+      bad |= (bits & 0x7f800000u) == 0x7f800000u;
+      y[i] = x[i] / divisor;
+    }
   }
   return bad != 0;
 }
@@ -208,13 +224,13 @@ class Pipeline {
         Mark(s, kGathered);
       }
       // two_phase: A(0), A(1), G(0), A(2), G(1), ..., G(last): group s's all-to-all goes out
-      // while the helper still sums group s-1, whose all-gather follows. The last all-to-all
-      // carries the flags.
+      // while the helper still sums group s-1, whose all-gather follows. The flags are agreed
+      // right after the last all-to-all.
       for (size_t s = 0; s <= G && two_phase_; ++s) {
         if (s < G) {
           WaitFor(s, kEncoded);
           AllToAll(s, /*with_flags=*/s + 1 == G, &agreed);
-          Mark(s, kExchanged);
+          if (s + 1 < G) Mark(s, kExchanged);
         }
         if (s >= 1) {
           WaitFor(s - 1, kRequantized);
@@ -236,35 +252,16 @@ class Pipeline {
 
 
  private:
-  static constexpr uint8_t kAllToAllChannel = 0, kFlagChannel = 1;
-
-  // two_phase's first phase for group s: chunk j of every layer to rank j, straight to each peer.
-  // With `with_flags` (the last group: every group is encoded, so this rank's flags are final) it
-  // also carries each rank's non-finite flags, and *agreed gets their OR over ranks, without a
-  // round trip of its own.
+  // two_phase's first phase for group s: chunk j of every layer to rank j. With `with_flags` (the
+  // last group: every group is encoded, so this rank's flags are final) the ranks then agree on
+  // the non-finite flags, while the helper sums this group.
   void AllToAll(size_t s, bool with_flags, uint64_t* agreed) {
     auto& g = groups_[s];
-    const size_t mine = g.counts[r_];
-    g.recv->resize(mine * n_);
-    std::copy_n(g.send->data() + g.dest_offset[r_], mine, g.recv->data() + r_ * mine);
-    std::vector<PeerSend> sends;
-    std::vector<PeerRecv> recvs;
-    const uint64_t my_flags = nonfinite_;
-    std::vector<uint64_t> flags(n_, 0);
-    flags[r_] = my_flags;
-    for (int k = 1; k < n_; ++k) {  // staggered: rank r starts with r+1
-      const int to = (r_ + k) % n_, from = (r_ - k + n_) % n_;
-      sends.push_back({to, kAllToAllChannel,
-                       std::span<const uint8_t>(*g.send).subspan(g.dest_offset[to], g.counts[to])});
-      recvs.push_back({from, kAllToAllChannel, std::span(*g.recv).subspan(from * mine, mine)});
-      if (with_flags) {
-        sends.push_back({to, kFlagChannel, {reinterpret_cast<const uint8_t*>(&my_flags), 8}});
-        recvs.push_back({from, kFlagChannel, {reinterpret_cast<uint8_t*>(&flags[from]), 8}});
-      }
-    }
-    comm_.SendRecv(sends, recvs);
+    g.recv->resize(g.counts[r_] * n_);
+    comm_.AllToAllV(*g.send, g.counts, *g.recv, std::vector<size_t>(n_, g.counts[r_]));
     if (with_flags) {
-      for (uint64_t f : flags) *agreed |= f;
+      Mark(s, kExchanged);
+      *agreed = AgreeFlags(comm_, nonfinite_);
     }
   }
 

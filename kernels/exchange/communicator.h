@@ -21,19 +21,6 @@ struct CommStats {
   uint64_t collectives = 0;
 };
 
-// One point-to-point transfer of a SendRecv batch. A send to `peer` on `channel` is matched by that
-// peer's receive from this rank on the same channel, in the same batch, with the same size.
-struct PeerSend {
-  int peer = 0;
-  uint8_t channel = 0;
-  std::span<const uint8_t> data;
-};
-struct PeerRecv {
-  int peer = 0;
-  uint8_t channel = 0;
-  std::span<uint8_t> data;
-};
-
 // All spans are host memory. Every rank must issue the same collectives in the same order. A
 // failure or timeout throws geofp8::Error naming the operation; the communicator is then broken
 // and every later call throws as well.
@@ -54,13 +41,6 @@ class Communicator {
   // recv is the concatenation of every rank's send, rank order; recv_counts[i] is rank i's size.
   virtual void AllGatherV(std::span<const uint8_t> send, std::span<uint8_t> recv,
                           std::span<const size_t> recv_counts) = 0;
-
-  // A batch of point-to-point transfers posted together and finished together, as a group of
-  // ncclSend/ncclRecv: the two_phase pipeline sends one group's all-to-all and an earlier
-  // group's all-gather in one step. Every rank calls it in the same order (each its own part);
-  // no transfer may name this rank itself (copy locally), and a (peer, channel) pair appears at
-  // most once among the sends and once among the receives.
-  virtual void SendRecv(std::span<const PeerSend> sends, std::span<const PeerRecv> recvs) = 0;
 
   // In-place sums. The result is identical on every rank.
   virtual void AllReduceSum(std::span<float> data) = 0;

@@ -7,7 +7,9 @@
 #include <numeric>
 #include <vector>
 
+#include <gloo/allgatherv.h>
 #include <gloo/allreduce.h>
+#include <gloo/alltoallv.h>
 #include <gloo/barrier.h>
 #include <gloo/broadcast.h>
 #include <gloo/common/error.h>
@@ -15,8 +17,6 @@
 #include <gloo/rendezvous/context.h>
 #include <gloo/rendezvous/prefix_store.h>
 #include <gloo/transport/tcp/device.h>
-#include <gloo/transport/unbound_buffer.h>
-#include <gloo/types.h>
 
 #include "kernels/common/check.h"
 #include "kernels/exchange/bf16.h"
@@ -43,9 +43,6 @@ void GlooStoreAdapter::wait(const std::vector<std::string>& keys,
 }
 
 namespace {
-
-// Slot prefix of our point-to-point transfers (gloo's own collectives use small ones).
-constexpr uint8_t kTransferSlotPrefix = 0xA6;
 
 // Runs one gloo call, converting whatever gloo throws into a one-line geofp8::Error.
 template <typename Fn>
@@ -100,36 +97,29 @@ class GlooCommunicator final : public Communicator {
                  " bytes, counts need ", send_total);
     GEOFP8_CHECK(recv.size() >= recv_total, "alltoallv: recv buffer holds ", recv.size(),
                  " bytes, counts need ", recv_total);
-    GEOFP8_CHECK(send_counts[rank()] == recv_counts[rank()], "alltoallv: rank ", rank(),
-                 " keeps ", send_counts[rank()], " bytes of its own but expects ",
-                 recv_counts[rank()]);
     ++stats_.collectives;
     stats_.bytes_sent += send_total - send_counts[rank()];
     if (n == 1) {
       std::copy_n(send.data(), send_total, recv.data());
       return;
     }
-    std::vector<size_t> send_off(n, 0), recv_off(n, 0);
-    for (int r = 1; r < n; ++r) {
-      send_off[r] = send_off[r - 1] + send_counts[r - 1];
-      recv_off[r] = recv_off[r - 1] + recv_counts[r - 1];
-    }
-    std::copy_n(send.data() + send_off[rank()], send_counts[rank()], recv.data() + recv_off[rank()]);
-    // Every send and receive is posted at once, then waited for: no step waits on another.
-    std::vector<PeerSend> sends;
-    std::vector<PeerRecv> recvs;
-    for (int k = 1; k < n; ++k) {  // staggered: rank r starts with r+1
-      const int to = (rank() + k) % n, from = (rank() - k + n) % n;
-      sends.push_back({to, 0, send.subspan(send_off[to], send_counts[to])});
-      recvs.push_back({from, 0, recv.subspan(recv_off[from], recv_counts[from])});
-    }
-    Transfer("alltoallv", sends, recvs);
+    std::vector<int64_t> in(send_counts.begin(), send_counts.end());
+    std::vector<int64_t> out(recv_counts.begin(), recv_counts.end());
+    // gloo needs real pointers even for empty buffers.
+    uint8_t dummy_in = 0, dummy_out = 0;
+    uint8_t* in_ptr = send_total ? const_cast<uint8_t*>(send.data()) : &dummy_in;
+    uint8_t* out_ptr = recv_total ? recv.data() : &dummy_out;
+    const uint32_t tag = next_tag_++;
+    GlooCall("alltoallv", rank(), &broken_, [&] {
+      gloo::AlltoallvOptions opts(context_);
+      opts.setInput(in_ptr, in);
+      opts.setOutput(out_ptr, out);
+      opts.setTag(tag);
+      opts.setTimeout(timeout_);
+      gloo::alltoallv(opts);
+    });
   }
 
-  // Every rank sends its block straight to each other rank and receives theirs, all at once.
-  // Each rank's link carries the same (N-1) blocks as gloo's ring allgatherv, but in one step
-  // instead of N-1 dependent ones, so a small gather costs one link latency instead of N-1: the
-  // two_phase pipeline issues one per group of layers.
   void AllGatherV(std::span<const uint8_t> send, std::span<uint8_t> recv,
                   std::span<const size_t> recv_counts) override {
     const int n = size();
@@ -141,33 +131,25 @@ class GlooCommunicator final : public Communicator {
     GEOFP8_CHECK(recv.size() >= total, "allgatherv: recv buffer holds ", recv.size(),
                  " bytes, counts need ", total);
     ++stats_.collectives;
-    stats_.bytes_sent += send.size() * static_cast<size_t>(n - 1);
-    std::vector<size_t> offset(n, 0);
-    for (int r = 1; r < n; ++r) offset[r] = offset[r - 1] + recv_counts[r - 1];
-    std::copy_n(send.data(), send.size(), recv.data() + offset[rank()]);
-    if (n == 1 || total == 0) return;  // every rank computes the same counts, so every rank skips
-    std::vector<PeerSend> sends;
-    std::vector<PeerRecv> recvs;
-    for (int k = 1; k < n; ++k) {
-      const int to = (rank() + k) % n, from = (rank() - k + n) % n;
-      sends.push_back({to, 0, send});
-      recvs.push_back({from, 0, recv.subspan(offset[from], recv_counts[from])});
+    // Ring: a rank forwards every block except its successor's.
+    stats_.bytes_sent += total - recv_counts[(rank() + 1) % n];
+    if (n == 1) {
+      std::copy_n(send.data(), send.size(), recv.data());
+      return;
     }
-    Transfer("allgatherv", sends, recvs);
-  }
-
-  void SendRecv(std::span<const PeerSend> sends, std::span<const PeerRecv> recvs) override {
-    for (const auto& t : sends) {
-      GEOFP8_CHECK(t.peer >= 0 && t.peer < size() && t.peer != rank(), "sendrecv: rank ", rank(),
-                   " cannot send to peer ", t.peer);
-    }
-    for (const auto& t : recvs) {
-      GEOFP8_CHECK(t.peer >= 0 && t.peer < size() && t.peer != rank(), "sendrecv: rank ", rank(),
-                   " cannot receive from peer ", t.peer);
-    }
-    ++stats_.collectives;
-    for (const auto& t : sends) stats_.bytes_sent += t.data.size();
-    Transfer("sendrecv", sends, recvs);
+    if (total == 0) return;  // every rank computes the same counts, so every rank skips
+    std::vector<size_t> elements(recv_counts.begin(), recv_counts.end());
+    uint8_t dummy_in = 0;
+    uint8_t* in_ptr = send.empty() ? &dummy_in : const_cast<uint8_t*>(send.data());
+    const uint32_t tag = next_tag_++;
+    GlooCall("allgatherv", rank(), &broken_, [&] {
+      gloo::AllgathervOptions opts(context_);
+      opts.setInput(in_ptr, send.size());
+      opts.setOutput(recv.data(), elements);
+      opts.setTag(tag);
+      opts.setTimeout(timeout_);
+      gloo::allgatherv(opts);
+    });
   }
 
   void AllReduceSum(std::span<float> data) override {
@@ -233,27 +215,6 @@ class GlooCommunicator final : public Communicator {
   }
 
  private:
-  // Posts every transfer at once (one gloo unbound buffer each), then waits for all of them.
-  // Empty transfers are skipped: both sides know the sizes. Channel c uses slot base + c.
-  void Transfer(const char* op, std::span<const PeerSend> sends, std::span<const PeerRecv> recvs) {
-    const gloo::Slot base = gloo::Slot::build(kTransferSlotPrefix, next_tag_++);
-    GlooCall(op, rank(), &broken_, [&] {
-      std::vector<std::unique_ptr<gloo::transport::UnboundBuffer>> out, in;
-      for (const auto& t : recvs) {
-        if (t.data.empty()) continue;
-        in.push_back(context_->createUnboundBuffer(t.data.data(), t.data.size()));
-        in.back()->recv(t.peer, base + t.channel);
-      }
-      for (const auto& t : sends) {
-        if (t.data.empty()) continue;
-        out.push_back(context_->createUnboundBuffer(const_cast<uint8_t*>(t.data.data()), t.data.size()));
-        out.back()->send(t.peer, base + t.channel);
-      }
-      for (auto& b : in) GEOFP8_CHECK(b->waitRecv(timeout_), "receive aborted");
-      for (auto& b : out) GEOFP8_CHECK(b->waitSend(timeout_), "send aborted");
-    });
-  }
-
   template <typename T>
   void RunAllReduce(const char* op, T* data, size_t count, gloo::AllreduceOptions::Func fn) {
     ++stats_.collectives;

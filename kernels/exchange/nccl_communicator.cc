@@ -133,58 +133,6 @@ class NcclCommunicator final : public Communicator {
     Download(recv.data(), d, total);
   }
 
-  // Staged through device memory like the other calls; within the group every rank posts its
-  // transfers sorted by channel, so NCCL's in-order matching per peer pairs the same channels.
-  void SendRecv(std::span<const PeerSend> sends, std::span<const PeerRecv> recvs) override {
-    std::vector<PeerSend> s(sends.begin(), sends.end());
-    std::vector<PeerRecv> r(recvs.begin(), recvs.end());
-    auto by_channel = [](const auto& a, const auto& b) { return a.channel < b.channel; };
-    std::stable_sort(s.begin(), s.end(), by_channel);
-    std::stable_sort(r.begin(), r.end(), by_channel);
-    size_t send_total = 0, recv_total = 0;
-    for (const auto& t : s) {
-      GEOFP8_CHECK(t.peer >= 0 && t.peer < size_ && t.peer != rank_, "sendrecv: rank ", rank_,
-                   " cannot send to peer ", t.peer);
-      send_total += t.data.size();
-    }
-    for (const auto& t : r) {
-      GEOFP8_CHECK(t.peer >= 0 && t.peer < size_ && t.peer != rank_, "sendrecv: rank ", rank_,
-                   " cannot receive from peer ", t.peer);
-      recv_total += t.data.size();
-    }
-    ++stats_.collectives;
-    stats_.bytes_sent += send_total;
-    if (send_total + recv_total == 0) return;
-    uint8_t* d = Stage(send_total + recv_total);
-    size_t off = 0;
-    for (const auto& t : s) {
-      Upload(d + off, t.data.data(), t.data.size());
-      off += t.data.size();
-    }
-    Run("sendrecv", [&] {
-      GEOFP8_NCCL_CHECK(ncclGroupStart());
-      size_t so = 0, ro = send_total;
-      for (const auto& t : s) {
-        if (!t.data.empty()) {
-          GEOFP8_NCCL_CHECK(ncclSend(d + so, t.data.size(), ncclUint8, t.peer, comm_, stream_));
-        }
-        so += t.data.size();
-      }
-      for (const auto& t : r) {
-        if (!t.data.empty()) {
-          GEOFP8_NCCL_CHECK(ncclRecv(d + ro, t.data.size(), ncclUint8, t.peer, comm_, stream_));
-        }
-        ro += t.data.size();
-      }
-      GEOFP8_NCCL_CHECK(ncclGroupEnd());
-    });
-    off = send_total;
-    for (const auto& t : r) {
-      Download(t.data.data(), d + off, t.data.size());
-      off += t.data.size();
-    }
-  }
-
   void AllReduceSum(std::span<float> data) override {
     AllReduce("allreduce fp32", data.data(), data.size(), ncclFloat32, ncclSum, sizeof(float));
   }

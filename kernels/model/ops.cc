@@ -8,7 +8,10 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdlib>
+#include <filesystem>
 #include <vector>
+
+#include <unistd.h>
 
 #include "kernels/common/check.h"
 
@@ -78,6 +81,18 @@ std::string PreferredBlasCore() {
   const int cpu = CpuVectorLevel();
   if (CoreVectorLevel(core) >= cpu) return "";
   return cpu == 3 ? "SkylakeX" : cpu == 2 ? "Haswell" : "Sandybridge";
+}
+
+void ReexecWithPreferredBlasCore(char** argv, std::string* warning) {
+  warning->clear();
+  const std::string core = PreferredBlasCore();
+  if (core.empty()) return;
+  setenv("OPENBLAS_CORETYPE", core.c_str(), 1);  // set now, so the new image cannot loop
+  std::error_code ec;
+  const std::string self = std::filesystem::read_symlink("/proc/self/exe", ec).string();
+  execv(ec ? "/proc/self/exe" : self.c_str(), argv);
+  *warning = "could not re-execute with OPENBLAS_CORETYPE=" + core + "; continuing with OpenBLAS core " +
+             BlasCoreName();
 }
 
 namespace {

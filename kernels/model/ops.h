@@ -33,6 +33,12 @@ std::string BlasCoreName();
 // uses less of the CPU than it supports and OPENBLAS_CORETYPE is unset; "" otherwise.
 std::string PreferredBlasCore();
 
+// OpenBLAS reads OPENBLAS_CORETYPE only when it loads, before main: when PreferredBlasCore names a
+// better kernel set, sets the variable and re-executes the program once (through the resolved
+// binary path, so ps and perf keep its name). Returns only if no re-execution was needed or it
+// failed; then `warning` gets one line to print ("" if none was needed).
+void ReexecWithPreferredBlasCore(char** argv, std::string* warning);
+
 // x[t, :] = table[tokens[t], :]; table is [vocab, d].
 template <typename T>
 void EmbeddingForward(std::span<const int32_t> tokens, const T* table, int d, T* x);

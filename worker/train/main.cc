@@ -184,15 +184,9 @@ int main(int argc, char** argv) {
   // OpenBLAS reads OPENBLAS_CORETYPE only when it loads, before main: when it fell back to
   // generic kernels on this CPU, run again once with the right kernels named (see
   // PreferredBlasCore). The variable is then set, so this cannot loop.
-  if (const std::string core = geofp8::model::PreferredBlasCore(); !core.empty()) {
-    setenv("OPENBLAS_CORETYPE", core.c_str(), 1);
-    // The resolved path, not /proc/self/exe itself, so ps and perf still name geofp8-train.
-    std::error_code ec;
-    const std::string self = std::filesystem::read_symlink("/proc/self/exe", ec).string();
-    execv(ec ? "/proc/self/exe" : self.c_str(), argv);
-    std::cerr << kProgram << ": warning: could not re-execute with OPENBLAS_CORETYPE=" << core
-              << "; continuing with OpenBLAS core " << geofp8::model::BlasCoreName() << "\n";
-  }
+  std::string blas_warning;
+  geofp8::model::ReexecWithPreferredBlasCore(argv, &blas_warning);
+  if (!blas_warning.empty()) std::cerr << kProgram << ": warning: " << blas_warning << "\n";
   CLI::App app{"Train a Llama-style model data-parallel through the GeoFP8 gradient exchange"};
   TrainOptions o;
   std::string preset = "llama-small", csv, launcher = "threads";
