@@ -8,14 +8,9 @@
 #include "kernels/codec/codec_cuda.h"
 #include "kernels/codec/codec_internal.h"
 #include "kernels/codec/element.h"
+#include "kernels/codec/warp.cuh"
 #include "kernels/common/check.h"
-
-#define GEOFP8_CUDA_CHECK(expr)                                                    \
-  do {                                                                             \
-    const cudaError_t geofp8_err_ = (expr);                                        \
-    GEOFP8_CHECK(geofp8_err_ == cudaSuccess,                                       \
-                 "CUDA call " #expr " failed: ", cudaGetErrorString(geofp8_err_)); \
-  } while (0)
+#include "kernels/common/cuda_check.h"
 
 namespace geofp8::cuda {
 namespace {
@@ -24,7 +19,6 @@ namespace el = element;
 using detail::Layout;
 
 constexpr int kThreads = 256;
-constexpr unsigned kFull = 0xFFFFFFFFu;
 
 // Counters the kernels update: non-finite inputs, saturated inputs, finite tensor amax bits.
 struct Counters {
@@ -38,23 +32,6 @@ __device__ inline float LoadF32(const uint8_t* p) {
   float v;
   memcpy(&v, p, 4);
   return v;
-}
-
-// Finite |x| as bits (0 for non-finite), so an unsigned max gives the finite amax.
-__device__ inline unsigned FiniteAbsBits(float x) {
-  const unsigned a = el::FloatBits(x) & 0x7FFFFFFFu;
-  return a < 0x7F800000u ? a : 0u;
-}
-
-__device__ inline unsigned WarpMax(unsigned v) {
-  for (int o = 16; o > 0; o >>= 1) v = max(v, __shfl_xor_sync(kFull, v, o));
-  return v;
-}
-
-// Lane 0 adds the warp's count of `flag` to *counter.
-__device__ inline void WarpCount(bool flag, unsigned long long* counter) {
-  const unsigned ballot = __ballot_sync(kFull, flag);
-  if ((threadIdx.x & 31) == 0 && ballot) atomicAdd(counter, (unsigned long long)__popc(ballot));
 }
 
 __global__ void TensorAmaxKernel(const float* x, size_t n, Counters* c) {
@@ -136,9 +113,9 @@ __global__ void EncodeNvKernel(const float* x, size_t n, uint8_t* scales, uint8_
   if (t == 0) StoreF32(scales, g);
   // Reductions within each 16-lane half (xor offsets < 16 stay inside the half).
   unsigned m = FiniteAbsBits(v);
-  for (int o = 8; o > 0; o >>= 1) m = max(m, __shfl_xor_sync(kFull, m, o));
+  for (int o = 8; o > 0; o >>= 1) m = max(m, __shfl_xor_sync(kFullWarp, m, o));
   const bool nonfinite = valid && !el::IsFinite(v);
-  const unsigned ballot = __ballot_sync(kFull, nonfinite);
+  const unsigned ballot = __ballot_sync(kFullWarp, nonfinite);
   const bool block_bad = (ballot >> (lane & 16u)) & 0xFFFFu;
   uint8_t code = 0x7F;
   uint8_t e = 0;
@@ -151,7 +128,7 @@ __global__ void EncodeNvKernel(const float* x, size_t n, uint8_t* scales, uint8_
     }
   }
   if ((lane & 15u) == 0 && valid) scales[4 + i / 16] = code;
-  const unsigned hi = __shfl_down_sync(kFull, static_cast<unsigned>(e), 1);
+  const unsigned hi = __shfl_down_sync(kFullWarp, static_cast<unsigned>(e), 1);
   if (valid && (lane & 1u) == 0) {
     payload[i / 2] = static_cast<uint8_t>(e | ((i + 1 < n ? hi : 0u) << 4));
   }

@@ -15,12 +15,7 @@
 
 #include "kernels/codec/codec.h"
 #include "kernels/common/check.h"
-
-#define GEOFP8_CUDA_CHECK(expr)                                                         \
-  do {                                                                                  \
-    const cudaError_t geofp8_err = (expr);                                              \
-    GEOFP8_CHECK(geofp8_err == cudaSuccess, #expr, ": ", cudaGetErrorString(geofp8_err)); \
-  } while (0)
+#include "kernels/common/cuda_check.h"
 
 #define GEOFP8_NCCL_CHECK(expr)                                                          \
   do {                                                                                   \

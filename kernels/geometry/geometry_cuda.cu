@@ -11,15 +11,12 @@
 
 #include "kernels/codec/codec_cuda.h"
 #include "kernels/codec/element.h"
+#include "kernels/codec/warp.cuh"
 #include "kernels/common/check.h"
+#include "kernels/common/cuda_check.h"
 #include "kernels/geometry/factors.h"
 #include "kernels/geometry/geometry_math.h"
 
-#define GEOFP8_CUDA_CHECK(expr)                                                           \
-  do {                                                                                    \
-    const cudaError_t geofp8_err = (expr);                                                \
-    GEOFP8_CHECK(geofp8_err == cudaSuccess, #expr, ": ", cudaGetErrorString(geofp8_err)); \
-  } while (0)
 #define GEOFP8_CUBLAS_CHECK(expr)                                                              \
   do {                                                                                         \
     const cublasStatus_t geofp8_st = (expr);                                                   \
@@ -55,22 +52,6 @@ __global__ void DiagKernel(float* g, const float* row, const float* col, int64_t
 // ---- Fused transform + fp8 quantization (EncodeFused) ----
 
 namespace el = element;
-constexpr unsigned kFull = 0xFFFFFFFFu;
-
-// Finite |x| as bits (0 for non-finite), so an unsigned max gives the finite amax.
-__device__ inline unsigned FiniteAbsBits(float x) {
-  const unsigned a = el::FloatBits(x) & 0x7FFFFFFFu;
-  return a < 0x7F800000u ? a : 0u;
-}
-__device__ inline unsigned WarpMax(unsigned v) {
-  for (int o = 16; o > 0; o >>= 1) v = max(v, __shfl_xor_sync(kFull, v, o));
-  return v;
-}
-// Lane 0 adds the warp's count of `flag` to *counter.
-__device__ inline void WarpCount(bool flag, unsigned long long* counter) {
-  const unsigned ballot = __ballot_sync(kFull, flag);
-  if ((threadIdx.x & 31) == 0 && ballot) atomicAdd(counter, (unsigned long long)__popc(ballot));
-}
 
 enum FusedMode : int { kFusedNone = 0, kFusedDiag = 1, kFusedLowRank = 2 };
 

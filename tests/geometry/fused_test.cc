@@ -13,6 +13,7 @@
 #include <vector>
 
 #include "kernels/common/check.h"
+#include "kernels/exchange/chunking.h"
 #include "kernels/geometry/factors.h"
 #include "kernels/geometry/geometry.h"
 #include "kernels/geometry/geometry_math.h"
@@ -21,33 +22,13 @@
 namespace geofp8 {
 namespace {
 
-struct Range {
-  size_t begin, end;
-};
+using Range = ChunkRange;
 
 // Block-aligned, near-even cut of n elements into `parts` ranges, as two_phase chunks a layer.
 std::vector<Range> Chunks(size_t n, size_t align, int parts) {
   std::vector<Range> out;
-  const size_t blocks = (n + align - 1) / align;
-  for (int j = 0; j < parts; ++j) {
-    const size_t b0 = blocks * j / parts, b1 = blocks * (j + 1) / parts;
-    out.push_back({std::min(b0 * align, n), std::min(b1 * align, n)});
-  }
+  for (int j = 0; j < parts; ++j) out.push_back(ChunkOf(n, align, parts, j));
   return out;
-}
-
-size_t Align(const CodecOptions& o) {
-  switch (o.format) {
-    case Format::kMxfp8:
-      return 32;
-    case Format::kNvfp4:
-      return 16;
-    case Format::kFp32:
-    case Format::kBf16:
-      return 1;
-    default:
-      return o.scaling == Scaling::kBlock ? o.block : 1;
-  }
 }
 
 std::vector<std::pair<std::string, CodecOptions>> Codecs() {
@@ -151,7 +132,7 @@ TEST_P(FusedTest, EncodeAndDecodeAreBitIdenticalToTheUnfusedPath) {
         SCOPED_TRACE(name + ", " + std::to_string(c.m) + "x" + std::to_string(c.n) + ", " +
                      std::to_string(parts) + " chunks, mode " +
                      std::string(GeometryModeName(mode)));
-        const std::vector<Range> ranges = Chunks(total, Align(o), parts);
+        const std::vector<Range> ranges = Chunks(total, ChunkAlignment(o), parts);
         std::vector<EncodeStats> ref_stats;
         const auto ref = Unfused(geo, g, ranges, o, &ref_stats);
 
