@@ -229,8 +229,9 @@ class Pipeline {
       for (size_t s = 0; s <= G && two_phase_; ++s) {
         if (s < G) {
           WaitFor(s, kEncoded);
-          AllToAll(s, /*with_flags=*/s + 1 == G, &agreed);
-          if (s + 1 < G) Mark(s, kExchanged);
+          AllToAll(s);
+          Mark(s, kExchanged);  // the helper sums it while the flags are agreed below
+          if (s + 1 == G) agreed = AgreeFlags(comm_, nonfinite_);
         }
         if (s >= 1) {
           WaitFor(s - 1, kRequantized);
@@ -252,25 +253,21 @@ class Pipeline {
 
 
  private:
-  // two_phase's first phase for group s: chunk j of every layer to rank j. With `with_flags` (the
-  // last group: every group is encoded, so this rank's flags are final) the ranks then agree on
-  // the non-finite flags, while the helper sums this group.
-  void AllToAll(size_t s, bool with_flags, uint64_t* agreed) {
+  // two_phase's first phase for group s: chunk j of every layer to rank j.
+  void AllToAll(size_t s) {
     auto& g = groups_[s];
     g.recv->resize(g.counts[r_] * n_);
     comm_.AllToAllV(*g.send, g.counts, *g.recv, std::vector<size_t>(n_, g.counts[r_]));
-    if (with_flags) {
-      Mark(s, kExchanged);
-      *agreed = AgreeFlags(comm_, nonfinite_);
-    }
   }
 
-  // two_phase's second phase for group s: this rank's requantized chunks to every rank.
+  // Group s's block of this rank to every rank: the requantized chunks (two_phase's second
+  // phase) or the whole encoded layers (allgather).
   void AllGather(size_t s) {
     auto& g = groups_[s];
     g.all->resize(g.total);
     comm_.AllGatherV(*g.mine, *g.all, g.counts);
   }
+
   enum Stage : int { kEncoded = 1, kExchanged = 2, kRequantized = 3, kGathered = 4, kDecoded = 5 };
 
   CodecOptions Options(size_t i, int rank, uint32_t phase, int chunk) const {

@@ -85,6 +85,7 @@ Exchanger::Exchanger(Communicator& comm, std::vector<LayerSpec> layers, Exchange
   }
   comm_.set_timeout(options_.timeout);
   buckets_ = MakeBuckets(layers_, options_.bucket_cap_bytes);
+  for (const auto& l : layers_) layer_names_.push_back(l.name);
   worker_ = std::thread([this] { WorkerLoop(); });
 }
 
@@ -352,9 +353,6 @@ std::vector<BucketResult> Exchanger::RunBuckets(uint64_t step, size_t first, siz
     fp.header.algorithm = static_cast<uint32_t>(options_.algorithm);
     prints.push_back(std::move(fp));
   }
-  std::vector<std::string> names;
-  names.reserve(layers_.size());
-  for (const auto& l : layers_) names.push_back(l.name);
   AlgorithmOptions ao;
   ao.seed = options_.seed;
   ao.step = step;
@@ -363,7 +361,7 @@ std::vector<BucketResult> Exchanger::RunBuckets(uint64_t step, size_t first, siz
   ao.workspace = &workspace_;
   // The fingerprints are compared while the first groups are encoded; nothing moves before.
   ao.before_data = [&] {
-    for (const auto& fp : prints) CheckFingerprints(comm_, fp.header, fp.records, names);
+    for (const auto& fp : prints) CheckFingerprints(comm_, fp.header, fp.records, layer_names_);
   };
   const uint64_t nonfinite = ExchangeBucketData(comm_, options_.algorithm, ao, work);
   // One run moved every bucket's bytes: each bucket is charged its share of the fp32 size.

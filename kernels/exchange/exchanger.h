@@ -167,6 +167,7 @@ class Exchanger {
   ExchangeOptions options_;
   std::vector<RefreshSchedule> schedule_;
   std::vector<Bucket> buckets_;
+  std::vector<std::string> layer_names_;  // layers_[i].name, for fingerprint messages
   std::vector<LayerState> state_;  // touched only on the worker thread while tasks run
   ExchangeWorkspace workspace_;    // the algorithms' buffers, reused every step: worker thread only
 
