@@ -40,6 +40,7 @@ struct Args {
   double timeout_s = 300;
   double bucket_mib = 25;   // ExchangeOptions::bucket_cap_bytes
   double segment_mib = 1;   // ExchangeOptions::segment_bytes
+  int channels = 2;         // GlooOptions::channels
   std::string variants = "fp32,bf16,two_phase:fp8_e4m3,allgather:fp8_e4m3,two_phase:nvfp4,"
                          "two_phase:fp8_e4m3:lowrank";
   // Process mode: this process is rank `rank`, rendezvousing through a shared directory.
@@ -58,9 +59,12 @@ void PrintHelp() {
   std::printf(
       "usage: %s [--ranks N] [--mib M] [--iters K] [--warmup W] [--variants LIST]\n"
       "          [--cols C] [--geometry-rank K] [--timeout-s S] [--bucket-mib B] [--segment-mib S]\n"
+      "          [--channels 1|2]\n"
       "          [--rank R --store-dir DIR [--hostname H] [--prefix P]]\n"
       "  --variants   comma list of fp32, bf16, ALGO:FORMAT[:lowrank|:diag] with ALGO two_phase\n"
       "               or allgather (default %s)\n"
+      "  --channels   Gloo connection meshes per rank: 2 (default) lets two_phase overlap its\n"
+      "               all-gathers with its next all-to-alls on a side channel; 1 runs them in turn\n"
       "  --rank       process mode: run only rank R; all ranks share --store-dir (a FileStore)\n"
       "               and listen on --hostname. Without --rank, ranks run as threads.\n",
       kProg, Args().variants.c_str());
@@ -98,6 +102,7 @@ Args ParseArgs(int argc, char** argv) {
     else if (flag == "--variants") a.variants = v;
     else if (flag == "--bucket-mib") a.bucket_mib = ParseNumber<double>(flag, v);
     else if (flag == "--segment-mib") a.segment_mib = ParseNumber<double>(flag, v);
+    else if (flag == "--channels") a.channels = ParseNumber<int>(flag, v);
     else if (flag == "--rank") a.rank = ParseNumber<int>(flag, v);
     else if (flag == "--store-dir") a.store_dir = v;
     else if (flag == "--hostname") a.hostname = v;
@@ -113,6 +118,7 @@ Args ParseArgs(int argc, char** argv) {
   if (!(a.timeout_s > 0)) UsageError("--timeout-s", "must be positive", std::to_string(a.timeout_s));
   if (!(a.bucket_mib > 0)) UsageError("--bucket-mib", "must be positive", std::to_string(a.bucket_mib));
   if (!(a.segment_mib > 0)) UsageError("--segment-mib", "must be positive", std::to_string(a.segment_mib));
+  if (a.channels != 1 && a.channels != 2) UsageError("--channels", "must be 1 or 2", std::to_string(a.channels));
   if (a.rank >= a.ranks) UsageError("--rank", "must be < --ranks", std::to_string(a.rank));
   if (a.rank >= 0 && a.store_dir.empty()) UsageError("--store-dir", "required with --rank", "empty");
   return a;
@@ -276,9 +282,10 @@ std::vector<Row> RunRank(Communicator& comm, const Args& a, const std::vector<Va
 void Print(const Args& a, const std::vector<Row>& rows, bool processes) {
   const auto layers = MakeLayers(a);
   const double bytes = a.mib * (1 << 20);
-  std::printf("exchange: %d ranks (%s, gloo tcp), %.1f MiB fp32 per rank in %zu layers of up to %lldx%lld, "
+  std::printf("exchange: %d ranks (%s, gloo tcp, %d channel%s), %.1f MiB fp32 per rank in %zu layers of up to %lldx%lld, "
               "buckets of %.0f MiB, median of %d iters, OpenBLAS core %s\n",
-              a.ranks, processes ? "processes" : "threads", a.mib, layers.size(),
+              a.ranks, processes ? "processes" : "threads", a.channels, a.channels == 1 ? "" : "s",
+              a.mib, layers.size(),
               static_cast<long long>(layers[0].rows), static_cast<long long>(layers[0].cols),
               a.bucket_mib, a.iters, model::BlasCoreName().c_str());
   double fp32_ms = 0;
@@ -308,6 +315,7 @@ int RunExchangeBench(int argc, char** argv) {
   GlooOptions go;
   go.hostname = a.hostname;
   go.prefix = a.prefix;
+  go.channels = a.channels;
   go.timeout = std::chrono::milliseconds(static_cast<int64_t>(a.timeout_s * 1000));
   try {
     if (a.rank >= 0) {

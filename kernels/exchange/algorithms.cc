@@ -2,8 +2,9 @@
 // two_phase: quantize every layer's chunk j for rank j, all-to-all, rank j decodes and sums its
 // chunks in rank order in fp32, requantizes, all-gather, everyone decodes every chunk. allgather:
 // quantize once, all-gather, everyone sums every rank's copy in rank order. Both are pipelined
-// over groups of layers: collectives stay on the calling thread in one fixed order on every
-// rank, while a helper thread does the codec and geometry work of the neighbouring groups.
+// over groups of layers: a helper thread does the codec and geometry work of the neighbouring
+// groups while the collectives run in one fixed order per channel on every rank, on the calling
+// thread, plus a second thread for the communicator's side channel when it has one.
 #include "kernels/exchange/algorithms.h"
 
 #include <algorithm>
@@ -26,8 +27,14 @@ namespace {
 // whether in holds a NaN or inf. One pass, vectorized (this library is built with -O3), in an AVX2
 // clone where the CPU has it. For a power-of-two divisor (N = 2, 4, 8, ...) it multiplies by the
 // exact reciprocal instead: both round the same real number, so the bits are the same.
-__attribute__((target_clones("avx2", "default"))) bool Divide(std::span<const float> in,
-                                                              float divisor, std::span<float> out) {
+// ThreadSanitizer builds get the default clone only: their instrumented ifunc resolver would run
+// before the sanitizer runtime is up.
+#if defined(__SANITIZE_THREAD__)
+#define GEOFP8_DIVIDE_CLONES
+#else
+#define GEOFP8_DIVIDE_CLONES __attribute__((target_clones("avx2", "default")))
+#endif
+GEOFP8_DIVIDE_CLONES bool Divide(std::span<const float> in, float divisor, std::span<float> out) {
   const float* x = in.data();
   float* y = out.data();
   const size_t n = in.size();
@@ -55,7 +62,8 @@ __attribute__((target_clones("avx2", "default"))) bool Divide(std::span<const fl
 
 uint64_t FlagBit(const BucketLayer& l) { return uint64_t{1} << l.flag_bit; }
 
-// The OR over ranks of every rank's flags: one direct all-gather of 8 bytes.
+// The OR over ranks of every rank's flags: one all-gather of 8 bytes (the baselines; two_phase and
+// allgather carry the flags in their last data collective instead).
 uint64_t AgreeFlags(Communicator& comm, uint64_t mine) {
   const int n = comm.size();
   std::vector<uint64_t> all(n, 0);
@@ -148,6 +156,11 @@ struct Group {
   std::vector<size_t> counts;            // bytes of chunk j of all the group's layers
   std::vector<size_t> dest_offset;       // offset of destination j's block in the send buffer
   size_t total = 0;                      // sum of counts
+  // The flags ride in the last group's first collective (two_phase's all-to-all, allgather's
+  // all-gather): `tail` (8) bytes after each block on the wire, 0 for the other groups.
+  size_t tail = 0;
+  size_t WireCount(int j) const { return counts[j] + tail; }
+  size_t WireOffset(int j) const { return dest_offset[j] + j * tail; }  // block j, tails included
   // Workspace buffers (ExchangeWorkspace), each fully written before it is read.
   UninitializedVector<uint8_t>*send = nullptr, *recv = nullptr, *mine = nullptr, *all = nullptr;
   UninitializedVector<float>* acc = nullptr;  // the sum of this rank's chunk of one layer
@@ -191,6 +204,7 @@ class Pipeline {
       }
       groups_.push_back(std::move(g));
     }
+    groups_.back().tail = sizeof(uint64_t);
     // Group s always uses the same workspace buffers, so sizes repeat from step to step.
     if (ws.bytes.size() < 4 * groups_.size()) ws.bytes.resize(4 * groups_.size());
     if (ws.floats.size() < groups_.size()) ws.floats.resize(groups_.size());
@@ -209,63 +223,119 @@ class Pipeline {
   // Returns the OR over ranks of the flag bits (BucketLayer::flag_bit) of layers whose input held
   // a NaN or inf: the same answer on every rank.
   uint64_t Run() {
-    const size_t G = groups_.size();
+    Communicator* side = comm_.side_channel();
+    const int lanes = side ? 2 : 1;
     std::thread helper([this] { HelperLoop(); });
-    uint64_t agreed = 0;
+    std::thread lane;
+    if (side) {
+      lane = std::thread([this, side] {
+        try {
+          RunLane(*side, 1, 2);
+        } catch (...) {
+          lane_error_ = std::current_exception();
+          Abort();
+        }
+      });
+    }
     try {
-      // The caller's check (fingerprints) runs while the helper encodes the first groups.
+      // The caller's check (fingerprints) runs while the helper encodes the first groups; no
+      // lane moves data before it has passed.
       if (ao_.before_data) ao_.before_data();
-      // allgather: G(0), G(1), ..., the same order on every rank. The flags are agreed once every
-      // group is encoded, before the last gather.
-      for (size_t s = 0; s < G && !two_phase_; ++s) {
-        WaitFor(s, kEncoded);
-        if (s + 1 == G) agreed = AgreeFlags(comm_, nonfinite_);
-        AllGather(s);
-        Mark(s, kGathered);
-      }
-      // two_phase: A(0), A(1), G(0), A(2), G(1), ..., G(last): group s's all-to-all goes out
-      // while the helper still sums group s-1, whose all-gather follows. The flags are agreed
-      // right after the last all-to-all.
-      for (size_t s = 0; s <= G && two_phase_; ++s) {
-        if (s < G) {
-          WaitFor(s, kEncoded);
-          AllToAll(s);
-          Mark(s, kExchanged);  // the helper sums it while the flags are agreed below
-          if (s + 1 == G) agreed = AgreeFlags(comm_, nonfinite_);
-        }
-        if (s >= 1) {
-          WaitFor(s - 1, kRequantized);
-          AllGather(s - 1);
-          Mark(s - 1, kGathered);
-        }
-      }
+      MarkChecked();
+      RunLane(comm_, 0, lanes);
       WaitAllDecoded();
     } catch (...) {
+      const std::exception_ptr mine = std::current_exception();
       Abort();
       helper.join();
-      if (helper_error_) std::rethrow_exception(helper_error_);  // the cause, not "Aborted"
-      throw;
+      if (lane.joinable()) lane.join();
+      std::rethrow_exception(Cause(mine));
     }
     helper.join();
+    if (lane.joinable()) lane.join();
     if (helper_error_) std::rethrow_exception(helper_error_);
-    return agreed;
+    if (lane_error_) std::rethrow_exception(lane_error_);
+    return agreed_;
   }
 
-
  private:
+  // One lane's collectives, in the same order on every rank. One lane (no side channel):
+  //   two_phase A(0), A(1), G(0), A(2), G(1), ..., G(last): group s's all-to-all goes out while
+  //   the helper still sums group s-1, whose all-gather follows;
+  //   allgather G(0), G(1), ...
+  // Two lanes, lane 1 on the side channel's own connections, so one phase's transfers fill the
+  // other's synchronisation gaps:
+  //   two_phase: lane 0 A(0), A(1), ...; lane 1 G(0), G(1), ...
+  //   allgather: lane 0 the even groups' G, lane 1 the odd ones'.
+  // The last group's first collective carries every rank's non-finite flags (agreed_).
+  void RunLane(Communicator& comm, int lane, int lanes) {
+    const size_t G = groups_.size();
+    if (lane > 0) WaitChecked();
+    if (!two_phase_) {
+      for (size_t s = lane; s < G; s += lanes) {
+        WaitFor(s, kEncoded);
+        AllGather(comm, s);
+        if (s + 1 == G) agreed_ = ReadFlags(*groups_[s].all, groups_[s]);
+        Mark(s, kGathered);
+      }
+      return;
+    }
+    const bool exchanges = lane == 0, gathers = lanes == 1 || lane == 1;
+    for (size_t s = 0; s <= G; ++s) {
+      if (s < G && exchanges) {
+        WaitFor(s, kEncoded);
+        AllToAll(comm, s);
+        if (s + 1 == G) agreed_ = ReadFlags(*groups_[s].recv, groups_[s]);
+        Mark(s, kExchanged);
+      }
+      if (s >= 1 && gathers) {
+        WaitFor(s - 1, kRequantized);
+        AllGather(comm, s - 1);
+        Mark(s - 1, kGathered);
+      }
+    }
+  }
+
   // two_phase's first phase for group s: chunk j of every layer to rank j.
-  void AllToAll(size_t s) {
+  void AllToAll(Communicator& comm, size_t s) {
     auto& g = groups_[s];
-    g.recv->resize(g.counts[r_] * n_);
-    comm_.AllToAllV(*g.send, g.counts, *g.recv, std::vector<size_t>(n_, g.counts[r_]));
+    std::vector<size_t> send_counts(n_);
+    for (int j = 0; j < n_; ++j) send_counts[j] = g.WireCount(j);
+    g.recv->resize(g.WireCount(r_) * n_);
+    comm.AllToAllV(*g.send, send_counts, *g.recv, std::vector<size_t>(n_, g.WireCount(r_)));
   }
 
   // Group s's block of this rank to every rank: the requantized chunks (two_phase's second
   // phase) or the whole encoded layers (allgather).
-  void AllGather(size_t s) {
+  void AllGather(Communicator& comm, size_t s) {
     auto& g = groups_[s];
-    g.all->resize(g.total);
-    comm_.AllGatherV(*g.mine, *g.all, g.counts);
+    const size_t tail = two_phase_ ? 0 : g.tail;  // two_phase's flags went with its all-to-all
+    std::vector<size_t> counts(n_);
+    for (int j = 0; j < n_; ++j) counts[j] = g.counts[j] + tail;
+    g.all->resize(g.total + n_ * tail);
+    comm.AllGatherV(*g.mine, *g.all, counts);
+  }
+
+  // The flags of every rank, from the tails of the last group's first collective: block j of
+  // `wire` came from rank j (the all-to-all's receive buffer, or the all-gather's).
+  uint64_t ReadFlags(const UninitializedVector<uint8_t>& wire, const Group& g) const {
+    uint64_t any = 0;
+    for (int j = 0; j < n_; ++j) {
+      const size_t end = two_phase_ ? (j + 1) * g.WireCount(r_) : g.WireOffset(j) + g.WireCount(j);
+      uint64_t flags;
+      std::memcpy(&flags, wire.data() + end - sizeof flags, sizeof flags);
+      any |= flags;
+    }
+    return any;
+  }
+
+  // Appends this rank's flags after each block of the last group's first collective: every
+  // group is encoded by now (the helper encodes in order), so nonfinite_ is complete.
+  void WriteFlags(Group& g, UninitializedVector<uint8_t>& wire, int blocks) {
+    for (int j = 0; j < blocks; ++j) {
+      const size_t end = blocks == 1 ? wire.size() : g.WireOffset(j) + g.WireCount(j);
+      std::memcpy(wire.data() + end - sizeof nonfinite_, &nonfinite_, sizeof nonfinite_);
+    }
   }
 
   enum Stage : int { kEncoded = 1, kExchanged = 2, kRequantized = 3, kGathered = 4, kDecoded = 5 };
@@ -293,18 +363,19 @@ class Pipeline {
       ApplyGeometry(*layers_[i].geometry, layers_[i].in);
     }
     if (!two_phase_) {  // allgather: this rank's whole layers, once
-      g.mine->resize(g.counts[r_]);
+      g.mine->resize(g.WireCount(r_));
       size_t off = 0;
       for (size_t i = g.first; i < g.last; ++i) {
         Encode(Divided(i, {0, layers_[i].in.size()}), Options(i, r_, 1, 0),
                std::span(*g.mine).subspan(off, bytes_[i][r_]));
         off += bytes_[i][r_];
       }
+      if (g.tail) WriteFlags(g, *g.mine, 1);
       return;
     }
-    g.send->resize(g.total);
+    g.send->resize(g.total + n_ * g.tail);
     for (int j = 0; j < n_; ++j) {
-      size_t off = g.dest_offset[j];
+      size_t off = g.WireOffset(j);
       for (size_t i = g.first; i < g.last; ++i) {
         const ChunkRange c = chunk_[i][j];
         Encode(Divided(i, c), Options(i, r_, 1, j),
@@ -312,6 +383,7 @@ class Pipeline {
         off += bytes_[i][j];
       }
     }
+    if (g.tail) WriteFlags(g, *g.send, n_);
   }
 
   // Sum this rank's chunk of each layer over sources in rank order, then requantize.
@@ -323,7 +395,8 @@ class Pipeline {
       acc.assign(chunk_[i][r_].size(), 0.f);
       for (int src = 0; src < n_; ++src) {
         DecodeAccumulate(
-            std::span<const uint8_t>(*g.recv).subspan(src * g.counts[r_] + off, bytes_[i][r_]), acc);
+            std::span<const uint8_t>(*g.recv).subspan(src * g.WireCount(r_) + off, bytes_[i][r_]),
+            acc);
       }
       Encode(acc, Options(i, r_, 2, r_), std::span(*g.mine).subspan(off, bytes_[i][r_]));
       off += bytes_[i][r_];
@@ -338,7 +411,7 @@ class Pipeline {
         std::fill(layers_[i].out.begin(), layers_[i].out.end(), 0.f);
         for (int src = 0; src < n_; ++src) {
           DecodeAccumulate(
-              std::span<const uint8_t>(*g.all).subspan(g.dest_offset[src] + layer_off, bytes_[i][src]),
+              std::span<const uint8_t>(*g.all).subspan(g.WireOffset(src) + layer_off, bytes_[i][src]),
               layers_[i].out);
         }
         layer_off += bytes_[i][r_];
@@ -415,6 +488,33 @@ class Pipeline {
     cv_.notify_all();
   }
 
+  void MarkChecked() {
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      checked_ = true;
+    }
+    cv_.notify_all();
+  }
+
+  void WaitChecked() {
+    std::unique_lock<std::mutex> lock(mu_);
+    cv_.wait(lock, [&] { return abort_ || checked_; });
+    if (abort_) throw Aborted();
+  }
+
+  // What to report when `mine` ended the run: the helper's or the other lane's error rather
+  // than the Aborted it caused here.
+  std::exception_ptr Cause(std::exception_ptr mine) const {
+    if (helper_error_) return helper_error_;
+    try {
+      std::rethrow_exception(mine);
+    } catch (const Aborted&) {
+      if (lane_error_) return lane_error_;
+    } catch (...) {
+    }
+    return mine;
+  }
+
   void Abort() {
     {
       std::lock_guard<std::mutex> lock(mu_);
@@ -459,7 +559,10 @@ class Pipeline {
   std::condition_variable cv_;
   std::vector<int> state_;  // per group: last completed Stage
   bool abort_ = false;
+  bool checked_ = false;  // before_data passed: data may move
   std::exception_ptr helper_error_;
+  std::exception_ptr lane_error_;  // lane 1's failure (Aborted when another thread failed first)
+  uint64_t agreed_ = 0;            // the OR of every rank's flags; read after the lanes finish
 };
 
 }  // namespace

@@ -85,8 +85,8 @@ struct AlgorithmOptions {
 // Runs `algorithm` over the bucket's layers. Every rank ends with byte-identical outputs: the sum
 // over ranks of the inputs, through the algorithm's quantization. Each rank notes a NaN or inf in
 // a layer's input as it reads it and sets that layer's flag_bit; the result is the OR of those
-// bits over ranks, the same on every rank (two_phase sends the flags with its last all-to-all,
-// the others with one small all-gather). Outputs of layers whose bit is set hold no meaningful
+// bits over ranks, the same on every rank (two_phase and allgather send the flags in the last
+// group's first collective, the baselines with one small all-gather). Outputs of layers whose bit is set hold no meaningful
 // values: the caller skips them, as mixed-precision loss scaling does after its all-reduce.
 // Throws geofp8::Error for kNative (GPU only) or a collective failure.
 uint64_t ExchangeBucketData(Communicator& comm, Algorithm algorithm, const AlgorithmOptions& options,

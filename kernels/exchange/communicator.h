@@ -2,6 +2,7 @@
 // interface with a Gloo (CPU, TCP) and an NCCL (GPU) backend. Every call honours timeout().
 #pragma once
 
+#include <atomic>
 #include <chrono>
 #include <cstddef>
 #include <cstdint>
@@ -15,10 +16,11 @@ namespace geofp8 {
 // Default collective timeout (DESIGN.md section 4: every collective has one).
 inline constexpr std::chrono::milliseconds kDefaultCollectiveTimeout{300000};
 
-// What this rank put on the wire, as the backend's algorithm sends it.
+// What this rank put on the wire, as the backend's algorithm sends it. Counted from two threads
+// when a side channel is in use.
 struct CommStats {
-  uint64_t bytes_sent = 0;
-  uint64_t collectives = 0;
+  std::atomic<uint64_t> bytes_sent{0};
+  std::atomic<uint64_t> collectives{0};
 };
 
 // All spans are host memory. Every rank must issue the same collectives in the same order. A
@@ -61,14 +63,28 @@ class Communicator {
   virtual bool HasNativeFp8() const { return false; }
   virtual void AllReduceSumNativeFp8(std::span<float> data);
 
-  void set_timeout(std::chrono::milliseconds timeout) { timeout_ = timeout; }
+  // A second communicator over the same ranks, with connections of its own, for collectives
+  // issued from another thread while one is in flight here: two_phase runs its all-gathers on it,
+  // overlapping the next all-to-alls, much as NCCL spreads work over channels. Its traffic counts
+  // in this communicator's stats(), and set_timeout() applies to both. Each channel still needs
+  // the same collectives in the same order on every rank. Null: the backend has none.
+  virtual Communicator* side_channel() { return nullptr; }
+
+  void set_timeout(std::chrono::milliseconds timeout) {
+    timeout_ = timeout;
+    if (Communicator* side = side_channel()) side->set_timeout(timeout);
+  }
   std::chrono::milliseconds timeout() const { return timeout_; }
-  const CommStats& stats() const { return stats_; }
-  void ResetStats() { stats_ = {}; }
+  const CommStats& stats() const { return *stats_; }
+  void ResetStats() {
+    stats_->bytes_sent = 0;
+    stats_->collectives = 0;
+  }
 
  protected:
   std::chrono::milliseconds timeout_ = kDefaultCollectiveTimeout;
-  CommStats stats_;
+  CommStats own_stats_;
+  CommStats* stats_ = &own_stats_;  // a side channel counts into its parent's
 };
 
 inline void Communicator::AllReduceSumNativeFp8(std::span<float>) {

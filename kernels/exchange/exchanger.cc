@@ -307,17 +307,13 @@ std::vector<BucketResult> Exchanger::RunBuckets(uint64_t step, size_t first, siz
   const uint64_t bytes_before = comm_.stats().bytes_sent;
   GEOFP8_CHECK(first < last && last <= buckets_.size() && last - first <= 64,
                "exchange: bucket range [", first, ", ", last, ") is invalid");
-  struct Fingerprint {
-    BucketRecord header;
-    std::vector<LayerRecord> records;
-  };
-  std::vector<Fingerprint> prints;
+  std::vector<BucketFingerprint> prints;
   // The algorithms divide by N as they read each chunk (the sum is then the average and cannot
   // overflow) and note any NaN or inf on the way, in the bucket's own flag bit; the ranks agree on
   // the flags after the data has moved. One pass over the gradient.
   std::vector<BucketLayer> work;
   for (size_t bucket = first; bucket < last; ++bucket) {
-    Fingerprint fp;
+    BucketFingerprint fp;
     for (uint32_t l : buckets_[bucket].layers) {
       const LayerSpec& spec = layers_[l];
       GEOFP8_CHECK(grads[l].size() == static_cast<size_t>(spec.count()), "layer '", spec.name,
@@ -342,7 +338,7 @@ std::vector<BucketResult> Exchanger::RunBuckets(uint64_t step, size_t first, siz
         rec.alpha = spec.policy.alpha;
         rec.geometry_version = st.active.version;
       }
-      fp.records.push_back(rec);
+      fp.layers.push_back(rec);
       BucketLayer w{l, spec.policy, UsesGeometry(l) ? &st.active : nullptr, grads[l], grads[l]};
       w.flag_bit = static_cast<uint32_t>(bucket - first);
       work.push_back(w);
@@ -359,10 +355,9 @@ std::vector<BucketResult> Exchanger::RunBuckets(uint64_t step, size_t first, siz
   ao.divisor = static_cast<float>(comm_.size());
   ao.segment_bytes = options_.segment_bytes;
   ao.workspace = &workspace_;
-  // The fingerprints are compared while the first groups are encoded; nothing moves before.
-  ao.before_data = [&] {
-    for (const auto& fp : prints) CheckFingerprints(comm_, fp.header, fp.records, layer_names_);
-  };
+  // The fingerprints are compared while the first groups are encoded, in one collective for
+  // every bucket of the run; nothing moves before.
+  ao.before_data = [&] { CheckFingerprints(comm_, prints, layer_names_); };
   const uint64_t nonfinite = ExchangeBucketData(comm_, options_.algorithm, ao, work);
   // One run moved every bucket's bytes: each bucket is charged its share of the fp32 size.
   const uint64_t bytes = comm_.stats().bytes_sent - bytes_before;

@@ -1,4 +1,4 @@
-// Cross-rank fingerprint check of one bucket (see fingerprint.h).
+// Cross-rank fingerprint check of the buckets of one run (see fingerprint.h).
 #include "kernels/exchange/fingerprint.h"
 
 #include <cstring>
@@ -9,14 +9,13 @@
 
 namespace geofp8 {
 
-uint64_t LayerDigest(std::span<const LayerRecord> layers) {
-  uint64_t h = 0xcbf29ce484222325ull;
-  const auto* p = reinterpret_cast<const uint8_t*>(layers.data());
-  for (size_t i = 0; i < layers.size_bytes(); ++i) h = (h ^ p[i]) * 0x100000001b3ull;
+namespace {
+
+uint64_t Fnv1a(const void* data, size_t bytes, uint64_t h = 0xcbf29ce484222325ull) {
+  const auto* p = static_cast<const uint8_t*>(data);
+  for (size_t i = 0; i < bytes; ++i) h = (h ^ p[i]) * 0x100000001b3ull;
   return h;
 }
-
-namespace {
 
 std::string NameOf(uint32_t layer, std::span<const std::string> names) {
   std::ostringstream os;
@@ -68,14 +67,10 @@ std::string DescribeLayerDifference(const LayerRecord& a, const LayerRecord& ref
   return os.str();
 }
 
-}  // namespace
-
-void CheckFingerprints(Communicator& comm, BucketRecord record,
-                           std::span<const LayerRecord> layers,
-                           std::span<const std::string> layer_names) {
+// One bucket's check: the gather of its BucketRecord, then of its layer records if they differ.
+void CheckBucket(Communicator& comm, const BucketRecord& record, std::span<const LayerRecord> layers,
+                 std::span<const std::string> layer_names) {
   const int n = comm.size();
-  record.layer_count = static_cast<uint32_t>(layers.size());
-  record.digest = LayerDigest(layers);
   std::vector<BucketRecord> all(n);
   std::vector<size_t> counts(n, sizeof(BucketRecord));
   comm.AllGatherV({reinterpret_cast<const uint8_t*>(&record), sizeof record},
@@ -146,6 +141,89 @@ void CheckFingerprints(Communicator& comm, BucketRecord record,
     }
   }
   msg << "records differ but no layer does (digest collision?)";
+  GEOFP8_FAIL(msg.str());
+}
+
+}  // namespace
+
+uint64_t LayerDigest(std::span<const LayerRecord> layers) {
+  return Fnv1a(layers.data(), layers.size_bytes());
+}
+
+void CheckFingerprints(Communicator& comm, std::span<const BucketFingerprint> buckets,
+                       std::span<const std::string> layer_names) {
+  GEOFP8_CHECK(!buckets.empty(), "fingerprint check: no buckets");
+  const int n = comm.size();
+  std::vector<BucketRecord> headers;
+  RunRecord run;
+  run.policy_version = buckets[0].header.policy_version;
+  run.step = buckets[0].header.step;
+  run.first_bucket = buckets[0].header.bucket;
+  run.bucket_count = static_cast<uint32_t>(buckets.size());
+  run.algorithm = buckets[0].header.algorithm;
+  run.digest = Fnv1a(nullptr, 0);
+  for (const BucketFingerprint& b : buckets) {
+    GEOFP8_CHECK(b.header.policy_version == run.policy_version && b.header.step == run.step &&
+                     b.header.algorithm == run.algorithm,
+                 "fingerprint check: bucket ", b.header.bucket,
+                 " differs from the run's policy version, step or algorithm");
+    BucketRecord h = b.header;
+    h.layer_count = static_cast<uint32_t>(b.layers.size());
+    h.digest = LayerDigest(b.layers);
+    run.digest = Fnv1a(&h, sizeof h, run.digest);
+    headers.push_back(h);
+  }
+  std::vector<RunRecord> all(n);
+  comm.AllGatherV({reinterpret_cast<const uint8_t*>(&run), sizeof run},
+                  {reinterpret_cast<uint8_t*>(all.data()), all.size() * sizeof(RunRecord)},
+                  std::vector<size_t>(n, sizeof(RunRecord)));
+  auto same = [](const RunRecord& a, const RunRecord& b) {
+    return std::memcmp(&a, &b, sizeof(RunRecord)) == 0;
+  };
+  bool agree = true;
+  for (const auto& r : all) agree = agree && same(r, all[0]);
+  if (agree) return;
+
+  // Every rank saw the same records, so every rank takes the same path below and each further
+  // gather is matched on all of them.
+  auto same_shape = [](const RunRecord& a, const RunRecord& b) {
+    return a.policy_version == b.policy_version && a.step == b.step &&
+           a.first_bucket == b.first_bucket && a.bucket_count == b.bucket_count &&
+           a.algorithm == b.algorithm;
+  };
+  const int ref = MajorityRank(all, same_shape);
+  const RunRecord& R = all[ref];
+  auto range = [](const RunRecord& a) {
+    std::ostringstream os;
+    if (a.bucket_count == 1) {
+      os << "bucket " << a.first_bucket;
+    } else {
+      os << "buckets " << a.first_bucket << ".." << a.first_bucket + a.bucket_count - 1;
+    }
+    return os.str();
+  };
+  std::ostringstream msg;
+  msg << "exchange fingerprint mismatch in " << range(R) << " at step " << R.step << ": ";
+  for (int r = 0; r < n; ++r) {
+    const RunRecord& a = all[r];
+    if (a.policy_version != R.policy_version) {
+      msg << "rank " << r << " has policy version " << a.policy_version << ", rank " << ref
+          << " has " << R.policy_version;
+      GEOFP8_FAIL(msg.str());
+    }
+    if (!same_shape(a, R)) {
+      msg << "rank " << r << " is at step " << a.step << " " << range(a) << " algorithm "
+          << AlgorithmName(static_cast<Algorithm>(a.algorithm)) << ", rank " << ref << " at step "
+          << R.step << " " << range(R) << " algorithm "
+          << AlgorithmName(static_cast<Algorithm>(R.algorithm));
+      GEOFP8_FAIL(msg.str());
+    }
+  }
+  // Same buckets everywhere, different layers in at least one: find it bucket by bucket.
+  for (size_t b = 0; b < buckets.size(); ++b) {
+    CheckBucket(comm, headers[b], buckets[b].layers, layer_names);
+  }
+  msg << "bucket digests differ but no bucket does (digest collision?)";
   GEOFP8_FAIL(msg.str());
 }
 

@@ -1,6 +1,8 @@
-// Bucket fingerprints: before any payload moves, ranks all-gather one small fixed-size record per
-// bucket (policy version, step, algorithm, layer digest). A mismatch is diagnosed with a second
-// gather of per-layer records and reported naming the rank and the layer, on every rank.
+// Bucket fingerprints: before any payload moves, ranks all-gather one small fixed-size record for
+// the buckets that move together (policy version, step, algorithm, a digest of every bucket's
+// layers): one collective per run, however many buckets it holds. A mismatch is diagnosed with
+// further gathers of per-bucket and per-layer records and reported naming the rank and the layer,
+// on every rank.
 #pragma once
 
 #include <cstdint>
@@ -36,15 +38,36 @@ struct BucketRecord {
   uint32_t reserved = 0;  // 0
 };
 static_assert(sizeof(BucketRecord) == 40);
+
+// What the ranks compare first: the buckets [first_bucket, first_bucket + bucket_count) of one
+// run, with `digest` over their BucketRecords (each holding its layers' digest).
+struct RunRecord {
+  uint64_t policy_version = 0;
+  uint64_t step = 0;
+  uint64_t digest = 0;  // FNV-1a of the bucket records, in bucket order
+  uint32_t first_bucket = 0;
+  uint32_t bucket_count = 0;
+  uint32_t algorithm = 0;
+  uint32_t reserved = 0;  // 0
+};
+static_assert(sizeof(RunRecord) == 40);
 #pragma pack(pop)
+
+// One bucket as this rank will exchange it: its header (layer_count and digest are filled in by
+// CheckFingerprints) and its layers in bucket order.
+struct BucketFingerprint {
+  BucketRecord header;
+  std::vector<LayerRecord> layers;
+};
 
 uint64_t LayerDigest(std::span<const LayerRecord> layers);
 
-// Gathers every rank's record. Throws geofp8::Error naming the first disagreeing rank and layer
-// (compared with the value most ranks hold) if any record differs; the same error is raised on
-// every rank. `layer_names[i]` names layer index i for the message (may be empty).
-void CheckFingerprints(Communicator& comm, BucketRecord record,
-                           std::span<const LayerRecord> layers,
-                           std::span<const std::string> layer_names);
+// Gathers every rank's RunRecord of `buckets` (one collective when the ranks agree). Throws
+// geofp8::Error naming the first disagreeing rank and layer (compared with the value most ranks
+// hold) if anything differs; the same error is raised on every rank. The buckets must all have
+// the same policy_version, step and algorithm. `layer_names[i]` names layer index i for the
+// message (may be empty).
+void CheckFingerprints(Communicator& comm, std::span<const BucketFingerprint> buckets,
+                       std::span<const std::string> layer_names);
 
 }  // namespace geofp8

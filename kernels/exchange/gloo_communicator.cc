@@ -68,13 +68,21 @@ void GlooCall(const char* op, int rank, bool* broken, Fn&& fn) {
 
 class GlooCommunicator final : public Communicator {
  public:
+  // `side`, when set, is a second context over the same device: it becomes side_channel(),
+  // counting into this communicator's stats.
   GlooCommunicator(std::shared_ptr<gloo::rendezvous::Context> context,
-                   std::shared_ptr<gloo::transport::Device> device, std::chrono::milliseconds timeout)
+                   std::shared_ptr<gloo::transport::Device> device, std::chrono::milliseconds timeout,
+                   std::shared_ptr<gloo::rendezvous::Context> side = nullptr)
       : context_(std::move(context)), device_(std::move(device)) {
     timeout_ = timeout;
+    if (side) {
+      side_ = std::make_unique<GlooCommunicator>(std::move(side), device_, timeout);
+      side_->stats_ = stats_;
+    }
   }
 
   ~GlooCommunicator() override {
+    side_.reset();
     try {
       context_->closeConnections();
     } catch (...) {
@@ -85,6 +93,7 @@ class GlooCommunicator final : public Communicator {
   int rank() const override { return context_->rank; }
   int size() const override { return context_->size; }
   std::string_view backend() const override { return "gloo"; }
+  Communicator* side_channel() override { return side_.get(); }
 
   void AllToAllV(std::span<const uint8_t> send, std::span<const size_t> send_counts,
                  std::span<uint8_t> recv, std::span<const size_t> recv_counts) override {
@@ -97,8 +106,8 @@ class GlooCommunicator final : public Communicator {
                  " bytes, counts need ", send_total);
     GEOFP8_CHECK(recv.size() >= recv_total, "alltoallv: recv buffer holds ", recv.size(),
                  " bytes, counts need ", recv_total);
-    ++stats_.collectives;
-    stats_.bytes_sent += send_total - send_counts[rank()];
+    ++stats_->collectives;
+    stats_->bytes_sent += send_total - send_counts[rank()];
     if (n == 1) {
       std::copy_n(send.data(), send_total, recv.data());
       return;
@@ -130,9 +139,9 @@ class GlooCommunicator final : public Communicator {
     const size_t total = std::accumulate(recv_counts.begin(), recv_counts.end(), size_t{0});
     GEOFP8_CHECK(recv.size() >= total, "allgatherv: recv buffer holds ", recv.size(),
                  " bytes, counts need ", total);
-    ++stats_.collectives;
+    ++stats_->collectives;
     // Ring: a rank forwards every block except its successor's.
-    stats_.bytes_sent += total - recv_counts[(rank() + 1) % n];
+    stats_->bytes_sent += total - recv_counts[(rank() + 1) % n];
     if (n == 1) {
       std::copy_n(send.data(), send.size(), recv.data());
       return;
@@ -176,8 +185,8 @@ class GlooCommunicator final : public Communicator {
 
   void Broadcast(std::span<uint8_t> data, int root) override {
     GEOFP8_CHECK(root >= 0 && root < size(), "broadcast: root ", root, " is not a rank of ", size());
-    ++stats_.collectives;
-    if (rank() == root) stats_.bytes_sent += data.size() * (size() - 1);
+    ++stats_->collectives;
+    if (rank() == root) stats_->bytes_sent += data.size() * (size() - 1);
     if (size() == 1 || data.empty()) return;
     const uint32_t tag = next_tag_++;
     GlooCall("broadcast", rank(), &broken_, [&] {
@@ -203,7 +212,7 @@ class GlooCommunicator final : public Communicator {
   }
 
   void Barrier() override {
-    ++stats_.collectives;
+    ++stats_->collectives;
     if (size() == 1) return;
     const uint32_t tag = next_tag_++;
     GlooCall("barrier", rank(), &broken_, [&] {
@@ -217,10 +226,10 @@ class GlooCommunicator final : public Communicator {
  private:
   template <typename T>
   void RunAllReduce(const char* op, T* data, size_t count, gloo::AllreduceOptions::Func fn) {
-    ++stats_.collectives;
+    ++stats_->collectives;
     const int n = size();
     // Ring reduce-scatter plus all-gather: 2(N-1)/N of the buffer leaves each rank.
-    stats_.bytes_sent += 2 * (n - 1) * count * sizeof(T) / n;
+    stats_->bytes_sent += 2 * (n - 1) * count * sizeof(T) / n;
     if (n == 1 || count == 0) return;
     const uint32_t tag = next_tag_++;
     GlooCall(op, rank(), &broken_, [&] {
@@ -236,6 +245,7 @@ class GlooCommunicator final : public Communicator {
 
   std::shared_ptr<gloo::rendezvous::Context> context_;
   std::shared_ptr<gloo::transport::Device> device_;
+  std::unique_ptr<GlooCommunicator> side_;
   uint32_t next_tag_ = 1;
   bool broken_ = false;
 };
@@ -248,20 +258,29 @@ std::unique_ptr<Communicator> CreateGlooCommunicator(geofp8::Store& store, int r
   GEOFP8_CHECK(rank >= 0 && rank < size, "gloo: rank must be in [0, ", size, ") (", rank, ")");
   GEOFP8_CHECK(options.timeout.count() > 0, "gloo: timeout must be positive (",
                options.timeout.count(), " ms)");
-  std::shared_ptr<gloo::rendezvous::Context> context;
+  GEOFP8_CHECK(options.channels == 1 || options.channels == 2, "gloo: channels must be 1 or 2 (",
+               options.channels, ")");
+  std::shared_ptr<gloo::rendezvous::Context> context, side;
   std::shared_ptr<gloo::transport::Device> device;
   bool broken = false;
   GlooCall("rendezvous", rank, &broken, [&] {
     gloo::transport::tcp::attr attr;
     attr.hostname = options.hostname;
     device = gloo::transport::tcp::CreateDevice(attr);
-    context = std::make_shared<gloo::rendezvous::Context>(rank, size);
-    context->setTimeout(options.timeout);
     GlooStoreAdapter adapter(store, options.timeout);
-    gloo::rendezvous::PrefixStore prefixed(options.prefix, adapter);
-    context->connectFullMesh(prefixed, device);
+    // One full mesh per channel, each under its own key prefix, both over one device (one
+    // listening socket and one event loop thread).
+    for (int c = 0; c < options.channels; ++c) {
+      auto ctx = std::make_shared<gloo::rendezvous::Context>(rank, size);
+      ctx->setTimeout(options.timeout);
+      gloo::rendezvous::PrefixStore prefixed(c == 0 ? options.prefix : options.prefix + "/side",
+                                             adapter);
+      ctx->connectFullMesh(prefixed, device);
+      (c == 0 ? context : side) = std::move(ctx);
+    }
   });
-  return std::make_unique<GlooCommunicator>(std::move(context), std::move(device), options.timeout);
+  return std::make_unique<GlooCommunicator>(std::move(context), std::move(device), options.timeout,
+                                            std::move(side));
 }
 
 }  // namespace geofp8

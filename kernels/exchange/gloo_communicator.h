@@ -37,6 +37,10 @@ struct GlooOptions {
   std::string prefix = "geofp8";
   // Rendezvous and collective timeout.
   std::chrono::milliseconds timeout = kDefaultCollectiveTimeout;
+  // Full meshes of connections: 2 gives the communicator a side_channel(), on which two_phase
+  // overlaps its all-gathers with its next all-to-alls; 1 halves the sockets (2(N-1) per rank
+  // with 2).
+  int channels = 2;
 };
 
 // Connects rank `rank` of `size` (blocking until all ranks have joined or the timeout passes).

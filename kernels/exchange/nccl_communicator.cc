@@ -78,8 +78,8 @@ class NcclCommunicator final : public Communicator {
     const size_t recv_total = std::accumulate(recv_counts.begin(), recv_counts.end(), size_t{0});
     GEOFP8_CHECK(send.size() >= send_total && recv.size() >= recv_total,
                  "alltoallv: buffers smaller than their counts");
-    ++stats_.collectives;
-    stats_.bytes_sent += send_total - send_counts[rank_];
+    ++stats_->collectives;
+    stats_->bytes_sent += send_total - send_counts[rank_];
     uint8_t* d = Stage(send_total + recv_total);
     Upload(d, send.data(), send_total);
     Run("alltoallv", [&] {
@@ -106,8 +106,8 @@ class NcclCommunicator final : public Communicator {
                  send.size(), " bytes but recv_counts says ", recv_counts[rank_]);
     const size_t total = std::accumulate(recv_counts.begin(), recv_counts.end(), size_t{0});
     GEOFP8_CHECK(recv.size() >= total, "allgatherv: recv buffer smaller than the counts");
-    ++stats_.collectives;
-    stats_.bytes_sent += send.size() * (size_ - 1);
+    ++stats_->collectives;
+    stats_->bytes_sent += send.size() * (size_ - 1);
     if (total == 0) return;
     uint8_t* d = Stage(total);
     size_t my_off = 0;
@@ -138,8 +138,8 @@ class NcclCommunicator final : public Communicator {
 
   void Broadcast(std::span<uint8_t> data, int root) override {
     GEOFP8_CHECK(root >= 0 && root < size_, "broadcast: root ", root, " is not a rank of ", size_);
-    ++stats_.collectives;
-    if (rank_ == root) stats_.bytes_sent += data.size();
+    ++stats_->collectives;
+    if (rank_ == root) stats_->bytes_sent += data.size();
     if (data.empty()) return;
     uint8_t* d = Stage(data.size());
     Upload(d, data.data(), data.size());
@@ -190,8 +190,8 @@ class NcclCommunicator final : public Communicator {
  private:
   void AllReduce(const char* op, void* host, size_t count, ncclDataType_t type, ncclRedOp_t red,
                  size_t elem) {
-    ++stats_.collectives;
-    stats_.bytes_sent += 2 * (size_ - 1) * count * elem / size_;
+    ++stats_->collectives;
+    stats_->bytes_sent += 2 * (size_ - 1) * count * elem / size_;
     if (count == 0) return;
     uint8_t* d = Stage(count * elem);
     Upload(d, host, count * elem);

@@ -45,10 +45,12 @@ struct RankRun {
 };
 
 // One step on n ranks. `mutate(rank, layers, options, inputs)` may change one rank's view.
+// `channels` 1: communicators without a side channel (one pipeline lane).
 inline RankRun RunStep(
     int n, const std::vector<LayerSpec>& layers, const ExchangeOptions& options, uint64_t step = 0,
     const std::function<void(int, std::vector<LayerSpec>&, ExchangeOptions&, Tensors&)>& mutate =
-        {}) {
+        {},
+    int channels = 2) {
   RankRun run;
   run.outputs.resize(n);
   run.results.resize(n);
@@ -63,7 +65,7 @@ inline RankRun RunStep(
     for (auto& t : data) grads.emplace_back(t);
     run.results[r] = ex.Exchange(step, grads);
     run.outputs[r] = std::move(data);
-  });
+  }, std::chrono::milliseconds(60000), channels);
   return run;
 }
 

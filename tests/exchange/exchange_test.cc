@@ -70,17 +70,18 @@ std::vector<LayerSpec> MixedLayers() {
   };
 }
 
-class Mixed : public ::testing::TestWithParam<std::tuple<int, Algorithm, size_t>> {};
+class Mixed : public ::testing::TestWithParam<std::tuple<int, Algorithm, size_t, int>> {};
 
+// channels 1 and 2: the pipeline with one lane, and with the side channel's second lane.
 TEST_P(Mixed, PerLayerPoliciesInBuckets) {
-  const auto [n, algorithm, segment_bytes] = GetParam();
+  const auto [n, algorithm, segment_bytes, channels] = GetParam();
   ExchangeOptions options;
   options.algorithm = algorithm;
   options.segment_bytes = segment_bytes;  // 1: every layer its own pipelined two_phase group
   options.seed = 1234;
   options.bucket_cap_bytes = 4096;  // several buckets
   const auto layers = MixedLayers();
-  const auto run = RunStep(n, layers, options, /*step=*/5);
+  const auto run = RunStep(n, layers, options, /*step=*/5, {}, channels);
   CheckRun(run, layers, options, 5);
   EXPECT_GT(run.results[0].buckets.size(), 2u);
 }
@@ -89,7 +90,8 @@ INSTANTIATE_TEST_SUITE_P(Exchange, Mixed,
                          ::testing::Combine(::testing::Values(2, 3, 4),
                                             ::testing::Values(Algorithm::kTwoPhase,
                                                               Algorithm::kAllGather),
-                                            ::testing::Values(size_t{1}, size_t{4} << 20)));
+                                            ::testing::Values(size_t{1}, size_t{4} << 20),
+                                            ::testing::Values(1, 2)));
 
 TEST(Buckets, ReverseOrderWithCap) {
   std::vector<LayerSpec> layers = {{"a", 10, 1, {}}, {"b", 100, 1, {}}, {"c", 5, 1, {}},
@@ -159,6 +161,56 @@ TEST(Exchanger, ShapeMismatchNamesRankAndLayer) {
   for (int r = 0; r < 4; ++r) {
     EXPECT_NE(run.errors[r].find("rank 1 layer 5 'head'"), std::string::npos)
         << "rank " << r << ": " << run.errors[r];
+  }
+}
+
+// Exchange() checks every bucket of the step with one gather; when the digests differ, the
+// per-bucket records still find the layer, here in the last of several buckets.
+TEST(Exchanger, MismatchInALaterBucketOfOneRunNamesRankAndLayer) {
+  const auto layers = MixedLayers();
+  for (Algorithm a : {Algorithm::kTwoPhase, Algorithm::kFp32}) {
+    ExchangeOptions options;
+    options.algorithm = a;
+    options.bucket_cap_bytes = 4096;
+    const auto buckets = MakeBuckets(layers, options.bucket_cap_bytes);
+    ASSERT_GT(buckets.size(), 2u);
+    const uint32_t target = buckets.back().layers.front();  // exchanged last
+    const auto run = RunStep(3, layers, options, 0,
+                             [&](int r, std::vector<LayerSpec>& l, ExchangeOptions&, Tensors&) {
+                               if (r == 1) l[target].policy.block = 48;
+                             });
+    const std::string want = "rank 1 layer " + std::to_string(target) + " '" +
+                             layers[target].name + "' has block 48";
+    for (int r = 0; r < 3; ++r) {
+      EXPECT_NE(run.errors[r].find(want), std::string::npos)
+          << AlgorithmName(a) << " rank " << r << ": " << run.errors[r];
+    }
+  }
+}
+
+// One fingerprint gather per step, whatever the bucket count, and the non-finite flags ride in
+// the data: a pipelined step of one group costs three collectives (fingerprints, all-to-all,
+// all-gather) and allgather two.
+TEST(Exchanger, CollectivesPerStep) {
+  const auto layers = MixedLayers();
+  for (auto [a, want] : {std::pair{Algorithm::kTwoPhase, 3u}, std::pair{Algorithm::kAllGather, 2u},
+                         std::pair{Algorithm::kFp32, 3u}}) {
+    ExchangeOptions options;
+    options.algorithm = a;
+    options.bucket_cap_bytes = 4096;      // several buckets...
+    options.segment_bytes = size_t{1} << 30;  // ...in one pipeline group
+    std::vector<uint64_t> collectives(3);
+    const auto errors = RunRanks(3, [&](Communicator& comm) {
+      Exchanger ex(comm, layers, options);
+      ASSERT_GT(ex.buckets().size(), 2u);
+      Tensors data = MakeInputs(comm.rank(), layers);
+      std::vector<std::span<float>> grads(data.begin(), data.end());
+      const uint64_t before = comm.stats().collectives;
+      ex.Exchange(0, grads);
+      collectives[comm.rank()] = comm.stats().collectives - before;
+    });
+    ASSERT_EQ(JoinErrors(errors), "") << AlgorithmName(a);
+    for (int r = 0; r < 3; ++r) EXPECT_EQ(collectives[r], want) << AlgorithmName(a) << " rank " << r;
   }
 }
 
@@ -265,21 +317,25 @@ TEST(Exchanger, RejectsBadPolicyNamingLayerAndField) {
 namespace geofp8 {
 namespace {
 
-// Forwards to a real communicator but fails the k-th all-to-all: a transport failure in the
-// middle of the two_phase pipeline, while the helper thread is busy.
+// Forwards to a real communicator but fails the k-th call of one collective ("alltoallv" or
+// "allgatherv"): a transport failure in the middle of the pipeline, while the helper thread and
+// the other lane are busy. `side` is what side_channel() returns.
 class FailingComm final : public Communicator {
  public:
-  FailingComm(Communicator& inner, int fail_at) : inner_(inner), fail_at_(fail_at) {}
+  FailingComm(Communicator& inner, std::string op, int fail_at, Communicator* side = nullptr)
+      : inner_(inner), op_(std::move(op)), fail_at_(fail_at), side_(side) {}
   int rank() const override { return inner_.rank(); }
   int size() const override { return inner_.size(); }
   std::string_view backend() const override { return "failing"; }
+  Communicator* side_channel() override { return side_; }
   void AllToAllV(std::span<const uint8_t> s, std::span<const size_t> sc, std::span<uint8_t> r,
                  std::span<const size_t> rc) override {
-    if (++calls_ == fail_at_) GEOFP8_FAIL("injected alltoallv failure");
+    MaybeFail("alltoallv");
     inner_.AllToAllV(s, sc, r, rc);
   }
   void AllGatherV(std::span<const uint8_t> s, std::span<uint8_t> r,
                   std::span<const size_t> c) override {
+    MaybeFail("allgatherv");
     inner_.AllGatherV(s, r, c);
   }
   void AllReduceSum(std::span<float> d) override { inner_.AllReduceSum(d); }
@@ -289,36 +345,55 @@ class FailingComm final : public Communicator {
   void Barrier() override { inner_.Barrier(); }
 
  private:
+  void MaybeFail(const char* op) {
+    if (op_ == op && ++calls_ == fail_at_) GEOFP8_FAIL("injected ", op, " failure");
+  }
+
   Communicator& inner_;
+  std::string op_;
   int fail_at_;
+  Communicator* side_;
   int calls_ = 0;
 };
 
+// A failure on either lane (the main channel's all-to-alls, the side channel's all-gathers) or
+// with no side channel at all is reported as itself, and the engine stays usable.
 TEST(Exchanger, TransportFailureInsidePipelineSurfacesAsError) {
   MemoryStore store;
   auto real = CreateGlooCommunicator(store, 0, 1);
-  FailingComm comm(*real, /*fail_at=*/3);  // third group of the first bucket
-  std::vector<LayerSpec> layers;
-  for (int i = 0; i < 6; ++i) layers.push_back({"l" + std::to_string(i), 512, 1, {}});
-  ExchangeOptions options;
-  options.segment_bytes = 1;  // one group per layer
-  Exchanger ex(comm, layers, options);
-  Tensors data = MakeInputs(0, layers);
-  std::vector<std::span<float>> grads(data.begin(), data.end());
-  try {
-    ex.Exchange(0, grads);
-    FAIL() << "no error";
-  } catch (const Error& e) {
-    EXPECT_NE(std::string(e.what()).find("injected alltoallv failure"), std::string::npos)
-        << e.what();
+  ASSERT_NE(real->side_channel(), nullptr);
+  struct Case {
+    const char* main_op;
+    const char* side_op;
+    bool with_side;
+    const char* want;
+  };
+  for (const Case& c : {Case{"alltoallv", "", true, "injected alltoallv failure"},
+                        Case{"", "allgatherv", true, "injected allgatherv failure"},
+                        Case{"alltoallv", "", false, "injected alltoallv failure"},
+                        Case{"allgatherv", "", false, "injected allgatherv failure"}}) {
+    FailingComm side(*real->side_channel(), c.side_op, 3);
+    FailingComm comm(*real, c.main_op, 3, c.with_side ? &side : nullptr);  // the third group
+    std::vector<LayerSpec> layers;
+    for (int i = 0; i < 6; ++i) layers.push_back({"l" + std::to_string(i), 512, 1, {}});
+    ExchangeOptions options;
+    options.segment_bytes = 1;  // one group per layer
+    Exchanger ex(comm, layers, options);
+    Tensors data = MakeInputs(0, layers);
+    std::vector<std::span<float>> grads(data.begin(), data.end());
+    try {
+      ex.Exchange(0, grads);
+      ADD_FAILURE() << "no error: " << c.want;
+    } catch (const Error& e) {
+      EXPECT_NE(std::string(e.what()).find(c.want), std::string::npos) << e.what();
+    }
+    // The next step goes through and averages (N = 1: identity through fp8 quantization).
+    Tensors again = MakeInputs(0, layers);
+    std::vector<std::span<float>> grads2(again.begin(), again.end());
+    const StepResult r = ex.Exchange(1, grads2);
+    EXPECT_FALSE(r.skipped) << c.want;
+    EXPECT_EQ(r.buckets.size(), 1u) << c.want;
   }
-  // The engine stays usable: the next step goes through and averages (N = 1: identity through
-  // fp8 quantization).
-  Tensors again = MakeInputs(0, layers);
-  std::vector<std::span<float>> grads2(again.begin(), again.end());
-  const StepResult r = ex.Exchange(1, grads2);
-  EXPECT_FALSE(r.skipped);
-  EXPECT_EQ(r.buckets.size(), 1u);
 }
 
 }  // namespace

@@ -16,9 +16,10 @@
 namespace geofp8::testing {
 
 // Returns one entry per rank: "" on success, else the exception's message.
+// `channels`: GlooOptions::channels (2: with a side channel).
 inline std::vector<std::string> RunRanks(
     int n, const std::function<void(Communicator&)>& body,
-    std::chrono::milliseconds timeout = std::chrono::milliseconds(60000)) {
+    std::chrono::milliseconds timeout = std::chrono::milliseconds(60000), int channels = 2) {
   static std::atomic<int> group{0};
   MemoryStore store;
   const std::string prefix = "test" + std::to_string(group++);
@@ -30,6 +31,7 @@ inline std::vector<std::string> RunRanks(
         GlooOptions options;
         options.prefix = prefix;
         options.timeout = timeout;
+        options.channels = channels;
         auto comm = CreateGlooCommunicator(store, r, n, options);
         body(*comm);
       } catch (const std::exception& e) {
