@@ -41,6 +41,7 @@ struct Args {
   double bucket_mib = 25;   // ExchangeOptions::bucket_cap_bytes
   double segment_mib = 1;   // ExchangeOptions::segment_bytes
   int channels = 2;         // GlooOptions::channels
+  int helper_nice = ExchangeOptions().helper_nice;
   std::string variants = "fp32,bf16,two_phase:fp8_e4m3,allgather:fp8_e4m3,two_phase:nvfp4,"
                          "two_phase:fp8_e4m3:lowrank";
   // Process mode: this process is rank `rank`, rendezvousing through a shared directory.
@@ -59,15 +60,16 @@ void PrintHelp() {
   std::printf(
       "usage: %s [--ranks N] [--mib M] [--iters K] [--warmup W] [--variants LIST]\n"
       "          [--cols C] [--geometry-rank K] [--timeout-s S] [--bucket-mib B] [--segment-mib S]\n"
-      "          [--channels 1|2]\n"
+      "          [--channels 1|2] [--helper-nice N]\n"
       "          [--rank R --store-dir DIR [--hostname H] [--prefix P]]\n"
       "  --variants   comma list of fp32, bf16, ALGO:FORMAT[:lowrank|:diag] with ALGO two_phase\n"
       "               or allgather (default %s)\n"
       "  --channels   Gloo connection meshes per rank: 2 (default) lets two_phase overlap its\n"
       "               all-gathers with its next all-to-alls on a side channel; 1 runs them in turn\n"
+      "  --helper-nice niceness added to the pipeline's codec thread, 0-19 (default %d)\n"
       "  --rank       process mode: run only rank R; all ranks share --store-dir (a FileStore)\n"
       "               and listen on --hostname. Without --rank, ranks run as threads.\n",
-      kProg, Args().variants.c_str());
+      kProg, Args().variants.c_str(), Args().helper_nice);
 }
 
 template <typename T>
@@ -103,6 +105,7 @@ Args ParseArgs(int argc, char** argv) {
     else if (flag == "--bucket-mib") a.bucket_mib = ParseNumber<double>(flag, v);
     else if (flag == "--segment-mib") a.segment_mib = ParseNumber<double>(flag, v);
     else if (flag == "--channels") a.channels = ParseNumber<int>(flag, v);
+    else if (flag == "--helper-nice") a.helper_nice = ParseNumber<int>(flag, v);
     else if (flag == "--rank") a.rank = ParseNumber<int>(flag, v);
     else if (flag == "--store-dir") a.store_dir = v;
     else if (flag == "--hostname") a.hostname = v;
@@ -119,6 +122,9 @@ Args ParseArgs(int argc, char** argv) {
   if (!(a.bucket_mib > 0)) UsageError("--bucket-mib", "must be positive", std::to_string(a.bucket_mib));
   if (!(a.segment_mib > 0)) UsageError("--segment-mib", "must be positive", std::to_string(a.segment_mib));
   if (a.channels != 1 && a.channels != 2) UsageError("--channels", "must be 1 or 2", std::to_string(a.channels));
+  if (a.helper_nice < 0 || a.helper_nice > 19) {
+    UsageError("--helper-nice", "must be in [0, 19]", std::to_string(a.helper_nice));
+  }
   if (a.rank >= a.ranks) UsageError("--rank", "must be < --ranks", std::to_string(a.rank));
   if (a.rank >= 0 && a.store_dir.empty()) UsageError("--store-dir", "required with --rank", "empty");
   return a;
@@ -236,6 +242,7 @@ std::vector<Row> RunRank(Communicator& comm, const Args& a, const std::vector<Va
     options.timeout = std::chrono::milliseconds(static_cast<int64_t>(a.timeout_s * 1000));
     options.bucket_cap_bytes = static_cast<size_t>(a.bucket_mib * (1 << 20));
     options.segment_bytes = static_cast<size_t>(a.segment_mib * (1 << 20));
+    options.helper_nice = a.helper_nice;
     const bool geometry = v.policy.geometry != GeometryMode::kNone;
     Exchanger ex(comm, layers, options, geometry ? schedule : std::vector<RefreshSchedule>{});
     const int warmup = geometry ? std::max(a.warmup, 2) : a.warmup;

@@ -74,6 +74,13 @@ struct AlgorithmOptions {
   // two_phase pipelines groups of whole layers of about this many fp32 bytes: while one group is
   // on the wire, a helper thread encodes the next and sums/decodes the previous ones.
   size_t segment_bytes = size_t{1} << 20;
+  // Niceness added to that helper thread (Linux: its own scheduling priority). Its codec work is
+  // done ahead of the wire while the threads issuing collectives are latency-bound, so where
+  // exchange ranks oversubscribe the cores, a positive value lets the collectives win each
+  // wakeup (docs/benchmarks.md: 4 ranks on 2 cores, 10 takes two_phase from 0.287 to 0.281 of
+  // fp32). It also yields to a backward pass running alongside, which in the built-in trainer
+  // measured no faster, hence 0 (the helper keeps its creator's priority) by default.
+  int helper_nice = 0;
   // Reused buffers; null: the call allocates its own (tests, one-off calls).
   ExchangeWorkspace* workspace = nullptr;
   // Run on the calling thread before the first collective that moves data (the exchanger's

@@ -68,6 +68,8 @@ Exchanger::Exchanger(Communicator& comm, std::vector<LayerSpec> layers, Exchange
                " ms)");
   GEOFP8_CHECK(options_.activation_delay >= 1, "activation_delay: must be >= 1 (",
                options_.activation_delay, ")");
+  GEOFP8_CHECK(options_.helper_nice >= 0 && options_.helper_nice <= 19,
+               "helper_nice: must be in [0, 19] (", options_.helper_nice, ")");
   for (const auto& l : layers_) {
     if (std::string err = ValidateLayerPolicy(l); !err.empty()) GEOFP8_FAIL(err);
   }
@@ -354,6 +356,7 @@ std::vector<BucketResult> Exchanger::RunBuckets(uint64_t step, size_t first, siz
   ao.step = step;
   ao.divisor = static_cast<float>(comm_.size());
   ao.segment_bytes = options_.segment_bytes;
+  ao.helper_nice = options_.helper_nice;
   ao.workspace = &workspace_;
   // The fingerprints are compared while the first groups are encoded, in one collective for
   // every bucket of the run; nothing moves before.

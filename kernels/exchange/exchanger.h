@@ -38,6 +38,8 @@ struct ExchangeOptions {
   size_t bucket_cap_bytes = size_t{25} << 20;
   // two_phase pipelines groups of layers of about this many fp32 bytes within a bucket.
   size_t segment_bytes = size_t{1} << 20;
+  // Niceness added to the pipeline's codec thread, in [0, 19] (AlgorithmOptions::helper_nice).
+  int helper_nice = 0;
   // Every collective's timeout (DESIGN.md section 4).
   std::chrono::milliseconds timeout = kDefaultCollectiveTimeout;
   // Checked across ranks in every bucket's fingerprint.

@@ -298,6 +298,18 @@ TEST(Exchanger, RejectsBadPolicyNamingLayerAndField) {
   }
   layers[0].policy.error_feedback = false;
   EXPECT_THROW(Exchanger(*comm, layers, {}, {RefreshSchedule{3, 10, 0}}), Error);  // owner 3 of 1
+  for (int nice : {-1, 20}) {
+    ExchangeOptions o;
+    o.helper_nice = nice;
+    try {
+      Exchanger ex(*comm, layers, o);
+      ADD_FAILURE() << "helper_nice " << nice << " accepted";
+    } catch (const Error& e) {
+      EXPECT_NE(std::string(e.what()).find("helper_nice: must be in [0, 19] (" + std::to_string(nice) + ")"),
+                std::string::npos)
+          << e.what();
+    }
+  }
   ExchangeOptions native;
   native.algorithm = Algorithm::kNative;
   Exchanger ex(*comm, layers, native);
