@@ -7,6 +7,7 @@
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
+#include <filesystem>
 #include <memory>
 #include <string>
 #include <thread>
@@ -42,6 +43,7 @@ struct Args {
   double segment_mib = 1;   // ExchangeOptions::segment_bytes
   int channels = 2;         // GlooOptions::channels
   int helper_nice = ExchangeOptions().helper_nice;
+  std::string trace_dir;    // --trace: one Chrome trace JSON per variant and rank
   std::string variants = "fp32,bf16,two_phase:fp8_e4m3,allgather:fp8_e4m3,two_phase:nvfp4,"
                          "two_phase:fp8_e4m3:lowrank";
   // Process mode: this process is rank `rank`, rendezvousing through a shared directory.
@@ -60,13 +62,15 @@ void PrintHelp() {
   std::printf(
       "usage: %s [--ranks N] [--mib M] [--iters K] [--warmup W] [--variants LIST]\n"
       "          [--cols C] [--geometry-rank K] [--timeout-s S] [--bucket-mib B] [--segment-mib S]\n"
-      "          [--channels 1|2] [--helper-nice N]\n"
+      "          [--channels 1|2] [--helper-nice N] [--trace DIR]\n"
       "          [--rank R --store-dir DIR [--hostname H] [--prefix P]]\n"
       "  --variants   comma list of fp32, bf16, ALGO:FORMAT[:lowrank|:diag] with ALGO two_phase\n"
       "               or allgather (default %s)\n"
       "  --channels   Gloo connection meshes per rank: 2 (default) lets two_phase overlap its\n"
       "               all-gathers with its next all-to-alls on a side channel; 1 runs them in turn\n"
       "  --helper-nice niceness added to the pipeline's codec thread, 0-19 (default %d)\n"
+      "  --trace      write DIR/VARIANT.rankR.json, a Chrome trace (ui.perfetto.dev) of every\n"
+      "               step's collectives and codec stages per lane\n"
       "  --rank       process mode: run only rank R; all ranks share --store-dir (a FileStore)\n"
       "               and listen on --hostname. Without --rank, ranks run as threads.\n",
       kProg, Args().variants.c_str(), Args().helper_nice);
@@ -106,6 +110,7 @@ Args ParseArgs(int argc, char** argv) {
     else if (flag == "--segment-mib") a.segment_mib = ParseNumber<double>(flag, v);
     else if (flag == "--channels") a.channels = ParseNumber<int>(flag, v);
     else if (flag == "--helper-nice") a.helper_nice = ParseNumber<int>(flag, v);
+    else if (flag == "--trace") a.trace_dir = v;
     else if (flag == "--rank") a.rank = ParseNumber<int>(flag, v);
     else if (flag == "--store-dir") a.store_dir = v;
     else if (flag == "--hostname") a.hostname = v;
@@ -124,6 +129,9 @@ Args ParseArgs(int argc, char** argv) {
   if (a.channels != 1 && a.channels != 2) UsageError("--channels", "must be 1 or 2", std::to_string(a.channels));
   if (a.helper_nice < 0 || a.helper_nice > 19) {
     UsageError("--helper-nice", "must be in [0, 19]", std::to_string(a.helper_nice));
+  }
+  if (!a.trace_dir.empty() && !std::filesystem::is_directory(a.trace_dir)) {
+    UsageError("--trace", "not a directory", a.trace_dir);
   }
   if (a.rank >= a.ranks) UsageError("--rank", "must be < --ranks", std::to_string(a.rank));
   if (a.rank >= 0 && a.store_dir.empty()) UsageError("--store-dir", "required with --rank", "empty");
@@ -243,6 +251,8 @@ std::vector<Row> RunRank(Communicator& comm, const Args& a, const std::vector<Va
     options.bucket_cap_bytes = static_cast<size_t>(a.bucket_mib * (1 << 20));
     options.segment_bytes = static_cast<size_t>(a.segment_mib * (1 << 20));
     options.helper_nice = a.helper_nice;
+    ExchangeTrace trace;
+    if (!a.trace_dir.empty()) options.trace = &trace;
     const bool geometry = v.policy.geometry != GeometryMode::kNone;
     Exchanger ex(comm, layers, options, geometry ? schedule : std::vector<RefreshSchedule>{});
     const int warmup = geometry ? std::max(a.warmup, 2) : a.warmup;
@@ -261,6 +271,12 @@ std::vector<Row> RunRank(Communicator& comm, const Args& a, const std::vector<Va
         times.push_back(slowest / 1000.0);
         wire = r.bytes_sent;
       }
+    }
+    if (options.trace) {
+      std::string name = v.label;
+      std::replace(name.begin(), name.end(), ':', '_');
+      trace.WriteChromeJson(a.trace_dir + "/" + name + ".rank" + std::to_string(comm.rank()) + ".json",
+                            comm.rank());
     }
     if (v.algorithm == Algorithm::kFp32 && fp32_result.empty()) fp32_result = work;
     Row row;

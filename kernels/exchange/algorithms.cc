@@ -258,7 +258,10 @@ class Pipeline {
     try {
       // The caller's check (fingerprints) runs while the helper encodes the first groups; no
       // lane moves data before it has passed.
-      if (ao_.before_data) ao_.before_data();
+      if (ao_.before_data) {
+        TraceScope span(ao_.trace, "fingerprints", ExchangeTrace::kMainLane, ao_.step);
+        ao_.before_data();
+      }
       MarkChecked();
       RunLane(comm_, 0, lanes);
       WaitAllDecoded();
@@ -288,11 +291,15 @@ class Pipeline {
   // The last group's first collective carries every rank's non-finite flags (agreed_).
   void RunLane(Communicator& comm, int lane, int lanes) {
     const size_t G = groups_.size();
+    const auto trace_lane = lane == 0 ? ExchangeTrace::kMainLane : ExchangeTrace::kSideLane;
     if (lane > 0) WaitChecked();
     if (!two_phase_) {
       for (size_t s = lane; s < G; s += lanes) {
         WaitFor(s, kEncoded);
-        AllGather(comm, s);
+        {
+          TraceScope span(ao_.trace, "all_gather", trace_lane, ao_.step, static_cast<int>(s));
+          AllGather(comm, s);
+        }
         if (s + 1 == G) agreed_ = ReadFlags(*groups_[s].all, groups_[s]);
         Mark(s, kGathered);
       }
@@ -302,13 +309,19 @@ class Pipeline {
     for (size_t s = 0; s <= G; ++s) {
       if (s < G && exchanges) {
         WaitFor(s, kEncoded);
-        AllToAll(comm, s);
+        {
+          TraceScope span(ao_.trace, "all_to_all", trace_lane, ao_.step, static_cast<int>(s));
+          AllToAll(comm, s);
+        }
         if (s + 1 == G) agreed_ = ReadFlags(*groups_[s].recv, groups_[s]);
         Mark(s, kExchanged);
       }
       if (s >= 1 && gathers) {
         WaitFor(s - 1, kRequantized);
-        AllGather(comm, s - 1);
+        {
+          TraceScope span(ao_.trace, "all_gather", trace_lane, ao_.step, static_cast<int>(s - 1));
+          AllGather(comm, s - 1);
+        }
         Mark(s - 1, kGathered);
       }
     }
@@ -480,17 +493,20 @@ class Pipeline {
           if (abort_ || pick == G) return;
         }
         Group& g = groups_[pick];
-        if (stage == 0) {
-          Encode1(g);
-          ++next_encode;
-          Mark(pick, kEncoded);
-        } else if (stage == kExchanged) {
-          SumRequantize(g);
-          Mark(pick, kRequantized);
-        } else {
-          DecodeAll(g);
-          Mark(pick, kDecoded);
+        const int done = stage == 0 ? kEncoded : stage == kExchanged ? kRequantized : kDecoded;
+        {
+          const char* what = stage == 0 ? "encode" : stage == kExchanged ? "sum_requantize" : "decode";
+          TraceScope span(ao_.trace, what, ExchangeTrace::kCodecLane, ao_.step, static_cast<int>(pick));
+          if (stage == 0) {
+            Encode1(g);
+          } else if (stage == kExchanged) {
+            SumRequantize(g);
+          } else {
+            DecodeAll(g);
+          }
         }
+        if (stage == 0) ++next_encode;
+        Mark(pick, done);
       }
     } catch (...) {
       helper_error_ = std::current_exception();
@@ -602,7 +618,11 @@ uint64_t ExchangeBucketData(Communicator& comm, Algorithm algorithm, const Algor
     }
     return Pipeline(comm, options, layers, algorithm == Algorithm::kTwoPhase, ws).Run();
   }
-  if (options.before_data) options.before_data();
+  if (options.before_data) {
+    TraceScope span(options.trace, "fingerprints", ExchangeTrace::kMainLane, options.step);
+    options.before_data();
+  }
+  TraceScope span(options.trace, "all_reduce", ExchangeTrace::kMainLane, options.step);
   uint64_t bad = 0;
   for (const auto& l : layers) {
     if (!l.geometry) continue;

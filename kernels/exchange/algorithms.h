@@ -14,6 +14,7 @@
 
 #include "kernels/exchange/communicator.h"
 #include "kernels/exchange/policy.h"
+#include "kernels/exchange/trace.h"
 #include "kernels/geometry/geometry.h"
 
 namespace geofp8 {
@@ -81,6 +82,8 @@ struct AlgorithmOptions {
   // fp32). It also yields to a backward pass running alongside, which in the built-in trainer
   // measured no faster, hence 0 (the helper keeps its creator's priority) by default.
   int helper_nice = 0;
+  // Timeline of this call's collectives and codec stages (trace.h); null: none.
+  ExchangeTrace* trace = nullptr;
   // Reused buffers; null: the call allocates its own (tests, one-off calls).
   ExchangeWorkspace* workspace = nullptr;
   // Run on the calling thread before the first collective that moves data (the exchanger's

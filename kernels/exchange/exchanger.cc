@@ -357,6 +357,7 @@ std::vector<BucketResult> Exchanger::RunBuckets(uint64_t step, size_t first, siz
   ao.divisor = static_cast<float>(comm_.size());
   ao.segment_bytes = options_.segment_bytes;
   ao.helper_nice = options_.helper_nice;
+  ao.trace = options_.trace;
   ao.workspace = &workspace_;
   // The fingerprints are compared while the first groups are encoded, in one collective for
   // every bucket of the run; nothing moves before.
@@ -385,6 +386,7 @@ std::vector<BucketResult> Exchanger::RunBuckets(uint64_t step, size_t first, siz
 
 std::vector<RefreshRecord> Exchanger::RunRefreshes(uint64_t step,
                                                    const std::vector<std::span<float>>& grads) {
+  TraceScope span(options_.trace, "geometry_refresh", ExchangeTrace::kMainLane, step);
   std::vector<RefreshRecord> out;
   for (uint32_t l = 0; l < layers_.size(); ++l) {
     if (!UsesGeometry(l)) continue;

@@ -19,6 +19,7 @@
 #include "kernels/exchange/algorithms.h"
 #include "kernels/exchange/communicator.h"
 #include "kernels/exchange/policy.h"
+#include "kernels/exchange/trace.h"
 #include "kernels/geometry/geometry.h"
 
 namespace geofp8 {
@@ -40,6 +41,9 @@ struct ExchangeOptions {
   size_t segment_bytes = size_t{1} << 20;
   // Niceness added to the pipeline's codec thread, in [0, 19] (AlgorithmOptions::helper_nice).
   int helper_nice = 0;
+  // Records every step's collectives, codec stages and geometry refreshes (trace.h). Not owned:
+  // it must outlive the Exchanger. Null: no timeline.
+  ExchangeTrace* trace = nullptr;
   // Every collective's timeout (DESIGN.md section 4).
   std::chrono::milliseconds timeout = kDefaultCollectiveTimeout;
   // Checked across ranks in every bucket's fingerprint.
