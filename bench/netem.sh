@@ -1,10 +1,13 @@
 #!/usr/bin/env bash
-# Runs `geofp8-bench exchange` with one rank per network namespace, each joined to a bridge by a
-# veth link shaped with tc to 1 Gbit/s each way. Root only; touches only namespaces it creates.
+# Runs `geofp8-bench exchange` (or another multi-rank subcommand) with one rank per network
+# namespace, each joined to a bridge by a veth link shaped with tc to 1 Gbit/s each way. Root only;
+# touches only namespaces it creates.
 #
-# usage: bench/netem.sh [--ranks N] [--rate 1gbit] [--delay 0] [--bench PATH] [-- BENCH ARGS]
+# usage: bench/netem.sh [--ranks N] [--rate 1gbit] [--delay 0] [--bench PATH] [--command NAME]
+#                       [-- BENCH ARGS]
 #   --delay adds a netem delay each way (needs the sch_netem kernel module); 0 shapes with tbf only.
-#   BENCH ARGS go to `geofp8-bench exchange` (default: --mib 64 --iters 5).
+#   --command is the geofp8-bench subcommand: exchange (default) or collectives.
+#   BENCH ARGS go to it (default for exchange: --mib 64 --iters 5).
 #   example: sudo bench/netem.sh --ranks 4 -- --mib 64 --iters 5
 set -euo pipefail
 
@@ -12,6 +15,7 @@ ranks=4
 rate=1gbit
 delay=0
 bench=""
+command=exchange
 here="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
 while [[ $# -gt 0 ]]; do
   case "$1" in
@@ -19,13 +23,18 @@ while [[ $# -gt 0 ]]; do
     --rate) rate="$2"; shift 2 ;;
     --delay) delay="$2"; shift 2 ;;
     --bench) bench="$2"; shift 2 ;;
+    --command) command="$2"; shift 2 ;;
     --) shift; break ;;
-    -h|--help) sed -n '2,8p' "$0"; exit 0 ;;
+    -h|--help) sed -n '2,11p' "$0"; exit 0 ;;
     *) echo "netem.sh: error: $1: unknown option (see --help)" >&2; exit 2 ;;
   esac
 done
 bench_args=("$@")
-[[ ${#bench_args[@]} -gt 0 ]] || bench_args=(--mib 64 --iters 5)
+case "$command" in
+  exchange) [[ ${#bench_args[@]} -gt 0 ]] || bench_args=(--mib 64 --iters 5) ;;
+  collectives) ;;
+  *) echo "netem.sh: error: --command: must be exchange or collectives ($command)" >&2; exit 2 ;;
+esac
 
 if [[ $(id -u) -ne 0 ]]; then echo "netem.sh: error: must run as root (uid $(id -u))" >&2; exit 2; fi
 if ! [[ "$ranks" =~ ^[0-9]+$ ]] || (( ranks < 1 || ranks > 200 )); then
@@ -92,7 +101,7 @@ done
 export OPENBLAS_NUM_THREADS="${OPENBLAS_NUM_THREADS:-1}"
 echo "netem.sh: $ranks ranks in namespaces ${tag}r*, links $rate with $delay delay each way"
 for ((r = 0; r < ranks; r++)); do
-  ip netns exec "${tag}r$r" "$bench" exchange --ranks "$ranks" --rank "$r" --store-dir "$store_dir" \
+  ip netns exec "${tag}r$r" "$bench" "$command" --ranks "$ranks" --rank "$r" --store-dir "$store_dir" \
     --hostname "10.213.$((r / 250)).$((r % 250 + 1))" "${bench_args[@]}" &
   pids+=($!)
 done

@@ -2,12 +2,14 @@
 // interface with a Gloo (CPU, TCP) and an NCCL (GPU) backend. Every call honours timeout().
 #pragma once
 
+#include <algorithm>
 #include <atomic>
 #include <chrono>
 #include <cstddef>
 #include <cstdint>
 #include <span>
 #include <string_view>
+#include <vector>
 
 #include "kernels/common/check.h"
 
@@ -55,6 +57,13 @@ class Communicator {
   // Maximum of value over ranks (the non-finite flag: every rank makes the same skip decision).
   virtual uint32_t MaxReduce(uint32_t value) = 0;
 
+  // Element-wise maximum over ranks of up to kMaxReduceWords words, in place, as one small
+  // collective. The fingerprint check compares records with it: every rank holds the same x iff
+  // max(x) == ~max(~x). This default gathers every rank's words; backends override it with
+  // their fastest small reduction.
+  static constexpr size_t kMaxReduceWords = 16;
+  virtual void MaxReduceWords(std::span<uint64_t> words);
+
   virtual void Barrier() = 0;
 
   // The `native` algorithm: in-place sum of data over ranks through the backend's own FP8 E4M3
@@ -86,6 +95,18 @@ class Communicator {
   CommStats own_stats_;
   CommStats* stats_ = &own_stats_;  // a side channel counts into its parent's
 };
+
+inline void Communicator::MaxReduceWords(std::span<uint64_t> words) {
+  GEOFP8_CHECK(words.size() <= kMaxReduceWords, "max-reduce: ", words.size(), " words, at most ",
+               kMaxReduceWords);
+  const size_t n = static_cast<size_t>(size()), bytes = words.size_bytes();
+  std::vector<uint64_t> all(words.size() * n);
+  AllGatherV({reinterpret_cast<const uint8_t*>(words.data()), bytes},
+             {reinterpret_cast<uint8_t*>(all.data()), bytes * n}, std::vector<size_t>(n, bytes));
+  for (size_t r = 0; r < n; ++r) {
+    for (size_t i = 0; i < words.size(); ++i) words[i] = std::max(words[i], all[r * words.size() + i]);
+  }
+}
 
 inline void Communicator::AllReduceSumNativeFp8(std::span<float>) {
   GEOFP8_FAIL("algorithm: native needs a backend with FP8 all-reduce (NCCL >= 2.24 on sm90+); "

@@ -173,19 +173,24 @@ void CheckFingerprints(Communicator& comm, std::span<const BucketFingerprint> bu
     run.digest = Fnv1a(&h, sizeof h, run.digest);
     headers.push_back(h);
   }
+  // The common case in one small reduction: every rank holds the same record iff, word by word,
+  // the maximum over ranks equals the minimum (the complement of the maximum of complements).
+  constexpr size_t kWords = sizeof(RunRecord) / sizeof(uint64_t);
+  static_assert(2 * kWords <= Communicator::kMaxReduceWords);
+  uint64_t words[2 * kWords];
+  std::memcpy(words, &run, sizeof run);
+  for (size_t i = 0; i < kWords; ++i) words[kWords + i] = ~words[i];
+  comm.MaxReduceWords(words);
+  bool agree = true;
+  for (size_t i = 0; i < kWords; ++i) agree = agree && words[i] == ~words[kWords + i];
+  if (agree) return;
+
+  // Some rank differs; every rank saw the same reduction, so every rank takes the same path below
+  // and each gather is matched on all of them.
   std::vector<RunRecord> all(n);
   comm.AllGatherV({reinterpret_cast<const uint8_t*>(&run), sizeof run},
                   {reinterpret_cast<uint8_t*>(all.data()), all.size() * sizeof(RunRecord)},
                   std::vector<size_t>(n, sizeof(RunRecord)));
-  auto same = [](const RunRecord& a, const RunRecord& b) {
-    return std::memcmp(&a, &b, sizeof(RunRecord)) == 0;
-  };
-  bool agree = true;
-  for (const auto& r : all) agree = agree && same(r, all[0]);
-  if (agree) return;
-
-  // Every rank saw the same records, so every rank takes the same path below and each further
-  // gather is matched on all of them.
   auto same_shape = [](const RunRecord& a, const RunRecord& b) {
     return a.policy_version == b.policy_version && a.step == b.step &&
            a.first_bucket == b.first_bucket && a.bucket_count == b.bucket_count &&

@@ -1,6 +1,6 @@
-// Bucket fingerprints: before any payload moves, ranks all-gather one small fixed-size record for
+// Bucket fingerprints: before any payload moves, ranks compare one small fixed-size record for
 // the buckets that move together (policy version, step, algorithm, a digest of every bucket's
-// layers): one collective per run, however many buckets it holds. A mismatch is diagnosed with
+// layers): one max-reduction per run, however many buckets it holds. A mismatch is diagnosed with
 // further gathers of per-bucket and per-layer records and reported naming the rank and the layer,
 // on every rank.
 #pragma once
@@ -62,7 +62,8 @@ struct BucketFingerprint {
 
 uint64_t LayerDigest(std::span<const LayerRecord> layers);
 
-// Gathers every rank's RunRecord of `buckets` (one collective when the ranks agree). Throws
+// Compares every rank's RunRecord of `buckets` (one small max-reduction when the ranks agree,
+// Communicator::MaxReduceWords). Throws
 // geofp8::Error naming the first disagreeing rank and layer (compared with the value most ranks
 // hold) if anything differs; the same error is raised on every rank. The buckets must all have
 // the same policy_version, step and algorithm. `layer_names[i]` names layer index i for the

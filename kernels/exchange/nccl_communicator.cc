@@ -154,6 +154,12 @@ class NcclCommunicator final : public Communicator {
     return value;
   }
 
+  void MaxReduceWords(std::span<uint64_t> words) override {
+    GEOFP8_CHECK(words.size() <= kMaxReduceWords, "max-reduce: ", words.size(), " words, at most ",
+                 kMaxReduceWords);
+    AllReduce("max-reduce", words.data(), words.size(), ncclUint64, ncclMax, sizeof(uint64_t));
+  }
+
   void Barrier() override {
     uint32_t one = 1;
     AllReduce("barrier", &one, 1, ncclUint32, ncclSum, sizeof(uint32_t));

@@ -79,6 +79,28 @@ TEST_P(CommSweep, EveryCollective) {
 
     EXPECT_EQ(comm.MaxReduce(r == n / 2 ? 9u : static_cast<uint32_t>(r % 2)), 9u);
     EXPECT_EQ(comm.MaxReduce(0u), 0u);
+
+    // Word-wise maximum, through the backend's override and through the base class's gather, of
+    // words that peak on different ranks (and 0 and ~0 words), against the maximum computed here.
+    auto word = [](int rank, size_t i) -> uint64_t {
+      if (i == 0) return 0;
+      if (i == 1) return ~uint64_t{0};
+      return (uint64_t{0x9e3779b97f4a7c15} * (rank + 1) * (i + 3)) ^ (static_cast<uint64_t>(rank) << 60);
+    };
+    for (size_t count : {size_t{1}, size_t{10}, Communicator::kMaxReduceWords}) {
+      std::vector<uint64_t> want(count, 0);
+      for (int q = 0; q < n; ++q) {
+        for (size_t i = 0; i < count; ++i) want[i] = std::max(want[i], word(q, i));
+      }
+      std::vector<uint64_t> fast(count), slow(count);
+      for (size_t i = 0; i < count; ++i) fast[i] = slow[i] = word(r, i);
+      comm.MaxReduceWords(fast);
+      comm.Communicator::MaxReduceWords(slow);
+      ASSERT_EQ(fast, want) << count;
+      ASSERT_EQ(slow, want) << count;
+    }
+    std::vector<uint64_t> too_many(Communicator::kMaxReduceWords + 1);
+    EXPECT_THROW(comm.MaxReduceWords(too_many), Error);
     comm.Barrier();
     EXPECT_GT(comm.stats().collectives, 0u);
   });

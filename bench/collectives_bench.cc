@@ -1,0 +1,237 @@
+// geofp8-bench collectives: latency of each Communicator collective at a few sizes, across N ranks
+// (threads over Gloo TCP on 127.0.0.1, or one process per rank for bench/netem.sh --command
+// collectives). Every call is timed on its own, back to back as an exchange issues them; rank 0
+// prints the median and 90th percentile and the bytes it moved per second.
+#include <algorithm>
+#include <cerrno>
+#include <chrono>
+#include <cstdio>
+#include <cstdlib>
+#include <functional>
+#include <numeric>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "bench/registry.h"
+#include "kernels/common/check.h"
+#include "kernels/exchange/gloo_communicator.h"
+#include "kernels/exchange/store.h"
+
+namespace geofp8::bench {
+namespace {
+
+constexpr const char* kProg = "geofp8-bench collectives";
+constexpr const char* kOps = "allgatherv,alltoallv,allreduce,max_reduce_words,barrier";
+
+struct Args {
+  int ranks = 4;
+  std::vector<size_t> sizes = {64, 4096, 262144, 4194304};
+  std::vector<std::string> ops;
+  int iters = 50;
+  int warmup = 5;
+  double timeout_s = 300;
+  int rank = -1;  // process mode
+  std::string store_dir;
+  std::string hostname = "127.0.0.1";
+  std::string prefix = "collectives";
+};
+
+[[noreturn]] void Usage(const std::string& field, const std::string& problem,
+                        const std::string& value) {
+  UsageError(kProg, field, problem, value);
+}
+
+std::vector<std::string> SplitList(const std::string& s) {
+  std::vector<std::string> out;
+  size_t start = 0;
+  while (start <= s.size()) {
+    const size_t comma = std::min(s.find(',', start), s.size());
+    if (comma > start) out.push_back(s.substr(start, comma - start));
+    start = comma + 1;
+  }
+  return out;
+}
+
+long long ParseInt(const std::string& flag, const std::string& text, long long lo, long long hi) {
+  char* end = nullptr;
+  errno = 0;
+  const long long v = std::strtoll(text.c_str(), &end, 10);
+  if (text.empty() || *end != '\0' || errno != 0) Usage(flag, "not an integer", text);
+  if (v < lo || v > hi) {
+    Usage(flag, "must be in [" + std::to_string(lo) + ", " + std::to_string(hi) + "]", text);
+  }
+  return v;
+}
+
+Args ParseArgs(int argc, char** argv) {
+  Args a;
+  std::string ops = kOps;
+  for (int i = 1; i < argc; ++i) {
+    const std::string flag = argv[i];
+    if (flag == "--help" || flag == "-h") {
+      std::printf(
+          "usage: %s [--ranks N] [--sizes B,B,...] [--ops LIST] [--iters K] [--warmup W]\n"
+          "          [--timeout-s S] [--rank R --store-dir DIR [--hostname H] [--prefix P]]\n"
+          "  --sizes   bytes each rank contributes (allgatherv: its block; alltoallv: the sum of\n"
+          "            its blocks to every rank; allreduce: the fp32 buffer). default 64,4096,\n"
+          "            262144,4194304; max_reduce_words always moves 16 words, barrier nothing\n"
+          "  --ops     comma list of %s (default all)\n"
+          "  --rank    process mode: run only rank R; all ranks share --store-dir (a FileStore)\n"
+          "            and listen on --hostname. Without --rank, ranks run as threads.\n",
+          kProg, kOps);
+      std::exit(0);
+    }
+    if (i + 1 >= argc) Usage(flag, "missing value", "end of arguments");
+    const std::string v = argv[++i];
+    if (flag == "--ranks") a.ranks = static_cast<int>(ParseInt(flag, v, 1, 4096));
+    else if (flag == "--iters") a.iters = static_cast<int>(ParseInt(flag, v, 1, 1000000));
+    else if (flag == "--warmup") a.warmup = static_cast<int>(ParseInt(flag, v, 0, 1000000));
+    else if (flag == "--timeout-s") a.timeout_s = static_cast<double>(ParseInt(flag, v, 1, 86400));
+    else if (flag == "--rank") a.rank = static_cast<int>(ParseInt(flag, v, 0, 4095));
+    else if (flag == "--store-dir") a.store_dir = v;
+    else if (flag == "--hostname") a.hostname = v;
+    else if (flag == "--prefix") a.prefix = v;
+    else if (flag == "--ops") ops = v;
+    else if (flag == "--sizes") {
+      a.sizes.clear();
+      for (const auto& s : SplitList(v)) {
+        a.sizes.push_back(static_cast<size_t>(ParseInt("--sizes", s, 1, int64_t{1} << 32)));
+      }
+      if (a.sizes.empty()) Usage("--sizes", "empty list", v);
+    } else {
+      Usage(flag, "unknown option", flag);
+    }
+  }
+  a.ops = SplitList(ops);
+  if (a.ops.empty()) Usage("--ops", "empty list", ops);
+  const auto known = SplitList(kOps);
+  for (const auto& op : a.ops) {
+    if (std::find(known.begin(), known.end(), op) == known.end()) {
+      Usage("--ops", std::string("unknown collective, accepted: ") + kOps, op);
+    }
+  }
+  if (a.rank >= a.ranks) Usage("--rank", "must be < --ranks", std::to_string(a.rank));
+  if (a.rank >= 0 && a.store_dir.empty()) Usage("--store-dir", "required with --rank", "empty");
+  return a;
+}
+
+struct Row {
+  std::string op;
+  size_t bytes = 0;
+  double median_us = 0, p90_us = 0;
+};
+
+std::vector<Row> RunRank(Communicator& comm, const Args& a) {
+  const int n = comm.size();
+  const int r = comm.rank();
+  std::vector<Row> rows;
+  for (const std::string& op : a.ops) {
+    const bool sized = op != "max_reduce_words" && op != "barrier";
+    for (size_t bytes : sized ? a.sizes : std::vector<size_t>{Communicator::kMaxReduceWords * 8}) {
+      if (op == "barrier") bytes = 0;
+      std::function<void()> call;
+      std::vector<uint8_t> send, recv;
+      std::vector<size_t> counts(n);
+      std::vector<float> floats;
+      std::vector<uint64_t> words(Communicator::kMaxReduceWords, static_cast<uint64_t>(r));
+      if (op == "allgatherv") {
+        send.assign(bytes, static_cast<uint8_t>(r));
+        recv.resize(bytes * n);
+        std::fill(counts.begin(), counts.end(), bytes);
+        call = [&] { comm.AllGatherV(send, recv, counts); };
+      } else if (op == "alltoallv") {
+        for (int j = 0; j < n; ++j) counts[j] = bytes / n + (static_cast<size_t>(j) < bytes % n);
+        send.assign(bytes, static_cast<uint8_t>(r));
+        // Rank i sends rank r the block counts_i[r]; with every rank's counts alike, that is ours.
+        std::vector<size_t> recv_counts(n, counts[r]);
+        recv.resize(counts[r] * n);
+        call = [&, recv_counts] { comm.AllToAllV(send, counts, recv, recv_counts); };
+      } else if (op == "allreduce") {
+        floats.assign((bytes + 3) / 4, 1.f);
+        bytes = floats.size() * 4;
+        call = [&] { comm.AllReduceSum(floats); };
+      } else if (op == "max_reduce_words") {
+        call = [&] { comm.MaxReduceWords(words); };
+      } else {
+        call = [&] { comm.Barrier(); };
+      }
+      std::vector<double> us;
+      comm.Barrier();
+      for (int it = 0; it < a.warmup + a.iters; ++it) {
+        const auto t0 = std::chrono::steady_clock::now();
+        call();
+        const double t =
+            std::chrono::duration<double, std::micro>(std::chrono::steady_clock::now() - t0).count();
+        if (it >= a.warmup) us.push_back(t);
+      }
+      std::sort(us.begin(), us.end());
+      rows.push_back({op, bytes, us[us.size() / 2], us[std::min(us.size() - 1, us.size() * 9 / 10)]});
+    }
+  }
+  return rows;
+}
+
+void Print(const Args& a, const std::vector<Row>& rows, bool processes) {
+  std::printf("collectives: %d ranks (%s, gloo tcp), %d calls each after %d warm-up, rank 0's "
+              "times\n",
+              a.ranks, processes ? "processes" : "threads", a.iters, a.warmup);
+  std::printf("%-18s %10s %12s %12s %12s\n", "collective", "bytes", "median_us", "p90_us",
+              "MB/s");
+  for (const Row& r : rows) {
+    std::printf("%-18s %10zu %12.1f %12.1f %12.1f\n", r.op.c_str(), r.bytes, r.median_us, r.p90_us,
+                r.median_us > 0 ? r.bytes / r.median_us : 0.0);
+  }
+}
+
+int RunCollectivesBench(int argc, char** argv) {
+  const Args a = ParseArgs(argc, argv);
+  GlooOptions go;
+  go.hostname = a.hostname;
+  go.prefix = a.prefix;
+  go.timeout = std::chrono::milliseconds(static_cast<int64_t>(a.timeout_s * 1000));
+  try {
+    if (a.rank >= 0) {
+      FileStore store(a.store_dir);
+      auto comm = CreateGlooCommunicator(store, a.rank, a.ranks, go);
+      const auto rows = RunRank(*comm, a);
+      if (a.rank == 0) Print(a, rows, true);
+      comm->Barrier();
+      return 0;
+    }
+    MemoryStore store;
+    std::vector<std::string> errors(a.ranks);
+    std::vector<Row> rows;
+    std::vector<std::thread> threads;
+    for (int r = 0; r < a.ranks; ++r) {
+      threads.emplace_back([&, r] {
+        try {
+          auto comm = CreateGlooCommunicator(store, r, a.ranks, go);
+          auto mine = RunRank(*comm, a);
+          if (r == 0) rows = std::move(mine);
+        } catch (const std::exception& e) {
+          errors[r] = e.what();
+        }
+      });
+    }
+    for (auto& t : threads) t.join();
+    for (int r = 0; r < a.ranks; ++r) {
+      if (!errors[r].empty()) {
+        std::fprintf(stderr, "%s: error: rank %d: %s\n", kProg, r, errors[r].c_str());
+        return 1;
+      }
+    }
+    Print(a, rows, false);
+    return 0;
+  } catch (const std::exception& e) {
+    std::fprintf(stderr, "%s: error: rank %d: %s\n", kProg, a.rank, e.what());
+    return 1;
+  }
+}
+
+}  // namespace
+
+GEOFP8_REGISTER_BENCH("collectives", "latency of each Gloo collective at a few sizes (median, p90)",
+                      RunCollectivesBench);
+
+}  // namespace geofp8::bench
