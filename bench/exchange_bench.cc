@@ -44,6 +44,7 @@ struct Args {
   int channels = 2;         // GlooOptions::channels
   int helper_nice = ExchangeOptions().helper_nice;
   std::string trace_dir;    // --trace: one Chrome trace JSON per variant and rank
+  int blas_threads = 1;     // OpenBLAS threads per process (the geometry's GEMMs)
   std::string variants = "fp32,bf16,two_phase:fp8_e4m3,allgather:fp8_e4m3,two_phase:nvfp4,"
                          "two_phase:fp8_e4m3:lowrank";
   // Process mode: this process is rank `rank`, rendezvousing through a shared directory.
@@ -62,7 +63,7 @@ void PrintHelp() {
   std::printf(
       "usage: %s [--ranks N] [--mib M] [--iters K] [--warmup W] [--variants LIST]\n"
       "          [--cols C] [--geometry-rank K] [--timeout-s S] [--bucket-mib B] [--segment-mib S]\n"
-      "          [--channels 1|2] [--helper-nice N] [--trace DIR]\n"
+      "          [--channels 1|2] [--helper-nice N] [--trace DIR] [--blas-threads T]\n"
       "          [--rank R --store-dir DIR [--hostname H] [--prefix P]]\n"
       "  --variants   comma list of fp32, bf16, ALGO:FORMAT[:lowrank|:diag] with ALGO two_phase\n"
       "               or allgather (default %s)\n"
@@ -71,6 +72,8 @@ void PrintHelp() {
       "  --helper-nice niceness added to the pipeline's codec thread, 0-19 (default %d)\n"
       "  --trace      write DIR/VARIANT.rankR.json, a Chrome trace (ui.perfetto.dev) of every\n"
       "               step's collectives and codec stages per lane\n"
+      "  --blas-threads OpenBLAS threads for the geometry's GEMMs (default 1: the ranks already\n"
+      "               share the cores; more, from several rank threads at once, is many times slower)\n"
       "  --rank       process mode: run only rank R; all ranks share --store-dir (a FileStore)\n"
       "               and listen on --hostname. Without --rank, ranks run as threads.\n",
       kProg, Args().variants.c_str(), Args().helper_nice);
@@ -111,6 +114,7 @@ Args ParseArgs(int argc, char** argv) {
     else if (flag == "--channels") a.channels = ParseNumber<int>(flag, v);
     else if (flag == "--helper-nice") a.helper_nice = ParseNumber<int>(flag, v);
     else if (flag == "--trace") a.trace_dir = v;
+    else if (flag == "--blas-threads") a.blas_threads = ParseNumber<int>(flag, v);
     else if (flag == "--rank") a.rank = ParseNumber<int>(flag, v);
     else if (flag == "--store-dir") a.store_dir = v;
     else if (flag == "--hostname") a.hostname = v;
@@ -127,6 +131,7 @@ Args ParseArgs(int argc, char** argv) {
   if (!(a.bucket_mib > 0)) UsageError("--bucket-mib", "must be positive", std::to_string(a.bucket_mib));
   if (!(a.segment_mib > 0)) UsageError("--segment-mib", "must be positive", std::to_string(a.segment_mib));
   if (a.channels != 1 && a.channels != 2) UsageError("--channels", "must be 1 or 2", std::to_string(a.channels));
+  if (a.blas_threads < 1) UsageError("--blas-threads", "must be >= 1", std::to_string(a.blas_threads));
   if (a.helper_nice < 0 || a.helper_nice > 19) {
     UsageError("--helper-nice", "must be in [0, 19]", std::to_string(a.helper_nice));
   }
@@ -306,11 +311,12 @@ void Print(const Args& a, const std::vector<Row>& rows, bool processes) {
   const auto layers = MakeLayers(a);
   const double bytes = a.mib * (1 << 20);
   std::printf("exchange: %d ranks (%s, gloo tcp, %d channel%s), %.1f MiB fp32 per rank in %zu layers of up to %lldx%lld, "
-              "buckets of %.0f MiB, median of %d iters, OpenBLAS core %s\n",
+              "buckets of %.0f MiB, median of %d iters, OpenBLAS core %s, %d thread%s\n",
               a.ranks, processes ? "processes" : "threads", a.channels, a.channels == 1 ? "" : "s",
               a.mib, layers.size(),
               static_cast<long long>(layers[0].rows), static_cast<long long>(layers[0].cols),
-              a.bucket_mib, a.iters, model::BlasCoreName().c_str());
+              a.bucket_mib, a.iters, model::BlasCoreName().c_str(), a.blas_threads,
+              a.blas_threads == 1 ? "" : "s");
   double fp32_ms = 0;
   for (const auto& r : rows) {
     if (r.label == "fp32") fp32_ms = r.median_ms;
@@ -331,6 +337,7 @@ void Print(const Args& a, const std::vector<Row>& rows, bool processes) {
 
 int RunExchangeBench(int argc, char** argv) {
   const Args a = ParseArgs(argc, argv);
+  model::SetBlasThreads(a.blas_threads);
   auto variants = ParseVariants(a);
   // fp32 first: it is the baseline for both the ratio and the error column.
   std::stable_partition(variants.begin(), variants.end(),
