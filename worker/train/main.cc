@@ -66,6 +66,7 @@ class Reporter {
               "refreshes,max_layer_err";
       if (o.error_every > 0) {
         for (const auto& p : params) csv_ << ",err:" << p.name;
+        for (const auto& p : params) csv_ << ",res:" << p.name;
       }
       csv_ << "\n";
     }
@@ -87,6 +88,11 @@ class Reporter {
       if (o_.error_every > 0) {
         for (size_t i = 0; i < params_.size(); ++i) {
           csv_ << "," << (r.layer_error.empty() ? "" : Num(r.layer_error[i], 8));
+        }
+        for (size_t i = 0; i < params_.size(); ++i) {
+          // NaN (no residual energy) is written as an empty cell, like an unmeasured step.
+          const bool have = i < r.residual_error.size() && !std::isnan(r.residual_error[i]);
+          csv_ << "," << (have ? Num(r.residual_error[i], 8) : "");
         }
       }
       csv_ << "\n";
