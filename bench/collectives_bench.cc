@@ -30,6 +30,7 @@ struct Args {
   std::vector<std::string> ops;
   int iters = 50;
   int warmup = 5;
+  int loop_nice = 0;  // GlooOptions::loop_nice
   double timeout_s = 300;
   int rank = -1;  // process mode
   std::string store_dir;
@@ -72,11 +73,13 @@ Args ParseArgs(int argc, char** argv) {
     if (flag == "--help" || flag == "-h") {
       std::printf(
           "usage: %s [--ranks N] [--sizes B,B,...] [--ops LIST] [--iters K] [--warmup W]\n"
-          "          [--timeout-s S] [--rank R --store-dir DIR [--hostname H] [--prefix P]]\n"
+          "          [--loop-nice N] [--timeout-s S]\n"
+          "          [--rank R --store-dir DIR [--hostname H] [--prefix P]]\n"
           "  --sizes   bytes each rank contributes (allgatherv: its block; alltoallv: the sum of\n"
           "            its blocks to every rank; allreduce: the fp32 buffer). default 64,4096,\n"
           "            262144,4194304; max_reduce_words always moves 16 words, barrier nothing\n"
           "  --ops     comma list of %s (default all)\n"
+          "  --loop-nice niceness added to Gloo's event-loop thread, 0-19 (default 0)\n"
           "  --rank    process mode: run only rank R; all ranks share --store-dir (a FileStore)\n"
           "            and listen on --hostname. Without --rank, ranks run as threads.\n",
           kProg, kOps);
@@ -87,6 +90,7 @@ Args ParseArgs(int argc, char** argv) {
     if (flag == "--ranks") a.ranks = static_cast<int>(ParseInt(flag, v, 1, 4096));
     else if (flag == "--iters") a.iters = static_cast<int>(ParseInt(flag, v, 1, 1000000));
     else if (flag == "--warmup") a.warmup = static_cast<int>(ParseInt(flag, v, 0, 1000000));
+    else if (flag == "--loop-nice") a.loop_nice = static_cast<int>(ParseInt(flag, v, 0, 19));
     else if (flag == "--timeout-s") a.timeout_s = static_cast<double>(ParseInt(flag, v, 1, 86400));
     else if (flag == "--rank") a.rank = static_cast<int>(ParseInt(flag, v, 0, 4095));
     else if (flag == "--store-dir") a.store_dir = v;
@@ -173,9 +177,9 @@ std::vector<Row> RunRank(Communicator& comm, const Args& a) {
 }
 
 void Print(const Args& a, const std::vector<Row>& rows, bool processes) {
-  std::printf("collectives: %d ranks (%s, gloo tcp), %d calls each after %d warm-up, rank 0's "
-              "times\n",
-              a.ranks, processes ? "processes" : "threads", a.iters, a.warmup);
+  std::printf("collectives: %d ranks (%s, gloo tcp, loop nice +%d), %d calls each after %d "
+              "warm-up, rank 0's times\n",
+              a.ranks, processes ? "processes" : "threads", a.loop_nice, a.iters, a.warmup);
   std::printf("%-18s %10s %12s %12s %12s\n", "collective", "bytes", "median_us", "p90_us",
               "MB/s");
   for (const Row& r : rows) {
@@ -189,6 +193,7 @@ int RunCollectivesBench(int argc, char** argv) {
   GlooOptions go;
   go.hostname = a.hostname;
   go.prefix = a.prefix;
+  go.loop_nice = a.loop_nice;
   go.timeout = std::chrono::milliseconds(static_cast<int64_t>(a.timeout_s * 1000));
   try {
     if (a.rank >= 0) {

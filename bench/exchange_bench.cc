@@ -45,6 +45,7 @@ struct Args {
   int helper_nice = ExchangeOptions().helper_nice;
   std::string trace_dir;    // --trace: one Chrome trace JSON per variant and rank
   int blas_threads = 1;     // OpenBLAS threads per process (the geometry's GEMMs)
+  int loop_nice = 0;        // GlooOptions::loop_nice
   std::string variants = "fp32,bf16,two_phase:fp8_e4m3,allgather:fp8_e4m3,two_phase:nvfp4,"
                          "two_phase:fp8_e4m3:lowrank";
   // Process mode: this process is rank `rank`, rendezvousing through a shared directory.
@@ -63,13 +64,14 @@ void PrintHelp() {
   std::printf(
       "usage: %s [--ranks N] [--mib M] [--iters K] [--warmup W] [--variants LIST]\n"
       "          [--cols C] [--geometry-rank K] [--timeout-s S] [--bucket-mib B] [--segment-mib S]\n"
-      "          [--channels 1|2] [--helper-nice N] [--trace DIR] [--blas-threads T]\n"
+      "          [--channels 1|2] [--helper-nice N] [--loop-nice N] [--trace DIR] [--blas-threads T]\n"
       "          [--rank R --store-dir DIR [--hostname H] [--prefix P]]\n"
       "  --variants   comma list of fp32, bf16, ALGO:FORMAT[:lowrank|:diag] with ALGO two_phase\n"
       "               or allgather (default %s)\n"
       "  --channels   Gloo connection meshes per rank: 2 (default) lets two_phase overlap its\n"
       "               all-gathers with its next all-to-alls on a side channel; 1 runs them in turn\n"
       "  --helper-nice niceness added to the pipeline's codec thread, 0-19 (default %d)\n"
+      "  --loop-nice  niceness added to Gloo's event-loop thread, 0-19 (default 0)\n"
       "  --trace      write DIR/VARIANT.rankR.json, a Chrome trace (ui.perfetto.dev) of every\n"
       "               step's collectives and codec stages per lane\n"
       "  --blas-threads OpenBLAS threads for the geometry's GEMMs (default 1: the ranks already\n"
@@ -115,6 +117,7 @@ Args ParseArgs(int argc, char** argv) {
     else if (flag == "--helper-nice") a.helper_nice = ParseNumber<int>(flag, v);
     else if (flag == "--trace") a.trace_dir = v;
     else if (flag == "--blas-threads") a.blas_threads = ParseNumber<int>(flag, v);
+    else if (flag == "--loop-nice") a.loop_nice = ParseNumber<int>(flag, v);
     else if (flag == "--rank") a.rank = ParseNumber<int>(flag, v);
     else if (flag == "--store-dir") a.store_dir = v;
     else if (flag == "--hostname") a.hostname = v;
@@ -132,6 +135,9 @@ Args ParseArgs(int argc, char** argv) {
   if (!(a.segment_mib > 0)) UsageError("--segment-mib", "must be positive", std::to_string(a.segment_mib));
   if (a.channels != 1 && a.channels != 2) UsageError("--channels", "must be 1 or 2", std::to_string(a.channels));
   if (a.blas_threads < 1) UsageError("--blas-threads", "must be >= 1", std::to_string(a.blas_threads));
+  if (a.loop_nice < 0 || a.loop_nice > 19) {
+    UsageError("--loop-nice", "must be in [0, 19]", std::to_string(a.loop_nice));
+  }
   if (a.helper_nice < 0 || a.helper_nice > 19) {
     UsageError("--helper-nice", "must be in [0, 19]", std::to_string(a.helper_nice));
   }
@@ -346,6 +352,7 @@ int RunExchangeBench(int argc, char** argv) {
   go.hostname = a.hostname;
   go.prefix = a.prefix;
   go.channels = a.channels;
+  go.loop_nice = a.loop_nice;
   go.timeout = std::chrono::milliseconds(static_cast<int64_t>(a.timeout_s * 1000));
   try {
     if (a.rank >= 0) {

@@ -8,7 +8,6 @@
 #include "kernels/exchange/algorithms.h"
 
 #include <algorithm>
-#include <cerrno>
 #include <cmath>
 #include <condition_variable>
 #include <cstring>
@@ -16,13 +15,11 @@
 #include <mutex>
 #include <thread>
 
-#include <sys/resource.h>
-#include <unistd.h>
-
 #include "kernels/codec/codec.h"
 #include "kernels/common/check.h"
 #include "kernels/exchange/bf16.h"
 #include "kernels/exchange/chunking.h"
+#include "kernels/exchange/priority.h"
 
 namespace geofp8 {
 namespace {
@@ -65,17 +62,6 @@ GEOFP8_DIVIDE_CLONES bool Divide(std::span<const float> in, float divisor, std::
 }
 
 uint64_t FlagBit(const BucketLayer& l) { return uint64_t{1} << l.flag_bit; }
-
-// Adds `nice` to the calling thread's niceness (capped at 19). Raising niceness needs no
-// privilege; a failure only leaves the priority as it was, so it is ignored.
-void LowerPriority(int nice) {
-  if (nice <= 0) return;
-  const pid_t tid = gettid();
-  errno = 0;
-  const int current = getpriority(PRIO_PROCESS, tid);
-  if (errno != 0) return;
-  setpriority(PRIO_PROCESS, tid, std::min(current + nice, 19));
-}
 
 // The OR over ranks of every rank's flags: one all-gather of 8 bytes (the baselines; two_phase and
 // allgather carry the flags in their last data collective instead).
@@ -241,7 +227,7 @@ class Pipeline {
     Communicator* side = comm_.side_channel();
     const int lanes = side ? 2 : 1;
     std::thread helper([this] {
-      LowerPriority(ao_.helper_nice);
+      LowerThreadPriority(ao_.helper_nice);
       HelperLoop();
     });
     std::thread lane;

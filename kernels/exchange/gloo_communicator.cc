@@ -5,6 +5,7 @@
 #include <algorithm>
 #include <exception>
 #include <numeric>
+#include <thread>
 #include <vector>
 
 #include <gloo/allgatherv.h>
@@ -20,6 +21,7 @@
 
 #include "kernels/common/check.h"
 #include "kernels/exchange/bf16.h"
+#include "kernels/exchange/priority.h"
 
 namespace geofp8 {
 
@@ -281,13 +283,31 @@ std::unique_ptr<Communicator> CreateGlooCommunicator(geofp8::Store& store, int r
                options.timeout.count(), " ms)");
   GEOFP8_CHECK(options.channels == 1 || options.channels == 2, "gloo: channels must be 1 or 2 (",
                options.channels, ")");
+  GEOFP8_CHECK(options.loop_nice >= 0 && options.loop_nice <= 19,
+               "gloo: loop_nice must be in [0, 19] (", options.loop_nice, ")");
   std::shared_ptr<gloo::rendezvous::Context> context, side;
   std::shared_ptr<gloo::transport::Device> device;
   bool broken = false;
   GlooCall("rendezvous", rank, &broken, [&] {
     gloo::transport::tcp::attr attr;
     attr.hostname = options.hostname;
-    device = gloo::transport::tcp::CreateDevice(attr);
+    if (options.loop_nice > 0) {
+      // The device starts its event-loop thread; created from a thread with lowered priority,
+      // the loop inherits it (a thread cannot raise its priority back without privilege).
+      std::exception_ptr error;
+      std::thread maker([&] {
+        try {
+          LowerThreadPriority(options.loop_nice);
+          device = gloo::transport::tcp::CreateDevice(attr);
+        } catch (...) {
+          error = std::current_exception();
+        }
+      });
+      maker.join();
+      if (error) std::rethrow_exception(error);
+    } else {
+      device = gloo::transport::tcp::CreateDevice(attr);
+    }
     GlooStoreAdapter adapter(store, options.timeout);
     // One full mesh per channel, each under its own key prefix, both over one device (one
     // listening socket and one event loop thread).

@@ -41,6 +41,12 @@ struct GlooOptions {
   // overlaps its all-gathers with its next all-to-alls; 1 halves the sockets (2(N-1) per rank
   // with 2).
   int channels = 2;
+  // Niceness added to Gloo's event-loop thread, in [0, 19]. That thread polls epoll again at once
+  // when another thread holds the connection's lock, so on oversubscribed cores it can keep the
+  // lock holder off the CPU until the next tick: a small collective then costs ~4 ms instead of
+  // ~0.4 ms. A lower priority lets the holder run, but the loop also does the bulk reads and
+  // writes, which then lose to codec threads (docs/benchmarks.md: both effects measured).
+  int loop_nice = 0;
 };
 
 // Connects rank `rank` of `size` (blocking until all ranks have joined or the timeout passes).

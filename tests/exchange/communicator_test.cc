@@ -2,7 +2,14 @@
 // values each rank can predict exactly, world sizes 1..8, empty parts, timeouts and broken peers.
 #include <gtest/gtest.h>
 
+#include <sys/resource.h>
+#include <unistd.h>
+
+#include <filesystem>
+#include <fstream>
 #include <numeric>
+#include <sstream>
+#include <string>
 #include <thread>
 
 #include "kernels/exchange/bf16.h"
@@ -182,6 +189,45 @@ TEST(GlooCommunicator, OneChannelHasNoSideChannel) {
     FAIL() << "channels 3 accepted";
   } catch (const Error& e) {
     EXPECT_NE(std::string(e.what()).find("channels must be 1 or 2 (3)"), std::string::npos) << e.what();
+  }
+}
+
+// Threads of this process at niceness 19 (field 19 of /proc/self/task/TID/stat).
+int ThreadsAtNice19() {
+  int count = 0;
+  for (const auto& entry : std::filesystem::directory_iterator("/proc/self/task")) {
+    std::ifstream in(entry.path() / "stat");
+    std::string stat((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
+    std::istringstream fields(stat.substr(stat.rfind(')') + 2));  // after "pid (comm) "
+    std::string field;
+    for (int i = 3; i <= 19 && fields >> field; ++i) {
+    }
+    count += field == "19";
+  }
+  return count;
+}
+
+// The event loop runs at the lowered priority (the calling thread does not), the communicator
+// works, and out of range is refused.
+TEST(GlooCommunicator, LoopNice) {
+  MemoryStore store;
+  GlooOptions options;
+  options.loop_nice = 19;
+  const int before = ThreadsAtNice19();
+  const int mine = getpriority(PRIO_PROCESS, gettid());
+  auto comm = CreateGlooCommunicator(store, 0, 1, options);
+  EXPECT_EQ(ThreadsAtNice19(), before + 1);  // the event loop
+  EXPECT_EQ(getpriority(PRIO_PROCESS, gettid()), mine);
+  std::vector<float> x(3, 1.f);
+  comm->AllReduceSum(x);
+  EXPECT_EQ(x[0], 1.f);
+  options.loop_nice = 20;
+  try {
+    CreateGlooCommunicator(store, 0, 1, options);
+    FAIL() << "loop_nice 20 accepted";
+  } catch (const Error& e) {
+    EXPECT_NE(std::string(e.what()).find("loop_nice must be in [0, 19] (20)"), std::string::npos)
+        << e.what();
   }
 }
 
