@@ -75,6 +75,10 @@ TEST(Nccl, EveryCollective) {
     comm.Broadcast(b, n - 1);
     for (uint8_t v : b) ASSERT_EQ(v, n - 1);
     EXPECT_EQ(comm.MaxReduce(static_cast<uint32_t>(r * 3)), static_cast<uint32_t>((n - 1) * 3));
+    // Word 0 peaks on the last rank, word 1 on rank 0, word 2 is the same everywhere.
+    std::vector<uint64_t> words = {uint64_t(r) << 40, ~uint64_t(r), 7};
+    comm.MaxReduceWords(words);
+    EXPECT_EQ(words, (std::vector<uint64_t>{uint64_t(n - 1) << 40, ~uint64_t{0}, 7}));
     comm.Barrier();
   });
   EXPECT_EQ(JoinErrors(errors), "");
