@@ -1,9 +1,12 @@
 #!/usr/bin/python3
-"""Summarises and plots exchange timelines written by `geofp8-bench exchange --trace DIR`.
+"""Summarises and plots exchange timelines written by `geofp8-bench exchange --trace DIR` or
+`geofp8-train --trace DIR`.
 
 Usage: scripts/exchange_timeline.py [--step S] [--out timeline.png] FILE.json [FILE.json ...]
 
-Give it the files of one variant, one per rank (DIR/two_phase_fp8_e4m3.rank*.json). For one step
+Give it the files of one run, one per rank (DIR/two_phase_fp8_e4m3.rank*.json from the bench,
+DIR/rank*.json from the trainer, whose "trainer" lane shows forward/backward, the wait for the
+exchange and the optimizer). For one step
 (default: the last one every file has) it prints, per rank and lane, the span count, the busy
 time and the median span, plus the step's wall time from the first span to the last; with
 --out it draws the step as a Gantt chart, a row per rank and lane, a colour per span kind. Ranks
@@ -14,7 +17,7 @@ import json
 import statistics
 import sys
 
-LANES = {0: "main", 1: "side", 2: "codec"}
+LANES = {0: "main", 1: "side", 2: "codec", 3: "trainer"}
 
 
 def load(path):

@@ -43,11 +43,11 @@ void ExchangeTrace::WriteChromeJson(const std::string& path, int rank) const {
   std::ofstream out(path, std::ios::trunc);
   GEOFP8_CHECK(out, "trace: cannot write ", path, ": ", std::strerror(errno));
   static const char* const kLaneNames[] = {"exchange (main channel)", "side channel",
-                                           "codec helper"};
+                                           "codec helper", "trainer"};
   out << "{\"displayTimeUnit\":\"ms\",\"traceEvents\":[\n";
   out << "{\"name\":\"process_name\",\"ph\":\"M\",\"pid\":" << rank
       << ",\"args\":{\"name\":\"rank " << rank << "\"}}";
-  for (int lane = 0; lane < 3; ++lane) {
+  for (int lane = 0; lane < 4; ++lane) {
     out << ",\n{\"name\":\"thread_name\",\"ph\":\"M\",\"pid\":" << rank << ",\"tid\":" << lane
         << ",\"args\":{\"name\":\"" << kLaneNames[lane] << "\"}}";
   }

@@ -22,6 +22,7 @@ class ExchangeTrace {
     kMainLane = 0,   // the exchanger's thread: fingerprints, all-to-alls, baseline all-reduces
     kSideLane = 1,   // the side channel's thread: two_phase's all-gathers, allgather's odd groups
     kCodecLane = 2,  // the pipeline's helper: divide, geometry, encode, sum, decode
+    kTrainerLane = 3,  // a trainer's own thread: forward and backward, the wait, the optimizer
   };
 
   struct Span {

@@ -240,6 +240,9 @@ int main(int argc, char** argv) {
   app.add_option("--dump-layers", dump_layers, "comma-separated globs of layers to dump")
       ->capture_default_str();
   app.add_option("--dump-steps", dump_steps, "comma-separated steps to dump, e.g. 0,100,500");
+  app.add_option("--trace", o.trace_dir,
+                 "folder for rank<R>.json, a Chrome trace of every step's compute and exchange "
+                 "(scripts/exchange_timeline.py)");
   app.add_option("--blas-threads", o.blas_threads, "OpenBLAS threads per process")
       ->capture_default_str();
   app.add_option("--timeout-ms", timeout_ms, "collective timeout")->capture_default_str();

@@ -65,6 +65,8 @@ std::string ValidateTrainOptions(const TrainOptions& o) {
     os << "data: must name a source (empty)";
   } else if (!o.dump_steps.empty() && o.dump_dir.empty()) {
     os << "dump_grads: needs an output folder when dump steps are given";
+  } else if (!o.trace_dir.empty() && !std::filesystem::is_directory(o.trace_dir)) {
+    os << "trace: not a directory (" << o.trace_dir << ")";
   }
   return os.str();
 }
@@ -133,6 +135,7 @@ Trainer::Trainer(const TrainOptions& options, Communicator& comm, ExchangePlan p
                " layer policies for ", model_.params().size(), " parameters");
   model_.Init(o_.seed);
   drift_.assign(model_.params().size(), 0.0);
+  if (!o_.trace_dir.empty()) trace_ = std::make_unique<ExchangeTrace>();
   BuildExchanger(std::move(schedule));
 }
 
@@ -150,6 +153,7 @@ void Trainer::BuildExchanger(std::vector<RefreshSchedule> schedule) {
     layers.push_back(spec);
   }
   ExchangeOptions eo;
+  eo.trace = trace_.get();
   eo.algorithm = plan_.algorithm;
   eo.bucket_cap_bytes = plan_.bucket_cap_bytes;
   eo.timeout = o_.timeout;
@@ -239,6 +243,9 @@ TrainResult Trainer::Run(const StepCallback& on_step) {
   result.best_val_loss = best_val_loss_;
   result.bytes_sent = bytes_sent_;
   result.seconds = std::chrono::duration<double>(Clock::now() - run_start).count();
+  if (trace_) {
+    trace_->WriteChromeJson(o_.trace_dir + "/rank" + std::to_string(rank_) + ".json", rank_);
+  }
   result.weights = model_.weights();
   result.checksum = Checksum({model_.weights(), optimizer_->m(), optimizer_->v()});
   return result;
@@ -279,7 +286,11 @@ StepRecord Trainer::Step(int64_t step, const StepControl& control) {
   const double loss = model_.ForwardBackward(tokens_, o_.batch, seq_, on_ready);
   GEOFP8_CHECK(next_bucket == remaining.size(), "backward left buckets unsubmitted");
   const auto t_backward = Clock::now();
+  if (trace_) trace_->Add("forward_backward", ExchangeTrace::kTrainerLane, step, -1, t0, t_backward);
   rec.exchange = exchanger_->Finish(uint64_t(step));
+  if (trace_) {
+    trace_->Add("wait_exchange", ExchangeTrace::kTrainerLane, step, -1, t_backward, Clock::now());
+  }
   const StepResult& ex = rec.exchange;
   rec.wait_seconds = std::chrono::duration<double>(Clock::now() - t_backward).count();
   rec.exchange_seconds = ex.seconds;
@@ -294,6 +305,7 @@ StepRecord Trainer::Step(int64_t step, const StepControl& control) {
 
   rec.lr = model::LearningRate(optimizer_->options(), step);
   if (!ex.skipped) {
+    TraceScope span(trace_.get(), "optimizer", ExchangeTrace::kTrainerLane, step);
     rec.grad_norm = model::ClipGradNorm(model_.grads(), optimizer_->options().clip_norm);
     optimizer_->Step(model_.weights(), model_.grads(), step);
   }

@@ -43,6 +43,10 @@ struct TrainOptions {
   int checkpoint_every = 0;            // steps between checkpoints (and at the end); 0: end only
   bool resume = false;                 // start from `checkpoint` when it exists
   std::string dump_dir;                // --dump-grads output folder; empty: off
+  // Folder for one Chrome trace per rank (rank<R>.json, written when Run ends): the exchange's
+  // collectives and codec stages (ExchangeTrace) next to this rank's forward/backward, wait and
+  // optimizer. Empty: off.
+  std::string trace_dir;
   std::vector<std::string> dump_layers = {"*"};  // globs over parameter names
   std::vector<int64_t> dump_steps;     // steps at which to dump
   int blas_threads = 1;                // OpenBLAS threads for the whole process
@@ -182,6 +186,7 @@ class Trainer {
   std::unique_ptr<model::DataSource> data_;
   ExchangePlan plan_;
   uint64_t policy_version_ = 0;
+  std::unique_ptr<ExchangeTrace> trace_;  // options.trace_dir set; outlives every exchanger_
   std::unique_ptr<Exchanger> exchanger_;
   std::vector<size_t> bucket_of_;
   struct PolicyChange {
