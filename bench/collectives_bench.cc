@@ -13,6 +13,7 @@
 #include <thread>
 #include <vector>
 
+#include "bench/ranks.h"
 #include "bench/registry.h"
 #include "kernels/common/check.h"
 #include "kernels/exchange/gloo_communicator.h"
@@ -195,43 +196,9 @@ int RunCollectivesBench(int argc, char** argv) {
   go.prefix = a.prefix;
   go.loop_nice = a.loop_nice;
   go.timeout = std::chrono::milliseconds(static_cast<int64_t>(a.timeout_s * 1000));
-  try {
-    if (a.rank >= 0) {
-      FileStore store(a.store_dir);
-      auto comm = CreateGlooCommunicator(store, a.rank, a.ranks, go);
-      const auto rows = RunRank(*comm, a);
-      if (a.rank == 0) Print(a, rows, true);
-      comm->Barrier();
-      return 0;
-    }
-    MemoryStore store;
-    std::vector<std::string> errors(a.ranks);
-    std::vector<Row> rows;
-    std::vector<std::thread> threads;
-    for (int r = 0; r < a.ranks; ++r) {
-      threads.emplace_back([&, r] {
-        try {
-          auto comm = CreateGlooCommunicator(store, r, a.ranks, go);
-          auto mine = RunRank(*comm, a);
-          if (r == 0) rows = std::move(mine);
-        } catch (const std::exception& e) {
-          errors[r] = e.what();
-        }
-      });
-    }
-    for (auto& t : threads) t.join();
-    for (int r = 0; r < a.ranks; ++r) {
-      if (!errors[r].empty()) {
-        std::fprintf(stderr, "%s: error: rank %d: %s\n", kProg, r, errors[r].c_str());
-        return 1;
-      }
-    }
-    Print(a, rows, false);
-    return 0;
-  } catch (const std::exception& e) {
-    std::fprintf(stderr, "%s: error: rank %d: %s\n", kProg, a.rank, e.what());
-    return 1;
-  }
+  return RunRanks<Row>(
+      kProg, a.ranks, a.rank, a.store_dir, go, [&](Communicator& comm) { return RunRank(comm, a); },
+      [&](const std::vector<Row>& rows, bool processes) { Print(a, rows, processes); });
 }
 
 }  // namespace
