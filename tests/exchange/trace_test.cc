@@ -35,6 +35,26 @@ Tally Count(const ExchangeTrace& trace, uint64_t step) {
   return t;
 }
 
+// One Exchange() of `step` on two ranks, each recording into its own trace.
+std::vector<ExchangeTrace> TracedStep(const std::vector<LayerSpec>& layers,
+                                      const ExchangeOptions& options, uint64_t step,
+                                      int channels = 2) {
+  std::vector<ExchangeTrace> traces(2);
+  const auto errors = RunRanks(
+      2,
+      [&](Communicator& comm) {
+        ExchangeOptions mine = options;
+        mine.trace = &traces[comm.rank()];
+        Exchanger ex(comm, layers, mine);
+        Tensors data = MakeInputs(comm.rank(), layers, step);
+        std::vector<std::span<float>> grads(data.begin(), data.end());
+        ex.Exchange(step, grads);
+      },
+      std::chrono::milliseconds(60000), channels);
+  EXPECT_EQ(JoinErrors(errors), "") << "channels " << channels;
+  return traces;
+}
+
 // Three layers in one bucket, one pipeline group each: every group is encoded, exchanged,
 // summed, gathered and decoded once, the all-to-alls on the main lane and the all-gathers on the
 // side channel's lane (or the main lane without one).
@@ -43,19 +63,8 @@ TEST(ExchangeTrace, TwoPhaseStepSpansPerLane) {
   for (int channels : {1, 2}) {
     ExchangeOptions options;
     options.segment_bytes = 1;
-    std::vector<ExchangeTrace> traces(2);
-    const auto errors = RunRanks(
-        2,
-        [&](Communicator& comm) {
-          ExchangeOptions mine = options;
-          mine.trace = &traces[comm.rank()];
-          Exchanger ex(comm, layers, mine);
-          Tensors data = MakeInputs(comm.rank(), layers, 7);
-          std::vector<std::span<float>> grads(data.begin(), data.end());
-          ex.Exchange(7, grads);
-        },
-        std::chrono::milliseconds(60000), channels);
-    ASSERT_EQ(JoinErrors(errors), "") << channels;
+    const std::vector<ExchangeTrace> traces = TracedStep(layers, options, 7, channels);
+    ASSERT_FALSE(HasFailure()) << channels;
     const int gather_lane = channels == 2 ? ExchangeTrace::kSideLane : ExchangeTrace::kMainLane;
     for (int r = 0; r < 2; ++r) {
       const Tally t = Count(traces[r], 7);
@@ -78,16 +87,8 @@ TEST(ExchangeTrace, BaselineRecordsOneAllReduce) {
   std::vector<LayerSpec> layers = {{"a", 300, 1, {}}, {"b", 40, 10, {}}};
   ExchangeOptions options;
   options.algorithm = Algorithm::kFp32;
-  std::vector<ExchangeTrace> traces(2);
-  const auto errors = RunRanks(2, [&](Communicator& comm) {
-    ExchangeOptions mine = options;
-    mine.trace = &traces[comm.rank()];
-    Exchanger ex(comm, layers, mine);
-    Tensors data = MakeInputs(comm.rank(), layers, 0);
-    std::vector<std::span<float>> grads(data.begin(), data.end());
-    ex.Exchange(0, grads);
-  });
-  ASSERT_EQ(JoinErrors(errors), "");
+  const std::vector<ExchangeTrace> traces = TracedStep(layers, options, 0);
+  ASSERT_FALSE(HasFailure());
   const Tally t = Count(traces[0], 0);
   EXPECT_EQ(t.lanes.at("fingerprints").at(ExchangeTrace::kMainLane), 1);
   EXPECT_EQ(t.lanes.at("all_reduce").at(ExchangeTrace::kMainLane), 1);
