@@ -239,7 +239,7 @@ int main(int argc, char** argv) {
   app.add_option("--dump-grads", o.dump_dir, "folder for gradient dumps (raw float32 + shapes.json)");
   app.add_option("--dump-layers", dump_layers, "comma-separated globs of layers to dump")
       ->capture_default_str();
-  app.add_option("--dump-steps", dump_steps, "comma-separated steps to dump, e.g. 0,100,500");
+  app.add_option("--dump-steps", dump_steps, "comma-separated steps or ranges to dump, e.g. 0,100,40-59");
   app.add_option("--trace", o.trace_dir,
                  "folder for rank<R>.json, a Chrome trace of every step's compute and exchange "
                  "(scripts/exchange_timeline.py)");
@@ -273,10 +273,18 @@ int main(int argc, char** argv) {
   }
   std::stringstream ds(dump_steps);
   for (std::string s; std::getline(ds, s, ',');) {
+    // A step or an inclusive range "first-last" (a trajectory for `geofp8-bench geometry`).
     char* end = nullptr;
-    const long long v = std::strtoll(s.c_str(), &end, 10);
-    if (s.empty() || *end != 0 || v < 0) return UsageError("dump-steps: bad step (" + s + ")");
-    o.dump_steps.push_back(v);
+    const long long first = std::strtoll(s.c_str(), &end, 10);
+    long long last = first;
+    if (!s.empty() && *end == '-' && end[1] != 0) last = std::strtoll(end + 1, &end, 10);
+    if (s.empty() || *end != 0 || first < 0 || last < first) {
+      return UsageError("dump-steps: bad step or range (" + s + "); e.g. 0,100,40-59");
+    }
+    if (last - first >= 100000) {
+      return UsageError("dump-steps: range longer than 100000 steps (" + s + ")");
+    }
+    for (long long v = first; v <= last; ++v) o.dump_steps.push_back(v);
   }
   if (launcher != "threads" && launcher != "processes") {
     return UsageError("launcher: unknown value '" + launcher + "' (accepted: threads, processes)");
