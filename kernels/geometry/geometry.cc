@@ -63,9 +63,10 @@ std::vector<float> WhitenFactors(const Geometry& g, bool left) {
   // A side without residual dimensions has no bulk to whiten towards: leave it alone.
   if (g.k <= 0 || dim <= g.k) return f;
   const double delta = left ? g.delta_L : g.delta_R;
-  const double top = static_cast<double>(g.sigma[0]) * g.sigma[0];
+  const std::vector<float>& sigma = left || g.sigma_right.empty() ? g.sigma : g.sigma_right;
+  const double top = static_cast<double>(sigma[0]) * sigma[0];
   for (int i = 0; i < g.k; ++i) {
-    const double e = static_cast<double>(g.sigma[i]) * g.sigma[i];
+    const double e = static_cast<double>(sigma[i]) * sigma[i];
     f[i] = static_cast<float>(WhitenFactor(e, delta, top, g.alpha));
   }
   return f;
@@ -120,7 +121,8 @@ LowRankUpdate PrepareLowRank(const Geometry& g, bool inverse, const RowSource& r
   GEOFP8_CHECK(g.mode == GeometryMode::kLowRank && k >= 0 &&
                    static_cast<int64_t>(g.U.size()) == m * k &&
                    static_cast<int64_t>(g.V.size()) == n * k &&
-                   static_cast<int64_t>(g.sigma.size()) == k,
+                   static_cast<int64_t>(g.sigma.size()) == k &&
+                   (g.sigma_right.empty() || static_cast<int64_t>(g.sigma_right.size()) == k),
                "lowrank geometry arrays do not match m=", m, " n=", n, " k=", k);
   LowRankUpdate u;
   u.n = n;

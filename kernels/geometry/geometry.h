@@ -39,6 +39,9 @@ struct Geometry {
   std::vector<float> U;      // m x k, orthonormal columns (kLowRank)
   std::vector<float> V;      // n x k, orthonormal columns (kLowRank)
   std::vector<float> sigma;  // k singular values, descending (kLowRank)
+  // The right side's k values when they differ from the left's (a Kronecker-factor sketch has
+  // its own eigenvalues per factor); empty: both sides use sigma, as an SVD pairs them.
+  std::vector<float> sigma_right;
   float delta_L = 0.f, delta_R = 0.f;  // residual energy per remaining dimension (kLowRank)
   std::vector<float> row_scale, col_scale;  // m and n positive scales (kDiag)
 

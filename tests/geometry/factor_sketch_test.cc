@@ -1,0 +1,335 @@
+// The streaming Kronecker-factor sketch: its building blocks against plain references, the sketch
+// against the dense EMA factors it approximates, determinism, the fit measure and the wire form.
+#include "kernels/geometry/factor_sketch.h"
+
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <cstring>
+#include <random>
+#include <vector>
+
+#include "kernels/common/check.h"
+#include "kernels/geometry/factors.h"
+#include "kernels/geometry/lapack.h"
+
+namespace geofp8 {
+namespace {
+
+std::vector<float> Gaussian(size_t count, uint64_t seed) {
+  std::vector<float> out(count);
+  geometry::SeededGaussian(seed, out);
+  return out;
+}
+
+// Orthonormal rows x k basis (row-major float) from seeded Gaussians.
+std::vector<float> Basis(int64_t rows, int k, uint64_t seed) {
+  std::vector<float> g = Gaussian(size_t(rows * k), seed);
+  std::vector<double> a(size_t(rows * k));
+  for (int64_t r = 0; r < rows; ++r)
+    for (int j = 0; j < k; ++j) a[j * rows + r] = g[r * k + j];
+  EXPECT_EQ(geometry::OrthonormalizeColumns(a, rows, k), k);
+  std::vector<float> out(size_t(rows * k));
+  for (int64_t r = 0; r < rows; ++r)
+    for (int j = 0; j < k; ++j) out[r * k + j] = float(a[j * rows + r]);
+  return out;
+}
+
+// G = U diag(s) V^T + noise * N(0, 1): a persistent low-rank part plus isotropic noise.
+std::vector<float> LowRankPlusNoise(const std::vector<float>& U, const std::vector<float>& V,
+                                    const std::vector<double>& s, int64_t m, int64_t n,
+                                    double noise, uint64_t seed) {
+  const int k = int(s.size());
+  std::vector<float> g = Gaussian(size_t(m * n), seed);
+  for (int64_t i = 0; i < m; ++i)
+    for (int64_t j = 0; j < n; ++j) {
+      double x = noise * g[i * n + j];
+      for (int p = 0; p < k; ++p) x += U[i * k + p] * s[p] * V[j * k + p];
+      g[i * n + j] = float(x);
+    }
+  return g;
+}
+
+// Top-k eigenvectors (rows x k, row-major) and values of a dense symmetric matrix, by LAPACK's
+// SVD (for a positive semidefinite matrix the singular pairs are the eigenpairs).
+void DenseTop(std::vector<double> a, int64_t dim, int k, std::vector<float>& vecs,
+              std::vector<double>& vals) {
+  geometry::lapack::Svd svd = geometry::lapack::ThinSvd(a, dim, dim);
+  vecs.resize(size_t(dim * k));
+  for (int64_t r = 0; r < dim; ++r)
+    for (int j = 0; j < k; ++j) vecs[r * k + j] = float(svd.u[j * dim + r]);
+  vals.assign(svd.s.begin(), svd.s.begin() + k);
+}
+
+// ||sin Theta|| between two orthonormal bases (rows x k, row-major), via a lowrank Geometry.
+double Distance(const std::vector<float>& a, const std::vector<float>& b, int64_t rows, int k) {
+  Geometry ga, gb;
+  for (Geometry* g : {&ga, &gb}) {
+    g->mode = GeometryMode::kLowRank;
+    g->version = 1;
+    g->m = rows;
+    g->n = rows;
+    g->k = k;
+  }
+  ga.U = ga.V = a;
+  gb.U = gb.V = b;
+  return SubspaceDrift(ga, gb);
+}
+
+TEST(FactorSketchBlocks, DeterministicProductsSumInIndexOrder) {
+  const int64_t m = 37, n = 53;
+  const int c = 11;
+  const std::vector<float> G = Gaussian(size_t(m * n), 1), x = Gaussian(size_t(n * c), 2),
+                           q = Gaussian(size_t(m * c), 3);
+  std::vector<float> y(size_t(m * c)), b(size_t(c * n));
+  geometry::MulDeterministic(G.data(), m, n, x.data(), c, y.data());
+  geometry::MulTransposedDeterministic(q.data(), m, c, G.data(), n, b.data());
+  // The same sums, one output at a time in index order with one rounding per operation: the
+  // contract that makes every CPU produce the same bits. volatile keeps the compiler from
+  // contracting or reordering the reference.
+  for (int64_t i = 0; i < m; ++i)
+    for (int a = 0; a < c; ++a) {
+      volatile float acc = 0.f;
+      for (int64_t j = 0; j < n; ++j) {
+        volatile float prod = G[i * n + j] * x[j * c + a];
+        acc = acc + prod;
+      }
+      ASSERT_EQ(std::memcmp(&y[i * c + a], const_cast<float*>(&acc), 4), 0) << i << "," << a;
+    }
+  for (int a = 0; a < c; ++a)
+    for (int64_t j = 0; j < n; ++j) {
+      volatile float acc = 0.f;
+      for (int64_t i = 0; i < m; ++i) {
+        volatile float prod = q[i * c + a] * G[i * n + j];
+        acc = acc + prod;
+      }
+      ASSERT_EQ(std::memcmp(&b[a * n + j], const_cast<float*>(&acc), 4), 0) << a << "," << j;
+    }
+}
+
+TEST(FactorSketchBlocks, OrthonormalizeDropsDependentColumns) {
+  const int64_t rows = 50;
+  std::vector<float> g = Gaussian(size_t(rows * 3), 4);
+  std::vector<double> a(size_t(rows * 4));
+  for (int64_t r = 0; r < rows; ++r) {
+    a[0 * rows + r] = g[r * 3];
+    a[1 * rows + r] = g[r * 3 + 1];
+    a[2 * rows + r] = 2.0 * g[r * 3] - 0.5 * g[r * 3 + 1];  // dependent
+    a[3 * rows + r] = g[r * 3 + 2];
+  }
+  ASSERT_EQ(geometry::OrthonormalizeColumns(a, rows, 4), 3);
+  for (int i = 0; i < 3; ++i)
+    for (int j = 0; j < 3; ++j) {
+      double d = 0;
+      for (int64_t r = 0; r < rows; ++r) d += a[i * rows + r] * a[j * rows + r];
+      // Gram-Schmidt twice leaves the columns orthonormal to a few double ulps times rows.
+      EXPECT_NEAR(d, i == j ? 1.0 : 0.0, 64 * rows * 2.2e-16) << i << "," << j;
+    }
+}
+
+TEST(FactorSketchBlocks, JacobiMatchesKnownSpectrumAndReconstructs) {
+  const int c = 9;
+  // S = W diag(lambda) W^T with a known orthonormal W and distinct lambdas.
+  const std::vector<float> w = Basis(c, c, 5);
+  const std::vector<double> lambda = {9, 7.5, 6, 4, 3, 2, 1, 0.5, 0};
+  std::vector<double> s(size_t(c * c), 0.0);
+  for (int i = 0; i < c; ++i)
+    for (int j = 0; j < c; ++j)
+      for (int p = 0; p < c; ++p) s[j * c + i] += double(w[i * c + p]) * lambda[p] * w[j * c + p];
+  std::vector<double> values, vectors;
+  geometry::SymmetricEigen(s, c, values, vectors);
+  // Eigenvalues of a symmetric matrix are perturbed by at most ||dS||_2: here the float basis
+  // (non-orthonormal by ~1e-7) and double round-off, bounded by 1e-5 * lambda_max.
+  for (int i = 0; i < c; ++i) EXPECT_NEAR(values[i], lambda[i], 1e-5 * 9) << i;
+  for (int i = 0; i < c; ++i)
+    for (int j = 0; j < c; ++j) {
+      double r = 0;
+      for (int p = 0; p < c; ++p) r += vectors[p * c + i] * values[p] * vectors[p * c + j];
+      EXPECT_NEAR(r, s[j * c + i], 1e-12 * 9 * c) << i << "," << j;
+    }
+}
+
+TEST(FactorSketch, OneUpdateWithBetaZeroIsTheTopSubspaceOfGGt) {
+  const int64_t m = 96, n = 64;
+  const int k = 4;
+  const std::vector<float> U = Basis(m, k, 10), V = Basis(n, k, 11);
+  const std::vector<float> G = LowRankPlusNoise(U, V, {100, 50, 25, 12}, m, n, 0.0, 12);
+  FactorSketch s;
+  FactorSketchOptions o;
+  o.width = 6;
+  o.beta = 0.9f;  // the first update takes the gradient whole whatever beta is
+  UpdateFactorSketch(s, G, m, n, k, o);
+  ASSERT_EQ(s.updates, 1u);
+  ASSERT_EQ(s.width, 6);
+  // G is exactly rank 4: the range finder sees all of it, so the sketch's top 4 eigenpairs are
+  // G's singular pairs squared, up to float products over n = 64 terms.
+  std::vector<float> left_k(size_t(m * k)), right_k(size_t(n * k));
+  for (int64_t r = 0; r < m; ++r)
+    for (int j = 0; j < k; ++j) left_k[r * k + j] = s.left[r * 6 + j];
+  for (int64_t r = 0; r < n; ++r)
+    for (int j = 0; j < k; ++j) right_k[r * k + j] = s.right[r * 6 + j];
+  EXPECT_LT(Distance(left_k, U, m, k), 1e-4);
+  EXPECT_LT(Distance(right_k, V, n, k), 1e-4);
+  const double expect[] = {1e4, 2500, 625, 144};
+  for (int i = 0; i < k; ++i) {
+    EXPECT_NEAR(s.left_energy[i], expect[i], 1e-4 * 1e4) << i;
+    EXPECT_NEAR(s.right_energy[i], expect[i], 1e-4 * 1e4) << i;
+  }
+  EXPECT_NEAR(s.energy, 1e4 + 2500 + 625 + 144, 1e-5 * 1.3e4);
+}
+
+TEST(FactorSketch, TracksTheDenseEmaFactorsOverATrajectory) {
+  // A persistent rank-4 part with slowly rotating weights under strong per-step noise: the
+  // sketch's top-4 subspaces must match those of the exactly accumulated dense EMA factors.
+  const int64_t m = 80, n = 120;
+  const int k = 4;
+  const std::vector<float> U = Basis(m, k, 20), V = Basis(n, k, 21);
+  FactorSketch s;
+  FactorSketchOptions o;
+  o.width = 12;
+  o.beta = 0.8f;
+  std::vector<double> L(size_t(m * m), 0.0), R(size_t(n * n), 0.0);
+  bool first = true;
+  for (int step = 0; step < 30; ++step) {
+    const std::vector<float> G =
+        LowRankPlusNoise(U, V, {40, 32, 26 + step % 3, 22}, m, n, 1.0, 100 + step);
+    UpdateFactorSketch(s, G, m, n, k, o);
+    const double beta = first ? 0.0 : 0.8;
+    first = false;
+    for (auto& x : L) x *= beta;
+    for (auto& x : R) x *= beta;
+    for (int64_t i = 0; i < m; ++i)
+      for (int64_t j = 0; j < m; ++j) {
+        double d = 0;
+        for (int64_t h = 0; h < n; ++h) d += double(G[i * n + h]) * G[j * n + h];
+        L[j * m + i] += (1 - beta) * d;
+      }
+    for (int64_t i = 0; i < n; ++i)
+      for (int64_t j = 0; j < n; ++j) {
+        double d = 0;
+        for (int64_t h = 0; h < m; ++h) d += double(G[h * n + i]) * G[h * n + j];
+        R[j * n + i] += (1 - beta) * d;
+      }
+  }
+  std::vector<float> lu, ru;
+  std::vector<double> lv, rv;
+  DenseTop(L, m, k, lu, lv);
+  DenseTop(R, n, k, ru, rv);
+  std::vector<float> left_k(size_t(m * k)), right_k(size_t(n * k));
+  for (int64_t r = 0; r < m; ++r)
+    for (int j = 0; j < k; ++j) left_k[r * k + j] = s.left[r * s.width + j];
+  for (int64_t r = 0; r < n; ++r)
+    for (int j = 0; j < k; ++j) right_k[r * k + j] = s.right[r * s.width + j];
+  // The persistent part's energies (>= 484 per step) stand well above the noise bulk (~ n or m
+  // per direction), so both subspaces are well separated and the sketch must find them closely.
+  EXPECT_LT(Distance(left_k, lu, m, k), 0.1);
+  EXPECT_LT(Distance(right_k, ru, n, k), 0.1);
+  for (int i = 0; i < k; ++i) {
+    EXPECT_NEAR(s.left_energy[i], lv[i], 0.1 * lv[i]) << i;
+    EXPECT_NEAR(s.right_energy[i], rv[i], 0.1 * rv[i]) << i;
+  }
+  // The gradients follow the persistent part, so the basis fits them about as predicted.
+  EXPECT_EQ(s.fit_k, k);
+  EXPECT_GT(s.fit, 0.7);
+  EXPECT_LT(s.fit, 1.3);
+}
+
+TEST(FactorSketch, FitFallsWhenTheGradientLeavesTheBasis) {
+  const int64_t m = 64, n = 64;
+  const int k = 4;
+  const std::vector<float> U = Basis(m, k, 30), V = Basis(n, k, 31);
+  const std::vector<float> U2 = Basis(m, k, 32), V2 = Basis(n, k, 33);
+  FactorSketch s;
+  FactorSketchOptions o;
+  for (int step = 0; step < 10; ++step) {
+    UpdateFactorSketch(s, LowRankPlusNoise(U, V, {40, 30, 20, 15}, m, n, 0.3, step), m, n, k, o);
+  }
+  EXPECT_GT(s.fit, 0.8);
+  // A gradient whose energy sits in other directions: the old basis holds little of it.
+  UpdateFactorSketch(s, LowRankPlusNoise(U2, V2, {40, 30, 20, 15}, m, n, 0.3, 99), m, n, k, o);
+  EXPECT_LT(s.fit, 0.3);
+  SketchGeometryOptions go;
+  go.rank = k;
+  const Geometry weak = GeometryFromSketch(s, go, 7);
+  go.adapt = 0.f;
+  const Geometry full = GeometryFromSketch(s, go, 7);
+  EXPECT_EQ(weak.alpha, 0.25f);  // the strength rides in the energies, alpha stays the policy's
+  // Each direction's factor is (e / delta)^(-alpha t) with t = fit: the whitening weakens.
+  const std::vector<float> fw = geometry::WhitenFactors(weak, true);
+  const std::vector<float> ff = geometry::WhitenFactors(full, true);
+  for (int i = 0; i < k; ++i) {
+    const double e = s.left_energy[i], d = full.delta_L;
+    ASSERT_GT(e, d);
+    EXPECT_NEAR(ff[i], std::pow(e / d, -0.25), 1e-5) << i;
+    EXPECT_NEAR(fw[i], std::pow(e / d, -0.25 * s.fit), 1e-5) << i;
+    EXPECT_GT(fw[i], ff[i]) << i;
+  }
+}
+
+TEST(FactorSketch, GeometryFromSketch) {
+  FactorSketch empty;
+  EXPECT_TRUE(GeometryFromSketch(empty, {}, 3).is_identity());
+  const int64_t m = 48, n = 40;
+  const std::vector<float> U = Basis(m, 3, 40), V = Basis(n, 3, 41);
+  FactorSketch s;
+  UpdateFactorSketch(s, LowRankPlusNoise(U, V, {30, 20, 10}, m, n, 0.1, 1), m, n, 3, {});
+  SketchGeometryOptions go;
+  go.rank = 3;
+  const Geometry g = GeometryFromSketch(s, go, 5);
+  ASSERT_FALSE(g.is_identity());
+  EXPECT_EQ(g.version, 5u);
+  EXPECT_EQ(g.k, 3);
+  ASSERT_EQ(g.sigma.size(), 3u);
+  ASSERT_EQ(g.sigma_right.size(), 3u);
+  go.adapt = 0.f;  // energies unshaped
+  const Geometry plain = GeometryFromSketch(s, go, 5);
+  for (int i = 0; i < 3; ++i) {
+    EXPECT_FLOAT_EQ(plain.sigma[i], float(std::sqrt(s.left_energy[i])));
+    EXPECT_FLOAT_EQ(plain.sigma_right[i], float(std::sqrt(s.right_energy[i])));
+  }
+  double in_left = 0;
+  for (int i = 0; i < 3; ++i) in_left += s.left_energy[i];
+  EXPECT_FLOAT_EQ(g.delta_L, float((s.energy - in_left) / (m - 3)));
+  // The geometry round-trips through the wire form with its per-side values, and transforms.
+  const Geometry back = DeserializeGeometry(SerializeGeometry(g));
+  EXPECT_EQ(back.sigma_right, g.sigma_right);
+  EXPECT_EQ(GeometryDigest(back), GeometryDigest(g));
+  Geometry other = g;
+  other.sigma_right[2] *= 1.0001f;
+  EXPECT_NE(GeometryDigest(other), GeometryDigest(g));
+}
+
+TEST(FactorSketch, SameInputsGiveTheSameBitsAndTheWireFormRoundTrips) {
+  const int64_t m = 70, n = 33;
+  FactorSketch a, b;
+  FactorSketchOptions o;
+  o.seed = 9;
+  for (int step = 0; step < 4; ++step) {
+    const std::vector<float> G = Gaussian(size_t(m * n), 50 + step);
+    UpdateFactorSketch(a, G, m, n, 8, o);
+    UpdateFactorSketch(b, G, m, n, 8, o);
+  }
+  const std::vector<uint8_t> wa = SerializeFactorSketch(a);
+  EXPECT_EQ(wa, SerializeFactorSketch(b));
+  const FactorSketch c = DeserializeFactorSketch(wa);
+  EXPECT_EQ(SerializeFactorSketch(c), wa);
+  std::vector<uint8_t> bad = wa;
+  bad[40] ^= 1;
+  EXPECT_THROW(DeserializeFactorSketch(bad), Error);
+  EXPECT_THROW(DeserializeFactorSketch(std::span<const uint8_t>(wa).first(20)), Error);
+}
+
+TEST(FactorSketch, RejectsBadInput) {
+  FactorSketch s;
+  std::vector<float> G(12, 1.f);
+  EXPECT_THROW(UpdateFactorSketch(s, G, 3, 5, 2, {}), Error);
+  G[5] = NAN;
+  EXPECT_THROW(UpdateFactorSketch(s, G, 3, 4, 2, {}), Error);
+  FactorSketchOptions o;
+  o.beta = 1.f;
+  G[5] = 0.f;
+  EXPECT_THROW(UpdateFactorSketch(s, G, 3, 4, 2, o), Error);
+}
+
+}  // namespace
+}  // namespace geofp8
