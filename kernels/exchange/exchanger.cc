@@ -217,6 +217,7 @@ std::vector<LayerGeometryState> Exchanger::ExportGeometry() const {
       out[l].pending = SerializeGeometry(st.pending);
       out[l].pending_from = st.pending_from;
     }
+    if (st.sketch.updates > 0) out[l].sketch = SerializeFactorSketch(st.sketch);
   }
   return out;
 }
@@ -261,7 +262,30 @@ std::vector<uint32_t> Exchanger::ImportGeometry(const std::vector<LayerGeometryS
     if (!has_pending && in.pending_from != 0) {
       fail("pending_from: set without a pending geometry (", in.pending_from, ")");
     }
-    if (!has_active && !has_pending) continue;
+    FactorSketch sketch;
+    if (!in.sketch.empty()) {
+      try {
+        sketch = DeserializeFactorSketch(in.sketch);
+      } catch (const Error& e) {
+        fail("sketch: ", e.what());
+      }
+      if (sketch.m != spec.rows || sketch.n != spec.cols) {
+        fail("sketch.shape: ", sketch.m, "x", sketch.n, " but the layer is ", spec.rows, "x",
+             spec.cols);
+      }
+      if (!UsesGeometry(l) || options_.estimator != GeometryEstimator::kFactorEma) {
+        if (mode == GeometryImport::kStrict) {
+          fail("sketch: the layer keeps no sketch here (estimator ",
+               GeometryEstimatorName(options_.estimator), ")");
+        }
+        reset.push_back(l);
+        continue;
+      }
+    }
+    if (!has_active && !has_pending) {
+      next[l].sketch = std::move(sketch);
+      continue;
+    }
     Geometry active, pending;
     for (const bool is_pending : {false, true}) {
       const std::vector<uint8_t>& bytes = is_pending ? in.pending : in.active;
@@ -294,10 +318,12 @@ std::vector<uint32_t> Exchanger::ImportGeometry(const std::vector<LayerGeometryS
       reset.push_back(l);
       continue;
     }
+    next[l].active_digest = active.is_identity() ? 0 : GeometryDigest(active);
     next[l].active = std::move(active);
     next[l].pending = std::move(pending);
     next[l].pending_from = has_pending ? in.pending_from : 0;
     next[l].has_pending = has_pending;
+    next[l].sketch = std::move(sketch);
   }
   state_ = std::move(next);
   return reset;
@@ -322,10 +348,7 @@ std::vector<BucketResult> Exchanger::RunBuckets(uint64_t step, size_t first, siz
                    "': gradient has ", grads[l].size(), " elements, shape ", spec.rows, "x",
                    spec.cols, " needs ", spec.count());
       LayerState& st = state_[l];
-      if (st.has_pending && step >= st.pending_from) {
-        st.active = std::move(st.pending);
-        st.has_pending = false;
-      }
+      if (st.has_pending && step >= st.pending_from) Activate(st);
       LayerRecord rec;
       rec.layer = l;
       rec.format = static_cast<uint8_t>(spec.policy.format);
@@ -339,6 +362,7 @@ std::vector<BucketResult> Exchanger::RunBuckets(uint64_t step, size_t first, siz
         rec.rank_k = spec.policy.rank;
         rec.alpha = spec.policy.alpha;
         rec.geometry_version = st.active.version;
+        rec.geometry_digest = st.active_digest;
       }
       fp.layers.push_back(rec);
       BucketLayer w{l, spec.policy, UsesGeometry(l) ? &st.active : nullptr, grads[l], grads[l]};
@@ -384,6 +408,20 @@ std::vector<BucketResult> Exchanger::RunBuckets(uint64_t step, size_t first, siz
   return results;
 }
 
+void Exchanger::Activate(LayerState& st) {
+  st.active = std::move(st.pending);
+  st.pending = Geometry{};
+  st.has_pending = false;
+  st.active_digest = st.active.is_identity() ? 0 : GeometryDigest(st.active);
+}
+
+FactorSketchOptions Exchanger::SketchOptions(uint32_t layer) const {
+  FactorSketchOptions o = options_.sketch;
+  o.width = std::max(o.width, layers_[layer].policy.rank);
+  o.seed = options_.seed ^ (0x5851f42d4c957f2dull * (layer + 1));
+  return o;
+}
+
 std::vector<RefreshRecord> Exchanger::RunRefreshes(uint64_t step,
                                                    const std::vector<std::span<float>>& grads) {
   TraceScope span(options_.trace, "geometry_refresh", ExchangeTrace::kMainLane, step);
@@ -396,6 +434,29 @@ std::vector<RefreshRecord> Exchanger::RunRefreshes(uint64_t step,
     LayerState& st = state_[l];
     RefreshRecord rec;
     rec.layer = l;
+    if (options_.estimator == GeometryEstimator::kFactorEma) {
+      // Every rank holds the same averaged gradient and runs the same fixed-order arithmetic, so
+      // every rank derives the same geometry; the fingerprint's digest checks it at its first use.
+      const auto start = std::chrono::steady_clock::now();
+      UpdateFactorSketch(st.sketch, grads[l], spec.rows, spec.cols, spec.policy.rank,
+                         SketchOptions(l));
+      SketchGeometryOptions go;
+      go.rank = spec.policy.rank;
+      go.alpha = spec.policy.alpha;
+      go.adapt = options_.adapt;
+      const Geometry& latest = st.has_pending ? st.pending : st.active;
+      Geometry g = GeometryFromSketch(st.sketch, go, latest.version + 1);
+      if (g.is_identity()) continue;
+      rec.drift = latest.is_identity() ? 0.0 : SubspaceDrift(latest, g);
+      rec.seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+      st.pending = std::move(g);
+      st.pending_from = step + options_.activation_delay;
+      st.has_pending = true;
+      rec.version = st.pending.version;
+      rec.active_from = st.pending_from;
+      out.push_back(rec);
+      continue;
+    }
     std::vector<uint8_t> bytes;
     std::string owner_error;
     if (comm_.rank() == s.owner) {

@@ -20,6 +20,7 @@
 #include "kernels/exchange/communicator.h"
 #include "kernels/exchange/policy.h"
 #include "kernels/exchange/trace.h"
+#include "kernels/geometry/factor_sketch.h"
 #include "kernels/geometry/geometry.h"
 
 namespace geofp8 {
@@ -52,9 +53,13 @@ struct ExchangeOptions {
   uint64_t seed = 0;
   // A geometry refreshed after step s is used from step s + activation_delay on every rank.
   int activation_delay = 1;
-  // Subspace iterations per refresh and sigma smoothing (GeometryOptions fields).
+  // How geometries are estimated. kInstant uses power_iters and sigma_ema below (GeometryOptions
+  // fields) and the schedule's owner; kFactorEma uses sketch and adapt, on every rank.
+  GeometryEstimator estimator = GeometryEstimator::kInstant;
   int power_iters = 1;
   float sigma_ema = 0.f;
+  FactorSketchOptions sketch;  // width is raised to the layer's rank k where it is smaller
+  float adapt = 1.0f;          // SketchGeometryOptions::adapt: strength follows the sketch's fit
 };
 
 // Buckets: layers in reverse order (the order backward produces them), greedily packed.
@@ -97,6 +102,7 @@ struct LayerGeometryState {
   std::vector<uint8_t> active;   // the geometry in use
   std::vector<uint8_t> pending;  // refreshed and broadcast, not yet active
   uint64_t pending_from = 0;     // step at which `pending` becomes active (0 when none)
+  std::vector<uint8_t> sketch;   // the ema estimator's FactorSketch wire form (empty: none)
 };
 
 // How ImportGeometry treats a layer whose saved geometry disagrees with the layer's policy.
@@ -157,7 +163,11 @@ class Exchanger {
     Geometry pending;            // broadcast, waits for activation
     uint64_t pending_from = 0;   // step at which pending becomes active
     bool has_pending = false;
+    uint64_t active_digest = 0;  // GeometryDigest(active), compared across ranks every step
+    FactorSketch sketch;         // estimator kFactorEma: the same on every rank
   };
+  void Activate(LayerState& st);
+  FactorSketchOptions SketchOptions(uint32_t layer) const;
 
   // Buckets [first, last) of `step` (at most 64) through one run of the algorithm.
   std::vector<BucketResult> RunBuckets(uint64_t step, size_t first, size_t last,

@@ -58,6 +58,10 @@ std::string DescribeLayerDifference(const LayerRecord& a, const LayerRecord& ref
        << " (others: " << GeometryModeName(static_cast<GeometryMode>(ref.geometry)) << ")";
   } else if (a.geometry_version != ref.geometry_version) {
     os << "geometry version " << a.geometry_version << " (others: " << ref.geometry_version << ")";
+  } else if (a.geometry_digest != ref.geometry_digest) {
+    os << "geometry digest " << std::hex << a.geometry_digest << " (others: " << ref.geometry_digest
+       << std::dec << "): the ranks derived different transforms from the same version, e.g. "
+                      "different CPU kernels; every rank must compute the sketch identically";
   } else if (a.rank_k != ref.rank_k || std::memcmp(&a.alpha, &ref.alpha, 4) != 0) {
     os << "geometry rank/alpha " << a.rank_k << "/" << a.alpha << " (others: " << ref.rank_k
        << "/" << ref.alpha << ")";

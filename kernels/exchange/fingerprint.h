@@ -25,8 +25,11 @@ struct LayerRecord {
   float alpha = 0.f;
   int64_t rows = 0, cols = 0;
   uint64_t geometry_version = 0;  // active version (0: identity)
+  // GeometryDigest of the active geometry (0: identity): ranks that derive their geometry
+  // themselves (the ema estimator) prove here that they hold the same transform.
+  uint64_t geometry_digest = 0;
 };
-static_assert(sizeof(LayerRecord) == 44);
+static_assert(sizeof(LayerRecord) == 52);
 
 struct BucketRecord {
   uint64_t policy_version = 0;

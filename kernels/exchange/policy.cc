@@ -34,4 +34,20 @@ std::optional<Algorithm> ParseAlgorithm(std::string_view name) {
 
 std::string_view AcceptedAlgorithms() { return "two_phase, allgather, native, fp32, bf16"; }
 
+std::string_view GeometryEstimatorName(GeometryEstimator e) {
+  switch (e) {
+    case GeometryEstimator::kInstant: return "instant";
+    case GeometryEstimator::kFactorEma: return "ema";
+  }
+  return "unknown";
+}
+
+std::optional<GeometryEstimator> ParseGeometryEstimator(std::string_view name) {
+  if (name == "instant") return GeometryEstimator::kInstant;
+  if (name == "ema") return GeometryEstimator::kFactorEma;
+  return std::nullopt;
+}
+
+std::string_view AcceptedGeometryEstimators() { return "instant, ema"; }
+
 }  // namespace geofp8

@@ -35,8 +35,23 @@ struct LayerPolicy {
   bool error_feedback = false;  // optional extension, off by default
 };
 
-// Per-layer geometry refresh: the owner rank re-estimates every `interval` steps, at steps
-// where (step - offset) % interval == 0 and step >= offset.
+// How a layer's geometry is estimated from the post-exchange averaged gradient.
+enum class GeometryEstimator : uint8_t {
+  // The owner rank takes the top-k singular subspace of the last averaged gradient (subspace
+  // iteration, warm-started) and broadcasts it: the basis of one gradient.
+  kInstant = 0,
+  // Every rank folds the averaged gradient into a Kronecker-factor EMA sketch
+  // (kernels/geometry/factor_sketch.h) and derives the same geometry from it bit for bit: the
+  // persistent anisotropy, with no broadcast.
+  kFactorEma = 1,
+};
+std::string_view GeometryEstimatorName(GeometryEstimator e);  // "instant", "ema"
+std::optional<GeometryEstimator> ParseGeometryEstimator(std::string_view name);
+std::string_view AcceptedGeometryEstimators();
+
+// Per-layer geometry refresh: at steps where (step - offset) % interval == 0 and step >= offset
+// the layer's geometry is re-estimated (instant: by the owner rank; ema: by every rank, which
+// also folds that step's gradient into the sketch).
 struct RefreshSchedule {
   int owner = 0;
   int interval = 100;

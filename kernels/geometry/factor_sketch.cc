@@ -1,6 +1,8 @@
-// The streaming Kronecker-factor sketch of factor_sketch.h: a randomized range finder per update,
-// small eigenproblems by Jacobi, every sum in a fixed order so that all ranks agree bit for bit.
+// The streaming Kronecker-factor sketch of factor_sketch.h: a randomized range finder per update
+// (two thin GEMMs over G), Householder QR and small symmetric eigenproblems by Jacobi.
 #include "kernels/geometry/factor_sketch.h"
+
+#include <cblas.h>
 
 #include <algorithm>
 #include <bit>
@@ -10,172 +12,50 @@
 
 #include "kernels/common/check.h"
 #include "kernels/geometry/factors.h"
+#include "kernels/geometry/lapack.h"
 
 namespace geofp8 {
-namespace geometry {
-
-// The two products over G dominate the update (O(mn) each per column). They vectorize across the
-// independent outputs only, so each output is summed in index order whatever the vector width:
-// the AVX2 clone and the baseline give the same bits. This file is compiled without FMA
-// contraction (CMakeLists.txt) for the same reason.
-__attribute__((target_clones("avx2", "default"))) void MulDeterministic(
-    const float* G, int64_t m, int64_t n, const float* x, int c, float* y) {
-  for (int64_t i = 0; i < m; ++i) {
-    float* __restrict yi = y + i * c;
-    std::fill(yi, yi + c, 0.f);
-    const float* gi = G + i * n;
-    for (int64_t j = 0; j < n; ++j) {
-      const float g = gi[j];
-      const float* __restrict xj = x + j * c;
-      for (int a = 0; a < c; ++a) yi[a] += g * xj[a];
-    }
-  }
-}
-
-__attribute__((target_clones("avx2", "default"))) void MulTransposedDeterministic(
-    const float* q, int64_t m, int c, const float* G, int64_t n, float* b) {
-  std::fill(b, b + static_cast<size_t>(c) * n, 0.f);
-  for (int64_t i = 0; i < m; ++i) {
-    const float* __restrict gi = G + i * n;
-    for (int a = 0; a < c; ++a) {
-      const float qa = q[i * c + a];
-      float* __restrict ba = b + static_cast<int64_t>(a) * n;
-      for (int64_t j = 0; j < n; ++j) ba[j] += qa * gi[j];
-    }
-  }
-}
-
-int OrthonormalizeColumns(std::vector<double>& a, int64_t rows, int cols, double drop) {
-  int kept = 0;
-  for (int j = 0; j < cols; ++j) {
-    double* v = a.data() + j * rows;
-    double original = 0.0;
-    for (int64_t r = 0; r < rows; ++r) original += v[r] * v[r];
-    original = std::sqrt(original);
-    // Classical Gram-Schmidt twice ("twice is enough"): orthogonal to float round-off even for
-    // nearly dependent columns, which the warm-started range finder produces on purpose.
-    for (int pass = 0; pass < 2; ++pass) {
-      for (int i = 0; i < kept; ++i) {
-        const double* q = a.data() + i * rows;
-        double d = 0.0;
-        for (int64_t r = 0; r < rows; ++r) d += q[r] * v[r];
-        for (int64_t r = 0; r < rows; ++r) v[r] -= d * q[r];
-      }
-    }
-    double norm = 0.0;
-    for (int64_t r = 0; r < rows; ++r) norm += v[r] * v[r];
-    norm = std::sqrt(norm);
-    if (!(norm > drop * original) || !(norm > 0.0)) continue;
-    double* dst = a.data() + kept * rows;
-    for (int64_t r = 0; r < rows; ++r) dst[r] = v[r] / norm;
-    ++kept;
-  }
-  return kept;
-}
-
-void SymmetricEigen(std::vector<double> s, int c, std::vector<double>& values,
-                    std::vector<double>& vectors) {
-  vectors.assign(static_cast<size_t>(c) * c, 0.0);
-  for (int i = 0; i < c; ++i) vectors[i * c + i] = 1.0;
-  auto at = [&](int i, int j) -> double& { return s[j * c + i]; };
-  double total = 0.0;
-  for (double x : s) total += x * x;
-  // Cyclic Jacobi: each rotation zeroes one off-diagonal pair. Quadratic convergence; 60 sweeps
-  // is far beyond what a c <= 128 matrix needs, and the loop stops once the off-diagonal part is
-  // below double round-off of the whole.
-  for (int sweep = 0; sweep < 60; ++sweep) {
-    double off = 0.0;
-    for (int j = 0; j < c; ++j)
-      for (int i = 0; i < j; ++i) off += at(i, j) * at(i, j);
-    if (!(off > 1e-30 * total)) break;
-    for (int p = 0; p < c; ++p) {
-      for (int q = p + 1; q < c; ++q) {
-        const double apq = at(p, q);
-        if (apq == 0.0) continue;
-        const double theta = (at(q, q) - at(p, p)) / (2.0 * apq);
-        const double t = (theta >= 0 ? 1.0 : -1.0) / (std::fabs(theta) + std::sqrt(theta * theta + 1.0));
-        const double cs = 1.0 / std::sqrt(t * t + 1.0), sn = t * cs;
-        for (int r = 0; r < c; ++r) {  // columns p, q
-          const double x = at(r, p), y = at(r, q);
-          at(r, p) = cs * x - sn * y;
-          at(r, q) = sn * x + cs * y;
-        }
-        for (int r = 0; r < c; ++r) {  // rows p, q
-          const double x = at(p, r), y = at(q, r);
-          at(p, r) = cs * x - sn * y;
-          at(q, r) = sn * x + cs * y;
-        }
-        for (int r = 0; r < c; ++r) {
-          double* vp = &vectors[p * c + r];
-          double* vq = &vectors[q * c + r];
-          const double x = *vp, y = *vq;
-          *vp = cs * x - sn * y;
-          *vq = sn * x + cs * y;
-        }
-      }
-    }
-  }
-  std::vector<int> order(static_cast<size_t>(c));
-  std::iota(order.begin(), order.end(), 0);
-  // Stable on ties, so the order is a pure function of the values.
-  std::stable_sort(order.begin(), order.end(), [&](int x, int y) { return at(x, x) > at(y, y); });
-  values.resize(static_cast<size_t>(c));
-  std::vector<double> sorted(static_cast<size_t>(c) * c);
-  for (int i = 0; i < c; ++i) {
-    values[i] = at(order[i], order[i]);
-    std::memcpy(&sorted[static_cast<size_t>(i) * c], &vectors[static_cast<size_t>(order[i]) * c],
-                sizeof(double) * c);
-  }
-  vectors = std::move(sorted);
-}
-
-}  // namespace geometry
 
 namespace {
 
-using geometry::MulDeterministic;
-using geometry::MulTransposedDeterministic;
-using geometry::OrthonormalizeColumns;
-using geometry::SymmetricEigen;
+// Row-major float (rows x cols) <-> column-major double: the layouts of the G products and of the
+// small dense algebra.
+std::vector<double> ColMajor(const float* a, int64_t rows, int64_t cols, int64_t ld) {
+  std::vector<double> out(static_cast<size_t>(rows * cols));
+  for (int64_t i = 0; i < rows; ++i)
+    for (int64_t j = 0; j < cols; ++j) out[j * rows + i] = a[i * ld + j];
+  return out;
+}
 
 // out (rows x w, row-major float) = basis (rows x c, column-major double) * vecs[:, :w].
 void Rotate(const std::vector<double>& basis, int64_t rows, int c, const std::vector<double>& vecs,
             int w, std::vector<float>& out) {
-  out.assign(static_cast<size_t>(rows * w), 0.f);
-  for (int64_t r = 0; r < rows; ++r)
-    for (int j = 0; j < w; ++j) {
-      double s = 0.0;
-      for (int i = 0; i < c; ++i) s += basis[i * rows + r] * vecs[j * c + i];
-      out[r * w + j] = static_cast<float>(s);
-    }
+  std::vector<double> r(static_cast<size_t>(rows * w));
+  cblas_dgemm(CblasColMajor, CblasNoTrans, CblasNoTrans, rows, w, c, 1.0, basis.data(), rows,
+              vecs.data(), c, 0.0, r.data(), rows);
+  out.resize(static_cast<size_t>(rows * w));
+  for (int64_t i = 0; i < rows; ++i)
+    for (int j = 0; j < w; ++j) out[i * w + j] = static_cast<float>(r[j * rows + i]);
 }
 
-// proj (c x held, column-major) = basis^T (c x rows) held_cols (rows x held, row-major float).
-std::vector<double> Project(const std::vector<double>& basis, int64_t rows, int c,
-                            const std::vector<float>& held_cols, int held) {
-  std::vector<double> out(static_cast<size_t>(c) * held, 0.0);
-  for (int j = 0; j < held; ++j)
-    for (int i = 0; i < c; ++i) {
-      double s = 0.0;
-      for (int64_t r = 0; r < rows; ++r) s += basis[i * rows + r] * held_cols[r * held + j];
-      out[j * c + i] = s;
-    }
-  return out;
-}
-
-// S (c x c, column-major) = beta * C diag(energy) C^T + (1 - beta) * E E^T, C is c x held, E is
-// c x e (both column-major).
-std::vector<double> FoldedFactor(const std::vector<double>& C, const std::vector<double>& energy,
-                                 int held, const std::vector<double>& E, int e, int c,
-                                 double beta) {
+// S (c x c, column-major) = beta * C diag(energy) C^T + (1 - beta) * E E^T, where C is c x held
+// and E is c x e, both column-major with leading dimension ldc / lde.
+std::vector<double> FoldedFactor(const double* C, int ldc, const std::vector<double>& energy,
+                                 int held, const double* E, int lde, int e, int c, double beta) {
   std::vector<double> s(static_cast<size_t>(c) * c, 0.0);
-  for (int j = 0; j < c; ++j)
-    for (int i = 0; i <= j; ++i) {
-      double a = 0.0, b = 0.0;
-      for (int h = 0; h < held; ++h) a += C[h * c + i] * energy[h] * C[h * c + j];
-      for (int h = 0; h < e; ++h) b += E[h * c + i] * E[h * c + j];
-      s[j * c + i] = s[i * c + j] = beta * a + (1.0 - beta) * b;
-    }
+  std::vector<double> scaled(static_cast<size_t>(c) * std::max(held, 1));
+  for (int h = 0; h < held; ++h)
+    for (int i = 0; i < c; ++i) scaled[h * c + i] = C[h * ldc + i] * energy[h];
+  if (held > 0) {
+    cblas_dgemm(CblasColMajor, CblasNoTrans, CblasTrans, c, c, held, beta, scaled.data(), c, C,
+                ldc, 0.0, s.data(), c);
+  }
+  if (e > 0) {
+    cblas_dgemm(CblasColMajor, CblasNoTrans, CblasTrans, c, c, e, 1.0 - beta, E, lde, E, lde, 1.0,
+                s.data(), c);
+  }
+  for (int j = 0; j < c; ++j)  // exactly symmetric for Jacobi
+    for (int i = 0; i < j; ++i) s[j * c + i] = s[i * c + j] = 0.5 * (s[j * c + i] + s[i * c + j]);
   return s;
 }
 
@@ -209,47 +89,52 @@ void UpdateFactorSketch(FactorSketch& s, std::span<const float> G, int64_t m, in
   const int target = static_cast<int>(std::min<int64_t>({o.width, m, n}));
   const int held = s.updates == 0 ? 0 : s.width;
   // The range finder's inputs: the held right basis (where the persistent energy is) plus fresh
-  // probes; on the first update probes only, as many as the sketch will hold plus the extra.
-  const int p = static_cast<int>(std::min<int64_t>(held == 0 ? target + o.probes : o.probes, n));
+  // probes so that new directions can enter; on the first update probes only, as many as the
+  // sketch will hold plus the extra. Q = orth([U, G X]) needs at most m columns.
+  const int want = held == 0 ? target + o.probes : o.probes;
+  const int p = static_cast<int>(std::max<int64_t>(0, std::min<int64_t>(want, m - 2 * held)));
   const int cx = held + p;
-  std::vector<float> x(static_cast<size_t>(n * cx));
+  std::vector<float> x(static_cast<size_t>(n * std::max(cx, 1)));
   for (int64_t r = 0; r < n; ++r)
     std::memcpy(&x[r * cx], &s.right[r * held], sizeof(float) * held);
   if (p > 0) Probes(o.seed, s.updates, n, p, x.data(), cx, held);
-  std::vector<float> y(static_cast<size_t>(m * cx));
-  MulDeterministic(G.data(), m, n, x.data(), cx, y.data());
+  std::vector<float> y(static_cast<size_t>(m * std::max(cx, 1)));
+  if (cx > 0) {
+    cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, m, cx, n, 1.f, G.data(), n, x.data(),
+                cx, 0.f, y.data(), cx);
+  }
 
-  // Left: Q = orth([U, G X]), B = Q^T G, S_L = Q^T (beta U L U^T + (1 - beta) G G^T) Q.
-  const int ca = held + cx;
+  // Left: Q = orth([U, G X]) (Householder), B = Q^T G, S_L = Q^T (beta U L U^T + (1-beta) G G^T) Q.
+  // U is Q's leading columns, so Q^T U is R's leading columns.
+  const int ca = std::min<int>(held + cx, static_cast<int>(m));
   std::vector<double> q(static_cast<size_t>(m * ca));
   for (int64_t r = 0; r < m; ++r) {
     for (int j = 0; j < held; ++j) q[j * m + r] = s.left[r * held + j];
-    for (int j = 0; j < cx; ++j) q[(held + j) * m + r] = y[r * cx + j];
+    for (int j = held; j < ca; ++j) q[j * m + r] = y[r * cx + (j - held)];
   }
-  const int c = OrthonormalizeColumns(q, m, ca);
-  std::vector<float> qf(static_cast<size_t>(m * c));
+  std::vector<double> r_left;
+  geometry::lapack::QrInPlace(q, m, ca, &r_left);
+  std::vector<float> qf(static_cast<size_t>(m * ca));
   for (int64_t r = 0; r < m; ++r)
-    for (int j = 0; j < c; ++j) qf[r * c + j] = static_cast<float>(q[j * m + r]);
-  std::vector<float> b(static_cast<size_t>(c) * n);
-  MulTransposedDeterministic(qf.data(), m, c, G.data(), n, b.data());
-  std::vector<double> bd(b.begin(), b.end());  // c x n row-major = n x c column-major (B^T)
-  // E for the left fold is B (c x n): its column h is B[:, h], i.e. row h of B^T.
-  std::vector<double> e_left(static_cast<size_t>(c) * n);
-  for (int i = 0; i < c; ++i)
-    for (int64_t h = 0; h < n; ++h) e_left[h * c + i] = bd[i * n + h];
-  const std::vector<double> c_left = Project(q, m, c, s.left, held);
+    for (int j = 0; j < ca; ++j) qf[r * ca + j] = static_cast<float>(q[j * m + r]);
+  std::vector<float> b(static_cast<size_t>(ca) * n);
+  cblas_sgemm(CblasRowMajor, CblasTrans, CblasNoTrans, ca, n, m, 1.f, qf.data(), ca, G.data(), n,
+              0.f, b.data(), n);
+  // B^T as column-major n x ca is B row-major; as c x n column-major (for E E^T) it is B^T's
+  // transpose: keep one double copy, column-major ca x n.
+  const std::vector<double> bt = ColMajor(b.data(), ca, n, n);  // ca x n, column-major
 
-  // How the basis that was in force fit this gradient (before the gradient moves it).
+  // How the basis that was in force fit this gradient, before the gradient moves it: the energy
+  // of G inside span(U_k) (rows of U^T G = C^T B) and span(V_k) (columns of G V = Y), against the
+  // fraction the sketch predicted.
   const int kk = std::min(k, held);
   if (kk > 0 && s.energy > 0.0 && g2 > 0.0) {
     double in_left = 0.0, in_right = 0.0, pred_left = 0.0, pred_right = 0.0;
+    std::vector<double> row(static_cast<size_t>(n));
     for (int i = 0; i < kk; ++i) {
-      // Row i of U^T G = sum over Q's coordinates: C[:, i]^T B.
-      for (int64_t h = 0; h < n; ++h) {
-        double v = 0.0;
-        for (int a = 0; a < c; ++a) v += c_left[i * c + a] * e_left[h * c + a];
-        in_left += v * v;
-      }
+      cblas_dgemv(CblasColMajor, CblasTrans, ca, n, 1.0, bt.data(), ca, &r_left[i * ca], 1, 0.0,
+                  row.data(), 1);
+      for (double v : row) in_left += v * v;
       for (int64_t r = 0; r < m; ++r) in_right += double(y[r * cx + i]) * y[r * cx + i];
       pred_left += s.left_energy[i];
       pred_right += s.right_energy[i];
@@ -262,34 +147,34 @@ void UpdateFactorSketch(FactorSketch& s, std::span<const float> G, int64_t m, in
 
   const double beta = s.updates == 0 ? 0.0 : o.beta;
   std::vector<double> values, vectors;
-  SymmetricEigen(FoldedFactor(c_left, s.left_energy, held, e_left, static_cast<int>(n), c, beta),
-                 c, values, vectors);
-  const int w_left = std::min(target, c);
+  geometry::lapack::SymmetricEigen(FoldedFactor(r_left.data(), ca, s.left_energy, held, bt.data(), ca,
+                                        static_cast<int>(n), ca, beta),
+                           ca, values, vectors);
+  const int w_left = std::min(target, ca);
 
-  // Right: P = orth([V, B^T]), S_R = P^T (beta V R V^T + (1 - beta) B^T B) P.
-  const int cz = held + c;
+  // Right: P = orth([V, B^T]), S_R = P^T (beta V R V^T + (1-beta) B^T B) P; P^T V is R_z's
+  // leading columns, E = P^T B^T by a product (B^T may not fit whole into P when n is small).
+  const int cz = std::min<int>(held + ca, static_cast<int>(n));
   std::vector<double> z(static_cast<size_t>(n * cz));
   for (int64_t r = 0; r < n; ++r) {
     for (int j = 0; j < held; ++j) z[j * n + r] = s.right[r * held + j];
-    for (int j = 0; j < c; ++j) z[(held + j) * n + r] = bd[j * n + r];
+    for (int j = held; j < cz; ++j) z[j * n + r] = b[static_cast<int64_t>(j - held) * n + r];
   }
-  const int c2 = OrthonormalizeColumns(z, n, cz);
-  const std::vector<double> c_right = Project(z, n, c2, s.right, held);
-  // E = P^T B^T (c2 x c): column a is P^T (row a of B).
-  std::vector<double> e_right(static_cast<size_t>(c2) * c, 0.0);
-  for (int a = 0; a < c; ++a)
-    for (int i = 0; i < c2; ++i) {
-      double v = 0.0;
-      for (int64_t r = 0; r < n; ++r) v += z[i * n + r] * bd[a * n + r];
-      e_right[a * c2 + i] = v;
-    }
+  std::vector<double> r_right;
+  geometry::lapack::QrInPlace(z, n, cz, &r_right);
+  std::vector<double> e(static_cast<size_t>(cz) * ca);
+  // E (cz x ca) = P^T B^T, with B^T column-major n x ca = B row-major (ld n).
+  std::vector<double> b_nt = ColMajor(b.data(), ca, n, n);  // ca x n col-major == B
+  cblas_dgemm(CblasColMajor, CblasTrans, CblasTrans, cz, ca, n, 1.0, z.data(), n, b_nt.data(), ca,
+              0.0, e.data(), cz);
   std::vector<double> values_r, vectors_r;
-  SymmetricEigen(FoldedFactor(c_right, s.right_energy, held, e_right, c, c2, beta), c2, values_r,
-                 vectors_r);
-  const int w = std::min(w_left, c2);
+  geometry::lapack::SymmetricEigen(
+      FoldedFactor(r_right.data(), cz, s.right_energy, held, e.data(), cz, ca, cz, beta), cz,
+      values_r, vectors_r);
+  const int w = std::min(w_left, cz);
 
-  Rotate(q, m, c, vectors, w, s.left);
-  Rotate(z, n, c2, vectors_r, w, s.right);
+  Rotate(q, m, ca, vectors, w, s.left);
+  Rotate(z, n, cz, vectors_r, w, s.right);
   s.left_energy.assign(values.begin(), values.begin() + w);
   s.right_energy.assign(values_r.begin(), values_r.begin() + w);
   for (double& v : s.left_energy) v = std::max(v, 0.0);

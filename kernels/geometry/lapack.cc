@@ -113,4 +113,29 @@ double LargestEigenvalue(std::vector<double>& a, int64_t n64) {
   return w.back();  // ascending order
 }
 
+void SymmetricEigen(std::vector<double> a, int64_t n64, std::vector<double>& values,
+                    std::vector<double>& vectors) {
+  GEOFP8_CHECK(static_cast<int64_t>(a.size()) == n64 * n64, "eigen buffer size ", a.size());
+  const int n = ToInt(n64, "n");
+  values.assign(static_cast<size_t>(n), 0.0);
+  vectors.clear();
+  if (n == 0) return;
+  const char jobz = 'V', uplo = 'U';
+  int info = 0, lwork = -1;
+  double query = 0;
+  dsyev_(&jobz, &uplo, &n, a.data(), &n, values.data(), &query, &lwork, &info);
+  GEOFP8_CHECK(info == 0, "dsyev workspace query failed, info=", info);
+  lwork = std::max(1, static_cast<int>(query));
+  std::vector<double> work(static_cast<size_t>(lwork));
+  dsyev_(&jobz, &uplo, &n, a.data(), &n, values.data(), work.data(), &lwork, &info);
+  GEOFP8_CHECK(info == 0, "dsyev failed to converge, info=", info);
+  // LAPACK returns ascending order: reverse to descending, columns with their values.
+  std::reverse(values.begin(), values.end());
+  vectors.resize(a.size());
+  for (int j = 0; j < n; ++j) {
+    std::copy(a.begin() + static_cast<int64_t>(n - 1 - j) * n,
+              a.begin() + static_cast<int64_t>(n - j) * n, vectors.begin() + int64_t(j) * n);
+  }
+}
+
 }  // namespace geofp8::geometry::lapack

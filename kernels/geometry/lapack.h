@@ -24,6 +24,11 @@ Svd ThinSvd(std::vector<double>& a, int64_t rows, int64_t cols);
 // Inverse of the general n x n matrix A (LU with partial pivoting); throws if A is singular.
 std::vector<double> Inverse(std::vector<double> a, int64_t n);
 
+// All eigenpairs of the symmetric n x n matrix A: values descending, vectors (n x n, column j
+// for value j) to match.
+void SymmetricEigen(std::vector<double> a, int64_t n, std::vector<double>& values,
+                    std::vector<double>& vectors);
+
 // Largest eigenvalue of the symmetric n x n matrix A (A is destroyed).
 double LargestEigenvalue(std::vector<double>& a, int64_t n);
 

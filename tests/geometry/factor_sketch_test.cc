@@ -1,5 +1,5 @@
-// The streaming Kronecker-factor sketch: its building blocks against plain references, the sketch
-// against the dense EMA factors it approximates, determinism, the fit measure and the wire form.
+// The streaming Kronecker-factor sketch: its eigensolver against a known spectrum, the sketch
+// against the dense EMA factors it approximates, repeatability, the fit measure and the wire form.
 #include "kernels/geometry/factor_sketch.h"
 
 #include <gtest/gtest.h>
@@ -28,7 +28,7 @@ std::vector<float> Basis(int64_t rows, int k, uint64_t seed) {
   std::vector<double> a(size_t(rows * k));
   for (int64_t r = 0; r < rows; ++r)
     for (int j = 0; j < k; ++j) a[j * rows + r] = g[r * k + j];
-  EXPECT_EQ(geometry::OrthonormalizeColumns(a, rows, k), k);
+  geometry::lapack::QrInPlace(a, rows, k, nullptr);
   std::vector<float> out(size_t(rows * k));
   for (int64_t r = 0; r < rows; ++r)
     for (int j = 0; j < k; ++j) out[r * k + j] = float(a[j * rows + r]);
@@ -76,58 +76,7 @@ double Distance(const std::vector<float>& a, const std::vector<float>& b, int64_
   return SubspaceDrift(ga, gb);
 }
 
-TEST(FactorSketchBlocks, DeterministicProductsSumInIndexOrder) {
-  const int64_t m = 37, n = 53;
-  const int c = 11;
-  const std::vector<float> G = Gaussian(size_t(m * n), 1), x = Gaussian(size_t(n * c), 2),
-                           q = Gaussian(size_t(m * c), 3);
-  std::vector<float> y(size_t(m * c)), b(size_t(c * n));
-  geometry::MulDeterministic(G.data(), m, n, x.data(), c, y.data());
-  geometry::MulTransposedDeterministic(q.data(), m, c, G.data(), n, b.data());
-  // The same sums, one output at a time in index order with one rounding per operation: the
-  // contract that makes every CPU produce the same bits. volatile keeps the compiler from
-  // contracting or reordering the reference.
-  for (int64_t i = 0; i < m; ++i)
-    for (int a = 0; a < c; ++a) {
-      volatile float acc = 0.f;
-      for (int64_t j = 0; j < n; ++j) {
-        volatile float prod = G[i * n + j] * x[j * c + a];
-        acc = acc + prod;
-      }
-      ASSERT_EQ(std::memcmp(&y[i * c + a], const_cast<float*>(&acc), 4), 0) << i << "," << a;
-    }
-  for (int a = 0; a < c; ++a)
-    for (int64_t j = 0; j < n; ++j) {
-      volatile float acc = 0.f;
-      for (int64_t i = 0; i < m; ++i) {
-        volatile float prod = q[i * c + a] * G[i * n + j];
-        acc = acc + prod;
-      }
-      ASSERT_EQ(std::memcmp(&b[a * n + j], const_cast<float*>(&acc), 4), 0) << a << "," << j;
-    }
-}
-
-TEST(FactorSketchBlocks, OrthonormalizeDropsDependentColumns) {
-  const int64_t rows = 50;
-  std::vector<float> g = Gaussian(size_t(rows * 3), 4);
-  std::vector<double> a(size_t(rows * 4));
-  for (int64_t r = 0; r < rows; ++r) {
-    a[0 * rows + r] = g[r * 3];
-    a[1 * rows + r] = g[r * 3 + 1];
-    a[2 * rows + r] = 2.0 * g[r * 3] - 0.5 * g[r * 3 + 1];  // dependent
-    a[3 * rows + r] = g[r * 3 + 2];
-  }
-  ASSERT_EQ(geometry::OrthonormalizeColumns(a, rows, 4), 3);
-  for (int i = 0; i < 3; ++i)
-    for (int j = 0; j < 3; ++j) {
-      double d = 0;
-      for (int64_t r = 0; r < rows; ++r) d += a[i * rows + r] * a[j * rows + r];
-      // Gram-Schmidt twice leaves the columns orthonormal to a few double ulps times rows.
-      EXPECT_NEAR(d, i == j ? 1.0 : 0.0, 64 * rows * 2.2e-16) << i << "," << j;
-    }
-}
-
-TEST(FactorSketchBlocks, JacobiMatchesKnownSpectrumAndReconstructs) {
+TEST(FactorSketchBlocks, SymmetricEigenMatchesAKnownSpectrumAndReconstructs) {
   const int c = 9;
   // S = W diag(lambda) W^T with a known orthonormal W and distinct lambdas.
   const std::vector<float> w = Basis(c, c, 5);
@@ -137,7 +86,7 @@ TEST(FactorSketchBlocks, JacobiMatchesKnownSpectrumAndReconstructs) {
     for (int j = 0; j < c; ++j)
       for (int p = 0; p < c; ++p) s[j * c + i] += double(w[i * c + p]) * lambda[p] * w[j * c + p];
   std::vector<double> values, vectors;
-  geometry::SymmetricEigen(s, c, values, vectors);
+  geometry::lapack::SymmetricEigen(s, c, values, vectors);
   // Eigenvalues of a symmetric matrix are perturbed by at most ||dS||_2: here the float basis
   // (non-orthonormal by ~1e-7) and double round-off, bounded by 1e-5 * lambda_max.
   for (int i = 0; i < c; ++i) EXPECT_NEAR(values[i], lambda[i], 1e-5 * 9) << i;

@@ -107,6 +107,34 @@ layers:
   }
 }
 
+TEST_F(PolicyFileTest, TheEmaEstimatorAndItsKnobsReachTheExchangeOptions) {
+  const ExchangePlan plan = MakeExchangePlan(Write(R"(
+refresh: {interval: 2, estimator: ema, beta: 0.8, width: 12, probes: 2, adapt: 0.5}
+layers:
+  - {match: "layers.*", geometry: lowrank, rank: 4}
+)"), Params());
+  EXPECT_EQ(plan.estimator, GeometryEstimator::kFactorEma);
+  const ExchangeOptions eo = MakeExchangeOptions(plan);
+  EXPECT_EQ(eo.estimator, GeometryEstimator::kFactorEma);
+  EXPECT_FLOAT_EQ(eo.sketch.beta, 0.8f);
+  EXPECT_EQ(eo.sketch.width, 12);
+  EXPECT_EQ(eo.sketch.probes, 2);
+  EXPECT_FLOAT_EQ(eo.adapt, 0.5f);
+  EXPECT_EQ(eo.bucket_cap_bytes, plan.bucket_cap_bytes);
+  EXPECT_EQ(MakeRefreshSchedule(plan, 2)[1].interval, 2);
+  EXPECT_NE(ErrorOf("refresh: {estimator: shampoo}\n")
+                .find("policy.refresh.estimator: unknown value 'shampoo' (accepted: instant, ema)"),
+            std::string::npos);
+  EXPECT_NE(ErrorOf("refresh: {beta: 1}\n").find("policy.refresh.beta: must be in [0, 1) (1)"),
+            std::string::npos);
+  EXPECT_NE(ErrorOf("refresh: {width: 0}\n").find("policy.refresh.width: must be in [1, 256] (0)"),
+            std::string::npos);
+  EXPECT_NE(ErrorOf("refresh: {probes: -1}\n").find("policy.refresh.probes: must be in [0, 64]"),
+            std::string::npos);
+  EXPECT_NE(ErrorOf("refresh: {adapt: 9}\n").find("policy.refresh.adapt: must be in [0, 4] (9)"),
+            std::string::npos);
+}
+
 TEST_F(PolicyFileTest, BadFieldsAreNamed) {
   EXPECT_NE(ErrorOf("default: {format: fp9}\n")
                 .find("policy.default.format: unknown value 'fp9' (accepted: fp32, bf16"),

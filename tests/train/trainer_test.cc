@@ -313,16 +313,16 @@ TEST(Trainer, CheckpointVersionsAndGeometryAreValidated) {
               std::string::npos)
         << e.what();
   }
-  std::string v3 = SerializeCheckpoint(c);
-  v3[8] = 3;
-  const uint64_t h = fnv(v3.substr(0, v3.size() - 8));
-  std::memcpy(v3.data() + v3.size() - 8, &h, 8);
+  std::string v4 = SerializeCheckpoint(c);
+  v4[8] = 4;
+  const uint64_t h = fnv(v4.substr(0, v4.size() - 8));
+  std::memcpy(v4.data() + v4.size() - 8, &h, 8);
   try {
-    ParseCheckpoint(v3, "new");
+    ParseCheckpoint(v4, "new");
     FAIL() << "expected an error";
   } catch (const Error& e) {
     EXPECT_NE(std::string(e.what()).find(
-                  "checkpoint new: format version 3 is not supported (this build reads 1 and 2)"),
+                  "checkpoint new: format version 4 is not supported (this build reads 1 to 3)"),
               std::string::npos)
         << e.what();
   }

@@ -1,9 +1,10 @@
-// Binary checkpoint format (little-endian), version 2:
+// Binary checkpoint format (little-endian), version 3:
 //   "GFP8CKPT" | u32 version | str fingerprint | i64 next_step | u64 rng_seed |
 //   u64 policy_version | f64 best_val_loss | u64 bytes_sent | f32[] weights | f32[] m |
-//   f32[] v | u64 layers | per layer: bytes active, bytes pending, u64 pending_from |
+//   f32[] v | u64 layers | per layer: bytes active, bytes pending, u64 pending_from, bytes sketch |
 //   u64 FNV-1a of everything before it.
-// Version 1 lacks the three fields after rng_seed. str/bytes/f32[] are a u64 count followed by
+// Version 2 lacks each layer's sketch (the ema estimator's state); version 1 also lacks the three
+// fields after rng_seed. str/bytes/f32[] are a u64 count followed by
 // the elements; geometry bytes are kernels/geometry's checksummed wire form.
 
 #include "worker/train/checkpoint.h"
@@ -23,7 +24,7 @@ namespace geofp8::train {
 namespace {
 
 constexpr char kMagic[8] = {'G', 'F', 'P', '8', 'C', 'K', 'P', 'T'};
-constexpr uint32_t kVersion = 2;
+constexpr uint32_t kVersion = 3;
 
 uint64_t Fnv(const uint8_t* p, size_t n, uint64_t h = 0xcbf29ce484222325ULL) {
   for (size_t i = 0; i < n; ++i) h = (h ^ p[i]) * 0x100000001b3ULL;
@@ -96,6 +97,7 @@ std::string SerializeCheckpoint(const Checkpoint& c) {
     w.Vec(g.active);
     w.Vec(g.pending);
     w.Pod(g.pending_from);
+    w.Vec(g.sketch);
   }
   w.Pod(Fnv(reinterpret_cast<const uint8_t*>(w.out.data()), w.out.size()));
   return std::move(w.out);
@@ -134,8 +136,8 @@ Checkpoint ParseCheckpoint(std::string_view in, const std::string& path) {
   Reader r{in, path};
   r.pos = sizeof kMagic;
   const uint32_t version = r.Pod<uint32_t>();
-  GEOFP8_CHECK(version == 1 || version == kVersion, "checkpoint ", path, ": format version ",
-               version, " is not supported (this build reads 1 and ", kVersion, ")");
+  GEOFP8_CHECK(version >= 1 && version <= kVersion, "checkpoint ", path, ": format version ",
+               version, " is not supported (this build reads 1 to ", kVersion, ")");
   Checkpoint c;
   c.fingerprint = r.Str();
   c.next_step = r.Pod<int64_t>();
@@ -155,6 +157,7 @@ Checkpoint ParseCheckpoint(std::string_view in, const std::string& path) {
     g.active = r.Vec<uint8_t>();
     g.pending = r.Vec<uint8_t>();
     g.pending_from = r.Pod<uint64_t>();
+    if (version >= 3) g.sketch = r.Vec<uint8_t>();
   }
   GEOFP8_CHECK(r.pos == in.size() - 8, "checkpoint ", path, ": trailing bytes");
   if (version == 1) {

@@ -2,7 +2,8 @@
 //
 // YAML schema (every key optional; rules apply in order, later ones override earlier fields):
 //   algorithm: two_phase            # two_phase | allgather | fp32 | bf16
-//   refresh: {interval: 20, power_iters: 1, sigma_ema: 0}
+//   refresh: {interval: 20, estimator: instant, power_iters: 1, sigma_ema: 0,
+//             beta: 0.9, width: 16, probes: 4, adapt: 1}   # the last four: estimator ema
 //   bucket_cap_bytes: 1048576
 //   default: {format: fp8_e4m3, scaling: block, block: 128, rounding: nearest,
 //             geometry: none, rank: 16, alpha: 0.25}
@@ -169,8 +170,34 @@ ExchangePlan FromYaml(const std::string& path, const std::vector<model::ParamInf
           if (!(plan.sigma_ema >= 0.f && plan.sigma_ema < 1.f)) {
             Bad(field, "must be in [0, 1) (" + r.second.Scalar() + ")");
           }
+        } else if (k == "estimator") {
+          auto e = ParseGeometryEstimator(Scalar<std::string>(r.second, field));
+          if (!e) Bad(field, "unknown value '" + r.second.Scalar() + "' (accepted: " +
+                                 std::string(AcceptedGeometryEstimators()) + ")");
+          plan.estimator = *e;
+        } else if (k == "beta") {
+          plan.sketch.beta = Scalar<float>(r.second, field);
+          if (!(plan.sketch.beta >= 0.f && plan.sketch.beta < 1.f)) {
+            Bad(field, "must be in [0, 1) (" + r.second.Scalar() + ")");
+          }
+        } else if (k == "width") {
+          plan.sketch.width = Scalar<int>(r.second, field);
+          if (plan.sketch.width < 1 || plan.sketch.width > 256) {
+            Bad(field, "must be in [1, 256] (" + r.second.Scalar() + ")");
+          }
+        } else if (k == "probes") {
+          plan.sketch.probes = Scalar<int>(r.second, field);
+          if (plan.sketch.probes < 0 || plan.sketch.probes > 64) {
+            Bad(field, "must be in [0, 64] (" + r.second.Scalar() + ")");
+          }
+        } else if (k == "adapt") {
+          plan.adapt = Scalar<float>(r.second, field);
+          if (!(plan.adapt >= 0.f && plan.adapt <= 4.f)) {
+            Bad(field, "must be in [0, 4] (" + r.second.Scalar() + ")");
+          }
         } else {
-          Bad(field, "unknown key (accepted: interval, power_iters, sigma_ema)");
+          Bad(field, "unknown key (accepted: interval, estimator, power_iters, sigma_ema, beta, "
+                     "width, probes, adapt)");
         }
       }
     } else if (key == "bucket_cap_bytes") {
@@ -218,6 +245,18 @@ ExchangePlan MakeExchangePlan(const std::string& spec,
                             "allgather, fp32, bf16 (native)");
   }
   return plan;
+}
+
+ExchangeOptions MakeExchangeOptions(const ExchangePlan& plan) {
+  ExchangeOptions eo;
+  eo.algorithm = plan.algorithm;
+  eo.bucket_cap_bytes = plan.bucket_cap_bytes;
+  eo.estimator = plan.estimator;
+  eo.power_iters = plan.power_iters;
+  eo.sigma_ema = plan.sigma_ema;
+  eo.sketch = plan.sketch;
+  eo.adapt = plan.adapt;
+  return eo;
 }
 
 std::vector<RefreshSchedule> MakeRefreshSchedule(const ExchangePlan& plan, int ranks) {

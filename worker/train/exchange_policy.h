@@ -6,6 +6,7 @@
 #include <string>
 #include <vector>
 
+#include "kernels/exchange/exchanger.h"
 #include "kernels/exchange/policy.h"
 #include "kernels/model/model.h"
 
@@ -17,8 +18,11 @@ struct ExchangePlan {
   Algorithm algorithm = Algorithm::kTwoPhase;
   std::vector<LayerPolicy> layers;        // one per model parameter, in params() order
   int refresh_interval = 20;              // steps between geometry refreshes of a layer
-  int power_iters = 1;                    // subspace iterations per refresh
-  float sigma_ema = 0.f;                  // sigma smoothing across refreshes
+  GeometryEstimator estimator = GeometryEstimator::kInstant;
+  int power_iters = 1;                    // instant: subspace iterations per refresh
+  float sigma_ema = 0.f;                  // instant: sigma smoothing across refreshes
+  FactorSketchOptions sketch;             // ema: beta, width, probes (seed comes from the run)
+  float adapt = 1.0f;                     // ema: whitening strength follows the basis's fit
   size_t bucket_cap_bytes = size_t{1} << 20;  // fp32 bytes per bucket
   bool uses_geometry() const;
 };
@@ -30,6 +34,10 @@ std::string_view AcceptedPolicyPresets();
 // .yaml/.yml). Throws geofp8::Error with one line naming the field ("policy.layers[1].format:
 // unknown value 'fp9' (accepted: ...)") on a bad file.
 ExchangePlan MakeExchangePlan(const std::string& spec, const std::vector<model::ParamInfo>& params);
+
+// The Exchanger options the plan decides (algorithm, bucket cap, estimator and its knobs); the
+// caller adds what the run decides (seed, timeout, policy version, trace).
+ExchangeOptions MakeExchangeOptions(const ExchangePlan& plan);
 
 // Geometry refresh schedule: owner = layer % ranks (spreads the work), offsets staggered over
 // the interval. Empty when the plan uses no geometry.

@@ -152,15 +152,11 @@ void Trainer::BuildExchanger(std::vector<RefreshSchedule> schedule) {
     spec.policy = plan_.layers[i];
     layers.push_back(spec);
   }
-  ExchangeOptions eo;
+  ExchangeOptions eo = MakeExchangeOptions(plan_);
   eo.trace = trace_.get();
-  eo.algorithm = plan_.algorithm;
-  eo.bucket_cap_bytes = plan_.bucket_cap_bytes;
   eo.timeout = o_.timeout;
   eo.policy_version = policy_version_;
   eo.seed = o_.seed;
-  eo.power_iters = plan_.power_iters;
-  eo.sigma_ema = plan_.sigma_ema;
   auto next = std::make_unique<Exchanger>(comm_, std::move(layers), eo, std::move(schedule));
   if (exchanger_) {
     // Carry the geometry over where the new policy would estimate the same kind of geometry.

@@ -1,0 +1,237 @@
+// The ema geometry estimator inside the exchange: every rank folds the exchanged average into its
+// own Kronecker-factor sketch and derives the same transform bit for bit, with no broadcast; the
+// state survives export/import exactly; a rank that derived differently is named by the
+// fingerprint instead of being used.
+#include <gtest/gtest.h>
+
+#include <cmath>
+
+#include "kernels/geometry/factor_sketch.h"
+#include "kernels/geometry/factors.h"
+#include "tests/exchange/exchange_harness.h"
+
+namespace geofp8 {
+namespace {
+
+using namespace geofp8::testing;
+
+// A persistent rank-2 part (which the sketch should find) plus a per-rank, per-step part.
+std::vector<float> Persistent(int rank, uint64_t step, int64_t m, int64_t n) {
+  std::vector<float> g(m * n);
+  for (int64_t i = 0; i < m; ++i) {
+    for (int64_t j = 0; j < n; ++j) {
+      const double a = std::sin(0.3 * i) * std::cos(0.2 * j) * 8.0;
+      const double b = std::cos(0.7 * i + 0.05 * step) * std::sin(0.5 * j) * 3.0;
+      g[i * n + j] = static_cast<float>(a + b + 0.3 * InputValue(rank, 0, i * n + j, step));
+    }
+  }
+  return g;
+}
+
+struct EmaCase {
+  std::vector<LayerSpec> layers;
+  std::vector<RefreshSchedule> schedule;
+  ExchangeOptions options;
+};
+
+EmaCase EmaSetup(int64_t m, int64_t n) {
+  EmaCase s;
+  LayerPolicy lowrank;
+  lowrank.geometry = GeometryMode::kLowRank;
+  lowrank.rank = 3;
+  s.layers = {{"w", m, n, lowrank}, {"b", n, 1, lowrank}};
+  s.schedule = {{0, 1, 0}, {0, 1, 0}};  // every step; owner unused by ema
+  s.options.seed = 5;
+  s.options.estimator = GeometryEstimator::kFactorEma;
+  s.options.sketch.width = 6;
+  s.options.sketch.beta = 0.8f;
+  return s;
+}
+
+TEST(ExchangeSketch, EveryRankDerivesTheSameGeometryFromTheExchangedAverage) {
+  const int N = 3;
+  const int64_t m = 48, n = 40;
+  const EmaCase setup = EmaSetup(m, n);
+  const int steps = 5;
+  std::vector<std::vector<std::vector<uint8_t>>> active(N);  // [rank][step]
+  std::vector<std::vector<std::vector<float>>> outputs(N);   // [rank][step]: layer w
+  std::vector<std::vector<StepResult>> results(N);
+  const auto errors = RunRanks(N, [&](Communicator& comm) {
+    const int r = comm.rank();
+    Exchanger ex(comm, setup.layers, setup.options, setup.schedule);
+    for (int s = 0; s < steps; ++s) {
+      auto w = Persistent(r, s, m, n);
+      std::vector<float> b(n, 0.5f * r);
+      results[r].push_back(ex.Exchange(s, {std::span<float>(w), std::span<float>(b)}));
+      active[r].push_back(SerializeGeometry(ex.active_geometry(0)));
+      outputs[r].push_back(w);
+      EXPECT_TRUE(ex.active_geometry(1).is_identity());  // 1-D layer keeps no sketch
+    }
+  });
+  ASSERT_EQ(JoinErrors(errors), "");
+  // The independent replay: a sketch fed rank 0's exchanged averages, step by step, with the
+  // options the exchanger derives (width raised to k, seed from the run seed and layer index).
+  FactorSketch replay;
+  FactorSketchOptions so = setup.options.sketch;
+  so.seed = setup.options.seed ^ 0x5851f42d4c957f2dull;
+  SketchGeometryOptions go;
+  go.rank = 3;
+  for (int s = 0; s < steps; ++s) {
+    for (int r = 1; r < N; ++r) {
+      EXPECT_EQ(active[r][s], active[0][s]) << "rank " << r << " step " << s;
+      EXPECT_TRUE(SameBytes(outputs[r][s], outputs[0][s])) << "rank " << r << " step " << s;
+    }
+    // Refreshed after every step's exchange, no broadcast: one record per step for layer w.
+    ASSERT_EQ(results[0][s].refreshes.size(), 1u) << "step " << s;
+    EXPECT_EQ(results[0][s].refreshes[0].version, uint64_t(s) + 1);
+    EXPECT_EQ(results[0][s].refreshes[0].active_from, uint64_t(s) + 1);
+    // The geometry in force at step s was derived from the averages of steps 0 .. s-1.
+    if (s == 0) {
+      EXPECT_TRUE(DeserializeGeometry(active[0][0]).is_identity());
+    } else {
+      const Geometry expect = GeometryFromSketch(replay, go, uint64_t(s));
+      EXPECT_EQ(active[0][s], SerializeGeometry(expect)) << "step " << s;
+    }
+    UpdateFactorSketch(replay, outputs[0][s], m, n, 3, so);
+  }
+  // It is a real transform: the dominant direction is whitened.
+  const Geometry last = DeserializeGeometry(active[0][steps - 1]);
+  EXPECT_LT(geometry::WhitenFactors(last, true)[0], 0.5f);
+}
+
+TEST(ExchangeSketch, ExportImportContinuesExactly) {
+  const int N = 2;
+  const int64_t m = 40, n = 24;
+  const EmaCase setup = EmaSetup(m, n);
+  const int cut = 3, steps = 6;
+  std::vector<std::vector<std::vector<float>>> straight(N), resumed(N), cold(N);
+  std::vector<std::vector<LayerGeometryState>> saved(N);
+  const auto errors = RunRanks(N, [&](Communicator& comm) {
+    const int r = comm.rank();
+    auto run = [&](Exchanger& ex, int from, int to, std::vector<std::vector<float>>& out) {
+      for (int s = from; s < to; ++s) {
+        auto w = Persistent(r, s, m, n);
+        std::vector<float> b(n, 0.25f * (r + s));
+        ex.Exchange(s, {std::span<float>(w), std::span<float>(b)});
+        out.push_back(w);
+      }
+    };
+    {
+      Exchanger ex(comm, setup.layers, setup.options, setup.schedule);
+      run(ex, 0, steps, straight[r]);
+    }
+    {
+      Exchanger ex(comm, setup.layers, setup.options, setup.schedule);
+      std::vector<std::vector<float>> unused;
+      run(ex, 0, cut, unused);
+      saved[r] = ex.ExportGeometry();
+    }
+    {
+      Exchanger ex(comm, setup.layers, setup.options, setup.schedule);
+      EXPECT_TRUE(ex.ImportGeometry(saved[r]).empty());
+      run(ex, cut, steps, resumed[r]);
+    }
+    {  // the control: geometry without the sketch diverges from the straight run
+      Exchanger ex(comm, setup.layers, setup.options, setup.schedule);
+      std::vector<LayerGeometryState> partial = saved[r];
+      for (auto& l : partial) l.sketch.clear();
+      EXPECT_TRUE(ex.ImportGeometry(partial).empty());
+      run(ex, cut, steps, cold[r]);
+    }
+  });
+  ASSERT_EQ(JoinErrors(errors), "");
+  for (int r = 0; r < N; ++r) {
+    ASSERT_FALSE(saved[r][0].sketch.empty());
+    EXPECT_TRUE(saved[r][1].sketch.empty());  // 1-D layer
+    EXPECT_EQ(saved[r][0].sketch, saved[0][0].sketch) << "rank " << r;
+    for (int s = 0; s < steps - cut; ++s) {
+      EXPECT_TRUE(SameBytes(resumed[r][s], straight[r][cut + s]))
+          << "rank " << r << " step " << cut + s << " first difference at "
+          << FirstBitDifference(resumed[r][s], straight[r][cut + s]);
+    }
+    EXPECT_FALSE(SameBytes(cold[r][1], straight[r][cut + 1])) << "rank " << r;
+  }
+}
+
+TEST(ExchangeSketch, ARankWithADifferentSketchIsNamedNotUsed) {
+  const int N = 3;
+  const int64_t m = 32, n = 24;
+  const EmaCase setup = EmaSetup(m, n);
+  std::vector<std::string> messages(N);
+  const auto errors = RunRanks(N, [&](Communicator& comm) {
+    const int r = comm.rank();
+    Exchanger ex(comm, setup.layers, setup.options, setup.schedule);
+    for (int s = 0; s < 2; ++s) {
+      auto w = Persistent(r, s, m, n);
+      std::vector<float> b(n, 1.f);
+      ex.Exchange(s, {std::span<float>(w), std::span<float>(b)});
+    }
+    std::vector<LayerGeometryState> state = ex.ExportGeometry();
+    if (r == 2) {  // one rank's pending geometry (same version) differs in one value
+      Geometry g = DeserializeGeometry(state[0].pending);
+      g.sigma_right[0] *= 1.001f;
+      state[0].pending = SerializeGeometry(g);
+    }
+    ASSERT_TRUE(ex.ImportGeometry(state).empty());
+    auto w = Persistent(r, 2, m, n);
+    std::vector<float> b(n, 1.f);
+    try {
+      ex.Exchange(2, {std::span<float>(w), std::span<float>(b)});
+    } catch (const std::exception& e) {
+      messages[r] = e.what();
+    }
+  });
+  ASSERT_EQ(JoinErrors(errors), "");
+  for (int r = 0; r < N; ++r) {
+    EXPECT_NE(messages[r].find("rank 2"), std::string::npos) << messages[r];
+    EXPECT_NE(messages[r].find("'w'"), std::string::npos) << messages[r];
+    EXPECT_NE(messages[r].find("geometry digest"), std::string::npos) << messages[r];
+  }
+}
+
+TEST(ExchangeSketch, ImportRefusesASketchTheLayerDoesNotKeep) {
+  const int64_t m = 16, n = 12;
+  EmaCase setup = EmaSetup(m, n);
+  FactorSketch s;
+  std::vector<float> g(m * n, 0.f);
+  for (int64_t i = 0; i < m * n; ++i) g[i] = InputValue(0, 0, i);
+  UpdateFactorSketch(s, g, m, n, 3, setup.options.sketch);
+  std::vector<LayerGeometryState> state(2);
+  state[0].sketch = SerializeFactorSketch(s);
+  std::vector<std::string> messages(1);
+  const auto errors = RunRanks(1, [&](Communicator& comm) {
+    ExchangeOptions instant = setup.options;
+    instant.estimator = GeometryEstimator::kInstant;
+    Exchanger ex(comm, setup.layers, instant, setup.schedule);
+    try {
+      ex.ImportGeometry(state);
+    } catch (const std::exception& e) {
+      messages[0] = e.what();
+    }
+    // kDropMismatched resets the layer instead.
+    EXPECT_EQ(ex.ImportGeometry(state, GeometryImport::kDropMismatched),
+              std::vector<uint32_t>{0});
+    Exchanger ema(comm, setup.layers, setup.options, setup.schedule);
+    std::vector<LayerGeometryState> wrong = state;
+    FactorSketch other = s;
+    other.m = 8;
+    other.left.resize(size_t(8 * other.width));
+    wrong[0].sketch = SerializeFactorSketch(other);
+    try {
+      ema.ImportGeometry(wrong);
+      ADD_FAILURE() << "expected a shape error";
+    } catch (const std::exception& e) {
+      EXPECT_NE(std::string(e.what()).find("sketch.shape: 8x12 but the layer is 16x12"),
+                std::string::npos)
+          << e.what();
+    }
+  });
+  ASSERT_EQ(JoinErrors(errors), "");
+  EXPECT_NE(messages[0].find("layer 0 'w': sketch: the layer keeps no sketch here (estimator "
+                             "instant)"),
+            std::string::npos)
+      << messages[0];
+}
+
+}  // namespace
+}  // namespace geofp8
