@@ -14,6 +14,7 @@
 #include <string>
 #include <vector>
 
+#include "bench/dump.h"
 #include "bench/registry.h"
 #include "kernels/codec/codec.h"
 #include "kernels/codec/error_metrics.h"
@@ -405,89 +406,10 @@ int RunQuality(const Args& a) {
 // ---------------------------------------------------------------------------------------------
 // Real gradients: a `geofp8-train --dump-grads` step folder (shapes.json + raw float32 files).
 
-struct DumpedLayer {
-  std::string name, avg;
-  int64_t rows = 0, cols = 0;
-};
-
-std::string ReadFile(const std::string& path, const std::string& field) {
-  std::FILE* f = std::fopen(path.c_str(), "rb");
-  if (!f) UsageError(field, std::string("cannot open: ") + std::strerror(errno), path);
-  std::string out;
-  char buf[65536];
-  size_t got;
-  while ((got = std::fread(buf, 1, sizeof(buf), f)) > 0) out.append(buf, got);
-  std::fclose(f);
-  return out;
-}
-
-// The value of "key" in one flat JSON object `obj`: a string or an integer, as text.
-std::string JsonField(const std::string& obj, const std::string& key, const std::string& where) {
-  const std::string quoted = "\"" + key + "\"";
-  size_t pos = obj.find(quoted);
-  if (pos == std::string::npos) UsageError(where, "layer entry has no \"" + key + "\"", obj);
-  pos = obj.find(':', pos + quoted.size());
-  if (pos == std::string::npos) UsageError(where, "malformed entry", obj);
-  pos = obj.find_first_not_of(" \t\r\n", pos + 1);
-  if (pos == std::string::npos) UsageError(where, "malformed entry", obj);
-  if (obj[pos] == '"') {
-    const size_t close = obj.find('"', pos + 1);
-    if (close == std::string::npos) UsageError(where, "unterminated string", obj);
-    return obj.substr(pos + 1, close - pos - 1);
-  }
-  const size_t stop = obj.find_first_of(",} \t\r\n", pos);
-  return obj.substr(pos, stop == std::string::npos ? std::string::npos : stop - pos);
-}
-
-// Reads DIR/shapes.json as geofp8-train writes it: {"layers": [{"name", "rows", "cols", "avg",
-// "per_rank"}, ...]}. Only the flat per-layer objects are read.
-std::vector<DumpedLayer> ReadDump(const std::string& dir, const std::string& flag) {
-  const std::string path = dir + "/shapes.json";
-  const std::string text = ReadFile(path, flag);
-  const size_t layers = text.find("\"layers\"");
-  if (layers == std::string::npos) UsageError(flag, "no \"layers\" in shapes.json", path);
-  std::vector<DumpedLayer> out;
-  for (size_t pos = text.find('{', layers); pos != std::string::npos; pos = text.find('{', pos)) {
-    const size_t close = text.find('}', pos);
-    if (close == std::string::npos) UsageError(flag, "unterminated layer entry in shapes.json", path);
-    const std::string obj = text.substr(pos, close - pos + 1);
-    DumpedLayer l;
-    l.name = JsonField(obj, "name", flag);
-    l.avg = JsonField(obj, "avg", flag);
-    const std::string rows = JsonField(obj, "rows", flag), cols = JsonField(obj, "cols", flag);
-    char* end = nullptr;
-    l.rows = std::strtoll(rows.c_str(), &end, 10);
-    if (*end || l.rows < 1) UsageError(flag, "layer " + l.name + ": rows must be a positive integer", rows);
-    l.cols = std::strtoll(cols.c_str(), &end, 10);
-    if (*end || l.cols < 1) UsageError(flag, "layer " + l.name + ": cols must be a positive integer", cols);
-    out.push_back(l);
-    pos = close + 1;
-  }
-  if (out.empty()) UsageError(flag, "shapes.json lists no layers", path);
-  return out;
-}
-
-std::vector<float> ReadMatrix(const std::string& dir, const DumpedLayer& l, const std::string& flag) {
-  const std::string path = dir + "/" + l.avg;
-  const std::string bytes = ReadFile(path, flag);
-  const size_t want = static_cast<size_t>(l.rows * l.cols) * sizeof(float);
-  if (bytes.size() != want) {
-    UsageError(flag, "layer " + l.name + ": file holds " + std::to_string(bytes.size()) +
-                         " bytes, shape " + std::to_string(l.rows) + "x" + std::to_string(l.cols) +
-                         " needs " + std::to_string(want), path);
-  }
-  std::vector<float> g(static_cast<size_t>(l.rows * l.cols));
-  std::memcpy(g.data(), bytes.data(), want);
-  for (float v : g) {
-    if (!std::isfinite(v)) UsageError(flag, "layer " + l.name + ": holds a non-finite value", path);
-  }
-  return g;
-}
-
 int RunGrads(const Args& a) {
-  const std::vector<DumpedLayer> layers = ReadDump(a.grads, "--grads");
+  const std::vector<DumpedLayer> layers = ReadDump(kProg, a.grads, "--grads");
   std::vector<DumpedLayer> stale_layers;
-  if (!a.grads_stale.empty()) stale_layers = ReadDump(a.grads_stale, "--grads-stale");
+  if (!a.grads_stale.empty()) stale_layers = ReadDump(kProg, a.grads_stale, "--grads-stale");
   const std::vector<CodecCase> codecs = QualityCodecs();
   std::vector<std::vector<QualityRow>> rows(codecs.size());
   const auto t_start = std::chrono::steady_clock::now();
@@ -497,7 +419,7 @@ int RunGrads(const Args& a) {
       ++skipped;
       continue;
     }
-    const std::vector<float> g = ReadMatrix(a.grads, l, "--grads");
+    const std::vector<float> g = ReadMatrix(kProg, a.grads, l.name, l.avg, l.rows, l.cols, "--grads");
     GeometryOptions lo;
     lo.mode = GeometryMode::kLowRank;
     lo.rank = a.rank;
@@ -511,7 +433,7 @@ int RunGrads(const Args& a) {
         UsageError("--grads-stale", "no layer " + l.name + " of shape " + std::to_string(l.rows) +
                                         "x" + std::to_string(l.cols), a.grads_stale);
       }
-      const std::vector<float> g_prev = ReadMatrix(a.grads_stale, *it, "--grads-stale");
+      const std::vector<float> g_prev = ReadMatrix(kProg, a.grads_stale, it->name, it->avg, it->rows, it->cols, "--grads-stale");
       lo.power_iters = 4;  // the earlier step's basis, as a warm-started history would leave it
       stale = EstimateGeometry(g_prev, l.rows, l.cols, lo, nullptr).geometry;
       lo.power_iters = 1;  // one refresh on this step, warm from it
