@@ -18,21 +18,29 @@ namespace geofp8 {
 
 namespace {
 
-// Row-major float (rows x cols) <-> column-major double: the layouts of the G products and of the
-// small dense algebra.
-std::vector<double> ColMajor(const float* a, int64_t rows, int64_t cols, int64_t ld) {
-  std::vector<double> out(static_cast<size_t>(rows * cols));
-  for (int64_t i = 0; i < rows; ++i)
-    for (int64_t j = 0; j < cols; ++j) out[j * rows + i] = a[i * ld + j];
-  return out;
+// Buffers of one update, kept per thread across updates: fresh multi-megabyte allocations on
+// every call cost more page faults and zeroing than the small algebra itself.
+struct Scratch {
+  std::vector<float> x, y, qf, b;
+  std::vector<double> q, bt, r_left, z, r_right, e, row, rot;
+};
+Scratch& ThreadScratch() {
+  thread_local Scratch scratch;
+  return scratch;
+}
+
+template <typename T>
+T* Sized(std::vector<T>& v, int64_t count) {
+  if (v.size() < static_cast<size_t>(count)) v.resize(static_cast<size_t>(count));
+  return v.data();
 }
 
 // out (rows x w, row-major float) = basis (rows x c, column-major double) * vecs[:, :w].
-void Rotate(const std::vector<double>& basis, int64_t rows, int c, const std::vector<double>& vecs,
-            int w, std::vector<float>& out) {
-  std::vector<double> r(static_cast<size_t>(rows * w));
-  cblas_dgemm(CblasColMajor, CblasNoTrans, CblasNoTrans, rows, w, c, 1.0, basis.data(), rows,
-              vecs.data(), c, 0.0, r.data(), rows);
+void Rotate(const double* basis, int64_t rows, int c, const std::vector<double>& vecs, int w,
+            std::vector<double>& scratch, std::vector<float>& out) {
+  double* r = Sized(scratch, rows * w);
+  cblas_dgemm(CblasColMajor, CblasNoTrans, CblasNoTrans, rows, w, c, 1.0, basis, rows,
+              vecs.data(), c, 0.0, r, rows);
   out.resize(static_cast<size_t>(rows * w));
   for (int64_t i = 0; i < rows; ++i)
     for (int j = 0; j < w; ++j) out[i * w + j] = static_cast<float>(r[j * rows + i]);
@@ -76,12 +84,15 @@ void UpdateFactorSketch(FactorSketch& s, std::span<const float> G, int64_t m, in
   GEOFP8_CHECK(o.width >= 1 && o.probes >= 0 && o.beta >= 0.f && o.beta < 1.f,
                "FactorSketchOptions: width ", o.width, ", probes ", o.probes, ", beta ", o.beta,
                " (need width >= 1, probes >= 0, beta in [0, 1))");
-  double g2 = 0.0;
-  for (size_t i = 0; i < G.size(); ++i) {
-    if (!std::isfinite(G[i])) {
-      GEOFP8_FAIL("UpdateFactorSketch: G holds a non-finite value (", G[i], ") at index ", i);
+  // ||G||^2 accumulated in double; a NaN or inf anywhere makes it non-finite (a finite float's
+  // square cannot overflow a double), and only then is G searched for the culprit.
+  const double g2 = cblas_dsdot(static_cast<int>(G.size()), G.data(), 1, G.data(), 1);
+  if (!std::isfinite(g2)) {
+    for (size_t i = 0; i < G.size(); ++i) {
+      if (!std::isfinite(G[i])) {
+        GEOFP8_FAIL("UpdateFactorSketch: G holds a non-finite value (", G[i], ") at index ", i);
+      }
     }
-    g2 += static_cast<double>(G[i]) * G[i];
   }
   if (s.m != m || s.n != n) s = FactorSketch{};
   s.m = m;
@@ -94,35 +105,37 @@ void UpdateFactorSketch(FactorSketch& s, std::span<const float> G, int64_t m, in
   const int want = held == 0 ? target + o.probes : o.probes;
   const int p = static_cast<int>(std::max<int64_t>(0, std::min<int64_t>(want, m - 2 * held)));
   const int cx = held + p;
-  std::vector<float> x(static_cast<size_t>(n * std::max(cx, 1)));
-  for (int64_t r = 0; r < n; ++r)
-    std::memcpy(&x[r * cx], &s.right[r * held], sizeof(float) * held);
-  if (p > 0) Probes(o.seed, s.updates, n, p, x.data(), cx, held);
-  std::vector<float> y(static_cast<size_t>(m * std::max(cx, 1)));
+  Scratch& sc = ThreadScratch();
+  float* x = Sized(sc.x, n * std::max(cx, 1));
+  for (int64_t r = 0; r < n; ++r) std::memcpy(&x[r * cx], &s.right[r * held], sizeof(float) * held);
+  if (p > 0) Probes(o.seed, s.updates, n, p, x, cx, held);
+  float* y = Sized(sc.y, m * std::max(cx, 1));
   if (cx > 0) {
-    cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, m, cx, n, 1.f, G.data(), n, x.data(),
-                cx, 0.f, y.data(), cx);
+    cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, m, cx, n, 1.f, G.data(), n, x, cx, 0.f,
+                y, cx);
   }
 
   // Left: Q = orth([U, G X]) (Householder), B = Q^T G, S_L = Q^T (beta U L U^T + (1-beta) G G^T) Q.
   // U is Q's leading columns, so Q^T U is R's leading columns.
   const int ca = std::min<int>(held + cx, static_cast<int>(m));
-  std::vector<double> q(static_cast<size_t>(m * ca));
+  sc.q.resize(static_cast<size_t>(m * ca));
+  double* q = sc.q.data();
   for (int64_t r = 0; r < m; ++r) {
     for (int j = 0; j < held; ++j) q[j * m + r] = s.left[r * held + j];
     for (int j = held; j < ca; ++j) q[j * m + r] = y[r * cx + (j - held)];
   }
-  std::vector<double> r_left;
-  geometry::lapack::QrInPlace(q, m, ca, &r_left);
-  std::vector<float> qf(static_cast<size_t>(m * ca));
+  geometry::lapack::QrInPlace(sc.q, m, ca, &sc.r_left);
+  const std::vector<double>& r_left = sc.r_left;
+  float* qf = Sized(sc.qf, m * ca);
   for (int64_t r = 0; r < m; ++r)
     for (int j = 0; j < ca; ++j) qf[r * ca + j] = static_cast<float>(q[j * m + r]);
-  std::vector<float> b(static_cast<size_t>(ca) * n);
-  cblas_sgemm(CblasRowMajor, CblasTrans, CblasNoTrans, ca, n, m, 1.f, qf.data(), ca, G.data(), n,
-              0.f, b.data(), n);
-  // B^T as column-major n x ca is B row-major; as c x n column-major (for E E^T) it is B^T's
-  // transpose: keep one double copy, column-major ca x n.
-  const std::vector<double> bt = ColMajor(b.data(), ca, n, n);  // ca x n, column-major
+  float* b = Sized(sc.b, int64_t(ca) * n);  // ca x n, row-major
+  cblas_sgemm(CblasRowMajor, CblasTrans, CblasNoTrans, ca, n, m, 1.f, qf, ca, G.data(), n, 0.f, b,
+              n);
+  // B in double, column-major ca x n (= B^T row-major): the operand of E E^T and of P^T B^T.
+  double* bt = Sized(sc.bt, int64_t(ca) * n);
+  for (int a = 0; a < ca; ++a)
+    for (int64_t h = 0; h < n; ++h) bt[h * ca + a] = b[a * n + h];
 
   // How the basis that was in force fit this gradient, before the gradient moves it: the energy
   // of G inside span(U_k) (rows of U^T G = C^T B) and span(V_k) (columns of G V = Y), against the
@@ -130,11 +143,10 @@ void UpdateFactorSketch(FactorSketch& s, std::span<const float> G, int64_t m, in
   const int kk = std::min(k, held);
   if (kk > 0 && s.energy > 0.0 && g2 > 0.0) {
     double in_left = 0.0, in_right = 0.0, pred_left = 0.0, pred_right = 0.0;
-    std::vector<double> row(static_cast<size_t>(n));
+    double* row = Sized(sc.row, n);
     for (int i = 0; i < kk; ++i) {
-      cblas_dgemv(CblasColMajor, CblasTrans, ca, n, 1.0, bt.data(), ca, &r_left[i * ca], 1, 0.0,
-                  row.data(), 1);
-      for (double v : row) in_left += v * v;
+      cblas_dgemv(CblasColMajor, CblasTrans, ca, n, 1.0, bt, ca, &r_left[i * ca], 1, 0.0, row, 1);
+      for (int64_t h = 0; h < n; ++h) in_left += row[h] * row[h];
       for (int64_t r = 0; r < m; ++r) in_right += double(y[r * cx + i]) * y[r * cx + i];
       pred_left += s.left_energy[i];
       pred_right += s.right_energy[i];
@@ -147,34 +159,32 @@ void UpdateFactorSketch(FactorSketch& s, std::span<const float> G, int64_t m, in
 
   const double beta = s.updates == 0 ? 0.0 : o.beta;
   std::vector<double> values, vectors;
-  geometry::lapack::SymmetricEigen(FoldedFactor(r_left.data(), ca, s.left_energy, held, bt.data(), ca,
-                                        static_cast<int>(n), ca, beta),
-                           ca, values, vectors);
+  geometry::lapack::SymmetricEigen(
+      FoldedFactor(r_left.data(), ca, s.left_energy, held, bt, ca, static_cast<int>(n), ca, beta),
+      ca, values, vectors);
   const int w_left = std::min(target, ca);
 
   // Right: P = orth([V, B^T]), S_R = P^T (beta V R V^T + (1-beta) B^T B) P; P^T V is R_z's
   // leading columns, E = P^T B^T by a product (B^T may not fit whole into P when n is small).
   const int cz = std::min<int>(held + ca, static_cast<int>(n));
-  std::vector<double> z(static_cast<size_t>(n * cz));
-  for (int64_t r = 0; r < n; ++r) {
-    for (int j = 0; j < held; ++j) z[j * n + r] = s.right[r * held + j];
-    for (int j = held; j < cz; ++j) z[j * n + r] = b[static_cast<int64_t>(j - held) * n + r];
-  }
-  std::vector<double> r_right;
-  geometry::lapack::QrInPlace(z, n, cz, &r_right);
-  std::vector<double> e(static_cast<size_t>(cz) * ca);
-  // E (cz x ca) = P^T B^T, with B^T column-major n x ca = B row-major (ld n).
-  std::vector<double> b_nt = ColMajor(b.data(), ca, n, n);  // ca x n col-major == B
-  cblas_dgemm(CblasColMajor, CblasTrans, CblasTrans, cz, ca, n, 1.0, z.data(), n, b_nt.data(), ca,
-              0.0, e.data(), cz);
+  sc.z.resize(static_cast<size_t>(n * cz));
+  double* z = sc.z.data();
+  for (int j = 0; j < held; ++j)
+    for (int64_t r = 0; r < n; ++r) z[j * n + r] = s.right[r * held + j];
+  for (int j = held; j < cz; ++j)
+    for (int64_t r = 0; r < n; ++r) z[j * n + r] = b[static_cast<int64_t>(j - held) * n + r];
+  geometry::lapack::QrInPlace(sc.z, n, cz, &sc.r_right);
+  double* e = Sized(sc.e, int64_t(cz) * ca);
+  // E (cz x ca) = P^T B^T = P^T (bt)^T.
+  cblas_dgemm(CblasColMajor, CblasTrans, CblasTrans, cz, ca, n, 1.0, z, n, bt, ca, 0.0, e, cz);
   std::vector<double> values_r, vectors_r;
   geometry::lapack::SymmetricEigen(
-      FoldedFactor(r_right.data(), cz, s.right_energy, held, e.data(), cz, ca, cz, beta), cz,
+      FoldedFactor(sc.r_right.data(), cz, s.right_energy, held, e, cz, ca, cz, beta), cz,
       values_r, vectors_r);
   const int w = std::min(w_left, cz);
 
-  Rotate(q, m, ca, vectors, w, s.left);
-  Rotate(z, n, cz, vectors_r, w, s.right);
+  Rotate(q, m, ca, vectors, w, sc.rot, s.left);
+  Rotate(z, n, cz, vectors_r, w, sc.rot, s.right);
   s.left_energy.assign(values.begin(), values.begin() + w);
   s.right_energy.assign(values_r.begin(), values_r.begin() + w);
   for (double& v : s.left_energy) v = std::max(v, 0.0);
