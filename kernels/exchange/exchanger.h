@@ -59,7 +59,7 @@ struct ExchangeOptions {
   int power_iters = 1;
   float sigma_ema = 0.f;
   FactorSketchOptions sketch;  // width is raised to the layer's rank k where it is smaller
-  float adapt = 1.0f;          // SketchGeometryOptions::adapt: strength follows the sketch's fit
+  float adapt = 0.0f;          // SketchGeometryOptions::adapt: strength follows the sketch's fit
 };
 
 // Buckets: layers in reverse order (the order backward produces them), greedily packed.

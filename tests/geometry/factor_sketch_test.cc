@@ -199,6 +199,7 @@ TEST(FactorSketch, FitFallsWhenTheGradientLeavesTheBasis) {
   EXPECT_LT(s.fit, 0.3);
   SketchGeometryOptions go;
   go.rank = k;
+  go.adapt = 1.f;
   const Geometry weak = GeometryFromSketch(s, go, 7);
   go.adapt = 0.f;
   const Geometry full = GeometryFromSketch(s, go, 7);

@@ -39,9 +39,17 @@ TEST(ExchangePolicy, PresetsSetFormatsAndGeometry) {
     EXPECT_EQ(geo.layers[i].geometry, want) << params[i].name;
     EXPECT_EQ(nv.layers[i].geometry, want) << params[i].name;
   }
+  // The geometry presets use the ema estimator, refreshed every step (every rank derives it).
+  EXPECT_EQ(geo.estimator, GeometryEstimator::kFactorEma);
+  EXPECT_EQ(nv.estimator, GeometryEstimator::kFactorEma);
+  EXPECT_EQ(fp8.estimator, GeometryEstimator::kInstant);
   const auto schedule = MakeRefreshSchedule(geo, 4);
   ASSERT_EQ(schedule.size(), params.size());
-  for (size_t i = 0; i < schedule.size(); ++i) EXPECT_EQ(schedule[i].owner, int(i % 4));
+  for (size_t i = 0; i < schedule.size(); ++i) {
+    EXPECT_EQ(schedule[i].owner, int(i % 4));
+    EXPECT_EQ(schedule[i].interval, 1);
+    EXPECT_EQ(schedule[i].offset, 0);
+  }
   EXPECT_TRUE(MakeRefreshSchedule(fp8, 4).empty());
 }
 

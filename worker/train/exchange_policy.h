@@ -22,7 +22,7 @@ struct ExchangePlan {
   int power_iters = 1;                    // instant: subspace iterations per refresh
   float sigma_ema = 0.f;                  // instant: sigma smoothing across refreshes
   FactorSketchOptions sketch;             // ema: beta, width, probes (seed comes from the run)
-  float adapt = 1.0f;                     // ema: whitening strength follows the basis's fit
+  float adapt = 0.0f;                     // ema: whitening strength follows the basis's fit
   size_t bucket_cap_bytes = size_t{1} << 20;  // fp32 bytes per bucket
   bool uses_geometry() const;
 };
