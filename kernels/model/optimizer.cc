@@ -104,4 +104,25 @@ void AdamW::Step(std::span<float> weights, std::span<const float> grad, int64_t 
   }
 }
 
+void AdamW::PreviewUpdate(std::span<const float> weights, std::span<const float> grad,
+                          int64_t step, const ParamInfo& p, std::span<float> out) const {
+  GEOFP8_CHECK(weights.size() == m_.size() && grad.size() == m_.size() &&
+                   p.offset >= 0 && p.offset + p.size() <= int64_t(m_.size()) &&
+                   int64_t(out.size()) == p.size(),
+               "PreviewUpdate: buffer sizes do not match parameter ", p.name);
+  const OptimizerOptions& o = options_;
+  const float lr = LearningRate(o, step);
+  const double t = double(step + 1);
+  const float bc1 = static_cast<float>(1.0 - std::pow(double(o.beta1), t));
+  const float bc2 = static_cast<float>(1.0 - std::pow(double(o.beta2), t));
+  const float b1 = o.beta1, b2 = o.beta2, c1 = 1.f - o.beta1, c2 = 1.f - o.beta2, eps = o.eps;
+  const float decay = p.is_matrix() ? lr * o.weight_decay : 0.f;
+  for (int64_t i = 0; i < p.size(); ++i) {  // Step's arithmetic, into out instead of w, m, v
+    const float g = grad[p.offset + i];
+    const float m = b1 * m_[p.offset + i] + c1 * g;
+    const float v = b2 * v_[p.offset + i] + c2 * g * g;
+    out[i] = lr * ((m / bc1) / (std::sqrt(v / bc2) + eps)) + decay * weights[p.offset + i];
+  }
+}
+
 }  // namespace geofp8::model

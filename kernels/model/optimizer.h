@@ -41,6 +41,13 @@ class AdamW {
   // One update of weights from grad at 0-based step `step` (uses LearningRate(step)).
   void Step(std::span<float> weights, std::span<const float> grad, int64_t step);
 
+  // The update Step(weights, grad, step) would subtract from parameter p, written to out
+  // (p.size() values), computed from the current moments without changing them: the update two
+  // gradients would cause on the same optimizer state can be compared. grad and weights are the
+  // full flat buffers.
+  void PreviewUpdate(std::span<const float> weights, std::span<const float> grad, int64_t step,
+                     const ParamInfo& p, std::span<float> out) const;
+
   const OptimizerOptions& options() const { return options_; }
   // Moments, for checkpoints.
   std::vector<float>& m() { return m_; }

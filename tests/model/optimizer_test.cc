@@ -7,6 +7,8 @@
 
 #include <cmath>
 
+#include "kernels/common/check.h"
+
 namespace geofp8::model {
 namespace {
 
@@ -58,6 +60,37 @@ TEST(Optimizer, AdamWMatchesAFloat64Reference) {
     }
     for (int i = 0; i < 8; ++i) EXPECT_NEAR(w[i], rw[i], 1e-6) << "step " << step << " i " << i;
   }
+}
+
+TEST(Optimizer, PreviewUpdateIsWhatStepSubtractsAndChangesNothing) {
+  // Two parameters: a 2 x 3 matrix (decayed) and a 1-D gain (not decayed).
+  const std::vector<ParamInfo> params = {{"w", 0, 2, 3}, {"g", 6, 1, 3}};
+  OptimizerOptions o;
+  o.weight_decay = 0.1f;
+  AdamW adam(o, params);
+  std::vector<float> w = {0.5f, -1.f, 2.f, 0.25f, -0.75f, 1.5f, 1.f, 1.f, 1.f};
+  std::vector<float> g1 = {0.1f, -0.2f, 0.3f, 0.05f, 0.f, -1.f, 0.01f, 0.02f, -0.03f};
+  adam.Step(w, g1, 0);  // non-zero moments for the preview to start from
+  const std::vector<float> m = adam.m(), v = adam.v(), w_before = w;
+  std::vector<float> g2 = {-0.3f, 0.1f, 0.2f, 0.4f, -0.1f, 0.5f, 0.2f, -0.2f, 0.1f};
+  std::vector<std::vector<float>> preview;
+  for (const ParamInfo& p : params) {
+    preview.emplace_back(size_t(p.size()));
+    adam.PreviewUpdate(w, g2, 1, p, preview.back());
+  }
+  EXPECT_EQ(adam.m(), m);  // state untouched
+  EXPECT_EQ(adam.v(), v);
+  EXPECT_EQ(w, w_before);
+  adam.Step(w, g2, 1);
+  // Step computes w -= update with the same float operations: the previewed update reproduces
+  // its result bit for bit.
+  for (size_t p = 0; p < params.size(); ++p)
+    for (int64_t i = 0; i < params[p].size(); ++i) {
+      const size_t at = size_t(params[p].offset + i);
+      EXPECT_EQ(w_before[at] - preview[p][size_t(i)], w[at]) << params[p].name << " " << i;
+    }
+  std::vector<float> wrong(2);
+  EXPECT_THROW(adam.PreviewUpdate(w, g2, 1, params[0], wrong), Error);
 }
 
 TEST(Optimizer, BadOptionsAreRejectedNamingTheField) {

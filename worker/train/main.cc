@@ -67,6 +67,7 @@ class Reporter {
       if (o.error_every > 0) {
         for (const auto& p : params) csv_ << ",err:" << p.name;
         for (const auto& p : params) csv_ << ",res:" << p.name;
+        for (const auto& p : params) csv_ << ",upd:" << p.name;
       }
       csv_ << "\n";
     }
@@ -93,6 +94,9 @@ class Reporter {
           // NaN (no residual energy) is written as an empty cell, like an unmeasured step.
           const bool have = i < r.residual_error.size() && !std::isnan(r.residual_error[i]);
           csv_ << "," << (have ? Num(r.residual_error[i], 8) : "");
+        }
+        for (size_t i = 0; i < params_.size(); ++i) {
+          csv_ << "," << (r.update_error.empty() ? "" : Num(r.update_error[i], 8));
         }
       }
       csv_ << "\n";

@@ -343,6 +343,20 @@ void Trainer::LayerErrors(StepRecord& rec) {
         basis ? std::span<const float>(geo.V) : std::span<const float>(), basis ? geo.k : 0);
     rec.residual_error.push_back(residual.value_or(NAN));
   }
+  // The update each gradient would cause, clipped as Step clips it (each by its own global norm).
+  const float clip = optimizer_->options().clip_norm;
+  std::vector<float> hat(model_.grads().begin(), model_.grads().end());
+  model::ClipGradNorm(exact, clip);
+  model::ClipGradNorm(hat, clip);
+  const int64_t step = next_step_ - 1;
+  std::vector<float> u_exact, u_hat;
+  for (const model::ParamInfo& p : model_.params()) {
+    u_exact.resize(size_t(p.size()));
+    u_hat.resize(size_t(p.size()));
+    optimizer_->PreviewUpdate(model_.weights(), exact, step, p, u_exact);
+    optimizer_->PreviewUpdate(model_.weights(), hat, step, p, u_hat);
+    rec.update_error.push_back(RelFroError(u_exact, u_hat));
+  }
 }
 
 void Trainer::Dump(int64_t step) {

@@ -78,6 +78,11 @@ struct StepRecord {
   // a layer without a low-rank basis projects nothing, so it equals layer_error. NaN where the
   // exact gradient has no residual energy. Empty when not measured.
   std::vector<double> residual_error;
+  // Per parameter relative error of the AdamW update from the exchanged gradient against the
+  // update from the exact fp32 average, both clipped as the step clips and applied to the same
+  // optimizer state: the error that reaches the weights (Adam amplifies weak directions). Empty
+  // when not measured.
+  std::vector<double> update_error;
   StepResult exchange;          // the exchange engine's own report (buckets, refresh records)
 };
 
