@@ -20,6 +20,7 @@
 #include "kernels/codec/error_metrics.h"
 #include "kernels/common/check.h"
 #include "kernels/geometry/analysis.h"
+#include "kernels/geometry/factor_sketch.h"
 #include "kernels/geometry/fused.h"
 #include "kernels/geometry/geometry.h"
 #include "kernels/geometry/synthetic.h"
@@ -471,6 +472,58 @@ int RunGrads(const Args& a) {
 // ---------------------------------------------------------------------------------------------
 // Cost
 
+// The ema estimator's per-step cost (factor_sketch.h, default options at k = 8) against the
+// transform it feeds and an sgemm with the FLOPs of its two products over G.
+void RunSketchCost(const Args& a, const std::vector<Shape>& shapes) {
+  const FactorSketchOptions so;  // width 8, probes 4: G X has 12 columns, Q^T G 20 rows
+  const int cx = so.width + so.probes, ca = so.width + cx;
+  std::printf("### Cost of the ema estimator: one FactorSketch update (width %d, probes %d) vs "
+              "apply + inverse at k = 8 and sgemm m x n x %d (the FLOPs of its two products over "
+              "G), %d BLAS thread(s), median of %d interleaved reps\n\n",
+              so.width, so.probes, cx + ca, a.threads, a.reps);
+  std::printf("| shape | sketch update ms | apply+inverse ms | sgemm ms | update / sgemm | update / "
+              "transform | state held KiB | scratch KiB |\n|---|---|---|---|---|---|---|---|\n");
+  for (const Shape& s : shapes) {
+    const int64_t m = s.m, n = s.n;
+    const std::vector<float> g =
+        MakeSyntheticGradient({SyntheticFamily::kSpectral, m, n, 1.0, a.seed, 0});
+    FactorSketch sketch;
+    for (int i = 0; i < 2; ++i) UpdateFactorSketch(sketch, g, m, n, 8, so);  // warm: held basis
+    SketchGeometryOptions go;
+    const Geometry geo = GeometryFromSketch(sketch, go, 1);
+    const int64_t kk = cx + ca;
+    std::vector<float> A(size_t(m * kk), 0.5f), B(size_t(kk * n), 0.25f), C(size_t(m * n));
+    std::vector<float> x(g.size());
+    std::vector<double> tu, tt, tg;
+    for (int r = 0; r <= a.reps; ++r) {
+      FactorSketch copy = sketch;
+      auto t0 = std::chrono::steady_clock::now();
+      UpdateFactorSketch(copy, g, m, n, 8, so);
+      if (r) tu.push_back(Seconds(t0));
+      std::copy(g.begin(), g.end(), x.begin());
+      t0 = std::chrono::steady_clock::now();
+      ApplyGeometry(geo, x);
+      InvertGeometry(geo, x);
+      if (r) tt.push_back(Seconds(t0));
+      t0 = std::chrono::steady_clock::now();
+      cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, m, n, kk, 1.f, A.data(), kk, B.data(),
+                  n, 0.f, C.data(), n);
+      if (r) tg.push_back(Seconds(t0));
+    }
+    const double u = Median(tu), t = Median(tt), gm = Median(tg);
+    const double held = double((m + n) * sketch.width) * 4 + 2.0 * sketch.width * 8;
+    // x, y, qf, b in float; q, bt, z, e, rot in double (factor_sketch.cc Scratch).
+    const double scratch = 4.0 * (n * cx + m * cx + m * ca + double(ca) * n) +
+                           8.0 * (m * ca + double(ca) * n + n * (sketch.width + ca) +
+                                  double(sketch.width + ca) * ca + std::max(m, n) * sketch.width);
+    std::printf("| %lldx%lld | %.2f | %.2f | %.2f | %.2f | %.2f | %.0f | %.0f |\n",
+                static_cast<long long>(m), static_cast<long long>(n), u * 1e3, t * 1e3, gm * 1e3,
+                u / gm, u / t, held / 1024, scratch / 1024);
+    std::fflush(stdout);
+  }
+  std::printf("\n");
+}
+
 int RunCost(const Args& a) {
   std::vector<Shape> shapes = a.shapes;
   if (shapes.empty()) {
@@ -604,6 +657,7 @@ int RunCost(const Args& a) {
     row("diag", diag, 0, Median(tr) * 1e3);
   }
   std::printf("\n");
+  RunSketchCost(a, shapes);
   return 0;
 }
 
