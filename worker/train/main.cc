@@ -53,6 +53,14 @@ std::string Num(double v, int precision = 4) {
   return os.str();
 }
 
+// Seconds rank 0 spent estimating geometries this step (ema: every rank runs its own sketch
+// updates; instant: the owner's estimate, reported to every rank).
+double GeometrySeconds(const StepRecord& r) {
+  double s = 0;
+  for (const auto& rr : r.exchange.refreshes) s += rr.seconds;
+  return s;
+}
+
 // Rank 0's per-step sink: CSV rows, and a progress bar on a tty or periodic log lines otherwise.
 class Reporter {
  public:
@@ -63,7 +71,7 @@ class Reporter {
       csv_.open(csv_path);
       if (!csv_) throw geofp8::Error("csv: cannot open " + csv_path);
       csv_ << "step,loss,val_loss,lr,grad_norm,step_s,exchange_s,wait_s,bytes_sent,skipped,tokens,"
-              "refreshes,max_layer_err";
+              "refreshes,geometry_s,max_layer_err";
       if (o.error_every > 0) {
         for (const auto& p : params) csv_ << ",err:" << p.name;
         for (const auto& p : params) csv_ << ",res:" << p.name;
@@ -85,7 +93,7 @@ class Reporter {
            << Num(r.lr, 8) << "," << Num(r.grad_norm, 6) << "," << Num(r.step_seconds, 6) << ","
            << Num(r.exchange_seconds, 6) << "," << Num(r.wait_seconds, 6) << "," << r.bytes_sent
            << "," << (r.skipped ? 1 : 0) << "," << r.tokens << "," << r.refreshes << ","
-           << (std::isnan(worst) ? "" : Num(worst, 8));
+           << Num(GeometrySeconds(r), 6) << "," << (std::isnan(worst) ? "" : Num(worst, 8));
       if (o_.error_every > 0) {
         for (size_t i = 0; i < params_.size(); ++i) {
           csv_ << "," << (r.layer_error.empty() ? "" : Num(r.layer_error[i], 8));
