@@ -4,7 +4,7 @@ layers of the deployed geometry's error divided by the Euclidean twin's on the s
 fresh-basis bound. Prints a markdown summary and draws one panel per CSV.
 
 usage: scripts/trajectory_plot.py --out ratios.png [--metric rel_fro_error|worst_band_error]
-                                  LABEL=FILE.csv [LABEL=FILE.csv ...]
+                                  [--policies NAME,NAME] LABEL=FILE.csv [LABEL=FILE.csv ...]
 """
 import argparse
 import collections
@@ -47,6 +47,8 @@ def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", required=True, help="PNG to write")
     ap.add_argument("--metric", default="rel_fro_error", choices=["rel_fro_error", "worst_band_error"])
+    ap.add_argument("--policies", default="",
+                    help="comma-separated policy names (file names without folder) to show; default all")
     ap.add_argument("files", nargs="+", metavar="LABEL=FILE.csv")
     a = ap.parse_args()
     panels = []
@@ -62,7 +64,10 @@ def main():
     print(f"| window | policy | deployed / euclid ({a.metric}, geomean over layers and steps) | fresh bound |")
     print("|---|---|---|---|")
     for ax, (label, data) in zip(axes[0], panels):
+        wanted = [p for p in a.policies.split(",") if p]
         for policy in data:
+            if wanted and policy.rsplit("/", 1)[-1] not in wanted:
+                continue
             dep = per_step(data, policy, "deployed")
             fresh = per_step(data, policy, "fresh")
             name = policy.rsplit("/", 1)[-1]
