@@ -14,6 +14,9 @@ void dorgqr_(const int* m, const int* n, const int* k, double* a, const int* lda
 void dgesdd_(const char* jobz, const int* m, const int* n, double* a, const int* lda, double* s,
              double* u, const int* ldu, double* vt, const int* ldvt, double* work,
              const int* lwork, int* iwork, int* info);
+void dgesvd_(const char* jobu, const char* jobvt, const int* m, const int* n, double* a,
+             const int* lda, double* s, double* u, const int* ldu, double* vt, const int* ldvt,
+             double* work, const int* lwork, int* info);
 void dgesv_(const int* n, const int* nrhs, double* a, const int* lda, int* ipiv, double* b,
             const int* ldb, int* info);
 void dsyev_(const char* jobz, const char* uplo, const int* n, double* a, const int* lda,
@@ -77,9 +80,26 @@ Svd ThinSvd(std::vector<double>& a, int64_t rows, int64_t cols) {
   GEOFP8_CHECK(info == 0, "dgesdd workspace query failed, info=", info);
   lwork = std::max(1, static_cast<int>(query));
   std::vector<double> work(static_cast<size_t>(lwork));
+  // dgesdd destroys A even when it fails; keep a copy for the fallback.
+  const std::vector<double> original = a;
   dgesdd_(&jobz, &m, &n, a.data(), &lda, out.s.data(), out.u.data(), &ldu, out.vt.data(), &ldvt,
           work.data(), &lwork, iwork.data(), &info);
-  GEOFP8_CHECK(info == 0, "dgesdd failed to converge, info=", info);
+  GEOFP8_CHECK(info >= 0, "dgesdd: bad argument ", -info);
+  if (info == 0) return out;
+  // Divide and conquer can fail to converge on matrices QR iteration handles (seen on a real
+  // 256 x 256 embedding gradient with OpenBLAS 0.3.21's Haswell kernels, kept as a test
+  // fixture): retry with dgesvd, slower but robust.
+  a = original;
+  const char job = 'S';
+  lwork = -1;
+  dgesvd_(&job, &job, &m, &n, a.data(), &lda, out.s.data(), out.u.data(), &ldu, out.vt.data(),
+          &ldvt, &query, &lwork, &info);
+  GEOFP8_CHECK(info == 0, "dgesvd workspace query failed, info=", info);
+  lwork = std::max(1, static_cast<int>(query));
+  work.assign(static_cast<size_t>(lwork), 0.0);
+  dgesvd_(&job, &job, &m, &n, a.data(), &lda, out.s.data(), out.u.data(), &ldu, out.vt.data(),
+          &ldvt, work.data(), &lwork, &info);
+  GEOFP8_CHECK(info == 0, "SVD failed to converge (dgesdd and dgesvd), info=", info);
   return out;
 }
 
