@@ -117,15 +117,16 @@ inline std::vector<float> ReadMatrix(const char* prog, const std::string& dir,
   const size_t want = static_cast<size_t>(rows * cols) * sizeof(float);
   if (bytes.size() != want) {
     UsageError(prog, flag,
-               "layer " + layer + ": file holds " + std::to_string(bytes.size()) + " bytes, shape " +
-                   std::to_string(rows) + "x" + std::to_string(cols) + " needs " +
-                   std::to_string(want),
+               "layer " + layer + ": file holds " + std::to_string(bytes.size()) +
+                   " bytes, shape " + std::to_string(rows) + "x" + std::to_string(cols) +
+                   " needs " + std::to_string(want),
                path);
   }
   std::vector<float> g(static_cast<size_t>(rows * cols));
   std::memcpy(g.data(), bytes.data(), want);
   for (float v : g) {
-    if (!std::isfinite(v)) UsageError(prog, flag, "layer " + layer + ": holds a non-finite value", path);
+    if (!std::isfinite(v))
+      UsageError(prog, flag, "layer " + layer + ": holds a non-finite value", path);
   }
   return g;
 }

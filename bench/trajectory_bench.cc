@@ -40,7 +40,7 @@ struct Args {
   int64_t first = -1, last = -1;  // --steps A-B (inclusive)
   int warmup = 0;                 // leading steps that only feed the estimators
   std::vector<std::string> policies;
-  int band_k = 8;                 // k of the band edges
+  int band_k = 8;  // k of the band edges
   std::string csv;
   uint64_t seed = 1;
 };
@@ -112,8 +112,8 @@ Args ParseArgs(int argc, char** argv) {
   if (a.dir.empty()) Usage("DIR", "missing (a --dump-grads folder)", "");
   if (a.first < 0) Usage("--steps", "missing (e.g. --steps 40-59)", "");
   if (a.warmup > a.last - a.first) {
-    Usage("--warmup", "leaves no step to measure in " + std::to_string(a.first) + "-" +
-                          std::to_string(a.last),
+    Usage("--warmup",
+          "leaves no step to measure in " + std::to_string(a.first) + "-" + std::to_string(a.last),
           std::to_string(a.warmup));
   }
   if (a.policies.empty()) a.policies = {"geofp8"};
@@ -127,9 +127,7 @@ struct Trajectory {
   int ranks = 0;
 };
 
-std::string StepDir(const Args& a, int64_t step) {
-  return a.dir + "/step_" + std::to_string(step);
-}
+std::string StepDir(const Args& a, int64_t step) { return a.dir + "/step_" + std::to_string(step); }
 
 Trajectory ReadTrajectory(const Args& a) {
   Trajectory t;
@@ -146,8 +144,9 @@ Trajectory ReadTrajectory(const Args& a) {
       int64_t offset = 0;
       for (const DumpedLayer& l : layers) {
         if (int(l.per_rank.size()) != t.ranks) {
-          Usage("DIR", "layer " + l.name + " has " + std::to_string(l.per_rank.size()) +
-                           " per-rank files, others " + std::to_string(t.ranks),
+          Usage("DIR",
+                "layer " + l.name + " has " + std::to_string(l.per_rank.size()) +
+                    " per-rank files, others " + std::to_string(t.ranks),
                 dir + "/shapes.json");
         }
         t.params.push_back({l.name, offset, l.rows, l.cols});
@@ -168,7 +167,8 @@ Trajectory ReadTrajectory(const Args& a) {
     // file found by one rank thread mid-replay would leave the others waiting in a collective.
     for (const DumpedLayer& l : layers) {
       ReadMatrix(kProg, dir, l.name, l.avg, l.rows, l.cols, "DIR");
-      for (const std::string& f : l.per_rank) ReadMatrix(kProg, dir, l.name, f, l.rows, l.cols, "DIR");
+      for (const std::string& f : l.per_rank)
+        ReadMatrix(kProg, dir, l.name, f, l.rows, l.cols, "DIR");
     }
   }
   return t;
@@ -274,8 +274,8 @@ Results Replay(const Args& a, const Trajectory& t, const std::vector<Variant>& v
           go.alpha = lp.alpha;
           go.power_iters = 4;
           go.seed = a.seed + l;
-          Geometry g = EstimateGeometry(avg[l], t.layers[l].rows, t.layers[l].cols, go, nullptr)
-                           .geometry;
+          Geometry g =
+              EstimateGeometry(avg[l], t.layers[l].rows, t.layers[l].cols, go, nullptr).geometry;
           g.version = uint64_t(step - a.first) + 1;
           state[l].active = SerializeGeometry(g);
         }
@@ -294,7 +294,8 @@ Results Replay(const Args& a, const Trajectory& t, const std::vector<Variant>& v
       for (size_t l = 0; l < L; ++l) {
         const DumpedLayer& d = t.layers[l];
         const size_t base = vi - (v.kind == "deployed" ? 0 : v.kind == "euclid" ? 1 : 2);
-        if (d.rows < 2 || d.cols < 2 || variants[base].plan.layers[l].geometry == GeometryMode::kNone) {
+        if (d.rows < 2 || d.cols < 2 ||
+            variants[base].plan.layers[l].geometry == GeometryMode::kNone) {
           continue;
         }
         if (!refs[l]) refs[l] = ComputeSpectralReference(avg[l], d.rows, d.cols);
@@ -309,8 +310,8 @@ Results Replay(const Args& a, const Trajectory& t, const std::vector<Variant>& v
         const Exchanger& basis_of = *ex[base];
         const Geometry& g = basis_of.active_geometry(uint32_t(l));
         if (g.mode == GeometryMode::kLowRank && !g.is_identity()) {
-          s.residual = ResidualSubspaceError(avg[l], work[l], d.rows, d.cols, g.U, g.V, g.k)
-                           .value_or(NAN);
+          s.residual =
+              ResidualSubspaceError(avg[l], work[l], d.rows, d.cols, g.U, g.V, g.k).value_or(NAN);
         }
         res.samples[vi][l].push_back(s);
       }
@@ -337,13 +338,15 @@ void Print(const Args& a, const Trajectory& t, const std::vector<Variant>& varia
   std::printf("### Trajectory %s, steps %lld-%lld (%d warm-up), %d ranks, band k = %d\n\n",
               a.dir.c_str(), static_cast<long long>(a.first), static_cast<long long>(a.last),
               a.warmup, t.ranks, a.band_k);
-  std::printf("Each ratio: geometric mean over the measured steps of the variant's error divided "
-              "by the Euclidean twin's on the same step (< 1: the geometry helps).\n\n");
+  std::printf(
+      "Each ratio: geometric mean over the measured steps of the variant's error divided "
+      "by the Euclidean twin's on the same step (< 1: the geometry helps).\n\n");
   for (size_t vi = 0; vi < variants.size(); vi += 3) {
     const Variant& dep = variants[vi];
     std::printf("#### %s\n\n", dep.policy.c_str());
-    std::printf("| layer | shape | euclid rel_fro | deployed rel_fro | deployed worst | fresh "
-                "rel_fro | fresh worst | deployed residual | steps deployed worse (rel) |\n");
+    std::printf(
+        "| layer | shape | euclid rel_fro | deployed rel_fro | deployed worst | fresh "
+        "rel_fro | fresh worst | deployed residual | steps deployed worse (rel) |\n");
     std::printf("|---|---|---|---|---|---|---|---|---|\n");
     std::vector<double> all[2][2];  // [deployed, fresh][rel, worst]: per-layer geomeans
     std::vector<double> residual_all;
@@ -399,17 +402,18 @@ void Print(const Args& a, const Trajectory& t, const std::vector<Variant>& varia
         }
       }
     }
-    std::printf("\n**%s**: over %d layers, deployed rel_fro %.3f and worst band %.3f of Euclidean "
-                "(geometric mean over layers); fresh bound %.3f and %.3f; residual-subspace %.3f. "
-                "Layers worse than Euclidean: %d (rel_fro), %d (worst band); largest layer ratios "
-                "%.2f, %.2f.\n",
-                dep.policy.c_str(), layers, GeoMean(all[0][0]), GeoMean(all[0][1]),
-                GeoMean(all[1][0]), GeoMean(all[1][1]), GeoMean(residual_all), worse_rel,
-                worse_worst, max_rel, max_worst);
-    std::printf("Exchange seconds per step (median over measured steps, rank 0, ranks share this "
-                "machine's cores): deployed %.4f, euclid %.4f; estimator %.4f s per step.\n\n",
-                Median(res.exchange_seconds[vi]), Median(res.exchange_seconds[vi + 1]),
-                Median(res.refresh_seconds[vi]));
+    std::printf(
+        "\n**%s**: over %d layers, deployed rel_fro %.3f and worst band %.3f of Euclidean "
+        "(geometric mean over layers); fresh bound %.3f and %.3f; residual-subspace %.3f. "
+        "Layers worse than Euclidean: %d (rel_fro), %d (worst band); largest layer ratios "
+        "%.2f, %.2f.\n",
+        dep.policy.c_str(), layers, GeoMean(all[0][0]), GeoMean(all[0][1]), GeoMean(all[1][0]),
+        GeoMean(all[1][1]), GeoMean(residual_all), worse_rel, worse_worst, max_rel, max_worst);
+    std::printf(
+        "Exchange seconds per step (median over measured steps, rank 0, ranks share this "
+        "machine's cores): deployed %.4f, euclid %.4f; estimator %.4f s per step.\n\n",
+        Median(res.exchange_seconds[vi]), Median(res.exchange_seconds[vi + 1]),
+        Median(res.refresh_seconds[vi]));
   }
   if (csv) std::fclose(csv);
 }

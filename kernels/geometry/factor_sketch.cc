@@ -39,8 +39,8 @@ T* Sized(std::vector<T>& v, int64_t count) {
 void Rotate(const double* basis, int64_t rows, int c, const std::vector<double>& vecs, int w,
             std::vector<double>& scratch, std::vector<float>& out) {
   double* r = Sized(scratch, rows * w);
-  cblas_dgemm(CblasColMajor, CblasNoTrans, CblasNoTrans, rows, w, c, 1.0, basis, rows,
-              vecs.data(), c, 0.0, r, rows);
+  cblas_dgemm(CblasColMajor, CblasNoTrans, CblasNoTrans, rows, w, c, 1.0, basis, rows, vecs.data(),
+              c, 0.0, r, rows);
   out.resize(static_cast<size_t>(rows * w));
   for (int64_t i = 0; i < rows; ++i)
     for (int j = 0; j < w; ++j) out[i * w + j] = static_cast<float>(r[j * rows + i]);
@@ -55,8 +55,8 @@ std::vector<double> FoldedFactor(const double* C, int ldc, const std::vector<dou
   for (int h = 0; h < held; ++h)
     for (int i = 0; i < c; ++i) scaled[h * c + i] = C[h * ldc + i] * energy[h];
   if (held > 0) {
-    cblas_dgemm(CblasColMajor, CblasNoTrans, CblasTrans, c, c, held, beta, scaled.data(), c, C,
-                ldc, 0.0, s.data(), c);
+    cblas_dgemm(CblasColMajor, CblasNoTrans, CblasTrans, c, c, held, beta, scaled.data(), c, C, ldc,
+                0.0, s.data(), c);
   }
   if (e > 0) {
     cblas_dgemm(CblasColMajor, CblasNoTrans, CblasTrans, c, c, e, 1.0 - beta, E, lde, E, lde, 1.0,
@@ -179,8 +179,8 @@ void UpdateFactorSketch(FactorSketch& s, std::span<const float> G, int64_t m, in
   cblas_dgemm(CblasColMajor, CblasTrans, CblasTrans, cz, ca, n, 1.0, z, n, bt, ca, 0.0, e, cz);
   std::vector<double> values_r, vectors_r;
   geometry::lapack::SymmetricEigen(
-      FoldedFactor(sc.r_right.data(), cz, s.right_energy, held, e, cz, ca, cz, beta), cz,
-      values_r, vectors_r);
+      FoldedFactor(sc.r_right.data(), cz, s.right_energy, held, e, cz, ca, cz, beta), cz, values_r,
+      vectors_r);
   const int w = std::min(w_left, cz);
 
   Rotate(q, m, ca, vectors, w, sc.rot, s.left);
@@ -225,7 +225,8 @@ Geometry GeometryFromSketch(const FactorSketch& s, const SketchGeometryOptions& 
   // fingerprint and a resume check) and the transform code stays as it is.
   const double t = o.adapt > 0.f ? std::pow(std::clamp(s.fit, 0.0, 1.0), double(o.adapt)) : 1.0;
   auto value = [t](double e, double delta) {
-    const double shaped = (t < 1.0 && delta > 0.0 && e > delta) ? delta * std::pow(e / delta, t) : e;
+    const double shaped =
+        (t < 1.0 && delta > 0.0 && e > delta) ? delta * std::pow(e / delta, t) : e;
     return static_cast<float>(std::sqrt(shaped));
   };
   g.sigma.resize(k);

@@ -31,10 +31,10 @@ namespace geofp8 {
 struct FactorSketchOptions {
   // Defaults measured on llama-small trajectories (docs/benchmarks.md): width 8 is as good as 16
   // at k = 8 for half the cost; beta 0.9 beats 0.7 and 0.95 in both windows.
-  int width = 8;          // eigenpairs kept per factor; the exchange raises it to the rank k
-  int probes = 4;         // fresh random directions per update, so new directions can enter
-  float beta = 0.9f;      // EMA decay per update: factor = beta * factor + (1 - beta) * G G^T
-  uint64_t seed = 0;      // probe matrices derive from (seed, update count): the same on all ranks
+  int width = 8;      // eigenpairs kept per factor; the exchange raises it to the rank k
+  int probes = 4;     // fresh random directions per update, so new directions can enter
+  float beta = 0.9f;  // EMA decay per update: factor = beta * factor + (1 - beta) * G G^T
+  uint64_t seed = 0;  // probe matrices derive from (seed, update count): the same on all ranks
 };
 
 // One layer's sketch. Plain data: ranks, checkpoints and tests compare it field by field.
@@ -46,7 +46,7 @@ struct FactorSketch {
   std::vector<double> left_energy;  // width eigenvalues of the left factor, descending
   std::vector<float> right;         // n x width
   std::vector<double> right_energy;
-  double energy = 0.0;              // EMA of ||G||_F^2, the trace of either factor
+  double energy = 0.0;  // EMA of ||G||_F^2, the trace of either factor
   // How well the sketch's top-k basis, as it stood before the last update, fit that gradient:
   // the fraction of ||G||_F^2 inside span(U_k) (left) and span(V_k) (right), over the fraction the
   // sketch predicted. 1 when the gradient follows the persistent anisotropy, near 0 when the basis
@@ -57,13 +57,13 @@ struct FactorSketch {
 
 // Folds G (m x n, row-major float32, finite) into the sketch. `k` is the geometry rank whose fit
 // is recorded. Throws geofp8::Error on a shape mismatch or a non-finite value.
-void UpdateFactorSketch(FactorSketch& sketch, std::span<const float> G, int64_t m, int64_t n,
-                        int k, const FactorSketchOptions& options);
+void UpdateFactorSketch(FactorSketch& sketch, std::span<const float> G, int64_t m, int64_t n, int k,
+                        const FactorSketchOptions& options);
 
 // How the whitening strength follows the sketch's fit to the last gradient.
 struct SketchGeometryOptions {
-  int rank = 8;          // k: directions whitened per side, <= sketch width
-  float alpha = 0.25f;   // full strength (Shampoo's 1/4)
+  int rank = 8;         // k: directions whitened per side, <= sketch width
+  float alpha = 0.25f;  // full strength (Shampoo's 1/4)
   // Strength t = min(1, fit)^adapt scales the exponent: factors (e / delta)^(-alpha t), carried
   // in sigma (the geometry keeps alpha). 0 (the default) turns the adaptation off: on llama-small
   // trajectories adapt 1 left rel_fro unchanged and made the worst band worse (0.25 vs 0.20).
@@ -82,6 +82,5 @@ FactorSketch DeserializeFactorSketch(std::span<const uint8_t> bytes);  // throws
 
 // 64-bit digest of a geometry's numbers (FNV-1a over its wire form), for the exchange fingerprint.
 uint64_t GeometryDigest(const Geometry& geometry);
-
 
 }  // namespace geofp8

@@ -209,8 +209,7 @@ TEST(ExchangeSketch, ImportRefusesASketchTheLayerDoesNotKeep) {
       messages[0] = e.what();
     }
     // kDropMismatched resets the layer instead.
-    EXPECT_EQ(ex.ImportGeometry(state, GeometryImport::kDropMismatched),
-              std::vector<uint32_t>{0});
+    EXPECT_EQ(ex.ImportGeometry(state, GeometryImport::kDropMismatched), std::vector<uint32_t>{0});
     Exchanger ema(comm, setup.layers, setup.options, setup.schedule);
     std::vector<LayerGeometryState> wrong = state;
     FactorSketch other = s;

@@ -33,9 +33,8 @@ class TrajectoryBenchTest : public ::testing::Test {
     dir_ = new fs::path(fs::temp_directory_path() /
                         ("geofp8_trajectory_test_" + std::to_string(::getpid())));
     fs::create_directories(*dir_);
-    std::ofstream(*dir_ / "ema.yaml")
-        << "refresh: {interval: 1, estimator: ema, beta: 0.8}\n"
-           "layers:\n  - {match: '*', geometry: lowrank, rank: 4}\n";
+    std::ofstream(*dir_ / "ema.yaml") << "refresh: {interval: 1, estimator: ema, beta: 0.8}\n"
+                                         "layers:\n  - {match: '*', geometry: lowrank, rank: 4}\n";
     // Two ranks of llama-tiny on the Markov source: steps 0-5 of every rank are dumped.
     const std::string cmd = std::string(GEOFP8_TRAIN_PATH) +
                             " --preset llama-tiny --ranks 2 --steps 6 --policy fp32 --quiet "
@@ -73,9 +72,9 @@ TEST_F(TrajectoryBenchTest, ReplaysEveryRankAndTablesEachMatrixAgainstEuclidean)
   for (int s = 0; s <= 5; ++s) {
     ASSERT_TRUE(fs::exists(Dump() / ("step_" + std::to_string(s)) / "shapes.json")) << s;
   }
-  const Result r = Run("'" + Dump().string() + "' --steps 0-5 --warmup 2 --band-k 4 --policy '" +
-                       (*dir_ / "ema.yaml").string() + "' --csv '" +
-                       (*dir_ / "out.csv").string() + "'");
+  const Result r =
+      Run("'" + Dump().string() + "' --steps 0-5 --warmup 2 --band-k 4 --policy '" +
+          (*dir_ / "ema.yaml").string() + "' --csv '" + (*dir_ / "out.csv").string() + "'");
   ASSERT_EQ(r.code, 0) << r.err;
   EXPECT_NE(r.out.find("steps 0-5 (2 warm-up), 2 ranks, band k = 4"), std::string::npos) << r.out;
   // Every 2-D parameter gets a row (llama-tiny: embedding, 2 x (4 attention + 3 MLP), lm_head);
@@ -118,8 +117,8 @@ TEST_F(TrajectoryBenchTest, BadTrajectoriesAreOneLineUsageErrorsNamingTheFile) {
 
   const fs::path nan = Copy("nan");
   {
-    std::fstream f(nan / "step_3" / "lm_head.rank1.f32", std::ios::in | std::ios::out |
-                                                             std::ios::binary);
+    std::fstream f(nan / "step_3" / "lm_head.rank1.f32",
+                   std::ios::in | std::ios::out | std::ios::binary);
     const float bad = NAN;
     f.seekp(40);
     f.write(reinterpret_cast<const char*>(&bad), 4);
