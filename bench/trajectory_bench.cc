@@ -231,7 +231,6 @@ Results Replay(const Args& a, const Trajectory& t, const std::vector<Variant>& v
                Communicator& comm) {
   const int rank = comm.rank();
   const size_t L = t.layers.size();
-  const int64_t measured = a.last - a.first + 1 - a.warmup;
   Results res;
   res.samples.assign(variants.size(), std::vector<std::vector<Sample>>(L));
   res.refresh_seconds.assign(variants.size(), {});
@@ -322,7 +321,6 @@ Results Replay(const Args& a, const Trajectory& t, const std::vector<Variant>& v
                    static_cast<long long>(step), measure ? "" : " (warm-up)");
     }
   }
-  (void)measured;
   return res;
 }
 

@@ -5,10 +5,8 @@
 #include <cblas.h>
 
 #include <algorithm>
-#include <bit>
 #include <cmath>
 #include <cstring>
-#include <numeric>
 
 #include "kernels/common/check.h"
 #include "kernels/geometry/factors.h"
