@@ -14,6 +14,7 @@
 #include "kernels/common/check.h"
 #include "kernels/model/data.h"
 #include "kernels/model/model.h"
+#include "kernels/model/ops.h"
 #include "kernels/model/optimizer.h"
 #include "tests/exchange/rank_threads.h"
 #include "worker/train/checkpoint.h"
@@ -51,6 +52,13 @@ fs::path TempPath(const std::string& name) {
 TEST(Trainer, FourRanksFp32MatchOneRankOnTheCombinedBatch) {
   // Reference: one rank, batch 8, no exchange at all, plain loop over the model.
   const TrainOptions o4 = Tiny(4, 2, 3);
+  // Bitwise equality below holds because both paths make the same GEMM calls with the same
+  // shapes in the same order on the same OpenBLAS kernel and thread count. The thread count is
+  // what differs unless pinned: the trainer runs with TrainOptions::blas_threads (1), the process
+  // default is one thread per core, and the AVX2 (Haswell, Zen) kernels split a GEMM's work by
+  // thread count in a way that changes its last bits. Prescott and SkylakeX kernels happen not
+  // to, which is why this only failed on AVX2 machines.
+  model::SetBlasThreads(o4.blas_threads);
   model::Model<float> ref(o4.model);
   ref.Init(o4.seed);
   model::OptimizerOptions opt = o4.optimizer;
