@@ -7,6 +7,7 @@
 
 #include <cmath>
 #include <limits>
+#include <random>
 
 #include "kernels/common/check.h"
 #include "kernels/geometry/analysis.h"
@@ -339,6 +340,62 @@ TEST(GeometryTest, EdgeShapes) {
       EXPECT_LE(RelDiff(x, g), bound) << s.m << "x" << s.n << " " << GeometryModeName(mode);
     }
   }
+}
+
+// The inverse is exact for the float basis the geometry holds, not for an ideal orthonormal one:
+// a basis received over the wire or smoothed may be off by more than round-off, and SideCore's
+// Woodbury correction (M = Q^T Q) is what keeps Invert(Apply(G)) = G then. Dropping it (core
+// 1 - 1/f) leaves an error of about kappa ||Q^T Q - I||, here 0.05, against a bound of 1.6e-3.
+TEST(GeometryTest, InverseIsExactForANonOrthonormalBasis) {
+  const int64_t m = 64, n = 48;
+  KnownSvd ks = MakeKnownSvd(m, n, PowerSpectrum(n, 2.0), 13);
+  Geometry g = EstimateGeometry(ks.G, m, n, LowRank(6, 3), nullptr).geometry;
+  std::mt19937_64 rng(17);
+  std::normal_distribution<double> normal;
+  for (float& x : g.U) x += static_cast<float>(3e-3 * normal(rng));
+  for (float& x : g.V) x += static_cast<float>(3e-3 * normal(rng));
+  ASSERT_GT(MaxOrthonormalityError(g.U, m, g.k), 1e-3)
+      << "the basis must be off by more than round-off";
+
+  const testing::ReferenceSide left = testing::MakeReferenceSide(g, true);
+  const testing::ReferenceSide right = testing::MakeReferenceSide(g, false);
+  const double kappa = testing::SpectralNorm(left.p_inv, m) * testing::SpectralNorm(right.p_inv, n);
+  ASSERT_GT(kappa, 50) << "the test needs strongly whitened top directions";
+  const double bound = testing::RoundTripBound(kappa, std::max<int64_t>({m, n, 2 * g.k}));
+
+  // Round trip through the library.
+  std::vector<float> x = ks.G;
+  ApplyGeometry(g, x);
+  const std::vector<float> y = x;
+  InvertGeometry(g, x);
+  EXPECT_LT(RelDiff(x, ks.G), bound);
+
+  // InvertGeometry against the exact float64 inverse of the same map, on the same input.
+  std::vector<double> yd(y.begin(), y.end());
+  const std::vector<double> want = testing::Sandwich(left.p_inv, yd, right.p_inv, m, n);
+  std::vector<float> want_f(want.begin(), want.end());
+  EXPECT_LT(RelDiff(x, want_f), bound);
+
+  // The control: the orthonormal-basis inverse I - Q (I - F^-1) Q^T is far off for this basis,
+  // so the bound above does tell the exact inverse apart from it.
+  std::vector<double> naive_l(static_cast<size_t>(m * m), 0.0),
+      naive_r(static_cast<size_t>(n * n), 0.0);
+  auto naive = [&](const std::vector<float>& q, int64_t dim, double delta,
+                   std::vector<double>& out) {
+    for (int64_t i = 0; i < dim; ++i) out[i * dim + i] = 1.0;
+    const double top = double(g.sigma[0]) * g.sigma[0];
+    for (int p = 0; p < g.k; ++p) {
+      const double f =
+          testing::ReferenceFactor(double(g.sigma[p]) * g.sigma[p], delta, top, g.alpha);
+      for (int64_t i = 0; i < dim; ++i)
+        for (int64_t j = 0; j < dim; ++j)
+          out[i * dim + j] -= (1 - 1 / f) * q[i * g.k + p] * q[j * g.k + p];
+    }
+  };
+  naive(g.U, m, g.delta_L, naive_l);
+  naive(g.V, n, g.delta_R, naive_r);
+  const std::vector<double> off = testing::Sandwich(naive_l, yd, naive_r, m, n);
+  EXPECT_GT(RelDiff(std::vector<float>(off.begin(), off.end()), ks.G), 10 * bound);
 }
 
 TEST(GeometryTest, NonFiniteInputIsRejectedWithAClearError) {
