@@ -357,8 +357,8 @@ TEST(GeometryTest, InverseIsExactForANonOrthonormalBasis) {
   ASSERT_GT(MaxOrthonormalityError(g.U, m, g.k), 1e-3)
       << "the basis must be off by more than round-off";
 
-  const testing::ReferenceSide left = testing::MakeReferenceSide(g, true);
-  const testing::ReferenceSide right = testing::MakeReferenceSide(g, false);
+  const testing::ReferenceSide left = testing::MakeReferenceSide(g, true, m);
+  const testing::ReferenceSide right = testing::MakeReferenceSide(g, false, n);
   const double kappa = testing::SpectralNorm(left.p_inv, m) * testing::SpectralNorm(right.p_inv, n);
   ASSERT_GT(kappa, 50) << "the test needs strongly whitened top directions";
   const double bound = testing::RoundTripBound(kappa, std::max<int64_t>({m, n, 2 * g.k}));

@@ -58,12 +58,12 @@ inline std::vector<double> DenseInverse(std::vector<double> a, int64_t dim) {
 }
 
 // The side of `g` (left: U, delta_L, m; right: V, delta_R, n) built from its float basis as held,
-// so the reference inverse is the exact inverse of the map the library applies. Identity when
-// the geometry is, or when the side has no residual dimension (dim <= k).
-inline ReferenceSide MakeReferenceSide(const Geometry& g, bool left) {
+// so the reference inverse is the exact inverse of the map the library applies. dim is the
+// side's size (m or n), given because an identity geometry (warm-up) need not carry its shape.
+// Identity when the geometry is, or when the side has no residual dimension (dim <= k).
+inline ReferenceSide MakeReferenceSide(const Geometry& g, bool left, int64_t dim) {
   ReferenceSide s;
-  s.dim = left ? g.m : g.n;
-  const int64_t dim = s.dim;
+  s.dim = dim;
   s.p.assign(static_cast<size_t>(dim * dim), 0.0);
   for (int64_t i = 0; i < dim; ++i) s.p[i * dim + i] = 1.0;
   if (!g.is_identity() && g.mode == GeometryMode::kLowRank && g.k > 0 && dim > g.k) {
