@@ -4,7 +4,6 @@
 // checkpoint (bitwise equal to an uninterrupted run), session re-registration after a
 // coordinator restart, and /metrics.
 #include <gtest/gtest.h>
-
 #include <netinet/in.h>
 #include <sys/socket.h>
 
@@ -24,7 +23,8 @@ std::string TinySpec(const std::string& name, int steps, const std::string& extr
          "\nbackend: gloo\n"
          "model: {preset: llama-tiny}\n"
          "data: {source: synthetic, seed: 1}\n"
-         "training: {steps: " + std::to_string(steps) +
+         "training: {steps: " +
+         std::to_string(steps) +
          ", batch_size: 4, seq_len: 32, lr: 0.002, warmup_steps: 5, seed: 3}\n"
          "exchange: {timeout_s: 10}\n"
          "policy:\n"
@@ -63,8 +63,8 @@ class WorkerE2ETest : public ::testing::Test {
     std::vector<std::string> names;
     for (int i = 0; i < n; ++i) {
       names.push_back("w" + std::to_string(workers_.size()));
-      workers_.push_back(std::make_unique<WorkerProcess>(coordinator_->address(), names.back(),
-                                                         extra));
+      workers_.push_back(
+          std::make_unique<WorkerProcess>(coordinator_->address(), names.back(), extra));
     }
     const auto deadline = std::chrono::steady_clock::now() + seconds(30);
     for (;;) {
@@ -152,7 +152,8 @@ TEST_F(WorkerE2ETest, TwoWorkersFinishATinyJobWithEqualChecksums) {
     const std::string series = "geofp8_geometry_refreshes_total{layer=\"" + l.layer() + "\"} 3";
     EXPECT_EQ(int(m.find(series) != std::string::npos) + int(m1.find(series) != std::string::npos),
               1)
-        << series << "\n" << m << m1;
+        << series << "\n"
+        << m << m1;
   }
   // Both workers are free again.
   EXPECT_TRUE(client_->WaitIdle(2, seconds(10)));
@@ -211,15 +212,17 @@ TEST_F(WorkerE2ETest, AutoPolicyProbesLeadToAnAutoVersion) {
   StartWorkers(2, {"--debug-step-delay-ms", "10"});
   std::string spec = TinySpec("auto", 80);
   spec.replace(spec.find("geometry: lowrank, rank: 4"), 26, "geometry: none");
-  spec += "auto_policy: {enabled: true, probe_every: 10, min_gain: 1.0001, off_gain: 1.00001,"
-          " max_cost_fraction: 1.0, geometry: lowrank, rank: 4, min_interval: 5,"
-          " max_interval: 100}\n";
+  spec +=
+      "auto_policy: {enabled: true, probe_every: 10, min_gain: 1.0001, off_gain: 1.00001,"
+      " max_cost_fraction: 1.0, geometry: lowrank, rank: 4, min_interval: 5,"
+      " max_interval: 100}\n";
   v1::Job job = client_->Submit(spec);
   job = client_->WaitFinal(job.id(), seconds(120));
   ASSERT_EQ(job.state(), v1::JOB_SUCCEEDED) << Everything(job);
   EXPECT_GE(job.policy_version(), 2u) << Everything(job);
   bool auto_event = false;
-  for (const auto& e : job.events()) auto_event |= e.message().find("(auto): auto:") != std::string::npos;
+  for (const auto& e : job.events())
+    auto_event |= e.message().find("(auto): auto:") != std::string::npos;
   EXPECT_TRUE(auto_event) << Everything(job);
   EXPECT_EQ(workers_[0]->Result(job.id())["checksum"], workers_[1]->Result(job.id())["checksum"]);
 }
@@ -241,8 +244,7 @@ TEST_F(WorkerE2ETest, CancelStopsEveryRankAtTheSameStep) {
   // Both ranks agree on the step they stopped at.
   const auto deadline = std::chrono::steady_clock::now() + seconds(20);
   std::map<std::string, std::string> r0, r1;
-  while (std::chrono::steady_clock::now() < deadline &&
-         (r0.empty() || r1.empty())) {
+  while (std::chrono::steady_clock::now() < deadline && (r0.empty() || r1.empty())) {
     r0 = workers_[0]->Result(job.id());
     r1 = workers_[1]->Result(job.id());
     std::this_thread::sleep_for(std::chrono::milliseconds(50));
@@ -287,9 +289,24 @@ TEST_F(WorkerE2ETest, WorkerReRegistersAfterACoordinatorRestart) {
   const auto before = client_->Workers();
   ASSERT_EQ(before.size(), 1u);
   const uint64_t gen = before[0].generation();
-  // Heartbeats keep an idle worker alive well past the 2 s timeout.
-  std::this_thread::sleep_for(seconds(3));
-  ASSERT_EQ(client_->Workers()[0].state(), v1::WORKER_IDLE);
+  // Heartbeats keep an idle worker alive past the 2 s timeout. Waited for on the coordinator's
+  // own record, not a clock here: once its last heartbeat is more than a timeout after the first
+  // one seen, the worker has lived through a whole timeout window; under load that just takes
+  // longer. It must still be idle in the same generation (never expired and re-registered).
+  const int64_t first_beat = before[0].last_heartbeat_unix_ms();
+  const auto deadline = std::chrono::steady_clock::now() + seconds(60);
+  v1::Worker now = client_->Workers()[0];
+  while (now.last_heartbeat_unix_ms() <= first_beat + 2000) {
+    ASSERT_LT(std::chrono::steady_clock::now(), deadline)
+        << "no heartbeat recorded past the timeout window; last " << now.last_heartbeat_unix_ms()
+        << " first " << first_beat << "\n"
+        << workers_[0]->process().output();
+    ASSERT_EQ(now.state(), v1::WORKER_IDLE) << workers_[0]->process().output();
+    std::this_thread::sleep_for(std::chrono::milliseconds(100));
+    now = client_->Workers()[0];
+  }
+  ASSERT_EQ(now.state(), v1::WORKER_IDLE);
+  ASSERT_EQ(now.generation(), gen);
   // Restart the coordinator on the same port and data directory.
   const std::string address = coordinator_->address();
   const std::string port = address.substr(address.rfind(':') + 1);
@@ -305,9 +322,11 @@ TEST_F(WorkerE2ETest, WorkerReRegistersAfterACoordinatorRestart) {
 }
 
 TEST(WorkerCliTest, BadFlagsAreNamedAndExitWith2) {
-  for (const auto& [flag, value] : std::vector<std::pair<std::string, std::string>>{
-           {"--device", "cuda:0"}, {"--capacity", "lots"}, {"--metrics-port", "70000"},
-           {"--coordinator", "nocolon"}}) {
+  for (const auto& [flag, value] :
+       std::vector<std::pair<std::string, std::string>>{{"--device", "cuda:0"},
+                                                        {"--capacity", "lots"},
+                                                        {"--metrics-port", "70000"},
+                                                        {"--coordinator", "nocolon"}}) {
     ChildProcess p({GEOFP8_WORKER_BIN, flag, value, "--metrics-port",
                     flag == "--metrics-port" ? value : "-1"});
     EXPECT_EQ(p.Wait(), 2) << flag;
