@@ -163,6 +163,30 @@ TEST(GeometryTest, ExactForKAtLeastRank) {
   }
 }
 
+// delta_L and delta_R are the energy outside the basis per remaining dimension (DESIGN.md
+// section 2): (||G||_F^2 - sum sigma_i^2) / (m - k) and / (n - k). The spectrum has a wide gap
+// after k, so the estimated subspace is exact to round-off and the residual is the known tail
+// energy. Its error: G's float rounding (2u of the total energy) and each sigma's float GEMM
+// accumulation over n terms (a few sqrt(n) u, doubled in sigma^2) of the captured energy, u =
+// 2^-24.
+TEST(GeometryTest, ResidualEnergyPerRemainingDimension) {
+  const int64_t m = 64, n = 48;
+  const int k = 3;
+  std::vector<double> s = {4.0, 3.0, 2.0};
+  for (int i = 0; i < 20; ++i) s.push_back(0.5);
+  KnownSvd ks = MakeKnownSvd(m, n, s, 31);
+  const Geometry g = EstimateGeometry(ks.G, m, n, LowRank(k, 8), nullptr).geometry;
+  double total = 0, tail = 0;
+  for (size_t i = 0; i < s.size(); ++i) {
+    total += s[i] * s[i];
+    if (i >= size_t(k)) tail += s[i] * s[i];
+  }
+  const double u = std::ldexp(1.0, -24);
+  const double tol = (2 * u + 8 * std::sqrt(double(n)) * u) * total;
+  EXPECT_NEAR(g.delta_L, tail / (m - k), tol / (m - k));
+  EXPECT_NEAR(g.delta_R, tail / (n - k), tol / (n - k));
+}
+
 TEST(GeometryTest, ClampsRankToMinDimension) {
   KnownSvd ks = MakeKnownSvd(20, 30, PowerSpectrum(20, 1.0), 9);
   const Geometry g = EstimateGeometry(ks.G, 20, 30, LowRank(100), nullptr).geometry;
