@@ -453,10 +453,9 @@ StepModel HalfSteps(const std::vector<double>& v, Format f, uint32_t block) {
 // uniform in +-h (mean square h^2 / 3, variance of the square 4 h^4 / 45). The sum of two
 // quantized values has few bits, at most one more than the format when their exponents agree, so
 // its rounding is exact or a tie: mean square at most h^2 / 2, variance h^4 / 4. nvfp4's clipping
-// is added as its worst case. P^-1 weighs element (i, j)'s
-// error by |P_L^-1 e_i|^2 |e_j^T P_R^-1|^2. The bound is the predicted mean square plus six
-// standard deviations. The old bound was 0.1 for every format (about 30x bf16's error) and 0.5
-// for nvfp4.
+// is added as its worst case. P^-1 weighs element (i, j)'s error by |P_L^-1 e_i|^2
+// |e_j^T P_R^-1|^2. The bound is the predicted mean square plus six standard deviations. The old
+// bound was 0.1 for every format (about 30x bf16's error) and 0.5 for nvfp4.
 TEST(Trainer, LayerErrorsMatchEachFormatsRounding) {
   for (const std::string policy : {"bf16", "fp8", "geofp8", "nvfp4"}) {
     const int N = 2;
