@@ -4,6 +4,7 @@
 
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstdio>
 #include <cstring>
@@ -53,6 +54,81 @@ float Scale(std::span<const uint8_t> buf, size_t i) {
   float s;
   std::memcpy(&s, v.scales.data() + 4 * i, 4);
   return s;
+}
+
+// The scale bytes a buffer must hold for finite input x, computed here from the rules of
+// DESIGN.md section 3 and codec.h rather than read back from the buffer under test:
+// - fp8_e4m3/e5m2: fp32 fmt_max / amax per block (or tensor), one ulp lower if amax * scale would
+//   exceed fmt_max; 1 for an all-zero block.
+// - mxfp8 (OCP MX v1.0): E8M0 code of 2^(floor(log2(amax)) - emax_elem), emax_elem = 8 for E4M3,
+//   per 32 elements; 127 (X = 1) for an all-zero block.
+// - nvfp4: fp32 g = amax_tensor / (6 * 448), then per 16 elements the E4M3 value nearest to
+//   amax_block / (6 g) (ties to even, saturating at 448), 0x38 (1.0) where that is zero.
+float ExpectedFp8Scale(float amax, float fmt_max) {
+  if (!(amax > 0.f)) return 1.f;
+  float s = std::min(fmt_max / amax, std::numeric_limits<float>::max());
+  if (amax * s > fmt_max) s = std::nextafter(s, 0.f);
+  return s;
+}
+uint8_t NearestE4M3(float q) {
+  int best = 0;
+  for (int c = 1; c <= 0x7E; ++c) {
+    const double d = std::fabs(double(element::E4M3ToFloat(uint8_t(c))) - q);
+    const double bd = std::fabs(double(element::E4M3ToFloat(uint8_t(best))) - q);
+    if (d < bd || (d == bd && c % 2 == 0)) best = c;
+  }
+  return uint8_t(best);
+}
+std::vector<uint8_t> ExpectedScaleBytes(std::span<const float> x, Format f, Scaling sc,
+                                        uint32_t block) {
+  auto amax = [&](size_t b, size_t e) {
+    float a = 0.f;
+    for (size_t i = b; i < std::min(e, x.size()); ++i) a = std::max(a, std::fabs(x[i]));
+    return a;
+  };
+  std::vector<uint8_t> out;
+  auto put_f32 = [&](float v) {
+    uint8_t b[4];
+    std::memcpy(b, &v, 4);
+    out.insert(out.end(), b, b + 4);
+  };
+  switch (f) {
+    case Format::kFp32:
+    case Format::kBf16:
+      break;
+    case Format::kFp8E4M3:
+    case Format::kFp8E5M2: {
+      const float fmax = f == Format::kFp8E4M3 ? 448.f : 57344.f;
+      if (sc == Scaling::kTensor) put_f32(ExpectedFp8Scale(amax(0, x.size()), fmax));
+      if (sc == Scaling::kBlock)
+        for (size_t b = 0; b < x.size(); b += block)
+          put_f32(ExpectedFp8Scale(amax(b, b + block), fmax));
+      break;
+    }
+    case Format::kMxfp8:
+      for (size_t b = 0; b < x.size(); b += 32) {
+        const float a = amax(b, b + 32);
+        out.push_back(a > 0.f ? uint8_t(std::clamp(std::ilogb(a) - 8 + 127, 0, 254)) : 127);
+      }
+      break;
+    case Format::kNvfp4: {
+      const float at = amax(0, x.size());
+      float g = at / (6.f * 448.f);
+      if (!(g > 0.f)) g = 1.f;
+      put_f32(g);
+      for (size_t b = 0; b < x.size(); b += 16) {
+        const uint8_t c = NearestE4M3(amax(b, b + 16) / (6.f * g));
+        out.push_back(c == 0 ? 0x38 : c);
+      }
+      break;
+    }
+  }
+  return out;
+}
+
+std::vector<uint8_t> ScaleBytes(std::span<const uint8_t> buf) {
+  const EncodedView v = ParseEncoded(buf);
+  return std::vector<uint8_t>(v.scales.begin(), v.scales.end());
 }
 
 TEST(CodecFormat, NamesRoundTrip) {
@@ -224,7 +300,19 @@ TEST(CodecScaling, AllZeroBlocksGetScaleOne) {
       const auto y2 = DecodeVec(buf2);
       for (size_t i = 0; i < 299; ++i) ASSERT_EQ(y2[i], 0.f) << FormatName(f) << " " << i;
       EXPECT_EQ(y2[299], 2.f) << FormatName(f);
-      for (float sc : {Scale(buf2, 0)}) EXPECT_TRUE(std::isfinite(sc));
+      // Every scale, of the zero blocks and of the one holding 2.
+      EXPECT_EQ(ScaleBytes(buf2), ExpectedScaleBytes(x, f, s, o.block))
+          << FormatName(f) << " " << ScalingName(s);
+      const EncodedView v2 = ParseEncoded(buf2);
+      if (f == Format::kFp8E4M3 || f == Format::kFp8E5M2) {
+        const float fmax = f == Format::kFp8E4M3 ? 448.f : 57344.f;
+        EXPECT_EQ(Scale(buf2, v2.scales.size() / 4 - 1), fmax / 2);  // amax 2, exact quotient
+      } else if (f == Format::kMxfp8) {
+        EXPECT_EQ(v2.scales[299 / 32], 127 + 1 - 8);  // floor(log2 2) - 8
+      } else if (f == Format::kNvfp4) {
+        EXPECT_EQ(Scale(buf2, 0), 2.f / 2688);
+        EXPECT_EQ(v2.scales[4 + 299 / 16], 0x7E);  // 2 / (6 g) = 448
+      }
     }
   }
 }
@@ -386,8 +474,16 @@ TEST(CodecRoundTrip, ErrorBoundsPerFormat) {
     o.scaling = b.scaling;
     EncodeStats st;
     const auto buf = EncodeVec(x, o, &st);
-    const EncodedView v = ParseEncoded(buf);
     const auto y = DecodeVec(buf);
+    // The bound below is built from scales computed independently of the buffer, and the
+    // buffer's scales must be exactly those: a wrong scale cannot widen its own bound.
+    const std::vector<uint8_t> want = ExpectedScaleBytes(x, b.format, b.scaling, o.block);
+    ASSERT_EQ(ScaleBytes(buf), want) << FormatName(b.format) << " " << ScalingName(b.scaling);
+    auto want_f32 = [&](size_t i) {
+      float f;
+      std::memcpy(&f, want.data() + 4 * i, 4);
+      return f;
+    };
     double e2 = 0, x2 = 0;
     for (size_t i = 0; i < x.size(); ++i) {
       e2 += double(y[i] - x[i]) * (y[i] - x[i]);
@@ -395,17 +491,15 @@ TEST(CodecRoundTrip, ErrorBoundsPerFormat) {
       // Absolute floor: half the smallest subnormal step, in input units.
       double floor_abs = 0, clip = 0;
       if (b.format == Format::kFp8E4M3)
-        floor_abs = std::ldexp(1.0, -10) / Scale(buf, b.scaling == Scaling::kBlock ? i / 128 : 0);
-      if (b.format == Format::kFp8E5M2) floor_abs = std::ldexp(1.0, -17) / Scale(buf, i / 128);
+        floor_abs = std::ldexp(1.0, -10) / want_f32(b.scaling == Scaling::kBlock ? i / 128 : 0);
+      if (b.format == Format::kFp8E5M2) floor_abs = std::ldexp(1.0, -17) / want_f32(i / 128);
       if (b.format == Format::kMxfp8) {
-        const double X = element::E8M0ToFloat(v.scales[i / 32]);
+        const double X = std::ldexp(1.0, int(want[i / 32]) - 127);
         floor_abs = std::ldexp(1.0, -10) * X;
         clip = std::max(0.0, std::fabs(x[i]) - 448 * X);
       }
       if (b.format == Format::kNvfp4) {
-        float g;
-        std::memcpy(&g, v.scales.data(), 4);
-        const double den = element::NvDenominator(v.scales[4 + i / 16], g);
+        const double den = double(element::E4M3ToFloat(want[4 + i / 16])) * want_f32(0);
         floor_abs = 0.25 * den;
         clip = std::max(0.0, std::fabs(x[i]) - 6 * den);
       }

@@ -103,12 +103,33 @@ TEST_F(ToolTest, RawEncodeMatchesOracleByteForByte) {
         ASSERT_EQ(static_cast<uint8_t>(raw[i]), want) << fmt << " " << i << " x=" << x[i];
       }
     }
-    // And back: decode --raw gives the element values.
+    // And back: decode --raw gives each code's value, as the toolkit's fp8/fp4 -> float
+    // conversion reads it (all codes here are finite: SATFINITE encoding of finite inputs).
     ASSERT_EQ(Run("decode --raw --format " + fmt + " --shape " + std::to_string(x.size()) +
                   " --in " + Path("x.raw") + " --out " + Path("x.dec"))
                   .code,
               0);
-    EXPECT_EQ(ReadFloats("x.dec").size(), x.size());
+    const std::vector<float> dec = ReadFloats("x.dec");
+    ASSERT_EQ(dec.size(), x.size());
+    for (size_t i = 0; i < x.size(); ++i) {
+      float want;
+      if (fmt == "nvfp4") {
+        __nv_fp4_e2m1 e;
+        e.__x = static_cast<__nv_fp4_storage_t>(
+            (static_cast<uint8_t>(raw[i / 2]) >> (4 * (i & 1))) & 0xF);
+        want = static_cast<float>(e);
+      } else if (fmt == "fp8_e4m3") {
+        __nv_fp8_e4m3 e;
+        e.__x = static_cast<__nv_fp8_storage_t>(raw[i]);
+        want = static_cast<float>(e);
+      } else {
+        __nv_fp8_e5m2 e;
+        e.__x = static_cast<__nv_fp8_storage_t>(raw[i]);
+        want = static_cast<float>(e);
+      }
+      ASSERT_EQ(element::FloatBits(dec[i]), element::FloatBits(want))
+          << fmt << " " << i << " x=" << x[i] << " decoded " << dec[i] << " want " << want;
+    }
   }
 }
 #endif
@@ -155,7 +176,26 @@ TEST_F(ToolTest, AnalyzePrintsJsonAndWritesDecoded) {
         "\"scale_bytes\": 32", "\"compression_ratio\": 3.87596899"}) {
     EXPECT_NE(r.out.find(key), std::string::npos) << key << " in " << r.out;
   }
-  EXPECT_EQ(ReadFloats("y.f32").size(), x.size());
+  // --out holds the decoded values of analyze's encode (its defaults: fp8_e4m3, block 128,
+  // nearest), bit for bit, and each is within one E4M3 half-step of x.
+  CodecOptions o;
+  o.format = Format::kFp8E4M3;
+  o.scaling = Scaling::kBlock;
+  o.block = 128;
+  std::vector<uint8_t> enc(EncodedBytes(o, x.size()));
+  Encode(x, o, enc);
+  std::vector<float> want(x.size());
+  Decode(enc, want);
+  const std::vector<float> y = ReadFloats("y.f32");
+  ASSERT_EQ(y.size(), x.size());
+  for (size_t i = 0; i < x.size(); ++i) {
+    ASSERT_EQ(element::FloatBits(y[i]), element::FloatBits(want[i])) << i;
+    // E4M3 half-step: 2^-4 relative for normals, 2^-10 / scale below (scale = 448 / amax).
+    float amax = 0.f;
+    for (size_t j = i / 128 * 128; j < std::min(x.size(), i / 128 * 128 + 128); ++j)
+      amax = std::max(amax, std::fabs(x[j]));
+    EXPECT_LE(std::fabs(y[i] - x[i]), std::fabs(x[i]) / 16 + std::ldexp(amax / 448.0, -10)) << i;
+  }
   const Result n = Run("analyze --format nvfp4 --in " + Path("x.f32"));
   EXPECT_NE(n.out.find("\"block\": 16"), std::string::npos) << n.out;
 }

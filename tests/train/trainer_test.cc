@@ -1,12 +1,15 @@
 // Data-parallel trainer: N ranks (threads over Gloo TCP) with the fp32 exchange match one rank on
 // the combined batch; checkpoint/resume is bitwise identical, geometry included; a policy change
 // at a step carries geometry over; a rank that drifts is caught by the parameter checksum;
-// gradient dumps; bad options and checkpoints are rejected naming the field.
+// gradient dumps; each layer's compressed error matches its format's rounding; bad options and
+// checkpoints are rejected naming the field.
 
 #include "worker/train/trainer.h"
 
 #include <gtest/gtest.h>
 
+#include <algorithm>
+#include <cmath>
 #include <cstring>
 #include <filesystem>
 #include <fstream>
@@ -14,8 +17,10 @@
 #include "kernels/common/check.h"
 #include "kernels/model/data.h"
 #include "kernels/model/model.h"
+#include "kernels/model/ops.h"
 #include "kernels/model/optimizer.h"
 #include "tests/exchange/rank_threads.h"
+#include "tests/geometry/reference_geometry.h"
 #include "worker/train/checkpoint.h"
 
 namespace geofp8::train {
@@ -51,6 +56,13 @@ fs::path TempPath(const std::string& name) {
 TEST(Trainer, FourRanksFp32MatchOneRankOnTheCombinedBatch) {
   // Reference: one rank, batch 8, no exchange at all, plain loop over the model.
   const TrainOptions o4 = Tiny(4, 2, 3);
+  // Bitwise equality below holds because both paths make the same GEMM calls with the same
+  // shapes in the same order on the same OpenBLAS kernel and thread count. The thread count is
+  // what differs unless pinned: the trainer runs with TrainOptions::blas_threads (1), the process
+  // default is one thread per core, and the AVX2 (Haswell, Zen) kernels split a GEMM's work by
+  // thread count in a way that changes its last bits. Prescott and SkylakeX kernels happen not
+  // to, which is why this only failed on AVX2 machines.
+  model::SetBlasThreads(o4.blas_threads);
   model::Model<float> ref(o4.model);
   ref.Init(o4.seed);
   model::OptimizerOptions opt = o4.optimizer;
@@ -396,7 +408,168 @@ TEST(Trainer, ChecksumStopsTrainingWhenARankDrifts) {
   }
 }
 
+// Half the quantization step at each value of one quantization of `v` (the values as sent, laid
+// over the layer from its first element) under the policy's format, and the clipping an nvfp4
+// block max may see. Scales follow DESIGN.md section 3: e4m3 multiplies a block by 448 / A_b
+// (A_b: block amax), so its step is 2^(floor(log2 |v s|) - 3) / s, or the subnormal step 2^-9 / s
+// below 2^-6; nvfp4 divides by den = E4M3(A_b / (6 g)) g ~ A_b / 6 within E4M3's rounding 2^-4
+// (taken at its largest for the step, at its smallest for clipping), E2M1 steps 0.5, 1, 2 on
+// [0, 2), [2, 4), [4, 6]; bf16 has 8 significant bits, step 2^(floor(log2 |v|) - 7).
+struct StepModel {
+  std::vector<double> half, clip;
+};
+StepModel HalfSteps(const std::vector<double>& v, Format f, uint32_t block) {
+  StepModel out{std::vector<double>(v.size(), 0.0), std::vector<double>(v.size(), 0.0)};
+  const size_t b = f == Format::kNvfp4 ? 16 : f == Format::kBf16 ? v.size() + 1 : block;
+  for (size_t b0 = 0; b0 < v.size(); b0 += b) {
+    const size_t b1 = std::min(v.size(), b0 + b);
+    double a = 0;
+    for (size_t i = b0; i < b1; ++i) a = std::max(a, std::abs(v[i]));
+    for (size_t i = b0; i < b1; ++i) {
+      const double x = std::abs(v[i]);
+      if (x == 0 || a == 0) continue;
+      if (f == Format::kBf16) {
+        out.half[i] = std::ldexp(1.0, std::ilogb(x) - 8);
+      } else if (f == Format::kFp8E4M3) {
+        const double sc = 448 / a, w = x * sc;
+        out.half[i] =
+            (w >= std::ldexp(1.0, -6) ? std::ldexp(1.0, std::ilogb(w) - 4) : std::ldexp(1.0, -10)) /
+            sc;
+      } else {
+        const double den = a / 6 * (1 + 1.0 / 16), w = x / den;
+        out.half[i] = (w < 2 ? 0.25 : w < 4 ? 0.5 : 1.0) * den;
+        out.clip[i] = std::max(0.0, x - a * (1 - 1.0 / 16));
+      }
+    }
+  }
+  return out;
+}
+
+// Each layer's reported rel_fro_error at one step against the error its format's rounding
+// predicts for that step's local gradients, under the layer's policy and the geometry the step
+// used (a float64 reference map P, as in the exchange tests). Every rank's y_r = P(g_r / N) is
+// quantized, then their sum (two_phase; bf16 rounds the pairwise sum). Round to nearest of a
+// value with many more bits than the format is modelled the standard way: independent errors
+// uniform in +-h (mean square h^2 / 3, variance of the square 4 h^4 / 45). The sum of two
+// quantized values has few bits, at most one more than the format when their exponents agree, so
+// its rounding is exact or a tie: mean square at most h^2 / 2, variance h^4 / 4. nvfp4's clipping
+// is added as its worst case. P^-1 weighs element (i, j)'s error by |P_L^-1 e_i|^2
+// |e_j^T P_R^-1|^2. The bound is the predicted mean square plus six standard deviations. The old
+// bound was 0.1 for every format (about 30x bf16's error) and 0.5 for nvfp4.
+TEST(Trainer, LayerErrorsMatchEachFormatsRounding) {
+  for (const std::string policy : {"bf16", "fp8", "geofp8", "nvfp4"}) {
+    const int N = 2;
+    const int64_t step_measured = 5;
+    const TrainOptions o = Tiny(N, 4, 6, policy);
+    std::vector<std::vector<float>> local(N);
+    std::vector<double> reported;
+    std::vector<Geometry> geos;
+    std::vector<model::ParamInfo> params;
+    std::vector<LayerPolicy> policies;
+    const auto errors = geofp8::testing::RunRanks(N, [&](Communicator& comm) {
+      Trainer t(o, comm);
+      for (int64_t s = 0; s <= step_measured; ++s) {
+        StepControl c;
+        c.measure_error = c.keep_local = s == step_measured;
+        const StepRecord rec = t.Step(s, c);
+        if (s != step_measured) continue;
+        local[comm.rank()] = t.local_gradient();
+        if (comm.rank() != 0) continue;
+        reported = rec.layer_error;
+        params = t.model().params();
+        policies = t.plan().layers;
+        for (size_t l = 0; l < params.size(); ++l) geos.push_back(t.exchanger().active_geometry(l));
+      }
+    });
+    ASSERT_EQ(geofp8::testing::JoinErrors(errors), "") << policy;
+    ASSERT_EQ(reported.size(), params.size());
+    int with_geometry = 0;
+    double worst_ratio = 0;
+    for (size_t l = 0; l < params.size(); ++l) {
+      const model::ParamInfo& p = params[l];
+      const int64_t m = p.is_matrix() ? p.rows : p.size(), n = p.is_matrix() ? p.cols : 1;
+      const Geometry& geo = geos[l];
+      const bool lowrank = geo.mode == GeometryMode::kLowRank && !geo.is_identity();
+      with_geometry += lowrank;
+      const auto left = geofp8::testing::MakeReferenceSide(geo, true, m);
+      const auto right = geofp8::testing::MakeReferenceSide(geo, false, n);
+      // Weights of element (i, j)'s error after P^-1.
+      std::vector<double> wl(m, 1.0), wr(n, 1.0);
+      if (lowrank) {
+        for (int64_t i = 0; i < m; ++i) {
+          wl[i] = 0;
+          for (int64_t r = 0; r < m; ++r) wl[i] += left.p_inv[r * m + i] * left.p_inv[r * m + i];
+        }
+        for (int64_t j = 0; j < n; ++j) {
+          wr[j] = 0;
+          for (int64_t c = 0; c < n; ++c) wr[j] += right.p_inv[j * n + c] * right.p_inv[j * n + c];
+        }
+      }
+      std::vector<double> sum(p.size(), 0.0), exact(p.size(), 0.0);
+      std::vector<double> mean_sq(p.size(), 0.0), var_sq(p.size(), 0.0);
+      // Mean square and variance of the square of one rounding's error at each element.
+      auto add = [&](const StepModel& sm, double ms, double vs) {
+        for (int64_t i = 0; i < p.size(); ++i) {
+          const double h2 = sm.half[i] * sm.half[i];
+          mean_sq[i] += ms * h2 + sm.clip[i] * sm.clip[i];
+          var_sq[i] += vs * h2 * h2;
+        }
+      };
+      const double kUniform = 1.0 / 3, kUniformVar = 4.0 / 45, kTie = 0.5, kTieVar = 0.25;
+      for (int r = 0; r < N; ++r) {
+        std::vector<double> a(p.size());
+        for (int64_t i = 0; i < p.size(); ++i) {
+          a[i] = double(local[r][p.offset + i]) / N;
+          exact[i] += a[i];
+        }
+        const std::vector<double> y =
+            lowrank ? geofp8::testing::Sandwich(left.p, a, right.p, m, n) : a;
+        for (int64_t i = 0; i < p.size(); ++i) sum[i] += y[i];
+        if (policy != "bf16")
+          add(HalfSteps(y, policies[l].format, policies[l].block), kUniform, kUniformVar);
+      }
+      if (policy == "bf16") {
+        // Each rank rounds its share, then the one pairwise sum is rounded.
+        for (int r = 0; r < N; ++r) {
+          std::vector<double> a(p.size());
+          for (int64_t i = 0; i < p.size(); ++i) a[i] = double(local[r][p.offset + i]) / N;
+          add(HalfSteps(a, Format::kBf16, 0), kUniform, kUniformVar);
+        }
+      }
+      add(HalfSteps(sum, policies[l].format, policies[l].block), kTie, kTieVar);
+      double mean = 0, var = 0, x2 = 0;
+      for (int64_t i = 0; i < m; ++i)
+        for (int64_t j = 0; j < n; ++j) {
+          const int64_t k = i * n + j;
+          const double w = wl[i] * wr[j];
+          mean += w * mean_sq[k];
+          var += w * w * var_sq[k];
+          x2 += exact[k] * exact[k];
+        }
+      const double bound = std::sqrt((mean + 6 * std::sqrt(var)) / x2);
+      EXPECT_LE(reported[l], bound) << policy << " " << p.name;
+      worst_ratio = std::max(worst_ratio, reported[l] / bound);
+    }
+    std::printf("%s: worst layer error / bound = %.3g\n", policy.c_str(), worst_ratio);
+    EXPECT_EQ(with_geometry > 0, policy == "geofp8");
+  }
+}
+
 TEST(Trainer, CompressedPoliciesTrainAndReportErrors) {
+  // The validation loss before training and after the same 30 steps with the fp32 exchange.
+  TrainOptions base = Tiny(2, 4, 30);
+  base.eval_every = 30;
+  model::Model<float> init(base.model);
+  init.Init(base.seed);
+  auto data = model::MakeDataSource(base.data, base.seed);
+  std::vector<int32_t> tokens;
+  double initial = 0;
+  for (int i = 0; i < base.eval_batches; ++i) {
+    data->ValidationBatch(i, 16, base.model.seq, &tokens);
+    initial += init.Loss(tokens, 16, base.model.seq) / base.eval_batches;
+  }
+  const double fp32 = Train(base).final_val_loss;
+  ASSERT_LT(fp32, initial - 0.5) << "the fp32 run must learn for the comparison to mean anything";
   for (const std::string policy : {"bf16", "fp8", "geofp8", "nvfp4"}) {
     TrainOptions o = Tiny(2, 4, 30, policy);
     o.error_every = 5;
@@ -404,14 +577,18 @@ TEST(Trainer, CompressedPoliciesTrainAndReportErrors) {
     std::vector<StepRecord> records;
     const TrainResult r = Train(o, [&](const StepRecord& s) { records.push_back(s); });
     ASSERT_EQ(records.size(), 30u);
-    EXPECT_LT(r.final_val_loss, 0.6 * std::log(256.0)) << policy;
+    // Not a round-off bound (no error analysis follows 30 steps of training): the requirement
+    // that compression cost at most 2% of the loss reduction fp32 achieves in the same steps.
+    // The old bound, 0.6 log 256, let a run keep almost half of the loss fp32 removes.
+    EXPECT_LE(r.final_val_loss - fp32, 0.02 * (initial - fp32))
+        << policy << ": validation loss " << r.final_val_loss << ", fp32 " << fp32 << ", initial "
+        << initial;
     EXPECT_GT(r.bytes_sent, 0u);
     ASSERT_EQ(records[5].layer_error.size(), r.params.size());
     EXPECT_TRUE(records[6].layer_error.empty());
     double worst = 0;
     for (double e : records[5].layer_error) worst = std::max(worst, e);
     EXPECT_GT(worst, 0.0) << policy << ": a lossy format must show some error";
-    EXPECT_LT(worst, policy == "nvfp4" ? 0.5 : 0.1) << policy;
     // Residual-subspace error: over the whole space (so equal to rel_fro_error) without a
     // low-rank basis; with one, the error left in the weak directions, finite and nonzero.
     ASSERT_EQ(records[10].residual_error.size(), r.params.size());

@@ -58,16 +58,19 @@ TEST_F(GrpcStoreTest, SetThenGetReturnsBinaryValue) {
 TEST_F(GrpcStoreTest, GetWaitsForAKeySetLater) {
   GrpcStore reader(Connect(), "job-b", "job-b/0/");
   GrpcStore writer(Connect(), "job-b", "job-b/0/");
+  // Ordered by events, not by elapsed time: the key is written only after the reader has asked
+  // for it once and seen it missing, and Get must return the value written after that.
+  ASSERT_THROW(reader.Get("late", milliseconds(1)), Error);
+  std::atomic<bool> setting{false};
   std::thread t([&] {
-    std::this_thread::sleep_for(milliseconds(300));
+    std::this_thread::sleep_for(milliseconds(300));  // lets the reader block first (not asserted)
+    setting = true;
     writer.Set("late", Bytes("here"));
   });
-  const auto start = std::chrono::steady_clock::now();
-  EXPECT_EQ(reader.Get("late", milliseconds(10000)), Bytes("here"));
-  const auto waited = std::chrono::steady_clock::now() - start;
+  // A generous timeout: a Get that never saw the later Set throws instead of hanging the test.
+  EXPECT_EQ(reader.Get("late", milliseconds(60000)), Bytes("here"));
+  EXPECT_TRUE(setting.load()) << "Get returned before the key was written";
   t.join();
-  EXPECT_GE(waited, milliseconds(250));
-  EXPECT_LT(waited, milliseconds(5000));
 }
 
 TEST_F(GrpcStoreTest, GetTimeoutNamesTheKeyAndHonoursTheTimeout) {
@@ -80,9 +83,12 @@ TEST_F(GrpcStoreTest, GetTimeoutNamesTheKeyAndHonoursTheTimeout) {
     EXPECT_NE(std::string(e.what()).find("'job-c/0/never'"), std::string::npos) << e.what();
     EXPECT_NE(std::string(e.what()).find("timed out"), std::string::npos) << e.what();
   }
+  // The lower bound is the property (it must not give up early; 50 ms allow for the two
+  // processes' timers) and load only lengthens the wait; the upper bound only says the timeout
+  // is honoured at all, not how promptly.
   const auto took = std::chrono::steady_clock::now() - start;
   EXPECT_GE(took, milliseconds(350));
-  EXPECT_LT(took, milliseconds(4000));
+  EXPECT_LT(took, milliseconds(60000));
 }
 
 TEST_F(GrpcStoreTest, WaitReturnsWhenAllKeysExistAndTimesOutOtherwise) {

@@ -287,9 +287,24 @@ TEST_F(WorkerE2ETest, WorkerReRegistersAfterACoordinatorRestart) {
   const auto before = client_->Workers();
   ASSERT_EQ(before.size(), 1u);
   const uint64_t gen = before[0].generation();
-  // Heartbeats keep an idle worker alive well past the 2 s timeout.
-  std::this_thread::sleep_for(seconds(3));
-  ASSERT_EQ(client_->Workers()[0].state(), v1::WORKER_IDLE);
+  // Heartbeats keep an idle worker alive past the 2 s timeout. Waited for on the coordinator's
+  // own record, not a clock here: once its last heartbeat is more than a timeout after the first
+  // one seen, the worker has lived through a whole timeout window; under load that just takes
+  // longer. It must still be idle in the same generation (never expired and re-registered).
+  const int64_t first_beat = before[0].last_heartbeat_unix_ms();
+  const auto deadline = std::chrono::steady_clock::now() + seconds(60);
+  v1::Worker now = client_->Workers()[0];
+  while (now.last_heartbeat_unix_ms() <= first_beat + 2000) {
+    ASSERT_LT(std::chrono::steady_clock::now(), deadline)
+        << "no heartbeat recorded past the timeout window; last " << now.last_heartbeat_unix_ms()
+        << " first " << first_beat << "\n"
+        << workers_[0]->process().output();
+    ASSERT_EQ(now.state(), v1::WORKER_IDLE) << workers_[0]->process().output();
+    std::this_thread::sleep_for(std::chrono::milliseconds(100));
+    now = client_->Workers()[0];
+  }
+  ASSERT_EQ(now.state(), v1::WORKER_IDLE);
+  ASSERT_EQ(now.generation(), gen);
   // Restart the coordinator on the same port and data directory.
   const std::string address = coordinator_->address();
   const std::string port = address.substr(address.rfind(':') + 1);
