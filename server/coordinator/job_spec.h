@@ -13,6 +13,17 @@
 
 namespace geofp8 {
 
+// Limits of the spec (docs/job-spec.md). Steps are counted in int on the worker, so they stay well
+// inside it; batch and sequence are bounded per field and by the attention memory they imply.
+inline constexpr int64_t kMaxSteps = 1'000'000'000;
+inline constexpr int kMaxBatchSize = 4096;  // sequences per rank per step
+inline constexpr int kMaxSeqLen = 8192;     // tokens per sequence
+// Attention probabilities kept for backward, per rank: about one H200's memory. The paper-scale
+// example (llama-300m, batch 32 x 1024) needs 48 GiB.
+inline constexpr int64_t kMaxAttentionBytes = int64_t{128} << 30;
+// Longest error message of a rejected spec or patch; the rest is "... and N more errors".
+inline constexpr size_t kMaxErrorBytes = 2048;
+
 // A partial LayerPolicy for the layers whose name matches `match` (exact, or a glob with * ? []).
 struct LayerPatchSpec {
   std::string match;
