@@ -257,8 +257,30 @@ absl::Status Invalid(const std::vector<std::string>& errors) {
   return absl::InvalidArgumentError(out);
 }
 
-// Offset of the first byte that is not part of well-formed UTF-8 (RFC 3629: no overlongs, no
-// surrogates, nothing above U+10FFFF), or npos.
+// Parses exactly one YAML document of valid UTF-8; `root` names it in errors ("spec", "patch").
+absl::StatusOr<YAML::Node> Load(std::string_view yaml, const std::string& root) {
+  if (const size_t bad = InvalidUtf8At(yaml); bad != std::string_view::npos) {
+    const size_t line = size_t(std::count(yaml.begin(), yaml.begin() + bad, '\n')) + 1;
+    return absl::InvalidArgumentError("line " + std::to_string(line) + ": " + root +
+                                      ": invalid UTF-8 at byte " + std::to_string(bad));
+  }
+  try {
+    std::vector<YAML::Node> docs = YAML::LoadAll(std::string(yaml));
+    if (docs.size() > 1) {
+      return absl::InvalidArgumentError("line " + std::to_string(docs[1].Mark().line + 1) + ": " +
+                                        root + ": a second YAML document (--- starts one); " +
+                                        "a " + root + " is one document");
+    }
+    return docs.empty() ? YAML::Node() : docs[0];
+  } catch (const YAML::Exception& e) {
+    return absl::InvalidArgumentError("line " + std::to_string(e.mark.line + 1) + ": " + root +
+                                      ": malformed YAML: " + e.msg);
+  }
+}
+
+}  // namespace
+
+// RFC 3629: no overlong forms, no surrogates, nothing above U+10FFFF.
 size_t InvalidUtf8At(std::string_view s) {
   size_t i = 0;
   while (i < s.size()) {
@@ -290,29 +312,6 @@ size_t InvalidUtf8At(std::string_view s) {
   }
   return std::string_view::npos;
 }
-
-// Parses exactly one YAML document of valid UTF-8; `root` names it in errors ("spec", "patch").
-absl::StatusOr<YAML::Node> Load(std::string_view yaml, const std::string& root) {
-  if (const size_t bad = InvalidUtf8At(yaml); bad != std::string_view::npos) {
-    const size_t line = size_t(std::count(yaml.begin(), yaml.begin() + bad, '\n')) + 1;
-    return absl::InvalidArgumentError("line " + std::to_string(line) + ": " + root +
-                                      ": invalid UTF-8 at byte " + std::to_string(bad));
-  }
-  try {
-    std::vector<YAML::Node> docs = YAML::LoadAll(std::string(yaml));
-    if (docs.size() > 1) {
-      return absl::InvalidArgumentError("line " + std::to_string(docs[1].Mark().line + 1) + ": " +
-                                        root + ": a second YAML document (--- starts one); " +
-                                        "a " + root + " is one document");
-    }
-    return docs.empty() ? YAML::Node() : docs[0];
-  } catch (const YAML::Exception& e) {
-    return absl::InvalidArgumentError("line " + std::to_string(e.mark.line + 1) + ": " + root +
-                                      ": malformed YAML: " + e.msg);
-  }
-}
-
-}  // namespace
 
 absl::StatusOr<JobSpec> ParseJobSpec(std::string_view yaml) {
   auto loaded = Load(yaml, "spec");

@@ -125,6 +125,9 @@ struct PolicyPatchSpec {
 // Parse and validate. INVALID_ARGUMENT with "line N: spec.a.b: problem (value)"; several errors
 // are joined with "; ".
 absl::StatusOr<JobSpec> ParseJobSpec(std::string_view yaml);
+// Offset of the first byte of `text` that is not well-formed UTF-8, or npos (geofp8ctl checks a
+// spec file before sending it: protobuf strings must be UTF-8).
+size_t InvalidUtf8At(std::string_view text);
 absl::StatusOr<PolicyPatchSpec> ParsePolicyPatch(std::string_view yaml);
 
 // Checks one patch's values (used for patches that arrive over the API). `path` prefixes errors.

@@ -1,6 +1,7 @@
 // Rendezvous KV: one mutex and one condition variable; waiters re-check their keys on each set.
 #include "server/coordinator/kv.h"
 
+#include <algorithm>
 #include <charconv>
 #include <chrono>
 
@@ -44,13 +45,15 @@ absl::Status RendezvousKv::Wait(const std::string& job_id, const std::vector<std
                                 int64_t timeout_ms) {
   if (job_id.empty()) return absl::InvalidArgumentError("job_id: required");
   if (timeout_ms <= 0) timeout_ms = 30000;
+  // steady_clock counts nanoseconds in int64: now + 2^63-1 ms would wrap into the past.
+  timeout_ms = std::min(timeout_ms, kMaxWaitMs);
   const auto deadline = std::chrono::steady_clock::now() + std::chrono::milliseconds(timeout_ms);
   std::unique_lock<std::mutex> lock(mu_);
   std::string missing;
   auto all_present = [&] {
-    auto& m = jobs_[job_id];
+    auto job = jobs_.find(job_id);  // find, not []: waiting must not create a job's entry
     for (const auto& k : keys) {
-      if (!m.count(k)) {
+      if (job == jobs_.end() || !job->second.count(k)) {
         missing = k;
         return false;
       }
@@ -81,7 +84,10 @@ absl::StatusOr<int64_t> RendezvousKv::Add(const std::string& job_id, const std::
         return absl::FailedPreconditionError("key " + key + " holds a non-integer value");
       }
     }
-    value += delta;
+    if (__builtin_add_overflow(value, delta, &value)) {
+      return absl::OutOfRangeError("key " + key + ": adding " + std::to_string(delta) + " to " +
+                                   stored + " overflows int64");
+    }
     stored = std::to_string(value);
   }
   cv_.notify_all();

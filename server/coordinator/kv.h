@@ -16,6 +16,10 @@ namespace geofp8 {
 
 class RendezvousKv {
  public:
+  // Longest wait of Get and Wait: a longer one is cut to this (a day, the longest exchange
+  // timeout a spec accepts).
+  static constexpr int64_t kMaxWaitMs = int64_t{86400} * 1000;
+
   absl::Status Set(const std::string& job_id, const std::string& key, std::string value);
   // wait_ms == 0: NOT_FOUND when absent; else wait up to wait_ms (DEADLINE_EXCEEDED).
   absl::StatusOr<std::string> Get(const std::string& job_id, const std::string& key,
@@ -23,7 +27,8 @@ class RendezvousKv {
   // Waits until every key exists; DEADLINE_EXCEEDED names the first missing key.
   absl::Status Wait(const std::string& job_id, const std::vector<std::string>& keys,
                     int64_t timeout_ms);
-  // Adds delta to the integer stored (as decimal text) at key, creating it at 0.
+  // Adds delta to the integer stored (as decimal text) at key, creating it at 0. OUT_OF_RANGE
+  // (and nothing stored) if the sum overflows int64.
   absl::StatusOr<int64_t> Add(const std::string& job_id, const std::string& key, int64_t delta);
   // Drops a job's keys (when it ends).
   void Clear(const std::string& job_id);
