@@ -36,7 +36,11 @@ Clock* SystemClock() {
 }
 
 Coordinator::Coordinator(Store* store, Clock* clock, CoordinatorOptions options)
-    : store_(store), clock_(clock), options_(options) {}
+    : store_(store), clock_(clock), options_(options) {
+  // Rendezvous is for the ranks of a live attempt only (opened when scheduled, cleared when the
+  // attempt ends), so keys of unknown or finished jobs cannot pile up.
+  if (!options_.kv_any_job) kv_.RequireOpenJobs();
+}
 
 Coordinator::~Coordinator() { Shutdown(); }
 
@@ -583,6 +587,7 @@ void Coordinator::TrySchedule(Outbox& out) {
     }
     std::string workers;
     for (int r = 0; r < world; ++r) workers += (r ? ", " : "") + idle[r]->info.id();
+    kv_.Open(rec->job.id());  // before the assignments leave (the Outbox is sent after this)
     SetState(*rec, v1::JOB_SCHEDULED,
              "assigned ranks 0.." + std::to_string(world - 1) + " to " + workers);
   }

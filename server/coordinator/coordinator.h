@@ -39,6 +39,9 @@ class SessionSink {
 struct CoordinatorOptions {
   int heartbeat_interval_ms = 1000;  // told to workers at Register
   int heartbeat_timeout_ms = 10000;  // silence after which a worker is declared dead and fenced
+  // Serve the rendezvous KV for any job id, not only jobs with a live attempt. Off in production;
+  // for tests that drive the KV without running jobs (--debug-kv-any-job).
+  bool kv_any_job = false;
 };
 
 // Where a watcher stands in a job's change stream.

@@ -260,6 +260,16 @@ class ApiTest(Base):
         self.assertEqual(len(self.jobs.ListJobs(pb.ListJobsRequest(), timeout=5).jobs), 1)
 
     def test_rendezvous_kv(self):
+        # A job id with no live attempt is refused; the rest runs with --debug-kv-any-job.
+        with self.assertRaises(grpc.RpcError) as e:
+            self.kv.Set(pb.KvSetRequest(job_id="j", key="k", value=b"v"), timeout=5)
+        self.assertEqual(e.exception.code(), grpc.StatusCode.FAILED_PRECONDITION)
+        self.assertIn("no running attempt of job j", e.exception.details())
+        self.channel.close()
+        self.server.stop()
+        self.server = Server(tempfile.mkdtemp(dir=self.tmp.name), "--debug-kv-any-job")
+        self.channel = self.server.channel()
+        self.kv = rpc.RendezvousServiceStub(self.channel)
         self.kv.Set(pb.KvSetRequest(job_id="j", key="nccl/unique_id", value=b"\x00\x01\xff"),
                     timeout=5)
         self.assertEqual(self.kv.Get(pb.KvGetRequest(job_id="j", key="nccl/unique_id"),
