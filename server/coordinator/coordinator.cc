@@ -137,6 +137,7 @@ void Coordinator::SetState(JobRec& rec, v1::JobState state, const std::string& r
   const int64_t now = clock_->NowMs();
   rec.job.set_state(state);
   rec.job.set_reason(reason);
+  if (state != v1::JOB_PENDING) rec.job.clear_scheduling();
   rec.job.set_updated_unix_ms(now);
   v1::JobEvent event;
   event.set_unix_ms(now);
@@ -537,21 +538,45 @@ void Coordinator::FailAttempt(JobRec& rec, const std::string& reason, bool resta
 }
 
 void Coordinator::TrySchedule(Outbox& out) {
+  std::string blocked_by;  // the first job that fits the fleet but waits for busy workers
   for (JobRec* rec : job_order_) {
     if (rec->job.state() != v1::JOB_PENDING) continue;
     // NCCL ranks need a GPU; Gloo ranks run anywhere.
     const bool needs_gpu = rec->spec.backend == "nccl";
     std::vector<WorkerRec*> idle;
+    int able = 0;  // connected workers that could run a rank of this job, idle or busy
     for (auto& [id, w] : workers_) {
-      if (w.info.state() == v1::WORKER_IDLE && w.sink && w.fenced_reason.empty() &&
-          (!needs_gpu || w.info.device().rfind("cuda", 0) == 0)) {
-        idle.push_back(&w);
+      if (!w.sink || !w.fenced_reason.empty() ||
+          (needs_gpu && w.info.device().rfind("cuda", 0) != 0)) {
+        continue;
       }
+      ++able;
+      if (w.info.state() == v1::WORKER_IDLE) idle.push_back(&w);
     }
     const int world = rec->job.world_size();
-    // First come, first served: a job that does not fit blocks later ones, so large jobs are
-    // never starved by a stream of small ones.
-    if (static_cast<int>(idle.size()) < world) return;
+    const std::string kind = needs_gpu ? " with a CUDA device" : "";
+    if (able < world) {
+      // No finishing job can make room for this one: waiting for it would stall every later
+      // job (head-of-line blocking), so it is passed over until enough workers connect.
+      rec->job.set_scheduling("cannot be placed: needs " + std::to_string(world) + " workers" +
+                              kind + ", " + std::to_string(able) + " connected" +
+                              (needs_gpu ? " (backend nccl)" : "") + "; later jobs go first");
+      continue;
+    }
+    // First come, first served among jobs that fit the fleet: one that waits for busy workers
+    // blocks later ones, so large jobs are never starved by a stream of small ones.
+    if (!blocked_by.empty()) {
+      rec->job.set_scheduling("queued behind " + blocked_by + " (first come, first served)");
+      continue;
+    }
+    if (static_cast<int>(idle.size()) < world) {
+      rec->job.set_scheduling("waiting for " + std::to_string(world) + " idle workers" + kind +
+                              " (" + std::to_string(idle.size()) + " idle of " +
+                              std::to_string(able) + ")");
+      blocked_by = rec->job.id();
+      continue;
+    }
+    rec->job.clear_scheduling();
     rec->ranks.clear();
     rec->job.clear_ranks();
     for (int r = 0; r < world; ++r) {
