@@ -411,9 +411,20 @@ absl::StatusOr<v1::RegisterResponse> Coordinator::Register(const v1::RegisterReq
   {
     std::lock_guard<std::mutex> lock(mu_);
     if (shutdown_) return absl::UnavailableError("coordinator shutting down");
+    auto it = workers_.find(request.name());
+    // A name held by a live session belongs to a running process: a second process under the
+    // same name would fence it, be fenced in turn when it re-registers, and so on for ever. A
+    // restarted process gets the name once the old session ends (its stream breaks when the
+    // process dies) or is declared dead.
+    if (it != workers_.end() && it->second.fenced_reason.empty() && it->second.sink) {
+      const v1::Worker& held = it->second.info;
+      return absl::AlreadyExistsError(
+          "name: " + request.name() + " is held by a live session (generation " +
+          std::to_string(held.generation()) + ", host " + held.host() +
+          "); each worker process needs its own --name");
+    }
     auto gen = store_->NextGeneration(request.name());
     if (!gen.ok()) return gen.status();
-    auto it = workers_.find(request.name());
     if (it != workers_.end() && it->second.fenced_reason.empty()) {
       // A new generation replaces the old one, which is fenced from now on.
       DeclareDead(it->second, "re-registered as generation " + std::to_string(*gen), out);
