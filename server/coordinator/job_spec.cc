@@ -6,6 +6,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <filesystem>
 #include <limits>
 #include <map>
 #include <set>
@@ -280,6 +281,29 @@ absl::StatusOr<YAML::Node> Load(std::string_view yaml, const std::string& root) 
 
 }  // namespace
 
+std::string DataDirPathProblem(std::string_view path) {
+  if (path.empty()) return "must not be empty";
+  if (path.find('\0') != std::string_view::npos) return "must not contain NUL";
+  const std::filesystem::path p{std::string(path)};
+  if (p.is_absolute() || p.has_root_name() || p.has_root_directory()) {
+    return "must be relative to the worker's data directory";
+  }
+  for (const auto& part : p) {
+    if (part == "..") return "must stay inside the worker's data directory (no ..)";
+  }
+  return "";
+}
+
+std::optional<std::string> ResolveInDataDir(const std::string& base, std::string_view path) {
+  if (!DataDirPathProblem(path).empty()) return std::nullopt;
+  const std::filesystem::path root = std::filesystem::path(base).lexically_normal();
+  const std::filesystem::path full = (root / std::string(path)).lexically_normal();
+  // Without ".." the result cannot leave root; checked again so a change above cannot slip.
+  const auto rel = full.lexically_relative(root);
+  if (rel.empty() || *rel.begin() == "..") return std::nullopt;
+  return full.string();
+}
+
 // RFC 3629: no overlong forms, no surrogates, nothing above U+10FFFF.
 size_t InvalidUtf8At(std::string_view s) {
   size_t i = 0;
@@ -360,6 +384,10 @@ absl::StatusOr<JobSpec> ParseJobSpec(std::string_view yaml) {
     }
     if (spec.data.source == "file" && spec.data.path.empty()) {
       r.Error(n, q + ".path", "required when data.source is file");
+    } else if (!spec.data.path.empty()) {
+      if (std::string problem = DataDirPathProblem(spec.data.path); !problem.empty()) {
+        r.Error(n["path"], q + ".path", problem + " (" + Clip(spec.data.path) + ")");
+      }
     }
   }
   if (YAML::Node n = root["training"];
@@ -449,6 +477,10 @@ absl::StatusOr<JobSpec> ParseJobSpec(std::string_view yaml) {
     r.Number<int64_t>(n, "every", p + ".checkpoint", &spec.checkpoint.every, 0, kMaxSteps);
     if (spec.checkpoint.every > 0 && spec.checkpoint.dir.empty()) {
       r.Error(n, p + ".checkpoint.dir", "required when checkpoint.every > 0");
+    } else if (!spec.checkpoint.dir.empty()) {
+      if (std::string problem = DataDirPathProblem(spec.checkpoint.dir); !problem.empty()) {
+        r.Error(n["dir"], p + ".checkpoint.dir", problem + " (" + Clip(spec.checkpoint.dir) + ")");
+      }
     }
   }
   if (YAML::Node n = root["restarts"];

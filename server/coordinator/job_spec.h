@@ -125,6 +125,14 @@ struct PolicyPatchSpec {
 // Parse and validate. INVALID_ARGUMENT with "line N: spec.a.b: problem (value)"; several errors
 // are joined with "; ".
 absl::StatusOr<JobSpec> ParseJobSpec(std::string_view yaml);
+// A spec's file paths (checkpoint.dir, data.path) name places inside the worker's --data-dir:
+// "" if `path` is relative and has no ".." component, else the problem. Lexical on purpose: the
+// operator may link datasets into the data directory; a spec cannot create links.
+std::string DataDirPathProblem(std::string_view path);
+// base/path when DataDirPathProblem(path) is empty and the result stays inside base; nullopt
+// otherwise. The worker resolves every spec path through this.
+std::optional<std::string> ResolveInDataDir(const std::string& base, std::string_view path);
+
 // Offset of the first byte of `text` that is not well-formed UTF-8, or npos (geofp8ctl checks a
 // spec file before sending it: protobuf strings must be UTF-8).
 size_t InvalidUtf8At(std::string_view text);

@@ -77,5 +77,19 @@ TEST_F(BadInputTest, HugeValuesAndLimitsAreNamed) {
   ExpectServing();
 }
 
+TEST_F(BadInputTest, PathsOutsideTheWorkersDataDirectoryAreRefused) {
+  grpc::Status s = Submit("name: a\ncheckpoint: {dir: ../../outside, every: 5}\n");
+  EXPECT_EQ(s.error_code(), grpc::StatusCode::INVALID_ARGUMENT);
+  EXPECT_EQ(s.error_message(),
+            "line 2: spec.checkpoint.dir: must stay inside the worker's data directory (no ..) "
+            "(../../outside)");
+  s = Submit("name: a\ndata: {source: file, path: /etc/shadow}\n");
+  EXPECT_EQ(s.error_code(), grpc::StatusCode::INVALID_ARGUMENT);
+  EXPECT_EQ(
+      s.error_message(),
+      "line 2: spec.data.path: must be relative to the worker's data directory (/etc/shadow)");
+  ExpectServing();
+}
+
 }  // namespace
 }  // namespace geofp8::testing

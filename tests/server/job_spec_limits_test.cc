@@ -93,5 +93,32 @@ TEST(JobSpecLimits, LongErrorListsAreCut) {
   EXPECT_NE(big.find("... (100000 bytes)"), std::string::npos);
 }
 
+TEST(JobSpecLimits, PathsStayInsideTheWorkersDataDirectory) {
+  EXPECT_EQ(ErrorOf("name: a\ncheckpoint: {dir: /etc, every: 5}\n"),
+            "line 2: spec.checkpoint.dir: must be relative to the worker's data directory (/etc)");
+  EXPECT_EQ(ErrorOf("name: a\ncheckpoint: {dir: ckpt/../../x, every: 5}\n"),
+            "line 2: spec.checkpoint.dir: must stay inside the worker's data directory (no ..) "
+            "(ckpt/../../x)");
+  EXPECT_EQ(ErrorOf("name: a\ndata: {source: file, path: /etc/shadow}\n"),
+            "line 2: spec.data.path: must be relative to the worker's data directory "
+            "(/etc/shadow)");
+  EXPECT_EQ(ErrorOf("name: a\ndata: {source: file, path: ..}\n"),
+            "line 2: spec.data.path: must stay inside the worker's data directory (no ..) (..)");
+  auto ok = ParseJobSpec(
+      "name: a\ndata: {source: file, path: corpora/tiny.txt}\ncheckpoint: {dir: c/d, every: 5}\n");
+  ASSERT_TRUE(ok.ok()) << ok.status();
+}
+
+TEST(JobSpecLimits, WorkerResolvesPathsOnlyInsideItsDataDirectory) {
+  EXPECT_EQ(ResolveInDataDir("/var/lib/w", "ckpt"), "/var/lib/w/ckpt");
+  EXPECT_EQ(ResolveInDataDir("/var/lib/w/", "a/./b"), "/var/lib/w/a/b");
+  EXPECT_EQ(ResolveInDataDir("data", "x.txt"), "data/x.txt");
+  EXPECT_EQ(ResolveInDataDir("/var/lib/w", "/etc/shadow"), std::nullopt);
+  EXPECT_EQ(ResolveInDataDir("/var/lib/w", "../w2/x"), std::nullopt);
+  EXPECT_EQ(ResolveInDataDir("/var/lib/w", "a/../../x"), std::nullopt);
+  EXPECT_EQ(ResolveInDataDir("/var/lib/w", ""), std::nullopt);
+  EXPECT_EQ(ResolveInDataDir("/var/lib/w", "."), "/var/lib/w/");  // the directory itself
+}
+
 }  // namespace
 }  // namespace geofp8
