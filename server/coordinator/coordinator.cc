@@ -5,6 +5,8 @@
 #include <algorithm>
 #include <chrono>
 #include <cstdio>
+#include <map>
+#include <set>
 
 #include "server/coordinator/policy_engine.h"
 
@@ -27,6 +29,34 @@ std::string StateName(v1::JobState s) {
 
 // Progress is persisted at most this often per job; state changes and checkpoints always are.
 constexpr int64_t kProgressPersistMs = 1000;
+
+// A version's patches are applied in order, field by field, so a field that a later patch with
+// the same `layer` pattern sets again can never show: drop it, and drop patches left empty.
+// Exact, needs no layer catalog, and keeps 1000 updates of one pattern at one patch.
+void CompactPatches(google::protobuf::RepeatedPtrField<v1::LayerPatch>* patches) {
+  std::map<std::string, std::set<int>> set_later;  // pattern -> field numbers set further on
+  std::vector<v1::LayerPatch> kept;
+  for (int i = patches->size() - 1; i >= 0; --i) {
+    v1::LayerPatch p = patches->Get(i);
+    const auto* reflection = p.GetReflection();
+    std::vector<const google::protobuf::FieldDescriptor*> fields;
+    reflection->ListFields(p, &fields);
+    std::set<int>& later = set_later[p.layer()];
+    bool any = false;
+    for (const auto* f : fields) {
+      if (f->number() == v1::LayerPatch::kLayerFieldNumber) continue;
+      if (later.count(f->number())) {
+        reflection->ClearField(&p, f);
+      } else {
+        later.insert(f->number());
+        any = true;
+      }
+    }
+    if (any) kept.push_back(std::move(p));
+  }
+  patches->Clear();
+  for (auto it = kept.rbegin(); it != kept.rend(); ++it) *patches->Add() = std::move(*it);
+}
 
 }  // namespace
 
@@ -330,6 +360,13 @@ absl::StatusOr<v1::Policy> Coordinator::AddPolicyVersion(JobRec& rec,
   // step any rank has reported, by the job's margin.
   next.set_effective_step(rec.job.progress().step() + rec.spec.policy.margin);
   for (const auto& p : patches) *next.add_patches() = p;
+  CompactPatches(next.mutable_patches());
+  if (next.patches_size() > kMaxPatchesPerVersion) {
+    return absl::ResourceExhaustedError(
+        "patches: policy v" + std::to_string(next.version()) + " would hold " +
+        std::to_string(next.patches_size()) + " patches after compaction, at most " +
+        std::to_string(kMaxPatchesPerVersion) + "; patch broader globs or fewer distinct layers");
+  }
   next.set_reason(reason);
   next.set_author(author);
   next.set_created_unix_ms(clock_->NowMs());
@@ -370,6 +407,11 @@ absl::StatusOr<v1::UpdatePolicyResponse> Coordinator::UpdatePolicy(
     const v1::UpdatePolicyRequest& request) {
   if (request.patches_size() == 0) {
     return absl::InvalidArgumentError("patches: at least one layer patch is required");
+  }
+  if (request.patches_size() > kMaxPatchesPerUpdate) {
+    return absl::InvalidArgumentError("patches: at most " + std::to_string(kMaxPatchesPerUpdate) +
+                                      " per update (" + std::to_string(request.patches_size()) +
+                                      ")");
   }
   std::vector<v1::LayerPatch> patches;
   for (int i = 0; i < request.patches_size(); ++i) {
@@ -617,7 +659,21 @@ void Coordinator::TrySchedule(Outbox& out) {
       a->set_resume_step(rec->job.progress().checkpoint_step());
       a->set_checkpoint_path(rec->spec.checkpoint.dir);
       *a->mutable_policy() = rec->policies.back();
-      for (const auto& p : rec->policies) *a->add_policy_history() = p;
+      // Only what the rank can still need: the version in force at its resume step and those
+      // after it. Every version since v1 grew without bound and past gRPC's message limit.
+      size_t first = 0;
+      for (size_t v = 0; v < rec->policies.size(); ++v) {
+        if (rec->policies[v].effective_step() <= rec->job.progress().checkpoint_step()) first = v;
+      }
+      for (size_t v = first; v < rec->policies.size(); ++v) {
+        // Of versions sharing an effective step only the newest is ever in force (a stalled job
+        // gives every update the same step).
+        if (v + 1 < rec->policies.size() &&
+            rec->policies[v + 1].effective_step() == rec->policies[v].effective_step()) {
+          continue;
+        }
+        *a->add_policy_history() = rec->policies[v];
+      }
       *a->mutable_peers() = rec->job.ranks();
       out.emplace_back(idle[r]->sink, std::move(m));
     }

@@ -36,6 +36,11 @@ class SessionSink {
   virtual void Send(const v1::CoordinatorMessage& message) = 0;
 };
 
+// Bounds on policy updates: patches in one UpdatePolicy, and patches a version may hold after
+// compaction (a version travels whole in every Policy message and Assignment).
+inline constexpr int kMaxPatchesPerUpdate = 256;
+inline constexpr int kMaxPatchesPerVersion = 4096;
+
 struct CoordinatorOptions {
   int heartbeat_interval_ms = 1000;  // told to workers at Register
   int heartbeat_timeout_ms = 10000;  // silence after which a worker is declared dead and fenced

@@ -141,6 +141,14 @@ struct JobRunner::Impl {
   // Registers every policy version of the job the coordinator knows, so a resumed attempt
   // applies the one in force at its start step and queues the later ones.
   void LoadPolicyVersions() {
+    // The assignment carries the version in force at the resume step and every later one.
+    if (a.policy_history_size() > 0) {
+      std::lock_guard<std::mutex> lock(r.mu_);
+      for (const auto& p : a.policy_history()) r.policies_.emplace(p.version(), p);
+      r.policies_.emplace(a.policy().version(), a.policy());
+      return;
+    }
+    // An assignment without history (an older coordinator): ask for the versions.
     auto stub = v1::PolicyService::NewStub(r.connection_->channel());
     v1::ListPolicyVersionsRequest req;
     req.set_job_id(a.job_id());
