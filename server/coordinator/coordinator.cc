@@ -494,6 +494,28 @@ absl::StatusOr<v1::RegisterResponse> Coordinator::Register(const v1::RegisterReq
   return response;
 }
 
+absl::Status Coordinator::Leave(const v1::LeaveRequest& request) {
+  Outbox out;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    if (shutdown_) return absl::UnavailableError("coordinator shutting down");
+    auto it = workers_.find(request.worker_id());
+    if (it == workers_.end()) {
+      return absl::NotFoundError("worker_id: not registered (" + request.worker_id() + ")");
+    }
+    WorkerRec& w = it->second;
+    if (request.generation() != w.info.generation() || !w.fenced_reason.empty()) {
+      return FencedError(request.worker_id(), request.generation(), w.info.generation(),
+                         w.fenced_reason);
+    }
+    DeclareDead(w, "left (" + (request.reason().empty() ? "shutdown" : request.reason()) + ")",
+                out);
+    TrySchedule(out);
+  }
+  Flush(out);
+  return absl::OkStatus();
+}
+
 absl::Status Coordinator::OpenSession(const std::string& worker_id, uint64_t generation,
                                       std::shared_ptr<SessionSink> sink) {
   Outbox out;
@@ -945,12 +967,19 @@ absl::Status Coordinator::FencedError(const std::string& worker_id, uint64_t gen
 }
 
 void Coordinator::Shutdown() {
+  std::vector<std::shared_ptr<SessionSink>> sinks;
   {
     std::lock_guard<std::mutex> lock(mu_);
     shutdown_ = true;
+    for (auto& [id, w] : workers_) {
+      if (w.sink) sinks.push_back(w.sink);
+    }
   }
   changed_.notify_all();
   kv_.Shutdown();
+  // Session streams otherwise stay open until the server's grace period ends. Workers reconnect
+  // (with backoff) to the next coordinator.
+  for (const auto& sink : sinks) sink->End();
 }
 
 }  // namespace geofp8

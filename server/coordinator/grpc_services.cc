@@ -207,8 +207,13 @@ class PolicyServiceImpl final : public v1::PolicyService::Service {
 // thread's Read (gRPC allows one reader and one writer); writers serialize on mu_.
 class StreamSink : public SessionSink {
  public:
-  explicit StreamSink(grpc::ServerReaderWriter<v1::CoordinatorMessage, v1::WorkerMessage>* s)
-      : stream_(s) {}
+  StreamSink(grpc::ServerContext* ctx,
+             grpc::ServerReaderWriter<v1::CoordinatorMessage, v1::WorkerMessage>* s)
+      : ctx_(ctx), stream_(s) {}
+  void End() override {
+    std::lock_guard<std::mutex> lock(mu_);
+    if (stream_) ctx_->TryCancel();  // the handler's Read returns false
+  }
   void Send(const v1::CoordinatorMessage& message) override {
     std::lock_guard<std::mutex> lock(mu_);
     if (stream_) stream_->Write(message);
@@ -220,6 +225,7 @@ class StreamSink : public SessionSink {
 
  private:
   std::mutex mu_;
+  grpc::ServerContext* ctx_;
   grpc::ServerReaderWriter<v1::CoordinatorMessage, v1::WorkerMessage>* stream_;
 };
 
@@ -230,6 +236,10 @@ class WorkerServiceImpl final : public v1::WorkerService::Service {
                         v1::RegisterResponse* resp) override {
     return k_->Call("WorkerService/Register", ctx, true,
                     [&] { return Common::Reply(k_->c_->Register(*req), resp); });
+  }
+  grpc::Status Leave(grpc::ServerContext* ctx, const v1::LeaveRequest* req,
+                     v1::LeaveResponse*) override {
+    return k_->Call("WorkerService/Leave", ctx, true, [&] { return ToGrpc(k_->c_->Leave(*req)); });
   }
   grpc::Status ListWorkers(grpc::ServerContext* ctx, const v1::ListWorkersRequest*,
                            v1::ListWorkersResponse* resp) override {
@@ -250,7 +260,7 @@ class WorkerServiceImpl final : public v1::WorkerService::Service {
       return grpc::Status(grpc::StatusCode::INVALID_ARGUMENT,
                           "session: stream ended before the first message");
     }
-    auto sink = std::make_shared<StreamSink>(stream);
+    auto sink = std::make_shared<StreamSink>(ctx, stream);
     const std::string id = message.worker_id();
     const uint64_t generation = message.generation();
     absl::Status status = k_->c_->OpenSession(id, generation, sink);
