@@ -122,8 +122,12 @@ Response Respond(std::string_view head, const MetricsServer::Render& render) {
     }
   }
   std::string_view path = target.substr(0, target.find('?'));
-  if (path != "/metrics") return Error(404, "Not Found");
-  const bool head_only = method == "HEAD";
+  const bool head_only = method == "HEAD";  // a response to HEAD never has a body (RFC 9110)
+  if (path != "/metrics") {
+    Response r = Error(404, "Not Found");
+    r.head_only = head_only;
+    return r;
+  }
   if (method != "GET" && !head_only) {
     Response r = Error(405, "Method Not Allowed");
     r.extra_headers = "Allow: GET, HEAD\r\n";

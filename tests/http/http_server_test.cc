@@ -124,7 +124,10 @@ TEST(HttpServerTest, OtherPathsAre404AndOtherMethods405) {
   for (const char* path : {"/", "/metricsx", "/metrics/", "/favicon.ico", "/../metrics", "//"}) {
     EXPECT_EQ(StatusCode(Get(server.port(), path)), 404) << path;
   }
-  EXPECT_EQ(StatusCode(Exchange(server.port(), "HEAD / HTTP/1.1\r\n\r\n")), 404);
+  const std::string head404 = Exchange(server.port(), "HEAD / HTTP/1.1\r\n\r\n");
+  EXPECT_EQ(StatusCode(head404), 404);
+  EXPECT_EQ(Header(head404, "Content-Length"), "14");  // of the body a GET would get
+  EXPECT_EQ(Body(head404), "");
   for (const char* method : {"POST", "PUT", "DELETE", "OPTIONS", "TRACE", "PATCH", "BREW"}) {
     const std::string r =
         Exchange(server.port(), std::string(method) + " /metrics HTTP/1.1\r\nHost: x\r\n\r\n");
