@@ -182,7 +182,8 @@ int main(int argc, char** argv) {
   while (read(g_signal_pipe[0], &sig, sizeof sig) < 0 && errno == EINTR) {
   }
   geofp8::worker::Log(std::string(sig == SIGTERM ? "SIGTERM" : "SIGINT") + " received, shutting down");
-  if (!worker.Shutdown(std::chrono::milliseconds(grace_ms), sig == SIGTERM ? "SIGTERM" : "SIGINT")) {
+  const char* signal_name = sig == SIGTERM ? "SIGTERM" : "SIGINT";
+  if (!worker.Shutdown(std::chrono::milliseconds(grace_ms), signal_name)) {
     std::fflush(stdout);
     std::_Exit(0);
   }
