@@ -1,10 +1,14 @@
 // geofp8ctl: the command-line client of the coordinator, in the kubectl manner
 // (submit, get, describe, watch, policy, cancel). Every call carries a deadline.
+#include <fcntl.h>
 #include <grpcpp/grpcpp.h>
+#include <sys/stat.h>
 #include <unistd.h>
 
+#include <cerrno>
 #include <chrono>
 #include <cstdio>
+#include <cstring>
 #include <fstream>
 #include <iostream>
 #include <sstream>
@@ -71,13 +75,53 @@ int FromStatus(const grpc::Status& s, const Globals& g) {
   }
 }
 
-bool ReadFile(const std::string& path, std::string* out) {
-  std::ifstream in(path, std::ios::binary);
-  if (!in) return false;
-  std::ostringstream os;
-  os << in.rdbuf();
-  *out = os.str();
-  return true;
+// Largest file geofp8ctl reads (specs, patches, PEM files): a spec is a few KB, and a bound keeps
+// `-f /dev/zero` or a wrong multi-GB path from hanging or exhausting memory.
+constexpr size_t kMaxFileBytes = 4 << 20;
+
+// Reads a regular file (or a pipe, or /dev/stdin) of at most kMaxFileBytes. Returns "" or the
+// error line "FLAG: problem (PATH)".
+std::string ReadFile(const std::string& flag, const std::string& path, std::string* out) {
+  const int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
+  if (fd < 0) return flag + ": cannot read " + path + ": " + std::strerror(errno);
+  struct stat st {};
+  if (::fstat(fd, &st) == 0 && S_ISDIR(st.st_mode)) {
+    ::close(fd);
+    return flag + ": is a directory, expected a file (" + path + ")";
+  }
+  out->clear();
+  char buf[65536];
+  for (;;) {
+    const ssize_t n = ::read(fd, buf, sizeof buf);
+    if (n < 0 && errno == EINTR) continue;
+    if (n < 0) {
+      const int err = errno;
+      ::close(fd);
+      return flag + ": cannot read " + path + ": " + std::strerror(err);
+    }
+    if (n == 0) break;
+    if (out->size() + size_t(n) > kMaxFileBytes) {
+      ::close(fd);
+      return flag + ": larger than " + std::to_string(kMaxFileBytes >> 20) + " MiB (" + path + ")";
+    }
+    out->append(buf, size_t(n));
+  }
+  ::close(fd);
+  return "";
+}
+
+// A PEM file must hold at least one block of `kind` ("CERTIFICATE", "PRIVATE KEY"); gRPC would
+// otherwise fail the first call as "unreachable" (exit 4) instead of naming the file.
+std::string ReadPem(const std::string& flag, const std::string& path, const std::string& kind,
+                    std::string* out) {
+  if (std::string e = ReadFile(flag, path, out); !e.empty()) return e;
+  const size_t begin = out->find("-----BEGIN ");
+  const size_t end = out->find("-----END ");
+  if (begin == std::string::npos || end == std::string::npos || end < begin ||
+      out->find(kind + "-----", begin) == std::string::npos) {
+    return flag + ": not a PEM file with a " + kind + " block (" + path + ")";
+  }
+  return "";
 }
 
 class Client {
@@ -88,17 +132,16 @@ class Client {
     std::shared_ptr<grpc::ChannelCredentials> creds = grpc::InsecureChannelCredentials();
     if (!g_.tls_ca.empty() || !g_.tls_cert.empty()) {
       grpc::SslCredentialsOptions ssl;
-      if (!g_.tls_ca.empty() && !ReadFile(g_.tls_ca, &ssl.pem_root_certs)) {
-        return Error(kUsage, "--tls-ca: cannot read " + g_.tls_ca);
+      if (!g_.tls_ca.empty()) {
+        std::string e = ReadPem("--tls-ca", g_.tls_ca, "CERTIFICATE", &ssl.pem_root_certs);
+        if (!e.empty()) return Error(kUsage, e);
       }
       if (!g_.tls_cert.empty()) {
         if (g_.tls_key.empty()) return Error(kUsage, "--tls-key: required with --tls-cert");
-        if (!ReadFile(g_.tls_cert, &ssl.pem_cert_chain)) {
-          return Error(kUsage, "--tls-cert: cannot read " + g_.tls_cert);
-        }
-        if (!ReadFile(g_.tls_key, &ssl.pem_private_key)) {
-          return Error(kUsage, "--tls-key: cannot read " + g_.tls_key);
-        }
+        std::string e = ReadPem("--tls-cert", g_.tls_cert, "CERTIFICATE", &ssl.pem_cert_chain);
+        if (!e.empty()) return Error(kUsage, e);
+        e = ReadPem("--tls-key", g_.tls_key, "PRIVATE KEY", &ssl.pem_private_key);
+        if (!e.empty()) return Error(kUsage, e);
       }
       creds = grpc::SslCredentials(ssl);
     }
@@ -134,7 +177,11 @@ class Client {
   int Submit(const std::string& file, const std::string& key) {
     v1::SubmitJobRequest req;
     std::string spec;
-    if (!ReadFile(file, &spec)) return Error(kUsage, "-f: cannot read " + file);
+    if (std::string e = ReadFile("-f", file, &spec); !e.empty()) return Error(kUsage, e);
+    // gRPC strings must be UTF-8; say so here rather than have protobuf refuse the request.
+    if (const size_t bad = InvalidUtf8At(spec); bad != std::string::npos) {
+      return Error(kUsage, "-f: invalid UTF-8 at byte " + std::to_string(bad) + " (" + file + ")");
+    }
     req.set_spec_yaml(spec);
     req.set_idempotency_key(key);
     v1::SubmitJobResponse resp;
@@ -312,7 +359,11 @@ int Run(int argc, char** argv) {
       "4 server unreachable or deadline exceeded, 5 rejected by the server, 6 unauthenticated.");
   app.add_option("-s,--server", g.server, "Coordinator address (env GEOFP8_SERVER)")
       ->capture_default_str();
-  app.add_option("--token", g.token, "Bearer token for mutating calls (env GEOFP8_TOKEN)");
+  std::string token_flag, token_file;
+  app.add_option("--token", token_flag,
+                 "Bearer token for mutating calls (visible in ps: prefer --token-file or env "
+                 "GEOFP8_TOKEN)");
+  app.add_option("--token-file", token_file, "File whose first line is the bearer token");
   app.add_option("--tls-ca", g.tls_ca, "PEM CA that signed the server certificate (enables TLS)");
   app.add_option("--tls-cert", g.tls_cert, "PEM client certificate for mutual TLS");
   app.add_option("--tls-key", g.tls_key, "PEM key of --tls-cert");
@@ -327,7 +378,7 @@ int Run(int argc, char** argv) {
   std::string file, key, id, reason, layer;
   std::vector<std::string> states;
   int limit = 0;
-  uint64_t version = 0;
+  int64_t version = 0;  // signed: CLI11 would wrap -1 into 2^64-1
 
   auto* submit = app.add_subcommand("submit", "Submit a job spec (YAML)");
   submit->add_option("-f,--file", file, "Job spec file")->required();
@@ -397,6 +448,24 @@ int Run(int argc, char** argv) {
     std::fprintf(stderr, "run 'geofp8ctl --help' for usage\n");
     return kUsage;
   }
+  if (!token_flag.empty()) {
+    std::fprintf(stderr,
+                 "geofp8ctl: warning: --token: other users can read it in the process list; use "
+                 "--token-file or GEOFP8_TOKEN\n");
+    g.token = token_flag;
+  }
+  if (!token_file.empty()) {
+    std::string text;
+    if (std::string e = ReadFile("--token-file", token_file, &text); !e.empty()) {
+      return Error(kUsage, e);
+    }
+    g.token = text.substr(0, text.find_first_of("\r\n"));
+    if (g.token.empty())
+      return Error(kUsage, "--token-file: first line is empty (" + token_file + ")");
+  }
+  if (version < 0) {
+    return Error(kUsage, "--version: must be >= 0, 0 = latest (" + std::to_string(version) + ")");
+  }
 
   // Local validation before any network call: a usage error never needs the server.
   std::vector<LayerPatchSpec> patches;
@@ -440,7 +509,7 @@ int Run(int argc, char** argv) {
   }
   if (*policy_apply) {
     std::string text;
-    if (!ReadFile(file, &text)) return Error(kUsage, "-f: cannot read " + file);
+    if (std::string e = ReadFile("-f", file, &text); !e.empty()) return Error(kUsage, e);
     auto parsed = ParsePolicyPatch(text);
     if (!parsed.ok()) return Error(kUsage, file + ": " + std::string(parsed.status().message()));
     patches = parsed->layers;

@@ -207,8 +207,11 @@ std::string DescribeJob(const v1::Job& j, const v1::Policy* policy, int64_t now_
   os << "Job:          " << j.id() << "\n"
      << "Name:         " << j.name() << "\n"
      << "State:        " << StateName(j.state()) << "\n"
-     << "Reason:       " << j.reason() << "\n"
-     << "World size:   " << j.world_size() << "\n"
+     << "Reason:       " << j.reason() << "\n";
+  if (j.state() == v1::JOB_PENDING && !j.scheduling().empty()) {
+    os << "Scheduling:   " << j.scheduling() << "\n";
+  }
+  os << "World size:   " << j.world_size() << "\n"
      << "Attempt:      " << j.attempt() << "  (restarts " << j.restarts() << "/" << j.max_restarts()
      << ")\n"
      << "Progress:     step " << pr.step() << "/" << pr.total_steps() << ", loss "

@@ -3,6 +3,7 @@
 
 #include <cstdio>
 #include <cstring>
+#include <filesystem>
 #include <fstream>
 #include <sstream>
 
@@ -74,6 +75,11 @@ CodecOptions ToOptions(const CodecFlags& f) {
 }
 
 std::vector<uint8_t> ReadBytes(const std::string& path, const std::string& field) {
+  // An ifstream opens a directory, and its tellg() then reports a size that ends in bad_alloc.
+  std::error_code ec;
+  if (std::filesystem::is_directory(path, ec)) {
+    UsageError(field, "is a directory, expected a file (" + path + ")");
+  }
   std::ifstream is(path, std::ios::binary | std::ios::ate);
   if (!is) RuntimeError(field, "cannot open file (" + path + ")");
   const std::streamoff size = is.tellg();

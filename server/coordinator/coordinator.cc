@@ -5,6 +5,8 @@
 #include <algorithm>
 #include <chrono>
 #include <cstdio>
+#include <map>
+#include <set>
 
 #include "server/coordinator/policy_engine.h"
 
@@ -28,6 +30,34 @@ std::string StateName(v1::JobState s) {
 // Progress is persisted at most this often per job; state changes and checkpoints always are.
 constexpr int64_t kProgressPersistMs = 1000;
 
+// A version's patches are applied in order, field by field, so a field that a later patch with
+// the same `layer` pattern sets again can never show: drop it, and drop patches left empty.
+// Exact, needs no layer catalog, and keeps 1000 updates of one pattern at one patch.
+void CompactPatches(google::protobuf::RepeatedPtrField<v1::LayerPatch>* patches) {
+  std::map<std::string, std::set<int>> set_later;  // pattern -> field numbers set further on
+  std::vector<v1::LayerPatch> kept;
+  for (int i = patches->size() - 1; i >= 0; --i) {
+    v1::LayerPatch p = patches->Get(i);
+    const auto* reflection = p.GetReflection();
+    std::vector<const google::protobuf::FieldDescriptor*> fields;
+    reflection->ListFields(p, &fields);
+    std::set<int>& later = set_later[p.layer()];
+    bool any = false;
+    for (const auto* f : fields) {
+      if (f->number() == v1::LayerPatch::kLayerFieldNumber) continue;
+      if (later.count(f->number())) {
+        reflection->ClearField(&p, f);
+      } else {
+        later.insert(f->number());
+        any = true;
+      }
+    }
+    if (any) kept.push_back(std::move(p));
+  }
+  patches->Clear();
+  for (auto it = kept.rbegin(); it != kept.rend(); ++it) *patches->Add() = std::move(*it);
+}
+
 }  // namespace
 
 Clock* SystemClock() {
@@ -36,7 +66,11 @@ Clock* SystemClock() {
 }
 
 Coordinator::Coordinator(Store* store, Clock* clock, CoordinatorOptions options)
-    : store_(store), clock_(clock), options_(options) {}
+    : store_(store), clock_(clock), options_(options) {
+  // Rendezvous is for the ranks of a live attempt only (opened when scheduled, cleared when the
+  // attempt ends), so keys of unknown or finished jobs cannot pile up.
+  if (!options_.kv_any_job) kv_.RequireOpenJobs();
+}
 
 Coordinator::~Coordinator() { Shutdown(); }
 
@@ -133,6 +167,7 @@ void Coordinator::SetState(JobRec& rec, v1::JobState state, const std::string& r
   const int64_t now = clock_->NowMs();
   rec.job.set_state(state);
   rec.job.set_reason(reason);
+  if (state != v1::JOB_PENDING) rec.job.clear_scheduling();
   rec.job.set_updated_unix_ms(now);
   v1::JobEvent event;
   event.set_unix_ms(now);
@@ -325,6 +360,13 @@ absl::StatusOr<v1::Policy> Coordinator::AddPolicyVersion(JobRec& rec,
   // step any rank has reported, by the job's margin.
   next.set_effective_step(rec.job.progress().step() + rec.spec.policy.margin);
   for (const auto& p : patches) *next.add_patches() = p;
+  CompactPatches(next.mutable_patches());
+  if (next.patches_size() > kMaxPatchesPerVersion) {
+    return absl::ResourceExhaustedError(
+        "patches: policy v" + std::to_string(next.version()) + " would hold " +
+        std::to_string(next.patches_size()) + " patches after compaction, at most " +
+        std::to_string(kMaxPatchesPerVersion) + "; patch broader globs or fewer distinct layers");
+  }
   next.set_reason(reason);
   next.set_author(author);
   next.set_created_unix_ms(clock_->NowMs());
@@ -366,6 +408,11 @@ absl::StatusOr<v1::UpdatePolicyResponse> Coordinator::UpdatePolicy(
   if (request.patches_size() == 0) {
     return absl::InvalidArgumentError("patches: at least one layer patch is required");
   }
+  if (request.patches_size() > kMaxPatchesPerUpdate) {
+    return absl::InvalidArgumentError("patches: at most " + std::to_string(kMaxPatchesPerUpdate) +
+                                      " per update (" + std::to_string(request.patches_size()) +
+                                      ")");
+  }
   std::vector<v1::LayerPatch> patches;
   for (int i = 0; i < request.patches_size(); ++i) {
     auto spec = FromProto(request.patches(i), "patches[" + std::to_string(i) + "]");
@@ -406,9 +453,20 @@ absl::StatusOr<v1::RegisterResponse> Coordinator::Register(const v1::RegisterReq
   {
     std::lock_guard<std::mutex> lock(mu_);
     if (shutdown_) return absl::UnavailableError("coordinator shutting down");
+    auto it = workers_.find(request.name());
+    // A name held by a live session belongs to a running process: a second process under the
+    // same name would fence it, be fenced in turn when it re-registers, and so on for ever. A
+    // restarted process gets the name once the old session ends (its stream breaks when the
+    // process dies) or is declared dead.
+    if (it != workers_.end() && it->second.fenced_reason.empty() && it->second.sink) {
+      const v1::Worker& held = it->second.info;
+      return absl::AlreadyExistsError(
+          "name: " + request.name() + " is held by a live session (generation " +
+          std::to_string(held.generation()) + ", host " + held.host() +
+          "); each worker process needs its own --name");
+    }
     auto gen = store_->NextGeneration(request.name());
     if (!gen.ok()) return gen.status();
-    auto it = workers_.find(request.name());
     if (it != workers_.end() && it->second.fenced_reason.empty()) {
       // A new generation replaces the old one, which is fenced from now on.
       DeclareDead(it->second, "re-registered as generation " + std::to_string(*gen), out);
@@ -434,6 +492,28 @@ absl::StatusOr<v1::RegisterResponse> Coordinator::Register(const v1::RegisterReq
   }
   Flush(out);
   return response;
+}
+
+absl::Status Coordinator::Leave(const v1::LeaveRequest& request) {
+  Outbox out;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    if (shutdown_) return absl::UnavailableError("coordinator shutting down");
+    auto it = workers_.find(request.worker_id());
+    if (it == workers_.end()) {
+      return absl::NotFoundError("worker_id: not registered (" + request.worker_id() + ")");
+    }
+    WorkerRec& w = it->second;
+    if (request.generation() != w.info.generation() || !w.fenced_reason.empty()) {
+      return FencedError(request.worker_id(), request.generation(), w.info.generation(),
+                         w.fenced_reason);
+    }
+    DeclareDead(w, "left (" + (request.reason().empty() ? "shutdown" : request.reason()) + ")",
+                out);
+    TrySchedule(out);
+  }
+  Flush(out);
+  return absl::OkStatus();
 }
 
 absl::Status Coordinator::OpenSession(const std::string& worker_id, uint64_t generation,
@@ -533,21 +613,45 @@ void Coordinator::FailAttempt(JobRec& rec, const std::string& reason, bool resta
 }
 
 void Coordinator::TrySchedule(Outbox& out) {
+  std::string blocked_by;  // the first job that fits the fleet but waits for busy workers
   for (JobRec* rec : job_order_) {
     if (rec->job.state() != v1::JOB_PENDING) continue;
     // NCCL ranks need a GPU; Gloo ranks run anywhere.
     const bool needs_gpu = rec->spec.backend == "nccl";
     std::vector<WorkerRec*> idle;
+    int able = 0;  // connected workers that could run a rank of this job, idle or busy
     for (auto& [id, w] : workers_) {
-      if (w.info.state() == v1::WORKER_IDLE && w.sink && w.fenced_reason.empty() &&
-          (!needs_gpu || w.info.device().rfind("cuda", 0) == 0)) {
-        idle.push_back(&w);
+      if (!w.sink || !w.fenced_reason.empty() ||
+          (needs_gpu && w.info.device().rfind("cuda", 0) != 0)) {
+        continue;
       }
+      ++able;
+      if (w.info.state() == v1::WORKER_IDLE) idle.push_back(&w);
     }
     const int world = rec->job.world_size();
-    // First come, first served: a job that does not fit blocks later ones, so large jobs are
-    // never starved by a stream of small ones.
-    if (static_cast<int>(idle.size()) < world) return;
+    const std::string kind = needs_gpu ? " with a CUDA device" : "";
+    if (able < world) {
+      // No finishing job can make room for this one: waiting for it would stall every later
+      // job (head-of-line blocking), so it is passed over until enough workers connect.
+      rec->job.set_scheduling("cannot be placed: needs " + std::to_string(world) + " workers" +
+                              kind + ", " + std::to_string(able) + " connected" +
+                              (needs_gpu ? " (backend nccl)" : "") + "; later jobs go first");
+      continue;
+    }
+    // First come, first served among jobs that fit the fleet: one that waits for busy workers
+    // blocks later ones, so large jobs are never starved by a stream of small ones.
+    if (!blocked_by.empty()) {
+      rec->job.set_scheduling("queued behind " + blocked_by + " (first come, first served)");
+      continue;
+    }
+    if (static_cast<int>(idle.size()) < world) {
+      rec->job.set_scheduling("waiting for " + std::to_string(world) + " idle workers" + kind +
+                              " (" + std::to_string(idle.size()) + " idle of " +
+                              std::to_string(able) + ")");
+      blocked_by = rec->job.id();
+      continue;
+    }
+    rec->job.clear_scheduling();
     rec->ranks.clear();
     rec->job.clear_ranks();
     for (int r = 0; r < world; ++r) {
@@ -577,12 +681,27 @@ void Coordinator::TrySchedule(Outbox& out) {
       a->set_resume_step(rec->job.progress().checkpoint_step());
       a->set_checkpoint_path(rec->spec.checkpoint.dir);
       *a->mutable_policy() = rec->policies.back();
-      for (const auto& p : rec->policies) *a->add_policy_history() = p;
+      // Only what the rank can still need: the version in force at its resume step and those
+      // after it. Every version since v1 grew without bound and past gRPC's message limit.
+      size_t first = 0;
+      for (size_t v = 0; v < rec->policies.size(); ++v) {
+        if (rec->policies[v].effective_step() <= rec->job.progress().checkpoint_step()) first = v;
+      }
+      for (size_t v = first; v < rec->policies.size(); ++v) {
+        // Of versions sharing an effective step only the newest is ever in force (a stalled job
+        // gives every update the same step).
+        if (v + 1 < rec->policies.size() &&
+            rec->policies[v + 1].effective_step() == rec->policies[v].effective_step()) {
+          continue;
+        }
+        *a->add_policy_history() = rec->policies[v];
+      }
       *a->mutable_peers() = rec->job.ranks();
       out.emplace_back(idle[r]->sink, std::move(m));
     }
     std::string workers;
     for (int r = 0; r < world; ++r) workers += (r ? ", " : "") + idle[r]->info.id();
+    kv_.Open(rec->job.id());  // before the assignments leave (the Outbox is sent after this)
     SetState(*rec, v1::JOB_SCHEDULED,
              "assigned ranks 0.." + std::to_string(world - 1) + " to " + workers);
   }
@@ -848,12 +967,19 @@ absl::Status Coordinator::FencedError(const std::string& worker_id, uint64_t gen
 }
 
 void Coordinator::Shutdown() {
+  std::vector<std::shared_ptr<SessionSink>> sinks;
   {
     std::lock_guard<std::mutex> lock(mu_);
     shutdown_ = true;
+    for (auto& [id, w] : workers_) {
+      if (w.sink) sinks.push_back(w.sink);
+    }
   }
   changed_.notify_all();
   kv_.Shutdown();
+  // Session streams otherwise stay open until the server's grace period ends. Workers reconnect
+  // (with backoff) to the next coordinator.
+  for (const auto& sink : sinks) sink->End();
 }
 
 }  // namespace geofp8

@@ -34,11 +34,22 @@ class SessionSink {
  public:
   virtual ~SessionSink() = default;
   virtual void Send(const v1::CoordinatorMessage& message) = 0;
+  // Ends the stream from the coordinator's side (shutdown), so that its handler returns now
+  // instead of when the worker next writes or the server's grace runs out.
+  virtual void End() {}
 };
+
+// Bounds on policy updates: patches in one UpdatePolicy, and patches a version may hold after
+// compaction (a version travels whole in every Policy message and Assignment).
+inline constexpr int kMaxPatchesPerUpdate = 256;
+inline constexpr int kMaxPatchesPerVersion = 4096;
 
 struct CoordinatorOptions {
   int heartbeat_interval_ms = 1000;  // told to workers at Register
   int heartbeat_timeout_ms = 10000;  // silence after which a worker is declared dead and fenced
+  // Serve the rendezvous KV for any job id, not only jobs with a live attempt. Off in production;
+  // for tests that drive the KV without running jobs (--debug-kv-any-job).
+  bool kv_any_job = false;
 };
 
 // Where a watcher stands in a job's change stream.
@@ -75,6 +86,8 @@ class Coordinator {
 
   // --- WorkerService
   absl::StatusOr<v1::RegisterResponse> Register(const v1::RegisterRequest& request);
+  // The worker's generation leaves on purpose: fenced at once, and its job's attempt fails over.
+  absl::Status Leave(const v1::LeaveRequest& request);
   // Attaches the stream of (worker_id, generation). FAILED_PRECONDITION if fenced or unknown.
   absl::Status OpenSession(const std::string& worker_id, uint64_t generation,
                            std::shared_ptr<SessionSink> sink);

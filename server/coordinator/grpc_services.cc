@@ -5,20 +5,85 @@
 #include <grpcpp/grpcpp.h>
 #include <grpcpp/health_check_service_interface.h>
 #include <grpcpp/security/server_credentials.h>
+#include <grpcpp/support/server_interceptor.h>
+#include <google/protobuf/stubs/logging.h>
 
 #include <chrono>
+#include <cstdio>
 #include <fstream>
+#include <mutex>
 #include <sstream>
+#include <utility>
 
 #include "geofp8/v1/geofp8.grpc.pb.h"
 
 namespace geofp8 {
 namespace {
 
+// The status message travels in the grpc-message trailer, percent-encoded (up to 3 bytes per
+// byte); a client drops trailers over 8 KiB and reports a transport error instead. Handlers keep
+// their messages short (job_spec.cc cuts its error list); this is the backstop.
+constexpr size_t kMaxStatusMessageBytes = 2600;
+
 grpc::Status ToGrpc(const absl::Status& s) {
   if (s.ok()) return grpc::Status::OK;
-  return grpc::Status(static_cast<grpc::StatusCode>(s.code()), std::string(s.message()));
+  std::string message(s.message());
+  if (message.size() > kMaxStatusMessageBytes) {
+    const size_t full = message.size();
+    message.resize(kMaxStatusMessageBytes);
+    message += "... (cut, " + std::to_string(full) + " bytes in all)";
+  }
+  return grpc::Status(static_cast<grpc::StatusCode>(s.code()), message);
 }
+
+// Protobuf rejects a request whose string field holds invalid UTF-8 before any handler runs, and
+// gRPC then answers INTERNAL with an empty message. Protobuf names the field only in a log line:
+// the log handler keeps that name for the thread (the sync server parses the request and sends
+// its status on one thread), and the interceptor turns the answer into INVALID_ARGUMENT naming it.
+thread_local std::string t_invalid_utf8_field;
+
+void ProtobufLog(google::protobuf::LogLevel level, const char* file, int line,
+                 const std::string& message) {
+  static const std::string kPrefix = "String field '";
+  if (message.rfind(kPrefix, 0) == 0 &&
+      message.find("invalid UTF-8 data when parsing") != std::string::npos) {
+    std::string field = message.substr(kPrefix.size(), message.find('\'', kPrefix.size()) -
+                                                           kPrefix.size());
+    if (field.rfind("geofp8.v1.", 0) == 0) field.erase(0, 10);
+    t_invalid_utf8_field = field;
+    return;  // the client is told; logging each bad request would let any client flood the log
+  }
+  static const char* const kLevels[] = {"INFO", "WARNING", "ERROR", "FATAL"};
+  std::fprintf(stderr, "[libprotobuf %s %s:%d] %s\n", kLevels[level & 3], file, line,
+               message.c_str());
+}
+
+class UnparsableRequestInterceptor final : public grpc::experimental::Interceptor {
+ public:
+  void Intercept(grpc::experimental::InterceptorBatchMethods* methods) override {
+    using grpc::experimental::InterceptionHookPoints;
+    if (methods->QueryInterceptionHookPoint(InterceptionHookPoints::PRE_SEND_STATUS)) {
+      const grpc::Status s = methods->GetSendStatus();
+      if (s.error_code() == grpc::StatusCode::INTERNAL && s.error_message().empty()) {
+        const std::string field = std::exchange(t_invalid_utf8_field, "");
+        methods->ModifySendStatus(grpc::Status(
+            grpc::StatusCode::INVALID_ARGUMENT,
+            field.empty() ? "request: not a valid geofp8.v1 message (are all strings UTF-8?)"
+                          : field + ": invalid UTF-8 (string fields must be UTF-8)"));
+      }
+    }
+    methods->Proceed();
+  }
+};
+
+class UnparsableRequestInterceptorFactory final
+    : public grpc::experimental::ServerInterceptorFactoryInterface {
+ public:
+  grpc::experimental::Interceptor* CreateServerInterceptor(
+      grpc::experimental::ServerRpcInfo*) override {
+    return new UnparsableRequestInterceptor;
+  }
+};
 
 // Shared by the four services: auth and instrumentation.
 class Common {
@@ -142,8 +207,13 @@ class PolicyServiceImpl final : public v1::PolicyService::Service {
 // thread's Read (gRPC allows one reader and one writer); writers serialize on mu_.
 class StreamSink : public SessionSink {
  public:
-  explicit StreamSink(grpc::ServerReaderWriter<v1::CoordinatorMessage, v1::WorkerMessage>* s)
-      : stream_(s) {}
+  StreamSink(grpc::ServerContext* ctx,
+             grpc::ServerReaderWriter<v1::CoordinatorMessage, v1::WorkerMessage>* s)
+      : ctx_(ctx), stream_(s) {}
+  void End() override {
+    std::lock_guard<std::mutex> lock(mu_);
+    if (stream_) ctx_->TryCancel();  // the handler's Read returns false
+  }
   void Send(const v1::CoordinatorMessage& message) override {
     std::lock_guard<std::mutex> lock(mu_);
     if (stream_) stream_->Write(message);
@@ -155,6 +225,7 @@ class StreamSink : public SessionSink {
 
  private:
   std::mutex mu_;
+  grpc::ServerContext* ctx_;
   grpc::ServerReaderWriter<v1::CoordinatorMessage, v1::WorkerMessage>* stream_;
 };
 
@@ -165,6 +236,10 @@ class WorkerServiceImpl final : public v1::WorkerService::Service {
                         v1::RegisterResponse* resp) override {
     return k_->Call("WorkerService/Register", ctx, true,
                     [&] { return Common::Reply(k_->c_->Register(*req), resp); });
+  }
+  grpc::Status Leave(grpc::ServerContext* ctx, const v1::LeaveRequest* req,
+                     v1::LeaveResponse*) override {
+    return k_->Call("WorkerService/Leave", ctx, true, [&] { return ToGrpc(k_->c_->Leave(*req)); });
   }
   grpc::Status ListWorkers(grpc::ServerContext* ctx, const v1::ListWorkersRequest*,
                            v1::ListWorkersResponse* resp) override {
@@ -185,7 +260,7 @@ class WorkerServiceImpl final : public v1::WorkerService::Service {
       return grpc::Status(grpc::StatusCode::INVALID_ARGUMENT,
                           "session: stream ended before the first message");
     }
-    auto sink = std::make_shared<StreamSink>(stream);
+    auto sink = std::make_shared<StreamSink>(ctx, stream);
     const std::string id = message.worker_id();
     const uint64_t generation = message.generation();
     absl::Status status = k_->c_->OpenSession(id, generation, sink);
@@ -303,6 +378,11 @@ absl::StatusOr<std::unique_ptr<CoordinatorServer>> CoordinatorServer::Start(
   builder.RegisterService(&impl->policies);
   builder.RegisterService(&impl->workers);
   builder.RegisterService(&impl->rendezvous);
+  static std::once_flag log_handler_once;
+  std::call_once(log_handler_once, [] { google::protobuf::SetLogHandler(ProtobufLog); });
+  std::vector<std::unique_ptr<grpc::experimental::ServerInterceptorFactoryInterface>> creators;
+  creators.push_back(std::make_unique<UnparsableRequestInterceptorFactory>());
+  builder.experimental().SetInterceptorCreators(std::move(creators));
   // Idle streams must not be cut by keepalive defaults; workers keep their sessions for days.
   builder.AddChannelArgument(GRPC_ARG_KEEPALIVE_PERMIT_WITHOUT_CALLS, 1);
   builder.AddChannelArgument(GRPC_ARG_HTTP2_MIN_RECV_PING_INTERVAL_WITHOUT_DATA_MS, 10000);

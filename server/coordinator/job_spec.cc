@@ -6,7 +6,9 @@
 
 #include <algorithm>
 #include <cmath>
+#include <filesystem>
 #include <limits>
+#include <map>
 #include <set>
 #include <sstream>
 
@@ -40,6 +42,14 @@ constexpr Vocabulary<Rounding> kRoundings{ParseRounding, AcceptedRoundings};
 constexpr Vocabulary<GeometryMode> kGeometries{ParseGeometryMode, AcceptedGeometryModes};
 constexpr Vocabulary<Algorithm> kAlgorithms{ParseAlgorithm, AcceptedAlgorithms};
 
+// A value quoted in an error: long values are cut, so that one huge scalar cannot crowd out the
+// other errors (the whole message must fit gRPC's 8 KiB metadata limit).
+std::string Clip(const std::string& value) {
+  constexpr size_t kMax = 64;
+  if (value.size() <= kMax) return value;
+  return value.substr(0, kMax) + "... (" + std::to_string(value.size()) + " bytes)";
+}
+
 // Collects errors while walking the document, each tagged with a path and a line.
 class Reader {
  public:
@@ -53,7 +63,7 @@ class Reader {
   }
 
   static std::string Show(const YAML::Node& node) {
-    if (node.IsScalar()) return node.Scalar();
+    if (node.IsScalar()) return Clip(node.Scalar());
     if (node.IsSequence()) return "a list";
     if (node.IsMap()) return "a mapping";
     return "null";
@@ -66,10 +76,17 @@ class Reader {
       Error(node, path, "expected a mapping (" + Show(node) + ")");
       return false;
     }
+    // yaml-cpp keeps every pair of a mapping, but node[key] finds only the first: a repeated
+    // key would be silently ignored, so it is an error, like an unknown one.
+    std::map<std::string, int> first_line;
     for (const auto& kv : node) {
       const std::string key = kv.first.IsScalar() ? kv.first.Scalar() : "?";
       if (std::find(allowed.begin(), allowed.end(), key) == allowed.end()) {
-        Error(kv.first, path + "." + key, "unknown field (accepted: " + Join(allowed, ", ") + ")");
+        Error(kv.first, path + "." + Clip(key),
+              "unknown field (accepted: " + Join(allowed, ", ") + ")");
+      } else if (auto [it, fresh] = first_line.emplace(key, kv.first.Mark().line + 1); !fresh) {
+        Error(kv.first, path + "." + key,
+              "duplicate key (first at line " + std::to_string(it->second) + ")");
       }
     }
     return true;
@@ -88,8 +105,7 @@ class Reader {
     try {
       *out = node.as<T>();
     } catch (const YAML::Exception&) {
-      Error(node, path + "." + key,
-            std::string("expected ") + expected + " (" + node.Scalar() + ")");
+      Error(node, path + "." + key, std::string("expected ") + expected + " (" + Show(node) + ")");
       return YAML::Node(YAML::NodeType::Undefined);
     }
     return node;
@@ -110,13 +126,13 @@ class Reader {
     if (!node.IsDefined()) return;
     if constexpr (std::is_floating_point_v<T>) {
       if (!std::isfinite(value)) {
-        Error(node, path + "." + key, "must be finite (" + node.Scalar() + ")");
+        Error(node, path + "." + key, "must be finite (" + Show(node) + ")");
         return;
       }
     }
     if (value < lo || value > hi) {
       std::ostringstream os;
-      os << "must be in [" << lo << ", " << hi << "] (" << node.Scalar() << ")";
+      os << "must be in [" << lo << ", " << hi << "] (" << Show(node) << ")";
       Error(node, path + "." + key, os.str());
       return;
     }
@@ -132,7 +148,7 @@ class Reader {
     auto value = table.parse(name);
     if (!value) {
       Error(node, path + "." + key,
-            "unknown value (" + name + "); accepted: " + std::string(table.accepted()));
+            "unknown value (" + Clip(name) + "); accepted: " + std::string(table.accepted()));
       return;
     }
     *out = *value;
@@ -224,23 +240,105 @@ bool ValidName(const std::string& s) {
   });
 }
 
+// All errors in one INVALID_ARGUMENT, cut at kMaxErrorBytes with "... and N more errors": the
+// message travels in a gRPC trailer, percent-encoded (up to 3 bytes per byte), and a client
+// drops trailers over 8 KiB, which would replace the message with a transport error.
 absl::Status Invalid(const std::vector<std::string>& errors) {
-  return absl::InvalidArgumentError(Join(errors, "; "));
+  std::string out;
+  size_t shown = 0;
+  for (; shown < errors.size(); ++shown) {
+    const size_t add = errors[shown].size() + (out.empty() ? 0 : 2);
+    if (shown > 0 && out.size() + add > kMaxErrorBytes) break;
+    if (!out.empty()) out += "; ";
+    out += errors[shown];
+  }
+  if (shown < errors.size()) {
+    out += "; ... and " + std::to_string(errors.size() - shown) + " more errors";
+  }
+  return absl::InvalidArgumentError(out);
 }
 
-absl::StatusOr<YAML::Node> Load(std::string_view yaml) {
+// Parses exactly one YAML document of valid UTF-8; `root` names it in errors ("spec", "patch").
+absl::StatusOr<YAML::Node> Load(std::string_view yaml, const std::string& root) {
+  if (const size_t bad = InvalidUtf8At(yaml); bad != std::string_view::npos) {
+    const size_t line = size_t(std::count(yaml.begin(), yaml.begin() + bad, '\n')) + 1;
+    return absl::InvalidArgumentError("line " + std::to_string(line) + ": " + root +
+                                      ": invalid UTF-8 at byte " + std::to_string(bad));
+  }
   try {
-    return YAML::Load(std::string(yaml));
+    std::vector<YAML::Node> docs = YAML::LoadAll(std::string(yaml));
+    if (docs.size() > 1) {
+      return absl::InvalidArgumentError("line " + std::to_string(docs[1].Mark().line + 1) + ": " +
+                                        root + ": a second YAML document (--- starts one); " +
+                                        "a " + root + " is one document");
+    }
+    return docs.empty() ? YAML::Node() : docs[0];
   } catch (const YAML::Exception& e) {
-    return absl::InvalidArgumentError("line " + std::to_string(e.mark.line + 1) +
-                                      ": spec: malformed YAML: " + e.msg);
+    return absl::InvalidArgumentError("line " + std::to_string(e.mark.line + 1) + ": " + root +
+                                      ": malformed YAML: " + e.msg);
   }
 }
 
 }  // namespace
 
+std::string DataDirPathProblem(std::string_view path) {
+  if (path.empty()) return "must not be empty";
+  if (path.find('\0') != std::string_view::npos) return "must not contain NUL";
+  const std::filesystem::path p{std::string(path)};
+  if (p.is_absolute() || p.has_root_name() || p.has_root_directory()) {
+    return "must be relative to the worker's data directory";
+  }
+  for (const auto& part : p) {
+    if (part == "..") return "must stay inside the worker's data directory (no ..)";
+  }
+  return "";
+}
+
+std::optional<std::string> ResolveInDataDir(const std::string& base, std::string_view path) {
+  if (!DataDirPathProblem(path).empty()) return std::nullopt;
+  const std::filesystem::path root = std::filesystem::path(base).lexically_normal();
+  const std::filesystem::path full = (root / std::string(path)).lexically_normal();
+  // Without ".." the result cannot leave root; checked again so a change above cannot slip.
+  const auto rel = full.lexically_relative(root);
+  if (rel.empty() || *rel.begin() == "..") return std::nullopt;
+  return full.string();
+}
+
+// RFC 3629: no overlong forms, no surrogates, nothing above U+10FFFF.
+size_t InvalidUtf8At(std::string_view s) {
+  size_t i = 0;
+  while (i < s.size()) {
+    const auto c = static_cast<unsigned char>(s[i]);
+    size_t n = 0;
+    unsigned lo = 0x80, hi = 0xBF;  // range of the first continuation byte
+    if (c < 0x80) {
+      ++i;
+      continue;
+    } else if (c >= 0xC2 && c <= 0xDF) {
+      n = 1;
+    } else if (c >= 0xE0 && c <= 0xEF) {
+      n = 2;
+      if (c == 0xE0) lo = 0xA0;
+      if (c == 0xED) hi = 0x9F;
+    } else if (c >= 0xF0 && c <= 0xF4) {
+      n = 3;
+      if (c == 0xF0) lo = 0x90;
+      if (c == 0xF4) hi = 0x8F;
+    } else {
+      return i;
+    }
+    for (size_t k = 1; k <= n; ++k) {
+      if (i + k >= s.size()) return i;
+      const auto b = static_cast<unsigned char>(s[i + k]);
+      if (b < (k == 1 ? lo : 0x80) || b > (k == 1 ? hi : 0xBF)) return i;
+    }
+    i += n + 1;
+  }
+  return std::string_view::npos;
+}
+
 absl::StatusOr<JobSpec> ParseJobSpec(std::string_view yaml) {
-  auto loaded = Load(yaml);
+  auto loaded = Load(yaml, "spec");
   if (!loaded.ok()) return loaded.status();
   const YAML::Node& root = *loaded;
   Reader r;
@@ -255,12 +353,14 @@ absl::StatusOr<JobSpec> ParseJobSpec(std::string_view yaml) {
   if (!name.IsDefined()) {
     if (!root["name"].IsDefined() || root["name"].IsNull()) r.Error(root, p + ".name", "required");
   } else if (!ValidName(spec.name)) {
-    r.Error(name, p + ".name", "must be 1-63 characters of [A-Za-z0-9._-] (" + spec.name + ")");
+    r.Error(name, p + ".name",
+            "must be 1-63 characters of [A-Za-z0-9._-] (" + Clip(spec.name) + ")");
   }
   r.Number(root, "world_size", p, &spec.world_size, 1, 1024);
   YAML::Node backend = r.Get(root, "backend", p, &spec.backend, "a string");
   if (backend.IsDefined() && spec.backend != "gloo" && spec.backend != "nccl") {
-    r.Error(backend, p + ".backend", "unknown value (" + spec.backend + "); accepted: gloo, nccl");
+    r.Error(backend, p + ".backend",
+            "unknown value (" + Clip(spec.backend) + "); accepted: gloo, nccl");
   }
 
   if (YAML::Node n = root["model"];
@@ -268,7 +368,7 @@ absl::StatusOr<JobSpec> ParseJobSpec(std::string_view yaml) {
     YAML::Node preset = r.Get(n, "preset", p + ".model", &spec.model.preset, "a string");
     if (preset.IsDefined() && !model::PresetConfig(spec.model.preset)) {
       r.Error(preset, p + ".model.preset",
-              "unknown preset (" + spec.model.preset +
+              "unknown preset (" + Clip(spec.model.preset) +
                   "); accepted: " + std::string(model::AcceptedPresets()));
     }
   }
@@ -280,10 +380,14 @@ absl::StatusOr<JobSpec> ParseJobSpec(std::string_view yaml) {
     r.Number<uint64_t>(n, "seed", q, &spec.data.seed, 0, std::numeric_limits<uint64_t>::max());
     if (source.IsDefined() && spec.data.source != "synthetic" && spec.data.source != "file") {
       r.Error(source, q + ".source",
-              "unknown value (" + spec.data.source + "); accepted: synthetic, file");
+              "unknown value (" + Clip(spec.data.source) + "); accepted: synthetic, file");
     }
     if (spec.data.source == "file" && spec.data.path.empty()) {
       r.Error(n, q + ".path", "required when data.source is file");
+    } else if (!spec.data.path.empty()) {
+      if (std::string problem = DataDirPathProblem(spec.data.path); !problem.empty()) {
+        r.Error(n["path"], q + ".path", problem + " (" + Clip(spec.data.path) + ")");
+      }
     }
   }
   if (YAML::Node n = root["training"];
@@ -293,15 +397,16 @@ absl::StatusOr<JobSpec> ParseJobSpec(std::string_view yaml) {
              "grad_clip", "seed"})) {
     const std::string q = p + ".training";
     auto& t = spec.training;
-    r.Number<int64_t>(n, "steps", q, &t.steps, 1, int64_t{1} << 40);
-    r.Number(n, "batch_size", q, &t.batch_size, 1, 1 << 20);
-    r.Number(n, "seq_len", q, &t.seq_len, 1, 1 << 20);
+    r.Number<int64_t>(n, "steps", q, &t.steps, 1, kMaxSteps);
+    r.Number(n, "batch_size", q, &t.batch_size, 1, kMaxBatchSize);
+    r.Number(n, "seq_len", q, &t.seq_len, 1, kMaxSeqLen);
     r.Number(n, "lr", q, &t.lr, 1e-12, 10.0);
     r.Number(n, "weight_decay", q, &t.weight_decay, 0.0, 10.0);
-    r.Number<int64_t>(n, "warmup_steps", q, &t.warmup_steps, 0, int64_t{1} << 40);
+    r.Number<int64_t>(n, "warmup_steps", q, &t.warmup_steps, 0, kMaxSteps);
     YAML::Node opt = r.Get(n, "optimizer", q, &t.optimizer, "a string");
     if (opt.IsDefined() && t.optimizer != "adamw" && t.optimizer != "sgd") {
-      r.Error(opt, q + ".optimizer", "unknown value (" + t.optimizer + "); accepted: adamw, sgd");
+      r.Error(opt, q + ".optimizer",
+              "unknown value (" + Clip(t.optimizer) + "); accepted: adamw, sgd");
     }
     r.Number(n, "grad_clip", q, &t.grad_clip, 0.0, 1e6);
     r.Number<uint64_t>(n, "seed", q, &t.seed, 0, std::numeric_limits<uint64_t>::max());
@@ -369,9 +474,13 @@ absl::StatusOr<JobSpec> ParseJobSpec(std::string_view yaml) {
   if (YAML::Node n = root["checkpoint"];
       n.IsDefined() && !n.IsNull() && r.Map(n, p + ".checkpoint", {"dir", "every"})) {
     r.String(n, "dir", p + ".checkpoint", &spec.checkpoint.dir);
-    r.Number<int64_t>(n, "every", p + ".checkpoint", &spec.checkpoint.every, 0, int64_t{1} << 40);
+    r.Number<int64_t>(n, "every", p + ".checkpoint", &spec.checkpoint.every, 0, kMaxSteps);
     if (spec.checkpoint.every > 0 && spec.checkpoint.dir.empty()) {
       r.Error(n, p + ".checkpoint.dir", "required when checkpoint.every > 0");
+    } else if (!spec.checkpoint.dir.empty()) {
+      if (std::string problem = DataDirPathProblem(spec.checkpoint.dir); !problem.empty()) {
+        r.Error(n["dir"], p + ".checkpoint.dir", problem + " (" + Clip(spec.checkpoint.dir) + ")");
+      }
     }
   }
   if (YAML::Node n = root["restarts"];
@@ -383,6 +492,23 @@ absl::StatusOr<JobSpec> ParseJobSpec(std::string_view yaml) {
             "must not exceed geometry_refresh.interval (" +
                 std::to_string(spec.auto_policy.min_interval) + ")");
   }
+  if (auto model = model::PresetConfig(spec.model.preset)) {
+    // The model keeps every layer's attention probabilities for the backward pass; bound them
+    // here, before a worker finds out with std::bad_alloc.
+    const auto& t = spec.training;
+    const int64_t seq = std::max<int64_t>(t.seq_len, model->seq);
+    const double bytes =
+        4.0 * double(t.batch_size) * model->heads * double(seq) * double(seq) * model->layers;
+    if (bytes > kMaxAttentionBytes) {
+      std::ostringstream os;
+      os << "batch_size x heads x seq_len^2 x layers x 4 bytes of attention must be at most "
+         << (kMaxAttentionBytes >> 30) << " GiB for " << spec.model.preset << " (batch_size "
+         << t.batch_size << ", seq_len " << t.seq_len << ": " << int64_t(bytes / (1 << 30))
+         << " GiB)";
+      const YAML::Node training = root["training"];
+      r.Error(training.IsDefined() ? training : root, p + ".training.batch_size", os.str());
+    }
+  }
   if (spec.backend == "gloo" && spec.exchange.algorithm == Algorithm::kNative) {
     r.Error(root["exchange"], p + ".exchange.algorithm",
             "native needs backend nccl (backend is gloo)");
@@ -392,7 +518,7 @@ absl::StatusOr<JobSpec> ParseJobSpec(std::string_view yaml) {
 }
 
 absl::StatusOr<PolicyPatchSpec> ParsePolicyPatch(std::string_view yaml) {
-  auto loaded = Load(yaml);
+  auto loaded = Load(yaml, "patch");
   if (!loaded.ok()) return loaded.status();
   const YAML::Node& root = *loaded;
   Reader r;

@@ -13,6 +13,17 @@
 
 namespace geofp8 {
 
+// Limits of the spec (docs/job-spec.md). Steps are counted in int on the worker, so they stay well
+// inside it; batch and sequence are bounded per field and by the attention memory they imply.
+inline constexpr int64_t kMaxSteps = 1'000'000'000;
+inline constexpr int kMaxBatchSize = 4096;  // sequences per rank per step
+inline constexpr int kMaxSeqLen = 8192;     // tokens per sequence
+// Attention probabilities kept for backward, per rank: about one H200's memory. The paper-scale
+// example (llama-300m, batch 32 x 1024) needs 48 GiB.
+inline constexpr int64_t kMaxAttentionBytes = int64_t{128} << 30;
+// Longest error message of a rejected spec or patch; the rest is "... and N more errors".
+inline constexpr size_t kMaxErrorBytes = 2048;
+
 // A partial LayerPolicy for the layers whose name matches `match` (exact, or a glob with * ? []).
 struct LayerPatchSpec {
   std::string match;
@@ -114,6 +125,17 @@ struct PolicyPatchSpec {
 // Parse and validate. INVALID_ARGUMENT with "line N: spec.a.b: problem (value)"; several errors
 // are joined with "; ".
 absl::StatusOr<JobSpec> ParseJobSpec(std::string_view yaml);
+// A spec's file paths (checkpoint.dir, data.path) name places inside the worker's --data-dir:
+// "" if `path` is relative and has no ".." component, else the problem. Lexical on purpose: the
+// operator may link datasets into the data directory; a spec cannot create links.
+std::string DataDirPathProblem(std::string_view path);
+// base/path when DataDirPathProblem(path) is empty and the result stays inside base; nullopt
+// otherwise. The worker resolves every spec path through this.
+std::optional<std::string> ResolveInDataDir(const std::string& base, std::string_view path);
+
+// Offset of the first byte of `text` that is not well-formed UTF-8, or npos (geofp8ctl checks a
+// spec file before sending it: protobuf strings must be UTF-8).
+size_t InvalidUtf8At(std::string_view text);
 absl::StatusOr<PolicyPatchSpec> ParsePolicyPatch(std::string_view yaml);
 
 // Checks one patch's values (used for patches that arrive over the API). `path` prefixes errors.

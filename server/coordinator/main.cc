@@ -65,6 +65,9 @@ int main(int argc, char** argv) {
   app.add_option("--tick-ms", tick_ms, "Period of the dead-worker check")
       ->capture_default_str()
       ->check(CLI::Range(5, 60000));
+  app.add_flag("--debug-kv-any-job", coord.kv_any_job,
+               "Tests only: serve the rendezvous KV for any job id, not only live attempts")
+      ->group("");
   app.add_option("--shutdown-grace-ms", grace_ms, "How long SIGTERM waits for running calls")
       ->capture_default_str()
       ->check(CLI::Range(0, 600000));

@@ -1,14 +1,15 @@
-// prometheus-cpp pull exposition. Gauges of jobs and workers by state are computed on each
-// scrape by a Collectable, so they can never drift from the coordinator's state.
+// Coordinator metrics in prometheus-cpp registries, served by our own /metrics responder. Gauges of
+// jobs and workers by state are computed on each scrape, so they never drift from the state.
 #include "server/coordinator/metrics.h"
 
 #include <prometheus/counter.h>
-#include <prometheus/exposer.h>
 #include <prometheus/histogram.h>
 #include <prometheus/registry.h>
 #include <prometheus/text_serializer.h>
 
 #include <exception>
+
+#include "kernels/common/http_server.h"
 
 namespace geofp8 {
 namespace {
@@ -94,16 +95,18 @@ Metrics::Metrics(Coordinator* coordinator)
 Metrics::~Metrics() = default;
 
 absl::StatusOr<int> Metrics::Serve(const std::string& listen) {
+  std::string host;
+  int port = 0;
+  if (!http::SplitHostPort(listen, &host, &port)) {
+    return absl::InvalidArgumentError("--metrics-listen: expected host:port (" + listen + ")");
+  }
   try {
-    exposer_ = std::make_unique<prometheus::Exposer>(listen);
+    server_ = std::make_unique<http::MetricsServer>(host, port, [this] { return Render(); });
   } catch (const std::exception& e) {
     return absl::FailedPreconditionError("--metrics-listen: cannot listen on " + listen + ": " +
                                          e.what());
   }
-  exposer_->RegisterCollectable(registry_);
-  exposer_->RegisterCollectable(collector_);
-  auto ports = exposer_->GetListeningPorts();
-  return ports.empty() ? 0 : ports.front();
+  return server_->port();
 }
 
 void Metrics::RecordRpc(const std::string& method, const std::string& code, double seconds) {

@@ -8,8 +8,11 @@
 #include "absl/status/statusor.h"
 #include "server/coordinator/coordinator.h"
 
+namespace geofp8::http {
+class MetricsServer;
+}
+
 namespace prometheus {
-class Exposer;
 class Registry;
 template <typename T>
 class Family;
@@ -40,7 +43,7 @@ class Metrics {
   std::shared_ptr<StateCollector> collector_;
   prometheus::Family<prometheus::Counter>* rpcs_;
   prometheus::Family<prometheus::Histogram>* latency_;
-  std::unique_ptr<prometheus::Exposer> exposer_;
+  std::unique_ptr<http::MetricsServer> server_;  // last: stops before what it renders
 };
 
 }  // namespace geofp8

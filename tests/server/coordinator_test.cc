@@ -282,6 +282,18 @@ TEST_F(CoordinatorTest, DeadWorkerIsFencedAndJobRestartsThenFails) {
 
 TEST_F(CoordinatorTest, ReRegistrationFencesTheOldGeneration) {
   Worker a1 = Join("a");
+  // While a1's session is live, a second process under the name is refused (issue #13 item 7:
+  // two processes with one name fenced each other for ever).
+  v1::RegisterRequest dup;
+  dup.set_name("a");
+  auto refused = coordinator->Register(dup);
+  ASSERT_EQ(refused.status().code(), absl::StatusCode::kAlreadyExists);
+  EXPECT_EQ(refused.status().message(),
+            "name: a is held by a live session (generation 1, host ); each worker process needs "
+            "its own --name");
+  EXPECT_TRUE(Heartbeat(a1).ok());
+  // Its process died: the session ends, and the name can be registered again.
+  coordinator->CloseSession(a1.id, a1.generation);
   Worker a2 = Join("a");
   EXPECT_EQ(a2.generation, a1.generation + 1);
   EXPECT_EQ(Heartbeat(a1).code(), absl::StatusCode::kFailedPrecondition);

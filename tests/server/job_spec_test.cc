@@ -43,7 +43,7 @@ TEST(JobSpec, FullSpecParsesEveryField) {
 world_size: 4
 backend: nccl
 model: {preset: llama-small}
-data: {source: file, path: /data/x.txt, seed: 3}
+data: {source: file, path: data/x.txt, seed: 3}
 training: {steps: 500, batch_size: 4, seq_len: 32, lr: 0.01, weight_decay: 0.1,
            warmup_steps: 10, optimizer: sgd, grad_clip: 0.5, seed: 9}
 exchange: {algorithm: native, bucket_mb: 4, timeout_s: 30}
@@ -57,12 +57,12 @@ auto_policy: {enabled: true, probe_every: 10, min_gain: 2, off_gain: 1.2,
               max_cost_fraction: 0.2, geometry: lowrank, rank: 8, min_interval: 10,
               max_interval: 100, drift_low: 0.01, drift_high: 0.5}
 geometry_refresh: {interval: 20, stagger: false}
-checkpoint: {dir: /ckpt, every: 50}
+checkpoint: {dir: ckpt, every: 50}
 restarts: {max_restarts: 0}
 )");
   ASSERT_TRUE(spec.ok()) << spec.status();
   EXPECT_EQ(spec->world_size, 4);
-  EXPECT_EQ(spec->data.path, "/data/x.txt");
+  EXPECT_EQ(spec->data.path, "data/x.txt");
   EXPECT_EQ(spec->training.optimizer, "sgd");
   EXPECT_DOUBLE_EQ(spec->training.lr, 0.01);
   EXPECT_EQ(spec->exchange.algorithm, Algorithm::kNative);

@@ -260,6 +260,16 @@ class ApiTest(Base):
         self.assertEqual(len(self.jobs.ListJobs(pb.ListJobsRequest(), timeout=5).jobs), 1)
 
     def test_rendezvous_kv(self):
+        # A job id with no live attempt is refused; the rest runs with --debug-kv-any-job.
+        with self.assertRaises(grpc.RpcError) as e:
+            self.kv.Set(pb.KvSetRequest(job_id="j", key="k", value=b"v"), timeout=5)
+        self.assertEqual(e.exception.code(), grpc.StatusCode.FAILED_PRECONDITION)
+        self.assertIn("no running attempt of job j", e.exception.details())
+        self.channel.close()
+        self.server.stop()
+        self.server = Server(tempfile.mkdtemp(dir=self.tmp.name), "--debug-kv-any-job")
+        self.channel = self.server.channel()
+        self.kv = rpc.RendezvousServiceStub(self.channel)
         self.kv.Set(pb.KvSetRequest(job_id="j", key="nccl/unique_id", value=b"\x00\x01\xff"),
                     timeout=5)
         self.assertEqual(self.kv.Get(pb.KvGetRequest(job_id="j", key="nccl/unique_id"),
@@ -337,13 +347,28 @@ class WorkerTest(Base):
     def test_stale_generation_is_fenced(self):
         old = self.worker("w")
         old.expect("ack")
-        new = self.worker("w")  # re-registration: generation + 1 fences the old one
-        self.assertEqual(new.generation, old.generation + 1)
+        # A second process under a live name is refused; it must not fence the first.
+        with self.assertRaises(grpc.RpcError) as e:
+            self.worker("w")
+        self.assertEqual(e.exception.code(), grpc.StatusCode.ALREADY_EXISTS)
+        self.assertIn("name: w is held by a live session (generation %d" % old.generation,
+                      e.exception.details())
         old.send(heartbeat=pb.Heartbeat(), seq=2)
-        err = old.wait_closed()
-        self.assertIsNotNone(err)
-        self.assertEqual(err.code(), grpc.StatusCode.FAILED_PRECONDITION)
-        self.assertIn("generation %d is fenced" % old.generation, err.details())
+        self.assertEqual(old.expect("ack").ack.seq, 2)
+        # Once its stream ends (its process died), the name is free again and the new
+        # generation fences the old one.
+        old.close()
+        self.assertIsNone(old.wait_closed())
+        deadline = time.time() + 10
+        while True:
+            try:
+                new = self.worker("w")
+                break
+            except grpc.RpcError as e:
+                if e.code() != grpc.StatusCode.ALREADY_EXISTS or time.time() > deadline:
+                    raise
+                time.sleep(0.05)
+        self.assertEqual(new.generation, old.generation + 1)
         self.assertEqual(new.expect("ack").ack.seq, 1)  # the first heartbeat's ack
         new.send(heartbeat=pb.Heartbeat(), seq=3)
         self.assertEqual(new.expect("ack").ack.seq, 3)

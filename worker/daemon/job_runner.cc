@@ -141,6 +141,14 @@ struct JobRunner::Impl {
   // Registers every policy version of the job the coordinator knows, so a resumed attempt
   // applies the one in force at its start step and queues the later ones.
   void LoadPolicyVersions() {
+    // The assignment carries the version in force at the resume step and every later one.
+    if (a.policy_history_size() > 0) {
+      std::lock_guard<std::mutex> lock(r.mu_);
+      for (const auto& p : a.policy_history()) r.policies_.emplace(p.version(), p);
+      r.policies_.emplace(a.policy().version(), a.policy());
+      return;
+    }
+    // An assignment without history (an older coordinator): ask for the versions.
     auto stub = v1::PolicyService::NewStub(r.connection_->channel());
     v1::ListPolicyVersionsRequest req;
     req.set_job_id(a.job_id());
@@ -258,8 +266,12 @@ struct JobRunner::Impl {
 
   std::string ResolveCheckpointPath() const {
     if (spec.checkpoint.dir.empty() || spec.checkpoint.every <= 0) return "";
-    std::filesystem::path dir = spec.checkpoint.dir;
-    if (dir.is_relative()) dir = std::filesystem::path(r.options_.data_dir) / dir;
+    // The spec was validated by the coordinator and again by ParseJobSpec here; this is the
+    // last check before writing, so a spec can never make a worker write outside --data-dir.
+    const auto inside = ResolveInDataDir(r.options_.data_dir, spec.checkpoint.dir);
+    GEOFP8_CHECK(inside.has_value(), "checkpoint.dir: must stay inside the data directory ",
+                 r.options_.data_dir, " (", spec.checkpoint.dir, ")");
+    std::filesystem::path dir = *inside;
     dir /= a.job_id();
     std::error_code ec;
     std::filesystem::create_directories(dir, ec);
@@ -457,7 +469,13 @@ struct JobRunner::Impl {
     to.steps = spec.training.steps;
     to.seed = spec.training.seed;
     to.data_seed = spec.data.seed;
-    to.data = spec.data.source == "file" ? spec.data.path : "synthetic";
+    to.data = "synthetic";
+    if (spec.data.source == "file") {
+      const auto inside = ResolveInDataDir(r.options_.data_dir, spec.data.path);
+      GEOFP8_CHECK(inside.has_value(), "data.path: must stay inside the data directory ",
+                   r.options_.data_dir, " (", spec.data.path, ")");
+      to.data = *inside;
+    }
     to.policy = "coordinator";  // the versions come from the coordinator (SetPolicies)
     to.eval_every = 0;          // the loop below owns checksums and checkpoints
     to.checksum_every = 0;

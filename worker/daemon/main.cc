@@ -68,7 +68,8 @@ int main(int argc, char** argv) {
   app.add_option("--coordinator", o.connection.address, "Coordinator gRPC address host:port")
       ->capture_default_str();
   app.add_option("--token", o.connection.token,
-                 "Bearer token for the coordinator (or env GEOFP8_TOKEN)");
+                 "Bearer token for the coordinator (visible in ps: prefer --token-file or env "
+                 "GEOFP8_TOKEN)");
   app.add_option("--token-file", token_file, "File holding the bearer token");
   app.add_option("--tls-ca", o.connection.tls_ca, "PEM CA bundle: connect over TLS");
   app.add_option("--tls-cert", o.connection.tls_cert, "PEM client certificate (mutual TLS)");
@@ -127,6 +128,11 @@ int main(int argc, char** argv) {
     return UsageError("--summary-every/--checksum-every: must be >= 0");
   }
   if (o.job.data_dir.empty()) return UsageError("--data-dir: must not be empty");
+  if (app.count("--token") > 0) {
+    std::fprintf(stderr,
+                 "geofp8-worker: warning: --token: other users can read it in the process list; "
+                 "use --token-file or GEOFP8_TOKEN\n");
+  }
   if (!token_file.empty()) {
     std::ifstream in(token_file);
     if (!in) return UsageError("--token-file: cannot read " + token_file);
@@ -176,7 +182,8 @@ int main(int argc, char** argv) {
   while (read(g_signal_pipe[0], &sig, sizeof sig) < 0 && errno == EINTR) {
   }
   geofp8::worker::Log(std::string(sig == SIGTERM ? "SIGTERM" : "SIGINT") + " received, shutting down");
-  if (!worker.Shutdown(std::chrono::milliseconds(grace_ms))) {
+  const char* signal_name = sig == SIGTERM ? "SIGTERM" : "SIGINT";
+  if (!worker.Shutdown(std::chrono::milliseconds(grace_ms), signal_name)) {
     std::fflush(stdout);
     std::_Exit(0);
   }

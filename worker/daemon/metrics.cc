@@ -2,7 +2,7 @@
 // bytes), _total for counters, labels for job, layer and format.
 #include "worker/daemon/metrics.h"
 
-#include <prometheus/exposer.h>
+#include <prometheus/text_serializer.h>
 
 #include <algorithm>
 
@@ -48,14 +48,16 @@ WorkerMetrics::WorkerMetrics()
 
 absl::StatusOr<int> WorkerMetrics::Serve(const std::string& host, int port) {
   try {
-    exposer_ = std::make_unique<prometheus::Exposer>(host + ":" + std::to_string(port));
+    server_ = std::make_unique<http::MetricsServer>(host, port, [this] { return Render(); });
   } catch (const std::exception& e) {
     return absl::InvalidArgumentError("--metrics-port: cannot listen on " + host + ":" +
                                       std::to_string(port) + ": " + e.what());
   }
-  exposer_->RegisterCollectable(registry_);
-  const auto ports = exposer_->GetListeningPorts();
-  return ports.empty() ? port : int(ports.front());
+  return server_->port();
+}
+
+std::string WorkerMetrics::Render() const {
+  return prometheus::TextSerializer().Serialize(registry_->Collect());
 }
 
 void WorkerMetrics::JobStarted(const std::string& job_id, int rank, int world_size) {

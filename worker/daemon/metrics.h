@@ -1,5 +1,5 @@
-// The worker's Prometheus metrics (prometheus-cpp pull Exposer): training progress, exchange
-// bytes and time, per-layer quantization error, session health and errors.
+// The worker's Prometheus metrics (prometheus-cpp registry, served by kernels/common/http_server):
+// training progress, exchange bytes and time, per-layer quantization error, session health.
 #pragma once
 
 #include <cstdint>
@@ -9,13 +9,13 @@
 #include <string>
 
 #include <prometheus/counter.h>
-#include <prometheus/exposer.h>
 #include <prometheus/family.h>
 #include <prometheus/gauge.h>
 #include <prometheus/histogram.h>
 #include <prometheus/registry.h>
 
 #include "absl/status/statusor.h"
+#include "kernels/common/http_server.h"
 
 namespace geofp8::worker {
 
@@ -25,6 +25,8 @@ class WorkerMetrics {
   // Serves GET /metrics on host:port (port 0 picks a free one); returns the bound port.
   absl::StatusOr<int> Serve(const std::string& host, int port);
   const std::shared_ptr<prometheus::Registry>& registry() const { return registry_; }
+  // The exposition text, as a scrape returns it.
+  std::string Render() const;
 
   // A job (attempt) starts on this worker: labels step/loss gauges and resets per-job gauges.
   void JobStarted(const std::string& job_id, int rank, int world_size);
@@ -42,7 +44,6 @@ class WorkerMetrics {
 
  private:
   std::shared_ptr<prometheus::Registry> registry_;
-  std::unique_ptr<prometheus::Exposer> exposer_;
   std::mutex mu_;
   prometheus::Family<prometheus::Gauge>& step_;
   prometheus::Family<prometheus::Gauge>& loss_;
@@ -66,6 +67,7 @@ class WorkerMetrics {
   prometheus::Family<prometheus::Counter>& reconnects_;
   uint64_t heartbeats_seen_ = 0, reconnects_seen_ = 0;  // session totals already counted
   std::string job_;  // label of the current job
+  std::unique_ptr<http::MetricsServer> server_;  // last: stops before the families it renders
 };
 
 }  // namespace geofp8::worker

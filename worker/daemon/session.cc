@@ -77,6 +77,25 @@ bool SessionClient::Send(v1::WorkerMessage message, bool reliable) {
   return true;
 }
 
+bool SessionClient::Leave(const std::string& reason, milliseconds timeout) {
+  v1::LeaveRequest req;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    if (worker_id_.empty()) return false;  // never registered: nothing to leave
+    req.set_worker_id(worker_id_);
+  }
+  req.set_generation(generation_.load());
+  req.set_reason(reason);
+  v1::LeaveResponse resp;
+  const grpc::Status s = stub_->Leave(connection_->Context(timeout).get(), req, &resp);
+  if (!s.ok()) {
+    Log("leave: " + DescribeStatus(s) + " (the coordinator finds out by the heartbeat timeout)");
+    return false;
+  }
+  Log("left the coordinator (" + reason + ")");
+  return true;
+}
+
 bool SessionClient::Register(std::string* error) {
   v1::RegisterRequest req;
   req.set_name(options_.name);

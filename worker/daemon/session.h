@@ -75,6 +75,9 @@ class SessionClient {
   const SessionCounters& counters() const { return counters_; }
   // Waits until a stream is open (true) or the timeout passes (false).
   bool WaitConnected(std::chrono::milliseconds timeout);
+  // Tells the coordinator this generation leaves on purpose (its job fails over now, not after
+  // the heartbeat timeout). Best effort within `timeout`; false if it did not get through.
+  bool Leave(const std::string& reason, std::chrono::milliseconds timeout);
 
  private:
   void Loop();

@@ -30,12 +30,20 @@ absl::Status Worker::Start() {
   return absl::OkStatus();
 }
 
-bool Worker::Shutdown(std::chrono::milliseconds grace) {
+bool Worker::Shutdown(std::chrono::milliseconds grace, const std::string& reason) {
   {
     std::lock_guard<std::mutex> lock(mu_);
     if (stopping_) return !runner_ || runner_->done();
     stopping_ = true;
     pending_.reset();
+  }
+  // Tell the coordinator first: it fences this generation and stops the job's other ranks now,
+  // so they do not wait in a collective for a rank that is leaving (and the job restarts without
+  // waiting out the heartbeat timeout). Outside mu_: the coordinator's Stop comes back to
+  // OnMessage.
+  if (session_) session_->Leave(reason, std::chrono::milliseconds(2000));
+  {
+    std::lock_guard<std::mutex> lock(mu_);
     if (runner_ && !runner_->done()) runner_->RequestStop("worker shutting down");
   }
   cv_.notify_all();

@@ -33,11 +33,12 @@ class Worker {
   // Opens /metrics, connects and registers (in the background, with backoff). Errors name the
   // flag (--metrics-port, --coordinator, --tls-ca).
   absl::Status Start();
-  // Stops the running rank (its peers stop at the same step; the coordinator restarts the job
-  // from its checkpoint once this worker's heartbeats stop) and closes the session. Returns
+  // Tells the coordinator this worker leaves (`reason`: "SIGTERM", ...), which fences it and
+  // restarts its job from the checkpoint on other workers at once; then stops the running rank
+  // and closes the session. Returns
   // false if the rank was still inside a collective after `grace`: the caller must then end the
   // process without destroying the Worker.
-  bool Shutdown(std::chrono::milliseconds grace);
+  bool Shutdown(std::chrono::milliseconds grace, const std::string& reason = "shutdown");
 
   int metrics_port() const { return metrics_port_; }
   SessionClient* session() { return session_.get(); }

@@ -1,0 +1,104 @@
+// Command-line input faults: endless or wrong kinds of files, negative versions, garbage PEM, a
+// directory given as --in, and tokens on the command line. Each is a usage error (exit 2) with a
+// one-line message naming the flag and the value, and none reaches or harms the server.
+#include <gtest/gtest.h>
+
+#include <fstream>
+#include <string>
+#include <vector>
+
+#include "tests/worker/coordinator_process.h"
+
+namespace geofp8::testing {
+namespace {
+
+using std::chrono::seconds;
+
+struct Result {
+  int code;
+  std::string output;
+};
+
+Result RunProgram(std::vector<std::string> argv) {
+  ChildProcess p(std::move(argv));
+  const int code = p.Wait(std::chrono::milliseconds(20000));
+  return {code, p.output()};
+}
+
+std::string WriteFile(const TempDir& dir, const std::string& name, const std::string& text) {
+  const std::string path = dir.path() + "/" + name;
+  std::ofstream(path, std::ios::binary) << text;
+  return path;
+}
+
+TEST(CliInputTest, CtlBoundsAndChecksItsFilesBeforeAnyCall) {
+  TempDir dir("geofp8-cli");
+  // Port 1: nothing listens, so any call would exit 4; every case here must stop before one.
+  const std::vector<std::string> ctl = {GEOFP8CTL_BIN, "-s", "127.0.0.1:1"};
+  auto run = [&](std::vector<std::string> args) {
+    std::vector<std::string> argv = ctl;
+    argv.insert(argv.end(), args.begin(), args.end());
+    return RunProgram(argv);
+  };
+  Result r = run({"submit", "-f", "/dev/zero"});
+  EXPECT_EQ(r.code, 2);
+  EXPECT_EQ(r.output, "geofp8ctl: error: -f: larger than 4 MiB (/dev/zero)\n");
+  r = run({"submit", "-f", dir.path()});
+  EXPECT_EQ(r.code, 2);
+  EXPECT_EQ(r.output,
+            "geofp8ctl: error: -f: is a directory, expected a file (" + dir.path() + ")\n");
+  r = run({"policy", "apply", "x", "-f", dir.path()});
+  EXPECT_EQ(r.code, 2) << r.output;
+  const std::string bad_utf8 = WriteFile(dir, "bad.yaml", "name: a\xff\n");
+  r = run({"submit", "-f", bad_utf8});
+  EXPECT_EQ(r.code, 2);
+  EXPECT_EQ(r.output, "geofp8ctl: error: -f: invalid UTF-8 at byte 7 (" + bad_utf8 + ")\n");
+  r = run({"policy", "get", "x", "--version", "-1"});
+  EXPECT_EQ(r.code, 2);
+  EXPECT_EQ(r.output, "geofp8ctl: error: --version: must be >= 0, 0 = latest (-1)\n");
+  const std::string garbage = WriteFile(dir, "ca.pem", "not a certificate\n");
+  r = run({"--tls-ca", garbage, "get", "jobs"});
+  EXPECT_EQ(r.code, 2);
+  EXPECT_EQ(r.output, "geofp8ctl: error: --tls-ca: not a PEM file with a CERTIFICATE block (" +
+                          garbage + ")\n");
+  r = run({"--token-file", dir.path() + "/absent", "get", "jobs"});
+  EXPECT_EQ(r.code, 2);
+  EXPECT_NE(r.output.find("--token-file: cannot read"), std::string::npos) << r.output;
+}
+
+TEST(CliInputTest, TokenFileAuthenticatesAndTokenFlagWarns) {
+  TempDir dir("geofp8-cli");
+  const std::string token = WriteFile(dir, "token", "s3cret\n");
+  const std::string wrong = WriteFile(dir, "wrong", "nope\n");
+  const std::string spec = WriteFile(dir, "job.yaml", "name: tok\n");
+  CoordinatorProcess coordinator({"--token-file", token});
+  const std::string s = coordinator.address();
+  Result r = RunProgram({GEOFP8CTL_BIN, "-s", s, "--token-file", token, "submit", "-f", spec});
+  EXPECT_EQ(r.code, 0) << r.output;
+  r = RunProgram({GEOFP8CTL_BIN, "-s", s, "--token-file", wrong, "submit", "-f", spec});
+  EXPECT_EQ(r.code, 6) << r.output;
+  r = RunProgram({GEOFP8CTL_BIN, "-s", s, "--token", "s3cret", "submit", "-f", spec});
+  EXPECT_EQ(r.code, 0) << r.output;
+  EXPECT_NE(r.output.find("geofp8ctl: warning: --token: other users can read it in the process "
+                          "list; use --token-file or GEOFP8_TOKEN"),
+            std::string::npos)
+      << r.output;
+  // The worker warns the same way.
+  ChildProcess worker({GEOFP8_WORKER_BIN, "--coordinator", s, "--token", "s3cret", "--name", "w",
+                       "--metrics-port", "-1", "--data-dir", dir.path() + "/w"});
+  EXPECT_TRUE(worker.WaitFor("geofp8-worker: warning: --token: other users can read it",
+                             std::chrono::milliseconds(20000)))
+      << worker.output();
+}
+
+TEST(CliInputTest, ToolRejectsADirectoryAsInput) {
+  TempDir dir("geofp8-cli");
+  const Result r = RunProgram({GEOFP8_TOOL_BIN, "encode", "--in", dir.path(), "--out",
+                               dir.path() + "/x.bin", "--format", "fp8_e4m3"});
+  EXPECT_EQ(r.code, 2);
+  EXPECT_EQ(r.output,
+            "geofp8-tool: error: in: is a directory, expected a file (" + dir.path() + ")\n");
+}
+
+}  // namespace
+}  // namespace geofp8::testing
