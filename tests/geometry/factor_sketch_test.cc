@@ -249,6 +249,39 @@ TEST(FactorSketch, GeometryFromSketch) {
   EXPECT_NE(GeometryDigest(other), GeometryDigest(g));
 }
 
+TEST(FactorSketch, EachSideKeepsAndWhitensWithItsOwnEnergies) {
+  // Two gradients that share their left direction but not their right one: E[G G^T] has one
+  // strong eigenvalue (both gradients' energy), E[G^T G] two of half the size.
+  const int64_t m = 40, n = 36;
+  const std::vector<float> U = Basis(m, 1, 60), V = Basis(n, 2, 61);
+  std::vector<float> v1(static_cast<size_t>(n)), v2(static_cast<size_t>(n));
+  for (int64_t r = 0; r < n; ++r) v1[r] = V[r * 2], v2[r] = V[r * 2 + 1];
+  FactorSketch s;
+  FactorSketchOptions o;
+  o.beta = 0.5f;
+  UpdateFactorSketch(s, LowRankPlusNoise(U, v1, {10}, m, n, 0.01, 62), m, n, 2, o);
+  UpdateFactorSketch(s, LowRankPlusNoise(U, v2, {10}, m, n, 0.01, 63), m, n, 2, o);
+  // beta 0.5 from the second update on: left 0.5 * 100 + 0.5 * 100, right 50 and 50; the noise
+  // (0.01 per element, ~0.004 per direction) is far below the 5% allowed.
+  EXPECT_NEAR(s.left_energy[0], 100.0, 5.0);
+  EXPECT_LT(s.left_energy[1], 1.0);
+  EXPECT_NEAR(s.right_energy[0], 50.0, 2.5);
+  EXPECT_NEAR(s.right_energy[1], 50.0, 2.5);
+  SketchGeometryOptions go;
+  go.rank = 2;
+  const Geometry g = GeometryFromSketch(s, go, 1);
+  for (int i = 0; i < 2; ++i) {
+    EXPECT_FLOAT_EQ(g.sigma[i], float(std::sqrt(s.left_energy[i])));
+    EXPECT_FLOAT_EQ(g.sigma_right[i], float(std::sqrt(s.right_energy[i])));
+  }
+  // The right side is whitened by its own energies: (e_R / delta_R)^-alpha, not the left's.
+  const std::vector<float> fr = geometry::WhitenFactors(g, /*left=*/false);
+  const double e0 = double(g.sigma_right[0]) * g.sigma_right[0];
+  EXPECT_NEAR(fr[0], std::pow(e0 / g.delta_R, -0.25), 1e-5);
+  const double wrong = double(g.sigma[0]) * g.sigma[0];
+  EXPECT_GT(std::fabs(fr[0] - std::pow(wrong / g.delta_R, -0.25)), 0.01);
+}
+
 TEST(FactorSketch, SameInputsGiveTheSameBitsAndTheWireFormRoundTrips) {
   const int64_t m = 70, n = 33;
   FactorSketch a, b;
