@@ -70,19 +70,39 @@ struct Reader {
   std::vector<float> Floats(int64_t count, const char* field) { return Array<float>(count, field); }
 };
 
+// The payload of a checksummed wire form: at least `header` bytes after a 4-byte magic, and an
+// FNV-1a of everything before the trailing 4 bytes. Returns a reader past the magic.
+Reader OpenChecked(std::span<const uint8_t> bytes, const char (&magic)[4], size_t header,
+                   const char* what) {
+  if (bytes.size() < header + 4) {
+    GEOFP8_FAIL(what, ": ", bytes.size(), " bytes is shorter than the header");
+  }
+  if (std::memcmp(bytes.data(), magic, 4) != 0) GEOFP8_FAIL(what, ": bad magic");
+  uint32_t stored = 0;
+  std::memcpy(&stored, bytes.data() + bytes.size() - 4, 4);
+  const uint32_t actual = Fnv1a(bytes.data(), bytes.size() - 4);
+  if (stored != actual) {
+    GEOFP8_FAIL(what, ": checksum mismatch (stored ", stored, ", computed ", actual, ")");
+  }
+  return Reader{bytes.first(bytes.size() - 4), 4, what};
+}
+
 size_t ArrayFloats(const Geometry& g) {
   switch (g.mode) {
     case GeometryMode::kLowRank:
       return static_cast<size_t>((g.m + g.n + 1) * g.k) + g.sigma_right.size();
-    case GeometryMode::kDiag: return static_cast<size_t>(g.m + g.n);
-    default: return 0;
+    case GeometryMode::kDiag:
+      return static_cast<size_t>(g.m + g.n);
+    default:
+      return 0;
   }
 }
 
 }  // namespace
 
 std::vector<uint8_t> SerializeGeometry(const Geometry& g) {
-  GEOFP8_CHECK(g.m >= 0 && g.n >= 0 && g.m < kMaxDim && g.n < kMaxDim, "geometry shape ", g.m, "x", g.n);
+  GEOFP8_CHECK(g.m >= 0 && g.n >= 0 && g.m < kMaxDim && g.n < kMaxDim, "geometry shape ", g.m, "x",
+               g.n);
   if (g.mode == GeometryMode::kLowRank) {
     GEOFP8_CHECK(g.k >= 0 && g.U.size() == size_t(g.m * g.k) && g.V.size() == size_t(g.n * g.k) &&
                      g.sigma.size() == size_t(g.k) &&
@@ -120,17 +140,7 @@ std::vector<uint8_t> SerializeGeometry(const Geometry& g) {
 }
 
 Geometry DeserializeGeometry(std::span<const uint8_t> bytes) {
-  if (bytes.size() < kHeaderBytes + 4) {
-    GEOFP8_FAIL("DeserializeGeometry: ", bytes.size(), " bytes is shorter than the header");
-  }
-  if (std::memcmp(bytes.data(), kMagic, 4) != 0) GEOFP8_FAIL("DeserializeGeometry: bad magic");
-  uint32_t stored = 0;
-  std::memcpy(&stored, bytes.data() + bytes.size() - 4, 4);
-  const uint32_t actual = Fnv1a(bytes.data(), bytes.size() - 4);
-  if (stored != actual) {
-    GEOFP8_FAIL("DeserializeGeometry: checksum mismatch (stored ", stored, ", computed ", actual, ")");
-  }
-  Reader r{bytes.first(bytes.size() - 4), 4};
+  Reader r = OpenChecked(bytes, kMagic, kHeaderBytes, "DeserializeGeometry");
   const auto fv = r.Get<uint8_t>("format_version");
   if (fv != 1 && fv != kFormatVersion) {
     GEOFP8_FAIL("DeserializeGeometry: format_version ", int(fv), " unsupported (reads 1 and ",
@@ -138,8 +148,8 @@ Geometry DeserializeGeometry(std::span<const uint8_t> bytes) {
   }
   const auto mode = r.Get<uint8_t>("mode");
   if (mode > static_cast<uint8_t>(GeometryMode::kLowRank)) {
-    GEOFP8_FAIL("DeserializeGeometry: mode: unknown value (", int(mode), "); accepted: ",
-                AcceptedGeometryModes());
+    GEOFP8_FAIL("DeserializeGeometry: mode: unknown value (", int(mode),
+                "); accepted: ", AcceptedGeometryModes());
   }
   const auto flags = r.Get<uint16_t>("flags");
   if (flags & ~kHasSigmaRight || (fv == 1 && flags != 0)) {
@@ -192,20 +202,19 @@ Geometry DeserializeGeometry(std::span<const uint8_t> bytes) {
 }
 
 // Factor sketch: "FSKT" | u8 version 1 | u8 0 | u16 0 | i64 m | i64 n | i32 width | i32 fit_k |
-// u64 updates | f64 energy | f64 fit | left (m x width f32) | left_energy (f64) | right | right_energy
-// | u32 FNV-1a.
+// u64 updates | f64 energy | f64 fit | left (m x width f32) | left_energy (f64) | right |
+// right_energy | u32 FNV-1a.
 namespace {
 constexpr char kSketchMagic[4] = {'F', 'S', 'K', 'T'};
 constexpr size_t kSketchHeaderBytes = 4 + 1 + 1 + 2 + 8 + 8 + 4 + 4 + 8 + 8 + 8;
 }  // namespace
 
 std::vector<uint8_t> SerializeFactorSketch(const FactorSketch& s) {
-  GEOFP8_CHECK(s.m >= 0 && s.n >= 0 && s.m < kMaxDim && s.n < kMaxDim && s.width >= 0 &&
-                   s.left.size() == size_t(s.m * s.width) &&
-                   s.right.size() == size_t(s.n * s.width) &&
-                   s.left_energy.size() == size_t(s.width) &&
-                   s.right_energy.size() == size_t(s.width),
-               "factor sketch arrays do not match m=", s.m, " n=", s.n, " width=", s.width);
+  GEOFP8_CHECK(
+      s.m >= 0 && s.n >= 0 && s.m < kMaxDim && s.n < kMaxDim && s.width >= 0 &&
+          s.left.size() == size_t(s.m * s.width) && s.right.size() == size_t(s.n * s.width) &&
+          s.left_energy.size() == size_t(s.width) && s.right_energy.size() == size_t(s.width),
+      "factor sketch arrays do not match m=", s.m, " n=", s.n, " width=", s.width);
   std::vector<uint8_t> out;
   for (char c : kSketchMagic) out.push_back(static_cast<uint8_t>(c));
   Put<uint8_t>(out, 1);
@@ -228,17 +237,7 @@ std::vector<uint8_t> SerializeFactorSketch(const FactorSketch& s) {
 
 FactorSketch DeserializeFactorSketch(std::span<const uint8_t> bytes) {
   const char* what = "DeserializeFactorSketch";
-  if (bytes.size() < kSketchHeaderBytes + 4) {
-    GEOFP8_FAIL(what, ": ", bytes.size(), " bytes is shorter than the header");
-  }
-  if (std::memcmp(bytes.data(), kSketchMagic, 4) != 0) GEOFP8_FAIL(what, ": bad magic");
-  uint32_t stored = 0;
-  std::memcpy(&stored, bytes.data() + bytes.size() - 4, 4);
-  const uint32_t actual = Fnv1a(bytes.data(), bytes.size() - 4);
-  if (stored != actual) {
-    GEOFP8_FAIL(what, ": checksum mismatch (stored ", stored, ", computed ", actual, ")");
-  }
-  Reader r{bytes.first(bytes.size() - 4), 4, what};
+  Reader r = OpenChecked(bytes, kSketchMagic, kSketchHeaderBytes, what);
   if (const auto v = r.Get<uint8_t>("format_version"); v != 1) {
     GEOFP8_FAIL(what, ": format_version ", int(v), " unsupported");
   }

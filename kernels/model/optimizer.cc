@@ -74,54 +74,66 @@ AdamW::AdamW(const OptimizerOptions& options, const std::vector<ParamInfo>& para
   v_.assign(total, 0.f);
 }
 
+namespace {
+
+// What one step's update needs besides the element: the learning rate and AdamW's constants.
+struct StepScalars {
+  float lr, bc1, bc2, b1, b2, c1, c2, eps;
+};
+
+StepScalars ScalarsAt(const OptimizerOptions& o, int64_t step) {
+  const double t = double(step + 1);
+  return {LearningRate(o, step),
+          static_cast<float>(1.0 - std::pow(double(o.beta1), t)),
+          static_cast<float>(1.0 - std::pow(double(o.beta2), t)),
+          o.beta1,
+          o.beta2,
+          1.f - o.beta1,
+          1.f - o.beta2,
+          o.eps};
+}
+
+// One element of AdamW: updates the moments and returns what is subtracted from the weight. The
+// one place its arithmetic is written, so PreviewUpdate is exactly what Step subtracts.
+inline float UpdateElement(float g, float w, float decay, const StepScalars& c, float& m,
+                           float& v) {
+  m = c.b1 * m + c.c1 * g;
+  v = c.b2 * v + c.c2 * g * g;
+  const float mhat = m / c.bc1, vhat = v / c.bc2;
+  return c.lr * (mhat / (std::sqrt(vhat) + c.eps)) + decay * w;
+}
+
+}  // namespace
+
 void AdamW::Step(std::span<float> weights, std::span<const float> grad, int64_t step) {
   GEOFP8_CHECK(weights.size() == m_.size() && grad.size() == m_.size(),
                "optimizer buffer size mismatch: ", weights.size(), " ", grad.size(), " ",
                m_.size());
-  const OptimizerOptions& o = options_;
-  const float lr = LearningRate(o, step);
-  const double t = double(step + 1);
-  const float bc1 = static_cast<float>(1.0 - std::pow(double(o.beta1), t));
-  const float bc2 = static_cast<float>(1.0 - std::pow(double(o.beta2), t));
   // Loop-invariant scalars in locals and restrict pointers, so the loop vectorizes (sqrt is
   // inlined: the library builds with -fno-math-errno). Plain SSE2 arithmetic without FMA
   // contraction: the same bits on every x86-64 machine, as the ranks' checksums require.
-  const float b1 = o.beta1, b2 = o.beta2, c1 = 1.f - o.beta1, c2 = 1.f - o.beta2, eps = o.eps;
+  const StepScalars c = ScalarsAt(options_, step);
   for (const ParamInfo& p : params_) {
-    const float decay = p.is_matrix() ? lr * o.weight_decay : 0.f;
+    const float decay = p.is_matrix() ? c.lr * options_.weight_decay : 0.f;
     float* __restrict w = weights.data() + p.offset;
     float* __restrict m = m_.data() + p.offset;
     float* __restrict v = v_.data() + p.offset;
     const float* __restrict gr = grad.data() + p.offset;
     const int64_t n = p.size();
-    for (int64_t i = 0; i < n; ++i) {
-      const float g = gr[i];
-      m[i] = b1 * m[i] + c1 * g;
-      v[i] = b2 * v[i] + c2 * g * g;
-      const float mhat = m[i] / bc1, vhat = v[i] / bc2;
-      w[i] -= lr * (mhat / (std::sqrt(vhat) + eps)) + decay * w[i];
-    }
+    for (int64_t i = 0; i < n; ++i) w[i] -= UpdateElement(gr[i], w[i], decay, c, m[i], v[i]);
   }
 }
 
-void AdamW::PreviewUpdate(std::span<const float> weights, std::span<const float> grad,
-                          int64_t step, const ParamInfo& p, std::span<float> out) const {
-  GEOFP8_CHECK(weights.size() == m_.size() && grad.size() == m_.size() &&
-                   p.offset >= 0 && p.offset + p.size() <= int64_t(m_.size()) &&
-                   int64_t(out.size()) == p.size(),
+void AdamW::PreviewUpdate(std::span<const float> weights, std::span<const float> grad, int64_t step,
+                          const ParamInfo& p, std::span<float> out) const {
+  GEOFP8_CHECK(weights.size() == m_.size() && grad.size() == m_.size() && p.offset >= 0 &&
+                   p.offset + p.size() <= int64_t(m_.size()) && int64_t(out.size()) == p.size(),
                "PreviewUpdate: buffer sizes do not match parameter ", p.name);
-  const OptimizerOptions& o = options_;
-  const float lr = LearningRate(o, step);
-  const double t = double(step + 1);
-  const float bc1 = static_cast<float>(1.0 - std::pow(double(o.beta1), t));
-  const float bc2 = static_cast<float>(1.0 - std::pow(double(o.beta2), t));
-  const float b1 = o.beta1, b2 = o.beta2, c1 = 1.f - o.beta1, c2 = 1.f - o.beta2, eps = o.eps;
-  const float decay = p.is_matrix() ? lr * o.weight_decay : 0.f;
-  for (int64_t i = 0; i < p.size(); ++i) {  // Step's arithmetic, into out instead of w, m, v
-    const float g = grad[p.offset + i];
-    const float m = b1 * m_[p.offset + i] + c1 * g;
-    const float v = b2 * v_[p.offset + i] + c2 * g * g;
-    out[i] = lr * ((m / bc1) / (std::sqrt(v / bc2) + eps)) + decay * weights[p.offset + i];
+  const StepScalars c = ScalarsAt(options_, step);
+  const float decay = p.is_matrix() ? c.lr * options_.weight_decay : 0.f;
+  for (int64_t i = 0; i < p.size(); ++i) {  // Step's arithmetic, on copies of the moments
+    float m = m_[p.offset + i], v = v_[p.offset + i];
+    out[i] = UpdateElement(grad[p.offset + i], weights[p.offset + i], decay, c, m, v);
   }
 }
 

@@ -11,7 +11,7 @@
 #include <thread>
 #include <vector>
 
-#include "tests/faults/http_client.h"
+#include "tests/common/http_client.h"
 #include "tests/worker/coordinator_process.h"
 #include "tests/worker/worker_process.h"
 

@@ -16,6 +16,7 @@
 #include <vector>
 
 #include "kernels/common/check.h"
+#include "tests/common/http_client.h"
 
 namespace geofp8::http {
 namespace {
@@ -24,52 +25,12 @@ using std::chrono::milliseconds;
 
 const char kBody[] = "# TYPE up gauge\nup 1\n";
 
-int Connect(int port) {
-  const int fd = ::socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
-  sockaddr_in addr{};
-  addr.sin_family = AF_INET;
-  addr.sin_port = htons(uint16_t(port));
-  addr.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
-  if (::connect(fd, reinterpret_cast<sockaddr*>(&addr), sizeof addr) != 0) {
-    ::close(fd);
-    return -1;
-  }
-  timeval tv{10, 0};  // a hung server fails the test instead of hanging it
-  ::setsockopt(fd, SOL_SOCKET, SO_RCVTIMEO, &tv, sizeof tv);
-  return fd;
-}
-
-void SendAll(int fd, const std::string& bytes) {
-  size_t off = 0;
-  while (off < bytes.size()) {
-    const ssize_t n = ::send(fd, bytes.data() + off, bytes.size() - off, MSG_NOSIGNAL);
-    if (n <= 0) return;  // the server may close early (431, 503); the response tells
-    off += size_t(n);
-  }
-}
-
-std::string ReadAll(int fd) {
-  std::string out;
-  char buf[4096];
-  ssize_t n;
-  while ((n = ::recv(fd, buf, sizeof buf, 0)) > 0) out.append(buf, size_t(n));
-  return out;
-}
-
-// Sends `request` on a fresh connection and returns everything the server wrote until close.
-std::string Exchange(int port, const std::string& request) {
-  const int fd = Connect(port);
-  if (fd < 0) return "connect failed";
-  SendAll(fd, request);
-  std::string out = ReadAll(fd);
-  ::close(fd);
-  return out;
-}
-
-int StatusCode(const std::string& response) {
-  if (response.rfind("HTTP/1.1 ", 0) != 0 || response.size() < 12) return -1;
-  return std::stoi(response.substr(9, 3));
-}
+// The shared raw-HTTP helpers (tests/common/http_client.h) under this file's short names.
+constexpr auto& Connect = testing::HttpConnect;
+constexpr auto& SendAll = testing::HttpSend;
+constexpr auto& ReadAll = testing::HttpReadAll;
+constexpr auto& Exchange = testing::HttpExchange;
+constexpr auto& StatusCode = testing::HttpStatus;
 
 std::string Header(const std::string& response, const std::string& name) {
   const size_t at = response.find("\r\n" + name + ": ");

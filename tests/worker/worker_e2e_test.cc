@@ -4,12 +4,12 @@
 // checkpoint (bitwise equal to an uninterrupted run), session re-registration after a
 // coordinator restart, and /metrics.
 #include <gtest/gtest.h>
-
 #include <netinet/in.h>
 #include <sys/socket.h>
 
 #include <filesystem>
 
+#include "tests/common/http_client.h"
 #include "tests/worker/worker_process.h"
 
 namespace geofp8::testing {
@@ -24,7 +24,8 @@ std::string TinySpec(const std::string& name, int steps, const std::string& extr
          "\nbackend: gloo\n"
          "model: {preset: llama-tiny}\n"
          "data: {source: synthetic, seed: 1}\n"
-         "training: {steps: " + std::to_string(steps) +
+         "training: {steps: " +
+         std::to_string(steps) +
          ", batch_size: 4, seq_len: 32, lr: 0.002, warmup_steps: 5, seed: 3}\n"
          "exchange: {timeout_s: 10}\n"
          "policy:\n"
@@ -36,24 +37,7 @@ std::string TinySpec(const std::string& name, int steps, const std::string& extr
 }
 
 std::string Scrape(int port) {
-  // Minimal HTTP/1.0 GET, enough for prometheus-cpp's civetweb.
-  const int fd = ::socket(AF_INET, SOCK_STREAM, 0);
-  sockaddr_in addr{};
-  addr.sin_family = AF_INET;
-  addr.sin_port = htons(uint16_t(port));
-  addr.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
-  if (::connect(fd, reinterpret_cast<sockaddr*>(&addr), sizeof addr) != 0) {
-    ::close(fd);
-    return "";
-  }
-  const std::string req = "GET /metrics HTTP/1.0\r\nHost: 127.0.0.1\r\n\r\n";
-  [[maybe_unused]] ssize_t n = ::write(fd, req.data(), req.size());
-  std::string out;
-  char buf[4096];
-  ssize_t got;
-  while ((got = ::read(fd, buf, sizeof buf)) > 0) out.append(buf, size_t(got));
-  ::close(fd);
-  return out;
+  return HttpExchange(port, "GET /metrics HTTP/1.0\r\nHost: 127.0.0.1\r\n\r\n");
 }
 
 class WorkerE2ETest : public ::testing::Test {
@@ -63,8 +47,8 @@ class WorkerE2ETest : public ::testing::Test {
     std::vector<std::string> names;
     for (int i = 0; i < n; ++i) {
       names.push_back("w" + std::to_string(workers_.size()));
-      workers_.push_back(std::make_unique<WorkerProcess>(coordinator_->address(), names.back(),
-                                                         extra));
+      workers_.push_back(
+          std::make_unique<WorkerProcess>(coordinator_->address(), names.back(), extra));
     }
     const auto deadline = std::chrono::steady_clock::now() + seconds(30);
     for (;;) {
@@ -152,7 +136,8 @@ TEST_F(WorkerE2ETest, TwoWorkersFinishATinyJobWithEqualChecksums) {
     const std::string series = "geofp8_geometry_refreshes_total{layer=\"" + l.layer() + "\"} 3";
     EXPECT_EQ(int(m.find(series) != std::string::npos) + int(m1.find(series) != std::string::npos),
               1)
-        << series << "\n" << m << m1;
+        << series << "\n"
+        << m << m1;
   }
   // Both workers are free again.
   EXPECT_TRUE(client_->WaitIdle(2, seconds(10)));
@@ -211,15 +196,17 @@ TEST_F(WorkerE2ETest, AutoPolicyProbesLeadToAnAutoVersion) {
   StartWorkers(2, {"--debug-step-delay-ms", "10"});
   std::string spec = TinySpec("auto", 80);
   spec.replace(spec.find("geometry: lowrank, rank: 4"), 26, "geometry: none");
-  spec += "auto_policy: {enabled: true, probe_every: 10, min_gain: 1.0001, off_gain: 1.00001,"
-          " max_cost_fraction: 1.0, geometry: lowrank, rank: 4, min_interval: 5,"
-          " max_interval: 100}\n";
+  spec +=
+      "auto_policy: {enabled: true, probe_every: 10, min_gain: 1.0001, off_gain: 1.00001,"
+      " max_cost_fraction: 1.0, geometry: lowrank, rank: 4, min_interval: 5,"
+      " max_interval: 100}\n";
   v1::Job job = client_->Submit(spec);
   job = client_->WaitFinal(job.id(), seconds(120));
   ASSERT_EQ(job.state(), v1::JOB_SUCCEEDED) << Everything(job);
   EXPECT_GE(job.policy_version(), 2u) << Everything(job);
   bool auto_event = false;
-  for (const auto& e : job.events()) auto_event |= e.message().find("(auto): auto:") != std::string::npos;
+  for (const auto& e : job.events())
+    auto_event |= e.message().find("(auto): auto:") != std::string::npos;
   EXPECT_TRUE(auto_event) << Everything(job);
   EXPECT_EQ(workers_[0]->Result(job.id())["checksum"], workers_[1]->Result(job.id())["checksum"]);
 }
@@ -241,8 +228,7 @@ TEST_F(WorkerE2ETest, CancelStopsEveryRankAtTheSameStep) {
   // Both ranks agree on the step they stopped at.
   const auto deadline = std::chrono::steady_clock::now() + seconds(20);
   std::map<std::string, std::string> r0, r1;
-  while (std::chrono::steady_clock::now() < deadline &&
-         (r0.empty() || r1.empty())) {
+  while (std::chrono::steady_clock::now() < deadline && (r0.empty() || r1.empty())) {
     r0 = workers_[0]->Result(job.id());
     r1 = workers_[1]->Result(job.id());
     std::this_thread::sleep_for(std::chrono::milliseconds(50));
@@ -320,9 +306,11 @@ TEST_F(WorkerE2ETest, WorkerReRegistersAfterACoordinatorRestart) {
 }
 
 TEST(WorkerCliTest, BadFlagsAreNamedAndExitWith2) {
-  for (const auto& [flag, value] : std::vector<std::pair<std::string, std::string>>{
-           {"--device", "cuda:0"}, {"--capacity", "lots"}, {"--metrics-port", "70000"},
-           {"--coordinator", "nocolon"}}) {
+  for (const auto& [flag, value] :
+       std::vector<std::pair<std::string, std::string>>{{"--device", "cuda:0"},
+                                                        {"--capacity", "lots"},
+                                                        {"--metrics-port", "70000"},
+                                                        {"--coordinator", "nocolon"}}) {
     ChildProcess p({GEOFP8_WORKER_BIN, flag, value, "--metrics-port",
                     flag == "--metrics-port" ? value : "-1"});
     EXPECT_EQ(p.Wait(), 2) << flag;
