@@ -5,17 +5,10 @@
 #include <string>
 
 #include "server/coordinator/job_spec.h"
+#include "tests/server/job_spec_error.h"
 
 namespace geofp8 {
 namespace {
-
-std::string ErrorOf(const std::string& yaml) {
-  auto r = ParseJobSpec(yaml);
-  EXPECT_FALSE(r.ok()) << yaml;
-  if (r.ok()) return "";
-  EXPECT_EQ(r.status().code(), absl::StatusCode::kInvalidArgument);
-  return std::string(r.status().message());
-}
 
 TEST(JobSpecLimits, StepsFitTheWorkersCounters) {
   EXPECT_EQ(ErrorOf("name: a\ntraining: {steps: 1099511627776}\n"),

@@ -8,6 +8,8 @@
 #include <fstream>
 #include <sstream>
 
+#include "tests/server/job_spec_error.h"
+
 namespace geofp8 {
 namespace {
 
@@ -16,14 +18,6 @@ std::string Read(const std::filesystem::path& p) {
   std::ostringstream os;
   os << in.rdbuf();
   return os.str();
-}
-
-std::string ErrorOf(const std::string& yaml) {
-  auto r = ParseJobSpec(yaml);
-  EXPECT_FALSE(r.ok()) << yaml;
-  if (r.ok()) return "";
-  EXPECT_EQ(r.status().code(), absl::StatusCode::kInvalidArgument);
-  return std::string(r.status().message());
 }
 
 TEST(JobSpec, MinimalSpecTakesDefaults) {
