@@ -5,6 +5,7 @@
 #include <google/protobuf/util/json_util.h>
 
 #include <algorithm>
+#include <cctype>
 #include <cmath>
 #include <cstdio>
 #include <sstream>
@@ -27,6 +28,15 @@ void ToBlock(YAML::Node node) {
   } else if (node.IsSequence()) {
     for (auto item : node) ToBlock(item);
   }
+}
+
+// PROBE_BASIS_DEPLOYED -> "deployed".
+std::string ProbeBasisLabel(v1::ProbeBasis basis) {
+  std::string name = v1::ProbeBasis_Name(basis);
+  if (name.starts_with("PROBE_BASIS_")) name = name.substr(12);
+  std::transform(name.begin(), name.end(), name.begin(),
+                 [](unsigned char c) { return static_cast<char>(std::tolower(c)); });
+  return name.empty() ? "-" : name;
 }
 
 std::string Age(int64_t since_ms, int64_t now_ms) {
@@ -238,12 +248,25 @@ std::string DescribeJob(const v1::Job& j, const v1::Policy* policy, int64_t now_
   }
   if (j.layers_size() > 0) {
     os << "\nLayers (latest summaries):\n";
+    const bool probed = std::any_of(j.layers().begin(), j.layers().end(),
+                                    [](const v1::LayerSummary& l) { return l.probe_step() > 0; });
     std::vector<std::vector<std::string>> rows = {
         {"  LAYER", "STEP", "REL-ERROR", "RESIDUAL-ERROR", "GEOMETRY-V", "DRIFT"}};
+    // Auto jobs: the engine's latest judgement of each layer (gain with the basis it deploys, or
+    // would deploy while off) and the state it left the layer in.
+    if (probed) rows[0].insert(rows[0].end(), {"AUTO-GAIN", "BASIS", "PROBED", "GEOMETRY"});
     for (const auto& l : j.layers()) {
       rows.push_back({"  " + l.layer(), std::to_string(l.step()), Fmt("%.4g", l.rel_fro_error()),
                       Fmt("%.4g", l.residual_error()), std::to_string(l.geometry_version()),
                       Fmt("%.3g", l.drift())});
+      if (!probed) continue;
+      if (l.probe_step() > 0) {
+        rows.back().insert(rows.back().end(),
+                           {Fmt("%.3g", l.probe_gain()), ProbeBasisLabel(l.probe_basis()),
+                            std::to_string(l.probe_step()), l.geometry_on() ? "on" : "off"});
+      } else {
+        rows.back().insert(rows.back().end(), {"-", "-", "-", "-"});
+      }
     }
     os << Table(rows);
   }

@@ -60,6 +60,7 @@ class Model {
   std::vector<T>& weights() { return weights_; }
   const std::vector<T>& weights() const { return weights_; }
   std::vector<T>& grads() { return grads_; }
+  const std::vector<T>& grads() const { return grads_; }
   std::span<T> weight(int i) { return {weights_.data() + params_[i].offset, size_t(params_[i].size())}; }
   std::span<T> grad(int i) { return {grads_.data() + params_[i].offset, size_t(params_[i].size())}; }
 

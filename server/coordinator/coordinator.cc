@@ -876,7 +876,13 @@ absl::Status Coordinator::HandleWorkerMessage(const v1::WorkerMessage& message) 
         if (rec) {
           for (const auto& l : message.summaries().layers()) {
             v1::LayerSummary& kept = rec->layers[l.layer()];
-            if (l.step() >= kept.step()) kept = l;
+            if (l.step() < kept.step()) continue;
+            const v1::LayerSummary probed = kept;  // the probe fields are the coordinator's own
+            kept = l;
+            kept.set_probe_step(probed.probe_step());
+            kept.set_probe_gain(probed.probe_gain());
+            kept.set_probe_basis(probed.probe_basis());
+            kept.set_geometry_on(probed.geometry_on());
           }
         }
         break;
@@ -884,7 +890,7 @@ absl::Status Coordinator::HandleWorkerMessage(const v1::WorkerMessage& message) 
         if (rec && rec->spec.auto_policy.enabled && !IsFinal(rec->job.state())) {
           std::vector<v1::ProbeResult> probes(message.probes().probes().begin(),
                                               message.probes().probes().end());
-          auto decisions = DecideAuto(rec->spec.auto_policy, rec->spec.geometry_refresh.interval,
+          auto decisions = DecideAuto(rec->spec.auto_policy, rec->spec.geometry_refresh,
                                       rec->policies.back(), probes);
           if (!decisions.empty()) {
             std::vector<v1::LayerPatch> patches;
@@ -896,6 +902,18 @@ absl::Status Coordinator::HandleWorkerMessage(const v1::WorkerMessage& message) 
             reason.pop_back();
             auto s = AddPolicyVersion(*rec, patches, reason, "auto", out);
             if (!s.ok()) return s.status();
+          }
+          // What `describe` shows per layer: the latest gain, its basis, and the state after the
+          // decision (the engine's own record; summaries do not carry it).
+          for (const auto& probe : probes) {
+            if (probe.layer().empty() || !(probe.error_with() > 0)) continue;
+            v1::LayerSummary& kept = rec->layers[probe.layer()];
+            kept.set_layer(probe.layer());
+            kept.set_probe_step(probe.step());
+            kept.set_probe_gain(probe.error_without() / probe.error_with());
+            kept.set_probe_basis(probe.basis());
+            kept.set_geometry_on(
+                ResolveLayer(rec->policies.back(), probe.layer()).policy.geometry() != "none");
           }
         }
         break;

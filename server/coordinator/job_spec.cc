@@ -41,6 +41,8 @@ constexpr Vocabulary<Scaling> kScalings{ParseScaling, AcceptedScalings};
 constexpr Vocabulary<Rounding> kRoundings{ParseRounding, AcceptedRoundings};
 constexpr Vocabulary<GeometryMode> kGeometries{ParseGeometryMode, AcceptedGeometryModes};
 constexpr Vocabulary<Algorithm> kAlgorithms{ParseAlgorithm, AcceptedAlgorithms};
+constexpr Vocabulary<GeometryEstimator> kEstimators{ParseGeometryEstimator,
+                                                   AcceptedGeometryEstimators};
 
 // A value quoted in an error: long values are cut, so that one huge scalar cannot crowd out the
 // other errors (the whole message must fit gRPC's 8 KiB metadata limit).
@@ -467,9 +469,27 @@ absl::StatusOr<JobSpec> ParseJobSpec(std::string_view yaml) {
     }
   }
   if (YAML::Node n = root["geometry_refresh"];
-      n.IsDefined() && !n.IsNull() && r.Map(n, p + ".geometry_refresh", {"interval", "stagger"})) {
-    r.Number(n, "interval", p + ".geometry_refresh", &spec.geometry_refresh.interval, 1, 1000000);
-    r.Bool(n, "stagger", p + ".geometry_refresh", &spec.geometry_refresh.stagger);
+      n.IsDefined() && !n.IsNull() &&
+      r.Map(n, p + ".geometry_refresh",
+            {"estimator", "interval", "stagger", "beta", "width", "probes"})) {
+    const std::string q = p + ".geometry_refresh";
+    auto& g = spec.geometry_refresh;
+    r.Enum(n, "estimator", q, kEstimators, &g.estimator);
+    if (g.estimator == GeometryEstimator::kInstant) g.interval = 100;
+    r.Number(n, "interval", q, &g.interval, 1, 1000000);
+    r.Bool(n, "stagger", q, &g.stagger);
+    r.Number(n, "beta", q, &g.sketch.beta, 0.0f, 0.999f);
+    r.Number(n, "width", q, &g.sketch.width, 1, 256);
+    r.Number(n, "probes", q, &g.sketch.probes, 0, 64);
+    if (g.estimator != GeometryEstimator::kFactorEma) {
+      for (const char* k : {"beta", "width", "probes"}) {
+        if (n[k].IsDefined()) {
+          r.Error(n[k], q + "." + k,
+                  std::string("applies to estimator ema only (estimator ") +
+                      std::string(GeometryEstimatorName(g.estimator)) + ")");
+        }
+      }
+    }
   }
   if (YAML::Node n = root["checkpoint"];
       n.IsDefined() && !n.IsNull() && r.Map(n, p + ".checkpoint", {"dir", "every"})) {
@@ -487,7 +507,11 @@ absl::StatusOr<JobSpec> ParseJobSpec(std::string_view yaml) {
       n.IsDefined() && !n.IsNull() && r.Map(n, p + ".restarts", {"max_restarts"})) {
     r.Number(n, "max_restarts", p + ".restarts", &spec.restarts.max_restarts, 0, 1000);
   }
-  if (spec.auto_policy.enabled && spec.auto_policy.min_interval > spec.geometry_refresh.interval) {
+  // The engine tunes refresh intervals of the instant estimator only: an ema sketch is fed every
+  // `interval` steps and its basis drifts smoothly by construction.
+  if (spec.auto_policy.enabled &&
+      spec.geometry_refresh.estimator == GeometryEstimator::kInstant &&
+      spec.auto_policy.min_interval > spec.geometry_refresh.interval) {
     r.Error(root["auto_policy"], p + ".auto_policy.min_interval",
             "must not exceed geometry_refresh.interval (" +
                 std::to_string(spec.auto_policy.min_interval) + ")");

@@ -10,6 +10,7 @@
 
 #include "absl/status/statusor.h"
 #include "kernels/exchange/policy.h"
+#include "kernels/geometry/factor_sketch.h"
 
 namespace geofp8 {
 
@@ -88,8 +89,14 @@ struct AutoPolicySpec {
 };
 
 struct RefreshSpec {
-  int interval = 100;   // default steps between geometry refreshes
+  // How a layer's basis is estimated (kernels/exchange/policy.h). ema, the default, is what
+  // geofp8-train's geometry presets ship (chosen on training trajectories, docs/benchmarks.md).
+  GeometryEstimator estimator = GeometryEstimator::kFactorEma;
+  // Steps between geometry refreshes: for ema, between sketch updates (1: every step); for
+  // instant, between the owner's re-estimates. Unset: 1 for ema, 100 for instant.
+  int interval = 1;
   bool stagger = true;  // spread owners over ranks and offsets over the interval
+  FactorSketchOptions sketch;  // ema: beta, width, probes (the seed comes from training.seed)
 };
 
 struct CheckpointSpec {

@@ -129,12 +129,22 @@ std::vector<v1::RefreshSchedule> ComputeSchedules(const std::vector<v1::LayerInf
   return out;
 }
 
-std::vector<AutoDecision> DecideAuto(const AutoPolicySpec& bounds, int default_interval,
+std::string_view ProbeBasisName(v1::ProbeBasis basis) {
+  switch (basis) {
+    case v1::PROBE_BASIS_DEPLOYED: return "deployed";
+    case v1::PROBE_BASIS_SHADOW: return "shadow";
+    default: return "unspecified";
+  }
+}
+
+std::vector<AutoDecision> DecideAuto(const AutoPolicySpec& bounds, const RefreshSpec& refresh,
                                      const v1::Policy& current,
                                      const std::vector<v1::ProbeResult>& probes) {
+  const int default_interval = refresh.interval;
+  const bool tune_interval = refresh.estimator == GeometryEstimator::kInstant;
   std::vector<AutoDecision> out;
   for (const auto& probe : probes) {
-    if (probe.layer().empty()) continue;
+    if (probe.layer().empty() || !(probe.error_with() > 0)) continue;
     ResolvedLayer r = ResolveLayer(current, probe.layer());
     const bool on = r.policy.geometry() != "none";
     const double gain = probe.error_with() > 0 ? probe.error_without() / probe.error_with() : 0.0;
@@ -147,14 +157,17 @@ std::vector<AutoDecision> DecideAuto(const AutoPolicySpec& bounds, int default_i
     if (!on && gain >= bounds.min_gain && cost <= bounds.max_cost_fraction) {
       patch.set_geometry(std::string(GeometryNameOf(bounds.geometry)));
       patch.set_rank(bounds.rank);
-      std::snprintf(buf, sizeof buf, "geometry %s on: gain %.3g >= %.3g, cost %.3g <= %.3g",
-                    patch.geometry().c_str(), gain, bounds.min_gain, cost,
+      std::snprintf(buf, sizeof buf,
+                    "geometry %s on: gain %.3g >= %.3g (%s basis), cost %.3g <= %.3g",
+                    patch.geometry().c_str(), gain, bounds.min_gain,
+                    std::string(ProbeBasisName(probe.basis())).c_str(), cost,
                     bounds.max_cost_fraction);
       why.push_back(buf);
     } else if (on && (gain < bounds.off_gain || cost > bounds.max_cost_fraction)) {
       patch.set_geometry("none");
       if (gain < bounds.off_gain) {
-        std::snprintf(buf, sizeof buf, "geometry off: gain %.3g < %.3g", gain, bounds.off_gain);
+        std::snprintf(buf, sizeof buf, "geometry off: gain %.3g < %.3g (%s basis)", gain,
+                      bounds.off_gain, std::string(ProbeBasisName(probe.basis())).c_str());
       } else {
         std::snprintf(buf, sizeof buf, "geometry off: cost %.3g > %.3g", cost,
                       bounds.max_cost_fraction);
@@ -162,7 +175,7 @@ std::vector<AutoDecision> DecideAuto(const AutoPolicySpec& bounds, int default_i
       why.push_back(buf);
     }
     const bool geometry_after = patch.has_geometry() ? patch.geometry() != "none" : on;
-    if (geometry_after && probe.drift() > 0) {  // 0: no refresh measured yet
+    if (tune_interval && geometry_after && probe.drift() > 0) {  // 0: no refresh measured yet
       const int interval = r.refresh_interval > 0 ? r.refresh_interval : default_interval;
       int next = interval;
       if (probe.drift() < bounds.drift_low) next = std::min(bounds.max_interval, interval * 2);

@@ -39,11 +39,19 @@ struct AutoDecision {
 };
 // Turns probe results into decisions within the spec's bounds:
 // - geometry on when gain = error_without / error_with >= min_gain and the transform's share
-//   of the step <= max_cost_fraction; off when gain < off_gain or the cost exceeds the bound;
-// - refresh interval doubled when drift < drift_low, halved when drift > drift_high, clamped to
-//   [min_interval, max_interval]. Layers whose state would not change get no decision.
-std::vector<AutoDecision> DecideAuto(const AutoPolicySpec& bounds, int default_interval,
+//   of the step <= max_cost_fraction; off when gain < off_gain or the cost exceeds the bound.
+//   The gain is judged with the basis the layer deploys (or, while off, would deploy: the probe's
+//   `basis`), so a layer whose deployed geometry does not beat Euclidean turns it off;
+// - instant estimator only: refresh interval doubled when drift < drift_low, halved when
+//   drift > drift_high, clamped to [min_interval, max_interval] (an ema sketch's basis moves
+//   smoothly by construction, and its interval is its feeding cadence).
+// Layers whose state would not change get no decision; a probe without a gain (error_with 0)
+// is ignored.
+std::vector<AutoDecision> DecideAuto(const AutoPolicySpec& bounds, const RefreshSpec& refresh,
                                      const v1::Policy& current,
                                      const std::vector<v1::ProbeResult>& probes);
+
+// "deployed", "shadow" or "unspecified".
+std::string_view ProbeBasisName(v1::ProbeBasis basis);
 
 }  // namespace geofp8

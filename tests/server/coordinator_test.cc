@@ -5,6 +5,7 @@
 #include <gtest/gtest.h>
 
 #include <filesystem>
+#include <map>
 #include <thread>
 
 #include "server/coordinator/policy_engine.h"
@@ -410,7 +411,7 @@ TEST_F(CoordinatorTest, AutoEngineTurnsGeometryOnAndLogsAVersionWithReason) {
   std::string id = Submit(
       "name: t\nworld_size: 1\nauto_policy: {enabled: true, min_gain: 1.5, off_gain: 1.1,"
       " max_cost_fraction: 0.1, min_interval: 25, max_interval: 400}\n"
-      "geometry_refresh: {interval: 100}\n");
+      "geometry_refresh: {estimator: instant, interval: 100}\n");
   Worker a = Join("a");
   ASSERT_TRUE(Progress(a, 50).ok());
   v1::WorkerMessage m;
@@ -420,6 +421,7 @@ TEST_F(CoordinatorTest, AutoEngineTurnsGeometryOnAndLogsAVersionWithReason) {
   good->set_error_with(0.1);
   good->set_transform_seconds(0.001);
   good->set_step_seconds(0.1);
+  good->set_basis(v1::PROBE_BASIS_SHADOW);
   auto* weak = m.mutable_probes()->add_probes();
   weak->set_layer("blocks.0.mlp.up");
   weak->set_error_without(0.1);
@@ -434,7 +436,8 @@ TEST_F(CoordinatorTest, AutoEngineTurnsGeometryOnAndLogsAVersionWithReason) {
   EXPECT_EQ(p->version(), 2u);
   EXPECT_EQ(p->author(), "auto");
   EXPECT_EQ(p->effective_step(), 55);
-  EXPECT_NE(p->reason().find("blocks.0.attn.wq: geometry lowrank on: gain 3"), std::string::npos)
+  EXPECT_NE(p->reason().find("blocks.0.attn.wq: geometry lowrank on: gain 3 >= 1.5 (shadow basis)"),
+            std::string::npos)
       << p->reason();
   EXPECT_EQ(ResolveLayer(*p, "blocks.0.attn.wq").policy.geometry(), "lowrank");
   EXPECT_EQ(ResolveLayer(*p, "blocks.0.mlp.up").policy.geometry(), "none");
@@ -457,13 +460,61 @@ TEST_F(CoordinatorTest, AutoEngineTurnsGeometryOnAndLogsAVersionWithReason) {
   probe->set_drift(0.1);
   ASSERT_TRUE(Send(a, d).ok());
   EXPECT_EQ(coordinator->GetPolicy(g)->version(), 4u);
-  // Gain collapses: geometry off.
-  probe->set_error_with(0.3);
+  // The deployed basis does not beat Euclidean: geometry off.
+  probe->set_error_with(0.31);
+  probe->set_basis(v1::PROBE_BASIS_DEPLOYED);
   ASSERT_TRUE(Send(a, d).ok());
   p = coordinator->GetPolicy(g);
   EXPECT_EQ(p->version(), 5u);
   EXPECT_EQ(ResolveLayer(*p, "blocks.0.attn.wq").policy.geometry(), "none");
-  EXPECT_NE(p->reason().find("geometry off: gain 1 < 1.1"), std::string::npos) << p->reason();
+  EXPECT_NE(p->reason().find("geometry off: gain 0.968 < 1.1 (deployed basis)"),
+            std::string::npos)
+      << p->reason();
+  // `describe` shows the engine's last judgement of each probed layer and the state it left.
+  v1::GetJobRequest gj;
+  gj.set_job_id(id);
+  auto job = coordinator->GetJob(gj);
+  ASSERT_TRUE(job.ok());
+  std::map<std::string, v1::LayerSummary> layers;
+  for (const auto& l : job->layers()) layers[l.layer()] = l;
+  ASSERT_TRUE(layers.contains("blocks.0.attn.wq"));
+  EXPECT_NEAR(layers["blocks.0.attn.wq"].probe_gain(), 0.3 / 0.31, 1e-12);
+  EXPECT_EQ(layers["blocks.0.attn.wq"].probe_basis(), v1::PROBE_BASIS_DEPLOYED);
+  EXPECT_FALSE(layers["blocks.0.attn.wq"].geometry_on());
+  ASSERT_TRUE(layers.contains("blocks.0.mlp.up"));
+  EXPECT_NEAR(layers["blocks.0.mlp.up"].probe_gain(), 0.1 / 0.09, 1e-12);
+  EXPECT_FALSE(layers["blocks.0.mlp.up"].geometry_on());
+  // A probe without a basis (error_with 0) is no evidence: nothing changes.
+  probe->set_error_with(0);
+  ASSERT_TRUE(Send(a, d).ok());
+  EXPECT_EQ(coordinator->GetPolicy(g)->version(), 5u);
+}
+
+TEST_F(CoordinatorTest, AutoEngineLeavesTheEmaFeedingCadenceAlone) {
+  // The default estimator is ema, fed every step: the engine switches geometry but never
+  // re-times the sketch (its drift is small by construction and says nothing about staleness).
+  std::string id = Submit(
+      "name: t\nworld_size: 1\nauto_policy: {enabled: true, min_gain: 1.5, off_gain: 1.1}\n");
+  Worker a = Join("a");
+  ASSERT_TRUE(Progress(a, 50).ok());
+  v1::WorkerMessage m;
+  auto* good = m.mutable_probes()->add_probes();
+  good->set_layer("blocks.0.attn.wq");
+  good->set_error_without(0.3);
+  good->set_error_with(0.1);
+  good->set_transform_seconds(0.001);
+  good->set_step_seconds(0.1);
+  good->set_drift(0.001);
+  good->set_basis(v1::PROBE_BASIS_SHADOW);
+  ASSERT_TRUE(Send(a, m).ok());
+  ASSERT_TRUE(Send(a, m).ok());  // the same evidence again: no second version
+  v1::GetPolicyRequest g;
+  g.set_job_id(id);
+  auto p = coordinator->GetPolicy(g);
+  ASSERT_TRUE(p.ok());
+  EXPECT_EQ(p->version(), 2u);
+  EXPECT_EQ(ResolveLayer(*p, "blocks.0.attn.wq").policy.geometry(), "lowrank");
+  EXPECT_EQ(ResolveLayer(*p, "blocks.0.attn.wq").refresh_interval, 0);
 }
 
 TEST_F(CoordinatorTest, IntervalStaysWithinBounds) {
@@ -477,11 +528,15 @@ TEST_F(CoordinatorTest, IntervalStaysWithinBounds) {
   probe.set_error_without(1);
   probe.set_error_with(0.5);
   probe.set_drift(0.001);
-  auto d = DecideAuto(bounds, 100, policy, {probe});
+  RefreshSpec refresh;
+  refresh.estimator = GeometryEstimator::kInstant;
+  refresh.interval = 100;
+  auto d = DecideAuto(bounds, refresh, policy, {probe});
   ASSERT_EQ(d.size(), 1u);
   EXPECT_EQ(d[0].patch.refresh_interval(), 150);
   probe.set_drift(0.99);
-  d = DecideAuto(bounds, 60, policy, {probe});
+  refresh.interval = 60;
+  d = DecideAuto(bounds, refresh, policy, {probe});
   ASSERT_EQ(d.size(), 1u);
   EXPECT_EQ(d[0].patch.refresh_interval(), 50);
 }

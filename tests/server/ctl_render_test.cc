@@ -84,5 +84,35 @@ TEST(Render, DescribeShowsEventsAndPolicy) {
   EXPECT_NE(out.find("*attn*  format=nvfp4"), std::string::npos) << out;
 }
 
+TEST(Render, DescribeShowsTheAutoEnginesVerdictPerLayer) {
+  v1::Job job;
+  job.set_id("job-2");
+  auto* on = job.add_layers();
+  on->set_layer("layers.0.attn.wv");
+  on->set_step(40);
+  on->set_probe_step(50);
+  on->set_probe_gain(1.8);
+  on->set_probe_basis(v1::PROBE_BASIS_DEPLOYED);
+  on->set_geometry_on(true);
+  auto* off = job.add_layers();
+  off->set_layer("layers.0.mlp.w2");
+  off->set_step(40);
+  off->set_probe_step(50);
+  off->set_probe_gain(0.93);
+  off->set_probe_basis(v1::PROBE_BASIS_SHADOW);
+  auto* norm = job.add_layers();
+  norm->set_layer("layers.0.attn_norm");
+  norm->set_step(40);
+  const std::string out = DescribeJob(job, nullptr, 0);
+  EXPECT_NE(out.find("AUTO-GAIN  BASIS     PROBED  GEOMETRY"), std::string::npos) << out;
+  EXPECT_NE(out.find("1.8        deployed  50      on"), std::string::npos) << out;
+  EXPECT_NE(out.find("0.93       shadow    50      off"), std::string::npos) << out;
+  EXPECT_NE(out.find("-          -         -       -"), std::string::npos) << out;
+  // A job without probes keeps the plain table.
+  job.clear_layers();
+  *job.add_layers() = *norm;
+  EXPECT_EQ(DescribeJob(job, nullptr, 0).find("AUTO-GAIN"), std::string::npos);
+}
+
 }  // namespace
 }  // namespace geofp8::ctl

@@ -78,6 +78,47 @@ restarts: {max_restarts: 0}
   EXPECT_EQ(spec->restarts.max_restarts, 0);
 }
 
+TEST(JobSpec, GeometryRefreshChoosesTheEstimatorAndItsCadence) {
+  // The default is what geofp8-train's geometry presets ship: the ema sketch, fed every step.
+  auto spec = ParseJobSpec("name: a\n");
+  ASSERT_TRUE(spec.ok()) << spec.status();
+  EXPECT_EQ(spec->geometry_refresh.estimator, GeometryEstimator::kFactorEma);
+  EXPECT_EQ(spec->geometry_refresh.interval, 1);
+  EXPECT_FLOAT_EQ(spec->geometry_refresh.sketch.beta, 0.9f);
+  spec = ParseJobSpec("name: a\ngeometry_refresh: {beta: 0.7, width: 16, probes: 2}\n");
+  ASSERT_TRUE(spec.ok()) << spec.status();
+  EXPECT_FLOAT_EQ(spec->geometry_refresh.sketch.beta, 0.7f);
+  EXPECT_EQ(spec->geometry_refresh.sketch.width, 16);
+  EXPECT_EQ(spec->geometry_refresh.sketch.probes, 2);
+  // instant keeps its own default cadence, and an explicit one wins for either estimator.
+  spec = ParseJobSpec("name: a\ngeometry_refresh: {estimator: instant}\n");
+  ASSERT_TRUE(spec.ok()) << spec.status();
+  EXPECT_EQ(spec->geometry_refresh.estimator, GeometryEstimator::kInstant);
+  EXPECT_EQ(spec->geometry_refresh.interval, 100);
+  spec = ParseJobSpec("name: a\ngeometry_refresh: {interval: 7, estimator: instant}\n");
+  ASSERT_TRUE(spec.ok()) << spec.status();
+  EXPECT_EQ(spec->geometry_refresh.interval, 7);
+  // The auto engine's interval bounds constrain instant only (it never re-times a sketch).
+  EXPECT_TRUE(ParseJobSpec("name: a\nauto_policy: {enabled: true}\n").ok());
+  EXPECT_NE(ErrorOf("name: a\nauto_policy: {enabled: true}\n"
+                    "geometry_refresh: {estimator: instant, interval: 10}\n")
+                .find("spec.auto_policy.min_interval: must not exceed geometry_refresh.interval"),
+            std::string::npos);
+  EXPECT_NE(ErrorOf("name: a\ngeometry_refresh: {estimator: shampoo}\n")
+                .find("line 2: spec.geometry_refresh.estimator: unknown value (shampoo)"),
+            std::string::npos);
+  EXPECT_NE(ErrorOf("name: a\ngeometry_refresh: {estimator: instant, beta: 0.5}\n")
+                .find("spec.geometry_refresh.beta: applies to estimator ema only (estimator "
+                      "instant)"),
+            std::string::npos);
+  EXPECT_NE(ErrorOf("name: a\ngeometry_refresh: {beta: 1}\n")
+                .find("spec.geometry_refresh.beta: must be in [0, 0.999] (1)"),
+            std::string::npos);
+  EXPECT_NE(ErrorOf("name: a\ngeometry_refresh: {width: 0}\n")
+                .find("spec.geometry_refresh.width: must be in [1, 256] (0)"),
+            std::string::npos);
+}
+
 TEST(JobSpec, EveryExampleJobParses) {
   int parsed = 0;
   for (const auto& e : std::filesystem::directory_iterator(GEOFP8_EXAMPLES_DIR)) {

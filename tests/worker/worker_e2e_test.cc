@@ -18,8 +18,12 @@ namespace {
 using std::chrono::seconds;
 
 // A tiny job: llama-tiny, fp8 with low-rank geometry on the matrices, checkpoints every 10.
+// Geometry refreshes: the instant estimator every 10 steps, owners and offsets staggered, so the
+// tests can tell which rank estimated what.
+constexpr const char* kInstantEvery10 = "geometry_refresh: {estimator: instant, interval: 10}\n";
+
 std::string TinySpec(const std::string& name, int steps, const std::string& extra_policy = "",
-                     int world = 2) {
+                     int world = 2, const std::string& refresh = kInstantEvery10) {
   return "name: " + name + "\nworld_size: " + std::to_string(world) +
          "\nbackend: gloo\n"
          "model: {preset: llama-tiny}\n"
@@ -30,8 +34,7 @@ std::string TinySpec(const std::string& name, int steps, const std::string& extr
          "exchange: {timeout_s: 10}\n"
          "policy:\n"
          "  default: {format: fp8_e4m3, scaling: block, block: 64, geometry: lowrank, rank: 4}\n" +
-         extra_policy +
-         "geometry_refresh: {interval: 10}\n"
+         extra_policy + refresh +
          "checkpoint: {dir: ckpt, every: 10}\n"
          "restarts: {max_restarts: 2}\n";
 }
@@ -191,10 +194,12 @@ TEST_F(WorkerE2ETest, PolicyArrivingAfterItsEffectiveStepFailsTheJobLoudly) {
 }
 
 // Auto mode: rank 0's probes reach the coordinator's policy engine, which turns geometry on
-// with a new version; the ranks apply it at its effective step and finish.
+// with a new version; the ranks apply it at its effective step and finish. Under the default
+// (ema) estimator the first probes judge the shadow basis, the later ones the deployed one, and
+// both show in describe and in /metrics.
 TEST_F(WorkerE2ETest, AutoPolicyProbesLeadToAnAutoVersion) {
   StartWorkers(2, {"--debug-step-delay-ms", "10"});
-  std::string spec = TinySpec("auto", 80);
+  std::string spec = TinySpec("auto", 80, "", 2, "");
   spec.replace(spec.find("geometry: lowrank, rank: 4"), 26, "geometry: none");
   spec +=
       "auto_policy: {enabled: true, probe_every: 10, min_gain: 1.0001, off_gain: 1.00001,"
@@ -209,6 +214,24 @@ TEST_F(WorkerE2ETest, AutoPolicyProbesLeadToAnAutoVersion) {
     auto_event |= e.message().find("(auto): auto:") != std::string::npos;
   EXPECT_TRUE(auto_event) << Everything(job);
   EXPECT_EQ(workers_[0]->Result(job.id())["checksum"], workers_[1]->Result(job.id())["checksum"]);
+  // Every matrix was probed at some step with a real basis; the describe rows carry the verdict.
+  int probed = 0, deployed = 0;
+  for (const v1::LayerSummary& l : job.layers()) {
+    if (l.layer().find("norm") != std::string::npos) {
+      EXPECT_EQ(l.probe_step(), 0) << l.layer();
+      continue;
+    }
+    EXPECT_GT(l.probe_step(), 0) << l.layer() << "\n" << Everything(job);
+    EXPECT_GT(l.probe_gain(), 0.0) << l.layer();
+    EXPECT_NE(l.probe_basis(), v1::PROBE_BASIS_UNSPECIFIED) << l.layer();
+    probed += l.probe_step() > 0;
+    deployed += l.probe_basis() == v1::PROBE_BASIS_DEPLOYED;
+  }
+  EXPECT_EQ(probed, 2 + 2 * 7) << Everything(job);
+  EXPECT_GT(deployed, 0) << Everything(job);  // geometry went on, then was judged as deployed
+  const std::string m = Scrape(workers_[0]->MetricsPort());
+  EXPECT_NE(m.find("geofp8_geometry_probe_gain{basis=\"deployed\",layer=\""), std::string::npos)
+      << m;
 }
 
 TEST_F(WorkerE2ETest, CancelStopsEveryRankAtTheSameStep) {
@@ -241,7 +264,7 @@ TEST_F(WorkerE2ETest, CancelStopsEveryRankAtTheSameStep) {
 
 TEST_F(WorkerE2ETest, DeadWorkerRestartsTheJobFromItsCheckpoint) {
   StartWorkers(2, {"--debug-step-delay-ms", "20"});
-  v1::Job job = client_->Submit(TinySpec("restart", 60));
+  v1::Job job = client_->Submit(TinySpec("restart", 60, "", 2, ""));  // the default: ema
   job = client_->WaitStep(job.id(), 25, seconds(60));
   ASSERT_EQ(job.state(), v1::JOB_RUNNING) << Everything(job);
   ASSERT_GE(job.progress().checkpoint_step(), 10) << Everything(job);
@@ -260,9 +283,10 @@ TEST_F(WorkerE2ETest, DeadWorkerRestartsTheJobFromItsCheckpoint) {
   // The spare had no checkpoint of its own: the state came from w0's by broadcast.
   EXPECT_NE(workers_[2]->process().output().find("resumed at step"), std::string::npos);
   // And the restart continued exactly: the same job run without a break ends bitwise equal.
-  // The spec refreshes low-rank geometry every 10 steps at staggered offsets, so some layer's
-  // refresh is pending across every checkpoint; the checkpoint carries it.
-  v1::Job straight = client_->Submit(TinySpec("straight", 60));
+  // The spec's default estimator (ema) folds every step into each matrix's sketch and activates
+  // the derived geometry one step later, so a pending geometry and a sketch cross every
+  // checkpoint; the checkpoint carries both.
+  v1::Job straight = client_->Submit(TinySpec("straight", 60, "", 2, ""));
   straight = client_->WaitFinal(straight.id(), seconds(120));
   ASSERT_EQ(straight.state(), v1::JOB_SUCCEEDED) << Everything(straight);
   EXPECT_EQ(workers_[0]->Result(straight.id())["checksum"], a["checksum"]);

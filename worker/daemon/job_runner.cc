@@ -21,6 +21,7 @@
 #include "kernels/model/ops.h"
 #include "kernels/model/optimizer.h"
 #include "server/coordinator/policy_engine.h"
+#include "worker/daemon/geometry_probe.h"
 #include "worker/daemon/grpc_store.h"
 #include "worker/daemon/log.h"
 #include "worker/train/checkpoint.h"
@@ -126,6 +127,7 @@ struct JobRunner::Impl {
   std::unique_ptr<GrpcStore> store;
   std::unique_ptr<Communicator> comm;
   std::unique_ptr<train::Trainer> trainer;  // model, optimizer, data, exchange engine
+  std::unique_ptr<GeometryProbe> prober;    // rank 0 of an auto_policy job
   std::vector<LayerPolicy> layer_policies;  // of the version in force (for metrics and probes)
   std::vector<RefreshSchedule> schedule;    // of the version in force; empty: no geometry
   v1::Policy policy;  // in force
@@ -354,71 +356,31 @@ struct JobRunner::Impl {
     Send(std::move(m), false);
   }
 
-  // ||decode(encode(T(g))) mapped back - g|| / ||g|| for one layer under policy p, with T the
-  // geometry (identity when null). Adds the forward + inverse transform time to *seconds.
-  static double RoundTripError(std::span<const float> g, const LayerPolicy& p,
-                               const Geometry* geometry, double* seconds) {
-    std::vector<float> x(g.begin(), g.end());
-    if (geometry) {
-      const auto t0 = Clock::now();
-      ApplyGeometry(*geometry, x);
-      *seconds += std::chrono::duration<double>(Clock::now() - t0).count();
-    }
-    if (p.format != Format::kFp32) {
-      CodecOptions o;
-      o.format = p.format;
-      o.scaling = p.scaling;
-      o.block = p.block;
-      std::vector<uint8_t> buf(EncodedBytes(o, x.size()));
-      Encode(x, o, buf);
-      Decode(buf, x);
-    }
-    if (geometry) {
-      const auto t0 = Clock::now();
-      InvertGeometry(*geometry, x);
-      *seconds += std::chrono::duration<double>(Clock::now() - t0).count();
-    }
-    double e2 = 0, g2 = 0;
-    for (size_t i = 0; i < x.size(); ++i) {
-      const double d = double(x[i]) - g[i];
-      e2 += d * d;
-      g2 += double(g[i]) * g[i];
-    }
-    return g2 > 0 ? std::sqrt(e2 / g2) : std::sqrt(e2);
-  }
-
   // Auto mode (DESIGN.md section 2): rank 0 quantizes each matrix's local gradient with and
-  // without geometry, no communication, and reports the errors and the transform cost.
+  // without the basis the layer deploys (or, while off, would deploy), no communication, and
+  // reports the errors and the transform cost (geometry_probe.h).
   void Probes(int64_t step) {
     v1::WorkerMessage m;
     auto* probes = m.mutable_probes();
-    const std::vector<float>& local = trainer->local_gradient();
-    for (size_t l = 0; l < params.size(); ++l) {
-      const model::ParamInfo& p = params[l];
-      if (!p.is_matrix()) continue;
-      std::span<const float> g(local.data() + p.offset, size_t(p.size()));
-      double unused = 0, transform = 0;
-      const double without = RoundTripError(g, layer_policies[l], nullptr, &unused);
-      Geometry geometry = trainer->exchanger().active_geometry(uint32_t(l));
-      if (geometry.is_identity()) {
-        GeometryOptions go;
-        go.mode = spec.auto_policy.geometry;
-        go.rank = spec.auto_policy.rank;
-        go.alpha = layer_policies[l].alpha;
-        go.seed = spec.training.seed ^ (l + 1);
-        geometry = EstimateGeometry(g, p.rows, p.cols, go, nullptr).geometry;
-      }
-      const double with = RoundTripError(g, layer_policies[l], &geometry, &transform);
+    for (const LayerProbe& lp :
+         prober->Probe(trainer->local_gradient(), layer_policies, trainer->exchanger())) {
+      const std::string& name = params[lp.layer].name;
       auto* pr = probes->add_probes();
-      pr->set_layer(p.name);
+      pr->set_layer(name);
       pr->set_step(step);
-      pr->set_error_without(without);
-      pr->set_error_with(with);
-      pr->set_transform_seconds(transform);
+      pr->set_error_without(lp.error_without);
+      pr->set_error_with(lp.error_with);
+      pr->set_transform_seconds(lp.transform_seconds);
       pr->set_step_seconds(last_step_seconds);
-      pr->set_drift(trainer->last_drift()[l]);
+      pr->set_drift(trainer->last_drift()[lp.layer]);
+      const bool deployed = lp.basis == ProbeBasisKind::kDeployed;
+      pr->set_basis(deployed ? v1::PROBE_BASIS_DEPLOYED : v1::PROBE_BASIS_SHADOW);
+      if (r.metrics_ && lp.error_with > 0) {
+        r.metrics_->ProbeGain(name, deployed ? "deployed" : "shadow",
+                              lp.error_without / lp.error_with);
+      }
     }
-    Send(std::move(m), false);
+    if (probes->probes_size() > 0) Send(std::move(m), false);
   }
 
   // Returns the control decision agreed by all ranks: 0 run, 1 stop, 2 abort (a rank failed).
@@ -520,8 +482,21 @@ struct JobRunner::Impl {
       plan.bucket_cap_bytes = size_t(std::max(1.0, spec.exchange.bucket_mb * 1024 * 1024));
       std::vector<RefreshSchedule> schedule = Resolve(*first);
       plan.layers = layer_policies;
+      plan.estimator = spec.geometry_refresh.estimator;
+      plan.sketch = spec.geometry_refresh.sketch;
       trainer = std::make_unique<train::Trainer>(to, *comm, std::move(plan), std::move(schedule),
                                                  first->version());
+    }
+    if (spec.auto_policy.enabled && rank == 0) {
+      ProbeSettings ps;
+      ps.probe_every = spec.auto_policy.probe_every;
+      ps.mode = spec.auto_policy.geometry;
+      ps.rank = spec.auto_policy.rank;
+      ps.estimator = spec.geometry_refresh.estimator;
+      ps.sketch = spec.geometry_refresh.sketch;
+      ps.refresh_interval = spec.geometry_refresh.interval;
+      ps.seed = spec.training.seed;
+      prober = std::make_unique<GeometryProbe>(params, ps);
     }
     if (start > 0) Restore(start);
     Announce(*first, start);
@@ -549,13 +524,15 @@ struct JobRunner::Impl {
 
       train::StepControl sc;
       sc.measure_error = r.options_.summary_every > 0 && step % r.options_.summary_every == 0;
-      const bool probe = spec.auto_policy.enabled && rank == 0 && step > 0 &&
-                         spec.auto_policy.probe_every > 0 &&
-                         step % spec.auto_policy.probe_every == 0;
+      const bool probe = prober && prober->IsProbeStep(step);
       sc.keep_local = probe;
       const train::StepRecord rec = trainer->Step(step, sc);
       if (sc.measure_error) Summaries(rec);
       if (probe) Probes(step);
+      // The gradient buffers hold the step's averaged (clipped) gradient now.
+      if (prober && prober->Observes(step)) {
+        prober->Observe(step, trainer->model().grads(), layer_policies);
+      }
       last_step_seconds = rec.step_seconds;
       const double tps = rec.step_seconds > 0 ? double(rec.tokens) / rec.step_seconds : 0;
       tokens_per_second = tokens_per_second == 0 ? tps : 0.8 * tokens_per_second + 0.2 * tps;

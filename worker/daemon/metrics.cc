@@ -33,6 +33,7 @@ WorkerMetrics::WorkerMetrics()
       rel_error_(BuildGauge().Name("geofp8_quantization_rel_error").Help("rel_fro_error of the exchanged average against the exact fp32 average").Register(*registry_)),
       refreshes_total_(BuildCounter().Name("geofp8_geometry_refreshes_total").Help("Geometry refreshes applied").Register(*registry_)),
       drift_(BuildGauge().Name("geofp8_geometry_drift").Help("Subspace drift measured at the layer's last refresh").Register(*registry_)),
+      probe_gain_(BuildGauge().Name("geofp8_geometry_probe_gain").Help("Auto-mode probe: error without geometry over error with the basis the layer deploys (basis=deployed) or would deploy while off (basis=shadow); below 1, geometry hurts").Register(*registry_)),
       policy_version_(BuildGauge().Name("geofp8_worker_policy_version").Help("Policy version in force").Register(*registry_)),
       checkpoint_step_(BuildGauge().Name("geofp8_worker_checkpoint_step").Help("Step of the last checkpoint written").Register(*registry_)),
       jobs_total_(BuildCounter().Name("geofp8_worker_jobs_total").Help("Job attempts run to an end, by result").Register(*registry_)),
@@ -108,6 +109,16 @@ void WorkerMetrics::Refresh(const std::string& layer, double drift) {
   std::lock_guard<std::mutex> lock(mu_);
   refreshes_total_.Add({{"layer", layer}}).Increment();
   drift_.Add({{"layer", layer}}).Set(drift);
+}
+
+void WorkerMetrics::ProbeGain(const std::string& layer, const std::string& basis, double gain) {
+  std::lock_guard<std::mutex> lock(mu_);
+  // One series per layer: the basis label follows the layer's state, so drop the other one.
+  for (const char* other : {"deployed", "shadow"}) {
+    const prometheus::Labels labels{{"layer", layer}, {"basis", other}};
+    if (basis != other && probe_gain_.Has(labels)) probe_gain_.Remove(&probe_gain_.Add(labels));
+  }
+  probe_gain_.Add({{"layer", layer}, {"basis", basis}}).Set(gain);
 }
 
 void WorkerMetrics::Checkpoint(int64_t step) {

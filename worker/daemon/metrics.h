@@ -37,6 +37,9 @@ class WorkerMetrics {
   void LayerBytes(const std::string& layer, const std::string& format, double bytes);
   void LayerError(const std::string& layer, double rel_fro_error);
   void Refresh(const std::string& layer, double drift);
+  // An auto-mode probe's gain (error without geometry / error with it) and the basis judged:
+  // "deployed" (the layer uses geometry) or "shadow" (what it would deploy while off).
+  void ProbeGain(const std::string& layer, const std::string& basis, double gain);
   void Checkpoint(int64_t step);
   void Error(const std::string& kind);  // job_failed, session_lost, policy_late, ...
   // Session counters are sampled at scrape time by the daemon.
@@ -56,6 +59,7 @@ class WorkerMetrics {
   prometheus::Family<prometheus::Gauge>& rel_error_;
   prometheus::Family<prometheus::Counter>& refreshes_total_;
   prometheus::Family<prometheus::Gauge>& drift_;
+  prometheus::Family<prometheus::Gauge>& probe_gain_;
   prometheus::Family<prometheus::Gauge>& policy_version_;
   prometheus::Family<prometheus::Gauge>& checkpoint_step_;
   prometheus::Family<prometheus::Counter>& jobs_total_;
