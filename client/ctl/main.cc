@@ -17,8 +17,8 @@
 #include "CLI/CLI.hpp"
 #include "client/ctl/render.h"
 #include "geofp8/v1/geofp8.grpc.pb.h"
-#include "server/coordinator/job_spec.h"
-#include "server/coordinator/policy_engine.h"
+#include "kernels/policy/job_spec.h"
+#include "kernels/policy/policy.h"
 
 namespace geofp8::ctl {
 namespace {

@@ -1,36 +1,17 @@
-// Pure policy logic of the coordinator: spec <-> proto conversion, resolving a layer's policy
-// from the default plus glob patches, staggered refresh schedules, and the auto policy engine.
+// The coordinator's auto policy engine (DESIGN.md section 2, "auto" mode): turns workers' probe
+// results into policy patches. The policy itself (conversion, resolution, schedules) is
+// kernels/policy/policy.h.
 #pragma once
 
 #include <string>
+#include <string_view>
 #include <vector>
 
 #include "geofp8/v1/geofp8.pb.h"
-#include "server/coordinator/job_spec.h"
+#include "kernels/policy/job_spec.h"
+#include "kernels/policy/policy.h"
 
 namespace geofp8 {
-
-v1::LayerPolicy ToProto(const LayerPolicy& p);
-v1::LayerPatch ToProto(const LayerPatchSpec& p);
-// Validates names and ranges; an error names `path` and the field ("patches[0].format: ...").
-absl::StatusOr<LayerPatchSpec> FromProto(const v1::LayerPatch& p, const std::string& path);
-
-// Version 1 of a job's policy, from its spec.
-v1::Policy InitialPolicy(const std::string& job_id, const JobSpec& spec, int64_t now_ms);
-
-struct ResolvedLayer {
-  v1::LayerPolicy policy;
-  int refresh_interval = 0;  // steps; 0 = the job default
-};
-// The default policy with every matching patch applied in order.
-ResolvedLayer ResolveLayer(const v1::Policy& policy, const std::string& layer);
-
-// Refresh schedules for the 2-D layers of the catalog (1-D layers never use geometry). Owners go
-// round-robin over ranks; with stagger, offsets spread evenly over each layer's interval so that
-// refreshes land on different steps.
-std::vector<v1::RefreshSchedule> ComputeSchedules(const std::vector<v1::LayerInfo>& catalog,
-                                                  const v1::Policy& policy, int world_size,
-                                                  const RefreshSpec& refresh);
 
 // One auto-engine decision: a patch for one layer and why.
 struct AutoDecision {

@@ -6,7 +6,7 @@
 
 #include <string>
 
-#include "server/coordinator/job_spec.h"
+#include "kernels/policy/job_spec.h"
 
 namespace geofp8 {
 

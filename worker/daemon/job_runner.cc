@@ -20,7 +20,7 @@
 #include "kernels/geometry/geometry.h"
 #include "kernels/model/ops.h"
 #include "kernels/model/optimizer.h"
-#include "server/coordinator/policy_engine.h"
+#include "kernels/policy/policy.h"
 #include "worker/daemon/geometry_probe.h"
 #include "worker/daemon/grpc_store.h"
 #include "worker/daemon/log.h"
@@ -44,45 +44,6 @@ absl::StatusOr<model::ModelConfig> ModelConfigFor(const JobSpec& spec) {
     return absl::InvalidArgumentError(err);
   }
   return *mc;
-}
-
-absl::StatusOr<std::vector<LayerPolicy>> ResolvePolicies(
-    const v1::Policy& policy, const std::vector<model::ParamInfo>& params) {
-  std::vector<LayerPolicy> out;
-  for (const auto& p : params) {
-    const v1::LayerPolicy lp = ResolveLayer(policy, p.name).policy;
-    LayerPolicy r;
-    auto fail = [&](const std::string& field, const std::string& value) {
-      return absl::InvalidArgumentError("policy v" + std::to_string(policy.version()) +
-                                        ": layer " + p.name + ": " + field + ": unknown value '" +
-                                        value + "'");
-    };
-    auto format = ParseFormatName(lp.format());
-    if (!format) return fail("format", lp.format());
-    r.format = *format;
-    if (!lp.scaling().empty()) {
-      auto s = ParseScalingName(lp.scaling());
-      if (!s) return fail("scaling", lp.scaling());
-      r.scaling = *s;
-    }
-    if (lp.block() > 0) r.block = lp.block();
-    if (!lp.rounding().empty()) {
-      auto s = ParseRoundingName(lp.rounding());
-      if (!s) return fail("rounding", lp.rounding());
-      r.rounding = *s;
-    }
-    if (!lp.geometry().empty()) {
-      auto g = ParseGeometryName(lp.geometry());
-      if (!g) return fail("geometry", lp.geometry());
-      r.geometry = *g;
-    }
-    if (lp.rank() > 0) r.rank = lp.rank();
-    if (lp.alpha() > 0) r.alpha = lp.alpha();
-    r.error_feedback = lp.error_feedback();
-    if (!p.is_matrix()) r.geometry = GeometryMode::kNone;  // DESIGN.md section 2
-    out.push_back(r);
-  }
-  return out;
 }
 
 namespace {
@@ -224,7 +185,7 @@ struct JobRunner::Impl {
   // Every layer's policy under `p` and the refresh schedule (empty when no layer uses geometry),
   // kept as the ones in force: Apply hands them to the trainer for the step about to run.
   std::vector<RefreshSchedule> Resolve(const v1::Policy& p) {
-    auto resolved = ResolvePolicies(p, params);
+    auto resolved = ResolveLayers(p, params);
     GEOFP8_CHECK(resolved.ok(), std::string(resolved.status().message()));
     layer_policies = *resolved;
     schedule.clear();

@@ -18,7 +18,7 @@
 #include "geofp8/v1/geofp8.pb.h"
 #include "kernels/exchange/policy.h"
 #include "kernels/model/model.h"
-#include "server/coordinator/job_spec.h"
+#include "kernels/policy/job_spec.h"
 #include "worker/daemon/connection.h"
 #include "worker/daemon/metrics.h"
 
@@ -102,9 +102,5 @@ class JobRunner {
 // Converts the job spec to the model's shape (preset, with seq widened to training.seq_len);
 // errors name the spec field.
 absl::StatusOr<model::ModelConfig> ModelConfigFor(const JobSpec& spec);
-// The LayerPolicy of every parameter under `policy` (default plus matching patches); 1-D
-// parameters always use geometry none. Errors name the layer and field.
-absl::StatusOr<std::vector<LayerPolicy>> ResolvePolicies(const v1::Policy& policy,
-                                                         const std::vector<model::ParamInfo>& params);
 
 }  // namespace geofp8::worker

@@ -13,12 +13,12 @@
 
 #include "worker/train/exchange_policy.h"
 
-#include <fnmatch.h>
 #include <yaml-cpp/yaml.h>
 
 #include <sstream>
 
 #include "kernels/common/check.h"
+#include "kernels/policy/job_spec.h"
 
 namespace geofp8::train {
 
@@ -228,7 +228,7 @@ ExchangePlan FromYaml(const std::string& path, const std::vector<model::ParamInf
       const std::string glob = Scalar<std::string>(rules[r]["match"], where + ".match");
       int matched = 0;
       for (size_t i = 0; i < params.size(); ++i) {
-        if (fnmatch(glob.c_str(), params[i].name.c_str(), 0) != 0) continue;
+        if (!LayerMatches(glob, params[i].name)) continue;
         ApplyFields(rules[r], where, &plan.layers[i], true);
         ++matched;
       }

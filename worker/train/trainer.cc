@@ -5,7 +5,6 @@
 
 #include "worker/train/trainer.h"
 
-#include <fnmatch.h>
 
 #include <atomic>
 #include <cstdio>
@@ -24,6 +23,7 @@
 #include "kernels/geometry/analysis.h"
 #include "kernels/model/data.h"
 #include "kernels/model/ops.h"
+#include "kernels/policy/job_spec.h"
 
 namespace geofp8::train {
 
@@ -93,7 +93,7 @@ std::string Fingerprint(const TrainOptions& o) {
 
 bool Matches(const std::vector<std::string>& globs, const std::string& name) {
   for (const auto& g : globs) {
-    if (fnmatch(g.c_str(), name.c_str(), 0) == 0) return true;
+    if (LayerMatches(g, name)) return true;
   }
   return false;
 }

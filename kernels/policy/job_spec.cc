@@ -1,6 +1,6 @@
 // YAML -> JobSpec / PolicyPatchSpec with validation of every field. yaml-cpp's Mark gives the
 // line of each node, so every error reads "line N: spec.path: problem (value)".
-#include "server/coordinator/job_spec.h"
+#include "kernels/policy/job_spec.h"
 
 #include <fnmatch.h>
 

@@ -1,0 +1,170 @@
+#include "kernels/policy/policy.h"
+
+#include <algorithm>
+#include <cmath>
+#include <cstdio>
+
+namespace geofp8 {
+namespace {
+std::string JoinErrors(const std::vector<std::string>& items, const char* sep) {
+  std::string out;
+  for (const auto& item : items) out += (out.empty() ? "" : sep) + item;
+  return out;
+}
+}  // namespace
+
+v1::LayerPolicy ToProto(const LayerPolicy& p) {
+  v1::LayerPolicy out;
+  out.set_format(std::string(FormatNameOf(p.format)));
+  out.set_scaling(std::string(ScalingNameOf(p.scaling)));
+  out.set_block(p.block);
+  out.set_rounding(std::string(RoundingNameOf(p.rounding)));
+  out.set_geometry(std::string(GeometryNameOf(p.geometry)));
+  out.set_rank(p.rank);
+  out.set_alpha(p.alpha);
+  out.set_error_feedback(p.error_feedback);
+  return out;
+}
+
+v1::LayerPatch ToProto(const LayerPatchSpec& p) {
+  v1::LayerPatch out;
+  out.set_layer(p.match);
+  if (p.format) out.set_format(std::string(FormatNameOf(*p.format)));
+  if (p.scaling) out.set_scaling(std::string(ScalingNameOf(*p.scaling)));
+  if (p.block) out.set_block(*p.block);
+  if (p.rounding) out.set_rounding(std::string(RoundingNameOf(*p.rounding)));
+  if (p.geometry) out.set_geometry(std::string(GeometryNameOf(*p.geometry)));
+  if (p.rank) out.set_rank(*p.rank);
+  if (p.alpha) out.set_alpha(*p.alpha);
+  if (p.error_feedback) out.set_error_feedback(*p.error_feedback);
+  if (p.refresh_interval) out.set_refresh_interval(*p.refresh_interval);
+  return out;
+}
+
+absl::StatusOr<LayerPatchSpec> FromProto(const v1::LayerPatch& p, const std::string& path) {
+  LayerPatchSpec out;
+  std::vector<std::string> errors;
+  out.match = p.layer();
+  auto name = [&](bool has, const std::string& value, const char* field, auto parse,
+                  std::string_view accepted, auto* dst) {
+    if (!has) return;
+    auto v = parse(value);
+    if (!v) {
+      errors.push_back(path + "." + field + ": unknown value (" + value +
+                       "); accepted: " + std::string(accepted));
+    } else {
+      *dst = *v;
+    }
+  };
+  name(p.has_format(), p.format(), "format", ParseFormatName, AcceptedFormatNames(), &out.format);
+  name(p.has_scaling(), p.scaling(), "scaling", ParseScalingName, AcceptedScalingNames(),
+       &out.scaling);
+  name(p.has_rounding(), p.rounding(), "rounding", ParseRoundingName, AcceptedRoundingNames(),
+       &out.rounding);
+  name(p.has_geometry(), p.geometry(), "geometry", ParseGeometryName, AcceptedGeometryNames(),
+       &out.geometry);
+  if (p.has_block()) out.block = p.block();
+  if (p.has_rank()) out.rank = p.rank();
+  if (p.has_alpha()) out.alpha = p.alpha();
+  if (p.has_error_feedback()) out.error_feedback = p.error_feedback();
+  if (p.has_refresh_interval()) out.refresh_interval = p.refresh_interval();
+  if (std::string e = ValidateLayerPatch(out, path); !e.empty()) errors.push_back(e);
+  if (!errors.empty()) return absl::InvalidArgumentError(JoinErrors(errors, "; "));
+  return out;
+}
+
+v1::Policy InitialPolicy(const std::string& job_id, const JobSpec& spec, int64_t now_ms) {
+  v1::Policy p;
+  p.set_job_id(job_id);
+  p.set_version(1);
+  p.set_effective_step(0);
+  *p.mutable_default_policy() = ToProto(spec.policy.defaults);
+  for (const auto& patch : spec.policy.layers) *p.add_patches() = ToProto(patch);
+  p.set_reason("job spec");
+  p.set_author("spec");
+  p.set_created_unix_ms(now_ms);
+  return p;
+}
+
+ResolvedLayer ResolveLayer(const v1::Policy& policy, const std::string& layer) {
+  ResolvedLayer r;
+  r.policy = policy.default_policy();
+  for (const auto& p : policy.patches()) {
+    if (!LayerMatches(p.layer(), layer)) continue;
+    if (p.has_format()) r.policy.set_format(p.format());
+    if (p.has_scaling()) r.policy.set_scaling(p.scaling());
+    if (p.has_block()) r.policy.set_block(p.block());
+    if (p.has_rounding()) r.policy.set_rounding(p.rounding());
+    if (p.has_geometry()) r.policy.set_geometry(p.geometry());
+    if (p.has_rank()) r.policy.set_rank(p.rank());
+    if (p.has_alpha()) r.policy.set_alpha(p.alpha());
+    if (p.has_error_feedback()) r.policy.set_error_feedback(p.error_feedback());
+    if (p.has_refresh_interval()) r.refresh_interval = p.refresh_interval();
+  }
+  return r;
+}
+
+std::vector<v1::RefreshSchedule> ComputeSchedules(const std::vector<v1::LayerInfo>& catalog,
+                                                  const v1::Policy& policy, int world_size,
+                                                  const RefreshSpec& refresh) {
+  std::vector<const v1::LayerInfo*> matrices;
+  for (const auto& l : catalog) {
+    if (l.rows() > 1 && l.cols() > 1) matrices.push_back(&l);
+  }
+  std::vector<v1::RefreshSchedule> out;
+  const int n = static_cast<int>(matrices.size());
+  const int world = std::max(1, world_size);
+  for (int i = 0; i < n; ++i) {
+    ResolvedLayer r = ResolveLayer(policy, matrices[i]->name());
+    const int interval = r.refresh_interval > 0 ? r.refresh_interval : refresh.interval;
+    v1::RefreshSchedule s;
+    s.set_layer(matrices[i]->name());
+    s.set_interval(interval);
+    s.set_owner(refresh.stagger ? i % world : 0);
+    // Spread the layers' refresh steps evenly over the interval.
+    s.set_offset(refresh.stagger ? static_cast<int>((static_cast<int64_t>(i) * interval) / n) : 0);
+    out.push_back(std::move(s));
+  }
+  return out;
+}
+
+absl::StatusOr<std::vector<LayerPolicy>> ResolveLayers(
+    const v1::Policy& policy, const std::vector<model::ParamInfo>& params) {
+  std::vector<LayerPolicy> out;
+  for (const auto& p : params) {
+    const v1::LayerPolicy lp = ResolveLayer(policy, p.name).policy;
+    LayerPolicy r;
+    auto fail = [&](const std::string& field, const std::string& value) {
+      return absl::InvalidArgumentError("policy v" + std::to_string(policy.version()) +
+                                        ": layer " + p.name + ": " + field + ": unknown value '" +
+                                        value + "'");
+    };
+    auto format = ParseFormatName(lp.format());
+    if (!format) return fail("format", lp.format());
+    r.format = *format;
+    if (!lp.scaling().empty()) {
+      auto s = ParseScalingName(lp.scaling());
+      if (!s) return fail("scaling", lp.scaling());
+      r.scaling = *s;
+    }
+    if (lp.block() > 0) r.block = lp.block();
+    if (!lp.rounding().empty()) {
+      auto s = ParseRoundingName(lp.rounding());
+      if (!s) return fail("rounding", lp.rounding());
+      r.rounding = *s;
+    }
+    if (!lp.geometry().empty()) {
+      auto g = ParseGeometryName(lp.geometry());
+      if (!g) return fail("geometry", lp.geometry());
+      r.geometry = *g;
+    }
+    if (lp.rank() > 0) r.rank = lp.rank();
+    if (lp.alpha() > 0) r.alpha = lp.alpha();
+    r.error_feedback = lp.error_feedback();
+    if (!p.is_matrix()) r.geometry = GeometryMode::kNone;  // DESIGN.md section 2
+    out.push_back(r);
+  }
+  return out;
+}
+
+}  // namespace geofp8

@@ -1,0 +1,44 @@
+// The per-layer policy as the API carries it (v1::Policy: a default plus glob patches, each
+// version in force from its effective step): conversion from and to the job spec's types,
+// resolution against a model's layers, and the refresh schedules. Used by the coordinator, the
+// worker and geofp8ctl; no state, no I/O.
+#pragma once
+
+#include <string>
+#include <vector>
+
+#include "absl/status/statusor.h"
+#include "geofp8/v1/geofp8.pb.h"
+#include "kernels/model/model.h"
+#include "kernels/policy/job_spec.h"
+
+namespace geofp8 {
+
+v1::LayerPolicy ToProto(const LayerPolicy& p);
+v1::LayerPatch ToProto(const LayerPatchSpec& p);
+// Validates names and ranges; an error names `path` and the field ("patches[0].format: ...").
+absl::StatusOr<LayerPatchSpec> FromProto(const v1::LayerPatch& p, const std::string& path);
+
+// Version 1 of a job's policy, from its spec.
+v1::Policy InitialPolicy(const std::string& job_id, const JobSpec& spec, int64_t now_ms);
+
+struct ResolvedLayer {
+  v1::LayerPolicy policy;
+  int refresh_interval = 0;  // steps; 0 = the job default
+};
+// The default policy with every matching patch applied in order.
+ResolvedLayer ResolveLayer(const v1::Policy& policy, const std::string& layer);
+
+// The LayerPolicy of every parameter under `policy` (default plus matching patches); 1-D
+// parameters always use geometry none. Errors name the layer and field.
+absl::StatusOr<std::vector<LayerPolicy>> ResolveLayers(const v1::Policy& policy,
+                                                       const std::vector<model::ParamInfo>& params);
+
+// Refresh schedules for the 2-D layers of the catalog (1-D layers never use geometry). Owners go
+// round-robin over ranks; with stagger, offsets spread evenly over each layer's interval so that
+// refreshes land on different steps.
+std::vector<v1::RefreshSchedule> ComputeSchedules(const std::vector<v1::LayerInfo>& catalog,
+                                                  const v1::Policy& policy, int world_size,
+                                                  const RefreshSpec& refresh);
+
+}  // namespace geofp8
