@@ -27,6 +27,13 @@
 namespace geofp8::bench {
 namespace {
 
+using coordinator::Coordinator;
+using coordinator::CoordinatorOptions;
+using coordinator::CoordinatorServer;
+using coordinator::Metrics;
+using coordinator::ServerOptions;
+using coordinator::Store;
+using coordinator::SystemClock;
 using Clock = std::chrono::steady_clock;
 
 double Ms(Clock::duration d) { return std::chrono::duration<double, std::milli>(d).count(); }

@@ -10,7 +10,7 @@
 
 #include "server/coordinator/policy_engine.h"
 
-namespace geofp8 {
+namespace geofp8::coordinator {
 namespace {
 
 class RealClock : public Clock {
@@ -1000,4 +1000,4 @@ void Coordinator::Shutdown() {
   for (const auto& sink : sinks) sink->End();
 }
 
-}  // namespace geofp8
+}  // namespace geofp8::coordinator

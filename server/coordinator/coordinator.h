@@ -19,7 +19,7 @@
 #include "server/coordinator/kv.h"
 #include "server/coordinator/store.h"
 
-namespace geofp8 {
+namespace geofp8::coordinator {
 
 class Clock {
  public:
@@ -194,4 +194,4 @@ class Coordinator {
   std::map<std::string, Liveness> live_;
 };
 
-}  // namespace geofp8
+}  // namespace geofp8::coordinator

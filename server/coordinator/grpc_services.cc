@@ -17,7 +17,7 @@
 
 #include "geofp8/v1/geofp8.grpc.pb.h"
 
-namespace geofp8 {
+namespace geofp8::coordinator {
 namespace {
 
 // The status message travels in the grpc-message trailer, percent-encoded (up to 3 bytes per
@@ -409,4 +409,4 @@ void CoordinatorServer::Shutdown(int grace_ms) {
 
 void CoordinatorServer::Wait() { impl_->server->Wait(); }
 
-}  // namespace geofp8
+}  // namespace geofp8::coordinator

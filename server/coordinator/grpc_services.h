@@ -9,7 +9,7 @@
 #include "server/coordinator/coordinator.h"
 #include "server/coordinator/metrics.h"
 
-namespace geofp8 {
+namespace geofp8::coordinator {
 
 struct ServerOptions {
   std::string listen = "127.0.0.1:7070";  // host:port; port 0 picks a free one
@@ -40,4 +40,4 @@ class CoordinatorServer {
 // Reads a whole file (for PEM paths); errors name the flag.
 absl::StatusOr<std::string> ReadFileForFlag(const std::string& flag, const std::string& path);
 
-}  // namespace geofp8
+}  // namespace geofp8::coordinator

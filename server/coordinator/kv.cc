@@ -5,7 +5,7 @@
 #include <charconv>
 #include <chrono>
 
-namespace geofp8 {
+namespace geofp8::coordinator {
 namespace {
 absl::Status CheckIds(const std::string& job_id, const std::string& key) {
   if (job_id.empty()) return absl::InvalidArgumentError("job_id: required");
@@ -179,4 +179,4 @@ size_t RendezvousKv::JobCount() {
   return jobs_.size();
 }
 
-}  // namespace geofp8
+}  // namespace geofp8::coordinator

@@ -15,7 +15,7 @@
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
 
-namespace geofp8 {
+namespace geofp8::coordinator {
 
 // Per-job bounds. Gloo's rendezvous stores one address (tens of bytes) per rank and context, and
 // the exchange engine a few contexts per job: these leave orders of magnitude of room.
@@ -75,4 +75,4 @@ class RendezvousKv {
   bool shutdown_ = false;
 };
 
-}  // namespace geofp8
+}  // namespace geofp8::coordinator

@@ -34,8 +34,8 @@ int Fail(const std::string& message) {
 
 int main(int argc, char** argv) {
   CLI::App app{"geofp8-coordinator: GeoFP8 control plane (jobs, policies, workers, rendezvous)"};
-  geofp8::ServerOptions server;
-  geofp8::CoordinatorOptions coord;
+  geofp8::coordinator::ServerOptions server;
+  geofp8::coordinator::CoordinatorOptions coord;
   std::string data_dir = "./geofp8-data";
   std::string metrics_listen = "127.0.0.1:9464";
   std::string token_file;
@@ -79,7 +79,7 @@ int main(int argc, char** argv) {
     return 2;
   }
   if (!token_file.empty()) {
-    auto token = geofp8::ReadFileForFlag("--token-file", token_file);
+    auto token = geofp8::coordinator::ReadFileForFlag("--token-file", token_file);
     if (!token.ok()) {
       std::fprintf(stderr, "geofp8-coordinator: error: %s\n",
                    std::string(token.status().message()).c_str());
@@ -108,18 +108,19 @@ int main(int argc, char** argv) {
   sigaction(SIGTERM, &action, nullptr);
   sigaction(SIGINT, &action, nullptr);
 
-  auto store = geofp8::Store::Open(data_dir);
+  auto store = geofp8::coordinator::Store::Open(data_dir);
   if (!store.ok()) return Fail(std::string(store.status().message()));
-  geofp8::Coordinator coordinator(store->get(), geofp8::SystemClock(), coord);
+  geofp8::coordinator::Coordinator coordinator(store->get(), geofp8::coordinator::SystemClock(),
+                                               coord);
   if (auto s = coordinator.Recover(); !s.ok()) return Fail(s.ToString());
-  geofp8::Metrics metrics(&coordinator);
+  geofp8::coordinator::Metrics metrics(&coordinator);
   if (!metrics_listen.empty()) {
     auto port = metrics.Serve(metrics_listen);
     if (!port.ok()) return Fail(std::string(port.status().message()));
     std::printf("geofp8-coordinator: metrics on http://%s:%d/metrics\n",
                 metrics_listen.substr(0, metrics_listen.rfind(':')).c_str(), *port);
   }
-  auto srv = geofp8::CoordinatorServer::Start(&coordinator, &metrics, server);
+  auto srv = geofp8::coordinator::CoordinatorServer::Start(&coordinator, &metrics, server);
   if (!srv.ok()) return Fail(std::string(srv.status().message()));
   std::printf("geofp8-coordinator: serving on %s:%d (data %s, auth %s, tls %s)\n",
               server.listen.substr(0, server.listen.rfind(':')).c_str(), (*srv)->port(),

@@ -11,7 +11,7 @@
 
 #include "kernels/common/http_server.h"
 
-namespace geofp8 {
+namespace geofp8::coordinator {
 namespace {
 
 prometheus::ClientMetric Value(double v, std::vector<prometheus::ClientMetric::Label> labels) {
@@ -123,4 +123,4 @@ std::string Metrics::Render() {
   return prometheus::TextSerializer().Serialize(families);
 }
 
-}  // namespace geofp8
+}  // namespace geofp8::coordinator

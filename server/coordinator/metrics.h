@@ -20,7 +20,7 @@ class Counter;
 class Histogram;
 }  // namespace prometheus
 
-namespace geofp8 {
+namespace geofp8::coordinator {
 
 class Metrics {
  public:
@@ -46,4 +46,4 @@ class Metrics {
   std::unique_ptr<http::MetricsServer> server_;  // last: stops before what it renders
 };
 
-}  // namespace geofp8
+}  // namespace geofp8::coordinator

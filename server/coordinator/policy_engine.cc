@@ -6,7 +6,7 @@
 
 #include "absl/strings/str_join.h"
 
-namespace geofp8 {
+namespace geofp8::coordinator {
 std::string_view ProbeBasisName(v1::ProbeBasis basis) {
   switch (basis) {
     case v1::PROBE_BASIS_DEPLOYED: return "deployed";
@@ -73,4 +73,4 @@ std::vector<AutoDecision> DecideAuto(const AutoPolicySpec& bounds, const Refresh
   return out;
 }
 
-}  // namespace geofp8
+}  // namespace geofp8::coordinator

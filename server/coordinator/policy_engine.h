@@ -11,7 +11,7 @@
 #include "kernels/policy/job_spec.h"
 #include "kernels/policy/policy.h"
 
-namespace geofp8 {
+namespace geofp8::coordinator {
 
 // One auto-engine decision: a patch for one layer and why.
 struct AutoDecision {
@@ -35,4 +35,4 @@ std::vector<AutoDecision> DecideAuto(const AutoPolicySpec& bounds, const Refresh
 // "deployed", "shadow" or "unspecified".
 std::string_view ProbeBasisName(v1::ProbeBasis basis);
 
-}  // namespace geofp8
+}  // namespace geofp8::coordinator

@@ -7,7 +7,7 @@
 #include <filesystem>
 #include <unordered_map>
 
-namespace geofp8 {
+namespace geofp8::coordinator {
 namespace {
 
 // A prepared statement that finalizes itself.
@@ -225,4 +225,4 @@ absl::StatusOr<Store::Snapshot> Store::Load() {
   return snap;
 }
 
-}  // namespace geofp8
+}  // namespace geofp8::coordinator

@@ -15,7 +15,7 @@
 
 struct sqlite3;
 
-namespace geofp8 {
+namespace geofp8::coordinator {
 
 class Store {
  public:
@@ -53,4 +53,4 @@ class Store {
   bool in_transaction_ = false;
 };
 
-}  // namespace geofp8
+}  // namespace geofp8::coordinator

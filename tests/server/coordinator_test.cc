@@ -10,7 +10,7 @@
 
 #include "server/coordinator/policy_engine.h"
 
-namespace geofp8 {
+namespace geofp8::coordinator {
 namespace {
 
 class FakeClock : public Clock {
@@ -650,4 +650,4 @@ TEST(RendezvousKv, SetGetWaitAdd) {
 }
 
 }  // namespace
-}  // namespace geofp8
+}  // namespace geofp8::coordinator

@@ -9,7 +9,7 @@
 
 #include "server/coordinator/kv.h"
 
-namespace geofp8 {
+namespace geofp8::coordinator {
 namespace {
 
 constexpr int64_t kMax = std::numeric_limits<int64_t>::max();
@@ -98,4 +98,4 @@ TEST(KvLimits, WaitingOnAnUnknownJobCreatesNoEntry) {
 }
 
 }  // namespace
-}  // namespace geofp8
+}  // namespace geofp8::coordinator
