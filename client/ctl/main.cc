@@ -82,7 +82,7 @@ constexpr size_t kMaxFileBytes = 4 << 20;
 // Reads a regular file (or a pipe, or /dev/stdin) of at most kMaxFileBytes. Returns "" or the
 // error line "FLAG: problem (PATH)".
 std::string ReadFile(const std::string& flag, const std::string& path, std::string* out) {
-  const int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
+  const int fd = path == "-" ? ::dup(STDIN_FILENO) : ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
   if (fd < 0) return flag + ": cannot read " + path + ": " + std::strerror(errno);
   struct stat st {};
   if (::fstat(fd, &st) == 0 && S_ISDIR(st.st_mode)) {
@@ -259,6 +259,19 @@ class Client {
     v1::Policy p;
     grpc::Status s = policies_->GetPolicy(Context().get(), req, &p);
     if (!s.ok()) return FromStatus(s, g_);
+    if (g_.output == "yaml") {
+      // The patch-file schema, so that `policy get -o yaml | policy apply -f -` round-trips.
+      auto file = PatchFileOf(p);
+      if (!file.ok()) return Error(kRejected, std::string(file.status().message()));
+      std::cout << WritePolicyPatch(
+                       *file, "job/" + p.job_id() + " policy v" + std::to_string(p.version()) +
+                                  ", effective at step " + std::to_string(p.effective_step()) +
+                                  ", by " + p.author() +
+                                  "\napply with: geofp8ctl policy apply " + p.job_id() +
+                                  " -f FILE")
+                << std::flush;
+      return kOk;
+    }
     Print(p, PolicyTable(p));
     return kOk;
   }
@@ -274,16 +287,20 @@ class Client {
   }
 
   int PolicyUpdate(const std::string& id, const std::vector<LayerPatchSpec>& patches,
-                   const std::string& reason) {
+                   const std::optional<LayerPolicy>& defaults, const std::string& reason) {
     v1::UpdatePolicyRequest req;
     req.set_job_id(id);
     req.set_reason(reason);
+    if (defaults) *req.mutable_default_policy() = ToProto(*defaults);
     for (const auto& p : patches) *req.add_patches() = ToProto(p);
     v1::UpdatePolicyResponse resp;
     grpc::Status s = policies_->UpdatePolicy(Context().get(), req, &resp);
     if (!s.ok()) return FromStatus(s, g_);
-    Print(resp, "job/" + id + " policy v" + std::to_string(resp.policy().version()) +
-                    " effective at step " + std::to_string(resp.policy().effective_step()) + "\n");
+    const std::string version = "job/" + id + " policy v" + std::to_string(resp.policy().version());
+    Print(resp, resp.unchanged()
+                    ? version + " unchanged (the update matches the version in force)\n"
+                    : version + " effective at step " +
+                          std::to_string(resp.policy().effective_step()) + "\n");
     return kOk;
   }
 
@@ -436,9 +453,10 @@ int Run(int argc, char** argv) {
   policy_set->add_option("--error-feedback", ef, "on or off")->check(CLI::IsMember({"on", "off"}));
   policy_set->add_option("--refresh-interval", refresh, "Geometry refresh interval, steps");
   policy_set->add_option("--reason", reason, "Why (recorded with the version)");
-  auto* policy_apply = policy->add_subcommand("apply", "Apply a policy patch file (YAML)");
+  auto* policy_apply = policy->add_subcommand(
+      "apply", "Apply a policy patch file (YAML; what `policy get -o yaml` prints)");
   policy_apply->add_option("id", id, "Job id")->required();
-  policy_apply->add_option("-f,--file", file, "Patch file")->required();
+  policy_apply->add_option("-f,--file", file, "Patch file, or - for standard input")->required();
 
   try {
     app.parse(argc, argv);
@@ -469,6 +487,7 @@ int Run(int argc, char** argv) {
 
   // Local validation before any network call: a usage error never needs the server.
   std::vector<LayerPatchSpec> patches;
+  std::optional<LayerPolicy> defaults;
   if (*policy_set) {
     LayerPatchSpec p;
     p.match = layer;
@@ -513,6 +532,7 @@ int Run(int argc, char** argv) {
     auto parsed = ParsePolicyPatch(text);
     if (!parsed.ok()) return Error(kUsage, file + ": " + std::string(parsed.status().message()));
     patches = parsed->layers;
+    defaults = parsed->defaults;
     reason = parsed->reason.empty() ? "applied " + file : parsed->reason;
   }
 
@@ -527,7 +547,7 @@ int Run(int argc, char** argv) {
   if (*cancel) return client.Cancel(id, reason);
   if (*policy_get) return client.PolicyGet(id, version);
   if (*policy_history) return client.PolicyHistory(id);
-  if (*policy_set || *policy_apply) return client.PolicyUpdate(id, patches, reason);
+  if (*policy_set || *policy_apply) return client.PolicyUpdate(id, patches, defaults, reason);
   return Error(kUsage, "no command given; run 'geofp8ctl --help'");
 }
 

@@ -10,6 +10,7 @@
 #include <limits>
 #include <map>
 #include <set>
+#include <cstdio>
 #include <sstream>
 
 #include "kernels/model/model.h"
@@ -547,17 +548,82 @@ absl::StatusOr<PolicyPatchSpec> ParsePolicyPatch(std::string_view yaml) {
   const YAML::Node& root = *loaded;
   Reader r;
   PolicyPatchSpec patch;
-  if (!r.Map(root, "patch", {"reason", "layers"})) return Invalid(r.errors);
+  if (!r.Map(root, "patch", {"reason", "default", "layers"})) return Invalid(r.errors);
   r.String(root, "reason", "patch", &patch.reason);
-  if (!root["layers"].IsDefined() || root["layers"].IsNull()) {
-    r.Error(root, "patch.layers", "required (a list of layer patches)");
+  if (YAML::Node d = root["default"]; d.IsDefined() && !d.IsNull()) {
+    patch.defaults.emplace();
+    ReadLayerPolicy(r, d, "patch.default", &*patch.defaults);
+  }
+  const bool has_layers = root["layers"].IsDefined() && !root["layers"].IsNull();
+  if (!has_layers && !patch.defaults) {
+    r.Error(root, "patch.layers", "required (a list of layer patches) unless default is given");
   }
   ReadPatchList(r, root["layers"], "patch.layers", &patch.layers);
-  if (r.errors.empty() && patch.layers.empty()) {
+  if (r.errors.empty() && has_layers && patch.layers.empty() && !patch.defaults) {
     r.Error(root["layers"], "patch.layers", "must hold at least one layer patch");
   }
   if (!r.errors.empty()) return Invalid(r.errors);
   return patch;
+}
+
+namespace {
+
+// Emits the fields of a (partial) layer policy in the schema's order.
+void EmitFields(YAML::Emitter& out, std::optional<Format> format, std::optional<Scaling> scaling,
+                std::optional<uint32_t> block, std::optional<Rounding> rounding,
+                std::optional<GeometryMode> geometry, std::optional<int> rank,
+                std::optional<float> alpha, std::optional<bool> error_feedback) {
+  if (format) out << YAML::Key << "format" << YAML::Value << std::string(FormatName(*format));
+  if (scaling) out << YAML::Key << "scaling" << YAML::Value << std::string(ScalingName(*scaling));
+  if (block) out << YAML::Key << "block" << YAML::Value << *block;
+  if (rounding) {
+    out << YAML::Key << "rounding" << YAML::Value << std::string(RoundingName(*rounding));
+  }
+  if (geometry) {
+    out << YAML::Key << "geometry" << YAML::Value << std::string(GeometryModeName(*geometry));
+  }
+  if (rank) out << YAML::Key << "rank" << YAML::Value << *rank;
+  // Shortest text that reads back to the same float.
+  if (alpha) {
+    char buf[32];
+    std::snprintf(buf, sizeof buf, "%.9g", double(*alpha));
+    out << YAML::Key << "alpha" << YAML::Value << std::string(buf);
+  }
+  if (error_feedback) out << YAML::Key << "error_feedback" << YAML::Value << *error_feedback;
+}
+
+}  // namespace
+
+std::string WritePolicyPatch(const PolicyPatchSpec& patch, const std::string& header) {
+  YAML::Emitter out;
+  out << YAML::BeginMap;
+  if (!patch.reason.empty()) out << YAML::Key << "reason" << YAML::Value << patch.reason;
+  if (patch.defaults) {
+    const LayerPolicy& d = *patch.defaults;
+    out << YAML::Key << "default" << YAML::Value << YAML::BeginMap;
+    EmitFields(out, d.format, d.scaling, d.block, d.rounding, d.geometry, d.rank, d.alpha,
+               d.error_feedback);
+    out << YAML::EndMap;
+  }
+  if (!patch.layers.empty()) {
+    out << YAML::Key << "layers" << YAML::Value << YAML::BeginSeq;
+    for (const LayerPatchSpec& p : patch.layers) {
+      out << YAML::BeginMap << YAML::Key << "match" << YAML::Value << YAML::DoubleQuoted
+          << p.match;
+      EmitFields(out, p.format, p.scaling, p.block, p.rounding, p.geometry, p.rank, p.alpha,
+                 p.error_feedback);
+      if (p.refresh_interval) {
+        out << YAML::Key << "refresh_interval" << YAML::Value << *p.refresh_interval;
+      }
+      out << YAML::EndMap;
+    }
+    out << YAML::EndSeq;
+  }
+  out << YAML::EndMap;
+  std::string text;
+  std::istringstream lines(header);
+  for (std::string line; std::getline(lines, line);) text += "# " + line + "\n";
+  return text + out.c_str() + "\n";
 }
 
 std::string ValidateLayerPatch(const LayerPatchSpec& patch, const std::string& path) {

@@ -124,8 +124,12 @@ struct JobSpec {
 };
 
 // A policy patch file for `geofp8ctl policy apply -f`: {reason: ..., layers: [patch, ...]}.
+// `default`, when present, replaces the default policy (fields it leaves out take the
+// LayerPolicy defaults, as in a job spec's policy.default). `geofp8ctl policy get -o yaml`
+// prints a version in this form, and applying it back changes nothing.
 struct PolicyPatchSpec {
   std::string reason;
+  std::optional<LayerPolicy> defaults;
   std::vector<LayerPatchSpec> layers;
 };
 
@@ -144,6 +148,9 @@ std::optional<std::string> ResolveInDataDir(const std::string& base, std::string
 // spec file before sending it: protobuf strings must be UTF-8).
 size_t InvalidUtf8At(std::string_view text);
 absl::StatusOr<PolicyPatchSpec> ParsePolicyPatch(std::string_view yaml);
+// The patch file ParsePolicyPatch reads back to `patch` (block style, every set field, in the
+// order ParsePolicyPatch documents); `header` lines become leading comments.
+std::string WritePolicyPatch(const PolicyPatchSpec& patch, const std::string& header = "");
 
 // Checks one patch's values (used for patches that arrive over the API). `path` prefixes errors.
 std::string ValidateLayerPatch(const LayerPatchSpec& patch, const std::string& path);

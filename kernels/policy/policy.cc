@@ -128,41 +128,60 @@ std::vector<v1::RefreshSchedule> ComputeSchedules(const std::vector<v1::LayerInf
   return out;
 }
 
+absl::StatusOr<LayerPolicy> FromProto(const v1::LayerPolicy& lp, const std::string& path) {
+  LayerPolicy r;
+  auto fail = [&](const std::string& field, const std::string& value) {
+    return absl::InvalidArgumentError(path + "." + field + ": unknown value '" + value + "'");
+  };
+  // An empty or zero field keeps the LayerPolicy default (proto3 cannot tell unset from zero).
+  auto format = ParseFormat(lp.format());
+  if (!format) return fail("format", lp.format());
+  r.format = *format;
+  if (!lp.scaling().empty()) {
+    auto s = ParseScaling(lp.scaling());
+    if (!s) return fail("scaling", lp.scaling());
+    r.scaling = *s;
+  }
+  if (lp.block() > 0) r.block = lp.block();
+  if (!lp.rounding().empty()) {
+    auto s = ParseRounding(lp.rounding());
+    if (!s) return fail("rounding", lp.rounding());
+    r.rounding = *s;
+  }
+  if (!lp.geometry().empty()) {
+    auto g = ParseGeometryMode(lp.geometry());
+    if (!g) return fail("geometry", lp.geometry());
+    r.geometry = *g;
+  }
+  if (lp.rank() > 0) r.rank = lp.rank();
+  if (lp.alpha() > 0) r.alpha = lp.alpha();
+  r.error_feedback = lp.error_feedback();
+  return r;
+}
+
+absl::StatusOr<PolicyPatchSpec> PatchFileOf(const v1::Policy& policy) {
+  PolicyPatchSpec out;
+  out.reason = policy.reason();
+  auto defaults = FromProto(policy.default_policy(), "default");
+  if (!defaults.ok()) return defaults.status();
+  out.defaults = *defaults;
+  for (int i = 0; i < policy.patches_size(); ++i) {
+    auto patch = FromProto(policy.patches(i), "patches[" + std::to_string(i) + "]");
+    if (!patch.ok()) return patch.status();
+    out.layers.push_back(*patch);
+  }
+  return out;
+}
+
 absl::StatusOr<std::vector<LayerPolicy>> ResolveLayers(
     const v1::Policy& policy, const std::vector<model::ParamInfo>& params) {
   std::vector<LayerPolicy> out;
   for (const auto& p : params) {
-    const v1::LayerPolicy lp = ResolveLayer(policy, p.name).policy;
-    LayerPolicy r;
-    auto fail = [&](const std::string& field, const std::string& value) {
-      return absl::InvalidArgumentError("policy v" + std::to_string(policy.version()) +
-                                        ": layer " + p.name + ": " + field + ": unknown value '" +
-                                        value + "'");
-    };
-    auto format = ParseFormatName(lp.format());
-    if (!format) return fail("format", lp.format());
-    r.format = *format;
-    if (!lp.scaling().empty()) {
-      auto s = ParseScalingName(lp.scaling());
-      if (!s) return fail("scaling", lp.scaling());
-      r.scaling = *s;
-    }
-    if (lp.block() > 0) r.block = lp.block();
-    if (!lp.rounding().empty()) {
-      auto s = ParseRoundingName(lp.rounding());
-      if (!s) return fail("rounding", lp.rounding());
-      r.rounding = *s;
-    }
-    if (!lp.geometry().empty()) {
-      auto g = ParseGeometryName(lp.geometry());
-      if (!g) return fail("geometry", lp.geometry());
-      r.geometry = *g;
-    }
-    if (lp.rank() > 0) r.rank = lp.rank();
-    if (lp.alpha() > 0) r.alpha = lp.alpha();
-    r.error_feedback = lp.error_feedback();
-    if (!p.is_matrix()) r.geometry = GeometryMode::kNone;  // DESIGN.md section 2
-    out.push_back(r);
+    auto r = FromProto(ResolveLayer(policy, p.name).policy,
+                       "policy v" + std::to_string(policy.version()) + ": layer " + p.name);
+    if (!r.ok()) return r.status();
+    if (!p.is_matrix()) r->geometry = GeometryMode::kNone;  // DESIGN.md section 2
+    out.push_back(*r);
   }
   return out;
 }

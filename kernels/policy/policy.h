@@ -19,6 +19,13 @@ v1::LayerPatch ToProto(const LayerPatchSpec& p);
 // Validates names and ranges; an error names `path` and the field ("patches[0].format: ...").
 absl::StatusOr<LayerPatchSpec> FromProto(const v1::LayerPatch& p, const std::string& path);
 
+// The typed form of a resolved or default layer policy; an empty or zero field keeps the
+// LayerPolicy default. Errors name `path` and the field.
+absl::StatusOr<LayerPolicy> FromProto(const v1::LayerPolicy& p, const std::string& path);
+// A version as the patch file `geofp8ctl policy apply -f` reads: its default and its patches.
+// Applying it to a job whose latest version is `policy` changes nothing.
+absl::StatusOr<PolicyPatchSpec> PatchFileOf(const v1::Policy& policy);
+
 // Version 1 of a job's policy, from its spec.
 v1::Policy InitialPolicy(const std::string& job_id, const JobSpec& spec, int64_t now_ms);
 

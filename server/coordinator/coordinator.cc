@@ -6,7 +6,10 @@
 #include <chrono>
 #include <cstdio>
 #include <map>
+#include <optional>
 #include <set>
+
+#include <google/protobuf/util/message_differencer.h>
 
 #include "server/coordinator/policy_engine.h"
 
@@ -349,18 +352,31 @@ absl::StatusOr<v1::ListPolicyVersionsResponse> Coordinator::ListPolicyVersions(
   return response;
 }
 
-absl::StatusOr<v1::Policy> Coordinator::AddPolicyVersion(JobRec& rec,
-                                                         const std::vector<v1::LayerPatch>& patches,
-                                                         const std::string& reason,
-                                                         const std::string& author, Outbox& out) {
+absl::StatusOr<v1::Policy> Coordinator::AddPolicyVersion(
+    JobRec& rec, const std::vector<v1::LayerPatch>& patches, const std::string& reason,
+    const std::string& author, Outbox& out, const v1::LayerPolicy* default_policy,
+    bool* unchanged) {
   const v1::Policy& latest = rec.policies.back();
   v1::Policy next = latest;
   next.set_version(latest.version() + 1);
   // Ranks that already passed the effective step would diverge, so it lies beyond the largest
   // step any rank has reported, by the job's margin.
   next.set_effective_step(rec.job.progress().step() + rec.spec.policy.margin);
+  if (default_policy) *next.mutable_default_policy() = *default_policy;
   for (const auto& p : patches) *next.add_patches() = p;
   CompactPatches(next.mutable_patches());
+  if (unchanged) {
+    // Compaction keeps the last setting of every field per pattern, so re-appending patches the
+    // version already ends with gives back the same list.
+    *unchanged = google::protobuf::util::MessageDifferencer::Equals(next.default_policy(),
+                                                                      latest.default_policy()) &&
+                 next.patches_size() == latest.patches_size();
+    for (int i = 0; *unchanged && i < next.patches_size(); ++i) {
+      *unchanged = google::protobuf::util::MessageDifferencer::Equals(next.patches(i),
+                                                                      latest.patches(i));
+    }
+    if (*unchanged) return latest;
+  }
   if (next.patches_size() > kMaxPatchesPerVersion) {
     return absl::ResourceExhaustedError(
         "patches: policy v" + std::to_string(next.version()) + " would hold " +
@@ -405,8 +421,20 @@ absl::StatusOr<v1::Policy> Coordinator::AddPolicyVersion(JobRec& rec,
 
 absl::StatusOr<v1::UpdatePolicyResponse> Coordinator::UpdatePolicy(
     const v1::UpdatePolicyRequest& request) {
-  if (request.patches_size() == 0) {
-    return absl::InvalidArgumentError("patches: at least one layer patch is required");
+  if (request.patches_size() == 0 && !request.has_default_policy()) {
+    return absl::InvalidArgumentError(
+        "patches: at least one layer patch (or a default_policy) is required");
+  }
+  std::optional<v1::LayerPolicy> default_policy;
+  if (request.has_default_policy()) {
+    auto typed = FromProto(request.default_policy(), "default_policy");
+    if (!typed.ok()) return typed.status();
+    LayerPatchSpec ranges{.match = "*", .block = typed->block, .rank = typed->rank,
+                          .alpha = typed->alpha};
+    if (std::string e = ValidateLayerPatch(ranges, "default_policy"); !e.empty()) {
+      return absl::InvalidArgumentError(e);
+    }
+    default_policy = ToProto(*typed);  // canonical form: every field set
   }
   if (request.patches_size() > kMaxPatchesPerUpdate) {
     return absl::InvalidArgumentError("patches: at most " + std::to_string(kMaxPatchesPerUpdate) +
@@ -431,10 +459,13 @@ absl::StatusOr<v1::UpdatePolicyResponse> Coordinator::UpdatePolicy(
                                            StateName(rec.job.state()) +
                                            "; its policy can no longer change");
     }
+    bool unchanged = false;
     auto policy = AddPolicyVersion(
-        rec, patches, request.reason().empty() ? "user update" : request.reason(), "user", out);
+        rec, patches, request.reason().empty() ? "user update" : request.reason(), "user", out,
+        default_policy ? &*default_policy : nullptr, &unchanged);
     if (!policy.ok()) return policy.status();
     *response.mutable_policy() = *policy;
+    response.set_unchanged(unchanged);
   }
   Flush(out);
   return response;

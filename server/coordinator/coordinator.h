@@ -168,10 +168,15 @@ class Coordinator {
   void FailAttempt(JobRec& rec, const std::string& reason, bool restartable, Outbox& out);
   void TrySchedule(Outbox& out);
   void SendToRanks(const JobRec& rec, const v1::CoordinatorMessage& m, Outbox& out);
+  // The latest version with `patches` appended (and `default_policy` in place of its default,
+  // when given), compacted. When that equals the latest version, no version is made:
+  // *unchanged is set and the latest version is returned.
   absl::StatusOr<v1::Policy> AddPolicyVersion(JobRec& rec,
                                               const std::vector<v1::LayerPatch>& patches,
                                               const std::string& reason, const std::string& author,
-                                              Outbox& out);
+                                              Outbox& out,
+                                              const v1::LayerPolicy* default_policy = nullptr,
+                                              bool* unchanged = nullptr);
   void DeclareDead(WorkerRec& w, const std::string& reason, Outbox& out);
   void OnProgress(JobRec& rec, int rank, const v1::StepProgress& p, Outbox& out);
   static void Flush(Outbox& out);

@@ -305,6 +305,61 @@ TEST_F(CoordinatorTest, ReRegistrationFencesTheOldGeneration) {
             absl::StatusCode::kFailedPrecondition);
 }
 
+TEST_F(CoordinatorTest, AnUpdateThatChangesNothingMakesNoVersion) {
+  std::string id = Submit(kSpec2);
+  ASSERT_TRUE(Update(id, "*mlp*", "nvfp4").ok());
+  ASSERT_TRUE(Update(id, "*attn*", "bf16").ok());
+  v1::GetPolicyRequest g;
+  g.set_job_id(id);
+  const v1::Policy v3 = *coordinator->GetPolicy(g);
+  ASSERT_EQ(v3.version(), 3u);
+  // The version's own default and patches, sent back (what `policy get -o yaml | policy apply
+  // -f -` sends): unchanged, no v4.
+  auto file = PatchFileOf(v3);
+  ASSERT_TRUE(file.ok()) << file.status();
+  v1::UpdatePolicyRequest req;
+  req.set_job_id(id);
+  *req.mutable_default_policy() = ToProto(*file->defaults);
+  for (const auto& p : file->layers) *req.add_patches() = ToProto(p);
+  auto r = coordinator->UpdatePolicy(req);
+  ASSERT_TRUE(r.ok()) << r.status();
+  EXPECT_TRUE(r->unchanged());
+  EXPECT_EQ(r->policy().version(), 3u);
+  EXPECT_EQ(coordinator->GetPolicy(g)->version(), 3u);
+  // Re-sending only the last patch is a no-op too; re-sending the first is not (it moves it
+  // behind the second, which could change a layer both patterns match).
+  v1::UpdatePolicyRequest last;
+  last.set_job_id(id);
+  *last.add_patches() = v3.patches(1);
+  EXPECT_TRUE(coordinator->UpdatePolicy(last)->unchanged());
+  v1::UpdatePolicyRequest first;
+  first.set_job_id(id);
+  *first.add_patches() = v3.patches(0);
+  auto moved = coordinator->UpdatePolicy(first);
+  ASSERT_TRUE(moved.ok());
+  EXPECT_FALSE(moved->unchanged());
+  EXPECT_EQ(moved->policy().version(), 4u);
+  // A new default is a change; a bad one is refused naming the field.
+  v1::UpdatePolicyRequest d;
+  d.set_job_id(id);
+  LayerPolicy e5 = *file->defaults;
+  e5.format = Format::kFp8E5M2;
+  *d.mutable_default_policy() = ToProto(e5);
+  auto changed = coordinator->UpdatePolicy(d);
+  ASSERT_TRUE(changed.ok()) << changed.status();
+  EXPECT_FALSE(changed->unchanged());
+  EXPECT_EQ(changed->policy().default_policy().format(), "fp8_e5m2");
+  d.mutable_default_policy()->set_format("fp9");
+  EXPECT_NE(std::string(coordinator->UpdatePolicy(d).status().message())
+                .find("default_policy.format: unknown value 'fp9'"),
+            std::string::npos);
+  d.mutable_default_policy()->set_format("fp8_e4m3");
+  d.mutable_default_policy()->set_rank(5000);
+  EXPECT_NE(std::string(coordinator->UpdatePolicy(d).status().message())
+                .find("default_policy.rank: must be in [1, 4096] (5000)"),
+            std::string::npos);
+}
+
 TEST_F(CoordinatorTest, PolicyTakesEffectAtLargestReportedStepPlusMargin) {
   std::string id = Submit(kSpec2);
   Worker a = Join("a");

@@ -119,6 +119,61 @@ TEST(JobSpec, GeometryRefreshChoosesTheEstimatorAndItsCadence) {
             std::string::npos);
 }
 
+TEST(JobSpec, PatchFilesRoundTripThroughTheirWriter) {
+  PolicyPatchSpec patch;
+  patch.reason = "tune: attention \"wide\" # not a comment";
+  LayerPolicy d;
+  d.format = Format::kNvfp4;
+  d.scaling = Scaling::kTensor;
+  d.block = 64;
+  d.rounding = Rounding::kStochastic;
+  d.geometry = GeometryMode::kLowRank;
+  d.rank = 12;
+  d.alpha = 0.1f;  // not exact in binary: the text must read back to the same float
+  d.error_feedback = true;
+  patch.defaults = d;
+  LayerPatchSpec a;
+  a.match = "layers.*.attn.w[qk]";
+  a.format = Format::kMxfp8;
+  a.alpha = 1.0f / 3.0f;
+  a.refresh_interval = 40;
+  LayerPatchSpec b;
+  b.match = "*";
+  b.error_feedback = false;
+  b.geometry = GeometryMode::kNone;
+  patch.layers = {a, b};
+  const std::string text = WritePolicyPatch(patch, "a header\nover two lines");
+  EXPECT_EQ(text.rfind("# a header\n# over two lines\n", 0), 0u) << text;
+  auto back = ParsePolicyPatch(text);
+  ASSERT_TRUE(back.ok()) << back.status() << "\n" << text;
+  EXPECT_EQ(back->reason, patch.reason);
+  ASSERT_TRUE(back->defaults.has_value());
+  const LayerPolicy& e = *back->defaults;
+  EXPECT_EQ(e.format, d.format);
+  EXPECT_EQ(e.scaling, d.scaling);
+  EXPECT_EQ(e.block, d.block);
+  EXPECT_EQ(e.rounding, d.rounding);
+  EXPECT_EQ(e.geometry, d.geometry);
+  EXPECT_EQ(e.rank, d.rank);
+  EXPECT_EQ(e.alpha, d.alpha);
+  EXPECT_EQ(e.error_feedback, d.error_feedback);
+  ASSERT_EQ(back->layers.size(), 2u);
+  EXPECT_EQ(back->layers[0].match, a.match);
+  EXPECT_EQ(back->layers[0].format, a.format);
+  EXPECT_EQ(back->layers[0].alpha, a.alpha);
+  EXPECT_EQ(back->layers[0].refresh_interval, a.refresh_interval);
+  EXPECT_FALSE(back->layers[0].scaling.has_value());
+  EXPECT_EQ(back->layers[1].match, "*");
+  EXPECT_EQ(back->layers[1].error_feedback, false);
+  EXPECT_EQ(back->layers[1].geometry, GeometryMode::kNone);
+  // A default alone is a valid patch file; nothing at all is not.
+  EXPECT_TRUE(ParsePolicyPatch("default: {format: bf16}\n").ok());
+  auto none = ParsePolicyPatch("reason: x\n");
+  ASSERT_FALSE(none.ok());
+  EXPECT_NE(none.status().message().find("patch.layers: required"), std::string::npos)
+      << none.status();
+}
+
 TEST(JobSpec, EveryExampleJobParses) {
   int parsed = 0;
   for (const auto& e : std::filesystem::directory_iterator(GEOFP8_EXAMPLES_DIR)) {

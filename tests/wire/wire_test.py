@@ -156,7 +156,7 @@ class SimWorker:
         self.out.put(None)
 
 
-def ctl(server, *args, token=None, extra_env=None):
+def ctl(server, *args, token=None, extra_env=None, stdin=None):
     env = dict(os.environ)
     env.pop("GEOFP8_TOKEN", None)
     if token:
@@ -164,7 +164,8 @@ def ctl(server, *args, token=None, extra_env=None):
     if extra_env:
         env.update(extra_env)
     p = subprocess.run([CTL, "-s", server.address if server else "127.0.0.1:1", "--timeout", "5",
-                        *args], capture_output=True, text=True, env=env, timeout=60)
+                        *args], capture_output=True, text=True, env=env, timeout=60,
+                       input=stdin)
     return p.returncode, p.stdout, p.stderr
 
 
@@ -586,6 +587,27 @@ class CtlTest(Base):
         self.assertIn("*attn*", out)
         rc, out, err = ctl(self.server, "policy", "history", "job-000001")
         self.assertEqual(len(out.strip().splitlines()), 4)
+        # `policy get -o yaml` prints the patch-file schema; applying it back changes nothing.
+        rc, doc, err = ctl(self.server, "-o", "yaml", "policy", "get", "job-000001")
+        self.assertEqual(rc, 0, err)
+        parsed = yaml.safe_load(doc)
+        self.assertEqual(parsed["default"]["format"], "fp8_e4m3")
+        self.assertEqual([p["match"] for p in parsed["layers"]], ["*mlp*", "*attn*"])
+        rc, out, err = ctl(self.server, "policy", "apply", "job-000001", "-f", "-", stdin=doc)
+        self.assertEqual(rc, 0, err)
+        self.assertEqual(out.strip(),
+                         "job/job-000001 policy v3 unchanged (the update matches the version "
+                         "in force)")
+        rc, out, err = ctl(self.server, "policy", "history", "job-000001")
+        self.assertEqual(len(out.strip().splitlines()), 4)
+        # An edited document is a real update: the new default lands in v4, the layers stay.
+        rc, out, err = ctl(self.server, "policy", "apply", "job-000001", "-f", "-",
+                           stdin=doc.replace("format: fp8_e4m3", "format: fp8_e5m2", 1))
+        self.assertEqual(rc, 0, err)
+        self.assertEqual(out.strip(), "job/job-000001 policy v4 effective at step 5")
+        rc, out, err = ctl(self.server, "-o", "yaml", "policy", "get", "job-000001")
+        self.assertEqual(yaml.safe_load(out)["default"]["format"], "fp8_e5m2")
+        self.assertEqual(yaml.safe_load(out)["layers"], parsed["layers"])
         rc, out, err = ctl(self.server, "policy", "get", "job-000001", "--version", "9")
         self.assertEqual(rc, 3, err)
         # Exit codes: usage 2, not found 3, unreachable 4, rejected 5.
