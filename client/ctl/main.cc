@@ -433,7 +433,7 @@ int Run(int argc, char** argv) {
   auto* policy_set =
       policy->add_subcommand("set", "Patch the policy of the layers matching a glob");
   policy_set->add_option("id", id, "Job id")->required();
-  policy_set->add_option("--layer", layer, "Layer name or glob, e.g. 'blocks.*.attn.*'")
+  policy_set->add_option("--layer", layer, "Layer name or glob, e.g. 'layers.*.attn.*'")
       ->required();
   std::string format, scaling, rounding, geometry, ef;
   std::optional<uint32_t> block;

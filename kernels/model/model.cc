@@ -67,40 +67,63 @@ int64_t ParameterCount(const ModelConfig& c) {
   return 2 * v * d + d + c.layers * (2 * d + 4 * d * d + 3 * d * f);
 }
 
-template <typename T>
-int Model<T>::AddParam(const std::string& name, int64_t rows, int64_t cols) {
-  ParamInfo p;
-  p.name = name;
-  p.rows = rows;
-  p.cols = cols;
-  p.offset = params_.empty() ? 0 : params_.back().offset + params_.back().size();
-  params_.push_back(p);
-  return static_cast<int>(params_.size()) - 1;
+namespace {
+// Parameters per transformer layer, in ParamLayout's order.
+enum LayerParam { kAttnNorm, kWq, kWk, kWv, kWo, kMlpNorm, kW1, kW3, kW2, kPerLayer };
+}  // namespace
+
+std::vector<ParamInfo> ParamLayout(const ModelConfig& config) {
+  const int64_t d = config.dim, f = config.ffn;
+  std::vector<ParamInfo> out;
+  auto add = [&](std::string name, int64_t rows, int64_t cols) {
+    ParamInfo p;
+    p.name = std::move(name);
+    p.rows = rows;
+    p.cols = cols;
+    p.offset = out.empty() ? 0 : out.back().offset + out.back().size();
+    out.push_back(std::move(p));
+  };
+  // Forward order; the backward finishes gradients in exactly the reverse of this order.
+  add("tok_emb", config.vocab, d);
+  for (int l = 0; l < config.layers; ++l) {
+    const std::string p = "layers." + std::to_string(l) + ".";
+    add(p + "attn_norm", 1, d);  // the order of LayerParam
+    add(p + "attn.wq", d, d);
+    add(p + "attn.wk", d, d);
+    add(p + "attn.wv", d, d);
+    add(p + "attn.wo", d, d);
+    add(p + "mlp_norm", 1, d);
+    add(p + "mlp.w1", f, d);
+    add(p + "mlp.w3", f, d);
+    add(p + "mlp.w2", d, f);
+  }
+  add("final_norm", 1, d);
+  add("lm_head", config.vocab, d);
+  return out;
 }
 
 template <typename T>
 Model<T>::Model(const ModelConfig& config) : config_(config) {
   const std::string err = ValidateModelConfig(config);
   GEOFP8_CHECK(err.empty(), err);
-  const int d = config.dim, f = config.ffn;
-  // Forward order; the backward finishes gradients in exactly the reverse of this order.
-  tok_emb_ = AddParam("tok_emb", config.vocab, d);
+  params_ = ParamLayout(config);
+  tok_emb_ = 0;
   for (int l = 0; l < config.layers; ++l) {
-    const std::string p = "layers." + std::to_string(l) + ".";
+    const int base = 1 + l * kPerLayer;
     LayerIndex li;
-    li.attn_norm = AddParam(p + "attn_norm", 1, d);
-    li.wq = AddParam(p + "attn.wq", d, d);
-    li.wk = AddParam(p + "attn.wk", d, d);
-    li.wv = AddParam(p + "attn.wv", d, d);
-    li.wo = AddParam(p + "attn.wo", d, d);
-    li.mlp_norm = AddParam(p + "mlp_norm", 1, d);
-    li.w1 = AddParam(p + "mlp.w1", f, d);
-    li.w3 = AddParam(p + "mlp.w3", f, d);
-    li.w2 = AddParam(p + "mlp.w2", d, f);
+    li.attn_norm = base + kAttnNorm;
+    li.wq = base + kWq;
+    li.wk = base + kWk;
+    li.wv = base + kWv;
+    li.wo = base + kWo;
+    li.mlp_norm = base + kMlpNorm;
+    li.w1 = base + kW1;
+    li.w3 = base + kW3;
+    li.w2 = base + kW2;
     layer_index_.push_back(li);
   }
-  final_norm_ = AddParam("final_norm", 1, d);
-  lm_head_ = AddParam("lm_head", config.vocab, d);
+  final_norm_ = 1 + config.layers * kPerLayer;
+  lm_head_ = final_norm_ + 1;
   const int64_t total = params_.back().offset + params_.back().size();
   GEOFP8_CHECK(total == ParameterCount(config), "parameter layout mismatch");
   weights_.assign(total, T(0));

@@ -46,6 +46,10 @@ struct ParamInfo {
   int64_t size() const { return rows * cols; }
 };
 
+// The parameters of a model of this shape, names and offsets, in forward order, without
+// allocating it (what policy globs are resolved against). Model::params() is exactly this.
+std::vector<ParamInfo> ParamLayout(const ModelConfig& config);
+
 // Called during the backward pass as soon as a parameter's gradient is final, in reverse layer
 // order (the order buckets are filled). Argument: index into params().
 using GradReadyFn = std::function<void(int param_index)>;
@@ -85,7 +89,6 @@ class Model {
   };
   double Run(std::span<const int32_t> tokens, int batch, int seq, bool backward,
              const GradReadyFn& on_ready);
-  int AddParam(const std::string& name, int64_t rows, int64_t cols);
   T* W(int i) { return weights_.data() + params_[i].offset; }
   T* G(int i) { return grads_.data() + params_[i].offset; }
 

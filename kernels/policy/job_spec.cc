@@ -202,7 +202,7 @@ void ReadLayerPatch(Reader& r, const YAML::Node& node, const std::string& path,
   }
   YAML::Node match = r.Get(node, "match", path, &out->match, "a layer name or glob");
   if (!node["match"].IsDefined() || node["match"].IsNull()) {
-    r.Error(node, path + ".match", "required (a layer name or glob such as blocks.*.attn.*)");
+    r.Error(node, path + ".match", "required (a layer name or glob such as layers.*.attn.*)");
   } else if (match.IsDefined() && out->match.empty()) {
     r.Error(match, path + ".match", "must not be empty");
   }
@@ -533,6 +533,17 @@ absl::StatusOr<JobSpec> ParseJobSpec(std::string_view yaml) {
       const YAML::Node training = root["training"];
       r.Error(training.IsDefined() ? training : root, p + ".training.batch_size", os.str());
     }
+    // A patch whose glob names no layer of the model is a typo that would do nothing.
+    const std::vector<model::ParamInfo> layout = model::ParamLayout(*model);
+    for (size_t i = 0; i < spec.policy.layers.size(); ++i) {
+      const std::string& glob = spec.policy.layers[i].match;
+      if (glob.empty()) continue;  // reported already
+      if (std::string problem = UnmatchedGlobProblem(glob, layout, spec.model.preset);
+          !problem.empty()) {
+        r.Error(root["policy"]["layers"][i]["match"],
+                p + ".policy.layers[" + std::to_string(i) + "].match", problem);
+      }
+    }
   }
   if (spec.backend == "gloo" && spec.exchange.algorithm == Algorithm::kNative) {
     r.Error(root["exchange"], p + ".exchange.algorithm",
@@ -657,6 +668,28 @@ std::string_view AcceptedScalingNames() { return AcceptedScalings(); }
 std::string_view AcceptedRoundingNames() { return AcceptedRoundings(); }
 std::string_view AcceptedGeometryNames() { return AcceptedGeometryModes(); }
 std::string_view AcceptedAlgorithmNames() { return AcceptedAlgorithms(); }
+
+std::string UnmatchedGlobProblem(std::string_view glob,
+                                 const std::vector<model::ParamInfo>& layers,
+                                 std::string_view model) {
+  for (const auto& l : layers) {
+    if (LayerMatches(glob, l.name)) return "";
+  }
+  // Name the first block's layers and those outside the blocks: enough to see the scheme.
+  std::vector<std::string> names;
+  bool blocks = false;
+  for (const auto& l : layers) {
+    if (!l.name.starts_with("layers.")) {
+      names.push_back(l.name);
+    } else if (l.name.starts_with("layers.0.")) {
+      names.push_back(l.name);
+      blocks = true;
+    }
+  }
+  return "matches no layer of " + std::string(model) + " (" + Clip(std::string(glob)) +
+         "); its layers are " + Join(names, ", ") +
+         (blocks ? ", and the same for each block layers.N" : "");
+}
 
 bool LayerMatches(std::string_view pattern, std::string_view name) {
   if (pattern == name) return true;

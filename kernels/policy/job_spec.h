@@ -11,6 +11,7 @@
 #include "absl/status/statusor.h"
 #include "kernels/exchange/policy.h"
 #include "kernels/geometry/factor_sketch.h"
+#include "kernels/model/model.h"
 
 namespace geofp8 {
 
@@ -174,5 +175,10 @@ std::string_view AcceptedAlgorithmNames();
 
 // True when `name` matches the layer pattern (exact or shell glob).
 bool LayerMatches(std::string_view pattern, std::string_view name);
+// "" when `glob` matches a layer, else the problem, naming the model and its layer scheme:
+// "matches no layer of llama-tiny (*embed*); its layers are tok_emb, layers.0.attn_norm, ...".
+std::string UnmatchedGlobProblem(std::string_view glob,
+                                 const std::vector<model::ParamInfo>& layers,
+                                 std::string_view model);
 
 }  // namespace geofp8

@@ -429,8 +429,11 @@ absl::StatusOr<v1::UpdatePolicyResponse> Coordinator::UpdatePolicy(
   if (request.has_default_policy()) {
     auto typed = FromProto(request.default_policy(), "default_policy");
     if (!typed.ok()) return typed.status();
-    LayerPatchSpec ranges{.match = "*", .block = typed->block, .rank = typed->rank,
-                          .alpha = typed->alpha};
+    LayerPatchSpec ranges;
+    ranges.match = "*";
+    ranges.block = typed->block;
+    ranges.rank = typed->rank;
+    ranges.alpha = typed->alpha;
     if (std::string e = ValidateLayerPatch(ranges, "default_policy"); !e.empty()) {
       return absl::InvalidArgumentError(e);
     }
@@ -458,6 +461,20 @@ absl::StatusOr<v1::UpdatePolicyResponse> Coordinator::UpdatePolicy(
       return absl::FailedPreconditionError("job " + rec.job.id() + " is " +
                                            StateName(rec.job.state()) +
                                            "; its policy can no longer change");
+    }
+    // A pattern that names no layer is a typo that would do nothing. The layers are the ones
+    // rank 0 reported, or before that the spec's model.
+    std::vector<model::ParamInfo> layers;
+    for (const auto& l : rec.catalog) layers.push_back({.name = l.name()});
+    if (layers.empty()) {
+      if (auto mc = model::PresetConfig(rec.spec.model.preset)) layers = model::ParamLayout(*mc);
+    }
+    for (size_t i = 0; i < patches.size() && !layers.empty(); ++i) {
+      if (std::string problem =
+              UnmatchedGlobProblem(patches[i].layer(), layers, rec.spec.model.preset);
+          !problem.empty()) {
+        return absl::InvalidArgumentError("patches[" + std::to_string(i) + "].layer: " + problem);
+      }
     }
     bool unchanged = false;
     auto policy = AddPolicyVersion(

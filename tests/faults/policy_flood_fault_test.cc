@@ -24,7 +24,9 @@ TEST(PolicyFloodFaultTest, HistoryStaysSmallAndAssignmentsStillArrive) {
     req.set_job_id("job-000001");
     for (int i = 0; i < patches; ++i) {
       v1::LayerPatch* p = req.add_patches();
-      p->set_layer("blocks." + std::to_string(i % 50) + ".*");
+      // 50 distinct patterns, each matching every layer of the model (a pattern that matches
+      // no layer is refused).
+      p->set_layer(std::string(1 + i % 50, '*'));
       p->set_format(round % 2 ? "bf16" : "fp8_e4m3");
     }
     v1::UpdatePolicyResponse resp;

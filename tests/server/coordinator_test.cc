@@ -339,6 +339,14 @@ TEST_F(CoordinatorTest, AnUpdateThatChangesNothingMakesNoVersion) {
   ASSERT_TRUE(moved.ok());
   EXPECT_FALSE(moved->unchanged());
   EXPECT_EQ(moved->policy().version(), 4u);
+  // A pattern that names no layer of the job's model (llama-tiny) is refused.
+  auto typo = Update(id, "*embed*", "bf16");
+  ASSERT_FALSE(typo.ok());
+  EXPECT_EQ(typo.status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_NE(typo.status().message().find("patches[0].layer: matches no layer of llama-tiny "
+                                         "(*embed*); its layers are tok_emb,"),
+            std::string::npos)
+      << typo.status();
   // A new default is a change; a bad one is refused naming the field.
   v1::UpdatePolicyRequest d;
   d.set_job_id(id);

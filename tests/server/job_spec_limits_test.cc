@@ -38,7 +38,7 @@ TEST(JobSpecLimits, RepeatedKeysAreErrors) {
             "line 3: spec.world_size: duplicate key (first at line 2)");
   EXPECT_EQ(ErrorOf("name: a\npolicy:\n  default:\n    format: fp8_e4m3\n    format: nvfp4\n"),
             "line 5: spec.policy.default.format: duplicate key (first at line 4)");
-  EXPECT_EQ(ErrorOf("name: a\npolicy:\n  layers:\n    - {match: x, rank: 2, rank: 3}\n"),
+  EXPECT_EQ(ErrorOf("name: a\npolicy:\n  layers:\n    - {match: lm_head, rank: 2, rank: 3}\n"),
             "line 4: spec.policy.layers[0].rank: duplicate key (first at line 4)");
   auto patch = ParsePolicyPatch("layers:\n  - match: x\n    match: y\n");
   ASSERT_FALSE(patch.ok());

@@ -119,6 +119,31 @@ TEST(JobSpec, GeometryRefreshChoosesTheEstimatorAndItsCadence) {
             std::string::npos);
 }
 
+TEST(JobSpec, AGlobThatMatchesNoLayerOfTheModelIsAnError) {
+  const std::string e = ErrorOf(
+      "name: a\nmodel: {preset: llama-tiny}\npolicy:\n  layers:\n"
+      "    - {match: \"*attn*\", format: bf16}\n    - {match: \"*embed*\", format: bf16}\n");
+  EXPECT_NE(e.find("line 6: spec.policy.layers[1].match: matches no layer of llama-tiny "
+                   "(*embed*); its layers are tok_emb, layers.0.attn_norm, layers.0.attn.wq, "
+                   "layers.0.attn.wk, layers.0.attn.wv, layers.0.attn.wo, layers.0.mlp_norm, "
+                   "layers.0.mlp.w1, layers.0.mlp.w3, layers.0.mlp.w2, final_norm, lm_head, and "
+                   "the same for each block layers.N"),
+            std::string::npos)
+      << e;
+  EXPECT_EQ(e.find("layers[0]"), std::string::npos) << e;
+  // The layout is the model's own: Model::params() lists exactly ParamLayout's names.
+  const auto config = *model::PresetConfig("llama-tiny");
+  const auto layout = model::ParamLayout(config);
+  const model::Model<float> m(config);
+  ASSERT_EQ(layout.size(), m.params().size());
+  for (size_t i = 0; i < layout.size(); ++i) {
+    EXPECT_EQ(layout[i].name, m.params()[i].name);
+    EXPECT_EQ(layout[i].offset, m.params()[i].offset);
+    EXPECT_EQ(layout[i].rows, m.params()[i].rows);
+    EXPECT_EQ(layout[i].cols, m.params()[i].cols);
+  }
+}
+
 TEST(JobSpec, PatchFilesRoundTripThroughTheirWriter) {
   PolicyPatchSpec patch;
   patch.reason = "tune: attention \"wide\" # not a comment";
