@@ -8,6 +8,7 @@
 #include <cstddef>
 #include <cstdint>
 #include <span>
+#include <string>
 #include <string_view>
 #include <vector>
 
@@ -78,6 +79,17 @@ class Communicator {
   // in this communicator's stats(), and set_timeout() applies to both. Each channel still needs
   // the same collectives in the same order on every rank. Null: the backend has none.
   virtual Communicator* side_channel() { return nullptr; }
+
+  // Makes the collectives in flight on this communicator and its side channel, and every later
+  // one, throw at once with an error that contains `reason`. It is how another thread gets a rank
+  // out of a collective whose peer hangs (stopped, partitioned) without waiting out timeout(); the
+  // peers see the connections close. The one member that may be called from any thread while a
+  // collective runs. The communicator is broken afterwards. False: the backend cannot interrupt
+  // a collective, which then ends at its timeout.
+  virtual bool Abort(const std::string& reason) {
+    (void)reason;
+    return false;
+  }
 
   void set_timeout(std::chrono::milliseconds timeout) {
     timeout_ = timeout;

@@ -3,7 +3,9 @@
 #include "kernels/exchange/gloo_communicator.h"
 
 #include <algorithm>
+#include <atomic>
 #include <exception>
+#include <mutex>
 #include <numeric>
 #include <thread>
 #include <vector>
@@ -18,6 +20,7 @@
 #include <gloo/rendezvous/context.h>
 #include <gloo/rendezvous/prefix_store.h>
 #include <gloo/transport/tcp/device.h>
+#include <gloo/transport/tcp/pair.h>
 
 #include "kernels/common/check.h"
 #include "kernels/exchange/bf16.h"
@@ -45,6 +48,25 @@ void GlooStoreAdapter::wait(const std::vector<std::string>& keys,
 }
 
 namespace {
+
+// Gloo wakes the operations waiting on a pair with an error only through
+// tcp::Pair::signalExceptionExternal: its own collective timeout calls it on every pair of the
+// context (tcp::Context::signalException) and the pair then closes. Both are protected in this
+// gloo (0.0~git20220518). The using-declaration names the member publicly; the pointer is to the
+// base's member, and no PairAbort object is ever made.
+struct PairAbort : gloo::transport::tcp::Pair {
+  using gloo::transport::tcp::Pair::signalExceptionExternal;
+};
+
+// Fails every operation pending on `context`'s pairs, and every later one, with `message`.
+void SignalEveryPair(gloo::Context& context, const std::string& message) {
+  constexpr auto signal = &PairAbort::signalExceptionExternal;
+  for (int i = 0; i < context.size; ++i) {
+    if (i == context.rank) continue;
+    std::unique_ptr<gloo::transport::Pair>& pair = context.getPair(i);
+    if (pair) (static_cast<gloo::transport::tcp::Pair*>(pair.get())->*signal)(message);
+  }
+}
 
 // Runs one gloo call, converting whatever gloo throws into a one-line geofp8::Error.
 template <typename Fn>
@@ -97,6 +119,18 @@ class GlooCommunicator final : public Communicator {
   std::string_view backend() const override { return "gloo"; }
   Communicator* side_channel() override { return side_.get(); }
 
+  bool Abort(const std::string& reason) override {
+    {
+      std::lock_guard<std::mutex> lock(abort_mu_);
+      if (aborted_) return true;
+      abort_reason_ = reason.empty() ? "no reason given" : reason;
+      aborted_ = true;
+    }
+    SignalEveryPair(*context_, "aborted on rank " + std::to_string(rank()) + ": " + reason);
+    if (side_) side_->Abort(reason);
+    return true;
+  }
+
   void AllToAllV(std::span<const uint8_t> send, std::span<const size_t> send_counts,
                  std::span<uint8_t> recv, std::span<const size_t> recv_counts) override {
     const int n = size();
@@ -121,7 +155,7 @@ class GlooCommunicator final : public Communicator {
     uint8_t* in_ptr = send_total ? const_cast<uint8_t*>(send.data()) : &dummy_in;
     uint8_t* out_ptr = recv_total ? recv.data() : &dummy_out;
     const uint32_t tag = next_tag_++;
-    GlooCall("alltoallv", rank(), &broken_, [&] {
+    Call("alltoallv", [&] {
       gloo::AlltoallvOptions opts(context_);
       opts.setInput(in_ptr, in);
       opts.setOutput(out_ptr, out);
@@ -153,7 +187,7 @@ class GlooCommunicator final : public Communicator {
     uint8_t dummy_in = 0;
     uint8_t* in_ptr = send.empty() ? &dummy_in : const_cast<uint8_t*>(send.data());
     const uint32_t tag = next_tag_++;
-    GlooCall("allgatherv", rank(), &broken_, [&] {
+    Call("allgatherv", [&] {
       gloo::AllgathervOptions opts(context_);
       opts.setInput(in_ptr, send.size());
       opts.setOutput(recv.data(), elements);
@@ -191,7 +225,7 @@ class GlooCommunicator final : public Communicator {
     if (rank() == root) stats_->bytes_sent += data.size() * (size() - 1);
     if (size() == 1 || data.empty()) return;
     const uint32_t tag = next_tag_++;
-    GlooCall("broadcast", rank(), &broken_, [&] {
+    Call("broadcast", [&] {
       gloo::BroadcastOptions opts(context_);
       if (rank() == root) opts.setInput(data.data(), data.size());
       opts.setOutput(data.data(), data.size());
@@ -238,7 +272,7 @@ class GlooCommunicator final : public Communicator {
     ++stats_->collectives;
     if (size() == 1) return;
     const uint32_t tag = next_tag_++;
-    GlooCall("barrier", rank(), &broken_, [&] {
+    Call("barrier", [&] {
       gloo::BarrierOptions opts(context_);
       opts.setTag(tag);
       opts.setTimeout(timeout_);
@@ -247,6 +281,18 @@ class GlooCommunicator final : public Communicator {
   }
 
  private:
+  // GlooCall, refusing to start once Abort() was called (its pairs are closed by then anyway;
+  // this names the reason).
+  template <typename Fn>
+  void Call(const char* op, Fn&& fn) {
+    if (aborted_.load()) {
+      std::lock_guard<std::mutex> lock(abort_mu_);
+      broken_ = true;
+      GEOFP8_FAIL("gloo ", op, " on rank ", rank(), ": aborted (", abort_reason_, ")");
+    }
+    GlooCall(op, rank(), &broken_, std::forward<Fn>(fn));
+  }
+
   template <typename T>
   void RunAllReduce(const char* op, T* data, size_t count, gloo::AllreduceOptions::Func fn) {
     ++stats_->collectives;
@@ -255,7 +301,7 @@ class GlooCommunicator final : public Communicator {
     stats_->bytes_sent += 2 * (n - 1) * count * sizeof(T) / n;
     if (n == 1 || count == 0) return;
     const uint32_t tag = next_tag_++;
-    GlooCall(op, rank(), &broken_, [&] {
+    Call(op, [&] {
       gloo::AllreduceOptions opts(context_);
       opts.setAlgorithm(gloo::AllreduceOptions::Algorithm::RING);
       opts.setOutput(data, count);
@@ -270,7 +316,10 @@ class GlooCommunicator final : public Communicator {
   std::shared_ptr<gloo::transport::Device> device_;
   std::unique_ptr<GlooCommunicator> side_;
   uint32_t next_tag_ = 1;
-  bool broken_ = false;
+  bool broken_ = false;  // touched only by the thread running this channel's collectives
+  std::atomic<bool> aborted_{false};
+  std::mutex abort_mu_;
+  std::string abort_reason_;  // under abort_mu_
 };
 
 }  // namespace

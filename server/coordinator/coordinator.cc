@@ -966,14 +966,21 @@ absl::Status Coordinator::HandleWorkerMessage(const v1::WorkerMessage& message) 
         }
         break;
       case v1::WorkerMessage::kCheckpoint:
-        if (rec && rank == 0) {
+        // A report resent after a broken stream may repeat one already taken: the recovery
+        // point only moves forward, and only within the attempt that wrote it.
+        if (rec && rank == 0 &&
+            SameAttempt(*rec, message.checkpoint().job_id(), message.checkpoint().attempt()) &&
+            message.checkpoint().step() > rec->job.progress().checkpoint_step()) {
           rec->job.mutable_progress()->set_checkpoint_step(message.checkpoint().step());
           if (auto s = PersistJob(*rec); !s.ok()) return s;
           Changed(*rec);
         }
         break;
       case v1::WorkerMessage::kFinished:
-        if (rec) {
+        // Resent after a broken stream: a second success changes nothing; a report of an
+        // attempt that has since ended is ignored.
+        if (rec &&
+            SameAttempt(*rec, message.finished().job_id(), message.finished().attempt())) {
           if (!message.finished().success()) {
             FailAttempt(*rec,
                         "rank " + std::to_string(rank) + " failed: " + message.finished().reason(),
@@ -994,9 +1001,29 @@ absl::Status Coordinator::HandleWorkerMessage(const v1::WorkerMessage& message) 
       case v1::WorkerMessage::BODY_NOT_SET:
         break;
     }
+    // Handled (and persisted where it changed the job): the worker may forget the message.
+    if (message.want_ack() && w.sink) {
+      v1::CoordinatorMessage ack;
+      ack.mutable_ack()->set_seq(message.seq());
+      if (message.has_checkpoint()) {
+        const std::string& job_id =
+            message.checkpoint().job_id().empty() && rec ? rec->job.id()
+                                                         : message.checkpoint().job_id();
+        auto j = jobs_.find(job_id);
+        if (j != jobs_.end()) {
+          ack.mutable_ack()->set_job_id(job_id);
+          ack.mutable_ack()->set_checkpoint_step(j->second->job.progress().checkpoint_step());
+        }
+      }
+      out.emplace_back(w.sink, std::move(ack));
+    }
   }
   Flush(out);
   return absl::OkStatus();
+}
+
+bool Coordinator::SameAttempt(const JobRec& rec, const std::string& job_id, int32_t attempt) {
+  return job_id.empty() || (job_id == rec.job.id() && attempt == rec.job.attempt());
 }
 
 Coordinator::Counts Coordinator::GetCounts() {

@@ -180,6 +180,9 @@ class Coordinator {
   void DeclareDead(WorkerRec& w, const std::string& reason, Outbox& out);
   void OnProgress(JobRec& rec, int rank, const v1::StepProgress& p, Outbox& out);
   static void Flush(Outbox& out);
+  // Whether a report naming (job_id, attempt) belongs to rec's current attempt; an empty job_id
+  // (an older worker) does.
+  static bool SameAttempt(const JobRec& rec, const std::string& job_id, int32_t attempt);
 
   Store* store_;
   Clock* clock_;

@@ -5,6 +5,7 @@
 #include <sys/resource.h>
 #include <unistd.h>
 
+#include <atomic>
 #include <filesystem>
 #include <fstream>
 #include <numeric>
@@ -267,6 +268,75 @@ TEST(GlooCommunicator, BrokenCommunicatorRefusesLaterCalls) {
     }
   });
   EXPECT_NE(errors[0].find("broken"), std::string::npos) << errors[0];
+}
+
+// A peer that hangs (SIGSTOP, partition) holds a collective until its timeout; Abort() from
+// another thread ends it at once, on both channels, and the peer sees the connections close.
+TEST(GlooCommunicator, AbortFromAnotherThreadEndsCollectivesOnBothChannels) {
+  using Clock = std::chrono::steady_clock;
+  std::atomic<bool> rank0_done{false};
+  std::atomic<double> rank0_seconds{0}, rank1_seconds{0};
+  std::string side_error, later_error;
+  const auto errors = RunRanks(
+      2,
+      [&](Communicator& comm) {
+        comm.Barrier();
+        if (comm.rank() == 1) {
+          // Joins nothing until rank 0 gave up, then finds the connections closed.
+          while (!rank0_done.load()) std::this_thread::sleep_for(milliseconds(10));
+          const auto t0 = Clock::now();
+          try {
+            comm.Barrier();
+          } catch (const Error&) {
+            rank1_seconds = std::chrono::duration<double>(Clock::now() - t0).count();
+            throw;
+          }
+          return;
+        }
+        ASSERT_NE(comm.side_channel(), nullptr);
+        std::thread side([&] {
+          try {
+            std::vector<float> y(1000, 1.f);
+            comm.side_channel()->AllReduceSum(y);
+          } catch (const Error& e) {
+            side_error = e.what();
+          }
+        });
+        std::thread stopper([&] {
+          std::this_thread::sleep_for(milliseconds(300));
+          EXPECT_TRUE(comm.Abort("stop from the coordinator"));
+        });
+        const auto t0 = Clock::now();
+        try {
+          std::vector<float> x(1000, 1.f);
+          comm.AllReduceSum(x);
+        } catch (const Error&) {
+          rank0_seconds = std::chrono::duration<double>(Clock::now() - t0).count();
+          side.join();
+          stopper.join();
+          try {
+            comm.Barrier();
+          } catch (const Error& e) {
+            later_error = e.what();
+          }
+          rank0_done = true;
+          throw;
+        }
+        side.join();
+        stopper.join();
+        rank0_done = true;
+      },
+      milliseconds(60000));
+  EXPECT_NE(errors[0].find("allreduce fp32"), std::string::npos) << errors[0];
+  EXPECT_NE(errors[0].find("stop from the coordinator"), std::string::npos) << errors[0];
+  EXPECT_NE(side_error.find("stop from the coordinator"), std::string::npos) << side_error;
+  EXPECT_NE(later_error.find("aborted (stop from the coordinator)"), std::string::npos)
+      << later_error;
+  EXPECT_NE(errors[1], "") << "rank 1's barrier succeeded against an aborted rank";
+  // Against the 60 s collective timeout: both ranks are out within seconds even on a loaded
+  // machine (the abort fires after 0.3 s).
+  EXPECT_LT(rank0_seconds.load(), 10.0);
+  EXPECT_LT(rank1_seconds.load(), 10.0) << errors[1];
 }
 
 TEST(GlooCommunicator, RendezvousTimeoutNamesMissingRank) {

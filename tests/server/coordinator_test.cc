@@ -281,6 +281,76 @@ TEST_F(CoordinatorTest, DeadWorkerIsFencedAndJobRestartsThenFails) {
       << job.reason();
 }
 
+// A worker resends every reliable report its last stream did not acknowledge, so the handlers
+// see repeats: each is acknowledged (with the recovery point for a checkpoint), a repeat changes
+// nothing, and a report from an attempt that has ended is ignored.
+TEST_F(CoordinatorTest, ReliableReportsAreAckedAndRepeatsAreHarmless) {
+  std::string id = Submit(kSpec2);  // max_restarts 1
+  Worker a = Join("a");
+  Worker b = Join("b");
+  ASSERT_TRUE(Progress(a, 25).ok());
+  ASSERT_TRUE(Progress(b, 25).ok());
+  auto report = [&](const Worker& w, uint64_t seq, int64_t step, int attempt) {
+    v1::WorkerMessage m;
+    m.set_seq(seq);
+    m.set_want_ack(true);
+    m.mutable_checkpoint()->set_step(step);
+    m.mutable_checkpoint()->set_job_id(id);
+    m.mutable_checkpoint()->set_attempt(attempt);
+    return Send(w, m);
+  };
+  ASSERT_TRUE(report(a, 7, 20, 0).ok());
+  ASSERT_TRUE(report(a, 8, 10, 0).ok());  // an older one, resent late: never moves back
+  ASSERT_TRUE(report(b, 3, 20, 0).ok());  // rank 1's report is acknowledged, not kept
+  EXPECT_EQ(Get(id).progress().checkpoint_step(), 20);
+  auto acks = a.sink->Take(v1::CoordinatorMessage::kAck);
+  ASSERT_EQ(acks.size(), 2u);
+  EXPECT_EQ(acks[0].ack().seq(), 7u);
+  EXPECT_EQ(acks[0].ack().job_id(), id);
+  EXPECT_EQ(acks[0].ack().checkpoint_step(), 20);
+  EXPECT_EQ(acks[1].ack().seq(), 8u);
+  EXPECT_EQ(acks[1].ack().checkpoint_step(), 20);
+  acks = b.sink->Take(v1::CoordinatorMessage::kAck);
+  ASSERT_EQ(acks.size(), 1u);
+  EXPECT_EQ(acks[0].ack().checkpoint_step(), 20);
+
+  v1::WorkerMessage done;
+  done.set_want_ack(true);
+  done.mutable_finished()->set_success(true);
+  done.mutable_finished()->set_job_id(id);
+  done.mutable_finished()->set_attempt(0);
+  done.set_seq(9);
+  ASSERT_TRUE(Send(a, done).ok());
+  done.set_seq(10);
+  ASSERT_TRUE(Send(a, done).ok());  // the same Finished again: rank 1 has still not finished
+  EXPECT_EQ(Get(id).state(), v1::JOB_RUNNING);
+  EXPECT_EQ(a.sink->Take(v1::CoordinatorMessage::kAck).size(), 4u);
+
+  // b dies; the job restarts (attempt 1) on a and a new b. Attempt 0's reports, resent now,
+  // are acknowledged and ignored.
+  clock.now += 600;
+  ASSERT_TRUE(Heartbeat(a).ok());
+  clock.now += 600;
+  coordinator->Tick();
+  Worker b2 = Join("b");
+  ASSERT_EQ(Get(id).attempt(), 1);
+  ASSERT_EQ(Get(id).state(), v1::JOB_SCHEDULED);
+  ASSERT_TRUE(report(a, 11, 30, 0).ok());
+  EXPECT_EQ(Get(id).progress().checkpoint_step(), 20);
+  done.set_seq(12);
+  ASSERT_TRUE(Send(a, done).ok());
+  v1::WorkerMessage done_b = done;
+  ASSERT_TRUE(Send(b2, done_b).ok());
+  EXPECT_EQ(Get(id).state(), v1::JOB_SCHEDULED) << Get(id).reason();
+  // The current attempt's reports count.
+  ASSERT_TRUE(report(a, 13, 30, 1).ok());
+  EXPECT_EQ(Get(id).progress().checkpoint_step(), 30);
+  done.mutable_finished()->set_attempt(1);
+  ASSERT_TRUE(Send(a, done).ok());
+  ASSERT_TRUE(Send(b2, done).ok());
+  EXPECT_EQ(Get(id).state(), v1::JOB_SUCCEEDED);
+}
+
 TEST_F(CoordinatorTest, ReRegistrationFencesTheOldGeneration) {
   Worker a1 = Join("a");
   // While a1's session is live, a second process under the name is refused (issue #13 item 7:

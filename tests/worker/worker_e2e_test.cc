@@ -121,8 +121,10 @@ TEST_F(WorkerE2ETest, TwoWorkersFinishATinyJobWithEqualChecksums) {
   }
   EXPECT_EQ(matrices, 2 + 2 * 7) << Everything(job);  // tok_emb, lm_head, 7 per block
   // Each worker wrote its own checkpoint of the final state.
-  EXPECT_TRUE(std::filesystem::exists(workers_[0]->data_dir() + "/ckpt/" + job.id() + "/w0.ckpt"));
-  EXPECT_TRUE(std::filesystem::exists(workers_[1]->data_dir() + "/ckpt/" + job.id() + "/w1.ckpt"));
+  EXPECT_TRUE(
+      std::filesystem::exists(workers_[0]->data_dir() + "/ckpt/" + job.id() + "/w0.30.ckpt"));
+  EXPECT_TRUE(
+      std::filesystem::exists(workers_[1]->data_dir() + "/ckpt/" + job.id() + "/w1.30.ckpt"));
   // /metrics in Prometheus text format with the per-layer series.
   const std::string m = Scrape(workers_[0]->MetricsPort());
   EXPECT_NE(m.find("geofp8_worker_step{job_id=\"" + job.id() + "\"} 29"), std::string::npos) << m;

@@ -46,6 +46,33 @@ absl::StatusOr<model::ModelConfig> ModelConfigFor(const JobSpec& spec) {
   return *mc;
 }
 
+std::string CheckpointFile(const std::string& dir, const std::string& worker_name, int64_t step) {
+  return (std::filesystem::path(dir) / (worker_name + "." + std::to_string(step) + ".ckpt"))
+      .string();
+}
+
+int PruneCheckpoints(const std::string& dir, const std::string& worker_name,
+                     const std::function<bool(int64_t step)>& remove) {
+  const std::string prefix = worker_name + ".", suffix = ".ckpt";
+  int removed = 0;
+  std::error_code ec;
+  for (const auto& entry : std::filesystem::directory_iterator(dir, ec)) {
+    const std::string f = entry.path().filename().string();
+    if (f.size() <= prefix.size() + suffix.size() || f.compare(0, prefix.size(), prefix) != 0 ||
+        f.compare(f.size() - suffix.size(), suffix.size(), suffix) != 0) {
+      continue;
+    }
+    const std::string digits =
+        f.substr(prefix.size(), f.size() - prefix.size() - suffix.size());
+    if (digits.empty() || digits.size() > 18 ||
+        digits.find_first_not_of("0123456789") != std::string::npos) {
+      continue;
+    }
+    if (remove(std::stoll(digits)) && std::filesystem::remove(entry.path(), ec)) ++removed;
+  }
+  return removed;
+}
+
 namespace {
 
 std::string Hex(uint64_t v) {
@@ -92,12 +119,16 @@ struct JobRunner::Impl {
   std::vector<LayerPolicy> layer_policies;  // of the version in force (for metrics and probes)
   std::vector<RefreshSchedule> schedule;    // of the version in force; empty: no geometry
   v1::Policy policy;  // in force
-  std::string checkpoint_path;  // empty: checkpoints off
+  std::string checkpoint_dir;  // <checkpoint.dir>/<job id>; empty: checkpoints off
   double last_step_seconds = 0;
   int rank = 0, world = 1, seq = 0;
   double tokens_per_second = 0;
 
   explicit Impl(JobRunner& runner) : r(runner), a(runner.assignment_) {}
+  ~Impl() {
+    std::lock_guard<std::mutex> lock(r.mu_);
+    r.comm_ = nullptr;  // before comm goes: the watchdog must not abort a destroyed communicator
+  }
 
   void Send(v1::WorkerMessage m, bool reliable) { r.send_(std::move(m), reliable); }
 
@@ -227,7 +258,7 @@ struct JobRunner::Impl {
     Send(std::move(ack), false);
   }
 
-  std::string ResolveCheckpointPath() const {
+  std::string ResolveCheckpointDir() const {
     if (spec.checkpoint.dir.empty() || spec.checkpoint.every <= 0) return "";
     // The spec was validated by the coordinator and again by ParseJobSpec here; this is the
     // last check before writing, so a spec can never make a worker write outside --data-dir.
@@ -239,7 +270,11 @@ struct JobRunner::Impl {
     std::error_code ec;
     std::filesystem::create_directories(dir, ec);
     GEOFP8_CHECK(!ec, "checkpoint.dir: cannot create ", dir.string(), ": ", ec.message());
-    return (dir / (r.options_.worker_name + ".ckpt")).string();
+    return dir.string();
+  }
+
+  std::string CheckpointPath(int64_t step) const {
+    return CheckpointFile(checkpoint_dir, r.options_.worker_name, step);
   }
 
   std::string Fingerprint() const {
@@ -255,14 +290,16 @@ struct JobRunner::Impl {
   void SaveCheckpoint(int64_t next_step) {
     train::Checkpoint c = trainer->MakeCheckpoint(next_step);
     c.fingerprint = Fingerprint();
-    train::SaveCheckpoint(checkpoint_path, c);
+    train::SaveCheckpoint(CheckpointPath(next_step), c);
     if (r.metrics_) r.metrics_->Checkpoint(next_step);
-    if (rank == 0) {
-      v1::WorkerMessage m;
-      m.mutable_checkpoint()->set_step(next_step);
-      m.mutable_checkpoint()->set_path(checkpoint_path);
-      Send(std::move(m), true);
-    }
+    // Every rank reports: rank 0's report moves the job's recovery point, and the Ack to each
+    // rank says where that point is, below which the rank deletes its older files.
+    v1::WorkerMessage m;
+    m.mutable_checkpoint()->set_step(next_step);
+    m.mutable_checkpoint()->set_path(CheckpointPath(next_step));
+    m.mutable_checkpoint()->set_job_id(a.job_id());
+    m.mutable_checkpoint()->set_attempt(a.attempt());
+    Send(std::move(m), true);
   }
 
   // Resumes at a.resume_step(): any rank whose own checkpoint is at that step broadcasts it
@@ -272,18 +309,26 @@ struct JobRunner::Impl {
   void Restore(int64_t resume_step) {
     bool have = false;
     train::Checkpoint c;
-    if (!checkpoint_path.empty() && std::filesystem::exists(checkpoint_path)) {
+    const std::string path = checkpoint_dir.empty() ? "" : CheckpointPath(resume_step);
+    if (!path.empty() && std::filesystem::exists(path)) {
       try {
-        c = train::LoadCheckpoint(checkpoint_path);
+        c = train::LoadCheckpoint(path);
         have = c.next_step == resume_step && c.fingerprint == Fingerprint() &&
                c.weights.size() == trainer->model().weights().size();
       } catch (const std::exception& e) {
-        Log("job " + a.job_id() + ": ignoring checkpoint " + checkpoint_path + ": " + e.what());
+        Log("job " + a.job_id() + ": ignoring checkpoint " + path + ": " + e.what());
       }
+    }
+    // Steps past the resume point were trained by an attempt the coordinator gave up on (cut
+    // off, say): this attempt writes its own.
+    if (!checkpoint_dir.empty()) {
+      PruneCheckpoints(checkpoint_dir, r.options_.worker_name, [&](int64_t s) {
+        return s > resume_step;
+      });
     }
     const uint32_t holder = comm->MaxReduce(have ? uint32_t(rank + 1) : 0u);
     GEOFP8_CHECK(holder > 0, "resume: no rank holds a checkpoint at step ", resume_step,
-                 " (looked for ", checkpoint_path.empty() ? "<checkpoints off>" : checkpoint_path,
+                 " (looked for ", path.empty() ? "<checkpoints off>" : path,
                  " on every worker)");
     const int root = int(holder) - 1;
     std::string bytes = rank == root ? train::SerializeCheckpoint(c) : std::string();
@@ -407,7 +452,11 @@ struct JobRunner::Impl {
     if (std::string err = train::ValidateTrainOptions(to); !err.empty()) {
       GEOFP8_FAIL("training: ", err);
     }
-    checkpoint_path = ResolveCheckpointPath();
+    checkpoint_dir = ResolveCheckpointDir();
+    {
+      std::lock_guard<std::mutex> lock(r.mu_);
+      r.checkpoint_dir_ = checkpoint_dir;
+    }
     LoadPolicyVersions();
 
     // Rendezvous through the coordinator, under this attempt's key prefix.
@@ -418,6 +467,11 @@ struct JobRunner::Impl {
     go.timeout = to.timeout;
     comm = CreateGlooCommunicator(*store, rank, world, go);
     comm->set_timeout(go.timeout);
+    {
+      std::lock_guard<std::mutex> lock(r.mu_);
+      r.comm_ = comm.get();
+    }
+    r.cv_.notify_all();
     Log("job " + a.job_id() + " attempt " + std::to_string(a.attempt()) + ": rank " +
         std::to_string(rank) + "/" + std::to_string(world) + " connected over gloo");
 
@@ -535,7 +589,7 @@ struct JobRunner::Impl {
         const uint64_t checksum = trainer->VerifyChecksum(step);
         if (last) out.checksum = checksum;
       }
-      if (!checkpoint_path.empty() && (last || (step + 1) % spec.checkpoint.every == 0)) {
+      if (!checkpoint_dir.empty() && (last || (step + 1) % spec.checkpoint.every == 0)) {
         SaveCheckpoint(step + 1);
       }
       if (r.options_.debug_step_delay.count() > 0) {
@@ -572,13 +626,36 @@ void JobRunner::Start() {
     {
       std::lock_guard<std::mutex> lock(mu_);
       outcome_ = o;
+      done_ = true;
     }
-    done_ = true;
+    cv_.notify_all();
   });
+  watchdog_ = std::thread([this] { Watchdog(); });
 }
 
 void JobRunner::Join() {
   if (thread_.joinable()) thread_.join();
+  if (watchdog_.joinable()) watchdog_.join();
+}
+
+// A Stop is honoured at the next step boundary, where the ranks agree on it (Control). A rank
+// whose peer hangs never gets there: it waits inside a collective. After stop_abort_after the
+// communicator is aborted, which ends that collective now and closes the connections, so the
+// peers that are alive leave theirs too.
+void JobRunner::Watchdog() {
+  std::unique_lock<std::mutex> lock(mu_);
+  cv_.wait(lock, [&] { return done_.load() || !stop_reason_.empty(); });
+  if (cv_.wait_for(lock, options_.stop_abort_after, [&] { return done_.load(); })) return;
+  // A stop during the rendezvous aborts the communicator as soon as it exists.
+  cv_.wait(lock, [&] { return done_.load() || comm_ != nullptr; });
+  if (done_.load()) return;
+  Log("job " + assignment_.job_id() + " rank " + std::to_string(assignment_.rank()) +
+      ": not at a step boundary " + std::to_string(options_.stop_abort_after.count()) +
+      " ms after the stop; aborting its collectives");
+  if (!comm_->Abort("stop: " + stop_reason_)) {
+    Log("job " + assignment_.job_id() + ": backend " + std::string(comm_->backend()) +
+        " cannot abort; the collective ends at exchange.timeout_s");
+  }
 }
 
 JobOutcome JobRunner::outcome() const {
@@ -616,6 +693,20 @@ void JobRunner::OfferRefresh(const v1::RefreshSchedules& refresh) {
     initial_schedule_version_ = refresh.policy_version();
   }
   cv_.notify_all();
+}
+
+void JobRunner::OnCheckpointAcknowledged(int64_t recovery_step) {
+  std::string dir;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    if (recovery_step <= acknowledged_checkpoint_) return;
+    acknowledged_checkpoint_ = recovery_step;
+    dir = checkpoint_dir_;
+  }
+  // No restart of this job resumes before the recovery point the coordinator has persisted.
+  if (!dir.empty()) {
+    PruneCheckpoints(dir, options_.worker_name, [&](int64_t s) { return s < recovery_step; });
+  }
 }
 
 void JobRunner::RequestStop(const std::string& reason) {
@@ -666,6 +757,8 @@ JobOutcome JobRunner::Run() {
     v1::WorkerMessage m;
     m.mutable_finished()->set_success(out.success);
     m.mutable_finished()->set_reason(out.reason);
+    m.mutable_finished()->set_job_id(assignment_.job_id());
+    m.mutable_finished()->set_attempt(assignment_.attempt());
     send_(std::move(m), true);
   }
   Log("job " + assignment_.job_id() + " attempt " + std::to_string(assignment_.attempt()) +

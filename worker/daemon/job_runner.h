@@ -16,6 +16,7 @@
 #include <vector>
 
 #include "geofp8/v1/geofp8.pb.h"
+#include "kernels/exchange/communicator.h"
 #include "kernels/exchange/policy.h"
 #include "kernels/model/model.h"
 #include "kernels/policy/job_spec.h"
@@ -36,6 +37,10 @@ struct JobRunnerOptions {
   // before reporting the failure: a dead peer makes the attempt restartable, and only the
   // coordinator can tell (heartbeat timeout). The daemon sets it from the heartbeat timeout.
   std::chrono::milliseconds peer_failure_grace{15000};
+  // After a Stop, how long the rank may take to reach its next step boundary, where all ranks
+  // stop together, before its communicator is aborted: a peer that hangs (stopped, partitioned)
+  // would otherwise hold it in a collective until exchange.timeout_s.
+  std::chrono::milliseconds stop_abort_after{1000};
   // Tests: sleep this long after every step (to make a live policy change land mid-run).
   std::chrono::milliseconds debug_step_delay{0};
   // Fault injection: hold each policy version this long before the rank sees it, as a slow
@@ -68,6 +73,10 @@ class JobRunner {
   void OfferPolicy(const v1::Policy& policy);
   void OfferRefresh(const v1::RefreshSchedules& refresh);
   void RequestStop(const std::string& reason);
+  // The coordinator has persisted `recovery_step` as the job's recovery point (the Ack of a
+  // checkpoint report): no restart resumes before it, so older checkpoints are deleted. Also
+  // after the rank has ended.
+  void OnCheckpointAcknowledged(int64_t recovery_step);
 
   bool done() const { return done_.load(); }
   void Join();
@@ -77,6 +86,7 @@ class JobRunner {
  private:
   struct Impl;
   JobOutcome Run();
+  void Watchdog();
 
   std::shared_ptr<Connection> connection_;
   v1::Assignment assignment_;
@@ -94,10 +104,23 @@ class JobRunner {
   std::atomic<int64_t> started_step_{-1};  // index of the step running or last run
   std::atomic<uint64_t> version_in_force_{0};
 
-  std::atomic<bool> done_{false};
+  Communicator* comm_ = nullptr;   // the attempt's, while it exists (for the abort watchdog)
+  std::string checkpoint_dir_;     // empty: checkpoints off (or not resolved yet)
+  int64_t acknowledged_checkpoint_ = 0;
+
+  std::atomic<bool> done_{false};  // set under mu_, with cv_ notified
   JobOutcome outcome_;
   std::thread thread_;
+  std::thread watchdog_;  // aborts comm_ once a Stop has waited stop_abort_after
 };
+
+// One checkpoint file per step, <dir>/<worker name>.<step>.ckpt: a rank keeps every step from
+// the job's acknowledged recovery point on, so whichever step the coordinator resumes from
+// after an outage is still on disk, however far the rank trained meanwhile.
+std::string CheckpointFile(const std::string& dir, const std::string& worker_name, int64_t step);
+// Deletes this worker's checkpoint files in `dir` whose step `remove` selects; returns how many.
+int PruneCheckpoints(const std::string& dir, const std::string& worker_name,
+                     const std::function<bool(int64_t step)>& remove);
 
 // Converts the job spec to the model's shape (preset, with seq widened to training.seq_len);
 // errors name the spec field.

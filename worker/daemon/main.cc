@@ -108,6 +108,11 @@ int main(int argc, char** argv) {
                  "Fault injection: hold each policy version this long before applying it")
       ->check(CLI::NonNegativeNumber)
       ->group("");
+  app.add_option("--debug-break-stream-on", o.session.debug_break_stream_on,
+                 "Fault injection: lose the first reliable message of this kind on the wire and "
+                 "break the session stream")
+      ->check(CLI::IsMember({"finished", "checkpoint"}))
+      ->group("");
   try {
     app.parse(argc, argv);
   } catch (const CLI::ParseError& e) {

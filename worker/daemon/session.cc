@@ -58,6 +58,7 @@ bool SessionClient::Send(v1::WorkerMessage message, bool reliable) {
     message.set_worker_id(worker_id_);
     message.set_generation(generation_.load());
     message.set_seq(++seq_);
+    message.set_want_ack(reliable);
     if (connected_.load()) stream = stream_.get();
     if (!stream) {
       if (reliable) {
@@ -67,10 +68,20 @@ bool SessionClient::Send(v1::WorkerMessage message, bool reliable) {
       }
       return false;
     }
+    // Kept before the write: the Ack may come back before Write returns.
+    if (reliable) unacked_.push_back(message);
+    if (reliable && !debug_broke_ && !options_.debug_break_stream_on.empty() &&
+        ((options_.debug_break_stream_on == "finished" && message.has_finished()) ||
+         (options_.debug_break_stream_on == "checkpoint" && message.has_checkpoint()))) {
+      debug_broke_ = true;
+      Log("debug: losing this " + options_.debug_break_stream_on +
+          " message on the wire and breaking the stream");
+      if (context_) context_->TryCancel();
+      return true;
+    }
   }
   if (!stream->Write(message)) {
-    std::lock_guard<std::mutex> lock(mu_);
-    if (reliable) unsent_.push_back(std::move(message));
+    // A reliable message stays in unacked_ and goes out again on the next stream.
     ++counters_.send_failures;
     return false;
   }
@@ -115,6 +126,7 @@ bool SessionClient::Register(std::string* error) {
     if (resp.heartbeat_interval_ms() > 0) heartbeat_interval_ = milliseconds(resp.heartbeat_interval_ms());
     if (resp.heartbeat_timeout_ms() > 0) heartbeat_timeout_ms_ = resp.heartbeat_timeout_ms();
     unsent_.clear();  // they belonged to the previous generation
+    unacked_.clear();
   }
   ++counters_.registrations;
   Log("registered with " + connection_->address() + " as " + resp.worker_id() + " generation " +
@@ -125,6 +137,11 @@ bool SessionClient::Register(std::string* error) {
 
 grpc::Status SessionClient::RunStream() {
   auto ctx = connection_->Context(milliseconds(0));
+  // While the coordinator is down, the channel retries the connection on its own backoff and
+  // fails calls fast in between; a session opened then would wait for our next try as well, up
+  // to twice the backoff. Waiting for the channel instead opens the stream as soon as the
+  // coordinator is back. Stop() cancels the wait.
+  ctx->set_wait_for_ready(true);
   {
     std::lock_guard<std::mutex> lock(mu_);
     if (stop_) return grpc::Status(grpc::StatusCode::CANCELLED, "stopping");
@@ -150,9 +167,18 @@ grpc::Status SessionClient::RunStream() {
       stream_ = std::move(stream);
       connected_ = true;
       backlog.swap(unsent_);
-      // Reliable messages queued while disconnected go out first, in order.
+      // Reliable messages not acknowledged on the last stream, or queued while disconnected, go
+      // out first, in order. They stay unacknowledged until the coordinator says otherwise.
       for (auto& m : backlog) {
         m.set_seq(++seq_);
+        unacked_.push_back(m);
+      }
+      if (!backlog.empty()) {
+        counters_.resent += backlog.size();
+        Log("resending " + std::to_string(backlog.size()) +
+            " reliable message(s) not acknowledged before the stream reopened");
+      }
+      for (const auto& m : backlog) {
         if (!stream_->Write(m)) break;
       }
     }
@@ -168,7 +194,17 @@ grpc::Status SessionClient::RunStream() {
       if (!s->Read(&message)) break;
       if (message.has_ack()) {
         ++counters_.acks;
-        continue;
+        {
+          std::lock_guard<std::mutex> lock(mu_);
+          for (auto it = unacked_.begin(); it != unacked_.end(); ++it) {
+            if (it->seq() == message.ack().seq()) {
+              unacked_.erase(it);
+              break;
+            }
+          }
+        }
+        // A checkpoint's Ack carries the job's recovery point, for the rank to prune.
+        if (message.ack().job_id().empty()) continue;
       }
       if (events_.on_message) events_.on_message(message);
     }
@@ -176,6 +212,10 @@ grpc::Status SessionClient::RunStream() {
     std::lock_guard<std::mutex> lock(mu_);
     connected_ = false;
     stream = std::move(stream_);
+    // What this stream never acknowledged may not have arrived: it goes first on the next one.
+    unsent_.insert(unsent_.begin(), std::make_move_iterator(unacked_.begin()),
+                   std::make_move_iterator(unacked_.end()));
+    unacked_.clear();
   }
   grpc::Status status = stream->Finish();
   std::lock_guard<std::mutex> lock(mu_);

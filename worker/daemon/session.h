@@ -25,8 +25,14 @@ struct SessionOptions {
   std::string device = "cpu";
   uint64_t memory_bytes = 0;
   std::chrono::milliseconds backoff_initial{200};  // first reconnect delay, doubled per failure
-  std::chrono::milliseconds backoff_max{5000};
+  // At most this long between tries: a coordinator back from an outage sees its workers, and
+  // resumes their jobs, within it (the recovery target is 5 s after it returns).
+  std::chrono::milliseconds backoff_max{2000};
   std::chrono::milliseconds rpc_timeout{10000};    // Register's deadline
+  // Fault injection (tests): the first reliable message of this kind ("finished", "checkpoint")
+  // is lost on the wire: kept as unacknowledged but never written, and the stream is cancelled,
+  // as a connection that breaks right after a write would. Empty: never.
+  std::string debug_break_stream_on;
 };
 
 struct SessionEvents {
@@ -46,6 +52,7 @@ struct SessionCounters {
   std::atomic<uint64_t> heartbeats_sent{0};
   std::atomic<uint64_t> acks{0};
   std::atomic<uint64_t> send_failures{0};    // messages dropped with no stream open
+  std::atomic<uint64_t> resent{0};           // reliable messages written again on a new stream
   std::atomic<uint64_t> generations_lost{0};
 };
 
@@ -60,9 +67,11 @@ class SessionClient {
   // Ends the stream and joins the threads. Idempotent.
   void Stop();
 
-  // Sends with this session's worker id, generation and the next seq. With `reliable`, a message
-  // that finds no open stream is kept and sent once a stream with the same generation reopens
-  // (dropped if the generation is lost); otherwise it is dropped and false returned.
+  // Sends with this session's worker id, generation and the next seq. A `reliable` message asks
+  // for the coordinator's Ack and is kept until it comes: one that finds no open stream, or whose
+  // stream breaks before the Ack, is written again when a stream with the same generation
+  // reopens (dropped if the generation is lost: the coordinator has failed its attempt). Others
+  // are dropped with no stream open, and false returned.
   bool Send(v1::WorkerMessage message, bool reliable = false);
 
   bool connected() const { return connected_.load(); }
@@ -105,7 +114,9 @@ class SessionClient {
   grpc::ClientContext* context_ = nullptr;  // of the open stream, for cancellation
   std::unique_ptr<grpc::ClientReaderWriter<v1::WorkerMessage, v1::CoordinatorMessage>> stream_;
   std::mutex write_mu_;  // one writer at a time on the stream
-  std::deque<v1::WorkerMessage> unsent_;  // reliable messages waiting for a stream
+  std::deque<v1::WorkerMessage> unsent_;   // reliable messages waiting for a stream
+  std::deque<v1::WorkerMessage> unacked_;  // reliable messages written to the open stream
+  bool debug_broke_ = false;               // debug_break_stream_on has fired
 
   std::thread thread_;
   std::thread heartbeat_;

@@ -113,6 +113,12 @@ void Worker::OnMessage(const v1::CoordinatorMessage& message) {
         runner_->OfferRefresh(message.refresh());
       }
       return;
+    case v1::CoordinatorMessage::kAck:
+      // The last rank's, even once it has ended: its final checkpoint's Ack comes after.
+      if (runner_ && runner_->assignment().job_id() == message.ack().job_id()) {
+        runner_->OnCheckpointAcknowledged(message.ack().checkpoint_step());
+      }
+      return;
     case v1::CoordinatorMessage::kStop: {
       const v1::Stop& s = message.stop();
       if (pending_ && (s.job_id().empty() || s.job_id() == pending_->job_id())) pending_.reset();
