@@ -13,6 +13,11 @@
 #include "kernels/exchange/fingerprint.h"
 
 namespace geofp8 {
+namespace {
+// Buckets that share one pipeline run: each has its own non-finite flag bit in the 64-bit word
+// the ranks reduce after the data has moved.
+constexpr size_t kBucketsPerRun = 64;
+}  // namespace
 
 std::string ValidateLayerPolicy(const LayerSpec& layer) {
   std::ostringstream os;
@@ -191,8 +196,8 @@ StepResult Exchanger::Exchange(uint64_t step, std::vector<std::span<float>> grad
   auto& pending = steps_[step];
   pending.start = std::chrono::steady_clock::now();
   pending.grads = grads;
-  for (size_t first = 0; first < buckets_.size(); first += 64) {
-    const size_t last = std::min(buckets_.size(), first + 64);
+  for (size_t first = 0; first < buckets_.size(); first += kBucketsPerRun) {
+    const size_t last = std::min(buckets_.size(), first + kBucketsPerRun);
     auto promises = std::make_shared<std::vector<std::promise<BucketResult>>>(last - first);
     for (auto& p : *promises) pending.futures.push_back(p.get_future().share());
     Enqueue([this, step, first, last, grads, promises] {
@@ -333,7 +338,7 @@ std::vector<BucketResult> Exchanger::RunBuckets(uint64_t step, size_t first, siz
                                                 const std::vector<std::span<float>>& grads) {
   const auto start = std::chrono::steady_clock::now();
   const uint64_t bytes_before = comm_.stats().bytes_sent;
-  GEOFP8_CHECK(first < last && last <= buckets_.size() && last - first <= 64,
+  GEOFP8_CHECK(first < last && last <= buckets_.size() && last - first <= kBucketsPerRun,
                "exchange: bucket range [", first, ", ", last, ") is invalid");
   std::vector<BucketFingerprint> prints;
   // The algorithms divide by N as they read each chunk (the sum is then the average and cannot

@@ -57,7 +57,7 @@ struct TrainingSpec {
   double lr = 3e-4;      // peak learning rate
   double weight_decay = 0.0;
   int64_t warmup_steps = 0;         // linear warm-up, < steps
-  std::string optimizer = "adamw";  // "adamw" or "sgd"
+  std::string optimizer = "adamw";  // "adamw" (the only optimizer the trainer implements)
   double grad_clip = 1.0;           // global norm clip; 0 = off
   uint64_t seed = 0;
 };

@@ -39,7 +39,7 @@ backend: nccl
 model: {preset: llama-small}
 data: {source: file, path: data/x.txt, seed: 3}
 training: {steps: 500, batch_size: 4, seq_len: 32, lr: 0.01, weight_decay: 0.1,
-           warmup_steps: 10, optimizer: sgd, grad_clip: 0.5, seed: 9}
+           warmup_steps: 10, optimizer: adamw, grad_clip: 0.5, seed: 9}
 exchange: {algorithm: native, bucket_mb: 4, timeout_s: 30}
 policy:
   default: {format: nvfp4, scaling: tensor, block: 64, rounding: stochastic,
@@ -57,7 +57,11 @@ restarts: {max_restarts: 0}
   ASSERT_TRUE(spec.ok()) << spec.status();
   EXPECT_EQ(spec->world_size, 4);
   EXPECT_EQ(spec->data.path, "data/x.txt");
-  EXPECT_EQ(spec->training.optimizer, "sgd");
+  EXPECT_EQ(spec->training.optimizer, "adamw");
+  // sgd used to be accepted here and refused by every worker at run time.
+  EXPECT_NE(ErrorOf("name: a\ntraining: {optimizer: sgd}\n")
+                .find("line 2: spec.training.optimizer: unknown value (sgd); accepted: adamw"),
+            std::string::npos);
   EXPECT_DOUBLE_EQ(spec->training.lr, 0.01);
   EXPECT_EQ(spec->exchange.algorithm, Algorithm::kNative);
   EXPECT_EQ(spec->policy.defaults.format, Format::kNvfp4);

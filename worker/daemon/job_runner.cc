@@ -32,6 +32,12 @@ namespace geofp8::worker {
 using Clock = std::chrono::steady_clock;
 using std::chrono::milliseconds;
 
+// The cosine schedule ends at this fraction of the peak learning rate (geofp8-train's defaults:
+// 3e-3 -> 3e-4).
+constexpr float kMinLrFraction = 0.1f;
+// Reported tokens/s is an EMA over steps with this decay (about 5 steps of memory).
+constexpr double kThroughputDecay = 0.8;
+
 absl::StatusOr<model::ModelConfig> ModelConfigFor(const JobSpec& spec) {
   std::optional<model::ModelConfig> mc = model::PresetConfig(spec.model.preset);
   if (!mc) {
@@ -389,15 +395,17 @@ struct JobRunner::Impl {
     if (probes->probes_size() > 0) Send(std::move(m), false);
   }
 
-  // Returns the control decision agreed by all ranks: 0 run, 1 stop, 2 abort (a rank failed).
-  uint32_t Control(int64_t step) {
-    uint32_t mine = 0;
+  // The decision every rank takes at a step boundary, agreed by a max-reduction: the most
+  // severe wish of any rank wins.
+  enum ControlWord : uint32_t { kRun = 0, kStop = 1, kAbort = 2 /* a rank failed */ };
+  ControlWord Control(int64_t step) {
+    uint32_t mine = kRun;
     {
       std::lock_guard<std::mutex> lock(r.mu_);
-      if (!r.stop_reason_.empty()) mine = 1;
-      if (!r.late_policy_error_.empty()) mine = 2;
+      if (!r.stop_reason_.empty()) mine = kStop;
+      if (!r.late_policy_error_.empty()) mine = kAbort;
     }
-    return comm->MaxReduce(mine);
+    return ControlWord(comm->MaxReduce(mine));
   }
 
   JobOutcome Run() {
@@ -423,7 +431,7 @@ struct JobRunner::Impl {
     train::TrainOptions to;
     to.model = model_config;
     to.optimizer.lr = float(spec.training.lr);
-    to.optimizer.min_lr = to.optimizer.lr * 0.1f;
+    to.optimizer.min_lr = to.optimizer.lr * kMinLrFraction;
     to.optimizer.warmup_steps = int(spec.training.warmup_steps);
     to.optimizer.total_steps = int(std::max<int64_t>(spec.training.steps, 1));
     to.optimizer.weight_decay = float(spec.training.weight_decay);
@@ -521,12 +529,12 @@ struct JobRunner::Impl {
         world > 1 ? 2.0 * (world - 1) / world * 4.0 * double(trainer->model().weights().size())
                   : 0.0;
     for (int64_t step = start; step < steps; ++step) {
-      const uint32_t control = Control(step);
-      if (control != 0) {
+      const ControlWord control = Control(step);
+      if (control != kRun) {
         std::lock_guard<std::mutex> lock(r.mu_);
-        if (control == 2 && !r.late_policy_error_.empty()) GEOFP8_FAIL(r.late_policy_error_);
+        if (control == kAbort && !r.late_policy_error_.empty()) GEOFP8_FAIL(r.late_policy_error_);
         out.stopped = true;
-        out.reason = control == 2 ? "aborted at step " + std::to_string(step) +
+        out.reason = control == kAbort ? "aborted at step " + std::to_string(step) +
                                         ": another rank failed"
                      : !r.stop_reason_.empty() ? "stopped at step " + std::to_string(step) + ": " +
                                                      r.stop_reason_
@@ -550,7 +558,9 @@ struct JobRunner::Impl {
       }
       last_step_seconds = rec.step_seconds;
       const double tps = rec.step_seconds > 0 ? double(rec.tokens) / rec.step_seconds : 0;
-      tokens_per_second = tokens_per_second == 0 ? tps : 0.8 * tokens_per_second + 0.2 * tps;
+      tokens_per_second = tokens_per_second == 0
+                              ? tps
+                              : kThroughputDecay * tokens_per_second + (1 - kThroughputDecay) * tps;
       GEOFP8_CHECK(std::isfinite(rec.loss) || rec.skipped, "loss is not finite at step ", step);
 
       if (r.metrics_) {

@@ -68,7 +68,10 @@ void Worker::StartRunner(const v1::Assignment& a) {
     return session_->Send(std::move(m), reliable);
   };
   JobRunnerOptions o = options_.job;
-  o.peer_failure_grace = session_->heartbeat_timeout() + std::chrono::milliseconds(3000);
+  // A peer's death reaches this rank as a failed collective; give the coordinator the heartbeat
+  // timeout to notice it too, plus a margin for the report and the Stop to travel.
+  constexpr std::chrono::milliseconds kStopTravelMargin{3000};
+  o.peer_failure_grace = session_->heartbeat_timeout() + kStopTravelMargin;
   runner_ = std::make_unique<JobRunner>(connection_, a, o, send, metrics_.get());
   runner_->Start();
 }
