@@ -4,8 +4,8 @@
 Usage: scripts/convergence_paired.py DIR [--baseline fp32] [--last 5] [--plot OUT.png]
        [--pairs geofp8:fp8,geonvfp4:nvfp4]
 
-DIR holds conv_<policy>_seed<N>.csv from geofp8-train --csv. Runs of one seed share the
-initialization, the data order and the held-out batches, so each policy is compared with the
+DIR holds conv_<policy>_seed<N>.csv (or .csv.gz) from geofp8-train --csv. Runs of one seed share
+the initialization, the data order and the held-out batches, so each policy is compared with the
 baseline *seed by seed*: d_s = metric(policy, s) - metric(baseline, s). The tables give the mean
 of d over seeds, its standard error sd(d)/sqrt(n), a 95% confidence interval from Student's t
 with n - 1 degrees of freedom, and how many seeds have d < 0.
@@ -19,6 +19,7 @@ Endpoints (fixed before the runs were read):
 import argparse
 import csv
 import glob
+import gzip
 import math
 import os
 import re
@@ -36,7 +37,8 @@ def t975(df):
 
 
 def load(path):
-    with open(path, newline="") as f:
+    opener = gzip.open if path.endswith(".gz") else open
+    with opener(path, "rt", newline="") as f:
         rows = [r for r in csv.DictReader(f) if None not in r.values() and r.get("step")]
     if not rows:
         sys.exit(f"convergence_paired.py: error: {path}: no rows")
@@ -48,7 +50,20 @@ def load(path):
     val = [(int(r["step"]), float(r["val_loss"])) for r in rows if r["val_loss"]]
     if not val:
         sys.exit(f"convergence_paired.py: error: {path}: no validation loss")
-    return {"steps": steps, "loss": loss, "val": val}
+    # --error-every rows: per 2-D layer, the exchange's rel_fro_error (err:) and the AdamW
+    # update's relative error (upd:); their geometric means over the weight matrices.
+    matrices = [k[4:] for k in rows[0] if k.startswith("err:") and "norm" not in k]
+    errors = {"err": [], "upd": []}
+    for r in rows:
+        for kind in errors:
+            vals = [float(r[f"{kind}:{m}"]) for m in matrices
+                    if r.get(f"{kind}:{m}") not in (None, "")]
+            vals = [v for v in vals if math.isfinite(v)]
+            if vals and min(vals) == 0:
+                errors[kind].append(0.0)  # an exact exchange (fp32)
+            elif vals:
+                errors[kind].append(math.exp(statistics.fmean(math.log(v) for v in vals)))
+    return {"steps": steps, "loss": loss, "val": val, "errors": errors}
 
 
 def endpoints(run, last):
@@ -86,8 +101,8 @@ def main():
     if args.last < 1:
         sys.exit(f"convergence_paired.py: error: --last: must be >= 1 ({args.last})")
     runs = {}  # policy -> seed -> run
-    for path in sorted(glob.glob(os.path.join(args.dir, "conv_*_seed*.csv"))):
-        m = re.fullmatch(r"conv_(.+)_seed(\d+)\.csv", os.path.basename(path))
+    for path in sorted(glob.glob(os.path.join(args.dir, "conv_*_seed*.csv*"))):
+        m = re.fullmatch(r"conv_(.+)_seed(\d+)\.csv(\.gz)?", os.path.basename(path))
         if m:
             runs.setdefault(m.group(1), {})[int(m.group(2))] = load(path)
     if args.baseline not in runs:
@@ -107,6 +122,21 @@ def main():
         cells = [f"{statistics.fmean(e[k] for e in ends[p].values()):.4f}" for k in names]
         print(f"| {p} | {len(ends[p])} | " + " | ".join(cells) + " |")
     print()
+
+    if any(r["errors"]["err"] for p in order for r in runs[p].values()):
+        print("Exchange and update error during training (--error-every rows: geometric mean over "
+              "the weight matrices, median over the measured steps, mean over seeds)")
+        print()
+        print("| policy | exchange rel_fro_error | AdamW update relative error |")
+        print("|---|---|---|")
+        for p in order:
+            cells = []
+            for kind in ("err", "upd"):
+                per_seed = [statistics.median(r["errors"][kind]) for r in runs[p].values()
+                            if r["errors"][kind]]
+                cells.append(f"{statistics.fmean(per_seed):.4g}" if per_seed else "-")
+            print(f"| {p} | {cells[0]} | {cells[1]} |")
+        print()
 
     def table(title, against):
         print(title)

@@ -14,9 +14,17 @@ class Error : public std::runtime_error {
   using std::runtime_error::runtime_error;
 };
 
+// A collective or its rendezvous could not complete: a peer vanished, closed its connections or
+// timed out, or the communicator was aborted. Not this rank's fault: a service lets the job's
+// coordinator judge (and restart) the attempt rather than fail it.
+class TransportError : public Error {
+ public:
+  using Error::Error;
+};
+
 namespace detail {
 
-template <typename... Args>
+template <typename E = Error, typename... Args>
 [[noreturn]] inline void ThrowError(const char* file, int line, const Args&... args) {
   std::ostringstream os;
   const char* base = file;
@@ -25,7 +33,7 @@ template <typename... Args>
   }
   os << base << ":" << line << ": ";
   (os << ... << args);
-  throw Error(os.str());
+  throw E(os.str());
 }
 
 }  // namespace detail
@@ -42,3 +50,6 @@ template <typename... Args>
 
 // GEOFP8_FAIL("message parts", ...): unconditional error (bad input reached the core).
 #define GEOFP8_FAIL(...) ::geofp8::detail::ThrowError(__FILE__, __LINE__, __VA_ARGS__)
+// GEOFP8_FAIL_TRANSPORT(...): the same, as a TransportError.
+#define GEOFP8_FAIL_TRANSPORT(...)                                                      \
+  ::geofp8::detail::ThrowError<::geofp8::TransportError>(__FILE__, __LINE__, __VA_ARGS__)

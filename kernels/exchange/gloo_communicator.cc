@@ -68,25 +68,28 @@ void SignalEveryPair(gloo::Context& context, const std::string& message) {
   }
 }
 
-// Runs one gloo call, converting whatever gloo throws into a one-line geofp8::Error.
+// Runs one gloo call, converting whatever it throws (gloo's exceptions, the rendezvous store's
+// errors) into a one-line geofp8::TransportError.
 template <typename Fn>
 void GlooCall(const char* op, int rank, bool* broken, Fn&& fn) {
-  GEOFP8_CHECK(!*broken, "gloo ", op, " on rank ", rank,
-               ": communicator is broken by an earlier failure");
+  if (*broken) {
+    GEOFP8_FAIL_TRANSPORT("gloo ", op, " on rank ", rank,
+                          ": communicator is broken by an earlier failure");
+  }
   try {
     fn();
-  } catch (const geofp8::Error&) {
+  } catch (const geofp8::TransportError&) {
     *broken = true;
     throw;
   } catch (const gloo::Exception& e) {
     *broken = true;
-    GEOFP8_FAIL("gloo ", op, " failed on rank ", rank, ": ", e.what());
+    GEOFP8_FAIL_TRANSPORT("gloo ", op, " failed on rank ", rank, ": ", e.what());
   } catch (const gloo::EnforceNotMet& e) {
     *broken = true;
-    GEOFP8_FAIL("gloo ", op, " failed on rank ", rank, ": ", e.what());
+    GEOFP8_FAIL_TRANSPORT("gloo ", op, " failed on rank ", rank, ": ", e.what());
   } catch (const std::exception& e) {
     *broken = true;
-    GEOFP8_FAIL("gloo ", op, " failed on rank ", rank, ": ", e.what());
+    GEOFP8_FAIL_TRANSPORT("gloo ", op, " failed on rank ", rank, ": ", e.what());
   }
 }
 
@@ -288,7 +291,7 @@ class GlooCommunicator final : public Communicator {
     if (aborted_.load()) {
       std::lock_guard<std::mutex> lock(abort_mu_);
       broken_ = true;
-      GEOFP8_FAIL("gloo ", op, " on rank ", rank(), ": aborted (", abort_reason_, ")");
+      GEOFP8_FAIL_TRANSPORT("gloo ", op, " on rank ", rank(), ": aborted (", abort_reason_, ")");
     }
     GlooCall(op, rank(), &broken_, std::forward<Fn>(fn));
   }

@@ -737,9 +737,15 @@ JobOutcome JobRunner::Run() {
            ? " from checkpoint step " + std::to_string(assignment_.resume_step())
            : std::string()));
   JobOutcome out;
+  bool transport = false;
   try {
-    Impl impl(*this);
-    out = impl.Run();
+    try {
+      Impl impl(*this);
+      out = impl.Run();
+    } catch (const TransportError&) {
+      transport = true;
+      throw;
+    }
   } catch (const std::exception& e) {
     out.success = false;
     out.reason = e.what();
@@ -747,9 +753,6 @@ JobOutcome JobRunner::Run() {
     // A collective that failed because a peer vanished is the coordinator's to judge: it
     // declares the peer dead and restarts the attempt from its checkpoint (a Stop reaches us).
     // Reporting the failure ourselves would make it final.
-    const bool transport = out.reason.find("gloo") != std::string::npos ||
-                           out.reason.find("timed out") != std::string::npos ||
-                           out.reason.find("timeout") != std::string::npos;
     if (transport && stop_reason_.empty()) {
       Log("job " + assignment_.job_id() + ": collective failed (" + out.reason +
           "); waiting up to " + std::to_string(options_.peer_failure_grace.count()) +
