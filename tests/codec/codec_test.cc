@@ -541,7 +541,9 @@ TEST(CodecSizes, OddSizesAndUnalignedBuffers) {
             ASSERT_EQ(acc[i + 1], base[i + 1] + out[i + 1]) << FormatName(f) << " n=" << n;
             ASSERT_TRUE(std::isfinite(out[i + 1]));
           }
-          if (n && f == Format::kFp32) EXPECT_EQ(out[1], x[0]);
+          if (n && f == Format::kFp32) {
+            EXPECT_EQ(out[1], x[0]);
+          }
         }
       }
     }

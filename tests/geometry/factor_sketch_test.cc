@@ -141,7 +141,7 @@ TEST(FactorSketch, TracksTheDenseEmaFactorsOverATrajectory) {
   bool first = true;
   for (int step = 0; step < 30; ++step) {
     const std::vector<float> G =
-        LowRankPlusNoise(U, V, {40, 32, 26 + step % 3, 22}, m, n, 1.0, 100 + step);
+        LowRankPlusNoise(U, V, {40, 32, 26.0 + step % 3, 22}, m, n, 1.0, 100 + step);
     UpdateFactorSketch(s, G, m, n, k, o);
     const double beta = first ? 0.0 : 0.8;
     first = false;
