@@ -171,13 +171,15 @@ def main():
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
         fig, axes = plt.subplots(1, 3, figsize=(17, 4.8))
+        palette = plt.rcParams["axes.prop_cycle"].by_key()["color"]
+        color = {p: palette[i % len(palette)] for i, p in enumerate(order)}  # same in every panel
         ax = axes[0]
         for p in order:
             seeds = sorted(runs[p])
             steps = [s for s, _ in runs[p][seeds[0]]["val"]]
             mean = [statistics.fmean(runs[p][s]["val"][i][1] for s in seeds)
                     for i in range(len(steps))]
-            ax.plot(steps, mean, label=f"{p} ({len(seeds)} seeds)")
+            ax.plot(steps, mean, label=f"{p} ({len(seeds)} seeds)", color=color[p])
         ax.set_xlabel("step")
         ax.set_ylabel("validation loss (mean over seeds)")
         ax.set_ylim(top=min(3.2, ax.get_ylim()[1]))
@@ -194,10 +196,9 @@ def main():
                 d = [runs[p][s]["val"][i][1] - runs[q][s]["val"][i][1] for s in shared]
                 means.append(statistics.fmean(d))
                 ses.append(statistics.stdev(d) / math.sqrt(len(d)) if len(d) > 1 else 0.0)
-            line, = ax.plot(steps, means, label=label)
+            ax.plot(steps, means, label=label, color=color[p])
             ax.fill_between(steps, [m - s for m, s in zip(means, ses)],
-                            [m + s for m, s in zip(means, ses)], color=line.get_color(),
-                            alpha=0.2)
+                            [m + s for m, s in zip(means, ses)], color=color[p], alpha=0.2)
 
         ax = axes[1]
         for p in order[1:]:
