@@ -9,9 +9,12 @@
 namespace geofp8::coordinator {
 std::string_view ProbeBasisName(v1::ProbeBasis basis) {
   switch (basis) {
-    case v1::PROBE_BASIS_DEPLOYED: return "deployed";
-    case v1::PROBE_BASIS_SHADOW: return "shadow";
-    default: return "unspecified";
+    case v1::PROBE_BASIS_DEPLOYED:
+      return "deployed";
+    case v1::PROBE_BASIS_SHADOW:
+      return "shadow";
+    default:
+      return "unspecified";
   }
 }
 
@@ -35,11 +38,10 @@ std::vector<AutoDecision> DecideAuto(const AutoPolicySpec& bounds, const Refresh
     if (!on && gain >= bounds.min_gain && cost <= bounds.max_cost_fraction) {
       patch.set_geometry(std::string(GeometryNameOf(bounds.geometry)));
       patch.set_rank(bounds.rank);
-      std::snprintf(buf, sizeof buf,
-                    "geometry %s on: gain %.3g >= %.3g (%s basis), cost %.3g <= %.3g",
-                    patch.geometry().c_str(), gain, bounds.min_gain,
-                    std::string(ProbeBasisName(probe.basis())).c_str(), cost,
-                    bounds.max_cost_fraction);
+      std::snprintf(
+          buf, sizeof buf, "geometry %s on: gain %.3g >= %.3g (%s basis), cost %.3g <= %.3g",
+          patch.geometry().c_str(), gain, bounds.min_gain,
+          std::string(ProbeBasisName(probe.basis())).c_str(), cost, bounds.max_cost_fraction);
       why.push_back(buf);
     } else if (on && (gain < bounds.off_gain || cost > bounds.max_cost_fraction)) {
       patch.set_geometry("none");

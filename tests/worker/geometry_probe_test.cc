@@ -22,9 +22,7 @@ constexpr int64_t kM = 48, kN = 40;
 
 // Layer 0: a kM x kN matrix; layer 1: a kN vector. A persistent rank-2 part plus a part that
 // changes every step, so bases estimated at different steps differ.
-std::vector<model::ParamInfo> Params() {
-  return {{"w", 0, kM, kN}, {"b", kM * kN, 1, kN}};
-}
+std::vector<model::ParamInfo> Params() { return {{"w", 0, kM, kN}, {"b", kM * kN, 1, kN}}; }
 
 std::vector<float> Gradient(uint64_t step) {
   std::vector<float> g(kM * kN + kN);

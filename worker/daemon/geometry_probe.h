@@ -29,13 +29,13 @@ namespace geofp8::worker {
 
 // Plain struct, from the job spec (auto_policy, geometry_refresh, training.seed).
 struct ProbeSettings {
-  int probe_every = 50;                                     // steps between probes (>= 1)
-  GeometryMode mode = GeometryMode::kLowRank;               // what "on" means
-  int rank = 16;                                            // k when on
+  int probe_every = 50;                        // steps between probes (>= 1)
+  GeometryMode mode = GeometryMode::kLowRank;  // what "on" means
+  int rank = 16;                               // k when on
   GeometryEstimator estimator = GeometryEstimator::kFactorEma;
-  FactorSketchOptions sketch;                               // ema: beta, width, probes, seed
-  int refresh_interval = 100;                               // instant: the deployed cadence
-  int power_iters = 1;                                      // instant: subspace iterations
+  FactorSketchOptions sketch;  // ema: beta, width, probes, seed
+  int refresh_interval = 100;  // instant: the deployed cadence
+  int power_iters = 1;         // instant: subspace iterations
   uint64_t seed = 0;
 };
 
@@ -43,9 +43,9 @@ struct ProbeSettings {
 enum class ProbeBasisKind : uint8_t { kDeployed, kShadow };
 
 struct LayerProbe {
-  uint32_t layer = 0;          // index into the parameters
-  double error_without = 0.0;  // rel_fro_error of one encode/decode in Euclidean coordinates
-  double error_with = 0.0;     // ... with the basis below
+  uint32_t layer = 0;              // index into the parameters
+  double error_without = 0.0;      // rel_fro_error of one encode/decode in Euclidean coordinates
+  double error_with = 0.0;         // ... with the basis below
   double transform_seconds = 0.0;  // forward + inverse transform
   ProbeBasisKind basis = ProbeBasisKind::kDeployed;
 };
@@ -87,8 +87,8 @@ class GeometryProbe {
   std::vector<model::ParamInfo> params_;
   ProbeSettings settings_;
   int window_ = 1, lag_ = 1;
-  std::vector<FactorSketch> sketches_;           // ema shadow, per layer
-  std::vector<std::vector<float>> snapshots_;    // instant shadow: the lagged averaged gradient
+  std::vector<FactorSketch> sketches_;         // ema shadow, per layer
+  std::vector<std::vector<float>> snapshots_;  // instant shadow: the lagged averaged gradient
 };
 
 }  // namespace geofp8::worker
