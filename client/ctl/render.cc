@@ -10,6 +10,7 @@
 #include <cstdio>
 #include <sstream>
 
+#include "kernels/policy/job_spec.h"
 #include "yaml-cpp/yaml.h"
 
 namespace geofp8::ctl {
@@ -37,6 +38,21 @@ std::string ProbeBasisLabel(v1::ProbeBasis basis) {
   std::transform(name.begin(), name.end(), name.begin(),
                  [](unsigned char c) { return static_cast<char>(std::tolower(c)); });
   return name.empty() ? "-" : name;
+}
+
+// Steps completed: progress.step is the index of the largest step any rank completed.
+int64_t StepsDone(const v1::Job& j) {
+  const auto& p = j.progress();
+  if (j.state() == v1::JOB_SUCCEEDED) return p.total_steps();
+  const int64_t done = j.state() == v1::JOB_RUNNING || p.step() > 0 ? p.step() + 1 : 0;
+  return p.total_steps() > 0 ? std::min(done, p.total_steps()) : done;
+}
+
+// "off" when the job's spec writes no checkpoints, else the last durable checkpoint's step.
+std::string CheckpointText(const v1::Job& j) {
+  auto spec = ParseJobSpec(j.spec_yaml());
+  if (spec.ok() && (spec->checkpoint.every <= 0 || spec->checkpoint.dir.empty())) return "off";
+  return "step " + std::to_string(j.progress().checkpoint_step());
 }
 
 std::string Age(int64_t since_ms, int64_t now_ms) {
@@ -224,9 +240,9 @@ std::string DescribeJob(const v1::Job& j, const v1::Policy* policy, int64_t now_
   os << "World size:   " << j.world_size() << "\n"
      << "Attempt:      " << j.attempt() << "  (restarts " << j.restarts() << "/" << j.max_restarts()
      << ")\n"
-     << "Progress:     step " << pr.step() << "/" << pr.total_steps() << ", loss "
+     << "Progress:     step " << StepsDone(j) << "/" << pr.total_steps() << ", loss "
      << Fmt("%.4f", pr.loss()) << ", " << Fmt("%.0f", pr.tokens_per_second()) << " tok/s\n"
-     << "Checkpoint:   step " << pr.checkpoint_step() << "\n";
+     << "Checkpoint:   " << CheckpointText(j) << "\n";
   if (pr.bytes_baseline() > 0) {
     os << "Bytes:        sent " << Bytes(static_cast<double>(pr.bytes_sent())) << " of fp32 "
        << Bytes(static_cast<double>(pr.bytes_baseline())) << " (saved "
@@ -285,10 +301,11 @@ std::string DescribeJob(const v1::Job& j, const v1::Policy* policy, int64_t now_
 std::string ProgressLine(const v1::Job& job, double steps_per_second, int bar_width) {
   const auto& p = job.progress();
   const double total = static_cast<double>(std::max<int64_t>(p.total_steps(), 1));
-  const double frac = std::clamp(static_cast<double>(p.step()) / total, 0.0, 1.0);
+  const int64_t done = StepsDone(job);
+  const double frac = std::clamp(static_cast<double>(done) / total, 0.0, 1.0);
   const int filled = static_cast<int>(frac * bar_width + 0.5);
   std::string line = "[" + std::string(filled, '#') + std::string(bar_width - filled, '.') + "] ";
-  line += std::to_string(p.step()) + "/" + std::to_string(p.total_steps());
+  line += std::to_string(done) + "/" + std::to_string(p.total_steps());
   line += "  " + Fmt("%3.0f%%", 100 * frac);
   line += "  loss " + Fmt("%.4g", p.loss());
   const double tps = p.tokens_per_second();
@@ -301,7 +318,7 @@ std::string ProgressLine(const v1::Job& job, double steps_per_second, int bar_wi
   } else {
     line += "  saved -";
   }
-  const double remaining = static_cast<double>(p.total_steps() - p.step());
+  const double remaining = static_cast<double>(p.total_steps() - done);
   line +=
       "  ETA " + (steps_per_second > 0 ? Duration(remaining / steps_per_second) : std::string("-"));
   line += "  " + StateName(job.state());

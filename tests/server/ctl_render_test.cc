@@ -29,7 +29,7 @@ TEST(Render, ProgressLine) {
   v1::Job job;
   job.set_state(v1::JOB_RUNNING);
   auto* p = job.mutable_progress();
-  p->set_step(250);
+  p->set_step(249);  // the index of the last completed step: 250 done
   p->set_total_steps(1000);
   p->set_loss(3.25);
   p->set_tokens_per_second(12345);
@@ -45,6 +45,31 @@ TEST(Render, ProgressLine) {
   EXPECT_NE(line.find("ETA 2m30s"), std::string::npos) << line;  // 750 steps at 5 steps/s
   EXPECT_NE(line.find("RUNNING"), std::string::npos) << line;
   EXPECT_NE(ProgressLine(job, 0, 20).find("ETA -"), std::string::npos);
+  // A finished job shows every step done, not the last step's index.
+  job.set_state(v1::JOB_SUCCEEDED);
+  p->set_step(999);
+  EXPECT_NE(ProgressLine(job, 0, 20).find("1000/1000  100%"), std::string::npos)
+      << ProgressLine(job, 0, 20);
+  // Nothing reported yet: 0 done.
+  job.set_state(v1::JOB_PENDING);
+  p->set_step(0);
+  EXPECT_NE(ProgressLine(job, 0, 20).find("0/1000"), std::string::npos);
+}
+
+TEST(Render, DescribeShowsCheckpointsOffAndStepsDone) {
+  v1::Job job;
+  job.set_id("job-3");
+  job.set_state(v1::JOB_SUCCEEDED);
+  job.mutable_progress()->set_step(3999);
+  job.mutable_progress()->set_total_steps(4000);
+  job.set_spec_yaml("name: a\ntraining: {steps: 4000}\n");
+  std::string out = DescribeJob(job, nullptr, 0);
+  EXPECT_NE(out.find("Progress:     step 4000/4000"), std::string::npos) << out;
+  EXPECT_NE(out.find("Checkpoint:   off\n"), std::string::npos) << out;
+  job.set_spec_yaml("name: a\ntraining: {steps: 4000}\ncheckpoint: {dir: ckpt, every: 100}\n");
+  job.mutable_progress()->set_checkpoint_step(3900);
+  out = DescribeJob(job, nullptr, 0);
+  EXPECT_NE(out.find("Checkpoint:   step 3900\n"), std::string::npos) << out;
 }
 
 TEST(Render, JsonAndYamlCarryTheSameFields) {
