@@ -56,36 +56,37 @@ cleanup() {
 trap cleanup EXIT
 trap 'exit 130' INT TERM
 
-# Waits until FILE contains a line matching PATTERN (up to 30 s) and prints the match.
-wait_for_line() {
-  local file="$1" pattern="$2" pid="$3"
+# Waits (up to 30 s) for a daemon's --ready-file READY and prints its field KEY (grpc, metrics).
+wait_for_ready() {
+  local ready="$1" key="$2" pid="$3" log="$4"
   for _ in $(seq 300); do
-    if grep -q -- "$pattern" "$file" 2>/dev/null; then
-      grep -m1 -o -- "$pattern" "$file"
+    if [ -s "$ready" ]; then
+      python3 -c 'import json,sys; print(json.load(open(sys.argv[1]))[sys.argv[2]])' "$ready" "$key"
       return 0
     fi
-    kill -0 "$pid" 2>/dev/null || { echo "demo.sh: error: process exited; see $file" >&2; cat "$file" >&2; return 1; }
+    kill -0 "$pid" 2>/dev/null || { echo "demo.sh: error: process exited; see $log" >&2; cat "$log" >&2; return 1; }
     sleep 0.1
   done
-  echo "demo.sh: error: timed out waiting for '$pattern' in $file" >&2
+  echo "demo.sh: error: timed out waiting for $ready; see $log" >&2
   return 1
 }
 
 log "starting geofp8-coordinator (SQLite in $OUT/coordinator)"
+rm -f "$OUT"/*.ready.json
 "$COORDINATOR" --listen 127.0.0.1:0 --metrics-listen 127.0.0.1:0 --data-dir "$OUT/coordinator" \
-  --heartbeat-timeout-ms 5000 >"$OUT/coordinator.log" 2>&1 &
+  --heartbeat-timeout-ms 5000 --ready-file "$OUT/coordinator.ready.json" >"$OUT/coordinator.log" 2>&1 &
 PIDS+=($!)
-SERVER="$(wait_for_line "$OUT/coordinator.log" 'serving on [0-9.]*:[0-9]*' "${PIDS[0]}" | awk '{print $3}')"
-COORD_METRICS="$(wait_for_line "$OUT/coordinator.log" 'http://[0-9.]*:[0-9]*/metrics' "${PIDS[0]}")"
+SERVER="$(wait_for_ready "$OUT/coordinator.ready.json" grpc "${PIDS[0]}" "$OUT/coordinator.log")"
+COORD_METRICS="http://$(wait_for_ready "$OUT/coordinator.ready.json" metrics "${PIDS[0]}" "$OUT/coordinator.log")/metrics"
 export GEOFP8_SERVER="$SERVER"
 
 log "starting $WORKERS geofp8-worker processes"
 WORKER_METRICS=()
 for ((i = 0; i < WORKERS; i++)); do
   "$WORKER" --coordinator "$SERVER" --name "demo-worker-$i" --metrics-port 0 \
-    --data-dir "$OUT/worker-$i" >"$OUT/worker-$i.log" 2>&1 &
+    --data-dir "$OUT/worker-$i" --ready-file "$OUT/worker-$i.ready.json" >"$OUT/worker-$i.log" 2>&1 &
   PIDS+=($!)
-  WORKER_METRICS+=("$(wait_for_line "$OUT/worker-$i.log" 'http://[0-9.]*:[0-9]*/metrics' "$!")")
+  WORKER_METRICS+=("http://$(wait_for_ready "$OUT/worker-$i.ready.json" metrics "$!" "$OUT/worker-$i.log")/metrics")
 done
 for _ in $(seq 300); do
   idle="$("$CTL" get workers 2>/dev/null | grep -c ' IDLE ' || true)"

@@ -10,6 +10,7 @@
 #include <thread>
 
 #include "CLI/CLI.hpp"
+#include "kernels/common/ready_file.h"
 #include "server/coordinator/coordinator.h"
 #include "server/coordinator/grpc_services.h"
 #include "server/coordinator/metrics.h"
@@ -38,6 +39,7 @@ int main(int argc, char** argv) {
   geofp8::coordinator::CoordinatorOptions coord;
   std::string data_dir = "./geofp8-data";
   std::string metrics_listen = "127.0.0.1:9464";
+  std::string ready_file;
   std::string token_file;
   int tick_ms = 200;
   int grace_ms = 5000;
@@ -45,6 +47,9 @@ int main(int argc, char** argv) {
       ->capture_default_str();
   app.add_option("--data-dir", data_dir, "Directory of the SQLite state (coordinator.db)")
       ->capture_default_str();
+  app.add_option("--ready-file", ready_file,
+                 "Once serving, write {\"grpc\": \"host:port\", \"metrics\": ..., \"pid\": N} here "
+                 "(atomically; removed on a clean shutdown)");
   app.add_option("--metrics-listen", metrics_listen,
                  "Prometheus /metrics address host:port; empty disables")
       ->capture_default_str();
@@ -114,14 +119,25 @@ int main(int argc, char** argv) {
                                                coord);
   if (auto s = coordinator.Recover(); !s.ok()) return Fail(s.ToString());
   geofp8::coordinator::Metrics metrics(&coordinator);
+  std::string metrics_address;  // host:port, empty when off
   if (!metrics_listen.empty()) {
     auto port = metrics.Serve(metrics_listen);
     if (!port.ok()) return Fail(std::string(port.status().message()));
-    std::printf("geofp8-coordinator: metrics on http://%s:%d/metrics\n",
-                metrics_listen.substr(0, metrics_listen.rfind(':')).c_str(), *port);
+    metrics_address = metrics_listen.substr(0, metrics_listen.rfind(':')) + ":" +
+                      std::to_string(*port);
+    std::printf("geofp8-coordinator: metrics on http://%s/metrics\n", metrics_address.c_str());
   }
   auto srv = geofp8::coordinator::CoordinatorServer::Start(&coordinator, &metrics, server);
   if (!srv.ok()) return Fail(std::string(srv.status().message()));
+  if (!ready_file.empty()) {
+    const std::string grpc_address =
+        server.listen.substr(0, server.listen.rfind(':')) + ":" + std::to_string((*srv)->port());
+    const std::string json =
+        "{\"grpc\": \"" + grpc_address + "\", \"metrics\": " +
+        (metrics_address.empty() ? std::string("null") : "\"" + metrics_address + "\"") +
+        ", \"pid\": " + std::to_string(getpid()) + "}";
+    if (std::string e = geofp8::WriteReadyFile(ready_file, json); !e.empty()) return Fail(e);
+  }
   std::printf("geofp8-coordinator: serving on %s:%d (data %s, auth %s, tls %s)\n",
               server.listen.substr(0, server.listen.rfind(':')).c_str(), (*srv)->port(),
               data_dir.c_str(), server.token.empty() ? "off" : "token",
@@ -145,6 +161,7 @@ int main(int argc, char** argv) {
   coordinator.Shutdown();  // wakes watchers and rendezvous waiters
   (*srv)->Shutdown(grace_ms);
   ticker.join();
+  if (!ready_file.empty()) std::remove(ready_file.c_str());
   std::printf("geofp8-coordinator: stopped\n");
   return 0;
 }

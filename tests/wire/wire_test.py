@@ -49,26 +49,31 @@ class Server:
 
     def __init__(self, data_dir, *extra):
         self.data_dir = data_dir
+        # The ports come from --ready-file, written once the server serves (no log parsing). A
+        # file left by a killed predecessor in the same folder is removed first.
+        self.ready_file = os.path.join(data_dir, "ready.json")
+        if os.path.exists(self.ready_file):
+            os.remove(self.ready_file)
         self.proc = subprocess.Popen(
             [COORDINATOR, "--listen", "127.0.0.1:0", "--metrics-listen", "127.0.0.1:0",
-             "--data-dir", data_dir, "--tick-ms", "50", *extra],
+             "--data-dir", data_dir, "--tick-ms", "50", "--ready-file", self.ready_file, *extra],
             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-        self.port = self.metrics_port = None
         self.lines = []
-        deadline = time.time() + 20
-        while self.port is None:
-            line = self.proc.stdout.readline()
-            if not line:
-                raise RuntimeError("coordinator exited: " + "".join(self.lines))
-            self.lines.append(line)
-            if "metrics on" in line:
-                self.metrics_port = int(line.rsplit(":", 1)[1].split("/")[0])
-            if "serving on" in line:
-                self.port = int(line.split("serving on ")[1].split(" ")[0].rsplit(":", 1)[1])
-            if time.time() > deadline:
-                raise RuntimeError("coordinator did not start")
         threading.Thread(target=self._drain, daemon=True).start()
-        self.address = "127.0.0.1:%d" % self.port
+        deadline = time.time() + 20
+        while not os.path.exists(self.ready_file):
+            if self.proc.poll() is not None:
+                time.sleep(0.2)  # let the drain thread collect the last lines
+                raise RuntimeError("coordinator exited: " + "".join(self.lines))
+            if time.time() > deadline:
+                raise RuntimeError("coordinator did not start: " + "".join(self.lines))
+            time.sleep(0.02)
+        with open(self.ready_file) as f:
+            self.ready = json.load(f)
+        self.address = self.ready["grpc"]
+        self.port = int(self.address.rsplit(":", 1)[1])
+        self.metrics_port = int(self.ready["metrics"].rsplit(":", 1)[1])
+        assert self.ready["pid"] == self.proc.pid, self.ready
 
     def _drain(self):
         for line in self.proc.stdout:
@@ -303,7 +308,11 @@ class ApiTest(Base):
     def test_sigterm_is_graceful(self):
         self.server.proc.send_signal(signal.SIGTERM)
         self.assertEqual(self.server.proc.wait(15), 0)
+        time.sleep(0.2)  # the drain thread reads the last lines
         self.assertTrue(any("shutting down" in l for l in self.server.lines))
+        # The ready file named the serving process and goes away with it.
+        self.assertEqual(self.server.ready["metrics"], "127.0.0.1:%d" % self.server.metrics_port)
+        self.assertFalse(os.path.exists(self.server.ready_file))
 
 
 class WorkerTest(Base):

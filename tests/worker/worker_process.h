@@ -24,7 +24,8 @@ class WorkerProcess {
                 std::vector<std::string> extra = {})
       : dir_("geofp8-worker"), name_(name) {
     std::vector<std::string> argv = {GEOFP8_WORKER_BIN, "--coordinator", coordinator, "--name",
-                                     name, "--metrics-port", "0", "--data-dir", dir_.path()};
+                                     name, "--metrics-port", "0", "--data-dir", dir_.path(),
+                                     "--ready-file", dir_.path() + "/ready.json"};
     argv.insert(argv.end(), extra.begin(), extra.end());
     proc_ = std::make_unique<ChildProcess>(argv);
   }
@@ -42,12 +43,16 @@ class WorkerProcess {
     }
     return out;
   }
+  // From the worker's --ready-file ({"name": ..., "metrics": "127.0.0.1:PORT", "pid": N});
+  // -1 until it is written.
   int MetricsPort() {
-    const std::string out = proc_->output();
-    const std::string key = "metrics on http://127.0.0.1:";
-    const size_t at = out.find(key);
+    std::ifstream in(dir_.path() + "/ready.json");
+    std::stringstream text;
+    text << in.rdbuf();
+    const std::string key = "\"metrics\": \"127.0.0.1:";
+    const size_t at = text.str().find(key);
     if (at == std::string::npos) return -1;
-    return std::stoi(out.substr(at + key.size()));
+    return std::stoi(text.str().substr(at + key.size()));
   }
 
  private:

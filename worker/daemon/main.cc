@@ -12,6 +12,7 @@
 
 #include <CLI/CLI.hpp>
 
+#include "kernels/common/ready_file.h"
 #include "worker/daemon/log.h"
 #include "worker/daemon/worker.h"
 
@@ -82,6 +83,10 @@ int main(int argc, char** argv) {
       ->capture_default_str();
   app.add_option("--metrics-host", o.metrics_host, "Address /metrics listens on")
       ->capture_default_str();
+  std::string ready_file;
+  app.add_option("--ready-file", ready_file,
+                 "Once started, write {\"name\": ..., \"metrics\": \"host:port\" or null, "
+                 "\"pid\": N} here (atomically; removed on a clean shutdown)");
   app.add_option("--data-dir", o.job.data_dir,
                  "Checkpoints (relative checkpoint.dir of a job) and result files")
       ->capture_default_str();
@@ -183,6 +188,19 @@ int main(int argc, char** argv) {
               o.session.name.c_str(), o.connection.address.c_str(), device.c_str(),
               o.job.data_dir.c_str());
   std::fflush(stdout);
+  if (!ready_file.empty()) {
+    const std::string metrics =
+        worker.metrics_port() >= 0
+            ? "\"" + o.metrics_host + ":" + std::to_string(worker.metrics_port()) + "\""
+            : std::string("null");
+    if (std::string e = geofp8::WriteReadyFile(
+            ready_file, "{\"name\": " + geofp8::JsonString(o.session.name) + ", \"metrics\": " +
+                            metrics +
+                            ", \"pid\": " + std::to_string(getpid()) + "}");
+        !e.empty()) {
+      return UsageError(e);
+    }
+  }
   int sig = 0;
   while (read(g_signal_pipe[0], &sig, sizeof sig) < 0 && errno == EINTR) {
   }
@@ -192,6 +210,7 @@ int main(int argc, char** argv) {
     std::fflush(stdout);
     std::_Exit(0);
   }
+  if (!ready_file.empty()) std::remove(ready_file.c_str());
   geofp8::worker::Log("stopped");
   return 0;
 }
