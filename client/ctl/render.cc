@@ -5,12 +5,12 @@
 #include <google/protobuf/util/json_util.h>
 
 #include <algorithm>
-#include <cctype>
 #include <cmath>
 #include <cstdio>
 #include <sstream>
 
 #include "kernels/policy/job_spec.h"
+#include "kernels/policy/policy.h"
 #include "yaml-cpp/yaml.h"
 
 namespace geofp8::ctl {
@@ -29,15 +29,6 @@ void ToBlock(YAML::Node node) {
   } else if (node.IsSequence()) {
     for (auto item : node) ToBlock(item);
   }
-}
-
-// PROBE_BASIS_DEPLOYED -> "deployed".
-std::string ProbeBasisLabel(v1::ProbeBasis basis) {
-  std::string name = v1::ProbeBasis_Name(basis);
-  if (name.starts_with("PROBE_BASIS_")) name = name.substr(12);
-  std::transform(name.begin(), name.end(), name.begin(),
-                 [](unsigned char c) { return static_cast<char>(std::tolower(c)); });
-  return name.empty() ? "-" : name;
 }
 
 // Steps completed: progress.step is the index of the largest step any rank completed.
@@ -278,7 +269,7 @@ std::string DescribeJob(const v1::Job& j, const v1::Policy* policy, int64_t now_
       if (!probed) continue;
       if (l.probe_step() > 0) {
         rows.back().insert(rows.back().end(),
-                           {Fmt("%.3g", l.probe_gain()), ProbeBasisLabel(l.probe_basis()),
+                           {Fmt("%.3g", l.probe_gain()), ProbeBasisName(l.probe_basis()),
                             std::to_string(l.probe_step()), l.geometry_on() ? "on" : "off"});
       } else {
         rows.back().insert(rows.back().end(), {"-", "-", "-", "-"});

@@ -73,6 +73,17 @@ absl::StatusOr<LayerPatchSpec> FromProto(const v1::LayerPatch& p, const std::str
   return out;
 }
 
+const char* ProbeBasisName(v1::ProbeBasis basis) {
+  switch (basis) {
+    case v1::PROBE_BASIS_DEPLOYED:
+      return "deployed";
+    case v1::PROBE_BASIS_SHADOW:
+      return "shadow";
+    default:
+      return "unspecified";
+  }
+}
+
 v1::Policy InitialPolicy(const std::string& job_id, const JobSpec& spec, int64_t now_ms) {
   v1::Policy p;
   p.set_job_id(job_id);

@@ -26,6 +26,10 @@ absl::StatusOr<LayerPolicy> FromProto(const v1::LayerPolicy& p, const std::strin
 // Applying it to a job whose latest version is `policy` changes nothing.
 absl::StatusOr<PolicyPatchSpec> PatchFileOf(const v1::Policy& policy);
 
+// "deployed", "shadow" or "unspecified": how the engine's reasons, describe and the workers'
+// metric labels name a probe's basis.
+const char* ProbeBasisName(v1::ProbeBasis basis);
+
 // Version 1 of a job's policy, from its spec.
 v1::Policy InitialPolicy(const std::string& job_id, const JobSpec& spec, int64_t now_ms);
 

@@ -7,17 +7,6 @@
 #include "absl/strings/str_join.h"
 
 namespace geofp8::coordinator {
-std::string_view ProbeBasisName(v1::ProbeBasis basis) {
-  switch (basis) {
-    case v1::PROBE_BASIS_DEPLOYED:
-      return "deployed";
-    case v1::PROBE_BASIS_SHADOW:
-      return "shadow";
-    default:
-      return "unspecified";
-  }
-}
-
 std::vector<AutoDecision> DecideAuto(const AutoPolicySpec& bounds, const RefreshSpec& refresh,
                                      const v1::Policy& current,
                                      const std::vector<v1::ProbeResult>& probes) {
@@ -41,13 +30,13 @@ std::vector<AutoDecision> DecideAuto(const AutoPolicySpec& bounds, const Refresh
       std::snprintf(
           buf, sizeof buf, "geometry %s on: gain %.3g >= %.3g (%s basis), cost %.3g <= %.3g",
           patch.geometry().c_str(), gain, bounds.min_gain,
-          std::string(ProbeBasisName(probe.basis())).c_str(), cost, bounds.max_cost_fraction);
+          ProbeBasisName(probe.basis()), cost, bounds.max_cost_fraction);
       why.push_back(buf);
     } else if (on && (gain < bounds.off_gain || cost > bounds.max_cost_fraction)) {
       patch.set_geometry("none");
       if (gain < bounds.off_gain) {
         std::snprintf(buf, sizeof buf, "geometry off: gain %.3g < %.3g (%s basis)", gain,
-                      bounds.off_gain, std::string(ProbeBasisName(probe.basis())).c_str());
+                      bounds.off_gain, ProbeBasisName(probe.basis()));
       } else {
         std::snprintf(buf, sizeof buf, "geometry off: cost %.3g > %.3g", cost,
                       bounds.max_cost_fraction);

@@ -32,7 +32,4 @@ std::vector<AutoDecision> DecideAuto(const AutoPolicySpec& bounds, const Refresh
                                      const v1::Policy& current,
                                      const std::vector<v1::ProbeResult>& probes);
 
-// "deployed", "shadow" or "unspecified".
-std::string_view ProbeBasisName(v1::ProbeBasis basis);
-
 }  // namespace geofp8::coordinator

@@ -40,6 +40,19 @@ class FakeSink : public SessionSink {
 constexpr const char* kSpec2 =
     "name: t\nworld_size: 2\nrestarts: {max_restarts: 1}\npolicy: {margin: 5}\n";
 
+// Adds a probe of `layer` to m: the transform costs 1% of a 0.1 s step.
+v1::ProbeResult* AddProbe(v1::WorkerMessage& m, const std::string& layer, double without,
+                          double with, v1::ProbeBasis basis) {
+  v1::ProbeResult* p = m.mutable_probes()->add_probes();
+  p->set_layer(layer);
+  p->set_error_without(without);
+  p->set_error_with(with);
+  p->set_transform_seconds(0.001);
+  p->set_step_seconds(0.1);
+  p->set_basis(basis);
+  return p;
+}
+
 struct Worker {
   std::string id;
   uint64_t generation = 0;
@@ -548,19 +561,8 @@ TEST_F(CoordinatorTest, AutoEngineTurnsGeometryOnAndLogsAVersionWithReason) {
   Worker a = Join("a");
   ASSERT_TRUE(Progress(a, 50).ok());
   v1::WorkerMessage m;
-  auto* good = m.mutable_probes()->add_probes();
-  good->set_layer("blocks.0.attn.wq");
-  good->set_error_without(0.3);
-  good->set_error_with(0.1);
-  good->set_transform_seconds(0.001);
-  good->set_step_seconds(0.1);
-  good->set_basis(v1::PROBE_BASIS_SHADOW);
-  auto* weak = m.mutable_probes()->add_probes();
-  weak->set_layer("blocks.0.mlp.up");
-  weak->set_error_without(0.1);
-  weak->set_error_with(0.09);
-  weak->set_transform_seconds(0.001);
-  weak->set_step_seconds(0.1);
+  auto* good = AddProbe(m, "blocks.0.attn.wq", 0.3, 0.1, v1::PROBE_BASIS_SHADOW);
+  AddProbe(m, "blocks.0.mlp.up", 0.1, 0.09, v1::PROBE_BASIS_UNSPECIFIED);
   ASSERT_TRUE(Send(a, m).ok());
   v1::GetPolicyRequest g;
   g.set_job_id(id);
@@ -631,14 +633,7 @@ TEST_F(CoordinatorTest, AutoEngineLeavesTheEmaFeedingCadenceAlone) {
   Worker a = Join("a");
   ASSERT_TRUE(Progress(a, 50).ok());
   v1::WorkerMessage m;
-  auto* good = m.mutable_probes()->add_probes();
-  good->set_layer("blocks.0.attn.wq");
-  good->set_error_without(0.3);
-  good->set_error_with(0.1);
-  good->set_transform_seconds(0.001);
-  good->set_step_seconds(0.1);
-  good->set_drift(0.001);
-  good->set_basis(v1::PROBE_BASIS_SHADOW);
+  AddProbe(m, "blocks.0.attn.wq", 0.3, 0.1, v1::PROBE_BASIS_SHADOW)->set_drift(0.001);
   ASSERT_TRUE(Send(a, m).ok());
   ASSERT_TRUE(Send(a, m).ok());  // the same evidence again: no second version
   v1::GetPolicyRequest g;

@@ -52,7 +52,11 @@ double RoundTripError(std::span<const float> g, const LayerPolicy& p, const Geom
 }
 
 GeometryProbe::GeometryProbe(std::vector<model::ParamInfo> params, const ProbeSettings& settings)
-    : params_(std::move(params)), settings_(settings) {
+    : params_(std::move(params)),
+      settings_(settings),
+      // The sketch yields low-rank bases only; a diag "on" is shadowed the instant way.
+      ema_(settings.estimator == GeometryEstimator::kFactorEma &&
+           settings.mode == GeometryMode::kLowRank) {
   GEOFP8_CHECK(settings_.probe_every >= 1, "auto_policy.probe_every: must be >= 1 (",
                settings_.probe_every, ")");
   const int every = settings_.probe_every;
@@ -71,10 +75,7 @@ bool GeometryProbe::IsProbeStep(int64_t step) const {
 
 bool GeometryProbe::Observes(int64_t step) const {
   const int64_t every = settings_.probe_every;
-  if (settings_.estimator == GeometryEstimator::kFactorEma &&
-      settings_.mode == GeometryMode::kLowRank) {
-    return step % every >= every - window_;
-  }
+  if (ema_) return step % every >= every - window_;
   return (step + lag_) % every == 0;
 }
 
@@ -82,8 +83,6 @@ void GeometryProbe::Observe(int64_t step, std::span<const float> averaged,
                             std::span<const LayerPolicy> policies) {
   GEOFP8_CHECK(policies.size() == params_.size(), "probe: ", policies.size(), " policies for ",
                params_.size(), " layers");
-  const bool ema = settings_.estimator == GeometryEstimator::kFactorEma &&
-                   settings_.mode == GeometryMode::kLowRank;
   const int64_t every = settings_.probe_every;
   const bool restart = step % every == (every - window_) % every;  // a window's first step
   for (size_t l = 0; l < params_.size(); ++l) {
@@ -95,22 +94,21 @@ void GeometryProbe::Observe(int64_t step, std::span<const float> averaged,
       continue;
     }
     std::span<const float> g = averaged.subspan(p.offset, size_t(p.size()));
-    if (!ema) {
+    if (!ema_) {
       snapshots_[l].assign(g.begin(), g.end());
       continue;
     }
     if (restart) sketches_[l] = FactorSketch{};
     FactorSketchOptions o = settings_.sketch;
     o.width = std::max(o.width, settings_.rank);
-    o.seed = settings_.seed ^ (0x9e3779b97f4a7c15ull * (l + 1));
+    o.seed = LayerSeed(l);
     UpdateFactorSketch(sketches_[l], g, p.rows, p.cols, settings_.rank, o);
   }
 }
 
 Geometry GeometryProbe::ShadowGeometry(uint32_t l, const LayerPolicy& policy) const {
   const model::ParamInfo& p = params_.at(l);
-  if (settings_.estimator == GeometryEstimator::kFactorEma &&
-      settings_.mode == GeometryMode::kLowRank) {
+  if (ema_) {
     if (sketches_[l].updates == 0) return Geometry{};
     SketchGeometryOptions go;
     go.rank = settings_.rank;
@@ -123,7 +121,7 @@ Geometry GeometryProbe::ShadowGeometry(uint32_t l, const LayerPolicy& policy) co
   go.rank = settings_.rank;
   go.alpha = policy.alpha;
   go.power_iters = settings_.power_iters;
-  go.seed = settings_.seed ^ (0x9e3779b97f4a7c15ull * (l + 1));
+  go.seed = LayerSeed(l);
   return EstimateGeometry(snapshots_[l], p.rows, p.cols, go, nullptr).geometry;
 }
 

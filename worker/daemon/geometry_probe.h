@@ -84,8 +84,12 @@ class GeometryProbe {
   Geometry ShadowGeometry(uint32_t layer, const LayerPolicy& policy) const;
 
  private:
+  // The shadow estimators' seed of layer l (documented for the tests' replays).
+  uint64_t LayerSeed(size_t l) const { return settings_.seed ^ (0x9e3779b97f4a7c15ull * (l + 1)); }
+
   std::vector<model::ParamInfo> params_;
   ProbeSettings settings_;
+  bool ema_ = false;  // shadow with a sketch (ema estimator, lowrank); else the instant way
   int window_ = 1, lag_ = 1;
   std::vector<FactorSketch> sketches_;         // ema shadow, per layer
   std::vector<std::vector<float>> snapshots_;  // instant shadow: the lagged averaged gradient

@@ -385,11 +385,10 @@ struct JobRunner::Impl {
       pr->set_transform_seconds(lp.transform_seconds);
       pr->set_step_seconds(last_step_seconds);
       pr->set_drift(trainer->last_drift()[lp.layer]);
-      const bool deployed = lp.basis == ProbeBasisKind::kDeployed;
-      pr->set_basis(deployed ? v1::PROBE_BASIS_DEPLOYED : v1::PROBE_BASIS_SHADOW);
+      pr->set_basis(lp.basis == ProbeBasisKind::kDeployed ? v1::PROBE_BASIS_DEPLOYED
+                                                          : v1::PROBE_BASIS_SHADOW);
       if (r.metrics_ && lp.error_with > 0) {
-        r.metrics_->ProbeGain(name, deployed ? "deployed" : "shadow",
-                              lp.error_without / lp.error_with);
+        r.metrics_->ProbeGain(name, ProbeBasisName(pr->basis()), lp.error_without / lp.error_with);
       }
     }
     if (probes->probes_size() > 0) Send(std::move(m), false);
