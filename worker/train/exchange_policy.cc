@@ -101,23 +101,27 @@ void ApplyFields(const YAML::Node& node, const std::string& where, LayerPolicy* 
     if (key == "match" && allow_match) continue;
     if (key == "format") {
       auto f = ParseFormat(Scalar<std::string>(v, field));
-      if (!f) Bad(field, "unknown value '" + v.Scalar() + "' (accepted: " +
-                             std::string(AcceptedFormats()) + ")");
+      if (!f)
+        Bad(field, "unknown value '" + v.Scalar() +
+                       "' (accepted: " + std::string(AcceptedFormats()) + ")");
       p->format = *f;
     } else if (key == "scaling") {
       auto s = ParseScaling(Scalar<std::string>(v, field));
-      if (!s) Bad(field, "unknown value '" + v.Scalar() + "' (accepted: " +
-                             std::string(AcceptedScalings()) + ")");
+      if (!s)
+        Bad(field, "unknown value '" + v.Scalar() +
+                       "' (accepted: " + std::string(AcceptedScalings()) + ")");
       p->scaling = *s;
     } else if (key == "rounding") {
       auto r = ParseRounding(Scalar<std::string>(v, field));
-      if (!r) Bad(field, "unknown value '" + v.Scalar() + "' (accepted: " +
-                             std::string(AcceptedRoundings()) + ")");
+      if (!r)
+        Bad(field, "unknown value '" + v.Scalar() +
+                       "' (accepted: " + std::string(AcceptedRoundings()) + ")");
       p->rounding = *r;
     } else if (key == "geometry") {
       auto g = ParseGeometryMode(Scalar<std::string>(v, field));
-      if (!g) Bad(field, "unknown value '" + v.Scalar() + "' (accepted: " +
-                             std::string(AcceptedGeometryModes()) + ")");
+      if (!g)
+        Bad(field, "unknown value '" + v.Scalar() +
+                       "' (accepted: " + std::string(AcceptedGeometryModes()) + ")");
       p->geometry = *g;
     } else if (key == "block") {
       const int64_t b = Scalar<int64_t>(v, field);
@@ -140,17 +144,12 @@ void ApplyFields(const YAML::Node& node, const std::string& where, LayerPolicy* 
   }
 }
 
-ExchangePlan FromYaml(const std::string& path, const std::vector<model::ParamInfo>& params) {
-  YAML::Node root;
-  try {
-    root = YAML::LoadFile(path);
-  } catch (const YAML::BadFile&) {
-    GEOFP8_FAIL("policy: cannot read file ", path);
-  } catch (const YAML::Exception& e) {
-    GEOFP8_FAIL("policy: ", path, ": YAML error at line ", e.mark.line + 1, ": ", e.msg);
-  }
+// `name` is the plan's name (the file path, or what the caller calls the text); `model`, when set,
+// makes an unmatched glob's error list the model's layers (UnmatchedGlobProblem).
+ExchangePlan FromYamlNode(YAML::Node root, const std::string& name,
+                          const std::vector<model::ParamInfo>& params, std::string_view model) {
   ExchangePlan plan;
-  plan.name = path;
+  plan.name = name;
   if (root.IsNull()) root = YAML::Node(YAML::NodeType::Map);
   if (!root.IsMap()) Bad("policy", "top level must be a map");
   LayerPolicy base;
@@ -158,8 +157,9 @@ ExchangePlan FromYaml(const std::string& path, const std::vector<model::ParamInf
     const std::string key = kv.first.as<std::string>();
     if (key == "algorithm") {
       auto a = ParseAlgorithm(Scalar<std::string>(kv.second, "policy.algorithm"));
-      if (!a) Bad("policy.algorithm", "unknown value '" + kv.second.Scalar() + "' (accepted: " +
-                                          std::string(AcceptedAlgorithms()) + ")");
+      if (!a)
+        Bad("policy.algorithm", "unknown value '" + kv.second.Scalar() +
+                                    "' (accepted: " + std::string(AcceptedAlgorithms()) + ")");
       plan.algorithm = *a;
     } else if (key == "refresh") {
       if (!kv.second.IsMap()) Bad("policy.refresh", "must be a map");
@@ -179,8 +179,9 @@ ExchangePlan FromYaml(const std::string& path, const std::vector<model::ParamInf
           }
         } else if (k == "estimator") {
           auto e = ParseGeometryEstimator(Scalar<std::string>(r.second, field));
-          if (!e) Bad(field, "unknown value '" + r.second.Scalar() + "' (accepted: " +
-                                 std::string(AcceptedGeometryEstimators()) + ")");
+          if (!e)
+            Bad(field, "unknown value '" + r.second.Scalar() +
+                           "' (accepted: " + std::string(AcceptedGeometryEstimators()) + ")");
           plan.estimator = *e;
         } else if (k == "beta") {
           plan.sketch.beta = Scalar<float>(r.second, field);
@@ -203,8 +204,9 @@ ExchangePlan FromYaml(const std::string& path, const std::vector<model::ParamInf
             Bad(field, "must be in [0, 4] (" + r.second.Scalar() + ")");
           }
         } else {
-          Bad(field, "unknown key (accepted: interval, estimator, power_iters, sigma_ema, beta, "
-                     "width, probes, adapt)");
+          Bad(field,
+              "unknown key (accepted: interval, estimator, power_iters, sigma_ema, beta, "
+              "width, probes, adapt)");
         }
       }
     } else if (key == "bucket_cap_bytes") {
@@ -214,8 +216,9 @@ ExchangePlan FromYaml(const std::string& path, const std::vector<model::ParamInf
     } else if (key == "default") {
       ApplyFields(kv.second, "policy.default", &base, false);
     } else if (key != "layers") {
-      Bad("policy." + key, "unknown key (accepted: algorithm, refresh, bucket_cap_bytes, "
-                           "default, layers)");
+      Bad("policy." + key,
+          "unknown key (accepted: algorithm, refresh, bucket_cap_bytes, "
+          "default, layers)");
     }
   }
   plan.layers.assign(params.size(), base);
@@ -232,8 +235,36 @@ ExchangePlan FromYaml(const std::string& path, const std::vector<model::ParamInf
         ApplyFields(rules[r], where, &plan.layers[i], true);
         ++matched;
       }
-      if (matched == 0) Bad(where + ".match", "matches no layer ('" + glob + "')");
+      if (matched == 0) {
+        Bad(where + ".match", model.empty() ? "matches no layer ('" + glob + "')"
+                                            : UnmatchedGlobProblem(glob, params, model));
+      }
     }
+  }
+  return plan;
+}
+
+ExchangePlan FromYaml(const std::string& path, const std::vector<model::ParamInfo>& params) {
+  YAML::Node root;
+  try {
+    root = YAML::LoadFile(path);
+  } catch (const YAML::BadFile&) {
+    GEOFP8_FAIL("policy: cannot read file ", path);
+  } catch (const YAML::Exception& e) {
+    GEOFP8_FAIL("policy: ", path, ": YAML error at line ", e.mark.line + 1, ": ", e.msg);
+  }
+  return FromYamlNode(root, path, params, "");
+}
+
+// What both entry points do after parsing: 1-D parameters never use geometry; native is GPU-only.
+ExchangePlan Finish(ExchangePlan plan, const std::vector<model::ParamInfo>& params) {
+  for (size_t i = 0; i < params.size(); ++i) {
+    if (!params[i].is_matrix()) plan.layers[i].geometry = GeometryMode::kNone;
+  }
+  if (plan.algorithm == Algorithm::kNative) {
+    Bad("policy.algorithm",
+        "native needs NCCL on a GPU; the CPU trainer accepts two_phase, "
+        "allgather, fp32, bf16 (native)");
   }
   return plan;
 }
@@ -243,15 +274,19 @@ ExchangePlan FromYaml(const std::string& path, const std::vector<model::ParamInf
 ExchangePlan MakeExchangePlan(const std::string& spec,
                               const std::vector<model::ParamInfo>& params) {
   const bool file = spec.ends_with(".yaml") || spec.ends_with(".yml");
-  ExchangePlan plan = file ? FromYaml(spec, params) : Preset(spec, params);
-  for (size_t i = 0; i < params.size(); ++i) {
-    if (!params[i].is_matrix()) plan.layers[i].geometry = GeometryMode::kNone;
+  return Finish(file ? FromYaml(spec, params) : Preset(spec, params), params);
+}
+
+ExchangePlan MakeExchangePlanFromText(std::string_view yaml, const std::string& name,
+                                      const std::vector<model::ParamInfo>& params,
+                                      std::string_view model) {
+  YAML::Node root;
+  try {
+    root = YAML::Load(std::string(yaml));
+  } catch (const YAML::Exception& e) {
+    GEOFP8_FAIL("policy: ", name, ": YAML error at line ", e.mark.line + 1, ": ", e.msg);
   }
-  if (plan.algorithm == Algorithm::kNative) {
-    Bad("policy.algorithm", "native needs NCCL on a GPU; the CPU trainer accepts two_phase, "
-                            "allgather, fp32, bf16 (native)");
-  }
-  return plan;
+  return Finish(FromYamlNode(root, name, params, model), params);
 }
 
 ExchangeOptions MakeExchangeOptions(const ExchangePlan& plan) {
@@ -276,7 +311,9 @@ std::vector<RefreshSchedule> MakeRefreshSchedule(const ExchangePlan& plan, int r
     s.interval = plan.refresh_interval;
     // Stagger offsets so refreshes spread over steps; the first refresh comes early because
     // layers quantize without geometry until then.
-    s.offset = plan.layers[i].geometry == GeometryMode::kNone ? 0 : (matrix++ % std::min(plan.refresh_interval, 4));
+    s.offset = plan.layers[i].geometry == GeometryMode::kNone
+                   ? 0
+                   : (matrix++ % std::min(plan.refresh_interval, 4));
     schedule.push_back(s);
   }
   return schedule;
