@@ -307,6 +307,7 @@ class Engine {
     eo.seed = seed_;
     eo.timeout = timeout_;
     eo.policy_version = version_;
+    eo.layer_ids = layers;  // streams keyed by the model's layer index, whatever the bucket
     return std::make_unique<Exchanger>(*comm_, std::move(specs), eo, std::move(schedule));
   }
 

@@ -101,27 +101,23 @@ void ApplyFields(const YAML::Node& node, const std::string& where, LayerPolicy* 
     if (key == "match" && allow_match) continue;
     if (key == "format") {
       auto f = ParseFormat(Scalar<std::string>(v, field));
-      if (!f)
-        Bad(field, "unknown value '" + v.Scalar() +
-                       "' (accepted: " + std::string(AcceptedFormats()) + ")");
+      if (!f) Bad(field, "unknown value '" + v.Scalar() + "' (accepted: " +
+                             std::string(AcceptedFormats()) + ")");
       p->format = *f;
     } else if (key == "scaling") {
       auto s = ParseScaling(Scalar<std::string>(v, field));
-      if (!s)
-        Bad(field, "unknown value '" + v.Scalar() +
-                       "' (accepted: " + std::string(AcceptedScalings()) + ")");
+      if (!s) Bad(field, "unknown value '" + v.Scalar() + "' (accepted: " +
+                             std::string(AcceptedScalings()) + ")");
       p->scaling = *s;
     } else if (key == "rounding") {
       auto r = ParseRounding(Scalar<std::string>(v, field));
-      if (!r)
-        Bad(field, "unknown value '" + v.Scalar() +
-                       "' (accepted: " + std::string(AcceptedRoundings()) + ")");
+      if (!r) Bad(field, "unknown value '" + v.Scalar() + "' (accepted: " +
+                             std::string(AcceptedRoundings()) + ")");
       p->rounding = *r;
     } else if (key == "geometry") {
       auto g = ParseGeometryMode(Scalar<std::string>(v, field));
-      if (!g)
-        Bad(field, "unknown value '" + v.Scalar() +
-                       "' (accepted: " + std::string(AcceptedGeometryModes()) + ")");
+      if (!g) Bad(field, "unknown value '" + v.Scalar() + "' (accepted: " +
+                             std::string(AcceptedGeometryModes()) + ")");
       p->geometry = *g;
     } else if (key == "block") {
       const int64_t b = Scalar<int64_t>(v, field);
@@ -157,9 +153,8 @@ ExchangePlan FromYamlNode(YAML::Node root, const std::string& name,
     const std::string key = kv.first.as<std::string>();
     if (key == "algorithm") {
       auto a = ParseAlgorithm(Scalar<std::string>(kv.second, "policy.algorithm"));
-      if (!a)
-        Bad("policy.algorithm", "unknown value '" + kv.second.Scalar() +
-                                    "' (accepted: " + std::string(AcceptedAlgorithms()) + ")");
+      if (!a) Bad("policy.algorithm", "unknown value '" + kv.second.Scalar() + "' (accepted: " +
+                                          std::string(AcceptedAlgorithms()) + ")");
       plan.algorithm = *a;
     } else if (key == "refresh") {
       if (!kv.second.IsMap()) Bad("policy.refresh", "must be a map");
@@ -179,9 +174,8 @@ ExchangePlan FromYamlNode(YAML::Node root, const std::string& name,
           }
         } else if (k == "estimator") {
           auto e = ParseGeometryEstimator(Scalar<std::string>(r.second, field));
-          if (!e)
-            Bad(field, "unknown value '" + r.second.Scalar() +
-                           "' (accepted: " + std::string(AcceptedGeometryEstimators()) + ")");
+          if (!e) Bad(field, "unknown value '" + r.second.Scalar() + "' (accepted: " +
+                                 std::string(AcceptedGeometryEstimators()) + ")");
           plan.estimator = *e;
         } else if (k == "beta") {
           plan.sketch.beta = Scalar<float>(r.second, field);
@@ -204,9 +198,8 @@ ExchangePlan FromYamlNode(YAML::Node root, const std::string& name,
             Bad(field, "must be in [0, 4] (" + r.second.Scalar() + ")");
           }
         } else {
-          Bad(field,
-              "unknown key (accepted: interval, estimator, power_iters, sigma_ema, beta, "
-              "width, probes, adapt)");
+          Bad(field, "unknown key (accepted: interval, estimator, power_iters, sigma_ema, beta, "
+                     "width, probes, adapt)");
         }
       }
     } else if (key == "bucket_cap_bytes") {
@@ -216,9 +209,8 @@ ExchangePlan FromYamlNode(YAML::Node root, const std::string& name,
     } else if (key == "default") {
       ApplyFields(kv.second, "policy.default", &base, false);
     } else if (key != "layers") {
-      Bad("policy." + key,
-          "unknown key (accepted: algorithm, refresh, bucket_cap_bytes, "
-          "default, layers)");
+      Bad("policy." + key, "unknown key (accepted: algorithm, refresh, bucket_cap_bytes, "
+                           "default, layers)");
     }
   }
   plan.layers.assign(params.size(), base);
@@ -262,9 +254,8 @@ ExchangePlan Finish(ExchangePlan plan, const std::vector<model::ParamInfo>& para
     if (!params[i].is_matrix()) plan.layers[i].geometry = GeometryMode::kNone;
   }
   if (plan.algorithm == Algorithm::kNative) {
-    Bad("policy.algorithm",
-        "native needs NCCL on a GPU; the CPU trainer accepts two_phase, "
-        "allgather, fp32, bf16 (native)");
+    Bad("policy.algorithm", "native needs NCCL on a GPU; the CPU trainer accepts two_phase, "
+                            "allgather, fp32, bf16 (native)");
   }
   return plan;
 }
@@ -311,9 +302,7 @@ std::vector<RefreshSchedule> MakeRefreshSchedule(const ExchangePlan& plan, int r
     s.interval = plan.refresh_interval;
     // Stagger offsets so refreshes spread over steps; the first refresh comes early because
     // layers quantize without geometry until then.
-    s.offset = plan.layers[i].geometry == GeometryMode::kNone
-                   ? 0
-                   : (matrix++ % std::min(plan.refresh_interval, 4));
+    s.offset = plan.layers[i].geometry == GeometryMode::kNone ? 0 : (matrix++ % std::min(plan.refresh_interval, 4));
     schedule.push_back(s);
   }
   return schedule;

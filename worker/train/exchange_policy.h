@@ -15,15 +15,15 @@ namespace geofp8::train {
 
 // Plain struct: what the Exchanger needs besides the communicator.
 struct ExchangePlan {
-  std::string name;  // preset name or file path
+  std::string name;                       // preset name or file path
   Algorithm algorithm = Algorithm::kTwoPhase;
-  std::vector<LayerPolicy> layers;  // one per model parameter, in params() order
-  int refresh_interval = 20;        // steps between geometry refreshes of a layer
+  std::vector<LayerPolicy> layers;        // one per model parameter, in params() order
+  int refresh_interval = 20;              // steps between geometry refreshes of a layer
   GeometryEstimator estimator = GeometryEstimator::kInstant;
-  int power_iters = 1;                        // instant: subspace iterations per refresh
-  float sigma_ema = 0.f;                      // instant: sigma smoothing across refreshes
-  FactorSketchOptions sketch;                 // ema: beta, width, probes (seed comes from the run)
-  float adapt = 0.0f;                         // ema: whitening strength follows the basis's fit
+  int power_iters = 1;                    // instant: subspace iterations per refresh
+  float sigma_ema = 0.f;                  // instant: sigma smoothing across refreshes
+  FactorSketchOptions sketch;             // ema: beta, width, probes (seed comes from the run)
+  float adapt = 0.0f;                     // ema: whitening strength follows the basis's fit
   size_t bucket_cap_bytes = size_t{1} << 20;  // fp32 bytes per bucket
   bool uses_geometry() const;
 };

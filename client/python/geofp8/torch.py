@@ -89,7 +89,8 @@ class GeoFP8State:
         if not self.names:
             raise ValueError("model: has no parameter that requires a gradient")
         self.model_name = model_name
-        # Validate the policy before the collective rendezvous: a typo fails fast on every rank.
+        # The policy is parsed in C++ once the layers are known (set_policy below); a bad one
+        # fails the same way on every rank.
         kind, spec = policy_source(policy)
         base = store if store is not None else dist.distributed_c10d._get_default_store()
         prefix = "geofp8/hook/%d/" % _states_created
