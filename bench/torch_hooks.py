@@ -197,15 +197,18 @@ def main():
              args.steps - 1))
     fp16 = res.get("fp16", {}).get("bytes")
     print("| method | bytes/step/rank | x fp16 | relF | step ms | hook/fp32 all-reduce | "
-          "overhead/fp32 all-reduce | glue/fp32 | loss (last 5) |")
-    print("|---|---|---|---|---|---|---|---|---|")
+          "hook ms/step | fp32 all-reduce ms/step | overhead/fp32 all-reduce | glue/fp32 | "
+          "loss (last 5) |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|")
+    measured = args.steps - args.skip
     for m, r in res.items():
         over = (r["t_hook"] - r["t_ref"] * r["bytes"] / r["fp32_bytes"]) / r["t_ref"]
         glue = "-" if r["engine_s"] is None else "%.2f" % ((r["t_hook"] - r["engine_s"]) /
                                                            r["t_ref"])
-        print("| %s | %d | %s | %.4f | %.1f | %.2f | %.2f | %s | %.4f |"
+        print("| %s | %d | %s | %.4f | %.1f | %.2f | %.1f | %.1f | %.2f | %s | %.4f |"
               % (m, r["bytes"], "%.3f" % (r["bytes"] / fp16) if fp16 else "-", r["relF"],
-                 r["step_ms"], r["t_hook"] / r["t_ref"], over, glue, r["loss"]))
+                 r["step_ms"], r["t_hook"] / r["t_ref"], 1e3 * r["t_hook"] / measured,
+                 1e3 * r["t_ref"] / measured, over, glue, r["loss"]))
 
 
 if __name__ == "__main__":

@@ -2,9 +2,13 @@
 """A small GPT (byte tokens) trained with plain torch DDP, its gradients averaged by GeoFP8's
 comm hook or by one of torch's own hooks for comparison.
 
-    PYTHONPATH=build/client/python torchrun --nproc_per_node 2 \\
+    PYTHONPATH=build/client/python torchrun --redirects 1:1 --tee 1:1 --nproc_per_node 2 \\
         examples/pytorch/train_gpt.py --policy geofp8
-    torchrun --nproc_per_node 2 examples/pytorch/train_gpt.py --hook fp16   # or ddp, bf16, powersgd
+    torchrun --redirects 1:1 --tee 1:1 --nproc_per_node 2 examples/pytorch/train_gpt.py --hook fp16
+    PYTHONPATH=build/client/python /usr/bin/python3 examples/pytorch/train_gpt.py --nproc 2
+
+(--redirects/--tee: Debian's torchrun 1.13 fails on Python 3.11 with its defaults; --nproc
+starts the ranks itself, with torchrun's environment, when torchrun is not used.)
 
 CPU and gloo (Debian's python3-torch). docs/pytorch.md explains the hook and the policy.
 """
@@ -80,6 +84,19 @@ def get_batch(data, batch, seq, gen):
     return x, y
 
 
+def waited(hook):
+    """`hook` with its future waited for inside the call. Registered directly, torch 1.13's
+    PowerSGD hook aborted the process on CPU gloo at its first compressed step in our runs
+    (gloo::EnforceNotMet in a chained all-reduce); waiting inside the call keeps the same
+    arithmetic and lets one bucket's collectives finish before the next bucket's start."""
+    def run(state, bucket):
+        out = hook(state, bucket).wait()
+        fut = torch.futures.Future()
+        fut.set_result(out[0] if isinstance(out, list) else out)
+        return fut
+    return run
+
+
 def register_hook(ddp, model, args):
     """Registers the chosen hook; returns the GeoFP8 state (or None)."""
     from torch.distributed.algorithms.ddp_comm_hooks import default_hooks, powerSGD_hook
@@ -93,7 +110,7 @@ def register_hook(ddp, model, args):
         state = powerSGD_hook.PowerSGDState(
             process_group=None, matrix_approximation_rank=args.powersgd_rank,
             start_powerSGD_iter=2)
-        ddp.register_comm_hook(state, powerSGD_hook.powerSGD_hook)
+        ddp.register_comm_hook(state, waited(powerSGD_hook.powerSGD_hook))
     else:
         import geofp8.torch as gt
         state = gt.GeoFP8State(model=model, policy=args.policy, seed=args.seed)
@@ -119,12 +136,35 @@ def main():
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--log-every", type=int, default=10)
     ap.add_argument("--threads", type=int, default=1, help="torch threads per rank")
+    ap.add_argument("--nproc", type=int, default=0,
+                    help="without torchrun: start this many ranks on this host")
     args = ap.parse_args()
     if args.steps < 1:
         ap.error("--steps: must be >= 1 (%d)" % args.steps)
     if args.d_model % 4:
         ap.error("--d-model: must be a multiple of 4 heads (%d)" % args.d_model)
 
+    if args.nproc and "RANK" not in os.environ:
+        if args.nproc < 1:
+            ap.error("--nproc: must be >= 1 (%d)" % args.nproc)
+        import socket
+        import torch.multiprocessing as mp
+        with socket.socket() as s:  # a free port for torch's TCPStore
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        mp.spawn(run_rank, args=(args, port), nprocs=args.nproc, join=True)
+        return
+    train(args)
+
+
+def run_rank(rank, args, port):
+    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(args.nproc),
+                      LOCAL_WORLD_SIZE=str(args.nproc), MASTER_ADDR="127.0.0.1",
+                      MASTER_PORT=str(port))
+    train(args)
+
+
+def train(args):
     torch.set_num_threads(args.threads)
     dist.init_process_group("gloo")  # torchrun's RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT
     rank, world = dist.get_rank(), dist.get_world_size()
@@ -157,6 +197,10 @@ def main():
                   flush=True)
     if rank == 0:
         print("done: %d steps in %.1f s" % (args.steps, time.perf_counter() - start), flush=True)
+    # Drop the DDP module and the hook state (torch's PowerSGD state holds work on the group)
+    # before the group goes.
+    dist.barrier()
+    del ddp, state, opt
     dist.destroy_process_group()
 
 
