@@ -1,5 +1,6 @@
-"""geofp8.torch state: a state_dict() round trip resumes bit for bit (geometry included), and
-set_policy(policy, effective_step) applies at that step on every rank. Two gloo ranks."""
+"""geofp8.torch state: a state_dict() round trip resumes bit for bit (geometry included),
+set_policy(policy, effective_step) applies at that step on every rank, and a NaN on one rank
+skips the step on every rank. Two gloo ranks."""
 
 import io
 import os
@@ -69,10 +70,23 @@ def work(rank, world):
     for s in range(4):
         run_steps(rank, ddp4, model4, opt4, s, 1)
         formats.append((state4.layers[0]["format"], state4.last_step["bytes_sent"]))
+    # Non-finite skip: rank 1's batch holds a NaN at step 1; the engine skips every bucket on
+    # every rank, and the hook hands DDP NaN (so an optimizer step can be skipped).
+    model5, ddp5, state5, opt5 = fresh("fp8")
+    skips = []
+    for s in range(3):
+        x, y = L.batch(rank, s)
+        if s == 1 and rank == 1:
+            x[0, 0] = float("nan")
+        opt5.zero_grad()
+        ((ddp5(x) - y) ** 2).mean().backward()
+        skips.append((state5.last_step["skipped"],
+                      all(bool(p.grad.isnan().all()) for p in model5.parameters())))
     geometry_layers = sum(1 for g in ckpt["hook"]["geometry"] if g[0])
     return {"reference": reference, "resumed": resumed, "control": control,
             "formats": formats, "version": state4.policy_version,
             "geometry_layers": geometry_layers, "step": ckpt["hook"]["step"],
+            "skips": skips, "skipped_buckets": state5.stats["skipped_buckets"],
             "buckets": state._engine.exchanger_count,
             "buckets_resumed": state2._engine.exchanger_count}
 
@@ -105,6 +119,9 @@ def main():
         if not (b[2] > 3 * b[1]):
             failures.append("rank %d: bytes by step %s: fp32 at step 2 should be ~4x fp8" %
                             (rank, b))
+        if r["skips"] != [(False, False), (True, True), (False, False)]:
+            failures.append("rank %d: (skipped, all-NaN grads) by step %s, expected skip at step"
+                            " 1 only" % (rank, r["skips"]))
         if r["version"] != 2:
             failures.append("rank %d: policy version %d, expected 2" % (rank, r["version"]))
     print("resume exact over %d buckets, set_policy at step 2: formats %s"
