@@ -37,9 +37,14 @@ sys.path.insert(0, os.path.join(HERE, "..", "examples", "pytorch"))
 DEFAULT_METHODS = ["ddp", "fp16", "powersgd4", "powersgd32", "geofp8 fp8", "geofp8 fp8+geometry",
                    "geofp8 nvfp4+geometry"]
 METHODS = ["ddp", "fp16", "bf16", "powersgd4", "powersgd32", "geofp8 fp8", "geofp8 fp8+geometry",
-           "geofp8 nvfp4+geometry"]
+           "geofp8 nvfp4+geometry", "geofp8 fp8+geometry/10"]
 GEOFP8_POLICY = {"geofp8 fp8": "fp8", "geofp8 fp8+geometry": "geofp8",
-                 "geofp8 nvfp4+geometry": "geonvfp4"}
+                 "geofp8 nvfp4+geometry": "geonvfp4",
+                 # The geofp8 preset with its EMA geometry refreshed every 10 steps, not every step.
+                 "geofp8 fp8+geometry/10": {
+                     "refresh": {"estimator": "ema", "interval": 10},
+                     "default": {"format": "fp8_e4m3"},
+                     "layers": [{"match": "*", "geometry": "lowrank", "rank": 8}]}}
 
 
 def ring(nbytes, world):
