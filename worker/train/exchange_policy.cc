@@ -50,6 +50,46 @@ std::string ReadPolicyFile(const std::string& path) {
 
 }  // namespace
 
+namespace {
+
+// Parses policy-file text and resolves it against `params`. `where` prefixes every error;
+// `model` names the model in an unmatched glob's error.
+ExchangePlan PlanFromText(std::string_view text, const std::string& name, const std::string& where,
+                          const std::vector<model::ParamInfo>& params, std::string_view model) {
+  absl::StatusOr<PolicyFileSpec> file = ParsePolicyFile(text);
+  if (!file.ok()) GEOFP8_FAIL(where, file.status().message());
+  // A patch whose glob names no parameter is a typo that would do nothing (as in a job spec).
+  for (size_t i = 0; i < file->policy.layers.size(); ++i) {
+    const std::string& glob = file->policy.layers[i].match;
+    if (std::string problem = UnmatchedGlobProblem(glob, params, model); !problem.empty()) {
+      GEOFP8_FAIL(where, "spec.policy.layers[", i, "].match: ", problem);
+    }
+  }
+  if (file->exchange.algorithm == Algorithm::kNative) {
+    GEOFP8_FAIL(where, "spec.exchange.algorithm: native needs NCCL on a GPU; the CPU trainer "
+                       "accepts two_phase, allgather, fp32, bf16 (native)");
+  }
+
+  // Resolved as the worker resolves a job's policy version 1.
+  const v1::Policy policy = InitialPolicy("geofp8-train", file->policy, 0);
+  absl::StatusOr<std::vector<LayerPolicy>> layers = ResolveLayers(policy, params);
+  if (!layers.ok()) GEOFP8_FAIL(where, layers.status().message());
+
+  ExchangePlan plan;
+  plan.name = name;
+  plan.algorithm = file->exchange.algorithm;
+  plan.bucket_cap_bytes = size_t(std::max(1.0, file->exchange.bucket_mb * 1024 * 1024));
+  plan.layers = std::move(*layers);
+  plan.refresh = file->geometry_refresh;
+  for (const model::ParamInfo& p : params) {
+    plan.refresh_intervals.push_back(ResolveLayer(policy, p.name).refresh_interval);
+    plan.matrices.push_back(p.is_matrix() && p.rows > 1 && p.cols > 1);
+  }
+  return plan;
+}
+
+}  // namespace
+
 ExchangePlan MakeExchangePlan(const std::string& spec,
                               const std::vector<model::ParamInfo>& params) {
   const bool is_file = spec.ends_with(".yaml") || spec.ends_with(".yml");
@@ -63,37 +103,14 @@ ExchangePlan MakeExchangePlan(const std::string& spec,
                 ", or a FILE.yaml)");
   }
   const std::string where = is_file ? "policy: " + spec + ": " : "policy: preset " + spec + ": ";
-  absl::StatusOr<PolicyFileSpec> file = ParsePolicyFile(text);
-  if (!file.ok()) GEOFP8_FAIL(where, file.status().message());
-  // A patch whose glob names no parameter is a typo that would do nothing (as in a job spec).
-  for (size_t i = 0; i < file->policy.layers.size(); ++i) {
-    const std::string& glob = file->policy.layers[i].match;
-    if (std::string problem = UnmatchedGlobProblem(glob, params, "the model"); !problem.empty()) {
-      GEOFP8_FAIL(where, "spec.policy.layers[", i, "].match: ", problem);
-    }
-  }
-  if (file->exchange.algorithm == Algorithm::kNative) {
-    GEOFP8_FAIL(where,
-                "spec.exchange.algorithm: native needs NCCL on a GPU; the CPU trainer "
-                "accepts two_phase, allgather, fp32, bf16 (native)");
-  }
+  return PlanFromText(text, spec, where, params, "the model");
+}
 
-  // Resolved as the worker resolves a job's policy version 1.
-  const v1::Policy policy = InitialPolicy("geofp8-train", file->policy, 0);
-  absl::StatusOr<std::vector<LayerPolicy>> layers = ResolveLayers(policy, params);
-  if (!layers.ok()) GEOFP8_FAIL(where, layers.status().message());
-
-  ExchangePlan plan;
-  plan.name = spec;
-  plan.algorithm = file->exchange.algorithm;
-  plan.bucket_cap_bytes = size_t(std::max(1.0, file->exchange.bucket_mb * 1024 * 1024));
-  plan.layers = std::move(*layers);
-  plan.refresh = file->geometry_refresh;
-  for (const model::ParamInfo& p : params) {
-    plan.refresh_intervals.push_back(ResolveLayer(policy, p.name).refresh_interval);
-    plan.matrices.push_back(p.is_matrix() && p.rows > 1 && p.cols > 1);
-  }
-  return plan;
+ExchangePlan MakeExchangePlanFromText(std::string_view yaml, const std::string& name,
+                                      const std::vector<model::ParamInfo>& params,
+                                      std::string_view model) {
+  return PlanFromText(yaml, name, "policy: " + name + ": ", params,
+                      model.empty() ? std::string_view("the model") : model);
 }
 
 ExchangeOptions MakeExchangeOptions(const ExchangePlan& plan) {

@@ -4,6 +4,7 @@
 #pragma once
 
 #include <string>
+#include <string_view>
 #include <vector>
 
 #include "kernels/exchange/exchanger.h"
@@ -37,6 +38,12 @@ std::string_view AcceptedPolicyPresets();
 // resolves a job's policy. A preset is such a file too (PresetPolicyFile). Throws geofp8::Error
 // with one line naming the file, line and field on a bad file or a glob that matches no layer.
 ExchangePlan MakeExchangePlan(const std::string& spec, const std::vector<model::ParamInfo>& params);
+
+// A policy file's text (the Python hook passes a string, or a dict as JSON, which is YAML).
+// `name` names the text in errors, and `model` the model in an unmatched glob's error.
+ExchangePlan MakeExchangePlanFromText(std::string_view yaml, const std::string& name,
+                                      const std::vector<model::ParamInfo>& params,
+                                      std::string_view model = "");
 
 // The Exchanger options the plan decides (algorithm, bucket cap, estimator and its knobs); the
 // caller adds what the run decides (seed, timeout, policy version, trace).
