@@ -32,7 +32,9 @@ esac
 [ -f "$JOB_SPEC" ] || { echo "demo.sh: error: GEOFP8_DEMO_JOB: no such file ($JOB_SPEC)" >&2; exit 2; }
 
 ensure_packages
-configure_and_build
+# Only the three programs the demo runs (the tests and benchmarks are scripts/test.sh's).
+GEOFP8_BUILD_TARGETS="${GEOFP8_BUILD_TARGETS:-geofp8-coordinator geofp8-worker geofp8ctl}" \
+  configure_and_build
 
 COORDINATOR="$GEOFP8_BUILD/server/coordinator/geofp8-coordinator"
 WORKER="$GEOFP8_BUILD/worker/daemon/geofp8-worker"

@@ -3,8 +3,9 @@
 
 Usage:
   scripts/demo_compare.py record CTL JOB OUT.jsonl [--interval S]
-      Polls `CTL get job JOB -o json` until the job ends; one JSON line per poll with the step,
-      state, training loss, wire and fp32 bytes, and the latest per-layer exchange error.
+      Follows `CTL watch JOB -o jsonpath=...` (every progress update: step, state, training loss,
+      wire and fp32 bytes) and polls `CTL get job JOB -o json` every S seconds (default 0.5) for
+      the latest per-layer exchange error, until the job ends; one JSON line per record.
   scripts/demo_compare.py report --euclid A.jsonl --geo B.jsonl [--png OUT.png] [--json OUT.json]
       [--skip-fraction F]
       Prints, as markdown tables: per layer, the median relative Frobenius error of the exchanged
@@ -19,37 +20,72 @@ import math
 import statistics
 import subprocess
 import sys
+import threading
 import time
 
 TERMINAL = ("JOB_SUCCEEDED", "JOB_FAILED", "JOB_CANCELLED")
 
 
 def record(args):
+    """Two sources into one file: `CTL watch JOB -o jsonpath=...` streams every progress update
+    (a dense loss curve), and `CTL get job JOB -o json` polls the per-layer summaries, which the
+    watch stream does not carry."""
+    template = ('{.job.state} {.job.progress.step} '
+                '{.job.progress.total_steps} {.job.progress.loss} {.job.progress.bytes_sent} '
+                '{.job.progress.bytes_baseline} {.job.policy_version}')
+    lock = threading.Lock()
+    out = open(args.out, "w")
+    ident = {"id": "", "name": args.job}  # filled in by the first poll
+
+    def write(rec):
+        with lock:
+            out.write(json.dumps(rec) + "\n")
+            out.flush()
+
+    watch = subprocess.Popen([args.ctl, "watch", args.job, "-o", "jsonpath=" + template],
+                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+    def follow():
+        for line in watch.stdout:
+            f = line.split()
+            if len(f) != 7:
+                continue
+            write({"t": time.time(), "id": ident["id"], "name": ident["name"], "state": f[0],
+                   "step": int(f[1]), "total_steps": int(f[2]), "loss": float(f[3]),
+                   "bytes_sent": int(f[4]), "bytes_baseline": int(f[5]),
+                   "policy_version": int(f[6]), "layers": []})
+
+    reader = threading.Thread(target=follow, daemon=True)
+    reader.start()
     last_step = None
-    with open(args.out, "w") as out:
-        while True:
-            proc = subprocess.run([args.ctl, "get", "job", args.job, "-o", "json"],
-                                  capture_output=True, text=True, timeout=60)
-            if proc.returncode != 0:
-                sys.exit(f"demo_compare.py: error: {args.ctl} get job {args.job}: "
-                         f"{proc.stderr.strip()}")
-            job = json.loads(proc.stdout)
-            p = job["progress"]
-            rec = {
-                "t": time.time(), "id": job["id"], "name": job["name"], "state": job["state"],
-                "step": p["step"], "total_steps": p["total_steps"], "loss": p["loss"],
-                "bytes_sent": p["bytes_sent"], "bytes_baseline": p["bytes_baseline"],
-                "policy_version": job["policy_version"],
-                "layers": [{"layer": l["layer"], "step": l["step"],
-                            "rel_fro_error": l["rel_fro_error"]} for l in job["layers"]],
-            }
-            if job["state"] in TERMINAL or p["step"] != last_step:
-                out.write(json.dumps(rec) + "\n")
-                out.flush()
-                last_step = p["step"]
-            if job["state"] in TERMINAL:
-                return 0
-            time.sleep(args.interval)
+    while True:
+        proc = subprocess.run([args.ctl, "get", "job", args.job, "-o", "json"],
+                              capture_output=True, text=True, timeout=60)
+        if proc.returncode != 0:
+            watch.kill()
+            sys.exit(f"demo_compare.py: error: {args.ctl} get job {args.job}: "
+                     f"{proc.stderr.strip()}")
+        job = json.loads(proc.stdout)
+        ident.update(id=job["id"], name=job["name"])
+        p = job["progress"]
+        if job["state"] in TERMINAL or p["step"] != last_step:
+            write({"t": time.time(), "id": job["id"], "name": job["name"], "state": job["state"],
+                   "step": p["step"], "total_steps": p["total_steps"], "loss": p["loss"],
+                   "bytes_sent": p["bytes_sent"], "bytes_baseline": p["bytes_baseline"],
+                   "policy_version": job["policy_version"],
+                   "layers": [{"layer": l["layer"], "step": l["step"],
+                               "rel_fro_error": l["rel_fro_error"]} for l in job["layers"]]})
+            last_step = p["step"]
+        if job["state"] in TERMINAL:
+            break
+        time.sleep(args.interval)
+    try:
+        watch.wait(30)
+    except subprocess.TimeoutExpired:
+        watch.kill()
+    reader.join(5)
+    out.close()
+    return 0
 
 
 def load(path):
@@ -118,7 +154,8 @@ def report(args):
     print("|---|---|---|---|---|---|---|---|")
     summary = {"layers": {l: {"euclidean": e[l], "geofp8": g[l]} for l in layers}, "runs": {}}
     for label, recs in runs.items():
-        last = recs[-1]
+        # The final state: records of the watch stream and of the polls interleave.
+        last = max(recs, key=lambda r: (r["state"] in TERMINAL, r["step"], r["bytes_sent"]))
         ls = losses(recs)
         final = statistics.mean(x for _, x in ls[-10:]) if ls else float("nan")
         frac = last["bytes_sent"] / last["bytes_baseline"] if last["bytes_baseline"] else math.nan
