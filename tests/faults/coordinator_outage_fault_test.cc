@@ -120,7 +120,7 @@ TEST(CoordinatorOutageFaultTest, KillNineLongerThanACheckpointIntervalStillSucce
       const size_t at = e.message().find(key);
       if (at == std::string::npos) continue;
       resumed_at = std::stoll(e.message().substr(at + key.size()));
-      if (key[1] == 'e') persisted_at = resumed_at;
+      if (key.rfind("rescheduling", 0) == 0) persisted_at = resumed_at;
     }
   }
   EXPECT_GE(resumed_at, recovery_point) << describe();
