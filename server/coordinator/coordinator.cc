@@ -821,11 +821,10 @@ void Coordinator::TrySchedule(Outbox& out) {
         v1::JobEvent event;
         event.set_unix_ms(clock_->NowMs());
         event.set_state(rec->job.state());
-        event.set_message("resuming from checkpoint step " + std::to_string(held) +
-                          ", the newest every rank of attempt " +
-                          std::to_string(rec->interrupted_attempt) +
-                          " holds (the persisted recovery point was step " +
-                          std::to_string(persisted) + ")");
+        event.set_message(
+            "resuming from checkpoint step " + std::to_string(held) +
+            ", the newest every rank of attempt " + std::to_string(rec->interrupted_attempt) +
+            " holds (the persisted recovery point was step " + std::to_string(persisted) + ")");
         if (auto st = store_->Transaction([&]() -> absl::Status {
               if (auto s2 = PersistJob(*rec); !s2.ok()) return s2;
               return store_->AppendEvent(rec->job.id(), event);

@@ -7,7 +7,8 @@
 // good with "resume: no rank holds a checkpoint at step N"; then every step trained during the
 // outage was redone from the persisted recovery point, and the files had no bound.
 //
-// GEOFP8_OUTAGE_SECONDS (default 3) sets the outage, for a longer run by hand (docs/reliability.md).
+// GEOFP8_OUTAGE_SECONDS (default 3) sets the outage, for a longer run by hand
+// (docs/reliability.md).
 #include <gtest/gtest.h>
 
 #include <algorithm>

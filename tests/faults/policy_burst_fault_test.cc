@@ -70,8 +70,7 @@ TEST(PolicyBurstFaultTest, RapidUpdatesNeverFailTheJobAndEveryRankSwitchesAtTheS
       // Alternate so every update makes a new version.
       patch.set_format((b * kUpdatesPerBurst + u) % 2 ? "fp8_e4m3" : "bf16");
       try {
-        last_version =
-            client.UpdatePolicy(job.id(), patch, "burst " + std::to_string(b)).version();
+        last_version = client.UpdatePolicy(job.id(), patch, "burst " + std::to_string(b)).version();
       } catch (const std::exception& e) {
         // The job failed (before the fix: "rank 1 ran step 97 under policy v33 but v34 took
         // effect at step 97"); the check below names the reason.
@@ -84,8 +83,8 @@ TEST(PolicyBurstFaultTest, RapidUpdatesNeverFailTheJobAndEveryRankSwitchesAtTheS
     std::this_thread::sleep_for(milliseconds(150));
   }
   const v1::Job done = client.WaitFinal(job.id(), seconds(120));
-  ASSERT_EQ(done.state(), v1::JOB_SUCCEEDED)
-      << done.reason() << "\n" << Describe(done, coordinator, {&w0, &w1});
+  ASSERT_EQ(done.state(), v1::JOB_SUCCEEDED) << done.reason() << "\n"
+                                             << Describe(done, coordinator, {&w0, &w1});
   ASSERT_GE(bursts, 6) << "the job ran too fast for the bursts";
 
   // Both ranks took the same versions at the same steps, each at or after its lower bound, and
@@ -119,8 +118,8 @@ TEST(PolicyBurstFaultTest, RapidUpdatesNeverFailTheJobAndEveryRankSwitchesAtTheS
   EXPECT_EQ(w0.Result(job.id())["policy_version"], std::to_string(last_version));
   EXPECT_EQ(w0.Result(job.id())["checksum"], w1.Result(job.id())["checksum"]);
   // How many versions arrived after their lower bound: each of these failed the job before.
-  std::printf("%d bursts, %llu versions: %d taken, %d of them after their effective_step\n",
-              bursts, static_cast<unsigned long long>(last_version), taken, late);
+  std::printf("%d bursts, %llu versions: %d taken, %d of them after their effective_step\n", bursts,
+              static_cast<unsigned long long>(last_version), taken, late);
 }
 
 }  // namespace

@@ -534,8 +534,8 @@ TEST_F(CoordinatorTest, TakenStepsAreRecordedAndPickTheResumedAttemptsVersions) 
   Worker b = Join("b");
   ASSERT_TRUE(Progress(a, 10).ok());
   ASSERT_TRUE(Progress(b, 10).ok());
-  ASSERT_EQ(Update(id, "*", "bf16")->effective_step(), 15);  // v2
-  ASSERT_TRUE(Send(b, PolicyAck(id, 2, 99)).ok());            // rank 1's report: not recorded
+  ASSERT_EQ(Update(id, "*", "bf16")->effective_step(), 15);        // v2
+  ASSERT_TRUE(Send(b, PolicyAck(id, 2, 99)).ok());                 // rank 1's report: not recorded
   ASSERT_TRUE(Send(a, PolicyAck(id, 2, 18, /*attempt=*/7)).ok());  // another attempt's: neither
   v1::GetPolicyRequest g;
   g.set_job_id(id);
@@ -605,9 +605,10 @@ TEST_F(CoordinatorTest, AfterARestartTheJobResumesFromTheNewestStepEveryRankHold
     EXPECT_EQ(job.progress().checkpoint_step(), all_report ? 30 : 10);
     bool event = false;
     for (const auto& e : job.events()) {
-      event |= e.message().find("resuming from checkpoint step 30, the newest every rank of "
-                                "attempt 0 holds (the persisted recovery point was step 10)") !=
-               std::string::npos;
+      event |=
+          e.message().find(
+              "resuming from checkpoint step 30, the newest every rank of "
+              "attempt 0 holds (the persisted recovery point was step 10)") != std::string::npos;
     }
     EXPECT_EQ(event, all_report);
     v1::CancelJobRequest cancel;

@@ -393,9 +393,8 @@ struct JobRunner::Impl {
     const size_t keep = size_t(std::max(2, r.options_.keep_unacknowledged));
     if (steps.size() <= keep + 1) return;
     const int64_t first_after = steps.front(), keep_from = steps[steps.size() - keep];
-    PruneCheckpoints(checkpoint_dir, r.options_.worker_name, [&](int64_t s) {
-      return s > first_after && s < keep_from;
-    });
+    PruneCheckpoints(checkpoint_dir, r.options_.worker_name,
+                     [&](int64_t s) { return s > first_after && s < keep_from; });
   }
 
   // Resumes at a.resume_step(): any rank whose own checkpoint is at that step broadcasts it

@@ -114,7 +114,7 @@ class JobRunner {
   std::map<uint64_t, v1::Policy> policies_;  // by version, not yet in force
   std::vector<v1::RefreshSchedule> initial_schedule_;
   uint64_t initial_schedule_version_ = 0;
-  std::string stop_reason_;        // non-empty once the coordinator asked to stop
+  std::string stop_reason_;  // non-empty once the coordinator asked to stop
   std::atomic<uint64_t> version_in_force_{0};
 
   Communicator* comm_ = nullptr;   // the attempt's, while it exists (for the abort watchdog)
