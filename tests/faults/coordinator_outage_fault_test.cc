@@ -95,10 +95,10 @@ TEST(CoordinatorOutageFaultTest, KillNineLongerThanACheckpointIntervalStillSucce
   Client client2(address);
   // The first calls may meet the connection the kill broke.
   v1::Job done;
-  for (const auto deadline = std::chrono::steady_clock::now() + seconds(90);
+  for (const auto deadline = std::chrono::steady_clock::now() + seconds(90 + 5 * OutageSeconds());
        std::chrono::steady_clock::now() < deadline;) {
     try {
-      done = client2.WaitFinal(job.id(), seconds(90));
+      done = client2.WaitFinal(job.id(), seconds(90 + 5 * OutageSeconds()));
       break;
     } catch (const std::exception&) {
       std::this_thread::sleep_for(milliseconds(100));
@@ -159,7 +159,8 @@ TEST(CoordinatorOutageFaultTest, KillNineLongerThanACheckpointIntervalStillSucce
   // checkpoints at or past the acknowledged recovery point.
   const std::string checksum = w0.Result(job.id(), done.attempt())["checksum"];
   EXPECT_EQ(checksum, w1.Result(job.id(), done.attempt())["checksum"]);
-  const v1::Job straight = client2.WaitFinal(client2.Submit(Spec("straight")).id(), seconds(90));
+  const v1::Job straight = client2.WaitFinal(client2.Submit(Spec("straight")).id(),
+                                             seconds(90 + 5 * OutageSeconds()));
   ASSERT_EQ(straight.state(), v1::JOB_SUCCEEDED) << describe();
   EXPECT_EQ(w0.Result(straight.id())["checksum"], checksum);
   EXPECT_LE(CountCheckpoints(w0, straight.id()), 2);

@@ -221,8 +221,11 @@ struct JobRunner::Impl {
 
   // The version in force at the start step of the attempt: the newest taken at or before it
   // (for a job from an older coordinator, whose versions carry no taken_step, the newest
-  // effective at or before it). It and the queued versions before it are removed.
-  std::optional<v1::Policy> TakeStartPolicy(int64_t start) {
+  // effective at or before it). When the resumed checkpoint was written under a newer version
+  // that the coordinator never heard was taken (rank 0's report was lost in a coordinator
+  // outage), that one: it was in force at the step before. It and the queued versions before it
+  // are removed.
+  std::optional<v1::Policy> TakeStartPolicy(int64_t start, uint64_t written_under) {
     std::lock_guard<std::mutex> lock(r.mu_);
     std::optional<v1::Policy> first, legacy;
     for (const auto& [v, p] : r.policies_) {
@@ -230,6 +233,11 @@ struct JobRunner::Impl {
       if (!p.has_taken_step() && p.effective_step() <= start) legacy = p;
     }
     if (!first) first = legacy;
+    if (auto it = r.policies_.find(written_under);
+        first && written_under > first->version() && it != r.policies_.end() &&
+        !it->second.has_taken_step()) {
+      first = it->second;
+    }
     if (first) r.policies_.erase(r.policies_.begin(), r.policies_.upper_bound(first->version()));
     return first;
   }
@@ -397,11 +405,13 @@ struct JobRunner::Impl {
                      [&](int64_t s) { return s > first_after && s < keep_from; });
   }
 
-  // Resumes at a.resume_step(): any rank whose own checkpoint is at that step broadcasts it
-  // (every rank's is identical), so a restart may land on different workers. The geometry comes
-  // with it; written under an older policy version, it is kept where the version in force now
-  // would have kept it.
-  void Restore(int64_t resume_step) {
+  // The checkpoint to resume at a.resume_step() from: any rank whose own checkpoint is at that
+  // step broadcasts it (every rank's is identical), so a restart may land on different workers.
+  // Fetched before the trainer exists: the policy version it was written under can decide the
+  // version the attempt starts with (TakeStartPolicy). Its geometry, written under an older
+  // version, is kept where the version in force now would have kept it (Trainer::Restore).
+  train::Checkpoint FetchCheckpoint(int64_t resume_step) {
+    const size_t weights = params.empty() ? 0 : size_t(params.back().offset + params.back().size());
     bool have = false;
     train::Checkpoint c;
     const std::string path = checkpoint_dir.empty() ? "" : CheckpointPath(resume_step);
@@ -409,7 +419,7 @@ struct JobRunner::Impl {
       try {
         c = train::LoadCheckpoint(path);
         have = c.next_step == resume_step && c.fingerprint == Fingerprint() &&
-               c.weights.size() == trainer->model().weights().size();
+               c.weights.size() == weights;
       } catch (const std::exception& e) {
         Log("job " + a.job_id() + ": ignoring checkpoint " + path + ": " + e.what());
       }
@@ -432,10 +442,10 @@ struct JobRunner::Impl {
     bytes.resize(size);
     comm->Broadcast({reinterpret_cast<uint8_t*>(bytes.data()), bytes.size()}, root);
     if (rank != root) c = train::ParseCheckpoint(bytes, "rank " + std::to_string(root) + "'s checkpoint");
-    trainer->Restore(c);
     Log("job " + a.job_id() + " rank " + std::to_string(rank) + ": resumed at step " +
         std::to_string(resume_step) + " from rank " + std::to_string(root) +
         "'s checkpoint (policy v" + std::to_string(c.policy_version) + ")");
+    return c;
   }
 
   // Rank 0 sends each layer's rel_fro_error and residual-subspace error from a measured step,
@@ -589,7 +599,9 @@ struct JobRunner::Impl {
 
     const int64_t start = a.resume_step() > 0 ? a.resume_step() : 0;
     policy.set_version(0);
-    std::optional<v1::Policy> first = TakeStartPolicy(start);
+    std::optional<train::Checkpoint> resumed;
+    if (start > 0) resumed = FetchCheckpoint(start);
+    std::optional<v1::Policy> first = TakeStartPolicy(start, resumed ? resumed->policy_version : 0);
     GEOFP8_CHECK(first.has_value(), "policy: no version in force at step ", start);
     {
       train::ExchangePlan plan;
@@ -614,7 +626,7 @@ struct JobRunner::Impl {
       ps.seed = spec.training.seed;
       prober = std::make_unique<GeometryProbe>(params, ps);
     }
-    if (start > 0) Restore(start);
+    if (resumed) trainer->Restore(*resumed);
     Announce(*first, start, first->has_taken_step() ? first->taken_step() : start);
 
     const int64_t steps = spec.training.steps;
