@@ -89,12 +89,12 @@ v1::Policy InitialPolicy(const std::string& job_id, const JobSpec& spec, int64_t
   p.set_job_id(job_id);
   p.set_version(1);
   p.set_effective_step(0);
-  p.set_taken_step(0);  // in force from the first step on every rank
   *p.mutable_default_policy() = ToProto(spec.policy.defaults);
   for (const auto& patch : spec.policy.layers) *p.add_patches() = ToProto(patch);
   p.set_reason("job spec");
   p.set_author("spec");
   p.set_created_unix_ms(now_ms);
+  p.set_taken_step(0);  // in force from the first step on every rank
   return p;
 }
 
