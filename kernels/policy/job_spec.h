@@ -71,7 +71,7 @@ struct ExchangeSpec {
 struct PolicySpec {
   LayerPolicy defaults;                // applied to every layer first
   std::vector<LayerPatchSpec> layers;  // then each matching patch, in order
-  int margin = 5;                      // effective_step = largest reported step + margin
+  int margin = 5;  // effective_step (a lower bound) = largest reported step + margin
 };
 
 // Bounds for the auto policy engine (DESIGN.md section 2, "auto" mode).

@@ -98,6 +98,7 @@ v1::Policy InitialPolicy(const std::string& job_id, const PolicySpec& spec, int6
   p.set_reason("job spec");
   p.set_author("spec");
   p.set_created_unix_ms(now_ms);
+  p.set_taken_step(0);  // in force from the first step on every rank
   return p;
 }
 

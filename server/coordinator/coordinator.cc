@@ -77,6 +77,49 @@ Coordinator::Coordinator(Store* store, Clock* clock, CoordinatorOptions options)
 
 Coordinator::~Coordinator() { Shutdown(); }
 
+namespace {
+
+// Index of the policy version in force at `step`: the newest taken at or before it; for a job
+// from an older coordinator, whose versions carry no taken_step, the newest effective by then.
+size_t InForceAt(const std::vector<v1::Policy>& policies, int64_t step) {
+  std::optional<size_t> taken;
+  size_t legacy = 0;
+  for (size_t v = 0; v < policies.size(); ++v) {
+    if (policies[v].has_taken_step() && policies[v].taken_step() <= step) taken = v;
+    if (!policies[v].has_taken_step() && policies[v].effective_step() <= step) legacy = v;
+  }
+  return taken ? *taken : legacy;
+}
+
+// The versions an attempt resuming at `resume` can need, oldest first: the one in force there;
+// the taken ones after it (replayed at their taken_step); and those after the newest taken one
+// (the ranks take them when all hold them). A version older than a taken one that was never
+// taken was overtaken and never in force. Of untaken versions sharing an effective step only the
+// newest can be taken (a stalled job gives every update the same step), so only it is sent.
+std::vector<size_t> PolicyHistory(const std::vector<v1::Policy>& policies, int64_t resume) {
+  const size_t first = InForceAt(policies, resume);
+  size_t newest_taken = first;
+  for (size_t v = first; v < policies.size(); ++v) {
+    if (policies[v].has_taken_step()) newest_taken = v;
+  }
+  std::vector<size_t> out = {first};
+  for (size_t v = first + 1; v < policies.size(); ++v) {
+    if (policies[v].has_taken_step()) {
+      out.push_back(v);
+      continue;
+    }
+    if (v < newest_taken) continue;
+    if (v + 1 < policies.size() && !policies[v + 1].has_taken_step() &&
+        policies[v + 1].effective_step() == policies[v].effective_step()) {
+      continue;
+    }
+    out.push_back(v);
+  }
+  return out;
+}
+
+}  // namespace
+
 bool Coordinator::IsFinal(v1::JobState s) {
   return s == v1::JOB_SUCCEEDED || s == v1::JOB_FAILED || s == v1::JOB_CANCELLED;
 }
@@ -118,6 +161,14 @@ absl::Status Coordinator::Recover() {
     it->second->policies.push_back(std::move(p));
   }
   for (JobRec* rec : job_order_) {
+    if (rec->job.state() == v1::JOB_SCHEDULED || rec->job.state() == v1::JOB_RUNNING) {
+      rec->interrupted_attempt = rec->job.attempt();
+      for (const auto& r : rec->job.ranks()) {
+        if (r.rank() < 0 || r.rank() >= rec->job.world_size()) continue;
+        rec->interrupted_workers.resize(rec->job.world_size());
+        rec->interrupted_workers[r.rank()] = r.worker_id();
+      }
+    }
     rec->job.clear_ranks();
     if (rec->policies.empty()) {
       SetState(*rec, v1::JOB_FAILED, "store: job has no policy version");
@@ -359,6 +410,7 @@ absl::StatusOr<v1::Policy> Coordinator::AddPolicyVersion(
   const v1::Policy& latest = rec.policies.back();
   v1::Policy next = latest;
   next.set_version(latest.version() + 1);
+  next.clear_taken_step();  // not taken until rank 0 says so
   // Ranks that already passed the effective step would diverge, so it lies beyond the largest
   // step any rank has reported, by the job's margin.
   next.set_effective_step(rec.job.progress().step() + rec.spec.policy.margin);
@@ -532,6 +584,7 @@ absl::StatusOr<v1::RegisterResponse> Coordinator::Register(const v1::RegisterReq
     w.info.set_last_step(-1);
     w.sink.reset();
     w.fenced_reason.clear();
+    w.held.assign(request.checkpoints().begin(), request.checkpoints().end());
     SyncLive(w, /*touch=*/true);
     response.set_worker_id(w.info.id());
     response.set_generation(*gen);
@@ -581,6 +634,21 @@ absl::Status Coordinator::OpenSession(const std::string& worker_id, uint64_t gen
     }
     w.sink = std::move(sink);
     SyncLive(w, /*touch=*/true);
+    // A rank whose stream broke may have missed policy versions sent meanwhile. The ranks only
+    // agree on versions every one of them holds, so resend those not yet taken, in order
+    // (a rank ignores the ones it has).
+    if (auto j = jobs_.find(w.info.job_id()); !w.info.job_id().empty() && j != jobs_.end()) {
+      const std::vector<v1::Policy>& ps = j->second->policies;
+      size_t from = 0;
+      for (size_t v = 0; v < ps.size(); ++v) {
+        if (ps[v].has_taken_step()) from = v + 1;
+      }
+      for (size_t v = from; v < ps.size(); ++v) {
+        v1::CoordinatorMessage m;
+        *m.mutable_policy() = ps[v];
+        out.emplace_back(w.sink, std::move(m));
+      }
+    }
     if (w.info.state() == v1::WORKER_DISCONNECTED) {
       w.info.set_state(w.info.job_id().empty() ? v1::WORKER_IDLE : v1::WORKER_ASSIGNED);
     }
@@ -660,6 +728,35 @@ void Coordinator::FailAttempt(JobRec& rec, const std::string& reason, bool resta
   }
 }
 
+int64_t Coordinator::ResumeAfterOutage(const JobRec& rec,
+                                       const std::vector<WorkerRec*>& chosen) const {
+  std::optional<std::set<int64_t>> common;
+  for (size_t r = 0; r < rec.interrupted_workers.size(); ++r) {
+    auto it = workers_.find(rec.interrupted_workers[r]);
+    if (it == workers_.end()) return -1;
+    std::set<int64_t> steps;
+    for (const auto& h : it->second.held) {
+      if (h.job_id() == rec.job.id() && h.attempt() == rec.interrupted_attempt &&
+          h.rank() == static_cast<int32_t>(r)) {
+        steps.insert(h.steps().begin(), h.steps().end());
+      }
+    }
+    if (common) {
+      std::erase_if(*common, [&](int64_t s) { return !steps.count(s); });
+    } else {
+      common = std::move(steps);
+    }
+  }
+  if (!common || common->empty()) return -1;
+  const bool holder_chosen = std::any_of(chosen.begin(), chosen.end(), [&](const WorkerRec* w) {
+    return std::find(rec.interrupted_workers.begin(), rec.interrupted_workers.end(),
+                     w->info.id()) != rec.interrupted_workers.end();
+  });
+  if (!holder_chosen) return -1;
+  const int64_t newest = *common->rbegin();
+  return newest <= rec.spec.training.steps ? newest : -1;
+}
+
 void Coordinator::TrySchedule(Outbox& out) {
   std::string blocked_by;  // the first job that fits the fleet but waits for busy workers
   for (JobRec* rec : job_order_) {
@@ -700,6 +797,48 @@ void Coordinator::TrySchedule(Outbox& out) {
       continue;
     }
     rec->job.clear_scheduling();
+    if (!rec->interrupted_workers.empty()) {
+      // After a coordinator restart the interrupted attempt's workers go first, each to its old
+      // rank where it can: they hold the checkpoints written while the coordinator was away.
+      std::vector<WorkerRec*> ordered;
+      for (const std::string& id : rec->interrupted_workers) {
+        auto it = std::find_if(idle.begin(), idle.end(),
+                               [&](WorkerRec* w) { return w && w->info.id() == id; });
+        if (it != idle.end()) {
+          ordered.push_back(*it);
+          *it = nullptr;
+        }
+      }
+      for (WorkerRec* w : idle) {
+        if (w) ordered.push_back(w);
+      }
+      idle = std::move(ordered);
+      std::vector<WorkerRec*> chosen(idle.begin(), idle.begin() + world);
+      const int64_t held = ResumeAfterOutage(*rec, chosen);
+      const int64_t persisted = rec->job.progress().checkpoint_step();
+      if (held > persisted) {
+        rec->job.mutable_progress()->set_checkpoint_step(held);
+        v1::JobEvent event;
+        event.set_unix_ms(clock_->NowMs());
+        event.set_state(rec->job.state());
+        event.set_message(
+            "resuming from checkpoint step " + std::to_string(held) +
+            ", the newest every rank of attempt " + std::to_string(rec->interrupted_attempt) +
+            " holds (the persisted recovery point was step " + std::to_string(persisted) + ")");
+        if (auto st = store_->Transaction([&]() -> absl::Status {
+              if (auto s2 = PersistJob(*rec); !s2.ok()) return s2;
+              return store_->AppendEvent(rec->job.id(), event);
+            });
+            st.ok()) {
+          rec->events.push_back(event);
+        } else {
+          rec->job.mutable_progress()->set_checkpoint_step(persisted);
+          std::fprintf(stderr, "geofp8-coordinator: %s\n", st.ToString().c_str());
+        }
+      }
+      rec->interrupted_workers.clear();
+      rec->interrupted_attempt = -1;
+    }
     rec->ranks.clear();
     rec->job.clear_ranks();
     for (int r = 0; r < world; ++r) {
@@ -729,19 +868,9 @@ void Coordinator::TrySchedule(Outbox& out) {
       a->set_resume_step(rec->job.progress().checkpoint_step());
       a->set_checkpoint_path(rec->spec.checkpoint.dir);
       *a->mutable_policy() = rec->policies.back();
-      // Only what the rank can still need: the version in force at its resume step and those
-      // after it. Every version since v1 grew without bound and past gRPC's message limit.
-      size_t first = 0;
-      for (size_t v = 0; v < rec->policies.size(); ++v) {
-        if (rec->policies[v].effective_step() <= rec->job.progress().checkpoint_step()) first = v;
-      }
-      for (size_t v = first; v < rec->policies.size(); ++v) {
-        // Of versions sharing an effective step only the newest is ever in force (a stalled job
-        // gives every update the same step).
-        if (v + 1 < rec->policies.size() &&
-            rec->policies[v + 1].effective_step() == rec->policies[v].effective_step()) {
-          continue;
-        }
+      // Only what the rank can still need (issue #4: every version since v1 grew without bound
+      // and past gRPC's message limit): see PolicyHistory.
+      for (size_t v : PolicyHistory(rec->policies, rec->job.progress().checkpoint_step())) {
         *a->add_policy_history() = rec->policies[v];
       }
       *a->mutable_peers() = rec->job.ranks();
@@ -807,16 +936,17 @@ void Coordinator::OnProgress(JobRec& rec, int rank, const v1::StepProgress& p, O
   rs.step = std::max(rs.step, p.step());
   rs.bytes_sent = p.bytes_sent();
   rs.bytes_baseline = p.bytes_baseline();
-  // A rank that ran a step under an older policy than the one in force there has diverged.
+  // A rank that ran a step under an older policy than one taken at or before it has diverged.
+  // A version's effective_step is only a lower bound: taking it later is no divergence.
   if (p.policy_version() != 0) {
     for (const auto& policy : rec.policies) {
-      if (policy.version() > p.policy_version() && p.step() >= policy.effective_step() &&
-          policy.effective_step() > 0) {
+      if (policy.version() > p.policy_version() && policy.has_taken_step() &&
+          p.step() >= policy.taken_step()) {
         FailAttempt(rec,
                     "rank " + std::to_string(rank) + " ran step " + std::to_string(p.step()) +
                         " under policy v" + std::to_string(p.policy_version()) + " but v" +
                         std::to_string(policy.version()) + " took effect at step " +
-                        std::to_string(policy.effective_step()),
+                        std::to_string(policy.taken_step()),
                     /*restartable=*/false, out);
         return;
       }
@@ -997,7 +1127,21 @@ absl::Status Coordinator::HandleWorkerMessage(const v1::WorkerMessage& message) 
           TrySchedule(out);
         }
         break;
-      case v1::WorkerMessage::kPolicyAck:
+      case v1::WorkerMessage::kPolicyAck: {
+        // Rank 0 says at which step the ranks took a version: a resumed attempt replays by it,
+        // and OnProgress checks every rank against it.
+        const v1::PolicyAck& pa = message.policy_ack();
+        if (rec && rank == 0 && pa.has_step() && pa.version() >= 1 &&
+            pa.version() <= rec->policies.size() && SameAttempt(*rec, pa.job_id(), pa.attempt())) {
+          v1::Policy& taken = rec->policies[pa.version() - 1];
+          if (!taken.has_taken_step() || taken.taken_step() != pa.step()) {
+            taken.set_taken_step(pa.step());
+            if (auto s = store_->PutPolicy(taken); !s.ok()) return s;
+            Changed(*rec);
+          }
+        }
+        break;
+      }
       case v1::WorkerMessage::BODY_NOT_SET:
         break;
     }

@@ -134,11 +134,17 @@ class Coordinator {
     std::vector<RankState> ranks;  // current attempt, empty unless SCHEDULED or RUNNING
     uint64_t change = 1;
     int64_t persisted_progress_ms = 0;
+    // After a coordinator restart, until the job is scheduled again: the attempt that was
+    // running and its ranks' worker ids. The checkpoints they report when they register again
+    // may allow a later resume step than the persisted recovery point (ResumeAfterOutage).
+    int32_t interrupted_attempt = -1;
+    std::vector<std::string> interrupted_workers;
   };
   struct WorkerRec {
     v1::Worker info;
     std::shared_ptr<SessionSink> sink;
     std::string fenced_reason;  // non-empty once the current generation is fenced
+    std::vector<v1::HeldCheckpoints> held;  // reported at its last Register
   };
   // Heartbeat fast path: what a heartbeat needs, under its own mutex, so heartbeats never wait
   // behind a store fsync held under mu_. Written under mu_ + live_mu_ (that order); the last
@@ -167,6 +173,10 @@ class Coordinator {
   void ReleaseRanks(JobRec& rec, const std::string& stop_reason, Outbox& out);
   void FailAttempt(JobRec& rec, const std::string& reason, bool restartable, Outbox& out);
   void TrySchedule(Outbox& out);
+  // The newest step past the persisted recovery point that every rank of the interrupted
+  // attempt reported holding, when one of `chosen` is such a rank (it broadcasts the
+  // checkpoint); -1 otherwise.
+  int64_t ResumeAfterOutage(const JobRec& rec, const std::vector<WorkerRec*>& chosen) const;
   void SendToRanks(const JobRec& rec, const v1::CoordinatorMessage& m, Outbox& out);
   // The latest version with `patches` appended (and `default_policy` in place of its default,
   // when given), compacted. When that equals the latest version, no version is made:

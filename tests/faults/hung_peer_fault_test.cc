@@ -95,6 +95,8 @@ TEST(HungPeerFaultTest, StopAbortsTheCollectiveAndTheJobRestartsOnTheSpare) {
   // The abort fires 1 s after the stop; the rest is slack for a loaded 2-core machine.
   EXPECT_LT(left_s, 5.0) << left["reason"];
   EXPECT_LT(running_s, 10.0) << Describe(j, coordinator, all);
+  // The recovery target (issue #13): running again within 10 s of the worker's death.
+  EXPECT_LT(double(running_ms - sigstop_ms) / 1000.0, 10.0) << Describe(j, coordinator, all);
 
   // Both ranks of attempt 1 end equal, and equal to the same job run without a fault.
   WorkerProcess* other = nullptr;

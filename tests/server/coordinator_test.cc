@@ -132,6 +132,34 @@ class CoordinatorTest : public ::testing::Test {
     return r->policy();
   }
 
+  static v1::WorkerMessage PolicyAck(const std::string& id, uint64_t version, int64_t step,
+                                     int attempt = 0) {
+    v1::WorkerMessage m;
+    m.mutable_policy_ack()->set_version(version);
+    m.mutable_policy_ack()->set_step(step);
+    m.mutable_policy_ack()->set_job_id(id);
+    m.mutable_policy_ack()->set_attempt(attempt);
+    return m;
+  }
+  Worker JoinHolding(const std::string& name, const std::string& job_id, int attempt, int rank,
+                     std::vector<int64_t> steps) {
+    v1::RegisterRequest req;
+    req.set_name(name);
+    req.set_device("cpu");
+    v1::HeldCheckpoints* h = req.add_checkpoints();
+    h->set_job_id(job_id);
+    h->set_attempt(attempt);
+    h->set_rank(rank);
+    for (int64_t s : steps) h->add_steps(s);
+    auto r = coordinator->Register(req);
+    EXPECT_TRUE(r.ok()) << r.status();
+    Worker w;
+    w.id = r->worker_id();
+    w.generation = r->generation();
+    EXPECT_TRUE(coordinator->OpenSession(w.id, w.generation, w.sink).ok());
+    return w;
+  }
+
   FakeClock clock;
   std::unique_ptr<Store> store;
   std::unique_ptr<Coordinator> coordinator;
@@ -481,14 +509,115 @@ TEST_F(CoordinatorTest, PolicyTakesEffectAtLargestReportedStepPlusMargin) {
   EXPECT_EQ(versions->policies(0).author(), "spec");
   EXPECT_EQ(versions->policies(1).author(), "user");
 
-  // A rank that runs the effective step under v1 has diverged: the job fails loudly.
+  // The effective step is a lower bound: running it under v1 is fine while the ranks have not
+  // taken v2 (they take it once every rank holds it).
   ASSERT_TRUE(Progress(a, 45, /*policy_version=*/1).ok());
+  ASSERT_TRUE(Progress(b, 46, /*policy_version=*/1).ok());
+  EXPECT_EQ(Get(id).state(), v1::JOB_RUNNING);
+  // Rank 0 took it at step 47; a rank that runs step 47 under v1 has diverged: the job fails.
+  ASSERT_TRUE(Send(a, PolicyAck(id, 2, 47)).ok());
+  ASSERT_TRUE(Progress(b, 47, /*policy_version=*/1).ok());
   v1::Job job = Get(id);
   EXPECT_EQ(job.state(), v1::JOB_FAILED);
-  EXPECT_NE(job.reason().find("ran step 45 under policy v1 but v2 took effect at step 45"),
+  EXPECT_NE(job.reason().find("ran step 47 under policy v1 but v2 took effect at step 47"),
             std::string::npos)
       << job.reason();
   EXPECT_EQ(Update(id, "*", "bf16").status().code(), absl::StatusCode::kFailedPrecondition);
+}
+
+// Rank 0 reports the step at which the ranks took each version; a restarted attempt gets the
+// version in force at its resume step, the taken ones after it (to replay at their steps) and
+// the untaken tail, without versions that were overtaken.
+TEST_F(CoordinatorTest, TakenStepsAreRecordedAndPickTheResumedAttemptsVersions) {
+  std::string id = Submit(kSpec2);  // margin 5, max_restarts 1
+  Worker a = Join("a");
+  Worker b = Join("b");
+  ASSERT_TRUE(Progress(a, 10).ok());
+  ASSERT_TRUE(Progress(b, 10).ok());
+  ASSERT_EQ(Update(id, "*", "bf16")->effective_step(), 15);        // v2
+  ASSERT_TRUE(Send(b, PolicyAck(id, 2, 99)).ok());                 // rank 1's report: not recorded
+  ASSERT_TRUE(Send(a, PolicyAck(id, 2, 18, /*attempt=*/7)).ok());  // another attempt's: neither
+  v1::GetPolicyRequest g;
+  g.set_job_id(id);
+  g.set_version(2);
+  EXPECT_FALSE(coordinator->GetPolicy(g)->has_taken_step());
+  ASSERT_TRUE(Send(a, PolicyAck(id, 2, 18)).ok());
+  EXPECT_EQ(coordinator->GetPolicy(g)->taken_step(), 18);
+  ASSERT_TRUE(Progress(a, 20, 2).ok());
+  ASSERT_TRUE(Progress(b, 20, 2).ok());
+  ASSERT_EQ(Update(id, "*", "fp8_e4m3")->effective_step(), 25);  // v3, overtaken by v4
+  ASSERT_EQ(Update(id, "*", "bf16")->effective_step(), 25);      // v4
+  ASSERT_TRUE(Send(a, PolicyAck(id, 4, 26)).ok());
+  ASSERT_TRUE(Progress(a, 26, 4).ok());
+  ASSERT_TRUE(Progress(b, 26, 4).ok());
+  ASSERT_EQ(Update(id, "*", "fp8_e4m3")->effective_step(), 31);  // v5, same step as v6
+  ASSERT_EQ(Update(id, "*", "bf16")->effective_step(), 31);      // v6
+  v1::WorkerMessage ckpt;
+  ckpt.mutable_checkpoint()->set_step(20);
+  ASSERT_TRUE(Send(a, ckpt).ok());
+  EXPECT_EQ(Get(id).state(), v1::JOB_RUNNING);
+
+  clock.now += 600;
+  ASSERT_TRUE(Heartbeat(a).ok());  // b goes silent: attempt 1 resumes at step 20
+  clock.now += 600;
+  coordinator->Tick();
+  a.sink->Take(v1::CoordinatorMessage::kAssignment);
+  Worker b2 = Join("b");
+  auto as = b2.sink->Take(v1::CoordinatorMessage::kAssignment);
+  ASSERT_EQ(as.size(), 1u);
+  const v1::Assignment& asg = as[0].assignment();
+  EXPECT_EQ(asg.resume_step(), 20);
+  std::vector<uint64_t> versions;
+  for (const auto& p : asg.policy_history()) versions.push_back(p.version());
+  EXPECT_EQ(versions, (std::vector<uint64_t>{2, 4, 6}));
+  EXPECT_EQ(asg.policy_history(0).taken_step(), 18);
+  EXPECT_EQ(asg.policy_history(1).taken_step(), 26);
+  EXPECT_FALSE(asg.policy_history(2).has_taken_step());
+}
+
+// After a coordinator restart, the workers of the interrupted attempt report the checkpoints
+// they hold; the job resumes from the newest step all of them hold, not the persisted point.
+TEST_F(CoordinatorTest, AfterARestartTheJobResumesFromTheNewestStepEveryRankHolds) {
+  const auto dir = std::filesystem::temp_directory_path() /
+                   ("geofp8-coordinator-held-" + std::to_string(::getpid()));
+  std::filesystem::remove_all(dir);
+  for (const bool all_report : {true, false}) {
+    Open(dir.string());  // no workers registered
+    std::string id = Submit(kSpec2);
+    Worker a = Join(all_report ? "a" : "c");
+    Worker b = Join(all_report ? "b" : "d");
+    ASSERT_TRUE(Progress(a, 12).ok());
+    ASSERT_TRUE(Progress(b, 12).ok());
+    v1::WorkerMessage ckpt;
+    ckpt.mutable_checkpoint()->set_step(10);
+    ASSERT_TRUE(Send(a, ckpt).ok());
+    Open(dir.string());  // the coordinator restarts; the ranks trained on meanwhile
+    ASSERT_EQ(Get(id).state(), v1::JOB_PENDING);
+    Worker a2 = JoinHolding(all_report ? "a" : "c", id, 0, 0, {10, 25, 30, 35});
+    // Without b's report (say it held files of another attempt) the persisted point stays.
+    Worker b2 = JoinHolding(all_report ? "b" : "d", id, all_report ? 0 : 3, 1, {10, 25, 30});
+    v1::Job job = Get(id);
+    ASSERT_EQ(job.state(), v1::JOB_SCHEDULED) << job.reason();
+    auto as = a2.sink->Take(v1::CoordinatorMessage::kAssignment);
+    ASSERT_EQ(as.size(), 1u);
+    EXPECT_EQ(as[0].assignment().resume_step(), all_report ? 30 : 10);
+    EXPECT_EQ(as[0].assignment().rank(), 0);
+    EXPECT_EQ(job.progress().checkpoint_step(), all_report ? 30 : 10);
+    bool event = false;
+    for (const auto& e : job.events()) {
+      event |=
+          e.message().find(
+              "resuming from checkpoint step 30, the newest every rank of "
+              "attempt 0 holds (the persisted recovery point was step 10)") != std::string::npos;
+    }
+    EXPECT_EQ(event, all_report);
+    v1::CancelJobRequest cancel;
+    cancel.set_job_id(id);
+    ASSERT_TRUE(coordinator->CancelJob(cancel).ok());
+  }
+  coordinator.reset();
+  store.reset();
+  std::filesystem::remove_all(dir);
 }
 
 TEST_F(CoordinatorTest, WorkerReportedFailureFailsTheJobWithItsReason) {

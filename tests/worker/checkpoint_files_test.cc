@@ -40,6 +40,10 @@ TEST(CheckpointFiles, PruneRemovesOnlyThisWorkersSelectedSteps) {
   // A worker named "w0.7" owns its own files only.
   EXPECT_EQ(PruneCheckpoints(dir.path(), "w0.7", [](int64_t) { return true; }), 1);
   EXPECT_EQ(PruneCheckpoints(dir.path() + "/missing", "w0", [](int64_t) { return true; }), 0);
+  // What a worker reports when it registers again: its own well-formed files, ascending.
+  EXPECT_EQ(ListCheckpoints(dir.path(), "w0"), (std::vector<int64_t>{30, 40}));
+  EXPECT_EQ(ListCheckpoints(dir.path(), "w01"), (std::vector<int64_t>{10}));
+  EXPECT_TRUE(ListCheckpoints(dir.path() + "/missing", "w0").empty());
 }
 
 }  // namespace

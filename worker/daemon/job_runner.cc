@@ -5,6 +5,7 @@
 
 #include "worker/daemon/job_runner.h"
 
+#include <algorithm>
 #include <cmath>
 #include <cstdio>
 #include <filesystem>
@@ -57,26 +58,46 @@ std::string CheckpointFile(const std::string& dir, const std::string& worker_nam
       .string();
 }
 
+namespace {
+
+// The step of a file named <worker_name>.<step>.ckpt; -1 for any other name.
+int64_t CheckpointStepOf(const std::string& file, const std::string& worker_name) {
+  const std::string prefix = worker_name + ".", suffix = ".ckpt";
+  if (file.size() <= prefix.size() + suffix.size() || file.compare(0, prefix.size(), prefix) != 0 ||
+      file.compare(file.size() - suffix.size(), suffix.size(), suffix) != 0) {
+    return -1;
+  }
+  const std::string digits =
+      file.substr(prefix.size(), file.size() - prefix.size() - suffix.size());
+  if (digits.empty() || digits.size() > 18 ||
+      digits.find_first_not_of("0123456789") != std::string::npos) {
+    return -1;
+  }
+  return std::stoll(digits);
+}
+
+}  // namespace
+
 int PruneCheckpoints(const std::string& dir, const std::string& worker_name,
                      const std::function<bool(int64_t step)>& remove) {
-  const std::string prefix = worker_name + ".", suffix = ".ckpt";
   int removed = 0;
   std::error_code ec;
   for (const auto& entry : std::filesystem::directory_iterator(dir, ec)) {
-    const std::string f = entry.path().filename().string();
-    if (f.size() <= prefix.size() + suffix.size() || f.compare(0, prefix.size(), prefix) != 0 ||
-        f.compare(f.size() - suffix.size(), suffix.size(), suffix) != 0) {
-      continue;
-    }
-    const std::string digits =
-        f.substr(prefix.size(), f.size() - prefix.size() - suffix.size());
-    if (digits.empty() || digits.size() > 18 ||
-        digits.find_first_not_of("0123456789") != std::string::npos) {
-      continue;
-    }
-    if (remove(std::stoll(digits)) && std::filesystem::remove(entry.path(), ec)) ++removed;
+    const int64_t step = CheckpointStepOf(entry.path().filename().string(), worker_name);
+    if (step >= 0 && remove(step) && std::filesystem::remove(entry.path(), ec)) ++removed;
   }
   return removed;
+}
+
+std::vector<int64_t> ListCheckpoints(const std::string& dir, const std::string& worker_name) {
+  std::vector<int64_t> steps;
+  std::error_code ec;
+  for (const auto& entry : std::filesystem::directory_iterator(dir, ec)) {
+    const int64_t step = CheckpointStepOf(entry.path().filename().string(), worker_name);
+    if (step >= 0) steps.push_back(step);
+  }
+  std::sort(steps.begin(), steps.end());
+  return steps;
 }
 
 namespace {
@@ -165,21 +186,66 @@ struct JobRunner::Impl {
     r.policies_.emplace(a.policy().version(), a.policy());
   }
 
-  // The newest queued version with effective_step <= step, removing every such version.
-  // From here on a version effective at or before `step` arrives too late (see OfferPolicy).
-  std::optional<v1::Policy> TakeDuePolicy(int64_t step) {
+  // The version to put in force from the start of `step` (nullopt: the one in force stays),
+  // removing it and every older queued version. `agreed` is the newest version that every rank
+  // holds (Control). A taken version (one a resumed attempt replays) applies exactly at its
+  // taken_step, and until the last of them has, nothing else does. Any other version applies at
+  // the first step at or after its effective_step (a lower bound) at which every rank holds it.
+  // Every rank decides with the same `agreed` and the same queued versions up to it (versions
+  // reach a rank in order), so all of them switch at the same step, and none has passed it.
+  std::optional<v1::Policy> TakeDuePolicy(int64_t step, uint64_t agreed) {
     std::lock_guard<std::mutex> lock(r.mu_);
-    r.started_step_ = step;
+    const uint64_t in_force = policy.version();
     std::optional<v1::Policy> due;
-    for (auto it = r.policies_.begin(); it != r.policies_.end();) {
-      if (it->second.effective_step() <= step) {
-        if (it->first > policy.version()) due = it->second;
-        it = r.policies_.erase(it);
+    bool replaying = false;
+    for (const auto& [v, p] : r.policies_) {
+      if (v <= in_force || !p.has_taken_step()) continue;
+      if (p.taken_step() <= step) {
+        due = p;
       } else {
-        ++it;
+        replaying = true;
       }
     }
+    if (!replaying) {
+      for (const auto& [v, p] : r.policies_) {
+        if (v <= in_force || v > agreed || p.has_taken_step() || (due && v < due->version())) {
+          continue;
+        }
+        if (p.effective_step() <= step) due = p;
+      }
+    }
+    const uint64_t drop = due ? due->version() : in_force;
+    r.policies_.erase(r.policies_.begin(), r.policies_.upper_bound(drop));
     return due;
+  }
+
+  // The version in force at the start step of the attempt: the newest taken at or before it
+  // (for a job from an older coordinator, whose versions carry no taken_step, the newest
+  // effective at or before it). When the resumed checkpoint was written under a newer version
+  // that the coordinator never heard was taken (rank 0's report was lost in a coordinator
+  // outage), that one: it was in force at the step before. It and the queued versions before it
+  // are removed.
+  std::optional<v1::Policy> TakeStartPolicy(int64_t start, uint64_t written_under) {
+    std::lock_guard<std::mutex> lock(r.mu_);
+    std::optional<v1::Policy> first, legacy;
+    for (const auto& [v, p] : r.policies_) {
+      if (p.has_taken_step() && p.taken_step() <= start) first = p;
+      if (!p.has_taken_step() && p.effective_step() <= start) legacy = p;
+    }
+    if (!first) first = legacy;
+    if (auto it = r.policies_.find(written_under);
+        first && written_under > first->version() && it != r.policies_.end() &&
+        !it->second.has_taken_step()) {
+      first = it->second;
+    }
+    if (first) r.policies_.erase(r.policies_.begin(), r.policies_.upper_bound(first->version()));
+    return first;
+  }
+
+  // The newest version this rank holds, in force or queued.
+  uint64_t NewestHeld() {
+    std::lock_guard<std::mutex> lock(r.mu_);
+    return std::max(policy.version(), r.policies_.empty() ? 0 : r.policies_.rbegin()->first);
   }
 
   // Schedule for the exchanger: the policy's own, else the one sent for the catalog. Layers
@@ -249,10 +315,13 @@ struct JobRunner::Impl {
   void Apply(const v1::Policy& p, int64_t step) {
     std::vector<RefreshSchedule> schedule = Resolve(p);
     trainer->SetPolicies(uint64_t(step), layer_policies, std::move(schedule), p.version());
-    Announce(p, step);
+    Announce(p, step, step);
   }
 
-  void Announce(const v1::Policy& p, int64_t step) {
+  // `taken` is the step the version was put in force at: `step` for a switch now, earlier for
+  // the version a resumed attempt starts under. Rank 0's report is what the coordinator records
+  // (reliable: a resumed attempt replays by it).
+  void Announce(const v1::Policy& p, int64_t step, int64_t taken) {
     policy = p;
     r.version_in_force_ = p.version();
     if (r.metrics_) r.metrics_->PolicyVersion(p.version());
@@ -261,7 +330,10 @@ struct JobRunner::Impl {
         p.reason() + ")");
     v1::WorkerMessage ack;
     ack.mutable_policy_ack()->set_version(p.version());
-    Send(std::move(ack), false);
+    ack.mutable_policy_ack()->set_step(taken);
+    ack.mutable_policy_ack()->set_job_id(a.job_id());
+    ack.mutable_policy_ack()->set_attempt(a.attempt());
+    Send(std::move(ack), rank == 0);
   }
 
   std::string ResolveCheckpointDir() const {
@@ -306,13 +378,40 @@ struct JobRunner::Impl {
     m.mutable_checkpoint()->set_job_id(a.job_id());
     m.mutable_checkpoint()->set_attempt(a.attempt());
     Send(std::move(m), true);
+    BoundUnacknowledged();
   }
 
-  // Resumes at a.resume_step(): any rank whose own checkpoint is at that step broadcasts it
-  // (every rank's is identical), so a restart may land on different workers. The geometry comes
-  // with it; written under an older policy version, it is kept where the version in force now
-  // would have kept it.
-  void Restore(int64_t resume_step) {
+  // A rank cut off from the coordinator gets no Acks and so deletes nothing: over a long outage
+  // its files would fill the disk. It keeps what a restart may resume from: the acknowledged
+  // recovery point (and this attempt's resume step); the first file after it (the coordinator
+  // may have persisted that report just before it went away, its Ack lost); and the newest
+  // keep_unacknowledged files, of which the job resumes after an outage (the newest step every
+  // rank holds: the ranks are at most one checkpoint apart). Once a stop is asked for (a lost
+  // session, say) nothing more is deleted, so what a worker reports when it registers again
+  // stays on disk.
+  void BoundUnacknowledged() {
+    int64_t floor = 0;
+    {
+      std::lock_guard<std::mutex> lock(r.mu_);
+      if (!r.stop_reason_.empty()) return;
+      floor = std::max(r.acknowledged_checkpoint_, a.resume_step());
+    }
+    std::vector<int64_t> steps = ListCheckpoints(checkpoint_dir, r.options_.worker_name);
+    std::erase_if(steps, [&](int64_t s) { return s <= floor; });
+    const size_t keep = size_t(std::max(2, r.options_.keep_unacknowledged));
+    if (steps.size() <= keep + 1) return;
+    const int64_t first_after = steps.front(), keep_from = steps[steps.size() - keep];
+    PruneCheckpoints(checkpoint_dir, r.options_.worker_name,
+                     [&](int64_t s) { return s > first_after && s < keep_from; });
+  }
+
+  // The checkpoint to resume at a.resume_step() from: any rank whose own checkpoint is at that
+  // step broadcasts it (every rank's is identical), so a restart may land on different workers.
+  // Fetched before the trainer exists: the policy version it was written under can decide the
+  // version the attempt starts with (TakeStartPolicy). Its geometry, written under an older
+  // version, is kept where the version in force now would have kept it (Trainer::Restore).
+  train::Checkpoint FetchCheckpoint(int64_t resume_step) {
+    const size_t weights = params.empty() ? 0 : size_t(params.back().offset + params.back().size());
     bool have = false;
     train::Checkpoint c;
     const std::string path = checkpoint_dir.empty() ? "" : CheckpointPath(resume_step);
@@ -320,7 +419,7 @@ struct JobRunner::Impl {
       try {
         c = train::LoadCheckpoint(path);
         have = c.next_step == resume_step && c.fingerprint == Fingerprint() &&
-               c.weights.size() == trainer->model().weights().size();
+               c.weights.size() == weights;
       } catch (const std::exception& e) {
         Log("job " + a.job_id() + ": ignoring checkpoint " + path + ": " + e.what());
       }
@@ -343,10 +442,10 @@ struct JobRunner::Impl {
     bytes.resize(size);
     comm->Broadcast({reinterpret_cast<uint8_t*>(bytes.data()), bytes.size()}, root);
     if (rank != root) c = train::ParseCheckpoint(bytes, "rank " + std::to_string(root) + "'s checkpoint");
-    trainer->Restore(c);
     Log("job " + a.job_id() + " rank " + std::to_string(rank) + ": resumed at step " +
         std::to_string(resume_step) + " from rank " + std::to_string(root) +
         "'s checkpoint (policy v" + std::to_string(c.policy_version) + ")");
+    return c;
   }
 
   // Rank 0 sends each layer's rel_fro_error and residual-subspace error from a measured step,
@@ -394,17 +493,22 @@ struct JobRunner::Impl {
     if (probes->probes_size() > 0) Send(std::move(m), false);
   }
 
-  // The decision every rank takes at a step boundary, agreed by a max-reduction: the most
-  // severe wish of any rank wins.
+  // The decisions every rank takes at a step boundary, agreed by one max-reduction: the most
+  // severe wish of any rank wins; and the newest policy version every rank holds (the minimum
+  // over ranks, as the maximum of the complements), which TakeDuePolicy may put in force.
   enum ControlWord : uint32_t { kRun = 0, kStop = 1, kAbort = 2 /* a rank failed */ };
-  ControlWord Control(int64_t step) {
-    uint32_t mine = kRun;
+  struct Agreed {
+    ControlWord control;
+    uint64_t policy_version;
+  };
+  Agreed Control() {
+    uint64_t words[2] = {kRun, ~NewestHeld()};
     {
       std::lock_guard<std::mutex> lock(r.mu_);
-      if (!r.stop_reason_.empty()) mine = kStop;
-      if (!r.late_policy_error_.empty()) mine = kAbort;
+      if (!r.stop_reason_.empty()) words[0] = kStop;
     }
-    return ControlWord(comm->MaxReduce(mine));
+    comm->MaxReduceWords(words);
+    return {ControlWord(words[0]), ~words[1]};
   }
 
   JobOutcome Run() {
@@ -495,7 +599,9 @@ struct JobRunner::Impl {
 
     const int64_t start = a.resume_step() > 0 ? a.resume_step() : 0;
     policy.set_version(0);
-    std::optional<v1::Policy> first = TakeDuePolicy(start);
+    std::optional<train::Checkpoint> resumed;
+    if (start > 0) resumed = FetchCheckpoint(start);
+    std::optional<v1::Policy> first = TakeStartPolicy(start, resumed ? resumed->policy_version : 0);
     GEOFP8_CHECK(first.has_value(), "policy: no version in force at step ", start);
     {
       train::ExchangePlan plan;
@@ -519,18 +625,18 @@ struct JobRunner::Impl {
       ps.seed = spec.training.seed;
       prober = std::make_unique<GeometryProbe>(params, ps);
     }
-    if (start > 0) Restore(start);
-    Announce(*first, start);
+    if (resumed) trainer->Restore(*resumed);
+    Announce(*first, start, first->has_taken_step() ? first->taken_step() : start);
 
     const int64_t steps = spec.training.steps;
     const double baseline_per_step =
         world > 1 ? 2.0 * (world - 1) / world * 4.0 * double(trainer->model().weights().size())
                   : 0.0;
     for (int64_t step = start; step < steps; ++step) {
-      const ControlWord control = Control(step);
+      const Agreed agreed = Control();
+      const ControlWord control = agreed.control;
       if (control != kRun) {
         std::lock_guard<std::mutex> lock(r.mu_);
-        if (control == kAbort && !r.late_policy_error_.empty()) GEOFP8_FAIL(r.late_policy_error_);
         out.stopped = true;
         out.reason = control == kAbort ? "aborted at step " + std::to_string(step) +
                                         ": another rank failed"
@@ -541,7 +647,9 @@ struct JobRunner::Impl {
         out.steps = step;
         return out;
       }
-      if (std::optional<v1::Policy> due = TakeDuePolicy(step)) Apply(*due, step);
+      if (std::optional<v1::Policy> due = TakeDuePolicy(step, agreed.policy_version)) {
+        Apply(*due, step);
+      }
 
       train::StepControl sc;
       sc.measure_error = r.options_.summary_every > 0 && step % r.options_.summary_every == 0;
@@ -675,18 +783,8 @@ void JobRunner::OfferPolicy(const v1::Policy& policy) {
   if (options_.debug_policy_delay.count() > 0) std::this_thread::sleep_for(options_.debug_policy_delay);
   std::lock_guard<std::mutex> lock(mu_);
   if (policy.version() <= version_in_force_.load() || policies_.count(policy.version())) return;
-  const int64_t at = started_step_.load();
-  if (at >= 0 && policy.effective_step() <= at) {
-    if (late_policy_error_.empty()) {
-      late_policy_error_ = "policy v" + std::to_string(policy.version()) + " effective at step " +
-                           std::to_string(policy.effective_step()) + " arrived at step " +
-                           std::to_string(at) + " on rank " + std::to_string(assignment_.rank()) +
-                           " (already passed; the ranks would diverge)";
-      Log("job " + assignment_.job_id() + ": " + late_policy_error_);
-      if (metrics_) metrics_->Error("policy_late");
-    }
-    return;
-  }
+  // Arriving after its effective step is no error: the step is a lower bound, and the ranks put
+  // the version in force once every one of them holds it (Impl::Control).
   policies_.emplace(policy.version(), policy);
 }
 
@@ -715,6 +813,20 @@ void JobRunner::OnCheckpointAcknowledged(int64_t recovery_step) {
   if (!dir.empty()) {
     PruneCheckpoints(dir, options_.worker_name, [&](int64_t s) { return s < recovery_step; });
   }
+}
+
+HeldCheckpointsInfo JobRunner::HeldCheckpoints() const {
+  HeldCheckpointsInfo h;
+  h.job_id = assignment_.job_id();
+  h.attempt = assignment_.attempt();
+  h.rank = assignment_.rank();
+  std::string dir;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    dir = checkpoint_dir_;
+  }
+  if (!dir.empty()) h.steps = ListCheckpoints(dir, options_.worker_name);
+  return h;
 }
 
 void JobRunner::RequestStop(const std::string& reason) {

@@ -41,6 +41,10 @@ struct JobRunnerOptions {
   // stop together, before its communicator is aborted: a peer that hangs (stopped, partitioned)
   // would otherwise hold it in a collective until exchange.timeout_s.
   std::chrono::milliseconds stop_abort_after{1000};
+  // While no Ack comes (a coordinator outage), a rank keeps the acknowledged recovery point, the
+  // first checkpoint after it and the newest keep_unacknowledged (at least 2) checkpoints; it
+  // deletes the ones in between (JobRunner::Impl::BoundUnacknowledged).
+  int keep_unacknowledged = 3;
   // Tests: sleep this long after every step (to make a live policy change land mid-run).
   std::chrono::milliseconds debug_step_delay{0};
   // Fault injection: hold each policy version this long before the rank sees it, as a slow
@@ -56,6 +60,15 @@ struct JobOutcome {
   int64_t steps = 0;           // steps completed (the last step index + 1)
   uint64_t checksum = 0;       // FNV-1a of final weights and moments (train::Checksum)
   uint64_t policy_version = 0; // in force at the end
+};
+
+// The checkpoint files a rank holds (see v1::HeldCheckpoints), reported when the worker registers
+// again after losing its session.
+struct HeldCheckpointsInfo {
+  std::string job_id;
+  int32_t attempt = 0;
+  int32_t rank = 0;
+  std::vector<int64_t> steps;  // ascending
 };
 
 // Everything the daemon feeds a runner from the session thread is thread-safe; Run() happens
@@ -77,6 +90,8 @@ class JobRunner {
   // checkpoint report): no restart resumes before it, so older checkpoints are deleted. Also
   // after the rank has ended.
   void OnCheckpointAcknowledged(int64_t recovery_step);
+  // The files this rank holds now (none when checkpoints are off). Also after the rank ended.
+  HeldCheckpointsInfo HeldCheckpoints() const;
 
   bool done() const { return done_.load(); }
   void Join();
@@ -99,9 +114,7 @@ class JobRunner {
   std::map<uint64_t, v1::Policy> policies_;  // by version, not yet in force
   std::vector<v1::RefreshSchedule> initial_schedule_;
   uint64_t initial_schedule_version_ = 0;
-  std::string stop_reason_;        // non-empty once the coordinator asked to stop
-  std::string late_policy_error_;  // non-empty once a policy arrived after its effective step
-  std::atomic<int64_t> started_step_{-1};  // index of the step running or last run
+  std::string stop_reason_;  // non-empty once the coordinator asked to stop
   std::atomic<uint64_t> version_in_force_{0};
 
   Communicator* comm_ = nullptr;   // the attempt's, while it exists (for the abort watchdog)
@@ -118,6 +131,8 @@ class JobRunner {
 // the job's acknowledged recovery point on, so whichever step the coordinator resumes from
 // after an outage is still on disk, however far the rank trained meanwhile.
 std::string CheckpointFile(const std::string& dir, const std::string& worker_name, int64_t step);
+// The steps of this worker's checkpoint files in `dir`, ascending.
+std::vector<int64_t> ListCheckpoints(const std::string& dir, const std::string& worker_name);
 // Deletes this worker's checkpoint files in `dir` whose step `remove` selects; returns how many.
 int PruneCheckpoints(const std::string& dir, const std::string& worker_name,
                      const std::function<bool(int64_t step)>& remove);

@@ -113,6 +113,9 @@ bool SessionClient::Register(std::string* error) {
   req.set_host(options_.host);
   req.set_device(options_.device);
   req.set_memory_bytes(options_.memory_bytes);
+  if (events_.held_checkpoints) {
+    for (auto& h : events_.held_checkpoints()) *req.add_checkpoints() = std::move(h);
+  }
   v1::RegisterResponse resp;
   grpc::Status s = stub_->Register(connection_->Context(options_.rpc_timeout).get(), req, &resp);
   if (!s.ok()) {

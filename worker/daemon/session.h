@@ -43,6 +43,8 @@ struct SessionEvents {
   std::function<void(const std::string& reason)> on_generation_lost;
   // A session (re)opened with this generation.
   std::function<void(uint64_t generation)> on_connected;
+  // What Register reports as held checkpoints (after on_generation_lost, so the rank is stopping).
+  std::function<std::vector<v1::HeldCheckpoints>()> held_checkpoints;
 };
 
 // Counters for /metrics.

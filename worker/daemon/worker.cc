@@ -24,6 +24,21 @@ absl::Status Worker::Start() {
   SessionEvents events;
   events.on_message = [this](const v1::CoordinatorMessage& m) { OnMessage(m); };
   events.on_generation_lost = [this](const std::string& reason) { OnGenerationLost(reason); };
+  // After a coordinator outage the job resumes from the newest step every rank of the attempt
+  // holds: the files of the rank this process ran last, if any.
+  events.held_checkpoints = [this] {
+    std::vector<v1::HeldCheckpoints> out;
+    std::lock_guard<std::mutex> lock(mu_);
+    if (!runner_) return out;
+    const HeldCheckpointsInfo h = runner_->HeldCheckpoints();
+    if (h.steps.empty()) return out;
+    v1::HeldCheckpoints& m = out.emplace_back();
+    m.set_job_id(h.job_id);
+    m.set_attempt(h.attempt);
+    m.set_rank(h.rank);
+    for (int64_t s : h.steps) m.add_steps(s);
+    return out;
+  };
   session_ = std::make_unique<SessionClient>(connection_, options_.session, std::move(events));
   session_->Start();
   supervisor_ = std::thread([this] { Supervise(); });
@@ -102,10 +117,12 @@ void Worker::OnMessage(const v1::CoordinatorMessage& message) {
       return;
     }
     case v1::CoordinatorMessage::kPolicy:
-      if (pending_ && pending_->job_id() == message.policy().job_id()) {
-        *pending_->mutable_policy() = message.policy().version() > pending_->policy().version()
-                                          ? message.policy()
-                                          : pending_->policy();
+      // An assignment waiting for the previous rank to end keeps every later version, in
+      // order, as a running rank would (the ranks agree on versions they all hold).
+      if (pending_ && pending_->job_id() == message.policy().job_id() &&
+          message.policy().version() > pending_->policy().version()) {
+        *pending_->mutable_policy() = message.policy();
+        *pending_->add_policy_history() = message.policy();
       }
       if (active && runner_->assignment().job_id() == message.policy().job_id()) {
         runner_->OfferPolicy(message.policy());
