@@ -256,8 +256,7 @@ void ReadCommand(Reader& r, const YAML::Node& root, const std::string& p,
   const std::string path = p + ".command";
   if (!n.IsSequence()) {
     r.Error(n, path,
-            "expected a list of strings, the program then its arguments (" + Reader::Show(n) +
-                ")");
+            "expected a list of strings, the program then its arguments (" + Reader::Show(n) + ")");
     return;
   }
   if (n.size() == 0) {
@@ -266,8 +265,8 @@ void ReadCommand(Reader& r, const YAML::Node& root, const std::string& p,
   }
   if (n.size() > kMaxCommandArgs) {
     r.Error(n, path,
-            "at most " + std::to_string(kMaxCommandArgs) + " entries (" +
-                std::to_string(n.size()) + ")");
+            "at most " + std::to_string(kMaxCommandArgs) + " entries (" + std::to_string(n.size()) +
+                ")");
     return;
   }
   std::vector<std::string> args;
@@ -289,8 +288,7 @@ void ReadCommand(Reader& r, const YAML::Node& root, const std::string& p,
       r.Error(a, at, "must not contain a NUL byte (" + Clip(v) + ")");
       ok = false;
     } else if (v.size() > kMaxCommandArgBytes) {
-      r.Error(a, at,
-              "at most " + std::to_string(kMaxCommandArgBytes) + " bytes (" + Clip(v) + ")");
+      r.Error(a, at, "at most " + std::to_string(kMaxCommandArgBytes) + " bytes (" + Clip(v) + ")");
       ok = false;
     }
     total += v.size() + 1;

@@ -91,7 +91,7 @@ class HookClient {
   int attempt() const { return attempt_; }
   int rank() const { return rank_; }
   int world_size() const { return world_size_; }
-  int64_t resume_step() const { return resume_step_; }        // 0: a fresh start
+  int64_t resume_step() const { return resume_step_; }  // 0: a fresh start
   const std::string& checkpoint_dir() const { return checkpoint_dir_; }
 
   // Rank 0: the layers (sent once per channel; a later call replaces the list).
