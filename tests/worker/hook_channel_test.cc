@@ -136,6 +136,11 @@ TEST_F(HookChannelTest, PoliciesComeDownAtTheirStepReportsGoUpAndTheClientReatta
   EXPECT_EQ(v2->layers[2].policy.format(), "fp8_e4m3");  // "head" is no match of layers.*
   client->ReportStep(5, 2.5, 100.0, 10, 40);
   client->ReportLayers({{"layers.0.w", 5, 0.02, 0.01, 1, 0.0}});
+  v1::ProbeResult probe;
+  probe.set_layer("layers.0.w");
+  probe.set_error_without(0.3);
+  probe.set_error_with(0.1);
+  client->ReportProbes({probe});
 
   EXPECT_TRUE(relay_.WaitFor(
       [](const v1::HookMessage& m) { return m.has_catalog() && m.catalog().layers_size() == 3; }));
@@ -148,6 +153,10 @@ TEST_F(HookChannelTest, PoliciesComeDownAtTheirStepReportsGoUpAndTheClientReatta
   }));
   EXPECT_TRUE(relay_.WaitFor([](const v1::HookMessage& m) {
     return m.has_summaries() && m.summaries().layers(0).rel_fro_error() == 0.02;
+  }));
+
+  EXPECT_TRUE(relay_.WaitFor([](const v1::HookMessage& m) {
+    return m.has_probes() && m.probes().probes(0).error_with() == 0.1;
   }));
 
   // The worker restarts its hook server: the client reattaches and sends its catalog again; a

@@ -243,10 +243,15 @@ void CommandRunner::Relay(const v1::HookMessage& h) {
     case v1::HookMessage::kSummaries:
       if (!rank0) return;
       if (metrics_) {
-        for (const auto& l : h.summaries().layers())
+        for (const auto& l : h.summaries().layers()) {
           metrics_->LayerError(l.layer(), l.rel_fro_error());
+        }
       }
       *m.mutable_summaries() = h.summaries();
+      break;
+    case v1::HookMessage::kProbes:
+      if (!rank0) return;
+      *m.mutable_probes() = h.probes();
       break;
     case v1::HookMessage::kCheckpoint:
       *m.mutable_checkpoint() = h.checkpoint();

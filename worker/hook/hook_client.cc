@@ -236,6 +236,12 @@ void HookClient::ReportLayers(const std::vector<LayerReport>& layers) {
   impl_->Write(m);
 }
 
+void HookClient::ReportProbes(const std::vector<v1::ProbeResult>& probes) {
+  v1::HookMessage m;
+  for (const v1::ProbeResult& p : probes) *m.mutable_probes()->add_probes() = p;
+  impl_->Write(m);
+}
+
 void HookClient::ReportCheckpoint(int64_t step, const std::string& path) {
   v1::HookMessage m;
   m.mutable_checkpoint()->set_step(step);

@@ -102,6 +102,10 @@ class HookClient {
                   uint64_t bytes_baseline);
   // Rank 0: per-layer errors of a measured step.
   void ReportLayers(const std::vector<LayerReport>& layers);
+  // Rank 0 of an `auto_policy` job: one probe per layer (DESIGN.md section 2), as
+  // v1::ProbeResult: the layer's error quantized without and with its geometry, the transform
+  // and step time. The coordinator's auto engine answers with policy versions.
+  void ReportProbes(const std::vector<v1::ProbeResult>& probes);
   // A durable checkpoint from which the job can resume at `step` (the next step to run), at
   // `path`. Rank 0's report moves the job's recovery point (GEOFP8_RESUME_STEP of a restart).
   void ReportCheckpoint(int64_t step, const std::string& path);
