@@ -166,8 +166,7 @@ std::unique_ptr<HookClient> HookClient::Connect(const std::string& address) {
   args.SetInt(GRPC_ARG_INITIAL_RECONNECT_BACKOFF_MS, int(kBackoffInitial.count()));
   args.SetInt(GRPC_ARG_MIN_RECONNECT_BACKOFF_MS, int(kBackoffInitial.count()));
   args.SetInt(GRPC_ARG_MAX_RECONNECT_BACKOFF_MS, int(kBackoffMax.count()));
-  c->impl_->channel =
-      grpc::CreateCustomChannel(address, grpc::InsecureChannelCredentials(), args);
+  c->impl_->channel = grpc::CreateCustomChannel(address, grpc::InsecureChannelCredentials(), args);
   c->impl_->stub = v1::HookService::NewStub(c->impl_->channel);
   Impl* impl = c->impl_.get();
   impl->reader = std::thread([impl] { impl->Loop(); });
