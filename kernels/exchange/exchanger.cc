@@ -78,6 +78,9 @@ Exchanger::Exchanger(Communicator& comm, std::vector<LayerSpec> layers, Exchange
   for (const auto& l : layers_) {
     if (std::string err = ValidateLayerPolicy(l); !err.empty()) GEOFP8_FAIL(err);
   }
+  GEOFP8_CHECK(options_.layer_ids.empty() || options_.layer_ids.size() == layers_.size(),
+               "layer_ids: needs one entry per layer (", options_.layer_ids.size(),
+               " entries for ", layers_.size(), " layers)");
   GEOFP8_CHECK(schedule_.empty() || schedule_.size() == layers_.size(),
                "schedule: needs one entry per layer (", schedule_.size(), " entries for ",
                layers_.size(), " layers)");
@@ -370,7 +373,8 @@ std::vector<BucketResult> Exchanger::RunBuckets(uint64_t step, size_t first, siz
         rec.geometry_digest = st.active_digest;
       }
       fp.layers.push_back(rec);
-      BucketLayer w{l, spec.policy, UsesGeometry(l) ? &st.active : nullptr, grads[l], grads[l]};
+      BucketLayer w{LayerId(l), spec.policy, UsesGeometry(l) ? &st.active : nullptr, grads[l],
+                    grads[l]};
       w.flag_bit = static_cast<uint32_t>(bucket - first);
       work.push_back(w);
     }
@@ -423,7 +427,7 @@ void Exchanger::Activate(LayerState& st) {
 FactorSketchOptions Exchanger::SketchOptions(uint32_t layer) const {
   FactorSketchOptions o = options_.sketch;
   o.width = std::max(o.width, layers_[layer].policy.rank);
-  o.seed = options_.seed ^ (0x5851f42d4c957f2dull * (layer + 1));
+  o.seed = options_.seed ^ (0x5851f42d4c957f2dull * (uint64_t{LayerId(layer)} + 1));
   return o;
 }
 
@@ -471,7 +475,7 @@ std::vector<RefreshRecord> Exchanger::RunRefreshes(uint64_t step,
         go.rank = spec.policy.rank;
         go.alpha = spec.policy.alpha;
         go.power_iters = options_.power_iters;
-        go.seed = options_.seed ^ (0x5851f42d4c957f2dull * (l + 1));
+        go.seed = options_.seed ^ (0x5851f42d4c957f2dull * (uint64_t{LayerId(l)} + 1));
         go.sigma_ema = options_.sigma_ema;
         const Geometry* previous = st.has_pending ? &st.pending
                                    : st.active.version > 0 ? &st.active

@@ -60,6 +60,11 @@ struct ExchangeOptions {
   float sigma_ema = 0.f;
   FactorSketchOptions sketch;  // width is raised to the layer's rank k where it is smaller
   float adapt = 0.0f;          // SketchGeometryOptions::adapt: strength follows the sketch's fit
+  // The model index of each layer (one per layer, distinct), which keys its stochastic-rounding
+  // stream, sketch probes and geometry cold start. Empty: the layer's position here. An
+  // Exchanger over a subset of a model's layers (geofp8.torch has one per DDP bucket) sets it
+  // so a layer's streams do not depend on which layers share its Exchanger.
+  std::vector<uint32_t> layer_ids;
 };
 
 // Buckets: layers in reverse order (the order backward produces them), greedily packed.
@@ -168,6 +173,9 @@ class Exchanger {
   };
   void Activate(LayerState& st);
   FactorSketchOptions SketchOptions(uint32_t layer) const;
+  uint32_t LayerId(uint32_t layer) const {
+    return options_.layer_ids.empty() ? layer : options_.layer_ids[layer];
+  }
 
   // Buckets [first, last) of `step` (at most 64) through one run of the algorithm.
   std::vector<BucketResult> RunBuckets(uint64_t step, size_t first, size_t last,

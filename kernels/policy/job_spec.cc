@@ -236,6 +236,62 @@ void ReadPatchList(Reader& r, const YAML::Node& node, const std::string& path,
   }
 }
 
+// The sections a job spec shares with a policy file (ParsePolicyFile): `exchange`, `policy` and
+// `geometry_refresh` under `root`, with paths `p.exchange...`.
+void ReadExchange(Reader& r, const YAML::Node& root, const std::string& p, ExchangeSpec* out) {
+  if (YAML::Node n = root["exchange"];
+      n.IsDefined() && !n.IsNull() &&
+      r.Map(n, p + ".exchange", {"algorithm", "bucket_mb", "timeout_s"})) {
+    const std::string q = p + ".exchange";
+    r.Enum(n, "algorithm", q, kAlgorithms, &out->algorithm);
+    r.Number(n, "bucket_mb", q, &out->bucket_mb, 0.001, 4096.0);
+    r.Number(n, "timeout_s", q, &out->timeout_s, 1, 86400);
+  }
+}
+
+void ReadPolicySection(Reader& r, const YAML::Node& root, const std::string& p, PolicySpec* out) {
+  if (YAML::Node n = root["policy"];
+      n.IsDefined() && !n.IsNull() && r.Map(n, p + ".policy", {"default", "layers", "margin"})) {
+    const std::string q = p + ".policy";
+    if (YAML::Node d = n["default"]; d.IsDefined() && !d.IsNull()) {
+      ReadLayerPolicy(r, d, q + ".default", &out->defaults);
+    }
+    ReadPatchList(r, n["layers"], q + ".layers", &out->layers);
+    r.Number(n, "margin", q, &out->margin, 1, 1000000);
+  }
+}
+
+void ReadRefresh(Reader& r, const YAML::Node& root, const std::string& p, RefreshSpec* out) {
+  YAML::Node n = root["geometry_refresh"];
+  if (!n.IsDefined() || n.IsNull() ||
+      !r.Map(n, p + ".geometry_refresh",
+             {"estimator", "interval", "stagger", "beta", "width", "probes", "adapt",
+              "power_iters", "sigma_ema"})) {
+    return;
+  }
+  const std::string q = p + ".geometry_refresh";
+  auto& g = *out;
+  r.Enum(n, "estimator", q, kEstimators, &g.estimator);
+  if (g.estimator == GeometryEstimator::kInstant) g.interval = kInstantRefreshInterval;
+  r.Number(n, "interval", q, &g.interval, 1, 1000000);
+  r.Bool(n, "stagger", q, &g.stagger);
+  r.Number(n, "beta", q, &g.sketch.beta, 0.0f, 0.999f);
+  r.Number(n, "width", q, &g.sketch.width, 1, 256);
+  r.Number(n, "probes", q, &g.sketch.probes, 0, 64);
+  r.Number(n, "adapt", q, &g.adapt, 0.0f, 4.0f);
+  r.Number(n, "power_iters", q, &g.power_iters, 1, 16);
+  r.Number(n, "sigma_ema", q, &g.sigma_ema, 0.0f, 0.999f);
+  const bool ema = g.estimator == GeometryEstimator::kFactorEma;
+  for (const char* k : {"beta", "width", "probes", "adapt", "power_iters", "sigma_ema"}) {
+    const bool ema_key = std::string_view(k) != "power_iters" && std::string_view(k) != "sigma_ema";
+    if (n[k].IsDefined() && ema_key != ema) {
+      r.Error(n[k], q + "." + k,
+              std::string("applies to estimator ") + (ema_key ? "ema" : "instant") +
+                  " only (estimator " + std::string(GeometryEstimatorName(g.estimator)) + ")");
+    }
+  }
+}
+
 bool ValidName(const std::string& s) {
   if (s.empty() || s.size() > 63) return false;
   return std::all_of(s.begin(), s.end(), [](char c) {
@@ -507,23 +563,8 @@ absl::StatusOr<JobSpec> ParseJobSpec(std::string_view yaml) {
       r.Error(n, p + ".training", "expected a mapping (" + Reader::Show(n) + ")");
     }
   }
-  if (YAML::Node n = root["exchange"];
-      n.IsDefined() && !n.IsNull() &&
-      r.Map(n, p + ".exchange", {"algorithm", "bucket_mb", "timeout_s"})) {
-    const std::string q = p + ".exchange";
-    r.Enum(n, "algorithm", q, kAlgorithms, &spec.exchange.algorithm);
-    r.Number(n, "bucket_mb", q, &spec.exchange.bucket_mb, 0.001, 4096.0);
-    r.Number(n, "timeout_s", q, &spec.exchange.timeout_s, 1, 86400);
-  }
-  if (YAML::Node n = root["policy"];
-      n.IsDefined() && !n.IsNull() && r.Map(n, p + ".policy", {"default", "layers", "margin"})) {
-    const std::string q = p + ".policy";
-    if (YAML::Node d = n["default"]; d.IsDefined() && !d.IsNull()) {
-      ReadLayerPolicy(r, d, q + ".default", &spec.policy.defaults);
-    }
-    ReadPatchList(r, n["layers"], q + ".layers", &spec.policy.layers);
-    r.Number(n, "margin", q, &spec.policy.margin, 1, 1000000);
-  }
+  ReadExchange(r, root, p, &spec.exchange);
+  ReadPolicySection(r, root, p, &spec.policy);
   if (YAML::Node n = root["auto_policy"];
       n.IsDefined() && !n.IsNull() &&
       r.Map(n, p + ".auto_policy",
@@ -557,29 +598,7 @@ absl::StatusOr<JobSpec> ParseJobSpec(std::string_view yaml) {
       r.Error(n["geometry"], q + ".geometry", "must be diag or lowrank (none)");
     }
   }
-  if (YAML::Node n = root["geometry_refresh"];
-      n.IsDefined() && !n.IsNull() &&
-      r.Map(n, p + ".geometry_refresh",
-            {"estimator", "interval", "stagger", "beta", "width", "probes"})) {
-    const std::string q = p + ".geometry_refresh";
-    auto& g = spec.geometry_refresh;
-    r.Enum(n, "estimator", q, kEstimators, &g.estimator);
-    if (g.estimator == GeometryEstimator::kInstant) g.interval = 100;
-    r.Number(n, "interval", q, &g.interval, 1, 1000000);
-    r.Bool(n, "stagger", q, &g.stagger);
-    r.Number(n, "beta", q, &g.sketch.beta, 0.0f, 0.999f);
-    r.Number(n, "width", q, &g.sketch.width, 1, 256);
-    r.Number(n, "probes", q, &g.sketch.probes, 0, 64);
-    if (g.estimator != GeometryEstimator::kFactorEma) {
-      for (const char* k : {"beta", "width", "probes"}) {
-        if (n[k].IsDefined()) {
-          r.Error(n[k], q + "." + k,
-                  std::string("applies to estimator ema only (estimator ") +
-                      std::string(GeometryEstimatorName(g.estimator)) + ")");
-        }
-      }
-    }
-  }
+  ReadRefresh(r, root, p, &spec.geometry_refresh);
   if (YAML::Node n = root["checkpoint"];
       n.IsDefined() && !n.IsNull() && r.Map(n, p + ".checkpoint", {"dir", "every"})) {
     r.String(n, "dir", p + ".checkpoint", &spec.checkpoint.dir);
@@ -640,6 +659,21 @@ absl::StatusOr<JobSpec> ParseJobSpec(std::string_view yaml) {
   }
   if (!r.errors.empty()) return Invalid(r.errors);
   return spec;
+}
+
+absl::StatusOr<PolicyFileSpec> ParsePolicyFile(std::string_view yaml) {
+  auto loaded = Load(yaml, "spec");
+  if (!loaded.ok()) return loaded.status();
+  const YAML::Node& root = *loaded;
+  Reader r;
+  PolicyFileSpec file;
+  const std::string p = "spec";
+  if (!r.Map(root, p, {"exchange", "policy", "geometry_refresh"})) return Invalid(r.errors);
+  ReadExchange(r, root, p, &file.exchange);
+  ReadPolicySection(r, root, p, &file.policy);
+  ReadRefresh(r, root, p, &file.geometry_refresh);
+  if (!r.errors.empty()) return Invalid(r.errors);
+  return file;
 }
 
 absl::StatusOr<PolicyPatchSpec> ParsePolicyPatch(std::string_view yaml) {
@@ -757,6 +791,48 @@ std::string_view AcceptedScalingNames() { return AcceptedScalings(); }
 std::string_view AcceptedRoundingNames() { return AcceptedRoundings(); }
 std::string_view AcceptedGeometryNames() { return AcceptedGeometryModes(); }
 std::string_view AcceptedAlgorithmNames() { return AcceptedAlgorithms(); }
+
+std::vector<RefreshSchedule> RefreshScheduleOf(const std::vector<int>& intervals, int world_size,
+                                               bool stagger) {
+  const int64_t n = static_cast<int64_t>(intervals.size());
+  const int world = std::max(1, world_size);
+  std::vector<RefreshSchedule> out;
+  out.reserve(intervals.size());
+  for (int64_t i = 0; i < n; ++i) {
+    RefreshSchedule s;
+    s.interval = std::max(1, intervals[i]);
+    s.owner = stagger ? static_cast<int>(i % world) : 0;
+    s.offset = stagger ? static_cast<int>((i * s.interval) / n) : 0;
+    out.push_back(s);
+  }
+  return out;
+}
+
+std::string_view AcceptedPolicyPresets() { return "fp32, bf16, fp8, geofp8, nvfp4, geonvfp4"; }
+
+std::optional<std::string> PresetPolicyFile(std::string_view name) {
+  // 1 MiB buckets, as geofp8-train has always run; the geometry presets use the estimator chosen
+  // on training trajectories (docs/benchmarks.md, "Geometry on training trajectories"): a
+  // Kronecker-factor EMA fed every step.
+  const std::string bucket = "exchange: {algorithm: ALG, bucket_mb: 1}\n";
+  auto file = [&](std::string_view alg, std::string_view format, bool geometry) {
+    std::string s = bucket;
+    s.replace(s.find("ALG"), 3, alg);
+    s += "policy:\n  default: {format: " + std::string(format) + "}\n";
+    if (geometry) {
+      s += "  layers:\n    - {match: \"*\", geometry: lowrank, rank: 8}\n";
+      s += "geometry_refresh: {estimator: ema, interval: 1}\n";
+    }
+    return s;
+  };
+  if (name == "fp32") return file("fp32", "fp32", false);
+  if (name == "bf16") return file("bf16", "bf16", false);
+  if (name == "fp8") return file("two_phase", "fp8_e4m3", false);
+  if (name == "geofp8") return file("two_phase", "fp8_e4m3", true);
+  if (name == "nvfp4") return file("two_phase", "nvfp4", false);
+  if (name == "geonvfp4") return file("two_phase", "nvfp4", true);
+  return std::nullopt;
+}
 
 std::string UnmatchedGlobProblem(std::string_view glob,
                                  const std::vector<model::ParamInfo>& layers,

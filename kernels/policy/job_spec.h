@@ -104,7 +104,12 @@ struct RefreshSpec {
   int interval = 1;
   bool stagger = true;  // spread owners over ranks and offsets over the interval
   FactorSketchOptions sketch;  // ema: beta, width, probes (the seed comes from training.seed)
+  float adapt = 0.0f;          // ema: whitening strength follows the basis's fit (0: off)
+  int power_iters = 1;         // instant: warm-started subspace iterations per refresh
+  float sigma_ema = 0.0f;      // instant: sigma smoothing across refreshes
 };
+// The instant estimator's default interval: it re-estimates from one gradient and broadcasts.
+inline constexpr int kInstantRefreshInterval = 100;
 
 struct CheckpointSpec {
   std::string dir;    // where workers write checkpoints; empty = no checkpoints
@@ -148,6 +153,22 @@ struct PolicyPatchSpec {
 // Parse and validate. INVALID_ARGUMENT with "line N: spec.a.b: problem (value)"; several errors
 // are joined with "; ".
 absl::StatusOr<JobSpec> ParseJobSpec(std::string_view yaml);
+
+// A policy file: the `exchange`, `policy` and `geometry_refresh` sections of a job spec and
+// nothing else, with the job spec's schema, defaults and error paths (`spec.policy.layers[0]...`).
+// `geofp8-train --policy FILE.yaml` takes it, and so do its presets (kernels/policy/presets.h),
+// so a file that trains under geofp8-train resolves to the same layer policies and refresh
+// schedules as a job whose spec holds the same sections.
+struct PolicyFileSpec {
+  ExchangeSpec exchange;
+  PolicySpec policy;
+  RefreshSpec geometry_refresh;
+};
+absl::StatusOr<PolicyFileSpec> ParsePolicyFile(std::string_view yaml);
+
+// geofp8-train's presets as policy files: "fp32, bf16, fp8, geofp8, nvfp4, geonvfp4".
+std::string_view AcceptedPolicyPresets();
+std::optional<std::string> PresetPolicyFile(std::string_view name);
 // A spec's file paths (checkpoint.dir, data.path) name places inside the worker's --data-dir:
 // "" if `path` is relative and has no ".." component, else the problem. Lexical on purpose: the
 // operator may link datasets into the data directory; a spec cannot create links.
@@ -186,6 +207,14 @@ std::string_view AcceptedAlgorithmNames();
 
 // True when `name` matches the layer pattern (exact or shell glob).
 bool LayerMatches(std::string_view pattern, std::string_view name);
+// The geometry refresh schedule (docs/job-spec.md, "Geometry refresh schedule"), the one
+// algorithm the coordinator and geofp8-train use. `intervals` holds each matrix layer's refresh
+// interval in layer order; the i-th of n gets owner i mod world_size and offset
+// floor(i * interval / n), so refreshes spread over ranks and steps; without stagger, owner 0
+// and offset 0.
+std::vector<RefreshSchedule> RefreshScheduleOf(const std::vector<int>& intervals, int world_size,
+                                               bool stagger);
+
 // "" when `glob` matches a layer, else the problem, naming the model and its layer scheme:
 // "matches no layer of llama-tiny (*embed*); its layers are tok_emb, layers.0.attn_norm, ...".
 std::string UnmatchedGlobProblem(std::string_view glob,

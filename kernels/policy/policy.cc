@@ -85,12 +85,16 @@ const char* ProbeBasisName(v1::ProbeBasis basis) {
 }
 
 v1::Policy InitialPolicy(const std::string& job_id, const JobSpec& spec, int64_t now_ms) {
+  return InitialPolicy(job_id, spec.policy, now_ms);
+}
+
+v1::Policy InitialPolicy(const std::string& job_id, const PolicySpec& spec, int64_t now_ms) {
   v1::Policy p;
   p.set_job_id(job_id);
   p.set_version(1);
   p.set_effective_step(0);
-  *p.mutable_default_policy() = ToProto(spec.policy.defaults);
-  for (const auto& patch : spec.policy.layers) *p.add_patches() = ToProto(patch);
+  *p.mutable_default_policy() = ToProto(spec.defaults);
+  for (const auto& patch : spec.layers) *p.add_patches() = ToProto(patch);
   p.set_reason("job spec");
   p.set_author("spec");
   p.set_created_unix_ms(now_ms);
@@ -119,21 +123,22 @@ std::vector<v1::RefreshSchedule> ComputeSchedules(const std::vector<v1::LayerInf
                                                   const v1::Policy& policy, int world_size,
                                                   const RefreshSpec& refresh) {
   std::vector<const v1::LayerInfo*> matrices;
+  std::vector<int> intervals;
   for (const auto& l : catalog) {
-    if (l.rows() > 1 && l.cols() > 1) matrices.push_back(&l);
+    if (l.rows() <= 1 || l.cols() <= 1) continue;
+    const int patched = ResolveLayer(policy, l.name()).refresh_interval;
+    matrices.push_back(&l);
+    intervals.push_back(patched > 0 ? patched : refresh.interval);
   }
+  const std::vector<RefreshSchedule> schedule =
+      RefreshScheduleOf(intervals, world_size, refresh.stagger);
   std::vector<v1::RefreshSchedule> out;
-  const int n = static_cast<int>(matrices.size());
-  const int world = std::max(1, world_size);
-  for (int i = 0; i < n; ++i) {
-    ResolvedLayer r = ResolveLayer(policy, matrices[i]->name());
-    const int interval = r.refresh_interval > 0 ? r.refresh_interval : refresh.interval;
+  for (size_t i = 0; i < matrices.size(); ++i) {
     v1::RefreshSchedule s;
     s.set_layer(matrices[i]->name());
-    s.set_interval(interval);
-    s.set_owner(refresh.stagger ? i % world : 0);
-    // Spread the layers' refresh steps evenly over the interval.
-    s.set_offset(refresh.stagger ? static_cast<int>((static_cast<int64_t>(i) * interval) / n) : 0);
+    s.set_interval(schedule[i].interval);
+    s.set_owner(schedule[i].owner);
+    s.set_offset(schedule[i].offset);
     out.push_back(std::move(s));
   }
   return out;

@@ -32,6 +32,7 @@ const char* ProbeBasisName(v1::ProbeBasis basis);
 
 // Version 1 of a job's policy, from its spec.
 v1::Policy InitialPolicy(const std::string& job_id, const JobSpec& spec, int64_t now_ms);
+v1::Policy InitialPolicy(const std::string& job_id, const PolicySpec& spec, int64_t now_ms);
 
 struct ResolvedLayer {
   v1::LayerPolicy policy;
@@ -45,9 +46,8 @@ ResolvedLayer ResolveLayer(const v1::Policy& policy, const std::string& layer);
 absl::StatusOr<std::vector<LayerPolicy>> ResolveLayers(const v1::Policy& policy,
                                                        const std::vector<model::ParamInfo>& params);
 
-// Refresh schedules for the 2-D layers of the catalog (1-D layers never use geometry). Owners go
-// round-robin over ranks; with stagger, offsets spread evenly over each layer's interval so that
-// refreshes land on different steps.
+// Refresh schedules for the 2-D layers of the catalog (1-D layers never use geometry), by
+// RefreshScheduleOf over each layer's patched refresh_interval, else refresh.interval.
 std::vector<v1::RefreshSchedule> ComputeSchedules(const std::vector<v1::LayerInfo>& catalog,
                                                   const v1::Policy& policy, int world_size,
                                                   const RefreshSpec& refresh);

@@ -11,6 +11,7 @@ GEOFP8_PACKAGES=(
   prometheus-cpp-dev libyaml-cpp-dev libopenblas-dev libsqlite3-dev libcli11-dev
   libgtest-dev libgmock-dev libbenchmark-dev
   python3 python3-grpcio python3-grpc-tools python3-matplotlib python3-yaml
+  python3-torch pybind11-dev python3-pybind11
   prometheus sqlite3 iproute2 hyperfine openssl
 )
 

@@ -284,6 +284,53 @@ TEST(Exchanger, CollectiveTimeoutFailsInsteadOfHanging) {
   EXPECT_LT(seconds, 20.0);
 }
 
+// geofp8.torch runs one Exchanger per DDP bucket: with layer_ids, a layer's stochastic-rounding
+// stream is keyed by its model index, so splitting the model over exchangers changes no bit.
+TEST(Exchanger, LayerIdsMakeResultsIndependentOfTheSplit) {
+  const int n = 2;
+  LayerPolicy sr;
+  sr.rounding = Rounding::kStochastic;
+  const std::vector<LayerSpec> all = {{"l0", 1000, 1, sr}, {"l1", 777, 1, sr}, {"l2", 500, 1, sr}};
+  std::vector<Tensors> whole(n), split(n), unkeyed(n);
+  const auto errors = RunRanks(n, [&](Communicator& comm) {
+    const int r = comm.rank();
+    ExchangeOptions options;
+    options.seed = 9;
+    whole[r] = MakeInputs(r, all);
+    split[r] = whole[r];
+    unkeyed[r] = whole[r];
+    std::vector<std::span<float>> g;
+    for (auto& t : whole[r]) g.emplace_back(t);
+    Exchanger(comm, all, options).Exchange(4, g);
+    ExchangeOptions even = options;
+    even.layer_ids = {0, 2};
+    Exchanger(comm, {all[0], all[2]}, even)
+        .Exchange(4, {std::span<float>(split[r][0]), std::span<float>(split[r][2])});
+    ExchangeOptions odd = options;
+    odd.layer_ids = {1};
+    Exchanger(comm, {all[1]}, odd).Exchange(4, {std::span<float>(split[r][1])});
+    // Without layer_ids l1 is layer 0 of its exchanger: another stream.
+    Exchanger(comm, {all[1]}, options).Exchange(4, {std::span<float>(unkeyed[r][1])});
+  });
+  ASSERT_EQ(JoinErrors(errors), "");
+  for (int r = 0; r < n; ++r) {
+    for (size_t l = 0; l < all.size(); ++l) EXPECT_EQ(whole[r][l], split[r][l]) << r << " " << l;
+    EXPECT_NE(whole[r][1], unkeyed[r][1]) << r;
+  }
+  MemoryStore store;
+  auto comm = CreateGlooCommunicator(store, 0, 1);
+  ExchangeOptions bad;
+  bad.layer_ids = {0, 1};
+  try {
+    Exchanger ex(*comm, {all[0]}, bad);
+    FAIL();
+  } catch (const Error& e) {
+    EXPECT_NE(std::string(e.what()).find("layer_ids: needs one entry per layer (2 entries for 1"),
+              std::string::npos)
+        << e.what();
+  }
+}
+
 TEST(Exchanger, RejectsBadPolicyNamingLayerAndField) {
   MemoryStore store;
   auto comm = CreateGlooCommunicator(store, 0, 1);

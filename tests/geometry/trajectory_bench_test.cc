@@ -33,8 +33,9 @@ class TrajectoryBenchTest : public ::testing::Test {
     dir_ = new fs::path(fs::temp_directory_path() /
                         ("geofp8_trajectory_test_" + std::to_string(::getpid())));
     fs::create_directories(*dir_);
-    std::ofstream(*dir_ / "ema.yaml") << "refresh: {interval: 1, estimator: ema, beta: 0.8}\n"
-                                         "layers:\n  - {match: '*', geometry: lowrank, rank: 4}\n";
+    std::ofstream(*dir_ / "ema.yaml")
+        << "geometry_refresh: {interval: 1, estimator: ema, beta: 0.8}\n"
+           "policy:\n  layers:\n    - {match: '*', geometry: lowrank, rank: 4}\n";
     // Two ranks of llama-tiny on the Markov source: steps 0-5 of every rank are dumped.
     const std::string cmd = std::string(GEOFP8_TRAIN_PATH) +
                             " --preset llama-tiny --ranks 2 --steps 6 --policy fp32 --quiet "

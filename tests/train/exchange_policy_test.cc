@@ -9,6 +9,7 @@
 #include <fstream>
 
 #include "kernels/common/check.h"
+#include "kernels/policy/policy.h"
 
 namespace geofp8::train {
 namespace {
@@ -39,16 +40,21 @@ TEST(ExchangePolicy, PresetsSetFormatsAndGeometry) {
     EXPECT_EQ(geo.layers[i].geometry, want) << params[i].name;
     EXPECT_EQ(nv.layers[i].geometry, want) << params[i].name;
   }
-  // The geometry presets use the ema estimator, refreshed every step (every rank derives it).
-  EXPECT_EQ(geo.estimator, GeometryEstimator::kFactorEma);
-  EXPECT_EQ(nv.estimator, GeometryEstimator::kFactorEma);
-  EXPECT_EQ(fp8.estimator, GeometryEstimator::kInstant);
+  // The geometry presets use the ema estimator, refreshed every step (every rank derives it),
+  // and every preset keeps geofp8-train's 1 MiB buckets.
+  EXPECT_EQ(geo.refresh.estimator, GeometryEstimator::kFactorEma);
+  EXPECT_EQ(nv.refresh.estimator, GeometryEstimator::kFactorEma);
+  EXPECT_EQ(fp8.bucket_cap_bytes, size_t{1} << 20);
+  EXPECT_EQ(geo.bucket_cap_bytes, size_t{1} << 20);
   const auto schedule = MakeRefreshSchedule(geo, 4);
   ASSERT_EQ(schedule.size(), params.size());
+  int matrix = 0;
   for (size_t i = 0; i < schedule.size(); ++i) {
-    EXPECT_EQ(schedule[i].owner, int(i % 4));
     EXPECT_EQ(schedule[i].interval, 1);
     EXPECT_EQ(schedule[i].offset, 0);
+    if (params[i].is_matrix()) {
+      EXPECT_EQ(schedule[i].owner, matrix++ % 4) << params[i].name;
+    }
   }
   EXPECT_TRUE(MakeRefreshSchedule(fp8, 4).empty());
 }
@@ -57,9 +63,9 @@ class PolicyFileTest : public ::testing::Test {
  protected:
   std::string Write(const std::string& text) {
     const auto* info = ::testing::UnitTest::GetInstance()->current_test_info();
-    const fs::path p = fs::temp_directory_path() /
-                       ("geofp8_policy_" + std::to_string(getpid()) + "_" + info->name() + "_" +
-                        std::to_string(n_++) + ".yaml");
+    const fs::path p =
+        fs::temp_directory_path() / ("geofp8_policy_" + std::to_string(getpid()) + "_" +
+                                     info->name() + "_" + std::to_string(n_++) + ".yaml");
     std::ofstream(p) << text;
     paths_.push_back(p);
     return p.string();
@@ -82,17 +88,20 @@ class PolicyFileTest : public ::testing::Test {
 TEST_F(PolicyFileTest, GlobsOverrideInOrderAndOneDLayersStayEuclidean) {
   const auto params = Params();
   const ExchangePlan plan = MakeExchangePlan(Write(R"(
-algorithm: allgather
-refresh: {interval: 7, power_iters: 2}
-default: {format: fp8_e5m2, scaling: tensor}
-layers:
-  - {match: "layers.*", geometry: lowrank, rank: 4}
-  - {match: "layers.1.mlp.*", format: nvfp4, rank: 2}
-  - {match: "*norm*", format: bf16, geometry: lowrank}
-)"), params);
+exchange: {algorithm: allgather}
+geometry_refresh: {estimator: instant, interval: 7, power_iters: 2}
+policy:
+  default: {format: fp8_e5m2, scaling: tensor}
+  layers:
+    - {match: "layers.*", geometry: lowrank, rank: 4}
+    - {match: "layers.1.mlp.*", format: nvfp4, rank: 2}
+    - {match: "*norm*", format: bf16, geometry: lowrank}
+)"),
+                                             params);
   EXPECT_EQ(plan.algorithm, Algorithm::kAllGather);
-  EXPECT_EQ(plan.refresh_interval, 7);
-  EXPECT_EQ(plan.power_iters, 2);
+  EXPECT_EQ(plan.refresh.interval, 7);
+  EXPECT_EQ(plan.refresh.power_iters, 2);
+  EXPECT_EQ(plan.bucket_cap_bytes, size_t(25 * 1024 * 1024));  // the job spec's default
   for (size_t i = 0; i < params.size(); ++i) {
     const auto& p = params[i];
     const LayerPolicy& lp = plan.layers[i];
@@ -117,11 +126,13 @@ layers:
 
 TEST_F(PolicyFileTest, TheEmaEstimatorAndItsKnobsReachTheExchangeOptions) {
   const ExchangePlan plan = MakeExchangePlan(Write(R"(
-refresh: {interval: 2, estimator: ema, beta: 0.8, width: 12, probes: 2, adapt: 0.5}
-layers:
-  - {match: "layers.*", geometry: lowrank, rank: 4}
-)"), Params());
-  EXPECT_EQ(plan.estimator, GeometryEstimator::kFactorEma);
+geometry_refresh: {interval: 2, estimator: ema, beta: 0.8, width: 12, probes: 2, adapt: 0.5}
+policy:
+  layers:
+    - {match: "layers.*", geometry: lowrank, rank: 4}
+)"),
+                                             Params());
+  EXPECT_EQ(plan.refresh.estimator, GeometryEstimator::kFactorEma);
   const ExchangeOptions eo = MakeExchangeOptions(plan);
   EXPECT_EQ(eo.estimator, GeometryEstimator::kFactorEma);
   EXPECT_FLOAT_EQ(eo.sketch.beta, 0.8f);
@@ -130,39 +141,59 @@ layers:
   EXPECT_FLOAT_EQ(eo.adapt, 0.5f);
   EXPECT_EQ(eo.bucket_cap_bytes, plan.bucket_cap_bytes);
   EXPECT_EQ(MakeRefreshSchedule(plan, 2)[1].interval, 2);
-  EXPECT_NE(ErrorOf("refresh: {estimator: shampoo}\n")
-                .find("policy.refresh.estimator: unknown value 'shampoo' (accepted: instant, ema)"),
+  EXPECT_NE(ErrorOf("geometry_refresh: {estimator: shampoo}\n")
+                .find("spec.geometry_refresh.estimator: unknown value (shampoo); accepted: "
+                      "instant, ema"),
             std::string::npos);
-  EXPECT_NE(ErrorOf("refresh: {beta: 1}\n").find("policy.refresh.beta: must be in [0, 1) (1)"),
+  EXPECT_NE(ErrorOf("geometry_refresh: {beta: 1}\n")
+                .find("spec.geometry_refresh.beta: must be in [0, 0.999] (1)"),
             std::string::npos);
-  EXPECT_NE(ErrorOf("refresh: {width: 0}\n").find("policy.refresh.width: must be in [1, 256] (0)"),
+  EXPECT_NE(ErrorOf("geometry_refresh: {width: 0}\n")
+                .find("spec.geometry_refresh.width: must be in [1, 256] (0)"),
             std::string::npos);
-  EXPECT_NE(ErrorOf("refresh: {probes: -1}\n").find("policy.refresh.probes: must be in [0, 64]"),
+  EXPECT_NE(ErrorOf("geometry_refresh: {probes: -1}\n")
+                .find("spec.geometry_refresh.probes: must be in [0, 64]"),
             std::string::npos);
-  EXPECT_NE(ErrorOf("refresh: {adapt: 9}\n").find("policy.refresh.adapt: must be in [0, 4] (9)"),
+  EXPECT_NE(ErrorOf("geometry_refresh: {adapt: 9}\n")
+                .find("spec.geometry_refresh.adapt: must be in [0, 4] (9)"),
+            std::string::npos);
+  EXPECT_NE(ErrorOf("geometry_refresh: {sigma_ema: 0.5}\n")
+                .find("spec.geometry_refresh.sigma_ema: applies to estimator instant only"),
             std::string::npos);
 }
 
-TEST_F(PolicyFileTest, BadFieldsAreNamed) {
-  EXPECT_NE(ErrorOf("default: {format: fp9}\n")
-                .find("policy.default.format: unknown value 'fp9' (accepted: fp32, bf16"),
+TEST_F(PolicyFileTest, BadFieldsAreNamedWithTheFileAndLine) {
+  const std::string fp9 = ErrorOf("policy:\n  default: {format: fp9}\n");
+  EXPECT_NE(fp9.find(".yaml: line 2: spec.policy.default.format: unknown value (fp9); accepted: "
+                     "fp32, bf16"),
+            std::string::npos)
+      << fp9;
+  EXPECT_NE(ErrorOf("policy:\n  layers:\n    - {match: 'x.*', rank: 2}\n")
+                .find("spec.policy.layers[0].match: matches no layer of the model (x.*)"),
             std::string::npos);
-  EXPECT_NE(ErrorOf("layers:\n  - {match: 'x.*', rank: 2}\n")
-                .find("policy.layers[0].match: matches no layer ('x.*')"),
+  EXPECT_NE(ErrorOf("policy:\n  layers:\n    - {match: '*', rank: 0}\n")
+                .find("spec.policy.layers[0].rank: must be in [1, 4096] (0)"),
             std::string::npos);
-  EXPECT_NE(ErrorOf("layers:\n  - {match: '*', rank: 0}\n").find("policy.layers[0].rank: must be >= 1 (0)"),
+  EXPECT_NE(ErrorOf("policy:\n  layers:\n    - {rank: 3}\n")
+                .find("spec.policy.layers[0].match: required"),
             std::string::npos);
-  EXPECT_NE(ErrorOf("layers:\n  - {rank: 3}\n").find("policy.layers[0].match: missing"),
+  EXPECT_NE(ErrorOf("exchange: {algorithm: ring}\n")
+                .find("spec.exchange.algorithm: unknown value (ring)"),
             std::string::npos);
-  EXPECT_NE(ErrorOf("algorithm: ring\n").find("policy.algorithm: unknown value 'ring'"),
+  EXPECT_NE(ErrorOf("exchange: {algorithm: native}\n").find("spec.exchange.algorithm: native"),
             std::string::npos);
-  EXPECT_NE(ErrorOf("algorithm: native\n").find("policy.algorithm"), std::string::npos);
-  EXPECT_NE(ErrorOf("refresh: {interval: 0}\n").find("policy.refresh.interval: must be >= 1 (0)"),
+  EXPECT_NE(ErrorOf("geometry_refresh: {interval: 0}\n")
+                .find("spec.geometry_refresh.interval: must be in [1, 1000000] (0)"),
             std::string::npos);
-  EXPECT_NE(ErrorOf("colour: red\n").find("policy.colour: unknown key"), std::string::npos);
-  EXPECT_NE(ErrorOf("default: {block: many}\n").find("policy.default.block: cannot parse 'many'"),
+  // Only the three sections a job spec shares with a policy file.
+  EXPECT_NE(ErrorOf("model: {preset: llama-tiny}\n")
+                .find("spec.model: unknown field (accepted: "
+                      "exchange, policy, geometry_refresh)"),
             std::string::npos);
-  EXPECT_NE(ErrorOf("default: [1, 2\n").find("YAML error at line"), std::string::npos);
+  EXPECT_NE(ErrorOf("policy:\n  default: {block: many}\n")
+                .find("spec.policy.default.block: expected an integer (many)"),
+            std::string::npos);
+  EXPECT_NE(ErrorOf("policy: {default: [1, 2\n").find("malformed YAML"), std::string::npos);
   try {
     MakeExchangePlan("/nonexistent/p.yaml", Params());
     FAIL();
@@ -177,6 +208,77 @@ TEST_F(PolicyFileTest, BadFieldsAreNamed) {
     EXPECT_NE(std::string(e.what()).find("accepted: fp32, bf16, fp8, geofp8, nvfp4, geonvfp4"),
               std::string::npos);
   }
+}
+
+// Issue 14: the same policy sections given to geofp8-train as a file and submitted in a job spec
+// resolve to the same per-layer policies and refresh schedules. The job side runs what the
+// daemons run: ParseJobSpec and InitialPolicy (coordinator), ResolveLayers (worker), rank 0's
+// catalog and ComputeSchedules (coordinator), then the schedule by layer name as the worker maps
+// it onto its parameters.
+TEST_F(PolicyFileTest, AFileAndAJobSpecWithTheSameSectionsResolveIdentically) {
+  const std::string sections = R"(exchange: {algorithm: two_phase, bucket_mb: 2}
+policy:
+  default: {format: fp8_e4m3, scaling: block, block: 64}
+  layers:
+    - {match: "layers.*", geometry: lowrank, rank: 4}
+    - {match: "layers.1.attn.*", format: nvfp4, refresh_interval: 5}
+    - {match: "lm_head", geometry: diag}
+geometry_refresh: {estimator: instant, interval: 12, power_iters: 2}
+)";
+  const auto params = Params();
+  const int world = 3;
+  const ExchangePlan plan = MakeExchangePlan(Write(sections), params);
+  const std::vector<RefreshSchedule> train_schedule = MakeRefreshSchedule(plan, world);
+
+  const std::string spec_yaml =
+      "name: same\nworld_size: 3\nmodel: {preset: llama-tiny}\n" + sections;
+  absl::StatusOr<JobSpec> spec = ParseJobSpec(spec_yaml);
+  ASSERT_TRUE(spec.ok()) << spec.status();
+  const v1::Policy policy = InitialPolicy("job", *spec, 0);
+  absl::StatusOr<std::vector<LayerPolicy>> job_layers = ResolveLayers(policy, params);
+  ASSERT_TRUE(job_layers.ok()) << job_layers.status();
+  std::vector<v1::LayerInfo> catalog;
+  for (const auto& p : params) {  // as JobRunner sends it
+    v1::LayerInfo li;
+    li.set_name(p.name);
+    li.set_rows(p.is_matrix() ? p.rows : p.size());
+    li.set_cols(p.is_matrix() ? p.cols : 1);
+    catalog.push_back(li);
+  }
+  const auto job_schedule = ComputeSchedules(catalog, policy, world, spec->geometry_refresh);
+
+  EXPECT_EQ(plan.algorithm, spec->exchange.algorithm);
+  EXPECT_EQ(plan.bucket_cap_bytes, size_t(2 * 1024 * 1024));
+  const ExchangeOptions eo = MakeExchangeOptions(plan);
+  EXPECT_EQ(eo.estimator, spec->geometry_refresh.estimator);
+  EXPECT_EQ(eo.power_iters, spec->geometry_refresh.power_iters);
+  ASSERT_EQ(plan.layers.size(), job_layers->size());
+  int with_geometry = 0, patched = 0;
+  for (size_t i = 0; i < params.size(); ++i) {
+    const LayerPolicy& a = plan.layers[i];
+    const LayerPolicy& b = (*job_layers)[i];
+    EXPECT_TRUE(a.format == b.format && a.scaling == b.scaling && a.block == b.block &&
+                a.rounding == b.rounding && a.geometry == b.geometry && a.rank == b.rank &&
+                a.alpha == b.alpha && a.error_feedback == b.error_feedback)
+        << params[i].name;
+    with_geometry += a.geometry != GeometryMode::kNone;
+  }
+  EXPECT_GT(with_geometry, 4);
+  ASSERT_EQ(train_schedule.size(), params.size());
+  size_t matched = 0;
+  for (const v1::RefreshSchedule& s : job_schedule) {
+    for (size_t i = 0; i < params.size(); ++i) {
+      if (params[i].name != s.layer()) continue;
+      ++matched;
+      EXPECT_EQ(train_schedule[i].owner, s.owner()) << s.layer();
+      EXPECT_EQ(train_schedule[i].interval, s.interval()) << s.layer();
+      EXPECT_EQ(train_schedule[i].offset, s.offset()) << s.layer();
+      patched += s.interval() == 5;
+    }
+  }
+  EXPECT_EQ(matched, job_schedule.size());
+  EXPECT_GT(matched, 8u);
+  EXPECT_EQ(patched, 4);  // layers.1.attn.{wq,wk,wv,wo}
 }
 
 }  // namespace

@@ -129,13 +129,14 @@ TEST(Trainer, ResumeFromCheckpointIsBitwiseIdentical) {
   }
 }
 
-// A geofp8 policy whose matrices refresh every 3 steps (staggered offsets 0, 1, 2) with sigma
+// A geofp8 policy whose matrices refresh every 3 steps (offsets staggered over 0, 1, 2) with sigma
 // smoothing: the geometry state a resume has to carry.
 fs::path GeoPolicyFile(const std::string& tag) {
   const fs::path path = TempPath(tag + ".yaml");
   std::ofstream f(path);
-  f << "refresh: {interval: 3, sigma_ema: 0.5}\n"
-       "default: {format: fp8_e4m3, scaling: block, block: 32, geometry: lowrank, rank: 4}\n";
+  f << "geometry_refresh: {estimator: instant, interval: 3, sigma_ema: 0.5}\n"
+       "policy:\n"
+       "  default: {format: fp8_e4m3, scaling: block, block: 32, geometry: lowrank, rank: 4}\n";
   return path;
 }
 

@@ -504,8 +504,7 @@ struct JobRunner::Impl {
       plan.bucket_cap_bytes = size_t(std::max(1.0, spec.exchange.bucket_mb * 1024 * 1024));
       std::vector<RefreshSchedule> schedule = Resolve(*first);
       plan.layers = layer_policies;
-      plan.estimator = spec.geometry_refresh.estimator;
-      plan.sketch = spec.geometry_refresh.sketch;
+      plan.refresh = spec.geometry_refresh;
       trainer = std::make_unique<train::Trainer>(to, *comm, std::move(plan), std::move(schedule),
                                                  first->version());
     }

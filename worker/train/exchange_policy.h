@@ -4,25 +4,27 @@
 #pragma once
 
 #include <string>
+#include <string_view>
 #include <vector>
 
 #include "kernels/exchange/exchanger.h"
 #include "kernels/exchange/policy.h"
 #include "kernels/model/model.h"
+#include "kernels/policy/job_spec.h"
 
 namespace geofp8::train {
 
 // Plain struct: what the Exchanger needs besides the communicator.
 struct ExchangePlan {
-  std::string name;                       // preset name or file path
+  std::string name;  // preset name or file path
   Algorithm algorithm = Algorithm::kTwoPhase;
-  std::vector<LayerPolicy> layers;        // one per model parameter, in params() order
-  int refresh_interval = 20;              // steps between geometry refreshes of a layer
-  GeometryEstimator estimator = GeometryEstimator::kInstant;
-  int power_iters = 1;                    // instant: subspace iterations per refresh
-  float sigma_ema = 0.f;                  // instant: sigma smoothing across refreshes
-  FactorSketchOptions sketch;             // ema: beta, width, probes (seed comes from the run)
-  float adapt = 0.0f;                     // ema: whitening strength follows the basis's fit
+  std::vector<LayerPolicy> layers;  // one per model parameter, in params() order
+  // Per parameter, a patch's refresh_interval; 0: refresh.interval. Empty: all 0.
+  std::vector<int> refresh_intervals;
+  // Per parameter: a matrix that can take a geometry (rows > 1 and cols > 1), the layers the
+  // coordinator's refresh schedule is built over.
+  std::vector<bool> matrices;
+  RefreshSpec refresh;                        // estimator, its knobs, interval, stagger
   size_t bucket_cap_bytes = size_t{1} << 20;  // fp32 bytes per bucket
   bool uses_geometry() const;
 };
@@ -30,17 +32,25 @@ struct ExchangePlan {
 // "fp32, bf16, fp8, geofp8, nvfp4, geonvfp4"
 std::string_view AcceptedPolicyPresets();
 
-// Builds the plan for `spec`: a preset name, or a path to a YAML file (anything ending in
-// .yaml/.yml). Throws geofp8::Error with one line naming the field ("policy.layers[1].format:
-// unknown value 'fp9' (accepted: ...)") on a bad file.
+// Builds the plan for `spec`: a preset name, or a path to a policy file (anything ending in
+// .yaml/.yml): the `exchange`, `policy` and `geometry_refresh` sections of a job spec
+// (docs/job-spec.md), parsed by kernels/policy's ParsePolicyFile and resolved as the coordinator
+// resolves a job's policy. A preset is such a file too (PresetPolicyFile). Throws geofp8::Error
+// with one line naming the file, line and field on a bad file or a glob that matches no layer.
 ExchangePlan MakeExchangePlan(const std::string& spec, const std::vector<model::ParamInfo>& params);
+
+// A policy file's text (the Python hook passes a string, or a dict as JSON, which is YAML).
+// `name` names the text in errors, and `model` the model in an unmatched glob's error.
+ExchangePlan MakeExchangePlanFromText(std::string_view yaml, const std::string& name,
+                                      const std::vector<model::ParamInfo>& params,
+                                      std::string_view model = "");
 
 // The Exchanger options the plan decides (algorithm, bucket cap, estimator and its knobs); the
 // caller adds what the run decides (seed, timeout, policy version, trace).
 ExchangeOptions MakeExchangeOptions(const ExchangePlan& plan);
 
-// Geometry refresh schedule: owner = layer % ranks (spreads the work), offsets staggered over
-// the interval. Empty when the plan uses no geometry.
+// The geometry refresh schedule of `ranks` ranks, one entry per parameter, by the coordinator's
+// algorithm (kernels/policy RefreshScheduleOf). Empty when the plan uses no geometry.
 std::vector<RefreshSchedule> MakeRefreshSchedule(const ExchangePlan& plan, int ranks);
 
 }  // namespace geofp8::train

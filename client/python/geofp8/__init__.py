@@ -1,0 +1,37 @@
+"""GeoFP8 for Python: the project's gradient exchange engine (kernels/exchange) and, in
+geofp8.torch, a DDP communication hook on top of it. See docs/pytorch.md.
+
+From a build tree: PYTHONPATH=build/client/python /usr/bin/python3 -c 'import geofp8.torch'
+"""
+
+import json
+import os
+
+from ._geofp8 import Engine, Error, accepted_presets, layer_matches
+
+__all__ = ["Engine", "Error", "accepted_presets", "layer_matches", "policy_source"]
+
+
+def policy_source(policy):
+    """(kind, spec) for Engine.set_policy from what a user passes as a policy:
+
+    - a preset name (fp32, bf16, fp8, geofp8, nvfp4, geonvfp4), as geofp8-train --policy;
+    - a path ending in .yaml or .yml: the policy file geofp8-train --policy reads;
+    - YAML text (anything with a newline or a colon) in that file's schema;
+    - a dict in that schema (sent as JSON, which is YAML).
+
+    Parsing and validation happen in C++ (worker/train/exchange_policy), not here.
+    """
+    if isinstance(policy, dict):
+        return "text", json.dumps(policy)
+    if not isinstance(policy, str):
+        raise TypeError(
+            "policy: must be a preset name, a YAML path, YAML text or a dict (got %s)"
+            % type(policy).__name__)
+    if policy.endswith((".yaml", ".yml")) and "\n" not in policy:
+        if not os.path.isfile(policy):
+            raise ValueError("policy: cannot read file %s" % policy)
+        return "file", policy
+    if "\n" in policy or ":" in policy:
+        return "text", policy
+    return "preset", policy

@@ -1,0 +1,217 @@
+"""geofp8.torch: a DistributedDataParallel communication hook that averages gradients with
+GeoFP8's exchange engine (FP8/NVFP4 in geometry-aware coordinates) instead of an fp32
+all-reduce.
+
+    state = geofp8.torch.GeoFP8State(process_group=None, model=model, policy="geofp8")
+    ddp_model.register_comm_hook(state, geofp8.torch.geofp8_hook)
+
+The engine's Gloo communicator meets its peers through torch's own c10d store (under the
+prefix "geofp8/hook/<n>/"), so no extra port or file is needed. Constructing a GeoFP8State is a
+collective: every rank of the group constructs one, in the same order. See docs/pytorch.md.
+"""
+
+import os
+
+import torch
+import torch.distributed as dist
+
+from . import _geofp8, policy_source
+
+__all__ = ["GeoFP8State", "geofp8_hook"]
+
+_states_created = 0  # per process: each state's store prefix (same order on every rank)
+_STATE_FORMAT = 1
+
+
+def _local_hostname():
+    """Address this rank's Gloo listens on: GEOFP8_HOSTNAME, else loopback when every rank runs
+    on this host (torchrun's LOCAL_WORLD_SIZE == WORLD_SIZE, or no launcher), else the host's
+    name."""
+    explicit = os.environ.get("GEOFP8_HOSTNAME")
+    if explicit:
+        return explicit
+    local = os.environ.get("LOCAL_WORLD_SIZE")
+    world = os.environ.get("WORLD_SIZE")
+    if local is None or world is None or local == world:
+        return "127.0.0.1"
+    import socket
+    return socket.gethostbyname(socket.getfqdn())
+
+
+def _check_parameter(name, p):
+    if p.device.type == "cuda":
+        raise RuntimeError(
+            "device: parameter '%s' is on %s; CUDA tensors need a CUDA build of geofp8 and torch "
+            "(this geofp8.torch runs the Gloo engine on CPU tensors)" % (name, p.device))
+    if p.device.type != "cpu":
+        raise RuntimeError("device: parameter '%s' is on %s; the GeoFP8 hook takes CPU tensors"
+                           % (name, p.device))
+    if p.dtype != torch.float32:
+        raise TypeError("gradient dtype: parameter '%s' is %s; the GeoFP8 hook takes float32 "
+                        "gradients" % (name, p.dtype))
+
+
+class GeoFP8State:
+    """The hook's state: the engine (communicator, per-layer policy, geometry) and the step.
+
+    process_group: the DDP group (None: the default group). model: the module DDP wraps (or the
+    DDP module); its named_parameters() name the layers that policy globs match. policy: a
+    preset name, a YAML path, YAML text or a dict in geofp8-train's --policy schema
+    (docs/pytorch.md). seed: stochastic rounding and geometry cold starts derive from it.
+    timeout_s: every collective's timeout. store: a c10d Store to meet through (default: the
+    group's default store).
+    """
+
+    def __init__(self, process_group=None, model=None, policy="geofp8", *, seed=0,
+                 timeout_s=300.0, store=None, hostname=None, model_name="the model"):
+        global _states_created
+        if model is None:
+            raise ValueError("model: required (the module DDP wraps), to name the parameters")
+        if isinstance(model, torch.nn.parallel.DistributedDataParallel):
+            model = model.module
+        if not dist.is_initialized():
+            raise RuntimeError("process_group: torch.distributed is not initialized "
+                               "(call init_process_group first)")
+        self.process_group = process_group
+        group = process_group if process_group is not None else dist.group.WORLD
+        rank = dist.get_rank(group)
+        size = dist.get_world_size(group)
+        self.names = []
+        shapes = []
+        self._index = {}
+        for name, p in model.named_parameters():
+            if not p.requires_grad:
+                continue
+            _check_parameter(name, p)
+            self._index[id(p)] = len(self.names)
+            self.names.append(name)
+            shapes.append((p.shape[0], p.shape[1]) if p.dim() == 2 else (1, p.numel()))
+        if not self.names:
+            raise ValueError("model: has no parameter that requires a gradient")
+        self.model_name = model_name
+        # The policy is parsed in C++ once the layers are known (set_policy below); a bad one
+        # fails the same way on every rank.
+        kind, spec = policy_source(policy)
+        base = store if store is not None else dist.distributed_c10d._get_default_store()
+        prefix = "geofp8/hook/%d/" % _states_created
+        _states_created += 1
+        self._engine = _geofp8.Engine(dist.PrefixStore(prefix, base), rank, size,
+                                      hostname or _local_hostname(), float(timeout_s), int(seed))
+        self._engine.set_layers(self.names, shapes)
+        self._policy = (kind, spec)
+        self.policy_version = 1
+        self.layers = self._engine.set_policy(kind, spec, model_name, self.policy_version)
+        self.step = 0
+        self._in_step = False
+        self._scheduled = []  # [(effective_step, kind, spec)], applied in order
+        self.stats = {"bytes_sent": 0, "seconds": 0.0, "skipped_buckets": 0, "refreshes": 0}
+        self.last_step = {"bytes_sent": 0, "seconds": 0.0, "skipped": False}
+
+    @property
+    def rank(self):
+        return self._engine.rank
+
+    @property
+    def world_size(self):
+        return self._engine.size
+
+    def set_policy(self, policy, effective_step=None):
+        """Applies `policy` at the start of step `effective_step` (default: the next step that
+        starts) on this rank; every rank must make the same call for the same step. The policy
+        is checked now. Geometry carries over for layers whose geometry settings still fit."""
+        kind, spec = policy_source(policy)
+        self._engine.check_policy(kind, spec, self.model_name)
+        if effective_step is None:
+            effective_step = self.step + 1 if self._in_step else self.step
+        if effective_step < self.step or (effective_step == self.step and self._in_step):
+            raise ValueError("effective_step: %d has already started (current step %d)"
+                             % (effective_step, self.step))
+        self._scheduled.append((int(effective_step), kind, spec))
+        self._scheduled.sort(key=lambda t: t[0])
+
+    def _begin_step(self):
+        while self._scheduled and self._scheduled[0][0] <= self.step:
+            _, kind, spec = self._scheduled.pop(0)
+            self.policy_version += 1
+            self.layers = self._engine.set_policy(kind, spec, self.model_name,
+                                                  self.policy_version)
+            self._policy = (kind, spec)
+        self._in_step = True
+        self.last_step = {"bytes_sent": 0, "seconds": 0.0, "skipped": False}
+
+    def state_dict(self):
+        """Everything a resume needs: step, policy (and scheduled changes), every layer's
+        geometry. Only between steps."""
+        if self._in_step:
+            raise RuntimeError("state_dict: step %d is in progress" % self.step)
+        return {
+            "format": _STATE_FORMAT,
+            "step": self.step,
+            "names": list(self.names),
+            "policy": list(self._policy),
+            "policy_version": self.policy_version,
+            "scheduled": [list(t) for t in self._scheduled],
+            "geometry": [tuple(g) for g in self._engine.export_geometry()],
+        }
+
+    def load_state_dict(self, state):
+        """Restores state_dict()'s output; the model must have the same parameters."""
+        if state.get("format") != _STATE_FORMAT:
+            raise ValueError("state.format: %r is not %d" % (state.get("format"), _STATE_FORMAT))
+        if list(state["names"]) != self.names:
+            raise ValueError("state.names: the saved parameters (%d) differ from the model's (%d)"
+                             % (len(state["names"]), len(self.names)))
+        kind, spec = state["policy"]
+        self.policy_version = int(state["policy_version"])
+        self.layers = self._engine.set_policy(kind, spec, self.model_name, self.policy_version)
+        self._policy = (kind, spec)
+        self._engine.import_geometry([tuple(g) for g in state["geometry"]])
+        self._scheduled = [tuple(t) for t in state["scheduled"]]
+        self.step = int(state["step"])
+        self._in_step = False
+
+
+def geofp8_hook(state, bucket):
+    """DDP comm hook: averages the bucket over the group with GeoFP8's engine and returns a
+    completed Future holding the averaged bucket. A bucket in which some rank had a NaN or inf
+    gradient comes back as NaN (the engine skips it on every rank), so a GradScaler or a
+    finiteness check skips the optimizer step."""
+    buf = bucket.buffer()
+    if buf.device.type != "cpu":
+        if buf.device.type == "cuda":
+            raise RuntimeError("device: bucket %d is on %s; CUDA tensors need a CUDA build of "
+                               "geofp8 and torch" % (bucket.index(), buf.device))
+        raise RuntimeError("device: bucket %d is on %s; the GeoFP8 hook takes CPU tensors"
+                           % (bucket.index(), buf.device))
+    if buf.dtype != torch.float32:
+        raise TypeError("gradient dtype: bucket %d is %s; the GeoFP8 hook takes float32 "
+                        "gradients" % (bucket.index(), buf.dtype))
+    if not state._in_step:
+        state._begin_step()
+    params = bucket.parameters()
+    grads = bucket.gradients()
+    layers = []
+    for p in params:
+        i = state._index.get(id(p))
+        if i is None:
+            raise ValueError("model: bucket %d holds a parameter (shape %s) that is not in the "
+                             "model given to GeoFP8State" % (bucket.index(), tuple(p.shape)))
+        layers.append(i)
+    base = buf.data_ptr()
+    offsets = [(g.data_ptr() - base) // 4 for g in grads]
+    result = state._engine.exchange(state.step, layers, buf.numpy(), offsets)
+    if result["skipped"]:
+        buf.fill_(float("nan"))
+        state.stats["skipped_buckets"] += 1
+        state.last_step["skipped"] = True
+    state.stats["bytes_sent"] += result["bytes_sent"]
+    state.stats["seconds"] += result["seconds"]
+    state.stats["refreshes"] += result["refreshes"]
+    state.last_step["bytes_sent"] += result["bytes_sent"]
+    state.last_step["seconds"] += result["seconds"]
+    if bucket.is_last():
+        state.step += 1
+        state._in_step = False
+    fut = torch.futures.Future()
+    fut.set_result(buf)
+    return fut

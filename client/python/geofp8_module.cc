@@ -1,0 +1,405 @@
+// geofp8._geofp8: the exchange engine (kernels/exchange) for Python, as geofp8.torch's DDP comm
+// hook drives it. One Engine per process group: a Gloo communicator bootstrapped from a Python
+// store object (torch's c10d Store), the policy of geofp8-train's --policy (presets or YAML,
+// parsed by worker/train/exchange_policy), and one Exchanger per DDP bucket layout, whose
+// geometry moves with the layers when DDP rebuilds its buckets or the policy changes.
+//
+// The GIL: every call into the Python store takes it; the rendezvous and the exchange run with
+// it released, so the store may be served by another Python thread.
+
+#include <pybind11/pybind11.h>
+#include <pybind11/stl.h>
+
+#include <chrono>
+#include <fstream>
+#include <map>
+#include <memory>
+#include <optional>
+#include <span>
+#include <sstream>
+#include <string>
+#include <vector>
+
+#include "kernels/common/check.h"
+#include "kernels/exchange/exchanger.h"
+#include "kernels/exchange/gloo_communicator.h"
+#include "kernels/exchange/store.h"
+#include "kernels/policy/job_spec.h"
+#include "worker/train/exchange_policy.h"
+
+namespace py = pybind11;
+
+namespace geofp8::python {
+namespace {
+
+// geofp8::Store over a Python object with the methods of torch.distributed.Store:
+// set(key, bytes), get(key) -> bytes, wait(keys, timedelta), add(key, int) -> int.
+class PyStore final : public Store {
+ public:
+  explicit PyStore(py::object store) : store_(std::move(store)) {}
+  ~PyStore() override {
+    py::gil_scoped_acquire gil;
+    store_ = py::object();
+  }
+
+  void Set(const std::string& key, const std::vector<uint8_t>& value) override {
+    py::gil_scoped_acquire gil;
+    try {
+      store_.attr("set")(key, py::bytes(reinterpret_cast<const char*>(value.data()), value.size()));
+    } catch (py::error_already_set& e) {
+      GEOFP8_FAIL("store set '", key, "': ", e.what());
+    }
+  }
+
+  std::vector<uint8_t> Get(const std::string& key, std::chrono::milliseconds timeout) override {
+    Wait({key}, timeout);
+    py::gil_scoped_acquire gil;
+    try {
+      const std::string v = py::bytes(store_.attr("get")(key));
+      return std::vector<uint8_t>(v.begin(), v.end());
+    } catch (py::error_already_set& e) {
+      GEOFP8_FAIL("store get '", key, "': ", e.what());
+    }
+  }
+
+  void Wait(const std::vector<std::string>& keys, std::chrono::milliseconds timeout) override {
+    py::gil_scoped_acquire gil;
+    try {
+      py::object delta = py::module_::import("datetime")
+                             .attr("timedelta")(py::arg("milliseconds") = timeout.count());
+      store_.attr("wait")(py::cast(keys), delta);
+    } catch (py::error_already_set& e) {
+      GEOFP8_FAIL("store wait for '", keys.empty() ? std::string() : keys.front(), "' (",
+                  keys.size(), " keys, timeout ", timeout.count(), " ms): ", e.what());
+    }
+  }
+
+  int64_t Add(const std::string& key, int64_t delta) override {
+    py::gil_scoped_acquire gil;
+    try {
+      return store_.attr("add")(key, delta).cast<int64_t>();
+    } catch (py::error_already_set& e) {
+      GEOFP8_FAIL("store add '", key, "': ", e.what());
+    }
+  }
+
+ private:
+  py::object store_;
+};
+
+py::bytes Bytes(const std::vector<uint8_t>& v) {
+  return py::bytes(reinterpret_cast<const char*>(v.data()), v.size());
+}
+std::vector<uint8_t> FromBytes(const py::bytes& b) {
+  const std::string s = b;
+  return std::vector<uint8_t>(s.begin(), s.end());
+}
+
+// The engine of one process group.
+class Engine {
+ public:
+  Engine(py::object store, int rank, int size, std::string hostname, double timeout_s,
+         uint64_t seed)
+      : store_(std::make_unique<PyStore>(std::move(store))), seed_(seed) {
+    GEOFP8_CHECK(timeout_s > 0, "timeout: must be > 0 seconds (", timeout_s, ")");
+    timeout_ = std::chrono::milliseconds(static_cast<int64_t>(timeout_s * 1000.0));
+    GlooOptions go;
+    go.hostname = std::move(hostname);
+    go.prefix = "geofp8";
+    go.timeout = timeout_;
+    py::gil_scoped_release release;
+    comm_ = CreateGlooCommunicator(*store_, rank, size, go);
+  }
+
+  ~Engine() {
+    exchangers_.clear();
+    comm_.reset();
+  }
+
+  int rank() const { return comm_->rank(); }
+  int size() const { return comm_->size(); }
+
+  // The model's parameters in named_parameters() order: names and shapes (rows, cols); a 1-D
+  // parameter is (1, n).
+  void SetLayers(const std::vector<std::string>& names,
+                 const std::vector<std::pair<int64_t, int64_t>>& shapes) {
+    GEOFP8_CHECK(names.size() == shapes.size(), "layers: ", names.size(), " names but ",
+                 shapes.size(), " shapes");
+    GEOFP8_CHECK(!names.empty(), "layers: the model has no parameter that requires a gradient");
+    params_.clear();
+    int64_t offset = 0;
+    for (size_t i = 0; i < names.size(); ++i) {
+      model::ParamInfo p;
+      p.name = names[i];
+      p.rows = shapes[i].first;
+      p.cols = shapes[i].second;
+      GEOFP8_CHECK(p.rows >= 1 && p.cols >= 1, "layers: parameter '", p.name, "' has shape (",
+                   p.rows, ", ", p.cols, ")");
+      p.offset = offset;
+      offset += p.size();
+      params_.push_back(p);
+    }
+    exchangers_.clear();
+    stash_.assign(params_.size(), std::nullopt);
+    plan_.reset();
+  }
+
+  // kind: "preset" (fp32, bf16, fp8, geofp8, nvfp4, geonvfp4), "file" (a YAML path) or "text"
+  // (YAML). Geometry of the previous policy carries over where it still fits the new one
+  // (GeometryImport::kDropMismatched). Returns one summary dict per layer.
+  py::list SetPolicy(const std::string& kind, const std::string& spec, const std::string& model,
+                     uint64_t version) {
+    train::ExchangePlan plan = BuildPlan(kind, spec, model);
+    if (plan_) StashAll(GeometryImport::kDropMismatched);
+    plan_ = std::move(plan);
+    schedule_ = train::MakeRefreshSchedule(*plan_, comm_->size());
+    version_ = version;
+    py::list out;
+    for (size_t i = 0; i < params_.size(); ++i) {
+      const LayerPolicy& lp = plan_->layers[i];
+      py::dict d;
+      d["name"] = params_[i].name;
+      d["algorithm"] = std::string(AlgorithmNameOf(plan_->algorithm));
+      d["format"] = std::string(FormatNameOf(lp.format));
+      d["scaling"] = std::string(ScalingNameOf(lp.scaling));
+      d["block"] = lp.block;
+      d["rounding"] = std::string(RoundingNameOf(lp.rounding));
+      d["geometry"] = std::string(GeometryNameOf(lp.geometry));
+      d["rank"] = lp.rank;
+      d["alpha"] = lp.alpha;
+      d["refresh_interval"] = schedule_.empty() ? 0 : schedule_[i].interval;
+      out.append(d);
+    }
+    return out;
+  }
+
+  // Parses and checks a policy against the layers without applying it.
+  void CheckPolicy(const std::string& kind, const std::string& spec, const std::string& model) {
+    BuildPlan(kind, spec, model);
+  }
+
+  // Averages the gradients of `layers` (indices into set_layers' list) over the ranks in place:
+  // layer layers[i] is buffer[offsets[i] .. + its size). `buffer` is a writable, contiguous
+  // float32 buffer (a CPU tensor's numpy() view).
+  py::dict Exchange(uint64_t step, const std::vector<uint32_t>& layers, py::buffer buffer,
+                    const std::vector<int64_t>& offsets) {
+    GEOFP8_CHECK(plan_.has_value(), "exchange: set_policy first");
+    py::buffer_info info = buffer.request(/*writable=*/true);
+    const bool f32 =
+        info.itemsize == 4 && (info.format == "f" || info.format == "<f" || info.format == "=f");
+    GEOFP8_CHECK(f32, "gradient dtype: must be float32 (buffer format '", info.format, "')");
+    GEOFP8_CHECK(info.ndim == 1 && info.strides[0] == 4,
+                 "gradient buffer: must be one contiguous 1-D array");
+    GEOFP8_CHECK(layers.size() == offsets.size() && !layers.empty(), "exchange: ", layers.size(),
+                 " layers but ", offsets.size(), " offsets");
+    float* data = static_cast<float*>(info.ptr);
+    std::vector<std::span<float>> grads;
+    for (size_t i = 0; i < layers.size(); ++i) {
+      GEOFP8_CHECK(layers[i] < params_.size(), "exchange: layer index ", layers[i],
+                   " >= ", params_.size());
+      const int64_t n = params_[layers[i]].size();
+      GEOFP8_CHECK(offsets[i] >= 0 && offsets[i] + n <= info.shape[0], "exchange: layer '",
+                   params_[layers[i]].name, "' at offset ", offsets[i], " + ", n,
+                   " is outside the bucket of ", info.shape[0], " floats");
+      grads.emplace_back(data + offsets[i], static_cast<size_t>(n));
+    }
+    Exchanger& ex = ExchangerFor(layers);
+    StepResult r;
+    {
+      py::gil_scoped_release release;
+      r = ex.Exchange(step, grads);
+    }
+    py::dict d;
+    d["skipped"] = r.skipped;
+    d["bytes_sent"] = r.bytes_sent;
+    d["seconds"] = r.seconds;
+    d["refreshes"] = r.refreshes.size();
+    return d;
+  }
+
+  // Every layer's geometry state, in set_layers order: (active, pending, pending_from, sketch).
+  py::list ExportGeometry() {
+    std::vector<std::optional<LayerGeometryState>> all(params_.size());
+    for (auto& [key, ex] : exchangers_) {
+      std::vector<LayerGeometryState> s = ex->ExportGeometry();
+      for (size_t j = 0; j < key.size(); ++j) all[key[j]] = std::move(s[j]);
+    }
+    py::list out;
+    for (size_t i = 0; i < params_.size(); ++i) {
+      const LayerGeometryState s = all[i]      ? *all[i]
+                                   : stash_[i] ? stash_[i]->state
+                                               : LayerGeometryState{};
+      out.append(
+          py::make_tuple(Bytes(s.active), Bytes(s.pending), s.pending_from, Bytes(s.sketch)));
+    }
+    return out;
+  }
+
+  // Restores ExportGeometry's list (resume): checked now, strictly, against the current policy
+  // (an error names the layer and field), then taken up by the bucket exchangers as they form.
+  void ImportGeometry(const py::list& state) {
+    GEOFP8_CHECK(plan_.has_value(), "import_geometry: set_policy first");
+    GEOFP8_CHECK(state.size() == params_.size(), "geometry: ", state.size(),
+                 " layers in the state, the model has ", params_.size());
+    std::vector<LayerGeometryState> all;
+    for (const py::handle& h : state) {
+      auto t = h.cast<py::tuple>();
+      GEOFP8_CHECK(t.size() == 4,
+                   "geometry: each entry is (active, pending, pending_from, sketch)");
+      LayerGeometryState s;
+      s.active = FromBytes(t[0].cast<py::bytes>());
+      s.pending = FromBytes(t[1].cast<py::bytes>());
+      s.pending_from = t[2].cast<uint64_t>();
+      s.sketch = FromBytes(t[3].cast<py::bytes>());
+      all.push_back(std::move(s));
+    }
+    std::vector<uint32_t> every(params_.size());
+    for (size_t i = 0; i < every.size(); ++i) every[i] = static_cast<uint32_t>(i);
+    {
+      // Validation only: an Exchanger over every layer takes the state in (or throws).
+      std::unique_ptr<Exchanger> check = MakeExchanger(every);
+      check->ImportGeometry(all, GeometryImport::kStrict);
+    }
+    exchangers_.clear();
+    for (size_t i = 0; i < all.size(); ++i) {
+      stash_[i] = Stashed{std::move(all[i]), GeometryImport::kStrict};
+    }
+  }
+
+  size_t exchanger_count() const { return exchangers_.size(); }
+
+ private:
+  struct Stashed {
+    LayerGeometryState state;
+    GeometryImport mode = GeometryImport::kStrict;
+  };
+
+  train::ExchangePlan BuildPlan(const std::string& kind, const std::string& spec,
+                                const std::string& model) const {
+    GEOFP8_CHECK(!params_.empty(), "policy: set_layers first");
+    if (kind == "preset") return train::MakeExchangePlan(spec, params_);
+    if (kind == "text") return train::MakeExchangePlanFromText(spec, "policy", params_, model);
+    if (kind == "file") {
+      std::ifstream in(spec);
+      if (!in) GEOFP8_FAIL("policy: cannot read file ", spec);
+      std::stringstream text;
+      text << in.rdbuf();
+      return train::MakeExchangePlanFromText(text.str(), spec, params_, model);
+    }
+    GEOFP8_FAIL("policy kind: unknown value '", kind, "' (accepted: preset, file, text)");
+  }
+
+  std::unique_ptr<Exchanger> MakeExchanger(const std::vector<uint32_t>& layers) const {
+    std::vector<LayerSpec> specs;
+    std::vector<RefreshSchedule> schedule;
+    for (uint32_t l : layers) {
+      const model::ParamInfo& p = params_[l];
+      LayerSpec s;
+      s.name = p.name;
+      // LayerSpec's 1-D convention is cols == 1.
+      s.rows = p.is_matrix() ? p.rows : p.size();
+      s.cols = p.is_matrix() ? p.cols : 1;
+      s.policy = plan_->layers[l];
+      specs.push_back(std::move(s));
+      if (!schedule_.empty()) schedule.push_back(schedule_[l]);
+    }
+    ExchangeOptions eo = train::MakeExchangeOptions(*plan_);
+    eo.seed = seed_;
+    eo.timeout = timeout_;
+    eo.policy_version = version_;
+    eo.layer_ids = layers;  // streams keyed by the model's layer index, whatever the bucket
+    return std::make_unique<Exchanger>(*comm_, std::move(specs), eo, std::move(schedule));
+  }
+
+  // Moves every exchanger's geometry into the stash and drops the exchangers.
+  void StashAll(GeometryImport mode) {
+    for (auto& [key, ex] : exchangers_) {
+      std::vector<LayerGeometryState> s = ex->ExportGeometry();
+      for (size_t j = 0; j < key.size(); ++j) stash_[key[j]] = Stashed{std::move(s[j]), mode};
+    }
+    exchangers_.clear();
+  }
+
+  Exchanger& ExchangerFor(const std::vector<uint32_t>& layers) {
+    auto it = exchangers_.find(layers);
+    if (it != exchangers_.end()) return *it->second;
+    // A new bucket layout (DDP rebuilds its buckets after the first step): exchangers holding
+    // any of these layers hand their geometry over through the stash.
+    std::vector<bool> wanted(params_.size(), false);
+    for (uint32_t l : layers) {
+      GEOFP8_CHECK(!wanted[l], "exchange: layer '", params_[l].name, "' twice in one bucket");
+      wanted[l] = true;
+    }
+    for (auto e = exchangers_.begin(); e != exchangers_.end();) {
+      bool overlaps = false;
+      for (uint32_t l : e->first) overlaps = overlaps || wanted[l];
+      if (!overlaps) {
+        ++e;
+        continue;
+      }
+      std::vector<LayerGeometryState> s = e->second->ExportGeometry();
+      for (size_t j = 0; j < e->first.size(); ++j) {
+        stash_[e->first[j]] = Stashed{std::move(s[j]), GeometryImport::kStrict};
+      }
+      e = exchangers_.erase(e);
+    }
+    std::unique_ptr<Exchanger> ex = MakeExchanger(layers);
+    std::vector<LayerGeometryState> state(layers.size());
+    bool any = false;
+    GeometryImport mode = GeometryImport::kStrict;
+    for (size_t j = 0; j < layers.size(); ++j) {
+      if (!stash_[layers[j]]) continue;
+      any = true;
+      if (stash_[layers[j]]->mode == GeometryImport::kDropMismatched) {
+        mode = GeometryImport::kDropMismatched;
+      }
+      state[j] = std::move(stash_[layers[j]]->state);
+    }
+    if (any) ex->ImportGeometry(state, mode);
+    for (uint32_t l : layers) stash_[l].reset();
+    return *exchangers_.emplace(layers, std::move(ex)).first->second;
+  }
+
+  std::unique_ptr<PyStore> store_;
+  std::unique_ptr<Communicator> comm_;
+  uint64_t seed_ = 0;
+  std::chrono::milliseconds timeout_{kDefaultCollectiveTimeout};
+  std::vector<model::ParamInfo> params_;
+  std::optional<train::ExchangePlan> plan_;
+  std::vector<RefreshSchedule> schedule_;
+  uint64_t version_ = 0;
+  std::map<std::vector<uint32_t>, std::unique_ptr<Exchanger>> exchangers_;
+  std::vector<std::optional<Stashed>> stash_;
+};
+
+}  // namespace
+}  // namespace geofp8::python
+
+PYBIND11_MODULE(_geofp8, m) {
+  using geofp8::python::Engine;
+  m.doc() = "GeoFP8's exchange engine (kernels/exchange) for Python; see geofp8.torch.";
+  py::register_exception<geofp8::Error>(m, "Error", PyExc_RuntimeError);
+
+  py::class_<Engine>(m, "Engine")
+      .def(py::init<py::object, int, int, std::string, double, uint64_t>(), py::arg("store"),
+           py::arg("rank"), py::arg("size"), py::arg("hostname") = "127.0.0.1",
+           py::arg("timeout_s") = 300.0, py::arg("seed") = 0,
+           "Connects rank `rank` of `size` over Gloo, meeting the other ranks through `store` "
+           "(an object with torch.distributed.Store's set/get/wait/add). Blocks until all join.")
+      .def_property_readonly("rank", &Engine::rank)
+      .def_property_readonly("size", &Engine::size)
+      .def("set_layers", &Engine::SetLayers, py::arg("names"), py::arg("shapes"))
+      .def("set_policy", &Engine::SetPolicy, py::arg("kind"), py::arg("spec"),
+           py::arg("model") = "model", py::arg("version") = 0)
+      .def("check_policy", &Engine::CheckPolicy, py::arg("kind"), py::arg("spec"),
+           py::arg("model") = "model")
+      .def("exchange", &Engine::Exchange, py::arg("step"), py::arg("layers"), py::arg("buffer"),
+           py::arg("offsets"))
+      .def("export_geometry", &Engine::ExportGeometry)
+      .def("import_geometry", &Engine::ImportGeometry, py::arg("state"))
+      .def_property_readonly("exchanger_count", &Engine::exchanger_count);
+
+  m.def("layer_matches", &geofp8::LayerMatches, py::arg("pattern"), py::arg("name"),
+        "True when `name` matches the layer pattern (exact, or a shell glob), as in job specs.");
+  m.def("accepted_presets", [] { return std::string(geofp8::train::AcceptedPolicyPresets()); });
+}
