@@ -1,17 +1,24 @@
 #!/usr/bin/env bash
-# The main demo: a local coordinator, N CPU workers on loopback, a GeoFP8 training job watched
-# live, a policy changed mid-run, then the final job description and where the metrics are.
+# The main demo: a local coordinator, N CPU workers on loopback, and the same training job run
+# twice at the same bytes on the wire: once with Euclidean FP8 (geometry none) and once with
+# GeoFP8 (the spec's geometry). Each is watched live and gets the same policy change mid-run (the
+# MLP matrices to NVFP4). It ends with a per-layer table of exchange error, Euclidean against
+# GeoFP8, the wire bytes against fp32, the final loss of each, and a PNG of loss and per-layer
+# error (scripts/demo_compare.py). About 5-6 minutes on 2 cores after the build.
 #
 # Usage: scripts/demo.sh            (as root on a fresh Debian 12 machine: installs, builds, runs)
 # Environment:
 #   GEOFP8_DEMO_WORKERS  workers and ranks, 2..4 (default 2)
-#   GEOFP8_DEMO_JOB      job spec (default examples/jobs/demo-local.yaml)
+#   GEOFP8_DEMO_JOB      job spec with a geometry (default examples/jobs/demo-local.yaml); the
+#                        Euclidean run is the same spec with every `geometry:` set to none
 #   GEOFP8_DEMO_OUT      state, logs, checkpoints (default ./demo-out; cleared on each run)
 #   GEOFP8_DEMO_POLICY_STEP  step after which the policy is changed (default 100)
 #   GEOFP8_DEMO_KEEP=1   leave coordinator and workers running after the job (Ctrl-C stops them)
 set -euo pipefail
 
 source "$(dirname "${BASH_SOURCE[0]}")/lib/common.sh"
+# Debian's interpreter (python3-matplotlib), not one earlier on PATH.
+PY=/usr/bin/python3; [ -x "$PY" ] || PY=python3
 cd "$GEOFP8_ROOT"
 
 WORKERS="${GEOFP8_DEMO_WORKERS:-2}"
@@ -25,7 +32,9 @@ esac
 [ -f "$JOB_SPEC" ] || { echo "demo.sh: error: GEOFP8_DEMO_JOB: no such file ($JOB_SPEC)" >&2; exit 2; }
 
 ensure_packages
-configure_and_build
+# Only the three programs the demo runs (the tests and benchmarks are scripts/test.sh's).
+GEOFP8_BUILD_TARGETS="${GEOFP8_BUILD_TARGETS:-geofp8-coordinator geofp8-worker geofp8ctl}" \
+  configure_and_build
 
 COORDINATOR="$GEOFP8_BUILD/server/coordinator/geofp8-coordinator"
 WORKER="$GEOFP8_BUILD/worker/daemon/geofp8-worker"
@@ -95,42 +104,65 @@ for _ in $(seq 300); do
 done
 "$CTL" get workers
 
-# The spec's world size follows the number of workers.
-SPEC="$OUT/job.yaml"
-sed -E "s/^world_size: *[0-9]+/world_size: $WORKERS/" "$JOB_SPEC" >"$SPEC"
-log "submitting $(basename "$JOB_SPEC") (world size $WORKERS)"
-JOB_ID="$("$CTL" submit -f "$SPEC" --idempotency-key "demo-$$" | sed -nE 's#^job/([^ ]+) .*#\1#p')"
-[ -n "$JOB_ID" ] || { echo "demo.sh: error: submit returned no job id" >&2; exit 1; }
+# Two specs from one: the world size follows the number of workers; the Euclidean run sets every
+# `geometry:` to none and changes nothing else, so both put the same bytes on the wire.
+GEO_SPEC="$OUT/geofp8.yaml"
+EUC_SPEC="$OUT/euclid-fp8.yaml"
+sed -E -e "s/^world_size: *[0-9]+/world_size: $WORKERS/" -e "s/^name: .*/name: demo-geofp8/" \
+  "$JOB_SPEC" >"$GEO_SPEC"
+sed -E -e "s/^( *)geometry: *[a-z_]+/\1geometry: none/" -e "s/^name: .*/name: demo-euclid-fp8/" \
+  "$GEO_SPEC" >"$EUC_SPEC"
+if ! grep -Eq '^ *geometry: *(diag|lowrank)' "$GEO_SPEC"; then
+  echo "demo.sh: warning: $JOB_SPEC sets no geometry: both runs are Euclidean" >&2
+fi
+PLOT="$OUT/geofp8-vs-fp8.png"
 
-# Mid-run, switch the MLP matrices to NVFP4 (geometry stays on): the coordinator picks the
-# effective step, every worker applies it exactly there.
-(
-  for _ in $(seq 1200); do
-    step="$("$CTL" get job "$JOB_ID" -o json 2>/dev/null |
-      python3 -c 'import json,sys; j=json.load(sys.stdin); print(j.get("progress",{}).get("step",0), j["state"])' || true)"
+# Mid-run, switch the MLP matrices to NVFP4 (geometry stays as it is): the coordinator picks the
+# effective step, every worker applies it exactly there. Both runs get the same change.
+change_policy() {
+  local job="$1"
+  for _ in $(seq 3000); do
+    step="$("$CTL" get job "$job" -o 'jsonpath={.progress.step} {.state}' 2>/dev/null || true)"
     case "$step" in
-      *SUCCEEDED*|*FAILED*|*CANCELLED*) exit 0 ;;
+      *SUCCEEDED*|*FAILED*|*CANCELLED*) return 0 ;;
     esac
     if [ "${step%% *}" -ge "$POLICY_STEP" ] 2>/dev/null; then
-      echo
-      "$CTL" policy set "$JOB_ID" --layer 'layers.*.mlp.*' --format nvfp4 \
+      "$CTL" policy set "$job" --layer 'layers.*.mlp.*' --format nvfp4 \
         --reason "demo: NVFP4 on the MLP matrices" || true
-      exit 0
+      return 0
     fi
     sleep 0.2
   done
-) >"$OUT/policy-change.log" 2>&1 &
-POLICY_PID=$!
+}
 
-log "watching $JOB_ID (policy change after step $POLICY_STEP; Ctrl-C stops the demo)"
+# Both jobs are submitted now; the second waits (PENDING) until the first frees the workers.
+for spec in "$EUC_SPEC" "$GEO_SPEC"; do
+  log "submitting $(basename "$spec") (world size $WORKERS)"
+  "$CTL" submit -f "$spec" --idempotency-key "demo-$$-$(basename "$spec")"
+done
+"$CTL" get jobs
+
 status=0
-"$CTL" watch "$JOB_ID" || status=$?
-wait "$POLICY_PID" 2>/dev/null || true
-log "policy change"
-cat "$OUT/policy-change.log"
+for name in demo-euclid-fp8 demo-geofp8; do
+  change_policy "$name" >"$OUT/$name.policy-change.log" 2>&1 &
+  POLICY_PID=$!
+  "$PY" "$GEOFP8_ROOT/scripts/demo_compare.py" record "$CTL" "$name" "$OUT/$name.jsonl" \
+    >"$OUT/$name.record.log" 2>&1 &
+  RECORD_PID=$!
+  log "watching $name (jobs by name; policy change after step $POLICY_STEP; Ctrl-C stops the demo)"
+  "$CTL" watch "$name" || status=$?
+  wait "$POLICY_PID" 2>/dev/null || true
+  wait "$RECORD_PID" || { echo "demo.sh: error: recording $name failed:" >&2; cat "$OUT/$name.record.log" >&2; status=1; }
+  log "policy change of $name"
+  cat "$OUT/$name.policy-change.log"
+done
 
-log "final job description"
-"$CTL" describe job "$JOB_ID" || true
+log "final description of demo-geofp8"
+"$CTL" describe job demo-geofp8 || true
+
+log "Euclidean FP8 against GeoFP8, same job, same bytes"
+"$PY" "$GEOFP8_ROOT/scripts/demo_compare.py" report --euclid "$OUT/demo-euclid-fp8.jsonl" \
+  --geo "$OUT/demo-geofp8.jsonl" --png "$PLOT" --json "$OUT/comparison.json" || status=1
 
 log "metrics"
 echo "coordinator: $COORD_METRICS"
@@ -150,6 +182,7 @@ for line in text.splitlines():
         print("  " + line)
 EOF
 echo "checkpoints and results: $OUT/worker-*/"
+echo "comparison: $OUT/comparison.json; plot of loss and per-layer error: $PLOT"
 
 if [ "${GEOFP8_DEMO_KEEP:-0}" = "1" ]; then
   log "GEOFP8_DEMO_KEEP=1: coordinator at $SERVER; Ctrl-C stops everything"

@@ -1,21 +1,27 @@
 // geofp8ctl: the command-line client of the coordinator, in the kubectl manner
-// (submit, get, describe, watch, policy, cancel). Every call carries a deadline.
+// (submit, get, describe, watch, policy, cancel, config, version, completion). Every call carries
+// a deadline. Jobs are addressed by id or by name (resolved here through ListJobs).
 #include <fcntl.h>
 #include <grpcpp/grpcpp.h>
 #include <sys/stat.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <cerrno>
 #include <chrono>
 #include <cstdio>
 #include <cstring>
+#include <filesystem>
 #include <fstream>
 #include <iostream>
 #include <sstream>
 #include <thread>
 
 #include "CLI/CLI.hpp"
+#include "client/ctl/config.h"
+#include "client/ctl/doc.h"
 #include "client/ctl/render.h"
+#include "client/ctl/version.h"
 #include "geofp8/v1/geofp8.grpc.pb.h"
 #include "kernels/policy/job_spec.h"
 #include "kernels/policy/policy.h"
@@ -39,7 +45,9 @@ struct Globals {
   std::string token;
   std::string tls_ca, tls_cert, tls_key;
   double timeout_s = 10;
-  std::string output = "table";
+  std::string output = "table";  // table, wide, name, json, yaml or jsonpath
+  std::string jsonpath;          // the template of -o jsonpath=...
+  double watch_every = 10;       // watch, not a TTY: a line per this many % of the steps
 };
 
 int64_t NowMs() {
@@ -163,15 +171,62 @@ class Client {
     return ctx;
   }
 
-  template <typename M>
-  void Print(const M& m, const std::string& table) const {
+  // Prints m in the -o format: table (or `wide`, when given), name (`names`, one a line), or
+  // json, yaml, jsonpath of the message.
+  int Print(const google::protobuf::Message& m, const std::string& table,
+            const std::string& wide = "", const std::string& names = "") const {
     if (g_.output == "json") {
-      std::cout << ToJson(m) << std::flush;
+      std::cout << ToJson(m);
     } else if (g_.output == "yaml") {
-      std::cout << ToYaml(m) << std::flush;
+      std::cout << ToYaml(m);
+    } else if (g_.output == "jsonpath") {
+      auto text = JsonPath(FromProto(m), g_.jsonpath);
+      if (!text.ok()) return Error(kUsage, "-o " + std::string(text.status().message()));
+      std::cout << *text << "\n";
+    } else if (g_.output == "name") {
+      std::cout << names;
+    } else if (g_.output == "wide" && !wide.empty()) {
+      std::cout << wide;
     } else {
-      std::cout << table << std::flush;
+      std::cout << table;
     }
+    std::cout << std::flush;
+    return kOk;
+  }
+
+  // A job by id or, failing that, by name (ListJobs). `job` gets the job when it was fetched.
+  int Resolve(const std::string& ref, std::string* id, v1::Job* job = nullptr) {
+    v1::GetJobRequest req;
+    req.set_job_id(ref);
+    v1::Job found;
+    grpc::Status s = jobs_->GetJob(Context().get(), req, &found);
+    if (s.ok()) {
+      *id = ref;
+      if (job) *job = found;
+      return kOk;
+    }
+    if (s.error_code() != grpc::StatusCode::NOT_FOUND) return FromStatus(s, g_);
+    v1::ListJobsResponse all;
+    s = jobs_->ListJobs(Context().get(), v1::ListJobsRequest(), &all);
+    if (!s.ok()) return FromStatus(s, g_);
+    std::vector<std::string> ids;
+    for (const auto& j : all.jobs()) {
+      if (j.name() == ref) ids.push_back(j.id());
+    }
+    if (ids.empty())
+      return Error(kNotFound, "job " + ref + " not found (no job has this id or name)");
+    if (ids.size() > 1) {
+      std::sort(ids.begin(), ids.end());
+      std::string list;
+      for (const auto& i : ids) list += (list.empty() ? "" : ", ") + i;
+      return Error(kUsage, "job name " + ref + " is ambiguous: " + std::to_string(ids.size()) +
+                               " jobs have it (" + list + "); give an id");
+    }
+    *id = ids[0];
+    if (!job) return kOk;
+    req.set_job_id(*id);
+    s = jobs_->GetJob(Context().get(), req, job);
+    return s.ok() ? kOk : FromStatus(s, g_);
   }
 
   int Submit(const std::string& file, const std::string& key) {
@@ -187,10 +242,11 @@ class Client {
     v1::SubmitJobResponse resp;
     grpc::Status s = jobs_->SubmitJob(Context().get(), req, &resp);
     if (!s.ok()) return FromStatus(s, g_);
-    Print(resp, "job/" + resp.job().id() +
-                    (resp.created() ? " created" : " unchanged (idempotency key " + key + ")") +
-                    " (" + StateName(resp.job().state()) + ")\n");
-    return kOk;
+    const std::string line =
+        "job/" + resp.job().id() +
+        (resp.created() ? " created" : " unchanged (idempotency key " + key + ")") + " (" +
+        StateName(resp.job().state()) + ")\n";
+    return Print(resp, line, "", "job/" + resp.job().id() + "\n");
   }
 
   int GetJobs(const std::vector<std::string>& states, int limit) {
@@ -210,49 +266,53 @@ class Client {
     v1::ListJobsResponse resp;
     grpc::Status s = jobs_->ListJobs(Context().get(), req, &resp);
     if (!s.ok()) return FromStatus(s, g_);
-    Print(resp, JobsTable({resp.jobs().begin(), resp.jobs().end()}, NowMs()));
-    return kOk;
+    const std::vector<v1::Job> jobs(resp.jobs().begin(), resp.jobs().end());
+    std::string names;
+    for (const auto& j : jobs) names += "job/" + j.id() + "\n";
+    return Print(resp, JobsTable(jobs, NowMs()), JobsWideTable(jobs, NowMs()), names);
   }
 
-  int GetJob(const std::string& id, bool describe) {
-    v1::GetJobRequest req;
-    req.set_job_id(id);
+  int GetJob(const std::string& ref, bool describe) {
+    std::string id;
     v1::Job job;
-    grpc::Status s = jobs_->GetJob(Context().get(), req, &job);
-    if (!s.ok()) return FromStatus(s, g_);
+    if (int rc = Resolve(ref, &id, &job); rc != kOk) return rc;
     if (!describe) {
-      Print(job, JobsTable({job}, NowMs()));
-      return kOk;
+      return Print(job, JobsTable({job}, NowMs()), JobsWideTable({job}, NowMs()),
+                   "job/" + id + "\n");
     }
     v1::GetPolicyRequest preq;
     preq.set_job_id(id);
     v1::Policy policy;
-    s = policies_->GetPolicy(Context().get(), preq, &policy);
+    grpc::Status s = policies_->GetPolicy(Context().get(), preq, &policy);
     if (!s.ok()) return FromStatus(s, g_);
-    Print(job, DescribeJob(job, &policy, NowMs()));
-    return kOk;
+    return Print(job, DescribeJob(job, &policy, NowMs()));
   }
 
   int GetWorkers() {
     v1::ListWorkersResponse resp;
     grpc::Status s = workers_->ListWorkers(Context().get(), v1::ListWorkersRequest(), &resp);
     if (!s.ok()) return FromStatus(s, g_);
-    Print(resp, WorkersTable(resp, NowMs()));
-    return kOk;
+    std::string names;
+    for (const auto& w : resp.workers()) names += "worker/" + w.id() + "\n";
+    return Print(resp, WorkersTable(resp, NowMs()), WorkersWideTable(resp, NowMs()), names);
   }
 
-  int Cancel(const std::string& id, const std::string& reason) {
+  int Cancel(const std::string& ref, const std::string& reason) {
+    std::string id;
+    if (int rc = Resolve(ref, &id); rc != kOk) return rc;
     v1::CancelJobRequest req;
     req.set_job_id(id);
     req.set_reason(reason);
     v1::Job job;
     grpc::Status s = jobs_->CancelJob(Context().get(), req, &job);
     if (!s.ok()) return FromStatus(s, g_);
-    Print(job, "job/" + job.id() + " " + StateName(job.state()) + ": " + job.reason() + "\n");
-    return kOk;
+    return Print(job, "job/" + job.id() + " " + StateName(job.state()) + ": " + job.reason() + "\n",
+                 "", "job/" + job.id() + "\n");
   }
 
-  int PolicyGet(const std::string& id, uint64_t version) {
+  int PolicyGet(const std::string& ref, uint64_t version) {
+    std::string id;
+    if (int rc = Resolve(ref, &id); rc != kOk) return rc;
     v1::GetPolicyRequest req;
     req.set_job_id(id);
     req.set_version(version);
@@ -266,28 +326,29 @@ class Client {
       std::cout << WritePolicyPatch(
                        *file, "job/" + p.job_id() + " policy v" + std::to_string(p.version()) +
                                   ", effective at step " + std::to_string(p.effective_step()) +
-                                  ", by " + p.author() +
-                                  "\napply with: geofp8ctl policy apply " + p.job_id() +
-                                  " -f FILE")
+                                  ", by " + p.author() + "\napply with: geofp8ctl policy apply " +
+                                  p.job_id() + " -f FILE")
                 << std::flush;
       return kOk;
     }
-    Print(p, PolicyTable(p));
-    return kOk;
+    return Print(p, PolicyTable(p));
   }
 
-  int PolicyHistory(const std::string& id) {
+  int PolicyHistory(const std::string& ref) {
+    std::string id;
+    if (int rc = Resolve(ref, &id); rc != kOk) return rc;
     v1::ListPolicyVersionsRequest req;
     req.set_job_id(id);
     v1::ListPolicyVersionsResponse resp;
     grpc::Status s = policies_->ListPolicyVersions(Context().get(), req, &resp);
     if (!s.ok()) return FromStatus(s, g_);
-    Print(resp, PolicyHistoryTable(resp));
-    return kOk;
+    return Print(resp, PolicyHistoryTable(resp));
   }
 
-  int PolicyUpdate(const std::string& id, const std::vector<LayerPatchSpec>& patches,
+  int PolicyUpdate(const std::string& ref, const std::vector<LayerPatchSpec>& patches,
                    const std::optional<LayerPolicy>& defaults, const std::string& reason) {
+    std::string id;
+    if (int rc = Resolve(ref, &id); rc != kOk) return rc;
     v1::UpdatePolicyRequest req;
     req.set_job_id(id);
     req.set_reason(reason);
@@ -297,14 +358,16 @@ class Client {
     grpc::Status s = policies_->UpdatePolicy(Context().get(), req, &resp);
     if (!s.ok()) return FromStatus(s, g_);
     const std::string version = "job/" + id + " policy v" + std::to_string(resp.policy().version());
-    Print(resp, resp.unchanged()
-                    ? version + " unchanged (the update matches the version in force)\n"
-                    : version + " effective at step " +
-                          std::to_string(resp.policy().effective_step()) + "\n");
-    return kOk;
+    return Print(resp, resp.unchanged()
+                           ? version + " unchanged (the update matches the version in force)\n"
+                           : version + " effective at step " +
+                                 std::to_string(resp.policy().effective_step()) + "\n");
   }
 
-  int Watch(const std::string& id) {
+  // On a TTY: one status line redrawn in place (at most 10 times a second), events above it.
+  // Otherwise: events, and the status line on every state change and every --every % of steps.
+  // -o json|yaml|jsonpath: every update, as documents.
+  int Watch(const std::string& ref) {
     // The stream itself is long-lived; the deadline bounds connecting and the first answer.
     const auto deadline = std::chrono::system_clock::now() +
                           std::chrono::milliseconds(static_cast<int64_t>(g_.timeout_s * 1000));
@@ -312,42 +375,55 @@ class Client {
       return Error(kUnreachable, "server " + g_.server + " unreachable within " +
                                      std::to_string(g_.timeout_s) + " s (--timeout)");
     }
+    std::string id;
+    if (int rc = Resolve(ref, &id); rc != kOk) return rc;
     auto ctx = Context(false);
     v1::WatchJobRequest req;
     req.set_job_id(id);
     auto reader = jobs_->WatchJob(ctx.get(), req);
     v1::WatchJobResponse msg;
-    const bool tty = isatty(STDOUT_FILENO) && g_.output == "table";
-    bool have_first = false;
-    int64_t first_step = 0;
-    auto first_time = std::chrono::steady_clock::now();
+    const bool structured = g_.output == "json" || g_.output == "yaml" || g_.output == "jsonpath";
+    const bool tty = !structured && isatty(STDOUT_FILENO);
+    const auto start = std::chrono::steady_clock::now();
+    StepRate rate;  // steps/s over the last 30 s; no ETA before 5 s of progress
+    WatchThrottle throttle(g_.watch_every);
     v1::Job last;
     bool drawn = false;
+    double last_draw = -1;
+    v1::JobState drawn_state = v1::JOB_STATE_UNSPECIFIED;
+    std::string pending;  // TTY: the newest line not drawn yet
     while (reader->Read(&msg)) {
       last = msg.job();
-      if (g_.output != "table") {
-        Print(msg, "");
-        if (g_.output == "yaml") std::cout << "---\n";
+      if (structured) {
+        if (int rc = Print(msg, ""); rc != kOk) return rc;
+        if (g_.output == "yaml") std::cout << "---\n" << std::flush;
         continue;
       }
-      const auto now = std::chrono::steady_clock::now();
-      if (!have_first && last.state() == v1::JOB_RUNNING) {
-        have_first = true;
-        first_step = last.progress().step();
-        first_time = now;
+      const double now =
+          std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+      if (last.state() == v1::JOB_RUNNING) rate.Add(now, StepsDone(last));
+      const std::string line = ProgressLine(last, rate.Rate(), 30);
+      if (!tty) {
+        for (const auto& e : msg.events()) std::cout << e.message() << "\n";
+        if (throttle.ShouldPrint(last)) std::cout << line << "\n";
+        std::cout << std::flush;
+        continue;
       }
-      const double secs = std::chrono::duration<double>(now - first_time).count();
-      const double rate = have_first && secs > 0 && last.progress().step() > first_step
-                              ? (last.progress().step() - first_step) / secs
-                              : 0.0;
-      if (drawn && tty) std::cout << "\r\033[K";
+      const bool news = msg.events_size() > 0 || last.state() != drawn_state;
+      if (!news && drawn && now - last_draw < 0.1) {
+        pending = line;
+        continue;
+      }
+      if (drawn) std::cout << "\r\033[K";
       for (const auto& e : msg.events()) std::cout << e.message() << "\n";
-      std::cout << ProgressLine(last, rate, 30);
-      if (!tty) std::cout << "\n";
-      std::cout << std::flush;
+      std::cout << line << std::flush;
+      pending.clear();
       drawn = true;
+      last_draw = now;
+      drawn_state = last.state();
     }
-    if (tty && drawn) std::cout << "\n";
+    if (tty && !pending.empty()) std::cout << "\r\033[K" << pending;
+    if (tty && drawn) std::cout << "\n" << std::flush;
     grpc::Status s = reader->Finish();
     if (!s.ok()) return FromStatus(s, g_);
     if (last.state() == v1::JOB_FAILED || last.state() == v1::JOB_CANCELLED) {
@@ -364,35 +440,243 @@ class Client {
   std::unique_ptr<v1::WorkerService::Stub> workers_;
 };
 
+// The command tree for `completion`, read off the CLI11 app.
+CommandNode Tree(const CLI::App& app) {
+  CommandNode n;
+  n.name = app.get_name();
+  for (const CLI::Option* o : app.get_options()) {
+    if (!o->nonpositional()) {
+      n.takes_job = n.takes_job || o->get_name() == "job";
+      continue;
+    }
+    const bool value = o->get_type_size_max() > 0;
+    for (const auto& l : o->get_lnames()) n.options.emplace_back("--" + l, value);
+    for (const auto& sn : o->get_snames()) n.options.emplace_back("-" + sn, value);
+  }
+  for (const CLI::App* sub : app.get_subcommands([](const CLI::App*) { return true; })) {
+    n.children.push_back(Tree(*sub));
+  }
+  return n;
+}
+
+std::string SubcommandNames(const CLI::App& app) {
+  std::string out;
+  for (const CLI::App* sub : app.get_subcommands([](const CLI::App*) { return true; })) {
+    out += (out.empty() ? "" : ", ") + sub->get_name();
+  }
+  return out;
+}
+
+// Before CLI11 parses: an unknown command says so by name with the list (kubectl's wording), and
+// a command that needs a subcommand and has none lists them. Returns -1 to go on parsing.
+int CheckCommands(CLI::App& app, int argc, char** argv) {
+  CLI::App* cur = &app;
+  std::string path = "geofp8ctl";
+  bool skip = false;
+  bool positional_seen = false;
+  for (int i = 1; i < argc; ++i) {
+    const std::string a = argv[i];
+    if (skip) {
+      skip = false;
+      continue;
+    }
+    if (a == "--") break;
+    if (a.size() > 1 && a[0] == '-') {
+      if (a.find('=') != std::string::npos) continue;
+      // An option of this command or a parent (options fall through) that takes a value.
+      for (CLI::App* c = cur; c; c = c->get_parent()) {
+        const CLI::Option* o = c->get_option_no_throw(a);
+        if (o) {
+          skip = o->get_type_size_max() > 0;
+          break;
+        }
+      }
+      continue;
+    }
+    const auto subs = cur->get_subcommands([](const CLI::App*) { return true; });
+    if (subs.empty()) {
+      positional_seen = true;
+      continue;  // a positional of a leaf command
+    }
+    CLI::App* next = nullptr;
+    for (CLI::App* sub : subs) {
+      if (sub->check_name(a)) next = sub;
+    }
+    if (!next) {
+      if (positional_seen) continue;
+      std::fprintf(stderr, "geofp8ctl: error: unknown command \"%s\" for \"%s\"\n", a.c_str(),
+                   path.c_str());
+      std::fprintf(stderr, "available commands: %s\nrun '%s --help' for usage\n",
+                   SubcommandNames(*cur).c_str(), path.c_str());
+      return kUsage;
+    }
+    cur = next;
+    path += " " + a;
+  }
+  for (int i = 1; i < argc; ++i) {
+    const std::string a = argv[i];
+    if (a == "-h" || a == "--help") return -1;
+  }
+  if (cur != &app && cur->get_require_subcommand_min() > 0) {
+    std::fprintf(stderr, "geofp8ctl: error: %s: a subcommand is required: %s\n", path.c_str(),
+                 SubcommandNames(*cur).c_str());
+    std::fprintf(stderr, "run '%s --help' for usage\n", path.c_str());
+    return kUsage;
+  }
+  return -1;
+}
+
+// -o VALUE: table, wide, name, json, yaml, jsonpath=TEMPLATE (also jsonpath='{...}').
+std::string ParseOutput(const std::string& value, Globals* g) {
+  static const char* kAccepted = "table, wide, name, json, yaml, jsonpath=TEMPLATE";
+  if (value == "table" || value == "wide" || value == "name" || value == "json" ||
+      value == "yaml") {
+    g->output = value;
+    return "";
+  }
+  if (value.rfind("jsonpath=", 0) == 0) {
+    g->output = "jsonpath";
+    g->jsonpath = value.substr(9);
+    if (g->jsonpath.size() >= 2 && g->jsonpath.front() == '\'' && g->jsonpath.back() == '\'') {
+      g->jsonpath = g->jsonpath.substr(1, g->jsonpath.size() - 2);
+    }
+    // The template's syntax now: a usage error needs no server.
+    if (auto st = CheckJsonPath(g->jsonpath); !st.ok()) return "-o: " + std::string(st.message());
+    return "";
+  }
+  return "-o: unknown output format (" + value + "); accepted: " + kAccepted;
+}
+
+int ConfigCommand(const std::string& what, Config config, const std::string& name,
+                  const Context& given, const Globals& g) {
+  if (what == "current-context") {
+    if (config.current_context.empty()) {
+      return Error(kFailure, "current-context is not set in " + config.path +
+                                 " (geofp8ctl config use-context NAME)");
+    }
+    std::cout << config.current_context << "\n";
+    return kOk;
+  }
+  if (what == "get-contexts") {
+    if (g.output == "name") {
+      for (const auto& c : config.contexts) std::cout << c.name << "\n";
+      return kOk;
+    }
+    if (g.output == "json" || g.output == "yaml" || g.output == "jsonpath") {
+      Doc root = Doc::Object();
+      root.Add("current-context", Doc::String(config.current_context));
+      Doc list = Doc::Array();
+      for (const auto& c : config.contexts) {
+        Doc d = Doc::Object();
+        d.Add("name", Doc::String(c.name));
+        d.Add("server", Doc::String(c.server));
+        d.Add("token-file", Doc::String(c.token_file));
+        d.Add("ca", Doc::String(c.ca));
+        d.Add("cert", Doc::String(c.cert));
+        d.Add("key", Doc::String(c.key));
+        list.items.push_back(std::move(d));
+      }
+      root.Add("contexts", std::move(list));
+      if (g.output == "json") std::cout << DocToJson(root);
+      if (g.output == "yaml") std::cout << DocToYaml(root);
+      if (g.output == "jsonpath") {
+        auto text = JsonPath(root, g.jsonpath);
+        if (!text.ok()) return Error(kUsage, "-o " + std::string(text.status().message()));
+        std::cout << *text << "\n";
+      }
+      return kOk;
+    }
+    std::vector<std::vector<std::string>> rows = {
+        {"CURRENT", "NAME", "SERVER", "TOKEN-FILE", "CA", "CERT"}};
+    for (const auto& c : config.contexts) {
+      rows.push_back({c.name == config.current_context ? "*" : "", c.name, c.server,
+                      c.token_file.empty() ? "-" : c.token_file, c.ca.empty() ? "-" : c.ca,
+                      c.cert.empty() ? "-" : c.cert});
+    }
+    std::cout << Table(rows);
+    return kOk;
+  }
+  if (what == "use-context") {
+    if (!config.Find(name)) {
+      std::string known;
+      for (const auto& c : config.contexts) known += (known.empty() ? "" : ", ") + c.name;
+      return Error(kNotFound, "use-context: no context named " + name + " in " + config.path +
+                                  " (contexts: " + (known.empty() ? "none" : known) + ")");
+    }
+    config.current_context = name;
+    if (auto st = SaveConfig(config); !st.ok()) return Error(kFailure, std::string(st.message()));
+    std::cout << "switched to context \"" << name << "\" (" << config.path << ")\n";
+    return kOk;
+  }
+  // set-context: create or update; file paths are stored absolute.
+  auto absolute = [](const std::string& f) {
+    if (f.empty() || f[0] == '/' || f[0] == '~') return f;
+    std::error_code ec;
+    auto p = std::filesystem::absolute(f, ec);
+    return ec ? f : p.lexically_normal().string();
+  };
+  Context* ctx = config.Find(name);
+  const bool created = ctx == nullptr;
+  if (created) {
+    config.contexts.push_back(Context{name, "", "", "", "", ""});
+    ctx = &config.contexts.back();
+  }
+  if (!given.server.empty()) ctx->server = given.server;
+  if (!given.token_file.empty()) ctx->token_file = absolute(given.token_file);
+  if (!given.ca.empty()) ctx->ca = absolute(given.ca);
+  if (!given.cert.empty()) ctx->cert = absolute(given.cert);
+  if (!given.key.empty()) ctx->key = absolute(given.key);
+  if (ctx->server.empty()) {
+    return Error(kUsage, "set-context: --server: required for a new context (" + name + ")");
+  }
+  if (!ctx->cert.empty() && ctx->key.empty()) {
+    return Error(kUsage, "set-context: --key: required with --cert (" + name + ")");
+  }
+  if (config.current_context.empty()) config.current_context = name;
+  if (auto st = SaveConfig(config); !st.ok()) return Error(kFailure, std::string(st.message()));
+  std::cout << "context \"" << name << "\" " << (created ? "created" : "modified") << " in "
+            << config.path << "\n";
+  return kOk;
+}
+
 int Run(int argc, char** argv) {
   Globals g;
-  if (const char* env = std::getenv("GEOFP8_SERVER"); env && *env) g.server = env;
-  if (const char* env = std::getenv("GEOFP8_TOKEN"); env && *env) g.token = env;
-
-  CLI::App app{"geofp8ctl: control GeoFP8 training jobs through the coordinator"};
-  app.require_subcommand(1);
+  CLI::App app{"geofp8ctl: control GeoFP8 training jobs through the coordinator", "geofp8ctl"};
+  app.require_subcommand(0, 1);
   app.footer(
+      "Jobs are named by id or by the spec's name (an id wins; a name several jobs share is an\n"
+      "error listing their ids). Settings: flags, then env (GEOFP8_SERVER, GEOFP8_TOKEN), then\n"
+      "the context of the config file (--config, env GEOFP8_CONFIG, default\n"
+      "~/.config/geofp8/config.yaml).\n"
       "Exit codes: 0 ok, 1 failure (or watched job failed/cancelled), 2 usage error, 3 not found,\n"
       "4 server unreachable or deadline exceeded, 5 rejected by the server, 6 unauthenticated.");
-  app.add_option("-s,--server", g.server, "Coordinator address (env GEOFP8_SERVER)")
-      ->capture_default_str();
+  std::string server_flag, output_flag = "table", config_flag, context_flag;
+  app.add_option("-s,--server", server_flag,
+                 "Coordinator address (env GEOFP8_SERVER, else the context's, else "
+                 "127.0.0.1:7070)");
   std::string token_flag, token_file;
   app.add_option("--token", token_flag,
                  "Bearer token for mutating calls (visible in ps: prefer --token-file or env "
                  "GEOFP8_TOKEN)");
   app.add_option("--token-file", token_file, "File whose first line is the bearer token");
-  app.add_option("--tls-ca", g.tls_ca, "PEM CA that signed the server certificate (enables TLS)");
-  app.add_option("--tls-cert", g.tls_cert, "PEM client certificate for mutual TLS");
-  app.add_option("--tls-key", g.tls_key, "PEM key of --tls-cert");
+  std::string tls_ca, tls_cert, tls_key;
+  app.add_option("--tls-ca", tls_ca, "PEM CA that signed the server certificate (enables TLS)");
+  app.add_option("--tls-cert", tls_cert, "PEM client certificate for mutual TLS");
+  app.add_option("--tls-key", tls_key, "PEM key of --tls-cert");
   app.add_option("--timeout", g.timeout_s, "Deadline of each call, seconds")
       ->capture_default_str()
       ->check(CLI::Range(0.001, 86400.0));
-  app.add_option("-o,--output", g.output, "Output format")
-      ->capture_default_str()
-      ->check(CLI::IsMember({"table", "json", "yaml"}));
+  app.add_option("-o,--output", output_flag,
+                 "Output format: table, wide, name, json, yaml, jsonpath=TEMPLATE (e.g. "
+                 "jsonpath='{.progress.step}'; supported: .field, [N], [*], .*)")
+      ->capture_default_str();
+  app.add_option("--config", config_flag,
+                 "Config file with contexts (env GEOFP8_CONFIG; default "
+                 "~/.config/geofp8/config.yaml)");
+  app.add_option("--context", context_flag, "Context of the config file to use for this command");
   app.fallthrough();
 
-  std::string file, key, id, reason, layer;
+  std::string file, key, id, reason, layer, shell, ctx_name;
   std::vector<std::string> states;
   int limit = 0;
   int64_t version = 0;  // signed: CLI11 would wrap -1 into 2^64-1
@@ -408,31 +692,40 @@ int Run(int argc, char** argv) {
   get_jobs->add_option("--state", states, "Only these states (repeatable)");
   get_jobs->add_option("--limit", limit, "At most this many")->check(CLI::NonNegativeNumber);
   auto* get_job = get->add_subcommand("job", "Show one job");
-  get_job->add_option("id", id, "Job id")->required();
+  get_job->add_option("job", id, "Job id or name")->required();
   auto* get_workers = get->add_subcommand("workers", "List workers");
 
   auto* describe = app.add_subcommand("describe", "Show a job in detail: ranks, policy, events");
   describe->require_subcommand(1);
   auto* describe_job = describe->add_subcommand("job", "Describe one job");
-  describe_job->add_option("id", id, "Job id")->required();
+  describe_job->add_option("job", id, "Job id or name")->required();
 
-  auto* watch = app.add_subcommand("watch", "Follow a job with a live progress bar until it ends");
-  watch->add_option("id", id, "Job id")->required();
+  auto* watch = app.add_subcommand(
+      "watch",
+      "Follow a job until it ends: a status line redrawn in place on a terminal; otherwise a "
+      "line per state change and per --every % of the steps");
+  watch->add_option("job", id, "Job id or name")->required();
+  watch
+      ->add_option("--every", g.watch_every,
+                   "Not a terminal: print progress every this many % of the steps (0: every "
+                   "update)")
+      ->capture_default_str()
+      ->check(CLI::Range(0.0, 100.0));
 
   auto* cancel = app.add_subcommand("cancel", "Cancel a job");
-  cancel->add_option("id", id, "Job id")->required();
+  cancel->add_option("job", id, "Job id or name")->required();
   cancel->add_option("--reason", reason, "Why (recorded in the job's events)");
 
   auto* policy = app.add_subcommand("policy", "Show or change a job's compression policy");
   policy->require_subcommand(1);
   auto* policy_get = policy->add_subcommand("get", "Show a policy version (default: latest)");
-  policy_get->add_option("id", id, "Job id")->required();
+  policy_get->add_option("job", id, "Job id or name")->required();
   policy_get->add_option("--version", version, "Version (0 = latest)");
   auto* policy_history = policy->add_subcommand("history", "List the policy versions");
-  policy_history->add_option("id", id, "Job id")->required();
+  policy_history->add_option("job", id, "Job id or name")->required();
   auto* policy_set =
       policy->add_subcommand("set", "Patch the policy of the layers matching a glob");
-  policy_set->add_option("id", id, "Job id")->required();
+  policy_set->add_option("job", id, "Job id or name")->required();
   policy_set->add_option("--layer", layer, "Layer name or glob, e.g. 'layers.*.attn.*'")
       ->required();
   std::string format, scaling, rounding, geometry, ef;
@@ -455,9 +748,37 @@ int Run(int argc, char** argv) {
   policy_set->add_option("--reason", reason, "Why (recorded with the version)");
   auto* policy_apply = policy->add_subcommand(
       "apply", "Apply a policy patch file (YAML; what `policy get -o yaml` prints)");
-  policy_apply->add_option("id", id, "Job id")->required();
+  policy_apply->add_option("job", id, "Job id or name")->required();
   policy_apply->add_option("-f,--file", file, "Patch file, or - for standard input")->required();
 
+  auto* config = app.add_subcommand("config", "Show or change the config file's contexts");
+  config->require_subcommand(1);
+  auto* config_get = config->add_subcommand("get-contexts", "List the contexts (* = current)");
+  auto* config_current = config->add_subcommand("current-context", "Print the current context");
+  auto* config_use = config->add_subcommand("use-context", "Make a context the current one");
+  config_use->add_option("name", ctx_name, "Context name")->required();
+  auto* config_set = config->add_subcommand(
+      "set-context", "Create or update a context (the first one becomes current)");
+  config_set->add_option("name", ctx_name, "Context name")->required();
+  Context given;
+  config_set->add_option("--server", given.server, "Coordinator address host:port");
+  config_set->add_option("--token-file", given.token_file, "Bearer token file");
+  config_set->add_option("--ca", given.ca, "PEM CA of the server certificate");
+  config_set->add_option("--cert", given.cert, "PEM client certificate (mutual TLS)");
+  config_set->add_option("--key", given.key, "PEM key of --cert");
+
+  auto* version_cmd = app.add_subcommand("version", "Print the client version");
+  auto* completion = app.add_subcommand(
+      "completion", "Print a shell completion script: source <(geofp8ctl completion bash)");
+  completion->add_option("shell", shell, "bash or zsh")
+      ->required()
+      ->check(CLI::IsMember({"bash", "zsh"}));
+
+  if (argc <= 1) {  // bare invocation: the help, as kubectl does
+    std::cout << app.help();
+    return kOk;
+  }
+  if (int rc = CheckCommands(app, argc, argv); rc >= 0) return rc;
   try {
     app.parse(argc, argv);
   } catch (const CLI::ParseError& e) {
@@ -466,13 +787,81 @@ int Run(int argc, char** argv) {
     std::fprintf(stderr, "run 'geofp8ctl --help' for usage\n");
     return kUsage;
   }
+  if (app.get_subcommands().empty()) {  // only global flags
+    std::cout << app.help();
+    return kOk;
+  }
+  if (std::string e = ParseOutput(output_flag, &g); !e.empty()) return Error(kUsage, e);
+  if (version < 0) {
+    return Error(kUsage, "--version: must be >= 0, 0 = latest (" + std::to_string(version) + ")");
+  }
+  if (g.output == "name" && (*describe || *watch || *policy || *version_cmd)) {
+    return Error(kUsage, "-o name: only for get, submit, cancel and config get-contexts");
+  }
+
+  if (*completion) {
+    std::cout << CompletionScript(Tree(app), shell);
+    return kOk;
+  }
+  if (*version_cmd) {
+    // The coordinator's API has no version call, so only the client's is known.
+    Doc v = Doc::Object();
+    v.Add("clientVersion", Doc::String(std::string(kVersion)));
+    v.Add("gitDescribe", Doc::String(std::string(kGitDescribe)));
+    if (g.output == "json") {
+      std::cout << DocToJson(v);
+    } else if (g.output == "yaml") {
+      std::cout << DocToYaml(v);
+    } else if (g.output == "jsonpath") {
+      auto text = JsonPath(v, g.jsonpath);
+      if (!text.ok()) return Error(kUsage, "-o " + std::string(text.status().message()));
+      std::cout << *text << "\n";
+    } else {
+      std::cout << "Client Version: " << kVersion << " (git " << kGitDescribe << ")\n";
+    }
+    return kOk;
+  }
+
+  const std::string config_path = ConfigPath(config_flag);
+  // As kubectl's --kubeconfig and KUBECONFIG: a missing --config file is an error, a missing
+  // GEOFP8_CONFIG or default file an empty config (set-context creates it).
+  auto loaded = LoadConfig(config_path, !config_flag.empty() && !*config_set);
+  if (!loaded.ok()) return Error(kUsage, std::string(loaded.status().message()));
+  if (*config_get || *config_current || *config_use || *config_set) {
+    const std::string what = *config_get       ? "get-contexts"
+                             : *config_current ? "current-context"
+                             : *config_use     ? "use-context"
+                                               : "set-context";
+    return ConfigCommand(what, *loaded, ctx_name, given, g);
+  }
+  const Context* ctx = nullptr;
+  if (!context_flag.empty()) {
+    ctx = loaded->Find(context_flag);
+    if (!ctx) {
+      return Error(kUsage, "--context: no context named " + context_flag + " in " + config_path);
+    }
+  } else if (!loaded->current_context.empty()) {
+    ctx = loaded->Find(loaded->current_context);
+  }
+  // Precedence: flag, then environment, then the context, then the default.
+  const char* env_server = std::getenv("GEOFP8_SERVER");
+  const char* env_token = std::getenv("GEOFP8_TOKEN");
+  if (!server_flag.empty()) {
+    g.server = server_flag;
+  } else if (env_server && *env_server) {
+    g.server = env_server;
+  } else if (ctx && !ctx->server.empty()) {
+    g.server = ctx->server;
+  }
+  g.tls_ca = !tls_ca.empty() ? tls_ca : ctx ? ResolvePath(config_path, ctx->ca) : "";
+  g.tls_cert = !tls_cert.empty() ? tls_cert : ctx ? ResolvePath(config_path, ctx->cert) : "";
+  g.tls_key = !tls_key.empty() ? tls_key : ctx ? ResolvePath(config_path, ctx->key) : "";
   if (!token_flag.empty()) {
     std::fprintf(stderr,
                  "geofp8ctl: warning: --token: other users can read it in the process list; use "
                  "--token-file or GEOFP8_TOKEN\n");
     g.token = token_flag;
-  }
-  if (!token_file.empty()) {
+  } else if (!token_file.empty()) {
     std::string text;
     if (std::string e = ReadFile("--token-file", token_file, &text); !e.empty()) {
       return Error(kUsage, e);
@@ -480,9 +869,15 @@ int Run(int argc, char** argv) {
     g.token = text.substr(0, text.find_first_of("\r\n"));
     if (g.token.empty())
       return Error(kUsage, "--token-file: first line is empty (" + token_file + ")");
-  }
-  if (version < 0) {
-    return Error(kUsage, "--version: must be >= 0, 0 = latest (" + std::to_string(version) + ")");
+  } else if (env_token && *env_token) {
+    g.token = env_token;
+  } else if (ctx && !ctx->token_file.empty()) {
+    const std::string path = ResolvePath(config_path, ctx->token_file);
+    const std::string field = config_path + ": context " + ctx->name + ": token-file";
+    std::string text;
+    if (std::string e = ReadFile(field, path, &text); !e.empty()) return Error(kUsage, e);
+    g.token = text.substr(0, text.find_first_of("\r\n"));
+    if (g.token.empty()) return Error(kUsage, field + ": first line is empty (" + path + ")");
   }
 
   // Local validation before any network call: a usage error never needs the server.

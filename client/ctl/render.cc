@@ -1,5 +1,5 @@
-// Rendering for geofp8ctl. JSON comes from protobuf's own printer; YAML is that JSON re-emitted
-// in block style by yaml-cpp, so the two formats always carry the same fields.
+// Rendering for geofp8ctl. JSON and YAML both print the Doc of the message (doc.h), so the two
+// formats always carry the same fields with the same types.
 #include "client/ctl/render.h"
 
 #include <google/protobuf/util/json_util.h>
@@ -9,9 +9,9 @@
 #include <cstdio>
 #include <sstream>
 
+#include "client/ctl/doc.h"
 #include "kernels/policy/job_spec.h"
 #include "kernels/policy/policy.h"
-#include "yaml-cpp/yaml.h"
 
 namespace geofp8::ctl {
 namespace {
@@ -20,24 +20,6 @@ std::string Fmt(const char* fmt, double v) {
   char buf[64];
   std::snprintf(buf, sizeof buf, fmt, v);
   return buf;
-}
-
-void ToBlock(YAML::Node node) {
-  node.SetStyle(YAML::EmitterStyle::Block);
-  if (node.IsMap()) {
-    for (auto kv : node) ToBlock(kv.second);
-  } else if (node.IsSequence()) {
-    for (auto item : node) ToBlock(item);
-  }
-}
-
-// Steps completed: progress.step is the index of the largest step any rank completed.
-int64_t StepsDone(const v1::Job& j) {
-  const auto& p = j.progress();
-  // A command job without training.steps has no total (0): its program decides when it is done.
-  if (j.state() == v1::JOB_SUCCEEDED && p.total_steps() > 0) return p.total_steps();
-  const int64_t done = j.state() == v1::JOB_RUNNING || p.step() > 0 ? p.step() + 1 : 0;
-  return p.total_steps() > 0 ? std::min(done, p.total_steps()) : done;
 }
 
 // "off" when the job's spec writes no checkpoints, else the last durable checkpoint's step.
@@ -103,22 +85,17 @@ std::string LayerFields(const v1::LayerPatch& p) {
 
 }  // namespace
 
-std::string ToJson(const google::protobuf::Message& m) {
-  std::string out;
-  google::protobuf::util::JsonPrintOptions options;
-  options.add_whitespace = true;
-  options.preserve_proto_field_names = true;
-  options.always_print_primitive_fields = true;
-  (void)google::protobuf::util::MessageToJsonString(m, &out, options);
-  return out;
-}
+std::string ToJson(const google::protobuf::Message& m) { return DocToJson(FromProto(m)); }
 
-std::string ToYaml(const google::protobuf::Message& m) {
-  YAML::Node node = YAML::Load(ToJson(m));
-  ToBlock(node);
-  YAML::Emitter out;
-  out << node;
-  return std::string(out.c_str()) + "\n";
+std::string ToYaml(const google::protobuf::Message& m) { return DocToYaml(FromProto(m)); }
+
+int64_t StepsDone(const v1::Job& j) {
+  // progress.step is the index of the largest step any rank completed.
+  const auto& p = j.progress();
+  // A command job without training.steps has no total (0): its program decides when it is done.
+  if (j.state() == v1::JOB_SUCCEEDED && p.total_steps() > 0) return p.total_steps();
+  const int64_t done = j.state() == v1::JOB_RUNNING || p.step() > 0 ? p.step() + 1 : 0;
+  return p.total_steps() > 0 ? std::min(done, p.total_steps()) : done;
 }
 
 std::string Table(const std::vector<std::vector<std::string>>& rows) {
@@ -186,7 +163,7 @@ std::string JobsTable(const std::vector<v1::Job>& jobs, int64_t now_ms) {
       {"ID", "NAME", "STATE", "STEP", "WORLD", "RESTARTS", "POLICY", "AGE", "REASON"}};
   for (const auto& j : jobs) {
     rows.push_back({j.id(), j.name(), StateName(j.state()),
-                    std::to_string(j.progress().step()) + "/" + TotalText(j.progress()),
+                    std::to_string(StepsDone(j)) + "/" + TotalText(j.progress()),
                     std::to_string(j.world_size()),
                     std::to_string(j.restarts()) + "/" + std::to_string(j.max_restarts()),
                     "v" + std::to_string(j.policy_version()), Age(j.created_unix_ms(), now_ms),
@@ -348,9 +325,198 @@ std::string ProgressLine(const v1::Job& job, double steps_per_second, int bar_wi
   const double remaining = static_cast<double>(p.total_steps() - done);
   line += "  ETA " + (steps_per_second > 0 && p.total_steps() > 0
                           ? Duration(remaining / steps_per_second)
-                          : std::string("-"));
+                          : std::string("--"));
   line += "  " + StateName(job.state());
   return line;
+}
+
+void StepRate::Add(double t_s, int64_t steps_done) {
+  if (!samples_.empty() && (steps_done < samples_.back().second || t_s < samples_.back().first)) {
+    samples_.clear();  // a restart from a checkpoint (or a clock step): measure afresh
+  }
+  if (!samples_.empty() && steps_done == samples_.back().second) return;  // no progress: no news
+  samples_.emplace_back(t_s, steps_done);
+  // Keep the newest sample older than the window too, so the window stays fully covered.
+  size_t drop = 0;
+  while (drop + 1 < samples_.size() && samples_[drop + 1].first <= t_s - window_s_) ++drop;
+  samples_.erase(samples_.begin(), samples_.begin() + static_cast<std::ptrdiff_t>(drop));
+}
+
+double StepRate::Rate() const {
+  if (samples_.size() < 2) return 0;
+  const double span = samples_.back().first - samples_.front().first;
+  if (span < min_span_s_) return 0;
+  return static_cast<double>(samples_.back().second - samples_.front().second) / span;
+}
+
+bool WatchThrottle::ShouldPrint(const v1::Job& job) {
+  bool print = first_ || job.state() != state_;
+  first_ = false;
+  state_ = job.state();
+  const int64_t total = job.progress().total_steps();
+  if (percent_ <= 0) return true;
+  if (total > 0) {
+    const int64_t bucket = static_cast<int64_t>(
+        100.0 * static_cast<double>(StepsDone(job)) / static_cast<double>(total) / percent_ + 1e-9);
+    if (bucket != bucket_) {
+      // Only a bucket reached going forward is news; after a restart, the next one up is.
+      print = print || bucket > bucket_;
+      bucket_ = bucket;
+    }
+  }
+  return print;
+}
+
+std::string JobsWideTable(const std::vector<v1::Job>& jobs, int64_t now_ms) {
+  std::vector<std::vector<std::string>> rows = {{"ID", "NAME", "STATE", "STEP", "WORLD", "RESTARTS",
+                                                 "POLICY", "AGE", "LOSS", "TOK/S", "SAVED",
+                                                 "CHECKPOINT", "WORKERS", "REASON"}};
+  for (const auto& j : jobs) {
+    const auto& p = j.progress();
+    std::string workers;
+    for (const auto& r : j.ranks()) workers += (workers.empty() ? "" : ",") + r.worker_id();
+    std::string saved = "-";
+    if (p.bytes_baseline() > 0) {
+      saved = Fmt("%.0f%%", 100.0 * (1.0 - static_cast<double>(p.bytes_sent()) /
+                                               static_cast<double>(p.bytes_baseline())));
+    }
+    rows.push_back(
+        {j.id(), j.name(), StateName(j.state()), std::to_string(StepsDone(j)) + "/" + TotalText(p),
+         std::to_string(j.world_size()),
+         std::to_string(j.restarts()) + "/" + std::to_string(j.max_restarts()),
+         "v" + std::to_string(j.policy_version()), Age(j.created_unix_ms(), now_ms),
+         StepsDone(j) > 0 ? Fmt("%.4g", p.loss()) : "-", Fmt("%.0f", p.tokens_per_second()), saved,
+         CheckpointText(j), workers.empty() ? "-" : workers, j.reason()});
+  }
+  return Table(rows);
+}
+
+std::string WorkersWideTable(const v1::ListWorkersResponse& workers, int64_t now_ms) {
+  std::vector<std::vector<std::string>> rows = {{"ID", "NAME", "HOST", "STATE", "GEN", "JOB",
+                                                 "RANK", "DEVICE", "MEMORY", "STEP",
+                                                 "LAST-HEARTBEAT"}};
+  for (const auto& w : workers.workers()) {
+    rows.push_back({w.id(), w.name().empty() ? "-" : w.name(), w.host().empty() ? "-" : w.host(),
+                    WorkerStateName(w.state()), std::to_string(w.generation()),
+                    w.job_id().empty() ? "-" : w.job_id(),
+                    w.rank() >= 0 && !w.job_id().empty() ? std::to_string(w.rank()) : "-",
+                    w.device().empty() ? "-" : w.device(),
+                    w.memory_bytes() ? Bytes(static_cast<double>(w.memory_bytes())) : "-",
+                    w.last_step() >= 0 ? std::to_string(w.last_step()) : "-",
+                    Age(w.last_heartbeat_unix_ms(), now_ms) + " ago"});
+  }
+  return Table(rows);
+}
+
+namespace {
+
+std::string Joined(const std::vector<std::string>& words) {
+  std::string out;
+  for (const auto& w : words) out += (out.empty() ? "" : " ") + w;
+  return out;
+}
+
+// One `case` arm per command path ("" for the program itself, "get jobs", ...).
+void CompletionCases(const CommandNode& node, const std::string& path,
+                     const std::vector<std::pair<std::string, bool>>& inherited,
+                     std::string* children, std::string* options, std::string* valued,
+                     std::string* choices, std::string* jobs) {
+  std::vector<std::pair<std::string, bool>> opts = inherited;
+  for (const auto& o : node.options) {
+    if (std::find(opts.begin(), opts.end(), o) == opts.end()) opts.push_back(o);
+  }
+  std::vector<std::string> names, all, with_value;
+  for (const auto& c : node.children) names.push_back(c.name);
+  for (const auto& [o, v] : opts) {
+    all.push_back(o);
+    if (v) with_value.push_back(o);
+  }
+  const std::string arm = "    \"" + path + "\") echo \"";
+  if (!names.empty()) *children += arm + Joined(names) + "\" ;;\n";
+  *options += arm + Joined(all) + "\" ;;\n";
+  if (!with_value.empty()) *valued += arm + Joined(with_value) + "\" ;;\n";
+  if (!node.choices.empty()) *choices += arm + Joined(node.choices) + "\" ;;\n";
+  if (node.takes_job) *jobs += "    \"" + path + "\") return 0 ;;\n";
+  for (const auto& c : node.children) {
+    CompletionCases(c, path.empty() ? c.name : path + " " + c.name, opts, children, options, valued,
+                    choices, jobs);
+  }
+}
+
+}  // namespace
+
+std::string CompletionScript(const CommandNode& root, const std::string& shell) {
+  std::string children, options, valued, choices, jobs;
+  CompletionCases(root, "", {}, &children, &options, &valued, &choices, &jobs);
+  const std::string& p = root.name;
+  std::string f = "_" + p;
+  for (char& c : f) {
+    if (!std::isalnum(static_cast<unsigned char>(c))) c = '_';
+  }
+  std::string s;
+  if (shell == "zsh") {
+    s += "#compdef " + p + "\n# zsh completion for " + p + " (generated by: " + p +
+         " completion zsh). Load with: source <(" + p +
+         " completion zsh)\n"
+         "autoload -U +X compinit && compinit\n"
+         "autoload -U +X bashcompinit && bashcompinit\n";
+  } else {
+    s += "# bash completion for " + p + " (generated by: " + p +
+         " completion bash). Load with: source <(" + p + " completion bash)\n";
+  }
+  s += f + "_children() {\n  case \"$1\" in\n" + children + "  esac\n}\n";
+  s += f + "_options() {\n  case \"$1\" in\n" + options + "  esac\n}\n";
+  s += f + "_valued() {\n  case \"$1\" in\n" + valued + "  esac\n}\n";
+  s += f + "_choices() {\n  case \"$1\" in\n" + choices + "  esac\n}\n";
+  s += f + "_takes_job() {\n  case \"$1\" in\n" + jobs + "  esac\n  return 1\n}\n";
+  s += f +
+       "() {\n"
+       "  local cur=\"${COMP_WORDS[COMP_CWORD]}\" path=\"\" skip=0 i w prev=\"\"\n"
+       "  COMPREPLY=()\n"
+       "  for ((i = 1; i < COMP_CWORD; i++)); do\n"
+       "    w=\"${COMP_WORDS[i]}\"\n"
+       "    if [ \"$skip\" = 1 ]; then skip=0; continue; fi\n"
+       "    case \"$w\" in\n"
+       "      --*=*) ;;\n"
+       "      -*) [[ \" $(" +
+       f +
+       "_valued \"$path\") \" == *\" $w \"* ]] && skip=1; prev=\"$w\" ;;\n"
+       "      *) [[ \" $(" +
+       f +
+       "_children \"$path\") \" == *\" $w \"* ]] && "
+       "path=\"${path:+$path }$w\" ;;\n"
+       "    esac\n"
+       "  done\n"
+       "  if [ \"$skip\" = 1 ]; then\n"
+       "    case \"$prev\" in\n"
+       "      -o|--output) COMPREPLY=($(compgen -W \"table wide name json yaml jsonpath=\" -- "
+       "\"$cur\")) ;;\n"
+       "      --context) COMPREPLY=($(compgen -W \"$(\"${COMP_WORDS[0]}\" config get-contexts "
+       "-o name 2>/dev/null)\" -- \"$cur\")) ;;\n"
+       "    esac\n"
+       "    return 0\n"
+       "  fi\n"
+       "  if [[ \"$cur\" == -* ]]; then\n"
+       "    COMPREPLY=($(compgen -W \"$(" +
+       f +
+       "_options \"$path\")\" -- \"$cur\"))\n"
+       "    return 0\n"
+       "  fi\n"
+       "  local words\n"
+       "  words=\"$(" +
+       f + "_children \"$path\") $(" + f +
+       "_choices \"$path\")\"\n"
+       "  if " +
+       f +
+       "_takes_job \"$path\"; then\n"
+       "    words=\"$words $(\"${COMP_WORDS[0]}\" get jobs -o "
+       "jsonpath='{.jobs[*].id} {.jobs[*].name}' 2>/dev/null)\"\n"
+       "  fi\n"
+       "  COMPREPLY=($(compgen -W \"$words\" -- \"$cur\"))\n"
+       "}\n"
+       "complete -o default -F " +
+       f + " " + p + "\n";
+  return s;
 }
 
 }  // namespace geofp8::ctl

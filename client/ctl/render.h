@@ -38,3 +38,57 @@ std::string Bytes(double bytes);
 std::string ProgressLine(const v1::Job& job, double steps_per_second, int bar_width);
 
 }  // namespace geofp8::ctl
+
+namespace geofp8::ctl {
+
+// Steps per second over a sliding window (default the last 30 s) of (time, steps done) samples,
+// so that an ETA neither jumps with one slow report nor lags behind a real change of pace.
+// No estimate (Rate() == 0) until the samples span min_span_s; a step count that goes backwards
+// (a restart from a checkpoint) starts over.
+class StepRate {
+ public:
+  explicit StepRate(double window_s = 30, double min_span_s = 5)
+      : window_s_(window_s), min_span_s_(min_span_s) {}
+  void Add(double t_s, int64_t steps_done);
+  double Rate() const;
+
+ private:
+  double window_s_, min_span_s_;
+  std::vector<std::pair<double, int64_t>> samples_;  // oldest first
+};
+
+// Which watch updates a non-TTY `watch` prints: every state change and every `percent` % of the
+// steps (percent <= 0: every update).
+class WatchThrottle {
+ public:
+  explicit WatchThrottle(double percent) : percent_(percent) {}
+  bool ShouldPrint(const v1::Job& job);
+
+ private:
+  double percent_;
+  bool first_ = true;
+  v1::JobState state_ = v1::JOB_STATE_UNSPECIFIED;
+  int64_t bucket_ = -1;
+};
+
+// Steps done (the last index completed + 1; all of them for a SUCCEEDED job).
+int64_t StepsDone(const v1::Job& job);
+
+// -o wide: the table columns plus progress detail (jobs) or host and name (workers).
+std::string JobsWideTable(const std::vector<v1::Job>& jobs, int64_t now_ms);
+std::string WorkersWideTable(const v1::ListWorkersResponse& workers, int64_t now_ms);
+
+// A command tree for shell completion: its name, the options (with whether they take a value)
+// and subcommands.
+struct CommandNode {
+  std::string name;
+  std::vector<std::pair<std::string, bool>> options;  // "--server", takes a value
+  std::vector<std::string> choices;                   // positional values offered, e.g. bash zsh
+  bool takes_job = false;                             // a job id or name positional
+  std::vector<CommandNode> children;
+};
+// A bash completion script for `program` ("bash") or a zsh one (zsh's bashcompinit).
+// Job positionals complete with the ids and names of `program get jobs`.
+std::string CompletionScript(const CommandNode& root, const std::string& shell);
+
+}  // namespace geofp8::ctl

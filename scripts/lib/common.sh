@@ -40,6 +40,10 @@ configure_and_build() {
     log "configuring $GEOFP8_BUILD"
     cmake -S "$GEOFP8_ROOT" -B "$GEOFP8_BUILD" -G Ninja -DCMAKE_BUILD_TYPE=RelWithDebInfo "$@"
   fi
-  log "building ($jobs jobs)"
-  cmake --build "$GEOFP8_BUILD" -j "$jobs"
+  # GEOFP8_BUILD_TARGETS (space-separated) limits the build to those targets, e.g. the demo's
+  # three programs; unset builds everything.
+  local targets=()
+  [ -n "${GEOFP8_BUILD_TARGETS:-}" ] && read -r -a targets <<<"--target $GEOFP8_BUILD_TARGETS"
+  log "building ${GEOFP8_BUILD_TARGETS:-everything} ($jobs jobs)"
+  cmake --build "$GEOFP8_BUILD" -j "$jobs" "${targets[@]}"
 }

@@ -1,9 +1,8 @@
 // geofp8ctl rendering: durations, byte sizes, tables, the watch progress line, and that JSON and
 // YAML output carry the same fields.
-#include "client/ctl/render.h"
-
 #include <gtest/gtest.h>
 
+#include "client/ctl/render.h"
 #include "yaml-cpp/yaml.h"
 
 namespace geofp8::ctl {
@@ -44,7 +43,7 @@ TEST(Render, ProgressLine) {
   EXPECT_NE(line.find("saved 75% (3.0 MiB)"), std::string::npos) << line;
   EXPECT_NE(line.find("ETA 2m30s"), std::string::npos) << line;  // 750 steps at 5 steps/s
   EXPECT_NE(line.find("RUNNING"), std::string::npos) << line;
-  EXPECT_NE(ProgressLine(job, 0, 20).find("ETA -"), std::string::npos);
+  EXPECT_NE(ProgressLine(job, 0, 20).find("ETA --"), std::string::npos);  // no rate yet
   // A finished job shows every step done, not the last step's index.
   job.set_state(v1::JOB_SUCCEEDED);
   p->set_step(999);
@@ -87,7 +86,7 @@ TEST(Render, DescribeAndWatchShowACommandJob) {
   const std::string line = ProgressLine(job, 5.0, 10);
   EXPECT_EQ(line.substr(0, 12), "[..........]") << line;
   EXPECT_NE(line.find("42/?"), std::string::npos) << line;
-  EXPECT_NE(line.find("ETA -"), std::string::npos) << line;
+  EXPECT_NE(line.find("ETA --"), std::string::npos) << line;
   job.set_state(v1::JOB_SUCCEEDED);
   job.mutable_progress()->set_checkpoint_step(40);
   out = DescribeJob(job, nullptr, 0);

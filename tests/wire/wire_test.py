@@ -433,6 +433,75 @@ class WorkerTest(Base):
         self.assertIn("IDLE", out)
 
 
+    def test_ctl_watch_piped_prints_state_changes_and_every_ten_percent(self):
+        # SPEC2 runs 100 steps; every step is reported, so the stream carries ~100 updates.
+        job_id, a, b = self.start_job()
+        result = {}
+        t = threading.Thread(target=lambda: result.update(out=ctl(self.server, "watch", "wire")))
+        t.start()  # by name: "wire" is SPEC2's name
+        for step in range(100):
+            for w in (a, b):
+                w.send(progress=pb.StepProgress(step=step, loss=2.0, bytes_sent=25 * step,
+                                                bytes_baseline=100 * step))
+            time.sleep(0.01)
+        for w in (a, b):
+            w.send(finished=pb.JobFinished(success=True))
+        t.join(30)
+        rc, out, err = result["out"]
+        self.assertEqual(rc, 0, err)
+        lines = [l for l in out.splitlines() if l.startswith("[")]
+        # At most one line per state (SCHEDULED, RUNNING, SUCCEEDED) and per 10% bucket (0..10).
+        self.assertLessEqual(len(lines), 3 + 11, out)
+        self.assertIn("100/100", lines[-1])
+        self.assertIn("SUCCEEDED", lines[-1])
+        self.assertNotIn("\r", out)
+        self.assertNotIn("\033", out)
+
+    def test_ctl_watch_on_a_tty_redraws_one_line(self):
+        import pty
+        job_id, a, b = self.start_job()
+        master, slave = pty.openpty()
+        env = dict(os.environ)
+        env.pop("GEOFP8_TOKEN", None)
+        proc = subprocess.Popen([CTL, "-s", self.server.address, "watch", job_id],
+                                stdout=slave, stderr=subprocess.PIPE, env=env)
+        os.close(slave)
+        chunks = []
+
+        def drain():
+            while True:
+                try:
+                    data = os.read(master, 4096)
+                except OSError:
+                    return
+                if not data:
+                    return
+                chunks.append(data)
+
+        reader = threading.Thread(target=drain, daemon=True)
+        reader.start()
+        for step in range(0, 100, 5):
+            for w in (a, b):
+                w.send(progress=pb.StepProgress(step=step, loss=2.0))
+            time.sleep(0.05)
+        for w in (a, b):
+            w.send(finished=pb.JobFinished(success=True))
+        self.assertEqual(proc.wait(30), 0, proc.stderr.read())
+        proc.stderr.close()
+        reader.join(5)
+        os.close(master)
+        out = b"".join(chunks).decode()
+        # Redrawn in place: carriage return + clear line. Events get lines of their own above
+        # the status line; the status line itself ends a line only once, at the end.
+        self.assertIn("\r\x1b[K", out)
+        lines = out.split("\r\n")
+        self.assertEqual(lines[-1], "")
+        for line in lines[:-2]:
+            self.assertFalse(line.rsplit("\r\x1b[K", 1)[-1].startswith("["), repr(out))
+        self.assertIn("100/100", lines[-2].rsplit("\r\x1b[K", 1)[-1])
+        self.assertIn("SUCCEEDED", lines[-2].rsplit("\r\x1b[K", 1)[-1])
+
+
 class PersistenceTest(Base):
     def test_kill9_keeps_every_acknowledged_job_and_policy(self):
         ids = [self.submit(key="key-%d" % i).job.id for i in range(5)]
@@ -647,6 +716,154 @@ class CtlTest(Base):
         self.assertIn("CANCELLED", out)
         rc, _, err = ctl(self.server, "cancel", "job-000001")
         self.assertEqual(rc, 5, err)
+
+    def test_kubectl_conveniences(self):
+        env = dict(os.environ)
+        env.pop("GEOFP8_SERVER", None)
+        env["GEOFP8_CONFIG"] = os.path.join(self.tmp.name, "none.yaml")
+
+        def raw(*args, extra=None):
+            e = dict(env)
+            e.update(extra or {})
+            p = subprocess.run([CTL, *args], capture_output=True, text=True, env=e, timeout=60)
+            return p.returncode, p.stdout, p.stderr
+
+        # Bare: the help, exit 0. Unknown commands are named, with the list, exit 2.
+        rc, out, err = raw()
+        self.assertEqual(rc, 0, err)
+        self.assertIn("Subcommands:", out)
+        rc, _, err = ctl(self.server, "frobnicate")
+        self.assertEqual(rc, 2, err)
+        self.assertIn('unknown command "frobnicate" for "geofp8ctl"', err)
+        self.assertIn("submit, get, describe, watch", err)
+        rc, _, err = ctl(self.server, "get", "jbos")
+        self.assertEqual(rc, 2, err)
+        self.assertIn('unknown command "jbos" for "geofp8ctl get"', err)
+        rc, _, err = ctl(self.server, "get")
+        self.assertEqual(rc, 2, err)
+        self.assertIn("a subcommand is required: jobs, job, workers", err)
+        rc, out, err = raw("version")
+        self.assertEqual(rc, 0, err)
+        self.assertRegex(out, r"^Client Version: \d+\.\d+\.\d+ \(git [^)]+\)\n$")
+        rc, out, err = raw("-o", "json", "version")
+        self.assertEqual(sorted(json.loads(out)), ["clientVersion", "gitDescribe"])
+
+        # Names YAML would read as other types, and jobs by name.
+        for name in ("true", "1.5", "1.5"):
+            rc, _, err = ctl(self.server, "submit", "-f", "-",
+                             stdin=SPEC2.replace("name: wire", "name: '%s'" % name))
+            self.assertEqual(rc, 0, err)
+        rc, out, err = ctl(self.server, "-o", "yaml", "get", "job", "true")
+        self.assertEqual(rc, 0, err)
+        doc = yaml.safe_load(out)
+        self.assertEqual(doc["name"], "true")
+        self.assertEqual(doc["id"], "job-000001")
+        self.assertIsInstance(doc["created_unix_ms"], int)
+        rc, out, err = ctl(self.server, "-o", "json", "get", "job", "job-000002")
+        doc = json.loads(out)
+        self.assertEqual(doc["name"], "1.5")
+        for field in ("created_unix_ms", "updated_unix_ms", "policy_version"):
+            self.assertIsInstance(doc[field], int, field)
+        self.assertIsInstance(doc["progress"]["total_steps"], int)
+        rc, _, err = ctl(self.server, "describe", "job", "1.5")
+        self.assertEqual(rc, 2, err)
+        self.assertIn("job name 1.5 is ambiguous", err)
+        self.assertIn("job-000002, job-000003", err)
+        rc, _, err = ctl(self.server, "get", "job", "nosuch")
+        self.assertEqual(rc, 3, err)
+        self.assertIn("job nosuch not found", err)
+
+        # -o name, wide, jsonpath.
+        rc, out, err = ctl(self.server, "-o", "name", "get", "jobs")
+        self.assertEqual(out.splitlines(), ["job/job-000003", "job/job-000002", "job/job-000001"])
+        rc, out, err = ctl(self.server, "-o", "wide", "get", "jobs")
+        self.assertEqual(out.splitlines()[0].split()[:4], ["ID", "NAME", "STATE", "STEP"])
+        self.assertIn("LOSS", out.splitlines()[0])
+        rc, out, err = ctl(self.server, "-o", "jsonpath={.jobs[*].name}", "get", "jobs")
+        self.assertEqual((rc, out), (0, "1.5 1.5 true\n"), err)
+        rc, out, err = ctl(self.server, "-o", "jsonpath={.progress.total_steps}", "get", "job",
+                           "true")
+        self.assertEqual(out, "100\n")
+        rc, _, err = ctl(None, "-o", "jsonpath={.jobs[?(@.name=='x')]}", "get", "jobs")
+        self.assertEqual(rc, 2, err)  # refused before any call: the server is unreachable
+        self.assertIn("only [N], [-N], [*]", err)
+        rc, _, err = ctl(self.server, "-o", "jsonpath={.nope}", "get", "job", "true")
+        self.assertEqual(rc, 2, err)
+        self.assertIn("no field 'nope'", err)
+        rc, _, err = ctl(self.server, "-o", "xml", "get", "jobs")
+        self.assertEqual(rc, 2, err)
+        self.assertIn("-o: unknown output format (xml)", err)
+        rc, out, err = ctl(self.server, "-o", "name", "cancel", "true")
+        self.assertEqual((rc, out), (0, "job/job-000001\n"), err)
+
+        # Completion: the script parses, lists the commands, and completes job ids and names.
+        rc, script, err = raw("completion", "bash")
+        self.assertEqual(rc, 0, err)
+        path = os.path.join(self.tmp.name, "completion.bash")
+        with open(path, "w") as f:
+            f.write(script)
+        subprocess.run(["bash", "-n", path], check=True)
+        probe = ('source "$1"; COMP_WORDS=("$2" ""); COMP_CWORD=1; _geofp8ctl; '
+                 'echo "${COMPREPLY[*]}"; COMP_WORDS=("$2" get job ""); COMP_CWORD=3; '
+                 '_geofp8ctl; echo "${COMPREPLY[*]}"')
+        p = subprocess.run(["bash", "-c", probe, "bash", path, CTL], capture_output=True,
+                           text=True, timeout=60,
+                           env=dict(env, GEOFP8_SERVER=self.server.address))
+        first, second = p.stdout.splitlines()
+        for cmd in ("submit", "get", "describe", "watch", "cancel", "policy", "config",
+                    "version", "completion"):
+            self.assertIn(cmd, first.split())
+        self.assertEqual(set(second.split()), {"job-000001", "job-000002", "job-000003", "true",
+                                               "1.5"}, p.stderr)
+        rc, script, err = raw("completion", "zsh")
+        self.assertIn("bashcompinit", script)
+        rc, _, err = raw("completion", "fish")
+        self.assertEqual(rc, 2, err)
+
+        # A config file with contexts; flags override it; errors name file, line and field.
+        cfg = os.path.join(self.tmp.name, "cfg", "config.yaml")
+        rc, out, err = raw("--config", cfg, "config", "set-context", "dead", "--server",
+                           "127.0.0.1:1")
+        self.assertEqual((rc, out.strip()), (0, 'context "dead" created in ' + cfg), err)
+        rc, out, err = raw("--config", cfg, "config", "set-context", "local", "--server",
+                           self.server.address)
+        self.assertEqual(rc, 0, err)
+        rc, out, err = raw("--config", cfg, "config", "current-context")
+        self.assertEqual(out, "dead\n")  # the first context became current
+        rc, out, err = raw("--config", cfg, "--timeout", "2", "get", "jobs")
+        self.assertEqual(rc, 4, err)
+        self.assertIn("127.0.0.1:1", err)
+        rc, out, err = raw("--config", cfg, "--context", "local", "get", "jobs")
+        self.assertEqual(rc, 0, err)
+        rc, out, err = raw("--config", cfg, "-s", self.server.address, "get", "jobs")
+        self.assertEqual(rc, 0, err)  # the flag wins over the context
+        rc, out, err = raw("config", "use-context", "local", extra={"GEOFP8_CONFIG": cfg})
+        self.assertEqual(rc, 0, err)
+        rc, out, err = raw("config", "get-contexts", extra={"GEOFP8_CONFIG": cfg})
+        self.assertEqual([l.split()[:2] for l in out.splitlines()[1:]],
+                         [["dead", "127.0.0.1:1"], ["*", "local"]])
+        rc, out, err = raw("-o", "name", "get", "jobs", extra={"GEOFP8_CONFIG": cfg})
+        self.assertEqual(rc, 0, err)
+        self.assertEqual(len(out.splitlines()), 3)
+        rc, _, err = raw("--config", cfg, "config", "use-context", "nope")
+        self.assertEqual(rc, 3, err)
+        self.assertIn("no context named nope in " + cfg, err)
+        rc, _, err = raw("--config", cfg, "config", "set-context", "tok", "--server",
+                         self.server.address, "--token-file", "/nonexistent/token")
+        rc, _, err = raw("--config", cfg, "--context", "tok", "get", "jobs")
+        self.assertEqual(rc, 2, err)
+        self.assertIn(cfg + ": context tok: token-file: cannot read /nonexistent/token", err)
+        bad = os.path.join(self.tmp.name, "bad.yaml")
+        with open(bad, "w") as f:
+            f.write("current-context: a\ncontexts:\n  - name: a\n    sever: x\n")
+        rc, _, err = raw("--config", bad, "get", "jobs")
+        self.assertEqual(rc, 2, err)
+        self.assertIn(bad + ":4: contexts[0].sever: unknown field", err)
+        rc, _, err = raw("get", "jobs", extra={"GEOFP8_CONFIG": bad})
+        self.assertEqual(rc, 2, err)
+        rc, _, err = raw("--config", os.path.join(self.tmp.name, "missing.yaml"), "get", "jobs")
+        self.assertEqual(rc, 2, err)
+        self.assertIn("missing.yaml: cannot read", err)
 
 
 if __name__ == "__main__":
