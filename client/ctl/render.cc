@@ -25,8 +25,39 @@ std::string Fmt(const char* fmt, double v) {
 // "off" when the job's spec writes no checkpoints, else the last durable checkpoint's step.
 std::string CheckpointText(const v1::Job& j) {
   auto spec = ParseJobSpec(j.spec_yaml());
+  // A command job's program writes checkpoints of its own accord and reports them.
+  if (spec.ok() && !spec->command.empty()) {
+    return j.progress().checkpoint_step() > 0
+               ? "step " + std::to_string(j.progress().checkpoint_step())
+               : "none reported";
+  }
   if (spec.ok() && (spec->checkpoint.every <= 0 || spec->checkpoint.dir.empty())) return "off";
   return "step " + std::to_string(j.progress().checkpoint_step());
+}
+
+// "N" or "?" when the job has no total (a command job without training.steps).
+std::string TotalText(const v1::JobProgress& p) {
+  return p.total_steps() > 0 ? std::to_string(p.total_steps()) : "?";
+}
+
+// A command job's program and arguments, shell-quoted where needed; "" for the built-in trainer.
+std::string CommandText(const v1::Job& j) {
+  auto spec = ParseJobSpec(j.spec_yaml());
+  if (!spec.ok()) return "";
+  std::string out;
+  for (const std::string& a : spec->command) {
+    if (!out.empty()) out += " ";
+    const bool plain =
+        !a.empty() && a.find_first_of(" \t\n'\"\\$`*?[]{}()<>|&;#~") == std::string::npos;
+    if (plain) {
+      out += a;
+      continue;
+    }
+    out += "'";
+    for (char c : a) out += c == '\'' ? std::string("'\\''") : std::string(1, c);
+    out += "'";
+  }
+  return out;
 }
 
 std::string Age(int64_t since_ms, int64_t now_ms) {
@@ -61,7 +92,8 @@ std::string ToYaml(const google::protobuf::Message& m) { return DocToYaml(FromPr
 int64_t StepsDone(const v1::Job& j) {
   // progress.step is the index of the largest step any rank completed.
   const auto& p = j.progress();
-  if (j.state() == v1::JOB_SUCCEEDED) return p.total_steps();
+  // A command job without training.steps has no total (0): its program decides when it is done.
+  if (j.state() == v1::JOB_SUCCEEDED && p.total_steps() > 0) return p.total_steps();
   const int64_t done = j.state() == v1::JOB_RUNNING || p.step() > 0 ? p.step() + 1 : 0;
   return p.total_steps() > 0 ? std::min(done, p.total_steps()) : done;
 }
@@ -131,7 +163,7 @@ std::string JobsTable(const std::vector<v1::Job>& jobs, int64_t now_ms) {
       {"ID", "NAME", "STATE", "STEP", "WORLD", "RESTARTS", "POLICY", "AGE", "REASON"}};
   for (const auto& j : jobs) {
     rows.push_back({j.id(), j.name(), StateName(j.state()),
-                    std::to_string(StepsDone(j)) + "/" + std::to_string(j.progress().total_steps()),
+                    std::to_string(StepsDone(j)) + "/" + TotalText(j.progress()),
                     std::to_string(j.world_size()),
                     std::to_string(j.restarts()) + "/" + std::to_string(j.max_restarts()),
                     "v" + std::to_string(j.policy_version()), Age(j.created_unix_ms(), now_ms),
@@ -205,10 +237,13 @@ std::string DescribeJob(const v1::Job& j, const v1::Policy* policy, int64_t now_
   if (j.state() == v1::JOB_PENDING && !j.scheduling().empty()) {
     os << "Scheduling:   " << j.scheduling() << "\n";
   }
+  if (const std::string command = CommandText(j); !command.empty()) {
+    os << "Command:      " << command << "\n";
+  }
   os << "World size:   " << j.world_size() << "\n"
      << "Attempt:      " << j.attempt() << "  (restarts " << j.restarts() << "/" << j.max_restarts()
      << ")\n"
-     << "Progress:     step " << StepsDone(j) << "/" << pr.total_steps() << ", loss "
+     << "Progress:     step " << StepsDone(j) << "/" << TotalText(pr) << ", loss "
      << Fmt("%.4f", pr.loss()) << ", " << Fmt("%.0f", pr.tokens_per_second()) << " tok/s\n"
      << "Checkpoint:   " << CheckpointText(j) << "\n";
   if (pr.bytes_baseline() > 0) {
@@ -270,11 +305,12 @@ std::string ProgressLine(const v1::Job& job, double steps_per_second, int bar_wi
   const auto& p = job.progress();
   const double total = static_cast<double>(std::max<int64_t>(p.total_steps(), 1));
   const int64_t done = StepsDone(job);
-  const double frac = std::clamp(static_cast<double>(done) / total, 0.0, 1.0);
+  const double frac =
+      p.total_steps() > 0 ? std::clamp(static_cast<double>(done) / total, 0.0, 1.0) : 0.0;
   const int filled = static_cast<int>(frac * bar_width + 0.5);
   std::string line = "[" + std::string(filled, '#') + std::string(bar_width - filled, '.') + "] ";
-  line += std::to_string(done) + "/" + std::to_string(p.total_steps());
-  line += "  " + Fmt("%3.0f%%", 100 * frac);
+  line += std::to_string(done) + "/" + TotalText(p);
+  line += "  " + (p.total_steps() > 0 ? Fmt("%3.0f%%", 100 * frac) : std::string("   -"));
   line += "  loss " + Fmt("%.4g", p.loss());
   const double tps = p.tokens_per_second();
   line += "  " + (tps >= 1000 ? Fmt("%.1fk", tps / 1000) : Fmt("%.0f", tps)) + " tok/s";
@@ -287,8 +323,9 @@ std::string ProgressLine(const v1::Job& job, double steps_per_second, int bar_wi
     line += "  saved -";
   }
   const double remaining = static_cast<double>(p.total_steps() - done);
-  line += "  ETA " +
-          (steps_per_second > 0 ? Duration(remaining / steps_per_second) : std::string("--"));
+  line += "  ETA " + (steps_per_second > 0 && p.total_steps() > 0
+                          ? Duration(remaining / steps_per_second)
+                          : std::string("--"));
   line += "  " + StateName(job.state());
   return line;
 }
@@ -343,14 +380,13 @@ std::string JobsWideTable(const std::vector<v1::Job>& jobs, int64_t now_ms) {
       saved = Fmt("%.0f%%", 100.0 * (1.0 - static_cast<double>(p.bytes_sent()) /
                                                static_cast<double>(p.bytes_baseline())));
     }
-    rows.push_back({j.id(), j.name(), StateName(j.state()),
-                    std::to_string(StepsDone(j)) + "/" + std::to_string(p.total_steps()),
-                    std::to_string(j.world_size()),
-                    std::to_string(j.restarts()) + "/" + std::to_string(j.max_restarts()),
-                    "v" + std::to_string(j.policy_version()), Age(j.created_unix_ms(), now_ms),
-                    StepsDone(j) > 0 ? Fmt("%.4g", p.loss()) : "-",
-                    Fmt("%.0f", p.tokens_per_second()), saved, CheckpointText(j),
-                    workers.empty() ? "-" : workers, j.reason()});
+    rows.push_back(
+        {j.id(), j.name(), StateName(j.state()), std::to_string(StepsDone(j)) + "/" + TotalText(p),
+         std::to_string(j.world_size()),
+         std::to_string(j.restarts()) + "/" + std::to_string(j.max_restarts()),
+         "v" + std::to_string(j.policy_version()), Age(j.created_unix_ms(), now_ms),
+         StepsDone(j) > 0 ? Fmt("%.4g", p.loss()) : "-", Fmt("%.0f", p.tokens_per_second()), saved,
+         CheckpointText(j), workers.empty() ? "-" : workers, j.reason()});
   }
   return Table(rows);
 }

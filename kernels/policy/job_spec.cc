@@ -302,6 +302,63 @@ bool ValidName(const std::string& s) {
 // All errors in one INVALID_ARGUMENT, cut at kMaxErrorBytes with "... and N more errors": the
 // message travels in a gRPC trailer, percent-encoded (up to 3 bytes per byte), and a client
 // drops trailers over 8 KiB, which would replace the message with a transport error.
+// spec.command: a non-empty list of non-empty strings (the program, then its arguments) within
+// the kMaxCommand* bounds. A list of numbers would run too, but an unquoted `yes` or `1e3` is
+// easy to mistype, so entries must be scalars and are taken as their text.
+void ReadCommand(Reader& r, const YAML::Node& root, const std::string& p,
+                 std::vector<std::string>* out) {
+  const YAML::Node n = root["command"];
+  if (!n.IsDefined()) return;
+  const std::string path = p + ".command";
+  if (!n.IsSequence()) {
+    r.Error(n, path,
+            "expected a list of strings, the program then its arguments (" + Reader::Show(n) + ")");
+    return;
+  }
+  if (n.size() == 0) {
+    r.Error(n, path, "must not be empty: a program to run (an empty list)");
+    return;
+  }
+  if (n.size() > kMaxCommandArgs) {
+    r.Error(n, path,
+            "at most " + std::to_string(kMaxCommandArgs) + " entries (" + std::to_string(n.size()) +
+                ")");
+    return;
+  }
+  std::vector<std::string> args;
+  size_t total = 0;
+  bool ok = true;
+  for (size_t i = 0; i < n.size(); ++i) {
+    const YAML::Node a = n[i];
+    const std::string at = path + "[" + std::to_string(i) + "]";
+    if (!a.IsScalar()) {
+      r.Error(a, at, "expected a string (" + Reader::Show(a) + ")");
+      ok = false;
+      continue;
+    }
+    const std::string& v = a.Scalar();
+    if (i == 0 && v.empty()) {
+      r.Error(a, at, "the program must not be empty (\"\")");
+      ok = false;
+    } else if (v.find('\0') != std::string::npos) {
+      r.Error(a, at, "must not contain a NUL byte (" + Clip(v) + ")");
+      ok = false;
+    } else if (v.size() > kMaxCommandArgBytes) {
+      r.Error(a, at, "at most " + std::to_string(kMaxCommandArgBytes) + " bytes (" + Clip(v) + ")");
+      ok = false;
+    }
+    total += v.size() + 1;
+    args.push_back(v);
+  }
+  if (ok && total > kMaxCommandBytes) {
+    r.Error(n, path,
+            "at most " + std::to_string(kMaxCommandBytes) + " bytes in all (" +
+                std::to_string(total) + ")");
+    ok = false;
+  }
+  if (ok) *out = std::move(args);
+}
+
 absl::Status Invalid(const std::vector<std::string>& errors) {
   std::string out;
   size_t shown = 0;
@@ -404,9 +461,32 @@ absl::StatusOr<JobSpec> ParseJobSpec(std::string_view yaml) {
   JobSpec spec;
   const std::string p = "spec";
   if (!r.Map(root, p,
-             {"name", "world_size", "backend", "model", "data", "training", "exchange", "policy",
-              "auto_policy", "geometry_refresh", "checkpoint", "restarts"})) {
+             {"name", "world_size", "backend", "command", "model", "data", "training", "exchange",
+              "policy", "auto_policy", "geometry_refresh", "checkpoint", "restarts"})) {
     return Invalid(r.errors);
+  }
+  ReadCommand(r, root, p, &spec.command);
+  const bool command_job = !spec.command.empty();
+  if (command_job) {
+    // A user program trains its own model on its own data: the built-in trainer's fields would
+    // be ignored, which must never happen silently.
+    for (const char* field : {"model", "data"}) {
+      if (YAML::Node n = root[field]; n.IsDefined()) {
+        r.Error(n, p + "." + field,
+                std::string("not allowed with command (") + Clip(spec.command[0]) +
+                    "): the built-in trainer's field; a command job trains its own model");
+      }
+    }
+    if (YAML::Node n = root["training"]; n.IsDefined() && n.IsMap()) {
+      for (const auto& kv : n) {
+        const std::string key = kv.first.IsScalar() ? kv.first.Scalar() : "?";
+        if (key != "steps") {
+          r.Error(kv.first, p + ".training." + Clip(key),
+                  "not allowed with command (accepted: steps); the built-in trainer's field");
+        }
+      }
+    }
+    spec.training.steps = 0;  // unknown unless given: the script decides when it is done
   }
   YAML::Node name = r.Get(root, "name", p, &spec.name, "a string");
   if (!name.IsDefined()) {
@@ -450,7 +530,7 @@ absl::StatusOr<JobSpec> ParseJobSpec(std::string_view yaml) {
     }
   }
   if (YAML::Node n = root["training"];
-      n.IsDefined() && !n.IsNull() &&
+      n.IsDefined() && !n.IsNull() && !command_job &&
       r.Map(n, p + ".training",
             {"steps", "batch_size", "seq_len", "lr", "weight_decay", "warmup_steps", "optimizer",
              "grad_clip", "seed"})) {
@@ -474,6 +554,13 @@ absl::StatusOr<JobSpec> ParseJobSpec(std::string_view yaml) {
       r.Error(n["warmup_steps"], q + ".warmup_steps",
               "must be less than training.steps (" + std::to_string(t.warmup_steps) +
                   " >= " + std::to_string(t.steps) + ")");
+    }
+  }
+  if (YAML::Node n = root["training"]; n.IsDefined() && !n.IsNull() && command_job) {
+    if (n.IsMap()) {
+      r.Number<int64_t>(n, "steps", p + ".training", &spec.training.steps, 1, kMaxSteps);
+    } else {
+      r.Error(n, p + ".training", "expected a mapping (" + Reader::Show(n) + ")");
     }
   }
   ReadExchange(r, root, p, &spec.exchange);
@@ -537,7 +624,8 @@ absl::StatusOr<JobSpec> ParseJobSpec(std::string_view yaml) {
             "must not exceed geometry_refresh.interval (" +
                 std::to_string(spec.auto_policy.min_interval) + ")");
   }
-  if (auto model = model::PresetConfig(spec.model.preset)) {
+  // A command job's layers are the ones its script reports; nothing to check them against yet.
+  if (auto model = command_job ? std::nullopt : model::PresetConfig(spec.model.preset)) {
     // The model keeps every layer's attention probabilities for the backward pass; bound them
     // here, before a worker finds out with std::bad_alloc.
     const auto& t = spec.training;

@@ -25,6 +25,12 @@ inline constexpr int kMaxSeqLen = 8192;     // tokens per sequence
 inline constexpr int64_t kMaxAttentionBytes = int64_t{128} << 30;
 // Longest error message of a rejected spec or patch; the rest is "... and N more errors".
 inline constexpr size_t kMaxErrorBytes = 2048;
+// A `command:` job's program and arguments: at most this many entries, each at most
+// kMaxCommandArgBytes, together at most kMaxCommandBytes (well inside Linux's ARG_MAX and the
+// spec's own size, and short enough to show in `describe`).
+inline constexpr size_t kMaxCommandArgs = 256;
+inline constexpr size_t kMaxCommandArgBytes = 4096;
+inline constexpr size_t kMaxCommandBytes = 32768;
 
 // A partial LayerPolicy for the layers whose name matches `match` (exact, or a glob with * ? []).
 struct LayerPatchSpec {
@@ -118,6 +124,11 @@ struct JobSpec {
   std::string name;              // required, [A-Za-z0-9._-], at most 63 characters
   int world_size = 1;            // ranks, 1..1024
   std::string backend = "gloo";  // "gloo" (CPU) or "nccl" (GPU)
+  // A user program and its arguments that every rank's worker runs instead of the built-in
+  // trainer (docs/job-spec.md, "Running your own script"). Empty: the built-in trainer. When
+  // set, `model` and `data` are refused, `training` accepts `steps` only, and training.steps is
+  // 0 unless given (the script decides when it is done).
+  std::vector<std::string> command;
   ModelSpec model;
   DataSpec data;
   TrainingSpec training;

@@ -518,7 +518,8 @@ absl::StatusOr<v1::UpdatePolicyResponse> Coordinator::UpdatePolicy(
     // rank 0 reported, or before that the spec's model.
     std::vector<model::ParamInfo> layers;
     for (const auto& l : rec.catalog) layers.push_back({.name = l.name()});
-    if (layers.empty()) {
+    // A command job's layers are known only from its script's catalog.
+    if (layers.empty() && rec.spec.command.empty()) {
       if (auto mc = model::PresetConfig(rec.spec.model.preset)) layers = model::ParamLayout(*mc);
     }
     for (size_t i = 0; i < patches.size() && !layers.empty(); ++i) {
@@ -1112,9 +1113,11 @@ absl::Status Coordinator::HandleWorkerMessage(const v1::WorkerMessage& message) 
         if (rec &&
             SameAttempt(*rec, message.finished().job_id(), message.finished().attempt())) {
           if (!message.finished().success()) {
+            // A command job's program that crashed is restartable (JobFinished.restartable):
+            // the job's restart policy decides, as for a dead worker.
             FailAttempt(*rec,
                         "rank " + std::to_string(rank) + " failed: " + message.finished().reason(),
-                        /*restartable=*/false, out);
+                        message.finished().restartable(), out);
           } else {
             rec->ranks[rank].finished = true;
             if (std::all_of(rec->ranks.begin(), rec->ranks.end(),

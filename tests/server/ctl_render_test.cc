@@ -71,6 +71,29 @@ TEST(Render, DescribeShowsCheckpointsOffAndStepsDone) {
   EXPECT_NE(out.find("Checkpoint:   step 3900\n"), std::string::npos) << out;
 }
 
+TEST(Render, DescribeAndWatchShowACommandJob) {
+  v1::Job job;
+  job.set_id("job-4");
+  job.set_state(v1::JOB_RUNNING);
+  job.mutable_progress()->set_step(41);
+  job.set_spec_yaml("name: a\ncommand: [python3, my train.py, --tag, \"it's\"]\n");
+  std::string out = DescribeJob(job, nullptr, 0);
+  EXPECT_NE(out.find("Command:      python3 'my train.py' --tag 'it'\\''s'\n"), std::string::npos)
+      << out;
+  // No training.steps: no total, and the program's checkpoints as it reports them.
+  EXPECT_NE(out.find("Progress:     step 42/?"), std::string::npos) << out;
+  EXPECT_NE(out.find("Checkpoint:   none reported\n"), std::string::npos) << out;
+  const std::string line = ProgressLine(job, 5.0, 10);
+  EXPECT_EQ(line.substr(0, 12), "[..........]") << line;
+  EXPECT_NE(line.find("42/?"), std::string::npos) << line;
+  EXPECT_NE(line.find("ETA --"), std::string::npos) << line;
+  job.set_state(v1::JOB_SUCCEEDED);
+  job.mutable_progress()->set_checkpoint_step(40);
+  out = DescribeJob(job, nullptr, 0);
+  EXPECT_NE(out.find("Progress:     step 42/?"), std::string::npos) << out;
+  EXPECT_NE(out.find("Checkpoint:   step 40\n"), std::string::npos) << out;
+}
+
 TEST(Render, JsonAndYamlCarryTheSameFields) {
   v1::Job job;
   job.set_id("job-000007");

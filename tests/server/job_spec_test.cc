@@ -300,3 +300,65 @@ TEST(Vocabulary, NamesRoundTrip) {
 
 }  // namespace
 }  // namespace geofp8
+
+namespace geofp8 {
+namespace {
+
+TEST(JobSpec, CommandJobsRunAUserProgramInsteadOfTheTrainer) {
+  auto spec = ParseJobSpec(
+      "name: a\nworld_size: 2\ncommand: [python3, train.py, --lr, 0.1, '']\n"
+      "policy:\n  layers:\n    - {match: 'fc*', format: nvfp4}\n");
+  ASSERT_TRUE(spec.ok()) << spec.status();
+  EXPECT_EQ(spec->command, (std::vector<std::string>{"python3", "train.py", "--lr", "0.1", ""}));
+  // No total unless given; globs are not checked against llama-tiny (the program's layers).
+  EXPECT_EQ(spec->training.steps, 0);
+  auto with_steps = ParseJobSpec("name: a\ncommand: [x]\ntraining: {steps: 50}\n");
+  ASSERT_TRUE(with_steps.ok()) << with_steps.status();
+  EXPECT_EQ(with_steps->training.steps, 50);
+  EXPECT_TRUE(ParseJobSpec("name: a\n")->command.empty());
+}
+
+TEST(JobSpec, CommandErrorsNameTheFieldAndValue) {
+  EXPECT_NE(ErrorOf("name: a\ncommand: []\n").find("line 2: spec.command: must not be empty"),
+            std::string::npos);
+  EXPECT_NE(ErrorOf("name: a\ncommand:\n").find("spec.command: expected a list of strings"),
+            std::string::npos);
+  EXPECT_NE(ErrorOf("name: a\ncommand: {a: b}\n").find("spec.command: expected a list"),
+            std::string::npos);
+  EXPECT_NE(ErrorOf("name: a\ncommand: [x, {a: b}]\n")
+                .find("spec.command[1]: expected a string (a mapping)"),
+            std::string::npos);
+  EXPECT_NE(
+      ErrorOf("name: a\ncommand: ['']\n").find("spec.command[0]: the program must not be empty"),
+      std::string::npos);
+  EXPECT_NE(
+      ErrorOf("name: a\ncommand: [\"a\\0b\"]\n").find("spec.command[0]: must not contain a NUL"),
+      std::string::npos);
+  EXPECT_NE(ErrorOf("name: a\ncommand: [x, " + std::string(kMaxCommandArgBytes + 1, 'y') + "]\n")
+                .find("spec.command[1]: at most 4096 bytes (yyyy"),
+            std::string::npos);
+  std::string many = "name: a\ncommand: [x";
+  for (size_t i = 0; i < kMaxCommandArgs; ++i) many += ", y";
+  EXPECT_NE(ErrorOf(many + "]\n").find("spec.command: at most 256 entries (257)"),
+            std::string::npos);
+  std::string big = "name: a\ncommand: [x";
+  for (int i = 0; i < 10; ++i) big += ", " + std::string(4000, 'z');
+  EXPECT_NE(ErrorOf(big + "]\n").find("spec.command: at most 32768 bytes in all"),
+            std::string::npos);
+  // The built-in trainer's fields are refused with a command, naming both.
+  EXPECT_NE(ErrorOf("name: a\ncommand: [prog]\nmodel: {preset: llama-tiny}\n")
+                .find("line 3: spec.model: not allowed with command (prog)"),
+            std::string::npos);
+  EXPECT_NE(ErrorOf("name: a\ncommand: [prog]\ndata: {source: synthetic}\n")
+                .find("line 3: spec.data: not allowed with command (prog)"),
+            std::string::npos);
+  EXPECT_NE(ErrorOf("name: a\ncommand: [prog]\ntraining: {steps: 3, lr: 0.1}\n")
+                .find("spec.training.lr: not allowed with command (accepted: steps)"),
+            std::string::npos);
+  EXPECT_NE(ErrorOf("name: a\ncommand: [prog]\ntraining: {steps: 0}\n")
+                .find("spec.training.steps: must be in [1, 1000000000] (0)"),
+            std::string::npos);
+}
+
+}  // namespace
+}  // namespace geofp8

@@ -3,6 +3,8 @@
 // once the previous rank has ended and samples session state for /metrics.
 #include "worker/daemon/worker.h"
 
+#include "kernels/policy/job_spec.h"
+#include "worker/daemon/command_runner.h"
 #include "worker/daemon/log.h"
 
 namespace geofp8::worker {
@@ -87,7 +89,19 @@ void Worker::StartRunner(const v1::Assignment& a) {
   // timeout to notice it too, plus a margin for the report and the Stop to travel.
   constexpr std::chrono::milliseconds kStopTravelMargin{3000};
   o.peer_failure_grace = session_->heartbeat_timeout() + kStopTravelMargin;
-  runner_ = std::make_unique<JobRunner>(connection_, a, o, send, metrics_.get());
+  // A `command:` job runs the user's program; a spec that does not parse goes to the trainer,
+  // which reports the error as the rank's failure.
+  auto spec = ParseJobSpec(a.spec_yaml());
+  if (spec.ok() && !spec->command.empty()) {
+    CommandRunnerOptions co;
+    co.job = o;
+    co.coordinator = options_.connection.address;
+    co.token = options_.connection.token;
+    runner_ = std::make_unique<CommandRunner>(connection_, a, co, send, metrics_.get());
+  } else {
+    runner_ = std::make_unique<TrainerRankRunner>(
+        std::make_unique<JobRunner>(connection_, a, o, send, metrics_.get()));
+  }
   runner_->Start();
 }
 

@@ -13,6 +13,7 @@
 #include "worker/daemon/connection.h"
 #include "worker/daemon/job_runner.h"
 #include "worker/daemon/metrics.h"
+#include "worker/daemon/rank_runner.h"
 #include "worker/daemon/session.h"
 
 namespace geofp8::worker {
@@ -58,7 +59,7 @@ class Worker {
   std::mutex mu_;
   std::condition_variable cv_;
   bool stopping_ = false;
-  std::unique_ptr<JobRunner> runner_;
+  std::unique_ptr<RankRunner> runner_;     // the trainer or a command job's program
   std::optional<v1::Assignment> pending_;  // arrived while the previous rank was winding down
   std::thread supervisor_;
 };

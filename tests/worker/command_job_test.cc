@@ -1,0 +1,287 @@
+// `command:` jobs end to end: the real geofp8-coordinator and geofp8-worker processes run
+// hook_script (hook_script_main.cc, a user program written against worker/hook/hook_client.h)
+// as each rank. Checked: the torchrun/GEOFP8_* environment and a working MASTER_ADDR:MASTER_PORT,
+// a live policy update applied by both ranks at the same step, progress/summaries/checkpoints
+// relayed to the job, per-rank logs, a killed rank restarted by the restart policy (or failing
+// with the signal named when none are left), exit codes, a missing program, and bad specs.
+#include <gtest/gtest.h>
+#include <signal.h>
+#include <sys/stat.h>
+
+#include <filesystem>
+#include <fstream>
+#include <map>
+
+#include "tests/common/http_client.h"
+#include "tests/worker/worker_process.h"
+
+namespace geofp8::testing {
+namespace {
+
+using std::chrono::seconds;
+
+std::map<std::string, std::string> ReadKeyValues(const std::string& path) {
+  std::map<std::string, std::string> out;
+  std::ifstream in(path);
+  std::string line;
+  while (std::getline(in, line)) {
+    const size_t eq = line.find('=');
+    if (eq != std::string::npos) out[line.substr(0, eq)] = line.substr(eq + 1);
+  }
+  return out;
+}
+
+std::string ReadFile(const std::string& path) {
+  std::ifstream in(path);
+  std::stringstream s;
+  s << in.rdbuf();
+  return s.str();
+}
+
+// (attempt, step) -> policy version in force, from hook_script's versions file.
+std::map<std::pair<int, int64_t>, uint64_t> ReadVersions(const std::string& path) {
+  std::map<std::pair<int, int64_t>, uint64_t> out;
+  std::ifstream in(path);
+  int attempt;
+  int64_t step;
+  uint64_t version;
+  while (in >> attempt >> step >> version) out[{attempt, step}] = version;
+  return out;
+}
+
+class CommandJobTest : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    coordinator_ = std::make_unique<CoordinatorProcess>(
+        std::vector<std::string>{"--heartbeat-timeout-ms", "2000"});
+    client_ = std::make_unique<Client>(coordinator_->address());
+  }
+  void StartWorkers(int n, std::vector<std::string> extra = {}) {
+    for (int i = 0; i < n; ++i) {
+      workers_.push_back(
+          std::make_unique<WorkerProcess>(coordinator_->address(), "w" + std::to_string(i), extra));
+    }
+    ASSERT_TRUE(client_->WaitIdle(size_t(n), seconds(30))) << Everything(v1::Job());
+  }
+  std::string Everything(const v1::Job& job) {
+    std::vector<WorkerProcess*> ws;
+    for (auto& w : workers_) ws.push_back(w.get());
+    return Describe(job, *coordinator_, ws);
+  }
+  // A job running hook_script on `world` ranks, writing into out_.
+  std::string Spec(const std::string& name, int world, int steps, int max_restarts,
+                   const std::string& extra_args = "") {
+    return "name: " + name + "\nworld_size: " + std::to_string(world) +
+           "\ncommand: [" GEOFP8_HOOK_SCRIPT_BIN ", --out, " + out_.path() + ", --steps, " +
+           std::to_string(steps) + ", --sleep-ms, 40, --checkpoint-every, 5" + extra_args +
+           "]\n"
+           "training: {steps: " +
+           std::to_string(steps) +
+           "}\n"
+           "policy:\n"
+           "  default: {format: fp8_e4m3}\n"
+           // 10 steps of 40 ms: time enough for a version to reach every rank's program.
+           "  margin: 10\n"
+           "restarts: {max_restarts: " +
+           std::to_string(max_restarts) + "}\n";
+  }
+  std::string EnvFile(int rank, int attempt) const {
+    return out_.path() + "/rank" + std::to_string(rank) + ".attempt" + std::to_string(attempt) +
+           ".env";
+  }
+  // Waits for rank's env file of `attempt` and returns the program's pid.
+  pid_t WaitPid(int rank, int attempt) {
+    const auto deadline = std::chrono::steady_clock::now() + seconds(30);
+    while (std::chrono::steady_clock::now() < deadline) {
+      auto env = ReadKeyValues(EnvFile(rank, attempt));
+      if (env.count("master_connections")) return pid_t(std::stol(env["pid"]));
+      std::this_thread::sleep_for(std::chrono::milliseconds(20));
+    }
+    return -1;
+  }
+
+  TempDir out_{"geofp8-hook-out"};
+  std::unique_ptr<CoordinatorProcess> coordinator_;
+  std::unique_ptr<Client> client_;
+  std::vector<std::unique_ptr<WorkerProcess>> workers_;
+};
+
+TEST_F(CommandJobTest, TwoRanksRunToSuccessAndApplyALivePolicyAtTheSameStep) {
+  const std::string token = out_.path() + "/token";
+  std::ofstream(token) << "s3cret-token\n";
+  StartWorkers(2, {"--token-file", token});
+  v1::Job job = client_->Submit(Spec("cmd", 2, 40, 0));
+  job = client_->WaitStep(job.id(), 5, seconds(60));
+  ASSERT_EQ(job.state(), v1::JOB_RUNNING) << Everything(job);
+  v1::LayerPatch patch;
+  patch.set_layer("layers.*");
+  patch.set_format("nvfp4");
+  const v1::Policy v2 = client_->UpdatePolicy(job.id(), patch, "test: nvfp4");
+  ASSERT_EQ(v2.version(), 2u);
+  job = client_->WaitFinal(job.id(), seconds(60));
+  ASSERT_EQ(job.state(), v1::JOB_SUCCEEDED) << Everything(job);
+
+  // Both ranks ran every step, under v1 before the effective step and v2 from it on.
+  const auto r0 = ReadVersions(out_.path() + "/rank0.versions");
+  const auto r1 = ReadVersions(out_.path() + "/rank1.versions");
+  ASSERT_EQ(r0.size(), 40u) << Everything(job);
+  EXPECT_EQ(r0, r1) << Everything(job);
+  for (int64_t s = 0; s < 40; ++s) {
+    EXPECT_EQ(r0.at({0, s}), s < v2.effective_step() ? 1u : 2u) << "step " << s;
+  }
+  EXPECT_GT(v2.effective_step(), 5);
+  EXPECT_LT(v2.effective_step(), 40);
+
+  // The environment, and a rendezvous on MASTER_ADDR:MASTER_PORT that worked.
+  auto e0 = ReadKeyValues(EnvFile(0, 0));
+  auto e1 = ReadKeyValues(EnvFile(1, 0));
+  EXPECT_EQ(e0["RANK"], "0");
+  EXPECT_EQ(e1["RANK"], "1");
+  for (auto* e : {&e0, &e1}) {
+    EXPECT_EQ((*e)["WORLD_SIZE"], "2");
+    EXPECT_EQ((*e)["LOCAL_RANK"], "0");
+    EXPECT_EQ((*e)["LOCAL_WORLD_SIZE"], "1");
+    EXPECT_EQ((*e)["MASTER_ADDR"], "127.0.0.1");
+    EXPECT_EQ((*e)["master_connections"], "1");
+    EXPECT_EQ((*e)["GEOFP8_JOB_ID"], job.id());
+    EXPECT_EQ((*e)["GEOFP8_ATTEMPT"], "0");
+    EXPECT_EQ((*e)["GEOFP8_RESUME_STEP"], "0");
+    EXPECT_EQ((*e)["GEOFP8_COORDINATOR"], coordinator_->address());
+    EXPECT_EQ((*e)["GEOFP8_HOOK_ADDRESS"].rfind("unix:", 0), 0u);
+    EXPECT_EQ((*e)["token_in_env"], "0");
+    // The token reaches the program as a file only its user can read.
+    const std::string tf = (*e)["GEOFP8_TOKEN_FILE"];
+    EXPECT_EQ(ReadFile(tf), "s3cret-token\n") << tf;
+    struct stat st {};
+    ASSERT_EQ(::stat(tf.c_str(), &st), 0) << tf;
+    EXPECT_EQ(st.st_mode & 0777, 0600u);
+  }
+  EXPECT_EQ(e0["MASTER_PORT"], e1["MASTER_PORT"]);
+  EXPECT_GT(std::stoi(e0["MASTER_PORT"]), 0);
+
+  // Progress, summaries and checkpoints reached the job as the trainer's would.
+  EXPECT_EQ(job.progress().step(), 39);
+  EXPECT_EQ(job.progress().total_steps(), 40);
+  EXPECT_EQ(job.progress().checkpoint_step(), 40);
+  EXPECT_EQ(job.progress().bytes_sent(), 2u * 40 * 100);  // hook_script: 100 bytes per step
+  EXPECT_EQ(job.progress().bytes_baseline(), 2u * 40 * 400);
+  EXPECT_EQ(job.policy_version(), 2u);
+  ASSERT_EQ(job.layers_size(), 2) << Everything(job);
+  for (const auto& l : job.layers()) EXPECT_EQ(l.step(), 35) << l.layer();
+
+  // Per-rank logs, kept in each worker's data directory; the working directory is there too.
+  for (auto& w : workers_) {
+    const auto result = w->Result(job.id());
+    ASSERT_EQ(result.at("success"), "1");
+    const std::string dir = w->data_dir() + "/jobs/" + job.id() + "/0";
+    const std::string rank = result.at("rank");
+    EXPECT_NE(ReadFile(dir + "/rank" + rank + ".out").find("hook_script: rank " + rank),
+              std::string::npos);
+    EXPECT_TRUE(std::filesystem::exists(dir + "/rank" + rank + ".err"));
+    EXPECT_EQ(ReadKeyValues(EnvFile(std::stoi(rank), 0))["cwd"],
+              std::filesystem::canonical(dir).string());
+    EXPECT_EQ(result.at("steps"), "40");
+  }
+  // The worker's /metrics shows the relayed steps.
+  const int port = workers_[0]->MetricsPort();
+  ASSERT_GT(port, 0);
+  EXPECT_NE(HttpExchange(port, "GET /metrics HTTP/1.0\r\nHost: 127.0.0.1\r\n\r\n")
+                .find("geofp8_worker_step{job_id=\"" + job.id() + "\"} 39"),
+            std::string::npos);
+}
+
+TEST_F(CommandJobTest, AKilledRankRestartsTheJobFromItsCheckpoint) {
+  StartWorkers(2);
+  v1::Job job = client_->Submit(Spec("cmd-kill", 2, 40, 1));
+  const pid_t pid = WaitPid(1, 0);
+  ASSERT_GT(pid, 0) << Everything(client_->Get(job.id()));
+  job = client_->WaitStep(job.id(), 12, seconds(60));
+  ASSERT_EQ(job.state(), v1::JOB_RUNNING) << Everything(job);
+  ASSERT_EQ(::kill(pid, SIGKILL), 0);
+  job = client_->WaitFinal(job.id(), seconds(60));
+  ASSERT_EQ(job.state(), v1::JOB_SUCCEEDED) << Everything(job);
+  EXPECT_EQ(job.restarts(), 1);
+  bool named = false;
+  for (const auto& e : job.events()) {
+    named |= e.message().find("rank 1 failed: command '" GEOFP8_HOOK_SCRIPT_BIN
+                              "' was killed by SIGKILL") != std::string::npos;
+  }
+  EXPECT_TRUE(named) << Everything(job);
+  // The second attempt resumed from the recovery point rank 0 reported (every 5 steps).
+  auto e = ReadKeyValues(EnvFile(0, 1));
+  const int64_t resume = std::stoll(e["GEOFP8_RESUME_STEP"]);
+  EXPECT_GE(resume, 10);
+  EXPECT_EQ(resume % 5, 0);
+  EXPECT_EQ(e["GEOFP8_ATTEMPT"], "1");
+  const auto r0 = ReadVersions(out_.path() + "/rank0.versions");
+  EXPECT_EQ(r0.count({1, resume}), 1u);
+  EXPECT_EQ(r0.count({1, resume - 1}), 0u);
+  EXPECT_EQ(r0.count({1, 39}), 1u);
+}
+
+TEST_F(CommandJobTest, AKilledRankFailsTheJobWhenNoRestartsAreLeft) {
+  StartWorkers(2);
+  v1::Job job = client_->Submit(Spec("cmd-kill0", 2, 200, 0));
+  const pid_t pid = WaitPid(0, 0);
+  ASSERT_GT(pid, 0) << Everything(client_->Get(job.id()));
+  ASSERT_EQ(::kill(pid, SIGKILL), 0);
+  job = client_->WaitFinal(job.id(), seconds(60));
+  ASSERT_EQ(job.state(), v1::JOB_FAILED) << Everything(job);
+  EXPECT_NE(job.reason().find("was killed by SIGKILL"), std::string::npos) << job.reason();
+  EXPECT_NE(job.reason().find("no restarts left"), std::string::npos) << job.reason();
+  // The other rank's program was stopped with its attempt: it did not run to step 200.
+  EXPECT_LT(ReadVersions(out_.path() + "/rank1.versions").size(), 200u);
+}
+
+TEST_F(CommandJobTest, ExitCodesAndMissingProgramsFailWithTheirReason) {
+  StartWorkers(1);
+  // A non-zero exit: the code and the last lines of stderr, which is kept.
+  v1::Job job = client_->Submit(Spec("cmd-exit", 1, 3, 0, ", --exit-code, 3"));
+  job = client_->WaitFinal(job.id(), seconds(60));
+  ASSERT_EQ(job.state(), v1::JOB_FAILED) << Everything(job);
+  EXPECT_NE(job.reason().find("exited with code 3"), std::string::npos) << job.reason();
+  EXPECT_NE(job.reason().find("hook_script: failing on purpose with code 3"), std::string::npos)
+      << job.reason();
+  const std::string dir = workers_[0]->data_dir() + "/jobs/" + job.id() + "/0";
+  EXPECT_NE(ReadFile(dir + "/rank0.err").find("failing on purpose"), std::string::npos);
+
+  // A program that does not exist fails at once, whatever the restart policy.
+  ASSERT_TRUE(client_->WaitIdle(1, seconds(30)));
+  job = client_->Submit(
+      "name: cmd-missing\ncommand: [/nonexistent/geofp8-no-such-program, --x]\n"
+      "restarts: {max_restarts: 3}\n");
+  job = client_->WaitFinal(job.id(), seconds(60));
+  ASSERT_EQ(job.state(), v1::JOB_FAILED) << Everything(job);
+  EXPECT_NE(job.reason().find("command[0]: cannot run '/nonexistent/geofp8-no-such-program': "
+                              "No such file or directory"),
+            std::string::npos)
+      << job.reason();
+  EXPECT_EQ(job.restarts(), 0);
+}
+
+TEST_F(CommandJobTest, BadCommandSpecsAreRefusedAtSubmitNamingTheField) {
+  const std::vector<std::pair<std::string, std::string>> cases = {
+      {"name: a\ncommand: []\n", "spec.command: must not be empty"},
+      {"name: a\ncommand: python3\n", "spec.command: expected a list of strings"},
+      {"name: a\ncommand: [python3, [x]]\n", "spec.command[1]: expected a string (a list)"},
+      {"name: a\ncommand: ['', x]\n", "spec.command[0]: the program must not be empty"},
+      {"name: a\ncommand: [python3]\nmodel: {preset: llama-tiny}\n",
+       "spec.model: not allowed with command (python3)"},
+      {"name: a\ncommand: [python3]\ntraining: {steps: 5, batch_size: 2}\n",
+       "spec.training.batch_size: not allowed with command"},
+      {"name: a\ncommand: [python3, " + std::string(5000, 'x') + "]\n",
+       "spec.command[1]: at most 4096 bytes"},
+  };
+  for (const auto& [yaml, want] : cases) {
+    try {
+      client_->Submit(yaml);
+      ADD_FAILURE() << "accepted: " << yaml;
+    } catch (const std::exception& e) {
+      EXPECT_NE(std::string(e.what()).find(want), std::string::npos)
+          << "want '" << want << "' in: " << e.what();
+    }
+  }
+}
+
+}  // namespace
+}  // namespace geofp8::testing

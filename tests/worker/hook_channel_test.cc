@@ -1,0 +1,193 @@
+// The hook channel in one process: the worker's HookServer and the program's HookClient over a
+// real Unix socket. Policy versions come down and are handed out at their effective step with
+// per-layer resolution; reports go up; a restarted server is reattached to and gets the catalog
+// again; a client whose server is gone still closes promptly.
+#include <gtest/gtest.h>
+#include <stdlib.h>
+
+#include <chrono>
+#include <filesystem>
+#include <functional>
+#include <mutex>
+#include <thread>
+
+#include "worker/daemon/hook_server.h"
+#include "worker/hook/hook_client.h"
+
+namespace geofp8 {
+namespace {
+
+using std::chrono::milliseconds;
+
+class Relay {
+ public:
+  worker::HookServer::RelayFn fn() {
+    return [this](const v1::HookMessage& m) {
+      std::lock_guard<std::mutex> lock(mu_);
+      got_.push_back(m);
+    };
+  }
+  // Waits up to 5 s for a message that `pred` accepts.
+  bool WaitFor(const std::function<bool(const v1::HookMessage&)>& pred) {
+    const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(5);
+    while (std::chrono::steady_clock::now() < deadline) {
+      {
+        std::lock_guard<std::mutex> lock(mu_);
+        for (const auto& m : got_) {
+          if (pred(m)) return true;
+        }
+      }
+      std::this_thread::sleep_for(milliseconds(10));
+    }
+    return false;
+  }
+
+ private:
+  std::mutex mu_;
+  std::vector<v1::HookMessage> got_;
+};
+
+v1::Policy MakePolicy(uint64_t version, int64_t effective, const std::string& patch_format) {
+  v1::Policy p;
+  p.set_job_id("job-1");
+  p.set_version(version);
+  p.set_effective_step(effective);
+  p.set_reason("v" + std::to_string(version));
+  p.mutable_default_policy()->set_format("fp8_e4m3");
+  p.mutable_default_policy()->set_geometry("lowrank");
+  p.mutable_default_policy()->set_rank(4);
+  if (!patch_format.empty()) {
+    auto* patch = p.add_patches();
+    patch->set_layer("layers.*");
+    patch->set_format(patch_format);
+  }
+  return p;
+}
+
+class HookChannelTest : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    char tmpl[] = "/tmp/geofp8-hookch-XXXXXX";
+    ASSERT_NE(::mkdtemp(tmpl), nullptr);
+    dir_ = tmpl;
+    socket_ = dir_ + "/h.sock";
+    ::setenv("RANK", "1", 1);
+    ::setenv("WORLD_SIZE", "2", 1);
+    ::setenv("GEOFP8_JOB_ID", "job-1", 1);
+    ::setenv("GEOFP8_ATTEMPT", "3", 1);
+    ::setenv("GEOFP8_RESUME_STEP", "0", 1);
+  }
+  void TearDown() override { std::filesystem::remove_all(dir_); }
+  std::unique_ptr<worker::HookServer> Serve(std::vector<v1::Policy> policies) {
+    v1::HookWelcome w;
+    w.set_job_id("job-1");
+    w.set_rank(1);
+    w.set_world_size(2);
+    auto s = worker::HookServer::Start(socket_, w, std::move(policies), relay_.fn());
+    EXPECT_TRUE(s.ok()) << s.status();
+    return s.ok() ? std::move(*s) : nullptr;
+  }
+
+  std::string dir_, socket_;
+  Relay relay_;
+};
+
+TEST_F(HookChannelTest, FromEnvironmentNeedsTheHookAddress) {
+  ::unsetenv("GEOFP8_HOOK_ADDRESS");
+  EXPECT_EQ(hook::HookClient::FromEnvironment(), nullptr);
+}
+
+TEST_F(HookChannelTest, PoliciesComeDownAtTheirStepReportsGoUpAndTheClientReattaches) {
+  auto server = Serve({MakePolicy(1, 0, "")});
+  ASSERT_NE(server, nullptr);
+  ::setenv("GEOFP8_HOOK_ADDRESS", ("unix:" + socket_).c_str(), 1);
+  auto client = hook::HookClient::FromEnvironment();
+  ASSERT_NE(client, nullptr);
+  EXPECT_EQ(client->rank(), 1);
+  EXPECT_EQ(client->world_size(), 2);
+  EXPECT_EQ(client->attempt(), 3);
+  EXPECT_EQ(client->job_id(), "job-1");
+  ASSERT_TRUE(client->WaitForPolicy(std::chrono::seconds(5)));
+  client->SendCatalog({{"layers.0.w", 4, 4}, {"layers.0.b", 4, 1}, {"head", 4, 4}});
+
+  auto v1 = client->PolicyDueAt(0);
+  ASSERT_TRUE(v1.has_value());
+  EXPECT_EQ(v1->version, 1u);
+  ASSERT_EQ(v1->layers.size(), 3u);
+  EXPECT_EQ(v1->layers[0].policy.format(), "fp8_e4m3");
+  EXPECT_EQ(v1->layers[0].policy.geometry(), "lowrank");
+  EXPECT_EQ(v1->layers[1].policy.geometry(), "none");  // 1-D: never geometry
+  EXPECT_FALSE(client->PolicyDueAt(1).has_value());    // nothing new
+  EXPECT_EQ(client->version_in_force(), 1u);
+
+  // v2 takes effect at step 5: not before, exactly there.
+  server->OfferPolicy(MakePolicy(2, 5, "nvfp4"));
+  const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(5);
+  std::this_thread::sleep_for(milliseconds(100));
+  EXPECT_FALSE(client->PolicyDueAt(4).has_value());
+  std::optional<hook::PolicyChange> v2;
+  while (!(v2 = client->PolicyDueAt(5)) && std::chrono::steady_clock::now() < deadline) {
+    std::this_thread::sleep_for(milliseconds(10));
+  }
+  ASSERT_TRUE(v2.has_value());
+  EXPECT_EQ(v2->version, 2u);
+  EXPECT_EQ(v2->effective_step, 5);
+  EXPECT_EQ(v2->layers[0].policy.format(), "nvfp4");
+  EXPECT_EQ(v2->layers[2].policy.format(), "fp8_e4m3");  // "head" is no match of layers.*
+  client->ReportStep(5, 2.5, 100.0, 10, 40);
+  client->ReportLayers({{"layers.0.w", 5, 0.02, 0.01, 1, 0.0}});
+  v1::ProbeResult probe;
+  probe.set_layer("layers.0.w");
+  probe.set_error_without(0.3);
+  probe.set_error_with(0.1);
+  client->ReportProbes({probe});
+
+  EXPECT_TRUE(relay_.WaitFor(
+      [](const v1::HookMessage& m) { return m.has_catalog() && m.catalog().layers_size() == 3; }));
+  EXPECT_TRUE(relay_.WaitFor([](const v1::HookMessage& m) {
+    return m.has_policy_ack() && m.policy_ack().version() == 2;
+  }));
+  EXPECT_TRUE(relay_.WaitFor([](const v1::HookMessage& m) {
+    return m.has_progress() && m.progress().step() == 5 && m.progress().policy_version() == 2 &&
+           m.progress().bytes_baseline() == 40;
+  }));
+  EXPECT_TRUE(relay_.WaitFor([](const v1::HookMessage& m) {
+    return m.has_summaries() && m.summaries().layers(0).rel_fro_error() == 0.02;
+  }));
+
+  EXPECT_TRUE(relay_.WaitFor([](const v1::HookMessage& m) {
+    return m.has_probes() && m.probes().probes(0).error_with() == 0.1;
+  }));
+
+  // The worker restarts its hook server: the client reattaches and sends its catalog again; a
+  // checkpoint reported while it was away is delivered once it is back.
+  server.reset();
+  Relay second;
+  const auto gone = std::chrono::steady_clock::now() + std::chrono::seconds(5);
+  while (client->connected() && std::chrono::steady_clock::now() < gone) {
+    std::this_thread::sleep_for(milliseconds(10));
+  }
+  EXPECT_FALSE(client->connected());
+  client->ReportCheckpoint(10, "/ckpt/10");
+  v1::HookWelcome w;
+  auto again = worker::HookServer::Start(
+      socket_, w, {MakePolicy(1, 0, ""), MakePolicy(2, 5, "nvfp4")}, second.fn());
+  ASSERT_TRUE(again.ok()) << again.status();
+  EXPECT_TRUE(second.WaitFor(
+      [](const v1::HookMessage& m) { return m.has_catalog() && m.catalog().layers_size() == 3; }));
+  EXPECT_TRUE(second.WaitFor([](const v1::HookMessage& m) {
+    return m.has_checkpoint() && m.checkpoint().step() == 10 && m.checkpoint().path() == "/ckpt/10";
+  }));
+  EXPECT_TRUE(client->connected());
+  // Versions already in force are not handed out again.
+  EXPECT_FALSE(client->PolicyDueAt(6).has_value());
+
+  // Closing with the server gone takes no longer than the client's close wait.
+  again->reset();
+  const auto t0 = std::chrono::steady_clock::now();
+  client.reset();
+  EXPECT_LT(std::chrono::steady_clock::now() - t0, std::chrono::seconds(4));
+}
+
+}  // namespace
+}  // namespace geofp8

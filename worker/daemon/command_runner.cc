@@ -1,0 +1,509 @@
+// A `command:` job's rank (see command_runner.h): rendezvous for MASTER_ADDR/MASTER_PORT, the
+// hook server, posix_spawn into a new process group, then a wait loop that also carries out a
+// Stop (SIGTERM to the group, SIGKILL after the grace).
+#include "worker/daemon/command_runner.h"
+
+#include <arpa/inet.h>
+#include <fcntl.h>
+#include <netinet/in.h>
+#include <signal.h>
+#include <spawn.h>
+#include <sys/socket.h>
+#include <sys/stat.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <cerrno>
+#include <cstring>
+#include <filesystem>
+#include <fstream>
+#include <sstream>
+
+#include "kernels/common/check.h"
+#include "kernels/policy/job_spec.h"
+#include "worker/daemon/grpc_store.h"
+#include "worker/daemon/log.h"
+
+extern char** environ;
+
+namespace geofp8::worker {
+
+using Clock = std::chrono::steady_clock;
+using std::chrono::milliseconds;
+
+namespace {
+
+// Failures of a command rank are the job's reason as users read it: the message alone, without
+// GEOFP8_CHECK's source location.
+template <typename... Args>
+[[noreturn]] void Fail(const Args&... args) {
+  std::ostringstream os;
+  (os << ... << args);
+  throw std::runtime_error(os.str());
+}
+template <typename... Args>
+void Require(bool ok, const Args&... args) {
+  if (!ok) Fail(args...);
+}
+
+// How often the wait loop looks at the program and at a pending Stop.
+constexpr milliseconds kPollInterval{20};
+// The rendezvous key under the attempt's prefix where rank 0 publishes "host:port".
+constexpr const char* kMasterKey = "command/master";
+// A Unix socket path must fit sockaddr_un.sun_path (108 bytes with its NUL).
+constexpr size_t kMaxSocketPath = 107;
+// A failure reason quotes at most this much of the program's stderr (the job's reason travels
+// in gRPC messages and trailers and is shown by describe).
+constexpr size_t kMaxTailBytes = 1024;
+
+// A free TCP port on this host: bound with port 0 and released. Like torchrun's, the program
+// binds it again a moment later; another process taking it meanwhile is possible but rare.
+int FreePort() {
+  const int fd = ::socket(AF_INET, SOCK_STREAM, 0);
+  Require(fd >= 0, "MASTER_PORT: socket() failed: ", std::strerror(errno));
+  sockaddr_in addr{};
+  addr.sin_family = AF_INET;
+  addr.sin_addr.s_addr = htonl(INADDR_ANY);
+  addr.sin_port = 0;
+  socklen_t len = sizeof addr;
+  const bool ok = ::bind(fd, reinterpret_cast<sockaddr*>(&addr), sizeof addr) == 0 &&
+                  ::getsockname(fd, reinterpret_cast<sockaddr*>(&addr), &len) == 0;
+  const int err = errno;
+  ::close(fd);
+  Require(ok, "MASTER_PORT: cannot find a free port: ", std::strerror(err));
+  return ntohs(addr.sin_port);
+}
+
+std::string SignalName(int sig) {
+  const char* abbrev = sigabbrev_np(sig);
+  return abbrev ? "SIG" + std::string(abbrev) : "signal " + std::to_string(sig);
+}
+
+void WriteTokenFile(const std::string& path, const std::string& token) {
+  ::unlink(path.c_str());
+  const int fd = ::open(path.c_str(), O_WRONLY | O_CREAT | O_EXCL | O_CLOEXEC, 0600);
+  Require(fd >= 0, "token file: cannot create ", path, ": ", std::strerror(errno));
+  const std::string text = token + "\n";
+  const bool ok = ::write(fd, text.data(), text.size()) == ssize_t(text.size());
+  ::close(fd);
+  Require(ok, "token file: cannot write ", path);
+}
+
+// The result file holds one key=value per line.
+std::string OneLine(std::string text) {
+  std::replace(text.begin(), text.end(), '\n', '|');
+  return text;
+}
+
+}  // namespace
+
+std::string CommandJobDir(const std::string& data_dir, const std::string& job_id, int attempt) {
+  return (std::filesystem::path(data_dir) / "jobs" / job_id / std::to_string(attempt)).string();
+}
+
+std::string FileTail(const std::string& path, int lines) {
+  std::ifstream in(path, std::ios::binary);
+  if (!in || lines <= 0) return "";
+  in.seekg(0, std::ios::end);
+  const std::streamoff size = in.tellg();
+  const std::streamoff from = std::max<std::streamoff>(0, size - std::streamoff(kMaxTailBytes));
+  in.seekg(from);
+  std::vector<std::string> all;
+  std::string line;
+  while (std::getline(in, line)) all.push_back(line);
+  // Read from mid-file: the first line is a fragment, unless it is the only one.
+  if (from > 0 && all.size() > 1) all.erase(all.begin());
+  while (!all.empty() && all.back().empty()) all.pop_back();
+  const size_t first = all.size() > size_t(lines) ? all.size() - size_t(lines) : 0;
+  std::string tail;
+  for (size_t i = first; i < all.size(); ++i) {
+    if (!tail.empty()) tail += "\n";
+    tail += all[i];
+  }
+  return tail;
+}
+
+CommandRunner::CommandRunner(std::shared_ptr<Connection> connection, v1::Assignment assignment,
+                             CommandRunnerOptions options, SendFn send, WorkerMetrics* metrics)
+    : connection_(std::move(connection)),
+      assignment_(std::move(assignment)),
+      options_(std::move(options)),
+      send_(std::move(send)),
+      metrics_(metrics) {
+  for (const auto& p : assignment_.policy_history()) policies_.emplace(p.version(), p);
+  policies_.emplace(assignment_.policy().version(), assignment_.policy());
+}
+
+CommandRunner::~CommandRunner() {
+  if (thread_.joinable()) thread_.join();
+}
+
+void CommandRunner::Start() {
+  thread_ = std::thread([this] {
+    JobOutcome o = Run();
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      outcome_ = o;
+      done_ = true;
+    }
+    cv_.notify_all();
+  });
+}
+
+JobOutcome CommandRunner::outcome() const {
+  std::lock_guard<std::mutex> lock(mu_);
+  return outcome_;
+}
+
+void CommandRunner::OfferPolicy(const v1::Policy& policy) {
+  std::lock_guard<std::mutex> lock(mu_);
+  if (!policies_.emplace(policy.version(), policy).second) return;
+  if (hook_) hook_->OfferPolicy(policy);
+}
+
+void CommandRunner::OfferRefresh(const v1::RefreshSchedules& refresh) {
+  std::lock_guard<std::mutex> lock(mu_);
+  refresh_ = refresh;
+  if (hook_) hook_->OfferRefresh(refresh);
+}
+
+void CommandRunner::RequestStop(const std::string& reason) {
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    if (stop_reason_.empty()) stop_reason_ = reason.empty() ? "stop requested" : reason;
+  }
+  cv_.notify_all();
+}
+
+bool CommandRunner::StopRequested(std::string* reason) const {
+  std::lock_guard<std::mutex> lock(mu_);
+  if (reason) *reason = stop_reason_;
+  return !stop_reason_.empty();
+}
+
+std::pair<std::string, int> CommandRunner::MasterAddress() {
+  GrpcStore store(connection_, assignment_.job_id(), assignment_.rendezvous_prefix());
+  if (assignment_.rank() == 0) {
+    const int port = FreePort();
+    const std::string value = options_.job.advertise_host + ":" + std::to_string(port);
+    store.Set(kMasterKey, std::vector<uint8_t>(value.begin(), value.end()));
+    return {options_.job.advertise_host, port};
+  }
+  // In short waits, so that a Stop (rank 0 never came) ends the wait promptly.
+  const auto deadline = Clock::now() + options_.rendezvous_timeout;
+  for (;;) {
+    std::string reason;
+    Require(!StopRequested(&reason), "stopped waiting for rank 0's MASTER_ADDR: ", reason);
+    try {
+      const std::vector<uint8_t> v = store.Get(kMasterKey, milliseconds(1000));
+      const std::string text(v.begin(), v.end());
+      const size_t colon = text.rfind(':');
+      Require(colon != std::string::npos, "rank 0 published a bad address '", text, "'");
+      return {text.substr(0, colon), std::stoi(text.substr(colon + 1))};
+    } catch (const Error& e) {
+      if (Clock::now() >= deadline) {
+        Fail("rank 0 did not publish MASTER_ADDR/MASTER_PORT within ",
+             options_.rendezvous_timeout.count(), " ms (", e.what(), ")");
+      }
+      if (std::string(e.what()).find("timed out") == std::string::npos) {
+        std::this_thread::sleep_for(milliseconds(200));  // not a wait that ran out: back off
+      }
+    }
+  }
+}
+
+void CommandRunner::Relay(const v1::HookMessage& h) {
+  if (!relay_open_.load()) return;  // a straggler after the attempt ended
+  const bool rank0 = assignment_.rank() == 0;
+  v1::WorkerMessage m;
+  bool reliable = false;
+  switch (h.body_case()) {
+    case v1::HookMessage::kCatalog:
+      if (!rank0) return;  // the schedule follows rank 0's catalog, as for the trainer
+      *m.mutable_catalog() = h.catalog();
+      reliable = true;
+      break;
+    case v1::HookMessage::kProgress: {
+      const v1::StepProgress& p = h.progress();
+      int64_t prev = last_step_.load();
+      while (p.step() > prev && !last_step_.compare_exchange_weak(prev, p.step())) {
+      }
+      if (metrics_) {
+        // The program reports no step time: the time between its reports stands in for it (the
+        // exchange's share is unknown here, reported as 0).
+        const auto now = Clock::now();
+        const double seconds =
+            std::chrono::duration<double>(now - last_progress_at_.exchange(now)).count();
+        metrics_->Step(p.step(), p.loss(), p.tokens_per_second(), seconds, 0.0, false);
+      }
+      *m.mutable_progress() = p;
+      break;
+    }
+    case v1::HookMessage::kSummaries:
+      if (!rank0) return;
+      if (metrics_) {
+        for (const auto& l : h.summaries().layers()) {
+          metrics_->LayerError(l.layer(), l.rel_fro_error());
+        }
+      }
+      *m.mutable_summaries() = h.summaries();
+      break;
+    case v1::HookMessage::kProbes:
+      if (!rank0) return;
+      *m.mutable_probes() = h.probes();
+      break;
+    case v1::HookMessage::kCheckpoint:
+      *m.mutable_checkpoint() = h.checkpoint();
+      m.mutable_checkpoint()->set_job_id(assignment_.job_id());
+      m.mutable_checkpoint()->set_attempt(assignment_.attempt());
+      if (metrics_) metrics_->Checkpoint(h.checkpoint().step());
+      reliable = true;
+      break;
+    case v1::HookMessage::kPolicyAck:
+      version_in_force_ = h.policy_ack().version();
+      if (metrics_) metrics_->PolicyVersion(h.policy_ack().version());
+      Log("job " + assignment_.job_id() + " rank " + std::to_string(assignment_.rank()) +
+          ": the program put policy v" + std::to_string(h.policy_ack().version()) + " in force");
+      *m.mutable_policy_ack() = h.policy_ack();
+      break;
+    default:
+      return;
+  }
+  send_(std::move(m), reliable);
+}
+
+JobOutcome CommandRunner::Run() {
+  const auto started = Clock::now();
+  const v1::Assignment& a = assignment_;
+  const std::string rank = std::to_string(a.rank());
+  if (metrics_) metrics_->JobStarted(a.job_id(), a.rank(), a.world_size());
+  Log("job " + a.job_id() + " attempt " + std::to_string(a.attempt()) + ": starting rank " + rank +
+      " of " + std::to_string(a.world_size()) + " as a command" +
+      (a.resume_step() > 0 ? " from checkpoint step " + std::to_string(a.resume_step())
+                           : std::string()));
+  JobOutcome out;
+  bool restartable = false;
+  const std::string dir = CommandJobDir(options_.job.data_dir, a.job_id(), a.attempt());
+  std::string program;
+  try {
+    auto parsed = ParseJobSpec(a.spec_yaml());
+    Require(parsed.ok(), "spec: ", std::string(parsed.status().message()));
+    const JobSpec spec = *parsed;
+    Require(!spec.command.empty(), "spec.command: missing");
+    program = spec.command[0];
+
+    std::error_code ec;
+    std::filesystem::create_directories(dir, ec);
+    Require(!ec, "job directory: cannot create ", dir, ": ", ec.message());
+    ::chmod(dir.c_str(), 0700);  // the hook socket and the token file live here
+
+    // Checkpoints: the spec's directory (inside --data-dir) per job, else one in the job's.
+    std::filesystem::path ckpt =
+        std::filesystem::path(options_.job.data_dir) / "jobs" / a.job_id() / "checkpoints";
+    if (!spec.checkpoint.dir.empty()) {
+      const auto inside = ResolveInDataDir(options_.job.data_dir, spec.checkpoint.dir);
+      Require(inside.has_value(), "checkpoint.dir: must stay inside the data directory ",
+              options_.job.data_dir, " (", spec.checkpoint.dir, ")");
+      ckpt = std::filesystem::path(*inside) / a.job_id();
+    }
+    std::filesystem::create_directories(ckpt, ec);
+    Require(!ec, "checkpoint directory: cannot create ", ckpt.string(), ": ", ec.message());
+
+    std::string token_file;
+    if (!options_.token.empty()) {
+      token_file = dir + "/rank" + rank + ".token";
+      WriteTokenFile(token_file, options_.token);
+    }
+
+    // The hook channel, before the program can look for it.
+    std::string socket = dir + "/hook" + rank + ".sock";
+    if (socket.size() > kMaxSocketPath) {
+      socket = "/tmp/geofp8-hook-" + std::to_string(::getpid()) + "-" + a.job_id() + "-" +
+               std::to_string(a.attempt()) + "-" + rank + ".sock";
+    }
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      v1::HookWelcome w;
+      w.set_job_id(a.job_id());
+      w.set_attempt(a.attempt());
+      w.set_rank(a.rank());
+      w.set_world_size(a.world_size());
+      w.set_resume_step(a.resume_step());
+      std::vector<v1::Policy> policies;
+      for (const auto& [v, p] : policies_) policies.push_back(p);
+      auto hook = HookServer::Start(socket, w, std::move(policies),
+                                    [this](const v1::HookMessage& m) { Relay(m); });
+      Require(hook.ok(), std::string(hook.status().message()));
+      hook_ = std::move(*hook);
+      if (refresh_) hook_->OfferRefresh(*refresh_);
+    }
+
+    const auto [master_addr, master_port] = MasterAddress();
+
+    // The environment: the worker's own, less its token, plus torchrun's and GeoFP8's.
+    std::map<std::string, std::string> env;
+    for (char** e = environ; *e; ++e) {
+      const std::string kv = *e;
+      const size_t eq = kv.find('=');
+      if (eq == std::string::npos) continue;
+      env[kv.substr(0, eq)] = kv.substr(eq + 1);
+    }
+    env.erase("GEOFP8_TOKEN");
+    env["RANK"] = rank;
+    env["WORLD_SIZE"] = std::to_string(a.world_size());
+    env["LOCAL_RANK"] = "0";  // one rank per worker
+    env["LOCAL_WORLD_SIZE"] = "1";
+    env["MASTER_ADDR"] = master_addr;
+    env["MASTER_PORT"] = std::to_string(master_port);
+    env["GEOFP8_COORDINATOR"] = options_.coordinator;
+    env["GEOFP8_JOB_ID"] = a.job_id();
+    env["GEOFP8_ATTEMPT"] = std::to_string(a.attempt());
+    env["GEOFP8_HOOK_ADDRESS"] = "unix:" + socket;
+    env["GEOFP8_RESUME_STEP"] = std::to_string(a.resume_step());
+    env["GEOFP8_CHECKPOINT_DIR"] = ckpt.string();
+    if (token_file.empty()) {
+      env.erase("GEOFP8_TOKEN_FILE");
+    } else {
+      env["GEOFP8_TOKEN_FILE"] = token_file;
+    }
+    std::vector<std::string> env_text;
+    for (const auto& [k, v] : env) env_text.push_back(k + "=" + v);
+    std::vector<char*> envp, argv;
+    for (auto& s : env_text) envp.push_back(s.data());
+    envp.push_back(nullptr);
+    std::vector<std::string> args = spec.command;
+    for (auto& s : args) argv.push_back(s.data());
+    argv.push_back(nullptr);
+
+    const std::string out_path = dir + "/rank" + rank + ".out";
+    const std::string err_path = dir + "/rank" + rank + ".err";
+    posix_spawn_file_actions_t fa;
+    posix_spawnattr_t attr;
+    posix_spawn_file_actions_init(&fa);
+    posix_spawnattr_init(&attr);
+    posix_spawn_file_actions_addchdir_np(&fa, dir.c_str());
+    posix_spawn_file_actions_addopen(&fa, 0, "/dev/null", O_RDONLY, 0);
+    posix_spawn_file_actions_addopen(&fa, 1, out_path.c_str(), O_WRONLY | O_CREAT | O_APPEND, 0644);
+    posix_spawn_file_actions_addopen(&fa, 2, err_path.c_str(), O_WRONLY | O_CREAT | O_APPEND, 0644);
+    // Its own process group (a Stop signals the whole tree), default signal dispositions and
+    // an empty mask whatever the daemon's threads use.
+    sigset_t none, defaults;
+    sigemptyset(&none);
+    sigemptyset(&defaults);
+    for (int sig : {SIGTERM, SIGINT, SIGPIPE, SIGHUP, SIGCHLD}) sigaddset(&defaults, sig);
+    posix_spawnattr_setflags(
+        &attr, POSIX_SPAWN_SETPGROUP | POSIX_SPAWN_SETSIGMASK | POSIX_SPAWN_SETSIGDEF);
+    posix_spawnattr_setpgroup(&attr, 0);
+    posix_spawnattr_setsigmask(&attr, &none);
+    posix_spawnattr_setsigdefault(&attr, &defaults);
+    pid_t pid = -1;
+    const int rc = posix_spawnp(&pid, argv[0], &fa, &attr, argv.data(), envp.data());
+    posix_spawn_file_actions_destroy(&fa);
+    posix_spawnattr_destroy(&attr);
+    if (rc != 0) {
+      std::string where;
+      if (program.find('/') == std::string::npos)
+        where = " (searched PATH)";
+      else if (program[0] != '/')
+        where = " (relative to " + dir + ")";
+      Fail("command[0]: cannot run '", program, "': ", std::strerror(rc), where);
+    }
+    Log("job " + a.job_id() + " rank " + rank + ": started '" + program + "' as pid " +
+        std::to_string(pid) + " (MASTER_ADDR " + master_addr + ":" + std::to_string(master_port) +
+        "; output in " + dir + ")");
+
+    // Wait, carrying out a Stop on the way.
+    int status = 0;
+    std::optional<Clock::time_point> termed;
+    bool killed = false;
+    for (;;) {
+      const pid_t w = ::waitpid(pid, &status, WNOHANG);
+      if (w == pid) break;
+      Require(w == 0 || errno == EINTR, "waitpid(", pid, "): ", std::strerror(errno));
+      std::string reason;
+      if (StopRequested(&reason)) {
+        if (!termed) {
+          Log("job " + a.job_id() + " rank " + rank + ": stop (" + reason +
+              "): SIGTERM to process group " + std::to_string(pid));
+          ::kill(-pid, SIGTERM);
+          termed = Clock::now();
+        } else if (!killed && Clock::now() - *termed >= options_.kill_grace) {
+          Log("job " + a.job_id() + " rank " + rank + ": still running " +
+              std::to_string(options_.kill_grace.count()) + " ms after SIGTERM: SIGKILL");
+          ::kill(-pid, SIGKILL);
+          killed = true;
+        }
+      }
+      std::unique_lock<std::mutex> lock(mu_);
+      cv_.wait_for(lock, kPollInterval);
+    }
+    // Whatever the program left behind in its group goes with it.
+    ::kill(-pid, SIGKILL);
+
+    std::string stop;
+    out.steps = last_step_.load() + 1;
+    if (StopRequested(&stop)) {
+      out.stopped = true;
+      out.reason = "stopped (" + stop + ")";
+    } else if (WIFEXITED(status) && WEXITSTATUS(status) == 0) {
+      out.success = true;
+      out.reason = "command '" + program + "' exited with code 0 after " +
+                   std::to_string(out.steps) + " steps";
+    } else {
+      restartable = true;
+      out.reason =
+          WIFEXITED(status)
+              ? "command '" + program + "' exited with code " + std::to_string(WEXITSTATUS(status))
+              : "command '" + program + "' was killed by " + SignalName(WTERMSIG(status));
+      const std::string tail = FileTail(err_path, options_.stderr_tail_lines);
+      out.reason += tail.empty() ? "; stderr (" + err_path + ") is empty"
+                                 : "; last lines of " + err_path + ":\n" + tail;
+    }
+  } catch (const std::exception& e) {
+    out.success = false;
+    out.reason = e.what();
+    std::string stop;
+    if (StopRequested(&stop)) {
+      out.stopped = true;
+      out.reason = "stopped (" + stop + "); then: " + out.reason;
+    }
+  }
+  relay_open_ = false;
+  {
+    std::unique_ptr<HookServer> hook;
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      hook = std::move(hook_);
+    }
+    hook.reset();  // outside mu_: shutting down waits for Relay calls in flight
+  }
+  out.policy_version = version_in_force_.load();
+  if (!out.stopped) {
+    v1::WorkerMessage m;
+    m.mutable_finished()->set_success(out.success);
+    m.mutable_finished()->set_reason(out.reason);
+    m.mutable_finished()->set_job_id(a.job_id());
+    m.mutable_finished()->set_attempt(a.attempt());
+    m.mutable_finished()->set_restartable(restartable);
+    send_(std::move(m), true);
+  }
+  Log("job " + a.job_id() + " attempt " + std::to_string(a.attempt()) + " rank " + rank + ": " +
+      (out.success   ? "SUCCEEDED"
+       : out.stopped ? "STOPPED"
+                     : "FAILED") +
+      ": " + out.reason + " (" +
+      std::to_string(std::chrono::duration<double>(Clock::now() - started).count()) + " s)");
+  std::error_code ec;
+  const std::filesystem::path results = std::filesystem::path(options_.job.data_dir) / "results";
+  std::filesystem::create_directories(results, ec);
+  std::ofstream f(results / (a.job_id() + ".attempt" + std::to_string(a.attempt()) + ".txt"));
+  f << "job=" << a.job_id() << "\nattempt=" << a.attempt() << "\nrank=" << a.rank()
+    << "\nsuccess=" << (out.success ? 1 : 0) << "\nstopped=" << (out.stopped ? 1 : 0)
+    << "\nsteps=" << out.steps << "\npolicy_version=" << out.policy_version
+    << "\ncommand_dir=" << dir << "\nreason=" << OneLine(out.reason) << "\n";
+  if (metrics_) metrics_->JobEnded(out.success);
+  return out;
+}
+
+}  // namespace geofp8::worker

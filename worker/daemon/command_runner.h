@@ -1,0 +1,94 @@
+// One rank of a `command:` job (docs/job-spec.md, "Running your own script"): the worker runs
+// the user's program in its own process group with the torchrun environment (RANK, WORLD_SIZE,
+// LOCAL_RANK, LOCAL_WORLD_SIZE, MASTER_ADDR, MASTER_PORT) and the GEOFP8_* variables, keeps its
+// stdout/stderr per rank, serves it the hook channel (hook_server.h) and maps its exit to the
+// attempt's end: 0 -> Finished success; a non-zero code or a signal -> Finished failure,
+// restartable, so the job's restart policy decides. A Stop ends the whole process group: SIGTERM,
+// then SIGKILL after kill_grace.
+#pragma once
+
+#include <atomic>
+#include <chrono>
+#include <condition_variable>
+#include <cstdint>
+#include <map>
+#include <memory>
+#include <mutex>
+#include <optional>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "worker/daemon/connection.h"
+#include "worker/daemon/hook_server.h"
+#include "worker/daemon/metrics.h"
+#include "worker/daemon/rank_runner.h"
+
+namespace geofp8::worker {
+
+struct CommandRunnerOptions {
+  JobRunnerOptions job;     // worker_name, data_dir, advertise_host
+  std::string coordinator;  // GEOFP8_COORDINATOR: the worker's --coordinator
+  // The worker's bearer token, handed to the program as a 0600 file (GEOFP8_TOKEN_FILE), never
+  // in its arguments or environment. Empty: no file.
+  std::string token;
+  std::chrono::milliseconds kill_grace{5000};           // after SIGTERM, before SIGKILL
+  std::chrono::milliseconds rendezvous_timeout{60000};  // ranks > 0 wait for rank 0's address
+  int stderr_tail_lines = 10;  // last stderr lines quoted in a failure reason
+};
+
+// Where a rank of (job, attempt) keeps its files: <data_dir>/jobs/<job>/<attempt>/, holding
+// rank<R>.out, rank<R>.err, the hook socket hook<R>.sock and the token file rank<R>.token.
+// It is the program's working directory.
+std::string CommandJobDir(const std::string& data_dir, const std::string& job_id, int attempt);
+// The last `lines` lines of `path` (at most about 1 KiB of them), for failure reasons.
+std::string FileTail(const std::string& path, int lines);
+
+class CommandRunner final : public RankRunner {
+ public:
+  using SendFn = std::function<bool(v1::WorkerMessage message, bool reliable)>;
+
+  CommandRunner(std::shared_ptr<Connection> connection, v1::Assignment assignment,
+                CommandRunnerOptions options, SendFn send, WorkerMetrics* metrics);
+  ~CommandRunner() override;  // joins
+
+  void Start() override;
+  void OfferPolicy(const v1::Policy& policy) override;
+  void OfferRefresh(const v1::RefreshSchedules& refresh) override;
+  void RequestStop(const std::string& reason) override;
+  void OnCheckpointAcknowledged(int64_t) override {}  // the program owns its checkpoints
+  bool done() const override { return done_.load(); }
+  const v1::Assignment& assignment() const override { return assignment_; }
+  JobOutcome outcome() const;
+
+ private:
+  JobOutcome Run();
+  // Rank 0 publishes host:port in the job's rendezvous store; the others read it.
+  std::pair<std::string, int> MasterAddress();
+  void Relay(const v1::HookMessage& message);
+  bool StopRequested(std::string* reason) const;
+
+  std::shared_ptr<Connection> connection_;
+  v1::Assignment assignment_;
+  CommandRunnerOptions options_;
+  SendFn send_;
+  WorkerMetrics* metrics_;
+
+  mutable std::mutex mu_;
+  std::condition_variable cv_;
+  std::map<uint64_t, v1::Policy> policies_;  // every version known, by version
+  std::optional<v1::RefreshSchedules> refresh_;
+  std::unique_ptr<HookServer> hook_;
+  std::string stop_reason_;
+  std::atomic<bool> relay_open_{true};  // false once the attempt has ended
+  std::atomic<int64_t> last_step_{-1};
+  // When the program last reported a step (at first: when the rank started).
+  std::atomic<std::chrono::steady_clock::time_point> last_progress_at_{
+      std::chrono::steady_clock::now()};
+  std::atomic<uint64_t> version_in_force_{0};
+  std::atomic<bool> done_{false};
+  JobOutcome outcome_;
+  std::thread thread_;
+};
+
+}  // namespace geofp8::worker

@@ -1,0 +1,298 @@
+// HookClient (see hook_client.h): one reader thread owns the Attach stream (open, read, reopen
+// with backoff); reports write to the open stream under a write mutex.
+#include "worker/hook/hook_client.h"
+
+#include <grpcpp/grpcpp.h>
+
+#include <algorithm>
+#include <condition_variable>
+#include <cstdlib>
+#include <deque>
+#include <map>
+#include <mutex>
+#include <thread>
+
+#include "geofp8/v1/geofp8.grpc.pb.h"
+#include "kernels/policy/policy.h"
+
+namespace geofp8::hook {
+
+namespace {
+
+using std::chrono::milliseconds;
+
+constexpr milliseconds kBackoffInitial{50};
+constexpr milliseconds kBackoffMax{1000};
+// On destruction, how long the worker may take to confirm it has read everything written.
+constexpr milliseconds kCloseWait{2000};
+
+std::string Env(const char* name) {
+  const char* v = std::getenv(name);
+  return v ? v : "";
+}
+
+int64_t EnvInt(const char* name, int64_t fallback) {
+  const std::string v = Env(name);
+  if (v.empty()) return fallback;
+  char* end = nullptr;
+  const long long x = std::strtoll(v.c_str(), &end, 10);
+  return end && *end == '\0' ? x : fallback;
+}
+
+}  // namespace
+
+struct HookClient::Impl {
+  std::shared_ptr<grpc::Channel> channel;
+  std::unique_ptr<v1::HookService::Stub> stub;
+
+  mutable std::mutex mu_;  // everything below but the stream
+  std::condition_variable cv_;
+  bool closing = false;
+  bool connected = false;
+  std::map<uint64_t, v1::Policy> policies;  // every version received
+  std::optional<v1::RefreshSchedules> refresh;
+  uint64_t in_force = 0;
+  std::vector<LayerInfo> catalog;
+  bool catalog_set = false;
+  std::deque<v1::HookMessage> pending;  // reliable reports waiting for a stream
+
+  std::mutex write_mu_;  // one writer at a time; guards stream and context
+  std::unique_ptr<grpc::ClientContext> context;
+  std::unique_ptr<grpc::ClientReaderWriter<v1::HookMessage, v1::HookCommand>> stream;
+
+  std::thread reader;
+
+  // Writes on the open stream; false (message not written) when there is none or it broke.
+  bool Write(const v1::HookMessage& m) {
+    std::lock_guard<std::mutex> lock(write_mu_);
+    return stream && stream->Write(m);
+  }
+
+  // A report that must get through: written now, or kept for the next stream.
+  void WriteReliable(const v1::HookMessage& m) {
+    std::lock_guard<std::mutex> wl(write_mu_);
+    if (stream && stream->Write(m)) return;
+    std::lock_guard<std::mutex> lock(mu_);
+    pending.push_back(m);
+  }
+
+  static v1::HookMessage CatalogMessage(const std::vector<LayerInfo>& layers) {
+    v1::HookMessage m;
+    for (const LayerInfo& l : layers) {
+      auto* li = m.mutable_catalog()->add_layers();
+      li->set_name(l.name);
+      li->set_rows(l.rows);
+      li->set_cols(l.cols);
+    }
+    return m;
+  }
+
+  void Loop() {
+    milliseconds backoff = kBackoffInitial;
+    for (;;) {
+      {
+        std::lock_guard<std::mutex> wl(write_mu_);
+        std::lock_guard<std::mutex> lock(mu_);
+        if (closing) return;
+        context = std::make_unique<grpc::ClientContext>();
+        stream = stub->Attach(context.get());
+      }
+      v1::HookCommand c;
+      bool attached = false;
+      while (stream->Read(&c)) {
+        if (!attached) {
+          attached = true;
+          backoff = kBackoffInitial;
+          // A new channel: the catalog again, then what could not be written before.
+          std::lock_guard<std::mutex> wl(write_mu_);
+          std::unique_lock<std::mutex> lock(mu_);
+          connected = true;
+          std::vector<v1::HookMessage> out;
+          if (catalog_set) out.push_back(CatalogMessage(catalog));
+          out.insert(out.end(), pending.begin(), pending.end());
+          pending.clear();
+          lock.unlock();
+          for (size_t i = 0; i < out.size(); ++i) {
+            if (!stream->Write(out[i])) {
+              lock.lock();
+              // Not written: keep the reliable ones (the catalog is re-sent anyway).
+              for (size_t j = catalog_set ? std::max<size_t>(i, 1) : i; j < out.size(); ++j) {
+                pending.push_back(out[j]);
+              }
+              lock.unlock();
+              break;
+            }
+          }
+        }
+        std::lock_guard<std::mutex> lock(mu_);
+        if (c.has_policy()) policies.emplace(c.policy().version(), c.policy());
+        if (c.has_refresh()) refresh = c.refresh();
+        cv_.notify_all();
+      }
+      {
+        std::lock_guard<std::mutex> wl(write_mu_);
+        stream->Finish();
+        stream.reset();
+        context.reset();
+        std::lock_guard<std::mutex> lock(mu_);
+        connected = false;
+      }
+      cv_.notify_all();
+      std::unique_lock<std::mutex> lock(mu_);
+      if (cv_.wait_for(lock, backoff, [&] { return closing; })) return;
+      backoff = std::min(backoff * 2, kBackoffMax);
+    }
+  }
+};
+
+std::unique_ptr<HookClient> HookClient::FromEnvironment() {
+  const std::string address = Env("GEOFP8_HOOK_ADDRESS");
+  if (address.empty()) return nullptr;
+  return Connect(address);
+}
+
+std::unique_ptr<HookClient> HookClient::Connect(const std::string& address) {
+  std::unique_ptr<HookClient> c(new HookClient());
+  c->job_id_ = Env("GEOFP8_JOB_ID");
+  c->attempt_ = int(EnvInt("GEOFP8_ATTEMPT", 0));
+  c->rank_ = int(EnvInt("RANK", 0));
+  c->world_size_ = int(EnvInt("WORLD_SIZE", 1));
+  c->resume_step_ = EnvInt("GEOFP8_RESUME_STEP", 0);
+  c->checkpoint_dir_ = Env("GEOFP8_CHECKPOINT_DIR");
+  c->impl_ = std::make_unique<Impl>();
+  // A local socket: when the worker restarts its server, reconnect within about a second rather
+  // than after gRPC's default backoff (up to two minutes).
+  grpc::ChannelArguments args;
+  args.SetInt(GRPC_ARG_INITIAL_RECONNECT_BACKOFF_MS, int(kBackoffInitial.count()));
+  args.SetInt(GRPC_ARG_MIN_RECONNECT_BACKOFF_MS, int(kBackoffInitial.count()));
+  args.SetInt(GRPC_ARG_MAX_RECONNECT_BACKOFF_MS, int(kBackoffMax.count()));
+  c->impl_->channel = grpc::CreateCustomChannel(address, grpc::InsecureChannelCredentials(), args);
+  c->impl_->stub = v1::HookService::NewStub(c->impl_->channel);
+  Impl* impl = c->impl_.get();
+  impl->reader = std::thread([impl] { impl->Loop(); });
+  return c;
+}
+
+HookClient::~HookClient() {
+  Impl& i = *impl_;
+  {
+    // Half-close: the worker reads what was written, then ends the stream.
+    std::lock_guard<std::mutex> wl(i.write_mu_);
+    std::lock_guard<std::mutex> lock(i.mu_);
+    i.closing = true;
+    if (i.stream) i.stream->WritesDone();
+  }
+  i.cv_.notify_all();
+  {
+    std::unique_lock<std::mutex> lock(i.mu_);
+    if (!i.cv_.wait_for(lock, kCloseWait, [&] { return !i.connected; })) {
+      lock.unlock();
+      std::lock_guard<std::mutex> wl(i.write_mu_);
+      if (i.context) i.context->TryCancel();
+    }
+  }
+  // A stream that never attached (no worker) ends on its own: Read fails, then closing.
+  {
+    std::lock_guard<std::mutex> wl(i.write_mu_);
+    if (i.context) i.context->TryCancel();
+  }
+  if (i.reader.joinable()) i.reader.join();
+}
+
+void HookClient::SendCatalog(const std::vector<LayerInfo>& layers) {
+  {
+    std::lock_guard<std::mutex> lock(impl_->mu_);
+    impl_->catalog = layers;
+    impl_->catalog_set = true;
+  }
+  impl_->Write(Impl::CatalogMessage(layers));  // else sent when the channel (re)opens
+}
+
+void HookClient::ReportStep(int64_t step, double loss, double tokens_per_second,
+                            uint64_t bytes_sent, uint64_t bytes_baseline) {
+  v1::HookMessage m;
+  auto* p = m.mutable_progress();
+  p->set_step(step);
+  p->set_loss(loss);
+  p->set_tokens_per_second(tokens_per_second);
+  p->set_bytes_sent(bytes_sent);
+  p->set_bytes_baseline(bytes_baseline);
+  p->set_policy_version(version_in_force());
+  impl_->Write(m);
+}
+
+void HookClient::ReportLayers(const std::vector<LayerReport>& layers) {
+  v1::HookMessage m;
+  for (const LayerReport& l : layers) {
+    auto* s = m.mutable_summaries()->add_layers();
+    s->set_layer(l.layer);
+    s->set_step(l.step);
+    s->set_rel_fro_error(l.rel_fro_error);
+    s->set_residual_error(l.residual_error);
+    s->set_geometry_version(l.geometry_version);
+    s->set_drift(l.drift);
+  }
+  impl_->Write(m);
+}
+
+void HookClient::ReportProbes(const std::vector<v1::ProbeResult>& probes) {
+  v1::HookMessage m;
+  for (const v1::ProbeResult& p : probes) *m.mutable_probes()->add_probes() = p;
+  impl_->Write(m);
+}
+
+void HookClient::ReportCheckpoint(int64_t step, const std::string& path) {
+  v1::HookMessage m;
+  m.mutable_checkpoint()->set_step(step);
+  m.mutable_checkpoint()->set_path(path);
+  impl_->WriteReliable(m);
+}
+
+std::optional<PolicyChange> HookClient::PolicyDueAt(int64_t step) {
+  PolicyChange change;
+  {
+    std::lock_guard<std::mutex> lock(impl_->mu_);
+    const v1::Policy* due = nullptr;
+    for (const auto& [version, p] : impl_->policies) {
+      if (version > impl_->in_force && p.effective_step() <= step) due = &p;
+    }
+    if (!due) return std::nullopt;
+    impl_->in_force = due->version();
+    change.version = due->version();
+    change.effective_step = due->effective_step();
+    change.reason = due->reason();
+    change.policy = *due;
+    for (const LayerInfo& l : impl_->catalog) {
+      ResolvedLayer r = ResolveLayer(*due, l.name);
+      // 1-D tensors never use geometry (as the trainer's ResolveLayers).
+      if (l.cols <= 1) r.policy.set_geometry("none");
+      change.layers.push_back({l.name, r.policy, r.refresh_interval});
+    }
+    if (due->refresh_size() > 0) {
+      change.refresh.assign(due->refresh().begin(), due->refresh().end());
+    } else if (impl_->refresh) {
+      change.refresh.assign(impl_->refresh->schedules().begin(), impl_->refresh->schedules().end());
+    }
+  }
+  v1::HookMessage ack;
+  ack.mutable_policy_ack()->set_version(change.version);
+  impl_->Write(ack);
+  return change;
+}
+
+bool HookClient::WaitForPolicy(std::chrono::milliseconds timeout) {
+  std::unique_lock<std::mutex> lock(impl_->mu_);
+  return impl_->cv_.wait_for(lock, timeout, [&] { return !impl_->policies.empty(); });
+}
+
+uint64_t HookClient::version_in_force() const {
+  std::lock_guard<std::mutex> lock(impl_->mu_);
+  return impl_->in_force;
+}
+
+bool HookClient::connected() const {
+  std::lock_guard<std::mutex> lock(impl_->mu_);
+  return impl_->connected;
+}
+
+}  // namespace geofp8::hook
