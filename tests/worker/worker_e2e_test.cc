@@ -276,15 +276,15 @@ TEST_F(WorkerE2ETest, CancelStopsEveryRankAtTheSameStep) {
   EXPECT_EQ(client_->Get(job.id()).state(), v1::JOB_CANCELLED);
   // A cancel is not a failure. The rank that saw the Stop first counts "cancelled"; its peer may
   // have stopped on that rank's vote before its own Stop arrived ("stopped").
-  int cancelled = 0;
+  int cancelled_ranks = 0;
   for (int w = 0; w < 2; ++w) {
     const std::string m = Scrape(workers_[w]->MetricsPort());
     EXPECT_NE(m.find("geofp8_worker_jobs_total{result=\"failed\"} 0"), std::string::npos) << m;
     EXPECT_NE(m.find("geofp8_worker_errors_total{kind=\"job_failed\"} 0"), std::string::npos) << m;
-    cancelled += m.find("geofp8_worker_jobs_total{result=\"cancelled\"} 1") != std::string::npos;
+    cancelled_ranks += m.find("geofp8_worker_jobs_total{result=\"cancelled\"} 1") != std::string::npos;
     EXPECT_EQ(m.find("geofp8_worker_step{"), std::string::npos) << m;
   }
-  EXPECT_GE(cancelled, 1);
+  EXPECT_GE(cancelled_ranks, 1);
 }
 
 TEST_F(WorkerE2ETest, DeadWorkerRestartsTheJobFromItsCheckpoint) {
