@@ -338,13 +338,15 @@ class DashboardQueryTest(unittest.TestCase):
                 self.assertAlmostEqual(list(result.values())[0], sum(values) / 2, places=9)
             elif "geofp8_worker_tokens_per_second" in expr:
                 # Each rank reports the job's tokens/s over all ranks: the panel takes one rank's,
-                # not the sum. The coordinator's figure is a rank's report from within a step or
-                # two (150 ms steps, so the EMA moves a little): within 25%, while a sum over the
-                # two ranks would be 100% off.
+                # not the sum. The coordinator's figure is a rank's report from up to a scrape
+                # interval away (the EMA moves a little between steps); a sum over the two ranks
+                # would be 2x, i.e. 100% off. 40% (about sqrt(2), halfway between 1x and 2x on a
+                # log scale) tells the two apart with room for a loaded machine's jitter.
                 values = list(raw("geofp8_worker_tokens_per_second").values())
                 (got,) = result.values()
                 self.assertEqual(got, max(values))
-                self.assertLess(abs(got / field(field(reported, "progress"), "tokens_per_second") - 1), 0.25)
+                coordinator = field(field(reported, "progress"), "tokens_per_second")
+                self.assertLess(abs(got / coordinator - 1), 0.4, (got, coordinator))
             elif "geofp8_exchange_bytes_total" in expr:
                 layers = {k[0] for k in by(raw("geofp8_exchange_bytes_total"), "layer")}
                 self.assertEqual({dict(k)["layer"] for k in result}, layers)
