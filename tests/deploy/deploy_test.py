@@ -416,7 +416,8 @@ class DashboardQueryTest(unittest.TestCase):
         self.assertTrue(series)
         self.assertTrue(all(v == int(v) for v in series.values()), series)  # whole bytes
         # Each (rank, layer, format) counter holds the floor of its exact share: short by < 1.
-        total, reported_bytes = sum(series.values()), int(field(field(job, "progress"), "bytes_sent"))
+        total = sum(series.values())
+        reported_bytes = int(field(field(job, "progress"), "bytes_sent"))
         self.assertLessEqual(total, reported_bytes)
         self.assertGreater(total, reported_bytes - len(series))
         self.assertEqual(prom.query("sum by (result) (geofp8_jobs_total)")[
