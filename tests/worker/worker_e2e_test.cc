@@ -281,7 +281,8 @@ TEST_F(WorkerE2ETest, CancelStopsEveryRankAtTheSameStep) {
     const std::string m = Scrape(workers_[w]->MetricsPort());
     EXPECT_NE(m.find("geofp8_worker_jobs_total{result=\"failed\"} 0"), std::string::npos) << m;
     EXPECT_NE(m.find("geofp8_worker_errors_total{kind=\"job_failed\"} 0"), std::string::npos) << m;
-    cancelled_ranks += m.find("geofp8_worker_jobs_total{result=\"cancelled\"} 1") != std::string::npos;
+    cancelled_ranks +=
+        m.find("geofp8_worker_jobs_total{result=\"cancelled\"} 1") != std::string::npos;
     EXPECT_EQ(m.find("geofp8_worker_step{"), std::string::npos) << m;
   }
   EXPECT_GE(cancelled_ranks, 1);
