@@ -170,15 +170,14 @@ for ((i = 0; i < WORKERS; i++)); do echo "worker $i:    ${WORKER_METRICS[$i]}"; 
 python3 - "${WORKER_METRICS[0]}" <<'EOF' || true
 import sys, urllib.request
 text = urllib.request.urlopen(sys.argv[1], timeout=5).read().decode()
-keep = ("geofp8_worker_step{", "geofp8_worker_loss{", "geofp8_worker_policy_version{",
-        "geofp8_exchange_seconds_sum", "geofp8_exchange_seconds_count",
-        'geofp8_exchange_bytes_total{format="nvfp4",layer="layers.0.mlp.w1"}',
-        'geofp8_exchange_bytes_total{format="fp8_e4m3",layer="layers.0.mlp.w1"}',
-        'geofp8_quantization_rel_error{layer="layers.0.mlp.w1"}',
-        'geofp8_quantization_rel_error{layer="layers.0.attn.wq"}')
+# The jobs have ended, so their gauges (step, loss, per-layer error) are gone; their counters
+# (labelled job_id) stay for the last few jobs.
+keep = ("geofp8_build_info", "geofp8_worker_jobs_total", "geofp8_worker_steps_total",
+        "geofp8_exchange_seconds_sum", "geofp8_exchange_seconds_count")
 print("worker 0, a few series:")
 for line in text.splitlines():
-    if line.startswith(keep):
+    if line.startswith(keep) or (line.startswith("geofp8_exchange_bytes_total{")
+                                 and 'layer="layers.0.mlp.w1"' in line):
         print("  " + line)
 EOF
 echo "checkpoints and results: $OUT/worker-*/"

@@ -1177,7 +1177,10 @@ Coordinator::Counts Coordinator::GetCounts() {
   std::lock_guard<std::mutex> lock(mu_);
   Counts c = counters_;
   c.fenced_messages = fenced_messages_.load();
-  for (const JobRec* rec : job_order_) ++c.jobs_by_state[rec->job.state()];
+  for (const JobRec* rec : job_order_) {
+    ++c.jobs_by_state[rec->job.state()];
+    c.job_restarts += rec->job.restarts();
+  }
   for (const auto& [id, w] : workers_) ++c.workers_by_state[w.info.state()];
   return c;
 }

@@ -109,6 +109,7 @@ class Coordinator {
     uint64_t auto_policy_updates = 0;
     uint64_t fenced_messages = 0;  // messages rejected for a stale generation
     uint64_t workers_declared_dead = 0;
+    uint64_t job_restarts = 0;  // attempts ended by a restartable failure and restarted
   };
   Counts GetCounts();
 

@@ -10,6 +10,7 @@
 #include <exception>
 
 #include "kernels/common/http_server.h"
+#include "kernels/common/process_metrics.h"
 
 namespace geofp8::coordinator {
 namespace {
@@ -56,6 +57,23 @@ class Metrics::StateCollector : public prometheus::Collectable {
       f.metric.push_back(Value(v, std::move(labels)));
       out.push_back(std::move(f));
     };
+    // Job records are kept for good, so counting them by state is monotonic (and survives a
+    // coordinator restart, as they are persisted). Every result is present from the start.
+    prometheus::MetricFamily results{
+        "geofp8_jobs_total",
+        "Job attempts ended, by result: succeeded, failed, cancelled (final states of jobs) or "
+        "restarted (an attempt ended by a restartable failure, such as a dead peer, and re-queued)",
+        prometheus::MetricType::Counter,
+        {}};
+    for (auto [state, name] :
+         {std::pair{v1::JOB_SUCCEEDED, "succeeded"}, std::pair{v1::JOB_FAILED, "failed"},
+          std::pair{v1::JOB_CANCELLED, "cancelled"}}) {
+      results.metric.push_back(
+          Value(static_cast<double>(counts.jobs_by_state[state]), {{"result", name}}));
+    }
+    results.metric.push_back(
+        Value(static_cast<double>(counts.job_restarts), {{"result", "restarted"}}));
+    out.push_back(std::move(results));
     prometheus::MetricFamily updates{"geofp8_policy_updates_total",
                                      "Policy versions created after the spec's v1, by author",
                                      prometheus::MetricType::Counter,
@@ -120,6 +138,8 @@ std::string Metrics::Render() {
   auto families = registry_->Collect();
   auto state = collector_->Collect();
   families.insert(families.end(), state.begin(), state.end());
+  auto process = http::ProcessFamilies();
+  families.insert(families.end(), process.begin(), process.end());
   return prometheus::TextSerializer().Serialize(families);
 }
 

@@ -292,8 +292,21 @@ class ApiTest(Base):
         self.assertEqual(self.kv.Add(pb.KvAddRequest(job_id="j", key="n", delta=3), timeout=5).value, 3)
         self.assertEqual(self.kv.Add(pb.KvAddRequest(job_id="j", key="n", delta=4), timeout=5).value, 7)
 
+    def scrape(self):
+        return urllib.request.urlopen(
+            "http://127.0.0.1:%d/metrics" % self.server.metrics_port, timeout=5).read().decode()
+
     def test_metrics_endpoint(self):
-        self.submit()
+        # Counters are there from the start, at 0 for every label value.
+        body = self.scrape()
+        for result in ("succeeded", "failed", "cancelled", "restarted"):
+            self.assertIn('geofp8_jobs_total{result="%s"} 0' % result, body)
+        self.assertIn('geofp8_policy_updates_total{author="user"} 0', body)
+        self.assertIn('geofp8_policy_updates_total{author="auto"} 0', body)
+        self.assertIn('geofp8_build_info{git_commit="', body)
+        self.assertIn("process_open_fds ", body)
+        self.assertIn("process_start_time_seconds ", body)
+        r = self.submit()
         with self.assertRaises(grpc.RpcError):
             self.get("job-404")
         body = urllib.request.urlopen(
@@ -304,6 +317,11 @@ class ApiTest(Base):
         self.assertIn("geofp8_rpc_latency_seconds_bucket", body)
         self.assertIn("geofp8_policy_updates_total", body)
         self.assertIn('geofp8_workers{state="idle"} 0', body)
+        # A cancel is counted as a cancel, not as a failure.
+        self.jobs.CancelJob(pb.CancelJobRequest(job_id=r.job.id, reason="test"), timeout=5)
+        body = self.scrape()
+        self.assertIn('geofp8_jobs_total{result="cancelled"} 1', body)
+        self.assertIn('geofp8_jobs_total{result="failed"} 0', body)
 
     def test_sigterm_is_graceful(self):
         self.server.proc.send_signal(signal.SIGTERM)
@@ -394,6 +412,11 @@ class WorkerTest(Base):
         self.assertEqual(job.restarts, 1)
         self.assertIn("missed heartbeats", job.reason)
         self.assertIn("restart 1/1", job.reason)
+        # The restart is counted as one, not as a failure.
+        body = urllib.request.urlopen(
+            "http://127.0.0.1:%d/metrics" % self.server.metrics_port, timeout=5).read().decode()
+        self.assertIn('geofp8_jobs_total{result="restarted"} 1', body)
+        self.assertIn('geofp8_jobs_total{result="failed"} 0', body)
         b.send(heartbeat=pb.Heartbeat())
         self.assertEqual(b.wait_closed().code(), grpc.StatusCode.FAILED_PRECONDITION)
         workers = {w.id: w for w in self.workers_stub.ListWorkers(
@@ -403,6 +426,9 @@ class WorkerTest(Base):
         b2 = self.worker("b")
         wait_for(lambda: self.get(job_id).state == pb.JOB_FAILED, what="FAILED")
         self.assertIn("no restarts left", self.get(job_id).reason)
+        body = urllib.request.urlopen(
+            "http://127.0.0.1:%d/metrics" % self.server.metrics_port, timeout=5).read().decode()
+        self.assertIn('geofp8_jobs_total{result="failed"} 1', body)
         b2.close()
 
     def test_ctl_watch_shows_progress_until_success(self):

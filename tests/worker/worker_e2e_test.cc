@@ -7,6 +7,7 @@
 #include <netinet/in.h>
 #include <sys/socket.h>
 
+#include <cmath>
 #include <filesystem>
 
 #include "tests/common/http_client.h"
@@ -125,20 +126,31 @@ TEST_F(WorkerE2ETest, TwoWorkersFinishATinyJobWithEqualChecksums) {
       std::filesystem::exists(workers_[0]->data_dir() + "/ckpt/" + job.id() + "/w0.30.ckpt"));
   EXPECT_TRUE(
       std::filesystem::exists(workers_[1]->data_dir() + "/ckpt/" + job.id() + "/w1.30.ckpt"));
-  // /metrics in Prometheus text format with the per-layer series.
+  // /metrics in Prometheus text format. The job has ended: its gauges are gone, its counters
+  // (labelled with the job) stay, and hold whole bytes.
   const std::string m = Scrape(workers_[0]->MetricsPort());
-  EXPECT_NE(m.find("geofp8_worker_step{job_id=\"" + job.id() + "\"} 29"), std::string::npos) << m;
-  EXPECT_NE(m.find("geofp8_exchange_bytes_total{"), std::string::npos) << m;
-  EXPECT_NE(m.find("format=\"fp8_e4m3\""), std::string::npos) << m;
+  EXPECT_EQ(m.find("geofp8_worker_step{"), std::string::npos) << m;
+  EXPECT_EQ(m.find("geofp8_quantization_rel_error{"), std::string::npos) << m;
+  EXPECT_EQ(m.find("geofp8_worker_tokens_per_second{"), std::string::npos) << m;
+  EXPECT_NE(m.find("geofp8_worker_steps_total 30"), std::string::npos) << m;
+  const std::string bytes = "geofp8_exchange_bytes_total{format=\"fp8_e4m3\",job_id=\"" + job.id() +
+                            "\",layer=\"layers.0.attn.wq\"} ";
+  const size_t at = m.find(bytes);
+  ASSERT_NE(at, std::string::npos) << m;
+  const double b = std::stod(m.substr(at + bytes.size()));
+  EXPECT_GT(b, 0) << m;
+  EXPECT_EQ(b, std::floor(b)) << m;  // whole bytes
   EXPECT_NE(m.find("geofp8_exchange_seconds_count 30"), std::string::npos) << m;
-  EXPECT_NE(m.find("geofp8_quantization_rel_error{layer=\"layers.0.attn.wq\"}"), std::string::npos)
-      << m;
   EXPECT_NE(m.find("geofp8_worker_jobs_total{result=\"succeeded\"} 1"), std::string::npos) << m;
+  EXPECT_NE(m.find("geofp8_worker_jobs_total{result=\"failed\"} 0"), std::string::npos) << m;
+  EXPECT_NE(m.find("geofp8_build_info{git_commit=\""), std::string::npos) << m;
+  EXPECT_NE(m.find("process_resident_memory_bytes "), std::string::npos) << m;
   // A refresh is counted by the rank that estimated it (the layer's owner), not by every rank.
   const std::string m1 = Scrape(workers_[1]->MetricsPort());
   for (const v1::LayerSummary& l : job.layers()) {
     if (l.layer().find("norm") != std::string::npos) continue;
-    const std::string series = "geofp8_geometry_refreshes_total{layer=\"" + l.layer() + "\"} 3";
+    const std::string series = "geofp8_geometry_refreshes_total{job_id=\"" + job.id() +
+                               "\",layer=\"" + l.layer() + "\"} 3";
     EXPECT_EQ(int(m.find(series) != std::string::npos) + int(m1.find(series) != std::string::npos),
               1)
         << series << "\n"
@@ -243,9 +255,9 @@ TEST_F(WorkerE2ETest, AutoPolicyProbesLeadToAnAutoVersion) {
   }
   EXPECT_EQ(probed, 2 + 2 * 7) << Everything(job);
   EXPECT_GT(deployed, 0) << Everything(job);  // geometry went on, then was judged as deployed
+  // The probe gains were gauges of the job: gone with it.
   const std::string m = Scrape(workers_[0]->MetricsPort());
-  EXPECT_NE(m.find("geofp8_geometry_probe_gain{basis=\"deployed\",layer=\""), std::string::npos)
-      << m;
+  EXPECT_EQ(m.find("geofp8_geometry_probe_gain{"), std::string::npos) << m;
 }
 
 TEST_F(WorkerE2ETest, CancelStopsEveryRankAtTheSameStep) {
@@ -274,6 +286,18 @@ TEST_F(WorkerE2ETest, CancelStopsEveryRankAtTheSameStep) {
   EXPECT_EQ(r1["stopped"], "1") << Everything(job);
   EXPECT_EQ(r0["steps"], r1["steps"]);
   EXPECT_EQ(client_->Get(job.id()).state(), v1::JOB_CANCELLED);
+  // A cancel is not a failure. The rank that saw the Stop first counts "cancelled"; its peer may
+  // have stopped on that rank's vote before its own Stop arrived ("stopped").
+  int cancelled_ranks = 0;
+  for (int w = 0; w < 2; ++w) {
+    const std::string m = Scrape(workers_[w]->MetricsPort());
+    EXPECT_NE(m.find("geofp8_worker_jobs_total{result=\"failed\"} 0"), std::string::npos) << m;
+    EXPECT_NE(m.find("geofp8_worker_errors_total{kind=\"job_failed\"} 0"), std::string::npos) << m;
+    cancelled_ranks +=
+        m.find("geofp8_worker_jobs_total{result=\"cancelled\"} 1") != std::string::npos;
+    EXPECT_EQ(m.find("geofp8_worker_step{"), std::string::npos) << m;
+  }
+  EXPECT_GE(cancelled_ranks, 1);
 }
 
 TEST_F(WorkerE2ETest, DeadWorkerRestartsTheJobFromItsCheckpoint) {

@@ -479,6 +479,8 @@ JobOutcome CommandRunner::Run() {
     hook.reset();  // outside mu_: shutting down waits for Relay calls in flight
   }
   out.policy_version = version_in_force_.load();
+  // Before the coordinator hears of the end: a scrape after it sees the job's gauges gone.
+  if (metrics_) metrics_->JobEnded(out.success, out.stopped, out.reason);
   if (!out.stopped) {
     v1::WorkerMessage m;
     m.mutable_finished()->set_success(out.success);
@@ -502,7 +504,6 @@ JobOutcome CommandRunner::Run() {
     << "\nsuccess=" << (out.success ? 1 : 0) << "\nstopped=" << (out.stopped ? 1 : 0)
     << "\nsteps=" << out.steps << "\npolicy_version=" << out.policy_version
     << "\ncommand_dir=" << dir << "\nreason=" << OneLine(out.reason) << "\n";
-  if (metrics_) metrics_->JobEnded(out.success);
   return out;
 }
 

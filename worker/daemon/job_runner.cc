@@ -876,6 +876,8 @@ JobOutcome JobRunner::Run() {
     }
   }
   out.policy_version = version_in_force_.load();
+  // Before the coordinator hears of the end: a scrape after it sees the job's gauges gone.
+  if (metrics_) metrics_->JobEnded(out.success, out.stopped, out.reason);
   if (!out.stopped) {
     v1::WorkerMessage m;
     m.mutable_finished()->set_success(out.success);
@@ -899,7 +901,6 @@ JobOutcome JobRunner::Run() {
     << "\nstopped=" << (out.stopped ? 1 : 0) << "\nsteps=" << out.steps
     << "\nchecksum=" << Hex(out.checksum) << "\npolicy_version=" << out.policy_version
     << "\nfinished_unix_ms=" << NowUnixMs() << "\nreason=" << out.reason << "\n";
-  if (metrics_) metrics_->JobEnded(out.success);
   return out;
 }
 

@@ -2,17 +2,19 @@
 // training progress, exchange bytes and time, per-layer quantization error, session health.
 #pragma once
 
-#include <cstdint>
-#include <map>
-#include <memory>
-#include <mutex>
-#include <string>
-
 #include <prometheus/counter.h>
 #include <prometheus/family.h>
 #include <prometheus/gauge.h>
 #include <prometheus/histogram.h>
 #include <prometheus/registry.h>
+
+#include <cstdint>
+#include <deque>
+#include <map>
+#include <memory>
+#include <mutex>
+#include <set>
+#include <string>
 
 #include "absl/status/statusor.h"
 #include "kernels/common/http_server.h"
@@ -29,11 +31,20 @@ class WorkerMetrics {
   std::string Render() const;
 
   // A job (attempt) starts on this worker: labels step/loss gauges and resets per-job gauges.
+  // Every series labelled job_id belongs to the job that runs now. When the attempt ends its
+  // gauges (step, loss, tokens/s, policy version, checkpoint step, per-layer error, drift, probe
+  // gain) are removed; its counters (exchange bytes, refreshes) stay for the last kKeptJobs jobs
+  // that ended here, so their final values remain scrapeable without growing without bound.
+  static constexpr size_t kKeptJobs = 4;
   void JobStarted(const std::string& job_id, int rank, int world_size);
-  void JobEnded(bool success);
+  // result: succeeded; stopped by the coordinator with a reason that says "cancelled"
+  // (cancelled); stopped otherwise (stopped: a peer's failure, a restart, a shutdown); failed.
+  void JobEnded(bool success, bool stopped, const std::string& reason);
   void Step(int64_t step, double loss, double tokens_per_second, double step_seconds,
             double exchange_seconds, bool skipped);
   void PolicyVersion(uint64_t version);
+  // Bytes attributed to a layer may be fractional; the counter holds whole bytes (the fractions
+  // are carried, so the total is the floor of the exact sum).
   void LayerBytes(const std::string& layer, const std::string& format, double bytes);
   void LayerError(const std::string& layer, double rel_fro_error);
   void Refresh(const std::string& layer, double drift);
@@ -41,7 +52,7 @@ class WorkerMetrics {
   // "deployed" (the layer uses geometry) or "shadow" (what it would deploy while off).
   void ProbeGain(const std::string& layer, const std::string& basis, double gain);
   void Checkpoint(int64_t step);
-  void Error(const std::string& kind);  // job_failed, session_lost, policy_late, ...
+  void Error(const std::string& kind);  // job_failed, session_lost, ...
   // Session counters are sampled at scrape time by the daemon.
   void Session(bool connected, uint64_t generation, uint64_t heartbeats, uint64_t reconnects);
 
@@ -70,7 +81,17 @@ class WorkerMetrics {
   prometheus::Family<prometheus::Counter>& heartbeats_;
   prometheus::Family<prometheus::Counter>& reconnects_;
   uint64_t heartbeats_seen_ = 0, reconnects_seen_ = 0;  // session totals already counted
-  std::string job_;  // label of the current job
+  std::string job_;  // label of the current job; empty between jobs (job updates are dropped)
+  // Removed when the job ends: the current job's gauges, by family.
+  prometheus::Gauge& JobGauge(prometheus::Family<prometheus::Gauge>& family,
+                              prometheus::Labels labels);
+  std::set<std::pair<prometheus::Family<prometheus::Gauge>*, prometheus::Gauge*>> job_gauges_;
+  // Per-job counters and the exact (fractional) byte sums behind the whole-byte counters.
+  std::map<std::string,
+           std::set<std::pair<prometheus::Family<prometheus::Counter>*, prometheus::Counter*>>>
+      job_counters_;
+  std::map<prometheus::Counter*, double> exact_bytes_;
+  std::deque<std::string> ended_jobs_;           // oldest first, at most kKeptJobs
   std::unique_ptr<http::MetricsServer> server_;  // last: stops before the families it renders
 };
 
