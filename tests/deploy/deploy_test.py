@@ -60,7 +60,8 @@ VALUE_SETS = {
     "defaults": {},
     "token": {"tokenSecret": "geofp8-token"},
     "tls": {"tls": TLS},
-    "tls+token": {"tls": TLS, "tokenSecret": "geofp8-token"},
+    "tls+token+monitoring": {"tls": TLS, "tokenSecret": "geofp8-token",
+                             "metrics": {"serviceMonitor": True, "grafanaDashboard": True}},
     "mtls": {"tls": MTLS},
     "mtls+token+everything": {
         "tls": MTLS, "tokenSecret": "geofp8-token",
@@ -123,6 +124,11 @@ def validate(docs):
             for k, v in (d.get("data") or {}).items():
                 if not isinstance(v, str):
                     errs.append("%s: data.%s is not a string" % (where, k))
+                elif k.endswith(".json"):
+                    try:
+                        json.loads(v)
+                    except ValueError as e:
+                        errs.append("%s: data.%s is not JSON: %s" % (where, k, e))
         if d["kind"] == "Service":
             for p in d["spec"]["ports"]:
                 if not isinstance(p["port"], int) or not 0 < p["port"] < 65536:
