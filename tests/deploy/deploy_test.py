@@ -359,6 +359,58 @@ class HelmChartTest(unittest.TestCase):
                            if "secret" in v}
                 self.assertNotIn(TLS["serverSecret"], secrets)
 
+    @unittest.skipIf(shutil.which("openssl") is None, "openssl not installed")
+    def test_coordinator_probe_answers_with_mtls_args(self):
+        # Runs the coordinator with exactly the arguments the chart renders for mTLS + token
+        # (files and addresses moved to a temp dir) and asks its readiness probe over plain HTTP.
+        docs = [d for _, d in render(VALUE_SETS["mtls+token+everything"])]
+        c = containers_of(workload(docs, "coordinator"))[1][0]
+        probe = c["readinessProbe"]["httpGet"]
+        self.assertEqual(probe["port"], "metrics")
+        with tempfile.TemporaryDirectory() as tmp:
+            def ssl(*args):
+                subprocess.run(["openssl"] + list(args), cwd=tmp, check=True,
+                               capture_output=True, timeout=30)
+            ssl("req", "-x509", "-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:P-256", "-nodes",
+                "-keyout", "ca.key", "-out", "ca.crt", "-subj", "/CN=geofp8-test-ca", "-days", "1")
+            ssl("req", "-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:P-256", "-nodes",
+                "-keyout", "tls.key", "-out", "tls.csr", "-subj", "/CN=geofp8-coordinator")
+            ssl("x509", "-req", "-in", "tls.csr", "-CA", "ca.crt", "-CAkey", "ca.key",
+                "-CAcreateserial", "-out", "tls.crt", "-days", "1")
+            with open(os.path.join(tmp, "token"), "w") as f:
+                f.write("s3cret\n")
+            args = []
+            for a in c["args"]:
+                flag, _, value = a.partition("=")
+                if value.startswith("/etc/geofp8/"):
+                    value = os.path.join(tmp, os.path.basename(value))
+                elif value.startswith("0.0.0.0:"):
+                    value = "127.0.0.1:0"
+                elif flag == "--data-dir":
+                    value = os.path.join(tmp, "data")
+                args.append("%s=%s" % (flag, value))
+            self.assertIn("--tls-client-ca=%s" % os.path.join(tmp, "ca.crt"), args)
+            ready = os.path.join(tmp, "ready.json")
+            log = open(os.path.join(tmp, "coordinator.log"), "w+")
+            proc = subprocess.Popen([COORDINATOR] + args + ["--ready-file", ready],
+                                    stdout=log, stderr=subprocess.STDOUT, text=True)
+            try:
+                deadline = time.time() + 30
+                while not os.path.exists(ready) and proc.poll() is None and time.time() < deadline:
+                    time.sleep(0.05)
+                if proc.poll() is not None:
+                    log.seek(0)
+                    self.fail("coordinator exited %d: %s" % (proc.returncode, log.read()))
+                with open(ready) as f:
+                    metrics = json.load(f)["metrics"]
+                with urllib.request.urlopen("http://%s%s" % (metrics, probe["path"]),
+                                            timeout=10) as r:
+                    self.assertEqual(r.status, 200)
+            finally:
+                proc.terminate()
+                proc.wait(timeout=30)
+                log.close()
+
     def test_inconsistent_tls_values_fail_with_a_message(self):
         for label, (overrides, message) in BAD_TLS.items():
             with self.subTest(case=label):
