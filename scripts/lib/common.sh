@@ -10,7 +10,7 @@ GEOFP8_PACKAGES=(
   libgloo-dev libgrpc++-dev libprotobuf-dev protobuf-compiler protobuf-compiler-grpc libabsl-dev
   prometheus-cpp-dev libyaml-cpp-dev libopenblas-dev libsqlite3-dev libcli11-dev
   libgtest-dev libgmock-dev libbenchmark-dev
-  python3 python3-grpcio python3-grpc-tools python3-matplotlib python3-yaml
+  python3 python3-grpcio python3-grpc-tools python3-matplotlib python3-yaml python3-jsonschema
   python3-torch pybind11-dev python3-pybind11
   prometheus sqlite3 iproute2 hyperfine openssl
 )

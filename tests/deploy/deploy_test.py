@@ -49,38 +49,241 @@ def source_metric_names():
     return names
 
 
-def manifest_args():
-    """(binary name, [flags]) for every container in deploy/k8s and the Helm templates."""
-    texts = [read(os.path.join(ROOT, "deploy/k8s/geofp8.yaml"))]
-    texts += [read(os.path.join(TEMPLATES, f)) for f in os.listdir(TEMPLATES)]
-    found = []
-    for text in texts:
-        for block in re.split(r"\n\s*- name: ", text):
-            cmd = re.search(r'command: \["(geofp8-[a-z]+)"\]', block)
-            if cmd:
-                found.append((cmd.group(1), re.findall(r"(--[a-z][a-z0-9-]*)=", block)))
-    return found
+CHART = os.path.join(ROOT, "helm/geofp8")
+RAW_MANIFEST = os.path.join(ROOT, "deploy/k8s/geofp8.yaml")
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import helm_render  # noqa: E402  (tests/deploy/helm_render.py)
+
+# The value sets the chart is rendered with: every TLS/token combination plus the placement,
+# pull-secret and account knobs. Each must render, validate and pass only real flags.
+TLS = {"serverSecret": "geofp8-server-tls", "caSecret": "geofp8-ca"}
+MTLS = dict(TLS, mutual=True, workerSecret="geofp8-worker-tls")
+VALUE_SETS = {
+    "defaults": {},
+    "token": {"tokenSecret": "geofp8-token"},
+    "tls": {"tls": TLS},
+    "tls+token+monitoring": {"tls": TLS, "tokenSecret": "geofp8-token",
+                             "metrics": {"serviceMonitor": True, "grafanaDashboard": True}},
+    "mtls": {"tls": MTLS},
+    "mtls+token+everything": {
+        "tls": MTLS, "tokenSecret": "geofp8-token",
+        "imagePullSecrets": [{"name": "regcred"}],
+        "serviceAccount": {"create": False, "name": "training"},
+        "coordinator": {"nodeSelector": {"pool": "control"}, "storageClassName": "fast"},
+        "worker": {"replicas": 8, "nodeSelector": {"pool": "cpu"},
+                   "tolerations": [{"key": "dedicated", "operator": "Exists",
+                                    "effect": "NoSchedule"}],
+                   "affinity": {"podAntiAffinity": {}}},
+        "metrics": {"serviceMonitor": True, "grafanaDashboard": False}},
+}
+# Value sets the chart must refuse, and the message that says why.
+BAD_TLS = {
+    "server cert without CA": ({"tls": {"serverSecret": "s"}}, "tls.caSecret is required"),
+    "CA without server cert": ({"tls": {"caSecret": "c"}}, "tls.serverSecret is empty"),
+    "mutual without worker cert": ({"tls": dict(TLS, mutual=True)}, "tls.workerSecret"),
+    "worker cert without mutual": ({"tls": dict(TLS, workerSecret="w")}, "tls.mutual is false"),
+}
+
+
+def render(overrides):
+    return helm_render.Renderer(CHART, [overrides]).manifests()
+
+
+def containers_of(doc):
+    spec = doc.get("spec", {}).get("template", {}).get("spec", {})
+    return spec, spec.get("containers", [])
+
+
+def split_args(args):
+    """{flag: value} of --flag=value arguments; a bare --flag maps to None."""
+    out = {}
+    for a in args:
+        flag, _, value = a.partition("=")
+        out[flag] = value if _ else None
+    return out
+
+
+DNS1123 = re.compile(r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$")
+
+
+def validate(docs):
+    """Structural checks of rendered manifests; returns a list of problems (empty when fine)."""
+    errs = []
+    services = [d for d in docs if d["kind"] == "Service"]
+    workloads = [d for d in docs if d["kind"] in ("Deployment", "StatefulSet")]
+    for d in docs:
+        where = "%s/%s" % (d.get("kind"), d.get("metadata", {}).get("name"))
+        for key in ("apiVersion", "kind", "metadata"):
+            if key not in d:
+                errs.append("%s: no %s" % (where, key))
+        name = d.get("metadata", {}).get("name")
+        if not isinstance(name, str) or not DNS1123.match(name) or len(name) > 63:
+            errs.append("%s: metadata.name %r is not a DNS-1123 label" % (where, name))
+        for k, v in (d.get("metadata", {}).get("labels") or {}).items():
+            if not isinstance(v, str):
+                errs.append("%s: label %s=%r is not a string" % (where, k, v))
+        if d["kind"] in ("ConfigMap", "Secret"):
+            for k, v in (d.get("data") or {}).items():
+                if not isinstance(v, str):
+                    errs.append("%s: data.%s is not a string" % (where, k))
+                elif k.endswith(".json"):
+                    try:
+                        json.loads(v)
+                    except ValueError as e:
+                        errs.append("%s: data.%s is not JSON: %s" % (where, k, e))
+        if d["kind"] == "Service":
+            for p in d["spec"]["ports"]:
+                if not isinstance(p["port"], int) or not 0 < p["port"] < 65536:
+                    errs.append("%s: port %r" % (where, p["port"]))
+    for w in workloads:
+        where = "%s/%s" % (w["kind"], w["metadata"]["name"])
+        spec, containers = containers_of(w)
+        pod_labels = w["spec"]["template"]["metadata"]["labels"]
+        for k, v in w["spec"]["selector"]["matchLabels"].items():
+            if pod_labels.get(k) != v:
+                errs.append("%s: selector %s=%s does not match the pod labels" % (where, k, v))
+        volumes = {v["name"]: v for v in spec.get("volumes", [])}
+        volumes.update({c["metadata"]["name"]: {"pvc": True}
+                        for c in w["spec"].get("volumeClaimTemplates", [])})
+        sa = spec.get("serviceAccountName")
+        if sa and not any(d["kind"] == "ServiceAccount" and d["metadata"]["name"] == sa
+                          for d in docs) and sa != "training":
+            errs.append("%s: serviceAccountName %s is neither created nor the one asked for"
+                        % (where, sa))
+        if not containers:
+            errs.append("%s: no containers" % where)
+        for c in containers:
+            cw = "%s container %s" % (where, c.get("name"))
+            if not isinstance(c.get("image"), str) or ":" not in c["image"]:
+                errs.append("%s: image %r" % (cw, c.get("image")))
+            for field in ("command", "args"):
+                for a in c.get(field, []):
+                    if not isinstance(a, str):
+                        errs.append("%s: %s item %r is not a string" % (cw, field, a))
+            ports = {}
+            for p in c.get("ports", []):
+                if not isinstance(p.get("containerPort"), int) or not 0 < p["containerPort"] < 65536:
+                    errs.append("%s: containerPort %r" % (cw, p.get("containerPort")))
+                if len(p.get("name", "")) > 15:
+                    errs.append("%s: port name %s longer than 15" % (cw, p["name"]))
+                ports[p.get("name")] = p.get("containerPort")
+            for probe in ("readinessProbe", "livenessProbe"):
+                pr = c.get(probe)
+                if pr is None:
+                    errs.append("%s: no %s" % (cw, probe))
+                    continue
+                handler = pr.get("httpGet") or pr.get("tcpSocket") or pr.get("grpc")
+                if handler is None:
+                    errs.append("%s: %s has no handler" % (cw, probe))
+                    continue
+                port = handler.get("port")
+                if port not in ports and port not in ports.values():
+                    errs.append("%s: %s uses port %r, which the container does not declare"
+                                % (cw, probe, port))
+                if "grpc" in pr and any(a.startswith("--tls-cert") for a in c.get("args", [])):
+                    errs.append("%s: a grpc %s cannot speak TLS" % (cw, probe))
+            for e in c.get("env", []):
+                if "value" in e and not isinstance(e["value"], str):
+                    errs.append("%s: env %s is not a string" % (cw, e["name"]))
+            res = c.get("resources", {})
+            if not res.get("requests") or not res.get("limits"):
+                errs.append("%s: resources need requests and limits" % cw)
+            sc = dict(spec.get("securityContext") or {}, **(c.get("securityContext") or {}))
+            if sc.get("runAsNonRoot") is not True:
+                errs.append("%s: not runAsNonRoot" % cw)
+            if w["spec"].get("volumeClaimTemplates") and not isinstance(
+                    (spec.get("securityContext") or {}).get("fsGroup"), int):
+                errs.append("%s: a PVC without fsGroup is not writable by uid 10001" % cw)
+            mounts = {}
+            for m in c.get("volumeMounts", []):
+                if m["name"] not in volumes:
+                    errs.append("%s: mounts undeclared volume %s" % (cw, m["name"]))
+                mounts[m["mountPath"]] = volumes.get(m["name"], {})
+            if sc.get("readOnlyRootFilesystem") and "/tmp" not in mounts:
+                errs.append("%s: read-only root without a writable /tmp" % cw)
+            # Every file argument must come from a mounted Secret that provides that key.
+            for flag, value in split_args(c.get("args", [])).items():
+                if not value or not value.startswith("/etc/"):
+                    continue
+                base = os.path.dirname(value)
+                vol = mounts.get(base)
+                if vol is None:
+                    errs.append("%s: %s=%s is on no mounted volume" % (cw, flag, value))
+                    continue
+                secret = vol.get("secret", {})
+                keys = [i["path"] for i in secret.get("items", [])]
+                if not secret.get("secretName") or os.path.basename(value) not in keys:
+                    errs.append("%s: %s=%s: volume does not provide that key (items %s)"
+                                % (cw, flag, value, keys))
+        # A Service must target ports that its pods declare by name.
+    for svc in services:
+        sel = svc["spec"]["selector"]
+        targets = [w for w in workloads
+                   if all(w["spec"]["template"]["metadata"]["labels"].get(k) == v
+                          for k, v in sel.items())]
+        if not targets:
+            errs.append("Service/%s selects no workload" % svc["metadata"]["name"])
+        for w in targets:
+            names = {p["name"] for c in containers_of(w)[1] for p in c.get("ports", [])}
+            for p in svc["spec"]["ports"]:
+                if isinstance(p.get("targetPort"), str) and p["targetPort"] not in names:
+                    errs.append("Service/%s targets port %s its pods lack"
+                                % (svc["metadata"]["name"], p["targetPort"]))
+    for sm in [d for d in docs if d["kind"] == "ServiceMonitor"]:
+        ports = {p["name"] for s in services for p in s["spec"]["ports"]}
+        for ep in sm["spec"]["endpoints"]:
+            if ep["port"] not in ports:
+                errs.append("ServiceMonitor scrapes port %s no Service has" % ep["port"])
+    return errs
+
+
+def flag_problems(docs, help_of):
+    """Flags the containers pass that their binary's --help does not list, and secrets on the
+    command line."""
+    errs = []
+    for d in docs:
+        for c in containers_of(d)[1]:
+            binary = c["command"][0]
+            for flag in split_args(c["args"]):
+                if flag not in help_of[binary]:
+                    errs.append("%s has no flag %s" % (binary, flag))
+                if flag == "--token":
+                    errs.append("%s gets its token on the command line" % binary)
+    return errs
+
+
+def workload(docs, component):
+    return next(d for d in docs if d["kind"] == "StatefulSet"
+                and d["metadata"]["name"].endswith(component))
 
 
 class ManifestTest(unittest.TestCase):
+    @classmethod
+    def setUpClass(cls):
+        cls.help = {"geofp8-coordinator": help_flags(COORDINATOR),
+                    "geofp8-worker": help_flags(WORKER)}
+
     def test_plain_manifests_parse(self):
-        docs = list(yaml.safe_load_all(read(os.path.join(ROOT, "deploy/k8s/geofp8.yaml"))))
+        docs = list(yaml.safe_load_all(read(RAW_MANIFEST)))
         kinds = sorted(d["kind"] for d in docs)
         self.assertEqual(kinds, ["Namespace", "Service", "Service", "StatefulSet", "StatefulSet"])
-        yaml.safe_load(read(os.path.join(ROOT, "helm/geofp8/values.yaml")))
-        yaml.safe_load(read(os.path.join(ROOT, "helm/geofp8/Chart.yaml")))
+        yaml.safe_load(read(os.path.join(CHART, "values.yaml")))
+        yaml.safe_load(read(os.path.join(CHART, "Chart.yaml")))
 
-    def test_every_flag_exists_in_the_binary(self):
-        flags = {"geofp8-coordinator": help_flags(COORDINATOR),
-                 "geofp8-worker": help_flags(WORKER)}
-        containers = manifest_args()
-        self.assertGreaterEqual(len(containers), 4)
-        for binary, used in containers:
-            for flag in used:
-                self.assertIn(flag, flags[binary], "%s has no flag %s" % (binary, flag))
+    def test_raw_manifest_validates_and_requires_a_token(self):
+        docs = [d for d in yaml.safe_load_all(read(RAW_MANIFEST)) if d["kind"] != "Namespace"]
+        self.assertEqual(validate(docs), [])
+        self.assertEqual(flag_problems(docs, self.help), [])
+        for d in docs:
+            for c in containers_of(d)[1]:
+                args = split_args(c["args"])
+                listen = args.get("--listen", args.get("--metrics-host", ""))
+                if "0.0.0.0" in (listen or "") or c["command"][0] == "geofp8-worker":
+                    self.assertIn("--token-file", args,
+                                  "%s listens on all addresses without auth" % c["name"])
 
     def test_helm_values_read_by_templates_are_defined(self):
-        values = yaml.safe_load(read(os.path.join(ROOT, "helm/geofp8/values.yaml")))
+        values = yaml.safe_load(read(os.path.join(CHART, "values.yaml")))
         for f in os.listdir(TEMPLATES):
             for path in re.findall(r"\.Values\.([A-Za-z0-9_.]+)", read(os.path.join(TEMPLATES, f))):
                 node = values
@@ -98,12 +301,202 @@ class ManifestTest(unittest.TestCase):
                 base = re.sub(r"_(bucket|sum|count)$", "", name)
                 self.assertIn(base, exported, "dashboard queries %s, which nothing exports" % name)
 
+    def test_dockerignore_keeps_build_trees_out_of_the_context(self):
+        # deploy/docker/Dockerfile builds with the repository root as its context.
+        self.assertIn("COPY . .", read(os.path.join(ROOT, "deploy/docker/Dockerfile")))
+        lines = [l.strip() for l in read(os.path.join(ROOT, ".dockerignore")).splitlines()
+                 if l.strip() and not l.startswith("#")]
+        for pattern in (".git", "build", "build-*", "demo-out"):
+            self.assertIn(pattern, lines)
+        for needed in ("CMakeLists.txt", "scripts", "examples", "proto", "server", "worker"):
+            self.assertFalse(any(l.rstrip("/") == needed for l in lines), needed)
+
+
+class HelmChartTest(unittest.TestCase):
+    """Renders helm/geofp8 with tests/deploy/helm_render.py (Debian 12 packages no helm) for every
+    value set above and checks the output the way a cluster and the binaries would."""
+
+    @classmethod
+    def setUpClass(cls):
+        cls.help = {"geofp8-coordinator": help_flags(COORDINATOR),
+                    "geofp8-worker": help_flags(WORKER)}
+        cls.schema = json.loads(read(os.path.join(CHART, "values.schema.json")))
+
+    def schema_errors(self, values):
+        import jsonschema  # python3-jsonschema (scripts/lib/common.sh)
+        v = jsonschema.Draft7Validator(self.schema)
+        return ["%s: %s" % ("/".join(map(str, e.path)), e.message) for e in v.iter_errors(values)]
+
+    def test_every_value_set_renders_validates_and_passes_real_flags(self):
+        for label, overrides in VALUE_SETS.items():
+            with self.subTest(values=label):
+                r = helm_render.Renderer(CHART, [overrides])
+                self.assertEqual(self.schema_errors(r.values), [])
+                docs = r.manifests()
+                kinds = sorted(d["kind"] for _, d in docs)
+                self.assertEqual(kinds.count("StatefulSet"), 2, kinds)
+                docs = [d for _, d in docs]
+                self.assertEqual(validate(docs), [])
+                self.assertEqual(flag_problems(docs, self.help), [])
+                notes = r.render()["NOTES.txt"]
+                self.assertIn("geofp8ctl --server", notes)
+
+    def test_tls_and_token_flags_follow_the_values(self):
+        for label, overrides in VALUE_SETS.items():
+            with self.subTest(values=label):
+                docs = [d for _, d in render(overrides)]
+                coord = split_args(containers_of(workload(docs, "coordinator"))[1][0]["args"])
+                wspec, wc = containers_of(workload(docs, "worker"))
+                worker = split_args(wc[0]["args"])
+                tls = overrides.get("tls", {})
+                token = "tokenSecret" in overrides
+                self.assertEqual("--token-file" in coord, token)
+                self.assertEqual("--token-file" in worker, token)
+                self.assertEqual("--tls-cert" in coord, bool(tls))
+                self.assertEqual("--tls-client-ca" in coord, bool(tls.get("mutual")))
+                self.assertEqual("--tls-ca" in worker, bool(tls.get("caSecret")))
+                self.assertEqual("--tls-cert" in worker, bool(tls.get("mutual")))
+                # Workers never mount the coordinator's Secret (and so never its tls.key).
+                secrets = {v["secret"]["secretName"] for v in wspec.get("volumes", [])
+                           if "secret" in v}
+                self.assertNotIn(TLS["serverSecret"], secrets)
+
+    @unittest.skipIf(shutil.which("openssl") is None, "openssl not installed")
+    def test_coordinator_probe_answers_with_mtls_args(self):
+        # Runs the coordinator with exactly the arguments the chart renders for mTLS + token
+        # (files and addresses moved to a temp dir) and asks its readiness probe over plain HTTP.
+        docs = [d for _, d in render(VALUE_SETS["mtls+token+everything"])]
+        c = containers_of(workload(docs, "coordinator"))[1][0]
+        probe = c["readinessProbe"]["httpGet"]
+        self.assertEqual(probe["port"], "metrics")
+        with tempfile.TemporaryDirectory() as tmp:
+            def ssl(*args):
+                subprocess.run(["openssl"] + list(args), cwd=tmp, check=True,
+                               capture_output=True, timeout=30)
+            ssl("req", "-x509", "-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:P-256", "-nodes",
+                "-keyout", "ca.key", "-out", "ca.crt", "-subj", "/CN=geofp8-test-ca", "-days", "1")
+            ssl("req", "-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:P-256", "-nodes",
+                "-keyout", "tls.key", "-out", "tls.csr", "-subj", "/CN=geofp8-coordinator")
+            ssl("x509", "-req", "-in", "tls.csr", "-CA", "ca.crt", "-CAkey", "ca.key",
+                "-CAcreateserial", "-out", "tls.crt", "-days", "1")
+            with open(os.path.join(tmp, "token"), "w") as f:
+                f.write("s3cret\n")
+            args = []
+            for a in c["args"]:
+                flag, _, value = a.partition("=")
+                if value.startswith("/etc/geofp8/"):
+                    value = os.path.join(tmp, os.path.basename(value))
+                elif value.startswith("0.0.0.0:"):
+                    value = "127.0.0.1:0"
+                elif flag == "--data-dir":
+                    value = os.path.join(tmp, "data")
+                args.append("%s=%s" % (flag, value))
+            self.assertIn("--tls-client-ca=%s" % os.path.join(tmp, "ca.crt"), args)
+            ready = os.path.join(tmp, "ready.json")
+            log = open(os.path.join(tmp, "coordinator.log"), "w+")
+            proc = subprocess.Popen([COORDINATOR] + args + ["--ready-file", ready],
+                                    stdout=log, stderr=subprocess.STDOUT, text=True)
+            try:
+                deadline = time.time() + 30
+                while not os.path.exists(ready) and proc.poll() is None and time.time() < deadline:
+                    time.sleep(0.05)
+                if proc.poll() is not None:
+                    log.seek(0)
+                    self.fail("coordinator exited %d: %s" % (proc.returncode, log.read()))
+                with open(ready) as f:
+                    metrics = json.load(f)["metrics"]
+                with urllib.request.urlopen("http://%s%s" % (metrics, probe["path"]),
+                                            timeout=10) as r:
+                    self.assertEqual(r.status, 200)
+            finally:
+                proc.terminate()
+                proc.wait(timeout=30)
+                log.close()
+
+    def test_inconsistent_tls_values_fail_with_a_message(self):
+        for label, (overrides, message) in BAD_TLS.items():
+            with self.subTest(case=label):
+                with self.assertRaises(helm_render.RenderError) as cm:
+                    render(overrides)
+                self.assertIn(message, str(cm.exception))
+
+    def test_device_cuda_is_not_offered(self):
+        # geofp8-worker refuses cuda today, so the chart must not offer it.
+        r = subprocess.run([WORKER, "--device", "cuda", "--metrics-port", "-1"],
+                           capture_output=True, text=True, timeout=30)
+        self.assertEqual(r.returncode, 2, r.stderr)
+        values = helm_render.Renderer(CHART, [{"worker": {"device": "cuda"}}]).values
+        self.assertTrue(any("device" in e for e in self.schema_errors(values)))
+        self.assertEqual(yaml.safe_load(read(os.path.join(CHART, "values.yaml")))
+                         ["worker"]["device"], "cpu")
+
+    def test_schema_rejects_bad_values(self):
+        for bad in ({"worker": {"replicas": 0}}, {"coordinator": {"grpcPort": "7070"}},
+                    {"tls": {"mutual": "yes"}}, {"tokenSecret": "Not A Name"},
+                    {"wroker": {}}, {"coordinator": {"heartbeatTimeoutMs": 1000000}}):
+            with self.subTest(values=bad):
+                values = helm_render.Renderer(CHART, [bad]).values
+                self.assertNotEqual(self.schema_errors(values), [])
+
+    def test_renderer_refuses_what_it_does_not_implement(self):
+        # A template outside the subset must fail loudly, not render something else.
+        for src in ("{{ range .Values.x }}{{ end }}", "{{ $x := 1 }}", "{{ upper .Values.a }}",
+                    "{{ if .Values.a }}unterminated"):
+            with self.subTest(src=src):
+                with self.assertRaises(helm_render.RenderError):
+                    nodes = helm_render.parse(src, "t", {})
+                    r = helm_render.Renderer(CHART)
+                    r._run(nodes, r.root, "t")
+        r = helm_render.Renderer(CHART, [{"x": {"n": 2000000}}])
+        with self.assertRaises(helm_render.RenderError):  # helm would print 2e+06
+            r._run(helm_render.parse("{{ .Values.x.n }}", "t", {}), r.root, "t")
+
+    def test_chart_packaging_files(self):
+        self.assertTrue(os.path.isfile(os.path.join(CHART, ".helmignore")))
+        self.assertTrue(os.path.isfile(os.path.join(TEMPLATES, "NOTES.txt")))
+        self.assertEqual(self.schema_errors(yaml.safe_load(read(os.path.join(CHART, "values.yaml")))),
+                         [])
+
+
+class PrometheusConfigTest(unittest.TestCase):
+    CONFIG = os.path.join(ROOT, "deploy/prometheus/prometheus.yml")
+    TARGETS = os.path.join(ROOT, "deploy/prometheus/targets_from_ready.py")
+
+    def test_config_has_no_fixed_demo_ports(self):
+        # scripts/demo.sh starts every daemon on port 0, so fixed targets would never match.
+        demo = read(os.path.join(ROOT, "scripts/demo.sh"))
+        self.assertIn("--metrics-port 0", demo)
+        cfg = yaml.safe_load(read(self.CONFIG))
+        jobs = {j["job_name"]: j for j in cfg["scrape_configs"]}
+        self.assertEqual(set(jobs), {"geofp8-coordinator", "geofp8-worker"})
+        for j in jobs.values():
+            self.assertNotIn("static_configs", j)
+            self.assertTrue(j["file_sd_configs"][0]["files"])
+
     @unittest.skipIf(shutil.which("promtool") is None, "promtool not installed")
-    def test_prometheus_config_is_valid(self):
-        r = subprocess.run(["promtool", "check", "config",
-                            os.path.join(ROOT, "deploy/prometheus/prometheus.yml")],
+    def test_promtool_accepts_config(self):
+        r = subprocess.run(["promtool", "check", "config", self.CONFIG],
                            capture_output=True, text=True)
         self.assertEqual(r.returncode, 0, r.stdout + r.stderr)
+
+    def test_targets_from_ready_files(self):
+        with tempfile.TemporaryDirectory() as tmp:
+            for name, metrics in (("coordinator", "127.0.0.1:4001"), ("worker-0", "127.0.0.1:4002"),
+                                  ("worker-1", None)):
+                with open(os.path.join(tmp, name + ".ready.json"), "w") as f:
+                    json.dump({"metrics": metrics, "pid": 1}, f)
+            out = os.path.join(tmp, "targets")
+            r = subprocess.run([sys.executable, self.TARGETS, tmp, out],
+                               capture_output=True, text=True)
+            self.assertEqual(r.returncode, 0, r.stderr)
+            with open(os.path.join(out, "coordinator.json")) as f:
+                self.assertEqual(json.load(f)[0]["targets"], ["127.0.0.1:4001"])
+            with open(os.path.join(out, "workers.json")) as f:
+                self.assertEqual(json.load(f)[0]["targets"], ["127.0.0.1:4002"])
+            r = subprocess.run([sys.executable, self.TARGETS, os.path.join(tmp, "nope"), out],
+                               capture_output=True, text=True)
+            self.assertEqual(r.returncode, 2)
+            self.assertIn("READY_DIR", r.stderr)
 
 
 def free_port():
@@ -112,10 +505,10 @@ def free_port():
         return s.getsockname()[1]
 
 
-def start_coordinator(data_dir):
+def start_coordinator(data_dir, ready_file):
     """Starts geofp8-coordinator on free ports; returns (process, metrics port)."""
     proc = subprocess.Popen([COORDINATOR, "--listen", "127.0.0.1:0", "--metrics-listen",
-                             "127.0.0.1:0", "--data-dir", data_dir],
+                             "127.0.0.1:0", "--data-dir", data_dir, "--ready-file", ready_file],
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     for line in proc.stdout:
         if "metrics on" in line:
@@ -147,19 +540,32 @@ def start_prometheus(tmp, config):
 
 @unittest.skipIf(shutil.which("prometheus") is None, "prometheus not installed")
 class PrometheusScrapeTest(unittest.TestCase):
-    """A real Prometheus server scrapes a real coordinator; the dashboard's jobs query answers."""
+    """A real Prometheus server, run with the shipped deploy/prometheus/prometheus.yml and the
+    targets targets_from_ready.py derives from the coordinator's ready file (as docs/deploy.md
+    tells a demo user), scrapes a real coordinator; the dashboard's jobs query answers."""
 
     def test_scrape(self):
         tmp = tempfile.mkdtemp()
         procs = []
         try:
-            coord, metrics_port = start_coordinator(os.path.join(tmp, "coord"))
+            ready_dir = os.path.join(tmp, "ready")
+            os.makedirs(ready_dir)
+            ready = os.path.join(ready_dir, "coordinator.ready.json")
+            coord, metrics_port = start_coordinator(os.path.join(tmp, "coord"), ready)
             procs.append(coord)
+            deadline = time.time() + 30
+            while not os.path.exists(ready) and time.time() < deadline:
+                time.sleep(0.05)
+            r = subprocess.run([sys.executable, PrometheusConfigTest.TARGETS, ready_dir,
+                                os.path.join(tmp, "targets")], capture_output=True, text=True)
+            self.assertEqual(r.returncode, 0, r.stderr)
+            cfg = yaml.safe_load(read(PrometheusConfigTest.CONFIG))
+            cfg["global"]["scrape_interval"] = "1s"  # only the pace differs from the shipped file
             config = os.path.join(tmp, "prometheus.yml")
             with open(config, "w") as f:
-                f.write("global: {scrape_interval: 1s}\nscrape_configs:\n"
-                        "  - job_name: geofp8-coordinator\n"
-                        "    static_configs: [{targets: ['127.0.0.1:%d']}]\n" % metrics_port)
+                yaml.safe_dump(cfg, f)
+            with open(os.path.join(tmp, "targets", "coordinator.json")) as f:
+                self.assertEqual(json.load(f)[0]["targets"], ["127.0.0.1:%d" % metrics_port])
             prom, prom_port = start_prometheus(tmp, config)
             procs.append(prom)
             query = urllib.parse.quote("sum by (state) (geofp8_jobs)")

@@ -1,7 +1,9 @@
+{{/* Only the template subset tests/deploy/helm_render.py implements may be used in this chart. */}}
 {{- define "geofp8.labels" -}}
 app.kubernetes.io/name: geofp8
 app.kubernetes.io/instance: {{ .Release.Name }}
 app.kubernetes.io/version: {{ .Chart.AppVersion | quote }}
+app.kubernetes.io/managed-by: {{ .Release.Service }}
 {{- end -}}
 
 {{- define "geofp8.selector" -}}
@@ -15,4 +17,43 @@ app.kubernetes.io/instance: {{ .Release.Name }}
 
 {{- define "geofp8.coordinator" -}}
 {{ .Release.Name }}-coordinator
+{{- end -}}
+
+{{- define "geofp8.serviceAccountName" -}}
+{{ .Values.serviceAccount.name | default (include "geofp8.default-sa" .) }}
+{{- end -}}
+
+{{- define "geofp8.default-sa" -}}
+{{ .Release.Name }}-geofp8
+{{- end -}}
+
+{{/* Fails the install on TLS settings the daemons cannot run with. */}}
+{{- define "geofp8.checkTls" -}}
+{{- if and .Values.tls.serverSecret (not .Values.tls.caSecret) -}}
+{{- fail "tls.caSecret is required when tls.serverSecret is set: workers need the CA (--tls-ca) to connect over TLS" -}}
+{{- end -}}
+{{- if and .Values.tls.caSecret (not .Values.tls.serverSecret) -}}
+{{- fail "tls.caSecret is set but tls.serverSecret is empty: the coordinator would serve plaintext that TLS workers cannot reach" -}}
+{{- end -}}
+{{- if and .Values.tls.mutual (not .Values.tls.serverSecret) -}}
+{{- fail "tls.mutual needs tls.serverSecret and tls.caSecret" -}}
+{{- end -}}
+{{- if and .Values.tls.mutual (not .Values.tls.workerSecret) -}}
+{{- fail "tls.workerSecret (the workers' client certificate) is required when tls.mutual is true" -}}
+{{- end -}}
+{{- if and .Values.tls.workerSecret (not .Values.tls.mutual) -}}
+{{- fail "tls.workerSecret is set but tls.mutual is false: set tls.mutual=true to use client certificates" -}}
+{{- end -}}
+{{- end -}}
+
+{{/* Pod spec fields both daemons share: account, pull secrets, security context. */}}
+{{- define "geofp8.podCommon" -}}
+serviceAccountName: {{ include "geofp8.serviceAccountName" . }}
+automountServiceAccountToken: false
+{{- with .Values.imagePullSecrets }}
+imagePullSecrets:
+  {{- toYaml . | nindent 2 }}
+{{- end }}
+securityContext:
+  {{- toYaml .Values.podSecurityContext | nindent 2 }}
 {{- end -}}
