@@ -46,7 +46,9 @@ inline constexpr int kMaxPatchesPerVersion = 4096;
 
 struct CoordinatorOptions {
   int heartbeat_interval_ms = 1000;  // told to workers at Register
-  int heartbeat_timeout_ms = 10000;  // silence after which a worker is declared dead and fenced
+  // Silence after which a worker is declared dead and fenced. 6 s: five missed heartbeats, and
+  // with the restart on a spare (about 1.5 s) a dead worker's job runs again within 10 s.
+  int heartbeat_timeout_ms = 6000;
   // Serve the rendezvous KV for any job id, not only jobs with a live attempt. Off in production;
   // for tests that drive the KV without running jobs (--debug-kv-any-job).
   bool kv_any_job = false;
