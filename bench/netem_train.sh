@@ -120,9 +120,11 @@ cns="${tag}c"            # coordinator + bridge namespace
 state="$(mktemp -d "/tmp/$tag.XXXXXX")"
 created_ns=()
 pids=()
+aux=()
 cleanup() {
   local status=$?
   trap - EXIT INT TERM
+  for pid in "${aux[@]}"; do kill -TERM "$pid" 2>/dev/null || true; done
   # Workers first (the coordinator sees them leave), then the coordinator; then the namespaces,
   # which take their veths and the bridge with them.
   for ((i = ${#pids[@]} - 1; i >= 0; i--)); do kill -TERM "${pids[$i]}" 2>/dev/null || true; done
@@ -160,6 +162,10 @@ ip -n "$cns" link set lo up
 ip -n "$cns" link add br0 type bridge
 ip -n "$cns" addr add 10.214.0.254/16 dev br0
 ip -n "$cns" link set br0 up
+if (( delay_us > 0 )) && ! tc -n "$cns" qdisc add dev lo root netem delay 1us 2>/dev/null; then
+  die "--delay: $delay needs the sch_netem kernel module, which this kernel lacks (modprobe sch_netem; --delay 0 shapes with tbf only)"
+fi
+(( delay_us == 0 )) || tc -n "$cns" qdisc del dev lo root
 for ((r = 0; r < workers; r++)); do
   ns="${tag}w$r"
   ip netns add "$ns"; created_ns+=("$ns")
@@ -258,8 +264,13 @@ for p in "${policy_list[@]}"; do
   echo "$prog: $p: submitting $name"
   ctl submit -f "$out/$p.yaml" >/dev/null
   # One line per progress update, stamped here (EPOCHREALTIME) and by the coordinator.
+  # In the background and waited for: bash runs a trap (SIGTERM, Ctrl-C) only between commands,
+  # and `wait` is one it interrupts.
   ctl watch "$name" -o 'jsonpath={.job.state} {.job.progress.step} {.job.progress.loss} {.job.progress.updated_unix_ms}' |
-    while read -r line; do printf '%s %s\n' "$EPOCHREALTIME" "$line"; done >"$out/$p.progress" || true
+    while read -r line; do printf '%s %s\n' "$EPOCHREALTIME" "$line"; done >"$out/$p.progress" &
+  aux+=($!)
+  wait "$!" || true
+  aux=()
   ctl describe job "$name" -o json >"$out/$p.describe.json" || true
   scrape "$out/$p.metrics.after"
   final="$(ctl get job "$name" -o 'jsonpath={.state} {.progress.step}' 2>/dev/null || echo unknown)"
