@@ -1,7 +1,7 @@
 #!/usr/bin/python3
 """Time to a target loss, per policy, from a bench/netem_train.sh results folder.
 
-Usage: scripts/time_to_target.py DIR [--baseline fp32] [--fraction 0.8] [--window 10]
+Usage: scripts/time_to_target.py DIR [DIR ...] [--baseline fp32] [--fraction 0.8] [--window 10]
                                  [--png OUT.png] [--json OUT.json]
 
 The daemon path has no validation loss (the worker runs no evaluation; JobProgress carries the
@@ -13,7 +13,8 @@ are counted, the same for every policy), the ratios to the baseline, bf16 and fp
 mean step and exchange time over the job (geofp8_worker_step_seconds and geofp8_exchange_seconds,
 difference of /metrics scraped before and after it; compute = step - exchange; the workers do not
 time geometry refreshes separately, so that column is not given). A PNG draws smoothed loss
-against wall-clock, one curve per policy.
+against wall-clock, one curve per policy. With several DIRs (one per seed) it also prints the
+median over them of each column, the ratios taken within each run.
 """
 import argparse
 import json
@@ -76,10 +77,14 @@ def analyse(directory, baseline, fraction, window):
         prog = os.path.join(directory, p + ".progress")
         if not os.path.exists(prog):
             continue
+        desc_path = os.path.join(directory, p + ".describe.json")
+        if not os.path.exists(desc_path):  # still running, or the run was cut short
+            print(f"time_to_target.py: warning: {p}: no {desc_path}; left out", file=sys.stderr)
+            continue
         pts = load_progress(prog)
         if len(pts) < 2:
             fail(f"{prog}: fewer than 2 steps of progress")
-        desc = json.load(open(os.path.join(directory, p + ".describe.json")))
+        desc = json.load(open(desc_path))
         sched = [e["unix_ms"] for e in desc["events"] if e["state"] == "JOB_SCHEDULED"]
         t0 = sched[0] / 1000.0 if sched else pts[0][1]
         before = metric_sums(os.path.join(directory, p + ".metrics.before"))
@@ -135,18 +140,49 @@ def report(runs, target, target_step, baseline, window):
               f"| {f(tm.get('compute_s'))} | {r['smoothed'][-1]:.4f} |")
 
 
-def plot(runs, target, path):
+def medians(all_runs):
+    """Per policy, the median over runs (seeds) of time and steps to target and of the ratios,
+    each ratio taken within one run (paired: same seed, same data windows)."""
+    import statistics
+    f = lambda x, d=2: "n/a" if x is None else f"{x:.{d}f}"
+    med = lambda xs: statistics.median(xs) if xs else None
+    print(f"Median over {len(all_runs)} runs (ratios paired within each run; 'reached' counts "
+          "the runs that reached the target):")
+    print()
+    print("| policy | reached | steps to target | s to target | x fp32 | x bf16 | x fp8 | step s "
+          "| exchange s | compute s |")
+    print("|---|---|---|---|---|---|---|---|---|---|")
+    for p in ORDER:
+        rs = [r for r in all_runs if p in r]
+        if not rs:
+            continue
+        hit = [r[p] for r in rs if r[p]["target_s"] is not None]
+        vals = lambda key: [x for x in (ratio(r, p, key) for r in rs) if x is not None]
+        tm = lambda key: med([r[p]["timing"][key] for r in rs if r[p]["timing"]])
+        print(f"| {p} | {len(hit)}/{len(rs)} | {f(med([h['target_step'] for h in hit]), 0)} "
+              f"| {f(med([h['target_s'] for h in hit]), 1)} | {f(med(vals('fp32')))} "
+              f"| {f(med(vals('bf16')))} | {f(med(vals('fp8')))} | {f(tm('step_s'))} "
+              f"| {f(tm('exchange_s'))} | {f(tm('compute_s'))} |")
+
+
+def plot(all_runs, targets, labels, path):
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
-    fig, ax = plt.subplots(figsize=(8, 5))
-    for p in ORDER:
-        if p in runs:
-            ax.plot(runs[p]["t"], runs[p]["smoothed"], label=p)
-    ax.axhline(target, color="k", linestyle=":", label="target")
+    fig, ax = plt.subplots(figsize=(9, 5.5))
+    styles = ["-", "--", ":", "-."]
+    colors = {p: f"C{i}" for i, p in enumerate(ORDER)}
+    for i, (runs, target, label) in enumerate(zip(all_runs, targets, labels)):
+        for p in ORDER:
+            if p in runs:
+                ax.plot(runs[p]["t"], runs[p]["smoothed"], color=colors[p],
+                        linestyle=styles[i % len(styles)],
+                        label=p if len(all_runs) == 1 else f"{p} ({label})")
+        ax.axhline(target, color="k", linestyle=styles[i % len(styles)], linewidth=0.8,
+                   label="fp32 target" if len(all_runs) == 1 else f"target ({label})")
     ax.set_xlabel("wall-clock since the job was scheduled (s)")
     ax.set_ylabel("training loss (trailing mean)")
-    ax.legend()
+    ax.legend(fontsize=7, ncol=2)
     ax.grid(alpha=0.3)
     fig.tight_layout()
     fig.savefig(path, dpi=100)
@@ -154,22 +190,33 @@ def plot(runs, target, path):
 
 def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("dir")
+    ap.add_argument("dir", nargs="+", help="one bench/netem_train.sh --out folder per seed")
     ap.add_argument("--baseline", default="fp32")
     ap.add_argument("--fraction", type=float, default=0.8)
     ap.add_argument("--window", type=int, default=10)
     ap.add_argument("--png")
     ap.add_argument("--json")
     a = ap.parse_args()
-    if not os.path.isdir(a.dir):
-        fail(f"DIR: no such folder ({a.dir})")
-    runs, target, target_step = analyse(a.dir, a.baseline, a.fraction, a.window)
-    report(runs, target, target_step, a.baseline, a.window)
+    all_runs, targets, labels = [], [], []
+    for d in a.dir:
+        if not os.path.isdir(d):
+            fail(f"DIR: no such folder ({d})")
+        runs, target, target_step = analyse(d, a.baseline, a.fraction, a.window)
+        print(f"## {d}")
+        print()
+        report(runs, target, target_step, a.baseline, a.window)
+        print()
+        all_runs.append(runs)
+        targets.append(target)
+        labels.append(os.path.basename(os.path.normpath(d)))
+    if len(all_runs) > 1:
+        medians(all_runs)
     if a.png:
-        plot(runs, target, a.png)
+        plot(all_runs, targets, labels, a.png)
     if a.json:
         with open(a.json, "w") as out:
-            json.dump({"target": target, "target_step": target_step, "runs": runs}, out)
+            json.dump([{"dir": d, "target": t, "runs": r}
+                       for d, t, r in zip(a.dir, targets, all_runs)], out)
 
 
 if __name__ == "__main__":
