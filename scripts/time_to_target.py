@@ -142,12 +142,26 @@ def report(runs, target, target_step, baseline, window):
 
 def medians(all_runs):
     """Per policy, the median over runs (seeds) of time and steps to target and of the ratios,
-    each ratio taken within one run (paired: same seed, same data windows)."""
+    each ratio taken within one run (paired: same seed, same data windows). A run that never
+    reached the target counts as infinitely slow, so the median stays a median of all runs."""
     import statistics
-    f = lambda x, d=2: "n/a" if x is None else f"{x:.{d}f}"
-    med = lambda xs: statistics.median(xs) if xs else None
-    print(f"Median over {len(all_runs)} runs (ratios paired within each run; 'reached' counts "
-          "the runs that reached the target):")
+    inf = float("inf")
+
+    def f(x, d=2):
+        if x is None:
+            return "n/a"
+        return "not reached" if x == inf else f"{x:.{d}f}"
+
+    def med(xs):
+        return statistics.median(xs) if xs else None
+
+    def paired(r, p, q):
+        if q not in r or r[q]["target_s"] is None:
+            return None  # no baseline time in this run: the ratio is undefined
+        return inf if r[p]["target_s"] is None else r[p]["target_s"] / r[q]["target_s"]
+
+    print(f"Median over {len(all_runs)} runs (ratios paired within each run; a run that did not "
+          "reach the target counts as infinitely slow):")
     print()
     print("| policy | reached | steps to target | s to target | x fp32 | x bf16 | x fp8 | step s "
           "| exchange s | compute s |")
@@ -156,13 +170,14 @@ def medians(all_runs):
         rs = [r for r in all_runs if p in r]
         if not rs:
             continue
-        hit = [r[p] for r in rs if r[p]["target_s"] is not None]
-        vals = lambda key: [x for x in (ratio(r, p, key) for r in rs) if x is not None]
+        reached = sum(r[p]["target_s"] is not None for r in rs)
+        steps = [inf if r[p]["target_step"] is None else r[p]["target_step"] for r in rs]
+        secs = [inf if r[p]["target_s"] is None else r[p]["target_s"] for r in rs]
+        vals = lambda q: [x for x in (paired(r, p, q) for r in rs) if x is not None]
         tm = lambda key: med([r[p]["timing"][key] for r in rs if r[p]["timing"]])
-        print(f"| {p} | {len(hit)}/{len(rs)} | {f(med([h['target_step'] for h in hit]), 0)} "
-              f"| {f(med([h['target_s'] for h in hit]), 1)} | {f(med(vals('fp32')))} "
-              f"| {f(med(vals('bf16')))} | {f(med(vals('fp8')))} | {f(tm('step_s'))} "
-              f"| {f(tm('exchange_s'))} | {f(tm('compute_s'))} |")
+        print(f"| {p} | {reached}/{len(rs)} | {f(med(steps), 0)} | {f(med(secs), 1)} "
+              f"| {f(med(vals('fp32')))} | {f(med(vals('bf16')))} | {f(med(vals('fp8')))} "
+              f"| {f(tm('step_s'))} | {f(tm('exchange_s'))} | {f(tm('compute_s'))} |")
 
 
 def plot(all_runs, targets, labels, path):
