@@ -182,12 +182,16 @@ TEST_F(CommandJobTest, TwoRanksRunToSuccessAndApplyALivePolicyAtTheSameStep) {
               std::filesystem::canonical(dir).string());
     EXPECT_EQ(result.at("steps"), "40");
   }
-  // The worker's /metrics shows the relayed steps.
+  // The worker's /metrics counted the relayed steps, and the job's gauges ended with the job.
   const int port = workers_[0]->MetricsPort();
   ASSERT_GT(port, 0);
-  EXPECT_NE(HttpExchange(port, "GET /metrics HTTP/1.0\r\nHost: 127.0.0.1\r\n\r\n")
-                .find("geofp8_worker_step{job_id=\"" + job.id() + "\"} 39"),
-            std::string::npos);
+  const std::string metrics =
+      HttpExchange(port, "GET /metrics HTTP/1.0\r\nHost: 127.0.0.1\r\n\r\n");
+  EXPECT_EQ(metrics.find("geofp8_worker_step{job_id=\"" + job.id() + "\"}"), std::string::npos);
+  const std::string counter = "\ngeofp8_worker_steps_total ";
+  const size_t at = metrics.find(counter);
+  ASSERT_NE(at, std::string::npos) << metrics;
+  EXPECT_GE(std::stod(metrics.substr(at + counter.size())), 40.0);
 }
 
 TEST_F(CommandJobTest, AKilledRankRestartsTheJobFromItsCheckpoint) {

@@ -22,6 +22,9 @@ class RankRunner {
   virtual void OnCheckpointAcknowledged(int64_t recovery_step) = 0;
   virtual bool done() const = 0;
   virtual const v1::Assignment& assignment() const = 0;
+  // The checkpoint files this rank holds, reported when the worker registers again after a
+  // coordinator outage (empty: none the worker manages, as for a command job's program).
+  virtual HeldCheckpointsInfo HeldCheckpoints() const { return {}; }
 };
 
 // The built-in trainer behind the interface (JobRunner itself stays as it is).
@@ -35,6 +38,7 @@ class TrainerRankRunner final : public RankRunner {
   void OnCheckpointAcknowledged(int64_t step) override { runner_->OnCheckpointAcknowledged(step); }
   bool done() const override { return runner_->done(); }
   const v1::Assignment& assignment() const override { return runner_->assignment(); }
+  HeldCheckpointsInfo HeldCheckpoints() const override { return runner_->HeldCheckpoints(); }
 
  private:
   std::unique_ptr<JobRunner> runner_;
