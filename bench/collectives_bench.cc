@@ -88,16 +88,26 @@ Args ParseArgs(int argc, char** argv) {
     }
     if (i + 1 >= argc) Usage(flag, "missing value", "end of arguments");
     const std::string v = argv[++i];
-    if (flag == "--ranks") a.ranks = static_cast<int>(ParseInt(flag, v, 1, 4096));
-    else if (flag == "--iters") a.iters = static_cast<int>(ParseInt(flag, v, 1, 1000000));
-    else if (flag == "--warmup") a.warmup = static_cast<int>(ParseInt(flag, v, 0, 1000000));
-    else if (flag == "--loop-nice") a.loop_nice = static_cast<int>(ParseInt(flag, v, 0, 19));
-    else if (flag == "--timeout-s") a.timeout_s = static_cast<double>(ParseInt(flag, v, 1, 86400));
-    else if (flag == "--rank") a.rank = static_cast<int>(ParseInt(flag, v, 0, 4095));
-    else if (flag == "--store-dir") a.store_dir = v;
-    else if (flag == "--hostname") a.hostname = v;
-    else if (flag == "--prefix") a.prefix = v;
-    else if (flag == "--ops") ops = v;
+    if (flag == "--ranks")
+      a.ranks = static_cast<int>(ParseInt(flag, v, 1, 4096));
+    else if (flag == "--iters")
+      a.iters = static_cast<int>(ParseInt(flag, v, 1, 1000000));
+    else if (flag == "--warmup")
+      a.warmup = static_cast<int>(ParseInt(flag, v, 0, 1000000));
+    else if (flag == "--loop-nice")
+      a.loop_nice = static_cast<int>(ParseInt(flag, v, 0, 19));
+    else if (flag == "--timeout-s")
+      a.timeout_s = static_cast<double>(ParseInt(flag, v, 1, 86400));
+    else if (flag == "--rank")
+      a.rank = static_cast<int>(ParseInt(flag, v, 0, 4095));
+    else if (flag == "--store-dir")
+      a.store_dir = v;
+    else if (flag == "--hostname")
+      a.hostname = v;
+    else if (flag == "--prefix")
+      a.prefix = v;
+    else if (flag == "--ops")
+      ops = v;
     else if (flag == "--sizes") {
       a.sizes.clear();
       for (const auto& s : SplitList(v)) {
@@ -167,22 +177,24 @@ std::vector<Row> RunRank(Communicator& comm, const Args& a) {
         const auto t0 = std::chrono::steady_clock::now();
         call();
         const double t =
-            std::chrono::duration<double, std::micro>(std::chrono::steady_clock::now() - t0).count();
+            std::chrono::duration<double, std::micro>(std::chrono::steady_clock::now() - t0)
+                .count();
         if (it >= a.warmup) us.push_back(t);
       }
       std::sort(us.begin(), us.end());
-      rows.push_back({op, bytes, us[us.size() / 2], us[std::min(us.size() - 1, us.size() * 9 / 10)]});
+      rows.push_back(
+          {op, bytes, us[us.size() / 2], us[std::min(us.size() - 1, us.size() * 9 / 10)]});
     }
   }
   return rows;
 }
 
 void Print(const Args& a, const std::vector<Row>& rows, bool processes) {
-  std::printf("collectives: %d ranks (%s, gloo tcp, loop nice +%d), %d calls each after %d "
-              "warm-up, rank 0's times\n",
-              a.ranks, processes ? "processes" : "threads", a.loop_nice, a.iters, a.warmup);
-  std::printf("%-18s %10s %12s %12s %12s\n", "collective", "bytes", "median_us", "p90_us",
-              "MB/s");
+  std::printf(
+      "collectives: %d ranks (%s, gloo tcp, loop nice +%d), %d calls each after %d "
+      "warm-up, rank 0's times\n",
+      a.ranks, processes ? "processes" : "threads", a.loop_nice, a.iters, a.warmup);
+  std::printf("%-18s %10s %12s %12s %12s\n", "collective", "bytes", "median_us", "p90_us", "MB/s");
   for (const Row& r : rows) {
     std::printf("%-18s %10zu %12.1f %12.1f %12.1f\n", r.op.c_str(), r.bytes, r.median_us, r.p90_us,
                 r.median_us > 0 ? r.bytes / r.median_us : 0.0);

@@ -40,15 +40,16 @@ struct Args {
   int64_t cols = 1024;  // layers are rows x cols matrices of at most 4 MiB
   int geometry_rank = 16;
   double timeout_s = 300;
-  double bucket_mib = 25;   // ExchangeOptions::bucket_cap_bytes
-  double segment_mib = 1;   // ExchangeOptions::segment_bytes
-  int channels = 2;         // GlooOptions::channels
+  double bucket_mib = 25;  // ExchangeOptions::bucket_cap_bytes
+  double segment_mib = 1;  // ExchangeOptions::segment_bytes
+  int channels = 2;        // GlooOptions::channels
   int helper_nice = ExchangeOptions().helper_nice;
-  std::string trace_dir;    // --trace: one Chrome trace JSON per variant and rank
-  int blas_threads = 1;     // OpenBLAS threads per process (the geometry's GEMMs)
-  int loop_nice = 0;        // GlooOptions::loop_nice
-  std::string variants = "fp32,bf16,two_phase:fp8_e4m3,allgather:fp8_e4m3,two_phase:nvfp4,"
-                         "two_phase:fp8_e4m3:lowrank";
+  std::string trace_dir;  // --trace: one Chrome trace JSON per variant and rank
+  int blas_threads = 1;   // OpenBLAS threads per process (the geometry's GEMMs)
+  int loop_nice = 0;      // GlooOptions::loop_nice
+  std::string variants =
+      "fp32,bf16,two_phase:fp8_e4m3,allgather:fp8_e4m3,two_phase:nvfp4,"
+      "two_phase:fp8_e4m3:lowrank";
   // Process mode: this process is rank `rank`, rendezvousing through a shared directory.
   int rank = -1;
   std::string store_dir;
@@ -64,19 +65,23 @@ struct Args {
 void PrintHelp() {
   std::printf(
       "usage: %s [--ranks N] [--mib M] [--iters K] [--warmup W] [--variants LIST]\n"
-      "          [--cols C] [--geometry-rank K] [--timeout-s S] [--bucket-mib B] [--segment-mib S]\n"
-      "          [--channels 1|2] [--helper-nice N] [--loop-nice N] [--trace DIR] [--blas-threads T]\n"
+      "          [--cols C] [--geometry-rank K] [--timeout-s S] [--bucket-mib B] [--segment-mib "
+      "S]\n"
+      "          [--channels 1|2] [--helper-nice N] [--loop-nice N] [--trace DIR] [--blas-threads "
+      "T]\n"
       "          [--rank R --store-dir DIR [--hostname H] [--prefix P]]\n"
       "  --variants   comma list of fp32, bf16, ALGO:FORMAT[:lowrank|:diag] with ALGO two_phase\n"
       "               or allgather (default %s)\n"
       "  --channels   Gloo connection meshes per rank: 2 (default) lets two_phase overlap its\n"
-      "               all-gathers with its next all-to-alls on a side channel; 1 runs them in turn\n"
+      "               all-gathers with its next all-to-alls on a side channel; 1 runs them in "
+      "turn\n"
       "  --helper-nice niceness added to the pipeline's codec thread, 0-19 (default %d)\n"
       "  --loop-nice  niceness added to Gloo's event-loop thread, 0-19 (default 0)\n"
       "  --trace      write DIR/VARIANT.rankR.json, a Chrome trace (ui.perfetto.dev) of every\n"
       "               step's collectives and codec stages per lane\n"
       "  --blas-threads OpenBLAS threads for the geometry's GEMMs (default 1: the ranks already\n"
-      "               share the cores; more, from several rank threads at once, is many times slower)\n"
+      "               share the cores; more, from several rank threads at once, is many times "
+      "slower)\n"
       "  --rank       process mode: run only rank R; all ranks share --store-dir (a FileStore)\n"
       "               and listen on --hostname. Without --rank, ranks run as threads.\n",
       kProg, Args().variants.c_str(), Args().helper_nice);
@@ -104,38 +109,64 @@ Args ParseArgs(int argc, char** argv) {
     }
     if (i + 1 >= argc) UsageError(flag, "missing value", "end of arguments");
     const std::string v = argv[++i];
-    if (flag == "--ranks") a.ranks = ParseNumber<int>(flag, v);
-    else if (flag == "--mib") a.mib = ParseNumber<double>(flag, v);
-    else if (flag == "--iters") a.iters = ParseNumber<int>(flag, v);
-    else if (flag == "--warmup") a.warmup = ParseNumber<int>(flag, v);
-    else if (flag == "--cols") a.cols = ParseNumber<int64_t>(flag, v);
-    else if (flag == "--geometry-rank") a.geometry_rank = ParseNumber<int>(flag, v);
-    else if (flag == "--timeout-s") a.timeout_s = ParseNumber<double>(flag, v);
-    else if (flag == "--variants") a.variants = v;
-    else if (flag == "--bucket-mib") a.bucket_mib = ParseNumber<double>(flag, v);
-    else if (flag == "--segment-mib") a.segment_mib = ParseNumber<double>(flag, v);
-    else if (flag == "--channels") a.channels = ParseNumber<int>(flag, v);
-    else if (flag == "--helper-nice") a.helper_nice = ParseNumber<int>(flag, v);
-    else if (flag == "--trace") a.trace_dir = v;
-    else if (flag == "--blas-threads") a.blas_threads = ParseNumber<int>(flag, v);
-    else if (flag == "--loop-nice") a.loop_nice = ParseNumber<int>(flag, v);
-    else if (flag == "--rank") a.rank = ParseNumber<int>(flag, v);
-    else if (flag == "--store-dir") a.store_dir = v;
-    else if (flag == "--hostname") a.hostname = v;
-    else if (flag == "--prefix") a.prefix = v;
-    else UsageError(flag, "unknown option", flag);
+    if (flag == "--ranks")
+      a.ranks = ParseNumber<int>(flag, v);
+    else if (flag == "--mib")
+      a.mib = ParseNumber<double>(flag, v);
+    else if (flag == "--iters")
+      a.iters = ParseNumber<int>(flag, v);
+    else if (flag == "--warmup")
+      a.warmup = ParseNumber<int>(flag, v);
+    else if (flag == "--cols")
+      a.cols = ParseNumber<int64_t>(flag, v);
+    else if (flag == "--geometry-rank")
+      a.geometry_rank = ParseNumber<int>(flag, v);
+    else if (flag == "--timeout-s")
+      a.timeout_s = ParseNumber<double>(flag, v);
+    else if (flag == "--variants")
+      a.variants = v;
+    else if (flag == "--bucket-mib")
+      a.bucket_mib = ParseNumber<double>(flag, v);
+    else if (flag == "--segment-mib")
+      a.segment_mib = ParseNumber<double>(flag, v);
+    else if (flag == "--channels")
+      a.channels = ParseNumber<int>(flag, v);
+    else if (flag == "--helper-nice")
+      a.helper_nice = ParseNumber<int>(flag, v);
+    else if (flag == "--trace")
+      a.trace_dir = v;
+    else if (flag == "--blas-threads")
+      a.blas_threads = ParseNumber<int>(flag, v);
+    else if (flag == "--loop-nice")
+      a.loop_nice = ParseNumber<int>(flag, v);
+    else if (flag == "--rank")
+      a.rank = ParseNumber<int>(flag, v);
+    else if (flag == "--store-dir")
+      a.store_dir = v;
+    else if (flag == "--hostname")
+      a.hostname = v;
+    else if (flag == "--prefix")
+      a.prefix = v;
+    else
+      UsageError(flag, "unknown option", flag);
   }
   if (a.ranks < 1) UsageError("--ranks", "must be >= 1", std::to_string(a.ranks));
   if (!(a.mib > 0)) UsageError("--mib", "must be positive", std::to_string(a.mib));
   if (a.iters < 1) UsageError("--iters", "must be >= 1", std::to_string(a.iters));
   if (a.warmup < 0) UsageError("--warmup", "must be >= 0", std::to_string(a.warmup));
   if (a.cols < 1) UsageError("--cols", "must be >= 1", std::to_string(a.cols));
-  if (a.geometry_rank < 1) UsageError("--geometry-rank", "must be >= 1", std::to_string(a.geometry_rank));
-  if (!(a.timeout_s > 0)) UsageError("--timeout-s", "must be positive", std::to_string(a.timeout_s));
-  if (!(a.bucket_mib > 0)) UsageError("--bucket-mib", "must be positive", std::to_string(a.bucket_mib));
-  if (!(a.segment_mib > 0)) UsageError("--segment-mib", "must be positive", std::to_string(a.segment_mib));
-  if (a.channels != 1 && a.channels != 2) UsageError("--channels", "must be 1 or 2", std::to_string(a.channels));
-  if (a.blas_threads < 1) UsageError("--blas-threads", "must be >= 1", std::to_string(a.blas_threads));
+  if (a.geometry_rank < 1)
+    UsageError("--geometry-rank", "must be >= 1", std::to_string(a.geometry_rank));
+  if (!(a.timeout_s > 0))
+    UsageError("--timeout-s", "must be positive", std::to_string(a.timeout_s));
+  if (!(a.bucket_mib > 0))
+    UsageError("--bucket-mib", "must be positive", std::to_string(a.bucket_mib));
+  if (!(a.segment_mib > 0))
+    UsageError("--segment-mib", "must be positive", std::to_string(a.segment_mib));
+  if (a.channels != 1 && a.channels != 2)
+    UsageError("--channels", "must be 1 or 2", std::to_string(a.channels));
+  if (a.blas_threads < 1)
+    UsageError("--blas-threads", "must be >= 1", std::to_string(a.blas_threads));
   if (a.loop_nice < 0 || a.loop_nice > 19) {
     UsageError("--loop-nice", "must be in [0, 19]", std::to_string(a.loop_nice));
   }
@@ -146,7 +177,8 @@ Args ParseArgs(int argc, char** argv) {
     UsageError("--trace", "not a directory", a.trace_dir);
   }
   if (a.rank >= a.ranks) UsageError("--rank", "must be < --ranks", std::to_string(a.rank));
-  if (a.rank >= 0 && a.store_dir.empty()) UsageError("--store-dir", "required with --rank", "empty");
+  if (a.rank >= 0 && a.store_dir.empty())
+    UsageError("--store-dir", "required with --rank", "empty");
   return a;
 }
 
@@ -169,7 +201,8 @@ std::vector<Variant> ParseVariants(const Args& a) {
     v.label = item;
     const auto algo = ParseAlgorithm(parts[0]);
     if (!algo || *algo == Algorithm::kNative) {
-      UsageError("--variants", std::string("unknown algorithm, accepted: fp32, bf16, two_phase, allgather"),
+      UsageError("--variants",
+                 std::string("unknown algorithm, accepted: fp32, bf16, two_phase, allgather"),
                  parts[0]);
     }
     v.algorithm = *algo;
@@ -177,13 +210,15 @@ std::vector<Variant> ParseVariants(const Args& a) {
       if (parts.size() < 2) UsageError("--variants", "needs ALGO:FORMAT", item);
       const auto fmt = ParseFormat(parts[1]);
       if (!fmt) {
-        UsageError("--variants", "unknown format, accepted: " + std::string(AcceptedFormats()), parts[1]);
+        UsageError("--variants", "unknown format, accepted: " + std::string(AcceptedFormats()),
+                   parts[1]);
       }
       v.policy.format = *fmt;
       if (parts.size() >= 3) {
         const auto g = ParseGeometryMode(parts[2]);
         if (!g) {
-          UsageError("--variants", "unknown geometry, accepted: " + std::string(AcceptedGeometryModes()),
+          UsageError("--variants",
+                     "unknown geometry, accepted: " + std::string(AcceptedGeometryModes()),
                      parts[2]);
         }
         v.policy.geometry = *g;
@@ -245,7 +280,8 @@ struct Row {
 std::vector<Row> RunRank(Communicator& comm, const Args& a, const std::vector<Variant>& variants) {
   const auto base_layers = MakeLayers(a);
   std::vector<std::vector<float>> input(base_layers.size());
-  for (size_t l = 0; l < base_layers.size(); ++l) input[l] = MakeGradient(base_layers[l], comm.rank(), l);
+  for (size_t l = 0; l < base_layers.size(); ++l)
+    input[l] = MakeGradient(base_layers[l], comm.rank(), l);
   std::vector<std::vector<float>> work = input;
   std::vector<std::vector<float>> fp32_result;
   std::vector<Row> rows;
@@ -271,12 +307,14 @@ std::vector<Row> RunRank(Communicator& comm, const Args& a, const std::vector<Va
     std::vector<double> times;
     uint64_t wire = 0;
     for (int it = 0; it < warmup + a.iters; ++it) {
-      for (size_t l = 0; l < work.size(); ++l) std::copy(input[l].begin(), input[l].end(), work[l].begin());
+      for (size_t l = 0; l < work.size(); ++l)
+        std::copy(input[l].begin(), input[l].end(), work[l].begin());
       std::vector<std::span<float>> grads(work.begin(), work.end());
       comm.Barrier();
       const auto t0 = std::chrono::steady_clock::now();
       const StepResult r = ex.Exchange(it, grads);
-      const double us = std::chrono::duration<double, std::micro>(std::chrono::steady_clock::now() - t0).count();
+      const double us =
+          std::chrono::duration<double, std::micro>(std::chrono::steady_clock::now() - t0).count();
       // The step takes as long as its slowest rank.
       const double slowest = comm.MaxReduce(static_cast<uint32_t>(std::min(us, 4e9)));
       if (it >= warmup) {
@@ -287,8 +325,8 @@ std::vector<Row> RunRank(Communicator& comm, const Args& a, const std::vector<Va
     if (options.trace) {
       std::string name = v.label;
       std::replace(name.begin(), name.end(), ':', '_');
-      trace.WriteChromeJson(a.trace_dir + "/" + name + ".rank" + std::to_string(comm.rank()) + ".json",
-                            comm.rank());
+      trace.WriteChromeJson(
+          a.trace_dir + "/" + name + ".rank" + std::to_string(comm.rank()) + ".json", comm.rank());
     }
     if (v.algorithm == Algorithm::kFp32 && fp32_result.empty()) fp32_result = work;
     Row row;
@@ -317,19 +355,20 @@ std::vector<Row> RunRank(Communicator& comm, const Args& a, const std::vector<Va
 void Print(const Args& a, const std::vector<Row>& rows, bool processes) {
   const auto layers = MakeLayers(a);
   const double bytes = a.mib * (1 << 20);
-  std::printf("exchange: %d ranks (%s, gloo tcp, %d channel%s), %.1f MiB fp32 per rank in %zu layers of up to %lldx%lld, "
-              "buckets of %.0f MiB, median of %d iters, OpenBLAS core %s, %d thread%s\n",
-              a.ranks, processes ? "processes" : "threads", a.channels, a.channels == 1 ? "" : "s",
-              a.mib, layers.size(),
-              static_cast<long long>(layers[0].rows), static_cast<long long>(layers[0].cols),
-              a.bucket_mib, a.iters, model::BlasCoreName().c_str(), a.blas_threads,
-              a.blas_threads == 1 ? "" : "s");
+  std::printf(
+      "exchange: %d ranks (%s, gloo tcp, %d channel%s), %.1f MiB fp32 per rank in %zu layers of up "
+      "to %lldx%lld, "
+      "buckets of %.0f MiB, median of %d iters, OpenBLAS core %s, %d thread%s\n",
+      a.ranks, processes ? "processes" : "threads", a.channels, a.channels == 1 ? "" : "s", a.mib,
+      layers.size(), static_cast<long long>(layers[0].rows), static_cast<long long>(layers[0].cols),
+      a.bucket_mib, a.iters, model::BlasCoreName().c_str(), a.blas_threads,
+      a.blas_threads == 1 ? "" : "s");
   double fp32_ms = 0;
   for (const auto& r : rows) {
     if (r.label == "fp32") fp32_ms = r.median_ms;
   }
-  std::printf("%-30s %10s %14s %11s %9s %10s\n", "variant", "time_ms", "wire_MiB/rank", "busbw_GB/s",
-              "vs_fp32", "rel_err");
+  std::printf("%-30s %10s %14s %11s %9s %10s\n", "variant", "time_ms", "wire_MiB/rank",
+              "busbw_GB/s", "vs_fp32", "rel_err");
   for (const auto& r : rows) {
     const double algbw = bytes / (r.median_ms / 1000.0) / 1e9;
     const double busbw = algbw * 2.0 * (a.ranks - 1) / a.ranks;
@@ -356,7 +395,8 @@ int RunExchangeBench(int argc, char** argv) {
   go.loop_nice = a.loop_nice;
   go.timeout = std::chrono::milliseconds(static_cast<int64_t>(a.timeout_s * 1000));
   return RunRanks<Row>(
-      kProg, a.ranks, a.rank, a.store_dir, go, [&](Communicator& comm) { return RunRank(comm, a, variants); },
+      kProg, a.ranks, a.rank, a.store_dir, go,
+      [&](Communicator& comm) { return RunRank(comm, a, variants); },
       [&](const std::vector<Row>& rows, bool processes) { Print(a, rows, processes); });
 }
 

@@ -47,8 +47,8 @@ struct Args {
                                            SyntheticFamily::kLowRankNoise};
   std::vector<double> decays = {0.5, 1.0, 1.5, 2.0};
   bool require_target = false;  // exit 1 if any quality case with fit >= 0.99 misses the target
-  std::string grads;        // a geofp8-train --dump-grads step folder: real-gradient table only
-  std::string grads_stale;  // an earlier step folder of the same run: the stale basis
+  std::string grads;            // a geofp8-train --dump-grads step folder: real-gradient table only
+  std::string grads_stale;      // an earlier step folder of the same run: the stale basis
 };
 
 [[noreturn]] void UsageError(const std::string& field, const std::string& problem,
@@ -80,14 +80,16 @@ double ParseDouble(const std::string& flag, const char* text) {
   char* end = nullptr;
   errno = 0;
   const double v = std::strtod(text, &end);
-  if (!*text || *end != '\0' || errno != 0 || !std::isfinite(v)) UsageError(flag, "not a number", text);
+  if (!*text || *end != '\0' || errno != 0 || !std::isfinite(v))
+    UsageError(flag, "not a number", text);
   return v;
 }
 
 int ParseInt(const std::string& flag, const char* text, int lo, int hi) {
   const double v = ParseDouble(flag, text);
   if (v != std::floor(v)) UsageError(flag, "not an integer", text);
-  if (v < lo || v > hi) UsageError(flag, "must be in [" + std::to_string(lo) + ", " + std::to_string(hi) + "]", text);
+  if (v < lo || v > hi)
+    UsageError(flag, "must be in [" + std::to_string(lo) + ", " + std::to_string(hi) + "]", text);
   return static_cast<int>(v);
 }
 
@@ -142,7 +144,8 @@ Args ParseArgs(int argc, char** argv) {
       a.rank = ParseInt(flag, value(), 1, 4096);
     } else if (flag == "--drift") {
       a.drift = ParseDouble(flag, value());
-      if (a.drift < 0 || a.drift > 10) UsageError(flag, "must be in [0, 10]", std::to_string(a.drift));
+      if (a.drift < 0 || a.drift > 10)
+        UsageError(flag, "must be in [0, 10]", std::to_string(a.drift));
     } else if (flag == "--seed") {
       a.seed = static_cast<uint64_t>(ParseInt(flag, value(), 0, 1 << 30));
     } else if (flag == "--shapes") {
@@ -301,11 +304,15 @@ std::string Gain(double g) { return g < 1 ? Fmt("%.2g", g) : Fmt("%.1f", g); }
 
 // Prints one table per codec; counts the (fresh|stale) cases with fit >= 0.99 meeting the target.
 void PrintQualityTables(const std::vector<CodecCase>& codecs,
-                        const std::vector<std::vector<QualityRow>>& rows, int* met, int* applicable) {
+                        const std::vector<std::vector<QualityRow>>& rows, int* met,
+                        int* applicable) {
   for (size_t c = 0; c < codecs.size(); ++c) {
     std::printf("#### %s\n\n", codecs[c].label);
-    std::printf("| matrix | p | fit | bound | drift | euclid worst | fresh worst | stale worst | diag worst "
-                "| gain fresh | gain stale | gain diag | euclid rel_fro | fro fresh | fro stale | target |\n");
+    std::printf(
+        "| matrix | p | fit | bound | drift | euclid worst | fresh worst | stale worst | diag "
+        "worst "
+        "| gain fresh | gain stale | gain diag | euclid rel_fro | fro fresh | fro stale | target "
+        "|\n");
     std::printf("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|\n");
     for (const QualityRow& r : rows[c]) {
       const double gf = r.euclid.worst / std::max(r.fresh.worst, 1e-300);
@@ -326,13 +333,15 @@ void PrintQualityTables(const std::vector<CodecCase>& codecs,
         }
       }
       const std::string dash = "-";
-      std::printf("| %s | %s | %.2f | %.3g | %s | %.3g | %.3g | %s | %s | %s | %s | %s | %.3g | %.2f | %s | %s |\n",
-                  r.matrix.c_str(), r.p.c_str(), r.fitted, r.bound,
-                  r.has_stale ? Fmt("%.3f", r.drift).c_str() : "-", r.euclid.worst, r.fresh.worst,
-                  r.has_stale ? Fmt("%.3g", r.stale.worst).c_str() : "-",
-                  r.has_diag ? Fmt("%.3g", r.diag.worst).c_str() : "-", Gain(gf).c_str(),
-                  r.has_stale ? Gain(gs).c_str() : "-", r.has_diag ? Gain(gd).c_str() : "-",
-                  r.euclid.rel_fro, ff, r.has_stale ? Fmt("%.2f", fs).c_str() : "-", target.c_str());
+      std::printf(
+          "| %s | %s | %.2f | %.3g | %s | %.3g | %.3g | %s | %s | %s | %s | %s | %.3g | %.2f | %s "
+          "| %s |\n",
+          r.matrix.c_str(), r.p.c_str(), r.fitted, r.bound,
+          r.has_stale ? Fmt("%.3f", r.drift).c_str() : "-", r.euclid.worst, r.fresh.worst,
+          r.has_stale ? Fmt("%.3g", r.stale.worst).c_str() : "-",
+          r.has_diag ? Fmt("%.3g", r.diag.worst).c_str() : "-", Gain(gf).c_str(),
+          r.has_stale ? Gain(gs).c_str() : "-", r.has_diag ? Gain(gd).c_str() : "-",
+          r.euclid.rel_fro, ff, r.has_stale ? Fmt("%.2f", fs).c_str() : "-", target.c_str());
     }
     std::printf("\n");
   }
@@ -374,28 +383,34 @@ int RunQuality(const Args& a) {
         dg.mode = GeometryMode::kDiag;
         const Geometry diag = EstimateGeometry(g_prev, s.m, s.n, dg, nullptr).geometry;
         char name[96];
-        std::snprintf(name, sizeof(name), "%s %lldx%lld", std::string(SyntheticFamilyName(fam)).c_str(),
-                      static_cast<long long>(s.m), static_cast<long long>(s.n));
-        EvaluateMatrix(name, Fmt("%.1f", p), g, s.m, s.n, fresh, &stale, &diag, a.rank, codecs, rows);
+        std::snprintf(name, sizeof(name), "%s %lldx%lld",
+                      std::string(SyntheticFamilyName(fam)).c_str(), static_cast<long long>(s.m),
+                      static_cast<long long>(s.n));
+        EvaluateMatrix(name, Fmt("%.1f", p), g, s.m, s.n, fresh, &stale, &diag, a.rank, codecs,
+                       rows);
         std::fprintf(stderr, "  [%6.1fs] %s p=%.1f done\n", Seconds(t_start), name, p);
       }
     }
   }
-  std::printf("### Quality: worst_band_error and rel_fro_error, lowrank k=%d (alpha 0.25), seed %llu\n\n",
-              a.rank, static_cast<unsigned long long>(a.seed));
-  std::printf("gain = euclid worst_band_error / geometry worst_band_error; fro = geometry rel_fro / "
-              "euclid rel_fro.\nfresh: refreshed on this gradient (q=1, warm from stale); stale: "
-              "estimated on the drifted twin (drift --drift %.2f; `drift` column = measured "
-              "subspace distance stale->fresh); diag: estimated on the twin.\n"
-              "p = generator parameter; fit = fitted decay exponent of the singular values (top half).\n"
-              "%s"
-              "target (fit >= 0.99, i.e. decay at least i^-1 within the fit's round-off): gain >= 3 and "
-              "fro <= 1.1, shown for fresh/stale.\n\n",
-              a.drift, kBoundNote);
+  std::printf(
+      "### Quality: worst_band_error and rel_fro_error, lowrank k=%d (alpha 0.25), seed %llu\n\n",
+      a.rank, static_cast<unsigned long long>(a.seed));
+  std::printf(
+      "gain = euclid worst_band_error / geometry worst_band_error; fro = geometry rel_fro / "
+      "euclid rel_fro.\nfresh: refreshed on this gradient (q=1, warm from stale); stale: "
+      "estimated on the drifted twin (drift --drift %.2f; `drift` column = measured "
+      "subspace distance stale->fresh); diag: estimated on the twin.\n"
+      "p = generator parameter; fit = fitted decay exponent of the singular values (top half).\n"
+      "%s"
+      "target (fit >= 0.99, i.e. decay at least i^-1 within the fit's round-off): gain >= 3 and "
+      "fro <= 1.1, shown for fresh/stale.\n\n",
+      a.drift, kBoundNote);
   int met = 0, applicable = 0;
   PrintQualityTables(codecs, rows, &met, &applicable);
-  std::printf("target met on %d of %d (matrix, format, fresh|stale) cases with fit >= 0.99; quality "
-              "suite took %.1f s\n\n", met, applicable, Seconds(t_start));
+  std::printf(
+      "target met on %d of %d (matrix, format, fresh|stale) cases with fit >= 0.99; quality "
+      "suite took %.1f s\n\n",
+      met, applicable, Seconds(t_start));
   if (a.require_target && met != applicable) {
     std::fprintf(stderr, "%s: error: --require-target: %d case(s) missed the target\n", kProg,
                  applicable - met);
@@ -420,7 +435,8 @@ int RunGrads(const Args& a) {
       ++skipped;
       continue;
     }
-    const std::vector<float> g = ReadMatrix(kProg, a.grads, l.name, l.avg, l.rows, l.cols, "--grads");
+    const std::vector<float> g =
+        ReadMatrix(kProg, a.grads, l.name, l.avg, l.rows, l.cols, "--grads");
     GeometryOptions lo;
     lo.mode = GeometryMode::kLowRank;
     lo.rank = a.rank;
@@ -431,10 +447,13 @@ int RunGrads(const Args& a) {
       auto it = std::find_if(stale_layers.begin(), stale_layers.end(),
                              [&](const DumpedLayer& s) { return s.name == l.name; });
       if (it == stale_layers.end() || it->rows != l.rows || it->cols != l.cols) {
-        UsageError("--grads-stale", "no layer " + l.name + " of shape " + std::to_string(l.rows) +
-                                        "x" + std::to_string(l.cols), a.grads_stale);
+        UsageError("--grads-stale",
+                   "no layer " + l.name + " of shape " + std::to_string(l.rows) + "x" +
+                       std::to_string(l.cols),
+                   a.grads_stale);
       }
-      const std::vector<float> g_prev = ReadMatrix(kProg, a.grads_stale, it->name, it->avg, it->rows, it->cols, "--grads-stale");
+      const std::vector<float> g_prev =
+          ReadMatrix(kProg, a.grads_stale, it->name, it->avg, it->rows, it->cols, "--grads-stale");
       lo.power_iters = 4;  // the earlier step's basis, as a warm-started history would leave it
       stale = EstimateGeometry(g_prev, l.rows, l.cols, lo, nullptr).geometry;
       lo.power_iters = 1;  // one refresh on this step, warm from it
@@ -452,20 +471,24 @@ int RunGrads(const Args& a) {
     std::fprintf(stderr, "  [%6.1fs] %s done\n", Seconds(t_start), name.c_str());
   }
   std::printf("### Real gradients: %s, lowrank k=%d (alpha 0.25)\n\n", a.grads.c_str(), a.rank);
-  std::printf("Averaged gradients from `geofp8-train --dump-grads`; %d 1-D layer(s) skipped (always "
-              "geometry none).\nfresh: %s; stale: %s; diag: estimated on this gradient.\n%s"
-              "Same columns and target as the synthetic suite (gain >= 3 and fro <= 1.1 where fit >= 0.99).\n\n",
-              skipped,
-              stale_layers.empty() ? "cold estimate on this gradient (q=4)"
-                                   : "one q=1 refresh on this gradient, warm from the stale basis",
-              stale_layers.empty() ? "none given (--grads-stale)"
-                                   : ("estimated (q=4) on the same layer in " + a.grads_stale +
-                                      "; `drift` = measured subspace distance stale->fresh").c_str(),
-              kBoundNote);
+  std::printf(
+      "Averaged gradients from `geofp8-train --dump-grads`; %d 1-D layer(s) skipped (always "
+      "geometry none).\nfresh: %s; stale: %s; diag: estimated on this gradient.\n%s"
+      "Same columns and target as the synthetic suite (gain >= 3 and fro <= 1.1 where fit >= "
+      "0.99).\n\n",
+      skipped,
+      stale_layers.empty() ? "cold estimate on this gradient (q=4)"
+                           : "one q=1 refresh on this gradient, warm from the stale basis",
+      stale_layers.empty() ? "none given (--grads-stale)"
+                           : ("estimated (q=4) on the same layer in " + a.grads_stale +
+                              "; `drift` = measured subspace distance stale->fresh")
+                                 .c_str(),
+      kBoundNote);
   int met = 0, applicable = 0;
   PrintQualityTables(codecs, rows, &met, &applicable);
-  std::printf("target met on %d of %d (layer, format, fresh|stale) cases with fit >= 0.99; took %.1f s\n\n",
-              met, applicable, Seconds(t_start));
+  std::printf(
+      "target met on %d of %d (layer, format, fresh|stale) cases with fit >= 0.99; took %.1f s\n\n",
+      met, applicable, Seconds(t_start));
   return 0;
 }
 
@@ -477,12 +500,14 @@ int RunGrads(const Args& a) {
 void RunSketchCost(const Args& a, const std::vector<Shape>& shapes) {
   const FactorSketchOptions so;  // width 8, probes 4: G X has 12 columns, Q^T G 20 rows
   const int cx = so.width + so.probes, ca = so.width + cx;
-  std::printf("### Cost of the ema estimator: one FactorSketch update (width %d, probes %d) vs "
-              "apply + inverse at k = 8 and sgemm m x n x %d (the FLOPs of its two products over "
-              "G), %d BLAS thread(s), median of %d interleaved reps\n\n",
-              so.width, so.probes, cx + ca, a.threads, a.reps);
-  std::printf("| shape | sketch update ms | apply+inverse ms | sgemm ms | update / sgemm | update / "
-              "transform | state held KiB | scratch KiB |\n|---|---|---|---|---|---|---|---|\n");
+  std::printf(
+      "### Cost of the ema estimator: one FactorSketch update (width %d, probes %d) vs "
+      "apply + inverse at k = 8 and sgemm m x n x %d (the FLOPs of its two products over "
+      "G), %d BLAS thread(s), median of %d interleaved reps\n\n",
+      so.width, so.probes, cx + ca, a.threads, a.reps);
+  std::printf(
+      "| shape | sketch update ms | apply+inverse ms | sgemm ms | update / sgemm | update / "
+      "transform | state held KiB | scratch KiB |\n|---|---|---|---|---|---|---|---|\n");
   for (const Shape& s : shapes) {
     const int64_t m = s.m, n = s.n;
     const std::vector<float> g =
@@ -530,19 +555,24 @@ int RunCost(const Args& a) {
     shapes = {{1024, 1024}, {2048, 2048}, {4096, 1024}};
     if (a.large) shapes.push_back({4096, 4096});
   }
-  std::printf("### Cost: apply + inverse vs sgemm of the same FLOPs (16 m n k), %d BLAS thread(s), "
-              "median of %d interleaved reps\n\n", a.threads, a.reps);
-  std::printf("unfused = ApplyGeometry in place, Encode of 4 block-aligned chunks (fp8_e4m3 block 128, "
-              "as two_phase at 4 ranks), Decode of the 4 chunks, InvertGeometry in place; fused = "
-              "EncodeWithGeometry + DecodeWithGeometry (kernels/geometry/fused.h) on the same "
-              "chunks, checked bit-identical to unfused.\n\n");
-  std::printf("| shape | k | apply+inverse ns/elem | GFLOP/s | sgemm m x n x 8k GFLOP/s | ratio to sgemm "
-              "| refresh q=1 ms | fp8 enc+dec ns/elem | transform / codec | unfused ns/elem "
-              "| fused ns/elem | fused / unfused |\n");
+  std::printf(
+      "### Cost: apply + inverse vs sgemm of the same FLOPs (16 m n k), %d BLAS thread(s), "
+      "median of %d interleaved reps\n\n",
+      a.threads, a.reps);
+  std::printf(
+      "unfused = ApplyGeometry in place, Encode of 4 block-aligned chunks (fp8_e4m3 block 128, "
+      "as two_phase at 4 ranks), Decode of the 4 chunks, InvertGeometry in place; fused = "
+      "EncodeWithGeometry + DecodeWithGeometry (kernels/geometry/fused.h) on the same "
+      "chunks, checked bit-identical to unfused.\n\n");
+  std::printf(
+      "| shape | k | apply+inverse ns/elem | GFLOP/s | sgemm m x n x 8k GFLOP/s | ratio to sgemm "
+      "| refresh q=1 ms | fp8 enc+dec ns/elem | transform / codec | unfused ns/elem "
+      "| fused ns/elem | fused / unfused |\n");
   std::printf("|---|---|---|---|---|---|---|---|---|---|---|---|\n");
   for (const Shape& s : shapes) {
     const int64_t m = s.m, n = s.n, elems = m * n;
-    const std::vector<float> g = MakeSyntheticGradient({SyntheticFamily::kSpectral, m, n, 1.0, a.seed, 0});
+    const std::vector<float> g =
+        MakeSyntheticGradient({SyntheticFamily::kSpectral, m, n, 1.0, a.seed, 0});
     // Codec baseline: fp8_e4m3 block(128) encode + decode of the same matrix.
     CodecOptions co;
     std::vector<uint8_t> wire(EncodedBytes(co, g.size()));
@@ -569,9 +599,10 @@ int RunCost(const Args& a) {
       // Transform and its sgemm baseline are timed interleaved, rep by rep, so a load change on
       // a shared machine hits both alike and the ratio stays meaningful.
       const bool lowrank = geo.mode == GeometryMode::kLowRank;
-      const int64_t kk = lowrank ? 8 * geo.k : 0;  // C (m x n) = A (m x 8k) B (8k x n): 16 m n k FLOP
-      std::vector<float> A(static_cast<size_t>(m * kk), 0.5f), B(static_cast<size_t>(kk * n), 0.25f),
-          C(lowrank ? static_cast<size_t>(m * n) : 0);
+      const int64_t kk =
+          lowrank ? 8 * geo.k : 0;  // C (m x n) = A (m x 8k) B (8k x n): 16 m n k FLOP
+      std::vector<float> A(static_cast<size_t>(m * kk), 0.5f),
+          B(static_cast<size_t>(kk * n), 0.25f), C(lowrank ? static_cast<size_t>(m * n) : 0);
       std::vector<float> x(g.size()), y_u(g.size()), y_f(g.size());
       std::vector<std::vector<uint8_t>> wire_u(kChunks), wire_f(kChunks);
       std::vector<FusedEncodeTarget> targets(kChunks);
@@ -603,12 +634,13 @@ int RunCost(const Args& a) {
         t0 = std::chrono::steady_clock::now();
         ApplyGeometry(geo, x);
         for (int j = 0; j < kChunks; ++j) {
-          Encode(std::span<const float>(x).subspan(chunks[j].first, chunks[j].second - chunks[j].first),
+          Encode(std::span<const float>(x).subspan(chunks[j].first,
+                                                   chunks[j].second - chunks[j].first),
                  co, wire_u[j]);
         }
         for (int j = 0; j < kChunks; ++j) {
-          Decode(wire_u[j],
-                 std::span<float>(y_u).subspan(chunks[j].first, chunks[j].second - chunks[j].first));
+          Decode(wire_u[j], std::span<float>(y_u).subspan(chunks[j].first,
+                                                          chunks[j].second - chunks[j].first));
         }
         InvertGeometry(geo, y_u);
         if (r) tu.push_back(Seconds(t0));
@@ -634,10 +666,11 @@ int RunCost(const Args& a) {
       char gf[32];
       std::snprintf(gf, sizeof(gf), "%.1f", flops > 0 ? flops / t * 1e-9 : 0.0);
       const double tun = Median(tu), tfu = Median(tf);
-      std::printf("| %lldx%lld | %s | %.2f | %s | %s | %s | %.1f | %.2f | %.2f | %.2f | %.2f | %.2f |\n",
-                  static_cast<long long>(m), static_cast<long long>(n), label.c_str(), t * 1e9 / elems,
-                  flops > 0 ? gf : "-", gemm.c_str(), ratio.c_str(), refresh_ms, codec_ns,
-                  t * 1e9 / elems / codec_ns, tun * 1e9 / elems, tfu * 1e9 / elems, tfu / tun);
+      std::printf(
+          "| %lldx%lld | %s | %.2f | %s | %s | %s | %.1f | %.2f | %.2f | %.2f | %.2f | %.2f |\n",
+          static_cast<long long>(m), static_cast<long long>(n), label.c_str(), t * 1e9 / elems,
+          flops > 0 ? gf : "-", gemm.c_str(), ratio.c_str(), refresh_ms, codec_ns,
+          t * 1e9 / elems / codec_ns, tun * 1e9 / elems, tfu * 1e9 / elems, tfu / tun);
       std::fflush(stdout);
     };
     for (int k : {8, 16, 32, 64}) {
@@ -677,7 +710,8 @@ int RunGeometryBench(int argc, char** argv) {
 
 }  // namespace
 
-GEOFP8_REGISTER_BENCH("geometry", "geometry transform: band-error quality vs Euclidean, cost vs sgemm",
+GEOFP8_REGISTER_BENCH("geometry",
+                      "geometry transform: band-error quality vs Euclidean, cost vs sgemm",
                       RunGeometryBench);
 
 }  // namespace geofp8::bench

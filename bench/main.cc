@@ -38,7 +38,8 @@ int main(int argc, char** argv) {
   // kernels/model/ops.h); the chosen core is part of what a run reports.
   std::string blas_warning;
   geofp8::model::ReexecWithPreferredBlasCore(argv, &blas_warning);
-  if (!blas_warning.empty()) std::fprintf(stderr, "geofp8-bench: warning: %s\n", blas_warning.c_str());
+  if (!blas_warning.empty())
+    std::fprintf(stderr, "geofp8-bench: warning: %s\n", blas_warning.c_str());
   if (argc < 2 || !std::strcmp(argv[1], "--help") || !std::strcmp(argv[1], "-h")) {
     Usage(argc < 2 ? stderr : stdout);
     return argc < 2 ? 2 : 0;

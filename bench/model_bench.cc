@@ -56,8 +56,8 @@ int RunModelBench(int argc, char** argv) {
   }
   auto config = model::PresetConfig(preset);
   if (!config) {
-    bench::UsageError(prog, "preset", "unknown preset, accepted: " +
-                                          std::string(model::AcceptedPresets()), preset);
+    bench::UsageError(prog, "preset",
+                      "unknown preset, accepted: " + std::string(model::AcceptedPresets()), preset);
   }
   if (seq == 0) seq = config->seq;
   if (batch < 1) bench::UsageError(prog, "batch", "must be >= 1", std::to_string(batch));
@@ -102,17 +102,19 @@ int RunModelBench(int argc, char** argv) {
   });
   const double gemm_gflops = 2.0 * M * N * K / gemm / 1e9, model_gflops = flop / fwd_bwd / 1e9;
 
-  std::printf("model bench: %s (%lld params), batch %d x seq %d = %d tokens, %d BLAS thread(s), "
-              "OpenBLAS core %s, median of %d\n",
-              preset.c_str(), static_cast<long long>(model::ParameterCount(*config)), batch, seq,
-              M, threads, model::BlasCoreName().c_str(), reps);
+  std::printf(
+      "model bench: %s (%lld params), batch %d x seq %d = %d tokens, %d BLAS thread(s), "
+      "OpenBLAS core %s, median of %d\n",
+      preset.c_str(), static_cast<long long>(model::ParameterCount(*config)), batch, seq, M,
+      threads, model::BlasCoreName().c_str(), reps);
   std::printf("%-26s %10s %10s\n", "phase", "ms", "GFLOP/s");
   std::printf("%-26s %10.3f %10s\n", "forward (loss only)", fwd * 1e3, "");
   std::printf("%-26s %10.3f %10.2f\n", "forward+backward", fwd_bwd * 1e3, model_gflops);
   std::printf("%-26s %10.3f %10s\n", "clip + AdamW", opt * 1e3, "");
-  std::printf("%-26s %10.3f %10.2f\n", ("sgemm " + std::to_string(M) + "x" + std::to_string(N) +
-                                        "x" + std::to_string(K)).c_str(),
-              gemm * 1e3, gemm_gflops);
+  std::printf(
+      "%-26s %10.3f %10.2f\n",
+      ("sgemm " + std::to_string(M) + "x" + std::to_string(N) + "x" + std::to_string(K)).c_str(),
+      gemm * 1e3, gemm_gflops);
   std::printf("forward+backward at %.2f of the sgemm's GFLOP/s; %.2f GFLOP per step\n",
               model_gflops / gemm_gflops, flop / 1e9);
   return 0;

@@ -8,8 +8,8 @@
 namespace geofp8::bench {
 
 struct Command {
-  std::string name;  // subcommand, e.g. "codec"
-  std::string help;  // one line for `geofp8-bench --help`
+  std::string name;                   // subcommand, e.g. "codec"
+  std::string help;                   // one line for `geofp8-bench --help`
   int (*run)(int argc, char** argv);  // argv[0] is the subcommand name
 };
 

@@ -17,11 +17,11 @@ namespace {
 
 struct AnalyzeArgs {
   CodecFlags codec;
-  std::string shape;               // "MxN": enables the band metrics
-  std::string geometry = "none";   // none, diag, lowrank
-  int rank = 16;                   // k of lowrank, and the band parameter
-  float alpha = 0.25f;             // whitening exponent
-  std::string basis_from;          // estimate the geometry on this gradient instead of --in
+  std::string shape;              // "MxN": enables the band metrics
+  std::string geometry = "none";  // none, diag, lowrank
+  int rank = 16;                  // k of lowrank, and the band parameter
+  float alpha = 0.25f;            // whitening exponent
+  std::string basis_from;         // estimate the geometry on this gradient instead of --in
 };
 
 std::string JsonNum(double v) {
@@ -125,9 +125,11 @@ void RunAnalyze(const AnalyzeArgs& a) {
   json.pop_back();  // reopen the object to append the geometry fields
   std::ostringstream os;
   os << json << ", \"shape\": [" << m << ", " << n << "], \"geometry\": \""
-     << GeometryModeName(*mode) << "\", \"rank\": " << (geo.mode == GeometryMode::kLowRank ? geo.k : a.rank)
-     << ", \"alpha\": " << JsonNum(a.alpha) << ", \"basis_from\": "
-     << (a.basis_from.empty() ? "null" : "\"" + a.basis_from + "\"") << ", \"band_errors\": [";
+     << GeometryModeName(*mode)
+     << "\", \"rank\": " << (geo.mode == GeometryMode::kLowRank ? geo.k : a.rank)
+     << ", \"alpha\": " << JsonNum(a.alpha)
+     << ", \"basis_from\": " << (a.basis_from.empty() ? "null" : "\"" + a.basis_from + "\"")
+     << ", \"band_errors\": [";
   for (size_t b = 0; b < bands.bands.size(); ++b) {
     const BandError& be = bands.bands[b];
     os << (b ? ", " : "") << "{\"begin\": " << be.begin << ", \"end\": " << be.end
@@ -154,8 +156,9 @@ void AddAnalyzeCommand(CLI::App& app) {
   cmd->add_option("--rank", args->rank, "k of lowrank, and the band parameter")
       ->capture_default_str();
   cmd->add_option("--alpha", args->alpha, "whitening exponent")->capture_default_str();
-  cmd->add_option("--basis-from", args->basis_from,
-                  "estimate the geometry on this float32 gradient (same shape) and apply it to --in");
+  cmd->add_option(
+      "--basis-from", args->basis_from,
+      "estimate the geometry on this float32 gradient (same shape) and apply it to --in");
   cmd->callback([args] { RunAnalyze(*args); });
 }
 

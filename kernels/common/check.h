@@ -40,16 +40,16 @@ template <typename E = Error, typename... Args>
 }  // namespace geofp8
 
 // GEOFP8_CHECK(cond, "message parts", value, ...): throw geofp8::Error if cond is false.
-#define GEOFP8_CHECK(cond, ...)                                                              \
-  do {                                                                                       \
-    if (!(cond)) [[unlikely]] {                                                              \
-      ::geofp8::detail::ThrowError(__FILE__, __LINE__, "check failed: " #cond ": " __VA_OPT__(, ) \
-                                       __VA_ARGS__);                                         \
-    }                                                                                        \
+#define GEOFP8_CHECK(cond, ...)                                                             \
+  do {                                                                                      \
+    if (!(cond)) [[unlikely]] {                                                             \
+      ::geofp8::detail::ThrowError(__FILE__, __LINE__,                                      \
+                                   "check failed: " #cond ": " __VA_OPT__(, ) __VA_ARGS__); \
+    }                                                                                       \
   } while (0)
 
 // GEOFP8_FAIL("message parts", ...): unconditional error (bad input reached the core).
 #define GEOFP8_FAIL(...) ::geofp8::detail::ThrowError(__FILE__, __LINE__, __VA_ARGS__)
 // GEOFP8_FAIL_TRANSPORT(...): the same, as a TransportError.
-#define GEOFP8_FAIL_TRANSPORT(...)                                                      \
+#define GEOFP8_FAIL_TRANSPORT(...) \
   ::geofp8::detail::ThrowError<::geofp8::TransportError>(__FILE__, __LINE__, __VA_ARGS__)

@@ -78,7 +78,8 @@ uint64_t AgreeFlags(Communicator& comm, uint64_t mine) {
 
 // The baselines reduce the whole bucket as one flat buffer, as DDP does, dividing as they copy.
 // Returns the flag bits of layers whose input holds a NaN or inf.
-uint64_t Flatten(std::span<const BucketLayer> layers, float divisor, UninitializedVector<float>& flat) {
+uint64_t Flatten(std::span<const BucketLayer> layers, float divisor,
+                 UninitializedVector<float>& flat) {
   size_t total = 0;
   for (const auto& l : layers) total += l.in.size();
   flat.resize(total);
@@ -153,10 +154,10 @@ uint64_t RunNative(Communicator& comm, std::span<const BucketLayer> layers, floa
 // destination j, layers follow each other in bucket order, and the all-gather block of rank j has
 // the same layout. allgather: rank j's all-gather block holds its whole encoded layers in order.
 struct Group {
-  size_t first = 0, last = 0;            // layers [first, last)
-  std::vector<size_t> counts;            // bytes of chunk j of all the group's layers
-  std::vector<size_t> dest_offset;       // offset of destination j's block in the send buffer
-  size_t total = 0;                      // sum of counts
+  size_t first = 0, last = 0;       // layers [first, last)
+  std::vector<size_t> counts;       // bytes of chunk j of all the group's layers
+  std::vector<size_t> dest_offset;  // offset of destination j's block in the send buffer
+  size_t total = 0;                 // sum of counts
   // The flags ride in the last group's first collective (two_phase's all-to-all, allgather's
   // all-gather): `tail` (8) bytes after each block on the wire, 0 for the other groups.
   size_t tail = 0;
@@ -171,7 +172,11 @@ class Pipeline {
  public:
   Pipeline(Communicator& comm, const AlgorithmOptions& ao, std::span<const BucketLayer> layers,
            bool two_phase, ExchangeWorkspace& ws)
-      : comm_(comm), ao_(ao), layers_(layers), two_phase_(two_phase), n_(comm.size()),
+      : comm_(comm),
+        ao_(ao),
+        layers_(layers),
+        two_phase_(two_phase),
+        n_(comm.size()),
         r_(comm.rank()) {
     const size_t L = layers.size();
     chunk_.assign(L, std::vector<ChunkRange>(n_));
@@ -395,8 +400,7 @@ class Pipeline {
       size_t off = g.WireOffset(j);
       for (size_t i = g.first; i < g.last; ++i) {
         const ChunkRange c = chunk_[i][j];
-        Encode(Divided(i, c), Options(i, r_, 1, j),
-               std::span(*g.send).subspan(off, bytes_[i][j]));
+        Encode(Divided(i, c), Options(i, r_, 1, j), std::span(*g.send).subspan(off, bytes_[i][j]));
         off += bytes_[i][j];
       }
     }
@@ -427,9 +431,9 @@ class Pipeline {
       for (size_t i = g.first; i < g.last; ++i) {
         std::fill(layers_[i].out.begin(), layers_[i].out.end(), 0.f);
         for (int src = 0; src < n_; ++src) {
-          DecodeAccumulate(
-              std::span<const uint8_t>(*g.all).subspan(g.WireOffset(src) + layer_off, bytes_[i][src]),
-              layers_[i].out);
+          DecodeAccumulate(std::span<const uint8_t>(*g.all).subspan(g.WireOffset(src) + layer_off,
+                                                                    bytes_[i][src]),
+                           layers_[i].out);
         }
         layer_off += bytes_[i][r_];
         if (layers_[i].geometry) InvertGeometry(*layers_[i].geometry, layers_[i].out);
@@ -481,8 +485,11 @@ class Pipeline {
         Group& g = groups_[pick];
         const int done = stage == 0 ? kEncoded : stage == kExchanged ? kRequantized : kDecoded;
         {
-          const char* what = stage == 0 ? "encode" : stage == kExchanged ? "sum_requantize" : "decode";
-          TraceScope span(ao_.trace, what, ExchangeTrace::kCodecLane, ao_.step, static_cast<int>(pick));
+          const char* what = stage == 0            ? "encode"
+                             : stage == kExchanged ? "sum_requantize"
+                                                   : "decode";
+          TraceScope span(ao_.trace, what, ExchangeTrace::kCodecLane, ao_.step,
+                          static_cast<int>(pick));
           if (stage == 0) {
             Encode1(g);
           } else if (stage == kExchanged) {
@@ -553,7 +560,8 @@ class Pipeline {
   void WaitAllDecoded() {
     std::unique_lock<std::mutex> lock(mu_);
     cv_.wait(lock, [&] {
-      return abort_ || std::all_of(state_.begin(), state_.end(), [](int v) { return v == kDecoded; });
+      return abort_ ||
+             std::all_of(state_.begin(), state_.end(), [](int v) { return v == kDecoded; });
     });
     if (abort_) throw Aborted();
   }
@@ -587,8 +595,8 @@ class Pipeline {
 
 }  // namespace
 
-uint64_t ExchangeBucketData(Communicator& comm, Algorithm algorithm, const AlgorithmOptions& options,
-                            std::span<const BucketLayer> layers) {
+uint64_t ExchangeBucketData(Communicator& comm, Algorithm algorithm,
+                            const AlgorithmOptions& options, std::span<const BucketLayer> layers) {
   for (const auto& l : layers) {
     GEOFP8_CHECK(l.in.size() == l.out.size(), "layer ", l.layer, ": input has ", l.in.size(),
                  " elements, output ", l.out.size());
@@ -626,8 +634,8 @@ uint64_t ExchangeBucketData(Communicator& comm, Algorithm algorithm, const Algor
       bad |= RunNative(comm, layers, options.divisor, ws);
       break;
     default:
-      GEOFP8_FAIL("algorithm: unknown value ", static_cast<int>(algorithm), " (accepted: ",
-                  AcceptedAlgorithms(), ")");
+      GEOFP8_FAIL("algorithm: unknown value ", static_cast<int>(algorithm),
+                  " (accepted: ", AcceptedAlgorithms(), ")");
   }
   for (const auto& l : layers) {
     if (l.geometry) InvertGeometry(*l.geometry, l.out);

@@ -20,14 +20,14 @@
 namespace geofp8 {
 
 struct BucketLayer {
-  uint32_t layer = 0;          // model layer index: part of the stochastic-rounding stream key
-  LayerPolicy policy;          // format, scaling, block, rounding
+  uint32_t layer = 0;  // model layer index: part of the stochastic-rounding stream key
+  LayerPolicy policy;  // format, scaling, block, rounding
   const Geometry* geometry = nullptr;  // applied to `in`, inverted on `out`; null: identity
   // This rank's contribution before the division. Clobbered (divided and transformed in place)
   // when the layer has a geometry. May be the same memory as `out`: a group's inputs are all read
   // before any of its outputs is written.
   std::span<float> in;
-  std::span<float> out;        // the reduced result in gradient coordinates (same size)
+  std::span<float> out;  // the reduced result in gradient coordinates (same size)
   // Which bit of ExchangeBucketData's result reports a NaN or inf in this layer's input (< 64):
   // the exchanger gives each bucket of a coalesced exchange its own bit.
   uint32_t flag_bit = 0;
@@ -96,10 +96,10 @@ struct AlgorithmOptions {
 // over ranks of the inputs, through the algorithm's quantization. Each rank notes a NaN or inf in
 // a layer's input as it reads it and sets that layer's flag_bit; the result is the OR of those
 // bits over ranks, the same on every rank (two_phase and allgather send the flags in the last
-// group's first collective, the baselines with one small all-gather). Outputs of layers whose bit is set hold no meaningful
-// values: the caller skips them, as mixed-precision loss scaling does after its all-reduce.
-// Throws geofp8::Error for kNative (GPU only) or a collective failure.
-uint64_t ExchangeBucketData(Communicator& comm, Algorithm algorithm, const AlgorithmOptions& options,
-                            std::span<const BucketLayer> layers);
+// group's first collective, the baselines with one small all-gather). Outputs of layers whose bit
+// is set hold no meaningful values: the caller skips them, as mixed-precision loss scaling does
+// after its all-reduce. Throws geofp8::Error for kNative (GPU only) or a collective failure.
+uint64_t ExchangeBucketData(Communicator& comm, Algorithm algorithm,
+                            const AlgorithmOptions& options, std::span<const BucketLayer> layers);
 
 }  // namespace geofp8

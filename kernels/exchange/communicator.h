@@ -116,13 +116,16 @@ inline void Communicator::MaxReduceWords(std::span<uint64_t> words) {
   AllGatherV({reinterpret_cast<const uint8_t*>(words.data()), bytes},
              {reinterpret_cast<uint8_t*>(all.data()), bytes * n}, std::vector<size_t>(n, bytes));
   for (size_t r = 0; r < n; ++r) {
-    for (size_t i = 0; i < words.size(); ++i) words[i] = std::max(words[i], all[r * words.size() + i]);
+    for (size_t i = 0; i < words.size(); ++i)
+      words[i] = std::max(words[i], all[r * words.size() + i]);
   }
 }
 
 inline void Communicator::AllReduceSumNativeFp8(std::span<float>) {
-  GEOFP8_FAIL("algorithm: native needs a backend with FP8 all-reduce (NCCL >= 2.24 on sm90+); "
-              "backend ", backend(), " has none");
+  GEOFP8_FAIL(
+      "algorithm: native needs a backend with FP8 all-reduce (NCCL >= 2.24 on sm90+); "
+      "backend ",
+      backend(), " has none");
 }
 
 }  // namespace geofp8

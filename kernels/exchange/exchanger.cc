@@ -52,7 +52,8 @@ std::vector<Bucket> MakeBuckets(std::span<const LayerSpec> layers, size_t cap_by
   std::vector<Bucket> buckets;
   for (size_t k = layers.size(); k-- > 0;) {
     const size_t bytes = static_cast<size_t>(layers[k].count()) * sizeof(float);
-    if (buckets.empty() || (buckets.back().bytes + bytes > cap_bytes && !buckets.back().layers.empty())) {
+    if (buckets.empty() ||
+        (buckets.back().bytes + bytes > cap_bytes && !buckets.back().layers.empty())) {
       buckets.emplace_back();
     }
     buckets.back().layers.push_back(static_cast<uint32_t>(k));
@@ -69,8 +70,8 @@ Exchanger::Exchanger(Communicator& comm, std::vector<LayerSpec> layers, Exchange
       schedule_(std::move(schedule)),
       state_(layers_.size()) {
   GEOFP8_CHECK(options_.bucket_cap_bytes > 0, "bucket_cap_bytes: must be positive (0)");
-  GEOFP8_CHECK(options_.timeout.count() > 0, "timeout: must be positive (", options_.timeout.count(),
-               " ms)");
+  GEOFP8_CHECK(options_.timeout.count() > 0, "timeout: must be positive (",
+               options_.timeout.count(), " ms)");
   GEOFP8_CHECK(options_.activation_delay >= 1, "activation_delay: must be >= 1 (",
                options_.activation_delay, ")");
   GEOFP8_CHECK(options_.helper_nice >= 0 && options_.helper_nice <= 19,
@@ -79,8 +80,8 @@ Exchanger::Exchanger(Communicator& comm, std::vector<LayerSpec> layers, Exchange
     if (std::string err = ValidateLayerPolicy(l); !err.empty()) GEOFP8_FAIL(err);
   }
   GEOFP8_CHECK(options_.layer_ids.empty() || options_.layer_ids.size() == layers_.size(),
-               "layer_ids: needs one entry per layer (", options_.layer_ids.size(),
-               " entries for ", layers_.size(), " layers)");
+               "layer_ids: needs one entry per layer (", options_.layer_ids.size(), " entries for ",
+               layers_.size(), " layers)");
   GEOFP8_CHECK(schedule_.empty() || schedule_.size() == layers_.size(),
                "schedule: needs one entry per layer (", schedule_.size(), " entries for ",
                layers_.size(), " layers)");
@@ -237,7 +238,7 @@ std::string Exchanger::PolicyMismatch(uint32_t l, const Geometry& g) const {
   std::ostringstream os;
   if (!UsesGeometry(l)) {
     os << "geometry: the layer uses none here ("
-       << (spec.rows <= 1 || spec.cols <= 1       ? "1-D"
+       << (spec.rows <= 1 || spec.cols <= 1    ? "1-D"
            : p.geometry == GeometryMode::kNone ? "policy geometry none"
                                                : "fp32/bf16 algorithm")
        << ") but the state holds a " << GeometryModeName(g.mode) << " geometry";
@@ -312,8 +313,8 @@ std::vector<uint32_t> Exchanger::ImportGeometry(const std::vector<LayerGeometryS
     }
     if (has_pending && in.pending_from < 1) fail("pending_from: must be >= 1 (0)");
     if (has_pending && pending.version <= active.version) {
-      fail("pending.version: must be newer than active.version (", pending.version, " <= ",
-           active.version, ")");
+      fail("pending.version: must be newer than active.version (", pending.version,
+           " <= ", active.version, ")");
     }
     std::string mismatch;
     if (has_active && !(mismatch = PolicyMismatch(l, active)).empty()) {
@@ -408,8 +409,8 @@ std::vector<BucketResult> Exchanger::RunBuckets(uint64_t step, size_t first, siz
     BucketResult r;
     r.bucket = b;
     r.skipped = (nonfinite >> (b - first)) & 1;
-    r.bytes_sent = b + 1 == last ? bytes - charged
-                                 : (total_fp32 ? bytes * buckets_[b].bytes / total_fp32 : 0);
+    r.bytes_sent =
+        b + 1 == last ? bytes - charged : (total_fp32 ? bytes * buckets_[b].bytes / total_fp32 : 0);
     charged += r.bytes_sent;
     r.seconds = seconds;
     results.push_back(r);
@@ -477,7 +478,7 @@ std::vector<RefreshRecord> Exchanger::RunRefreshes(uint64_t step,
         go.power_iters = options_.power_iters;
         go.seed = options_.seed ^ (0x5851f42d4c957f2dull * (uint64_t{LayerId(l)} + 1));
         go.sigma_ema = options_.sigma_ema;
-        const Geometry* previous = st.has_pending ? &st.pending
+        const Geometry* previous = st.has_pending          ? &st.pending
                                    : st.active.version > 0 ? &st.active
                                                            : nullptr;
         RefreshResult r = EstimateGeometry(grads[l], spec.rows, spec.cols, go, previous);
@@ -497,8 +498,7 @@ std::vector<RefreshRecord> Exchanger::RunRefreshes(uint64_t step,
     comm_.Broadcast({reinterpret_cast<uint8_t*>(&head), sizeof head}, s.owner);
     if (head.size == 0) {
       GEOFP8_FAIL("geometry refresh of layer '", spec.name, "' at step ", step,
-                  " failed on owner rank ", s.owner,
-                  owner_error.empty() ? "" : ": ", owner_error);
+                  " failed on owner rank ", s.owner, owner_error.empty() ? "" : ": ", owner_error);
     }
     bytes.resize(head.size);
     comm_.Broadcast(bytes, s.owner);

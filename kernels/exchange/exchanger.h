@@ -27,8 +27,8 @@ namespace geofp8 {
 
 // One parameter's gradient as the exchange sees it.
 struct LayerSpec {
-  std::string name;   // for error messages, e.g. "blocks.3.mlp.fc1.weight"
-  int64_t rows = 0;   // a 1-D parameter has cols == 1 and always uses geometry none
+  std::string name;  // for error messages, e.g. "blocks.3.mlp.fc1.weight"
+  int64_t rows = 0;  // a 1-D parameter has cols == 1 and always uses geometry none
   int64_t cols = 1;
   LayerPolicy policy;
   int64_t count() const { return rows * cols; }
@@ -85,10 +85,10 @@ struct BucketResult {
 
 struct RefreshRecord {
   uint32_t layer = 0;
-  uint64_t version = 0;         // the new geometry's version
-  uint64_t active_from = 0;     // step at which every rank switches to it
-  double drift = 0.0;           // owner-measured subspace distance to the previous basis
-  double seconds = 0.0;         // owner's estimate time (the same figure on every rank)
+  uint64_t version = 0;      // the new geometry's version
+  uint64_t active_from = 0;  // step at which every rank switches to it
+  double drift = 0.0;        // owner-measured subspace distance to the previous basis
+  double seconds = 0.0;      // owner's estimate time (the same figure on every rank)
 };
 
 struct StepResult {
@@ -132,9 +132,10 @@ class Exchanger {
 
   // Queues bucket `bucket` of `step`. grads[l] is layer l's gradient (count() floats) for every
   // l; only the bucket's layers are read and replaced by the average over ranks (by values with
-  // no meaning if the bucket is skipped). They must stay valid until the future is ready. Buckets of a step are submitted
-  // in bucket order, each once.
-  std::shared_future<BucketResult> Submit(uint64_t step, size_t bucket, std::vector<std::span<float>> grads);
+  // no meaning if the bucket is skipped). They must stay valid until the future is ready. Buckets
+  // of a step are submitted in bucket order, each once.
+  std::shared_future<BucketResult> Submit(uint64_t step, size_t bucket,
+                                          std::vector<std::span<float>> grads);
 
   // Waits for every bucket of `step` (all must have been submitted), then runs the step's
   // scheduled geometry refreshes (skipped on a skipped step). Rethrows the first bucket error.
@@ -164,9 +165,9 @@ class Exchanger {
 
  private:
   struct LayerState {
-    Geometry active;             // in use now (version 0: identity)
-    Geometry pending;            // broadcast, waits for activation
-    uint64_t pending_from = 0;   // step at which pending becomes active
+    Geometry active;            // in use now (version 0: identity)
+    Geometry pending;           // broadcast, waits for activation
+    uint64_t pending_from = 0;  // step at which pending becomes active
     bool has_pending = false;
     uint64_t active_digest = 0;  // GeometryDigest(active), compared across ranks every step
     FactorSketch sketch;         // estimator kFactorEma: the same on every rank
@@ -180,7 +181,8 @@ class Exchanger {
   // Buckets [first, last) of `step` (at most 64) through one run of the algorithm.
   std::vector<BucketResult> RunBuckets(uint64_t step, size_t first, size_t last,
                                        const std::vector<std::span<float>>& grads);
-  std::vector<RefreshRecord> RunRefreshes(uint64_t step, const std::vector<std::span<float>>& grads);
+  std::vector<RefreshRecord> RunRefreshes(uint64_t step,
+                                          const std::vector<std::span<float>>& grads);
   bool UsesGeometry(uint32_t layer) const;
   std::string PolicyMismatch(uint32_t layer, const Geometry& geometry) const;
   void Enqueue(std::function<void()> task);
@@ -192,8 +194,8 @@ class Exchanger {
   std::vector<RefreshSchedule> schedule_;
   std::vector<Bucket> buckets_;
   std::vector<std::string> layer_names_;  // layers_[i].name, for fingerprint messages
-  std::vector<LayerState> state_;  // touched only on the worker thread while tasks run
-  ExchangeWorkspace workspace_;    // the algorithms' buffers, reused every step: worker thread only
+  std::vector<LayerState> state_;         // touched only on the worker thread while tasks run
+  ExchangeWorkspace workspace_;  // the algorithms' buffers, reused every step: worker thread only
 
   // Per-step bookkeeping on the caller's thread.
   struct Pending {

@@ -60,11 +60,12 @@ std::string DescribeLayerDifference(const LayerRecord& a, const LayerRecord& ref
     os << "geometry version " << a.geometry_version << " (others: " << ref.geometry_version << ")";
   } else if (a.geometry_digest != ref.geometry_digest) {
     os << "geometry digest " << std::hex << a.geometry_digest << " (others: " << ref.geometry_digest
-       << std::dec << "): the ranks derived different transforms from the same version, e.g. "
-                      "different CPU kernels; every rank must compute the sketch identically";
+       << std::dec
+       << "): the ranks derived different transforms from the same version, e.g. "
+          "different CPU kernels; every rank must compute the sketch identically";
   } else if (a.rank_k != ref.rank_k || std::memcmp(&a.alpha, &ref.alpha, 4) != 0) {
-    os << "geometry rank/alpha " << a.rank_k << "/" << a.alpha << " (others: " << ref.rank_k
-       << "/" << ref.alpha << ")";
+    os << "geometry rank/alpha " << a.rank_k << "/" << a.alpha << " (others: " << ref.rank_k << "/"
+       << ref.alpha << ")";
   } else {
     os << "a different layer record";
   }
@@ -72,8 +73,8 @@ std::string DescribeLayerDifference(const LayerRecord& a, const LayerRecord& ref
 }
 
 // One bucket's check: the gather of its BucketRecord, then of its layer records if they differ.
-void CheckBucket(Communicator& comm, const BucketRecord& record, std::span<const LayerRecord> layers,
-                 std::span<const std::string> layer_names) {
+void CheckBucket(Communicator& comm, const BucketRecord& record,
+                 std::span<const LayerRecord> layers, std::span<const std::string> layer_names) {
   const int n = comm.size();
   std::vector<BucketRecord> all(n);
   std::vector<size_t> counts(n, sizeof(BucketRecord));

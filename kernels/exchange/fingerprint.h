@@ -18,7 +18,7 @@ namespace geofp8 {
 #pragma pack(push, 1)
 // One layer as the exchange will treat it at this step.
 struct LayerRecord {
-  uint32_t layer = 0;  // index in the model's layer list
+  uint32_t layer = 0;                                           // index in the model's layer list
   uint8_t format = 0, scaling = 0, rounding = 0, geometry = 0;  // effective geometry mode
   uint32_t block = 0;
   int32_t rank_k = 0;

@@ -2,14 +2,6 @@
 // gloo::Exception or gloo::EnforceNotMet; every call here converts them to geofp8::Error.
 #include "kernels/exchange/gloo_communicator.h"
 
-#include <algorithm>
-#include <atomic>
-#include <exception>
-#include <mutex>
-#include <numeric>
-#include <thread>
-#include <vector>
-
 #include <gloo/allgatherv.h>
 #include <gloo/allreduce.h>
 #include <gloo/alltoallv.h>
@@ -21,6 +13,14 @@
 #include <gloo/rendezvous/prefix_store.h>
 #include <gloo/transport/tcp/device.h>
 #include <gloo/transport/tcp/pair.h>
+
+#include <algorithm>
+#include <atomic>
+#include <exception>
+#include <mutex>
+#include <numeric>
+#include <thread>
+#include <vector>
 
 #include "kernels/common/check.h"
 #include "kernels/exchange/bf16.h"
@@ -98,7 +98,8 @@ class GlooCommunicator final : public Communicator {
   // `side`, when set, is a second context over the same device: it becomes side_channel(),
   // counting into this communicator's stats.
   GlooCommunicator(std::shared_ptr<gloo::rendezvous::Context> context,
-                   std::shared_ptr<gloo::transport::Device> device, std::chrono::milliseconds timeout,
+                   std::shared_ptr<gloo::transport::Device> device,
+                   std::chrono::milliseconds timeout,
                    std::shared_ptr<gloo::rendezvous::Context> side = nullptr)
       : context_(std::move(context)), device_(std::move(device)) {
     timeout_ = timeout;
@@ -137,8 +138,9 @@ class GlooCommunicator final : public Communicator {
   void AllToAllV(std::span<const uint8_t> send, std::span<const size_t> send_counts,
                  std::span<uint8_t> recv, std::span<const size_t> recv_counts) override {
     const int n = size();
-    GEOFP8_CHECK(static_cast<int>(send_counts.size()) == n && static_cast<int>(recv_counts.size()) == n,
-                 "alltoallv: counts must have one entry per rank (", n, ")");
+    GEOFP8_CHECK(
+        static_cast<int>(send_counts.size()) == n && static_cast<int>(recv_counts.size()) == n,
+        "alltoallv: counts must have one entry per rank (", n, ")");
     const size_t send_total = std::accumulate(send_counts.begin(), send_counts.end(), size_t{0});
     const size_t recv_total = std::accumulate(recv_counts.begin(), recv_counts.end(), size_t{0});
     GEOFP8_CHECK(send.size() >= send_total, "alltoallv: send buffer holds ", send.size(),
@@ -223,7 +225,8 @@ class GlooCommunicator final : public Communicator {
   }
 
   void Broadcast(std::span<uint8_t> data, int root) override {
-    GEOFP8_CHECK(root >= 0 && root < size(), "broadcast: root ", root, " is not a rank of ", size());
+    GEOFP8_CHECK(root >= 0 && root < size(), "broadcast: root ", root, " is not a rank of ",
+                 size());
     ++stats_->collectives;
     if (rank() == root) stats_->bytes_sent += data.size() * (size() - 1);
     if (size() == 1 || data.empty()) return;
@@ -241,12 +244,13 @@ class GlooCommunicator final : public Communicator {
 
   uint32_t MaxReduce(uint32_t value) override {
     uint32_t v = value;
-    RunAllReduce<uint32_t>("max-reduce", &v, 1, [](void* c, const void* a, const void* b, size_t k) {
-      auto* out = static_cast<uint32_t*>(c);
-      auto* x = static_cast<const uint32_t*>(a);
-      auto* y = static_cast<const uint32_t*>(b);
-      for (size_t i = 0; i < k; ++i) out[i] = std::max(x[i], y[i]);
-    });
+    RunAllReduce<uint32_t>("max-reduce", &v, 1,
+                           [](void* c, const void* a, const void* b, size_t k) {
+                             auto* out = static_cast<uint32_t*>(c);
+                             auto* x = static_cast<const uint32_t*>(a);
+                             auto* y = static_cast<const uint32_t*>(b);
+                             for (size_t i = 0; i < k; ++i) out[i] = std::max(x[i], y[i]);
+                           });
     return v;
   }
 

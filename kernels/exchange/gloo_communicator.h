@@ -2,11 +2,11 @@
 // Also the adapter that lets gloo's rendezvous use any geofp8::Store.
 #pragma once
 
+#include <gloo/rendezvous/store.h>
+
 #include <chrono>
 #include <memory>
 #include <string>
-
-#include <gloo/rendezvous/store.h>
 
 #include "kernels/exchange/communicator.h"
 #include "kernels/exchange/store.h"
@@ -22,7 +22,8 @@ class GlooStoreAdapter final : public gloo::rendezvous::Store {
   void set(const std::string& key, const std::vector<char>& data) override;
   std::vector<char> get(const std::string& key) override;
   void wait(const std::vector<std::string>& keys) override;
-  void wait(const std::vector<std::string>& keys, const std::chrono::milliseconds& timeout) override;
+  void wait(const std::vector<std::string>& keys,
+            const std::chrono::milliseconds& timeout) override;
 
  private:
   geofp8::Store& store_;

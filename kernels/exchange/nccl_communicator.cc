@@ -17,9 +17,9 @@
 #include "kernels/common/check.h"
 #include "kernels/common/cuda_check.h"
 
-#define GEOFP8_NCCL_CHECK(expr)                                                          \
-  do {                                                                                   \
-    const ncclResult_t geofp8_res = (expr);                                              \
+#define GEOFP8_NCCL_CHECK(expr)                                                           \
+  do {                                                                                    \
+    const ncclResult_t geofp8_res = (expr);                                               \
     GEOFP8_CHECK(geofp8_res == ncclSuccess, #expr, ": ", ncclGetErrorString(geofp8_res)); \
   } while (0)
 
@@ -86,9 +86,11 @@ class NcclCommunicator final : public Communicator {
       GEOFP8_NCCL_CHECK(ncclGroupStart());
       size_t so = 0, ro = 0;
       for (int p = 0; p < size_; ++p) {
-        if (send_counts[p]) GEOFP8_NCCL_CHECK(ncclSend(d + so, send_counts[p], ncclUint8, p, comm_, stream_));
+        if (send_counts[p])
+          GEOFP8_NCCL_CHECK(ncclSend(d + so, send_counts[p], ncclUint8, p, comm_, stream_));
         if (recv_counts[p]) {
-          GEOFP8_NCCL_CHECK(ncclRecv(d + send_total + ro, recv_counts[p], ncclUint8, p, comm_, stream_));
+          GEOFP8_NCCL_CHECK(
+              ncclRecv(d + send_total + ro, recv_counts[p], ncclUint8, p, comm_, stream_));
         }
         so += send_counts[p];
         ro += recv_counts[p];
@@ -119,7 +121,8 @@ class NcclCommunicator final : public Communicator {
       size_t off = 0;
       for (int p = 0; p < size_; ++p) {
         if (recv_counts[p]) {
-          GEOFP8_NCCL_CHECK(ncclBroadcast(d + off, d + off, recv_counts[p], ncclUint8, p, comm_, stream_));
+          GEOFP8_NCCL_CHECK(
+              ncclBroadcast(d + off, d + off, recv_counts[p], ncclUint8, p, comm_, stream_));
         }
         off += recv_counts[p];
       }
@@ -206,7 +209,8 @@ class NcclCommunicator final : public Communicator {
   }
 
   uint8_t* Stage(size_t bytes) {
-    GEOFP8_CHECK(!broken_, "nccl on rank ", rank_, ": communicator is broken by an earlier failure");
+    GEOFP8_CHECK(!broken_, "nccl on rank ", rank_,
+                 ": communicator is broken by an earlier failure");
     GEOFP8_CUDA_CHECK(cudaSetDevice(device_));
     if (bytes > staging_bytes_) {
       if (staging_) GEOFP8_CUDA_CHECK(cudaFree(staging_));

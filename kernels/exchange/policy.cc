@@ -36,8 +36,10 @@ std::string_view AcceptedAlgorithms() { return "two_phase, allgather, native, fp
 
 std::string_view GeometryEstimatorName(GeometryEstimator e) {
   switch (e) {
-    case GeometryEstimator::kInstant: return "instant";
-    case GeometryEstimator::kFactorEma: return "ema";
+    case GeometryEstimator::kInstant:
+      return "instant";
+    case GeometryEstimator::kFactorEma:
+      return "ema";
   }
   return "unknown";
 }

@@ -30,8 +30,8 @@ struct LayerPolicy {
   uint32_t block = 128;
   Rounding rounding = Rounding::kNearest;
   GeometryMode geometry = GeometryMode::kNone;
-  int rank = 16;              // k for kLowRank
-  float alpha = 0.25f;        // whitening exponent
+  int rank = 16;                // k for kLowRank
+  float alpha = 0.25f;          // whitening exponent
   bool error_feedback = false;  // optional extension, off by default
 };
 

@@ -52,7 +52,8 @@ std::vector<uint8_t> MemoryStore::Get(const std::string& key, std::chrono::milli
   std::unique_lock<std::mutex> lock(mu_);
   const bool found =
       cv_.wait_for(lock, timeout, [&] { return values_.find(key) != values_.end(); });
-  if (!found) GEOFP8_FAIL("store: timed out after ", timeout.count(), " ms waiting for key '", key, "'");
+  if (!found)
+    GEOFP8_FAIL("store: timed out after ", timeout.count(), " ms waiting for key '", key, "'");
   return values_.at(key);
 }
 
@@ -90,8 +91,8 @@ int64_t MemoryStore::Add(const std::string& key, int64_t delta) {
 FileStore::FileStore(std::string directory) : directory_(std::move(directory)) {
   std::error_code ec;
   std::filesystem::create_directories(directory_, ec);
-  GEOFP8_CHECK(!ec && std::filesystem::is_directory(directory_),
-               "store: cannot create directory '", directory_, "': ", ec.message());
+  GEOFP8_CHECK(!ec && std::filesystem::is_directory(directory_), "store: cannot create directory '",
+               directory_, "': ", ec.message());
 }
 
 std::string FileStore::PathOf(const std::string& key) const {
@@ -125,7 +126,8 @@ void FileStore::Set(const std::string& key, const std::vector<uint8_t>& value) {
   {
     std::ofstream out(tmp, std::ios::binary | std::ios::trunc);
     GEOFP8_CHECK(out.good(), "store: cannot write '", tmp, "': ", std::strerror(errno));
-    out.write(reinterpret_cast<const char*>(value.data()), static_cast<std::streamsize>(value.size()));
+    out.write(reinterpret_cast<const char*>(value.data()),
+              static_cast<std::streamsize>(value.size()));
     GEOFP8_CHECK(out.good(), "store: cannot write '", tmp, "': ", std::strerror(errno));
   }
   GEOFP8_CHECK(::rename(tmp.c_str(), path.c_str()) == 0, "store: cannot rename '", tmp, "' to '",
@@ -166,7 +168,8 @@ int64_t FileStore::Add(const std::string& key, int64_t delta) {
       ::close(fd);
     }
   } closer{fd};
-  GEOFP8_CHECK(::flock(fd, LOCK_EX) == 0, "store: cannot lock '", lock_path, "': ", std::strerror(errno));
+  GEOFP8_CHECK(::flock(fd, LOCK_EX) == 0, "store: cannot lock '", lock_path,
+               "': ", std::strerror(errno));
   std::vector<uint8_t> value;
   const int64_t result = (TryRead(key, &value) ? ParseStoreInt(value) : 0) + delta;
   Set(key, IntBytes(result));

@@ -45,8 +45,8 @@ void ExchangeTrace::WriteChromeJson(const std::string& path, int rank) const {
   static const char* const kLaneNames[] = {"exchange (main channel)", "side channel",
                                            "codec helper", "trainer"};
   out << "{\"displayTimeUnit\":\"ms\",\"traceEvents\":[\n";
-  out << "{\"name\":\"process_name\",\"ph\":\"M\",\"pid\":" << rank
-      << ",\"args\":{\"name\":\"rank " << rank << "\"}}";
+  out << "{\"name\":\"process_name\",\"ph\":\"M\",\"pid\":" << rank << ",\"args\":{\"name\":\"rank "
+      << rank << "\"}}";
   for (int lane = 0; lane < 4; ++lane) {
     out << ",\n{\"name\":\"thread_name\",\"ph\":\"M\",\"pid\":" << rank << ",\"tid\":" << lane
         << ",\"args\":{\"name\":\"" << kLaneNames[lane] << "\"}}";

@@ -19,9 +19,9 @@ class ExchangeTrace {
   using Clock = std::chrono::steady_clock;
 
   enum Lane : int {
-    kMainLane = 0,   // the exchanger's thread: fingerprints, all-to-alls, baseline all-reduces
-    kSideLane = 1,   // the side channel's thread: two_phase's all-gathers, allgather's odd groups
-    kCodecLane = 2,  // the pipeline's helper: divide, geometry, encode, sum, decode
+    kMainLane = 0,     // the exchanger's thread: fingerprints, all-to-alls, baseline all-reduces
+    kSideLane = 1,     // the side channel's thread: two_phase's all-gathers, allgather's odd groups
+    kCodecLane = 2,    // the pipeline's helper: divide, geometry, encode, sum, decode
     kTrainerLane = 3,  // a trainer's own thread: forward and backward, the wait, the optimizer
   };
 
@@ -29,8 +29,8 @@ class ExchangeTrace {
     const char* name = "";  // a string literal: "fingerprints", "all_to_all", "encode", ...
     Lane lane = kMainLane;
     uint64_t step = 0;
-    int group = -1;          // pipeline group (-1: not per group)
-    int64_t begin_us = 0;    // steady_clock, microseconds
+    int group = -1;        // pipeline group (-1: not per group)
+    int64_t begin_us = 0;  // steady_clock, microseconds
     int64_t duration_us = 0;
   };
 
@@ -60,7 +60,11 @@ class TraceScope {
  public:
   TraceScope(ExchangeTrace* trace, const char* name, ExchangeTrace::Lane lane, uint64_t step,
              int group = -1)
-      : trace_(trace), name_(name), lane_(lane), step_(step), group_(group),
+      : trace_(trace),
+        name_(name),
+        lane_(lane),
+        step_(step),
+        group_(group),
         begin_(trace ? ExchangeTrace::Clock::now() : ExchangeTrace::Clock::time_point{}) {}
   ~TraceScope() {
     if (trace_) trace_->Add(name_, lane_, step_, group_, begin_, ExchangeTrace::Clock::now());

@@ -65,8 +65,8 @@ BandErrors ComputeBandErrors(const SpectralReference& ref, std::span<const float
     for (size_t i = 0; i < G.size(); ++i) e[i] = G_hat[i] - G[i];
     // P = U^T E V (r x r); band b is the diagonal block [edge_b, edge_b+1)^2.
     std::vector<float> ute(static_cast<size_t>(r * n)), p(static_cast<size_t>(r * r));
-    cblas_sgemm(CblasRowMajor, CblasTrans, CblasNoTrans, r, n, m, 1.f, ref.U.data(), r, e.data(),
-                n, 0.f, ute.data(), n);
+    cblas_sgemm(CblasRowMajor, CblasTrans, CblasNoTrans, r, n, m, 1.f, ref.U.data(), r, e.data(), n,
+                0.f, ute.data(), n);
     cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, r, r, n, 1.f, ute.data(), n,
                 ref.V.data(), r, 0.f, p.data(), r);
     for (int b = 0; b < 4; ++b)
@@ -102,15 +102,15 @@ void ProjectResidual(std::vector<float>& x, int64_t m, int64_t n, std::span<cons
   if (k == 0 || m == 0 || n == 0) return;
   std::vector<float> w(static_cast<size_t>(k * n)), y(static_cast<size_t>(m * k));
   // Left: X -= U (U^T X).
-  cblas_sgemm(CblasRowMajor, CblasTrans, CblasNoTrans, k, n, m, 1.f, U.data(), k, x.data(), n,
-              0.f, w.data(), n);
+  cblas_sgemm(CblasRowMajor, CblasTrans, CblasNoTrans, k, n, m, 1.f, U.data(), k, x.data(), n, 0.f,
+              w.data(), n);
   cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, m, n, k, -1.f, U.data(), k, w.data(), n,
               1.f, x.data(), n);
   // Right: X -= (X V) V^T.
   cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, m, k, n, 1.f, x.data(), n, V.data(), k,
               0.f, y.data(), k);
-  cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, m, n, k, -1.f, y.data(), k, V.data(), k,
-              1.f, x.data(), n);
+  cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, m, n, k, -1.f, y.data(), k, V.data(), k, 1.f,
+              x.data(), n);
 }
 
 double SumSquares(const std::vector<float>& x) {
@@ -125,10 +125,11 @@ std::optional<double> ResidualSubspaceError(std::span<const float> G, std::span<
                                             int64_t m, int64_t n, std::span<const float> U,
                                             std::span<const float> V, int k) {
   GEOFP8_CHECK(static_cast<int64_t>(G.size()) == m * n && G_hat.size() == G.size(),
-               "ResidualSubspaceError: sizes ", G.size(), " and ", G_hat.size(), " for ", m, "x", n);
-  GEOFP8_CHECK(k >= 0 && static_cast<int64_t>(U.size()) == m * k &&
-                   static_cast<int64_t>(V.size()) == n * k,
-               "ResidualSubspaceError: basis sizes ", U.size(), ", ", V.size(), " for k=", k);
+               "ResidualSubspaceError: sizes ", G.size(), " and ", G_hat.size(), " for ", m, "x",
+               n);
+  GEOFP8_CHECK(
+      k >= 0 && static_cast<int64_t>(U.size()) == m * k && static_cast<int64_t>(V.size()) == n * k,
+      "ResidualSubspaceError: basis sizes ", U.size(), ", ", V.size(), " for k=", k);
   std::vector<float> e(G.size()), g(G.begin(), G.end());
   for (size_t i = 0; i < G.size(); ++i) e[i] = G_hat[i] - G[i];
   ProjectResidual(e, m, n, U, V, k);

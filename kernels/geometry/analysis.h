@@ -14,10 +14,10 @@ namespace geofp8 {
 // The SVD of the true gradient G (m x n), computed once and reused for every decoded candidate.
 // Singular vectors are kept in float (they only project errors); singular values in double.
 struct SpectralReference {
-  int64_t m = 0, n = 0, r = 0;   // r = min(m, n)
-  std::vector<float> U;          // m x r, row-major
-  std::vector<float> V;          // n x r, row-major
-  std::vector<double> sigma;     // r, descending
+  int64_t m = 0, n = 0, r = 0;  // r = min(m, n)
+  std::vector<float> U;         // m x r, row-major
+  std::vector<float> V;         // n x r, row-major
+  std::vector<double> sigma;    // r, descending
 };
 
 // Brute-force thin SVD in double (LAPACK dgesdd). O(m n r): seconds at 2048x2048 on 2 cores.

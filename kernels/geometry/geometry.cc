@@ -19,9 +19,12 @@ namespace geofp8 {
 
 std::string_view GeometryModeName(GeometryMode m) {
   switch (m) {
-    case GeometryMode::kNone: return "none";
-    case GeometryMode::kDiag: return "diag";
-    case GeometryMode::kLowRank: return "lowrank";
+    case GeometryMode::kNone:
+      return "none";
+    case GeometryMode::kDiag:
+      return "diag";
+    case GeometryMode::kLowRank:
+      return "lowrank";
   }
   return "unknown";
 }
@@ -118,12 +121,11 @@ int64_t TileRows(int64_t m, int64_t n) {
 LowRankUpdate PrepareLowRank(const Geometry& g, bool inverse, const RowSource& rows_of) {
   const int64_t m = g.m, n = g.n;
   const int k = g.k;
-  GEOFP8_CHECK(g.mode == GeometryMode::kLowRank && k >= 0 &&
-                   static_cast<int64_t>(g.U.size()) == m * k &&
-                   static_cast<int64_t>(g.V.size()) == n * k &&
-                   static_cast<int64_t>(g.sigma.size()) == k &&
-                   (g.sigma_right.empty() || static_cast<int64_t>(g.sigma_right.size()) == k),
-               "lowrank geometry arrays do not match m=", m, " n=", n, " k=", k);
+  GEOFP8_CHECK(
+      g.mode == GeometryMode::kLowRank && k >= 0 && static_cast<int64_t>(g.U.size()) == m * k &&
+          static_cast<int64_t>(g.V.size()) == n * k && static_cast<int64_t>(g.sigma.size()) == k &&
+          (g.sigma_right.empty() || static_cast<int64_t>(g.sigma_right.size()) == k),
+      "lowrank geometry arrays do not match m=", m, " n=", n, " k=", k);
   LowRankUpdate u;
   u.n = n;
   if (k == 0 || m == 0 || n == 0) return u;
@@ -163,8 +165,8 @@ LowRankUpdate PrepareLowRank(const Geometry& g, bool inverse, const RowSource& r
   }
   cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, m, k, k, 1.f, x.data(), k, bb.data(), k,
               0.f, u.left.data() + k, k2);
-  cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, m, k, k, -1.f, g.U.data(), k, t.data(),
-              k, 1.f, u.left.data() + k, k2);
+  cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, m, k, k, -1.f, g.U.data(), k, t.data(), k,
+              1.f, u.left.data() + k, k2);
   u.right.resize(static_cast<size_t>(k2 * n));
   cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, k, n, k, 1.f, ab.data(), k, w.data(), n,
               0.f, u.right.data(), n);
@@ -217,7 +219,8 @@ std::vector<double> ToColMajor(const std::vector<float>& a, int64_t rows, int64_
     for (int64_t j = 0; j < cols; ++j) out[j * rows + i] = a[i * cols + j];
   return out;
 }
-void FromColMajor(const std::vector<double>& a, int64_t rows, int64_t cols, std::vector<float>& out) {
+void FromColMajor(const std::vector<double>& a, int64_t rows, int64_t cols,
+                  std::vector<float>& out) {
   out.resize(static_cast<size_t>(rows * cols));
   for (int64_t i = 0; i < rows; ++i)
     for (int64_t j = 0; j < cols; ++j) out[i * cols + j] = static_cast<float>(a[j * rows + i]);
@@ -239,7 +242,8 @@ void ValidateOptions(const GeometryOptions& o) {
   if (!(o.alpha >= 0.f && o.alpha <= 1.f)) {
     GEOFP8_FAIL("GeometryOptions.alpha: must be in [0, 1] (", o.alpha, ")");
   }
-  if (o.power_iters < 1) GEOFP8_FAIL("GeometryOptions.power_iters: must be >= 1 (", o.power_iters, ")");
+  if (o.power_iters < 1)
+    GEOFP8_FAIL("GeometryOptions.power_iters: must be >= 1 (", o.power_iters, ")");
   if (!(o.sigma_ema >= 0.f && o.sigma_ema < 1.f)) {
     GEOFP8_FAIL("GeometryOptions.sigma_ema: must be in [0, 1) (", o.sigma_ema, ")");
   }
@@ -312,8 +316,8 @@ void EstimateLowRank(std::span<const float> G, int64_t m, int64_t n, const Geome
     for (int j = 0; j < k; ++j) b[j * k + i] = r_z[i * k + j];
   geometry::lapack::Svd svd = geometry::lapack::ThinSvd(b, k, k);
   std::vector<double> u_rot(static_cast<size_t>(m * k)), v_rot(static_cast<size_t>(n * k));
-  cblas_dgemm(CblasColMajor, CblasNoTrans, CblasNoTrans, m, k, k, 1.0, u_d.data(), m,
-              svd.u.data(), k, 0.0, u_rot.data(), m);
+  cblas_dgemm(CblasColMajor, CblasNoTrans, CblasNoTrans, m, k, k, 1.0, u_d.data(), m, svd.u.data(),
+              k, 0.0, u_rot.data(), m);
   // V_final = V Vb with Vb = Vt^T.
   cblas_dgemm(CblasColMajor, CblasNoTrans, CblasTrans, n, k, k, 1.0, v_d.data(), n, svd.vt.data(),
               k, 0.0, v_rot.data(), n);
@@ -365,12 +369,15 @@ void Transform(const Geometry& g, std::span<float> G, bool inverse) {
   if (g.is_identity()) return;
   CheckShape(g, G);
   switch (g.mode) {
-    case GeometryMode::kNone: return;
-    case GeometryMode::kDiag: return ApplyDiag(g, G, inverse);
-    case GeometryMode::kLowRank: return ApplyLowRank(g, G, inverse);
+    case GeometryMode::kNone:
+      return;
+    case GeometryMode::kDiag:
+      return ApplyDiag(g, G, inverse);
+    case GeometryMode::kLowRank:
+      return ApplyLowRank(g, G, inverse);
   }
-  GEOFP8_FAIL("geometry.mode: unknown value (", static_cast<int>(g.mode), "); accepted: ",
-              AcceptedGeometryModes());
+  GEOFP8_FAIL("geometry.mode: unknown value (", static_cast<int>(g.mode),
+              "); accepted: ", AcceptedGeometryModes());
 }
 
 // ||sin Theta||_2 between span(A) and span(B) (both rows x k, orthonormal columns): the largest
@@ -413,7 +420,8 @@ RefreshResult EstimateGeometry(std::span<const float> G, int64_t m, int64_t n,
   const auto start = std::chrono::steady_clock::now();
   if (m < 0 || n < 0) GEOFP8_FAIL("EstimateGeometry: shape must be non-negative (", m, "x", n, ")");
   if (static_cast<int64_t>(G.size()) != m * n) {
-    GEOFP8_FAIL("EstimateGeometry: G has ", G.size(), " elements, shape ", m, "x", n, " needs ", m * n);
+    GEOFP8_FAIL("EstimateGeometry: G has ", G.size(), " elements, shape ", m, "x", n, " needs ",
+                m * n);
   }
   ValidateOptions(options);
   CheckFinite(G);
@@ -425,9 +433,14 @@ RefreshResult EstimateGeometry(std::span<const float> G, int64_t m, int64_t n,
   g.n = n;
   g.alpha = options.alpha;
   switch (options.mode) {
-    case GeometryMode::kNone: break;
-    case GeometryMode::kDiag: EstimateDiag(G, m, n, options.alpha, g); break;
-    case GeometryMode::kLowRank: EstimateLowRank(G, m, n, options, previous, g); break;
+    case GeometryMode::kNone:
+      break;
+    case GeometryMode::kDiag:
+      EstimateDiag(G, m, n, options.alpha, g);
+      break;
+    case GeometryMode::kLowRank:
+      EstimateLowRank(G, m, n, options, previous, g);
+      break;
     default:
       GEOFP8_FAIL("GeometryOptions.mode: unknown value (", static_cast<int>(options.mode),
                   "); accepted: ", AcceptedGeometryModes());
@@ -447,8 +460,8 @@ double SubspaceDrift(const Geometry& a, const Geometry& b) {
   if (a.is_identity() && b.is_identity()) return 0.0;
   if (a.is_identity() || b.is_identity() || a.mode != b.mode) return 1.0;
   if (a.m != b.m || a.n != b.n || a.k != b.k) {
-    GEOFP8_FAIL("SubspaceDrift: shapes differ (", a.m, "x", a.n, " k=", a.k, " vs ", b.m, "x",
-                b.n, " k=", b.k, ")");
+    GEOFP8_FAIL("SubspaceDrift: shapes differ (", a.m, "x", a.n, " k=", a.k, " vs ", b.m, "x", b.n,
+                " k=", b.k, ")");
   }
   if (a.mode == GeometryMode::kDiag) {
     // Relative change of the scale vectors: 0 for equal scales, at most 1.

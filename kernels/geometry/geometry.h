@@ -17,7 +17,7 @@ enum class GeometryMode : uint8_t {
 };
 std::string_view GeometryModeName(GeometryMode m);  // "none", "diag", "lowrank"
 std::optional<GeometryMode> ParseGeometryMode(std::string_view name);
-std::string_view AcceptedGeometryModes();           // "none, diag, lowrank"
+std::string_view AcceptedGeometryModes();  // "none, diag, lowrank"
 
 // How to estimate a geometry. Plain struct with defaults.
 struct GeometryOptions {
@@ -42,7 +42,7 @@ struct Geometry {
   // The right side's k values when they differ from the left's (a Kronecker-factor sketch has
   // its own eigenvalues per factor); empty: both sides use sigma, as an SVD pairs them.
   std::vector<float> sigma_right;
-  float delta_L = 0.f, delta_R = 0.f;  // residual energy per remaining dimension (kLowRank)
+  float delta_L = 0.f, delta_R = 0.f;       // residual energy per remaining dimension (kLowRank)
   std::vector<float> row_scale, col_scale;  // m and n positive scales (kDiag)
 
   bool is_identity() const { return mode == GeometryMode::kNone || version == 0; }

@@ -1,8 +1,6 @@
 // CUDA implementation of the geometry transform (geometry_cuda.h): the CPU path's three-GEMM
 // rank-2k update on cuBLAS, the diag scaling as an element kernel sharing geometry_math.h, and
 // the update fused into fp8 quantization (EncodeFused).
-#include "kernels/geometry/geometry_cuda.h"
-
 #include <cublas_v2.h>
 #include <cuda_runtime.h>
 
@@ -15,27 +13,28 @@
 #include "kernels/common/check.h"
 #include "kernels/common/cuda_check.h"
 #include "kernels/geometry/factors.h"
+#include "kernels/geometry/geometry_cuda.h"
 #include "kernels/geometry/geometry_math.h"
 
-#define GEOFP8_CUBLAS_CHECK(expr)                                                              \
-  do {                                                                                         \
-    const cublasStatus_t geofp8_st = (expr);                                                   \
-    GEOFP8_CHECK(geofp8_st == CUBLAS_STATUS_SUCCESS, #expr, ": cublas status ",                \
-                 static_cast<int>(geofp8_st));                                                 \
+#define GEOFP8_CUBLAS_CHECK(expr)                                               \
+  do {                                                                          \
+    const cublasStatus_t geofp8_st = (expr);                                    \
+    GEOFP8_CHECK(geofp8_st == CUBLAS_STATUS_SUCCESS, #expr, ": cublas status ", \
+                 static_cast<int>(geofp8_st));                                  \
   } while (0)
 
 namespace geofp8::cuda {
 namespace {
 
-// Row-major C (M x N) = alpha op(A) op(B) + beta C, through column-major cuBLAS: C^T = op(B)^T op(A)^T.
+// Row-major C (M x N) = alpha op(A) op(B) + beta C, through column-major cuBLAS: C^T = op(B)^T
+// op(A)^T.
 void RowMajorGemm(cublasHandle_t h, bool trans_a, bool trans_b, int64_t M, int64_t N, int64_t K,
                   float alpha, const float* A, int64_t lda, const float* B, int64_t ldb, float beta,
                   float* C, int64_t ldc) {
-  GEOFP8_CUBLAS_CHECK(cublasSgemm(h, trans_b ? CUBLAS_OP_T : CUBLAS_OP_N,
-                                  trans_a ? CUBLAS_OP_T : CUBLAS_OP_N, static_cast<int>(N),
-                                  static_cast<int>(M), static_cast<int>(K), &alpha, B,
-                                  static_cast<int>(ldb), A, static_cast<int>(lda), &beta, C,
-                                  static_cast<int>(ldc)));
+  GEOFP8_CUBLAS_CHECK(cublasSgemm(
+      h, trans_b ? CUBLAS_OP_T : CUBLAS_OP_N, trans_a ? CUBLAS_OP_T : CUBLAS_OP_N,
+      static_cast<int>(N), static_cast<int>(M), static_cast<int>(K), &alpha, B,
+      static_cast<int>(ldb), A, static_cast<int>(lda), &beta, C, static_cast<int>(ldc)));
 }
 
 __global__ void DiagKernel(float* g, const float* row, const float* col, int64_t m, int64_t n,
@@ -62,8 +61,8 @@ struct FusedSource {
   const float* left;   // lowrank: m x k2
   const float* right;  // lowrank: k2 x n
   int k2;
-  const float* row;    // diag: m
-  const float* col;    // diag: n
+  const float* row;  // diag: m
+  const float* col;  // diag: n
 };
 
 template <int kMode>
@@ -118,7 +117,8 @@ float* Upload(const std::vector<float>& host) {
   if (host.empty()) return nullptr;
   float* d = nullptr;
   GEOFP8_CUDA_CHECK(cudaMalloc(&d, host.size() * sizeof(float)));
-  GEOFP8_CUDA_CHECK(cudaMemcpy(d, host.data(), host.size() * sizeof(float), cudaMemcpyHostToDevice));
+  GEOFP8_CUDA_CHECK(
+      cudaMemcpy(d, host.data(), host.size() * sizeof(float), cudaMemcpyHostToDevice));
   return d;
 }
 
@@ -144,12 +144,14 @@ DeviceGeometry::DeviceGeometry(const Geometry& g) : host_(g) {
   }
   u_ = Upload(g.U);
   v_ = Upload(g.V);
-  const std::vector<float> fl = geometry::WhitenFactors(g, true), fr = geometry::WhitenFactors(g, false);
+  const std::vector<float> fl = geometry::WhitenFactors(g, true),
+                           fr = geometry::WhitenFactors(g, false);
   core_[0] = Upload(geometry::SideCore(g.U, g.m, k, fl, false));
   core_[1] = Upload(geometry::SideCore(g.V, g.n, k, fr, false));
   core_[2] = Upload(geometry::SideCore(g.U, g.m, k, fl, true));
   core_[3] = Upload(geometry::SideCore(g.V, g.n, k, fr, true));
-  const size_t floats = static_cast<size_t>(k * g.n + g.m * k + 3 * k * k + g.m * 2 * k + 2 * k * g.n);
+  const size_t floats =
+      static_cast<size_t>(k * g.n + g.m * k + 3 * k * k + g.m * 2 * k + 2 * k * g.n);
   GEOFP8_CUDA_CHECK(cudaMalloc(&scratch_, floats * sizeof(float)));
 }
 
@@ -175,13 +177,13 @@ void DeviceGeometry::PrepareUpdate(const float* dG, bool inverse, cudaStream_t s
   const int64_t k = host_.k, k2 = 2 * k;
   const float* ab = core_[inverse ? 2 : 0];
   const float* bb = core_[inverse ? 3 : 1];
-  float* w = scratch_;             // k x n
-  float* x = w + k * n;            // m x k
-  float* c = x + m * k;            // k x k
-  float* abc = c + k * k;          // k x k
-  float* t = abc + k * k;          // k x k
-  float* left = t + k * k;         // m x 2k
-  float* right = left + m * k2;    // 2k x n
+  float* w = scratch_;           // k x n
+  float* x = w + k * n;          // m x k
+  float* c = x + m * k;          // k x k
+  float* abc = c + k * k;        // k x k
+  float* t = abc + k * k;        // k x k
+  float* left = t + k * k;       // m x 2k
+  float* right = left + m * k2;  // 2k x n
   // Same sequence as the CPU path (geometry.cc PrepareLowRank, without its row tiling).
   RowMajorGemm(h, true, false, k, n, m, 1.f, u_, k, dG, n, 0.f, w, n);
   RowMajorGemm(h, false, false, m, k, n, 1.f, dG, n, v_, k, 0.f, x, k);
@@ -203,7 +205,8 @@ void DeviceGeometry::PrepareUpdate(const float* dG, bool inverse, cudaStream_t s
                                   static_cast<int>(n)));
 }
 
-void DeviceGeometry::Transform(float* dG, bool inverse, cudaStream_t stream, cublasContext* handle) {
+void DeviceGeometry::Transform(float* dG, bool inverse, cudaStream_t stream,
+                               cublasContext* handle) {
   if (identity_) return;
   const int64_t m = host_.m, n = host_.n;
   if (host_.mode == GeometryMode::kDiag) {
@@ -254,9 +257,9 @@ void DeviceGeometry::EncodeFused(const float* dG, std::span<DeviceEncodeTarget> 
       GEOFP8_FAIL("EncodeFused: targets[", i, "].out_bytes: ", t.out_bytes, " < ", need);
     }
   }
-  const int mode = identity_ ? kFusedNone
+  const int mode = identity_                           ? kFusedNone
                    : host_.mode == GeometryMode::kDiag ? kFusedDiag
-                                                        : kFusedLowRank;
+                                                       : kFusedLowRank;
   FusedSource src{dG, host_.n, nullptr, nullptr, 0, row_, col_};
   if (mode == kFusedLowRank) {
     PrepareUpdate(dG, /*inverse=*/false, stream, handle);
@@ -267,7 +270,8 @@ void DeviceGeometry::EncodeFused(const float* dG, std::span<DeviceEncodeTarget> 
   }
   float* transformed = nullptr;  // T(dG), only for codecs without a fused kernel
   unsigned long long* counters = nullptr;
-  GEOFP8_CUDA_CHECK(cudaMallocAsync(reinterpret_cast<void**>(&counters), 2 * sizeof(*counters), stream));
+  GEOFP8_CUDA_CHECK(
+      cudaMallocAsync(reinterpret_cast<void**>(&counters), 2 * sizeof(*counters), stream));
   try {
     for (DeviceEncodeTarget& t : targets) {
       const size_t count = t.end - t.begin;
@@ -321,7 +325,8 @@ void DeviceGeometry::EncodeFused(const float* dG, std::span<DeviceEncodeTarget> 
       header.block = block;
       header.count = count;
       header.flags = t.stats.nonfinite ? kFlagNonFinite : 0;
-      GEOFP8_CUDA_CHECK(cudaMemcpyAsync(t.out, &header, sizeof(header), cudaMemcpyHostToDevice, stream));
+      GEOFP8_CUDA_CHECK(
+          cudaMemcpyAsync(t.out, &header, sizeof(header), cudaMemcpyHostToDevice, stream));
       GEOFP8_CUDA_CHECK(cudaStreamSynchronize(stream));  // `header` lives on this stack frame
     }
   } catch (...) {

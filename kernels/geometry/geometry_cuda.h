@@ -69,12 +69,13 @@ class DeviceGeometry {
 
   Geometry host_;
   bool identity_ = true;
-  float* u_ = nullptr;       // m x k
-  float* v_ = nullptr;       // n x k
-  float* core_[4] = {};      // left fwd, right fwd, left inv, right inv (k x k each)
-  float* row_ = nullptr;     // diag: m
-  float* col_ = nullptr;     // diag: n
-  float* scratch_ = nullptr;  // W (k x n), X (m x k), C, AbC, T (k x k), left (m x 2k), right (2k x n)
+  float* u_ = nullptr;    // m x k
+  float* v_ = nullptr;    // n x k
+  float* core_[4] = {};   // left fwd, right fwd, left inv, right inv (k x k each)
+  float* row_ = nullptr;  // diag: m
+  float* col_ = nullptr;  // diag: n
+  float* scratch_ =
+      nullptr;  // W (k x n), X (m x k), C, AbC, T (k x k), left (m x 2k), right (2k x n)
 };
 
 }  // namespace geofp8::cuda

@@ -9,18 +9,18 @@
 extern "C" {
 void dgeqrf_(const int* m, const int* n, double* a, const int* lda, double* tau, double* work,
              const int* lwork, int* info);
-void dorgqr_(const int* m, const int* n, const int* k, double* a, const int* lda,
-             const double* tau, double* work, const int* lwork, int* info);
+void dorgqr_(const int* m, const int* n, const int* k, double* a, const int* lda, const double* tau,
+             double* work, const int* lwork, int* info);
 void dgesdd_(const char* jobz, const int* m, const int* n, double* a, const int* lda, double* s,
-             double* u, const int* ldu, double* vt, const int* ldvt, double* work,
-             const int* lwork, int* iwork, int* info);
+             double* u, const int* ldu, double* vt, const int* ldvt, double* work, const int* lwork,
+             int* iwork, int* info);
 void dgesvd_(const char* jobu, const char* jobvt, const int* m, const int* n, double* a,
              const int* lda, double* s, double* u, const int* ldu, double* vt, const int* ldvt,
              double* work, const int* lwork, int* info);
 void dgesv_(const int* n, const int* nrhs, double* a, const int* lda, int* ipiv, double* b,
             const int* ldb, int* info);
-void dsyev_(const char* jobz, const char* uplo, const int* n, double* a, const int* lda,
-            double* w, double* work, const int* lwork, int* info);
+void dsyev_(const char* jobz, const char* uplo, const int* n, double* a, const int* lda, double* w,
+            double* work, const int* lwork, int* info);
 }
 
 namespace geofp8::geometry::lapack {
@@ -50,7 +50,8 @@ void QrInPlace(std::vector<double>& a, int64_t rows, int64_t cols, std::vector<d
   GEOFP8_CHECK(info == 0, "dgeqrf failed, info=", info);
   if (r) {
     for (int j = 0; j < n; ++j)
-      for (int i = 0; i <= j; ++i) (*r)[static_cast<size_t>(j) * n + i] = a[static_cast<size_t>(j) * m + i];
+      for (int i = 0; i <= j; ++i)
+        (*r)[static_cast<size_t>(j) * n + i] = a[static_cast<size_t>(j) * m + i];
   }
   lwork = -1;
   dorgqr_(&m, &n, &n, a.data(), &lda, tau.data(), &query, &lwork, &info);

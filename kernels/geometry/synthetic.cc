@@ -15,9 +15,12 @@ namespace geofp8 {
 
 std::string_view SyntheticFamilyName(SyntheticFamily f) {
   switch (f) {
-    case SyntheticFamily::kSpectral: return "spectral";
-    case SyntheticFamily::kKronecker: return "kron";
-    case SyntheticFamily::kLowRankNoise: return "lowrank_noise";
+    case SyntheticFamily::kSpectral:
+      return "spectral";
+    case SyntheticFamily::kKronecker:
+      return "kron";
+    case SyntheticFamily::kLowRankNoise:
+      return "lowrank_noise";
   }
   return "unknown";
 }
@@ -71,8 +74,10 @@ std::vector<float> Compose(const std::vector<float>& l, const std::vector<double
 std::vector<float> MakeSyntheticGradient(const SyntheticSpec& spec) {
   const int64_t m = spec.m, n = spec.n;
   if (m < 1 || n < 1) GEOFP8_FAIL("SyntheticSpec: shape must be at least 1x1 (", m, "x", n, ")");
-  if (!(spec.decay >= 0 && spec.decay <= 8)) GEOFP8_FAIL("SyntheticSpec.decay: must be in [0, 8] (", spec.decay, ")");
-  if (!(spec.drift >= 0 && spec.drift <= 10)) GEOFP8_FAIL("SyntheticSpec.drift: must be in [0, 10] (", spec.drift, ")");
+  if (!(spec.decay >= 0 && spec.decay <= 8))
+    GEOFP8_FAIL("SyntheticSpec.decay: must be in [0, 8] (", spec.decay, ")");
+  if (!(spec.drift >= 0 && spec.drift <= 10))
+    GEOFP8_FAIL("SyntheticSpec.drift: must be in [0, 10] (", spec.drift, ")");
   const uint64_t base = spec.seed * 0x9e3779b97f4a7c15ull + static_cast<uint64_t>(spec.family);
   const uint64_t dseed = base ^ 0xd1f7d1f7d1f7ull;
   const int64_t r = std::min(m, n);

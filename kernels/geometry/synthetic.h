@@ -10,9 +10,9 @@
 namespace geofp8 {
 
 enum class SyntheticFamily : uint8_t {
-  kSpectral = 0,       // G = Q_L diag(i^-p) Q_R^T, Haar-random orthonormal factors
-  kKronecker = 1,      // G = Q_L diag(i^-p/2) Z diag(j^-p/2) Q_R^T, Z Gaussian (covariance L (x) R)
-  kLowRankNoise = 2,   // rank-32 part with spectrum i^-p plus Gaussian noise at 0.1 sigma_32
+  kSpectral = 0,      // G = Q_L diag(i^-p) Q_R^T, Haar-random orthonormal factors
+  kKronecker = 1,     // G = Q_L diag(i^-p/2) Z diag(j^-p/2) Q_R^T, Z Gaussian (covariance L (x) R)
+  kLowRankNoise = 2,  // rank-32 part with spectrum i^-p plus Gaussian noise at 0.1 sigma_32
 };
 std::string_view SyntheticFamilyName(SyntheticFamily f);  // "spectral", "kron", "lowrank_noise"
 std::optional<SyntheticFamily> ParseSyntheticFamily(std::string_view name);
@@ -20,7 +20,7 @@ std::optional<SyntheticFamily> ParseSyntheticFamily(std::string_view name);
 struct SyntheticSpec {
   SyntheticFamily family = SyntheticFamily::kSpectral;
   int64_t m = 256, n = 256;
-  double decay = 1.0;   // p: spectrum ~ i^-p
+  double decay = 1.0;  // p: spectrum ~ i^-p
   uint64_t seed = 1;
   // 0: the gradient itself. > 0: its drifted twin (an earlier step's gradient), whose singular
   // bases are Q + drift * Gaussian / sqrt(rows), re-orthonormalized; same spectrum and content.

@@ -40,8 +40,7 @@ class MarkovSource : public DataSource {
   explicit MarkovSource(const MarkovOptions& options);
   void TrainBatch(int64_t step, int rank, int ranks, int batch, int seq,
                   std::vector<int32_t>* out) const override;
-  void ValidationBatch(int64_t index, int batch, int seq,
-                       std::vector<int32_t>* out) const override;
+  void ValidationBatch(int64_t index, int batch, int seq, std::vector<int32_t>* out) const override;
   std::string Describe() const override;
   // Entropy rate H = -sum_i pi_i sum_j P_ij log P_ij (nats), with pi the stationary law. Every
   // prediction has at least one token of context, so this is the exact optimum of the loss.
@@ -59,10 +58,10 @@ class MarkovSource : public DataSource {
 
 // Options of the text source. Plain struct with defaults.
 struct TextOptions {
-  std::string path;              // a UTF-8 file, or a folder read recursively in sorted order
+  std::string path;                  // a UTF-8 file, or a folder read recursively in sorted order
   double validation_fraction = 0.1;  // the last part of the corpus is held out
-  uint64_t seed = 1;             // window positions
-  int64_t max_bytes = 64 << 20;  // stop reading a folder after this many bytes
+  uint64_t seed = 1;                 // window positions
+  int64_t max_bytes = 64 << 20;      // stop reading a folder after this many bytes
 };
 
 // Windows of seq+1 bytes at seeded random offsets. The training part is cut into `ranks`
@@ -73,8 +72,7 @@ class TextSource : public DataSource {
   explicit TextSource(const TextOptions& options);  // throws geofp8::Error naming the path
   void TrainBatch(int64_t step, int rank, int ranks, int batch, int seq,
                   std::vector<int32_t>* out) const override;
-  void ValidationBatch(int64_t index, int batch, int seq,
-                       std::vector<int32_t>* out) const override;
+  void ValidationBatch(int64_t index, int batch, int seq, std::vector<int32_t>* out) const override;
   std::string Describe() const override;
   size_t train_bytes() const { return train_end_; }
   size_t validation_bytes() const { return text_.size() - train_end_; }

@@ -26,8 +26,8 @@ std::string ValidateModelConfig(const ModelConfig& c) {
   if (c.dim % c.heads != 0) {
     os << "model.heads: must divide model.dim (" << c.dim << " % " << c.heads << " != 0)";
   } else if ((c.dim / c.heads) % 2 != 0) {
-    os << "model.heads: head_dim = dim / heads must be even for rotary pairs ("
-       << c.dim / c.heads << ")";
+    os << "model.heads: head_dim = dim / heads must be even for rotary pairs (" << c.dim / c.heads
+       << ")";
   } else if (!(c.rope_theta > 1.f) || !std::isfinite(c.rope_theta)) {
     os << "model.rope_theta: must be a finite value > 1 (" << c.rope_theta << ")";
   } else if (!(c.norm_eps > 0.f) || !std::isfinite(c.norm_eps)) {

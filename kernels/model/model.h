@@ -1,5 +1,6 @@
 // A Llama-style decoder (token embedding, RMSNorm, rotary attention, SwiGLU MLP, untied output
-// head, cross-entropy) with a full backward pass on the CPU, for float (training) and double (tests).
+// head, cross-entropy) with a full backward pass on the CPU, for float (training) and double
+// (tests).
 #pragma once
 
 #include <cstdint>
@@ -15,12 +16,12 @@ namespace geofp8::model {
 // Shape of the model. Plain struct with defaults (llama-tiny); validated by ValidateModelConfig.
 struct ModelConfig {
   std::string name = "llama-tiny";
-  int vocab = 256;         // byte-level tokenizer
-  int dim = 64;            // model width d
-  int layers = 2;          // decoder blocks
-  int heads = 4;           // attention heads; head_dim = dim / heads, must be even (rotary pairs)
-  int ffn = 128;           // SwiGLU hidden width
-  int seq = 32;            // context length in tokens
+  int vocab = 256;  // byte-level tokenizer
+  int dim = 64;     // model width d
+  int layers = 2;   // decoder blocks
+  int heads = 4;    // attention heads; head_dim = dim / heads, must be even (rotary pairs)
+  int ffn = 128;    // SwiGLU hidden width
+  int seq = 32;     // context length in tokens
   float rope_theta = 10000.f;
   float norm_eps = 1e-5f;
   float init_std = 0.02f;  // std of the normal init of matrices; output projections get
@@ -65,8 +66,12 @@ class Model {
   const std::vector<T>& weights() const { return weights_; }
   std::vector<T>& grads() { return grads_; }
   const std::vector<T>& grads() const { return grads_; }
-  std::span<T> weight(int i) { return {weights_.data() + params_[i].offset, size_t(params_[i].size())}; }
-  std::span<T> grad(int i) { return {grads_.data() + params_[i].offset, size_t(params_[i].size())}; }
+  std::span<T> weight(int i) {
+    return {weights_.data() + params_[i].offset, size_t(params_[i].size())};
+  }
+  std::span<T> grad(int i) {
+    return {grads_.data() + params_[i].offset, size_t(params_[i].size())};
+  }
 
   // Deterministic init from a seed (own Box-Muller over splitmix64, platform independent).
   void Init(uint64_t seed);
@@ -99,8 +104,8 @@ class Model {
   std::vector<LayerIndex> layer_index_;
   // Activation buffers, reused across calls.
   std::vector<LayerActs> acts_;
-  std::vector<T> xf_, xnf_, rmsf_, logits_, dlogits_, dx_, dtmp_, dq_, dk_, dv_, da_, db_, dh_,
-      dn_, scratch_, rope_cos_, rope_sin_;
+  std::vector<T> xf_, xnf_, rmsf_, logits_, dlogits_, dx_, dtmp_, dq_, dk_, dv_, da_, db_, dh_, dn_,
+      scratch_, rope_cos_, rope_sin_;
   std::vector<int32_t> inputs_, targets_;
 };
 

@@ -4,14 +4,13 @@
 #include "kernels/model/ops.h"
 
 #include <cblas.h>
+#include <unistd.h>
 
 #include <algorithm>
 #include <cmath>
 #include <cstdlib>
 #include <filesystem>
 #include <vector>
-
-#include <unistd.h>
 
 #include "kernels/common/check.h"
 
@@ -91,8 +90,8 @@ void ReexecWithPreferredBlasCore(char** argv, std::string* warning) {
   std::error_code ec;
   const std::string self = std::filesystem::read_symlink("/proc/self/exe", ec).string();
   execv(ec ? "/proc/self/exe" : self.c_str(), argv);
-  *warning = "could not re-execute with OPENBLAS_CORETYPE=" + core + "; continuing with OpenBLAS core " +
-             BlasCoreName();
+  *warning = "could not re-execute with OPENBLAS_CORETYPE=" + core +
+             "; continuing with OpenBLAS core " + BlasCoreName();
 }
 
 namespace {
@@ -198,8 +197,8 @@ void LinearBackward(const T* x, const T* W, const T* dy, int rows, int in, int o
   if (dW) {
     Gemm<T>(true, false, out, in, rows, T(1), dy, out, x, in, accumulate_dw ? T(1) : T(0), dW, in);
   }
-  if (dx) Gemm<T>(false, false, rows, in, out, T(1), dy, out, W, in, accumulate_dx ? T(1) : T(0),
-                  dx, in);
+  if (dx)
+    Gemm<T>(false, false, rows, in, out, T(1), dy, out, W, in, accumulate_dx ? T(1) : T(0), dx, in);
 }
 
 template <typename T>
@@ -280,9 +279,8 @@ void AttentionForward(const T* q, const T* k, const T* v, int batch, int seq, in
 }
 
 template <typename T>
-void AttentionBackward(const T* q, const T* k, const T* v, const T* probs, const T* dout,
-                       int batch, int seq, int heads, int head_dim, T* dq, T* dk, T* dv,
-                       T* scratch) {
+void AttentionBackward(const T* q, const T* k, const T* v, const T* probs, const T* dout, int batch,
+                       int seq, int heads, int head_dim, T* dq, T* dk, T* dv, T* scratch) {
   const int width = heads * head_dim;
   const T scale = static_cast<T>(1.0 / std::sqrt(static_cast<double>(head_dim)));
   for (int b = 0; b < batch; ++b) {
@@ -347,30 +345,30 @@ double CrossEntropy(const T* logits, std::span<const int32_t> targets, int vocab
     } else {
       sum = Reduce8<T>(vocab, [&](int j) { return Exp(row[j] - mx); });
     }
-    total += std::log(static_cast<double>(sum)) + static_cast<double>(mx) -
-             static_cast<double>(row[y]);
+    total +=
+        std::log(static_cast<double>(sum)) + static_cast<double>(mx) - static_cast<double>(row[y]);
   }
   return total / static_cast<double>(rows);
 }
 
-#define GEOFP8_INSTANTIATE_OPS(T)                                                               \
-  template void EmbeddingForward<T>(std::span<const int32_t>, const T*, int, T*);              \
-  template void EmbeddingBackward<T>(std::span<const int32_t>, const T*, int, T*);             \
-  template void RmsNormForward<T>(const T*, const T*, int, int, T, T*, T*);                    \
-  template void RmsNormBackward<T>(const T*, const T*, const T*, const T*, int, int, T*, T*);  \
-  template void LinearForward<T>(const T*, const T*, int, int, int, T*);                       \
-  template void LinearBackward<T>(const T*, const T*, const T*, int, int, int, T*, T*, bool,    \
-                                  bool);                                                      \
-  template void LinearBackwardWeight<T>(const T*, const T*, int, int, int, T*);                \
-  template void RopeForward<T>(T*, int, int, int, int, T);                                     \
-  template void RopeBackward<T>(T*, int, int, int, int, T);                                    \
-  template void RopeTable<T>(int, int, T, T*, T*);                                             \
-  template void RopeApply<T>(T*, int, int, int, int, const T*, const T*, bool);                \
-  template void AttentionForward<T>(const T*, const T*, const T*, int, int, int, int, T*, T*); \
-  template void AttentionBackward<T>(const T*, const T*, const T*, const T*, const T*, int,    \
-                                     int, int, int, T*, T*, T*, T*);                           \
-  template void SwiGluForward<T>(const T*, const T*, int64_t, T*);                             \
-  template void SwiGluBackward<T>(const T*, const T*, const T*, int64_t, T*, T*);              \
+#define GEOFP8_INSTANTIATE_OPS(T)                                                                \
+  template void EmbeddingForward<T>(std::span<const int32_t>, const T*, int, T*);                \
+  template void EmbeddingBackward<T>(std::span<const int32_t>, const T*, int, T*);               \
+  template void RmsNormForward<T>(const T*, const T*, int, int, T, T*, T*);                      \
+  template void RmsNormBackward<T>(const T*, const T*, const T*, const T*, int, int, T*, T*);    \
+  template void LinearForward<T>(const T*, const T*, int, int, int, T*);                         \
+  template void LinearBackward<T>(const T*, const T*, const T*, int, int, int, T*, T*, bool,     \
+                                  bool);                                                         \
+  template void LinearBackwardWeight<T>(const T*, const T*, int, int, int, T*);                  \
+  template void RopeForward<T>(T*, int, int, int, int, T);                                       \
+  template void RopeBackward<T>(T*, int, int, int, int, T);                                      \
+  template void RopeTable<T>(int, int, T, T*, T*);                                               \
+  template void RopeApply<T>(T*, int, int, int, int, const T*, const T*, bool);                  \
+  template void AttentionForward<T>(const T*, const T*, const T*, int, int, int, int, T*, T*);   \
+  template void AttentionBackward<T>(const T*, const T*, const T*, const T*, const T*, int, int, \
+                                     int, int, T*, T*, T*, T*);                                  \
+  template void SwiGluForward<T>(const T*, const T*, int64_t, T*);                               \
+  template void SwiGluBackward<T>(const T*, const T*, const T*, int64_t, T*, T*);                \
   template double CrossEntropy<T>(const T*, std::span<const int32_t>, int, T*);
 
 GEOFP8_INSTANTIATE_OPS(float)

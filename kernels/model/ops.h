@@ -17,8 +17,8 @@ namespace geofp8::model {
 
 // C[M,N] = alpha * op(A) op(B) + beta * C, row-major, through cblas_{s,d}gemm.
 template <typename T>
-void Gemm(bool trans_a, bool trans_b, int M, int N, int K, T alpha, const T* A, int lda,
-          const T* B, int ldb, T beta, T* C, int ldc);
+void Gemm(bool trans_a, bool trans_b, int M, int N, int K, T alpha, const T* A, int lda, const T* B,
+          int ldb, T beta, T* C, int ldc);
 
 // Pins OpenBLAS to `threads` threads for the whole process (ranks on threads share it).
 void SetBlasThreads(int threads);
@@ -60,8 +60,8 @@ void LinearForward(const T* x, const T* W, int rows, int in, int out, T* y);
 // dx = dy W (overwrite when accumulate_dx is false, else dx +=), dW += dy^T x (dW = dy^T x when
 // accumulate_dw is false: the model writes each weight's gradient once and skips zeroing it).
 template <typename T>
-void LinearBackward(const T* x, const T* W, const T* dy, int rows, int in, int out, T* dx,
-                    T* dW, bool accumulate_dx = false, bool accumulate_dw = true);
+void LinearBackward(const T* x, const T* W, const T* dy, int rows, int in, int out, T* dx, T* dW,
+                    bool accumulate_dx = false, bool accumulate_dw = true);
 // Only dW += dy^T x (for callers that want to publish dW before computing dx).
 template <typename T>
 void LinearBackwardWeight(const T* x, const T* dy, int rows, int in, int out, T* dW);
@@ -87,9 +87,8 @@ void AttentionForward(const T* q, const T* k, const T* v, int batch, int seq, in
                       int head_dim, T* probs, T* out);
 // dq, dk, dv overwritten. scratch needs seq*seq elements.
 template <typename T>
-void AttentionBackward(const T* q, const T* k, const T* v, const T* probs, const T* dout,
-                       int batch, int seq, int heads, int head_dim, T* dq, T* dk, T* dv,
-                       T* scratch);
+void AttentionBackward(const T* q, const T* k, const T* v, const T* probs, const T* dout, int batch,
+                       int seq, int heads, int head_dim, T* dq, T* dk, T* dv, T* scratch);
 
 // h = silu(a) * b, elementwise over n.
 template <typename T>

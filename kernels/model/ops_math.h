@@ -33,7 +33,8 @@ GEOFP8_HD float ExpF32(float x) {
   p = p * r + 0.5f;
   p = p * r + 1.f;
   p = p * r + 1.f;
-  const uint32_t bits = static_cast<uint32_t>(static_cast<int32_t>(n) + 127) << 23;  // n in [-126, 127]
+  const uint32_t bits = static_cast<uint32_t>(static_cast<int32_t>(n) + 127)
+                        << 23;  // n in [-126, 127]
   float scale;
   std::memcpy(&scale, &bits, sizeof scale);
   const float y = p * scale;  // computed unconditionally, so the selects below if-convert

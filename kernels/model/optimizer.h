@@ -13,15 +13,15 @@ namespace geofp8::model {
 
 // Plain struct with defaults; validated by ValidateOptimizerOptions.
 struct OptimizerOptions {
-  float lr = 3e-3f;            // peak learning rate
-  float min_lr = 3e-4f;        // floor reached at the end of the cosine
-  int warmup_steps = 20;       // linear ramp from lr/warmup to lr over these steps
-  int total_steps = 1000;      // cosine decays from warmup_steps to total_steps
+  float lr = 3e-3f;        // peak learning rate
+  float min_lr = 3e-4f;    // floor reached at the end of the cosine
+  int warmup_steps = 20;   // linear ramp from lr/warmup to lr over these steps
+  int total_steps = 1000;  // cosine decays from warmup_steps to total_steps
   float beta1 = 0.9f;
   float beta2 = 0.95f;
   float eps = 1e-8f;
-  float weight_decay = 0.1f;   // decoupled; applied to 2-D weights only (not norms)
-  float clip_norm = 1.0f;      // global L2 norm cap on the averaged gradient; 0 disables
+  float weight_decay = 0.1f;  // decoupled; applied to 2-D weights only (not norms)
+  float clip_norm = 1.0f;     // global L2 norm cap on the averaged gradient; 0 disables
 };
 
 // "" when usable, else one line naming the field: "optimizer.lr: must be > 0 (-1)".

@@ -6,11 +6,11 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstdio>
 #include <filesystem>
 #include <limits>
 #include <map>
 #include <set>
-#include <cstdio>
 #include <sstream>
 
 #include "kernels/model/model.h"
@@ -43,7 +43,7 @@ constexpr Vocabulary<Rounding> kRoundings{ParseRounding, AcceptedRoundings};
 constexpr Vocabulary<GeometryMode> kGeometries{ParseGeometryMode, AcceptedGeometryModes};
 constexpr Vocabulary<Algorithm> kAlgorithms{ParseAlgorithm, AcceptedAlgorithms};
 constexpr Vocabulary<GeometryEstimator> kEstimators{ParseGeometryEstimator,
-                                                   AcceptedGeometryEstimators};
+                                                    AcceptedGeometryEstimators};
 
 // A value quoted in an error: long values are cut, so that one huge scalar cannot crowd out the
 // other errors (the whole message must fit gRPC's 8 KiB metadata limit).
@@ -265,8 +265,8 @@ void ReadRefresh(Reader& r, const YAML::Node& root, const std::string& p, Refres
   YAML::Node n = root["geometry_refresh"];
   if (!n.IsDefined() || n.IsNull() ||
       !r.Map(n, p + ".geometry_refresh",
-             {"estimator", "interval", "stagger", "beta", "width", "probes", "adapt",
-              "power_iters", "sigma_ema"})) {
+             {"estimator", "interval", "stagger", "beta", "width", "probes", "adapt", "power_iters",
+              "sigma_ema"})) {
     return;
   }
   const std::string q = p + ".geometry_refresh";
@@ -545,8 +545,7 @@ absl::StatusOr<JobSpec> ParseJobSpec(std::string_view yaml) {
     YAML::Node opt = r.Get(n, "optimizer", q, &t.optimizer, "a string");
     // The trainer implements AdamW only; a name it would refuse at run time is refused here.
     if (opt.IsDefined() && t.optimizer != "adamw") {
-      r.Error(opt, q + ".optimizer",
-              "unknown value (" + Clip(t.optimizer) + "); accepted: adamw");
+      r.Error(opt, q + ".optimizer", "unknown value (" + Clip(t.optimizer) + "); accepted: adamw");
     }
     r.Number(n, "grad_clip", q, &t.grad_clip, 0.0, 1e6);
     r.Number<uint64_t>(n, "seed", q, &t.seed, 0, std::numeric_limits<uint64_t>::max());
@@ -617,8 +616,7 @@ absl::StatusOr<JobSpec> ParseJobSpec(std::string_view yaml) {
   }
   // The engine tunes refresh intervals of the instant estimator only: an ema sketch is fed every
   // `interval` steps and its basis drifts smoothly by construction.
-  if (spec.auto_policy.enabled &&
-      spec.geometry_refresh.estimator == GeometryEstimator::kInstant &&
+  if (spec.auto_policy.enabled && spec.geometry_refresh.estimator == GeometryEstimator::kInstant &&
       spec.auto_policy.min_interval > spec.geometry_refresh.interval) {
     r.Error(root["auto_policy"], p + ".auto_policy.min_interval",
             "must not exceed geometry_refresh.interval (" +
@@ -742,8 +740,7 @@ std::string WritePolicyPatch(const PolicyPatchSpec& patch, const std::string& he
   if (!patch.layers.empty()) {
     out << YAML::Key << "layers" << YAML::Value << YAML::BeginSeq;
     for (const LayerPatchSpec& p : patch.layers) {
-      out << YAML::BeginMap << YAML::Key << "match" << YAML::Value << YAML::DoubleQuoted
-          << p.match;
+      out << YAML::BeginMap << YAML::Key << "match" << YAML::Value << YAML::DoubleQuoted << p.match;
       EmitFields(out, p.format, p.scaling, p.block, p.rounding, p.geometry, p.rank, p.alpha,
                  p.error_feedback);
       if (p.refresh_interval) {
@@ -834,8 +831,7 @@ std::optional<std::string> PresetPolicyFile(std::string_view name) {
   return std::nullopt;
 }
 
-std::string UnmatchedGlobProblem(std::string_view glob,
-                                 const std::vector<model::ParamInfo>& layers,
+std::string UnmatchedGlobProblem(std::string_view glob, const std::vector<model::ParamInfo>& layers,
                                  std::string_view model) {
   for (const auto& l : layers) {
     if (LayerMatches(glob, l.name)) return "";

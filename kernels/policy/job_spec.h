@@ -102,7 +102,7 @@ struct RefreshSpec {
   // Steps between geometry refreshes: for ema, between sketch updates (1: every step); for
   // instant, between the owner's re-estimates. Unset: 1 for ema, 100 for instant.
   int interval = 1;
-  bool stagger = true;  // spread owners over ranks and offsets over the interval
+  bool stagger = true;         // spread owners over ranks and offsets over the interval
   FactorSketchOptions sketch;  // ema: beta, width, probes (the seed comes from training.seed)
   float adapt = 0.0f;          // ema: whitening strength follows the basis's fit (0: off)
   int power_iters = 1;         // instant: warm-started subspace iterations per refresh
@@ -217,8 +217,7 @@ std::vector<RefreshSchedule> RefreshScheduleOf(const std::vector<int>& intervals
 
 // "" when `glob` matches a layer, else the problem, naming the model and its layer scheme:
 // "matches no layer of llama-tiny (*embed*); its layers are tok_emb, layers.0.attn_norm, ...".
-std::string UnmatchedGlobProblem(std::string_view glob,
-                                 const std::vector<model::ParamInfo>& layers,
+std::string UnmatchedGlobProblem(std::string_view glob, const std::vector<model::ParamInfo>& layers,
                                  std::string_view model);
 
 }  // namespace geofp8

@@ -12,7 +12,7 @@ GEOFP8_PACKAGES=(
   libgtest-dev libgmock-dev libbenchmark-dev
   python3 python3-grpcio python3-grpc-tools python3-matplotlib python3-yaml python3-jsonschema
   python3-torch pybind11-dev python3-pybind11
-  prometheus sqlite3 iproute2 hyperfine openssl
+  prometheus sqlite3 iproute2 hyperfine openssl clang-format
 )
 
 log() { printf '\033[1m==> %s\033[0m\n' "$*" >&2; }

@@ -2,14 +2,14 @@
 // durability point of each RPC), stream writes happen after it is released (Outbox).
 #include "server/coordinator/coordinator.h"
 
+#include <google/protobuf/util/message_differencer.h>
+
 #include <algorithm>
 #include <chrono>
 #include <cstdio>
 #include <map>
 #include <optional>
 #include <set>
-
-#include <google/protobuf/util/message_differencer.h>
 
 #include "server/coordinator/policy_engine.h"
 
@@ -403,10 +403,12 @@ absl::StatusOr<v1::ListPolicyVersionsResponse> Coordinator::ListPolicyVersions(
   return response;
 }
 
-absl::StatusOr<v1::Policy> Coordinator::AddPolicyVersion(
-    JobRec& rec, const std::vector<v1::LayerPatch>& patches, const std::string& reason,
-    const std::string& author, Outbox& out, const v1::LayerPolicy* default_policy,
-    bool* unchanged) {
+absl::StatusOr<v1::Policy> Coordinator::AddPolicyVersion(JobRec& rec,
+                                                         const std::vector<v1::LayerPatch>& patches,
+                                                         const std::string& reason,
+                                                         const std::string& author, Outbox& out,
+                                                         const v1::LayerPolicy* default_policy,
+                                                         bool* unchanged) {
   const v1::Policy& latest = rec.policies.back();
   v1::Policy next = latest;
   next.set_version(latest.version() + 1);
@@ -421,11 +423,11 @@ absl::StatusOr<v1::Policy> Coordinator::AddPolicyVersion(
     // Compaction keeps the last setting of every field per pattern, so re-appending patches the
     // version already ends with gives back the same list.
     *unchanged = google::protobuf::util::MessageDifferencer::Equals(next.default_policy(),
-                                                                      latest.default_policy()) &&
+                                                                    latest.default_policy()) &&
                  next.patches_size() == latest.patches_size();
     for (int i = 0; *unchanged && i < next.patches_size(); ++i) {
-      *unchanged = google::protobuf::util::MessageDifferencer::Equals(next.patches(i),
-                                                                      latest.patches(i));
+      *unchanged =
+          google::protobuf::util::MessageDifferencer::Equals(next.patches(i), latest.patches(i));
     }
     if (*unchanged) return latest;
   }
@@ -530,9 +532,9 @@ absl::StatusOr<v1::UpdatePolicyResponse> Coordinator::UpdatePolicy(
       }
     }
     bool unchanged = false;
-    auto policy = AddPolicyVersion(
-        rec, patches, request.reason().empty() ? "user update" : request.reason(), "user", out,
-        default_policy ? &*default_policy : nullptr, &unchanged);
+    auto policy =
+        AddPolicyVersion(rec, patches, request.reason().empty() ? "user update" : request.reason(),
+                         "user", out, default_policy ? &*default_policy : nullptr, &unchanged);
     if (!policy.ok()) return policy.status();
     *response.mutable_policy() = *policy;
     response.set_unchanged(unchanged);
@@ -561,10 +563,10 @@ absl::StatusOr<v1::RegisterResponse> Coordinator::Register(const v1::RegisterReq
     // process dies) or is declared dead.
     if (it != workers_.end() && it->second.fenced_reason.empty() && it->second.sink) {
       const v1::Worker& held = it->second.info;
-      return absl::AlreadyExistsError(
-          "name: " + request.name() + " is held by a live session (generation " +
-          std::to_string(held.generation()) + ", host " + held.host() +
-          "); each worker process needs its own --name");
+      return absl::AlreadyExistsError("name: " + request.name() +
+                                      " is held by a live session (generation " +
+                                      std::to_string(held.generation()) + ", host " + held.host() +
+                                      "); each worker process needs its own --name");
     }
     auto gen = store_->NextGeneration(request.name());
     if (!gen.ok()) return gen.status();
@@ -1110,8 +1112,7 @@ absl::Status Coordinator::HandleWorkerMessage(const v1::WorkerMessage& message) 
       case v1::WorkerMessage::kFinished:
         // Resent after a broken stream: a second success changes nothing; a report of an
         // attempt that has since ended is ignored.
-        if (rec &&
-            SameAttempt(*rec, message.finished().job_id(), message.finished().attempt())) {
+        if (rec && SameAttempt(*rec, message.finished().job_id(), message.finished().attempt())) {
           if (!message.finished().success()) {
             // A command job's program that crashed is restartable (JobFinished.restartable):
             // the job's restart policy decides, as for a dead worker.
@@ -1153,9 +1154,9 @@ absl::Status Coordinator::HandleWorkerMessage(const v1::WorkerMessage& message) 
       v1::CoordinatorMessage ack;
       ack.mutable_ack()->set_seq(message.seq());
       if (message.has_checkpoint()) {
-        const std::string& job_id =
-            message.checkpoint().job_id().empty() && rec ? rec->job.id()
-                                                         : message.checkpoint().job_id();
+        const std::string& job_id = message.checkpoint().job_id().empty() && rec
+                                        ? rec->job.id()
+                                        : message.checkpoint().job_id();
         auto j = jobs_.find(job_id);
         if (j != jobs_.end()) {
           ack.mutable_ack()->set_job_id(job_id);

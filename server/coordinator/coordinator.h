@@ -146,7 +146,7 @@ class Coordinator {
   struct WorkerRec {
     v1::Worker info;
     std::shared_ptr<SessionSink> sink;
-    std::string fenced_reason;  // non-empty once the current generation is fenced
+    std::string fenced_reason;              // non-empty once the current generation is fenced
     std::vector<v1::HeldCheckpoints> held;  // reported at its last Register
   };
   // Heartbeat fast path: what a heartbeat needs, under its own mutex, so heartbeats never wait

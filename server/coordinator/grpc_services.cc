@@ -2,11 +2,11 @@
 // grpc::Status (the codes map one to one) and records the call. No logic lives here.
 #include "server/coordinator/grpc_services.h"
 
+#include <google/protobuf/stubs/logging.h>
 #include <grpcpp/grpcpp.h>
 #include <grpcpp/health_check_service_interface.h>
 #include <grpcpp/security/server_credentials.h>
 #include <grpcpp/support/server_interceptor.h>
-#include <google/protobuf/stubs/logging.h>
 
 #include <chrono>
 #include <cstdio>
@@ -47,8 +47,8 @@ void ProtobufLog(google::protobuf::LogLevel level, const char* file, int line,
   static const std::string kPrefix = "String field '";
   if (message.rfind(kPrefix, 0) == 0 &&
       message.find("invalid UTF-8 data when parsing") != std::string::npos) {
-    std::string field = message.substr(kPrefix.size(), message.find('\'', kPrefix.size()) -
-                                                           kPrefix.size());
+    std::string field =
+        message.substr(kPrefix.size(), message.find('\'', kPrefix.size()) - kPrefix.size());
     if (field.rfind("geofp8.v1.", 0) == 0) field.erase(0, 10);
     t_invalid_utf8_field = field;
     return;  // the client is told; logging each bad request would let any client flood the log

@@ -123,8 +123,8 @@ int main(int argc, char** argv) {
   if (!metrics_listen.empty()) {
     auto port = metrics.Serve(metrics_listen);
     if (!port.ok()) return Fail(std::string(port.status().message()));
-    metrics_address = metrics_listen.substr(0, metrics_listen.rfind(':')) + ":" +
-                      std::to_string(*port);
+    metrics_address =
+        metrics_listen.substr(0, metrics_listen.rfind(':')) + ":" + std::to_string(*port);
     std::printf("geofp8-coordinator: metrics on http://%s/metrics\n", metrics_address.c_str());
   }
   auto srv = geofp8::coordinator::CoordinatorServer::Start(&coordinator, &metrics, server);

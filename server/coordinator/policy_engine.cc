@@ -27,10 +27,10 @@ std::vector<AutoDecision> DecideAuto(const AutoPolicySpec& bounds, const Refresh
     if (!on && gain >= bounds.min_gain && cost <= bounds.max_cost_fraction) {
       patch.set_geometry(std::string(GeometryNameOf(bounds.geometry)));
       patch.set_rank(bounds.rank);
-      std::snprintf(
-          buf, sizeof buf, "geometry %s on: gain %.3g >= %.3g (%s basis), cost %.3g <= %.3g",
-          patch.geometry().c_str(), gain, bounds.min_gain,
-          ProbeBasisName(probe.basis()), cost, bounds.max_cost_fraction);
+      std::snprintf(buf, sizeof buf,
+                    "geometry %s on: gain %.3g >= %.3g (%s basis), cost %.3g <= %.3g",
+                    patch.geometry().c_str(), gain, bounds.min_gain, ProbeBasisName(probe.basis()),
+                    cost, bounds.max_cost_fraction);
       why.push_back(buf);
     } else if (on && (gain < bounds.off_gain || cost > bounds.max_cost_fraction)) {
       patch.set_geometry("none");

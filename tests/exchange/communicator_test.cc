@@ -1,7 +1,6 @@
 // Gloo communicator over real TCP on 127.0.0.1 with ranks as threads: every collective against
 // values each rank can predict exactly, world sizes 1..8, empty parts, timeouts and broken peers.
 #include <gtest/gtest.h>
-
 #include <sys/resource.h>
 #include <unistd.h>
 
@@ -25,7 +24,9 @@ using testing::RunRanks;
 
 // Bytes rank `from` sends to rank `to`: varies per pair, zero for some pairs.
 size_t PairBytes(int from, int to) { return static_cast<size_t>((from * 7 + to * 3) % 5) * 3; }
-uint8_t PairByte(int from, int to, size_t i) { return static_cast<uint8_t>(from * 31 + to * 17 + i); }
+uint8_t PairByte(int from, int to, size_t i) {
+  return static_cast<uint8_t>(from * 31 + to * 17 + i);
+}
 
 class CommSweep : public ::testing::TestWithParam<int> {};
 
@@ -93,7 +94,8 @@ TEST_P(CommSweep, EveryCollective) {
     auto word = [](int rank, size_t i) -> uint64_t {
       if (i == 0) return 0;
       if (i == 1) return ~uint64_t{0};
-      return (uint64_t{0x9e3779b97f4a7c15} * (rank + 1) * (i + 3)) ^ (static_cast<uint64_t>(rank) << 60);
+      return (uint64_t{0x9e3779b97f4a7c15} * (rank + 1) * (i + 3)) ^
+             (static_cast<uint64_t>(rank) << 60);
     };
     for (size_t count : {size_t{1}, size_t{10}, Communicator::kMaxReduceWords}) {
       std::vector<uint64_t> want(count, 0);
@@ -144,7 +146,8 @@ TEST_P(SideChannel, ConcurrentCollectivesOnBothChannels) {
           size_t off = 0;
           for (int i = 0; i < n; ++i) {
             for (size_t k = 0; k < counts[i]; ++k) {
-              if (all[off + k] != PairByte(i, round, k)) GEOFP8_FAIL("side round ", round, " wrong");
+              if (all[off + k] != PairByte(i, round, k))
+                GEOFP8_FAIL("side round ", round, " wrong");
             }
             off += counts[i];
           }
@@ -165,7 +168,8 @@ TEST_P(SideChannel, ConcurrentCollectivesOnBothChannels) {
       comm.AllToAllV(send, send_counts, recv, recv_counts);
       size_t off = 0;
       for (int i = 0; i < n; ++i) {
-        for (size_t k = 0; k < recv_counts[i]; ++k) ASSERT_EQ(recv[off + k], PairByte(i, r + round, k));
+        for (size_t k = 0; k < recv_counts[i]; ++k)
+          ASSERT_EQ(recv[off + k], PairByte(i, r + round, k));
         off += recv_counts[i];
       }
     }
@@ -189,7 +193,8 @@ TEST(GlooCommunicator, OneChannelHasNoSideChannel) {
     CreateGlooCommunicator(store, 0, 1, options);
     FAIL() << "channels 3 accepted";
   } catch (const Error& e) {
-    EXPECT_NE(std::string(e.what()).find("channels must be 1 or 2 (3)"), std::string::npos) << e.what();
+    EXPECT_NE(std::string(e.what()).find("channels must be 1 or 2 (3)"), std::string::npos)
+        << e.what();
   }
 }
 

@@ -46,26 +46,29 @@ struct RankRun {
 
 // One step on n ranks. `mutate(rank, layers, options, inputs)` may change one rank's view.
 // `channels` 1: communicators without a side channel (one pipeline lane).
-inline RankRun RunStep(
-    int n, const std::vector<LayerSpec>& layers, const ExchangeOptions& options, uint64_t step = 0,
-    const std::function<void(int, std::vector<LayerSpec>&, ExchangeOptions&, Tensors&)>& mutate =
-        {},
-    int channels = 2) {
+inline RankRun RunStep(int n, const std::vector<LayerSpec>& layers, const ExchangeOptions& options,
+                       uint64_t step = 0,
+                       const std::function<void(int, std::vector<LayerSpec>&, ExchangeOptions&,
+                                                Tensors&)>& mutate = {},
+                       int channels = 2) {
   RankRun run;
   run.outputs.resize(n);
   run.results.resize(n);
-  run.errors = RunRanks(n, [&](Communicator& comm) {
-    const int r = comm.rank();
-    std::vector<LayerSpec> my_layers = layers;
-    ExchangeOptions my_options = options;
-    Tensors data = MakeInputs(r, layers, step);
-    if (mutate) mutate(r, my_layers, my_options, data);
-    Exchanger ex(comm, my_layers, my_options);
-    std::vector<std::span<float>> grads;
-    for (auto& t : data) grads.emplace_back(t);
-    run.results[r] = ex.Exchange(step, grads);
-    run.outputs[r] = std::move(data);
-  }, std::chrono::milliseconds(60000), channels);
+  run.errors = RunRanks(
+      n,
+      [&](Communicator& comm) {
+        const int r = comm.rank();
+        std::vector<LayerSpec> my_layers = layers;
+        ExchangeOptions my_options = options;
+        Tensors data = MakeInputs(r, layers, step);
+        if (mutate) mutate(r, my_layers, my_options, data);
+        Exchanger ex(comm, my_layers, my_options);
+        std::vector<std::span<float>> grads;
+        for (auto& t : data) grads.emplace_back(t);
+        run.results[r] = ex.Exchange(step, grads);
+        run.outputs[r] = std::move(data);
+      },
+      std::chrono::milliseconds(60000), channels);
   return run;
 }
 

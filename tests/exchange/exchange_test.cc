@@ -40,14 +40,13 @@ std::string SweepName(const ::testing::TestParamInfo<Sweep::ParamType>& info) {
          std::string(AlgorithmName(std::get<2>(info.param)));
 }
 
-INSTANTIATE_TEST_SUITE_P(Exchange, Sweep,
-                         ::testing::Combine(::testing::Values(1, 2, 3, 4, 8),
-                                            ::testing::Values(size_t{0}, size_t{1}, size_t{7},
-                                                              size_t{1000}),
-                                            ::testing::Values(Algorithm::kTwoPhase,
-                                                              Algorithm::kAllGather,
-                                                              Algorithm::kFp32, Algorithm::kBf16)),
-                         SweepName);
+INSTANTIATE_TEST_SUITE_P(
+    Exchange, Sweep,
+    ::testing::Combine(::testing::Values(1, 2, 3, 4, 8),
+                       ::testing::Values(size_t{0}, size_t{1}, size_t{7}, size_t{1000}),
+                       ::testing::Values(Algorithm::kTwoPhase, Algorithm::kAllGather,
+                                         Algorithm::kFp32, Algorithm::kBf16)),
+    SweepName);
 
 // Several layers with different policies share buckets; a small cap splits them.
 std::vector<LayerSpec> MixedLayers() {
@@ -86,16 +85,15 @@ TEST_P(Mixed, PerLayerPoliciesInBuckets) {
   EXPECT_GT(run.results[0].buckets.size(), 2u);
 }
 
-INSTANTIATE_TEST_SUITE_P(Exchange, Mixed,
-                         ::testing::Combine(::testing::Values(2, 3, 4),
-                                            ::testing::Values(Algorithm::kTwoPhase,
-                                                              Algorithm::kAllGather),
-                                            ::testing::Values(size_t{1}, size_t{4} << 20),
-                                            ::testing::Values(1, 2)));
+INSTANTIATE_TEST_SUITE_P(
+    Exchange, Mixed,
+    ::testing::Combine(::testing::Values(2, 3, 4),
+                       ::testing::Values(Algorithm::kTwoPhase, Algorithm::kAllGather),
+                       ::testing::Values(size_t{1}, size_t{4} << 20), ::testing::Values(1, 2)));
 
 TEST(Buckets, ReverseOrderWithCap) {
-  std::vector<LayerSpec> layers = {{"a", 10, 1, {}}, {"b", 100, 1, {}}, {"c", 5, 1, {}},
-                                   {"d", 1000, 1, {}}, {"e", 20, 1, {}}};
+  std::vector<LayerSpec> layers = {
+      {"a", 10, 1, {}}, {"b", 100, 1, {}}, {"c", 5, 1, {}}, {"d", 1000, 1, {}}, {"e", 20, 1, {}}};
   const auto buckets = MakeBuckets(layers, 500);  // bytes: 40, 400, 20, 4000, 80
   ASSERT_EQ(buckets.size(), 3u);
   EXPECT_EQ(buckets[0].layers, (std::vector<uint32_t>{4}));        // e; d would exceed the cap
@@ -179,8 +177,8 @@ TEST(Exchanger, MismatchInALaterBucketOfOneRunNamesRankAndLayer) {
                              [&](int r, std::vector<LayerSpec>& l, ExchangeOptions&, Tensors&) {
                                if (r == 1) l[target].policy.block = 48;
                              });
-    const std::string want = "rank 1 layer " + std::to_string(target) + " '" +
-                             layers[target].name + "' has block 48";
+    const std::string want =
+        "rank 1 layer " + std::to_string(target) + " '" + layers[target].name + "' has block 48";
     for (int r = 0; r < 3; ++r) {
       EXPECT_NE(run.errors[r].find(want), std::string::npos)
           << AlgorithmName(a) << " rank " << r << ": " << run.errors[r];
@@ -197,7 +195,7 @@ TEST(Exchanger, CollectivesPerStep) {
                          std::pair{Algorithm::kFp32, 3u}}) {
     ExchangeOptions options;
     options.algorithm = a;
-    options.bucket_cap_bytes = 4096;      // several buckets...
+    options.bucket_cap_bytes = 4096;          // several buckets...
     options.segment_bytes = size_t{1} << 30;  // ...in one pipeline group
     std::vector<uint64_t> collectives(3);
     const auto errors = RunRanks(3, [&](Communicator& comm) {
@@ -210,7 +208,8 @@ TEST(Exchanger, CollectivesPerStep) {
       collectives[comm.rank()] = comm.stats().collectives - before;
     });
     ASSERT_EQ(JoinErrors(errors), "") << AlgorithmName(a);
-    for (int r = 0; r < 3; ++r) EXPECT_EQ(collectives[r], want) << AlgorithmName(a) << " rank " << r;
+    for (int r = 0; r < 3; ++r)
+      EXPECT_EQ(collectives[r], want) << AlgorithmName(a) << " rank " << r;
   }
 }
 
@@ -229,8 +228,8 @@ TEST(Exchanger, PolicyVersionMismatchFailsEverywhere) {
 
 TEST(Exchanger, NonFiniteOnOneRankSkipsEverywhere) {
   const auto layers = MixedLayers();
-  for (Algorithm a : {Algorithm::kTwoPhase, Algorithm::kAllGather, Algorithm::kFp32,
-                      Algorithm::kBf16}) {
+  for (Algorithm a :
+       {Algorithm::kTwoPhase, Algorithm::kAllGather, Algorithm::kFp32, Algorithm::kBf16}) {
     for (float bad : {std::nanf(""), -std::numeric_limits<float>::infinity()}) {
       ExchangeOptions options;
       options.algorithm = a;
@@ -341,7 +340,8 @@ TEST(Exchanger, RejectsBadPolicyNamingLayerAndField) {
     Exchanger ex(*comm, layers, {});
     FAIL();
   } catch (const Error& e) {
-    EXPECT_NE(std::string(e.what()).find("layer 'w': error_feedback"), std::string::npos) << e.what();
+    EXPECT_NE(std::string(e.what()).find("layer 'w': error_feedback"), std::string::npos)
+        << e.what();
   }
   layers[0].policy.error_feedback = false;
   EXPECT_THROW(Exchanger(*comm, layers, {}, {RefreshSchedule{3, 10, 0}}), Error);  // owner 3 of 1
@@ -352,7 +352,8 @@ TEST(Exchanger, RejectsBadPolicyNamingLayerAndField) {
       Exchanger ex(*comm, layers, o);
       ADD_FAILURE() << "helper_nice " << nice << " accepted";
     } catch (const Error& e) {
-      EXPECT_NE(std::string(e.what()).find("helper_nice: must be in [0, 19] (" + std::to_string(nice) + ")"),
+      EXPECT_NE(std::string(e.what()).find("helper_nice: must be in [0, 19] (" +
+                                           std::to_string(nice) + ")"),
                 std::string::npos)
           << e.what();
     }
@@ -365,7 +366,8 @@ TEST(Exchanger, RejectsBadPolicyNamingLayerAndField) {
     ex.Exchange(0, {std::span<float>(g)});
     FAIL();
   } catch (const Error& e) {
-    EXPECT_NE(std::string(e.what()).find("native needs a backend with FP8 all-reduce"), std::string::npos)
+    EXPECT_NE(std::string(e.what()).find("native needs a backend with FP8 all-reduce"),
+              std::string::npos)
         << e.what();
   }
 }

@@ -122,7 +122,8 @@ TEST(Nccl, NativeFp8WithinBound) {
   if (!native) GTEST_SKIP() << "NCCL or GPU without FP8 all-reduce";
   double amax = 0;
   for (int r = 0; r < n; ++r) {
-    for (size_t i = 0; i < 4096; ++i) amax = std::max<double>(amax, std::fabs(InputValue(r, 0, i) / n));
+    for (size_t i = 0; i < 4096; ++i)
+      amax = std::max<double>(amax, std::fabs(InputValue(r, 0, i) / n));
   }
   for (size_t i = 0; i < 4096; ++i) {
     double exact = 0;

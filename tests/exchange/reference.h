@@ -37,7 +37,8 @@ inline std::vector<float> ReferenceTwoPhase(const std::vector<std::vector<float>
   const size_t blocks = (count + g - 1) / g;
   std::vector<float> out(count);
   for (int j = 0; j < n; ++j) {
-    const size_t b = std::min(blocks * j / n * g, count), e = std::min(blocks * (j + 1) / n * g, count);
+    const size_t b = std::min(blocks * j / n * g, count),
+                 e = std::min(blocks * (j + 1) / n * g, count);
     std::vector<float> acc(e - b, 0.f);
     for (int r = 0; r < n; ++r) {
       const auto o = LayerCodecOptions(p, seed, step, layer, r, 1, j);
@@ -69,12 +70,18 @@ inline std::vector<float> ReferenceAllGather(const std::vector<std::vector<float
 // one quantization moves an element by at most rel * (its scale block's amax).
 inline double FormatRelStep(Format f) {
   switch (f) {
-    case Format::kFp32: return std::ldexp(1.0, -23);
-    case Format::kBf16: return std::ldexp(1.0, -8);
-    case Format::kFp8E4M3: return std::ldexp(1.0, -4);
-    case Format::kFp8E5M2: return std::ldexp(1.0, -3);
-    case Format::kMxfp8: return std::ldexp(1.0, -3);  // power-of-two scale: up to 2x less range
-    case Format::kNvfp4: return 0.25;
+    case Format::kFp32:
+      return std::ldexp(1.0, -23);
+    case Format::kBf16:
+      return std::ldexp(1.0, -8);
+    case Format::kFp8E4M3:
+      return std::ldexp(1.0, -4);
+    case Format::kFp8E5M2:
+      return std::ldexp(1.0, -3);
+    case Format::kMxfp8:
+      return std::ldexp(1.0, -3);  // power-of-two scale: up to 2x less range
+    case Format::kNvfp4:
+      return 0.25;
   }
   return 1.0;
 }

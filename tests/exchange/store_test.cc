@@ -1,5 +1,7 @@
 // Tests of the rendezvous stores: set/get/wait/add semantics, timeouts that name the key, and
 // the gloo adapter.
+#include "kernels/exchange/store.h"
+
 #include <gtest/gtest.h>
 
 #include <filesystem>
@@ -7,7 +9,6 @@
 
 #include "kernels/common/check.h"
 #include "kernels/exchange/gloo_communicator.h"
-#include "kernels/exchange/store.h"
 
 namespace geofp8 {
 namespace {
@@ -49,8 +50,8 @@ TEST(MemoryStore, SetGetWaitAdd) {
 }
 
 TEST(FileStore, SetGetWaitAdd) {
-  const auto dir = std::filesystem::temp_directory_path() /
-                   ("geofp8_store_test_" + std::to_string(::getpid()));
+  const auto dir =
+      std::filesystem::temp_directory_path() / ("geofp8_store_test_" + std::to_string(::getpid()));
   std::filesystem::remove_all(dir);
   {
     FileStore store(dir.string());
@@ -60,8 +61,8 @@ TEST(FileStore, SetGetWaitAdd) {
 }
 
 TEST(FileStore, ConcurrentAddIsAtomic) {
-  const auto dir = std::filesystem::temp_directory_path() /
-                   ("geofp8_store_add_" + std::to_string(::getpid()));
+  const auto dir =
+      std::filesystem::temp_directory_path() / ("geofp8_store_add_" + std::to_string(::getpid()));
   std::filesystem::remove_all(dir);
   FileStore store(dir.string());
   std::vector<std::thread> threads;

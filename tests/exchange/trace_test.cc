@@ -1,5 +1,7 @@
 // The exchange timeline: which spans a traced step records on which lane, the cap on spans, and
 // the Chrome trace JSON it writes.
+#include "kernels/exchange/trace.h"
+
 #include <gtest/gtest.h>
 
 #include <algorithm>
@@ -9,7 +11,6 @@
 #include <sstream>
 #include <thread>
 
-#include "kernels/exchange/trace.h"
 #include "tests/exchange/exchange_harness.h"
 
 namespace geofp8 {
@@ -68,9 +69,12 @@ TEST(ExchangeTrace, TwoPhaseStepSpansPerLane) {
     const int gather_lane = channels == 2 ? ExchangeTrace::kSideLane : ExchangeTrace::kMainLane;
     for (int r = 0; r < 2; ++r) {
       const Tally t = Count(traces[r], 7);
-      const std::string where = "channels " + std::to_string(channels) + " rank " + std::to_string(r);
-      EXPECT_EQ(t.lanes.at("fingerprints"), (std::map<int, int>{{ExchangeTrace::kMainLane, 1}})) << where;
-      EXPECT_EQ(t.lanes.at("all_to_all"), (std::map<int, int>{{ExchangeTrace::kMainLane, 3}})) << where;
+      const std::string where =
+          "channels " + std::to_string(channels) + " rank " + std::to_string(r);
+      EXPECT_EQ(t.lanes.at("fingerprints"), (std::map<int, int>{{ExchangeTrace::kMainLane, 1}}))
+          << where;
+      EXPECT_EQ(t.lanes.at("all_to_all"), (std::map<int, int>{{ExchangeTrace::kMainLane, 3}}))
+          << where;
       EXPECT_EQ(t.lanes.at("all_gather"), (std::map<int, int>{{gather_lane, 3}})) << where;
       for (const char* codec : {"encode", "sum_requantize", "decode"}) {
         EXPECT_EQ(t.lanes.at(codec), (std::map<int, int>{{ExchangeTrace::kCodecLane, 3}}))
@@ -116,7 +120,8 @@ TEST(ExchangeTrace, WritesChromeTraceJson) {
   std::remove(path.c_str());
   EXPECT_EQ(json.rfind("{\"displayTimeUnit\":\"ms\",\"traceEvents\":[", 0), 0u) << json;
   EXPECT_NE(json.find("\"args\":{\"name\":\"rank 3\"}"), std::string::npos) << json;
-  EXPECT_NE(json.find("\"name\":\"all_to_all\",\"ph\":\"X\",\"pid\":3,\"tid\":0"), std::string::npos)
+  EXPECT_NE(json.find("\"name\":\"all_to_all\",\"ph\":\"X\",\"pid\":3,\"tid\":0"),
+            std::string::npos)
       << json;
   EXPECT_NE(json.find("\"dur\":1500,\"args\":{\"step\":4,\"group\":2}"), std::string::npos) << json;
   // Balanced braces and brackets: a loader will at least get past the structure.

@@ -54,8 +54,7 @@ int64_t NowUnixMs() {
 std::vector<int64_t> Checkpoints(const WorkerProcess& w, const std::string& job) {
   std::vector<int64_t> steps;
   std::error_code ec;
-  for (const auto& e :
-       std::filesystem::directory_iterator(w.data_dir() + "/ckpt/" + job, ec)) {
+  for (const auto& e : std::filesystem::directory_iterator(w.data_dir() + "/ckpt/" + job, ec)) {
     if (e.path().extension() != ".ckpt") continue;
     const std::string stem = e.path().stem().string();  // <name>.<step>
     steps.push_back(std::stoll(stem.substr(stem.rfind('.') + 1)));
@@ -87,9 +86,8 @@ TEST(CoordinatorOutageFaultTest, KillNineLongerThanACheckpointIntervalStillSucce
   std::this_thread::sleep_for(seconds(OutageSeconds()));
   const std::vector<int64_t> kept = Checkpoints(w0, job.id());
   const int kept_during_outage = int(kept.size());
-  ChildProcess again({GEOFP8_COORDINATOR_BIN, "--listen", "127.0.0.1:" + port,
-                      "--metrics-listen", "", "--data-dir", coordinator.data_dir(), "--tick-ms",
-                      "50"});
+  ChildProcess again({GEOFP8_COORDINATOR_BIN, "--listen", "127.0.0.1:" + port, "--metrics-listen",
+                      "", "--data-dir", coordinator.data_dir(), "--tick-ms", "50"});
   ASSERT_TRUE(again.WaitFor("serving on", seconds(20))) << again.output();
   const int64_t restarted_ms = NowUnixMs();  // back (serving), give or take the 20 ms poll
   Client client2(address);
@@ -159,8 +157,8 @@ TEST(CoordinatorOutageFaultTest, KillNineLongerThanACheckpointIntervalStillSucce
   // checkpoints at or past the acknowledged recovery point.
   const std::string checksum = w0.Result(job.id(), done.attempt())["checksum"];
   EXPECT_EQ(checksum, w1.Result(job.id(), done.attempt())["checksum"]);
-  const v1::Job straight = client2.WaitFinal(client2.Submit(Spec("straight")).id(),
-                                             seconds(90 + 5 * OutageSeconds()));
+  const v1::Job straight =
+      client2.WaitFinal(client2.Submit(Spec("straight")).id(), seconds(90 + 5 * OutageSeconds()));
   ASSERT_EQ(straight.state(), v1::JOB_SUCCEEDED) << describe();
   EXPECT_EQ(w0.Result(straight.id())["checksum"], checksum);
   EXPECT_LE(CountCheckpoints(w0, straight.id()), 2);

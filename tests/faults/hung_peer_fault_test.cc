@@ -61,9 +61,9 @@ TEST(HungPeerFaultTest, StopAbortsTheCollectiveAndTheJobRestartsOnTheSpare) {
   WorkerProcess* hung = by_name(hung_name);
   WorkerProcess* rank0 = by_name(rank0_name);
 
-  const int64_t sigstop_ms = std::chrono::duration_cast<milliseconds>(
-                                 std::chrono::system_clock::now().time_since_epoch())
-                                 .count();
+  const int64_t sigstop_ms =
+      std::chrono::duration_cast<milliseconds>(std::chrono::system_clock::now().time_since_epoch())
+          .count();
   hung->process().Kill(SIGSTOP);
   // The coordinator declares the hung worker dead after its heartbeat timeout and stops rank 0,
   // which sits in a collective waiting for it.

@@ -48,7 +48,8 @@ TEST(LostReportFaultTest, FinishedLostOnABrokenStreamIsResentAndTheJobSucceeds) 
         << w->process().output();
     EXPECT_NE(w->process().output().find("reliable message(s) not acknowledged"), std::string::npos)
         << w->process().output();
-    finished_ms = std::max<int64_t>(finished_ms, std::stoll(w->Result(job.id())["finished_unix_ms"]));
+    finished_ms =
+        std::max<int64_t>(finished_ms, std::stoll(w->Result(job.id())["finished_unix_ms"]));
   }
   std::printf("lost Finished: job SUCCEEDED %.2f s after the last rank finished\n",
               double(LastEventMs(done, "all ranks finished") - finished_ms) / 1000.0);

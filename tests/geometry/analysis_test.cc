@@ -53,8 +53,12 @@ TEST(BandEdgesTest, DesignBandsWhenRankIsLarge) {
 }
 
 TEST(BandErrorTest, MatchesBruteForceSvdOnSmallMatrices) {
-  struct Case { int64_t m, n, k; double p; };
-  for (Case c : {Case{24, 18, 2, 1.0}, Case{17, 29, 1, 1.5}, Case{32, 32, 3, 0.5}, Case{40, 12, 1, 2.0}}) {
+  struct Case {
+    int64_t m, n, k;
+    double p;
+  };
+  for (Case c :
+       {Case{24, 18, 2, 1.0}, Case{17, 29, 1, 1.5}, Case{32, 32, 3, 0.5}, Case{40, 12, 1, 2.0}}) {
     const int64_t r = std::min(c.m, c.n);
     auto ks = testing::MakeKnownSvd(c.m, c.n, testing::PowerSpectrum(r, c.p), c.m * 7 + c.n);
     const std::vector<float> gh = Perturbed(ks.G, 1e-3, 5);
@@ -88,7 +92,8 @@ TEST(BandErrorTest, ErrorInOneDirectionLandsInItsBand) {
   const int64_t d = 12;
   std::vector<float> gh = ks.G;
   for (int64_t i = 0; i < m; ++i)
-    for (int64_t j = 0; j < n; ++j) gh[i * n + j] += float(0.01 * ks.s[d] * ks.U[i * n + d] * ks.V[j * n + d]);
+    for (int64_t j = 0; j < n; ++j)
+      gh[i * n + j] += float(0.01 * ks.s[d] * ks.U[i * n + d] * ks.V[j * n + d]);
   const SpectralReference ref = ComputeSpectralReference(ks.G, m, n);
   const BandErrors be = ComputeBandErrors(ref, ks.G, gh, 2);
   double band_energy = 0;
@@ -116,7 +121,8 @@ TEST(ResidualSubspaceErrorTest, MatchesExplicitProjections) {
   auto ks = testing::MakeKnownSvd(m, n, testing::PowerSpectrum(n, 1.0), 2);
   const std::vector<float> gh = Perturbed(ks.G, 1e-2, 3);
   // A basis that is not the singular basis, to exercise the projection generally.
-  const std::vector<double> ud = testing::RandomOrthonormal(m, k, 77), vd = testing::RandomOrthonormal(n, k, 78);
+  const std::vector<double> ud = testing::RandomOrthonormal(m, k, 77),
+                            vd = testing::RandomOrthonormal(n, k, 78);
   std::vector<float> u(ud.begin(), ud.end()), v(vd.begin(), vd.end());
   auto project = [&](const std::vector<double>& x) {
     // (I - U U^T) X (I - V V^T) with dense projectors in double.

@@ -49,7 +49,8 @@ class AnalyzeToolTest : public ::testing::Test {
     const std::string cmd = std::string(GEOFP8_TOOL_PATH) + " analyze " + args + " >" +
                             Path("stdout") + " 2>" + Path("stderr");
     const int status = std::system(cmd.c_str());
-    return {WIFEXITED(status) ? WEXITSTATUS(status) : -1, Slurp(Path("stdout")), Slurp(Path("stderr"))};
+    return {WIFEXITED(status) ? WEXITSTATUS(status) : -1, Slurp(Path("stdout")),
+            Slurp(Path("stderr"))};
   }
   static double Field(const std::string& json, const std::string& key) {
     const std::string k = "\"" + key + "\": ";
@@ -63,7 +64,8 @@ class AnalyzeToolTest : public ::testing::Test {
 };
 
 TEST_F(AnalyzeToolTest, BandMetricsMatchTheLibraryAndLowRankBeatsEuclidean) {
-  const std::string common = "--format fp8_e4m3 --scaling tensor --in " + Path("g.f32") + " --shape 96x160";
+  const std::string common =
+      "--format fp8_e4m3 --scaling tensor --in " + Path("g.f32") + " --shape 96x160";
   const Result none = Run(common + " --out " + Path("none.f32"));
   ASSERT_EQ(none.code, 0) << none.err;
   const Result low = Run(common + " --geometry lowrank --rank 8 --out " + Path("low.f32"));
@@ -92,8 +94,10 @@ TEST_F(AnalyzeToolTest, BandMetricsMatchTheLibraryAndLowRankBeatsEuclidean) {
 }
 
 TEST_F(AnalyzeToolTest, StaleBasisFromAnotherGradient) {
-  const Result r = Run("--format nvfp4 --in " + Path("g.f32") + " --shape 96x160 --geometry lowrank "
-                       "--rank 8 --alpha 0.25 --basis-from " + Path("prev.f32"));
+  const Result r = Run("--format nvfp4 --in " + Path("g.f32") +
+                       " --shape 96x160 --geometry lowrank "
+                       "--rank 8 --alpha 0.25 --basis-from " +
+                       Path("prev.f32"));
   ASSERT_EQ(r.code, 0) << r.err;
   EXPECT_NE(r.out.find("\"basis_from\": \"" + Path("prev.f32") + "\""), std::string::npos);
   const Result euclid = Run("--format nvfp4 --in " + Path("g.f32") + " --shape 96x160 --rank 8");
@@ -110,12 +114,15 @@ TEST_F(AnalyzeToolTest, BadGeometryFlagsAreOneLineUsageErrors) {
   const std::string in = " --in " + Path("g.f32");
   for (const Case& c : std::vector<Case>{
            {in + " --geometry lowrank", "geometry: needs --shape MxN"},
-           {in + " --shape 96x160 --geometry wide", "geometry: unknown geometry (wide); accepted: none, diag, lowrank"},
+           {in + " --shape 96x160 --geometry wide",
+            "geometry: unknown geometry (wide); accepted: none, diag, lowrank"},
            {in + " --shape 15360 --geometry lowrank", "shape: expected a matrix MxN (15360)"},
            {in + " --shape 96x160 --geometry lowrank --rank 0", "rank: must be at least 1 (0)"},
            {in + " --shape 96x160 --geometry lowrank --alpha 2", "alpha: must be in [0, 1] (2)"},
-           {in + " --shape 96x160 --basis-from " + Path("prev.f32"), "basis-from: needs --geometry"},
-           {in + " --shape 96x160 --geometry lowrank --basis-from " + Path("small.f32"), "basis-from: shape 96x160 has 15360 elements but the input holds 10"},
+           {in + " --shape 96x160 --basis-from " + Path("prev.f32"),
+            "basis-from: needs --geometry"},
+           {in + " --shape 96x160 --geometry lowrank --basis-from " + Path("small.f32"),
+            "basis-from: shape 96x160 has 15360 elements but the input holds 10"},
        }) {
     const Result r = Run(c.args);
     EXPECT_EQ(r.code, 2) << c.args << ": " << r.err;

@@ -59,7 +59,9 @@ class GeometryCudaTest : public ::testing::Test {
 };
 
 TEST_F(GeometryCudaTest, MatchesCpuReferenceOverShapesAndModes) {
-  struct Shape { int64_t m, n; };
+  struct Shape {
+    int64_t m, n;
+  };
   for (Shape s : {Shape{1, 37}, Shape{37, 1}, Shape{5, 160}, Shape{217, 256}, Shape{512, 384}}) {
     const std::vector<float> g =
         MakeSyntheticGradient({SyntheticFamily::kSpectral, s.m, s.n, 1.5, 3, 0.0});
@@ -75,7 +77,8 @@ TEST_F(GeometryCudaTest, MatchesCpuReferenceOverShapesAndModes) {
       std::vector<float> cpu_inv = cpu;
       InvertGeometry(geo, cpu_inv);
       const std::vector<float> gpu_inv = OnDevice(geo, cpu, true);
-      EXPECT_LT(RelDiff(gpu_inv, cpu_inv), 1e-4) << s.m << "x" << s.n << " " << GeometryModeName(mode);
+      EXPECT_LT(RelDiff(gpu_inv, cpu_inv), 1e-4)
+          << s.m << "x" << s.n << " " << GeometryModeName(mode);
       EXPECT_LT(RelDiff(gpu_inv, g), 1e-3) << "round trip on the device";
     }
   }
@@ -85,7 +88,9 @@ TEST_F(GeometryCudaTest, MatchesCpuReferenceOverShapesAndModes) {
 // device's update factors, LowRankUpdateElement, the CPU codec), and every codec decodes to the
 // CPU fused path's result within the format's step.
 TEST_F(GeometryCudaTest, FusedEncodeMatchesItsHostReference) {
-  struct Shape { int64_t m, n; };
+  struct Shape {
+    int64_t m, n;
+  };
   for (Shape s : {Shape{5, 160}, Shape{217, 256}, Shape{512, 384}}) {
     const std::vector<float> g =
         MakeSyntheticGradient({SyntheticFamily::kSpectral, s.m, s.n, 1.5, 3, 0.0});
@@ -135,7 +140,8 @@ TEST_F(GeometryCudaTest, FusedEncodeMatchesItsHostReference) {
           cudaMemcpy(got.data(), d_out[j], got.size(), cudaMemcpyDeviceToHost);
           Encode(std::span<const float>(t).subspan(ranges[j].first, count), o, want);
           if (f != Format::kNvfp4) {  // the fused kernel: bit-identical to its host rebuild
-            EXPECT_EQ(got, want) << s.m << "x" << s.n << " " << GeometryModeName(mode) << " chunk " << j;
+            EXPECT_EQ(got, want) << s.m << "x" << s.n << " " << GeometryModeName(mode) << " chunk "
+                                 << j;
           }
           std::vector<float> a(count), b(count);
           Decode(got, a);

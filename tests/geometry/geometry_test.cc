@@ -18,9 +18,9 @@
 namespace geofp8 {
 namespace {
 
+using testing::GeometricSpectrum;
 using testing::KnownSvd;
 using testing::MakeKnownSvd;
-using testing::GeometricSpectrum;
 using testing::PowerSpectrum;
 
 double RelDiff(const std::vector<float>& a, const std::vector<float>& b) {
@@ -126,7 +126,8 @@ TEST(GeometryTest, WhitensTopDirectionsToTheBulkLevel) {
     EXPECT_NEAR(ref.sigma[i], expected[i], 1e-4 * ks.s[0]) << "singular value " << i;
   }
   // No direction is ever amplified: the norm can only shrink.
-  EXPECT_LT(RelDiff(x, std::vector<float>(x.size(), 0.f)), RelDiff(ks.G, std::vector<float>(x.size(), 0.f)));
+  EXPECT_LT(RelDiff(x, std::vector<float>(x.size(), 0.f)),
+            RelDiff(ks.G, std::vector<float>(x.size(), 0.f)));
 }
 
 TEST(GeometryTest, ExactForKAtLeastRank) {
@@ -292,7 +293,8 @@ TEST(GeometryTest, SigmaEmaSmoothsAcrossRefreshes) {
   GeometryOptions o = LowRank(4, 4);
   o.sigma_ema = 0.5f;
   const Geometry second = EstimateGeometry(doubled, 40, 30, o, &first).geometry;
-  for (int i = 0; i < 4; ++i) EXPECT_NEAR(second.sigma[i], 1.5 * first.sigma[i], 1e-4 * first.sigma[0]);
+  for (int i = 0; i < 4; ++i)
+    EXPECT_NEAR(second.sigma[i], 1.5 * first.sigma[i], 1e-4 * first.sigma[0]);
 }
 
 TEST(GeometryTest, RankDeficientGradientGivesValidGeometry) {
@@ -334,8 +336,11 @@ TEST(GeometryTest, ZeroGradientGivesIdentity) {
 TEST(GeometryTest, EdgeShapes) {
   const double kU = std::ldexp(1.0, -24);
   // 1 x N, N x 1, 1 x 1 and empty: valid, finite and invertible.
-  struct Shape { int64_t m, n; };
-  for (Shape s : {Shape{1, 37}, Shape{37, 1}, Shape{1, 1}, Shape{0, 5}, Shape{5, 0}, Shape{3, 200}}) {
+  struct Shape {
+    int64_t m, n;
+  };
+  for (Shape s :
+       {Shape{1, 37}, Shape{37, 1}, Shape{1, 1}, Shape{0, 5}, Shape{5, 0}, Shape{3, 200}}) {
     std::vector<float> g(static_cast<size_t>(s.m * s.n));
     for (size_t i = 0; i < g.size(); ++i) g[i] = std::sin(0.7f * i) + (i % 5 == 0 ? 4.f : 0.f);
     for (GeometryMode mode : {GeometryMode::kNone, GeometryMode::kDiag, GeometryMode::kLowRank}) {
@@ -469,7 +474,8 @@ TEST(GeometryTest, DiagScalesDominantRowsAndColumnsDown) {
   std::mt19937 rng(3);
   std::normal_distribution<float> normal;
   for (int64_t i = 0; i < m; ++i)
-    for (int64_t j = 0; j < n; ++j) g[i * n + j] = normal(rng) * (i == 3 ? 100.f : 1.f) * (j == 7 ? 10.f : 1.f);
+    for (int64_t j = 0; j < n; ++j)
+      g[i * n + j] = normal(rng) * (i == 3 ? 100.f : 1.f) * (j == 7 ? 10.f : 1.f);
   GeometryOptions o;
   o.mode = GeometryMode::kDiag;
   const Geometry geo = EstimateGeometry(g, m, n, o, nullptr).geometry;

@@ -1,8 +1,9 @@
 // Tests of the geometry wire form: bit-exact round trip for every mode, and clear errors for
 // truncated, corrupted or inconsistent buffers.
 #include <gmock/gmock.h>
-#include <cstring>
 #include <gtest/gtest.h>
+
+#include <cstring>
 
 #include "kernels/common/check.h"
 #include "kernels/geometry/geometry.h"
@@ -59,12 +60,14 @@ TEST(GeometrySerializeTest, CorruptionIsDetected) {
   const std::vector<uint8_t> good = SerializeGeometry(Estimated(GeometryMode::kLowRank));
   std::vector<uint8_t> bad = good;
   bad[100] ^= 0x10;
-  EXPECT_THAT([&] { DeserializeGeometry(bad); }, ThrowsMessage<Error>(HasSubstr("checksum mismatch")));
+  EXPECT_THAT([&] { DeserializeGeometry(bad); },
+              ThrowsMessage<Error>(HasSubstr("checksum mismatch")));
   bad = good;
   bad[0] = 'X';
   EXPECT_THAT([&] { DeserializeGeometry(bad); }, ThrowsMessage<Error>(HasSubstr("bad magic")));
   bad.assign(good.begin(), good.begin() + 20);
-  EXPECT_THAT([&] { DeserializeGeometry(bad); }, ThrowsMessage<Error>(HasSubstr("shorter than the header")));
+  EXPECT_THAT([&] { DeserializeGeometry(bad); },
+              ThrowsMessage<Error>(HasSubstr("shorter than the header")));
   EXPECT_THROW(DeserializeGeometry({}), Error);
 }
 

@@ -26,8 +26,8 @@ TEST(SyntheticTest, SpectralFamilyHasTheRequestedPowerLaw) {
 }
 
 TEST(SyntheticTest, EveryFamilyIsDeterministicFiniteAndNormalized) {
-  for (SyntheticFamily f : {SyntheticFamily::kSpectral, SyntheticFamily::kKronecker,
-                            SyntheticFamily::kLowRankNoise}) {
+  for (SyntheticFamily f :
+       {SyntheticFamily::kSpectral, SyntheticFamily::kKronecker, SyntheticFamily::kLowRankNoise}) {
     const SyntheticSpec spec{f, 40, 24, 1.0, 9, 0.0};
     const std::vector<float> a = MakeSyntheticGradient(spec), b = MakeSyntheticGradient(spec);
     EXPECT_EQ(a, b) << SyntheticFamilyName(f);
@@ -52,7 +52,8 @@ TEST(SyntheticTest, DriftedTwinRotatesTheDominantSubspace) {
   double last = 0;
   for (double drift : {0.05, 0.3, 1.0}) {
     spec.drift = drift;
-    const Geometry twin = EstimateGeometry(MakeSyntheticGradient(spec), 128, 96, o, nullptr).geometry;
+    const Geometry twin =
+        EstimateGeometry(MakeSyntheticGradient(spec), 128, 96, o, nullptr).geometry;
     const double d = SubspaceDrift(base, twin);
     EXPECT_GT(d, last) << "drift " << drift;
     last = d;

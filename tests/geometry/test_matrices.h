@@ -40,7 +40,8 @@ struct KnownSvd {
 
 // G = U diag(s) V^T; s.size() <= min(m, n).
 inline KnownSvd MakeKnownSvd(int64_t m, int64_t n, const std::vector<double>& s, uint64_t seed) {
-  KnownSvd k{m, n, RandomOrthonormal(m, s.size(), seed), RandomOrthonormal(n, s.size(), seed + 1), s, {}};
+  KnownSvd k{m, n, RandomOrthonormal(m, s.size(), seed), RandomOrthonormal(n, s.size(), seed + 1),
+             s, {}};
   const int64_t r = static_cast<int64_t>(s.size());
   k.G.assign(static_cast<size_t>(m * n), 0.f);
   for (int64_t i = 0; i < m; ++i)
@@ -116,12 +117,14 @@ inline JacobiSvd BruteForceSvd(const std::vector<double>& a, int64_t m, int64_t 
   }
   std::sort(order.begin(), order.end(), [&](int64_t x, int64_t y) { return norms[x] > norms[y]; });
   JacobiSvd out;
-  std::vector<double> left(static_cast<size_t>(rows * cols)), right(static_cast<size_t>(cols * cols));
+  std::vector<double> left(static_cast<size_t>(rows * cols)),
+      right(static_cast<size_t>(cols * cols));
   out.s.resize(static_cast<size_t>(cols));
   for (int64_t c = 0; c < cols; ++c) {
     const int64_t j = order[c];
     out.s[c] = norms[j];
-    for (int64_t i = 0; i < rows; ++i) left[i * cols + c] = norms[j] > 0 ? w[i * cols + j] / norms[j] : 0;
+    for (int64_t i = 0; i < rows; ++i)
+      left[i * cols + c] = norms[j] > 0 ? w[i * cols + j] / norms[j] : 0;
     for (int64_t i = 0; i < cols; ++i) right[i * cols + c] = v[i * cols + j];
   }
   out.U = transpose ? right : left;

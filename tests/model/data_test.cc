@@ -27,8 +27,8 @@ TEST(Data, TokenizerRoundTripsBytes) {
   EXPECT_EQ(ByteTokenizer::Decode(tokens), text);
   EXPECT_TRUE(IsValidUtf8(text));
   EXPECT_FALSE(IsValidUtf8("\xc3"));
-  EXPECT_FALSE(IsValidUtf8("\xc0\xaf"));          // overlong
-  EXPECT_FALSE(IsValidUtf8("\xed\xa0\x80"));      // surrogate
+  EXPECT_FALSE(IsValidUtf8("\xc0\xaf"));      // overlong
+  EXPECT_FALSE(IsValidUtf8("\xed\xa0\x80"));  // surrogate
   EXPECT_FALSE(IsValidUtf8("\xff"));
 }
 

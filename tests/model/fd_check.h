@@ -2,12 +2,12 @@
 // (L(x+h) - L(x-h)) / 2h for every element, in float64.
 #pragma once
 
+#include <gtest/gtest.h>
+
 #include <cmath>
 #include <functional>
 #include <random>
 #include <vector>
-
-#include <gtest/gtest.h>
 
 namespace geofp8::model::testing {
 

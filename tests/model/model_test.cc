@@ -24,7 +24,8 @@ ModelConfig Micro() {
 std::vector<int32_t> Tokens(int batch, int seq, int vocab, uint64_t seed) {
   std::vector<int32_t> t(size_t(batch) * (seq + 1));
   uint64_t s = seed;
-  for (auto& x : t) x = int32_t((s = s * 6364136223846793005ULL + 1442695040888963407ULL) >> 33) % vocab;
+  for (auto& x : t)
+    x = int32_t((s = s * 6364136223846793005ULL + 1442695040888963407ULL) >> 33) % vocab;
   return t;
 }
 
@@ -69,7 +70,8 @@ TEST(Model, LlamaTinyGradientMatchesFiniteDifferencesOnSampledCoordinates) {
   uint64_t pick = 99;
   for (const ParamInfo& p : model.params()) {
     double biggest = 0;
-    for (int64_t j = 0; j < p.size(); ++j) biggest = std::max(biggest, std::abs(analytic[p.offset + j]));
+    for (int64_t j = 0; j < p.size(); ++j)
+      biggest = std::max(biggest, std::abs(analytic[p.offset + j]));
     for (int s = 0; s < 24; ++s) {
       pick = pick * 6364136223846793005ULL + 1442695040888963407ULL;
       int64_t j = p.offset + int64_t((pick >> 33) % uint64_t(p.size()));
@@ -86,8 +88,9 @@ TEST(Model, LlamaTinyGradientMatchesFiniteDifferencesOnSampledCoordinates) {
       const double lm = model.Loss(tokens, batch, seq);
       w = saved;
       const double numeric = (lp - lm) / (2 * h);
-      const double err = std::abs(numeric - analytic[j]) /
-                         std::max(1e-4 * biggest + 1e-12, std::abs(numeric) + std::abs(analytic[j]));
+      const double err =
+          std::abs(numeric - analytic[j]) /
+          std::max(1e-4 * biggest + 1e-12, std::abs(numeric) + std::abs(analytic[j]));
       EXPECT_LT(err, 1e-5) << p.name << " element " << j - p.offset;
       worst = std::max(worst, err);
     }
@@ -220,10 +223,10 @@ TEST(Model, RejectsBadBatches) {
   Model<float> model(Micro());
   model.Init(1);
   std::vector<int32_t> tokens = Tokens(2, 5, 11, 1);
-  EXPECT_THROW(model.Loss(tokens, 2, 6), geofp8::Error);   // seq > config.seq
-  EXPECT_THROW(model.Loss(tokens, 3, 5), geofp8::Error);   // wrong token count
+  EXPECT_THROW(model.Loss(tokens, 2, 6), geofp8::Error);  // seq > config.seq
+  EXPECT_THROW(model.Loss(tokens, 3, 5), geofp8::Error);  // wrong token count
   tokens[0] = 11;
-  EXPECT_THROW(model.Loss(tokens, 2, 5), geofp8::Error);   // outside vocab
+  EXPECT_THROW(model.Loss(tokens, 2, 5), geofp8::Error);  // outside vocab
 }
 
 }  // namespace

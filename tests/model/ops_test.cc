@@ -104,8 +104,8 @@ TEST(ModelOps, AttentionGradientMatchesFiniteDifferences) {
   };
   loss();
   std::vector<double> dq(q.size()), dk(q.size()), dv(q.size()), scratch(seq * seq);
-  AttentionBackward<double>(q.data(), k.data(), v.data(), probs.data(), R.data(), batch, seq,
-                            heads, hd, dq.data(), dk.data(), dv.data(), scratch.data());
+  AttentionBackward<double>(q.data(), k.data(), v.data(), probs.data(), R.data(), batch, seq, heads,
+                            hd, dq.data(), dk.data(), dv.data(), scratch.data());
   EXPECT_LT(MaxRelativeError(q, loss, dq), kTol);
   EXPECT_LT(MaxRelativeError(k, loss, dk), kTol);
   EXPECT_LT(MaxRelativeError(v, loss, dv), kTol);
@@ -164,8 +164,8 @@ TEST(ModelOps, CrossEntropyGradientMatchesFiniteDifferences) {
 
 TEST(ModelOps, FloatForwardAgreesWithDouble) {
   const int batch = 2, seq = 8, heads = 2, hd = 8, width = heads * hd;
-  std::vector<double> qd = RandomVector(batch * seq * width, 22),
-                      kd = RandomVector(qd.size(), 23), vd = RandomVector(qd.size(), 24);
+  std::vector<double> qd = RandomVector(batch * seq * width, 22), kd = RandomVector(qd.size(), 23),
+                      vd = RandomVector(qd.size(), 24);
   std::vector<float> qf(qd.begin(), qd.end()), kf(kd.begin(), kd.end()), vf(vd.begin(), vd.end());
   std::vector<double> pd(batch * heads * seq * seq), od(qd.size());
   std::vector<float> pf(pd.size()), of(qd.size());
@@ -279,8 +279,10 @@ TEST(ModelOps, PreferredBlasCoreIsEmptyWhenTheUserChose) {
   const std::string keep = saved ? saved : "";
   setenv("OPENBLAS_CORETYPE", "Haswell", 1);
   EXPECT_EQ(PreferredBlasCore(), "");
-  if (saved) setenv("OPENBLAS_CORETYPE", keep.c_str(), 1);
-  else unsetenv("OPENBLAS_CORETYPE");
+  if (saved)
+    setenv("OPENBLAS_CORETYPE", keep.c_str(), 1);
+  else
+    unsetenv("OPENBLAS_CORETYPE");
   EXPECT_FALSE(BlasCoreName().empty());
 }
 

@@ -48,9 +48,9 @@ TEST(TrainTiny, LossFallsAndApproachesTheEntropyRate) {
   const double H = src.EntropyBound();
   std::printf("initial %.4f after 40 steps %.4f final %.4f entropy rate %.4f\n", initial, at40,
               final_loss, H);
-  EXPECT_LT(at40, 0.5 * initial);           // falls within a few dozen steps
-  EXPECT_LT(final_loss, H + 0.05);          // approaches the bound
-  EXPECT_GT(final_loss, H - 0.04);          // and cannot beat it beyond sampling noise (8192 tokens)
+  EXPECT_LT(at40, 0.5 * initial);   // falls within a few dozen steps
+  EXPECT_LT(final_loss, H + 0.05);  // approaches the bound
+  EXPECT_GT(final_loss, H - 0.04);  // and cannot beat it beyond sampling noise (8192 tokens)
 }
 
 }  // namespace

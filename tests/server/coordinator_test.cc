@@ -731,8 +731,7 @@ TEST_F(CoordinatorTest, AutoEngineTurnsGeometryOnAndLogsAVersionWithReason) {
   p = coordinator->GetPolicy(g);
   EXPECT_EQ(p->version(), 5u);
   EXPECT_EQ(ResolveLayer(*p, "blocks.0.attn.wq").policy.geometry(), "none");
-  EXPECT_NE(p->reason().find("geometry off: gain 0.968 < 1.1 (deployed basis)"),
-            std::string::npos)
+  EXPECT_NE(p->reason().find("geometry off: gain 0.968 < 1.1 (deployed basis)"), std::string::npos)
       << p->reason();
   // `describe` shows the engine's last judgement of each probed layer and the state it left.
   v1::GetJobRequest gj;

@@ -173,8 +173,7 @@ TEST(Trainer, GeometryResumeIsBitwiseIdentical) {
   TrainOptions second = straight;
   second.checkpoint = ckpt.string();
   second.resume = true;
-  const TrainResult resumed =
-      Train(second, [&](const StepRecord& s) { resumed_log.push_back(s); });
+  const TrainResult resumed = Train(second, [&](const StepRecord& s) { resumed_log.push_back(s); });
   EXPECT_EQ(resumed.start_step, K);
   EXPECT_EQ(resumed.weights, full.weights);
   EXPECT_EQ(resumed.checksum, full.checksum);
@@ -323,8 +322,9 @@ TEST(Trainer, CheckpointVersionsAndGeometryAreValidated) {
     ParseCheckpoint(v1(true), "old");
     FAIL() << "expected an error";
   } catch (const Error& e) {
-    EXPECT_NE(std::string(e.what()).find("checkpoint old: format version 1 holds geometry (layer 0)"),
-              std::string::npos)
+    EXPECT_NE(
+        std::string(e.what()).find("checkpoint old: format version 1 holds geometry (layer 0)"),
+        std::string::npos)
         << e.what();
   }
   std::string v4 = SerializeCheckpoint(c);
@@ -630,7 +630,8 @@ TEST(Trainer, DumpGradsWritesAveragesPerRankGradientsAndShapes) {
   std::ifstream js(step / "shapes.json");
   const std::string json((std::istreambuf_iterator<char>(js)), {});
   EXPECT_NE(json.find("\"name\": \"layers.0.attn.wq\", \"rows\": 64, \"cols\": 64"),
-            std::string::npos) << json;
+            std::string::npos)
+      << json;
   EXPECT_NE(json.find("final_norm.rank1.f32"), std::string::npos);
   EXPECT_EQ(json.find("layers.1."), std::string::npos);
   auto read = [](const fs::path& p) {

@@ -97,9 +97,7 @@ class ChildProcess {
       std::this_thread::sleep_for(std::chrono::milliseconds(20));
     }
   }
-  bool running() {
-    return Wait(std::chrono::milliseconds(0)) == -1;
-  }
+  bool running() { return Wait(std::chrono::milliseconds(0)) == -1; }
   // Waits until the output contains `text`; returns false on timeout or exit.
   bool WaitFor(const std::string& text, std::chrono::milliseconds timeout) {
     const auto deadline = std::chrono::steady_clock::now() + timeout;
@@ -123,13 +121,19 @@ class ChildProcess {
 // geofp8-coordinator on 127.0.0.1:0; address() is host:port once it serves.
 class CoordinatorProcess {
  public:
-  explicit CoordinatorProcess(std::vector<std::string> extra = {})
-      : dir_("geofp8-coord") {
+  explicit CoordinatorProcess(std::vector<std::string> extra = {}) : dir_("geofp8-coord") {
     // --debug-kv-any-job: grpc_store_test drives the rendezvous KV with made-up job ids. Drop it
     // once that test runs real jobs; tests/faults/kv_limits_test checks the production default.
-    std::vector<std::string> argv = {GEOFP8_COORDINATOR_BIN, "--listen", "127.0.0.1:0",
-                                     "--metrics-listen", "", "--data-dir", dir_.path(),
-                                     "--tick-ms", "50", "--debug-kv-any-job"};
+    std::vector<std::string> argv = {GEOFP8_COORDINATOR_BIN,
+                                     "--listen",
+                                     "127.0.0.1:0",
+                                     "--metrics-listen",
+                                     "",
+                                     "--data-dir",
+                                     dir_.path(),
+                                     "--tick-ms",
+                                     "50",
+                                     "--debug-kv-any-job"};
     argv.insert(argv.end(), extra.begin(), extra.end());
     proc_ = std::make_unique<ChildProcess>(argv);
     if (!proc_->WaitFor("serving on", std::chrono::seconds(20))) {

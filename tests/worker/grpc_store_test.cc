@@ -211,14 +211,17 @@ TEST(GrpcStoreTlsTest, ServerAndMutualTls) {
     return std::system(("cd " + d + " && " + cmd + " >/dev/null 2>&1").c_str());
   };
   ASSERT_EQ(sh("openssl req -x509 -newkey rsa:2048 -nodes -keyout ca.key -out ca.pem -days 2 "
-               "-subj /CN=geofp8-test-ca"), 0);
+               "-subj /CN=geofp8-test-ca"),
+            0);
   for (const std::string name : {"server", "client"}) {
     ASSERT_EQ(sh("openssl req -newkey rsa:2048 -nodes -keyout " + name + ".key -out " + name +
                  ".csr -subj /CN=" + name),
               0);
     std::ofstream(d + "/" + name + ".ext") << "subjectAltName=IP:127.0.0.1,DNS:localhost\n";
-    ASSERT_EQ(sh("openssl x509 -req -in " + name + ".csr -CA ca.pem -CAkey ca.key "
-                 "-CAcreateserial -out " + name + ".pem -days 2 -extfile " + name + ".ext"),
+    ASSERT_EQ(sh("openssl x509 -req -in " + name +
+                 ".csr -CA ca.pem -CAkey ca.key "
+                 "-CAcreateserial -out " +
+                 name + ".pem -days 2 -extfile " + name + ".ext"),
               0);
   }
   {

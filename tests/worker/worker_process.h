@@ -2,6 +2,8 @@
 // client for the coordinator's job, policy and worker services.
 #pragma once
 
+#include <grpcpp/grpcpp.h>
+
 #include <chrono>
 #include <fstream>
 #include <map>
@@ -10,8 +12,6 @@
 #include <string>
 #include <thread>
 #include <vector>
-
-#include <grpcpp/grpcpp.h>
 
 #include "geofp8/v1/geofp8.grpc.pb.h"
 #include "tests/worker/coordinator_process.h"
@@ -23,9 +23,17 @@ class WorkerProcess {
   WorkerProcess(const std::string& coordinator, const std::string& name,
                 std::vector<std::string> extra = {})
       : dir_("geofp8-worker"), name_(name) {
-    std::vector<std::string> argv = {GEOFP8_WORKER_BIN, "--coordinator", coordinator, "--name",
-                                     name, "--metrics-port", "0", "--data-dir", dir_.path(),
-                                     "--ready-file", dir_.path() + "/ready.json"};
+    std::vector<std::string> argv = {GEOFP8_WORKER_BIN,
+                                     "--coordinator",
+                                     coordinator,
+                                     "--name",
+                                     name,
+                                     "--metrics-port",
+                                     "0",
+                                     "--data-dir",
+                                     dir_.path(),
+                                     "--ready-file",
+                                     dir_.path() + "/ready.json"};
     argv.insert(argv.end(), extra.begin(), extra.end());
     proc_ = std::make_unique<ChildProcess>(argv);
   }

@@ -2,22 +2,22 @@
 // token every call carries. Shared by the session client and the rendezvous store.
 #pragma once
 
+#include <grpcpp/grpcpp.h>
+
 #include <chrono>
 #include <memory>
 #include <string>
-
-#include <grpcpp/grpcpp.h>
 
 #include "absl/status/statusor.h"
 
 namespace geofp8::worker {
 
 struct ConnectionOptions {
-  std::string address;  // coordinator host:port
-  std::string token;    // bearer token; empty: none sent
-  std::string tls_ca;   // PEM CA bundle path; empty: plaintext
-  std::string tls_cert; // PEM client certificate path, for coordinators that require mutual TLS
-  std::string tls_key;  // PEM private key of tls_cert
+  std::string address;   // coordinator host:port
+  std::string token;     // bearer token; empty: none sent
+  std::string tls_ca;    // PEM CA bundle path; empty: plaintext
+  std::string tls_cert;  // PEM client certificate path, for coordinators that require mutual TLS
+  std::string tls_key;   // PEM private key of tls_cert
 };
 
 class Connection {

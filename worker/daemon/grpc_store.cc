@@ -35,8 +35,7 @@ constexpr milliseconds kWaitSlack{5000};
 
 }  // namespace
 
-GrpcStore::GrpcStore(std::shared_ptr<Connection> connection, std::string job_id,
-                     std::string prefix)
+GrpcStore::GrpcStore(std::shared_ptr<Connection> connection, std::string job_id, std::string prefix)
     : connection_(std::move(connection)),
       stub_(v1::RendezvousService::NewStub(connection_->channel())),
       job_id_(std::move(job_id)),
@@ -89,8 +88,8 @@ void GrpcStore::Wait(const std::vector<std::string>& keys, milliseconds timeout)
     return stub_->Wait(connection_->Context(left + kWaitSlack).get(), req, &resp);
   });
   if (s.error_code() == grpc::StatusCode::DEADLINE_EXCEEDED) {
-    GEOFP8_FAIL("store: timed out after ", timeout.count(), " ms waiting for keys of job ",
-                job_id_, " (", DescribeStatus(s), ")");
+    GEOFP8_FAIL("store: timed out after ", timeout.count(), " ms waiting for keys of job ", job_id_,
+                " (", DescribeStatus(s), ")");
   }
   GEOFP8_CHECK(s.ok(), "rendezvous store: wait for ", keys.size(), " keys (first '",
                Scoped(keys[0]), "') of job ", job_id_, " at ", connection_->address(),

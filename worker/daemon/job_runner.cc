@@ -43,7 +43,8 @@ absl::StatusOr<model::ModelConfig> ModelConfigFor(const JobSpec& spec) {
   std::optional<model::ModelConfig> mc = model::PresetConfig(spec.model.preset);
   if (!mc) {
     return absl::InvalidArgumentError("model.preset: unknown preset '" + spec.model.preset +
-                                      "' (accepted: " + std::string(model::AcceptedPresets()) + ")");
+                                      "' (accepted: " + std::string(model::AcceptedPresets()) +
+                                      ")");
   }
   // The preset's context length is a default; the job's sequence length wins when longer.
   mc->seq = std::max(mc->seq, spec.training.seq_len);
@@ -145,8 +146,8 @@ struct JobRunner::Impl {
   std::unique_ptr<GeometryProbe> prober;    // rank 0 of an auto_policy job
   std::vector<LayerPolicy> layer_policies;  // of the version in force (for metrics and probes)
   std::vector<RefreshSchedule> schedule;    // of the version in force; empty: no geometry
-  v1::Policy policy;  // in force
-  std::string checkpoint_dir;  // <checkpoint.dir>/<job id>; empty: checkpoints off
+  v1::Policy policy;                        // in force
+  std::string checkpoint_dir;               // <checkpoint.dir>/<job id>; empty: checkpoints off
   double last_step_seconds = 0;
   int rank = 0, world = 1, seq = 0;
   double tokens_per_second = 0;
@@ -174,8 +175,8 @@ struct JobRunner::Impl {
     v1::ListPolicyVersionsRequest req;
     req.set_job_id(a.job_id());
     v1::ListPolicyVersionsResponse resp;
-    grpc::Status s = stub->ListPolicyVersions(r.connection_->Context(milliseconds(10000)).get(),
-                                              req, &resp);
+    grpc::Status s =
+        stub->ListPolicyVersions(r.connection_->Context(milliseconds(10000)).get(), req, &resp);
     std::lock_guard<std::mutex> lock(r.mu_);
     if (s.ok()) {
       for (const auto& p : resp.policies()) r.policies_.emplace(p.version(), p);
@@ -233,9 +234,9 @@ struct JobRunner::Impl {
       if (!p.has_taken_step() && p.effective_step() <= start) legacy = p;
     }
     if (!first) first = legacy;
-    if (auto it = r.policies_.find(written_under);
-        first && written_under > first->version() && it != r.policies_.end() &&
-        !it->second.has_taken_step()) {
+    if (auto it = r.policies_.find(written_under); first && written_under > first->version() &&
+                                                   it != r.policies_.end() &&
+                                                   !it->second.has_taken_step()) {
       first = it->second;
     }
     if (first) r.policies_.erase(r.policies_.begin(), r.policies_.upper_bound(first->version()));
@@ -360,8 +361,7 @@ struct JobRunner::Impl {
     std::ostringstream os;
     os << "job=" << a.job_id() << " model=" << m.vocab << "/" << m.dim << "/" << m.layers << "/"
        << m.heads << "/" << m.ffn << "/" << m.seq << " world=" << world
-       << " batch=" << spec.training.batch_size << " seq=" << seq
-       << " seed=" << spec.training.seed;
+       << " batch=" << spec.training.batch_size << " seq=" << seq << " seed=" << spec.training.seed;
     return os.str();
   }
 
@@ -427,21 +427,20 @@ struct JobRunner::Impl {
     // Steps past the resume point were trained by an attempt the coordinator gave up on (cut
     // off, say): this attempt writes its own.
     if (!checkpoint_dir.empty()) {
-      PruneCheckpoints(checkpoint_dir, r.options_.worker_name, [&](int64_t s) {
-        return s > resume_step;
-      });
+      PruneCheckpoints(checkpoint_dir, r.options_.worker_name,
+                       [&](int64_t s) { return s > resume_step; });
     }
     const uint32_t holder = comm->MaxReduce(have ? uint32_t(rank + 1) : 0u);
     GEOFP8_CHECK(holder > 0, "resume: no rank holds a checkpoint at step ", resume_step,
-                 " (looked for ", path.empty() ? "<checkpoints off>" : path,
-                 " on every worker)");
+                 " (looked for ", path.empty() ? "<checkpoints off>" : path, " on every worker)");
     const int root = int(holder) - 1;
     std::string bytes = rank == root ? train::SerializeCheckpoint(c) : std::string();
     uint64_t size = bytes.size();
     comm->Broadcast({reinterpret_cast<uint8_t*>(&size), sizeof size}, root);
     bytes.resize(size);
     comm->Broadcast({reinterpret_cast<uint8_t*>(bytes.data()), bytes.size()}, root);
-    if (rank != root) c = train::ParseCheckpoint(bytes, "rank " + std::to_string(root) + "'s checkpoint");
+    if (rank != root)
+      c = train::ParseCheckpoint(bytes, "rank " + std::to_string(root) + "'s checkpoint");
     Log("job " + a.job_id() + " rank " + std::to_string(rank) + ": resumed at step " +
         std::to_string(resume_step) + " from rank " + std::to_string(root) +
         "'s checkpoint (policy v" + std::to_string(c.policy_version) + ")");
@@ -518,8 +517,8 @@ struct JobRunner::Impl {
     auto parsed = ParseJobSpec(a.spec_yaml());
     GEOFP8_CHECK(parsed.ok(), "spec: ", std::string(parsed.status().message()));
     spec = *parsed;
-    GEOFP8_CHECK(spec.backend == "gloo", "backend: this worker runs --device cpu, which needs gloo (",
-                 spec.backend, ")");
+    GEOFP8_CHECK(spec.backend == "gloo",
+                 "backend: this worker runs --device cpu, which needs gloo (", spec.backend, ")");
     GEOFP8_CHECK(spec.training.optimizer == "adamw",
                  "training.optimizer: the worker's trainer implements adamw only (",
                  spec.training.optimizer, ")");
@@ -638,12 +637,11 @@ struct JobRunner::Impl {
       if (control != kRun) {
         std::lock_guard<std::mutex> lock(r.mu_);
         out.stopped = true;
-        out.reason = control == kAbort ? "aborted at step " + std::to_string(step) +
-                                        ": another rank failed"
-                     : !r.stop_reason_.empty() ? "stopped at step " + std::to_string(step) + ": " +
-                                                     r.stop_reason_
-                                               : "stopped at step " + std::to_string(step) +
-                                                     " (another rank was told to stop)";
+        out.reason =
+            control == kAbort ? "aborted at step " + std::to_string(step) + ": another rank failed"
+            : !r.stop_reason_.empty()
+                ? "stopped at step " + std::to_string(step) + ": " + r.stop_reason_
+                : "stopped at step " + std::to_string(step) + " (another rank was told to stop)";
         out.steps = step;
         return out;
       }
@@ -670,8 +668,8 @@ struct JobRunner::Impl {
       GEOFP8_CHECK(std::isfinite(rec.loss) || rec.skipped, "loss is not finite at step ", step);
 
       if (r.metrics_) {
-        r.metrics_->Step(step, rec.loss, tokens_per_second, rec.step_seconds,
-                         rec.exchange_seconds, rec.skipped);
+        r.metrics_->Step(step, rec.loss, tokens_per_second, rec.step_seconds, rec.exchange_seconds,
+                         rec.skipped);
         for (const BucketResult& b : rec.exchange.buckets) {
           const auto& ls = trainer->exchanger().buckets()[b.bucket].layers;
           double total = 0;
@@ -679,7 +677,8 @@ struct JobRunner::Impl {
           for (uint32_t l : ls) {
             const double share =
                 total > 0 ? EncodedWeight(layer_policies[l], params[l].size()) / total : 0;
-            r.metrics_->LayerBytes(params[l].name, std::string(FormatNameOf(layer_policies[l].format)),
+            r.metrics_->LayerBytes(params[l].name,
+                                   std::string(FormatNameOf(layer_policies[l].format)),
                                    double(b.bytes_sent) * share);
           }
         }
@@ -780,7 +779,8 @@ JobOutcome JobRunner::outcome() const {
 }
 
 void JobRunner::OfferPolicy(const v1::Policy& policy) {
-  if (options_.debug_policy_delay.count() > 0) std::this_thread::sleep_for(options_.debug_policy_delay);
+  if (options_.debug_policy_delay.count() > 0)
+    std::this_thread::sleep_for(options_.debug_policy_delay);
   std::lock_guard<std::mutex> lock(mu_);
   if (policy.version() <= version_in_force_.load() || policies_.count(policy.version())) return;
   // Arriving after its effective step is no error: the step is a lower bound, and the ranks put
@@ -839,7 +839,8 @@ void JobRunner::RequestStop(const std::string& reason) {
 
 JobOutcome JobRunner::Run() {
   const auto start = Clock::now();
-  if (metrics_) metrics_->JobStarted(assignment_.job_id(), assignment_.rank(), assignment_.world_size());
+  if (metrics_)
+    metrics_->JobStarted(assignment_.job_id(), assignment_.rank(), assignment_.world_size());
   Log("job " + assignment_.job_id() + " attempt " + std::to_string(assignment_.attempt()) +
       ": starting rank " + std::to_string(assignment_.rank()) + " of " +
       std::to_string(assignment_.world_size()) +
@@ -888,14 +889,17 @@ JobOutcome JobRunner::Run() {
   }
   Log("job " + assignment_.job_id() + " attempt " + std::to_string(assignment_.attempt()) +
       " rank " + std::to_string(assignment_.rank()) + ": " +
-      (out.success ? "SUCCEEDED" : out.stopped ? "STOPPED" : "FAILED") + ": " + out.reason +
-      " (" + std::to_string(std::chrono::duration<double>(Clock::now() - start).count()) + " s)");
+      (out.success   ? "SUCCEEDED"
+       : out.stopped ? "STOPPED"
+                     : "FAILED") +
+      ": " + out.reason + " (" +
+      std::to_string(std::chrono::duration<double>(Clock::now() - start).count()) + " s)");
   // A small result file: tests and operators read the final checksum without scraping logs.
   std::error_code ec;
   const std::filesystem::path dir = std::filesystem::path(options_.data_dir) / "results";
   std::filesystem::create_directories(dir, ec);
-  std::ofstream f(dir / (assignment_.job_id() + ".attempt" + std::to_string(assignment_.attempt()) +
-                         ".txt"));
+  std::ofstream f(
+      dir / (assignment_.job_id() + ".attempt" + std::to_string(assignment_.attempt()) + ".txt"));
   f << "job=" << assignment_.job_id() << "\nattempt=" << assignment_.attempt()
     << "\nrank=" << assignment_.rank() << "\nsuccess=" << (out.success ? 1 : 0)
     << "\nstopped=" << (out.stopped ? 1 : 0) << "\nsteps=" << out.steps

@@ -26,11 +26,11 @@
 namespace geofp8::worker {
 
 struct JobRunnerOptions {
-  std::string worker_name;        // names this worker's checkpoint file
-  std::string data_dir;           // checkpoints (relative checkpoint.dir) and results live here
+  std::string worker_name;  // names this worker's checkpoint file
+  std::string data_dir;     // checkpoints (relative checkpoint.dir) and results live here
   std::string advertise_host = "127.0.0.1";  // address peers reach this rank's Gloo pairs on
-  int summary_every = 10;         // per-layer error summaries (rank 0), steps; 0: never
-  int checksum_every = 10;        // cross-rank parameter checksum, steps; 0: only at the end
+  int summary_every = 10;                    // per-layer error summaries (rank 0), steps; 0: never
+  int checksum_every = 10;  // cross-rank parameter checksum, steps; 0: only at the end
   int blas_threads = 1;
   std::chrono::milliseconds schedule_wait{30000};  // wait for the refresh schedule at start
   // After a transport failure (a peer vanished), how long to wait for the coordinator's Stop
@@ -55,11 +55,11 @@ struct JobRunnerOptions {
 // What one attempt ended with, also written to <data_dir>/results/<job_id>.<attempt>.txt.
 struct JobOutcome {
   bool success = false;
-  bool stopped = false;        // ended by a coordinator Stop (no Finished sent)
+  bool stopped = false;  // ended by a coordinator Stop (no Finished sent)
   std::string reason;
-  int64_t steps = 0;           // steps completed (the last step index + 1)
-  uint64_t checksum = 0;       // FNV-1a of final weights and moments (train::Checksum)
-  uint64_t policy_version = 0; // in force at the end
+  int64_t steps = 0;            // steps completed (the last step index + 1)
+  uint64_t checksum = 0;        // FNV-1a of final weights and moments (train::Checksum)
+  uint64_t policy_version = 0;  // in force at the end
 };
 
 // The checkpoint files a rank holds (see v1::HeldCheckpoints), reported when the worker registers
@@ -117,8 +117,8 @@ class JobRunner {
   std::string stop_reason_;  // non-empty once the coordinator asked to stop
   std::atomic<uint64_t> version_in_force_{0};
 
-  Communicator* comm_ = nullptr;   // the attempt's, while it exists (for the abort watchdog)
-  std::string checkpoint_dir_;     // empty: checkpoints off (or not resolved yet)
+  Communicator* comm_ = nullptr;  // the attempt's, while it exists (for the abort watchdog)
+  std::string checkpoint_dir_;    // empty: checkpoints off (or not resolved yet)
   int64_t acknowledged_checkpoint_ = 0;
 
   std::atomic<bool> done_{false};  // set under mu_, with cv_ notified

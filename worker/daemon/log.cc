@@ -20,8 +20,8 @@ void SetLogName(const std::string& name) {
 void Log(const std::string& message) {
   const auto now = std::chrono::system_clock::now();
   const std::time_t t = std::chrono::system_clock::to_time_t(now);
-  const int ms = int(std::chrono::duration_cast<std::chrono::milliseconds>(
-                         now.time_since_epoch()).count() % 1000);
+  const int ms = int(
+      std::chrono::duration_cast<std::chrono::milliseconds>(now.time_since_epoch()).count() % 1000);
   std::tm tm{};
   gmtime_r(&t, &tm);
   char stamp[32];

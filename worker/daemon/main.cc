@@ -4,13 +4,12 @@
 #include <sys/sysinfo.h>
 #include <unistd.h>
 
+#include <CLI/CLI.hpp>
 #include <cerrno>
 #include <cstdio>
 #include <cstdlib>
 #include <fstream>
 #include <string>
-
-#include <CLI/CLI.hpp>
 
 #include "kernels/common/ready_file.h"
 #include "worker/daemon/log.h"
@@ -41,12 +40,18 @@ bool ParseBytes(const std::string& text, uint64_t* out) {
   }
   const std::string unit = text.substr(used);
   double mult = 1;
-  if (unit == "" || unit == "B") mult = 1;
-  else if (unit == "KiB") mult = 1024.0;
-  else if (unit == "MiB") mult = 1024.0 * 1024;
-  else if (unit == "GiB") mult = 1024.0 * 1024 * 1024;
-  else if (unit == "TiB") mult = 1024.0 * 1024 * 1024 * 1024;
-  else return false;
+  if (unit == "" || unit == "B")
+    mult = 1;
+  else if (unit == "KiB")
+    mult = 1024.0;
+  else if (unit == "MiB")
+    mult = 1024.0 * 1024;
+  else if (unit == "GiB")
+    mult = 1024.0 * 1024 * 1024;
+  else if (unit == "TiB")
+    mult = 1024.0 * 1024 * 1024 * 1024;
+  else
+    return false;
   if (v < 0) return false;
   *out = uint64_t(v * mult);
   return true;
@@ -129,7 +134,8 @@ int main(int argc, char** argv) {
   }
   o.session.device = device;
   if (o.metrics_port < -1 || o.metrics_port > 65535) {
-    return UsageError("--metrics-port: must be in [-1, 65535] (" + std::to_string(o.metrics_port) + ")");
+    return UsageError("--metrics-port: must be in [-1, 65535] (" + std::to_string(o.metrics_port) +
+                      ")");
   }
   if (o.job.blas_threads < 1) {
     return UsageError("--blas-threads: must be >= 1 (" + std::to_string(o.job.blas_threads) + ")");
@@ -184,9 +190,8 @@ int main(int argc, char** argv) {
     std::printf("geofp8-worker: metrics on http://%s:%d/metrics\n", o.metrics_host.c_str(),
                 worker.metrics_port());
   }
-  std::printf("geofp8-worker: %s connecting to %s (device %s, data %s)\n",
-              o.session.name.c_str(), o.connection.address.c_str(), device.c_str(),
-              o.job.data_dir.c_str());
+  std::printf("geofp8-worker: %s connecting to %s (device %s, data %s)\n", o.session.name.c_str(),
+              o.connection.address.c_str(), device.c_str(), o.job.data_dir.c_str());
   std::fflush(stdout);
   if (!ready_file.empty()) {
     const std::string metrics =
@@ -195,8 +200,7 @@ int main(int argc, char** argv) {
             : std::string("null");
     if (std::string e = geofp8::WriteReadyFile(
             ready_file, "{\"name\": " + geofp8::JsonString(o.session.name) + ", \"metrics\": " +
-                            metrics +
-                            ", \"pid\": " + std::to_string(getpid()) + "}");
+                            metrics + ", \"pid\": " + std::to_string(getpid()) + "}");
         !e.empty()) {
       return UsageError(e);
     }
@@ -204,7 +208,8 @@ int main(int argc, char** argv) {
   int sig = 0;
   while (read(g_signal_pipe[0], &sig, sizeof sig) < 0 && errno == EINTR) {
   }
-  geofp8::worker::Log(std::string(sig == SIGTERM ? "SIGTERM" : "SIGINT") + " received, shutting down");
+  geofp8::worker::Log(std::string(sig == SIGTERM ? "SIGTERM" : "SIGINT") +
+                      " received, shutting down");
   const char* signal_name = sig == SIGTERM ? "SIGTERM" : "SIGINT";
   if (!worker.Shutdown(std::chrono::milliseconds(grace_ms), signal_name)) {
     std::fflush(stdout);

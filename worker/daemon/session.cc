@@ -126,7 +126,8 @@ bool SessionClient::Register(std::string* error) {
     std::lock_guard<std::mutex> lock(mu_);
     worker_id_ = resp.worker_id();
     generation_ = resp.generation();
-    if (resp.heartbeat_interval_ms() > 0) heartbeat_interval_ = milliseconds(resp.heartbeat_interval_ms());
+    if (resp.heartbeat_interval_ms() > 0)
+      heartbeat_interval_ = milliseconds(resp.heartbeat_interval_ms());
     if (resp.heartbeat_timeout_ms() > 0) heartbeat_timeout_ms_ = resp.heartbeat_timeout_ms();
     unsent_.clear();  // they belonged to the previous generation
     unacked_.clear();
@@ -158,9 +159,9 @@ grpc::Status SessionClient::RunStream() {
     hello.set_worker_id(worker_id_);
     hello.set_generation(generation_.load());
     hello.set_seq(++seq_);
-    hello.mutable_heartbeat()->set_unix_ms(
-        std::chrono::duration_cast<milliseconds>(std::chrono::system_clock::now().time_since_epoch())
-            .count());
+    hello.mutable_heartbeat()->set_unix_ms(std::chrono::duration_cast<milliseconds>(
+                                               std::chrono::system_clock::now().time_since_epoch())
+                                               .count());
   }
   if (stream->Write(hello)) {
     std::deque<v1::WorkerMessage> backlog;
@@ -285,9 +286,9 @@ void SessionClient::HeartbeatLoop() {
     if (!SleepUnlessStopped(interval)) return;
     if (!connected_.load()) continue;
     v1::WorkerMessage m;
-    m.mutable_heartbeat()->set_unix_ms(
-        std::chrono::duration_cast<milliseconds>(std::chrono::system_clock::now().time_since_epoch())
-            .count());
+    m.mutable_heartbeat()->set_unix_ms(std::chrono::duration_cast<milliseconds>(
+                                           std::chrono::system_clock::now().time_since_epoch())
+                                           .count());
     if (Send(std::move(m))) ++counters_.heartbeats_sent;
   }
 }

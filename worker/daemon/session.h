@@ -20,15 +20,15 @@
 namespace geofp8::worker {
 
 struct SessionOptions {
-  std::string name;              // stable worker name; re-registering it fences the old process
-  std::string host;              // where the worker runs (reported, informational)
+  std::string name;  // stable worker name; re-registering it fences the old process
+  std::string host;  // where the worker runs (reported, informational)
   std::string device = "cpu";
   uint64_t memory_bytes = 0;
   std::chrono::milliseconds backoff_initial{200};  // first reconnect delay, doubled per failure
   // At most this long between tries: a coordinator back from an outage sees its workers, and
   // resumes their jobs, within it (the recovery target is 5 s after it returns).
   std::chrono::milliseconds backoff_max{2000};
-  std::chrono::milliseconds rpc_timeout{10000};    // Register's deadline
+  std::chrono::milliseconds rpc_timeout{10000};  // Register's deadline
   // Fault injection (tests): the first reliable message of this kind ("finished", "checkpoint")
   // is lost on the wire: kept as unacknowledged but never written, and the stream is cancelled,
   // as a connection that breaks right after a write would. Empty: never.
@@ -50,11 +50,11 @@ struct SessionEvents {
 // Counters for /metrics.
 struct SessionCounters {
   std::atomic<uint64_t> registrations{0};
-  std::atomic<uint64_t> reconnects{0};       // streams opened after the first
+  std::atomic<uint64_t> reconnects{0};  // streams opened after the first
   std::atomic<uint64_t> heartbeats_sent{0};
   std::atomic<uint64_t> acks{0};
-  std::atomic<uint64_t> send_failures{0};    // messages dropped with no stream open
-  std::atomic<uint64_t> resent{0};           // reliable messages written again on a new stream
+  std::atomic<uint64_t> send_failures{0};  // messages dropped with no stream open
+  std::atomic<uint64_t> resent{0};         // reliable messages written again on a new stream
   std::atomic<uint64_t> generations_lost{0};
 };
 
@@ -115,7 +115,7 @@ class SessionClient {
   uint64_t seq_ = 0;
   grpc::ClientContext* context_ = nullptr;  // of the open stream, for cancellation
   std::unique_ptr<grpc::ClientReaderWriter<v1::WorkerMessage, v1::CoordinatorMessage>> stream_;
-  std::mutex write_mu_;  // one writer at a time on the stream
+  std::mutex write_mu_;                    // one writer at a time on the stream
   std::deque<v1::WorkerMessage> unsent_;   // reliable messages waiting for a stream
   std::deque<v1::WorkerMessage> unacked_;  // reliable messages written to the open stream
   bool debug_broke_ = false;               // debug_break_stream_on has fired

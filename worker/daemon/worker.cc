@@ -116,8 +116,8 @@ void Worker::OnMessage(const v1::CoordinatorMessage& message) {
           runner_->assignment().attempt() == a.attempt()) {
         return;  // a repeat of what is running
       }
-      Log("assignment: job " + a.job_id() + " attempt " + std::to_string(a.attempt()) +
-          " rank " + std::to_string(a.rank()) + "/" + std::to_string(a.world_size()));
+      Log("assignment: job " + a.job_id() + " attempt " + std::to_string(a.attempt()) + " rank " +
+          std::to_string(a.rank()) + "/" + std::to_string(a.world_size()));
       if (active) {
         // The coordinator has moved on (e.g. released our ranks); the old rank winds down first.
         runner_->RequestStop("superseded by job " + a.job_id() + " attempt " +

@@ -35,7 +35,9 @@ struct Writer {
   std::string out;
   void Raw(const void* p, size_t n) { out.append(static_cast<const char*>(p), n); }
   template <typename T>
-  void Pod(T v) { Raw(&v, sizeof v); }
+  void Pod(T v) {
+    Raw(&v, sizeof v);
+  }
   template <typename T>
   void Vec(const std::vector<T>& v) {
     Pod<uint64_t>(v.size());

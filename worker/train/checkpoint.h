@@ -17,14 +17,15 @@ namespace geofp8::train {
 // checkpoint with geometry is refused, since its pending refreshes were never saved and a resume
 // from it could not continue exactly.
 struct Checkpoint {
-  std::string fingerprint;   // model shape, ranks, batch, seq, policy, data, seed: must match
-  int64_t next_step = 0;     // the first step a resumed run executes
-  uint64_t rng_seed = 0;     // data windows and rounding streams are pure functions of (seed, step)
-  uint64_t policy_version = 0;     // the exchange policy version in force (the worker's)
-  double best_val_loss = NAN;      // run totals, so a resumed run reports what an uninterrupted
-  uint64_t bytes_sent = 0;         // one would (rank 0's wire bytes)
+  std::string fingerprint;  // model shape, ranks, batch, seq, policy, data, seed: must match
+  int64_t next_step = 0;    // the first step a resumed run executes
+  uint64_t rng_seed = 0;    // data windows and rounding streams are pure functions of (seed, step)
+  uint64_t policy_version = 0;  // the exchange policy version in force (the worker's)
+  double best_val_loss = NAN;   // run totals, so a resumed run reports what an uninterrupted
+  uint64_t bytes_sent = 0;      // one would (rank 0's wire bytes)
   std::vector<float> weights, m, v;
-  std::vector<LayerGeometryState> geometry;  // Exchanger::ExportGeometry: one per parameter, or empty
+  std::vector<LayerGeometryState>
+      geometry;  // Exchanger::ExportGeometry: one per parameter, or empty
 };
 
 // The checkpoint as bytes (the file's contents), and back. Parse throws geofp8::Error naming

@@ -66,8 +66,9 @@ ExchangePlan PlanFromText(std::string_view text, const std::string& name, const 
     }
   }
   if (file->exchange.algorithm == Algorithm::kNative) {
-    GEOFP8_FAIL(where, "spec.exchange.algorithm: native needs NCCL on a GPU; the CPU trainer "
-                       "accepts two_phase, allgather, fp32, bf16 (native)");
+    GEOFP8_FAIL(where,
+                "spec.exchange.algorithm: native needs NCCL on a GPU; the CPU trainer "
+                "accepts two_phase, allgather, fp32, bf16 (native)");
   }
 
   // Resolved as the worker resolves a job's policy version 1.

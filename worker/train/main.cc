@@ -40,9 +40,12 @@ std::string Duration(double seconds) {
   if (!std::isfinite(seconds) || seconds < 0) return "?";
   const long s = long(seconds + 0.5);
   std::ostringstream os;
-  if (s >= 3600) os << s / 3600 << "h" << (s % 3600) / 60 << "m";
-  else if (s >= 60) os << s / 60 << "m" << s % 60 << "s";
-  else os << s << "s";
+  if (s >= 3600)
+    os << s / 3600 << "h" << (s % 3600) / 60 << "m";
+  else if (s >= 60)
+    os << s / 60 << "m" << s % 60 << "s";
+  else
+    os << s << "s";
   return os.str();
 }
 
@@ -89,8 +92,8 @@ class Reporter {
     if (csv_.is_open()) {
       double worst = NAN;
       for (double e : r.layer_error) worst = std::isnan(worst) ? e : std::max(worst, e);
-      csv_ << r.step << "," << Num(r.loss, 6) << "," << Num(r.val_loss, 6) << ","
-           << Num(r.lr, 8) << "," << Num(r.grad_norm, 6) << "," << Num(r.step_seconds, 6) << ","
+      csv_ << r.step << "," << Num(r.loss, 6) << "," << Num(r.val_loss, 6) << "," << Num(r.lr, 8)
+           << "," << Num(r.grad_norm, 6) << "," << Num(r.step_seconds, 6) << ","
            << Num(r.exchange_seconds, 6) << "," << Num(r.wait_seconds, 6) << "," << r.bytes_sent
            << "," << (r.skipped ? 1 : 0) << "," << r.tokens << "," << r.refreshes << ","
            << Num(GeometrySeconds(r), 6) << "," << (std::isnan(worst) ? "" : Num(worst, 8));
@@ -144,8 +147,8 @@ void PrintSummary(const TrainOptions& o, const geofp8::train::TrainResult& r) {
   std::printf("policy %s  ranks %d  steps %lld..%lld  final_val_loss %.4f  best_val_loss %.4f\n",
               o.policy.c_str(), o.ranks, (long long)r.start_step, (long long)r.steps,
               r.final_val_loss, r.best_val_loss);
-  std::printf("bytes_on_wire_rank0 %llu  mean_step_s %.4f  wall_s %.1f", (unsigned long long)r.bytes_sent,
-              r.seconds / std::max(steps, 1.0), r.seconds);
+  std::printf("bytes_on_wire_rank0 %llu  mean_step_s %.4f  wall_s %.1f",
+              (unsigned long long)r.bytes_sent, r.seconds / std::max(steps, 1.0), r.seconds);
   if (!std::isnan(r.entropy_bound)) std::printf("  entropy_bound %.4f", r.entropy_bound);
   std::printf("  checksum %016llx\n", (unsigned long long)r.checksum);
 }
@@ -212,7 +215,8 @@ int main(int argc, char** argv) {
   bool quiet = false;
   int64_t timeout_ms = o.timeout.count();
   std::string dump_layers = "*", dump_steps;
-  app.add_option("--preset", preset, "model preset: llama-tiny, llama-small, llama-300m, llama-600m")
+  app.add_option("--preset", preset,
+                 "model preset: llama-tiny, llama-small, llama-300m, llama-600m")
       ->capture_default_str();
   app.add_option("--dim", dim, "override the preset's width");
   app.add_option("--layers", layers, "override the preset's layer count");
@@ -222,7 +226,8 @@ int main(int argc, char** argv) {
   app.add_option("--launcher", launcher, "threads or processes")->capture_default_str();
   app.add_option("--steps", o.steps, "optimizer steps")->capture_default_str();
   app.add_option("--batch", o.batch, "sequences per rank per step")->capture_default_str();
-  app.add_option("--seq", o.seq, "tokens per sequence (0: the preset's context)")->capture_default_str();
+  app.add_option("--seq", o.seq, "tokens per sequence (0: the preset's context)")
+      ->capture_default_str();
   app.add_option("--seed", o.seed, "seed of init, data and rounding")->capture_default_str();
   app.add_option("--policy", o.policy,
                  "exchange policy: fp32, bf16, fp8, geofp8, nvfp4, geonvfp4, or FILE.yaml")
@@ -237,7 +242,8 @@ int main(int argc, char** argv) {
       ->capture_default_str();
   app.add_option("--clip", o.optimizer.clip_norm, "global gradient norm cap (0: off)")
       ->capture_default_str();
-  app.add_option("--eval-every", o.eval_every, "validation cadence in steps")->capture_default_str();
+  app.add_option("--eval-every", o.eval_every, "validation cadence in steps")
+      ->capture_default_str();
   app.add_option("--eval-batches", o.eval_batches, "held-out batches of 16 sequences")
       ->capture_default_str();
   app.add_option("--checksum-every", o.checksum_every, "parameter checksum cadence (0: off)")
@@ -248,10 +254,12 @@ int main(int argc, char** argv) {
   app.add_option("--checkpoint", o.checkpoint, "checkpoint file");
   app.add_option("--checkpoint-every", o.checkpoint_every, "checkpoint cadence in steps");
   app.add_flag("--resume", o.resume, "continue from --checkpoint when it exists");
-  app.add_option("--dump-grads", o.dump_dir, "folder for gradient dumps (raw float32 + shapes.json)");
+  app.add_option("--dump-grads", o.dump_dir,
+                 "folder for gradient dumps (raw float32 + shapes.json)");
   app.add_option("--dump-layers", dump_layers, "comma-separated globs of layers to dump")
       ->capture_default_str();
-  app.add_option("--dump-steps", dump_steps, "comma-separated steps or ranges to dump, e.g. 0,100,40-59");
+  app.add_option("--dump-steps", dump_steps,
+                 "comma-separated steps or ranges to dump, e.g. 0,100,40-59");
   app.add_option("--trace", o.trace_dir,
                  "folder for rank<R>.json, a Chrome trace of every step's compute and exchange "
                  "(scripts/exchange_timeline.py)");
@@ -268,8 +276,8 @@ int main(int argc, char** argv) {
 
   auto config = geofp8::model::PresetConfig(preset);
   if (!config) {
-    return UsageError("preset: unknown value '" + preset + "' (accepted: " +
-                      std::string(geofp8::model::AcceptedPresets()) + ")");
+    return UsageError("preset: unknown value '" + preset +
+                      "' (accepted: " + std::string(geofp8::model::AcceptedPresets()) + ")");
   }
   if (dim) config->dim = dim;
   if (layers) config->layers = layers;
@@ -301,7 +309,8 @@ int main(int argc, char** argv) {
   if (launcher != "threads" && launcher != "processes") {
     return UsageError("launcher: unknown value '" + launcher + "' (accepted: threads, processes)");
   }
-  if (std::string err = geofp8::train::ValidateTrainOptions(o); !err.empty()) return UsageError(err);
+  if (std::string err = geofp8::train::ValidateTrainOptions(o); !err.empty())
+    return UsageError(err);
   try {
     // Reject a bad policy or data source before starting any rank.
     geofp8::model::Model<float> shape(o.model);

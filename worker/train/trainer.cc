@@ -5,7 +5,6 @@
 
 #include "worker/train/trainer.h"
 
-
 #include <atomic>
 #include <cstdio>
 #include <filesystem>
@@ -160,8 +159,8 @@ void Trainer::BuildExchanger(std::vector<RefreshSchedule> schedule) {
   auto next = std::make_unique<Exchanger>(comm_, std::move(layers), eo, std::move(schedule));
   if (exchanger_) {
     // Carry the geometry over where the new policy would estimate the same kind of geometry.
-    for (uint32_t l : next->ImportGeometry(exchanger_->ExportGeometry(),
-                                           GeometryImport::kDropMismatched)) {
+    for (uint32_t l :
+         next->ImportGeometry(exchanger_->ExportGeometry(), GeometryImport::kDropMismatched)) {
       drift_[l] = 0.0;
     }
   }
@@ -228,7 +227,8 @@ TrainResult Trainer::Run(const StepCallback& on_step) {
       result.final_val_loss = rec.val_loss;
       if (!(best_val_loss_ <= rec.val_loss)) best_val_loss_ = rec.val_loss;
     }
-    if (o_.checksum_every > 0 && ((step + 1) % o_.checksum_every == 0 || last)) VerifyChecksum(step);
+    if (o_.checksum_every > 0 && ((step + 1) % o_.checksum_every == 0 || last))
+      VerifyChecksum(step);
     if (!o_.checkpoint.empty() &&
         (last || (o_.checkpoint_every > 0 && (step + 1) % o_.checkpoint_every == 0))) {
       Save(step + 1);
@@ -256,9 +256,8 @@ StepRecord Trainer::Step(int64_t step, const StepControl& control) {
   StepRecord rec;
   rec.step = step;
   const size_t L = model_.params().size();
-  const bool dump = !o_.dump_dir.empty() &&
-                    std::find(o_.dump_steps.begin(), o_.dump_steps.end(), step) !=
-                        o_.dump_steps.end();
+  const bool dump = !o_.dump_dir.empty() && std::find(o_.dump_steps.begin(), o_.dump_steps.end(),
+                                                      step) != o_.dump_steps.end();
   const bool keep = control.measure_error || control.keep_local || dump;
   data_->TrainBatch(step, rank_, ranks_, o_.batch, seq_, &tokens_);
 
@@ -267,7 +266,8 @@ StepRecord Trainer::Step(int64_t step, const StepControl& control) {
   if (keep) local_.resize(model_.grads().size());
   // Buckets hold layers in reverse order, so they complete in bucket order during backward.
   std::vector<size_t> remaining(exchanger_->buckets().size());
-  for (size_t b = 0; b < remaining.size(); ++b) remaining[b] = exchanger_->buckets()[b].layers.size();
+  for (size_t b = 0; b < remaining.size(); ++b)
+    remaining[b] = exchanger_->buckets()[b].layers.size();
   size_t next_bucket = 0;
   auto on_ready = [&](int i) {
     if (keep) {
@@ -282,7 +282,8 @@ StepRecord Trainer::Step(int64_t step, const StepControl& control) {
   const double loss = model_.ForwardBackward(tokens_, o_.batch, seq_, on_ready);
   GEOFP8_CHECK(next_bucket == remaining.size(), "backward left buckets unsubmitted");
   const auto t_backward = Clock::now();
-  if (trace_) trace_->Add("forward_backward", ExchangeTrace::kTrainerLane, step, -1, t0, t_backward);
+  if (trace_)
+    trace_->Add("forward_backward", ExchangeTrace::kTrainerLane, step, -1, t0, t_backward);
   rec.exchange = exchanger_->Finish(uint64_t(step));
   if (trace_) {
     trace_->Add("wait_exchange", ExchangeTrace::kTrainerLane, step, -1, t_backward, Clock::now());
@@ -408,15 +409,14 @@ uint64_t Trainer::VerifyChecksum(int64_t step) {
   std::vector<uint64_t> all(ranks_);
   std::vector<size_t> counts(ranks_, sizeof(uint64_t));
   comm_.AllGatherV({reinterpret_cast<const uint8_t*>(&mine), sizeof mine},
-                   {reinterpret_cast<uint8_t*>(all.data()), all.size() * sizeof(uint64_t)},
-                   counts);
+                   {reinterpret_cast<uint8_t*>(all.data()), all.size() * sizeof(uint64_t)}, counts);
   for (int r = 1; r < ranks_; ++r) {
     if (all[r] != all[0]) {
       std::ostringstream hex;
       hex << std::hex << std::setfill('0') << std::setw(16) << all[r] << " vs rank 0 "
           << std::setw(16) << all[0];
-      GEOFP8_FAIL("parameter checksum mismatch after step ", step, ": rank ", r, " has ",
-                  hex.str(), "; ranks are no longer bitwise identical");
+      GEOFP8_FAIL("parameter checksum mismatch after step ", step, ": rank ", r, " has ", hex.str(),
+                  "; ranks are no longer bitwise identical");
     }
   }
   return mine;
@@ -453,9 +453,8 @@ int64_t Trainer::Restore(const Checkpoint& c) {
                geometry.size(), " layers, the model has ", model_.params().size());
   // Under the policy version it was written with, the geometry must fit exactly; a checkpoint
   // from before a policy change keeps what the change would have kept (see SetPolicies).
-  const GeometryImport mode = c.policy_version == policy_version_
-                                  ? GeometryImport::kStrict
-                                  : GeometryImport::kDropMismatched;
+  const GeometryImport mode = c.policy_version == policy_version_ ? GeometryImport::kStrict
+                                                                  : GeometryImport::kDropMismatched;
   try {
     for (uint32_t l : exchanger_->ImportGeometry(geometry, mode)) drift_[l] = 0.0;
   } catch (const Error& e) {
@@ -487,7 +486,8 @@ int64_t Trainer::RestoreFile() {
   }
 }
 
-TrainResult TrainRank(const TrainOptions& options, Communicator& comm, const StepCallback& on_step) {
+TrainResult TrainRank(const TrainOptions& options, Communicator& comm,
+                      const StepCallback& on_step) {
   const std::string err = ValidateTrainOptions(options);
   GEOFP8_CHECK(err.empty(), err);
   model::SetBlasThreads(options.blas_threads);
