@@ -150,8 +150,11 @@ class CommandJobTest(unittest.TestCase):
         with open(spec, "w") as f:
             f.write("name: %s\nworld_size: %d\nbackend: gloo\ncommand: %s\n%s"
                     % (name, world, json.dumps(command), extra))
-        out = self.ctl("-o", "json", "submit", "-f", spec)
-        return json.loads(out)["id"]
+        return self.submit_file(spec)
+
+    def submit_file(self, spec):
+        out = json.loads(self.ctl("-o", "json", "submit", "-f", spec))
+        return out["job"]["id"]
 
     def wait(self, job_id, pred, what):
         end = time.time() + DEADLINE_S
@@ -201,7 +204,7 @@ class CommandJobTest(unittest.TestCase):
         self.assertRegex(scraped, r'geofp8_worker_step\{[^}]*job_id="%s"' % job_id)
         self.assertRegex(scraped, r'geofp8_worker_loss\{[^}]*job_id="%s"' % job_id)
         self.assertRegex(scraped, r'geofp8_quantization_rel_error\{[^}]*blocks\.0\.fc1\.weight')
-        self.assertRegex(scraped, r'geofp8_worker_step_seconds_count\{[^}]*job_id="%s"' % job_id)
+        self.assertRegex(scraped, r'\ngeofp8_worker_step_seconds_count [1-9]')
 
         self.ctl("policy", "set", job_id, "--layer", "blocks.*", "--format", "nvfp4",
                  "--reason", "test: nvfp4")
@@ -271,21 +274,19 @@ class CommandJobTest(unittest.TestCase):
         self.assertEqual(int(j["progress"]["step"]), 29)
 
     def test_3_world_size_mismatch_is_named(self):
-        # A 1-rank job whose script starts 2 torch ranks itself (train_gpt --nproc without RANK).
-        spec_args = ["--steps", "2", "--nproc", "2"]
-        name = "pyworld"
-        spec = os.path.join(self.tmp.name, name + ".yaml")
-        command = ["env", "-u", "RANK", PYTHON, EXAMPLE, "--data", DATA, "--layers", "1",
-                   "--d-model", "32", "--seq", "16", "--batch", "2"] + spec_args
+        # A 2-rank job whose script makes a 1-rank torch group on each rank.
+        script = ("import torch, torch.distributed as dist, geofp8.torch as gt; "
+                  "dist.init_process_group('gloo', store=dist.HashStore(), rank=0, "
+                  "world_size=1); gt.GeoFP8State(model=torch.nn.Linear(4, 4))")
+        spec = os.path.join(self.tmp.name, "pyworld.yaml")
         with open(spec, "w") as f:
-            f.write("name: %s\nworld_size: 1\ncommand: %s\n" % (name, json.dumps(command)))
-        job_id = json.loads(self.ctl("-o", "json", "submit", "-f", spec))["id"]
+            f.write("name: pyworld\nworld_size: 2\ncommand: %s\nrestarts: {max_restarts: 0}\n"
+                    % json.dumps([PYTHON, "-c", script]))
+        job_id = self.submit_file(spec)
         j = self.wait_final(job_id)
         self.assertEqual(j["state"], "JOB_FAILED", self.everything(job_id))
-        err = self.rank_file(job_id, 0, 0, "err") or ""
-        self.assertIn("world size: torch's process group has 2 ranks (WORLD_SIZE=2) but GeoFP8 "
-                      "job %s has 1" % job_id, err)
-
+        self.assertIn("world size: torch's process group has 1 ranks (WORLD_SIZE=2) but GeoFP8 "
+                      "job %s has 2 (its spec.world_size)" % job_id, j.get("reason", ""))
 
 if __name__ == "__main__":
     require_torch()
