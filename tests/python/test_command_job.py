@@ -38,7 +38,7 @@ CTL = os.environ.get("GEOFP8CTL", "")
 EXAMPLE = os.environ.get("GEOFP8_EXAMPLE", "")
 PYTHON = "/usr/bin/python3"
 DATA = "/usr/share/common-licenses/GPL-3"
-DEADLINE_S = 60  # per job; a run takes a few seconds
+DEADLINE_S = 150  # per wait; mostly torch imports, slow on a loaded machine
 
 
 class Proc:

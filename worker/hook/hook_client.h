@@ -19,9 +19,12 @@
 //    runs, with non-decreasing steps. It returns the newest version with effective_step <= step
 //    that is newer than the one in force, if any (so the first call, at the start or resume
 //    step, returns the version in force there), puts it in force, and acknowledges it to the
-//    coordinator. ReportStep stamps the version in force on each report; the coordinator fails
-//    the attempt if a rank ran a step under a superseded version, so a version must be applied
-//    exactly at the step PolicyDueAt returns it.
+//    coordinator with `step` (rank 0's ack is recorded as its taken_step). ReportStep stamps
+//    the version in force on each report; the coordinator fails the attempt if a rank ran a step
+//    under a superseded version, so a version must be applied exactly at the step PolicyDueAt
+//    returns it.
+//    PolicyAgreedAt (below) adds a per-step agreement among the ranks, so that a version that
+//    reaches the ranks at different times still applies at one step on all of them.
 //  - WaitForPolicy(timeout) blocks until the first version has arrived (true) or the timeout
 //    passes (false); call it once before the first PolicyDueAt so that step's policy is known.
 //  - A version's per-layer policies are resolved against the catalog the program sent

@@ -7,7 +7,12 @@ all-reduce.
 
 The engine's Gloo communicator meets its peers through torch's own c10d store (under the
 prefix "geofp8/hook/<n>/"), so no extra port or file is needed. Constructing a GeoFP8State is a
-collective: every rank of the group constructs one, in the same order. See docs/pytorch.md.
+collective: every rank of the group constructs one, in the same order.
+
+Under a GeoFP8 `command:` job (GEOFP8_HOOK_ADDRESS set by the worker) the state attaches to the
+job: it takes the coordinator's policy versions (agreed per step, applied on every rank at one
+step) and reports its catalog, steps (state.report(loss) once per step), per-layer errors and
+checkpoints (state.report_checkpoint). See docs/pytorch.md.
 """
 
 import math
