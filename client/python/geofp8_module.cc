@@ -20,6 +20,7 @@
 #include <string>
 #include <vector>
 
+#include "client/python/hook_binding.h"
 #include "kernels/common/check.h"
 #include "kernels/exchange/exchanger.h"
 #include "kernels/exchange/gloo_communicator.h"
@@ -150,9 +151,35 @@ class Engine {
   py::list SetPolicy(const std::string& kind, const std::string& spec, const std::string& model,
                      uint64_t version) {
     train::ExchangePlan plan = BuildPlan(kind, spec, model);
+    std::vector<RefreshSchedule> schedule = train::MakeRefreshSchedule(plan, comm_->size());
+    return SetPlan(std::move(plan), std::move(schedule), version);
+  }
+
+  // A coordinator policy version (hook_binding.h, PlanFromCoordinator), as SetPolicy.
+  py::list SetCoordinatorPolicy(const py::bytes& policy, const std::vector<py::bytes>& refresh,
+                                const std::string& spec_yaml) {
+    GEOFP8_CHECK(!params_.empty(), "policy: set_layers first");
+    std::vector<std::string> r(refresh.begin(), refresh.end());
+    CoordinatorPlan c = PlanFromCoordinator(policy, r, spec_yaml, params_);
+    return SetPlan(std::move(c.plan), std::move(c.schedule), c.version);
+  }
+
+  // The minimum of `value` over the ranks, as one small collective (the per-step agreement on
+  // the newest policy version every rank holds, as the worker's trainer makes it).
+  uint64_t AgreeMin(uint64_t value) {
+    uint64_t word = ~value;
+    {
+      py::gil_scoped_release release;
+      comm_->MaxReduceWords(std::span<uint64_t>(&word, 1));
+    }
+    return ~word;
+  }
+
+  py::list SetPlan(train::ExchangePlan plan, std::vector<RefreshSchedule> schedule,
+                   uint64_t version) {
     if (plan_) StashAll(GeometryImport::kDropMismatched);
     plan_ = std::move(plan);
-    schedule_ = train::MakeRefreshSchedule(*plan_, comm_->size());
+    schedule_ = std::move(schedule);
     version_ = version;
     py::list out;
     for (size_t i = 0; i < params_.size(); ++i) {
@@ -391,6 +418,9 @@ PYBIND11_MODULE(_geofp8, m) {
       .def("set_layers", &Engine::SetLayers, py::arg("names"), py::arg("shapes"))
       .def("set_policy", &Engine::SetPolicy, py::arg("kind"), py::arg("spec"),
            py::arg("model") = "model", py::arg("version") = 0)
+      .def("set_coordinator_policy", &Engine::SetCoordinatorPolicy, py::arg("policy"),
+           py::arg("refresh"), py::arg("spec_yaml") = "")
+      .def("agree_min", &Engine::AgreeMin, py::arg("value"))
       .def("check_policy", &Engine::CheckPolicy, py::arg("kind"), py::arg("spec"),
            py::arg("model") = "model")
       .def("exchange", &Engine::Exchange, py::arg("step"), py::arg("layers"), py::arg("buffer"),
@@ -399,6 +429,7 @@ PYBIND11_MODULE(_geofp8, m) {
       .def("import_geometry", &Engine::ImportGeometry, py::arg("state"))
       .def_property_readonly("exchanger_count", &Engine::exchanger_count);
 
+  geofp8::python::BindHookClient(m);
   m.def("layer_matches", &geofp8::LayerMatches, py::arg("pattern"), py::arg("name"),
         "True when `name` matches the layer pattern (exact, or a shell glob), as in job specs.");
   m.def("accepted_presets", [] { return std::string(geofp8::train::AcceptedPolicyPresets()); });

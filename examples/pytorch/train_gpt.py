@@ -136,6 +136,13 @@ def main():
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--log-every", type=int, default=10)
     ap.add_argument("--threads", type=int, default=1, help="torch threads per rank")
+    ap.add_argument("--checkpoint-every", type=int, default=0,
+                    help="save model, optimizer and hook state every K steps into "
+                         "GEOFP8_CHECKPOINT_DIR (under a GeoFP8 job) or --checkpoint-dir; a "
+                         "restarted job resumes from the last one")
+    ap.add_argument("--checkpoint-dir", default=None)
+    ap.add_argument("--step-sleep", type=float, default=0.0,
+                    help="seconds to sleep per step (tests: time to act mid-run)")
     ap.add_argument("--nproc", type=int, default=0,
                     help="without torchrun: start this many ranks on this host")
     args = ap.parse_args()
@@ -164,6 +171,10 @@ def run_rank(rank, args, port):
     train(args)
 
 
+def checkpoint_path(directory, rank, step):
+    return os.path.join(directory, "rank%d.step%d.pt" % (rank, step))
+
+
 def train(args):
     torch.set_num_threads(args.threads)
     dist.init_process_group("gloo")  # torchrun's RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT
@@ -180,8 +191,20 @@ def train(args):
         what = "geofp8 (policy %s)" % args.policy if args.hook == "geofp8" else args.hook
         print("GPT: %d layers, d=%d, %d parameters; %d ranks; hook %s"
               % (args.layers, args.d_model, n, world, what), flush=True)
+    ckpt_dir = args.checkpoint_dir or (state.checkpoint_dir if state is not None else None)
+    first = 0
+    resume = state.resume_step if state is not None else 0
+    if resume > 0:
+        # A restarted GeoFP8 job: every rank loads its own file of the recovery point.
+        saved = torch.load(checkpoint_path(ckpt_dir, rank, resume))
+        model.load_state_dict(saved["model"])
+        opt.load_state_dict(saved["optimizer"])
+        state.load_state_dict(saved["geofp8"])
+        gen.set_state(saved["generator"])
+        first = resume
+        print("rank %d: resumed from step %d" % (rank, resume), flush=True)
     start = time.perf_counter()
-    for step in range(args.steps):
+    for step in range(first, args.steps):
         x, y = get_batch(data, args.batch, args.seq, gen)
         t0 = time.perf_counter()
         opt.zero_grad(set_to_none=True)
@@ -189,6 +212,19 @@ def train(args):
         loss.backward()
         opt.step()
         dt = time.perf_counter() - t0
+        if state is not None:
+            # To the coordinator under a GeoFP8 job (step, loss, bytes, step time, layer errors).
+            state.report(loss, tokens=args.batch * args.seq)
+        if args.checkpoint_every and ckpt_dir and (step + 1) % args.checkpoint_every == 0:
+            torch.save({"model": model.state_dict(), "optimizer": opt.state_dict(),
+                        "geofp8": state.state_dict() if state is not None else None,
+                        "generator": gen.get_state()},
+                       checkpoint_path(ckpt_dir, rank, step + 1))
+            dist.barrier()  # every rank's file is written before the recovery point moves
+            if state is not None:
+                state.report_checkpoint(step + 1, checkpoint_path(ckpt_dir, rank, step + 1))
+        if args.step_sleep:
+            time.sleep(args.step_sleep)
         if rank == 0 and (step % args.log_every == 0 or step == args.steps - 1):
             extra = ""
             if state is not None:
@@ -200,6 +236,8 @@ def train(args):
     # Drop the DDP module and the hook state (torch's PowerSGD state holds work on the group)
     # before the group goes.
     dist.barrier()
+    if state is not None:
+        state.close()
     del ddp, state, opt
     dist.destroy_process_group()
 

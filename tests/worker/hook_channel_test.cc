@@ -189,5 +189,91 @@ TEST_F(HookChannelTest, PoliciesComeDownAtTheirStepReportsGoUpAndTheClientReatta
   EXPECT_LT(std::chrono::steady_clock::now() - t0, std::chrono::seconds(4));
 }
 
+// PolicyAgreedAt, the built-in trainer's rule: a version applies at the first step at or after its
+// effective step at which every rank holds it (`agreed`), and is acknowledged with that step; the
+// welcome and the refresh schedule come down as they arrive.
+TEST_F(HookChannelTest, AgreedVersionsApplyOnlyOnceEveryRankHoldsThemAndAckTheirStep) {
+  auto server = Serve({MakePolicy(1, 0, "")});
+  ASSERT_NE(server, nullptr);
+  auto client = hook::HookClient::Connect("unix:" + socket_);
+  const auto welcome = client->WaitForWelcome(std::chrono::seconds(5));
+  ASSERT_TRUE(welcome.has_value());
+  EXPECT_EQ(welcome->world_size(), 2);
+  EXPECT_EQ(welcome->rank(), 1);
+  ASSERT_TRUE(client->WaitForPolicy(std::chrono::seconds(5)));
+  EXPECT_FALSE(client->WaitForRefresh(milliseconds(50)).has_value());
+  client->SendCatalog({{"layers.0.w", 4, 4}});
+  // The start step: the version in force there, acknowledged with it.
+  auto first = client->PolicyAgreedAt(0, 1);
+  ASSERT_TRUE(first.has_value());
+  EXPECT_EQ(first->version, 1u);
+  EXPECT_TRUE(relay_.WaitFor([](const v1::HookMessage& m) {
+    return m.has_policy_ack() && m.policy_ack().version() == 1 && m.policy_ack().step() == 0;
+  }));
+
+  server->OfferPolicy(MakePolicy(2, 3, "nvfp4"));
+  const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(5);
+  while (client->NewestHeld() < 2 && std::chrono::steady_clock::now() < deadline) {
+    std::this_thread::sleep_for(milliseconds(10));
+  }
+  ASSERT_EQ(client->NewestHeld(), 2u);
+  EXPECT_FALSE(client->PolicyAgreedAt(2, 2).has_value());  // before its effective step
+  EXPECT_FALSE(client->PolicyAgreedAt(3, 1).has_value());  // another rank lacks it
+  EXPECT_FALSE(client->PolicyAgreedAt(4, 1).has_value());
+  auto v2 = client->PolicyAgreedAt(5, 2);  // every rank holds it from step 5
+  ASSERT_TRUE(v2.has_value());
+  EXPECT_EQ(v2->version, 2u);
+  EXPECT_EQ(v2->layers.at(0).policy.format(), "nvfp4");
+  EXPECT_EQ(client->version_in_force(), 2u);
+  EXPECT_FALSE(client->PolicyAgreedAt(6, 2).has_value());
+  EXPECT_TRUE(relay_.WaitFor([](const v1::HookMessage& m) {
+    return m.has_policy_ack() && m.policy_ack().version() == 2 && m.policy_ack().step() == 5;
+  }));
+  v1::RefreshSchedules r;
+  r.add_schedules()->set_layer("layers.0.w");
+  server->OfferRefresh(r);
+  const auto got = client->WaitForRefresh(std::chrono::seconds(5));
+  ASSERT_TRUE(got.has_value());
+  ASSERT_EQ(got->size(), 1u);
+  EXPECT_EQ(got->at(0).layer(), "layers.0.w");
+}
+
+// A resumed attempt: the version in force at its start step is the one taken at or before it,
+// and a version taken later replays exactly at its taken_step; untaken versions wait for it.
+TEST_F(HookChannelTest, AResumedAttemptReplaysTakenVersionsAtTheirTakenStep) {
+  v1::Policy p1 = MakePolicy(1, 0, ""), p2 = MakePolicy(2, 8, "nvfp4"),
+             p3 = MakePolicy(3, 14, "fp8_e5m2"), p4 = MakePolicy(4, 15, "bf16");
+  p1.set_taken_step(0);
+  p2.set_taken_step(10);
+  p3.set_taken_step(16);
+  auto server = Serve({p1, p2, p3, p4});
+  ASSERT_NE(server, nullptr);
+  auto client = hook::HookClient::Connect("unix:" + socket_);
+  const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(5);
+  while (client->NewestHeld() < 4 && std::chrono::steady_clock::now() < deadline) {
+    std::this_thread::sleep_for(milliseconds(10));
+  }
+  ASSERT_EQ(client->NewestHeld(), 4u);
+  auto start = client->PolicyAgreedAt(9, 4);  // v2 was effective at 8 but taken at 10
+  ASSERT_TRUE(start.has_value());
+  EXPECT_EQ(start->version, 1u);
+  auto v2 = client->PolicyAgreedAt(10, 4);
+  ASSERT_TRUE(v2.has_value());
+  EXPECT_EQ(v2->version, 2u);
+  // v4 (effective 15, untaken) waits while v3's replay is ahead; at v3's taken_step the newest
+  // due version wins, as in the built-in trainer (job_runner.cc TakeDuePolicy).
+  EXPECT_FALSE(client->PolicyAgreedAt(15, 4).has_value());
+  auto v4 = client->PolicyAgreedAt(16, 4);
+  ASSERT_TRUE(v4.has_value());
+  EXPECT_EQ(v4->version, 4u);
+  EXPECT_FALSE(client->PolicyAgreedAt(17, 4).has_value());
+  EXPECT_TRUE(relay_.WaitFor([](const v1::HookMessage& m) {
+    return m.has_policy_ack() && m.policy_ack().version() == 1 && m.policy_ack().step() == 0;
+  }));
+  EXPECT_TRUE(relay_.WaitFor([](const v1::HookMessage& m) {
+    return m.has_policy_ack() && m.policy_ack().version() == 4 && m.policy_ack().step() == 16;
+  }));
+}
+
 }  // namespace
 }  // namespace geofp8

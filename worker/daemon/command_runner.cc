@@ -230,12 +230,14 @@ void CommandRunner::Relay(const v1::HookMessage& h) {
       while (p.step() > prev && !last_step_.compare_exchange_weak(prev, p.step())) {
       }
       if (metrics_) {
-        // The program reports no step time: the time between its reports stands in for it (the
-        // exchange's share is unknown here, reported as 0).
+        // A program that reports no step time (StepProgress.step_seconds 0): the time between
+        // its reports stands in for it, and the exchange's share is unknown (0).
         const auto now = Clock::now();
-        const double seconds =
+        const double between =
             std::chrono::duration<double>(now - last_progress_at_.exchange(now)).count();
-        metrics_->Step(p.step(), p.loss(), p.tokens_per_second(), seconds, 0.0, false);
+        metrics_->Step(p.step(), p.loss(), p.tokens_per_second(),
+                       p.step_seconds() > 0 ? p.step_seconds() : between, p.exchange_seconds(),
+                       false);
       }
       *m.mutable_progress() = p;
       break;
@@ -266,6 +268,11 @@ void CommandRunner::Relay(const v1::HookMessage& h) {
       Log("job " + assignment_.job_id() + " rank " + std::to_string(assignment_.rank()) +
           ": the program put policy v" + std::to_string(h.policy_ack().version()) + " in force");
       *m.mutable_policy_ack() = h.policy_ack();
+      m.mutable_policy_ack()->set_job_id(assignment_.job_id());
+      m.mutable_policy_ack()->set_attempt(assignment_.attempt());
+      // Rank 0's ack with its step is what the coordinator records as the version's taken_step
+      // (a resumed attempt replays by it): reliable, as the built-in trainer sends it.
+      reliable = rank0 && h.policy_ack().has_step();
       break;
     default:
       return;
@@ -316,6 +323,15 @@ JobOutcome CommandRunner::Run() {
       WriteTokenFile(token_file, options_.token);
     }
 
+    // The job's spec as the coordinator holds it: the hook library reads its exchange and
+    // geometry_refresh sections (GEOFP8_JOB_SPEC).
+    const std::string spec_path = dir + "/job.yaml";
+    {
+      std::ofstream f(spec_path, std::ios::trunc);
+      f << a.spec_yaml();
+      Require(bool(f), "job spec: cannot write ", spec_path);
+    }
+
     // The hook channel, before the program can look for it.
     std::string socket = dir + "/hook" + rank + ".sock";
     if (socket.size() > kMaxSocketPath) {
@@ -362,6 +378,7 @@ JobOutcome CommandRunner::Run() {
     env["GEOFP8_HOOK_ADDRESS"] = "unix:" + socket;
     env["GEOFP8_RESUME_STEP"] = std::to_string(a.resume_step());
     env["GEOFP8_CHECKPOINT_DIR"] = ckpt.string();
+    env["GEOFP8_JOB_SPEC"] = spec_path;
     if (token_file.empty()) {
       env.erase("GEOFP8_TOKEN_FILE");
     } else {

@@ -51,6 +51,7 @@ struct HookClient::Impl {
   bool connected = false;
   std::map<uint64_t, v1::Policy> policies;  // every version received
   std::optional<v1::RefreshSchedules> refresh;
+  std::optional<v1::HookWelcome> welcome;
   uint64_t in_force = 0;
   std::vector<LayerInfo> catalog;
   bool catalog_set = false;
@@ -125,7 +126,9 @@ struct HookClient::Impl {
           }
         }
         std::lock_guard<std::mutex> lock(mu_);
-        if (c.has_policy()) policies.emplace(c.policy().version(), c.policy());
+        if (c.has_welcome()) welcome = c.welcome();
+        // A version resent on a new channel may now carry its taken_step: keep the newest copy.
+        if (c.has_policy()) policies[c.policy().version()] = c.policy();
         if (c.has_refresh()) refresh = c.refresh();
         cv_.notify_all();
       }
@@ -210,6 +213,12 @@ void HookClient::SendCatalog(const std::vector<LayerInfo>& layers) {
 
 void HookClient::ReportStep(int64_t step, double loss, double tokens_per_second,
                             uint64_t bytes_sent, uint64_t bytes_baseline) {
+  ReportStep(step, loss, tokens_per_second, bytes_sent, bytes_baseline, 0.0, 0.0);
+}
+
+void HookClient::ReportStep(int64_t step, double loss, double tokens_per_second,
+                            uint64_t bytes_sent, uint64_t bytes_baseline, double step_seconds,
+                            double exchange_seconds) {
   v1::HookMessage m;
   auto* p = m.mutable_progress();
   p->set_step(step);
@@ -218,6 +227,8 @@ void HookClient::ReportStep(int64_t step, double loss, double tokens_per_second,
   p->set_bytes_sent(bytes_sent);
   p->set_bytes_baseline(bytes_baseline);
   p->set_policy_version(version_in_force());
+  p->set_step_seconds(step_seconds);
+  p->set_exchange_seconds(exchange_seconds);
   impl_->Write(m);
 }
 
@@ -248,6 +259,32 @@ void HookClient::ReportCheckpoint(int64_t step, const std::string& path) {
   impl_->WriteReliable(m);
 }
 
+namespace {
+
+// `due` as a PolicyChange resolved against `catalog`, with the refresh schedules in force.
+PolicyChange MakeChange(const v1::Policy& due, const std::vector<LayerInfo>& catalog,
+                        const std::optional<v1::RefreshSchedules>& refresh) {
+  PolicyChange change;
+  change.version = due.version();
+  change.effective_step = due.effective_step();
+  change.reason = due.reason();
+  change.policy = due;
+  for (const LayerInfo& l : catalog) {
+    ResolvedLayer r = ResolveLayer(due, l.name);
+    // 1-D tensors never use geometry (as the trainer's ResolveLayers).
+    if (l.cols <= 1) r.policy.set_geometry("none");
+    change.layers.push_back({l.name, r.policy, r.refresh_interval});
+  }
+  if (due.refresh_size() > 0) {
+    change.refresh.assign(due.refresh().begin(), due.refresh().end());
+  } else if (refresh) {
+    change.refresh.assign(refresh->schedules().begin(), refresh->schedules().end());
+  }
+  return change;
+}
+
+}  // namespace
+
 std::optional<PolicyChange> HookClient::PolicyDueAt(int64_t step) {
   PolicyChange change;
   {
@@ -258,26 +295,88 @@ std::optional<PolicyChange> HookClient::PolicyDueAt(int64_t step) {
     }
     if (!due) return std::nullopt;
     impl_->in_force = due->version();
-    change.version = due->version();
-    change.effective_step = due->effective_step();
-    change.reason = due->reason();
-    change.policy = *due;
-    for (const LayerInfo& l : impl_->catalog) {
-      ResolvedLayer r = ResolveLayer(*due, l.name);
-      // 1-D tensors never use geometry (as the trainer's ResolveLayers).
-      if (l.cols <= 1) r.policy.set_geometry("none");
-      change.layers.push_back({l.name, r.policy, r.refresh_interval});
-    }
-    if (due->refresh_size() > 0) {
-      change.refresh.assign(due->refresh().begin(), due->refresh().end());
-    } else if (impl_->refresh) {
-      change.refresh.assign(impl_->refresh->schedules().begin(), impl_->refresh->schedules().end());
-    }
+    change = MakeChange(*due, impl_->catalog, impl_->refresh);
   }
   v1::HookMessage ack;
   ack.mutable_policy_ack()->set_version(change.version);
+  ack.mutable_policy_ack()->set_step(step);
   impl_->Write(ack);
   return change;
+}
+
+uint64_t HookClient::NewestHeld() const {
+  std::lock_guard<std::mutex> lock(impl_->mu_);
+  return std::max(impl_->in_force,
+                  impl_->policies.empty() ? uint64_t{0} : impl_->policies.rbegin()->first);
+}
+
+std::optional<PolicyChange> HookClient::PolicyAgreedAt(int64_t step, uint64_t agreed) {
+  PolicyChange change;
+  int64_t taken = step;
+  {
+    std::lock_guard<std::mutex> lock(impl_->mu_);
+    const uint64_t in_force = impl_->in_force;
+    std::optional<v1::Policy> due;
+    if (in_force == 0) {
+      // The attempt's start step: the version in force there (job_runner's TakeStartPolicy).
+      std::optional<v1::Policy> first, legacy;
+      for (const auto& [v, p] : impl_->policies) {
+        if (p.has_taken_step() && p.taken_step() <= step) first = p;
+        if (!p.has_taken_step() && p.effective_step() <= step) legacy = p;
+      }
+      if (!first) first = legacy;
+      if (first && first->has_taken_step()) taken = first->taken_step();
+      due = first;
+    } else {
+      // job_runner's TakeDuePolicy: taken versions replay at their taken_step, and until the
+      // last of them has, nothing else applies; any other version at the first step at or
+      // after its effective_step at which every rank holds it (v <= agreed).
+      bool replaying = false;
+      for (const auto& [v, p] : impl_->policies) {
+        if (v <= in_force || !p.has_taken_step()) continue;
+        if (p.taken_step() <= step) {
+          due = p;
+        } else {
+          replaying = true;
+        }
+      }
+      if (!replaying) {
+        for (const auto& [v, p] : impl_->policies) {
+          if (v <= in_force || v > agreed || p.has_taken_step() || (due && v < due->version())) {
+            continue;
+          }
+          if (p.effective_step() <= step) due = p;
+        }
+      }
+    }
+    if (!due) return std::nullopt;
+    impl_->in_force = due->version();
+    change = MakeChange(*due, impl_->catalog, impl_->refresh);
+  }
+  v1::HookMessage ack;
+  ack.mutable_policy_ack()->set_version(change.version);
+  ack.mutable_policy_ack()->set_step(taken);
+  // The worker relays rank 0's ack reliably: the coordinator records it as the taken_step.
+  impl_->WriteReliable(ack);
+  return change;
+}
+
+std::optional<v1::HookWelcome> HookClient::WaitForWelcome(std::chrono::milliseconds timeout) {
+  std::unique_lock<std::mutex> lock(impl_->mu_);
+  if (!impl_->cv_.wait_for(lock, timeout, [&] { return impl_->welcome.has_value(); })) {
+    return std::nullopt;
+  }
+  return impl_->welcome;
+}
+
+std::optional<std::vector<v1::RefreshSchedule>> HookClient::WaitForRefresh(
+    std::chrono::milliseconds timeout) {
+  std::unique_lock<std::mutex> lock(impl_->mu_);
+  if (!impl_->cv_.wait_for(lock, timeout, [&] { return impl_->refresh.has_value(); })) {
+    return std::nullopt;
+  }
+  return std::vector<v1::RefreshSchedule>(impl_->refresh->schedules().begin(),
+                                          impl_->refresh->schedules().end());
 }
 
 bool HookClient::WaitForPolicy(std::chrono::milliseconds timeout) {

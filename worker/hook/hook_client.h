@@ -19,9 +19,12 @@
 //    runs, with non-decreasing steps. It returns the newest version with effective_step <= step
 //    that is newer than the one in force, if any (so the first call, at the start or resume
 //    step, returns the version in force there), puts it in force, and acknowledges it to the
-//    coordinator. ReportStep stamps the version in force on each report; the coordinator fails
-//    the attempt if a rank ran a step under a superseded version, so a version must be applied
-//    exactly at the step PolicyDueAt returns it.
+//    coordinator with `step` (rank 0's ack is recorded as its taken_step). ReportStep stamps
+//    the version in force on each report; the coordinator fails the attempt if a rank ran a step
+//    under a superseded version, so a version must be applied exactly at the step PolicyDueAt
+//    returns it.
+//    PolicyAgreedAt (below) adds a per-step agreement among the ranks, so that a version that
+//    reaches the ranks at different times still applies at one step on all of them.
 //  - WaitForPolicy(timeout) blocks until the first version has arrived (true) or the timeout
 //    passes (false); call it once before the first PolicyDueAt so that step's policy is known.
 //  - A version's per-layer policies are resolved against the catalog the program sent
@@ -110,8 +113,37 @@ class HookClient {
   // `path`. Rank 0's report moves the job's recovery point (GEOFP8_RESUME_STEP of a restart).
   void ReportCheckpoint(int64_t step, const std::string& path);
 
+  // After each step, with the step's timing as well (seconds the step took, of which the
+  // exchange): the worker's /metrics show them (0: unknown; the time between reports stands in).
+  void ReportStep(int64_t step, double loss, double tokens_per_second, uint64_t bytes_sent,
+                  uint64_t bytes_baseline, double step_seconds, double exchange_seconds);
+
   // See the contract above.
   std::optional<PolicyChange> PolicyDueAt(int64_t step);
+
+  // The agreed alternative to PolicyDueAt, the rule of the built-in trainer (job_runner.cc,
+  // TakeDuePolicy), for a program that runs one small collective per step:
+  //  - NewestHeld(): the newest version this rank holds (in force or received).
+  //  - Every step, before it runs, the program agrees on `agreed` = the minimum of NewestHeld()
+  //    over its ranks (e.g. a max-reduction of its complement), then calls
+  //    PolicyAgreedAt(step, agreed). The first call (the attempt's start step) returns the
+  //    version in force there: the newest the coordinator records as taken at or before it
+  //    (Policy.taken_step), else the newest effective at or before it. Later calls return a
+  //    version taken by an earlier attempt exactly at its taken_step (a resumed attempt replays
+  //    the steps it redoes under the versions they first ran under), and any other version at
+  //    the first step at or after its effective_step at which every rank holds it. Every rank
+  //    decides from the same `agreed`, so all of them switch at the same step.
+  //  - The change is put in force and acknowledged with the step it was taken at
+  //    (PolicyAck.step; rank 0's ack is what the coordinator records as taken_step).
+  uint64_t NewestHeld() const;
+  std::optional<PolicyChange> PolicyAgreedAt(int64_t step, uint64_t agreed);
+  // The worker's welcome (the job as the coordinator assigned it: job_id, attempt, rank,
+  // world_size, resume_step), once the channel has opened; nullopt after `timeout`.
+  std::optional<v1::HookWelcome> WaitForWelcome(std::chrono::milliseconds timeout);
+  // The refresh schedules the coordinator computed for the catalog, once they have arrived;
+  // nullopt after `timeout`. A version that uses geometry needs them (the coordinator computes
+  // them when rank 0's catalog reaches it).
+  std::optional<std::vector<v1::RefreshSchedule>> WaitForRefresh(std::chrono::milliseconds timeout);
   bool WaitForPolicy(std::chrono::milliseconds timeout);
   uint64_t version_in_force() const;
   bool connected() const;

@@ -7,9 +7,10 @@ From a build tree: PYTHONPATH=build/client/python /usr/bin/python3 -c 'import ge
 import json
 import os
 
-from ._geofp8 import Engine, Error, accepted_presets, layer_matches
+from ._geofp8 import Engine, Error, HookClient, accepted_presets, layer_matches
 
-__all__ = ["Engine", "Error", "accepted_presets", "layer_matches", "policy_source"]
+__all__ = ["Engine", "Error", "HookClient", "accepted_presets", "layer_matches",
+           "policy_source"]
 
 
 def policy_source(policy):

@@ -7,10 +7,17 @@ all-reduce.
 
 The engine's Gloo communicator meets its peers through torch's own c10d store (under the
 prefix "geofp8/hook/<n>/"), so no extra port or file is needed. Constructing a GeoFP8State is a
-collective: every rank of the group constructs one, in the same order. See docs/pytorch.md.
+collective: every rank of the group constructs one, in the same order.
+
+Under a GeoFP8 `command:` job (GEOFP8_HOOK_ADDRESS set by the worker) the state attaches to the
+job: it takes the coordinator's policy versions (agreed per step, applied on every rank at one
+step) and reports its catalog, steps (state.report(loss) once per step), per-layer errors and
+checkpoints (state.report_checkpoint). See docs/pytorch.md.
 """
 
+import math
 import os
+import time
 
 import torch
 import torch.distributed as dist
@@ -63,7 +70,8 @@ class GeoFP8State:
     """
 
     def __init__(self, process_group=None, model=None, policy="geofp8", *, seed=0,
-                 timeout_s=300.0, store=None, hostname=None, model_name="the model"):
+                 timeout_s=300.0, store=None, hostname=None, model_name="the model",
+                 coordinator=None, summary_every=10, attach_timeout_s=60.0):
         global _states_created
         if model is None:
             raise ValueError("model: required (the module DDP wraps), to name the parameters")
@@ -92,6 +100,17 @@ class GeoFP8State:
         # The policy is parsed in C++ once the layers are known (set_policy below); a bad one
         # fails the same way on every rank.
         kind, spec = policy_source(policy)
+        # Under a GeoFP8 `command:` job: the channel to the coordinator, checked against this
+        # process group before the engine's rendezvous (a wrong world size would hang it).
+        self._hook = None
+        self._job_spec = ""
+        self.summary_every = int(summary_every)
+        self.attach_timeout_s = float(attach_timeout_s)
+        if coordinator not in (None, True, False):
+            raise ValueError("coordinator: None (attach when GEOFP8_HOOK_ADDRESS is set), True "
+                             "(require it) or False (never attach), not %r" % (coordinator,))
+        if coordinator is not False:
+            self._attach(coordinator is True, rank, size, shapes)
         base = store if store is not None else dist.distributed_c10d._get_default_store()
         prefix = "geofp8/hook/%d/" % _states_created
         _states_created += 1
@@ -106,6 +125,136 @@ class GeoFP8State:
         self._scheduled = []  # [(effective_step, kind, spec)], applied in order
         self.stats = {"bytes_sent": 0, "seconds": 0.0, "skipped_buckets": 0, "refreshes": 0}
         self.last_step = {"bytes_sent": 0, "seconds": 0.0, "skipped": False}
+        # What an fp32 ring all-reduce of the same parameters sends per rank and step.
+        numel = sum(r * c for r, c in shapes)
+        self._baseline_per_step = 2.0 * (size - 1) / size * 4.0 * numel if size > 1 else 0.0
+        self._reported_at = time.perf_counter()
+        self._layer_errors = []  # this step's (layer, rel_fro_error), measured steps only
+        self._measure = False
+
+    # ---- the coordinator (a GeoFP8 `command:` job) ------------------------------------------
+
+    def _attach(self, required, rank, size, shapes):
+        hook = _geofp8.HookClient.from_environment()
+        if hook is None:
+            if required:
+                raise RuntimeError("coordinator: GEOFP8_HOOK_ADDRESS is not set; the script is "
+                                   "not running under a GeoFP8 command job")
+            return
+        address = os.environ.get("GEOFP8_HOOK_ADDRESS")
+        try:
+            welcome = hook.wait_for_welcome(self.attach_timeout_s)
+            if welcome is None:
+                raise RuntimeError("coordinator: no answer on the worker's hook socket %s within "
+                                   "%g s (attach_timeout_s)" % (address, self.attach_timeout_s))
+            if welcome["world_size"] != size:
+                raise ValueError(
+                    "world size: torch's process group has %d ranks (WORLD_SIZE=%s) but GeoFP8 "
+                    "job %s has %d (its spec.world_size); launch the script with one process per "
+                    "rank of the job" % (size, os.environ.get("WORLD_SIZE", "unset"),
+                                         welcome["job_id"], welcome["world_size"]))
+            if welcome["rank"] != rank:
+                raise ValueError("rank: torch's rank is %d but the GeoFP8 worker runs rank %d of "
+                                 "job %s" % (rank, welcome["rank"], welcome["job_id"]))
+            if not hook.wait_for_policy(self.attach_timeout_s):
+                raise RuntimeError("coordinator: no policy version of job %s arrived within %g s"
+                                   % (welcome["job_id"], self.attach_timeout_s))
+            path = os.environ.get("GEOFP8_JOB_SPEC")
+            if path:
+                with open(path) as f:
+                    self._job_spec = f.read()
+            # Every rank resolves the versions against the catalog; the worker forwards rank
+            # 0's to the coordinator (which computes the refresh schedules from it).
+            hook.send_catalog([(n, r, c) if r > 1 else (n, r * c, 1)
+                               for n, (r, c) in zip(self.names, shapes)])
+        except BaseException:
+            hook.close()
+            raise
+        self._hook = hook
+        self.job_id = welcome["job_id"]
+        print("geofp8: rank %d attached to job %s (attempt %d, resume step %d)"
+              % (rank, welcome["job_id"], welcome["attempt"], welcome["resume_step"]),
+              flush=True)
+
+    @property
+    def attached(self):
+        """True when the state reports to a GeoFP8 coordinator (under a `command:` job)."""
+        return self._hook is not None
+
+    @property
+    def resume_step(self):
+        """The step a restarted attempt resumes at (GEOFP8_RESUME_STEP; 0: a fresh start)."""
+        return self._hook.resume_step if self._hook else int(os.environ.get(
+            "GEOFP8_RESUME_STEP", "0") or 0)
+
+    @property
+    def checkpoint_dir(self):
+        """Where the job keeps checkpoints (GEOFP8_CHECKPOINT_DIR), or None."""
+        return (self._hook.checkpoint_dir if self._hook else
+                os.environ.get("GEOFP8_CHECKPOINT_DIR")) or None
+
+    def _apply_change(self, change):
+        if (self._policy[0] == "coordinator" and self.policy_version == change["version"]
+                and self._policy[1] == change["policy"]):
+            return  # resumed from a checkpoint written under this very version
+        refresh = list(change["refresh"])
+        if not refresh and any(l["geometry"] != "none" for l in change["layers"]):
+            # The coordinator computes the schedules once rank 0's catalog reaches it.
+            got = self._hook.wait_for_refresh(self.attach_timeout_s)
+            if got is None:
+                raise RuntimeError("policy v%d: no geometry refresh schedule arrived from the "
+                                   "coordinator within %g s" % (change["version"],
+                                                               self.attach_timeout_s))
+            refresh = list(got)
+        self.layers = self._engine.set_coordinator_policy(change["policy"], refresh,
+                                                          self._job_spec)
+        self.policy_version = change["version"]
+        self._policy = ("coordinator", change["policy"], refresh)
+        print("geofp8: rank %d: policy v%d (%s) in force from step %d"
+              % (self.rank, change["version"], change["reason"], self.step), flush=True)
+
+    def report(self, loss, step=None, tokens=None):
+        """Call once per step, after the optimizer step: reports the step's loss (a float or a
+        0-d tensor), this rank's wire bytes, the step time (since the previous call) and the
+        exchange's share to the coordinator, and on rank 0 the per-layer errors measured this
+        step. `step` defaults to the step the hook just ran; `tokens` (this rank's tokens in the
+        step) gives tokens/s. Outside a GeoFP8 job it only returns what it would send."""
+        now = time.perf_counter()
+        seconds = now - self._reported_at
+        self._reported_at = now
+        if step is None:
+            step = self.step - 1
+        loss = float(loss.item() if hasattr(loss, "item") else loss)
+        done = step + 1
+        record = {
+            "step": step, "loss": loss, "step_seconds": seconds,
+            "exchange_seconds": self.last_step["seconds"],
+            "tokens_per_second": (tokens / seconds) if tokens and seconds > 0 else 0.0,
+            "bytes_sent": self.stats["bytes_sent"],
+            "bytes_baseline": int(self._baseline_per_step * done),
+            "layer_errors": list(self._layer_errors),
+        }
+        if self._hook is not None:
+            self._hook.report_step(step, loss, record["tokens_per_second"],
+                                   record["bytes_sent"], record["bytes_baseline"], seconds,
+                                   record["exchange_seconds"])
+            if self.rank == 0 and self._layer_errors:
+                self._hook.report_layers([(n, step, e, 0.0) for n, e in self._layer_errors])
+        self._layer_errors = []
+        return record
+
+    def report_checkpoint(self, step, path):
+        """Tells the coordinator that the job can resume at `step` (the next step to run) from
+        checkpoints like `path`. Call it on every rank once every rank has written its file (rank
+        0's report moves the job's recovery point, GEOFP8_RESUME_STEP of a restart)."""
+        if self._hook is not None:
+            self._hook.report_checkpoint(int(step), str(path))
+
+    def close(self):
+        """Closes the channel to the coordinator (what was reported is delivered first)."""
+        if self._hook is not None:
+            self._hook.close()
+            self._hook = None
 
     @property
     def rank(self):
@@ -136,7 +285,19 @@ class GeoFP8State:
             self.layers = self._engine.set_policy(kind, spec, self.model_name,
                                                   self.policy_version)
             self._policy = (kind, spec)
+        if self._hook is not None:
+            # The coordinator's versions, as the worker's trainer takes them: one small
+            # collective agrees on the newest version every rank holds, and the hook client puts
+            # a version in force at the first step at or after its effective step where all do
+            # (hook_client.h, PolicyAgreedAt), on every rank at the same step.
+            agreed = self._engine.agree_min(self._hook.newest_held())
+            change = self._hook.policy_agreed_at(self.step, agreed)
+            if change is not None:
+                self._apply_change(change)
         self._in_step = True
+        self._measure = (self._hook is not None and self.summary_every > 0
+                         and self.step % self.summary_every == 0)
+        self._layer_errors = []
         self.last_step = {"bytes_sent": 0, "seconds": 0.0, "skipped": False}
 
     def state_dict(self):
@@ -161,14 +322,36 @@ class GeoFP8State:
         if list(state["names"]) != self.names:
             raise ValueError("state.names: the saved parameters (%d) differ from the model's (%d)"
                              % (len(state["names"]), len(self.names)))
-        kind, spec = state["policy"]
+        policy = tuple(state["policy"])
         self.policy_version = int(state["policy_version"])
-        self.layers = self._engine.set_policy(kind, spec, self.model_name, self.policy_version)
-        self._policy = (kind, spec)
+        if policy[0] == "coordinator":
+            self.layers = self._engine.set_coordinator_policy(policy[1], list(policy[2]),
+                                                              self._job_spec)
+        else:
+            self.layers = self._engine.set_policy(policy[0], policy[1], self.model_name,
+                                                  self.policy_version)
+        self._policy = policy
         self._engine.import_geometry([tuple(g) for g in state["geometry"]])
         self._scheduled = [tuple(t) for t in state["scheduled"]]
         self.step = int(state["step"])
         self._in_step = False
+
+
+def _measure_layers(state, layers, local, averaged, grads):
+    """Each layer's relative Frobenius error of the exchanged average against the exact fp32
+    average (one fp32 all-reduce of the bucket on measured steps, as the worker's trainer)."""
+    exact = local / state.world_size
+    dist.all_reduce(exact, group=state.process_group)
+    base = averaged.data_ptr()
+    for i, g in zip(layers, grads):
+        o = (g.data_ptr() - base) // 4
+        n = g.numel()
+        e = exact[o:o + n].double()
+        d = averaged[o:o + n].double() - e
+        g2 = float(e.dot(e))
+        err = float(d.dot(d))
+        state._layer_errors.append(
+            (state.names[i], math.sqrt(err / g2) if g2 > 0 else math.sqrt(err)))
 
 
 def geofp8_hook(state, bucket):
@@ -199,7 +382,10 @@ def geofp8_hook(state, bucket):
         layers.append(i)
     base = buf.data_ptr()
     offsets = [(g.data_ptr() - base) // 4 for g in grads]
+    local = buf.clone() if state._measure else None
     result = state._engine.exchange(state.step, layers, buf.numpy(), offsets)
+    if local is not None and not result["skipped"]:
+        _measure_layers(state, layers, local, buf, grads)
     if result["skipped"]:
         buf.fill_(float("nan"))
         state.stats["skipped_buckets"] += 1

@@ -1,0 +1,297 @@
+#!/usr/bin/python3
+"""A PyTorch script as a GeoFP8 `command:` job, end to end (issue 12): the real
+geofp8-coordinator, two real geofp8-workers and geofp8ctl run examples/pytorch/train_gpt.py
+(small settings), whose geofp8.torch state attaches to the job through the worker's hook socket.
+
+Checked:
+  1. the job ends SUCCEEDED; a live `geofp8ctl policy set` is put in force by both ranks at one
+     step (both ranks' logs), that step is at or after the version's effective step and is the
+     one the coordinator records (Policy.taken_step); describe / get job show the job's step,
+     loss, bytes and per-layer error; the worker's /metrics show the job's step, loss and
+     per-layer error while it runs;
+  2. a SIGKILLed rank (the python process) is restarted by the restart policy, the new attempt
+     resumes from the last checkpoint rank 0 reported, and the job succeeds;
+  3. a script whose torch world size differs from the job's fails with an error naming both.
+
+Usage: test_command_job.py (env GEOFP8_COORDINATOR, GEOFP8_WORKER, GEOFP8CTL, GEOFP8_EXAMPLE,
+PYTHONPATH=<build>/client/python). Exits 77 (skipped) without torch.
+"""
+
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+import unittest
+import urllib.request
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from hook_testlib import require_torch  # noqa: E402
+
+COORDINATOR = os.environ.get("GEOFP8_COORDINATOR", "")
+WORKER = os.environ.get("GEOFP8_WORKER", "")
+CTL = os.environ.get("GEOFP8CTL", "")
+EXAMPLE = os.environ.get("GEOFP8_EXAMPLE", "")
+PYTHON = "/usr/bin/python3"
+DATA = "/usr/share/common-licenses/GPL-3"
+DEADLINE_S = 150  # per wait; mostly torch imports, slow on a loaded machine
+
+
+class Proc:
+    """A daemon with its output collected (for the pids it logs and for failure messages)."""
+
+    def __init__(self, argv, env=None):
+        self.proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                     text=True, env=env)
+        self.lines = []
+        threading.Thread(target=self._drain, daemon=True).start()
+
+    def _drain(self):
+        for line in self.proc.stdout:
+            self.lines.append(line)
+
+    def text(self):
+        return "".join(self.lines)
+
+    def stop(self):
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(10)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+
+
+def wait_file(path, deadline_s=30):
+    end = time.time() + deadline_s
+    while not os.path.exists(path):
+        if time.time() > end:
+            raise RuntimeError("%s did not appear" % path)
+        time.sleep(0.05)
+    with open(path) as f:
+        return json.load(f)
+
+
+def http_get(address, path="/metrics"):
+    with urllib.request.urlopen("http://%s%s" % (address, path), timeout=10) as r:
+        return r.read().decode()
+
+
+class CommandJobTest(unittest.TestCase):
+    @classmethod
+    def setUpClass(cls):
+        cls.tmp = tempfile.TemporaryDirectory(prefix="geofp8-pyjob-")
+        root = cls.tmp.name
+        cdir = os.path.join(root, "coord")
+        os.makedirs(cdir)
+        cls.coord = Proc([COORDINATOR, "--listen", "127.0.0.1:0", "--metrics-listen",
+                          "127.0.0.1:0", "--data-dir", cdir, "--tick-ms", "50",
+                          "--heartbeat-timeout-ms", "3000", "--ready-file",
+                          os.path.join(cdir, "ready.json")])
+        ready = wait_file(os.path.join(cdir, "ready.json"))
+        cls.address = ready["grpc"]
+        cls.coord_metrics = ready["metrics"]
+        # The workers pass their environment on to the program: geofp8 from the build tree,
+        # one BLAS/OpenMP thread per rank.
+        env = dict(os.environ, OMP_NUM_THREADS="1")
+        cls.workers = []
+        cls.worker_dirs = []
+        cls.worker_metrics = []
+        for i in range(2):
+            wdir = os.path.join(root, "w%d" % i)
+            os.makedirs(wdir)
+            cls.workers.append(Proc([WORKER, "--coordinator", cls.address, "--name", "w%d" % i,
+                                     "--metrics-port", "0", "--data-dir", wdir, "--ready-file",
+                                     os.path.join(wdir, "ready.json")], env=env))
+            cls.worker_dirs.append(wdir)
+        for wdir in cls.worker_dirs:
+            cls.worker_metrics.append(wait_file(os.path.join(wdir, "ready.json"))["metrics"])
+
+    @classmethod
+    def tearDownClass(cls):
+        for w in cls.workers:
+            w.stop()
+        cls.coord.stop()
+        cls.tmp.cleanup()
+
+    # ---- helpers ------------------------------------------------------------------------------
+
+    def ctl(self, *args, check=True):
+        r = subprocess.run([CTL, "-s", self.address, *args], capture_output=True, text=True,
+                           timeout=30)
+        if check and r.returncode != 0:
+            self.fail("geofp8ctl %s: exit %d\n%s%s" % (" ".join(args), r.returncode, r.stdout,
+                                                        r.stderr))
+        return r.stdout
+
+    def job(self, job_id):
+        return json.loads(self.ctl("-o", "json", "get", "job", job_id))
+
+    def everything(self, job_id):
+        out = [self.ctl("describe", "job", job_id, check=False)]
+        for wdir in self.worker_dirs:
+            for root, _, files in os.walk(os.path.join(wdir, "jobs")):
+                for f in sorted(files):
+                    if f.endswith((".out", ".err")):
+                        with open(os.path.join(root, f), errors="replace") as fh:
+                            out.append("--- %s\n%s" % (os.path.join(root, f), fh.read()[-3000:]))
+        out += ["--- worker %d\n%s" % (i, w.text()[-3000:]) for i, w in enumerate(self.workers)]
+        return "\n".join(out)
+
+    def submit(self, name, world, args, extra=""):
+        spec = os.path.join(self.tmp.name, name + ".yaml")
+        command = [PYTHON, EXAMPLE, "--data", DATA, "--layers", "1", "--d-model", "32",
+                   "--seq", "16", "--batch", "4", "--log-every", "5", "--threads", "1"] + args
+        with open(spec, "w") as f:
+            f.write("name: %s\nworld_size: %d\nbackend: gloo\ncommand: %s\n%s"
+                    % (name, world, json.dumps(command), extra))
+        return self.submit_file(spec)
+
+    def submit_file(self, spec):
+        out = json.loads(self.ctl("-o", "json", "submit", "-f", spec))
+        return out["job"]["id"]
+
+    def wait(self, job_id, pred, what):
+        end = time.time() + DEADLINE_S
+        while time.time() < end:
+            j = self.job(job_id)
+            if pred(j):
+                return j
+            if j.get("state") in ("JOB_FAILED", "JOB_CANCELLED", "JOB_SUCCEEDED") and \
+                    not pred(j):
+                self.fail("job %s ended %s while waiting for %s: %s\n%s"
+                          % (job_id, j.get("state"), what, j.get("reason"),
+                             self.everything(job_id)))
+            time.sleep(0.1)
+        self.fail("job %s: no %s within %d s\n%s" % (job_id, what, DEADLINE_S,
+                                                     self.everything(job_id)))
+
+    def wait_final(self, job_id):
+        return self.wait(job_id, lambda j: j.get("state") in (
+            "JOB_SUCCEEDED", "JOB_FAILED", "JOB_CANCELLED"), "final state")
+
+    def rank_file(self, job_id, rank, attempt, suffix):
+        for wdir in self.worker_dirs:
+            p = os.path.join(wdir, "jobs", job_id, str(attempt), "rank%d.%s" % (rank, suffix))
+            if os.path.exists(p):
+                with open(p, errors="replace") as f:
+                    return f.read()
+        return None
+
+    def step_of(self, j):
+        return int(j.get("progress", {}).get("step", -1))
+
+    # ---- the tests ----------------------------------------------------------------------------
+
+    def test_1_live_policy_on_both_ranks_and_reports(self):
+        job_id = self.submit(
+            "pyjob", 2, ["--steps", "40", "--step-sleep", "0.05", "--checkpoint-every", "10"],
+            "training: {steps: 40}\n"
+            "policy:\n"
+            "  default: {format: fp8_e4m3, scaling: block, block: 64}\n"
+            "  layers:\n"
+            "    - {match: 'blocks.*.fc?.weight', geometry: lowrank, rank: 4}\n"
+            "  margin: 5\n")
+        j = self.wait(job_id, lambda j: self.step_of(j) >= 8, "step 8")
+        self.assertEqual(j["state"], "JOB_RUNNING", self.everything(job_id))
+        # While it runs: the workers' /metrics carry the job's step, loss and layer errors.
+        scraped = "".join(http_get(a) for a in self.worker_metrics)
+        self.assertRegex(scraped, r'geofp8_worker_step\{[^}]*job_id="%s"' % job_id)
+        self.assertRegex(scraped, r'geofp8_worker_loss\{[^}]*job_id="%s"' % job_id)
+        self.assertRegex(scraped, r'geofp8_quantization_rel_error\{[^}]*blocks\.0\.fc1\.weight')
+        self.assertRegex(scraped, r'\ngeofp8_worker_step_seconds_count [1-9]')
+
+        self.ctl("policy", "set", job_id, "--layer", "blocks.*", "--format", "nvfp4",
+                 "--reason", "test: nvfp4")
+        j = self.wait_final(job_id)
+        self.assertEqual(j["state"], "JOB_SUCCEEDED", self.everything(job_id))
+
+        # Both ranks put v2 in force at the same step, the one the coordinator records.
+        v2 = json.loads(self.ctl("-o", "json", "policy", "get", job_id, "--version", "2"))
+        taken = {}
+        for rank in (0, 1):
+            log = self.rank_file(job_id, rank, 0, "out") or ""
+            m = re.search(r"geofp8: rank %d: policy v2 \(.*\) in force from step (\d+)" % rank,
+                          log)
+            self.assertIsNotNone(m, "rank %d log:\n%s" % (rank, log))
+            taken[rank] = int(m.group(1))
+        self.assertEqual(taken[0], taken[1], self.everything(job_id))
+        self.assertGreaterEqual(taken[0], int(v2["effective_step"]))
+        self.assertLess(taken[0], 40)
+        self.assertEqual(int(v2["taken_step"]), taken[0], v2)
+        self.assertEqual(int(j.get("policy_version", 0)), 2, j)
+
+        # describe / get job: the step, loss, bytes and per-layer error, like a built-in job.
+        prog = j["progress"]
+        self.assertEqual(int(prog["step"]), 39)
+        self.assertGreater(float(prog["loss"]), 0.0)
+        self.assertLess(float(prog["loss"]), 6.0)  # below ln(256) = 5.55 + noise: it learned
+        self.assertGreater(int(prog["bytes_sent"]), 0)
+        self.assertLess(int(prog["bytes_sent"]), int(prog["bytes_baseline"]))
+        self.assertEqual(int(prog["checkpoint_step"]), 40)
+        layers = {l["layer"]: l for l in j.get("layers", [])}
+        self.assertIn("blocks.0.fc1.weight", layers, j)
+        fc1 = layers["blocks.0.fc1.weight"]
+        # Quantized then averaged: an error above 0 and well below the gradient itself.
+        self.assertGreater(float(fc1["rel_fro_error"]), 0.0)
+        self.assertLess(float(fc1["rel_fro_error"]), 0.5)
+        self.assertEqual(int(fc1["step"]) % 10, 0)
+        described = self.ctl("describe", "job", job_id)
+        self.assertIn("blocks.0.fc1.weight", described)
+        self.assertIn("SUCCEEDED", described)
+
+    def test_2_killed_rank_restarts_from_checkpoint(self):
+        job_id = self.submit(
+            "pykill", 2, ["--steps", "30", "--step-sleep", "0.05", "--checkpoint-every", "5"],
+            "training: {steps: 30}\n"
+            "policy: {default: {format: fp8_e4m3}}\n"
+            "restarts: {max_restarts: 1}\n")
+        self.wait(job_id, lambda j: int(j.get("progress", {}).get("checkpoint_step", 0)) >= 5,
+                  "a checkpoint")
+        pid = None
+        for w in self.workers:
+            m = re.search(r"job %s rank 1: started '\S+' as pid (\d+)" % job_id, w.text())
+            if m:
+                pid = int(m.group(1))
+        self.assertIsNotNone(pid, self.everything(job_id))
+        os.kill(pid, signal.SIGKILL)
+        j = self.wait_final(job_id)
+        self.assertEqual(j["state"], "JOB_SUCCEEDED", self.everything(job_id))
+        self.assertEqual(int(j.get("restarts", 0)), 1, j)
+        events = json.dumps(j.get("events", []))
+        self.assertIn("was killed by SIGKILL", events)
+        for rank in (0, 1):
+            log = self.rank_file(job_id, rank, 1, "out") or ""
+            m = re.search(r"rank %d: resumed from step (\d+)" % rank, log)
+            self.assertIsNotNone(m, "rank %d attempt 1 log:\n%s" % (rank, log))
+            self.assertGreaterEqual(int(m.group(1)), 5)
+            self.assertEqual(int(m.group(1)) % 5, 0)
+        self.assertEqual(int(j["progress"]["step"]), 29)
+
+    def test_3_world_size_mismatch_is_named(self):
+        # A 2-rank job whose script makes a 1-rank torch group on each rank.
+        script = ("import torch, torch.distributed as dist, geofp8.torch as gt; "
+                  "dist.init_process_group('gloo', store=dist.HashStore(), rank=0, "
+                  "world_size=1); gt.GeoFP8State(model=torch.nn.Linear(4, 4))")
+        spec = os.path.join(self.tmp.name, "pyworld.yaml")
+        with open(spec, "w") as f:
+            f.write("name: pyworld\nworld_size: 2\ncommand: %s\nrestarts: {max_restarts: 0}\n"
+                    % json.dumps([PYTHON, "-c", script]))
+        job_id = self.submit_file(spec)
+        j = self.wait_final(job_id)
+        self.assertEqual(j["state"], "JOB_FAILED", self.everything(job_id))
+        self.assertIn("world size: torch's process group has 1 ranks (WORLD_SIZE=2) but GeoFP8 "
+                      "job %s has 2 (its spec.world_size)" % job_id, j.get("reason", ""))
+
+if __name__ == "__main__":
+    require_torch()
+    for name, value in (("GEOFP8_COORDINATOR", COORDINATOR), ("GEOFP8_WORKER", WORKER),
+                        ("GEOFP8CTL", CTL), ("GEOFP8_EXAMPLE", EXAMPLE)):
+        if not value:
+            sys.exit("%s: not set" % name)
+    unittest.main(verbosity=2)
