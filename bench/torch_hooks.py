@@ -20,6 +20,13 @@ warm-up excluded):
   loss         mean training loss over the last 5 steps (mean over ranks)
 
     PYTHONPATH=build/client/python /usr/bin/python3 bench/torch_hooks.py --steps 40
+
+Over a tc-shaped link instead of loopback, one rank per network namespace (root only):
+
+    PYTHONPATH=build/client/python bench/torch_hooks_netem.sh --rate 1gbit -- --steps 40
+
+which runs this script once per rank with --rank R --store-dir DIR (the ranks meet through a
+FileStore there; rank 0 prints the table).
 """
 
 import argparse
@@ -168,34 +175,7 @@ def entry(rank, world, store, args, out):
     dist.destroy_process_group()
 
 
-def main():
-    ap = argparse.ArgumentParser(description="DDP comm hooks side by side (docs/benchmarks.md)")
-    ap.add_argument("--ranks", type=int, default=2)
-    ap.add_argument("--steps", type=int, default=40)
-    ap.add_argument("--skip", type=int, default=5, help="warm-up steps left out of the figures")
-    ap.add_argument("--batch", type=int, default=8)
-    ap.add_argument("--seq", type=int, default=64)
-    ap.add_argument("--layers", type=int, default=2)
-    ap.add_argument("--d-model", type=int, default=128)
-    ap.add_argument("--lr", type=float, default=1e-3)
-    ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--data", default="/usr/share/common-licenses/GPL-3")
-    ap.add_argument("--methods", default=",".join(DEFAULT_METHODS),
-                    help="comma-separated, of: " + ", ".join(METHODS))
-    args = ap.parse_args()
-    args.methods = [m.strip() for m in args.methods.split(",")]
-    bad = [m for m in args.methods if m not in METHODS]
-    if bad:
-        ap.error("--methods: unknown %s (accepted: %s)" % (bad, ", ".join(METHODS)))
-    if args.steps <= args.skip + 5:
-        ap.error("--steps: must exceed --skip + 5 (%d)" % args.steps)
-    import torch
-    import torch.multiprocessing as mp
-    with tempfile.TemporaryDirectory(prefix="geofp8-hooks-") as d:
-        out = os.path.join(d, "results.pt")
-        mp.spawn(entry, args=(args.ranks, os.path.join(d, "store"), args, out),
-                 nprocs=args.ranks, join=True)
-        res = torch.load(out)
+def print_table(res, args):
     first = next(iter(res.values()))
     print("GPT %d layers d=%d (%d parameters), %d ranks, %d steps (figures over steps %d-%d)"
           % (args.layers, args.d_model, first["params"], args.ranks, args.steps, args.skip,
@@ -215,6 +195,51 @@ def main():
                  r["step_ms"], r["t_hook"] / r["t_ref"], 1e3 * r["t_hook"] / measured,
                  1e3 * r["t_ref"] / measured, over, glue, r["loss"]))
 
+
+def main():
+    ap = argparse.ArgumentParser(description="DDP comm hooks side by side (docs/benchmarks.md)")
+    ap.add_argument("--ranks", type=int, default=2)
+    ap.add_argument("--steps", type=int, default=40)
+    ap.add_argument("--skip", type=int, default=5, help="warm-up steps left out of the figures")
+    ap.add_argument("--batch", type=int, default=8)
+    ap.add_argument("--seq", type=int, default=64)
+    ap.add_argument("--layers", type=int, default=2)
+    ap.add_argument("--d-model", type=int, default=128)
+    ap.add_argument("--lr", type=float, default=1e-3)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--data", default="/usr/share/common-licenses/GPL-3")
+    ap.add_argument("--methods", default=",".join(DEFAULT_METHODS),
+                    help="comma-separated, of: " + ", ".join(METHODS))
+    ap.add_argument("--rank", type=int, default=None,
+                    help="run only this rank (with --store-dir; bench/torch_hooks_netem.sh)")
+    ap.add_argument("--store-dir", default=None,
+                    help="with --rank: the folder the ranks' FileStore lives in")
+    args = ap.parse_args()
+    args.methods = [m.strip() for m in args.methods.split(",")]
+    bad = [m for m in args.methods if m not in METHODS]
+    if bad:
+        ap.error("--methods: unknown %s (accepted: %s)" % (bad, ", ".join(METHODS)))
+    if args.steps <= args.skip + 5:
+        ap.error("--steps: must exceed --skip + 5 (%d)" % args.steps)
+    import torch
+    if args.rank is not None:
+        if args.store_dir is None or not os.path.isdir(args.store_dir):
+            ap.error("--store-dir: must name an existing folder with --rank (%s)"
+                     % args.store_dir)
+        if not 0 <= args.rank < args.ranks:
+            ap.error("--rank: must be in [0, %d) (%d)" % (args.ranks, args.rank))
+        out = os.path.join(args.store_dir, "results.pt")
+        entry(args.rank, args.ranks, os.path.join(args.store_dir, "store"), args, out)
+        if args.rank == 0:
+            print_table(torch.load(out), args)
+        return
+    import torch.multiprocessing as mp
+    with tempfile.TemporaryDirectory(prefix="geofp8-hooks-") as d:
+        out = os.path.join(d, "results.pt")
+        mp.spawn(entry, args=(args.ranks, os.path.join(d, "store"), args, out),
+                 nprocs=args.ranks, join=True)
+        res = torch.load(out)
+    print_table(res, args)
 
 if __name__ == "__main__":
     main()

@@ -6,6 +6,9 @@
 //
 // The GIL: every call into the Python store takes it; the rendezvous and the exchange run with
 // it released, so the store may be served by another Python thread.
+//
+// backend "nccl" (builds with CUDA and NCCL, GEOFP8_PYTHON_CUDA): CUDA buckets go through
+// cuda_exchange.h instead, on the caller's CUDA stream, with NCCL bootstrapped from the same store.
 
 #include <pybind11/pybind11.h>
 #include <pybind11/stl.h>
@@ -20,6 +23,7 @@
 #include <string>
 #include <vector>
 
+#include "client/python/cuda_exchange.h"
 #include "client/python/hook_binding.h"
 #include "kernels/common/check.h"
 #include "kernels/exchange/exchanger.h"
@@ -27,6 +31,10 @@
 #include "kernels/exchange/store.h"
 #include "kernels/policy/job_spec.h"
 #include "worker/train/exchange_policy.h"
+
+#ifndef GEOFP8_PYTHON_CUDA
+#define GEOFP8_PYTHON_CUDA 0
+#endif
 
 namespace py = pybind11;
 
@@ -96,14 +104,42 @@ std::vector<uint8_t> FromBytes(const py::bytes& b) {
   return std::vector<uint8_t>(s.begin(), s.end());
 }
 
+constexpr size_t kInlineBytes = size_t{4} << 20;
+
+#if GEOFP8_PYTHON_CUDA
+// 64-bit mix (splitmix64's finalizer) for the CUDA path's bucket fingerprint.
+uint64_t Mix(uint64_t h, uint64_t v) {
+  h ^= v + 0x9e3779b97f4a7c15ULL + (h << 6) + (h >> 2);
+  h ^= h >> 30;
+  h *= 0xbf58476d1ce4e5b9ULL;
+  h ^= h >> 27;
+  h *= 0x94d049bb133111ebULL;
+  return h ^ (h >> 31);
+}
+#endif
+
 // The engine of one process group.
 class Engine {
  public:
   Engine(py::object store, int rank, int size, std::string hostname, double timeout_s,
-         uint64_t seed)
-      : store_(std::make_unique<PyStore>(std::move(store))), seed_(seed) {
+         uint64_t seed, const std::string& backend, int device)
+      : store_(std::make_unique<PyStore>(std::move(store))), seed_(seed), rank_(rank), size_(size) {
     GEOFP8_CHECK(timeout_s > 0, "timeout: must be > 0 seconds (", timeout_s, ")");
     timeout_ = std::chrono::milliseconds(static_cast<int64_t>(timeout_s * 1000.0));
+    if (backend == "nccl") {
+#if GEOFP8_PYTHON_CUDA
+      py::gil_scoped_release release;
+      cuda_ = std::make_unique<CudaExchange>(*store_, rank, size, device, timeout_);
+      return;
+#else
+      GEOFP8_FAIL(
+          "device: CUDA tensors need a CUDA build of geofp8 (configure with "
+          "-DGEOFP8_ENABLE_CUDA=ON where nvcc and NCCL are found); this build has the Gloo "
+          "engine on CPU tensors only");
+#endif
+    }
+    GEOFP8_CHECK(backend == "gloo", "backend: unknown value '", backend,
+                 "' (accepted: gloo, nccl)");
     GlooOptions go;
     go.hostname = std::move(hostname);
     go.prefix = "geofp8";
@@ -117,8 +153,10 @@ class Engine {
     comm_.reset();
   }
 
-  int rank() const { return comm_->rank(); }
-  int size() const { return comm_->size(); }
+  bool OnCuda() const { return cuda_ != nullptr; }
+  int rank() const { return rank_; }
+  int size() const { return size_; }
+  std::string backend() const { return OnCuda() ? "nccl" : "gloo"; }
 
   // The model's parameters in named_parameters() order: names and shapes (rows, cols); a 1-D
   // parameter is (1, n).
@@ -151,7 +189,7 @@ class Engine {
   py::list SetPolicy(const std::string& kind, const std::string& spec, const std::string& model,
                      uint64_t version) {
     train::ExchangePlan plan = BuildPlan(kind, spec, model);
-    std::vector<RefreshSchedule> schedule = train::MakeRefreshSchedule(plan, comm_->size());
+    std::vector<RefreshSchedule> schedule = train::MakeRefreshSchedule(plan, size_);
     return SetPlan(std::move(plan), std::move(schedule), version);
   }
 
@@ -167,6 +205,8 @@ class Engine {
   // The minimum of `value` over the ranks, as one small collective (the per-step agreement on
   // the newest policy version every rank holds, as the worker's trainer makes it).
   uint64_t AgreeMin(uint64_t value) {
+    GEOFP8_CHECK(comm_, "coordinator: policy agreement on the CUDA (NCCL) engine is not built yet; "
+                 "run command jobs with CPU tensors (gloo)");
     uint64_t word = ~value;
     {
       py::gil_scoped_release release;
@@ -177,6 +217,7 @@ class Engine {
 
   py::list SetPlan(train::ExchangePlan plan, std::vector<RefreshSchedule> schedule,
                    uint64_t version) {
+    if (OnCuda()) CheckCudaPlan(plan);
     if (plan_) StashAll(GeometryImport::kDropMismatched);
     plan_ = std::move(plan);
     schedule_ = std::move(schedule);
@@ -202,7 +243,50 @@ class Engine {
 
   // Parses and checks a policy against the layers without applying it.
   void CheckPolicy(const std::string& kind, const std::string& spec, const std::string& model) {
-    BuildPlan(kind, spec, model);
+    const train::ExchangePlan plan = BuildPlan(kind, spec, model);
+    if (OnCuda()) CheckCudaPlan(plan);
+  }
+
+  // The CUDA path: averages the float32 device buffer at `ptr` (numel floats) over the ranks in
+  // place on CUDA stream `stream` (torch.cuda.current_stream().cuda_stream); layers and offsets
+  // as in exchange().
+  py::dict ExchangeCuda(uint64_t step, const std::vector<uint32_t>& layers, uintptr_t ptr,
+                        int64_t numel, const std::vector<int64_t>& offsets, uintptr_t stream) {
+    GEOFP8_CHECK(OnCuda(),
+                 "device: this engine runs on CPU tensors (backend gloo); create it "
+                 "with backend 'nccl' for CUDA tensors");
+    GEOFP8_CHECK(plan_.has_value(), "exchange: set_policy first");
+    GEOFP8_CHECK(layers.size() == offsets.size() && !layers.empty(), "exchange: ", layers.size(),
+                 " layers but ", offsets.size(), " offsets");
+#if GEOFP8_PYTHON_CUDA
+    std::vector<CudaLayer> cl;
+    uint64_t fingerprint = Mix(Mix(step, version_), layers.size());
+    for (size_t i = 0; i < layers.size(); ++i) {
+      GEOFP8_CHECK(layers[i] < params_.size(), "exchange: layer index ", layers[i],
+                   " >= ", params_.size());
+      CudaLayer l;
+      l.id = layers[i];
+      l.offset = offsets[i];
+      l.count = params_[layers[i]].size();
+      l.policy = plan_->layers[layers[i]];
+      fingerprint = Mix(Mix(fingerprint, l.id), static_cast<uint64_t>(l.count));
+      cl.push_back(l);
+    }
+    CudaResult r;
+    {
+      py::gil_scoped_release release;
+      r = cuda_->Exchange(step, seed_, fingerprint, plan_->algorithm, ptr, numel, cl, stream);
+    }
+    py::dict d;
+    d["skipped"] = r.skipped;
+    d["bytes_sent"] = r.bytes_sent;
+    d["seconds"] = r.seconds;
+    d["refreshes"] = 0;
+    return d;
+#else
+    (void)step, (void)ptr, (void)numel, (void)stream;
+    GEOFP8_FAIL("device: this geofp8 has no CUDA path");
+#endif
   }
 
   // Averages the gradients of `layers` (indices into set_layers' list) over the ranks in place:
@@ -210,6 +294,9 @@ class Engine {
   // float32 buffer (a CPU tensor's numpy() view).
   py::dict Exchange(uint64_t step, const std::vector<uint32_t>& layers, py::buffer buffer,
                     const std::vector<int64_t>& offsets) {
+    GEOFP8_CHECK(comm_,
+                 "device: this engine runs on CUDA tensors (backend nccl); CPU tensors "
+                 "need a gloo engine");
     GEOFP8_CHECK(plan_.has_value(), "exchange: set_policy first");
     py::buffer_info info = buffer.request(/*writable=*/true);
     const bool f32 =
@@ -280,6 +367,15 @@ class Engine {
       s.sketch = FromBytes(t[3].cast<py::bytes>());
       all.push_back(std::move(s));
     }
+    if (OnCuda()) {
+      // The CUDA path runs no geometry: only empty state fits it.
+      for (size_t i = 0; i < all.size(); ++i) {
+        GEOFP8_CHECK(all[i].active.empty() && all[i].pending.empty() && all[i].sketch.empty(),
+                     "geometry: layer '", params_[i].name,
+                     "' has saved geometry, which the CUDA path does not run");
+      }
+      return;
+    }
     std::vector<uint32_t> every(params_.size());
     for (size_t i = 0; i < every.size(); ++i) every[i] = static_cast<uint32_t>(i);
     {
@@ -316,6 +412,21 @@ class Engine {
     GEOFP8_FAIL("policy kind: unknown value '", kind, "' (accepted: preset, file, text)");
   }
 
+  // The CUDA path runs each layer's format without geometry and no refreshes.
+  void CheckCudaPlan(const train::ExchangePlan& plan) const {
+    for (size_t i = 0; i < params_.size(); ++i) {
+      GEOFP8_CHECK(!params_[i].is_matrix() || plan.layers[i].geometry == GeometryMode::kNone,
+                   "policy: layer '", params_[i].name, "' uses geometry ",
+                   GeometryNameOf(plan.layers[i].geometry),
+                   ", which the CUDA path of geofp8.torch does not run yet (use geometry none "
+                   "there, e.g. the fp8 or nvfp4 preset, or CPU tensors)");
+    }
+    GEOFP8_CHECK(plan.algorithm == Algorithm::kTwoPhase ||
+                     plan.algorithm == Algorithm::kAllGather || plan.algorithm == Algorithm::kFp32,
+                 "exchange.algorithm: ", AlgorithmNameOf(plan.algorithm),
+                 " is not available on CUDA tensors (accepted: two_phase, allgather, fp32)");
+  }
+
   std::unique_ptr<Exchanger> MakeExchanger(const std::vector<uint32_t>& layers) const {
     std::vector<LayerSpec> specs;
     std::vector<RefreshSchedule> schedule;
@@ -335,6 +446,11 @@ class Engine {
     eo.timeout = timeout_;
     eo.policy_version = version_;
     eo.layer_ids = layers;  // streams keyed by the model's layer index, whatever the bucket
+    // A DDP bucket up to this size runs on the hook's thread as one group, with no pipeline
+    // threads: DDP's first bucket (1 MiB) and small models' buckets, where thread handoffs cost
+    // more than the overlap saves (docs/benchmarks.md, "DDP comm hooks"). Larger ones (DDP's
+    // 25 MiB default) keep the pipeline, which overlaps the codec with the wire.
+    eo.inline_bytes = kInlineBytes;
     return std::make_unique<Exchanger>(*comm_, std::move(specs), eo, std::move(schedule));
   }
 
@@ -388,8 +504,14 @@ class Engine {
   }
 
   std::unique_ptr<PyStore> store_;
-  std::unique_ptr<Communicator> comm_;
+  std::unique_ptr<Communicator> comm_;  // backend gloo
+#if GEOFP8_PYTHON_CUDA
+  std::unique_ptr<CudaExchange> cuda_;  // backend nccl
+#else
+  std::nullptr_t cuda_ = nullptr;  // no CUDA path in this build
+#endif
   uint64_t seed_ = 0;
+  int rank_ = 0, size_ = 1;
   std::chrono::milliseconds timeout_{kDefaultCollectiveTimeout};
   std::vector<model::ParamInfo> params_;
   std::optional<train::ExchangePlan> plan_;
@@ -408,13 +530,17 @@ PYBIND11_MODULE(_geofp8, m) {
   py::register_exception<geofp8::Error>(m, "Error", PyExc_RuntimeError);
 
   py::class_<Engine>(m, "Engine")
-      .def(py::init<py::object, int, int, std::string, double, uint64_t>(), py::arg("store"),
-           py::arg("rank"), py::arg("size"), py::arg("hostname") = "127.0.0.1",
-           py::arg("timeout_s") = 300.0, py::arg("seed") = 0,
-           "Connects rank `rank` of `size` over Gloo, meeting the other ranks through `store` "
-           "(an object with torch.distributed.Store's set/get/wait/add). Blocks until all join.")
+      .def(py::init<py::object, int, int, std::string, double, uint64_t, std::string, int>(),
+           py::arg("store"), py::arg("rank"), py::arg("size"), py::arg("hostname") = "127.0.0.1",
+           py::arg("timeout_s") = 300.0, py::arg("seed") = 0, py::arg("backend") = "gloo",
+           py::arg("device") = -1,
+           "Connects rank `rank` of `size` over Gloo (backend 'gloo', CPU tensors) or NCCL "
+           "(backend 'nccl', CUDA tensors on CUDA device `device`), meeting the other ranks "
+           "through `store` (an object with torch.distributed.Store's set/get/wait/add). Blocks "
+           "until all join.")
       .def_property_readonly("rank", &Engine::rank)
       .def_property_readonly("size", &Engine::size)
+      .def_property_readonly("backend", &Engine::backend)
       .def("set_layers", &Engine::SetLayers, py::arg("names"), py::arg("shapes"))
       .def("set_policy", &Engine::SetPolicy, py::arg("kind"), py::arg("spec"),
            py::arg("model") = "model", py::arg("version") = 0)
@@ -425,6 +551,8 @@ PYBIND11_MODULE(_geofp8, m) {
            py::arg("model") = "model")
       .def("exchange", &Engine::Exchange, py::arg("step"), py::arg("layers"), py::arg("buffer"),
            py::arg("offsets"))
+      .def("exchange_cuda", &Engine::ExchangeCuda, py::arg("step"), py::arg("layers"),
+           py::arg("ptr"), py::arg("numel"), py::arg("offsets"), py::arg("stream"))
       .def("export_geometry", &Engine::ExportGeometry)
       .def("import_geometry", &Engine::ImportGeometry, py::arg("state"))
       .def_property_readonly("exchanger_count", &Engine::exchanger_count);
@@ -432,5 +560,6 @@ PYBIND11_MODULE(_geofp8, m) {
   geofp8::python::BindHookClient(m);
   m.def("layer_matches", &geofp8::LayerMatches, py::arg("pattern"), py::arg("name"),
         "True when `name` matches the layer pattern (exact, or a shell glob), as in job specs.");
+  m.attr("has_cuda") = py::bool_(GEOFP8_PYTHON_CUDA != 0);
   m.def("accepted_presets", [] { return std::string(geofp8::train::AcceptedPolicyPresets()); });
 }

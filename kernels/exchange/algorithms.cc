@@ -226,6 +226,48 @@ class Pipeline {
     state_.assign(groups_.size(), 0);
   }
 
+  // Every stage on the calling thread (AlgorithmOptions::inline_bytes): the fingerprints, every
+  // group's encode (so the flags are complete for the last group's first collective), then per
+  // group its collectives, sum and decode. The same wire layout and bytes as Run().
+  uint64_t RunInline() {
+    if (ao_.before_data) {
+      TraceScope span(ao_.trace, "fingerprints", ExchangeTrace::kMainLane, ao_.step);
+      ao_.before_data();
+    }
+    const size_t G = groups_.size();
+    for (size_t s = 0; s < G; ++s) {
+      TraceScope span(ao_.trace, "encode", ExchangeTrace::kCodecLane, ao_.step,
+                      static_cast<int>(s));
+      Encode1(groups_[s]);
+    }
+    for (size_t s = 0; s < G; ++s) {
+      Group& g = groups_[s];
+      if (two_phase_) {
+        {
+          TraceScope span(ao_.trace, "all_to_all", ExchangeTrace::kMainLane, ao_.step,
+                          static_cast<int>(s));
+          AllToAll(comm_, s);
+        }
+        if (s + 1 == G) agreed_ = ReadFlags(*g.recv, g);
+        {
+          TraceScope span(ao_.trace, "sum_requantize", ExchangeTrace::kCodecLane, ao_.step,
+                          static_cast<int>(s));
+          SumRequantize(g);
+        }
+      }
+      {
+        TraceScope span(ao_.trace, "all_gather", ExchangeTrace::kMainLane, ao_.step,
+                        static_cast<int>(s));
+        AllGather(comm_, s);
+      }
+      if (!two_phase_ && s + 1 == G) agreed_ = ReadFlags(*g.all, g);
+      TraceScope span(ao_.trace, "decode", ExchangeTrace::kCodecLane, ao_.step,
+                      static_cast<int>(s));
+      DecodeAll(g);
+    }
+    return agreed_;
+  }
+
   // Returns the OR over ranks of the flag bits (BucketLayer::flag_bit) of layers whose input held
   // a NaN or inf: the same answer on every rank.
   uint64_t Run() {
@@ -610,7 +652,15 @@ uint64_t ExchangeBucketData(Communicator& comm, Algorithm algorithm,
       if (options.before_data) options.before_data();
       return 0;
     }
-    return Pipeline(comm, options, layers, algorithm == Algorithm::kTwoPhase, ws).Run();
+    size_t fp32 = 0;
+    for (const auto& l : layers) fp32 += l.in.size() * sizeof(float);
+    if (fp32 > options.inline_bytes) {
+      return Pipeline(comm, options, layers, algorithm == Algorithm::kTwoPhase, ws).Run();
+    }
+    // Inline, groups only add collective rounds: the whole run is one group.
+    AlgorithmOptions one = options;
+    one.segment_bytes = std::max(options.segment_bytes, fp32);
+    return Pipeline(comm, one, layers, algorithm == Algorithm::kTwoPhase, ws).RunInline();
   }
   if (options.before_data) {
     TraceScope span(options.trace, "fingerprints", ExchangeTrace::kMainLane, options.step);

@@ -75,6 +75,13 @@ struct AlgorithmOptions {
   // two_phase pipelines groups of whole layers of about this many fp32 bytes: while one group is
   // on the wire, a helper thread encodes the next and sums/decodes the previous ones.
   size_t segment_bytes = size_t{1} << 20;
+  // A two_phase or allgather run whose layers total at most this many fp32 bytes runs every stage
+  // on the calling thread as one group (encode, collectives, sum, decode), with no helper or
+  // side-lane thread and the fewest collective rounds (one all-to-all and one all-gather): for a
+  // small bucket the pipeline's thread start-ups and handoffs cost more than the overlap saves,
+  // most of all on busy cores where each wakeup waits for a slice (docs/benchmarks.md, "DDP comm
+  // hooks"). Every rank must use the same value. 0: never.
+  size_t inline_bytes = 0;
   // Niceness added to that helper thread (Linux: its own scheduling priority). Its codec work is
   // done ahead of the wire while the threads issuing collectives are latency-bound, so where
   // exchange ranks oversubscribe the cores, a positive value lets the collectives win each

@@ -197,6 +197,25 @@ StepResult Exchanger::Exchange(uint64_t step, std::vector<std::span<float>> grad
   // Every bucket is here at once, on every rank: run them as one pipeline (up to 64 buckets per
   // run, one non-finite flag bit each), so there is one fill and one drain instead of one per
   // bucket. Results and errors are per bucket, as with Submit.
+  if (steps_.empty()) {
+    // Nothing queued: the worker thread is idle (Submit and Finish run on this caller's thread,
+    // and Finish waits for every task it queued), so the caller runs the tasks itself.
+    StepResult result;
+    result.step = step;
+    const auto start = std::chrono::steady_clock::now();
+    for (size_t first = 0; first < buckets_.size(); first += kBucketsPerRun) {
+      const size_t last = std::min(buckets_.size(), first + kBucketsPerRun);
+      for (BucketResult& r : RunBuckets(step, first, last, grads)) {
+        result.skipped = result.skipped || r.skipped;
+        result.bytes_sent += r.bytes_sent;
+        result.buckets.push_back(r);
+      }
+    }
+    if (!result.skipped && !schedule_.empty()) result.refreshes = RunRefreshes(step, grads);
+    result.seconds =
+        std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+    return result;
+  }
   auto& pending = steps_[step];
   pending.start = std::chrono::steady_clock::now();
   pending.grads = grads;
@@ -391,6 +410,7 @@ std::vector<BucketResult> Exchanger::RunBuckets(uint64_t step, size_t first, siz
   ao.divisor = static_cast<float>(comm_.size());
   ao.segment_bytes = options_.segment_bytes;
   ao.helper_nice = options_.helper_nice;
+  ao.inline_bytes = options_.inline_bytes;
   ao.trace = options_.trace;
   ao.workspace = &workspace_;
   // The fingerprints are compared while the first groups are encoded, in one collective for

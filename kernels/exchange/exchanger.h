@@ -40,6 +40,9 @@ struct ExchangeOptions {
   size_t bucket_cap_bytes = size_t{25} << 20;
   // two_phase pipelines groups of layers of about this many fp32 bytes within a bucket.
   size_t segment_bytes = size_t{1} << 20;
+  // A run of buckets totalling at most this many fp32 bytes runs on one thread, with no pipeline
+  // threads (AlgorithmOptions::inline_bytes). 0: never. Every rank must use the same value.
+  size_t inline_bytes = 0;
   // Niceness added to the pipeline's codec thread, in [0, 19] (AlgorithmOptions::helper_nice).
   int helper_nice = 0;
   // Records every step's collectives, codec stages and geometry refreshes (trace.h). Not owned:
@@ -143,7 +146,8 @@ class Exchanger {
 
   // Every bucket at once, then Finish: the same results as submitting each bucket, but the
   // buckets share one pipeline run (one fill and one drain), as nothing has to overlap a backward
-  // pass.
+  // pass. When no other step is in flight it runs on the calling thread (the exchanger's own
+  // thread is idle then), saving two thread handoffs per call.
   StepResult Exchange(uint64_t step, std::vector<std::span<float>> grads);
 
   // The geometry layer l uses at `step` (after activations up to it). For tests and metrics.

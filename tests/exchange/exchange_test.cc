@@ -262,6 +262,37 @@ TEST(Exchanger, NonFiniteOnOneRankSkipsEverywhere) {
   }
 }
 
+// ExchangeOptions::inline_bytes: a run on the calling thread as one group gives the pipelined
+// run's bits and bytes (same stream keys, same chunks), and skips a non-finite bucket everywhere.
+TEST(Exchanger, InlineRunMatchesThePipelineBitForBit) {
+  const auto layers = MixedLayers();
+  for (Algorithm a : {Algorithm::kTwoPhase, Algorithm::kAllGather}) {
+    ExchangeOptions piped;
+    piped.algorithm = a;
+    piped.segment_bytes = 2048;  // many groups in the pipelined run
+    ExchangeOptions inl = piped;
+    inl.inline_bytes = size_t{1} << 30;
+    const auto p = RunStep(3, layers, piped, 5);
+    const auto q = RunStep(3, layers, inl, 5);
+    ASSERT_EQ(JoinErrors(p.errors), "") << AlgorithmName(a);
+    ASSERT_EQ(JoinErrors(q.errors), "") << AlgorithmName(a);
+    CheckRun(q, layers, inl, 5);
+    for (int r = 0; r < 3; ++r) {
+      EXPECT_EQ(q.results[r].bytes_sent, p.results[r].bytes_sent) << AlgorithmName(a);
+      for (size_t l = 0; l < layers.size(); ++l) {
+        EXPECT_TRUE(SameBytes(q.outputs[r][l], p.outputs[r][l]))
+            << AlgorithmName(a) << " rank " << r << " layer " << l;
+      }
+    }
+    const auto bad = RunStep(3, layers, inl, 5,
+                             [](int r, std::vector<LayerSpec>&, ExchangeOptions&, Tensors& d) {
+                               if (r == 2) d[1][3] = std::nanf("");
+                             });
+    ASSERT_EQ(JoinErrors(bad.errors), "") << AlgorithmName(a);
+    for (int r = 0; r < 3; ++r) EXPECT_TRUE(bad.results[r].skipped) << AlgorithmName(a) << r;
+  }
+}
+
 TEST(Exchanger, CollectiveTimeoutFailsInsteadOfHanging) {
   const auto layers = OneLayer(1000);
   const auto start = std::chrono::steady_clock::now();

@@ -21,6 +21,28 @@ log "gpu tests"
 (cd build-gpu && timeout 150 ctest -L gpu --output-on-failure) > "$OUT/gpu-tests.log" 2>&1
 rc=$?
 tail -15 "$OUT/gpu-tests.log" | tee -a "$OUT/summary.txt"
+# geofp8.torch's CUDA path (tests/python/test_hook_cuda.py, ctest python.hook.cuda): needs a
+# python3 with a CUDA build of torch and pybind11, and the full build (the Python module links the
+# trainer library), so it runs only where those are; a bare machine logs why it skipped.
+if python3 -c 'import sys, torch, pybind11; sys.exit(0 if torch.cuda.is_available() else 1)' \
+    > /dev/null 2>&1; then
+  log "python CUDA hook"
+  if cmake -S . -B build-gpu-py -G Ninja -DCMAKE_BUILD_TYPE=Release -DGEOFP8_ENABLE_CUDA=ON \
+      -DCMAKE_CUDA_ARCHITECTURES=90 -DPython_EXECUTABLE="$(command -v python3)" \
+      > "$OUT/configure-py.log" 2>&1; then
+    timeout 200 cmake --build build-gpu-py --target geofp8_python -j "$(nproc)" \
+      > "$OUT/build-py.log" 2>&1 \
+      && (cd build-gpu-py && timeout 120 ctest -R 'python\.hook\.cuda' --output-on-failure) \
+      > "$OUT/python-cuda.log" 2>&1
+    py_rc=$?
+    tail -5 "$OUT/python-cuda.log" 2>/dev/null | tee -a "$OUT/summary.txt"
+    [[ $py_rc -eq 0 ]] || rc=$py_rc
+  else
+    log "python CUDA hook: skipped (the full build does not configure here: $OUT/configure-py.log)"
+  fi
+else
+  log "python CUDA hook: skipped (no python3 with a CUDA torch and pybind11 on this machine)"
+fi
 # There are no GPU benchmarks yet (geofp8-bench times the CPU paths only); when they exist, run
 # them here and append to "$OUT/bench.log".
 exit $rc

@@ -45,14 +45,19 @@ def _local_hostname():
     return socket.gethostbyname(socket.getfqdn())
 
 
-def _check_parameter(name, p):
-    if p.device.type == "cuda":
+def _check_parameter(name, p, device):
+    """device: the model's device (that of its first trainable parameter)."""
+    if p.device.type == "cuda" and not _geofp8.has_cuda:
         raise RuntimeError(
             "device: parameter '%s' is on %s; CUDA tensors need a CUDA build of geofp8 and torch "
-            "(this geofp8.torch runs the Gloo engine on CPU tensors)" % (name, p.device))
-    if p.device.type != "cpu":
-        raise RuntimeError("device: parameter '%s' is on %s; the GeoFP8 hook takes CPU tensors"
-                           % (name, p.device))
+            "(this geofp8 was built without CUDA/NCCL, so it runs the Gloo engine on CPU tensors)"
+            % (name, p.device))
+    if p.device.type not in ("cpu", "cuda"):
+        raise RuntimeError("device: parameter '%s' is on %s; the GeoFP8 hook takes CPU or CUDA "
+                           "tensors" % (name, p.device))
+    if p.device != device:
+        raise RuntimeError("device: parameter '%s' is on %s, the model's first parameter on %s; "
+                           "the GeoFP8 hook takes a model on one device" % (name, p.device, device))
     if p.dtype != torch.float32:
         raise TypeError("gradient dtype: parameter '%s' is %s; the GeoFP8 hook takes float32 "
                         "gradients" % (name, p.dtype))
@@ -87,10 +92,12 @@ class GeoFP8State:
         self.names = []
         shapes = []
         self._index = {}
+        device = None
         for name, p in model.named_parameters():
             if not p.requires_grad:
                 continue
-            _check_parameter(name, p)
+            device = p.device if device is None else device
+            _check_parameter(name, p, device)
             self._index[id(p)] = len(self.names)
             self.names.append(name)
             shapes.append((p.shape[0], p.shape[1]) if p.dim() == 2 else (1, p.numel()))
@@ -114,8 +121,12 @@ class GeoFP8State:
         base = store if store is not None else dist.distributed_c10d._get_default_store()
         prefix = "geofp8/hook/%d/" % _states_created
         _states_created += 1
+        # CUDA parameters: the NCCL communicator and the CUDA codec kernels, on that device.
+        self.device = device
+        backend = "nccl" if device.type == "cuda" else "gloo"
         self._engine = _geofp8.Engine(dist.PrefixStore(prefix, base), rank, size,
-                                      hostname or _local_hostname(), float(timeout_s), int(seed))
+                                      hostname or _local_hostname(), float(timeout_s), int(seed),
+                                      backend, device.index if device.index is not None else -1)
         self._engine.set_layers(self.names, shapes)
         self._policy = (kind, spec)
         self.policy_version = 1
@@ -360,12 +371,12 @@ def geofp8_hook(state, bucket):
     gradient comes back as NaN (the engine skips it on every rank), so a GradScaler or a
     finiteness check skips the optimizer step."""
     buf = bucket.buffer()
-    if buf.device.type != "cpu":
-        if buf.device.type == "cuda":
+    if buf.device != state.device:
+        if buf.device.type == "cuda" and not _geofp8.has_cuda:
             raise RuntimeError("device: bucket %d is on %s; CUDA tensors need a CUDA build of "
                                "geofp8 and torch" % (bucket.index(), buf.device))
-        raise RuntimeError("device: bucket %d is on %s; the GeoFP8 hook takes CPU tensors"
-                           % (bucket.index(), buf.device))
+        raise RuntimeError("device: bucket %d is on %s; this GeoFP8State was made for a model on "
+                           "%s" % (bucket.index(), buf.device, state.device))
     if buf.dtype != torch.float32:
         raise TypeError("gradient dtype: bucket %d is %s; the GeoFP8 hook takes float32 "
                         "gradients" % (bucket.index(), buf.dtype))
@@ -383,7 +394,14 @@ def geofp8_hook(state, bucket):
     base = buf.data_ptr()
     offsets = [(g.data_ptr() - base) // 4 for g in grads]
     local = buf.clone() if state._measure else None
-    result = state._engine.exchange(state.step, layers, buf.numpy(), offsets)
+    if buf.device.type == "cuda":
+        # Device pointers and torch's current stream as integers: the work is ordered after
+        # the backward kernels that wrote the bucket, and done when this returns.
+        stream = torch.cuda.current_stream(buf.device).cuda_stream
+        result = state._engine.exchange_cuda(state.step, layers, buf.data_ptr(), buf.numel(),
+                                             offsets, stream)
+    else:
+        result = state._engine.exchange(state.step, layers, buf.numpy(), offsets)
     if local is not None and not result["skipped"]:
         _measure_layers(state, layers, local, buf, grads)
     if result["skipped"]:

@@ -1,0 +1,96 @@
+#!/usr/bin/env bash
+# Runs bench/torch_hooks.py with one rank per network namespace, each joined to a bridge by a veth
+# link shaped with tc (tbf) to --rate each way, instead of loopback: torch's gloo and GeoFP8's
+# engine both move their bytes over that link. The ranks meet through a FileStore in a temporary
+# folder (a file system, not the network, so no rendezvous port); rank 0 prints the table.
+# Root only; touches only the namespaces it creates (named thk<pid>*), removed on exit or error.
+#
+# usage: bench/torch_hooks_netem.sh [--ranks N] [--rate 1gbit] [--delay 0] [-- TORCH_HOOKS ARGS]
+#   --delay adds a netem delay each way (needs the sch_netem kernel module); 0 shapes with tbf only.
+#   example: PYTHONPATH=build/client/python bench/torch_hooks_netem.sh --rate 1gbit -- --steps 40
+set -euo pipefail
+
+ranks=2
+rate=1gbit
+delay=0
+here="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
+while [[ $# -gt 0 ]]; do
+  case "$1" in
+    --ranks) ranks="$2"; shift 2 ;;
+    --rate) rate="$2"; shift 2 ;;
+    --delay) delay="$2"; shift 2 ;;
+    --) shift; break ;;
+    -h|--help) sed -n '2,10p' "$0"; exit 0 ;;
+    *) echo "torch_hooks_netem.sh: error: $1: unknown option (see --help)" >&2; exit 2 ;;
+  esac
+done
+if [[ $(id -u) -ne 0 ]]; then
+  echo "torch_hooks_netem.sh: error: must run as root (uid $(id -u))" >&2; exit 2
+fi
+if ! [[ "$ranks" =~ ^[0-9]+$ ]] || (( ranks < 1 || ranks > 16 )); then
+  echo "torch_hooks_netem.sh: error: --ranks: must be in [1, 16] ($ranks)" >&2; exit 2
+fi
+if ! [[ "$rate" =~ ^[0-9]+(bit|kbit|mbit|gbit)$ ]]; then
+  echo "torch_hooks_netem.sh: error: --rate: must be NUMBER{bit,kbit,mbit,gbit} ($rate)" >&2; exit 2
+fi
+for tool in ip tc; do
+  command -v "$tool" >/dev/null || {
+    echo "torch_hooks_netem.sh: error: $tool: not installed (apt-get install iproute2)" >&2; exit 2; }
+done
+
+tag="thk$$"
+bridge_ns="${tag}br"
+store_dir="$(mktemp -d /tmp/geofp8-hooks-netem.XXXXXX)"
+created=()
+pids=()
+
+cleanup() {
+  local status=$?
+  for pid in "${pids[@]}"; do kill "$pid" 2>/dev/null || true; done
+  for ns in "${created[@]}"; do ip netns del "$ns" 2>/dev/null || true; done  # veths go with them
+  rm -rf "$store_dir"
+  exit $status
+}
+trap cleanup EXIT INT TERM
+
+shape() {
+  local ns="$1" dev="$2"
+  if [[ "$delay" == "0" ]]; then
+    tc -n "$ns" qdisc add dev "$dev" root handle 1: tbf rate "$rate" burst 256kb latency 100ms
+  else
+    tc -n "$ns" qdisc add dev "$dev" root handle 1: netem delay "$delay" limit 100000
+    tc -n "$ns" qdisc add dev "$dev" parent 1: handle 2: tbf rate "$rate" burst 256kb latency 100ms
+  fi
+}
+
+ip netns add "$bridge_ns"; created+=("$bridge_ns")
+ip -n "$bridge_ns" link add br0 type bridge
+ip -n "$bridge_ns" link set br0 up
+for ((r = 0; r < ranks; r++)); do
+  ns="${tag}r$r"
+  ip netns add "$ns"; created+=("$ns")
+  ip link add "${tag}v$r" type veth peer name "${tag}b$r"
+  ip link set "${tag}v$r" netns "$ns"
+  ip link set "${tag}b$r" netns "$bridge_ns"
+  ip -n "$ns" link set lo up
+  ip -n "$ns" link set "${tag}v$r" name eth0
+  ip -n "$ns" addr add "10.214.0.$((r + 1))/24" dev eth0
+  ip -n "$ns" link set eth0 up
+  ip -n "$bridge_ns" link set "${tag}b$r" master br0
+  ip -n "$bridge_ns" link set "${tag}b$r" up
+  shape "$ns" eth0                # rank -> bridge
+  shape "$bridge_ns" "${tag}b$r"  # bridge -> rank
+done
+
+echo "torch_hooks_netem.sh: $ranks ranks in namespaces ${tag}r*, links $rate with $delay delay each way"
+for ((r = 0; r < ranks; r++)); do
+  # torch's gloo and GeoFP8's engine both listen on the namespace's eth0 address.
+  ip netns exec "${tag}r$r" env GLOO_SOCKET_IFNAME=eth0 GEOFP8_HOSTNAME="10.214.0.$((r + 1))" \
+    OMP_NUM_THREADS=1 /usr/bin/python3 "$here/torch_hooks.py" --ranks "$ranks" --rank "$r" \
+    --store-dir "$store_dir" "$@" &
+  pids+=($!)
+done
+status=0
+for pid in "${pids[@]}"; do wait "$pid" || status=$?; done
+pids=()
+exit $status

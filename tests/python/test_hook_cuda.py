@@ -1,0 +1,151 @@
+"""geofp8.torch on CUDA tensors (label gpu): the NCCL communicator and the CUDA codec kernels,
+bootstrapped from the c10d store, on torch's current stream.
+
+Skips (exit 77) unless torch has CUDA and a device, and this geofp8 was built with its CUDA path
+(-DGEOFP8_ENABLE_CUDA=ON with NCCL). Runs 2 processes when 2 devices are visible (NCCL takes one
+rank per device), else 1. Every DDP bucket is checked against the exact fp32 average (an NCCL
+all-reduce of a copy of the bucket, divided by N):
+
+- policy fp32: within fp32 round-off of the exact average;
+- policy fp8 (E4M3, 128-element blocks, geometry none): relF within the E4M3 bound derived below;
+- every rank ends with the same bits;
+- a NaN in one rank's gradient skips the bucket on every rank (filled with NaN).
+"""
+
+import os
+import sys
+import tempfile
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import hook_testlib as L  # noqa: E402
+
+
+def require_cuda():
+    L.require_torch()
+    import torch
+    import geofp8
+    from geofp8 import _geofp8
+    if not torch.cuda.is_available() or torch.cuda.device_count() < 1:
+        print("SKIP: torch has no CUDA or no CUDA device (torch %s)" % torch.__version__)
+        sys.exit(L.SKIP)
+    if not _geofp8.has_cuda:
+        print("SKIP: this geofp8 was built without its CUDA path (-DGEOFP8_ENABLE_CUDA=ON)")
+        sys.exit(L.SKIP)
+    del geofp8
+
+
+# E4M3 has 3 mantissa bits: round to nearest is off by at most 2^-4 of |x| for a normal value.
+# Per 128-block scaled to amax/448, a value in the subnormal range is off by at most half the
+# smallest subnormal, 2^-10 * amax / 448, and 128 of those are < 1e-6 * amax: together each
+# rank's encoded gradient g_r / N is within (2^-4 + 1e-6) of ||g_r / N|| in Frobenius norm. The
+# average's error is at most the sum of those; the fp32 sums in the decode add about N * 2^-24.
+FP8_REL = 2.0 ** -4 + 1e-6 + 1e-5
+
+
+def work(rank, world, policy):
+    import torch
+    import torch.distributed as dist
+    from torch.nn.parallel import DistributedDataParallel as DDP
+    import geofp8.torch as gt
+
+    device = torch.device("cuda", rank)
+    torch.cuda.set_device(device)
+    model = L.tiny_model().to(device)
+    ddp = DDP(model, device_ids=[rank])
+    state = gt.GeoFP8State(model=model, policy=policy)
+    assert state._engine.backend == "nccl", state._engine.backend
+    failures = []
+    seen = {"buckets": 0, "nan_step": False}
+
+    def hook(st, bucket):
+        buf = bucket.buffer()
+        mine = buf.clone()
+        exact = buf.clone()
+        dist.all_reduce(exact)
+        exact /= world
+        out = gt.geofp8_hook(st, bucket).wait()
+        if seen["nan_step"]:
+            if not torch.isnan(out).all():
+                failures.append("step with a NaN: bucket %d not all NaN on rank %d"
+                                % (bucket.index(), rank))
+            fut = torch.futures.Future()
+            fut.set_result(out)
+            return fut
+        seen["buckets"] += 1
+        err = float((out.double() - exact.double()).norm())
+        norms = torch.tensor([float(mine.double().norm()) / world], device=device,
+                             dtype=torch.float64)
+        dist.all_reduce(norms)  # sum over ranks of ||g_r / N||
+        if policy == "fp32":
+            # Each g_r / N is rounded once and the sum adds N - 1 roundings: every element is
+            # within N * 2^-24 of sum_r |g_r / N|, so the norm within N * 2^-24 * sum_r ||g_r/N||
+            # (x2 for the order NCCL sums in).
+            bound = 2 * world * 2.0 ** -24 * float(norms)
+        else:
+            bound = FP8_REL * float(norms)
+        if err > bound:
+            failures.append("%s: bucket %d off by %g > %g" % (policy, bucket.index(), err, bound))
+        # Bitwise identical on every rank.
+        ref = out.clone()
+        dist.broadcast(ref, 0)
+        if not torch.equal(ref, out):
+            failures.append("bucket %d differs between rank 0 and rank %d" % (bucket.index(),
+                                                                             rank))
+        fut = torch.futures.Future()
+        fut.set_result(out)
+        return fut
+
+    ddp.register_comm_hook(state, hook)
+    opt = torch.optim.SGD(ddp.parameters(), lr=0.05)
+    for step in range(4):
+        x, y = L.batch(rank, step)
+        x, y = x.to(device), y.to(device)
+        opt.zero_grad(set_to_none=True)
+        loss = torch.nn.functional.mse_loss(ddp(x), y)
+        seen["nan_step"] = step == 3
+        if step == 3 and rank == world - 1:
+            loss = loss * float("nan")
+        loss.backward()
+        if step < 3:
+            opt.step()
+    torch.cuda.synchronize()
+    if seen["buckets"] == 0:
+        failures.append("no bucket was checked")
+    if not state.last_step["skipped"]:
+        failures.append("the NaN step was not reported skipped on rank %d" % rank)
+    return failures
+
+
+def _entry(rank, world, store_path, out_dir, policy):
+    import torch
+    import torch.distributed as dist
+    dist.init_process_group("nccl", init_method="file://" + store_path, rank=rank,
+                            world_size=world)
+    try:
+        torch.save(work(rank, world, policy), os.path.join(out_dir, "rank%d.pt" % rank))
+    finally:
+        dist.destroy_process_group()
+
+
+def main():
+    require_cuda()
+    import torch
+    import torch.multiprocessing as mp
+    world = 2 if torch.cuda.device_count() >= 2 else 1
+    print("CUDA path: %d rank(s) on %d device(s)" % (world, torch.cuda.device_count()))
+    failures = []
+    for policy in ("fp32", "fp8"):
+        with tempfile.TemporaryDirectory(prefix="geofp8-cudatest-") as d:
+            mp.spawn(_entry, args=(world, os.path.join(d, "store"), d, policy), nprocs=world,
+                     join=True)
+            for r in range(world):
+                failures += ["%s: %s" % (policy, f)
+                             for f in torch.load(os.path.join(d, "rank%d.pt" % r))]
+    for f in failures:
+        print("FAIL:", f)
+    print("OK" if not failures else "%d failures" % len(failures))
+    sys.exit(1 if failures else 0)
+
+
+if __name__ == "__main__":
+    main()
