@@ -235,7 +235,7 @@ void CommandRunner::Relay(const v1::HookMessage& h) {
         const auto now = Clock::now();
         const double seconds =
             std::chrono::duration<double>(now - last_progress_at_.exchange(now)).count();
-        metrics_->Step(p.step(), p.loss(), p.tokens_per_second(), seconds, 0.0, false);
+        metrics_->Step(p.step(), p.loss(), p.tokens_per_second(), {seconds, 0.0, 0.0}, false);
       }
       *m.mutable_progress() = p;
       break;
