@@ -10,9 +10,10 @@ smoothed by a trailing mean over --window steps. The target is the baseline's sm
 --fraction of its steps. Per policy it prints the wall-clock seconds and steps until the smoothed
 loss first reaches the target (clock from the job's SCHEDULED event: rendezvous and model set-up
 are counted, the same for every policy), the ratios to the baseline, bf16 and fp8, and worker 0's
-mean step and exchange time over the job (geofp8_worker_step_seconds and geofp8_exchange_seconds,
-difference of /metrics scraped before and after it; compute = step - exchange; the workers do not
-time geometry refreshes separately, so that column is not given). A PNG draws smoothed loss
+mean step, exchange and geometry-refresh time over the job (geofp8_worker_step_seconds,
+geofp8_exchange_seconds and geofp8_geometry_refresh_seconds, difference of /metrics scraped
+before and after it; compute = step - exchange; the geometry estimation runs inside the exchange
+time, so "of which geometry" is a part of the exchange column, not an addition to it). A PNG draws smoothed loss
 against wall-clock, one curve per policy. With several DIRs (one per seed) it also prints the
 median over them of each column, the ratios taken within each run.
 """
@@ -60,7 +61,8 @@ def metric_sums(path):
         return sums
     with open(path) as f:
         for line in f:
-            for name in ("geofp8_worker_step_seconds", "geofp8_exchange_seconds"):
+            for name in ("geofp8_worker_step_seconds", "geofp8_exchange_seconds",
+                         "geofp8_geometry_refresh_seconds"):
                 for suffix in ("_sum", "_count"):
                     if line.startswith(name + suffix + " "):
                         sums[name + suffix] = float(line.split()[1])
@@ -100,6 +102,11 @@ def analyse(directory, baseline, fraction, window):
                 exch_s = (after["geofp8_exchange_seconds_sum"] -
                           before["geofp8_exchange_seconds_sum"]) / ne
                 timing = {"step_s": step_s, "exchange_s": exch_s, "compute_s": step_s - exch_s}
+                ng = after.get("geofp8_geometry_refresh_seconds_count", 0) - before.get(
+                    "geofp8_geometry_refresh_seconds_count", 0)
+                if ng > 0:  # geometry estimation runs inside the exchange time
+                    timing["geometry_s"] = (after["geofp8_geometry_refresh_seconds_sum"] -
+                                            before["geofp8_geometry_refresh_seconds_sum"]) / ng
         losses = smooth([l for _, _, l in pts], window)
         runs[p] = {"steps": [s for s, _, _ in pts], "t": [t - t0 for _, t, _ in pts],
                    "loss": [l for _, _, l in pts], "smoothed": losses, "timing": timing,
@@ -128,8 +135,8 @@ def report(runs, target, target_step, baseline, window):
           f"steps) at its step {target_step}")
     print()
     print("| policy | state | steps to target | s to target | x fp32 | x bf16 | x fp8 "
-          "| step s | exchange s | compute s | final smoothed loss |")
-    print("|---|---|---|---|---|---|---|---|---|---|---|")
+          "| step s | exchange s | of which geometry s | compute s | final smoothed loss |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|")
     for p in ORDER:
         if p not in runs:
             continue
@@ -137,7 +144,8 @@ def report(runs, target, target_step, baseline, window):
         print(f"| {p} | {r['state'].replace('JOB_', '')} | {r['target_step'] or 'not reached'} "
               f"| {f(r['target_s'], 1)} | {f(ratio(runs, p, 'fp32'))} | {f(ratio(runs, p, 'bf16'))} "
               f"| {f(ratio(runs, p, 'fp8'))} | {f(tm.get('step_s'))} | {f(tm.get('exchange_s'))} "
-              f"| {f(tm.get('compute_s'))} | {r['smoothed'][-1]:.4f} |")
+              f"| {f(tm.get('geometry_s'), 3)} | {f(tm.get('compute_s'))} "
+              f"| {r['smoothed'][-1]:.4f} |")
 
 
 def medians(all_runs):
@@ -164,8 +172,8 @@ def medians(all_runs):
           "reach the target counts as infinitely slow):")
     print()
     print("| policy | reached | steps to target | s to target | x fp32 | x bf16 | x fp8 | step s "
-          "| exchange s | compute s |")
-    print("|---|---|---|---|---|---|---|---|---|---|")
+          "| exchange s | of which geometry s | compute s |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|")
     for p in ORDER:
         rs = [r for r in all_runs if p in r]
         if not rs:
@@ -174,10 +182,11 @@ def medians(all_runs):
         steps = [inf if r[p]["target_step"] is None else r[p]["target_step"] for r in rs]
         secs = [inf if r[p]["target_s"] is None else r[p]["target_s"] for r in rs]
         vals = lambda q: [x for x in (paired(r, p, q) for r in rs) if x is not None]
-        tm = lambda key: med([r[p]["timing"][key] for r in rs if r[p]["timing"]])
+        tm = lambda key: med([r[p]["timing"][key] for r in rs if key in r[p]["timing"]])
         print(f"| {p} | {reached}/{len(rs)} | {f(med(steps), 0)} | {f(med(secs), 1)} "
               f"| {f(med(vals('fp32')))} | {f(med(vals('bf16')))} | {f(med(vals('fp8')))} "
-              f"| {f(tm('step_s'))} | {f(tm('exchange_s'))} | {f(tm('compute_s'))} |")
+              f"| {f(tm('step_s'))} | {f(tm('exchange_s'))} | {f(tm('geometry_s'), 3)} "
+              f"| {f(tm('compute_s'))} |")
 
 
 def plot(all_runs, targets, labels, path):

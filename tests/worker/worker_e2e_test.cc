@@ -141,6 +141,7 @@ TEST_F(WorkerE2ETest, TwoWorkersFinishATinyJobWithEqualChecksums) {
   EXPECT_GT(b, 0) << m;
   EXPECT_EQ(b, std::floor(b)) << m;  // whole bytes
   EXPECT_NE(m.find("geofp8_exchange_seconds_count 30"), std::string::npos) << m;
+  EXPECT_NE(m.find("geofp8_geometry_refresh_seconds_count 30"), std::string::npos) << m;
   EXPECT_NE(m.find("geofp8_worker_jobs_total{result=\"succeeded\"} 1"), std::string::npos) << m;
   EXPECT_NE(m.find("geofp8_worker_jobs_total{result=\"failed\"} 0"), std::string::npos) << m;
   EXPECT_NE(m.find("geofp8_build_info{git_commit=\""), std::string::npos) << m;

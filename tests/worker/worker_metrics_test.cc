@@ -22,6 +22,7 @@ TEST(WorkerMetricsTest, CountersAreThereFromTheStart) {
   EXPECT_TRUE(Has(t, "geofp8_worker_errors_total{kind=\"session_lost\"} 0")) << t;
   EXPECT_TRUE(Has(t, "geofp8_worker_steps_total 0")) << t;
   EXPECT_TRUE(Has(t, "geofp8_exchange_seconds_count 0")) << t;
+  EXPECT_TRUE(Has(t, "geofp8_geometry_refresh_seconds_count 0")) << t;
   EXPECT_TRUE(Has(t, "geofp8_build_info{git_commit=\"")) << t;
   EXPECT_TRUE(Has(t, "process_resident_memory_bytes ")) << t;
 }
@@ -29,7 +30,7 @@ TEST(WorkerMetricsTest, CountersAreThereFromTheStart) {
 TEST(WorkerMetricsTest, JobSeriesCarryTheJobAndWholeBytes) {
   WorkerMetrics m;
   m.JobStarted("a", 0, 2);
-  m.Step(0, 2.5, 1000, 0.1, 0.01, false);
+  m.Step(0, 2.5, 1000, {0.1, 0.01, 0.004}, false);
   // 0.4 + 0.4 + 0.4 = 1.2 bytes: the counter holds the whole byte, the 0.2 is carried.
   for (int i = 0; i < 3; ++i) m.LayerBytes("l0", "fp8_e4m3", 0.4);
   m.LayerError("l0", 0.01);
@@ -46,6 +47,8 @@ TEST(WorkerMetricsTest, JobSeriesCarryTheJobAndWholeBytes) {
   EXPECT_TRUE(Has(t, "geofp8_geometry_probe_gain{basis=\"deployed\",job_id=\"a\",layer=\"l0\"} 2"))
       << t;
   EXPECT_FALSE(Has(t, "basis=\"shadow\"")) << t;
+  EXPECT_TRUE(Has(t, "geofp8_geometry_refresh_seconds_sum 0.004\n")) << t;
+  EXPECT_TRUE(Has(t, "geofp8_exchange_seconds_sum 0.01\n")) << t;
   EXPECT_TRUE(Has(t, "geofp8_worker_step{job_id=\"a\"} 0")) << t;
   m.LayerBytes("l0", "fp8_e4m3", 0.8);  // 2.0 exactly
   EXPECT_TRUE(Has(m.Render(), "job_id=\"a\",layer=\"l0\"} 2\n"));

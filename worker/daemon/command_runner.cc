@@ -235,9 +235,9 @@ void CommandRunner::Relay(const v1::HookMessage& h) {
         const auto now = Clock::now();
         const double between =
             std::chrono::duration<double>(now - last_progress_at_.exchange(now)).count();
-        metrics_->Step(p.step(), p.loss(), p.tokens_per_second(),
-                       p.step_seconds() > 0 ? p.step_seconds() : between, p.exchange_seconds(),
-                       false);
+        metrics_->Step(
+            p.step(), p.loss(), p.tokens_per_second(),
+            {p.step_seconds() > 0 ? p.step_seconds() : between, p.exchange_seconds(), 0.0}, false);
       }
       *m.mutable_progress() = p;
       break;

@@ -52,6 +52,11 @@ WorkerMetrics::WorkerMetrics()
                             .Name("geofp8_exchange_seconds")
                             .Help("Exchange engine time per step (first submit to finish)")
                             .Register(*registry_)),
+      geometry_seconds_(BuildHistogram()
+                            .Name("geofp8_geometry_refresh_seconds")
+                            .Help("Geometry estimation (refresh) time per step on this rank, "
+                                  "part of the exchange time")
+                            .Register(*registry_)),
       bytes_total_(
           BuildCounter()
               .Name("geofp8_exchange_bytes_total")
@@ -123,6 +128,7 @@ WorkerMetrics::WorkerMetrics()
   skipped_total_.Add({});
   step_seconds_.Add({}, SecondsBuckets());
   exchange_seconds_.Add({}, SecondsBuckets());
+  geometry_seconds_.Add({}, SecondsBuckets());
   for (const char* result : {"succeeded", "failed", "cancelled", "stopped"}) {
     jobs_total_.Add({{"result", result}});
   }
@@ -190,8 +196,8 @@ void WorkerMetrics::JobEnded(bool success, bool stopped, const std::string& reas
   job_.clear();
 }
 
-void WorkerMetrics::Step(int64_t step, double loss, double tokens_per_second, double step_seconds,
-                         double exchange_seconds, bool skipped) {
+void WorkerMetrics::Step(int64_t step, double loss, double tokens_per_second,
+                         const StepTimes& times, bool skipped) {
   std::lock_guard<std::mutex> lock(mu_);
   if (!job_.empty()) {
     JobGauge(step_, {}).Set(double(step));
@@ -200,8 +206,9 @@ void WorkerMetrics::Step(int64_t step, double loss, double tokens_per_second, do
   }
   steps_total_.Add({}).Increment();
   if (skipped) skipped_total_.Add({}).Increment();
-  step_seconds_.Add({}, SecondsBuckets()).Observe(step_seconds);
-  exchange_seconds_.Add({}, SecondsBuckets()).Observe(exchange_seconds);
+  step_seconds_.Add({}, SecondsBuckets()).Observe(times.step_seconds);
+  exchange_seconds_.Add({}, SecondsBuckets()).Observe(times.exchange_seconds);
+  geometry_seconds_.Add({}, SecondsBuckets()).Observe(times.geometry_seconds);
 }
 
 void WorkerMetrics::PolicyVersion(uint64_t version) {

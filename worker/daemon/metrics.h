@@ -40,8 +40,15 @@ class WorkerMetrics {
   // result: succeeded; stopped by the coordinator with a reason that says "cancelled"
   // (cancelled); stopped otherwise (stopped: a peer's failure, a restart, a shutdown); failed.
   void JobEnded(bool success, bool stopped, const std::string& reason);
-  void Step(int64_t step, double loss, double tokens_per_second, double step_seconds,
-            double exchange_seconds, bool skipped);
+  // Where one step's wall time went on this rank: the whole step, the exchange engine (first
+  // submit to finish, overlapping the backward pass) and the geometry estimation within it.
+  struct StepTimes {
+    double step_seconds = 0;
+    double exchange_seconds = 0;
+    double geometry_seconds = 0;
+  };
+  void Step(int64_t step, double loss, double tokens_per_second, const StepTimes& times,
+            bool skipped);
   void PolicyVersion(uint64_t version);
   // Bytes attributed to a layer may be fractional; the counter holds whole bytes (the fractions
   // are carried, so the total is the floor of the exact sum).
@@ -66,6 +73,7 @@ class WorkerMetrics {
   prometheus::Family<prometheus::Counter>& skipped_total_;
   prometheus::Family<prometheus::Histogram>& step_seconds_;
   prometheus::Family<prometheus::Histogram>& exchange_seconds_;
+  prometheus::Family<prometheus::Histogram>& geometry_seconds_;
   prometheus::Family<prometheus::Counter>& bytes_total_;
   prometheus::Family<prometheus::Gauge>& rel_error_;
   prometheus::Family<prometheus::Counter>& refreshes_total_;

@@ -86,8 +86,8 @@ void RankReporter::StepMetrics(int64_t step, const train::StepRecord& rec, doubl
                                const std::vector<RefreshSchedule>& schedule,
                                const train::Trainer& trainer) {
   if (!metrics_) return;
-  metrics_->Step(step, rec.loss, tokens_per_second, rec.step_seconds, rec.exchange_seconds,
-                 rec.skipped);
+  metrics_->Step(step, rec.loss, tokens_per_second,
+                 {rec.step_seconds, rec.exchange_seconds, rec.geometry_seconds}, rec.skipped);
   for (const BucketResult& b : rec.exchange.buckets) {
     const auto& ls = trainer.exchanger().buckets()[b.bucket].layers;
     double total = 0;

@@ -58,12 +58,6 @@ std::string Num(double v, int precision = 4) {
 
 // Seconds rank 0 spent estimating geometries this step (ema: every rank runs its own sketch
 // updates; instant: the owner's estimate, reported to every rank).
-double GeometrySeconds(const StepRecord& r) {
-  double s = 0;
-  for (const auto& rr : r.exchange.refreshes) s += rr.seconds;
-  return s;
-}
-
 // Rank 0's per-step sink: CSV rows, and a progress bar on a tty or periodic log lines otherwise.
 class Reporter {
  public:
@@ -96,7 +90,7 @@ class Reporter {
            << "," << Num(r.grad_norm, 6) << "," << Num(r.step_seconds, 6) << ","
            << Num(r.exchange_seconds, 6) << "," << Num(r.wait_seconds, 6) << "," << r.bytes_sent
            << "," << (r.skipped ? 1 : 0) << "," << r.tokens << "," << r.refreshes << ","
-           << Num(GeometrySeconds(r), 6) << "," << (std::isnan(worst) ? "" : Num(worst, 8));
+           << Num(r.geometry_seconds, 6) << "," << (std::isnan(worst) ? "" : Num(worst, 8));
       if (o_.error_every > 0) {
         for (size_t i = 0; i < params_.size(); ++i) {
           csv_ << "," << (r.layer_error.empty() ? "" : Num(r.layer_error[i], 8));

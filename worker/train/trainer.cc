@@ -295,7 +295,10 @@ StepRecord Trainer::Step(int64_t step, const StepControl& control) {
   bytes_sent_ += ex.bytes_sent;
   rec.skipped = ex.skipped;
   rec.refreshes = int(ex.refreshes.size());
-  for (const RefreshRecord& r : ex.refreshes) drift_[r.layer] = r.drift;
+  for (const RefreshRecord& r : ex.refreshes) {
+    drift_[r.layer] = r.drift;
+    rec.geometry_seconds += r.seconds;
+  }
 
   if (control.measure_error) LayerErrors(rec);
   if (dump) Dump(step);

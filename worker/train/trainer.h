@@ -73,6 +73,7 @@ struct StepRecord {
   bool skipped = false;         // non-finite gradient on some rank: no update
   int64_t tokens = 0;           // tokens over all ranks this step
   int refreshes = 0;            // geometry refreshes this step
+  double geometry_seconds = 0;  // this rank's geometry estimation (refresh) time this step
   std::vector<double> layer_error;  // per parameter rel_fro_error, empty when not measured
   // Per parameter residual-subspace error (DESIGN.md section 6) against the basis the step used;
   // a layer without a low-rank basis projects nothing, so it equals layer_error. NaN where the
