@@ -325,6 +325,10 @@ struct JobRunner::Impl {
   void Announce(const v1::Policy& p, int64_t step, int64_t taken) {
     policy = p;
     r.version_in_force_ = p.version();
+    {
+      std::lock_guard<std::mutex> lock(r.mu_);
+      r.taken_.emplace_back(p.version(), taken);
+    }
     if (r.metrics_) r.metrics_->PolicyVersion(p.version());
     Log("job " + a.job_id() + " rank " + std::to_string(rank) + ": policy v" +
         std::to_string(p.version()) + " in force from step " + std::to_string(step) + " (" +
@@ -368,7 +372,24 @@ struct JobRunner::Impl {
   void SaveCheckpoint(int64_t next_step) {
     train::Checkpoint c = trainer->MakeCheckpoint(next_step);
     c.fingerprint = Fingerprint();
-    train::SaveCheckpoint(CheckpointPath(next_step), c);
+    const std::string path = CheckpointPath(next_step);
+    try {
+      // Written to <path>.tmp, fsynced and renamed: a failure leaves no partial file under the
+      // final name, and every file written before stays.
+      train::SaveCheckpoint(path, c);
+    } catch (const std::exception& e) {
+      // A full or failing disk (ENOSPC, EIO) loses this checkpoint only: it is not reported, so
+      // the job's recovery point stays at the last one written, and training goes on; the next
+      // interval tries again. Failing the rank instead would fail the job for a condition that
+      // the operator can clear without it.
+      std::error_code ec;
+      std::filesystem::remove(path + ".tmp", ec);  // give back what the partial write took
+      Log("job " + a.job_id() + " rank " + std::to_string(rank) + ": checkpoint at step " +
+          std::to_string(next_step) + " not written (" + e.what() +
+          "); the recovery point stays where it was; retrying at the next interval");
+      if (r.metrics_) r.metrics_->Error("checkpoint_write");
+      return;
+    }
     if (r.metrics_) r.metrics_->Checkpoint(next_step);
     // Every rank reports: rank 0's report moves the job's recovery point, and the Ack to each
     // rank says where that point is, below which the rank deletes its older files.
@@ -826,6 +847,8 @@ HeldCheckpointsInfo JobRunner::HeldCheckpoints() const {
     dir = checkpoint_dir_;
   }
   if (!dir.empty()) h.steps = ListCheckpoints(dir, options_.worker_name);
+  std::lock_guard<std::mutex> lock(mu_);
+  h.taken = taken_;
   return h;
 }
 

@@ -69,6 +69,8 @@ struct HeldCheckpointsInfo {
   int32_t attempt = 0;
   int32_t rank = 0;
   std::vector<int64_t> steps;  // ascending
+  // (version, step it took effect at) for every version this attempt put in force, in order.
+  std::vector<std::pair<uint64_t, int64_t>> taken;
 };
 
 // Everything the daemon feeds a runner from the session thread is thread-safe; Run() happens
@@ -120,6 +122,7 @@ class JobRunner {
   Communicator* comm_ = nullptr;  // the attempt's, while it exists (for the abort watchdog)
   std::string checkpoint_dir_;    // empty: checkpoints off (or not resolved yet)
   int64_t acknowledged_checkpoint_ = 0;
+  std::vector<std::pair<uint64_t, int64_t>> taken_;  // versions put in force, for HeldCheckpoints
 
   std::atomic<bool> done_{false};  // set under mu_, with cv_ notified
   JobOutcome outcome_;
