@@ -1,14 +1,19 @@
 // NCCL backend (see nccl_communicator.h). Every call copies host data to a device staging
-// buffer, runs the collective on this rank's stream and polls it against the timeout, aborting
-// the communicator (ncclCommAbort) instead of hanging.
+// buffer, runs the collective on this rank's stream and polls it against the timeout and the
+// abort flag, aborting the communicator (ncclCommAbort) instead of hanging. The communicator is
+// non-blocking (ncclConfig_t::blocking = 0): no NCCL call waits for a peer, so the rank's thread
+// is always in the polling loop while a peer hangs, and Abort() from another thread (a Stop, a
+// peer declared dead) takes effect within one poll.
 #include "kernels/exchange/nccl_communicator.h"
 
 #include <cuda_runtime.h>
 #include <nccl.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cmath>
 #include <cstring>
+#include <mutex>
 #include <numeric>
 #include <thread>
 #include <vector>
@@ -21,6 +26,15 @@
   do {                                                                                    \
     const ncclResult_t geofp8_res = (expr);                                               \
     GEOFP8_CHECK(geofp8_res == ncclSuccess, #expr, ": ", ncclGetErrorString(geofp8_res)); \
+  } while (0)
+
+// On a non-blocking communicator a call may also answer ncclInProgress: the work is queued, and
+// the caller polls ncclCommGetAsyncError until it settles (NcclCommunicator::Settle).
+#define GEOFP8_NCCL_QUEUE(expr)                                                          \
+  do {                                                                                   \
+    const ncclResult_t geofp8_res = (expr);                                              \
+    GEOFP8_CHECK(geofp8_res == ncclSuccess || geofp8_res == ncclInProgress, #expr, ": ", \
+                 ncclGetErrorString(geofp8_res));                                        \
   } while (0)
 
 namespace geofp8 {
@@ -55,10 +69,12 @@ class NcclCommunicator final : public Communicator {
 
   ~NcclCommunicator() override {
     cudaSetDevice(device_);
-    if (broken_) {
-      ncclCommAbort(comm_);
-    } else {
-      ncclCommDestroy(comm_);
+    if (!comm_aborted_) {
+      if (broken_ || abort_requested_.load()) {
+        ncclCommAbort(comm_);
+      } else {
+        ncclCommDestroy(comm_);
+      }
     }
     if (staging_) cudaFree(staging_);
     cudaStreamDestroy(stream_);
@@ -67,6 +83,19 @@ class NcclCommunicator final : public Communicator {
   int rank() const override { return rank_; }
   int size() const override { return size_; }
   std::string_view backend() const override { return "nccl"; }
+
+  // Another thread (JobRunner's watchdog): the rank's own thread sees the flag within one poll
+  // (50 us) of Wait/Settle, aborts the communicator there (ncclCommAbort, so that NCCL's own
+  // threads and the peers' connections are torn down) and throws with `reason`. A later
+  // collective throws at once.
+  bool Abort(const std::string& reason) override {
+    {
+      std::lock_guard<std::mutex> lock(abort_mu_);
+      if (abort_reason_.empty()) abort_reason_ = reason.empty() ? "aborted" : reason;
+    }
+    abort_requested_.store(true);
+    return true;
+  }
   bool HasNativeFp8() const override { return native_fp8_; }
 
   void AllToAllV(std::span<const uint8_t> send, std::span<const size_t> send_counts,
@@ -83,19 +112,19 @@ class NcclCommunicator final : public Communicator {
     uint8_t* d = Stage(send_total + recv_total);
     Upload(d, send.data(), send_total);
     Run("alltoallv", [&] {
-      GEOFP8_NCCL_CHECK(ncclGroupStart());
+      GEOFP8_NCCL_QUEUE(ncclGroupStart());
       size_t so = 0, ro = 0;
       for (int p = 0; p < size_; ++p) {
         if (send_counts[p])
-          GEOFP8_NCCL_CHECK(ncclSend(d + so, send_counts[p], ncclUint8, p, comm_, stream_));
+          GEOFP8_NCCL_QUEUE(ncclSend(d + so, send_counts[p], ncclUint8, p, comm_, stream_));
         if (recv_counts[p]) {
-          GEOFP8_NCCL_CHECK(
+          GEOFP8_NCCL_QUEUE(
               ncclRecv(d + send_total + ro, recv_counts[p], ncclUint8, p, comm_, stream_));
         }
         so += send_counts[p];
         ro += recv_counts[p];
       }
-      GEOFP8_NCCL_CHECK(ncclGroupEnd());
+      GEOFP8_NCCL_QUEUE(ncclGroupEnd());
     });
     Download(recv.data(), d + send_total, recv_total);
   }
@@ -117,16 +146,16 @@ class NcclCommunicator final : public Communicator {
     Upload(d + my_off, send.data(), send.size());
     // One broadcast per rank, fused in a group: NCCL has no all-gather with uneven parts.
     Run("allgatherv", [&] {
-      GEOFP8_NCCL_CHECK(ncclGroupStart());
+      GEOFP8_NCCL_QUEUE(ncclGroupStart());
       size_t off = 0;
       for (int p = 0; p < size_; ++p) {
         if (recv_counts[p]) {
-          GEOFP8_NCCL_CHECK(
+          GEOFP8_NCCL_QUEUE(
               ncclBroadcast(d + off, d + off, recv_counts[p], ncclUint8, p, comm_, stream_));
         }
         off += recv_counts[p];
       }
-      GEOFP8_NCCL_CHECK(ncclGroupEnd());
+      GEOFP8_NCCL_QUEUE(ncclGroupEnd());
     });
     Download(recv.data(), d, total);
   }
@@ -147,7 +176,7 @@ class NcclCommunicator final : public Communicator {
     uint8_t* d = Stage(data.size());
     Upload(d, data.data(), data.size());
     Run("broadcast", [&] {
-      GEOFP8_NCCL_CHECK(ncclBroadcast(d, d, data.size(), ncclUint8, root, comm_, stream_));
+      GEOFP8_NCCL_QUEUE(ncclBroadcast(d, d, data.size(), ncclUint8, root, comm_, stream_));
     });
     Download(data.data(), d, data.size());
   }
@@ -204,11 +233,12 @@ class NcclCommunicator final : public Communicator {
     if (count == 0) return;
     uint8_t* d = Stage(count * elem);
     Upload(d, host, count * elem);
-    Run(op, [&] { GEOFP8_NCCL_CHECK(ncclAllReduce(d, d, count, type, red, comm_, stream_)); });
+    Run(op, [&] { GEOFP8_NCCL_QUEUE(ncclAllReduce(d, d, count, type, red, comm_, stream_)); });
     Download(host, d, count * elem);
   }
 
   uint8_t* Stage(size_t bytes) {
+    if (abort_requested_.load()) AbortNow("before the collective");
     GEOFP8_CHECK(!broken_, "nccl on rank ", rank_,
                  ": communicator is broken by an earlier failure");
     GEOFP8_CUDA_CHECK(cudaSetDevice(device_));
@@ -238,13 +268,57 @@ class NcclCommunicator final : public Communicator {
       broken_ = true;
       GEOFP8_FAIL("nccl ", op, " failed on rank ", rank_, ": ", e.what());
     }
-    Wait(op);
+    const auto deadline = std::chrono::steady_clock::now() + timeout_;
+    Settle(
+        comm_, op, deadline, [this](const std::string& why) { AbortNow(why); }, &abort_requested_);
+    Wait(op, deadline);
   }
 
-  // Polls the stream until done, an asynchronous NCCL error, or the timeout.
-  void Wait(const char* op) {
-    const auto deadline = std::chrono::steady_clock::now() + timeout_;
+  // ncclCommAbort on this thread, then throws with the reason Abort() was given (or `what`).
+  [[noreturn]] void AbortNow(const std::string& what) {
+    broken_ = true;
+    if (!comm_aborted_) {
+      ncclCommAbort(comm_);
+      comm_aborted_ = true;
+    }
+    std::string reason;
+    {
+      std::lock_guard<std::mutex> lock(abort_mu_);
+      reason = abort_reason_;
+    }
+    GEOFP8_FAIL("nccl on rank ", rank_, ": aborted (", reason.empty() ? what : reason, ")");
+  }
+
+ public:
+  // Polls a non-blocking communicator until its queued calls have settled: ncclSuccess returns;
+  // an error, the deadline or a set `*stop` calls `on_abort(why)`, which must throw. Static:
+  // CreateNcclCommunicator needs it for ncclCommInitRankConfig.
+  template <typename OnAbort>
+  static void Settle(ncclComm_t comm, const char* op,
+                     std::chrono::steady_clock::time_point deadline, OnAbort&& on_abort,
+                     const std::atomic<bool>* stop = nullptr) {
     for (;;) {
+      ncclResult_t state = ncclSuccess;
+      const ncclResult_t got = ncclCommGetAsyncError(comm, &state);
+      if (got != ncclSuccess) state = got;
+      if (state == ncclSuccess) return;
+      if (state != ncclInProgress) {
+        on_abort(std::string(op) + " failed: " + ncclGetErrorString(state));
+      }
+      if (stop && stop->load()) on_abort(op);
+      if (std::chrono::steady_clock::now() >= deadline) {
+        on_abort(std::string(op) + " timed out while NCCL was still in progress");
+      }
+      std::this_thread::sleep_for(std::chrono::microseconds(50));
+    }
+  }
+
+ private:
+  // Polls the stream until done, an asynchronous NCCL error, Abort() or the deadline.
+  void Wait(const char* op) { Wait(op, std::chrono::steady_clock::now() + timeout_); }
+  void Wait(const char* op, std::chrono::steady_clock::time_point deadline) {
+    for (;;) {
+      if (abort_requested_.load()) AbortNow(op);
       const cudaError_t q = cudaStreamQuery(stream_);
       if (q == cudaSuccess) return;
       if (q != cudaErrorNotReady) {
@@ -255,10 +329,14 @@ class NcclCommunicator final : public Communicator {
       ncclCommGetAsyncError(comm_, &async);
       if (async != ncclSuccess && async != ncclInProgress) {
         broken_ = true;
+        ncclCommAbort(comm_);  // NCCL's own threads may still be waiting on the peers
+        comm_aborted_ = true;
         GEOFP8_FAIL("nccl ", op, " failed on rank ", rank_, ": ", ncclGetErrorString(async));
       }
       if (std::chrono::steady_clock::now() >= deadline) {
         broken_ = true;
+        ncclCommAbort(comm_);
+        comm_aborted_ = true;
         GEOFP8_FAIL("nccl ", op, " on rank ", rank_, " timed out after ", timeout_.count(), " ms");
       }
       std::this_thread::sleep_for(std::chrono::microseconds(50));
@@ -270,6 +348,10 @@ class NcclCommunicator final : public Communicator {
   int device_, rank_, size_;
   bool native_fp8_ = false;
   bool broken_ = false;
+  bool comm_aborted_ = false;  // ncclCommAbort done: the destructor must not touch comm_ again
+  std::atomic<bool> abort_requested_{false};
+  std::mutex abort_mu_;
+  std::string abort_reason_;
   void* staging_ = nullptr;
   size_t staging_bytes_ = 0;
 };
@@ -297,8 +379,16 @@ std::unique_ptr<Communicator> CreateNcclCommunicator(Store& store, int rank, int
                  " bytes, expected ", sizeof id);
     std::memcpy(&id, bytes.data(), sizeof id);
   }
-  ncclComm_t comm;
-  GEOFP8_NCCL_CHECK(ncclCommInitRank(&comm, size, id, rank));
+  // Non-blocking (see the top of this file): initialisation returns at once and is polled.
+  ncclConfig_t config = NCCL_CONFIG_INITIALIZER;
+  config.blocking = 0;
+  ncclComm_t comm = nullptr;
+  GEOFP8_NCCL_QUEUE(ncclCommInitRankConfig(&comm, size, id, rank, &config));
+  NcclCommunicator::Settle(comm, "init", std::chrono::steady_clock::now() + options.timeout,
+                           [&](const std::string& why) {
+                             ncclCommAbort(comm);
+                             GEOFP8_FAIL("nccl: rank ", rank, " of ", size, ": ", why);
+                           });
   cudaStream_t stream;
   GEOFP8_CUDA_CHECK(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
   return std::make_unique<NcclCommunicator>(comm, stream, device, rank, size, options.timeout);

@@ -713,6 +713,18 @@ void Coordinator::ReleaseRanks(JobRec& rec, const std::string& stop_reason, Outb
 void Coordinator::FailAttempt(JobRec& rec, const std::string& reason, bool restartable,
                               Outbox& out) {
   if (IsFinal(rec.job.state())) return;
+  if (restartable) {
+    // The ranks of this attempt may keep training while cut off (a partition longer than the
+    // heartbeat timeout): when their workers register again they report the checkpoints they
+    // hold, and the restart resumes from the newest one every rank holds, as after a
+    // coordinator restart (ResumeAfterOutage). A rank that really died reports nothing, and the
+    // restart uses the persisted recovery point.
+    rec.interrupted_attempt = rec.job.attempt();
+    rec.interrupted_workers.assign(rec.job.world_size(), std::string());
+    for (size_t r = 0; r < rec.ranks.size() && r < rec.interrupted_workers.size(); ++r) {
+      rec.interrupted_workers[r] = rec.ranks[r].worker_id;
+    }
+  }
   ReleaseRanks(rec, reason, out);
   kv_.Clear(rec.job.id());
   if (restartable && rec.job.restarts() < rec.job.max_restarts()) {
@@ -760,6 +772,37 @@ int64_t Coordinator::ResumeAfterOutage(const JobRec& rec,
   return newest <= rec.spec.training.steps ? newest : -1;
 }
 
+void Coordinator::RecordReportedTaken(JobRec& rec) {
+  if (rec.interrupted_workers.empty()) return;
+  auto it = workers_.find(rec.interrupted_workers[0]);
+  if (it == workers_.end()) return;
+  for (const auto& h : it->second.held) {
+    if (h.job_id() != rec.job.id() || h.attempt() != rec.interrupted_attempt || h.rank() != 0) {
+      continue;
+    }
+    for (const auto& t : h.taken()) {
+      if (!t.has_step() || t.version() < 1 || t.version() > rec.policies.size()) continue;
+      v1::Policy& p = rec.policies[t.version() - 1];
+      if (p.has_taken_step()) continue;  // rank 0's own report arrived: it is the record
+      p.set_taken_step(t.step());
+      if (auto s = store_->PutPolicy(p); !s.ok()) {
+        p.clear_taken_step();
+        std::fprintf(stderr, "geofp8-coordinator: %s\n", s.ToString().c_str());
+        continue;
+      }
+      v1::JobEvent event;
+      event.set_unix_ms(clock_->NowMs());
+      event.set_state(rec.job.state());
+      event.set_message("policy v" + std::to_string(t.version()) + " was taken at step " +
+                        std::to_string(t.step()) + " in attempt " +
+                        std::to_string(rec.interrupted_attempt) +
+                        " (rank 0's report was lost; recorded from its re-registration)");
+      if (store_->AppendEvent(rec.job.id(), event).ok()) rec.events.push_back(event);
+      Changed(rec);
+    }
+  }
+}
+
 void Coordinator::TrySchedule(Outbox& out) {
   std::string blocked_by;  // the first job that fits the fleet but waits for busy workers
   for (JobRec* rec : job_order_) {
@@ -801,22 +844,30 @@ void Coordinator::TrySchedule(Outbox& out) {
     }
     rec->job.clear_scheduling();
     if (!rec->interrupted_workers.empty()) {
-      // After a coordinator restart the interrupted attempt's workers go first, each to its old
-      // rank where it can: they hold the checkpoints written while the coordinator was away.
-      std::vector<WorkerRec*> ordered;
-      for (const std::string& id : rec->interrupted_workers) {
+      // After a coordinator restart, or an attempt failed for a lost worker (a partition, say),
+      // the interrupted attempt's workers go first, each to its old rank where it can: they may
+      // hold checkpoints written while cut off from the coordinator.
+      std::vector<WorkerRec*> ordered(world, nullptr);
+      for (size_t r = 0; r < rec->interrupted_workers.size() && r < size_t(world); ++r) {
+        const std::string& id = rec->interrupted_workers[r];
         auto it = std::find_if(idle.begin(), idle.end(),
                                [&](WorkerRec* w) { return w && w->info.id() == id; });
         if (it != idle.end()) {
-          ordered.push_back(*it);
+          ordered[r] = *it;
           *it = nullptr;
         }
       }
-      for (WorkerRec* w : idle) {
-        if (w) ordered.push_back(w);
+      // The other ranks (their old worker is gone) take the remaining idle workers in order.
+      auto next = idle.begin();
+      for (auto& slot : ordered) {
+        while (!slot && next != idle.end()) slot = *next++;
+      }
+      for (; next != idle.end(); ++next) {
+        if (*next) ordered.push_back(*next);
       }
       idle = std::move(ordered);
       std::vector<WorkerRec*> chosen(idle.begin(), idle.begin() + world);
+      RecordReportedTaken(*rec);
       const int64_t held = ResumeAfterOutage(*rec, chosen);
       const int64_t persisted = rec->job.progress().checkpoint_step();
       if (held > persisted) {
@@ -911,6 +962,27 @@ void Coordinator::DeclareDead(WorkerRec& w, const std::string& reason, Outbox& o
                       std::to_string(w.info.generation()) + ") " + reason,
                   /*restartable=*/true, out);
     }
+  }
+}
+
+void Coordinator::CreditPause(int64_t paused_ms) {
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    std::lock_guard<std::mutex> live_lock(live_mu_);
+    const int64_t now = clock_->NowMs();
+    int credited = 0;
+    for (auto& [id, l] : live_) {
+      if (!l.fenced_reason.empty()) continue;
+      // A full timeout from now: heartbeats sent while we were stopped are still in the socket
+      // buffers, and a worker that really died meanwhile is found one timeout later.
+      l.last_ms = std::max(l.last_ms, now);
+      ++credited;
+    }
+    std::fprintf(stderr,
+                 "geofp8-coordinator: the coordinator itself did not run for %lld ms (stopped or "
+                 "starved); %d worker(s) get a fresh heartbeat timeout instead of being declared "
+                 "dead\n",
+                 static_cast<long long>(paused_ms), credited);
   }
 }
 

@@ -101,6 +101,10 @@ class Coordinator {
   // Declares workers dead whose heartbeats stopped; restarts or fails their jobs. Called by a
   // timer in the daemon and directly by tests (with a fake clock).
   void Tick();
+  // The daemon's timer saw that the coordinator itself did not run for `paused_ms` (SIGSTOP, a
+  // VM pause, starvation): the workers' silence is ours, not theirs. Every live worker's
+  // heartbeat clock restarts now, so no worker is declared dead for it (a false death).
+  void CreditPause(int64_t paused_ms);
 
   RendezvousKv& kv() { return kv_; }
 
@@ -137,9 +141,10 @@ class Coordinator {
     std::vector<RankState> ranks;  // current attempt, empty unless SCHEDULED or RUNNING
     uint64_t change = 1;
     int64_t persisted_progress_ms = 0;
-    // After a coordinator restart, until the job is scheduled again: the attempt that was
-    // running and its ranks' worker ids. The checkpoints they report when they register again
-    // may allow a later resume step than the persisted recovery point (ResumeAfterOutage).
+    // After a coordinator restart or a restartable failure, until the job is scheduled again:
+    // the attempt that was running and its ranks' worker ids (by rank). The checkpoints they report
+    // when they register again may allow a later resume step than the persisted recovery point
+    // (ResumeAfterOutage).
     int32_t interrupted_attempt = -1;
     std::vector<std::string> interrupted_workers;
   };
@@ -158,6 +163,10 @@ class Coordinator {
     std::shared_ptr<SessionSink> sink;
     int64_t last_ms = 0;
   };
+  // Versions rank 0 of the interrupted attempt reported taken when it registered again (its
+  // PolicyAcks were lost with its generation) are recorded before the job resumes, so that the
+  // resumed ranks start under, and replay, the versions that attempt ran under.
+  void RecordReportedTaken(JobRec& rec);
   void SyncLive(const WorkerRec& w, bool touch);
   int64_t LastSeen(const std::string& worker_id);
   absl::Status FencedError(const std::string& worker_id, uint64_t generation, uint64_t current,

@@ -3,6 +3,7 @@
 #include <signal.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <atomic>
 #include <cerrno>
 #include <chrono>
@@ -146,8 +147,18 @@ int main(int argc, char** argv) {
 
   std::atomic<bool> stopping{false};
   std::thread ticker([&] {
+    // A sleep of tick_ms that took far longer means this process was not running (SIGSTOP,
+    // a paused VM): the workers' heartbeats could not be read meanwhile, so their silence is
+    // not theirs. A heartbeat interval (at least 1 s) of slack absorbs ordinary delay.
+    const int64_t slack_ms = std::max<int64_t>(1000, coord.heartbeat_interval_ms);
+    auto before = std::chrono::steady_clock::now();
     while (!stopping.load()) {
+      const auto now = std::chrono::steady_clock::now();
+      const int64_t slept_ms =
+          std::chrono::duration_cast<std::chrono::milliseconds>(now - before).count();
+      if (slept_ms > tick_ms + slack_ms) coordinator.CreditPause(slept_ms - tick_ms);
       coordinator.Tick();
+      before = std::chrono::steady_clock::now();
       std::this_thread::sleep_for(std::chrono::milliseconds(tick_ms));
     }
   });

@@ -95,16 +95,45 @@ absl::StatusOr<std::unique_ptr<Store>> Store::Open(const std::string& data_dir) 
 
 Store::~Store() { sqlite3_close(db_); }
 
+namespace {
+
+// A status the client can act on: a full disk is RESOURCE_EXHAUSTED and an I/O error or a busy
+// database UNAVAILABLE (both clear once the operator frees space or the disk recovers, and the
+// caller may retry); anything else is a bug, INTERNAL.
+absl::Status StoreStatus(int code, const std::string& what, const std::string& msg) {
+  const std::string text = "store: " + what + ": " + msg;
+  switch (code & 0xff) {  // the primary result code of an extended one
+    case SQLITE_FULL:
+      return absl::ResourceExhaustedError(
+          text +
+          " (the coordinator's --data-dir is out of space; nothing was recorded; retry "
+          "once space is freed)");
+    case SQLITE_IOERR:
+    case SQLITE_CANTOPEN:
+    case SQLITE_BUSY:
+    case SQLITE_LOCKED:
+    case SQLITE_READONLY:
+      return absl::UnavailableError(text +
+                                    " (the coordinator's --data-dir cannot be written "
+                                    "now; nothing was recorded; retry later)");
+    default:
+      return absl::InternalError(text);
+  }
+}
+
+}  // namespace
+
 absl::Status Store::Error(const std::string& what) const {
-  return absl::InternalError("store: " + what + ": " + sqlite3_errmsg(db_));
+  return StoreStatus(sqlite3_extended_errcode(db_), what, sqlite3_errmsg(db_));
 }
 
 absl::Status Store::Exec(const std::string& sql) {
   char* err = nullptr;
-  if (sqlite3_exec(db_, sql.c_str(), nullptr, nullptr, &err) != SQLITE_OK) {
+  const int rc = sqlite3_exec(db_, sql.c_str(), nullptr, nullptr, &err);
+  if (rc != SQLITE_OK) {
     std::string msg = err ? err : "unknown error";
     sqlite3_free(err);
-    return absl::InternalError("store: " + sql.substr(0, 40) + ": " + msg);
+    return StoreStatus(rc, sql.substr(0, 40), msg);
   }
   return absl::OkStatus();
 }

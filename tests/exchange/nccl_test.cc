@@ -3,6 +3,9 @@
 // all-reduce within its error bound. Ranks are threads, one device each.
 #include <gtest/gtest.h>
 
+#include <atomic>
+#include <chrono>
+#include <memory>
 #include <numeric>
 #include <thread>
 
@@ -132,6 +135,79 @@ TEST(Nccl, NativeFp8WithinBound) {
     // n roundings to E4M3 (relative 2^-4 of the shared range n*amax) plus the sums in FP8.
     ASSERT_LE(std::fabs(out[0][i] - exact), 2.0 * n * n * amax * std::ldexp(1.0, -4)) << i;
   }
+}
+
+// Issue #13 (#5 on NCCL): a Stop must get a rank out of a collective whose peer hangs within a
+// second or two, not after the collective timeout (60 s here). The last rank never joins the
+// all-reduce; 300 ms in, another thread calls Abort() on every other rank's communicator, as the
+// worker's watchdog does. Needs two devices (two ranks on one device may hang in NCCL itself).
+TEST(Nccl, AbortEndsACollectiveWhosePeerHangs) {
+  const int n = Ranks();
+  if (n < 2) GTEST_SKIP() << "needs 2 CUDA devices, " << n << " visible";
+  MemoryStore store;
+  std::vector<std::unique_ptr<Communicator>> comms(n);
+  std::vector<std::string> errors(n);
+  std::vector<double> threw_after(n, -1);
+  std::atomic<int> ready{0};
+  std::atomic<bool> aborted{false};
+  std::chrono::steady_clock::time_point abort_at;
+  std::vector<std::thread> threads;
+  for (int r = 0; r < n; ++r) {
+    threads.emplace_back([&, r] {
+      try {
+        NcclOptions o;
+        o.device = r;
+        o.timeout = std::chrono::milliseconds(60000);
+        comms[r] = CreateNcclCommunicator(store, r, n, o);
+        ++ready;
+        if (r == n - 1) {  // the hung peer: never enters the collective
+          while (!aborted.load()) std::this_thread::sleep_for(std::chrono::milliseconds(10));
+          return;
+        }
+        std::vector<float> x(1 << 20, 1.f);
+        comms[r]->AllReduceSum(x);
+        errors[r] = "the all-reduce returned without its peer";
+      } catch (const std::exception& e) {
+        errors[r] = e.what();
+        threw_after[r] =
+            std::chrono::duration<double>(std::chrono::steady_clock::now() - abort_at).count();
+      }
+    });
+  }
+  while (ready.load() < n) std::this_thread::sleep_for(std::chrono::milliseconds(10));
+  std::this_thread::sleep_for(std::chrono::milliseconds(300));
+  abort_at = std::chrono::steady_clock::now();
+  for (int r = 0; r < n - 1; ++r) EXPECT_TRUE(comms[r]->Abort("stop from the test"));
+  for (int r = 0; r < n - 1; ++r) threads[r].join();
+  comms[n - 1]->Abort("test over");  // its destructor then aborts instead of destroying
+  aborted = true;
+  threads[n - 1].join();
+  for (int r = 0; r < n - 1; ++r) {
+    EXPECT_NE(errors[r].find("stop from the test"), std::string::npos) << errors[r];
+    EXPECT_GE(threw_after[r], 0.0);
+    EXPECT_LT(threw_after[r], 2.0) << "rank " << r;
+  }
+  comms.clear();
+}
+
+// After Abort() with no collective in flight, the next one throws at once, on any device count.
+TEST(Nccl, AbortBeforeACollectiveMakesItThrowAtOnce) {
+  const int n = Ranks();
+  if (n == 0) GTEST_SKIP() << "no CUDA device";
+  const auto errors = RunNcclRanks(n, [](Communicator& comm) {
+    EXPECT_TRUE(comm.Abort("stopped before the step"));
+    std::vector<float> x(16, 1.f);
+    const auto t0 = std::chrono::steady_clock::now();
+    try {
+      comm.AllReduceSum(x);
+      ADD_FAILURE() << "no throw";
+    } catch (const std::exception& e) {
+      EXPECT_NE(std::string(e.what()).find("stopped before the step"), std::string::npos)
+          << e.what();
+    }
+    EXPECT_LT(std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count(), 1.0);
+  });
+  ASSERT_EQ(JoinErrors(errors), "");
 }
 
 }  // namespace

@@ -85,6 +85,7 @@ HeldCheckpointsInfo JobRunner::HeldCheckpoints() const {
   h.attempt = assignment_.attempt();
   h.rank = assignment_.rank();
   h.steps = checkpoints_.Held();
+  h.taken = inbox_.Taken();
   return h;
 }
 

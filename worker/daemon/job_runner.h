@@ -72,6 +72,8 @@ struct HeldCheckpointsInfo {
   int32_t attempt = 0;
   int32_t rank = 0;
   std::vector<int64_t> steps;  // ascending
+  // (version, step it took effect at) for every version this attempt put in force, in order.
+  std::vector<std::pair<uint64_t, int64_t>> taken;
 };
 
 // Everything the daemon feeds a runner from the session thread is thread-safe; the attempt

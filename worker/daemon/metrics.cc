@@ -132,7 +132,7 @@ WorkerMetrics::WorkerMetrics()
   for (const char* result : {"succeeded", "failed", "cancelled", "stopped"}) {
     jobs_total_.Add({{"result", result}});
   }
-  for (const char* kind : {"job_failed", "session_lost"}) {
+  for (const char* kind : {"job_failed", "session_lost", "checkpoint_write"}) {
     errors_total_.Add({{"kind", kind}});
   }
 }

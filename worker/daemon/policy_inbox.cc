@@ -112,9 +112,15 @@ uint64_t PolicyInbox::NewestHeld() const {
   return std::max(in_force_, queued_.empty() ? 0 : queued_.rbegin()->first);
 }
 
-void PolicyInbox::SetInForce(uint64_t version) {
+void PolicyInbox::SetInForce(uint64_t version, int64_t taken) {
   std::lock_guard<std::mutex> lock(mu_);
   in_force_ = version;
+  taken_.emplace_back(version, taken);
+}
+
+std::vector<std::pair<uint64_t, int64_t>> PolicyInbox::Taken() const {
+  std::lock_guard<std::mutex> lock(mu_);
+  return taken_;
 }
 
 uint64_t PolicyInbox::in_force() const {

@@ -55,8 +55,14 @@ class PolicyInbox {
   // The newest version this rank holds, in force or queued.
   uint64_t NewestHeld() const;
 
-  void SetInForce(uint64_t version);
+  // `version` is in force; it was put in force at step `taken` (earlier than now for the version
+  // a resumed attempt starts under).
+  void SetInForce(uint64_t version, int64_t taken);
   uint64_t in_force() const;
+  // (version, taken step) of every version this attempt put in force, in order. A re-registering
+  // worker reports them: a version taken just before a coordinator outage is then recorded even
+  // though rank 0's ack was lost with the coordinator's generation.
+  std::vector<std::pair<uint64_t, int64_t>> Taken() const;
 
   // The catalog's schedule received so far (empty: none yet).
   std::vector<v1::RefreshSchedule> InitialSchedule() const;
@@ -68,6 +74,7 @@ class PolicyInbox {
   std::condition_variable cv_;
   std::map<uint64_t, v1::Policy> queued_;  // by version, not yet in force
   uint64_t in_force_ = 0;
+  std::vector<std::pair<uint64_t, int64_t>> taken_;
   std::vector<v1::RefreshSchedule> initial_schedule_;
   bool interrupted_ = false;
 };

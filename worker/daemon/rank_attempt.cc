@@ -121,7 +121,7 @@ void RankAttempt::Apply(const v1::Policy& p, int64_t step) {
 
 void RankAttempt::Announce(const v1::Policy& p, int64_t step, int64_t taken) {
   policy_ = p;
-  ctx_.inbox.SetInForce(p.version());
+  ctx_.inbox.SetInForce(p.version(), taken);
   ctx_.reporter.PolicyInForce(p, step, taken);
 }
 
@@ -154,7 +154,20 @@ void RankAttempt::SaveCheckpoint(int64_t next_step) {
   train::Checkpoint c = trainer_->MakeCheckpoint(next_step);
   c.fingerprint = Fingerprint();
   const std::string path = ctx_.checkpoints.Path(next_step);
-  train::SaveCheckpoint(path, c);
+  try {
+    // Written to <path>.tmp, fsynced and renamed: a failure leaves no partial file under the
+    // final name, and every file written before stays.
+    train::SaveCheckpoint(path, c);
+  } catch (const std::exception& e) {
+    // A full or failing disk (ENOSPC, EIO) loses this checkpoint only: it is not reported, so
+    // the job's recovery point stays at the last one written, and training goes on; the next
+    // interval tries again. Failing the rank instead would fail the job for a condition that
+    // the operator can clear without it.
+    std::error_code ec;
+    std::filesystem::remove(path + ".tmp", ec);  // give back what the partial write took
+    ctx_.reporter.CheckpointFailed(next_step, e.what());
+    return;
+  }
   ctx_.reporter.CheckpointWritten(next_step, path);
   ctx_.checkpoints.BoundUnacknowledged(a_.resume_step(), ctx_.stop.requested());
 }

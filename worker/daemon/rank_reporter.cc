@@ -80,6 +80,13 @@ void RankReporter::CheckpointWritten(int64_t next_step, const std::string& path)
   Send(std::move(m), true);
 }
 
+void RankReporter::CheckpointFailed(int64_t next_step, const std::string& why) {
+  Log("job " + a_.job_id() + " rank " + std::to_string(a_.rank()) + ": checkpoint at step " +
+      std::to_string(next_step) + " not written (" + why +
+      "); the recovery point stays where it was; retrying at the next interval");
+  if (metrics_) metrics_->Error("checkpoint_write");
+}
+
 void RankReporter::StepMetrics(int64_t step, const train::StepRecord& rec, double tokens_per_second,
                                const std::vector<model::ParamInfo>& params,
                                const std::vector<LayerPolicy>& layer_policies,

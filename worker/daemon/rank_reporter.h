@@ -35,6 +35,8 @@ class RankReporter {
   // Every rank reports: rank 0's report moves the job's recovery point, and the Ack to each rank
   // says where that point is, below which the rank deletes its older files.
   void CheckpointWritten(int64_t next_step, const std::string& path);
+  // The checkpoint at `next_step` could not be written (`why`): logged and counted, not reported.
+  void CheckpointFailed(int64_t next_step, const std::string& why);
 
   // The step's metrics: loss, throughput, each layer's share of the wire bytes, and the
   // refreshes this rank estimated.

@@ -39,6 +39,11 @@ absl::Status Worker::Start() {
     m.set_attempt(h.attempt);
     m.set_rank(h.rank);
     for (int64_t s : h.steps) m.add_steps(s);
+    for (const auto& [version, step] : h.taken) {
+      v1::PolicyAck* t = m.add_taken();
+      t->set_version(version);
+      t->set_step(step);
+    }
     return out;
   };
   session_ = std::make_unique<SessionClient>(connection_, options_.session, std::move(events));
