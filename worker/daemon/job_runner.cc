@@ -555,7 +555,8 @@ struct JobRunner::Impl {
       to.data = *inside;
     }
     to.policy = "coordinator";  // the versions come from the coordinator (SetPolicies)
-    to.eval_every = 0;          // the loop below owns checksums and checkpoints
+    to.eval_every = 0;          // the loop below owns validation, checksums and checkpoints
+    to.eval_batches = spec.training.eval_batches;
     to.checksum_every = 0;
     to.blas_threads = r.options_.blas_threads;
     to.timeout = milliseconds(int64_t(spec.exchange.timeout_s) * 1000);
@@ -689,6 +690,13 @@ struct JobRunner::Impl {
           }
         }
       }
+      const bool last = step + 1 == steps;
+      // Validation is collective: every rank runs the same loop, so all take this branch.
+      double val_loss = NAN;
+      if (last || (spec.training.eval_every > 0 && (step + 1) % spec.training.eval_every == 0)) {
+        val_loss = trainer->Validate();
+        if (r.metrics_) r.metrics_->ValidationLoss(step, val_loss);
+      }
       v1::WorkerMessage pm;
       auto* p = pm.mutable_progress();
       p->set_step(step);
@@ -697,9 +705,9 @@ struct JobRunner::Impl {
       p->set_bytes_sent(trainer->bytes_sent());
       p->set_bytes_baseline(uint64_t(baseline_per_step * double(step + 1)));
       p->set_policy_version(policy.version());
+      if (!std::isnan(val_loss)) p->set_val_loss(val_loss);
       Send(std::move(pm), false);
 
-      const bool last = step + 1 == steps;
       if (last || (r.options_.checksum_every > 0 && (step + 1) % r.options_.checksum_every == 0)) {
         const uint64_t checksum = trainer->VerifyChecksum(step);
         if (last) out.checksum = checksum;
