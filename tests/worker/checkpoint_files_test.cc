@@ -7,7 +7,7 @@
 #include <fstream>
 #include <set>
 
-#include "worker/daemon/job_runner.h"
+#include "worker/daemon/rank_checkpoints.h"
 
 namespace geofp8::worker {
 namespace {

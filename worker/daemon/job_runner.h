@@ -22,6 +22,9 @@
 #include "kernels/policy/job_spec.h"
 #include "worker/daemon/connection.h"
 #include "worker/daemon/metrics.h"
+#include "worker/daemon/policy_inbox.h"
+#include "worker/daemon/rank_checkpoints.h"
+#include "worker/daemon/stop_control.h"
 
 namespace geofp8::worker {
 
@@ -45,7 +48,7 @@ struct JobRunnerOptions {
   std::chrono::milliseconds stop_abort_after{1000};
   // While no Ack comes (a coordinator outage), a rank keeps the acknowledged recovery point, the
   // first checkpoint after it and the newest keep_unacknowledged (at least 2) checkpoints; it
-  // deletes the ones in between (JobRunner::Impl::BoundUnacknowledged).
+  // deletes the ones in between (RankCheckpoints::BoundUnacknowledged).
   int keep_unacknowledged = 3;
   // Tests: sleep this long after every step (to make a live policy change land mid-run).
   std::chrono::milliseconds debug_step_delay{0};
@@ -73,8 +76,10 @@ struct HeldCheckpointsInfo {
   std::vector<int64_t> steps;  // ascending
 };
 
-// Everything the daemon feeds a runner from the session thread is thread-safe; Run() happens
-// on the runner's own thread.
+// Everything the daemon feeds a runner from the session thread is thread-safe; the attempt
+// (RankAttempt) runs on the runner's own thread. The runner owns what both threads share, each
+// behind its own lock: the policy inbox, the stop control and the checkpoint files; it
+// classifies how the attempt ended and reports it (RankReporter).
 class JobRunner {
  public:
   using SendFn = std::function<bool(v1::WorkerMessage message, bool reliable)>;
@@ -95,15 +100,13 @@ class JobRunner {
   // The files this rank holds now (none when checkpoints are off). Also after the rank ended.
   HeldCheckpointsInfo HeldCheckpoints() const;
 
-  bool done() const { return done_.load(); }
+  bool done() const { return stop_.done(); }
   void Join();
   const v1::Assignment& assignment() const { return assignment_; }
   JobOutcome outcome() const;
 
  private:
-  struct Impl;
   JobOutcome Run();
-  void Watchdog();
 
   std::shared_ptr<Connection> connection_;
   v1::Assignment assignment_;
@@ -111,33 +114,15 @@ class JobRunner {
   SendFn send_;
   WorkerMetrics* metrics_;
 
+  PolicyInbox inbox_;            // versions not yet in force, the catalog's schedule
+  StopControl stop_;             // the coordinator's Stop, the abort watchdog, done
+  RankCheckpoints checkpoints_;  // this rank's checkpoint files
+
   mutable std::mutex mu_;
-  std::condition_variable cv_;
-  std::map<uint64_t, v1::Policy> policies_;  // by version, not yet in force
-  std::vector<v1::RefreshSchedule> initial_schedule_;
-  uint64_t initial_schedule_version_ = 0;
-  std::string stop_reason_;  // non-empty once the coordinator asked to stop
-  std::atomic<uint64_t> version_in_force_{0};
-
-  Communicator* comm_ = nullptr;  // the attempt's, while it exists (for the abort watchdog)
-  std::string checkpoint_dir_;    // empty: checkpoints off (or not resolved yet)
-  int64_t acknowledged_checkpoint_ = 0;
-
-  std::atomic<bool> done_{false};  // set under mu_, with cv_ notified
   JobOutcome outcome_;
   std::thread thread_;
-  std::thread watchdog_;  // aborts comm_ once a Stop has waited stop_abort_after
+  std::thread watchdog_;  // aborts the communicator once a Stop has waited stop_abort_after
 };
-
-// One checkpoint file per step, <dir>/<worker name>.<step>.ckpt: a rank keeps every step from
-// the job's acknowledged recovery point on, so whichever step the coordinator resumes from
-// after an outage is still on disk, however far the rank trained meanwhile.
-std::string CheckpointFile(const std::string& dir, const std::string& worker_name, int64_t step);
-// The steps of this worker's checkpoint files in `dir`, ascending.
-std::vector<int64_t> ListCheckpoints(const std::string& dir, const std::string& worker_name);
-// Deletes this worker's checkpoint files in `dir` whose step `remove` selects; returns how many.
-int PruneCheckpoints(const std::string& dir, const std::string& worker_name,
-                     const std::function<bool(int64_t step)>& remove);
 
 // Converts the job spec to the model's shape (preset, with seq widened to training.seq_len);
 // errors name the spec field.
