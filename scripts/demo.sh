@@ -3,8 +3,8 @@
 # twice at the same bytes on the wire: once with Euclidean FP8 (geometry none) and once with
 # GeoFP8 (the spec's geometry). Each is watched live and gets the same policy change mid-run (the
 # MLP matrices to NVFP4). It ends with a per-layer table of exchange error, Euclidean against
-# GeoFP8, the wire bytes against fp32, the final loss of each, and a PNG of loss and per-layer
-# error (scripts/demo_compare.py). About 5-6 minutes on 2 cores after the build.
+# GeoFP8, the wire bytes against fp32, the validation loss of each on held-out data, and a PNG of
+# validation loss and per-layer error (scripts/demo_compare.py). About 5-6 minutes on 2 cores after the build.
 #
 # Usage: scripts/demo.sh            (as root on a fresh Debian 12 machine: installs, builds, runs)
 # Environment:
@@ -181,7 +181,7 @@ for line in text.splitlines():
         print("  " + line)
 EOF
 echo "checkpoints and results: $OUT/worker-*/"
-echo "comparison: $OUT/comparison.json; plot of loss and per-layer error: $PLOT"
+echo "comparison: $OUT/comparison.json; plot of validation loss and per-layer error: $PLOT"
 
 if [ "${GEOFP8_DEMO_KEEP:-0}" = "1" ]; then
   log "GEOFP8_DEMO_KEEP=1: coordinator at $SERVER; Ctrl-C stops everything"

@@ -4,15 +4,15 @@
 Usage:
   scripts/demo_compare.py record CTL JOB OUT.jsonl [--interval S]
       Follows `CTL watch JOB -o jsonpath=...` (every progress update: step, state, training loss,
-      wire and fp32 bytes) and polls `CTL get job JOB -o json` every S seconds (default 0.5) for
+      validation loss and its step, wire and fp32 bytes) and polls `CTL get job JOB -o json` every S seconds (default 0.5) for
       the latest per-layer exchange error, until the job ends; one JSON line per record.
   scripts/demo_compare.py report --euclid A.jsonl --geo B.jsonl [--png OUT.png] [--json OUT.json]
       [--skip-fraction F]
       Prints, as markdown tables: per layer, the median relative Frobenius error of the exchanged
       gradient (against the exact fp32 average) over the summaries recorded after the first F of
       the steps (default 0.1: geometry warms up), Euclidean against GeoFP8; wire bytes against fp32;
-      the final training loss (mean of the last 10 reported steps). Draws loss against step and
-      the per-layer error in OUT.png.
+      the validation loss on held-out data (training.eval_every) after the last step and the best
+      one. Draws validation loss against step and the per-layer error in OUT.png.
 """
 import argparse
 import json
@@ -32,7 +32,8 @@ def record(args):
     watch stream does not carry."""
     template = ('{.job.state} {.job.progress.step} '
                 '{.job.progress.total_steps} {.job.progress.loss} {.job.progress.bytes_sent} '
-                '{.job.progress.bytes_baseline} {.job.policy_version}')
+                '{.job.progress.bytes_baseline} {.job.policy_version} {.job.progress.val_loss} '
+                '{.job.progress.val_step}')
     lock = threading.Lock()
     out = open(args.out, "w")
     ident = {"id": "", "name": args.job}  # filled in by the first poll
@@ -48,12 +49,14 @@ def record(args):
     def follow():
         for line in watch.stdout:
             f = line.split()
-            if len(f) != 7:
+            if len(f) != 9:
                 continue
             write({"t": time.time(), "id": ident["id"], "name": ident["name"], "state": f[0],
                    "step": int(f[1]), "total_steps": int(f[2]), "loss": float(f[3]),
                    "bytes_sent": int(f[4]), "bytes_baseline": int(f[5]),
-                   "policy_version": int(f[6]), "layers": []})
+                   "policy_version": int(f[6]),
+                   "val_loss": None if f[7] == "null" else float(f[7]), "val_step": int(f[8]),
+                   "layers": []})
 
     reader = threading.Thread(target=follow, daemon=True)
     reader.start()
@@ -73,6 +76,7 @@ def record(args):
                    "step": p["step"], "total_steps": p["total_steps"], "loss": p["loss"],
                    "bytes_sent": p["bytes_sent"], "bytes_baseline": p["bytes_baseline"],
                    "policy_version": job["policy_version"],
+                   "val_loss": p.get("val_loss"), "val_step": p.get("val_step", 0),
                    "layers": [{"layer": l["layer"], "step": l["step"],
                                "rel_fro_error": l["rel_fro_error"]} for l in job["layers"]]})
             last_step = p["step"]
@@ -106,12 +110,14 @@ def load(path):
     return recs
 
 
-def losses(recs):
-    """(step, loss) per distinct reported step, in order; steps before any progress dropped."""
+def val_losses(recs):
+    """(steps done, validation loss) per validation, in order. val_step is the index of the step
+    the loss was measured after, so step val_step + 1 is the number of steps trained."""
     seen = {}
     for r in recs:
-        if r["state"] in ("JOB_RUNNING", "JOB_SUCCEEDED") and r["loss"] > 0:
-            seen[r["step"]] = r["loss"]
+        v = r.get("val_loss")
+        if v is not None and math.isfinite(v):
+            seen[r["val_step"] + 1] = v
     return sorted(seen.items())
 
 
@@ -150,24 +156,31 @@ def report(args):
           f"against exact fp32, steps >= {args.skip_fraction:.0%} of the run):")
     print("\n".join(lines))
     print()
-    print("| run | job | state | steps | wire bytes | fp32 bytes | wire / fp32 | final loss |")
-    print("|---|---|---|---|---|---|---|---|")
+    print("| run | job | state | steps | wire bytes | fp32 bytes | wire / fp32 | validations "
+          "| final val. loss | best val. loss |")
+    print("|---|---|---|---|---|---|---|---|---|---|")
     summary = {"layers": {l: {"euclidean": e[l], "geofp8": g[l]} for l in layers}, "runs": {}}
     for label, recs in runs.items():
         # The final state: records of the watch stream and of the polls interleave.
         last = max(recs, key=lambda r: (r["state"] in TERMINAL, r["step"], r["bytes_sent"]))
-        ls = losses(recs)
-        final = statistics.mean(x for _, x in ls[-10:]) if ls else float("nan")
+        vs = val_losses(recs)
+        if not vs:
+            sys.exit(f"demo_compare.py: error: {label}: no validation loss recorded (the job "
+                     "reports one every training.eval_every steps and after the last)")
+        final_step, final = vs[-1]
+        best = min(x for _, x in vs)
         frac = last["bytes_sent"] / last["bytes_baseline"] if last["bytes_baseline"] else math.nan
         print(f"| {label} | {last.get('name', '')} ({last.get('id', '')}) | "
               f"{last['state'].removeprefix('JOB_')} | {last['step'] + 1}/{last['total_steps']} | "
               f"{mib(last['bytes_sent'])} | {mib(last['bytes_baseline'])} | {frac:.1%} | "
-              f"{final:.4f} |")
+              f"{len(vs)} | {final:.4f} (step {final_step}) | {best:.4f} |")
         summary["runs"][label] = {"bytes_sent": last["bytes_sent"],
                                   "bytes_baseline": last["bytes_baseline"],
-                                  "final_loss": final, "state": last["state"]}
-    print("(final loss: mean training loss of the last 10 reported steps; the worker daemon "
-          "reports no validation loss)")
+                                  "val_loss": [[s, x] for s, x in vs], "final_val_loss": final,
+                                  "best_val_loss": best, "state": last["state"]}
+    print("(validation loss: mean cross-entropy on held-out batches the runs never train on, "
+          "measured every training.eval_every steps and after the last step; one run each, so "
+          "a difference within run-to-run noise says nothing)")
     if args.json:
         with open(args.json, "w") as f:
             json.dump(summary, f, indent=2)
@@ -179,11 +192,12 @@ def report(args):
 
         fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(13, 4.8))
         for label, recs in runs.items():
-            ls = losses(recs)
-            ax1.plot([s for s, _ in ls], [x for _, x in ls], label=label, lw=1.2)
-        ax1.set_xlabel("step")
-        ax1.set_ylabel("training loss")
-        ax1.set_title("Loss")
+            vs = val_losses(recs)
+            ax1.plot([s for s, _ in vs], [x for _, x in vs], label=label, lw=1.2, marker="o",
+                     ms=3)
+        ax1.set_xlabel("steps trained")
+        ax1.set_ylabel("validation loss (held-out data)")
+        ax1.set_title("Validation loss")
         ax1.legend()
         ax1.grid(alpha=0.3)
         x = range(len(layers))

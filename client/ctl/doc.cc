@@ -318,8 +318,10 @@ Doc FromProto(const Message& m) {
       Doc arr = Doc::Array();
       for (int k = 0; k < r->FieldSize(m, f); ++k) arr.items.push_back(Scalar(m, r, f, k));
       d.Add(f->name(), std::move(arr));
-    } else if (f->cpp_type() == FieldDescriptor::CPPTYPE_MESSAGE && !r->HasField(m, f)) {
-      d.Add(f->name(), Doc::Null());  // an absent sub-message, as protobuf's printer says null
+    } else if (f->has_presence() && !r->HasField(m, f)) {
+      // An absent sub-message, as protobuf's printer says null; likewise an unset `optional`
+      // scalar (Policy.taken_step: not taken yet, which is not "taken at step 0").
+      d.Add(f->name(), Doc::Null());
     } else {
       d.Add(f->name(), Scalar(m, r, f, -1));
     }

@@ -342,7 +342,7 @@ class Client {
     v1::ListPolicyVersionsResponse resp;
     grpc::Status s = policies_->ListPolicyVersions(Context().get(), req, &resp);
     if (!s.ok()) return FromStatus(s, g_);
-    return Print(resp, PolicyHistoryTable(resp));
+    return Print(resp, PolicyHistoryTable(resp), PolicyHistoryWideTable(resp, NowMs()));
   }
 
   int PolicyUpdate(const std::string& ref, const std::vector<LayerPatchSpec>& patches,

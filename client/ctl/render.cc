@@ -40,6 +40,12 @@ std::string TotalText(const v1::JobProgress& p) {
   return p.total_steps() > 0 ? std::to_string(p.total_steps()) : "?";
 }
 
+// "3.412 after step 200" or "-" before the first validation.
+std::string ValidationText(const v1::JobProgress& p) {
+  if (!p.has_val_loss()) return "-";
+  return "loss " + Fmt("%.4f", p.val_loss()) + " after step " + std::to_string(p.val_step() + 1);
+}
+
 // A command job's program and arguments, shell-quoted where needed; "" for the built-in trainer.
 std::string CommandText(const v1::Job& j) {
   auto spec = ParseJobSpec(j.spec_yaml());
@@ -190,7 +196,9 @@ std::string WorkersTable(const v1::ListWorkersResponse& workers, int64_t now_ms)
 std::string PolicyTable(const v1::Policy& p) {
   std::ostringstream os;
   os << "job " << p.job_id() << "  policy v" << p.version() << "  effective at step "
-     << p.effective_step() << "  (" << p.author() << ": " << p.reason() << ")\n\n";
+     << p.effective_step();
+  if (p.has_taken_step()) os << ", taken at step " << p.taken_step();
+  os << "  (" << p.author() << ": " << p.reason() << ")\n\n";
   const auto& d = p.default_policy();
   std::vector<std::vector<std::string>> rows = {
       {"LAYER", "FORMAT", "SCALING", "BLOCK", "ROUNDING", "GEOMETRY", "RANK", "ALPHA", "EF"},
@@ -217,12 +225,40 @@ std::string PolicyTable(const v1::Policy& p) {
   return os.str();
 }
 
+static std::string TakenStepText(const v1::ListPolicyVersionsResponse& versions, int index) {
+  const v1::Policy& p = versions.policies(index);
+  if (p.has_taken_step()) return std::to_string(p.taken_step());
+  // Untaken but older than a taken version: a newer one overtook it and it was never in force.
+  for (int i = index + 1; i < versions.policies_size(); ++i) {
+    if (versions.policies(i).has_taken_step()) return "never";
+  }
+  return "-";  // not taken yet
+}
+
 std::string PolicyHistoryTable(const v1::ListPolicyVersionsResponse& versions) {
   std::vector<std::vector<std::string>> rows = {
-      {"VERSION", "EFFECTIVE-STEP", "AUTHOR", "PATCHES", "REASON"}};
-  for (const auto& p : versions.policies()) {
+      {"VERSION", "EFFECTIVE-STEP", "TAKEN-STEP", "AUTHOR", "PATCHES", "REASON"}};
+  for (int i = 0; i < versions.policies_size(); ++i) {
+    const v1::Policy& p = versions.policies(i);
     rows.push_back({"v" + std::to_string(p.version()), std::to_string(p.effective_step()),
-                    p.author(), std::to_string(p.patches_size()), p.reason()});
+                    TakenStepText(versions, i), p.author(), std::to_string(p.patches_size()),
+                    p.reason()});
+  }
+  return Table(rows);
+}
+
+std::string PolicyHistoryWideTable(const v1::ListPolicyVersionsResponse& versions, int64_t now_ms) {
+  std::vector<std::vector<std::string>> rows = {{"VERSION", "EFFECTIVE-STEP", "TAKEN-STEP",
+                                                 "AUTHOR", "AGE", "DEFAULT", "PATCHES", "REFRESH",
+                                                 "REASON"}};
+  for (int i = 0; i < versions.policies_size(); ++i) {
+    const v1::Policy& p = versions.policies(i);
+    const v1::LayerPolicy& d = p.default_policy();
+    std::string fields = d.format().empty() ? "-" : d.format() + "/" + d.geometry();
+    rows.push_back({"v" + std::to_string(p.version()), std::to_string(p.effective_step()),
+                    TakenStepText(versions, i), p.author(), Age(p.created_unix_ms(), now_ms),
+                    fields, std::to_string(p.patches_size()), std::to_string(p.refresh_size()),
+                    p.reason()});
   }
   return Table(rows);
 }
@@ -245,6 +281,7 @@ std::string DescribeJob(const v1::Job& j, const v1::Policy* policy, int64_t now_
      << ")\n"
      << "Progress:     step " << StepsDone(j) << "/" << TotalText(pr) << ", loss "
      << Fmt("%.4f", pr.loss()) << ", " << Fmt("%.0f", pr.tokens_per_second()) << " tok/s\n"
+     << "Validation:   " << ValidationText(pr) << "\n"
      << "Checkpoint:   " << CheckpointText(j) << "\n";
   if (pr.bytes_baseline() > 0) {
     os << "Bytes:        sent " << Bytes(static_cast<double>(pr.bytes_sent())) << " of fp32 "
@@ -369,8 +406,8 @@ bool WatchThrottle::ShouldPrint(const v1::Job& job) {
 
 std::string JobsWideTable(const std::vector<v1::Job>& jobs, int64_t now_ms) {
   std::vector<std::vector<std::string>> rows = {{"ID", "NAME", "STATE", "STEP", "WORLD", "RESTARTS",
-                                                 "POLICY", "AGE", "LOSS", "TOK/S", "SAVED",
-                                                 "CHECKPOINT", "WORKERS", "REASON"}};
+                                                 "POLICY", "AGE", "LOSS", "VAL-LOSS", "TOK/S",
+                                                 "SAVED", "CHECKPOINT", "WORKERS", "REASON"}};
   for (const auto& j : jobs) {
     const auto& p = j.progress();
     std::string workers;
@@ -385,8 +422,11 @@ std::string JobsWideTable(const std::vector<v1::Job>& jobs, int64_t now_ms) {
          std::to_string(j.world_size()),
          std::to_string(j.restarts()) + "/" + std::to_string(j.max_restarts()),
          "v" + std::to_string(j.policy_version()), Age(j.created_unix_ms(), now_ms),
-         StepsDone(j) > 0 ? Fmt("%.4g", p.loss()) : "-", Fmt("%.0f", p.tokens_per_second()), saved,
-         CheckpointText(j), workers.empty() ? "-" : workers, j.reason()});
+         StepsDone(j) > 0 ? Fmt("%.4g", p.loss()) : "-",
+         p.has_val_loss() ? Fmt("%.4g", p.val_loss()) + " @" + std::to_string(p.val_step() + 1)
+                          : "-",
+         Fmt("%.0f", p.tokens_per_second()), saved, CheckpointText(j),
+         workers.empty() ? "-" : workers, j.reason()});
   }
   return Table(rows);
 }

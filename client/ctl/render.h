@@ -21,7 +21,10 @@ std::string Table(const std::vector<std::vector<std::string>>& rows);
 std::string JobsTable(const std::vector<v1::Job>& jobs, int64_t now_ms);
 std::string WorkersTable(const v1::ListWorkersResponse& workers, int64_t now_ms);
 std::string PolicyTable(const v1::Policy& policy);
+// VERSION, EFFECTIVE-STEP, TAKEN-STEP (the step the ranks put it in force; "-" not yet, "never"
+// when a newer version overtook it), AUTHOR, PATCHES, REASON; wide adds age, default, refresh.
 std::string PolicyHistoryTable(const v1::ListPolicyVersionsResponse& versions);
+std::string PolicyHistoryWideTable(const v1::ListPolicyVersionsResponse& versions, int64_t now_ms);
 std::string DescribeJob(const v1::Job& job, const v1::Policy* policy, int64_t now_ms);
 
 // "JOB_RUNNING" -> "RUNNING".

@@ -533,7 +533,7 @@ absl::StatusOr<JobSpec> ParseJobSpec(std::string_view yaml) {
       n.IsDefined() && !n.IsNull() && !command_job &&
       r.Map(n, p + ".training",
             {"steps", "batch_size", "seq_len", "lr", "weight_decay", "warmup_steps", "optimizer",
-             "grad_clip", "seed"})) {
+             "grad_clip", "seed", "eval_every", "eval_batches"})) {
     const std::string q = p + ".training";
     auto& t = spec.training;
     r.Number<int64_t>(n, "steps", q, &t.steps, 1, kMaxSteps);
@@ -549,6 +549,8 @@ absl::StatusOr<JobSpec> ParseJobSpec(std::string_view yaml) {
     }
     r.Number(n, "grad_clip", q, &t.grad_clip, 0.0, 1e6);
     r.Number<uint64_t>(n, "seed", q, &t.seed, 0, std::numeric_limits<uint64_t>::max());
+    r.Number<int64_t>(n, "eval_every", q, &t.eval_every, 0, kMaxSteps);
+    r.Number(n, "eval_batches", q, &t.eval_batches, 1, kMaxEvalBatches);
     if (t.warmup_steps >= t.steps && n["warmup_steps"].IsDefined()) {
       r.Error(n["warmup_steps"], q + ".warmup_steps",
               "must be less than training.steps (" + std::to_string(t.warmup_steps) +

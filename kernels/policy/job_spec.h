@@ -20,6 +20,8 @@ namespace geofp8 {
 inline constexpr int64_t kMaxSteps = 1'000'000'000;
 inline constexpr int kMaxBatchSize = 4096;  // sequences per rank per step
 inline constexpr int kMaxSeqLen = 8192;     // tokens per sequence
+// Held-out batches of 16 sequences per validation (training.eval_batches).
+inline constexpr int kMaxEvalBatches = 1024;
 // Attention probabilities kept for backward, per rank: about one H200's memory. The paper-scale
 // example (llama-300m, batch 32 x 1024) needs 48 GiB.
 inline constexpr int64_t kMaxAttentionBytes = int64_t{128} << 30;
@@ -66,6 +68,11 @@ struct TrainingSpec {
   std::string optimizer = "adamw";  // "adamw" (the only optimizer the trainer implements)
   double grad_clip = 1.0;           // global norm clip; 0 = off
   uint64_t seed = 0;
+  // Validation loss on held-out data every this many steps (and after the last step); 0: after
+  // the last step only. Each validation costs eval_batches forward passes of 16 sequences,
+  // split over the ranks.
+  int64_t eval_every = 50;
+  int eval_batches = 8;  // held-out batches of 16 sequences per validation
 };
 
 struct ExchangeSpec {

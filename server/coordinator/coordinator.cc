@@ -11,6 +11,7 @@
 #include <optional>
 #include <set>
 
+#include "kernels/common/log.h"
 #include "server/coordinator/policy_engine.h"
 
 namespace geofp8::coordinator {
@@ -232,12 +233,92 @@ void Coordinator::SetState(JobRec& rec, v1::JobState state, const std::string& r
     if (auto st = PersistJob(rec); !st.ok()) return st;
     return store_->AppendEvent(rec.job.id(), event);
   });
-  if (!s.ok()) std::fprintf(stderr, "geofp8-coordinator: %s\n", s.ToString().c_str());
+  if (!s.ok()) {
+    log::Error("store.failed").F("job", rec.job.id()).Msg(s.ToString());
+  }
+  LogState(rec, state, reason);
   if (IsFinal(state)) kv_.Clear(rec.job.id());
   Changed(rec);
 }
 
+// One event per state change: job.restarted (PENDING again after an attempt), job.scheduled,
+// job.started, job.succeeded, job.failed, job.cancelled.
+void Coordinator::LogState(const JobRec& rec, v1::JobState state, const std::string& reason) {
+  const char* event = "job.pending";
+  log::Level level = log::Level::kInfo;
+  switch (state) {
+    case v1::JOB_PENDING:
+      event = "job.restarted";
+      level = log::Level::kWarn;
+      break;
+    case v1::JOB_SCHEDULED:
+      event = "job.scheduled";
+      break;
+    case v1::JOB_RUNNING:
+      event = "job.started";
+      break;
+    case v1::JOB_SUCCEEDED:
+      event = "job.succeeded";
+      break;
+    case v1::JOB_FAILED:
+      event = "job.failed";
+      level = log::Level::kError;
+      break;
+    case v1::JOB_CANCELLED:
+      event = "job.cancelled";
+      break;
+    default:
+      break;
+  }
+  log::Event e(level, event);
+  e.F("job", rec.job.id())
+      .F("name", rec.job.name())
+      .F("attempt", rec.job.attempt())
+      .F("step", rec.job.progress().step());
+  if (state == v1::JOB_PENDING) {
+    e.F("restarts", rec.job.restarts()).F("resume_step", rec.job.progress().checkpoint_step());
+  }
+  if (state == v1::JOB_SCHEDULED) {
+    std::string workers;
+    for (const auto& r : rec.job.ranks()) workers += (workers.empty() ? "" : ",") + r.worker_id();
+    e.F("world_size", rec.job.world_size())
+        .F("workers", workers)
+        .F("resume_step", rec.job.progress().checkpoint_step());
+  }
+  if (rec.job.progress().has_val_loss() && IsFinal(state)) {
+    e.F("val_loss", rec.job.progress().val_loss());
+  }
+  e.Msg(reason);
+}
+
 absl::StatusOr<v1::SubmitJobResponse> Coordinator::SubmitJob(const v1::SubmitJobRequest& request) {
+  auto response = SubmitJobUnlogged(request);
+  if (!response.ok()) {
+    log::Warn("job.refused")
+        .F("code", absl::StatusCodeToString(response.status().code()))
+        .F("idempotency_key", request.idempotency_key())
+        .Msg(std::string(response.status().message()));
+  } else if (response->created()) {
+    const v1::Job& job = response->job();
+    log::Info("job.submitted")
+        .F("job", job.id())
+        .F("name", job.name())
+        .F("world_size", job.world_size())
+        .F("steps", job.progress().total_steps())
+        .F("state", StateName(job.state()))
+        .Msg("accepted");
+  } else {
+    log::Info("job.submitted")
+        .F("job", response->job().id())
+        .F("name", response->job().name())
+        .F("idempotency_key", request.idempotency_key())
+        .Msg("repeat of an accepted submission (same idempotency key and spec)");
+  }
+  return response;
+}
+
+absl::StatusOr<v1::SubmitJobResponse> Coordinator::SubmitJobUnlogged(
+    const v1::SubmitJobRequest& request) {
   auto spec = ParseJobSpec(request.spec_yaml());
   if (!spec.ok()) return spec.status();
   Outbox out;
@@ -464,6 +545,14 @@ absl::StatusOr<v1::Policy> Coordinator::AddPolicyVersion(JobRec& rec,
   }
   rec.events.push_back(event);
   rec.policies.push_back(next);
+  log::Info("policy.changed")
+      .F("job", rec.job.id())
+      .F("version", next.version())
+      .F("author", author)
+      .F("effective_step", next.effective_step())
+      .F("step", rec.job.progress().step())
+      .F("patches", next.patches_size())
+      .Msg(reason);
   ++counters_.policy_updates;
   if (author == "auto") ++counters_.auto_policy_updates;
   v1::CoordinatorMessage m;
@@ -591,6 +680,13 @@ absl::StatusOr<v1::RegisterResponse> Coordinator::Register(const v1::RegisterReq
     SyncLive(w, /*touch=*/true);
     response.set_worker_id(w.info.id());
     response.set_generation(*gen);
+    log::Info("worker.registered")
+        .F("worker", w.info.id())
+        .F("generation", *gen)
+        .F("host", w.info.host())
+        .F("device", w.info.device())
+        .F("held_checkpoints", w.held.size())
+        .Msg("registered");
     response.set_heartbeat_interval_ms(options_.heartbeat_interval_ms);
     response.set_heartbeat_timeout_ms(options_.heartbeat_timeout_ms);
   }
@@ -887,7 +983,7 @@ void Coordinator::TrySchedule(Outbox& out) {
           rec->events.push_back(event);
         } else {
           rec->job.mutable_progress()->set_checkpoint_step(persisted);
-          std::fprintf(stderr, "geofp8-coordinator: %s\n", st.ToString().c_str());
+          log::Error("store.failed").F("job", rec->job.id()).Msg(st.ToString());
         }
       }
       rec->interrupted_workers.clear();
@@ -929,6 +1025,15 @@ void Coordinator::TrySchedule(Outbox& out) {
       }
       *a->mutable_peers() = rec->job.ranks();
       out.emplace_back(idle[r]->sink, std::move(m));
+      log::Info("job.assigned")
+          .F("job", rec->job.id())
+          .F("attempt", rec->job.attempt())
+          .F("rank", r)
+          .F("worker", idle[r]->info.id())
+          .F("generation", idle[r]->info.generation())
+          .F("step", a->resume_step())
+          .Msg("rank " + std::to_string(r) + " of " + std::to_string(world) + " to worker " +
+               idle[r]->info.id());
     }
     std::string workers;
     for (int r = 0; r < world; ++r) workers += (r ? ", " : "") + idle[r]->info.id();
@@ -939,6 +1044,12 @@ void Coordinator::TrySchedule(Outbox& out) {
 }
 
 void Coordinator::DeclareDead(WorkerRec& w, const std::string& reason, Outbox& out) {
+  {
+    log::Event e(log::Level::kWarn, "worker.dead");
+    e.F("worker", w.info.id()).F("generation", w.info.generation());
+    if (!w.info.job_id().empty()) e.F("job", w.info.job_id()).F("rank", w.info.rank());
+    e.Msg(reason);
+  }
   w.fenced_reason = "declared dead: " + reason;
   w.info.set_state(v1::WORKER_DEAD);
   if (w.sink) {
@@ -1032,6 +1143,10 @@ void Coordinator::OnProgress(JobRec& rec, int rank, const v1::StepProgress& p, O
   if (rank == 0) {
     prog->set_loss(p.loss());
     prog->set_tokens_per_second(p.tokens_per_second());
+    if (p.has_val_loss()) {
+      prog->set_val_loss(p.val_loss());
+      prog->set_val_step(p.step());
+    }
   }
   uint64_t sent = 0, base = 0;
   for (const auto& r : rec.ranks) {
@@ -1051,7 +1166,7 @@ void Coordinator::OnProgress(JobRec& rec, int rank, const v1::StepProgress& p, O
   }
   if (now - rec.persisted_progress_ms >= kProgressPersistMs) {
     if (auto s = PersistJob(rec); !s.ok()) {
-      std::fprintf(stderr, "geofp8-coordinator: %s\n", s.ToString().c_str());
+      log::Error("store.failed").F("job", rec.job.id()).Msg(s.ToString());
     }
   }
   Changed(rec);
@@ -1178,6 +1293,12 @@ absl::Status Coordinator::HandleWorkerMessage(const v1::WorkerMessage& message) 
             message.checkpoint().step() > rec->job.progress().checkpoint_step()) {
           rec->job.mutable_progress()->set_checkpoint_step(message.checkpoint().step());
           if (auto s = PersistJob(*rec); !s.ok()) return s;
+          log::Info("checkpoint.recorded")
+              .F("job", rec->job.id())
+              .F("attempt", rec->job.attempt())
+              .F("rank", rank)
+              .F("step", message.checkpoint().step())
+              .Msg("recovery point is now step " + std::to_string(message.checkpoint().step()));
           Changed(*rec);
         }
         break;
@@ -1213,6 +1334,16 @@ absl::Status Coordinator::HandleWorkerMessage(const v1::WorkerMessage& message) 
           if (!taken.has_taken_step() || taken.taken_step() != pa.step()) {
             taken.set_taken_step(pa.step());
             if (auto s = store_->PutPolicy(taken); !s.ok()) return s;
+            log::Info("policy.taken")
+                .F("job", rec->job.id())
+                .F("attempt", rec->job.attempt())
+                .F("version", taken.version())
+                .F("author", taken.author())
+                .F("effective_step", taken.effective_step())
+                .F("taken_step", taken.taken_step())
+                .F("step", taken.taken_step())
+                .Msg("the ranks put policy v" + std::to_string(taken.version()) +
+                     " in force at step " + std::to_string(taken.taken_step()));
             Changed(*rec);
           }
         }

@@ -180,6 +180,9 @@ class Coordinator {
   absl::StatusOr<JobRec*> FindJob(const std::string& job_id);
   // State change with a reason: persisted with its event before anyone can observe it.
   void SetState(JobRec& rec, v1::JobState state, const std::string& reason);
+  static void LogState(const JobRec& rec, v1::JobState state, const std::string& reason);
+  // SubmitJob without its log line (the line says whether and why it was refused).
+  absl::StatusOr<v1::SubmitJobResponse> SubmitJobUnlogged(const v1::SubmitJobRequest& request);
   absl::Status PersistJob(JobRec& rec);
   void Changed(JobRec& rec);
   void ReleaseRanks(JobRec& rec, const std::string& stop_reason, Outbox& out);

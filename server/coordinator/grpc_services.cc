@@ -16,6 +16,7 @@
 #include <utility>
 
 #include "geofp8/v1/geofp8.grpc.pb.h"
+#include "kernels/common/log.h"
 
 namespace geofp8::coordinator {
 namespace {
@@ -114,7 +115,11 @@ class Common {
   grpc::Status Call(const char* method, grpc::ServerContext* ctx, bool mutating, Fn&& fn) {
     const auto start = std::chrono::steady_clock::now();
     grpc::Status s = mutating ? Authorize(ctx) : grpc::Status::OK;
-    if (s.ok()) s = fn();
+    if (!s.ok()) {
+      log::Warn("auth.refused").F("peer", ctx->peer()).F("method", method).Msg(s.error_message());
+    } else {
+      s = fn();
+    }
     const double secs =
         std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
     m_->RecordRpc(method, absl::StatusCodeToString(static_cast<absl::StatusCode>(s.error_code())),
@@ -282,20 +287,43 @@ class WorkerServiceImpl final : public v1::WorkerService::Service {
   Common* k_;
 };
 
+// A rendezvous call the KV refused (not a key that is simply absent yet, nor a wait that timed
+// out: those are the normal course of a rendezvous) is logged with the job and key.
+absl::Status LogKvRefusal(const char* method, grpc::ServerContext* ctx, const std::string& job_id,
+                          const std::string& key, absl::Status s) {
+  if (s.ok() || s.code() == absl::StatusCode::kNotFound ||
+      s.code() == absl::StatusCode::kDeadlineExceeded ||
+      s.code() == absl::StatusCode::kUnavailable) {
+    return s;
+  }
+  log::Warn("kv.refused")
+      .F("job", job_id)
+      .F("key", key.size() > 200 ? key.substr(0, 200) + "..." : key)
+      .F("method", method)
+      .F("peer", ctx->peer())
+      .F("code", absl::StatusCodeToString(s.code()))
+      .Msg(std::string(s.message()));
+  return s;
+}
+
 class RendezvousServiceImpl final : public v1::RendezvousService::Service {
  public:
   explicit RendezvousServiceImpl(Common* k) : k_(k) {}
   grpc::Status Set(grpc::ServerContext* ctx, const v1::KvSetRequest* req,
                    v1::KvSetResponse*) override {
     return k_->Call("RendezvousService/Set", ctx, true, [&] {
-      return ToGrpc(k_->c_->kv().Set(req->job_id(), req->key(), req->value()));
+      return ToGrpc(LogKvRefusal("RendezvousService/Set", ctx, req->job_id(), req->key(),
+                                 k_->c_->kv().Set(req->job_id(), req->key(), req->value())));
     });
   }
   grpc::Status Get(grpc::ServerContext* ctx, const v1::KvGetRequest* req,
                    v1::KvGetResponse* resp) override {
     return k_->Call("RendezvousService/Get", ctx, false, [&]() -> grpc::Status {
       auto v = k_->c_->kv().Get(req->job_id(), req->key(), req->wait_ms());
-      if (!v.ok()) return ToGrpc(v.status());
+      if (!v.ok()) {
+        return ToGrpc(
+            LogKvRefusal("RendezvousService/Get", ctx, req->job_id(), req->key(), v.status()));
+      }
       resp->set_value(std::move(*v));
       return grpc::Status::OK;
     });
@@ -304,14 +332,19 @@ class RendezvousServiceImpl final : public v1::RendezvousService::Service {
                     v1::KvWaitResponse*) override {
     return k_->Call("RendezvousService/Wait", ctx, false, [&] {
       std::vector<std::string> keys(req->keys().begin(), req->keys().end());
-      return ToGrpc(k_->c_->kv().Wait(req->job_id(), keys, req->timeout_ms()));
+      return ToGrpc(LogKvRefusal("RendezvousService/Wait", ctx, req->job_id(),
+                                 keys.empty() ? std::string() : keys.front(),
+                                 k_->c_->kv().Wait(req->job_id(), keys, req->timeout_ms())));
     });
   }
   grpc::Status Add(grpc::ServerContext* ctx, const v1::KvAddRequest* req,
                    v1::KvAddResponse* resp) override {
     return k_->Call("RendezvousService/Add", ctx, true, [&]() -> grpc::Status {
       auto v = k_->c_->kv().Add(req->job_id(), req->key(), req->delta());
-      if (!v.ok()) return ToGrpc(v.status());
+      if (!v.ok()) {
+        return ToGrpc(
+            LogKvRefusal("RendezvousService/Add", ctx, req->job_id(), req->key(), v.status()));
+      }
       resp->set_value(*v);
       return grpc::Status::OK;
     });

@@ -11,6 +11,7 @@
 #include <thread>
 
 #include "CLI/CLI.hpp"
+#include "kernels/common/log.h"
 #include "kernels/common/ready_file.h"
 #include "server/coordinator/coordinator.h"
 #include "server/coordinator/grpc_services.h"
@@ -42,6 +43,7 @@ int main(int argc, char** argv) {
   std::string metrics_listen = "127.0.0.1:9464";
   std::string ready_file;
   std::string token_file;
+  std::string log_format = "text";
   int tick_ms = 200;
   int grace_ms = 5000;
   app.add_option("--listen", server.listen, "gRPC address host:port (port 0 picks a free one)")
@@ -77,6 +79,9 @@ int main(int argc, char** argv) {
   app.add_option("--shutdown-grace-ms", grace_ms, "How long SIGTERM waits for running calls")
       ->capture_default_str()
       ->check(CLI::Range(0, 600000));
+  app.add_option("--log-format", log_format,
+                 "Event lines on stderr: text (logfmt, key=value) or json (one object a line)")
+      ->capture_default_str();
   try {
     app.parse(argc, argv);
   } catch (const CLI::ParseError& e) {
@@ -84,6 +89,15 @@ int main(int argc, char** argv) {
     std::fprintf(stderr, "geofp8-coordinator: error: %s\n", e.what());
     return 2;
   }
+  const auto format = geofp8::log::ParseFormat(log_format);
+  if (!format) {
+    std::fprintf(stderr,
+                 "geofp8-coordinator: error: --log-format: unknown value (%s); accepted: text, "
+                 "json\n",
+                 log_format.c_str());
+    return 2;
+  }
+  geofp8::log::Configure(*format);
   if (!token_file.empty()) {
     auto token = geofp8::coordinator::ReadFileForFlag("--token-file", token_file);
     if (!token.ok()) {
@@ -144,6 +158,13 @@ int main(int argc, char** argv) {
               data_dir.c_str(), server.token.empty() ? "off" : "token",
               server.tls_cert.empty() ? "off" : (server.tls_client_ca.empty() ? "on" : "mutual"));
   std::fflush(stdout);
+  geofp8::log::Info("coordinator.started")
+      .F("grpc_port", (*srv)->port())
+      .F("metrics", metrics_address)
+      .F("data_dir", data_dir)
+      .F("auth", server.token.empty() ? "off" : "token")
+      .F("tls", server.tls_cert.empty() ? "off" : (server.tls_client_ca.empty() ? "on" : "mutual"))
+      .Msg("serving");
 
   std::atomic<bool> stopping{false};
   std::thread ticker([&] {
@@ -168,11 +189,15 @@ int main(int argc, char** argv) {
   std::printf("geofp8-coordinator: %s received, shutting down\n",
               sig == SIGTERM ? "SIGTERM" : "SIGINT");
   std::fflush(stdout);
+  geofp8::log::Info("coordinator.shutdown")
+      .F("signal", sig == SIGTERM ? "SIGTERM" : "SIGINT")
+      .Msg("shutting down");
   stopping = true;
   coordinator.Shutdown();  // wakes watchers and rendezvous waiters
   (*srv)->Shutdown(grace_ms);
   ticker.join();
   if (!ready_file.empty()) std::remove(ready_file.c_str());
   std::printf("geofp8-coordinator: stopped\n");
+  geofp8::log::Info("coordinator.stopped").Msg("stopped");
   return 0;
 }

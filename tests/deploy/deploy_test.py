@@ -592,7 +592,8 @@ world_size: 2
 backend: gloo
 model: {preset: llama-tiny}
 data: {source: synthetic, seed: 1}
-training: {steps: 120, batch_size: 4, seq_len: 32, lr: 0.002, warmup_steps: 5, seed: 3}
+training: {steps: 120, batch_size: 4, seq_len: 32, lr: 0.002, warmup_steps: 5, seed: 3,
+           eval_every: 5, eval_batches: 2}
 policy:
   default: {format: fp8_e4m3, scaling: block, block: 64, geometry: lowrank, rank: 4}
 geometry_refresh: {estimator: ema, interval: 10}
@@ -738,6 +739,19 @@ class DashboardQueryTest(unittest.TestCase):
                 self.assertEqual(result, {frozenset({("job_id", job_id)}):
                                           max(raw("geofp8_worker_step").values())})
                 self.assertGreaterEqual(list(result.values())[0], 10)
+            elif "geofp8_worker_val_loss" in expr:
+                # avg by (job_id): validation is collective (the batches are split over the ranks
+                # and the sums all-reduced), so both ranks export the same value, measured after
+                # a step that ends an eval_every period of 5.
+                values = list(raw("geofp8_worker_val_loss").values())
+                self.assertEqual(len(values), 2)
+                self.assertAlmostEqual(list(result.values())[0], sum(values) / 2, places=9)
+                self.assertTrue(all(0 < v < 20 for v in values), values)
+                for step in raw("geofp8_worker_val_step").values():
+                    self.assertEqual((step + 1) % 5, 0, step)
+                coordinator = field(reported, "progress")
+                self.assertEqual((field(coordinator, "val_step") + 1) % 5, 0, coordinator)
+                self.assertTrue(0 < field(coordinator, "val_loss") < 20, coordinator)
             elif "geofp8_worker_loss" in expr:  # avg by (job_id): the ranks report one loss
                 values = list(raw("geofp8_worker_loss").values())
                 self.assertEqual(len(values), 2)
@@ -816,7 +830,8 @@ class DashboardQueryTest(unittest.TestCase):
         self.assertEqual(state(job), "SUCCEEDED", job)
         time.sleep(3)
         for gauge in ("geofp8_worker_step", "geofp8_worker_loss", "geofp8_worker_tokens_per_second",
-                      "geofp8_quantization_rel_error", "geofp8_worker_policy_version"):
+                      "geofp8_quantization_rel_error", "geofp8_worker_policy_version",
+                      "geofp8_worker_val_loss", "geofp8_worker_val_step"):
             self.assertEqual(prom.query(gauge + sel), {}, gauge)
         series = prom.query("geofp8_exchange_bytes_total" + sel)
         self.assertTrue(series)

@@ -11,6 +11,7 @@
 #include <gtest/gtest.h>
 
 #include <map>
+#include <regex>
 #include <string>
 
 #include "tests/worker/worker_process.h"
@@ -34,16 +35,13 @@ std::string Spec() {
          "checkpoint: {dir: ckpt, every: 50}\nrestarts: {max_restarts: 0}\n";
 }
 
-// version -> step, from a worker's "policy vN in force from step S" log lines.
+// version -> step, from a worker's policy.taken event lines (docs/operations.md).
 std::map<uint64_t, int64_t> TakenSteps(const std::string& log) {
   std::map<uint64_t, int64_t> out;
-  const std::string key = ": policy v";
-  for (size_t at = log.find(key); at != std::string::npos; at = log.find(key, at + 1)) {
-    const size_t from = log.find(" in force from step ", at);
-    const size_t eol = log.find('\n', at);
-    if (from == std::string::npos || (eol != std::string::npos && from > eol)) continue;
-    const uint64_t version = std::stoull(log.substr(at + key.size()));
-    out[version] = std::stoll(log.substr(from + 20));
+  const std::regex line(" event=policy\\.taken .* version=([0-9]+) step=(-?[0-9]+) ");
+  for (auto it = std::sregex_iterator(log.begin(), log.end(), line); it != std::sregex_iterator();
+       ++it) {
+    out[std::stoull((*it)[1].str())] = std::stoll((*it)[2].str());
   }
   return out;
 }

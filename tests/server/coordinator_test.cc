@@ -232,6 +232,23 @@ TEST_F(CoordinatorTest, AssignsRanksWhenEnoughIdleWorkersThenRunsAndSucceeds) {
   EXPECT_EQ(job.state(), v1::JOB_RUNNING);
   EXPECT_EQ(job.progress().bytes_sent(), 200u);
   EXPECT_EQ(job.progress().bytes_baseline(), 800u);
+  EXPECT_FALSE(job.progress().has_val_loss());  // no validation reported yet
+
+  // Rank 0's validation loss is the job's, with the step it was measured after; a later
+  // progress report without one keeps it.
+  v1::WorkerMessage val;
+  val.mutable_progress()->set_step(4);
+  val.mutable_progress()->set_loss(2.25);
+  val.mutable_progress()->set_val_loss(2.375);
+  ASSERT_TRUE(Send(a, val).ok());
+  ASSERT_TRUE(Progress(a, 5).ok());
+  job = Get(id);
+  ASSERT_TRUE(job.progress().has_val_loss());
+  EXPECT_EQ(job.progress().val_loss(), 2.375);
+  EXPECT_EQ(job.progress().val_step(), 4);
+  val.mutable_progress()->set_val_loss(9.0);  // rank 1's is not the job's figure
+  ASSERT_TRUE(Send(b, val).ok());
+  EXPECT_EQ(Get(id).progress().val_loss(), 2.375);
 
   v1::WorkerMessage summaries;
   for (int step : {5, 9, 7}) {  // a late, older summary never replaces a newer one

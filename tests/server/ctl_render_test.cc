@@ -2,6 +2,8 @@
 // YAML output carry the same fields.
 #include <gtest/gtest.h>
 
+#include <optional>
+
 #include "client/ctl/render.h"
 #include "yaml-cpp/yaml.h"
 
@@ -69,6 +71,64 @@ TEST(Render, DescribeShowsCheckpointsOffAndStepsDone) {
   job.mutable_progress()->set_checkpoint_step(3900);
   out = DescribeJob(job, nullptr, 0);
   EXPECT_NE(out.find("Checkpoint:   step 3900\n"), std::string::npos) << out;
+}
+
+TEST(Render, DescribeAndWideShowTheValidationLoss) {
+  v1::Job job;
+  job.set_id("job-4");
+  job.set_state(v1::JOB_RUNNING);
+  job.mutable_progress()->set_step(120);
+  job.mutable_progress()->set_total_steps(400);
+  std::string out = DescribeJob(job, nullptr, 0);
+  EXPECT_NE(out.find("Validation:   -\n"), std::string::npos) << out;  // none measured yet
+  EXPECT_NE(JobsWideTable({job}, 0).find("VAL-LOSS"), std::string::npos);
+  job.mutable_progress()->set_val_loss(3.21875);
+  job.mutable_progress()->set_val_step(99);  // measured after the 100th step
+  out = DescribeJob(job, nullptr, 0);
+  EXPECT_NE(out.find("Validation:   loss 3.2188 after step 100\n"), std::string::npos) << out;
+  const std::string wide = JobsWideTable({job}, 0);
+  EXPECT_NE(wide.find("3.219 @100"), std::string::npos) << wide;
+}
+
+// Policy history: the step each version was taken at, next to its effective step, in every output.
+TEST(Render, PolicyHistoryShowsTheTakenStep) {
+  v1::ListPolicyVersionsResponse r;
+  auto add = [&](uint64_t version, int64_t effective, std::optional<int64_t> taken) {
+    v1::Policy* p = r.add_policies();
+    p->set_job_id("job-5");
+    p->set_version(version);
+    p->set_effective_step(effective);
+    if (taken) p->set_taken_step(*taken);
+    p->set_author(version == 1 ? "spec" : "user");
+    p->set_reason("r" + std::to_string(version));
+    p->mutable_default_policy()->set_format("fp8_e4m3");
+    p->mutable_default_policy()->set_geometry("lowrank");
+  };
+  add(1, 0, 0);
+  add(2, 45, std::nullopt);  // overtaken by v3 before the ranks took it: never in force
+  add(3, 45, 47);            // taken two steps after its lower bound
+  add(4, 90, std::nullopt);  // not taken yet
+  const std::string table = PolicyHistoryTable(r);
+  EXPECT_NE(table.find("VERSION  EFFECTIVE-STEP  TAKEN-STEP  AUTHOR"), std::string::npos) << table;
+  EXPECT_NE(table.find("v1       0               0           spec"), std::string::npos) << table;
+  EXPECT_NE(table.find("v2       45              never       user"), std::string::npos) << table;
+  EXPECT_NE(table.find("v3       45              47          user"), std::string::npos) << table;
+  EXPECT_NE(table.find("v4       90              -           user"), std::string::npos) << table;
+  const std::string wide = PolicyHistoryWideTable(r, 0);
+  EXPECT_NE(wide.find("TAKEN-STEP"), std::string::npos) << wide;
+  EXPECT_NE(wide.find("fp8_e4m3/lowrank"), std::string::npos) << wide;
+  EXPECT_NE(wide.find("v3       45              47"), std::string::npos) << wide;
+  for (const YAML::Node doc : {YAML::Load(ToJson(r)), YAML::Load(ToYaml(r))}) {
+    const YAML::Node ps = doc["policies"];
+    ASSERT_EQ(ps.size(), 4u);
+    EXPECT_EQ(ps[0]["taken_step"].as<int64_t>(), 0);
+    EXPECT_TRUE(ps[1]["taken_step"].IsNull());  // not "taken at step 0"
+    EXPECT_EQ(ps[2]["taken_step"].as<int64_t>(), 47);
+    EXPECT_EQ(ps[2]["effective_step"].as<int64_t>(), 45);
+    EXPECT_TRUE(ps[3]["taken_step"].IsNull());
+  }
+  // JSON carries it as a number, not a string.
+  EXPECT_NE(ToJson(r).find("\"taken_step\": 47"), std::string::npos) << ToJson(r);
 }
 
 TEST(Render, DescribeAndWatchShowACommandJob) {

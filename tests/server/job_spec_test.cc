@@ -30,6 +30,8 @@ TEST(JobSpec, MinimalSpecTakesDefaults) {
   EXPECT_EQ(spec->policy.defaults.format, Format::kFp8E4M3);
   EXPECT_EQ(spec->policy.margin, 5);
   EXPECT_EQ(spec->restarts.max_restarts, 3);
+  EXPECT_EQ(spec->training.eval_every, 50);
+  EXPECT_EQ(spec->training.eval_batches, 8);
 }
 
 TEST(JobSpec, FullSpecParsesEveryField) {
@@ -39,7 +41,8 @@ backend: nccl
 model: {preset: llama-small}
 data: {source: file, path: data/x.txt, seed: 3}
 training: {steps: 500, batch_size: 4, seq_len: 32, lr: 0.01, weight_decay: 0.1,
-           warmup_steps: 10, optimizer: adamw, grad_clip: 0.5, seed: 9}
+           warmup_steps: 10, optimizer: adamw, grad_clip: 0.5, seed: 9, eval_every: 25,
+           eval_batches: 4}
 exchange: {algorithm: native, bucket_mb: 4, timeout_s: 30}
 policy:
   default: {format: nvfp4, scaling: tensor, block: 64, rounding: stochastic,
@@ -63,6 +66,8 @@ restarts: {max_restarts: 0}
                 .find("line 2: spec.training.optimizer: unknown value (sgd); accepted: adamw"),
             std::string::npos);
   EXPECT_DOUBLE_EQ(spec->training.lr, 0.01);
+  EXPECT_EQ(spec->training.eval_every, 25);
+  EXPECT_EQ(spec->training.eval_batches, 4);
   EXPECT_EQ(spec->exchange.algorithm, Algorithm::kNative);
   EXPECT_EQ(spec->policy.defaults.format, Format::kNvfp4);
   EXPECT_EQ(spec->policy.defaults.scaling, Scaling::kTensor);
@@ -239,6 +244,12 @@ TEST(JobSpec, ErrorsNameThePathAndLine) {
             std::string::npos);
   EXPECT_NE(ErrorOf("name: a\ntraining:\n  steps: 10\n  warmup_steps: 10\n")
                 .find("line 4: spec.training.warmup_steps: must be less than training.steps"),
+            std::string::npos);
+  EXPECT_NE(ErrorOf("name: a\ntraining:\n  eval_every: -1\n")
+                .find("line 3: spec.training.eval_every: must be in [0, 1000000000] (-1)"),
+            std::string::npos);
+  EXPECT_NE(ErrorOf("name: a\ntraining:\n  eval_batches: 0\n")
+                .find("line 3: spec.training.eval_batches: must be in [1, 1024] (0)"),
             std::string::npos);
   EXPECT_NE(ErrorOf("name: a\nexchange:\n  algorithm: native\n").find("native needs backend nccl"),
             std::string::npos);

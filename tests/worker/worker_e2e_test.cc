@@ -9,6 +9,7 @@
 
 #include <cmath>
 #include <filesystem>
+#include <regex>
 
 #include "tests/common/http_client.h"
 #include "tests/worker/worker_process.h"
@@ -161,11 +162,13 @@ TEST_F(WorkerE2ETest, TwoWorkersFinishATinyJobWithEqualChecksums) {
   EXPECT_TRUE(client_->WaitIdle(2, seconds(10)));
 }
 
-// The step a worker's log says it put `version` in force from; -1 if it never did.
+// The step a worker's log says it put `version` in force from (its policy.taken event line,
+// docs/operations.md); -1 if it never did.
 int64_t TakenStep(const std::string& log, uint64_t version) {
-  const std::string key = ": policy v" + std::to_string(version) + " in force from step ";
-  const size_t at = log.find(key);
-  return at == std::string::npos ? -1 : std::stoll(log.substr(at + key.size()));
+  const std::regex line(" event=policy\\.taken .* version=" + std::to_string(version) +
+                        " step=(-?[0-9]+) ");
+  std::smatch m;
+  return std::regex_search(log, m, line) ? std::stoll(m[1].str()) : -1;
 }
 
 TEST_F(WorkerE2ETest, LivePolicyChangeTakesEffectAtItsStep) {

@@ -31,6 +31,7 @@ TEST(WorkerMetricsTest, JobSeriesCarryTheJobAndWholeBytes) {
   WorkerMetrics m;
   m.JobStarted("a", 0, 2);
   m.Step(0, 2.5, 1000, {0.1, 0.01, 0.004}, false);
+  m.ValidationLoss(0, 2.75);
   // 0.4 + 0.4 + 0.4 = 1.2 bytes: the counter holds the whole byte, the 0.2 is carried.
   for (int i = 0; i < 3; ++i) m.LayerBytes("l0", "fp8_e4m3", 0.4);
   m.LayerError("l0", 0.01);
@@ -50,6 +51,8 @@ TEST(WorkerMetricsTest, JobSeriesCarryTheJobAndWholeBytes) {
   EXPECT_TRUE(Has(t, "geofp8_geometry_refresh_seconds_sum 0.004\n")) << t;
   EXPECT_TRUE(Has(t, "geofp8_exchange_seconds_sum 0.01\n")) << t;
   EXPECT_TRUE(Has(t, "geofp8_worker_step{job_id=\"a\"} 0")) << t;
+  EXPECT_TRUE(Has(t, "geofp8_worker_val_loss{job_id=\"a\"} 2.75")) << t;
+  EXPECT_TRUE(Has(t, "geofp8_worker_val_step{job_id=\"a\"} 0")) << t;
   m.LayerBytes("l0", "fp8_e4m3", 0.8);  // 2.0 exactly
   EXPECT_TRUE(Has(m.Render(), "job_id=\"a\",layer=\"l0\"} 2\n"));
 
@@ -58,15 +61,18 @@ TEST(WorkerMetricsTest, JobSeriesCarryTheJobAndWholeBytes) {
   EXPECT_TRUE(Has(t, "geofp8_worker_jobs_total{result=\"cancelled\"} 1")) << t;
   EXPECT_TRUE(Has(t, "geofp8_worker_jobs_total{result=\"failed\"} 0")) << t;
   EXPECT_TRUE(Has(t, "geofp8_worker_errors_total{kind=\"job_failed\"} 0")) << t;
-  for (const char* gone : {"geofp8_worker_step{", "geofp8_worker_loss{",
-                           "geofp8_worker_tokens_per_second{", "geofp8_quantization_rel_error{",
-                           "geofp8_geometry_drift{", "geofp8_geometry_probe_gain{"}) {
+  for (const char* gone : {"geofp8_worker_step{", "geofp8_worker_loss{", "geofp8_worker_val_loss{",
+                           "geofp8_worker_val_step{", "geofp8_worker_tokens_per_second{",
+                           "geofp8_quantization_rel_error{", "geofp8_geometry_drift{",
+                           "geofp8_geometry_probe_gain{"}) {
     EXPECT_FALSE(Has(t, gone)) << gone << "\n" << t;
   }
   EXPECT_TRUE(Has(t, "geofp8_exchange_bytes_total{format=\"fp8_e4m3\",job_id=\"a\"")) << t;
   // Updates between jobs have no job to belong to.
   m.LayerError("l0", 0.5);
+  m.ValidationLoss(3, 1.0);
   EXPECT_FALSE(Has(m.Render(), "geofp8_quantization_rel_error{"));
+  EXPECT_FALSE(Has(m.Render(), "geofp8_worker_val_loss{"));
 }
 
 TEST(WorkerMetricsTest, ResultsAndTheBoundOnKeptJobs) {

@@ -96,7 +96,8 @@ void JobRunner::RequestStop(const std::string& reason) {
 
 JobOutcome JobRunner::Run() {
   const auto start = Clock::now();
-  RankReporter reporter(assignment_, send_, metrics_, options_.data_dir);
+  RankReporter reporter(assignment_, send_, metrics_, options_.data_dir,
+                        options_.log_progress_every);
   reporter.Started();
   JobOutcome out;
   bool transport = false;

@@ -35,6 +35,8 @@ struct JobRunnerOptions {
   int summary_every = 10;                    // per-layer error summaries (rank 0), steps; 0: never
   int checksum_every = 10;  // cross-rank parameter checksum, steps; 0: only at the end
   int blas_threads = 1;
+  // Steps between rank 0's job.progress log lines (step, loss); 0: never.
+  int log_progress_every = 50;
   std::chrono::milliseconds schedule_wait{30000};  // wait for the refresh schedule at start
   // After a transport failure (a peer vanished), how long to wait for the coordinator's Stop
   // before reporting the failure: a dead peer makes the attempt restartable, and only the

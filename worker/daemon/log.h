@@ -1,12 +1,13 @@
-// One-line timestamped log messages of the worker daemon on stderr ("geofp8-worker[name]: ...").
+// The worker daemon's free-form notes: lines that are no lifecycle event of their own, written in
+// the shared structured format (kernels/common/log.h) as `event=worker.note msg=...`.
 #pragma once
 
 #include <string>
 
+#include "kernels/common/log.h"
+
 namespace geofp8::worker {
 
-// Prefix shown after "geofp8-worker" (the worker name), set once at start-up.
-void SetLogName(const std::string& name);
-void Log(const std::string& message);
+inline void Log(const std::string& message) { log::Info("worker.note").Msg(message); }
 
 }  // namespace geofp8::worker

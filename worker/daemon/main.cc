@@ -11,8 +11,8 @@
 #include <fstream>
 #include <string>
 
+#include "kernels/common/log.h"
 #include "kernels/common/ready_file.h"
-#include "worker/daemon/log.h"
 #include "worker/daemon/worker.h"
 
 namespace {
@@ -63,7 +63,7 @@ int main(int argc, char** argv) {
   CLI::App app{"geofp8-worker: a GeoFP8 training worker driven by geofp8-coordinator"};
   geofp8::worker::WorkerOptions o;
   o.connection.address = "127.0.0.1:7070";
-  std::string token_file, capacity, device = "cpu";
+  std::string token_file, capacity, device = "cpu", log_format = "text";
   int grace_ms = 10000;
   int step_delay_ms = 0;
   int policy_delay_ms = 0;
@@ -111,6 +111,12 @@ int main(int argc, char** argv) {
       ->capture_default_str();
   app.add_option("--shutdown-grace-ms", grace_ms, "How long SIGTERM waits for the rank to stop")
       ->capture_default_str();
+  app.add_option("--log-format", log_format,
+                 "Event lines on stderr: text (logfmt, key=value) or json (one object a line)")
+      ->capture_default_str();
+  app.add_option("--log-progress-every", o.job.log_progress_every,
+                 "Steps between rank 0's progress log lines (step, loss); 0: off")
+      ->capture_default_str();
   app.add_option("--debug-step-delay-ms", step_delay_ms, "Sleep after every step (tests, demos)")
       ->check(CLI::NonNegativeNumber)
       ->group("");
@@ -128,6 +134,14 @@ int main(int argc, char** argv) {
   } catch (const CLI::ParseError& e) {
     if (e.get_exit_code() == 0) return app.exit(e);
     return UsageError(e.what());
+  }
+  const auto format = geofp8::log::ParseFormat(log_format);
+  if (!format) {
+    return UsageError("--log-format: unknown value (" + log_format + "); accepted: text, json");
+  }
+  if (o.job.log_progress_every < 0) {
+    return UsageError("--log-progress-every: must be >= 0 (" +
+                      std::to_string(o.job.log_progress_every) + ")");
   }
   if (device != "cpu") {
     return UsageError("--device: only cpu is supported by this worker (" + device + ")");
@@ -172,7 +186,7 @@ int main(int argc, char** argv) {
   o.job.worker_name = o.session.name;
   o.job.debug_step_delay = std::chrono::milliseconds(step_delay_ms);
   o.job.debug_policy_delay = std::chrono::milliseconds(policy_delay_ms);
-  geofp8::worker::SetLogName(o.session.name);
+  geofp8::log::Configure(*format, {{"worker", o.session.name}});
 
   if (pipe(g_signal_pipe) != 0) return UsageError("pipe() failed");
   struct sigaction action = {};
@@ -208,14 +222,16 @@ int main(int argc, char** argv) {
   int sig = 0;
   while (read(g_signal_pipe[0], &sig, sizeof sig) < 0 && errno == EINTR) {
   }
-  geofp8::worker::Log(std::string(sig == SIGTERM ? "SIGTERM" : "SIGINT") +
-                      " received, shutting down");
   const char* signal_name = sig == SIGTERM ? "SIGTERM" : "SIGINT";
+  geofp8::log::Info("worker.shutdown")
+      .F("signal", signal_name)
+      .F("grace_ms", grace_ms)
+      .Msg(std::string(signal_name) + " received, shutting down");
   if (!worker.Shutdown(std::chrono::milliseconds(grace_ms), signal_name)) {
     std::fflush(stdout);
     std::_Exit(0);
   }
   if (!ready_file.empty()) std::remove(ready_file.c_str());
-  geofp8::worker::Log("stopped");
+  geofp8::log::Info("worker.stopped").Msg("stopped");
   return 0;
 }

@@ -32,6 +32,15 @@ WorkerMetrics::WorkerMetrics()
                 .Name("geofp8_worker_loss")
                 .Help("Training loss (mean over ranks) of the last step")
                 .Register(*registry_)),
+      val_loss_(BuildGauge()
+                    .Name("geofp8_worker_val_loss")
+                    .Help("Validation loss on held-out data (mean over the eval batches), as last "
+                          "measured (training.eval_every)")
+                    .Register(*registry_)),
+      val_step_(BuildGauge()
+                    .Name("geofp8_worker_val_step")
+                    .Help("Step after which geofp8_worker_val_loss was measured")
+                    .Register(*registry_)),
       tokens_per_second_(BuildGauge()
                              .Name("geofp8_worker_tokens_per_second")
                              .Help("Tokens per second over all ranks (smoothed)")
@@ -209,6 +218,13 @@ void WorkerMetrics::Step(int64_t step, double loss, double tokens_per_second,
   step_seconds_.Add({}, SecondsBuckets()).Observe(times.step_seconds);
   exchange_seconds_.Add({}, SecondsBuckets()).Observe(times.exchange_seconds);
   geometry_seconds_.Add({}, SecondsBuckets()).Observe(times.geometry_seconds);
+}
+
+void WorkerMetrics::ValidationLoss(int64_t step, double loss) {
+  std::lock_guard<std::mutex> lock(mu_);
+  if (job_.empty()) return;
+  JobGauge(val_loss_, {}).Set(loss);
+  JobGauge(val_step_, {}).Set(double(step));
 }
 
 void WorkerMetrics::PolicyVersion(uint64_t version) {

@@ -32,9 +32,10 @@ class WorkerMetrics {
 
   // A job (attempt) starts on this worker: labels step/loss gauges and resets per-job gauges.
   // Every series labelled job_id belongs to the job that runs now. When the attempt ends its
-  // gauges (step, loss, tokens/s, policy version, checkpoint step, per-layer error, drift, probe
-  // gain) are removed; its counters (exchange bytes, refreshes) stay for the last kKeptJobs jobs
-  // that ended here, so their final values remain scrapeable without growing without bound.
+  // gauges (step, loss, validation loss and step, tokens/s, policy version, checkpoint step,
+  // per-layer error, drift, probe gain) are removed; its counters (exchange bytes, refreshes) stay
+  // for the last kKeptJobs jobs that ended here, so their final values remain scrapeable without
+  // growing without bound.
   static constexpr size_t kKeptJobs = 4;
   void JobStarted(const std::string& job_id, int rank, int world_size);
   // result: succeeded; stopped by the coordinator with a reason that says "cancelled"
@@ -49,6 +50,8 @@ class WorkerMetrics {
   };
   void Step(int64_t step, double loss, double tokens_per_second, const StepTimes& times,
             bool skipped);
+  // Validation loss on held-out data measured after `step` (training.eval_every).
+  void ValidationLoss(int64_t step, double loss);
   void PolicyVersion(uint64_t version);
   // Bytes attributed to a layer may be fractional; the counter holds whole bytes (the fractions
   // are carried, so the total is the floor of the exact sum).
@@ -68,6 +71,8 @@ class WorkerMetrics {
   std::mutex mu_;
   prometheus::Family<prometheus::Gauge>& step_;
   prometheus::Family<prometheus::Gauge>& loss_;
+  prometheus::Family<prometheus::Gauge>& val_loss_;
+  prometheus::Family<prometheus::Gauge>& val_step_;
   prometheus::Family<prometheus::Gauge>& tokens_per_second_;
   prometheus::Family<prometheus::Counter>& steps_total_;
   prometheus::Family<prometheus::Counter>& skipped_total_;

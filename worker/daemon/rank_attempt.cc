@@ -60,7 +60,8 @@ train::TrainOptions TrainOptionsFor(const JobSpec& spec, int world,
     to.data = *inside;
   }
   to.policy = "coordinator";  // the versions come from the coordinator (SetPolicies)
-  to.eval_every = 0;          // the loop owns checksums and checkpoints
+  to.eval_every = 0;          // the loop owns validation, checksums and checkpoints
+  to.eval_batches = spec.training.eval_batches;
   to.checksum_every = 0;
   to.blas_threads = options.blas_threads;
   to.timeout = milliseconds(int64_t(spec.exchange.timeout_s) * 1000);
@@ -296,10 +297,16 @@ bool RankAttempt::Step(int64_t step, int64_t steps, double baseline_per_step, Jo
 
   ctx_.reporter.StepMetrics(step, rec, tokens_per_second_, params_, layer_policies_, schedule_,
                             *trainer_);
-  ctx_.reporter.Progress(step, rec.loss, tokens_per_second_, trainer_->bytes_sent(),
-                         uint64_t(baseline_per_step * double(step + 1)), policy_.version());
-
   const bool last = step + 1 == steps;
+  // Validation is collective: every rank runs the same loop, so all take this branch.
+  double val_loss = NAN;
+  if (last || (spec_.training.eval_every > 0 && (step + 1) % spec_.training.eval_every == 0)) {
+    val_loss = trainer_->Validate();
+  }
+  ctx_.reporter.Progress(step, steps, rec.loss, tokens_per_second_, trainer_->bytes_sent(),
+                         uint64_t(baseline_per_step * double(step + 1)), policy_.version(),
+                         val_loss);
+
   if (last || (ctx_.options.checksum_every > 0 && (step + 1) % ctx_.options.checksum_every == 0)) {
     const uint64_t checksum = trainer_->VerifyChecksum(step);
     if (last) out.checksum = checksum;

@@ -1,6 +1,7 @@
 #include "worker/daemon/rank_reporter.h"
 
 #include <chrono>
+#include <cmath>
 #include <cstdio>
 #include <filesystem>
 #include <fstream>
@@ -43,8 +44,12 @@ std::string HexChecksum(uint64_t v) {
 }
 
 RankReporter::RankReporter(const v1::Assignment& assignment, const JobRunner::SendFn& send,
-                           WorkerMetrics* metrics, std::string data_dir)
-    : a_(assignment), send_(send), metrics_(metrics), data_dir_(std::move(data_dir)) {}
+                           WorkerMetrics* metrics, std::string data_dir, int log_progress_every)
+    : a_(assignment),
+      send_(send),
+      metrics_(metrics),
+      data_dir_(std::move(data_dir)),
+      log_progress_every_(log_progress_every) {}
 
 void RankReporter::Catalog(const std::vector<model::ParamInfo>& params) {
   v1::WorkerMessage m;
@@ -59,9 +64,15 @@ void RankReporter::Catalog(const std::vector<model::ParamInfo>& params) {
 
 void RankReporter::PolicyInForce(const v1::Policy& p, int64_t step, int64_t taken) {
   if (metrics_) metrics_->PolicyVersion(p.version());
-  Log("job " + a_.job_id() + " rank " + std::to_string(a_.rank()) + ": policy v" +
-      std::to_string(p.version()) + " in force from step " + std::to_string(step) + " (" +
-      p.reason() + ")");
+  log::Info("policy.taken")
+      .F("job", a_.job_id())
+      .F("attempt", a_.attempt())
+      .F("rank", a_.rank())
+      .F("version", p.version())
+      .F("step", step)
+      .F("effective_step", p.effective_step())
+      .Msg("policy v" + std::to_string(p.version()) + " in force from step " +
+           std::to_string(step) + " (" + p.reason() + ")");
   v1::WorkerMessage ack;
   ack.mutable_policy_ack()->set_version(p.version());
   ack.mutable_policy_ack()->set_step(taken);
@@ -72,6 +83,13 @@ void RankReporter::PolicyInForce(const v1::Policy& p, int64_t step, int64_t take
 
 void RankReporter::CheckpointWritten(int64_t next_step, const std::string& path) {
   if (metrics_) metrics_->Checkpoint(next_step);
+  log::Info("checkpoint.written")
+      .F("job", a_.job_id())
+      .F("attempt", a_.attempt())
+      .F("rank", a_.rank())
+      .F("step", next_step)
+      .F("path", path)
+      .Msg("checkpoint after " + std::to_string(next_step) + " steps");
   v1::WorkerMessage m;
   m.mutable_checkpoint()->set_step(next_step);
   m.mutable_checkpoint()->set_path(path);
@@ -81,9 +99,14 @@ void RankReporter::CheckpointWritten(int64_t next_step, const std::string& path)
 }
 
 void RankReporter::CheckpointFailed(int64_t next_step, const std::string& why) {
-  Log("job " + a_.job_id() + " rank " + std::to_string(a_.rank()) + ": checkpoint at step " +
-      std::to_string(next_step) + " not written (" + why +
-      "); the recovery point stays where it was; retrying at the next interval");
+  log::Event(log::Level::kError, "checkpoint.failed")
+      .F("job", a_.job_id())
+      .F("attempt", a_.attempt())
+      .F("rank", a_.rank())
+      .F("step", next_step)
+      .F("error", why)
+      .Msg("checkpoint at step " + std::to_string(next_step) + " not written (" + why +
+           "); the recovery point stays where it was; retrying at the next interval");
   if (metrics_) metrics_->Error("checkpoint_write");
 }
 
@@ -112,8 +135,26 @@ void RankReporter::StepMetrics(int64_t step, const train::StepRecord& rec, doubl
   }
 }
 
-void RankReporter::Progress(int64_t step, double loss, double tokens_per_second,
-                            uint64_t bytes_sent, uint64_t bytes_baseline, uint64_t policy_version) {
+void RankReporter::Progress(int64_t step, int64_t steps, double loss, double tokens_per_second,
+                            uint64_t bytes_sent, uint64_t bytes_baseline, uint64_t policy_version,
+                            double val_loss) {
+  if (!std::isnan(val_loss)) {
+    if (metrics_) metrics_->ValidationLoss(step, val_loss);
+    last_val_loss_ = val_loss;
+    last_val_step_ = step;
+  }
+  if (a_.rank() == 0 && log_progress_every_ > 0 && (step + 1) % log_progress_every_ == 0) {
+    log::Event e(log::Level::kInfo, "job.progress");
+    e.F("job", a_.job_id())
+        .F("attempt", a_.attempt())
+        .F("rank", a_.rank())
+        .F("step", step)
+        .F("loss", loss)
+        .F("tokens_per_second", tokens_per_second)
+        .F("policy_version", policy_version);
+    if (last_val_step_ >= 0) e.F("val_loss", last_val_loss_).F("val_step", last_val_step_);
+    e.Msg("step " + std::to_string(step + 1) + "/" + std::to_string(steps));
+  }
   v1::WorkerMessage pm;
   auto* p = pm.mutable_progress();
   p->set_step(step);
@@ -122,6 +163,7 @@ void RankReporter::Progress(int64_t step, double loss, double tokens_per_second,
   p->set_bytes_sent(bytes_sent);
   p->set_bytes_baseline(bytes_baseline);
   p->set_policy_version(policy_version);
+  if (!std::isnan(val_loss)) p->set_val_loss(val_loss);
   Send(std::move(pm), false);
 }
 
@@ -170,10 +212,15 @@ void RankReporter::Probes(int64_t step, const std::vector<LayerProbe>& probes_do
 
 void RankReporter::Started() {
   if (metrics_) metrics_->JobStarted(a_.job_id(), a_.rank(), a_.world_size());
-  Log("job " + a_.job_id() + " attempt " + std::to_string(a_.attempt()) + ": starting rank " +
-      std::to_string(a_.rank()) + " of " + std::to_string(a_.world_size()) +
-      (a_.resume_step() > 0 ? " from checkpoint step " + std::to_string(a_.resume_step())
-                            : std::string()));
+  log::Info("rank.started")
+      .F("job", a_.job_id())
+      .F("attempt", a_.attempt())
+      .F("rank", a_.rank())
+      .F("world_size", a_.world_size())
+      .F("step", a_.resume_step())
+      .Msg("starting rank " + std::to_string(a_.rank()) + " of " + std::to_string(a_.world_size()) +
+           (a_.resume_step() > 0 ? " from checkpoint step " + std::to_string(a_.resume_step())
+                                 : std::string()));
 }
 
 void RankReporter::Ended(const JobOutcome& out, double seconds) {
@@ -187,12 +234,20 @@ void RankReporter::Ended(const JobOutcome& out, double seconds) {
     m.mutable_finished()->set_attempt(a_.attempt());
     Send(std::move(m), true);
   }
-  Log("job " + a_.job_id() + " attempt " + std::to_string(a_.attempt()) + " rank " +
-      std::to_string(a_.rank()) + ": " +
-      (out.success   ? "SUCCEEDED"
-       : out.stopped ? "STOPPED"
-                     : "FAILED") +
-      ": " + out.reason + " (" + std::to_string(seconds) + " s)");
+  {
+    // Classified as WorkerMetrics::JobEnded counts it: a stop whose reason says "cancelled" is
+    // a cancel.
+    const bool failed = !out.success && !out.stopped;
+    log::Event e(failed ? log::Level::kError : log::Level::kInfo,
+                 failed ? "rank.failed" : "rank.finished");
+    e.F("job", a_.job_id()).F("attempt", a_.attempt()).F("rank", a_.rank()).F("step", out.steps);
+    if (!failed) {
+      e.F("result", out.success                                         ? "succeeded"
+                    : out.reason.find("cancelled") != std::string::npos ? "cancelled"
+                                                                        : "stopped");
+    }
+    e.F("seconds", seconds).Msg(out.reason);
+  }
   // A small result file: tests and operators read the final checksum without scraping logs.
   std::error_code ec;
   const std::filesystem::path dir = std::filesystem::path(data_dir_) / "results";

@@ -23,8 +23,9 @@ std::string HexChecksum(uint64_t v);
 class RankReporter {
  public:
   // `metrics` may be null (no metrics).
+  // Rank 0 logs a job.progress line every `log_progress_every` steps (0: never).
   RankReporter(const v1::Assignment& assignment, const JobRunner::SendFn& send,
-               WorkerMetrics* metrics, std::string data_dir);
+               WorkerMetrics* metrics, std::string data_dir, int log_progress_every = 0);
 
   // Rank 0 sends the model's layers; the coordinator answers with the refresh schedule.
   void Catalog(const std::vector<model::ParamInfo>& params);
@@ -44,8 +45,10 @@ class RankReporter {
                    const std::vector<model::ParamInfo>& params,
                    const std::vector<LayerPolicy>& layer_policies,
                    const std::vector<RefreshSchedule>& schedule, const train::Trainer& trainer);
-  void Progress(int64_t step, double loss, double tokens_per_second, uint64_t bytes_sent,
-                uint64_t bytes_baseline, uint64_t policy_version);
+  // `val_loss`: the validation loss measured after `step`, NaN when the step did not validate.
+  void Progress(int64_t step, int64_t steps, double loss, double tokens_per_second,
+                uint64_t bytes_sent, uint64_t bytes_baseline, uint64_t policy_version,
+                double val_loss);
   // Rank 0 sends each layer's rel_fro_error and residual-subspace error from a measured step,
   // with its geometry version and the drift of its last refresh.
   void Summaries(const train::StepRecord& rec, const std::vector<model::ParamInfo>& params,
@@ -67,6 +70,9 @@ class RankReporter {
   const JobRunner::SendFn& send_;
   WorkerMetrics* metrics_;
   const std::string data_dir_;
+  const int log_progress_every_;
+  double last_val_loss_ = 0;  // the last validation (for the progress log line)
+  int64_t last_val_step_ = -1;
 };
 
 }  // namespace geofp8::worker

@@ -103,7 +103,9 @@ bool SessionClient::Leave(const std::string& reason, milliseconds timeout) {
     Log("leave: " + DescribeStatus(s) + " (the coordinator finds out by the heartbeat timeout)");
     return false;
   }
-  Log("left the coordinator (" + reason + ")");
+  log::Info("worker.left")
+      .F("generation", generation_.load())
+      .Msg("left the coordinator (" + reason + ")");
   return true;
 }
 
@@ -133,9 +135,14 @@ bool SessionClient::Register(std::string* error) {
     unacked_.clear();
   }
   ++counters_.registrations;
-  Log("registered with " + connection_->address() + " as " + resp.worker_id() + " generation " +
-      std::to_string(resp.generation()) + " (heartbeat every " +
-      std::to_string(resp.heartbeat_interval_ms()) + " ms)");
+  log::Info("worker.registered")
+      .F("coordinator", connection_->address())
+      .F("worker_id", resp.worker_id())
+      .F("generation", resp.generation())
+      .F("heartbeat_ms", resp.heartbeat_interval_ms())
+      .Msg("registered with " + connection_->address() + " as " + resp.worker_id() +
+           " generation " + std::to_string(resp.generation()) + " (heartbeat every " +
+           std::to_string(resp.heartbeat_interval_ms()) + " ms)");
   return true;
 }
 
@@ -239,8 +246,11 @@ void SessionClient::Loop() {
     if (need_register) {
       std::string error;
       if (!Register(&error)) {
-        Log("register with " + connection_->address() + " failed: " + error + "; retrying in " +
-            std::to_string(backoff.count()) + " ms");
+        log::Warn("worker.register_failed")
+            .F("coordinator", connection_->address())
+            .F("retry_ms", int64_t(backoff.count()))
+            .Msg("register with " + connection_->address() + " failed: " + error +
+                 "; retrying in " + std::to_string(backoff.count()) + " ms");
         if (!SleepUnlessStopped(backoff)) break;
         backoff = std::min(backoff * 2, options_.backoff_max);
         continue;
@@ -263,13 +273,16 @@ void SessionClient::Loop() {
         status.error_code() == grpc::StatusCode::NOT_FOUND) {
       ++counters_.generations_lost;
       const std::string reason = "session rejected: " + DescribeStatus(status);
-      Log(reason + "; registering again");
+      log::Warn("worker.session_rejected").Msg(reason + "; registering again");
       if (events_.on_generation_lost) events_.on_generation_lost(reason);
       need_register = true;
       continue;
     }
-    Log("session with " + connection_->address() + " ended: " + DescribeStatus(status) +
-        "; reconnecting in " + std::to_string(backoff.count()) + " ms");
+    log::Warn("worker.session_lost")
+        .F("coordinator", connection_->address())
+        .F("retry_ms", int64_t(backoff.count()))
+        .Msg("session with " + connection_->address() + " ended: " + DescribeStatus(status) +
+             "; reconnecting in " + std::to_string(backoff.count()) + " ms");
     if (!SleepUnlessStopped(backoff)) break;
     backoff = std::min(backoff * 2, options_.backoff_max);
   }

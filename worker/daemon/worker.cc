@@ -121,8 +121,14 @@ void Worker::OnMessage(const v1::CoordinatorMessage& message) {
           runner_->assignment().attempt() == a.attempt()) {
         return;  // a repeat of what is running
       }
-      Log("assignment: job " + a.job_id() + " attempt " + std::to_string(a.attempt()) + " rank " +
-          std::to_string(a.rank()) + "/" + std::to_string(a.world_size()));
+      log::Info("job.assigned")
+          .F("job", a.job_id())
+          .F("attempt", a.attempt())
+          .F("rank", a.rank())
+          .F("world_size", a.world_size())
+          .F("step", a.resume_step())
+          .Msg("assignment: job " + a.job_id() + " attempt " + std::to_string(a.attempt()) +
+               " rank " + std::to_string(a.rank()) + "/" + std::to_string(a.world_size()));
       if (active) {
         // The coordinator has moved on (e.g. released our ranks); the old rank winds down first.
         runner_->RequestStop("superseded by job " + a.job_id() + " attempt " +
@@ -162,7 +168,10 @@ void Worker::OnMessage(const v1::CoordinatorMessage& message) {
       const v1::Stop& s = message.stop();
       if (pending_ && (s.job_id().empty() || s.job_id() == pending_->job_id())) pending_.reset();
       if (active && (s.job_id().empty() || s.job_id() == runner_->assignment().job_id())) {
-        Log("stop: job " + runner_->assignment().job_id() + ": " + s.reason());
+        log::Info("job.stop_requested")
+            .F("job", runner_->assignment().job_id())
+            .F("rank", runner_->assignment().rank())
+            .Msg("stop: job " + runner_->assignment().job_id() + ": " + s.reason());
         runner_->RequestStop(s.reason());
       }
       return;
