@@ -68,8 +68,8 @@ void FoldedFactor(const double* C, int ldc, const double* energy, int held, cons
     cblas_dsyrk(CblasColMajor, CblasUpper, CblasNoTrans, c, held, beta, sc, c, 0.0, s.data(), c);
   }
   if (e > 0) {
-    cblas_dsyrk(CblasColMajor, CblasUpper, e_trans ? CblasTrans : CblasNoTrans, c, e, 1.0 - beta,
-                E, lde, 1.0, s.data(), c);
+    cblas_dsyrk(CblasColMajor, CblasUpper, e_trans ? CblasTrans : CblasNoTrans, c, e, 1.0 - beta, E,
+                lde, 1.0, s.data(), c);
   }
 }
 
@@ -152,8 +152,8 @@ void UpdateFactorSketch(FactorSketch& s, std::span<const float> G, int64_t m, in
   for (int64_t i = 0; i < m * ca; ++i) qf[i] = static_cast<float>(q[i]);
   // B^T = G^T Q (n x ca, column-major): G row-major is G^T column-major with leading dimension n.
   float* bf = Sized(sc.bf, int64_t(ca) * n);
-  cblas_sgemm(CblasColMajor, CblasNoTrans, CblasNoTrans, n, ca, m, 1.f, G.data(), n, qf, m, 0.f,
-              bf, n);
+  cblas_sgemm(CblasColMajor, CblasNoTrans, CblasNoTrans, n, ca, m, 1.f, G.data(), n, qf, m, 0.f, bf,
+              n);
   double* bd = Sized(sc.bd, int64_t(ca) * n);  // B^T in double, column-major n x ca
   for (int64_t i = 0; i < int64_t(ca) * n; ++i) bd[i] = bf[i];
 
@@ -197,8 +197,8 @@ void UpdateFactorSketch(FactorSketch& s, std::span<const float> G, int64_t m, in
   // E (cz x ca) = P^T B^T.
   cblas_dgemm(CblasColMajor, CblasTrans, CblasNoTrans, cz, ca, n, 1.0, z, n, bd, n, 0.0, e, cz);
   std::vector<double>& vectors_r = sc.s_right;
-  FoldedFactor(sc.r_right.data(), cz, s.right_energy.data(), held, e, cz, ca, /*e_trans=*/false,
-               cz, beta, sc.rot, vectors_r);
+  FoldedFactor(sc.r_right.data(), cz, s.right_energy.data(), held, e, cz, ca, /*e_trans=*/false, cz,
+               beta, sc.rot, vectors_r);
   double* values_r = Sized(sc.values_right, cz);
   geometry::lapack::SymmetricEigenInPlace(vectors_r.data(), cz, values_r, sc.work);
   const int w = std::min(w_left, cz);

@@ -79,8 +79,8 @@ bool OrthonormalizeInPlace(double* a, int64_t rows, int64_t cols, std::vector<do
     for (int j = 0; j < n; ++j)
       for (int i = 0; i <= j; ++i)
         r1[static_cast<size_t>(j) * n + i] = gram[static_cast<size_t>(j) * n + i] * sc.d[j];
-    cblas_dtrsm(CblasColMajor, CblasRight, CblasUpper, CblasNoTrans, CblasNonUnit, m, n, 1.0, r1,
-                n, a, m);
+    cblas_dtrsm(CblasColMajor, CblasRight, CblasUpper, CblasNoTrans, CblasNonUnit, m, n, 1.0, r1, n,
+                a, m);
     // Pass 2 on Q1 = A R1^-1. Its Gram Q1^T Q1 says how far pass 1 got: with ||Q1^T Q1 - I||_2
     // <= 1/2 (checked through the Frobenius norm, <= n max|entry|), kappa(Q1) <= sqrt(3), far
     // inside CholeskyQR's condition kappa <= 1 / (8 sqrt((m n + n (n + 1)) u)) (Yamamoto et al.
@@ -107,8 +107,8 @@ bool OrthonormalizeInPlace(double* a, int64_t rows, int64_t cols, std::vector<do
   }
   for (int j = 0; j < n; ++j)  // dpotrf leaves the strict lower triangle as it found it
     for (int i = j + 1; i < n; ++i) gram[static_cast<size_t>(j) * n + i] = 0.0;
-  cblas_dtrsm(CblasColMajor, CblasRight, CblasUpper, CblasNoTrans, CblasNonUnit, m, n, 1.0, gram,
-              n, a, m);
+  cblas_dtrsm(CblasColMajor, CblasRight, CblasUpper, CblasNoTrans, CblasNonUnit, m, n, 1.0, gram, n,
+              a, m);
   if (r) {  // R = R2 R1, both upper triangular
     cblas_dtrmm(CblasColMajor, CblasLeft, CblasUpper, CblasNoTrans, CblasNonUnit, n, n, 1.0, gram,
                 n, r1, n);

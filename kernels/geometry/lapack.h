@@ -18,11 +18,12 @@ void QrInPlace(std::vector<double>& a, int64_t rows, int64_t cols, std::vector<d
 // dsyrk, Cholesky, triangular solve, then once more on the result), which costs about half the
 // flops of Householder QR in BLAS-3 calls. A (rows x cols, rows >= cols, leading dimension rows)
 // becomes Q and R = R2 R1 (cols x cols, upper triangular) is returned when
-// r != nullptr (positive diagonal on the Cholesky path). Columns are equilibrated inside the first Gram, so columns of very different
-// norms cost nothing. When the first Cholesky breaks down (A rank deficient or nearly so) or its
-// Q is too far from orthonormal for the second pass to finish the job, the call falls back to
-// Householder (QrInPlace) on the original A. Deterministic: the same input takes the same path
-// and gives the same bits. Returns true when the Cholesky path was used.
+// r != nullptr (positive diagonal on the Cholesky path). Columns are equilibrated inside the first
+// Gram, so columns of very different norms cost nothing. When the first Cholesky breaks down (A
+// rank deficient or nearly so) or its Q is too far from orthonormal for the second pass to finish
+// the job, the call falls back to Householder (QrInPlace) on the original A. Deterministic: the
+// same input takes the same path and gives the same bits. Returns true when the Cholesky path was
+// used.
 bool OrthonormalizeInPlace(double* a, int64_t rows, int64_t cols, std::vector<double>* r);
 
 // Calls of OrthonormalizeInPlace that fell back to Householder in this process (for benches and

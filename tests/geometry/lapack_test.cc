@@ -58,7 +58,6 @@ TEST(LapackTest, ThinSvdDecomposesAMatrixDivideAndConquerCannot) {
   }
 }
 
-
 // --- OrthonormalizeInPlace (Cholesky QR2 with a Householder fallback) ---
 
 constexpr double kU = 0x1.0p-53;  // unit round-off of double
@@ -184,6 +183,15 @@ TEST(Orthonormalize, IllConditionedAndRankDeficientFallBackToHouseholder) {
     for (int64_t i = 0; i < m; ++i) a[(n - 1) * m + i] = a[i] + 1e-12 * noise[i];
     cases.push_back({"nearly dependent", a});
   }
+  {  // beyond CholeskyQR2's guarantee: column n-1 = column 0 + 3e-8 noise, condition number
+     // about 5e7 after equilibration, so the first pass loses about kappa^2 u = 0.3 of
+     // orthogonality per entry, far past the 1 / (2 n) the code accepts. CholeskyQR2 often still
+     // succeeds there, but nothing bounds its result, so the code must not keep it.
+    std::vector<double> a = Random(m, n, 6);
+    const std::vector<double> noise = Random(m, 1, 7);
+    for (int64_t i = 0; i < m; ++i) a[(n - 1) * m + i] = a[i] + 3e-8 * noise[i];
+    cases.push_back({"beyond the guarantee", a});
+  }
   {  // exactly rank deficient: a zero column and a repeated one
     std::vector<double> a = Random(m, n, 8);
     for (int64_t i = 0; i < m; ++i) a[3 * m + i] = 0.0;
@@ -219,14 +227,15 @@ TEST(SymmetricEigenInPlace, AgreesWithSymmetricEigenAndReadsOnlyTheUpperTriangle
   const int64_t n = 28;
   const std::vector<double> x = Random(n, n, 10);
   std::vector<double> s(size_t(n * n), 0.0);
-  cblas_dgemm(CblasColMajor, CblasNoTrans, CblasTrans, n, n, n, 1.0, x.data(), n, x.data(), n,
-              0.0, s.data(), n);
+  cblas_dgemm(CblasColMajor, CblasNoTrans, CblasTrans, n, n, n, 1.0, x.data(), n, x.data(), n, 0.0,
+              s.data(), n);
   std::vector<double> values, vectors;
   SymmetricEigen(s, n, values, vectors);  // descending
   std::vector<double> a = s, w(n), work;
   for (int64_t j = 0; j < n; ++j)
     for (int64_t i = j + 1; i < n; ++i) a[j * n + i] = std::nan("");  // strict lower: unused
-  SymmetricEigenInPlace(a.data(), n, w.data(), work);  // ascending
+  // Values and vectors come back ascending.
+  SymmetricEigenInPlace(a.data(), n, w.data(), work);
   for (int64_t i = 0; i < n; ++i) EXPECT_EQ(w[i], values[n - 1 - i]) << i;
   for (int64_t j = 0; j < n; ++j)
     for (int64_t i = 0; i < n; ++i) EXPECT_EQ(a[j * n + i], vectors[(n - 1 - j) * n + i]);
