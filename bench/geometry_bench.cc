@@ -537,10 +537,12 @@ void RunSketchCost(const Args& a, const std::vector<Shape>& shapes) {
     }
     const double u = Median(tu), t = Median(tt), gm = Median(tg);
     const double held = double((m + n) * sketch.width) * 4 + 2.0 * sketch.width * 8;
-    // x, y, qf, b in float; q, bt, z, e, rot in double (factor_sketch.cc Scratch).
+    // x, y, qf, bf in float; q, bd, z, e, rot in double (factor_sketch.cc Scratch), plus the
+    // copy of its input that OrthonormalizeInPlace keeps for the Householder fallback.
+    const double cz = sketch.width + ca;
     const double scratch = 4.0 * (n * cx + m * cx + m * ca + double(ca) * n) +
-                           8.0 * (m * ca + double(ca) * n + n * (sketch.width + ca) +
-                                  double(sketch.width + ca) * ca + std::max(m, n) * sketch.width);
+                           8.0 * (m * ca + double(ca) * n + n * cz + cz * ca +
+                                  std::max(m, n) * sketch.width + std::max(double(m) * ca, n * cz));
     std::printf("| %lldx%lld | %.2f | %.2f | %.2f | %.2f | %.2f | %.0f | %.0f |\n",
                 static_cast<long long>(m), static_cast<long long>(n), u * 1e3, t * 1e3, gm * 1e3,
                 u / gm, u / t, held / 1024, scratch / 1024);

@@ -1,5 +1,6 @@
 // The streaming Kronecker-factor sketch of factor_sketch.h: a randomized range finder per update
-// (two thin GEMMs over G), Householder QR and small symmetric eigenproblems by Jacobi.
+// (two thin GEMMs over G), Cholesky QR2 (Householder when ill-conditioned) and small symmetric
+// eigenproblems by LAPACK's dsyev.
 #include "kernels/geometry/factor_sketch.h"
 
 #include <cblas.h>
@@ -19,8 +20,9 @@ namespace {
 // Buffers of one update, kept per thread across updates: fresh multi-megabyte allocations on
 // every call cost more page faults and zeroing than the small algebra itself.
 struct Scratch {
-  std::vector<float> x, y, qf, b;
-  std::vector<double> q, bt, r_left, z, r_right, e, row, rot;
+  std::vector<float> x, y, qf, bf;
+  std::vector<double> q, bd, r_left, z, r_right, e, row, rot, s_left, s_right, values_left,
+      values_right, work;
 };
 Scratch& ThreadScratch() {
   thread_local Scratch scratch;
@@ -33,44 +35,66 @@ T* Sized(std::vector<T>& v, int64_t count) {
   return v.data();
 }
 
-// out (rows x w, row-major float) = basis (rows x c, column-major double) * vecs[:, :w].
-void Rotate(const double* basis, int64_t rows, int c, const std::vector<double>& vecs, int w,
+// out (rows x w, row-major float) = basis (rows x c, column-major double) times the eigenvectors
+// of the w largest eigenvalues, largest first. `vecs` holds all c eigenvectors (c x c,
+// column-major) in LAPACK's ascending order, so those are its last w columns, reversed.
+void Rotate(const double* basis, int64_t rows, int c, const double* vecs, int w,
             std::vector<double>& scratch, std::vector<float>& out) {
   double* r = Sized(scratch, rows * w);
-  cblas_dgemm(CblasColMajor, CblasNoTrans, CblasNoTrans, rows, w, c, 1.0, basis, rows, vecs.data(),
-              c, 0.0, r, rows);
+  cblas_dgemm(CblasColMajor, CblasNoTrans, CblasNoTrans, rows, w, c, 1.0, basis, rows,
+              vecs + static_cast<int64_t>(c - w) * c, c, 0.0, r, rows);
   out.resize(static_cast<size_t>(rows * w));
-  for (int64_t i = 0; i < rows; ++i)
-    for (int j = 0; j < w; ++j) out[i * w + j] = static_cast<float>(r[j * rows + i]);
+  for (int j = 0; j < w; ++j) {
+    const double* col = r + static_cast<int64_t>(w - 1 - j) * rows;
+    for (int64_t i = 0; i < rows; ++i) out[i * w + j] = static_cast<float>(col[i]);
+  }
 }
 
-// S (c x c, column-major) = beta * C diag(energy) C^T + (1 - beta) * E E^T, where C is c x held
-// and E is c x e, both column-major with leading dimension ldc / lde.
-std::vector<double> FoldedFactor(const double* C, int ldc, const std::vector<double>& energy,
-                                 int held, const double* E, int lde, int e, int c, double beta) {
-  std::vector<double> s(static_cast<size_t>(c) * c, 0.0);
-  std::vector<double> scaled(static_cast<size_t>(c) * std::max(held, 1));
-  for (int h = 0; h < held; ++h)
-    for (int i = 0; i < c; ++i) scaled[h * c + i] = C[h * ldc + i] * energy[h];
-  if (held > 0) {
-    cblas_dgemm(CblasColMajor, CblasNoTrans, CblasTrans, c, c, held, beta, scaled.data(), c, C, ldc,
-                0.0, s.data(), c);
+// The upper triangle of S (c x c, column-major) = beta C diag(energy) C^T + (1 - beta) E E^T.
+// C is c x held (column-major, leading dimension ldc); E is c x e, given column-major as E
+// (e_trans false, leading dimension lde >= c) or as E^T (e x c, e_trans true, lde >= e). Only the
+// upper triangle is formed: the eigensolver reads nothing else.
+void FoldedFactor(const double* C, int ldc, const double* energy, int held, const double* E,
+                  int lde, int e, bool e_trans, int c, double beta, std::vector<double>& scaled,
+                  std::vector<double>& s) {
+  s.assign(static_cast<size_t>(c) * c, 0.0);
+  if (held > 0 && beta > 0.0) {
+    // C diag(energy) C^T = (C diag(sqrt energy)) (C diag(sqrt energy))^T; energies are >= 0.
+    double* sc = Sized(scaled, int64_t(c) * held);
+    for (int h = 0; h < held; ++h) {
+      const double root = std::sqrt(energy[h]);
+      for (int i = 0; i < c; ++i) sc[h * c + i] = C[int64_t(h) * ldc + i] * root;
+    }
+    cblas_dsyrk(CblasColMajor, CblasUpper, CblasNoTrans, c, held, beta, sc, c, 0.0, s.data(), c);
   }
   if (e > 0) {
-    cblas_dgemm(CblasColMajor, CblasNoTrans, CblasTrans, c, c, e, 1.0 - beta, E, lde, E, lde, 1.0,
-                s.data(), c);
+    cblas_dsyrk(CblasColMajor, CblasUpper, e_trans ? CblasTrans : CblasNoTrans, c, e, 1.0 - beta, E,
+                lde, 1.0, s.data(), c);
   }
-  for (int j = 0; j < c; ++j)  // exactly symmetric for Jacobi
-    for (int i = 0; i < j; ++i) s[j * c + i] = s[i * c + j] = 0.5 * (s[j * c + i] + s[i * c + j]);
-  return s;
 }
 
 // Seeded probe columns for one update: the same on every rank for the same (seed, update).
+// Rademacher signs (+-1), one bit of splitmix64 output each: a randomized range finder needs
+// only a random test matrix with independent zero-mean unit-variance entries, and signs cost no
+// logarithms or sines (Gaussian probes by Box-Muller were a tenth of the update).
 void Probes(uint64_t seed, uint64_t update, int64_t n, int p, float* x, int ld, int col0) {
-  std::vector<float> g(static_cast<size_t>(n * p));
-  geometry::SeededGaussian(seed * 0x9e3779b97f4a7c15ull + update + 1, g);
-  for (int64_t r = 0; r < n; ++r)
-    for (int j = 0; j < p; ++j) x[r * ld + col0 + j] = g[r * p + j];
+  uint64_t state = (seed * 0x9e3779b97f4a7c15ull + update + 1) ^ 0x6a09e667f3bcc909ull;
+  uint64_t bits = 0;
+  int left = 0;
+  for (int64_t r = 0; r < n; ++r) {
+    for (int j = 0; j < p; ++j) {
+      if (left == 0) {
+        uint64_t z = (state += 0x9e3779b97f4a7c15ull);
+        z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ull;
+        z = (z ^ (z >> 27)) * 0x94d049bb133111ebull;
+        bits = z ^ (z >> 31);
+        left = 64;
+      }
+      x[r * ld + col0 + j] = (bits & 1u) ? 1.f : -1.f;
+      bits >>= 1;
+      --left;
+    }
+  }
 }
 
 }  // namespace
@@ -113,27 +137,25 @@ void UpdateFactorSketch(FactorSketch& s, std::span<const float> G, int64_t m, in
                 y, cx);
   }
 
-  // Left: Q = orth([U, G X]) (Householder), B = Q^T G, S_L = Q^T (beta U L U^T + (1-beta) G G^T) Q.
-  // U is Q's leading columns, so Q^T U is R's leading columns.
+  // Left: Q = orth([U, G X]) (Cholesky QR2, Householder when ill-conditioned), B = Q^T G,
+  // S_L = Q^T (beta U L U^T + (1-beta) G G^T) Q. U is Q's leading columns, so Q^T U is R's
+  // leading columns.
   const int ca = std::min<int>(held + cx, static_cast<int>(m));
-  sc.q.resize(static_cast<size_t>(m * ca));
-  double* q = sc.q.data();
-  for (int64_t r = 0; r < m; ++r) {
-    for (int j = 0; j < held; ++j) q[j * m + r] = s.left[r * held + j];
-    for (int j = held; j < ca; ++j) q[j * m + r] = y[r * cx + (j - held)];
-  }
-  geometry::lapack::QrInPlace(sc.q, m, ca, &sc.r_left);
+  double* q = Sized(sc.q, m * ca);
+  for (int j = 0; j < held; ++j)
+    for (int64_t r = 0; r < m; ++r) q[j * m + r] = s.left[r * held + j];
+  for (int j = held; j < ca; ++j)
+    for (int64_t r = 0; r < m; ++r) q[j * m + r] = y[r * cx + (j - held)];
+  geometry::lapack::OrthonormalizeInPlace(q, m, ca, &sc.r_left);
   const std::vector<double>& r_left = sc.r_left;
-  float* qf = Sized(sc.qf, m * ca);
-  for (int64_t r = 0; r < m; ++r)
-    for (int j = 0; j < ca; ++j) qf[r * ca + j] = static_cast<float>(q[j * m + r]);
-  float* b = Sized(sc.b, int64_t(ca) * n);  // ca x n, row-major
-  cblas_sgemm(CblasRowMajor, CblasTrans, CblasNoTrans, ca, n, m, 1.f, qf, ca, G.data(), n, 0.f, b,
+  float* qf = Sized(sc.qf, m * ca);  // Q in float, column-major like q
+  for (int64_t i = 0; i < m * ca; ++i) qf[i] = static_cast<float>(q[i]);
+  // B^T = G^T Q (n x ca, column-major): G row-major is G^T column-major with leading dimension n.
+  float* bf = Sized(sc.bf, int64_t(ca) * n);
+  cblas_sgemm(CblasColMajor, CblasNoTrans, CblasNoTrans, n, ca, m, 1.f, G.data(), n, qf, m, 0.f, bf,
               n);
-  // B in double, column-major ca x n (= B^T row-major): the operand of E E^T and of P^T B^T.
-  double* bt = Sized(sc.bt, int64_t(ca) * n);
-  for (int a = 0; a < ca; ++a)
-    for (int64_t h = 0; h < n; ++h) bt[h * ca + a] = b[a * n + h];
+  double* bd = Sized(sc.bd, int64_t(ca) * n);  // B^T in double, column-major n x ca
+  for (int64_t i = 0; i < int64_t(ca) * n; ++i) bd[i] = bf[i];
 
   // How the basis that was in force fit this gradient, before the gradient moves it: the energy
   // of G inside span(U_k) (rows of U^T G = C^T B) and span(V_k) (columns of G V = Y), against the
@@ -143,7 +165,7 @@ void UpdateFactorSketch(FactorSketch& s, std::span<const float> G, int64_t m, in
     double in_left = 0.0, in_right = 0.0, pred_left = 0.0, pred_right = 0.0;
     double* row = Sized(sc.row, n);
     for (int i = 0; i < kk; ++i) {
-      cblas_dgemv(CblasColMajor, CblasTrans, ca, n, 1.0, bt, ca, &r_left[i * ca], 1, 0.0, row, 1);
+      cblas_dgemv(CblasColMajor, CblasNoTrans, n, ca, 1.0, bd, n, &r_left[i * ca], 1, 0.0, row, 1);
       for (int64_t h = 0; h < n; ++h) in_left += row[h] * row[h];
       for (int64_t r = 0; r < m; ++r) in_right += double(y[r * cx + i]) * y[r * cx + i];
       pred_left += s.left_energy[i];
@@ -156,37 +178,39 @@ void UpdateFactorSketch(FactorSketch& s, std::span<const float> G, int64_t m, in
   }
 
   const double beta = s.updates == 0 ? 0.0 : o.beta;
-  std::vector<double> values, vectors;
-  geometry::lapack::SymmetricEigen(
-      FoldedFactor(r_left.data(), ca, s.left_energy, held, bt, ca, static_cast<int>(n), ca, beta),
-      ca, values, vectors);
+  std::vector<double>& vectors = sc.s_left;  // S_L, then its eigenvectors (ascending)
+  FoldedFactor(r_left.data(), ca, s.left_energy.data(), held, bd, static_cast<int>(n),
+               static_cast<int>(n), /*e_trans=*/true, ca, beta, sc.e, vectors);
+  double* values = Sized(sc.values_left, ca);
+  geometry::lapack::SymmetricEigenInPlace(vectors.data(), ca, values, sc.work);
   const int w_left = std::min(target, ca);
 
   // Right: P = orth([V, B^T]), S_R = P^T (beta V R V^T + (1-beta) B^T B) P; P^T V is R_z's
   // leading columns, E = P^T B^T by a product (B^T may not fit whole into P when n is small).
   const int cz = std::min<int>(held + ca, static_cast<int>(n));
-  sc.z.resize(static_cast<size_t>(n * cz));
-  double* z = sc.z.data();
+  double* z = Sized(sc.z, n * cz);
   for (int j = 0; j < held; ++j)
     for (int64_t r = 0; r < n; ++r) z[j * n + r] = s.right[r * held + j];
-  for (int j = held; j < cz; ++j)
-    for (int64_t r = 0; r < n; ++r) z[j * n + r] = b[static_cast<int64_t>(j - held) * n + r];
-  geometry::lapack::QrInPlace(sc.z, n, cz, &sc.r_right);
+  std::memcpy(z + int64_t(held) * n, bd, sizeof(double) * (cz - held) * n);
+  geometry::lapack::OrthonormalizeInPlace(z, n, cz, &sc.r_right);
   double* e = Sized(sc.e, int64_t(cz) * ca);
-  // E (cz x ca) = P^T B^T = P^T (bt)^T.
-  cblas_dgemm(CblasColMajor, CblasTrans, CblasTrans, cz, ca, n, 1.0, z, n, bt, ca, 0.0, e, cz);
-  std::vector<double> values_r, vectors_r;
-  geometry::lapack::SymmetricEigen(
-      FoldedFactor(sc.r_right.data(), cz, s.right_energy, held, e, cz, ca, cz, beta), cz, values_r,
-      vectors_r);
+  // E (cz x ca) = P^T B^T.
+  cblas_dgemm(CblasColMajor, CblasTrans, CblasNoTrans, cz, ca, n, 1.0, z, n, bd, n, 0.0, e, cz);
+  std::vector<double>& vectors_r = sc.s_right;
+  FoldedFactor(sc.r_right.data(), cz, s.right_energy.data(), held, e, cz, ca, /*e_trans=*/false, cz,
+               beta, sc.rot, vectors_r);
+  double* values_r = Sized(sc.values_right, cz);
+  geometry::lapack::SymmetricEigenInPlace(vectors_r.data(), cz, values_r, sc.work);
   const int w = std::min(w_left, cz);
 
-  Rotate(q, m, ca, vectors, w, sc.rot, s.left);
-  Rotate(z, n, cz, vectors_r, w, sc.rot, s.right);
-  s.left_energy.assign(values.begin(), values.begin() + w);
-  s.right_energy.assign(values_r.begin(), values_r.begin() + w);
-  for (double& v : s.left_energy) v = std::max(v, 0.0);
-  for (double& v : s.right_energy) v = std::max(v, 0.0);
+  Rotate(q, m, ca, vectors.data(), w, sc.rot, s.left);
+  Rotate(z, n, cz, vectors_r.data(), w, sc.rot, s.right);
+  s.left_energy.resize(w);
+  s.right_energy.resize(w);
+  for (int i = 0; i < w; ++i) {  // descending, clamped at 0
+    s.left_energy[i] = std::max(values[ca - 1 - i], 0.0);
+    s.right_energy[i] = std::max(values_r[cz - 1 - i], 0.0);
+  }
   s.width = w;
   s.energy = beta * s.energy + (1.0 - beta) * g2;
   ++s.updates;

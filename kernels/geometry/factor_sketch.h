@@ -17,7 +17,8 @@
 // geometry, so a rank that computed differently is named within one step, never silently used.
 //
 // Cost per update, with c = 2 width + probes: 2 m n (width + probes) + 2 m n c flops in two thin
-// GEMMs over G, O((m + n) c^2) for two Householder QRs, O(c^3) for two small eigensolves.
+// GEMMs over G, O((m + n) c^2) for two Cholesky QR2 orthonormalizations (Householder when the
+// basis is ill-conditioned), O(c^3) for two small eigensolves.
 // Memory: (m + n) width floats held, O((m + n) c) scratch.
 
 #include <cstdint>
@@ -34,7 +35,7 @@ struct FactorSketchOptions {
   int width = 8;      // eigenpairs kept per factor; the exchange raises it to the rank k
   int probes = 4;     // fresh random directions per update, so new directions can enter
   float beta = 0.9f;  // EMA decay per update: factor = beta * factor + (1 - beta) * G G^T
-  uint64_t seed = 0;  // probe matrices derive from (seed, update count): the same on all ranks
+  uint64_t seed = 0;  // probe signs derive from (seed, update count): the same on all ranks
 };
 
 // One layer's sketch. Plain data: ranks, checkpoints and tests compare it field by field.

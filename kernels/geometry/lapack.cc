@@ -1,8 +1,13 @@
-// LAPACK wrappers for the geometry: Householder QR, divide-and-conquer SVD, symmetric eigen.
-// Each call checks LAPACK's info and throws geofp8::Error naming the routine.
+// LAPACK wrappers for the geometry: Householder and Cholesky QR, divide-and-conquer SVD,
+// symmetric eigen. Each call checks LAPACK's info and throws geofp8::Error naming the routine.
 #include "kernels/geometry/lapack.h"
 
+#include <cblas.h>
+
 #include <algorithm>
+#include <atomic>
+#include <cmath>
+#include <cstring>
 
 #include "kernels/common/check.h"
 
@@ -19,6 +24,7 @@ void dgesvd_(const char* jobu, const char* jobvt, const int* m, const int* n, do
              double* work, const int* lwork, int* info);
 void dgesv_(const int* n, const int* nrhs, double* a, const int* lda, int* ipiv, double* b,
             const int* ldb, int* info);
+void dpotrf_(const char* uplo, const int* n, double* a, const int* lda, int* info);
 void dsyev_(const char* jobz, const char* uplo, const int* n, double* a, const int* lda, double* w,
             double* work, const int* lwork, int* info);
 }
@@ -31,7 +37,85 @@ int ToInt(int64_t v, const char* what) {
   return static_cast<int>(v);
 }
 
+std::atomic<uint64_t> fallbacks{0};
+
 }  // namespace
+
+uint64_t OrthonormalizeFallbacks() { return fallbacks.load(std::memory_order_relaxed); }
+
+bool OrthonormalizeInPlace(double* a, int64_t rows, int64_t cols, std::vector<double>* r) {
+  GEOFP8_CHECK(rows >= cols && cols >= 0, "orthonormalize needs rows >= cols, got ", rows, "x",
+               cols);
+  if (r) r->assign(static_cast<size_t>(cols * cols), 0.0);
+  if (cols == 0) return true;
+  const int m = ToInt(rows, "rows"), n = ToInt(cols, "cols");
+  struct Scratch {
+    std::vector<double> original, gram, r1, d;
+  };
+  thread_local Scratch sc;
+  sc.original.assign(a, a + static_cast<size_t>(rows * cols));
+  sc.gram.assign(static_cast<size_t>(n) * n, 0.0);
+  sc.r1.assign(static_cast<size_t>(n) * n, 0.0);
+  sc.d.resize(static_cast<size_t>(n));
+  double* gram = sc.gram.data();
+  double* r1 = sc.r1.data();
+  int info = 0;
+  bool ok = true;
+  // Pass 1, equilibrated: K = D^-1 A^T A D^-1 with D = diag(||a_j||), K = Rs^T Rs, R1 = Rs D.
+  // Scaling the Gram rather than A changes none of its rounding, which is columnwise relative.
+  cblas_dsyrk(CblasColMajor, CblasUpper, CblasTrans, n, m, 1.0, a, m, 0.0, gram, n);
+  for (int j = 0; j < n && ok; ++j) {
+    sc.d[j] = std::sqrt(gram[static_cast<size_t>(j) * n + j]);
+    ok = sc.d[j] > 0.0 && std::isfinite(sc.d[j]);
+  }
+  if (ok) {
+    for (int j = 0; j < n; ++j)
+      for (int i = 0; i <= j; ++i) gram[static_cast<size_t>(j) * n + i] /= sc.d[i] * sc.d[j];
+    const char uplo = 'U';
+    dpotrf_(&uplo, &n, gram, &n, &info);
+    ok = info == 0;
+  }
+  if (ok) {
+    for (int j = 0; j < n; ++j)
+      for (int i = 0; i <= j; ++i)
+        r1[static_cast<size_t>(j) * n + i] = gram[static_cast<size_t>(j) * n + i] * sc.d[j];
+    cblas_dtrsm(CblasColMajor, CblasRight, CblasUpper, CblasNoTrans, CblasNonUnit, m, n, 1.0, r1, n,
+                a, m);
+    // Pass 2 on Q1 = A R1^-1. Its Gram Q1^T Q1 says how far pass 1 got: with ||Q1^T Q1 - I||_2
+    // <= 1/2 (checked through the Frobenius norm, <= n max|entry|), kappa(Q1) <= sqrt(3), far
+    // inside CholeskyQR's condition kappa <= 1 / (8 sqrt((m n + n (n + 1)) u)) (Yamamoto et al.
+    // 2015), so the second pass yields ||Q^T Q - I||_F <= 6 (m n + n (n + 1)) u. Beyond it (a
+    // condition number of A near 1 / sqrt(u) or more), Householder.
+    cblas_dsyrk(CblasColMajor, CblasUpper, CblasTrans, n, m, 1.0, a, m, 0.0, gram, n);
+    double off = 0.0;
+    for (int j = 0; j < n; ++j)
+      for (int i = 0; i <= j; ++i)
+        off = std::max(off, std::abs(gram[static_cast<size_t>(j) * n + i] - (i == j ? 1.0 : 0.0)));
+    ok = std::isfinite(off) && off * n <= 0.5;
+  }
+  if (ok) {
+    const char uplo = 'U';
+    dpotrf_(&uplo, &n, gram, &n, &info);
+    ok = info == 0;
+  }
+  if (!ok) {
+    fallbacks.fetch_add(1, std::memory_order_relaxed);
+    std::vector<double> h(sc.original);
+    QrInPlace(h, rows, cols, r);
+    std::memcpy(a, h.data(), sizeof(double) * h.size());
+    return false;
+  }
+  for (int j = 0; j < n; ++j)  // dpotrf leaves the strict lower triangle as it found it
+    for (int i = j + 1; i < n; ++i) gram[static_cast<size_t>(j) * n + i] = 0.0;
+  cblas_dtrsm(CblasColMajor, CblasRight, CblasUpper, CblasNoTrans, CblasNonUnit, m, n, 1.0, gram, n,
+              a, m);
+  if (r) {  // R = R2 R1, both upper triangular
+    cblas_dtrmm(CblasColMajor, CblasLeft, CblasUpper, CblasNoTrans, CblasNonUnit, n, n, 1.0, gram,
+                n, r1, n);
+    r->assign(sc.r1.begin(), sc.r1.end());
+  }
+  return true;
+}
 
 void QrInPlace(std::vector<double>& a, int64_t rows, int64_t cols, std::vector<double>* r) {
   GEOFP8_CHECK(rows >= cols && cols >= 0, "QR needs rows >= cols, got ", rows, "x", cols);
@@ -132,6 +216,17 @@ double LargestEigenvalue(std::vector<double>& a, int64_t n64) {
   dsyev_(&jobz, &uplo, &n, a.data(), &n, w.data(), work.data(), &lwork, &info);
   GEOFP8_CHECK(info == 0, "dsyev failed to converge, info=", info);
   return w.back();  // ascending order
+}
+
+void SymmetricEigenInPlace(double* a, int64_t n64, double* values, std::vector<double>& work) {
+  const int n = ToInt(n64, "n");
+  if (n == 0) return;
+  const char jobz = 'V', uplo = 'U';
+  // (nb + 2) n with LAPACK's block size 64 is dsyev's optimal workspace; no query needed.
+  int lwork = std::max(1, 66 * n), info = 0;
+  if (work.size() < static_cast<size_t>(lwork)) work.resize(static_cast<size_t>(lwork));
+  dsyev_(&jobz, &uplo, &n, a, &n, values, work.data(), &lwork, &info);
+  GEOFP8_CHECK(info == 0, "dsyev failed to converge, info=", info);
 }
 
 void SymmetricEigen(std::vector<double> a, int64_t n64, std::vector<double>& values,

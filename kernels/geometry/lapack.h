@@ -14,6 +14,22 @@ namespace geofp8::geometry::lapack {
 // A rank-deficient or zero A still yields orthonormal Q.
 void QrInPlace(std::vector<double>& a, int64_t rows, int64_t cols, std::vector<double>* r);
 
+// Orthonormal basis of A's columns by Cholesky QR applied twice (CholeskyQR2: Gram A^T A by
+// dsyrk, Cholesky, triangular solve, then once more on the result), which costs about half the
+// flops of Householder QR in BLAS-3 calls. A (rows x cols, rows >= cols, leading dimension rows)
+// becomes Q and R = R2 R1 (cols x cols, upper triangular) is returned when
+// r != nullptr (positive diagonal on the Cholesky path). Columns are equilibrated inside the first
+// Gram, so columns of very different norms cost nothing. When the first Cholesky breaks down (A
+// rank deficient or nearly so) or its Q is too far from orthonormal for the second pass to finish
+// the job, the call falls back to Householder (QrInPlace) on the original A. Deterministic: the
+// same input takes the same path and gives the same bits. Returns true when the Cholesky path was
+// used.
+bool OrthonormalizeInPlace(double* a, int64_t rows, int64_t cols, std::vector<double>* r);
+
+// Calls of OrthonormalizeInPlace that fell back to Householder in this process (for benches and
+// tests; relaxed atomic).
+uint64_t OrthonormalizeFallbacks();
+
 // Thin SVD A = U diag(s) V^T of A (rows x cols); A is destroyed. U is rows x p, Vt is p x cols,
 // p = min(rows, cols), s descending.
 struct Svd {
@@ -28,6 +44,10 @@ std::vector<double> Inverse(std::vector<double> a, int64_t n);
 // for value j) to match.
 void SymmetricEigen(std::vector<double> a, int64_t n, std::vector<double>& values,
                     std::vector<double>& vectors);
+
+// The same on A's upper triangle in place (column-major, n x n): A becomes the eigenvectors in
+// LAPACK's ascending order, values ascending. `work` is resized as needed and may be reused.
+void SymmetricEigenInPlace(double* a, int64_t n, double* values, std::vector<double>& work);
 
 // Largest eigenvalue of the symmetric n x n matrix A (A is destroyed).
 double LargestEigenvalue(std::vector<double>& a, int64_t n);

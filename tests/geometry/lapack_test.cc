@@ -6,7 +6,9 @@
 #include <gtest/gtest.h>
 
 #include <cmath>
+#include <cstring>
 #include <fstream>
+#include <random>
 #include <vector>
 
 namespace geofp8::geometry::lapack {
@@ -54,6 +56,189 @@ TEST(LapackTest, ThinSvdDecomposesAMatrixDivideAndConquerCannot) {
       EXPECT_NEAR(d, p == q ? 1.0 : 0.0, double(n) * n * n * 2.2e-16) << p << "," << q;
     }
   }
+}
+
+// --- OrthonormalizeInPlace (Cholesky QR2 with a Householder fallback) ---
+
+constexpr double kU = 0x1.0p-53;  // unit round-off of double
+
+// Column-major rows x cols with N(0, 1) entries, column j scaled by scale[j] when given.
+std::vector<double> Random(int64_t rows, int64_t cols, uint64_t seed,
+                           const std::vector<double>& scale = {}) {
+  std::mt19937_64 gen(seed);
+  std::normal_distribution<double> normal;
+  std::vector<double> a(static_cast<size_t>(rows * cols));
+  for (int64_t j = 0; j < cols; ++j)
+    for (int64_t i = 0; i < rows; ++i)
+      a[j * rows + i] = normal(gen) * (scale.empty() ? 1 : scale[j]);
+  return a;
+}
+
+// ||Q^T Q - I||_F, accumulated in long double so that the check adds no error of its own.
+double OrthonormalityError(const std::vector<double>& q, int64_t rows, int64_t cols) {
+  long double sum = 0;
+  for (int64_t i = 0; i < cols; ++i)
+    for (int64_t j = 0; j < cols; ++j) {
+      long double d = 0;
+      for (int64_t r = 0; r < rows; ++r) d += (long double)q[i * rows + r] * q[j * rows + r];
+      d -= i == j ? 1 : 0;
+      sum += d * d;
+    }
+  return std::sqrt(double(sum));
+}
+
+// Largest over columns of ||(Q R - A) e_j|| / ||a_j|| (columns of A that are exactly zero: the
+// absolute ||(Q R) e_j||), in long double.
+double ColumnResidual(const std::vector<double>& a, const std::vector<double>& q,
+                      const std::vector<double>& r, int64_t rows, int64_t cols) {
+  double worst = 0;
+  for (int64_t j = 0; j < cols; ++j) {
+    long double num = 0, den = 0;
+    for (int64_t i = 0; i < rows; ++i) {
+      long double x = 0;
+      for (int64_t p = 0; p <= j; ++p) x += (long double)q[p * rows + i] * r[j * cols + p];
+      num += (x - a[j * rows + i]) * (x - a[j * rows + i]);
+      den += (long double)a[j * rows + i] * a[j * rows + i];
+    }
+    worst = std::max(worst, double(std::sqrt(den > 0 ? num / den : num)));
+  }
+  return worst;
+}
+
+void ExpectUpperTriangular(const std::vector<double>& r, int64_t cols) {
+  for (int64_t j = 0; j < cols; ++j)
+    for (int64_t i = j + 1; i < cols; ++i) EXPECT_EQ(r[j * cols + i], 0.0) << i << "," << j;
+}
+
+// CholeskyQR2's bounds (Yamamoto, Nakatsukasa, Yanagisawa, Fukaya 2015, theorems 3.3 and 3.5),
+// for an input whose first-pass Q1 satisfies their condition (the code checks ||Q1^T Q1 - I||_2
+// <= 1/2): ||Q^T Q - I||_F <= 6 (m n + n (n + 1)) u, ||Q R - X||_F <= 5 n^2 sqrt(n) u ||X||_2.
+// Applied to the column-equilibrated X = A D (unit columns, ||X||_2 <= sqrt(n)), the residual
+// bound holds per column relative to that column's norm with the factor 5 n^3 u.
+double OrthoBound(int64_t m, int64_t n) { return 6.0 * double(m * n + n * (n + 1)) * kU; }
+double ResidualBound(int64_t n) { return 5.0 * double(n * n * n) * kU; }
+
+// Householder QR (Higham, Accuracy and Stability, theorem 19.4): ||Q - Q_exact||_F <= sqrt(n)
+// gamma~_{mn} and ||A - Q R|| per column <= gamma~_{mn} ||a_j||, gamma~_k = c k u / (1 - c k u)
+// with c a small integer constant; c = 8 and a factor 2 for Q^T Q - I from Q - Q_exact.
+double HouseholderOrthoBound(int64_t m, int64_t n) {
+  return 2.0 * std::sqrt(double(n)) * 8.0 * double(m * n) * kU;
+}
+double HouseholderResidualBound(int64_t m, int64_t n) { return 8.0 * double(m * n) * kU; }
+
+TEST(Orthonormalize, CholeskyQr2OnAWellConditionedMatrixMeetsItsBounds) {
+  const int64_t m = 704, n = 28;
+  const std::vector<double> a = Random(m, n, 1);
+  std::vector<double> q = a, r;
+  const uint64_t before = OrthonormalizeFallbacks();
+  EXPECT_TRUE(OrthonormalizeInPlace(q.data(), m, n, &r));
+  EXPECT_EQ(OrthonormalizeFallbacks(), before);
+  EXPECT_LE(OrthonormalityError(q, m, n), OrthoBound(m, n));
+  EXPECT_LE(ColumnResidual(a, q, r, m, n), ResidualBound(n));
+  ExpectUpperTriangular(r, n);
+  for (int64_t j = 0; j < n; ++j) EXPECT_GT(r[j * n + j], 0.0) << j;
+}
+
+TEST(Orthonormalize, EquilibrationTakesColumnsOfVeryDifferentNorms) {
+  // Column norms from 1e-8 to 1e8 (condition number 1e16 unscaled, about 2 after scaling): the
+  // Cholesky path must still take it and meet the bounds column by column.
+  const int64_t m = 256, n = 20;
+  std::vector<double> scale(n);
+  for (int64_t j = 0; j < n; ++j) scale[j] = std::pow(10.0, -8.0 + 16.0 * double(j) / (n - 1));
+  const std::vector<double> a = Random(m, n, 2, scale);
+  std::vector<double> q = a, r;
+  EXPECT_TRUE(OrthonormalizeInPlace(q.data(), m, n, &r));
+  EXPECT_LE(OrthonormalityError(q, m, n), OrthoBound(m, n));
+  EXPECT_LE(ColumnResidual(a, q, r, m, n), ResidualBound(n));
+}
+
+TEST(Orthonormalize, ModeratelyIllConditionedStaysOnTheCholeskyPath) {
+  // [B, B T + 1e-4 N]: condition number about 1e4 after equilibration. The first pass loses
+  // about kappa^2 u = 1e-8 of orthogonality, which the second pass repairs to the u-level bound.
+  const int64_t m = 512, n = 24, h = n / 2;
+  std::vector<double> a = Random(m, n, 3);
+  const std::vector<double> t = Random(h, h, 4), noise = Random(m, h, 5);
+  for (int64_t j = 0; j < h; ++j)
+    for (int64_t i = 0; i < m; ++i) {
+      double x = 1e-4 * noise[j * m + i];
+      for (int64_t p = 0; p < h; ++p) x += a[p * m + i] * t[j * h + p];
+      a[(h + j) * m + i] = x;
+    }
+  std::vector<double> q = a, r;
+  EXPECT_TRUE(OrthonormalizeInPlace(q.data(), m, n, &r));
+  EXPECT_LE(OrthonormalityError(q, m, n), OrthoBound(m, n));
+  EXPECT_LE(ColumnResidual(a, q, r, m, n), ResidualBound(n));
+}
+
+TEST(Orthonormalize, IllConditionedAndRankDeficientFallBackToHouseholder) {
+  const int64_t m = 300, n = 16;
+  struct Case {
+    const char* name;
+    std::vector<double> a;
+  };
+  std::vector<Case> cases;
+  {  // nearly dependent: column n-1 = column 0 + 1e-12 noise (condition number about 1e12)
+    std::vector<double> a = Random(m, n, 6);
+    const std::vector<double> noise = Random(m, 1, 7);
+    for (int64_t i = 0; i < m; ++i) a[(n - 1) * m + i] = a[i] + 1e-12 * noise[i];
+    cases.push_back({"nearly dependent", a});
+  }
+  {  // beyond CholeskyQR2's guarantee: column n-1 = column 0 + 3e-8 noise, condition number
+     // about 5e7 after equilibration, so the first pass loses about kappa^2 u = 0.3 of
+     // orthogonality per entry, far past the 1 / (2 n) the code accepts. CholeskyQR2 often still
+     // succeeds there, but nothing bounds its result, so the code must not keep it.
+    std::vector<double> a = Random(m, n, 6);
+    const std::vector<double> noise = Random(m, 1, 7);
+    for (int64_t i = 0; i < m; ++i) a[(n - 1) * m + i] = a[i] + 3e-8 * noise[i];
+    cases.push_back({"beyond the guarantee", a});
+  }
+  {  // exactly rank deficient: a zero column and a repeated one
+    std::vector<double> a = Random(m, n, 8);
+    for (int64_t i = 0; i < m; ++i) a[3 * m + i] = 0.0;
+    for (int64_t i = 0; i < m; ++i) a[9 * m + i] = a[2 * m + i];
+    cases.push_back({"rank deficient", a});
+  }
+  for (const Case& c : cases) {
+    std::vector<double> q = c.a, r;
+    const uint64_t before = OrthonormalizeFallbacks();
+    EXPECT_FALSE(OrthonormalizeInPlace(q.data(), m, n, &r)) << c.name;
+    EXPECT_EQ(OrthonormalizeFallbacks(), before + 1) << c.name;
+    // Householder's Q is orthonormal whatever A's rank, and Q R reproduces A.
+    EXPECT_LE(OrthonormalityError(q, m, n), HouseholderOrthoBound(m, n)) << c.name;
+    EXPECT_LE(ColumnResidual(c.a, q, r, m, n), HouseholderResidualBound(m, n)) << c.name;
+    ExpectUpperTriangular(r, n);
+  }
+}
+
+TEST(Orthonormalize, SameInputSameBitsOnBothPaths) {
+  const int64_t m = 200, n = 12;
+  std::vector<double> good = Random(m, n, 9), bad = good;
+  for (int64_t i = 0; i < m; ++i) bad[5 * m + i] = bad[4 * m + i];
+  for (const std::vector<double>* a : {&good, &bad}) {
+    std::vector<double> q1 = *a, q2 = *a, r1, r2;
+    EXPECT_EQ(OrthonormalizeInPlace(q1.data(), m, n, &r1),
+              OrthonormalizeInPlace(q2.data(), m, n, &r2));
+    EXPECT_EQ(0, std::memcmp(q1.data(), q2.data(), q1.size() * sizeof(double)));
+    EXPECT_EQ(0, std::memcmp(r1.data(), r2.data(), r1.size() * sizeof(double)));
+  }
+}
+
+TEST(SymmetricEigenInPlace, AgreesWithSymmetricEigenAndReadsOnlyTheUpperTriangle) {
+  const int64_t n = 28;
+  const std::vector<double> x = Random(n, n, 10);
+  std::vector<double> s(size_t(n * n), 0.0);
+  cblas_dgemm(CblasColMajor, CblasNoTrans, CblasTrans, n, n, n, 1.0, x.data(), n, x.data(), n, 0.0,
+              s.data(), n);
+  std::vector<double> values, vectors;
+  SymmetricEigen(s, n, values, vectors);  // descending
+  std::vector<double> a = s, w(n), work;
+  for (int64_t j = 0; j < n; ++j)
+    for (int64_t i = j + 1; i < n; ++i) a[j * n + i] = std::nan("");  // strict lower: unused
+  // Values and vectors come back ascending.
+  SymmetricEigenInPlace(a.data(), n, w.data(), work);
+  for (int64_t i = 0; i < n; ++i) EXPECT_EQ(w[i], values[n - 1 - i]) << i;
+  for (int64_t j = 0; j < n; ++j)
+    for (int64_t i = 0; i < n; ++i) EXPECT_EQ(a[j * n + i], vectors[(n - 1 - j) * n + i]);
 }
 
 }  // namespace
