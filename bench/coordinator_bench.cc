@@ -358,7 +358,7 @@ int Run(int argc, char** argv) {
         req.set_job_id(job_id);
         auto* p = req.add_patches();
         p->set_layer(std::string(1 + i++ % 8, '*'));  // distinct patterns that all match
-        p->set_format(i % 2 ? "nvfp4" : "fp8_e4m3");
+        p->set_format(i % 2 ? v1::FORMAT_NVFP4 : v1::FORMAT_FP8_E4M3);
         grpc::ClientContext ctx;
         ctx.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(10));
         v1::UpdatePolicyResponse resp;

@@ -121,10 +121,10 @@ TEST(Render, DescribeShowsEventsAndPolicy) {
   v1::Policy policy;
   policy.set_version(2);
   policy.set_effective_step(45);
-  policy.mutable_default_policy()->set_format("fp8_e4m3");
+  policy.mutable_default_policy()->set_format(v1::FORMAT_FP8_E4M3);
   auto* patch = policy.add_patches();
   patch->set_layer("*attn*");
-  patch->set_format("nvfp4");
+  patch->set_format(v1::FORMAT_NVFP4);
   const std::string out = DescribeJob(job, &policy, 0);
   EXPECT_NE(out.find("PENDING: submitted"), std::string::npos) << out;
   EXPECT_NE(out.find("policy v2  effective at step 45"), std::string::npos) << out;

@@ -39,7 +39,7 @@ class WorkerMetrics {
   void JobStarted(const std::string& job_id, int rank, int world_size);
   // result: succeeded; stopped by the coordinator with a reason that says "cancelled"
   // (cancelled); stopped otherwise (stopped: a peer's failure, a restart, a shutdown); failed.
-  void JobEnded(bool success, bool stopped, const std::string& reason);
+  void JobEnded(bool success, bool stopped, bool cancelled);
   void Step(int64_t step, double loss, double tokens_per_second, double step_seconds,
             double exchange_seconds, bool skipped);
   void PolicyVersion(uint64_t version);

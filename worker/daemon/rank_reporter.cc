@@ -171,15 +171,8 @@ void RankReporter::Started() {
 
 void RankReporter::Ended(const JobOutcome& out, double seconds) {
   // Before the coordinator hears of the end: a scrape after it sees the job's gauges gone.
-  if (metrics_) metrics_->JobEnded(out.success, out.stopped, out.reason);
-  if (!out.stopped) {
-    v1::WorkerMessage m;
-    m.mutable_finished()->set_success(out.success);
-    m.mutable_finished()->set_reason(out.reason);
-    m.mutable_finished()->set_job_id(a_.job_id());
-    m.mutable_finished()->set_attempt(a_.attempt());
-    Send(std::move(m), true);
-  }
+  if (metrics_) metrics_->JobEnded(out.success, out.stopped, out.cancelled);
+  if (!out.stopped) Send(FinishedMessage(a_, out), true);
   Log("job " + a_.job_id() + " attempt " + std::to_string(a_.attempt()) + " rank " +
       std::to_string(a_.rank()) + ": " +
       (out.success   ? "SUCCEEDED"

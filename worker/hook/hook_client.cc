@@ -265,7 +265,7 @@ std::optional<PolicyChange> HookClient::PolicyDueAt(int64_t step) {
     for (const LayerInfo& l : impl_->catalog) {
       ResolvedLayer r = ResolveLayer(*due, l.name);
       // 1-D tensors never use geometry (as the trainer's ResolveLayers).
-      if (l.cols <= 1) r.policy.set_geometry("none");
+      if (l.cols <= 1) r.policy.set_geometry(v1::GEOMETRY_NONE);
       change.layers.push_back({l.name, r.policy, r.refresh_interval});
     }
     if (due->refresh_size() > 0) {
