@@ -65,11 +65,7 @@ int RunCodecBench(int argc, char** argv) {
   app.add_option("--block", block, "block size for block scaling")->capture_default_str();
   app.add_flag("--json", json, "machine-readable output");
   app.add_flag("--scalar", scalar, "force the scalar reference (no AVX2)");
-  try {
-    app.parse(argc, argv);
-  } catch (const CLI::ParseError& e) {
-    return app.exit(e) == 0 ? 0 : 2;
-  }
+  if (int rc = bench::ParseFlags(app, argc, argv); rc >= 0) return rc;
   if (size_mib <= 0 || reps < 1 || block == 0) {
     std::fprintf(stderr, "geofp8-bench codec: error: size-mib, reps and block must be positive\n");
     return 2;

@@ -2,8 +2,8 @@
 // (threads over Gloo TCP on 127.0.0.1, or one process per rank for bench/netem.sh --command
 // collectives). Every call is timed on its own, back to back as an exchange issues them; rank 0
 // prints the median and 90th percentile and the bytes it moved per second.
+#include <CLI/CLI.hpp>
 #include <algorithm>
-#include <cerrno>
 #include <chrono>
 #include <cstdio>
 #include <cstdlib>
@@ -33,10 +33,7 @@ struct Args {
   int warmup = 5;
   int loop_nice = 0;  // GlooOptions::loop_nice
   double timeout_s = 300;
-  int rank = -1;  // process mode
-  std::string store_dir;
-  std::string hostname = "127.0.0.1";
-  std::string prefix = "collectives";
+  ProcessMode process{-1, "", "127.0.0.1", "collectives"};
 };
 
 [[noreturn]] void Usage(const std::string& field, const std::string& problem,
@@ -55,69 +52,33 @@ std::vector<std::string> SplitList(const std::string& s) {
   return out;
 }
 
-long long ParseInt(const std::string& flag, const std::string& text, long long lo, long long hi) {
-  char* end = nullptr;
-  errno = 0;
-  const long long v = std::strtoll(text.c_str(), &end, 10);
-  if (text.empty() || *end != '\0' || errno != 0) Usage(flag, "not an integer", text);
-  if (v < lo || v > hi) {
-    Usage(flag, "must be in [" + std::to_string(lo) + ", " + std::to_string(hi) + "]", text);
-  }
-  return v;
-}
-
 Args ParseArgs(int argc, char** argv) {
   Args a;
   std::string ops = kOps;
-  for (int i = 1; i < argc; ++i) {
-    const std::string flag = argv[i];
-    if (flag == "--help" || flag == "-h") {
-      std::printf(
-          "usage: %s [--ranks N] [--sizes B,B,...] [--ops LIST] [--iters K] [--warmup W]\n"
-          "          [--loop-nice N] [--timeout-s S]\n"
-          "          [--rank R --store-dir DIR [--hostname H] [--prefix P]]\n"
-          "  --sizes   bytes each rank contributes (allgatherv: its block; alltoallv: the sum of\n"
-          "            its blocks to every rank; allreduce: the fp32 buffer). default 64,4096,\n"
-          "            262144,4194304; max_reduce_words always moves 16 words, barrier nothing\n"
-          "  --ops     comma list of %s (default all)\n"
-          "  --loop-nice niceness added to Gloo's event-loop thread, 0-19 (default 0)\n"
-          "  --rank    process mode: run only rank R; all ranks share --store-dir (a FileStore)\n"
-          "            and listen on --hostname. Without --rank, ranks run as threads.\n",
-          kProg, kOps);
-      std::exit(0);
-    }
-    if (i + 1 >= argc) Usage(flag, "missing value", "end of arguments");
-    const std::string v = argv[++i];
-    if (flag == "--ranks")
-      a.ranks = static_cast<int>(ParseInt(flag, v, 1, 4096));
-    else if (flag == "--iters")
-      a.iters = static_cast<int>(ParseInt(flag, v, 1, 1000000));
-    else if (flag == "--warmup")
-      a.warmup = static_cast<int>(ParseInt(flag, v, 0, 1000000));
-    else if (flag == "--loop-nice")
-      a.loop_nice = static_cast<int>(ParseInt(flag, v, 0, 19));
-    else if (flag == "--timeout-s")
-      a.timeout_s = static_cast<double>(ParseInt(flag, v, 1, 86400));
-    else if (flag == "--rank")
-      a.rank = static_cast<int>(ParseInt(flag, v, 0, 4095));
-    else if (flag == "--store-dir")
-      a.store_dir = v;
-    else if (flag == "--hostname")
-      a.hostname = v;
-    else if (flag == "--prefix")
-      a.prefix = v;
-    else if (flag == "--ops")
-      ops = v;
-    else if (flag == "--sizes") {
-      a.sizes.clear();
-      for (const auto& s : SplitList(v)) {
-        a.sizes.push_back(static_cast<size_t>(ParseInt("--sizes", s, 1, int64_t{1} << 32)));
-      }
-      if (a.sizes.empty()) Usage("--sizes", "empty list", v);
-    } else {
-      Usage(flag, "unknown option", flag);
-    }
-  }
+  CLI::App app{"latency of each Gloo collective at a few sizes (median, p90)", "collectives"};
+  app.add_option("--ranks", a.ranks, "ranks")->capture_default_str()->check(CLI::Range(1, 4096));
+  app.add_option("--sizes", a.sizes,
+                 "bytes each rank contributes (allgatherv: its block; alltoallv: the sum of its "
+                 "blocks to every rank; allreduce: the fp32 buffer); max_reduce_words always "
+                 "moves 16 words, barrier nothing")
+      ->delimiter(',')
+      ->capture_default_str()
+      ->check(CLI::Range(size_t{1}, size_t{1} << 32));
+  app.add_option("--ops", ops, "comma list of collectives")->capture_default_str();
+  app.add_option("--iters", a.iters, "timed calls per size")
+      ->capture_default_str()
+      ->check(CLI::Range(1, 1000000));
+  app.add_option("--warmup", a.warmup, "untimed calls first")
+      ->capture_default_str()
+      ->check(CLI::Range(0, 1000000));
+  app.add_option("--loop-nice", a.loop_nice, "niceness added to Gloo's event-loop thread")
+      ->capture_default_str()
+      ->check(CLI::Range(0, 19));
+  app.add_option("--timeout-s", a.timeout_s, "collective timeout")
+      ->capture_default_str()
+      ->check(CLI::Range(1.0, 86400.0));
+  AddProcessModeFlags(app, a.process);
+  if (int rc = ParseFlags(app, argc, argv); rc >= 0) std::exit(rc);
   a.ops = SplitList(ops);
   if (a.ops.empty()) Usage("--ops", "empty list", ops);
   const auto known = SplitList(kOps);
@@ -126,8 +87,10 @@ Args ParseArgs(int argc, char** argv) {
       Usage("--ops", std::string("unknown collective, accepted: ") + kOps, op);
     }
   }
-  if (a.rank >= a.ranks) Usage("--rank", "must be < --ranks", std::to_string(a.rank));
-  if (a.rank >= 0 && a.store_dir.empty()) Usage("--store-dir", "required with --rank", "empty");
+  if (a.process.rank >= a.ranks)
+    Usage("--rank", "must be < --ranks", std::to_string(a.process.rank));
+  if (a.process.rank >= 0 && a.process.store_dir.empty())
+    Usage("--store-dir", "required with --rank", "empty");
   return a;
 }
 
@@ -204,12 +167,13 @@ void Print(const Args& a, const std::vector<Row>& rows, bool processes) {
 int RunCollectivesBench(int argc, char** argv) {
   const Args a = ParseArgs(argc, argv);
   GlooOptions go;
-  go.hostname = a.hostname;
-  go.prefix = a.prefix;
+  go.hostname = a.process.hostname;
+  go.prefix = a.process.prefix;
   go.loop_nice = a.loop_nice;
   go.timeout = std::chrono::milliseconds(static_cast<int64_t>(a.timeout_s * 1000));
   return RunRanks<Row>(
-      kProg, a.ranks, a.rank, a.store_dir, go, [&](Communicator& comm) { return RunRank(comm, a); },
+      kProg, a.ranks, a.process.rank, a.process.store_dir, go,
+      [&](Communicator& comm) { return RunRank(comm, a); },
       [&](const std::vector<Row>& rows, bool processes) { Print(a, rows, processes); });
 }
 

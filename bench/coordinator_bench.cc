@@ -166,7 +166,8 @@ double SqliteCommitsPerSecond(const std::string& dir, double seconds) {
 }
 
 int Run(int argc, char** argv) {
-  CLI::App app{"geofp8-bench coordinator: heartbeat capacity and policy update rate"};
+  CLI::App app{"geofp8-bench coordinator: heartbeat capacity and policy update rate",
+               "coordinator"};
   std::vector<int> levels = {250, 500, 1000, 1500, 2000};
   double seconds = 5;
   double p99_target_ms = 10;
@@ -185,11 +186,7 @@ int Run(int argc, char** argv) {
       ->capture_default_str();
   app.add_option("--channels", channels, "Client TCP connections the workers share")
       ->capture_default_str();
-  try {
-    app.parse(argc, argv);
-  } catch (const CLI::ParseError& e) {
-    return app.exit(e) == 0 ? 0 : 2;
-  }
+  if (int rc = ParseFlags(app, argc, argv); rc >= 0) return rc;
   std::sort(levels.begin(), levels.end());
 
   const std::string dir = (std::filesystem::temp_directory_path() /
@@ -358,7 +355,7 @@ int Run(int argc, char** argv) {
         req.set_job_id(job_id);
         auto* p = req.add_patches();
         p->set_layer(std::string(1 + i++ % 8, '*'));  // distinct patterns that all match
-        p->set_format(i % 2 ? "nvfp4" : "fp8_e4m3");
+        p->set_format(i % 2 ? v1::FORMAT_NVFP4 : v1::FORMAT_FP8_E4M3);
         grpc::ClientContext ctx;
         ctx.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(10));
         v1::UpdatePolicyResponse resp;

@@ -1,6 +1,7 @@
 // geofp8-bench exchange: times each exchange algorithm on one gradient buffer across N ranks
 // (threads over Gloo TCP on 127.0.0.1, or one process per rank for bench/netem.sh) and prints
 // medians, bytes on the wire, bus bandwidth and the ratio to a same-run fp32 Gloo all-reduce.
+#include <CLI/CLI.hpp>
 #include <algorithm>
 #include <chrono>
 #include <cmath>
@@ -51,10 +52,7 @@ struct Args {
       "fp32,bf16,two_phase:fp8_e4m3,allgather:fp8_e4m3,two_phase:nvfp4,"
       "two_phase:fp8_e4m3:lowrank";
   // Process mode: this process is rank `rank`, rendezvousing through a shared directory.
-  int rank = -1;
-  std::string store_dir;
-  std::string hostname = "127.0.0.1";
-  std::string prefix = "bench";
+  ProcessMode process{-1, "", "127.0.0.1", "bench"};
 };
 
 [[noreturn]] void UsageError(const std::string& field, const std::string& problem,
@@ -62,94 +60,44 @@ struct Args {
   bench::UsageError(kProg, field, problem, value);
 }
 
-void PrintHelp() {
-  std::printf(
-      "usage: %s [--ranks N] [--mib M] [--iters K] [--warmup W] [--variants LIST]\n"
-      "          [--cols C] [--geometry-rank K] [--timeout-s S] [--bucket-mib B] [--segment-mib "
-      "S]\n"
-      "          [--channels 1|2] [--helper-nice N] [--loop-nice N] [--trace DIR] [--blas-threads "
-      "T]\n"
-      "          [--rank R --store-dir DIR [--hostname H] [--prefix P]]\n"
-      "  --variants   comma list of fp32, bf16, ALGO:FORMAT[:lowrank|:diag] with ALGO two_phase\n"
-      "               or allgather (default %s)\n"
-      "  --channels   Gloo connection meshes per rank: 2 (default) lets two_phase overlap its\n"
-      "               all-gathers with its next all-to-alls on a side channel; 1 runs them in "
-      "turn\n"
-      "  --helper-nice niceness added to the pipeline's codec thread, 0-19 (default %d)\n"
-      "  --loop-nice  niceness added to Gloo's event-loop thread, 0-19 (default 0)\n"
-      "  --trace      write DIR/VARIANT.rankR.json, a Chrome trace (ui.perfetto.dev) of every\n"
-      "               step's collectives and codec stages per lane\n"
-      "  --blas-threads OpenBLAS threads for the geometry's GEMMs (default 1: the ranks already\n"
-      "               share the cores; more, from several rank threads at once, is many times "
-      "slower)\n"
-      "  --rank       process mode: run only rank R; all ranks share --store-dir (a FileStore)\n"
-      "               and listen on --hostname. Without --rank, ranks run as threads.\n",
-      kProg, Args().variants.c_str(), Args().helper_nice);
-}
-
-template <typename T>
-T ParseNumber(const std::string& flag, const std::string& text) {
-  char* end = nullptr;
-  errno = 0;
-  const double v = std::strtod(text.c_str(), &end);
-  if (text.empty() || *end != '\0' || errno != 0) UsageError(flag, "not a number", text);
-  if constexpr (std::is_integral_v<T>) {
-    if (v != std::floor(v)) UsageError(flag, "not an integer", text);
-  }
-  return static_cast<T>(v);
-}
-
 Args ParseArgs(int argc, char** argv) {
   Args a;
-  for (int i = 1; i < argc; ++i) {
-    const std::string flag = argv[i];
-    if (flag == "--help" || flag == "-h") {
-      PrintHelp();
-      std::exit(0);
-    }
-    if (i + 1 >= argc) UsageError(flag, "missing value", "end of arguments");
-    const std::string v = argv[++i];
-    if (flag == "--ranks")
-      a.ranks = ParseNumber<int>(flag, v);
-    else if (flag == "--mib")
-      a.mib = ParseNumber<double>(flag, v);
-    else if (flag == "--iters")
-      a.iters = ParseNumber<int>(flag, v);
-    else if (flag == "--warmup")
-      a.warmup = ParseNumber<int>(flag, v);
-    else if (flag == "--cols")
-      a.cols = ParseNumber<int64_t>(flag, v);
-    else if (flag == "--geometry-rank")
-      a.geometry_rank = ParseNumber<int>(flag, v);
-    else if (flag == "--timeout-s")
-      a.timeout_s = ParseNumber<double>(flag, v);
-    else if (flag == "--variants")
-      a.variants = v;
-    else if (flag == "--bucket-mib")
-      a.bucket_mib = ParseNumber<double>(flag, v);
-    else if (flag == "--segment-mib")
-      a.segment_mib = ParseNumber<double>(flag, v);
-    else if (flag == "--channels")
-      a.channels = ParseNumber<int>(flag, v);
-    else if (flag == "--helper-nice")
-      a.helper_nice = ParseNumber<int>(flag, v);
-    else if (flag == "--trace")
-      a.trace_dir = v;
-    else if (flag == "--blas-threads")
-      a.blas_threads = ParseNumber<int>(flag, v);
-    else if (flag == "--loop-nice")
-      a.loop_nice = ParseNumber<int>(flag, v);
-    else if (flag == "--rank")
-      a.rank = ParseNumber<int>(flag, v);
-    else if (flag == "--store-dir")
-      a.store_dir = v;
-    else if (flag == "--hostname")
-      a.hostname = v;
-    else if (flag == "--prefix")
-      a.prefix = v;
-    else
-      UsageError(flag, "unknown option", flag);
-  }
+  CLI::App app{"compressed gradient all-reduce: time, wire bytes, busbw vs fp32", "exchange"};
+  app.add_option("--ranks", a.ranks, "ranks")->capture_default_str();
+  app.add_option("--mib", a.mib, "gradient MiB (fp32) per rank")->capture_default_str();
+  app.add_option("--iters", a.iters, "timed steps per variant")->capture_default_str();
+  app.add_option("--warmup", a.warmup, "untimed steps first")->capture_default_str();
+  app.add_option("--cols", a.cols, "columns of every layer (rows x cols, at most 4 MiB)")
+      ->capture_default_str();
+  app.add_option("--geometry-rank", a.geometry_rank, "k of the lowrank variants")
+      ->capture_default_str();
+  app.add_option("--timeout-s", a.timeout_s, "collective timeout")->capture_default_str();
+  app.add_option("--variants", a.variants,
+                 "comma list of fp32, bf16, ALGO:FORMAT[:lowrank|:diag] with ALGO two_phase or "
+                 "allgather")
+      ->capture_default_str();
+  app.add_option("--bucket-mib", a.bucket_mib, "bucket cap (ExchangeOptions::bucket_cap_bytes)")
+      ->capture_default_str();
+  app.add_option("--segment-mib", a.segment_mib, "pipeline segment (ExchangeOptions)")
+      ->capture_default_str();
+  app.add_option("--channels", a.channels,
+                 "Gloo connection meshes per rank: 2 lets two_phase overlap its all-gathers with "
+                 "its next all-to-alls on a side channel; 1 runs them in turn")
+      ->capture_default_str();
+  app.add_option("--helper-nice", a.helper_nice,
+                 "niceness added to the pipeline's codec thread, 0-19")
+      ->capture_default_str();
+  app.add_option("--loop-nice", a.loop_nice, "niceness added to Gloo's event-loop thread, 0-19")
+      ->capture_default_str();
+  app.add_option("--trace", a.trace_dir,
+                 "write DIR/VARIANT.rankR.json, a Chrome trace (ui.perfetto.dev) of every "
+                 "step's collectives and codec stages per lane");
+  app.add_option("--blas-threads", a.blas_threads,
+                 "OpenBLAS threads for the geometry's GEMMs (1: the ranks already share the "
+                 "cores; more, from several rank threads at once, is many times slower)")
+      ->capture_default_str();
+  AddProcessModeFlags(app, a.process);
+  if (int rc = ParseFlags(app, argc, argv); rc >= 0) std::exit(rc);
   if (a.ranks < 1) UsageError("--ranks", "must be >= 1", std::to_string(a.ranks));
   if (!(a.mib > 0)) UsageError("--mib", "must be positive", std::to_string(a.mib));
   if (a.iters < 1) UsageError("--iters", "must be >= 1", std::to_string(a.iters));
@@ -176,8 +124,9 @@ Args ParseArgs(int argc, char** argv) {
   if (!a.trace_dir.empty() && !std::filesystem::is_directory(a.trace_dir)) {
     UsageError("--trace", "not a directory", a.trace_dir);
   }
-  if (a.rank >= a.ranks) UsageError("--rank", "must be < --ranks", std::to_string(a.rank));
-  if (a.rank >= 0 && a.store_dir.empty())
+  if (a.process.rank >= a.ranks)
+    UsageError("--rank", "must be < --ranks", std::to_string(a.process.rank));
+  if (a.process.rank >= 0 && a.process.store_dir.empty())
     UsageError("--store-dir", "required with --rank", "empty");
   return a;
 }
@@ -389,13 +338,13 @@ int RunExchangeBench(int argc, char** argv) {
   std::stable_partition(variants.begin(), variants.end(),
                         [](const Variant& v) { return v.algorithm == Algorithm::kFp32; });
   GlooOptions go;
-  go.hostname = a.hostname;
-  go.prefix = a.prefix;
+  go.hostname = a.process.hostname;
+  go.prefix = a.process.prefix;
   go.channels = a.channels;
   go.loop_nice = a.loop_nice;
   go.timeout = std::chrono::milliseconds(static_cast<int64_t>(a.timeout_s * 1000));
   return RunRanks<Row>(
-      kProg, a.ranks, a.rank, a.store_dir, go,
+      kProg, a.ranks, a.process.rank, a.process.store_dir, go,
       [&](Communicator& comm) { return RunRank(comm, a, variants); },
       [&](const std::vector<Row>& rows, bool processes) { Print(a, rows, processes); });
 }

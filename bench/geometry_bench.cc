@@ -2,6 +2,7 @@
 // anisotropic suite (band errors), and the cost of transform + inverse against same-run sgemm.
 #include <cblas.h>
 
+#include <CLI/CLI.hpp>
 #include <algorithm>
 #include <cerrno>
 #include <chrono>
@@ -56,26 +57,6 @@ struct Args {
   bench::UsageError(kProg, field, problem, value);
 }
 
-void PrintHelp() {
-  std::printf(
-      "usage: %s [--mode quality|cost|all] [--large] [--threads N] [--reps R] [--rank K]\n"
-      "          [--drift D] [--seed S] [--shapes MxN,MxN,...] [--families F,F] [--decays P,P]\n"
-      "          [--require-target] [--grads DIR [--grads-stale DIR]]\n"
-      "  quality: families (spectral, kron, lowrank_noise) x decay p (0.5,1,1.5,2) x shapes\n"
-      "           (default 64x64, 256x1024, 1024x256, 512x512: the brute-force SVD and band\n"
-      "           projections of 2048x2048 take minutes each on 2 cores, so --large adds\n"
-      "           2048x2048 and 4096x4096); fp8_e4m3 (tensor and block 128 scaling) and nvfp4,\n"
-      "           each with the same scaling with and without geometry; stale basis = drifted\n"
-      "           twin (--drift).\n"
-      "  cost:    apply + inverse for k in {8,16,32,64} vs sgemm m x n x 8k (same FLOPs)\n"
-      "           (default 1024x1024, 2048x2048, 4096x1024; --large adds 4096x4096), and the\n"
-      "           fused codec path (fused.h) against ApplyGeometry + Encode + Decode + Invert\n"
-      "  --grads:   the quality table on the matrices of a `geofp8-train --dump-grads` step\n"
-      "           folder (shapes.json + float32 files), instead of the synthetic suite;\n"
-      "           --grads-stale DIR takes the stale basis from an earlier step's folder\n",
-      kProg);
-}
-
 double ParseDouble(const std::string& flag, const char* text) {
   char* end = nullptr;
   errno = 0;
@@ -83,14 +64,6 @@ double ParseDouble(const std::string& flag, const char* text) {
   if (!*text || *end != '\0' || errno != 0 || !std::isfinite(v))
     UsageError(flag, "not a number", text);
   return v;
-}
-
-int ParseInt(const std::string& flag, const char* text, int lo, int hi) {
-  const double v = ParseDouble(flag, text);
-  if (v != std::floor(v)) UsageError(flag, "not an integer", text);
-  if (v < lo || v > hi)
-    UsageError(flag, "must be in [" + std::to_string(lo) + ", " + std::to_string(hi) + "]", text);
-  return static_cast<int>(v);
 }
 
 std::vector<Shape> ParseShapes(const char* text) {
@@ -114,66 +87,66 @@ std::vector<Shape> ParseShapes(const char* text) {
 
 Args ParseArgs(int argc, char** argv) {
   Args a;
-  for (int i = 1; i < argc; ++i) {
-    const std::string flag = argv[i];
-    auto value = [&]() -> const char* {
-      if (i + 1 >= argc) UsageError(flag, "missing value", "");
-      return argv[++i];
-    };
-    if (flag == "--help" || flag == "-h") {
-      PrintHelp();
-      std::exit(0);
-    } else if (flag == "--mode") {
-      a.mode = value();
-      if (a.mode != "quality" && a.mode != "cost" && a.mode != "all") {
-        UsageError("--mode", "accepted: quality, cost, all", a.mode);
-      }
-    } else if (flag == "--grads") {
-      a.grads = value();
-    } else if (flag == "--grads-stale") {
-      a.grads_stale = value();
-    } else if (flag == "--require-target") {
-      a.require_target = true;
-    } else if (flag == "--large") {
-      a.large = true;
-    } else if (flag == "--threads") {
-      a.threads = ParseInt(flag, value(), 1, 256);
-    } else if (flag == "--reps") {
-      a.reps = ParseInt(flag, value(), 1, 1000);
-    } else if (flag == "--rank") {
-      a.rank = ParseInt(flag, value(), 1, 4096);
-    } else if (flag == "--drift") {
-      a.drift = ParseDouble(flag, value());
-      if (a.drift < 0 || a.drift > 10)
-        UsageError(flag, "must be in [0, 10]", std::to_string(a.drift));
-    } else if (flag == "--seed") {
-      a.seed = static_cast<uint64_t>(ParseInt(flag, value(), 0, 1 << 30));
-    } else if (flag == "--shapes") {
-      a.shapes = ParseShapes(value());
-    } else if (flag == "--families") {
-      a.families.clear();
-      std::string list = value();
-      for (size_t pos = 0; pos <= list.size();) {
-        const size_t comma = std::min(list.find(',', pos), list.size());
-        const std::string name = list.substr(pos, comma - pos);
-        const auto f = ParseSyntheticFamily(name);
-        if (!f) UsageError("--families", "accepted: spectral, kron, lowrank_noise", name);
-        a.families.push_back(*f);
-        pos = comma + 1;
-      }
-    } else if (flag == "--decays") {
-      a.decays.clear();
-      std::string list = value();
-      for (size_t pos = 0; pos <= list.size();) {
-        const size_t comma = std::min(list.find(',', pos), list.size());
-        const std::string item = list.substr(pos, comma - pos);
-        const double p = ParseDouble("--decays", item.c_str());
-        if (p < 0 || p > 8) UsageError("--decays", "each must be in [0, 8]", item);
-        a.decays.push_back(p);
-        pos = comma + 1;
-      }
-    } else {
-      UsageError("argument", "unknown flag, see --help", flag);
+  std::string shapes, families, decays;
+  CLI::App app{
+      "quality: families (spectral, kron, lowrank_noise) x decay p (0.5,1,1.5,2) x shapes "
+      "(default 64x64, 256x1024, 1024x256, 512x512: the brute-force SVD and band projections of "
+      "2048x2048 take minutes each on 2 cores, so --large adds 2048x2048 and 4096x4096); "
+      "fp8_e4m3 (tensor and block 128 scaling) and nvfp4, each with the same scaling with and "
+      "without geometry; stale basis = drifted twin (--drift).\n"
+      "cost: apply + inverse for k in {8,16,32,64} vs sgemm m x n x 8k (same FLOPs) (default "
+      "1024x1024, 2048x2048, 4096x1024; --large adds 4096x4096), and the fused codec path "
+      "(fused.h) against ApplyGeometry + Encode + Decode + Invert",
+      "geometry"};
+  app.add_option("--mode", a.mode, "quality, cost or all")
+      ->capture_default_str()
+      ->check(CLI::IsMember({"quality", "cost", "all"}));
+  app.add_flag("--large", a.large, "add the 2048- and 4096-wide shapes");
+  app.add_option("--threads", a.threads, "OpenBLAS threads for everything in this run")
+      ->capture_default_str()
+      ->check(CLI::Range(1, 256));
+  app.add_option("--reps", a.reps, "timed repetitions per cost point (median reported)")
+      ->capture_default_str()
+      ->check(CLI::Range(1, 1000));
+  app.add_option("--rank", a.rank, "k of the quality suite")
+      ->capture_default_str()
+      ->check(CLI::Range(1, 4096));
+  app.add_option("--drift", a.drift, "basis rotation of the stale twin")
+      ->capture_default_str()
+      ->check(CLI::Range(0.0, 10.0));
+  app.add_option("--seed", a.seed, "seed")->capture_default_str()->check(CLI::Range(0, 1 << 30));
+  app.add_option("--shapes", shapes, "MxN,MxN,... (overrides the mode's default shapes)");
+  app.add_option("--families", families, "comma list of spectral, kron, lowrank_noise");
+  app.add_option("--decays", decays, "comma list of spectral decays p, each in [0, 8]");
+  app.add_flag("--require-target", a.require_target,
+               "exit 1 if any quality case with fit >= 0.99 misses the target");
+  app.add_option("--grads", a.grads,
+                 "the quality table on the matrices of a `geofp8-train --dump-grads` step folder "
+                 "(shapes.json + float32 files), instead of the synthetic suite");
+  app.add_option("--grads-stale", a.grads_stale,
+                 "an earlier step's folder of the same run: the stale basis (needs --grads)");
+  if (int rc = ParseFlags(app, argc, argv); rc >= 0) std::exit(rc);
+  if (!shapes.empty()) a.shapes = ParseShapes(shapes.c_str());
+  if (app.count("--families") > 0) {
+    a.families.clear();
+    for (size_t pos = 0; pos <= families.size();) {
+      const size_t comma = std::min(families.find(',', pos), families.size());
+      const std::string name = families.substr(pos, comma - pos);
+      const auto f = ParseSyntheticFamily(name);
+      if (!f) UsageError("--families", "accepted: spectral, kron, lowrank_noise", name);
+      a.families.push_back(*f);
+      pos = comma + 1;
+    }
+  }
+  if (app.count("--decays") > 0) {
+    a.decays.clear();
+    for (size_t pos = 0; pos <= decays.size();) {
+      const size_t comma = std::min(decays.find(',', pos), decays.size());
+      const std::string item = decays.substr(pos, comma - pos);
+      const double p = ParseDouble("--decays", item.c_str());
+      if (p < 0 || p > 8) UsageError("--decays", "each must be in [0, 8]", item);
+      a.decays.push_back(p);
+      pos = comma + 1;
     }
   }
   if (!a.grads_stale.empty() && a.grads.empty()) {

@@ -5,6 +5,7 @@
 #include <cstdlib>
 #include <cstring>
 #include <string>
+#include <vector>
 
 #include "bench/registry.h"
 #include "kernels/model/ops.h"
@@ -21,17 +22,18 @@ void UsageError(const std::string& prog, const std::string& field, const std::st
                value.c_str());
   std::exit(2);
 }
-}  // namespace geofp8::bench
 
-namespace {
-void Usage(FILE* out) {
-  auto commands = geofp8::bench::Commands();
-  std::sort(commands.begin(), commands.end(),
-            [](const auto& a, const auto& b) { return a.name < b.name; });
-  std::fprintf(out, "usage: geofp8-bench <command> [options]   (<command> --help for options)\n\n");
-  for (const auto& c : commands) std::fprintf(out, "  %-12s %s\n", c.name.c_str(), c.help.c_str());
+int ParseFlags(CLI::App& app, int argc, char** argv) {
+  try {
+    app.parse(argc, argv);
+  } catch (const CLI::ParseError& e) {
+    if (e.get_exit_code() == 0) return app.exit(e);  // --help
+    std::fprintf(stderr, "geofp8-bench %s: error: %s\n", app.get_name().c_str(), e.what());
+    return 2;
+  }
+  return -1;
 }
-}  // namespace
+}  // namespace geofp8::bench
 
 int main(int argc, char** argv) {
   // The geometry and model benches time OpenBLAS: use the kernels this CPU supports (see
@@ -40,14 +42,46 @@ int main(int argc, char** argv) {
   geofp8::model::ReexecWithPreferredBlasCore(argv, &blas_warning);
   if (!blas_warning.empty())
     std::fprintf(stderr, "geofp8-bench: warning: %s\n", blas_warning.c_str());
-  if (argc < 2 || !std::strcmp(argv[1], "--help") || !std::strcmp(argv[1], "-h")) {
-    Usage(argc < 2 ? stderr : stdout);
-    return argc < 2 ? 2 : 0;
+  auto commands = geofp8::bench::Commands();
+  std::sort(commands.begin(), commands.end(),
+            [](const auto& a, const auto& b) { return a.name < b.name; });
+  CLI::App app{
+      "One subcommand per subsystem; every benchmark prints ratios against a baseline measured "
+      "in the same run. `geofp8-bench <command> --help` lists a command's options.",
+      "geofp8-bench"};
+  app.require_subcommand(1);
+  for (const auto& c : commands) {
+    // The subcommand parses its own flags (and its own --help): everything after its name goes
+    // to it.
+    CLI::App* sub = app.add_subcommand(c.name, c.help);
+    sub->prefix_command();
+    sub->set_help_flag();
   }
-  for (const auto& c : geofp8::bench::Commands()) {
-    if (c.name == argv[1]) return c.run(argc - 1, argv + 1);
+  // CLI11 would call an unknown name only "a subcommand is required"; name it.
+  if (argc > 1 && argv[1][0] != '-' &&
+      std::none_of(commands.begin(), commands.end(),
+                   [&](const auto& c) { return c.name == argv[1]; })) {
+    std::string accepted;
+    for (const auto& c : commands) accepted += (accepted.empty() ? "" : ", ") + c.name;
+    geofp8::bench::UsageError("geofp8-bench", "command", "unknown, accepted: " + accepted, argv[1]);
   }
-  std::fprintf(stderr, "geofp8-bench: unknown command '%s'\n", argv[1]);
-  Usage(stderr);
-  return 2;
+  try {
+    app.parse(argc, argv);
+  } catch (const CLI::ParseError& e) {
+    if (e.get_exit_code() == 0) return app.exit(e);
+    std::fprintf(stderr, "geofp8-bench: error: %s\n", e.what());
+    std::fprintf(stderr, "%s", app.help().c_str());
+    return 2;
+  }
+  const CLI::App* chosen = app.get_subcommands().front();
+  for (const auto& c : commands) {
+    if (c.name != chosen->get_name()) continue;
+    std::vector<std::string> args = {c.name};
+    for (const std::string& r : chosen->remaining()) args.push_back(r);
+    std::vector<char*> sub_argv;
+    for (std::string& a : args) sub_argv.push_back(a.data());
+    sub_argv.push_back(nullptr);
+    return c.run(int(args.size()), sub_argv.data());
+  }
+  return 2;  // unreachable: CLI11 accepted only registered names
 }

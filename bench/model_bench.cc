@@ -49,11 +49,7 @@ int RunModelBench(int argc, char** argv) {
       ->capture_default_str();
   app.add_option("--reps", reps, "timed repetitions (median)")->capture_default_str();
   app.add_option("--blas-threads", threads, "OpenBLAS threads")->capture_default_str();
-  try {
-    app.parse(argc, argv);
-  } catch (const CLI::ParseError& e) {
-    return app.exit(e) == 0 ? 0 : 2;
-  }
+  if (int rc = bench::ParseFlags(app, argc, argv); rc >= 0) return rc;
   auto config = model::PresetConfig(preset);
   if (!config) {
     bench::UsageError(prog, "preset",

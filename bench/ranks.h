@@ -3,6 +3,7 @@
 // as a thread over loopback Gloo (a MemoryStore). Rank 0's rows are printed.
 #pragma once
 
+#include <CLI/CLI.hpp>
 #include <cstdio>
 #include <exception>
 #include <functional>
@@ -15,6 +16,27 @@
 #include "kernels/exchange/store.h"
 
 namespace geofp8::bench {
+
+// Where a multi-rank subcommand's process mode rendezvouses: rank < 0 runs every rank as a thread.
+struct ProcessMode {
+  int rank = -1;
+  std::string store_dir;
+  std::string hostname = "127.0.0.1";
+  std::string prefix;
+};
+
+// --rank, --store-dir, --hostname and --prefix on `app`, into `mode`.
+inline void AddProcessModeFlags(CLI::App& app, ProcessMode& mode) {
+  app.add_option("--rank", mode.rank,
+                 "process mode: run only rank R; all ranks share --store-dir (a FileStore) and "
+                 "listen on --hostname. Without --rank, ranks run as threads.")
+      ->check(CLI::Range(0, 4095));
+  app.add_option("--store-dir", mode.store_dir, "rendezvous directory (process mode)");
+  app.add_option("--hostname", mode.hostname, "address to listen on (process mode)")
+      ->capture_default_str();
+  app.add_option("--prefix", mode.prefix, "rendezvous key prefix (process mode)")
+      ->capture_default_str();
+}
 
 // rank >= 0: process mode. `run` gives a rank's rows; `print(rows, processes)` shows rank 0's.
 // Returns the exit code: 0, or 1 after printing "prog: error: rank R: ..." for the first rank

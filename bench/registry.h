@@ -2,6 +2,7 @@
 // Bench sources are compiled straight into the executable so registration is never dropped.
 #pragma once
 
+#include <CLI/CLI.hpp>
 #include <string>
 #include <vector>
 
@@ -19,6 +20,11 @@ std::vector<Command>& Commands();
 // command-line program in this project.
 [[noreturn]] void UsageError(const std::string& prog, const std::string& field,
                              const std::string& problem, const std::string& value);
+
+// Parses a subcommand's flags with CLI11 (argv[0] is the subcommand's name), as every program of
+// the project does. Returns -1 to go on; otherwise the exit code: 0 after --help, 2 after a usage
+// error, printed as "geofp8-bench <command>: error: <CLI11's message, naming the flag>".
+int ParseFlags(CLI::App& app, int argc, char** argv);
 
 struct Registrar {
   Registrar(std::string name, std::string help, int (*run)(int, char**)) {

@@ -8,6 +8,7 @@
 // plan with geometry none: same format, scaling, algorithm, hence the same bytes), and the fresh
 // bound (the policy's transform with a basis estimated on this very step's exact average, which no
 // deployment can have). Errors are measured against the dump's exact fp32 average.
+#include <CLI/CLI.hpp>
 #include <algorithm>
 #include <chrono>
 #include <cmath>
@@ -50,21 +51,6 @@ struct Args {
   UsageError(kProg, field, problem, value);
 }
 
-void PrintHelp() {
-  std::printf(
-      "usage: %s DIR --steps A-B [--warmup W] [--policy P]... [--band-k K] [--csv FILE]\n"
-      "  DIR:       a `geofp8-train --dump-grads DIR --dump-steps A-B` folder (step_A .. step_B,\n"
-      "             each with every rank's local gradient)\n"
-      "  --steps:   consecutive steps to replay; the first W (--warmup) only feed the estimators\n"
-      "  --policy:  a geofp8-train policy (preset or FILE.yaml); repeatable; default geofp8\n"
-      "  --band-k:  k of the band edges [0,k) [k,4k) [4k,r/2) [r/2,r) (default 8)\n"
-      "  --csv:     one row per (policy, variant, layer, step) with every error\n"
-      "Per layer and policy: geometric mean over the measured steps of the deployed (and fresh)\n"
-      "error divided by the Euclidean twin's error on the same step, for rel_fro_error, the worst\n"
-      "band error and the residual-subspace error (basis of the step).\n",
-      kProg);
-}
-
 int64_t ParseInt64(const std::string& flag, const std::string& text, int64_t lo, int64_t hi) {
   char* end = nullptr;
   errno = 0;
@@ -78,36 +64,33 @@ int64_t ParseInt64(const std::string& flag, const std::string& text, int64_t lo,
 
 Args ParseArgs(int argc, char** argv) {
   Args a;
-  for (int i = 1; i < argc; ++i) {
-    const std::string flag = argv[i];
-    auto value = [&]() -> std::string {
-      if (i + 1 >= argc) Usage(flag, "missing value", "");
-      return argv[++i];
-    };
-    if (flag == "--help" || flag == "-h") {
-      PrintHelp();
-      std::exit(0);
-    } else if (flag == "--steps") {
-      const std::string v = value();
-      const size_t dash = v.find('-', 1);
-      if (dash == std::string::npos) Usage("--steps", "expected a range A-B", v);
-      a.first = ParseInt64("--steps", v.substr(0, dash), 0, int64_t{1} << 40);
-      a.last = ParseInt64("--steps", v.substr(dash + 1), a.first, a.first + 100000);
-    } else if (flag == "--warmup") {
-      a.warmup = int(ParseInt64("--warmup", value(), 0, 100000));
-    } else if (flag == "--policy") {
-      a.policies.push_back(value());
-    } else if (flag == "--band-k") {
-      a.band_k = int(ParseInt64("--band-k", value(), 1, 4096));
-    } else if (flag == "--csv") {
-      a.csv = value();
-    } else if (!flag.empty() && flag[0] == '-') {
-      Usage(flag, "unknown flag (see --help)", flag);
-    } else if (a.dir.empty()) {
-      a.dir = flag;
-    } else {
-      Usage("DIR", "given twice", flag);
-    }
+  std::string steps;
+  CLI::App app{
+      "Per layer and policy: geometric mean over the measured steps of the deployed (and fresh) "
+      "error divided by the Euclidean twin's error on the same step, for rel_fro_error, the "
+      "worst band error and the residual-subspace error (basis of the step).",
+      "trajectory"};
+  app.add_option("DIR", a.dir,
+                 "a `geofp8-train --dump-grads DIR --dump-steps A-B` folder (step_A .. step_B, "
+                 "each with every rank's local gradient)");
+  app.add_option("--steps", steps,
+                 "A-B: consecutive steps to replay; the first W (--warmup) only feed the "
+                 "estimators");
+  app.add_option("--warmup", a.warmup, "leading steps that only feed the estimators")
+      ->capture_default_str()
+      ->check(CLI::Range(0, 100000));
+  app.add_option("--policy", a.policies,
+                 "a geofp8-train policy (preset or FILE.yaml); repeatable; default geofp8");
+  app.add_option("--band-k", a.band_k, "k of the band edges [0,k) [k,4k) [4k,r/2) [r/2,r)")
+      ->capture_default_str()
+      ->check(CLI::Range(1, 4096));
+  app.add_option("--csv", a.csv, "one row per (policy, variant, layer, step) with every error");
+  if (int rc = ParseFlags(app, argc, argv); rc >= 0) std::exit(rc);
+  if (!steps.empty()) {
+    const size_t dash = steps.find('-', 1);
+    if (dash == std::string::npos) Usage("--steps", "expected a range A-B", steps);
+    a.first = ParseInt64("--steps", steps.substr(0, dash), 0, int64_t{1} << 40);
+    a.last = ParseInt64("--steps", steps.substr(dash + 1), a.first, a.first + 100000);
   }
   if (a.dir.empty()) Usage("DIR", "missing (a --dump-grads folder)", "");
   if (a.first < 0) Usage("--steps", "missing (e.g. --steps 40-59)", "");

@@ -73,11 +73,11 @@ std::string Age(int64_t since_ms, int64_t now_ms) {
 
 std::string LayerFields(const v1::LayerPatch& p) {
   std::vector<std::string> parts;
-  if (p.has_format()) parts.push_back("format=" + p.format());
-  if (p.has_scaling()) parts.push_back("scaling=" + p.scaling());
+  if (p.has_format()) parts.push_back("format=" + NameOf(p.format()));
+  if (p.has_scaling()) parts.push_back("scaling=" + NameOf(p.scaling()));
   if (p.has_block()) parts.push_back("block=" + std::to_string(p.block()));
-  if (p.has_rounding()) parts.push_back("rounding=" + p.rounding());
-  if (p.has_geometry()) parts.push_back("geometry=" + p.geometry());
+  if (p.has_rounding()) parts.push_back("rounding=" + NameOf(p.rounding()));
+  if (p.has_geometry()) parts.push_back("geometry=" + NameOf(p.geometry()));
   if (p.has_rank()) parts.push_back("rank=" + std::to_string(p.rank()));
   if (p.has_alpha()) parts.push_back("alpha=" + Fmt("%g", p.alpha()));
   if (p.has_error_feedback())
@@ -202,8 +202,9 @@ std::string PolicyTable(const v1::Policy& p) {
   const auto& d = p.default_policy();
   std::vector<std::vector<std::string>> rows = {
       {"LAYER", "FORMAT", "SCALING", "BLOCK", "ROUNDING", "GEOMETRY", "RANK", "ALPHA", "EF"},
-      {"(default)", d.format(), d.scaling(), std::to_string(d.block()), d.rounding(), d.geometry(),
-       std::to_string(d.rank()), Fmt("%g", d.alpha()), d.error_feedback() ? "on" : "off"}};
+      {"(default)", NameOf(d.format()), NameOf(d.scaling()), std::to_string(d.block()),
+       NameOf(d.rounding()), NameOf(d.geometry()), std::to_string(d.rank()), Fmt("%g", d.alpha()),
+       d.error_feedback() ? "on" : "off"}};
   os << Table(rows);
   if (p.patches_size() > 0) {
     os << "\npatches, applied in order:\n";
@@ -254,7 +255,9 @@ std::string PolicyHistoryWideTable(const v1::ListPolicyVersionsResponse& version
   for (int i = 0; i < versions.policies_size(); ++i) {
     const v1::Policy& p = versions.policies(i);
     const v1::LayerPolicy& d = p.default_policy();
-    std::string fields = d.format().empty() ? "-" : d.format() + "/" + d.geometry();
+    std::string fields = d.format() == v1::FORMAT_UNSPECIFIED
+                             ? "-"
+                             : NameOf(d.format()) + "/" + NameOf(d.geometry());
     rows.push_back({"v" + std::to_string(p.version()), std::to_string(p.effective_step()),
                     TakenStepText(versions, i), p.author(), Age(p.created_unix_ms(), now_ms),
                     fields, std::to_string(p.patches_size()), std::to_string(p.refresh_size()),

@@ -76,8 +76,8 @@ py::object ChangeDict(const std::optional<hook::PolicyChange>& change) {
   for (const auto& l : change->layers) {
     py::dict ld;
     ld["layer"] = l.layer;
-    ld["format"] = l.policy.format();
-    ld["geometry"] = l.policy.geometry();
+    ld["format"] = NameOf(l.policy.format());
+    ld["geometry"] = NameOf(l.policy.geometry());
     ld["rank"] = l.policy.rank();
     ld["refresh_interval"] = l.refresh_interval;
     layers.append(ld);

@@ -53,7 +53,8 @@ std::vector<uint8_t> MemoryStore::Get(const std::string& key, std::chrono::milli
   const bool found =
       cv_.wait_for(lock, timeout, [&] { return values_.find(key) != values_.end(); });
   if (!found)
-    GEOFP8_FAIL("store: timed out after ", timeout.count(), " ms waiting for key '", key, "'");
+    GEOFP8_FAIL_STORE_TIMEOUT("store: timed out after ", timeout.count(), " ms waiting for key '",
+                              key, "'");
   return values_.at(key);
 }
 
@@ -70,7 +71,8 @@ void MemoryStore::Wait(const std::vector<std::string>& keys, std::chrono::millis
     return true;
   });
   if (!found) {
-    GEOFP8_FAIL("store: timed out after ", timeout.count(), " ms waiting for key '", *missing, "'");
+    GEOFP8_FAIL_STORE_TIMEOUT("store: timed out after ", timeout.count(), " ms waiting for key '",
+                              *missing, "'");
   }
 }
 
@@ -148,8 +150,8 @@ void FileStore::Wait(const std::vector<std::string>& keys, std::chrono::millisec
     auto sleep = std::chrono::microseconds(200);
     while (::access(path.c_str(), F_OK) != 0) {
       if (std::chrono::steady_clock::now() >= deadline) {
-        GEOFP8_FAIL("store: timed out after ", timeout.count(), " ms waiting for key '", key,
-                    "' in '", directory_, "'");
+        GEOFP8_FAIL_STORE_TIMEOUT("store: timed out after ", timeout.count(),
+                                  " ms waiting for key '", key, "' in '", directory_, "'");
       }
       std::this_thread::sleep_for(sleep);
       sleep = std::min(sleep * 2, std::chrono::microseconds(20000));

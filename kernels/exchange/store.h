@@ -10,7 +10,16 @@
 #include <string>
 #include <vector>
 
+#include "kernels/common/check.h"
+
 namespace geofp8 {
+
+// What Get and Wait throw when their timeout runs out (a key that never came). A caller that polls
+// tells it from other failures by its type, never by the message text.
+class StoreTimeoutError : public Error {
+ public:
+  using Error::Error;
+};
 
 class Store {
  public:
@@ -19,11 +28,12 @@ class Store {
   // Stores value under key, replacing any previous value.
   virtual void Set(const std::string& key, const std::vector<uint8_t>& value) = 0;
 
-  // Returns the value of key, waiting up to timeout for it to appear. Throws geofp8::Error naming
-  // the key on timeout.
+  // Returns the value of key, waiting up to timeout for it to appear. Throws StoreTimeoutError
+  // naming the key on timeout.
   virtual std::vector<uint8_t> Get(const std::string& key, std::chrono::milliseconds timeout) = 0;
 
-  // Waits until every key exists. Throws geofp8::Error naming the first missing key on timeout.
+  // Waits until every key exists. Throws StoreTimeoutError naming the first missing key on
+  // timeout.
   virtual void Wait(const std::vector<std::string>& keys, std::chrono::milliseconds timeout) = 0;
 
   // Atomically adds delta to the integer stored under key (0 if absent) and returns the result.
@@ -68,3 +78,7 @@ class FileStore final : public Store {
 int64_t ParseStoreInt(const std::vector<uint8_t>& value);
 
 }  // namespace geofp8
+
+// GEOFP8_FAIL_STORE_TIMEOUT(...): GEOFP8_FAIL, as a StoreTimeoutError.
+#define GEOFP8_FAIL_STORE_TIMEOUT(...) \
+  ::geofp8::detail::ThrowError<::geofp8::StoreTimeoutError>(__FILE__, __LINE__, __VA_ARGS__)

@@ -11,15 +11,67 @@ std::string JoinErrors(const std::vector<std::string>& items, const char* sep) {
   for (const auto& item : items) out += (out.empty() ? "" : sep) + item;
   return out;
 }
+// One row per value: the library's enum and the wire's.
+constexpr std::pair<Format, v1::Format> kFormats[] = {
+    {Format::kFp32, v1::FORMAT_FP32},        {Format::kBf16, v1::FORMAT_BF16},
+    {Format::kFp8E4M3, v1::FORMAT_FP8_E4M3}, {Format::kFp8E5M2, v1::FORMAT_FP8_E5M2},
+    {Format::kMxfp8, v1::FORMAT_MXFP8},      {Format::kNvfp4, v1::FORMAT_NVFP4}};
+constexpr std::pair<Scaling, v1::Scaling> kScalings[] = {{Scaling::kNone, v1::SCALING_NONE},
+                                                         {Scaling::kTensor, v1::SCALING_TENSOR},
+                                                         {Scaling::kBlock, v1::SCALING_BLOCK}};
+constexpr std::pair<Rounding, v1::Rounding> kRoundings[] = {
+    {Rounding::kNearest, v1::ROUNDING_NEAREST}, {Rounding::kStochastic, v1::ROUNDING_STOCHASTIC}};
+constexpr std::pair<GeometryMode, v1::GeometryMode> kGeometries[] = {
+    {GeometryMode::kNone, v1::GEOMETRY_NONE},
+    {GeometryMode::kDiag, v1::GEOMETRY_DIAG},
+    {GeometryMode::kLowRank, v1::GEOMETRY_LOWRANK}};
+
+template <typename Typed, typename Wire, size_t N>
+Wire WireOf(const std::pair<Typed, Wire> (&table)[N], Typed t) {
+  for (const auto& [typed, wire] : table) {
+    if (typed == t) return wire;
+  }
+  return Wire(0);  // UNSPECIFIED; every library value has a row
+}
+
+template <typename Typed, typename Wire, size_t N>
+std::optional<Typed> TypedOf(const std::pair<Typed, Wire> (&table)[N], Wire w) {
+  for (const auto& [typed, wire] : table) {
+    if (wire == w) return typed;
+  }
+  return std::nullopt;
+}
+
+// "" for UNSPECIFIED (0), "unknown (N)" for a value without a row.
+template <typename Typed>
+std::string DisplayName(int wire, const std::optional<Typed>& typed,
+                        std::string_view (*name)(Typed)) {
+  if (typed) return std::string(name(*typed));
+  return wire == 0 ? std::string() : "unknown (" + std::to_string(wire) + ")";
+}
+
 }  // namespace
+
+v1::Format ToProto(Format f) { return WireOf(kFormats, f); }
+v1::Scaling ToProto(Scaling s) { return WireOf(kScalings, s); }
+v1::Rounding ToProto(Rounding r) { return WireOf(kRoundings, r); }
+v1::GeometryMode ToProto(GeometryMode g) { return WireOf(kGeometries, g); }
+std::optional<Format> FromProto(v1::Format f) { return TypedOf(kFormats, f); }
+std::optional<Scaling> FromProto(v1::Scaling s) { return TypedOf(kScalings, s); }
+std::optional<Rounding> FromProto(v1::Rounding r) { return TypedOf(kRoundings, r); }
+std::optional<GeometryMode> FromProto(v1::GeometryMode g) { return TypedOf(kGeometries, g); }
+std::string NameOf(v1::Format f) { return DisplayName(f, FromProto(f), FormatNameOf); }
+std::string NameOf(v1::Scaling s) { return DisplayName(s, FromProto(s), ScalingNameOf); }
+std::string NameOf(v1::Rounding r) { return DisplayName(r, FromProto(r), RoundingNameOf); }
+std::string NameOf(v1::GeometryMode g) { return DisplayName(g, FromProto(g), GeometryNameOf); }
 
 v1::LayerPolicy ToProto(const LayerPolicy& p) {
   v1::LayerPolicy out;
-  out.set_format(std::string(FormatNameOf(p.format)));
-  out.set_scaling(std::string(ScalingNameOf(p.scaling)));
+  out.set_format(ToProto(p.format));
+  out.set_scaling(ToProto(p.scaling));
   out.set_block(p.block);
-  out.set_rounding(std::string(RoundingNameOf(p.rounding)));
-  out.set_geometry(std::string(GeometryNameOf(p.geometry)));
+  out.set_rounding(ToProto(p.rounding));
+  out.set_geometry(ToProto(p.geometry));
   out.set_rank(p.rank);
   out.set_alpha(p.alpha);
   out.set_error_feedback(p.error_feedback);
@@ -29,11 +81,11 @@ v1::LayerPolicy ToProto(const LayerPolicy& p) {
 v1::LayerPatch ToProto(const LayerPatchSpec& p) {
   v1::LayerPatch out;
   out.set_layer(p.match);
-  if (p.format) out.set_format(std::string(FormatNameOf(*p.format)));
-  if (p.scaling) out.set_scaling(std::string(ScalingNameOf(*p.scaling)));
+  if (p.format) out.set_format(ToProto(*p.format));
+  if (p.scaling) out.set_scaling(ToProto(*p.scaling));
   if (p.block) out.set_block(*p.block);
-  if (p.rounding) out.set_rounding(std::string(RoundingNameOf(*p.rounding)));
-  if (p.geometry) out.set_geometry(std::string(GeometryNameOf(*p.geometry)));
+  if (p.rounding) out.set_rounding(ToProto(*p.rounding));
+  if (p.geometry) out.set_geometry(ToProto(*p.geometry));
   if (p.rank) out.set_rank(*p.rank);
   if (p.alpha) out.set_alpha(*p.alpha);
   if (p.error_feedback) out.set_error_feedback(*p.error_feedback);
@@ -45,24 +97,21 @@ absl::StatusOr<LayerPatchSpec> FromProto(const v1::LayerPatch& p, const std::str
   LayerPatchSpec out;
   std::vector<std::string> errors;
   out.match = p.layer();
-  auto name = [&](bool has, const std::string& value, const char* field, auto parse,
-                  std::string_view accepted, auto* dst) {
+  // An enum value this build does not know (a newer client) is an error naming the field.
+  auto typed = [&](bool has, auto value, const char* field, std::string_view accepted, auto* dst) {
     if (!has) return;
-    auto v = parse(value);
+    auto v = FromProto(value);
     if (!v) {
-      errors.push_back(path + "." + field + ": unknown value (" + value +
+      errors.push_back(path + "." + field + ": unknown value (" + std::to_string(int(value)) +
                        "); accepted: " + std::string(accepted));
     } else {
       *dst = *v;
     }
   };
-  name(p.has_format(), p.format(), "format", ParseFormatName, AcceptedFormatNames(), &out.format);
-  name(p.has_scaling(), p.scaling(), "scaling", ParseScalingName, AcceptedScalingNames(),
-       &out.scaling);
-  name(p.has_rounding(), p.rounding(), "rounding", ParseRoundingName, AcceptedRoundingNames(),
-       &out.rounding);
-  name(p.has_geometry(), p.geometry(), "geometry", ParseGeometryName, AcceptedGeometryNames(),
-       &out.geometry);
+  typed(p.has_format(), p.format(), "format", AcceptedFormatNames(), &out.format);
+  typed(p.has_scaling(), p.scaling(), "scaling", AcceptedScalingNames(), &out.scaling);
+  typed(p.has_rounding(), p.rounding(), "rounding", AcceptedRoundingNames(), &out.rounding);
+  typed(p.has_geometry(), p.geometry(), "geometry", AcceptedGeometryNames(), &out.geometry);
   if (p.has_block()) out.block = p.block();
   if (p.has_rank()) out.rank = p.rank();
   if (p.has_alpha()) out.alpha = p.alpha();
@@ -147,29 +196,28 @@ std::vector<v1::RefreshSchedule> ComputeSchedules(const std::vector<v1::LayerInf
 
 absl::StatusOr<LayerPolicy> FromProto(const v1::LayerPolicy& lp, const std::string& path) {
   LayerPolicy r;
-  auto fail = [&](const std::string& field, const std::string& value) {
-    return absl::InvalidArgumentError(path + "." + field + ": unknown value '" + value + "'");
+  // UNSPECIFIED or zero keeps the LayerPolicy default (proto3 cannot tell unset from zero);
+  // format has no default. A value this build does not know is an error naming the field.
+  if (lp.format() == v1::FORMAT_UNSPECIFIED) {
+    return absl::InvalidArgumentError(
+        path + ".format: unspecified (accepted: " + std::string(AcceptedFormatNames()) + ")");
+  }
+  std::string bad;
+  auto take = [&](auto wire, const char* field, auto* dst) {
+    if (int(wire) == 0 || !bad.empty()) return;
+    auto v = FromProto(wire);
+    if (v) {
+      *dst = *v;
+    } else {
+      bad = path + "." + field + ": unknown value (" + std::to_string(int(wire)) + ")";
+    }
   };
-  // An empty or zero field keeps the LayerPolicy default (proto3 cannot tell unset from zero).
-  auto format = ParseFormat(lp.format());
-  if (!format) return fail("format", lp.format());
-  r.format = *format;
-  if (!lp.scaling().empty()) {
-    auto s = ParseScaling(lp.scaling());
-    if (!s) return fail("scaling", lp.scaling());
-    r.scaling = *s;
-  }
+  take(lp.format(), "format", &r.format);
+  take(lp.scaling(), "scaling", &r.scaling);
+  take(lp.rounding(), "rounding", &r.rounding);
+  take(lp.geometry(), "geometry", &r.geometry);
+  if (!bad.empty()) return absl::InvalidArgumentError(bad);
   if (lp.block() > 0) r.block = lp.block();
-  if (!lp.rounding().empty()) {
-    auto s = ParseRounding(lp.rounding());
-    if (!s) return fail("rounding", lp.rounding());
-    r.rounding = *s;
-  }
-  if (!lp.geometry().empty()) {
-    auto g = ParseGeometryMode(lp.geometry());
-    if (!g) return fail("geometry", lp.geometry());
-    r.geometry = *g;
-  }
   if (lp.rank() > 0) r.rank = lp.rank();
   if (lp.alpha() > 0) r.alpha = lp.alpha();
   r.error_feedback = lp.error_feedback();

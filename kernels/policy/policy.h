@@ -4,6 +4,7 @@
 // worker and geofp8ctl; no state, no I/O.
 #pragma once
 
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -13,6 +14,23 @@
 #include "kernels/policy/job_spec.h"
 
 namespace geofp8 {
+
+// The wire enums (geofp8.proto) and the library's own: the one conversion between them. FromProto
+// gives nullopt for UNSPECIFIED and for a value this build does not know.
+v1::Format ToProto(Format f);
+v1::Scaling ToProto(Scaling s);
+v1::Rounding ToProto(Rounding r);
+v1::GeometryMode ToProto(GeometryMode g);
+std::optional<Format> FromProto(v1::Format f);
+std::optional<Scaling> FromProto(v1::Scaling s);
+std::optional<Rounding> FromProto(v1::Rounding r);
+std::optional<GeometryMode> FromProto(v1::GeometryMode g);
+// The canonical name of a wire value, for display ("fp8_e4m3"); "" for UNSPECIFIED and
+// "unknown (N)" for a value this build does not know.
+std::string NameOf(v1::Format f);
+std::string NameOf(v1::Scaling s);
+std::string NameOf(v1::Rounding r);
+std::string NameOf(v1::GeometryMode g);
 
 v1::LayerPolicy ToProto(const LayerPolicy& p);
 v1::LayerPatch ToProto(const LayerPatchSpec& p);

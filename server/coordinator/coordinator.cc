@@ -425,7 +425,7 @@ absl::StatusOr<v1::Job> Coordinator::CancelJob(const v1::CancelJobRequest& reque
     }
     const std::string reason =
         "cancelled" + (request.reason().empty() ? std::string() : ": " + request.reason());
-    ReleaseRanks(rec, reason, out);
+    ReleaseRanks(rec, reason, v1::STOP_CANCELLED, out);
     SetState(rec, v1::JOB_CANCELLED, reason);
     TrySchedule(out);
     result = Snapshot(rec, true);
@@ -787,10 +787,12 @@ void Coordinator::SendToRanks(const JobRec& rec, const v1::CoordinatorMessage& m
   }
 }
 
-void Coordinator::ReleaseRanks(JobRec& rec, const std::string& stop_reason, Outbox& out) {
+void Coordinator::ReleaseRanks(JobRec& rec, const std::string& stop_reason, v1::StopCause cause,
+                               Outbox& out) {
   v1::CoordinatorMessage m;
   m.mutable_stop()->set_job_id(rec.job.id());
   m.mutable_stop()->set_reason(stop_reason);
+  m.mutable_stop()->set_cause(cause);
   SendToRanks(rec, m, out);
   for (const auto& r : rec.ranks) {
     auto it = workers_.find(r.worker_id);
@@ -821,7 +823,7 @@ void Coordinator::FailAttempt(JobRec& rec, const std::string& reason, bool resta
       rec.interrupted_workers[r] = rec.ranks[r].worker_id;
     }
   }
-  ReleaseRanks(rec, reason, out);
+  ReleaseRanks(rec, reason, v1::STOP_ATTEMPT_ENDED, out);
   kv_.Clear(rec.job.id());
   if (restartable && rec.job.restarts() < rec.job.max_restarts()) {
     rec.job.set_restarts(rec.job.restarts() + 1);
@@ -1056,6 +1058,7 @@ void Coordinator::DeclareDead(WorkerRec& w, const std::string& reason, Outbox& o
     v1::CoordinatorMessage m;
     m.mutable_stop()->set_reason("generation " + std::to_string(w.info.generation()) +
                                  " fenced: " + reason);
+    m.mutable_stop()->set_cause(v1::STOP_FENCED);
     if (!w.info.job_id().empty()) m.mutable_stop()->set_job_id(w.info.job_id());
     out.emplace_back(w.sink, std::move(m));
   }
@@ -1281,7 +1284,8 @@ absl::Status Coordinator::HandleWorkerMessage(const v1::WorkerMessage& message) 
             kept.set_probe_gain(probe.error_without() / probe.error_with());
             kept.set_probe_basis(probe.basis());
             kept.set_geometry_on(
-                ResolveLayer(rec->policies.back(), probe.layer()).policy.geometry() != "none");
+                ResolveLayer(rec->policies.back(), probe.layer()).policy.geometry() !=
+                v1::GEOMETRY_NONE);
           }
         }
         break;
@@ -1316,7 +1320,7 @@ absl::Status Coordinator::HandleWorkerMessage(const v1::WorkerMessage& message) 
             rec->ranks[rank].finished = true;
             if (std::all_of(rec->ranks.begin(), rec->ranks.end(),
                             [](const RankState& r) { return r.finished; })) {
-              ReleaseRanks(*rec, "job succeeded", out);
+              ReleaseRanks(*rec, "job succeeded", v1::STOP_JOB_SUCCEEDED, out);
               SetState(*rec, v1::JOB_SUCCEEDED,
                        "all ranks finished at step " + std::to_string(rec->job.progress().step()));
             }

@@ -185,7 +185,7 @@ class Coordinator {
   absl::StatusOr<v1::SubmitJobResponse> SubmitJobUnlogged(const v1::SubmitJobRequest& request);
   absl::Status PersistJob(JobRec& rec);
   void Changed(JobRec& rec);
-  void ReleaseRanks(JobRec& rec, const std::string& stop_reason, Outbox& out);
+  void ReleaseRanks(JobRec& rec, const std::string& stop_reason, v1::StopCause cause, Outbox& out);
   void FailAttempt(JobRec& rec, const std::string& reason, bool restartable, Outbox& out);
   void TrySchedule(Outbox& out);
   // The newest step past the persisted recovery point that every rank of the interrupted

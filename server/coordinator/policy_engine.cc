@@ -16,7 +16,7 @@ std::vector<AutoDecision> DecideAuto(const AutoPolicySpec& bounds, const Refresh
   for (const auto& probe : probes) {
     if (probe.layer().empty() || !(probe.error_with() > 0)) continue;
     ResolvedLayer r = ResolveLayer(current, probe.layer());
-    const bool on = r.policy.geometry() != "none";
+    const bool on = r.policy.geometry() != v1::GEOMETRY_NONE;
     const double gain = probe.error_with() > 0 ? probe.error_without() / probe.error_with() : 0.0;
     const double cost =
         probe.step_seconds() > 0 ? probe.transform_seconds() / probe.step_seconds() : 0.0;
@@ -25,15 +25,15 @@ std::vector<AutoDecision> DecideAuto(const AutoPolicySpec& bounds, const Refresh
     std::vector<std::string> why;
     char buf[200];
     if (!on && gain >= bounds.min_gain && cost <= bounds.max_cost_fraction) {
-      patch.set_geometry(std::string(GeometryNameOf(bounds.geometry)));
+      patch.set_geometry(ToProto(bounds.geometry));
       patch.set_rank(bounds.rank);
       std::snprintf(buf, sizeof buf,
                     "geometry %s on: gain %.3g >= %.3g (%s basis), cost %.3g <= %.3g",
-                    patch.geometry().c_str(), gain, bounds.min_gain, ProbeBasisName(probe.basis()),
-                    cost, bounds.max_cost_fraction);
+                    NameOf(patch.geometry()).c_str(), gain, bounds.min_gain,
+                    ProbeBasisName(probe.basis()), cost, bounds.max_cost_fraction);
       why.push_back(buf);
     } else if (on && (gain < bounds.off_gain || cost > bounds.max_cost_fraction)) {
-      patch.set_geometry("none");
+      patch.set_geometry(v1::GEOMETRY_NONE);
       if (gain < bounds.off_gain) {
         std::snprintf(buf, sizeof buf, "geometry off: gain %.3g < %.3g (%s basis)", gain,
                       bounds.off_gain, ProbeBasisName(probe.basis()));
@@ -43,7 +43,7 @@ std::vector<AutoDecision> DecideAuto(const AutoPolicySpec& bounds, const Refresh
       }
       why.push_back(buf);
     }
-    const bool geometry_after = patch.has_geometry() ? patch.geometry() != "none" : on;
+    const bool geometry_after = patch.has_geometry() ? patch.geometry() != v1::GEOMETRY_NONE : on;
     if (tune_interval && geometry_after && probe.drift() > 0) {  // 0: no refresh measured yet
       const int interval = r.refresh_interval > 0 ? r.refresh_interval : default_interval;
       int next = interval;

@@ -7,6 +7,9 @@
 #include <filesystem>
 #include <unordered_map>
 
+#include "google/protobuf/unknown_field_set.h"
+#include "kernels/policy/policy.h"
+
 namespace geofp8::coordinator {
 namespace {
 
@@ -62,6 +65,70 @@ CREATE TABLE IF NOT EXISTS workers (
 );
 )sql";
 
+// PRAGMA user_version of the file. 0: the first layout, in which LayerPolicy and LayerPatch
+// carried format, scaling, rounding and geometry as their names (strings); 1: as enums.
+constexpr int kSchemaVersion = 1;
+
+// Schema 0's name fields, now reserved: they parse into the message's unknown fields.
+struct LegacyFields {
+  int format, scaling, rounding, geometry;
+};
+constexpr LegacyFields kLegacyLayerPolicy{1, 2, 4, 5};
+constexpr LegacyFields kLegacyLayerPatch{2, 3, 5, 6};
+
+// Moves the schema-0 names of `m` (a LayerPolicy or LayerPatch) into its enum fields, with the
+// policy library's parsers. Returns whether anything changed; an unknown name is data loss.
+template <typename M>
+absl::StatusOr<bool> UpgradeNames(M& m, const LegacyFields& legacy, const std::string& where) {
+  google::protobuf::UnknownFieldSet* unknown = m.GetReflection()->MutableUnknownFields(&m);
+  bool changed = false;
+  for (int i = 0; i < unknown->field_count(); ++i) {
+    const google::protobuf::UnknownField& f = unknown->field(i);
+    if (f.type() != google::protobuf::UnknownField::TYPE_LENGTH_DELIMITED) continue;
+    const std::string& name = f.length_delimited();
+    bool known = true;
+    if (f.number() == legacy.format) {
+      auto v = ParseFormatName(name);
+      if ((known = v.has_value())) m.set_format(ToProto(*v));
+    } else if (f.number() == legacy.scaling) {
+      auto v = ParseScalingName(name);
+      if ((known = v.has_value())) m.set_scaling(ToProto(*v));
+    } else if (f.number() == legacy.rounding) {
+      auto v = ParseRoundingName(name);
+      if ((known = v.has_value())) m.set_rounding(ToProto(*v));
+    } else if (f.number() == legacy.geometry) {
+      auto v = ParseGeometryName(name);
+      if ((known = v.has_value())) m.set_geometry(ToProto(*v));
+    } else {
+      continue;
+    }
+    if (!known) {
+      return absl::DataLossError("store: " + where + ": unknown name '" + name + "' in field " +
+                                 std::to_string(f.number()) + " of a schema-0 row");
+    }
+    changed = true;
+  }
+  for (int n : {legacy.format, legacy.scaling, legacy.rounding, legacy.geometry}) {
+    unknown->DeleteByNumber(n);
+  }
+  return changed;
+}
+
+// A policy row written under schema 0, in schema 1's form; false when it had no names.
+absl::StatusOr<bool> UpgradePolicy(v1::Policy& p) {
+  const std::string where = "policy " + p.job_id() + " v" + std::to_string(p.version());
+  auto changed = UpgradeNames(*p.mutable_default_policy(), kLegacyLayerPolicy, where + " default");
+  if (!changed.ok()) return changed.status();
+  bool any = *changed;
+  for (int i = 0; i < p.patches_size(); ++i) {
+    auto c = UpgradeNames(*p.mutable_patches(i), kLegacyLayerPatch,
+                          where + " patches[" + std::to_string(i) + "]");
+    if (!c.ok()) return c.status();
+    any = any || *c;
+  }
+  return any;
+}
+
 }  // namespace
 
 absl::StatusOr<std::unique_ptr<Store>> Store::Open(const std::string& data_dir) {
@@ -90,7 +157,50 @@ absl::StatusOr<std::unique_ptr<Store>> Store::Open(const std::string& data_dir) 
   }
   if (auto s = store->Exec("PRAGMA synchronous=FULL"); !s.ok()) return s;
   if (auto s = store->Exec(kSchema); !s.ok()) return s;
+  if (auto s = store->Migrate(); !s.ok()) return s;
   return store;
+}
+
+absl::StatusOr<int> Store::SchemaVersion() {
+  Stmt st(db_, "PRAGMA user_version");
+  if (!st.ok() || st.Step() != SQLITE_ROW) return Error("read schema version");
+  return static_cast<int>(sqlite3_column_int64(st.get(), 0));
+}
+
+absl::Status Store::Migrate() {
+  auto version = SchemaVersion();
+  if (!version.ok()) return version.status();
+  if (*version > kSchemaVersion) {
+    return absl::FailedPreconditionError(
+        "store: coordinator.db has schema version " + std::to_string(*version) +
+        ", newer than this coordinator's " + std::to_string(kSchemaVersion) +
+        " (a newer coordinator wrote it)");
+  }
+  if (*version == kSchemaVersion) return absl::OkStatus();
+  // Schema 0 -> 1: policy rows carry the wire enums instead of names. One transaction: a
+  // coordinator that dies midway finds the file as it was.
+  return Transaction([&]() -> absl::Status {
+    std::vector<v1::Policy> upgraded;
+    {
+      Stmt st(db_, "SELECT policy FROM policies");
+      if (!st.ok()) return Error("prepare migrate policies");
+      int rc;
+      while ((rc = st.Step()) == SQLITE_ROW) {
+        v1::Policy p;
+        if (!p.ParseFromString(st.ColumnBlob(0))) {
+          return absl::DataLossError("store: bad policy row");
+        }
+        auto changed = UpgradePolicy(p);
+        if (!changed.ok()) return changed.status();
+        if (*changed) upgraded.push_back(std::move(p));
+      }
+      if (rc != SQLITE_DONE) return Error("migrate policies");
+    }
+    for (const v1::Policy& p : upgraded) {
+      if (auto s = PutPolicy(p); !s.ok()) return s;
+    }
+    return Exec("PRAGMA user_version = " + std::to_string(kSchemaVersion));
+  });
 }
 
 Store::~Store() { sqlite3_close(db_); }

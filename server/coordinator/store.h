@@ -45,6 +45,10 @@ class Store {
 
  private:
   explicit Store(sqlite3* db) : db_(db) {}
+  // Upgrades a file written under an older schema (PRAGMA user_version) in one transaction;
+  // fails for a newer one.
+  absl::Status Migrate();
+  absl::StatusOr<int> SchemaVersion();
   absl::Status Exec(const std::string& sql);
   absl::Status Error(const std::string& what) const;
 

@@ -38,10 +38,10 @@ void ExerciseStore(Store& store) {
   try {
     store.Wait({"late", "never"}, milliseconds(30));
     FAIL() << "Wait did not time out";
-  } catch (const Error& e) {
+  } catch (const StoreTimeoutError& e) {  // typed: a poller tells it from other errors by type
     EXPECT_NE(std::string(e.what()).find("'never'"), std::string::npos) << e.what();
   }
-  EXPECT_THROW(store.Get("never", milliseconds(10)), Error);
+  EXPECT_THROW(store.Get("never", milliseconds(10)), StoreTimeoutError);
 }
 
 TEST(MemoryStore, SetGetWaitAdd) {

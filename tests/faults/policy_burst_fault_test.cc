@@ -66,7 +66,7 @@ TEST(PolicyBurstFaultTest, RapidUpdatesNeverFailTheJobAndEveryRankSwitchesAtTheS
       v1::LayerPatch patch;
       patch.set_layer("*");
       // Alternate so every update makes a new version.
-      patch.set_format((b * kUpdatesPerBurst + u) % 2 ? "fp8_e4m3" : "bf16");
+      patch.set_format((b * kUpdatesPerBurst + u) % 2 ? v1::FORMAT_FP8_E4M3 : v1::FORMAT_BF16);
       try {
         last_version = client.UpdatePolicy(job.id(), patch, "burst " + std::to_string(b)).version();
       } catch (const std::exception& e) {

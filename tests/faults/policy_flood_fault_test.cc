@@ -27,7 +27,7 @@ TEST(PolicyFloodFaultTest, HistoryStaysSmallAndAssignmentsStillArrive) {
       // 50 distinct patterns, each matching every layer of the model (a pattern that matches
       // no layer is refused).
       p->set_layer(std::string(1 + i % 50, '*'));
-      p->set_format(round % 2 ? "bf16" : "fp8_e4m3");
+      p->set_format(round % 2 ? v1::FORMAT_BF16 : v1::FORMAT_FP8_E4M3);
     }
     v1::UpdatePolicyResponse resp;
     grpc::ClientContext ctx;

@@ -126,7 +126,8 @@ class CoordinatorTest : public ::testing::Test {
     req.set_job_id(id);
     auto* p = req.add_patches();
     p->set_layer(layer);
-    p->set_format(format);
+    const auto known = ParseFormatName(format);
+    p->set_format(known ? ToProto(*known) : v1::Format(99));  // 99: a value no build knows
     auto r = coordinator->UpdatePolicy(req);
     if (!r.ok()) return r.status();
     return r->policy();
@@ -490,12 +491,12 @@ TEST_F(CoordinatorTest, AnUpdateThatChangesNothingMakesNoVersion) {
   auto changed = coordinator->UpdatePolicy(d);
   ASSERT_TRUE(changed.ok()) << changed.status();
   EXPECT_FALSE(changed->unchanged());
-  EXPECT_EQ(changed->policy().default_policy().format(), "fp8_e5m2");
-  d.mutable_default_policy()->set_format("fp9");
+  EXPECT_EQ(changed->policy().default_policy().format(), v1::FORMAT_FP8_E5M2);
+  d.mutable_default_policy()->set_format(v1::Format(99));
   EXPECT_NE(std::string(coordinator->UpdatePolicy(d).status().message())
-                .find("default_policy.format: unknown value 'fp9'"),
+                .find("default_policy.format: unknown value (99)"),
             std::string::npos);
-  d.mutable_default_policy()->set_format("fp8_e4m3");
+  d.mutable_default_policy()->set_format(v1::FORMAT_FP8_E4M3);
   d.mutable_default_policy()->set_rank(5000);
   EXPECT_NE(std::string(coordinator->UpdatePolicy(d).status().message())
                 .find("default_policy.rank: must be in [1, 4096] (5000)"),
@@ -520,7 +521,7 @@ TEST_F(CoordinatorTest, PolicyTakesEffectAtLargestReportedStepPlusMargin) {
   auto bad = Update(id, "*attn*", "fp7");
   ASSERT_FALSE(bad.ok());
   EXPECT_EQ(bad.status().code(), absl::StatusCode::kInvalidArgument);
-  EXPECT_NE(bad.status().message().find("patches[0].format: unknown value (fp7)"),
+  EXPECT_NE(bad.status().message().find("patches[0].format: unknown value (99)"),
             std::string::npos);
   EXPECT_EQ(Update("job-999999", "x", "bf16").status().code(), absl::StatusCode::kNotFound);
 
@@ -721,7 +722,9 @@ TEST_F(CoordinatorTest, WorkerReportedFailureFailsTheJobWithItsReason) {
   v1::Job job = Get(id);
   EXPECT_EQ(job.state(), v1::JOB_FAILED);
   EXPECT_EQ(job.reason(), "rank 1 failed: policy v3 effective at step 40 arrived at step 42");
-  EXPECT_EQ(a.sink->Take(v1::CoordinatorMessage::kStop).size(), 1u);
+  auto stops = a.sink->Take(v1::CoordinatorMessage::kStop);
+  ASSERT_EQ(stops.size(), 1u);
+  EXPECT_EQ(stops[0].stop().cause(), v1::STOP_ATTEMPT_ENDED);
 }
 
 TEST_F(CoordinatorTest, CancelStopsRanksAndIsFinal) {
@@ -735,7 +738,10 @@ TEST_F(CoordinatorTest, CancelStopsRanksAndIsFinal) {
   ASSERT_TRUE(r.ok());
   EXPECT_EQ(r->state(), v1::JOB_CANCELLED);
   EXPECT_EQ(r->reason(), "cancelled: user asked");
-  EXPECT_EQ(b.sink->Take(v1::CoordinatorMessage::kStop).size(), 1u);
+  // The Stop says why by its cause, which the worker's metrics count (never by the text).
+  auto stops = b.sink->Take(v1::CoordinatorMessage::kStop);
+  ASSERT_EQ(stops.size(), 1u);
+  EXPECT_EQ(stops[0].stop().cause(), v1::STOP_CANCELLED);
   EXPECT_EQ(coordinator->CancelJob(req).status().code(), absl::StatusCode::kFailedPrecondition);
   req.set_job_id("job-404");
   EXPECT_EQ(coordinator->CancelJob(req).status().code(), absl::StatusCode::kNotFound);
@@ -793,8 +799,8 @@ TEST_F(CoordinatorTest, AutoEngineTurnsGeometryOnAndLogsAVersionWithReason) {
   EXPECT_NE(p->reason().find("blocks.0.attn.wq: geometry lowrank on: gain 3 >= 1.5 (shadow basis)"),
             std::string::npos)
       << p->reason();
-  EXPECT_EQ(ResolveLayer(*p, "blocks.0.attn.wq").policy.geometry(), "lowrank");
-  EXPECT_EQ(ResolveLayer(*p, "blocks.0.mlp.up").policy.geometry(), "none");
+  EXPECT_EQ(ResolveLayer(*p, "blocks.0.attn.wq").policy.geometry(), v1::GEOMETRY_LOWRANK);
+  EXPECT_EQ(ResolveLayer(*p, "blocks.0.mlp.up").policy.geometry(), v1::GEOMETRY_NONE);
 
   // Low drift on the now-geometric layer doubles its interval; high drift halves it.
   v1::WorkerMessage d;
@@ -820,7 +826,7 @@ TEST_F(CoordinatorTest, AutoEngineTurnsGeometryOnAndLogsAVersionWithReason) {
   ASSERT_TRUE(Send(a, d).ok());
   p = coordinator->GetPolicy(g);
   EXPECT_EQ(p->version(), 5u);
-  EXPECT_EQ(ResolveLayer(*p, "blocks.0.attn.wq").policy.geometry(), "none");
+  EXPECT_EQ(ResolveLayer(*p, "blocks.0.attn.wq").policy.geometry(), v1::GEOMETRY_NONE);
   EXPECT_NE(p->reason().find("geometry off: gain 0.968 < 1.1 (deployed basis)"), std::string::npos)
       << p->reason();
   // `describe` shows the engine's last judgement of each probed layer and the state it left.
@@ -859,7 +865,7 @@ TEST_F(CoordinatorTest, AutoEngineLeavesTheEmaFeedingCadenceAlone) {
   auto p = coordinator->GetPolicy(g);
   ASSERT_TRUE(p.ok());
   EXPECT_EQ(p->version(), 2u);
-  EXPECT_EQ(ResolveLayer(*p, "blocks.0.attn.wq").policy.geometry(), "lowrank");
+  EXPECT_EQ(ResolveLayer(*p, "blocks.0.attn.wq").policy.geometry(), v1::GEOMETRY_LOWRANK);
   EXPECT_EQ(ResolveLayer(*p, "blocks.0.attn.wq").refresh_interval, 0);
 }
 
@@ -868,7 +874,7 @@ TEST_F(CoordinatorTest, IntervalStaysWithinBounds) {
   bounds.min_interval = 50;
   bounds.max_interval = 150;
   v1::Policy policy;
-  policy.mutable_default_policy()->set_geometry("lowrank");
+  policy.mutable_default_policy()->set_geometry(v1::GEOMETRY_LOWRANK);
   v1::ProbeResult probe;
   probe.set_layer("x");
   probe.set_error_without(1);

@@ -101,8 +101,8 @@ TEST(Render, PolicyHistoryShowsTheTakenStep) {
     if (taken) p->set_taken_step(*taken);
     p->set_author(version == 1 ? "spec" : "user");
     p->set_reason("r" + std::to_string(version));
-    p->mutable_default_policy()->set_format("fp8_e4m3");
-    p->mutable_default_policy()->set_geometry("lowrank");
+    p->mutable_default_policy()->set_format(v1::FORMAT_FP8_E4M3);
+    p->mutable_default_policy()->set_geometry(v1::GEOMETRY_LOWRANK);
   };
   add(1, 0, 0);
   add(2, 45, std::nullopt);  // overtaken by v3 before the ranks took it: never in force
@@ -181,10 +181,10 @@ TEST(Render, DescribeShowsEventsAndPolicy) {
   v1::Policy policy;
   policy.set_version(2);
   policy.set_effective_step(45);
-  policy.mutable_default_policy()->set_format("fp8_e4m3");
+  policy.mutable_default_policy()->set_format(v1::FORMAT_FP8_E4M3);
   auto* patch = policy.add_patches();
   patch->set_layer("*attn*");
-  patch->set_format("nvfp4");
+  patch->set_format(v1::FORMAT_NVFP4);
   const std::string out = DescribeJob(job, &policy, 0);
   EXPECT_NE(out.find("PENDING: submitted"), std::string::npos) << out;
   EXPECT_NE(out.find("policy v2  effective at step 45"), std::string::npos) << out;

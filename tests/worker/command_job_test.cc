@@ -115,7 +115,7 @@ TEST_F(CommandJobTest, TwoRanksRunToSuccessAndApplyALivePolicyAtTheSameStep) {
   ASSERT_EQ(job.state(), v1::JOB_RUNNING) << Everything(job);
   v1::LayerPatch patch;
   patch.set_layer("layers.*");
-  patch.set_format("nvfp4");
+  patch.set_format(v1::FORMAT_NVFP4);
   const v1::Policy v2 = client_->UpdatePolicy(job.id(), patch, "test: nvfp4");
   ASSERT_EQ(v2.version(), 2u);
   job = client_->WaitFinal(job.id(), seconds(60));

@@ -79,7 +79,7 @@ TEST_F(GrpcStoreTest, GetTimeoutNamesTheKeyAndHonoursTheTimeout) {
   try {
     store.Get("never", milliseconds(400));
     FAIL() << "Get of a missing key returned";
-  } catch (const Error& e) {
+  } catch (const StoreTimeoutError& e) {
     EXPECT_NE(std::string(e.what()).find("'job-c/0/never'"), std::string::npos) << e.what();
     EXPECT_NE(std::string(e.what()).find("timed out"), std::string::npos) << e.what();
   }
@@ -94,7 +94,7 @@ TEST_F(GrpcStoreTest, GetTimeoutNamesTheKeyAndHonoursTheTimeout) {
 TEST_F(GrpcStoreTest, WaitReturnsWhenAllKeysExistAndTimesOutOtherwise) {
   GrpcStore store(Connect(), "job-d", "job-d/0/");
   store.Set("x", Bytes("1"));
-  EXPECT_THROW(store.Wait({"x", "y"}, milliseconds(300)), Error);
+  EXPECT_THROW(store.Wait({"x", "y"}, milliseconds(300)), StoreTimeoutError);
   std::thread t([&] {
     std::this_thread::sleep_for(milliseconds(200));
     store.Set("y", Bytes("2"));

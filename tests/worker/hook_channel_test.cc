@@ -11,6 +11,7 @@
 #include <mutex>
 #include <thread>
 
+#include "kernels/policy/policy.h"
 #include "worker/daemon/hook_server.h"
 #include "worker/hook/hook_client.h"
 
@@ -53,13 +54,13 @@ v1::Policy MakePolicy(uint64_t version, int64_t effective, const std::string& pa
   p.set_version(version);
   p.set_effective_step(effective);
   p.set_reason("v" + std::to_string(version));
-  p.mutable_default_policy()->set_format("fp8_e4m3");
-  p.mutable_default_policy()->set_geometry("lowrank");
+  p.mutable_default_policy()->set_format(v1::FORMAT_FP8_E4M3);
+  p.mutable_default_policy()->set_geometry(v1::GEOMETRY_LOWRANK);
   p.mutable_default_policy()->set_rank(4);
   if (!patch_format.empty()) {
     auto* patch = p.add_patches();
     patch->set_layer("layers.*");
-    patch->set_format(patch_format);
+    patch->set_format(ToProto(*ParseFormatName(patch_format)));
   }
   return p;
 }
@@ -114,10 +115,10 @@ TEST_F(HookChannelTest, PoliciesComeDownAtTheirStepReportsGoUpAndTheClientReatta
   ASSERT_TRUE(v1.has_value());
   EXPECT_EQ(v1->version, 1u);
   ASSERT_EQ(v1->layers.size(), 3u);
-  EXPECT_EQ(v1->layers[0].policy.format(), "fp8_e4m3");
-  EXPECT_EQ(v1->layers[0].policy.geometry(), "lowrank");
-  EXPECT_EQ(v1->layers[1].policy.geometry(), "none");  // 1-D: never geometry
-  EXPECT_FALSE(client->PolicyDueAt(1).has_value());    // nothing new
+  EXPECT_EQ(v1->layers[0].policy.format(), v1::FORMAT_FP8_E4M3);
+  EXPECT_EQ(v1->layers[0].policy.geometry(), v1::GEOMETRY_LOWRANK);
+  EXPECT_EQ(v1->layers[1].policy.geometry(), v1::GEOMETRY_NONE);  // 1-D: never geometry
+  EXPECT_FALSE(client->PolicyDueAt(1).has_value());               // nothing new
   EXPECT_EQ(client->version_in_force(), 1u);
 
   // v2 takes effect at step 5: not before, exactly there.
@@ -132,8 +133,8 @@ TEST_F(HookChannelTest, PoliciesComeDownAtTheirStepReportsGoUpAndTheClientReatta
   ASSERT_TRUE(v2.has_value());
   EXPECT_EQ(v2->version, 2u);
   EXPECT_EQ(v2->effective_step, 5);
-  EXPECT_EQ(v2->layers[0].policy.format(), "nvfp4");
-  EXPECT_EQ(v2->layers[2].policy.format(), "fp8_e4m3");  // "head" is no match of layers.*
+  EXPECT_EQ(v2->layers[0].policy.format(), v1::FORMAT_NVFP4);
+  EXPECT_EQ(v2->layers[2].policy.format(), v1::FORMAT_FP8_E4M3);  // "head" is no match of layers.*
   client->ReportStep(5, 2.5, 100.0, 10, 40);
   client->ReportLayers({{"layers.0.w", 5, 0.02, 0.01, 1, 0.0}});
   v1::ProbeResult probe;

@@ -24,6 +24,7 @@
 #include <string>
 #include <thread>
 
+#include "kernels/policy/policy.h"
 #include "worker/hook/hook_client.h"
 
 namespace {
@@ -137,9 +138,10 @@ int main(int argc, char** argv) {
   std::ofstream versions(tag + ".versions", std::ios::app);
   for (int64_t step = hook->resume_step(); step < steps; ++step) {
     if (auto change = hook->PolicyDueAt(step)) {
-      std::printf("step %lld: policy v%llu (%s), layers.0.w format %s\n", (long long)step,
-                  (unsigned long long)change->version, change->reason.c_str(),
-                  change->layers.empty() ? "?" : change->layers[0].policy.format().c_str());
+      std::printf(
+          "step %lld: policy v%llu (%s), layers.0.w format %s\n", (long long)step,
+          (unsigned long long)change->version, change->reason.c_str(),
+          change->layers.empty() ? "?" : geofp8::NameOf(change->layers[0].policy.format()).c_str());
       std::fflush(stdout);
     }
     versions << hook->attempt() << " " << step << " " << hook->version_in_force() << "\n";

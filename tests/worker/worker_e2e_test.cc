@@ -178,8 +178,8 @@ TEST_F(WorkerE2ETest, LivePolicyChangeTakesEffectAtItsStep) {
   ASSERT_EQ(job.state(), v1::JOB_RUNNING) << Everything(job);
   v1::LayerPatch patch;
   patch.set_layer("layers.*");
-  patch.set_format("bf16");
-  patch.set_geometry("none");
+  patch.set_format(v1::FORMAT_BF16);
+  patch.set_geometry(v1::GEOMETRY_NONE);
   const v1::Policy p = client_->UpdatePolicy(job.id(), patch, "test: bf16");
   ASSERT_EQ(p.version(), 2u);
   job = client_->WaitFinal(job.id(), seconds(120));
@@ -210,7 +210,7 @@ TEST_F(WorkerE2ETest, PolicyArrivingAfterItsEffectiveStepIsTakenLateOnEveryRank)
   ASSERT_EQ(job.state(), v1::JOB_RUNNING) << Everything(job);
   v1::LayerPatch patch;
   patch.set_layer("*");
-  patch.set_format("bf16");
+  patch.set_format(v1::FORMAT_BF16);
   const v1::Policy p = client_->UpdatePolicy(job.id(), patch, "test: late");
   job = client_->WaitFinal(job.id(), seconds(120));
   ASSERT_EQ(job.state(), v1::JOB_SUCCEEDED) << Everything(job);

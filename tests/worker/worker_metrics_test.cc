@@ -56,7 +56,7 @@ TEST(WorkerMetricsTest, JobSeriesCarryTheJobAndWholeBytes) {
   m.LayerBytes("l0", "fp8_e4m3", 0.8);  // 2.0 exactly
   EXPECT_TRUE(Has(m.Render(), "job_id=\"a\",layer=\"l0\"} 2\n"));
 
-  m.JobEnded(false, true, "stopped at step 1: cancelled: test");
+  m.JobEnded(false, true, /*cancelled=*/true);
   t = m.Render();
   EXPECT_TRUE(Has(t, "geofp8_worker_jobs_total{result=\"cancelled\"} 1")) << t;
   EXPECT_TRUE(Has(t, "geofp8_worker_jobs_total{result=\"failed\"} 0")) << t;
@@ -82,11 +82,11 @@ TEST(WorkerMetricsTest, ResultsAndTheBoundOnKeptJobs) {
     m.JobStarted("j" + std::to_string(j), 0, 1);
     m.LayerBytes("l0", "bf16", 10);
     if (j == 0)
-      m.JobEnded(true, false, "completed");
+      m.JobEnded(true, false, false);
     else if (j == 1)
-      m.JobEnded(false, false, "rank 0 failed");
+      m.JobEnded(false, false, false);
     else
-      m.JobEnded(false, true, "stopped at step 3 (another rank was told to stop)");
+      m.JobEnded(false, true, false);
   }
   const std::string t = m.Render();
   EXPECT_TRUE(Has(t, "geofp8_worker_jobs_total{result=\"succeeded\"} 1")) << t;

@@ -168,18 +168,18 @@ void CommandRunner::OfferRefresh(const v1::RefreshSchedules& refresh) {
   if (hook_) hook_->OfferRefresh(refresh);
 }
 
-void CommandRunner::RequestStop(const std::string& reason) {
+void CommandRunner::RequestStop(const std::string& reason, v1::StopCause cause) {
   {
     std::lock_guard<std::mutex> lock(mu_);
-    if (stop_reason_.empty()) stop_reason_ = reason.empty() ? "stop requested" : reason;
+    stop_.Record(reason, cause);
   }
   cv_.notify_all();
 }
 
 bool CommandRunner::StopRequested(std::string* reason) const {
   std::lock_guard<std::mutex> lock(mu_);
-  if (reason) *reason = stop_reason_;
-  return !stop_reason_.empty();
+  if (reason) *reason = stop_.reason;
+  return !stop_.reason.empty();
 }
 
 std::pair<std::string, int> CommandRunner::MasterAddress() {
@@ -206,7 +206,7 @@ std::pair<std::string, int> CommandRunner::MasterAddress() {
         Fail("rank 0 did not publish MASTER_ADDR/MASTER_PORT within ",
              options_.rendezvous_timeout.count(), " ms (", e.what(), ")");
       }
-      if (std::string(e.what()).find("timed out") == std::string::npos) {
+      if (dynamic_cast<const StoreTimeoutError*>(&e) == nullptr) {
         std::this_thread::sleep_for(milliseconds(200));  // not a wait that ran out: back off
       }
     }
@@ -497,13 +497,13 @@ JobOutcome CommandRunner::Run() {
   }
   out.policy_version = version_in_force_.load();
   // Before the coordinator hears of the end: a scrape after it sees the job's gauges gone.
-  if (metrics_) metrics_->JobEnded(out.success, out.stopped, out.reason);
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    out.cancelled = out.stopped && stop_.cause == v1::STOP_CANCELLED;
+  }
+  if (metrics_) metrics_->JobEnded(out.success, out.stopped, out.cancelled);
   if (!out.stopped) {
-    v1::WorkerMessage m;
-    m.mutable_finished()->set_success(out.success);
-    m.mutable_finished()->set_reason(out.reason);
-    m.mutable_finished()->set_job_id(a.job_id());
-    m.mutable_finished()->set_attempt(a.attempt());
+    v1::WorkerMessage m = FinishedMessage(a, out);
     m.mutable_finished()->set_restartable(restartable);
     send_(std::move(m), true);
   }

@@ -55,7 +55,7 @@ class CommandRunner final : public RankRunner {
   void Start() override;
   void OfferPolicy(const v1::Policy& policy) override;
   void OfferRefresh(const v1::RefreshSchedules& refresh) override;
-  void RequestStop(const std::string& reason) override;
+  void RequestStop(const std::string& reason, v1::StopCause cause) override;
   void OnCheckpointAcknowledged(int64_t) override {}  // the program owns its checkpoints
   bool done() const override { return done_.load(); }
   const v1::Assignment& assignment() const override { return assignment_; }
@@ -79,7 +79,7 @@ class CommandRunner final : public RankRunner {
   std::map<uint64_t, v1::Policy> policies_;  // every version known, by version
   std::optional<v1::RefreshSchedules> refresh_;
   std::unique_ptr<HookServer> hook_;
-  std::string stop_reason_;
+  StopRequest stop_;                    // under mu_
   std::atomic<bool> relay_open_{true};  // false once the attempt has ended
   std::atomic<int64_t> last_step_{-1};
   // When the program last reported a step (at first: when the rank started).

@@ -67,8 +67,8 @@ std::vector<uint8_t> GrpcStore::Get(const std::string& key, milliseconds timeout
     return stub_->Get(connection_->Context(left + kWaitSlack).get(), req, &resp);
   });
   if (s.error_code() == grpc::StatusCode::DEADLINE_EXCEEDED) {
-    GEOFP8_FAIL("store: timed out after ", timeout.count(), " ms waiting for key '", Scoped(key),
-                "' of job ", job_id_, " (", DescribeStatus(s), ")");
+    GEOFP8_FAIL_STORE_TIMEOUT("store: timed out after ", timeout.count(), " ms waiting for key '",
+                              Scoped(key), "' of job ", job_id_, " (", DescribeStatus(s), ")");
   }
   GEOFP8_CHECK(s.ok(), "rendezvous store: get '", Scoped(key), "' of job ", job_id_, " at ",
                connection_->address(), " failed: ", DescribeStatus(s));
@@ -88,8 +88,9 @@ void GrpcStore::Wait(const std::vector<std::string>& keys, milliseconds timeout)
     return stub_->Wait(connection_->Context(left + kWaitSlack).get(), req, &resp);
   });
   if (s.error_code() == grpc::StatusCode::DEADLINE_EXCEEDED) {
-    GEOFP8_FAIL("store: timed out after ", timeout.count(), " ms waiting for keys of job ", job_id_,
-                " (", DescribeStatus(s), ")");
+    GEOFP8_FAIL_STORE_TIMEOUT("store: timed out after ", timeout.count(),
+                              " ms waiting for keys of job ", job_id_, " (", DescribeStatus(s),
+                              ")");
   }
   GEOFP8_CHECK(s.ok(), "rendezvous store: wait for ", keys.size(), " keys (first '",
                Scoped(keys[0]), "') of job ", job_id_, " at ", connection_->address(),

@@ -31,6 +31,15 @@ absl::StatusOr<model::ModelConfig> ModelConfigFor(const JobSpec& spec) {
   return *mc;
 }
 
+v1::WorkerMessage FinishedMessage(const v1::Assignment& assignment, const JobOutcome& out) {
+  v1::WorkerMessage m;
+  m.mutable_finished()->set_success(out.success);
+  m.mutable_finished()->set_reason(out.reason);
+  m.mutable_finished()->set_job_id(assignment.job_id());
+  m.mutable_finished()->set_attempt(assignment.attempt());
+  return m;
+}
+
 JobRunner::JobRunner(std::shared_ptr<Connection> connection, v1::Assignment assignment,
                      JobRunnerOptions options, SendFn send, WorkerMetrics* metrics)
     : connection_(std::move(connection)),
@@ -89,8 +98,8 @@ HeldCheckpointsInfo JobRunner::HeldCheckpoints() const {
   return h;
 }
 
-void JobRunner::RequestStop(const std::string& reason) {
-  stop_.Request(reason);
+void JobRunner::RequestStop(const std::string& reason, v1::StopCause cause) {
+  stop_.Request(reason, cause);
   inbox_.Interrupt();  // a rank waiting for the catalog's schedule stops waiting
 }
 
@@ -128,6 +137,7 @@ JobOutcome JobRunner::Run() {
       out.reason = "stopped (" + stop_reason + "); then: " + out.reason;
     }
   }
+  out.cancelled = out.stopped && stop_.cause() == v1::STOP_CANCELLED;
   out.policy_version = inbox_.in_force();
   reporter.Ended(out, std::chrono::duration<double>(Clock::now() - start).count());
   return out;

@@ -60,12 +60,16 @@ struct JobRunnerOptions {
 // What one attempt ended with, also written to <data_dir>/results/<job_id>.<attempt>.txt.
 struct JobOutcome {
   bool success = false;
-  bool stopped = false;  // ended by a coordinator Stop (no Finished sent)
+  bool stopped = false;    // ended by a coordinator Stop (no Finished sent)
+  bool cancelled = false;  // stopped because the job was cancelled (Stop.cause)
   std::string reason;
   int64_t steps = 0;            // steps completed (the last step index + 1)
   uint64_t checksum = 0;        // FNV-1a of final weights and moments (train::Checksum)
   uint64_t policy_version = 0;  // in force at the end
 };
+
+// The Finished report of an attempt that ended without a coordinator Stop.
+v1::WorkerMessage FinishedMessage(const v1::Assignment& assignment, const JobOutcome& out);
 
 // The checkpoint files a rank holds (see v1::HeldCheckpoints), reported when the worker registers
 // again after losing its session.
@@ -94,7 +98,7 @@ class JobRunner {
   // Thread-safe notifications from the session.
   void OfferPolicy(const v1::Policy& policy);
   void OfferRefresh(const v1::RefreshSchedules& refresh);
-  void RequestStop(const std::string& reason);
+  void RequestStop(const std::string& reason, v1::StopCause cause);
   // The coordinator has persisted `recovery_step` as the job's recovery point (the Ack of a
   // checkpoint report): no restart resumes before it, so older checkpoints are deleted. Also
   // after the rank has ended.

@@ -182,13 +182,13 @@ void WorkerMetrics::JobStarted(const std::string& job_id, int rank, int world_si
   JobGauge(step_, {}).Set(-1);
 }
 
-void WorkerMetrics::JobEnded(bool success, bool stopped, const std::string& reason) {
+void WorkerMetrics::JobEnded(bool success, bool stopped, bool cancelled) {
   std::lock_guard<std::mutex> lock(mu_);
   assigned_.Add({}).Set(0);
-  const char* result = success                                                    ? "succeeded"
-                       : stopped && reason.find("cancelled") != std::string::npos ? "cancelled"
-                       : stopped                                                  ? "stopped"
-                                                                                  : "failed";
+  const char* result = success                ? "succeeded"
+                       : stopped && cancelled ? "cancelled"
+                       : stopped              ? "stopped"
+                                              : "failed";
   jobs_total_.Add({{"result", result}}).Increment();
   if (!success && !stopped) errors_total_.Add({{"kind", "job_failed"}}).Increment();
   for (auto [family, gauge] : job_gauges_) family->Remove(gauge);

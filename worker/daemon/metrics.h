@@ -40,7 +40,7 @@ class WorkerMetrics {
   void JobStarted(const std::string& job_id, int rank, int world_size);
   // result: succeeded; stopped by the coordinator with a reason that says "cancelled"
   // (cancelled); stopped otherwise (stopped: a peer's failure, a restart, a shutdown); failed.
-  void JobEnded(bool success, bool stopped, const std::string& reason);
+  void JobEnded(bool success, bool stopped, bool cancelled);
   // Where one step's wall time went on this rank: the whole step, the exchange engine (first
   // submit to finish, overlapping the backward pass) and the geometry estimation within it.
   struct StepTimes {

@@ -225,26 +225,17 @@ void RankReporter::Started() {
 
 void RankReporter::Ended(const JobOutcome& out, double seconds) {
   // Before the coordinator hears of the end: a scrape after it sees the job's gauges gone.
-  if (metrics_) metrics_->JobEnded(out.success, out.stopped, out.reason);
-  if (!out.stopped) {
-    v1::WorkerMessage m;
-    m.mutable_finished()->set_success(out.success);
-    m.mutable_finished()->set_reason(out.reason);
-    m.mutable_finished()->set_job_id(a_.job_id());
-    m.mutable_finished()->set_attempt(a_.attempt());
-    Send(std::move(m), true);
-  }
+  if (metrics_) metrics_->JobEnded(out.success, out.stopped, out.cancelled);
+  if (!out.stopped) Send(FinishedMessage(a_, out), true);
   {
-    // Classified as WorkerMetrics::JobEnded counts it: a stop whose reason says "cancelled" is
-    // a cancel.
+    // Classified as WorkerMetrics::JobEnded counts it: a stop the coordinator sent for a cancel
+    // (Stop.cause) is a cancel.
     const bool failed = !out.success && !out.stopped;
     log::Event e(failed ? log::Level::kError : log::Level::kInfo,
                  failed ? "rank.failed" : "rank.finished");
     e.F("job", a_.job_id()).F("attempt", a_.attempt()).F("rank", a_.rank()).F("step", out.steps);
     if (!failed) {
-      e.F("result", out.success                                         ? "succeeded"
-                    : out.reason.find("cancelled") != std::string::npos ? "cancelled"
-                                                                        : "stopped");
+      e.F("result", out.success ? "succeeded" : out.cancelled ? "cancelled" : "stopped");
     }
     e.F("seconds", seconds).Msg(out.reason);
   }

@@ -18,7 +18,8 @@ class RankRunner {
   virtual void Start() = 0;
   virtual void OfferPolicy(const v1::Policy& policy) = 0;
   virtual void OfferRefresh(const v1::RefreshSchedules& refresh) = 0;
-  virtual void RequestStop(const std::string& reason) = 0;
+  // `cause`: the coordinator's (Stop.cause); UNSPECIFIED for the worker's own stops.
+  virtual void RequestStop(const std::string& reason, v1::StopCause cause) = 0;
   virtual void OnCheckpointAcknowledged(int64_t recovery_step) = 0;
   virtual bool done() const = 0;
   virtual const v1::Assignment& assignment() const = 0;
@@ -34,7 +35,9 @@ class TrainerRankRunner final : public RankRunner {
   void Start() override { runner_->Start(); }
   void OfferPolicy(const v1::Policy& p) override { runner_->OfferPolicy(p); }
   void OfferRefresh(const v1::RefreshSchedules& r) override { runner_->OfferRefresh(r); }
-  void RequestStop(const std::string& reason) override { runner_->RequestStop(reason); }
+  void RequestStop(const std::string& reason, v1::StopCause cause) override {
+    runner_->RequestStop(reason, cause);
+  }
   void OnCheckpointAcknowledged(int64_t step) override { runner_->OnCheckpointAcknowledged(step); }
   bool done() const override { return runner_->done(); }
   const v1::Assignment& assignment() const override { return runner_->assignment(); }

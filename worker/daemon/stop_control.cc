@@ -4,27 +4,32 @@
 
 namespace geofp8::worker {
 
-void StopControl::Request(const std::string& reason) {
+void StopControl::Request(const std::string& reason, v1::StopCause cause) {
   {
     std::lock_guard<std::mutex> lock(mu_);
-    if (reason_.empty()) reason_ = reason.empty() ? "stop requested" : reason;
+    stop_.Record(reason, cause);
   }
   cv_.notify_all();
 }
 
+v1::StopCause StopControl::cause() const {
+  std::lock_guard<std::mutex> lock(mu_);
+  return stop_.cause;
+}
+
 std::string StopControl::reason() const {
   std::lock_guard<std::mutex> lock(mu_);
-  return reason_;
+  return stop_.reason;
 }
 
 bool StopControl::requested() const {
   std::lock_guard<std::mutex> lock(mu_);
-  return !reason_.empty();
+  return !stop_.reason.empty();
 }
 
 bool StopControl::WaitFor(std::chrono::milliseconds timeout) {
   std::unique_lock<std::mutex> lock(mu_);
-  return cv_.wait_for(lock, timeout, [&] { return !reason_.empty(); });
+  return cv_.wait_for(lock, timeout, [&] { return !stop_.reason.empty(); });
 }
 
 void StopControl::SetCommunicator(Communicator* comm) {
@@ -51,14 +56,14 @@ bool StopControl::done() const {
 void StopControl::Watchdog(std::chrono::milliseconds abort_after, const std::string& job_id,
                            int rank) {
   std::unique_lock<std::mutex> lock(mu_);
-  cv_.wait(lock, [&] { return done_ || !reason_.empty(); });
+  cv_.wait(lock, [&] { return done_ || !stop_.reason.empty(); });
   if (cv_.wait_for(lock, abort_after, [&] { return done_; })) return;
   // A stop during the rendezvous aborts the communicator as soon as it exists.
   cv_.wait(lock, [&] { return done_ || comm_ != nullptr; });
   if (done_) return;
   Log("job " + job_id + " rank " + std::to_string(rank) + ": not at a step boundary " +
       std::to_string(abort_after.count()) + " ms after the stop; aborting its collectives");
-  if (!comm_->Abort("stop: " + reason_)) {
+  if (!comm_->Abort("stop: " + stop_.reason)) {
     Log("job " + job_id + ": backend " + std::string(comm_->backend()) +
         " cannot abort; the collective ends at exchange.timeout_s");
   }

@@ -8,14 +8,28 @@
 #include <mutex>
 #include <string>
 
+#include "geofp8/v1/geofp8.pb.h"
 #include "kernels/exchange/communicator.h"
 
 namespace geofp8::worker {
 
+// The first stop asked for: its reason ("stop requested" when none is given) and cause. Its owner
+// locks.
+struct StopRequest {
+  std::string reason;  // empty: none yet
+  v1::StopCause cause = v1::STOP_CAUSE_UNSPECIFIED;
+  void Record(const std::string& why, v1::StopCause c) {
+    if (!reason.empty()) return;
+    reason = why.empty() ? "stop requested" : why;
+    cause = c;
+  }
+};
+
 class StopControl {
  public:
-  // Records the first stop's reason (empty: "stop requested").
-  void Request(const std::string& reason);
+  // Records the first stop's reason (empty: "stop requested") and cause.
+  void Request(const std::string& reason, v1::StopCause cause);
+  v1::StopCause cause() const;
   // Non-empty once a stop was asked for.
   std::string reason() const;
   bool requested() const;
@@ -37,7 +51,7 @@ class StopControl {
  private:
   mutable std::mutex mu_;
   std::condition_variable cv_;
-  std::string reason_;
+  StopRequest stop_;
   Communicator* comm_ = nullptr;
   bool done_ = false;
 };

@@ -66,7 +66,8 @@ bool Worker::Shutdown(std::chrono::milliseconds grace, const std::string& reason
   if (session_) session_->Leave(reason, std::chrono::milliseconds(2000));
   {
     std::lock_guard<std::mutex> lock(mu_);
-    if (runner_ && !runner_->done()) runner_->RequestStop("worker shutting down");
+    if (runner_ && !runner_->done())
+      runner_->RequestStop("worker shutting down", v1::STOP_CAUSE_UNSPECIFIED);
   }
   cv_.notify_all();
   if (supervisor_.joinable()) supervisor_.join();
@@ -131,8 +132,9 @@ void Worker::OnMessage(const v1::CoordinatorMessage& message) {
                " rank " + std::to_string(a.rank()) + "/" + std::to_string(a.world_size()));
       if (active) {
         // The coordinator has moved on (e.g. released our ranks); the old rank winds down first.
-        runner_->RequestStop("superseded by job " + a.job_id() + " attempt " +
-                             std::to_string(a.attempt()));
+        runner_->RequestStop(
+            "superseded by job " + a.job_id() + " attempt " + std::to_string(a.attempt()),
+            v1::STOP_ATTEMPT_ENDED);
         pending_ = a;
         cv_.notify_all();
         return;
@@ -172,7 +174,7 @@ void Worker::OnMessage(const v1::CoordinatorMessage& message) {
             .F("job", runner_->assignment().job_id())
             .F("rank", runner_->assignment().rank())
             .Msg("stop: job " + runner_->assignment().job_id() + ": " + s.reason());
-        runner_->RequestStop(s.reason());
+        runner_->RequestStop(s.reason(), s.cause());
       }
       return;
     }
@@ -184,7 +186,8 @@ void Worker::OnMessage(const v1::CoordinatorMessage& message) {
 void Worker::OnGenerationLost(const std::string& reason) {
   std::lock_guard<std::mutex> lock(mu_);
   pending_.reset();
-  if (runner_ && !runner_->done()) runner_->RequestStop("generation lost: " + reason);
+  if (runner_ && !runner_->done())
+    runner_->RequestStop("generation lost: " + reason, v1::STOP_FENCED);
   if (metrics_) metrics_->Error("session_lost");
 }
 

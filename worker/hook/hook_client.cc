@@ -272,7 +272,7 @@ PolicyChange MakeChange(const v1::Policy& due, const std::vector<LayerInfo>& cat
   for (const LayerInfo& l : catalog) {
     ResolvedLayer r = ResolveLayer(due, l.name);
     // 1-D tensors never use geometry (as the trainer's ResolveLayers).
-    if (l.cols <= 1) r.policy.set_geometry("none");
+    if (l.cols <= 1) r.policy.set_geometry(v1::GEOMETRY_NONE);
     change.layers.push_back({l.name, r.policy, r.refresh_interval});
   }
   if (due.refresh_size() > 0) {

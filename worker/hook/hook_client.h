@@ -61,7 +61,8 @@ struct LayerReport {
   double drift = 0;
 };
 
-// A layer's policy under one version (canonical names: format "fp8_e4m3", geometry "lowrank").
+// A layer's policy under one version (the wire enums: format FORMAT_FP8_E4M3, geometry
+// GEOMETRY_LOWRANK; kernels/policy/policy.h converts them: FromProto, NameOf).
 struct ResolvedLayerPolicy {
   std::string layer;
   v1::LayerPolicy policy;

@@ -506,6 +506,9 @@ TrainResult Train(const TrainOptions& options, const StepCallback& on_step) {
   MemoryStore store;
   const std::string prefix = "train" + std::to_string(group++);
   std::vector<std::string> errors(options.ranks);
+  // Whether a rank's error is a consequence of another's: a failed collective or a rendezvous
+  // wait that ran out (char, not bool: the rank threads write their own entries concurrently).
+  std::vector<char> consequence(options.ranks, 0);
   std::vector<TrainResult> results(options.ranks);
   std::vector<std::thread> threads;
   for (int r = 0; r < options.ranks; ++r) {
@@ -517,16 +520,22 @@ TrainResult Train(const TrainOptions& options, const StepCallback& on_step) {
         auto comm = CreateGlooCommunicator(store, r, options.ranks, go);
         Trainer trainer(options, *comm);
         results[r] = trainer.Run(r == 0 ? on_step : nullptr);
+      } catch (const TransportError& e) {
+        errors[r] = e.what();
+        consequence[r] = 1;
+      } catch (const StoreTimeoutError& e) {
+        errors[r] = e.what();
+        consequence[r] = 1;
       } catch (const std::exception& e) {
         errors[r] = e.what();
       }
     });
   }
   for (auto& t : threads) t.join();
-  // Report the root cause: a rank's own error before the timeouts it caused in the others.
+  // Report the root cause: a rank's own error before the failed collectives and timeouts it
+  // caused in the others.
   for (int r = 0; r < options.ranks; ++r) {
-    if (!errors[r].empty() && errors[r].find("timeout") == std::string::npos &&
-        errors[r].find("timed out") == std::string::npos) {
+    if (!errors[r].empty() && !consequence[r]) {
       throw Error("rank " + std::to_string(r) + ": " + errors[r]);
     }
   }
