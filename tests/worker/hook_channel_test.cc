@@ -224,7 +224,7 @@ TEST_F(HookChannelTest, AgreedVersionsApplyOnlyOnceEveryRankHoldsThemAndAckTheir
   auto v2 = client->PolicyAgreedAt(5, 2);  // every rank holds it from step 5
   ASSERT_TRUE(v2.has_value());
   EXPECT_EQ(v2->version, 2u);
-  EXPECT_EQ(v2->layers.at(0).policy.format(), "nvfp4");
+  EXPECT_EQ(v2->layers.at(0).policy.format(), v1::FORMAT_NVFP4);
   EXPECT_EQ(client->version_in_force(), 2u);
   EXPECT_FALSE(client->PolicyAgreedAt(6, 2).has_value());
   EXPECT_TRUE(relay_.WaitFor([](const v1::HookMessage& m) {
