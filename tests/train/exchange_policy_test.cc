@@ -210,6 +210,39 @@ TEST_F(PolicyFileTest, BadFieldsAreNamedWithTheFileAndLine) {
   }
 }
 
+// The geofp8 preset with its sketch fed every other step (examples/policies/ema-every2.yaml,
+// docs/benchmarks.md): the stagger must spread the sketch updates so that every step pays the
+// same cost, not all of them on even steps. On llama-small's 30 matrices (offset floor(2 i / 30)
+// puts tok_emb and blocks 0-1 on one step, blocks 2-3 and lm_head on the other) each step feeds
+// 15 matrices with the same shapes, hence the same element count; unstaggered, every matrix
+// would be fed on even steps and none on odd ones.
+TEST_F(PolicyFileTest, AnEveryOtherStepSketchSpreadsItsCostEvenlyOverTheSteps) {
+  const std::string text = R"(exchange: {bucket_mb: 1}
+policy:
+  default: {format: fp8_e4m3, scaling: block, block: 128}
+  layers:
+    - {match: "*", geometry: lowrank, rank: 8}
+geometry_refresh: {interval: 2, estimator: ema}
+)";
+  const auto params = model::Model<float>(*model::PresetConfig("llama-small")).params();
+  const ExchangePlan plan = MakeExchangePlan(Write(text), params);
+  const auto schedule = MakeRefreshSchedule(plan, 4);
+  ASSERT_EQ(schedule.size(), params.size());
+  int64_t fed[2] = {0, 0}, elements[2] = {0, 0};
+  for (size_t i = 0; i < params.size(); ++i) {
+    if (!params[i].is_matrix()) continue;
+    ASSERT_EQ(schedule[i].interval, 2) << params[i].name;
+    for (int step = 0; step < 2; ++step) {
+      if ((step + 2 - schedule[i].offset) % 2 != 0) continue;
+      ++fed[step];
+      elements[step] += params[i].rows * params[i].cols;
+    }
+  }
+  EXPECT_EQ(fed[0] + fed[1], 30);
+  EXPECT_EQ(fed[0], fed[1]);
+  EXPECT_EQ(elements[0], elements[1]);
+}
+
 // Issue 14: the same policy sections given to geofp8-train as a file and submitted in a job spec
 // resolve to the same per-layer policies and refresh schedules. The job side runs what the
 // daemons run: ParseJobSpec and InitialPolicy (coordinator), ResolveLayers (worker), rank 0's
