@@ -205,7 +205,8 @@ class Engine {
   // The minimum of `value` over the ranks, as one small collective (the per-step agreement on
   // the newest policy version every rank holds, as the worker's trainer makes it).
   uint64_t AgreeMin(uint64_t value) {
-    GEOFP8_CHECK(comm_, "coordinator: policy agreement on the CUDA (NCCL) engine is not built yet; "
+    GEOFP8_CHECK(comm_,
+                 "coordinator: policy agreement on the CUDA (NCCL) engine is not built yet; "
                  "run command jobs with CPU tensors (gloo)");
     uint64_t word = ~value;
     {
