@@ -6,8 +6,6 @@
 
 #include <algorithm>
 #include <chrono>
-#include <limits>
-#include <map>
 #include <memory>
 #include <optional>
 
@@ -121,31 +119,17 @@ CoordinatorPlan PlanFromCoordinator(const std::string& policy_bytes,
   }
   if (!plan.uses_geometry()) return out;
 
-  // The coordinator's schedules by layer name (job_runner.cc ScheduleFor): a layer without
-  // geometry gets an entry that never fires.
-  std::map<std::string, v1::RefreshSchedule> by_layer;
+  // The coordinator's schedules by layer name, as the worker's trainer takes them.
+  std::vector<v1::RefreshSchedule> schedules;
   for (const std::string& b : refresh) {
-    v1::RefreshSchedule s;
-    GEOFP8_CHECK(s.ParseFromString(b), what, ": a refresh schedule is not a v1.RefreshSchedule");
-    by_layer[s.layer()] = s;
+    GEOFP8_CHECK(schedules.emplace_back().ParseFromString(b), what,
+                 ": a refresh schedule is not a v1.RefreshSchedule");
   }
-  for (size_t l = 0; l < params.size(); ++l) {
-    RefreshSchedule rs;
-    rs.owner = 0;
-    rs.interval = std::numeric_limits<int>::max();
-    rs.offset = 0;
-    auto it = by_layer.find(params[l].name);
-    if (it != by_layer.end()) {
-      rs.owner = it->second.owner();
-      rs.interval = std::max(1, it->second.interval());
-      rs.offset = std::max(0, it->second.offset());
-    } else {
-      GEOFP8_CHECK(plan.layers[l].geometry == GeometryMode::kNone, what,
-                   ": no geometry refresh schedule from the coordinator for layer ",
-                   params[l].name);
-    }
-    out.schedule.push_back(rs);
-  }
+  bool missing = false;
+  std::string which;
+  out.schedule = ScheduleFor(v1::Policy(), schedules, params, plan.layers, &missing, &which);
+  GEOFP8_CHECK(!missing, what, ": no geometry refresh schedule from the coordinator for layer ",
+               which);
   return out;
 }
 

@@ -3,6 +3,8 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdio>
+#include <limits>
+#include <map>
 
 namespace geofp8 {
 namespace {
@@ -247,6 +249,35 @@ absl::StatusOr<std::vector<LayerPolicy>> ResolveLayers(
     if (!r.ok()) return r.status();
     if (!p.is_matrix()) r->geometry = GeometryMode::kNone;  // DESIGN.md section 2
     out.push_back(*r);
+  }
+  return out;
+}
+
+std::vector<RefreshSchedule> ScheduleFor(const v1::Policy& p,
+                                         const std::vector<v1::RefreshSchedule>& catalog_schedule,
+                                         const std::vector<model::ParamInfo>& params,
+                                         const std::vector<LayerPolicy>& layer_policies,
+                                         bool* missing, std::string* which) {
+  std::map<std::string, v1::RefreshSchedule> by_layer;
+  for (const auto& s : catalog_schedule) by_layer[s.layer()] = s;
+  for (const auto& s : p.refresh()) by_layer[s.layer()] = s;
+  std::vector<RefreshSchedule> out;
+  *missing = false;
+  for (size_t l = 0; l < params.size(); ++l) {
+    RefreshSchedule rs;
+    rs.owner = 0;
+    rs.interval = std::numeric_limits<int>::max();
+    rs.offset = 0;
+    auto it = by_layer.find(params[l].name);
+    if (it != by_layer.end()) {
+      rs.owner = it->second.owner();
+      rs.interval = std::max(1, it->second.interval());
+      rs.offset = std::max(0, it->second.offset());
+    } else if (layer_policies.size() > l && layer_policies[l].geometry != GeometryMode::kNone) {
+      *missing = true;
+      *which = params[l].name;
+    }
+    out.push_back(rs);
   }
   return out;
 }

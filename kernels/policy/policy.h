@@ -70,4 +70,13 @@ std::vector<v1::RefreshSchedule> ComputeSchedules(const std::vector<v1::LayerInf
                                                   const v1::Policy& policy, int world_size,
                                                   const RefreshSpec& refresh);
 
+// The exchanger's refresh schedule from the coordinator's: the policy's own, else the one sent
+// for the catalog. Layers without geometry get an entry that never fires on a used layer.
+// `*missing` tells whether a layer that uses geometry has no schedule (`*which` names one).
+std::vector<RefreshSchedule> ScheduleFor(const v1::Policy& p,
+                                         const std::vector<v1::RefreshSchedule>& catalog_schedule,
+                                         const std::vector<model::ParamInfo>& params,
+                                         const std::vector<LayerPolicy>& layer_policies,
+                                         bool* missing, std::string* which);
+
 }  // namespace geofp8

@@ -79,13 +79,4 @@ class PolicyInbox {
   bool interrupted_ = false;
 };
 
-// Schedule for the exchanger: the policy's own, else the one sent for the catalog. Layers
-// without geometry get an entry that never fires on a used layer. `*missing` tells whether a
-// layer that uses geometry has no schedule (`*which` names one).
-std::vector<RefreshSchedule> ScheduleFor(const v1::Policy& p,
-                                         const std::vector<v1::RefreshSchedule>& catalog_schedule,
-                                         const std::vector<model::ParamInfo>& params,
-                                         const std::vector<LayerPolicy>& layer_policies,
-                                         bool* missing, std::string* which);
-
 }  // namespace geofp8::worker
