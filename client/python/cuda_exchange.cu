@@ -155,11 +155,11 @@ CudaResult CudaExchange::Exchange(uint64_t step, uint64_t seed, uint64_t fingerp
   const auto start = std::chrono::steady_clock::now();
   GEOFP8_CHECK(!m.broken, "nccl on rank ", m.rank,
                ": communicator is broken by an earlier failure");
-  GEOFP8_CHECK(algorithm == Algorithm::kTwoPhase || algorithm == Algorithm::kAllGather ||
-                   algorithm == Algorithm::kFp32,
+  GEOFP8_CHECK(algorithm == Algorithm::kAuto || algorithm == Algorithm::kTwoPhase ||
+                   algorithm == Algorithm::kAllGather || algorithm == Algorithm::kFp32,
                "exchange.algorithm: ", AlgorithmName(algorithm),
-               " is not available on CUDA tensors (accepted there: two_phase and allgather, which "
-               "both run as allgather, and fp32)");
+               " is not available on CUDA tensors (accepted there: auto, two_phase and allgather, "
+               "which all run as allgather, and fp32)");
   GEOFP8_CHECK(numel >= 0 && !layers.empty(), "exchange: ", layers.size(),
                " layers in a bucket of ", numel, " floats");
   GEOFP8_CUDA_CHECK(cudaSetDevice(m.device));
@@ -291,6 +291,29 @@ CudaResult CudaExchange::Exchange(uint64_t step, uint64_t seed, uint64_t fingerp
   }
   result.seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
   return result;
+}
+
+uint64_t CudaExchange::MinOverRanks(uint64_t value, uintptr_t stream_handle) {
+  Impl& m = *impl_;
+  GEOFP8_CHECK(!m.broken, "nccl on rank ", m.rank,
+               ": communicator is broken by an earlier failure");
+  GEOFP8_CUDA_CHECK(cudaSetDevice(m.device));
+  cudaStream_t stream = reinterpret_cast<cudaStream_t>(stream_handle);
+  // The control words' last slot: Exchange rewrites all of them before every use.
+  unsigned long long* word = m.control + (kControlWords - 1);
+  GEOFP8_CUDA_CHECK(
+      cudaMemcpyAsync(word, &value, sizeof(uint64_t), cudaMemcpyHostToDevice, stream));
+  try {
+    GEOFP8_NCCL_CHECK(ncclAllReduce(word, word, 1, ncclUint64, ncclMin, m.comm, stream));
+  } catch (const Error&) {
+    m.broken = true;
+    throw;
+  }
+  m.Wait(stream, "agree_min");
+  uint64_t agreed = 0;
+  GEOFP8_CUDA_CHECK(cudaMemcpyAsync(&agreed, word, sizeof agreed, cudaMemcpyDeviceToHost, stream));
+  GEOFP8_CUDA_CHECK(cudaStreamSynchronize(stream));
+  return agreed;
 }
 
 }  // namespace geofp8::python

@@ -58,6 +58,11 @@ class CudaExchange {
                       uintptr_t bucket, int64_t numel, const std::vector<CudaLayer>& layers,
                       uintptr_t stream);
 
+  // The minimum of `value` over the ranks: one ncclAllReduce (ncclMin) of one word on `stream`,
+  // waited for against the timeout. The per-step policy agreement of a coordinator-managed job
+  // (geofp8.torch's agree_min), as the Gloo engine's one-word max-reduce of ~value.
+  uint64_t MinOverRanks(uint64_t value, uintptr_t stream);
+
  private:
   struct Impl;
   std::unique_ptr<Impl> impl_;

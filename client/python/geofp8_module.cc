@@ -204,10 +204,15 @@ class Engine {
 
   // The minimum of `value` over the ranks, as one small collective (the per-step agreement on
   // the newest policy version every rank holds, as the worker's trainer makes it).
-  uint64_t AgreeMin(uint64_t value) {
-    GEOFP8_CHECK(comm_,
-                 "coordinator: policy agreement on the CUDA (NCCL) engine is not built yet; "
-                 "run command jobs with CPU tensors (gloo)");
+  uint64_t AgreeMin(uint64_t value, uintptr_t stream) {
+#if GEOFP8_PYTHON_CUDA
+    if (cuda_) {
+      py::gil_scoped_release release;
+      return cuda_->MinOverRanks(value, stream);
+    }
+#endif
+    (void)stream;
+    GEOFP8_CHECK(comm_, "agree_min: the engine has no communicator");
     uint64_t word = ~value;
     {
       py::gil_scoped_release release;
@@ -392,6 +397,22 @@ class Engine {
 
   size_t exchanger_count() const { return exchangers_.size(); }
 
+  // Starts recording every exchange's collectives, codec stages and geometry refreshes
+  // (kernels/exchange/trace.h) from the next bucket on; write_trace saves them.
+  void StartTrace() {
+    if (trace_) return;
+    trace_ = std::make_unique<ExchangeTrace>();
+    StashAll(GeometryImport::kStrict);  // the exchangers are rebuilt with the trace attached
+  }
+
+  // Chrome trace JSON of what was recorded since start_trace (ui.perfetto.dev), this rank as
+  // process `rank`. Returns the number of spans written.
+  size_t WriteTrace(const std::string& path) const {
+    GEOFP8_CHECK(trace_, "write_trace: no trace recorded (call start_trace first)");
+    trace_->WriteChromeJson(path, rank_);
+    return trace_->spans().size();
+  }
+
  private:
   struct Stashed {
     LayerGeometryState state;
@@ -422,10 +443,10 @@ class Engine {
                    ", which the CUDA path of geofp8.torch does not run yet (use geometry none "
                    "there, e.g. the fp8 or nvfp4 preset, or CPU tensors)");
     }
-    GEOFP8_CHECK(plan.algorithm == Algorithm::kTwoPhase ||
+    GEOFP8_CHECK(plan.algorithm == Algorithm::kAuto || plan.algorithm == Algorithm::kTwoPhase ||
                      plan.algorithm == Algorithm::kAllGather || plan.algorithm == Algorithm::kFp32,
                  "exchange.algorithm: ", AlgorithmNameOf(plan.algorithm),
-                 " is not available on CUDA tensors (accepted: two_phase, allgather, fp32)");
+                 " is not available on CUDA tensors (accepted: auto, two_phase, allgather, fp32)");
   }
 
   std::unique_ptr<Exchanger> MakeExchanger(const std::vector<uint32_t>& layers) const {
@@ -452,6 +473,7 @@ class Engine {
     // more than the overlap saves (docs/benchmarks.md, "DDP comm hooks"). Larger ones (DDP's
     // 25 MiB default) keep the pipeline, which overlaps the codec with the wire.
     eo.inline_bytes = kInlineBytes;
+    eo.trace = trace_.get();
     return std::make_unique<Exchanger>(*comm_, std::move(specs), eo, std::move(schedule));
   }
 
@@ -518,6 +540,7 @@ class Engine {
   std::optional<train::ExchangePlan> plan_;
   std::vector<RefreshSchedule> schedule_;
   uint64_t version_ = 0;
+  std::unique_ptr<ExchangeTrace> trace_;  // before exchangers_: they write into it
   std::map<std::vector<uint32_t>, std::unique_ptr<Exchanger>> exchangers_;
   std::vector<std::optional<Stashed>> stash_;
 };
@@ -547,7 +570,9 @@ PYBIND11_MODULE(_geofp8, m) {
            py::arg("model") = "model", py::arg("version") = 0)
       .def("set_coordinator_policy", &Engine::SetCoordinatorPolicy, py::arg("policy"),
            py::arg("refresh"), py::arg("spec_yaml") = "")
-      .def("agree_min", &Engine::AgreeMin, py::arg("value"))
+      .def("agree_min", &Engine::AgreeMin, py::arg("value"), py::arg("stream") = 0,
+           "The minimum of `value` over the ranks (one small collective). `stream`: the CUDA "
+           "stream (as an integer) the NCCL engine runs it on; ignored by the Gloo engine.")
       .def("check_policy", &Engine::CheckPolicy, py::arg("kind"), py::arg("spec"),
            py::arg("model") = "model")
       .def("exchange", &Engine::Exchange, py::arg("step"), py::arg("layers"), py::arg("buffer"),
@@ -556,7 +581,12 @@ PYBIND11_MODULE(_geofp8, m) {
            py::arg("ptr"), py::arg("numel"), py::arg("offsets"), py::arg("stream"))
       .def("export_geometry", &Engine::ExportGeometry)
       .def("import_geometry", &Engine::ImportGeometry, py::arg("state"))
-      .def_property_readonly("exchanger_count", &Engine::exchanger_count);
+      .def_property_readonly("exchanger_count", &Engine::exchanger_count)
+      .def("start_trace", &Engine::StartTrace,
+           "Records every exchange's collectives, codec stages and geometry refreshes from now on.")
+      .def("write_trace", &Engine::WriteTrace, py::arg("path"),
+           "Writes what start_trace recorded as Chrome trace JSON (ui.perfetto.dev); returns the "
+           "span count.");
 
   geofp8::python::BindHookClient(m);
   m.def("layer_matches", &geofp8::LayerMatches, py::arg("pattern"), py::arg("name"),

@@ -639,6 +639,7 @@ class Pipeline {
 
 uint64_t ExchangeBucketData(Communicator& comm, Algorithm algorithm,
                             const AlgorithmOptions& options, std::span<const BucketLayer> layers) {
+  algorithm = ResolveAlgorithm(algorithm, comm.size());
   for (const auto& l : layers) {
     GEOFP8_CHECK(l.in.size() == l.out.size(), "layer ", l.layer, ": input has ", l.in.size(),
                  " elements, output ", l.out.size());

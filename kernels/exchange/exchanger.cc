@@ -69,6 +69,7 @@ Exchanger::Exchanger(Communicator& comm, std::vector<LayerSpec> layers, Exchange
       options_(options),
       schedule_(std::move(schedule)),
       state_(layers_.size()) {
+  options_.algorithm = ResolveAlgorithm(options_.algorithm, comm_.size());
   GEOFP8_CHECK(options_.bucket_cap_bytes > 0, "bucket_cap_bytes: must be positive (0)");
   GEOFP8_CHECK(options_.timeout.count() > 0, "timeout: must be positive (",
                options_.timeout.count(), " ms)");

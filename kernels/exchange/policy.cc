@@ -8,7 +8,8 @@
 namespace geofp8 {
 namespace {
 
-constexpr std::array<std::pair<Algorithm, std::string_view>, 5> kAlgorithmNames = {{
+constexpr std::array<std::pair<Algorithm, std::string_view>, 6> kAlgorithmNames = {{
+    {Algorithm::kAuto, "auto"},
     {Algorithm::kTwoPhase, "two_phase"},
     {Algorithm::kAllGather, "allgather"},
     {Algorithm::kNative, "native"},
@@ -32,7 +33,12 @@ std::optional<Algorithm> ParseAlgorithm(std::string_view name) {
   return std::nullopt;
 }
 
-std::string_view AcceptedAlgorithms() { return "two_phase, allgather, native, fp32, bf16"; }
+std::string_view AcceptedAlgorithms() { return "auto, two_phase, allgather, native, fp32, bf16"; }
+
+Algorithm ResolveAlgorithm(Algorithm a, int ranks) {
+  if (a != Algorithm::kAuto) return a;
+  return ranks <= 2 ? Algorithm::kAllGather : Algorithm::kTwoPhase;
+}
 
 std::string_view GeometryEstimatorName(GeometryEstimator e) {
   switch (e) {

@@ -18,10 +18,21 @@ enum class Algorithm : uint8_t {
   kNative = 2,     // NCCL >= 2.24 FP8 all-reduce (GPU only)
   kFp32 = 3,       // backend's plain fp32 all-reduce (baseline)
   kBf16 = 4,       // backend's plain bf16 all-reduce (baseline)
+  // The default: allgather where it moves no more bytes than two_phase, else two_phase
+  // (ResolveAlgorithm). Never on the wire: the Exchanger resolves it before its first step.
+  kAuto = 5,
 };
-std::string_view AlgorithmName(Algorithm a);  // "two_phase", "allgather", "native", "fp32", "bf16"
+// "two_phase", "allgather", "native", "fp32", "bf16", "auto"
+std::string_view AlgorithmName(Algorithm a);
 std::optional<Algorithm> ParseAlgorithm(std::string_view name);
 std::string_view AcceptedAlgorithms();
+
+// The algorithm `a` runs as among `ranks` ranks: kAuto becomes allgather for at most 2 ranks and
+// two_phase otherwise, anything else itself. At 2 ranks each rank sends its whole quantized
+// bucket once either way (two_phase: half in its all-to-all, half in its all-gather), so
+// allgather moves the same bytes in one collective round instead of two and never requantizes
+// a partial sum; from 3 ranks on it moves (N - 1) / (2 (N - 1) / N) = N / 2 times two_phase's.
+Algorithm ResolveAlgorithm(Algorithm a, int ranks);
 
 // How one layer's gradient travels. Plain struct with defaults (DESIGN.md section 2 table).
 struct LayerPolicy {

@@ -826,10 +826,10 @@ std::optional<std::string> PresetPolicyFile(std::string_view name) {
   };
   if (name == "fp32") return file("fp32", "fp32", false);
   if (name == "bf16") return file("bf16", "bf16", false);
-  if (name == "fp8") return file("two_phase", "fp8_e4m3", false);
-  if (name == "geofp8") return file("two_phase", "fp8_e4m3", true);
-  if (name == "nvfp4") return file("two_phase", "nvfp4", false);
-  if (name == "geonvfp4") return file("two_phase", "nvfp4", true);
+  if (name == "fp8") return file("auto", "fp8_e4m3", false);
+  if (name == "geofp8") return file("auto", "fp8_e4m3", true);
+  if (name == "nvfp4") return file("auto", "nvfp4", false);
+  if (name == "geonvfp4") return file("auto", "nvfp4", true);
   return std::nullopt;
 }
 

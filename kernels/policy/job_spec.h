@@ -76,7 +76,7 @@ struct TrainingSpec {
 };
 
 struct ExchangeSpec {
-  Algorithm algorithm = Algorithm::kTwoPhase;
+  Algorithm algorithm = Algorithm::kAuto;
   double bucket_mb = 25.0;  // bucket size cap
   int timeout_s = 60;       // per-collective timeout
 };

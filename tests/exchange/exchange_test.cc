@@ -213,6 +213,47 @@ TEST(Exchanger, CollectivesPerStep) {
   }
 }
 
+// algorithm auto (the job spec's default): allgather at 2 ranks, where it sends no more bytes
+// than two_phase and needs one collective round fewer, two_phase from 3 ranks, where allgather
+// would send N / 2 times more. Resolved on every rank from the world size alone.
+TEST(Exchanger, AutoIsAllgatherAtTwoRanksAndTwoPhaseFromThree) {
+  EXPECT_EQ(ParseAlgorithm("auto"), Algorithm::kAuto);
+  EXPECT_EQ(AlgorithmName(Algorithm::kAuto), "auto");
+  EXPECT_EQ(ResolveAlgorithm(Algorithm::kAuto, 1), Algorithm::kAllGather);
+  EXPECT_EQ(ResolveAlgorithm(Algorithm::kAuto, 2), Algorithm::kAllGather);
+  EXPECT_EQ(ResolveAlgorithm(Algorithm::kAuto, 3), Algorithm::kTwoPhase);
+  EXPECT_EQ(ResolveAlgorithm(Algorithm::kAuto, 64), Algorithm::kTwoPhase);
+  for (Algorithm a : {Algorithm::kTwoPhase, Algorithm::kAllGather, Algorithm::kFp32}) {
+    EXPECT_EQ(ResolveAlgorithm(a, 2), a);
+  }
+  const auto layers = MixedLayers();
+  for (int ranks : {2, 3}) {
+    const Algorithm expect = ranks == 2 ? Algorithm::kAllGather : Algorithm::kTwoPhase;
+    ExchangeOptions automatic;
+    automatic.algorithm = Algorithm::kAuto;
+    ExchangeOptions fixed = automatic;
+    fixed.algorithm = expect;
+    ExchangeOptions other = automatic;
+    other.algorithm = ranks == 2 ? Algorithm::kTwoPhase : Algorithm::kAllGather;
+    const auto a = RunStep(ranks, layers, automatic, 3);
+    const auto f = RunStep(ranks, layers, fixed, 3);
+    const auto o = RunStep(ranks, layers, other, 3);
+    ASSERT_EQ(JoinErrors(a.errors), "") << ranks;
+    ASSERT_EQ(JoinErrors(f.errors), "") << ranks;
+    ASSERT_EQ(JoinErrors(o.errors), "") << ranks;
+    for (int r = 0; r < ranks; ++r) {
+      const std::string where = std::to_string(ranks) + " ranks, rank " + std::to_string(r);
+      EXPECT_EQ(a.results[r].bytes_sent, f.results[r].bytes_sent) << where;
+      // The choice is the one that sends fewer bytes (at 2 ranks: no more, and here fewer by
+      // two_phase's second set of block scales for the requantized shard).
+      EXPECT_LE(a.results[r].bytes_sent, o.results[r].bytes_sent) << where;
+      for (size_t l = 0; l < layers.size(); ++l) {
+        EXPECT_TRUE(SameBytes(a.outputs[r][l], f.outputs[r][l])) << where << " layer " << l;
+      }
+    }
+  }
+}
+
 TEST(Exchanger, PolicyVersionMismatchFailsEverywhere) {
   const auto layers = OneLayer(100);
   ExchangeOptions options;

@@ -9,7 +9,8 @@ all-reduce of a copy of the bucket, divided by N):
 - policy fp32: within fp32 round-off of the exact average;
 - policy fp8 (E4M3, 128-element blocks, geometry none): relF within the E4M3 bound derived below;
 - every rank ends with the same bits;
-- a NaN in one rank's gradient skips the bucket on every rank (filled with NaN).
+- a NaN in one rank's gradient skips the bucket on every rank (filled with NaN);
+- agree_min (a command job's per-step policy agreement) gives the minimum over the ranks.
 """
 
 import os
@@ -109,6 +110,11 @@ def work(rank, world, policy):
         if step < 3:
             opt.step()
     torch.cuda.synchronize()
+    # The per-step policy agreement of command jobs (agree_min) on the NCCL engine.
+    stream = torch.cuda.current_stream(device).cuda_stream
+    agreed = state._engine.agree_min(10 + rank, stream)
+    if agreed != 10:
+        failures.append("agree_min on rank %d gave %d, expected 10" % (rank, agreed))
     if seen["buckets"] == 0:
         failures.append("no bucket was checked")
     if not state.last_step["skipped"]:

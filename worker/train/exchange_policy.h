@@ -17,7 +17,7 @@ namespace geofp8::train {
 // Plain struct: what the Exchanger needs besides the communicator.
 struct ExchangePlan {
   std::string name;  // preset name or file path
-  Algorithm algorithm = Algorithm::kTwoPhase;
+  Algorithm algorithm = Algorithm::kAuto;
   std::vector<LayerPolicy> layers;  // one per model parameter, in params() order
   // Per parameter, a patch's refresh_interval; 0: refresh.interval. Empty: all 0.
   std::vector<int> refresh_intervals;

@@ -301,7 +301,9 @@ class GeoFP8State:
             # collective agrees on the newest version every rank holds, and the hook client puts
             # a version in force at the first step at or after its effective step where all do
             # (hook_client.h, PolicyAgreedAt), on every rank at the same step.
-            agreed = self._engine.agree_min(self._hook.newest_held())
+            stream = (torch.cuda.current_stream(self.device).cuda_stream
+                      if self.device.type == "cuda" else 0)
+            agreed = self._engine.agree_min(self._hook.newest_held(), stream)
             change = self._hook.policy_agreed_at(self.step, agreed)
             if change is not None:
                 self._apply_change(change)
