@@ -44,14 +44,18 @@ sys.path.insert(0, os.path.join(HERE, "..", "examples", "pytorch"))
 DEFAULT_METHODS = ["ddp", "fp16", "powersgd4", "powersgd32", "geofp8 fp8", "geofp8 fp8+geometry",
                    "geofp8 nvfp4+geometry"]
 METHODS = ["ddp", "fp16", "bf16", "powersgd4", "powersgd32", "geofp8 fp8", "geofp8 fp8+geometry",
-           "geofp8 nvfp4+geometry", "geofp8 fp8+geometry/10"]
+           "geofp8 nvfp4+geometry", "geofp8 fp8+geometry/10", "geofp8 fp8 two_phase"]
 GEOFP8_POLICY = {"geofp8 fp8": "fp8", "geofp8 fp8+geometry": "geofp8",
                  "geofp8 nvfp4+geometry": "geonvfp4",
                  # The geofp8 preset with its EMA geometry refreshed every 10 steps, not every step.
                  "geofp8 fp8+geometry/10": {
                      "geometry_refresh": {"estimator": "ema", "interval": 10},
                      "policy": {"default": {"format": "fp8_e4m3"},
-                                "layers": [{"match": "*", "geometry": "lowrank", "rank": 8}]}}}
+                                "layers": [{"match": "*", "geometry": "lowrank", "rank": 8}]}},
+                 # The fp8 preset with two_phase forced (the presets' algorithm is auto, which is
+                 # allgather at 2 ranks): the same bytes at 2 ranks, one collective round more.
+                 "geofp8 fp8 two_phase": {"exchange": {"algorithm": "two_phase"},
+                                          "policy": {"default": {"format": "fp8_e4m3"}}}}
 
 
 def ring(nbytes, world):
@@ -106,6 +110,8 @@ def run_method(name, rank, world, args, data):
         import geofp8.torch as gt
         gstate = gt.GeoFP8State(model=model, policy=GEOFP8_POLICY[name], seed=args.seed)
         inner, istate = gt.geofp8_hook, gstate
+        if args.trace:
+            gstate._engine.start_trace()
         static_bytes = None
     rec = {"err2": 0.0, "ref2": 0.0, "t_hook": 0.0, "t_ref": 0.0, "measure": False}
 
@@ -152,6 +158,10 @@ def run_method(name, rank, world, args, data):
             wire.append(gstate.last_step["bytes_sent"] if gstate else static_bytes)
             engine_s += gstate.last_step["seconds"] if gstate else 0.0
         losses.append(loss.item())
+    if gstate is not None and args.trace:
+        os.makedirs(args.trace, exist_ok=True)
+        tag = name.replace(" ", "_").replace("+", "_").replace("/", "_")
+        gstate._engine.write_trace(os.path.join(args.trace, "%s.rank%d.json" % (tag, rank)))
     last = torch.tensor([statistics.mean(losses[-5:])])
     dist.all_reduce(last)
     return {"bytes": statistics.mean(wire), "relF": (rec["err2"] / rec["ref2"]) ** 0.5,
@@ -210,6 +220,9 @@ def main():
     ap.add_argument("--data", default="/usr/share/common-licenses/GPL-3")
     ap.add_argument("--methods", default=",".join(DEFAULT_METHODS),
                     help="comma-separated, of: " + ", ".join(METHODS))
+    ap.add_argument("--trace", default=None,
+                    help="write DIR/METHOD.rankR.json, the GeoFP8 engine's timeline per method "
+                         "(scripts/exchange_timeline.py DIR/METHOD.rank*.json)")
     ap.add_argument("--rank", type=int, default=None,
                     help="run only this rank (with --store-dir; bench/torch_hooks_netem.sh)")
     ap.add_argument("--store-dir", default=None,
