@@ -214,12 +214,12 @@ void BindHookClient(py::module_& m) {
       .def(
           "report_step",
           [](PyHookClient& h, int64_t step, double loss, double tps, uint64_t sent,
-             uint64_t baseline, double step_s, double exchange_s) {
-            h.c().ReportStep(step, loss, tps, sent, baseline, step_s, exchange_s);
+             uint64_t baseline, double step_s, double exchange_s, std::optional<double> val) {
+            h.c().ReportStep(step, loss, tps, sent, baseline, step_s, exchange_s, val);
           },
           py::arg("step"), py::arg("loss"), py::arg("tokens_per_second") = 0.0,
           py::arg("bytes_sent") = 0, py::arg("bytes_baseline") = 0, py::arg("step_seconds") = 0.0,
-          py::arg("exchange_seconds") = 0.0)
+          py::arg("exchange_seconds") = 0.0, py::arg("val_loss") = py::none())
       .def(
           "report_layers",
           [](PyHookClient& h,

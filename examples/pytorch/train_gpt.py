@@ -135,6 +135,11 @@ def main():
     ap.add_argument("--lr", type=float, default=1e-3)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--log-every", type=int, default=10)
+    ap.add_argument("--eval-every", type=int, default=50,
+                    help="validation loss on the held-out last 10%% of --data every this many "
+                         "steps and after the last (0: after the last only)")
+    ap.add_argument("--eval-batches", type=int, default=4,
+                    help="held-out batches per rank per validation")
     ap.add_argument("--threads", type=int, default=1, help="torch threads per rank")
     ap.add_argument("--checkpoint-every", type=int, default=0,
                     help="save model, optimizer and hook state every K steps into "
@@ -148,6 +153,10 @@ def main():
     args = ap.parse_args()
     if args.steps < 1:
         ap.error("--steps: must be >= 1 (%d)" % args.steps)
+    if args.eval_every < 0:
+        ap.error("--eval-every: must be >= 0 (%d)" % args.eval_every)
+    if args.eval_batches < 1:
+        ap.error("--eval-batches: must be >= 1 (%d)" % args.eval_batches)
     if args.d_model % 4:
         ap.error("--d-model: must be a multiple of 4 heads (%d)" % args.d_model)
 
@@ -171,6 +180,23 @@ def run_rank(rank, args, port):
     train(args)
 
 
+def validate(model, data, args, rank, world):
+    """Mean cross-entropy over every rank's --eval-batches held-out batches (the same batches at
+    every validation: a generator seeded by the rank), averaged over the ranks."""
+    gen = torch.Generator().manual_seed(10007 * (args.seed + 1) + rank)
+    total = 0.0
+    was_training = model.training
+    model.eval()
+    with torch.no_grad():
+        for _ in range(args.eval_batches):
+            x, y = get_batch(data, args.batch, args.seq, gen)
+            total += float(F.cross_entropy(model(x).view(-1, 256), y.view(-1)))
+    model.train(was_training)
+    mean = torch.tensor([total / args.eval_batches], dtype=torch.float64)
+    dist.all_reduce(mean)
+    return float(mean) / world
+
+
 def checkpoint_path(directory, rank, step):
     return os.path.join(directory, "rank%d.step%d.pt" % (rank, step))
 
@@ -180,6 +206,12 @@ def train(args):
     dist.init_process_group("gloo")  # torchrun's RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT
     rank, world = dist.get_rank(), dist.get_world_size()
     data = load_bytes(args.data)
+    # The last 10% is held out for validation, the rest is trained on.
+    split = data.numel() * 9 // 10
+    data, held_out = data[:split], data[split:]
+    if held_out.numel() < args.seq + 2:
+        sys.exit("--data: %s holds too few bytes to hold out %d-byte validation sequences"
+                 % (args.data, args.seq))
     torch.manual_seed(args.seed)  # the same initial weights on every rank
     model = GPT(args.layers, args.d_model, 4, args.seq)
     ddp = DDP(model)
@@ -212,9 +244,15 @@ def train(args):
         loss.backward()
         opt.step()
         dt = time.perf_counter() - t0
+        val = None
+        if (args.eval_every and (step + 1) % args.eval_every == 0) or step == args.steps - 1:
+            val = validate(model, held_out, args, rank, world)
+            if rank == 0:
+                print("step %4d  val_loss %.4f" % (step, val), flush=True)
         if state is not None:
-            # To the coordinator under a GeoFP8 job (step, loss, bytes, step time, layer errors).
-            state.report(loss, tokens=args.batch * args.seq)
+            # To the coordinator under a GeoFP8 job (step, loss, bytes, step time, layer errors,
+            # validation loss).
+            state.report(loss, tokens=args.batch * args.seq, val_loss=val)
         if args.checkpoint_every and ckpt_dir and (step + 1) % args.checkpoint_every == 0:
             torch.save({"model": model.state_dict(), "optimizer": opt.state_dict(),
                         "geofp8": state.state_dict() if state is not None else None,

@@ -190,7 +190,8 @@ class CommandJobTest(unittest.TestCase):
 
     def test_1_live_policy_on_both_ranks_and_reports(self):
         job_id = self.submit(
-            "pyjob", 2, ["--steps", "40", "--step-sleep", "0.05", "--checkpoint-every", "10"],
+            "pyjob", 2, ["--steps", "40", "--step-sleep", "0.05", "--checkpoint-every", "10",
+                         "--eval-every", "20"],
             "training: {steps: 40}\n"
             "policy:\n"
             "  default: {format: fp8_e4m3, scaling: block, block: 64}\n"
@@ -234,6 +235,11 @@ class CommandJobTest(unittest.TestCase):
         self.assertGreater(int(prog["bytes_sent"]), 0)
         self.assertLess(int(prog["bytes_sent"]), int(prog["bytes_baseline"]))
         self.assertEqual(int(prog["checkpoint_step"]), 40)
+        # The program's validation loss (train_gpt.py --eval-every 20: after steps 19 and 39),
+        # as a built-in job's: held-out bytes, so near the training loss and below ln(256).
+        self.assertEqual(int(prog["val_step"]), 39, prog)
+        self.assertGreater(float(prog["val_loss"]), 0.0)
+        self.assertLess(float(prog["val_loss"]), 6.0)
         layers = {l["layer"]: l for l in j.get("layers", [])}
         self.assertIn("blocks.0.fc1.weight", layers, j)
         fc1 = layers["blocks.0.fc1.weight"]
@@ -244,6 +250,7 @@ class CommandJobTest(unittest.TestCase):
         described = self.ctl("describe", "job", job_id)
         self.assertIn("blocks.0.fc1.weight", described)
         self.assertIn("SUCCEEDED", described)
+        self.assertIn("after step 40", described)  # Validation: loss ... after step 40
 
     def test_2_killed_rank_restarts_from_checkpoint(self):
         job_id = self.submit(

@@ -6,11 +6,13 @@
 #include <stdlib.h>
 
 #include <chrono>
+#include <cmath>
 #include <filesystem>
 #include <functional>
 #include <mutex>
 #include <thread>
 
+#include "kernels/common/check.h"
 #include "kernels/policy/policy.h"
 #include "worker/daemon/hook_server.h"
 #include "worker/hook/hook_client.h"
@@ -136,6 +138,8 @@ TEST_F(HookChannelTest, PoliciesComeDownAtTheirStepReportsGoUpAndTheClientReatta
   EXPECT_EQ(v2->layers[0].policy.format(), v1::FORMAT_NVFP4);
   EXPECT_EQ(v2->layers[2].policy.format(), v1::FORMAT_FP8_E4M3);  // "head" is no match of layers.*
   client->ReportStep(5, 2.5, 100.0, 10, 40);
+  client->ReportStep(6, 2.4, 100.0, 12, 48, 0.5, 0.1, 2.75);  // a step that validated
+  EXPECT_THROW(client->ReportStep(7, 2.4, 100.0, 12, 48, 0.5, 0.1, std::nan("")), geofp8::Error);
   client->ReportLayers({{"layers.0.w", 5, 0.02, 0.01, 1, 0.0}});
   v1::ProbeResult probe;
   probe.set_layer("layers.0.w");
@@ -150,7 +154,11 @@ TEST_F(HookChannelTest, PoliciesComeDownAtTheirStepReportsGoUpAndTheClientReatta
   }));
   EXPECT_TRUE(relay_.WaitFor([](const v1::HookMessage& m) {
     return m.has_progress() && m.progress().step() == 5 && m.progress().policy_version() == 2 &&
-           m.progress().bytes_baseline() == 40;
+           m.progress().bytes_baseline() == 40 && !m.progress().has_val_loss();
+  }));
+  EXPECT_TRUE(relay_.WaitFor([](const v1::HookMessage& m) {
+    return m.has_progress() && m.progress().step() == 6 && m.progress().has_val_loss() &&
+           m.progress().val_loss() == 2.75 && m.progress().step_seconds() == 0.5;
   }));
   EXPECT_TRUE(relay_.WaitFor([](const v1::HookMessage& m) {
     return m.has_summaries() && m.summaries().layers(0).rel_fro_error() == 0.02;

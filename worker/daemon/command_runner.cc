@@ -238,6 +238,7 @@ void CommandRunner::Relay(const v1::HookMessage& h) {
         metrics_->Step(
             p.step(), p.loss(), p.tokens_per_second(),
             {p.step_seconds() > 0 ? p.step_seconds() : between, p.exchange_seconds(), 0.0}, false);
+        if (p.has_val_loss()) metrics_->ValidationLoss(p.step(), p.val_loss());
       }
       *m.mutable_progress() = p;
       break;

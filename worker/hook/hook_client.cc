@@ -5,6 +5,7 @@
 #include <grpcpp/grpcpp.h>
 
 #include <algorithm>
+#include <cmath>
 #include <condition_variable>
 #include <cstdlib>
 #include <deque>
@@ -13,6 +14,7 @@
 #include <thread>
 
 #include "geofp8/v1/geofp8.grpc.pb.h"
+#include "kernels/common/check.h"
 #include "kernels/policy/policy.h"
 
 namespace geofp8::hook {
@@ -218,7 +220,9 @@ void HookClient::ReportStep(int64_t step, double loss, double tokens_per_second,
 
 void HookClient::ReportStep(int64_t step, double loss, double tokens_per_second,
                             uint64_t bytes_sent, uint64_t bytes_baseline, double step_seconds,
-                            double exchange_seconds) {
+                            double exchange_seconds, std::optional<double> val_loss) {
+  GEOFP8_CHECK(!val_loss || std::isfinite(*val_loss), "report: val_loss must be finite (",
+               val_loss.value_or(0.0), ")");
   v1::HookMessage m;
   auto* p = m.mutable_progress();
   p->set_step(step);
@@ -229,6 +233,7 @@ void HookClient::ReportStep(int64_t step, double loss, double tokens_per_second,
   p->set_policy_version(version_in_force());
   p->set_step_seconds(step_seconds);
   p->set_exchange_seconds(exchange_seconds);
+  if (val_loss) p->set_val_loss(*val_loss);
   impl_->Write(m);
 }
 

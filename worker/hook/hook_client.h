@@ -116,8 +116,11 @@ class HookClient {
 
   // After each step, with the step's timing as well (seconds the step took, of which the
   // exchange): the worker's /metrics show them (0: unknown; the time between reports stands in).
+  // `val_loss`: the validation loss measured after this step, on the steps that validated; it
+  // reaches describe, `get -o wide` and geofp8_worker_val_loss as the built-in trainer's does.
   void ReportStep(int64_t step, double loss, double tokens_per_second, uint64_t bytes_sent,
-                  uint64_t bytes_baseline, double step_seconds, double exchange_seconds);
+                  uint64_t bytes_baseline, double step_seconds, double exchange_seconds,
+                  std::optional<double> val_loss = std::nullopt);
 
   // See the contract above.
   std::optional<PolicyChange> PolicyDueAt(int64_t step);

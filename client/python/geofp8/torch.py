@@ -224,18 +224,24 @@ class GeoFP8State:
         print("geofp8: rank %d: policy v%d (%s) in force from step %d"
               % (self.rank, change["version"], change["reason"], self.step), flush=True)
 
-    def report(self, loss, step=None, tokens=None):
+    def report(self, loss, step=None, tokens=None, val_loss=None):
         """Call once per step, after the optimizer step: reports the step's loss (a float or a
         0-d tensor), this rank's wire bytes, the step time (since the previous call) and the
         exchange's share to the coordinator, and on rank 0 the per-layer errors measured this
         step. `step` defaults to the step the hook just ran; `tokens` (this rank's tokens in the
-        step) gives tokens/s. Outside a GeoFP8 job it only returns what it would send."""
+        step) gives tokens/s; `val_loss`, on the steps that validated, is the validation loss
+        after this step (describe's `Validation:`, `get -o wide`'s VAL-LOSS,
+        geofp8_worker_val_loss). Outside a GeoFP8 job it only returns what it would send."""
         now = time.perf_counter()
         seconds = now - self._reported_at
         self._reported_at = now
         if step is None:
             step = self.step - 1
         loss = float(loss.item() if hasattr(loss, "item") else loss)
+        if val_loss is not None:
+            val_loss = float(val_loss.item() if hasattr(val_loss, "item") else val_loss)
+            if not math.isfinite(val_loss):
+                raise ValueError("val_loss: must be finite (%r)" % val_loss)
         done = step + 1
         record = {
             "step": step, "loss": loss, "step_seconds": seconds,
@@ -244,11 +250,12 @@ class GeoFP8State:
             "bytes_sent": self.stats["bytes_sent"],
             "bytes_baseline": int(self._baseline_per_step * done),
             "layer_errors": list(self._layer_errors),
+            "val_loss": val_loss,
         }
         if self._hook is not None:
             self._hook.report_step(step, loss, record["tokens_per_second"],
                                    record["bytes_sent"], record["bytes_baseline"], seconds,
-                                   record["exchange_seconds"])
+                                   record["exchange_seconds"], val_loss)
             if self.rank == 0 and self._layer_errors:
                 self._hook.report_layers([(n, step, e, 0.0) for n, e in self._layer_errors])
         self._layer_errors = []
