@@ -175,6 +175,10 @@ def entry(rank, world, store, args, out):
     import torch.distributed as dist
     import train_gpt as T
     torch.set_num_threads(1)
+    if args.blas_threads:
+        # Every method, torch's included: OpenBLAS is shared, and its setting is process-wide.
+        from geofp8 import _geofp8
+        _geofp8.set_blas_threads(args.blas_threads)
     dist.init_process_group("gloo", init_method="file://" + store, rank=rank, world_size=world)
     data = T.load_bytes(args.data)
     results = {}
@@ -220,6 +224,9 @@ def main():
     ap.add_argument("--data", default="/usr/share/common-licenses/GPL-3")
     ap.add_argument("--methods", default=",".join(DEFAULT_METHODS),
                     help="comma-separated, of: " + ", ".join(METHODS))
+    ap.add_argument("--blas-threads", type=int, default=0,
+                    help="OpenBLAS threads per rank for every method (0: OpenBLAS's default, one "
+                         "per core)")
     ap.add_argument("--trace", default=None,
                     help="write DIR/METHOD.rankR.json, the GeoFP8 engine's timeline per method "
                          "(scripts/exchange_timeline.py DIR/METHOD.rank*.json)")
@@ -232,6 +239,8 @@ def main():
     bad = [m for m in args.methods if m not in METHODS]
     if bad:
         ap.error("--methods: unknown %s (accepted: %s)" % (bad, ", ".join(METHODS)))
+    if args.blas_threads < 0:
+        ap.error("--blas-threads: must be >= 0 (%d)" % args.blas_threads)
     if args.steps <= args.skip + 5:
         ap.error("--steps: must exceed --skip + 5 (%d)" % args.steps)
     import torch

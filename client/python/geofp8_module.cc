@@ -29,6 +29,7 @@
 #include "kernels/exchange/exchanger.h"
 #include "kernels/exchange/gloo_communicator.h"
 #include "kernels/exchange/store.h"
+#include "kernels/model/ops.h"
 #include "kernels/policy/job_spec.h"
 #include "worker/train/exchange_policy.h"
 
@@ -592,5 +593,14 @@ PYBIND11_MODULE(_geofp8, m) {
   m.def("layer_matches", &geofp8::LayerMatches, py::arg("pattern"), py::arg("name"),
         "True when `name` matches the layer pattern (exact, or a shell glob), as in job specs.");
   m.attr("has_cuda") = py::bool_(GEOFP8_PYTHON_CUDA != 0);
+  m.def(
+      "set_blas_threads",
+      [](int threads) {
+        GEOFP8_CHECK(threads >= 1, "blas_threads: must be >= 1 (", threads, ")");
+        geofp8::model::SetBlasThreads(threads);
+      },
+      py::arg("threads"),
+      "Sets OpenBLAS's thread count for the whole process (torch's CPU matmuls too, when torch "
+      "uses the same OpenBLAS).");
   m.def("accepted_presets", [] { return std::string(geofp8::train::AcceptedPolicyPresets()); });
 }

@@ -47,6 +47,13 @@ def work(rank, world):
     expect(failures, "meta device", lambda: gt.GeoFP8State(model=mmeta, policy="fp8"),
            "device", "weight", "meta")
     expect(failures, "no model", lambda: gt.GeoFP8State(policy="fp8"), "model")
+    expect(failures, "blas_threads 0",
+           lambda: gt.GeoFP8State(model=model, policy="fp8", blas_threads=0), "blas_threads", "0")
+    expect(failures, "blas_threads str",
+           lambda: gt.GeoFP8State(model=model, policy="fp8", blas_threads="2"), "blas_threads",
+           "'2'")
+    expect(failures, "set_blas_threads 0", lambda: gt._geofp8.set_blas_threads(0),
+           "blas_threads", "(0)")
     state = gt.GeoFP8State(model=model, policy="fp8")
     expect(failures, "set_policy bad field",
            lambda: state.set_policy({"policy": {"default": {"scaling": "diagonal"}}}, 3),

@@ -76,7 +76,7 @@ class GeoFP8State:
 
     def __init__(self, process_group=None, model=None, policy="geofp8", *, seed=0,
                  timeout_s=300.0, store=None, hostname=None, model_name="the model",
-                 coordinator=None, summary_every=10, attach_timeout_s=60.0):
+                 coordinator=None, summary_every=10, attach_timeout_s=60.0, blas_threads=None):
         global _states_created
         if model is None:
             raise ValueError("model: required (the module DDP wraps), to name the parameters")
@@ -113,6 +113,12 @@ class GeoFP8State:
         self._job_spec = ""
         self.summary_every = int(summary_every)
         self.attach_timeout_s = float(attach_timeout_s)
+        if blas_threads is not None:
+            # Process-wide: the geometry's products over each gradient run on OpenBLAS, which
+            # otherwise uses one thread per core in every rank (docs/pytorch.md, "The state").
+            if not isinstance(blas_threads, int) or blas_threads < 1:
+                raise ValueError("blas_threads: must be an integer >= 1 (%r)" % (blas_threads,))
+            _geofp8.set_blas_threads(blas_threads)
         if coordinator not in (None, True, False):
             raise ValueError("coordinator: None (attach when GEOFP8_HOOK_ADDRESS is set), True "
                              "(require it) or False (never attach), not %r" % (coordinator,))
