@@ -8,6 +8,7 @@
 #include <atomic>
 #include <cmath>
 #include <cstring>
+#include <limits>
 
 #include "kernels/common/check.h"
 
@@ -201,32 +202,188 @@ std::vector<double> Inverse(std::vector<double> a, int64_t n64) {
   return b;
 }
 
+namespace {
+
+// The small symmetric eigensolver behind SymmetricEigenInPlace and LargestEigenvalue: Householder
+// tridiagonalisation, then implicit-shift QL on the tridiagonal matrix, in plain loops. The
+// geometry's eigenproblems are tiny (c x c with c = 2 width + probes, 20 and 28 by default; k x k
+// for the drift), and LAPACK's dsyev reduces them through dsymv, which OpenBLAS 0.3.21 hands to
+// its thread pool at every size: in a process whose pool has more than one thread (a PyTorch
+// trainer sharing libopenblas) the synchronisation cost several times the arithmetic. These loops
+// never leave the calling thread, and the same input gives the same bits on one machine.
+//
+// `a` holds the upper triangle of A (column-major, n x n). The matrix is scaled by a power of two
+// (exact) so that its largest entry lies in [1/2, 1): no square below can overflow. On return
+// values[0..n) ascend, and when `vectors` a holds the eigenvectors, column j for values[j].
+// `work` needs n * n + 3 n doubles.
+void SmallSymmetricEigen(double* a, int n, double* values, double* work, bool vectors) {
+  double amax = 0.0;
+  for (int j = 0; j < n; ++j)
+    for (int i = 0; i <= j; ++i) amax = std::max(amax, std::abs(a[size_t(j) * n + i]));
+  GEOFP8_CHECK(std::isfinite(amax), "symmetric eigen: the matrix holds a non-finite entry");
+  double* t = work;              // A, both triangles, then the Householder vectors
+  double* tau = work + size_t(n) * n;
+  double* e = tau + n;           // e[i] couples values[i] and values[i + 1]; e[n - 1] = 0
+  double* p = e + n;
+  if (amax == 0.0) {
+    for (int i = 0; i < n; ++i) values[i] = 0.0;
+    if (vectors) {
+      for (int j = 0; j < n; ++j)
+        for (int i = 0; i < n; ++i) a[size_t(j) * n + i] = i == j ? 1.0 : 0.0;
+    }
+    return;
+  }
+  int exponent = 0;
+  std::frexp(amax, &exponent);  // amax = f 2^exponent, f in [1/2, 1)
+  for (int j = 0; j < n; ++j)
+    for (int i = 0; i <= j; ++i)
+      t[size_t(j) * n + i] = t[size_t(i) * n + j] = std::ldexp(a[size_t(j) * n + i], -exponent);
+
+  // Tridiagonalise: step k maps column k below the subdiagonal onto its first entry with
+  // H_k = I - tau_k v v^T (v[0] = 1, v acting on rows k+1..n-1), and updates the trailing block
+  // B <- H B H = B - v w^T - w v^T, w = q - (tau/2)(q^T v) v, q = tau B v. v's tail is kept in
+  // column k under the subdiagonal.
+  for (int k = 0; k + 2 < n; ++k) {
+    double* col = t + size_t(k) * n;
+    const int r = n - k - 1;  // size of the trailing block
+    double* v = col + k + 1;
+    double tail = 0.0;
+    for (int i = 1; i < r; ++i) tail += v[i] * v[i];
+    if (tail == 0.0) {  // already tridiagonal in this column: H = I
+      tau[k] = 0.0;
+      e[k] = v[0];
+      continue;
+    }
+    const double x0 = v[0];
+    const double norm = std::sqrt(x0 * x0 + tail);
+    const double beta = x0 >= 0.0 ? -norm : norm;  // away from x0: no cancellation in x0 - beta
+    tau[k] = (beta - x0) / beta;
+    const double scale = 1.0 / (x0 - beta);
+    for (int i = 1; i < r; ++i) v[i] *= scale;
+    v[0] = 1.0;
+    e[k] = beta;
+    double* b = t + size_t(k + 1) * n + (k + 1);  // trailing block, leading dimension n
+    for (int i = 0; i < r; ++i) p[i] = 0.0;
+    for (int j = 0; j < r; ++j) {
+      const double vj = tau[k] * v[j];
+      const double* bj = b + size_t(j) * n;
+      for (int i = 0; i < r; ++i) p[i] += bj[i] * vj;
+    }
+    double pv = 0.0;
+    for (int i = 0; i < r; ++i) pv += p[i] * v[i];
+    const double half = 0.5 * tau[k] * pv;
+    for (int i = 0; i < r; ++i) p[i] -= half * v[i];
+    for (int j = 0; j < r; ++j) {
+      double* bj = b + size_t(j) * n;
+      const double vj = v[j], pj = p[j];
+      for (int i = 0; i < r; ++i) bj[i] -= v[i] * pj + p[i] * vj;
+    }
+  }
+  for (int i = 0; i < n; ++i) values[i] = t[size_t(i) * n + i];
+  if (n >= 2) e[n - 2] = t[size_t(n - 2) * n + (n - 1)];
+  e[n - 1] = 0.0;
+
+  if (vectors) {  // Q = H_0 H_1 ... H_{n-3}, accumulated from the last reflector backwards
+    for (int j = 0; j < n; ++j)
+      for (int i = 0; i < n; ++i) a[size_t(j) * n + i] = i == j ? 1.0 : 0.0;
+    for (int k = n - 3; k >= 0; --k) {
+      if (tau[k] == 0.0) continue;
+      const double* v = t + size_t(k) * n + k + 1;
+      const int r = n - k - 1;
+      for (int j = k + 1; j < n; ++j) {  // column j of Q, rows k+1..n-1
+        double* qj = a + size_t(j) * n + k + 1;
+        double dot = 0.0;
+        for (int i = 0; i < r; ++i) dot += v[i] * qj[i];
+        dot *= tau[k];
+        for (int i = 0; i < r; ++i) qj[i] -= dot * v[i];
+      }
+    }
+  }
+
+  // Implicit QL with Wilkinson-like shifts on (values, e), rotating Q's columns along. An
+  // off-diagonal entry counts as zero once it is below eps times its two diagonal neighbours,
+  // which keeps the backward error a small multiple of eps ||A||.
+  const double eps = std::numeric_limits<double>::epsilon();
+  double* d = values;
+  for (int l = 0; l < n; ++l) {
+    for (int iter = 0;; ++iter) {
+      int m = l;
+      for (; m + 1 < n; ++m) {
+        if (std::abs(e[m]) <= eps * (std::abs(d[m]) + std::abs(d[m + 1]))) break;
+      }
+      if (m == l) break;
+      GEOFP8_CHECK(iter < 60, "symmetric eigen: QL did not converge for eigenvalue ", l, " of ",
+                   n);
+      double g = (d[l + 1] - d[l]) / (2.0 * e[l]);
+      double r = std::sqrt(g * g + 1.0);
+      g = d[m] - d[l] + e[l] / (g + (g >= 0.0 ? r : -r));
+      double s = 1.0, c = 1.0, shift = 0.0;
+      bool split = false;
+      for (int i = m - 1; i >= l; --i) {
+        const double f = s * e[i], bb = c * e[i];
+        r = std::sqrt(f * f + g * g);
+        e[i + 1] = r;
+        if (r == 0.0) {  // the rotation degenerates: the matrix split at i + 1
+          d[i + 1] -= shift;
+          e[m] = 0.0;
+          split = true;
+          break;
+        }
+        s = f / r;
+        c = g / r;
+        g = d[i + 1] - shift;
+        r = (d[i] - g) * s + 2.0 * c * bb;
+        shift = s * r;
+        d[i + 1] = g + shift;
+        g = c * r - bb;
+        if (vectors) {
+          double* zi = a + size_t(i) * n;
+          double* zn = a + size_t(i + 1) * n;
+          for (int row = 0; row < n; ++row) {
+            const double x = zi[row], y = zn[row];
+            zn[row] = s * x + c * y;
+            zi[row] = c * x - s * y;
+          }
+        }
+      }
+      if (split) continue;
+      d[l] -= shift;
+      e[l] = g;
+      e[m] = 0.0;
+    }
+  }
+
+  // Ascending order (selection sort: n is small and every swap moves a whole eigenvector).
+  for (int i = 0; i + 1 < n; ++i) {
+    int lo = i;
+    for (int j = i + 1; j < n; ++j)
+      if (d[j] < d[lo]) lo = j;
+    if (lo == i) continue;
+    std::swap(d[i], d[lo]);
+    if (vectors) std::swap_ranges(a + size_t(i) * n, a + size_t(i + 1) * n, a + size_t(lo) * n);
+  }
+  for (int i = 0; i < n; ++i) d[i] = std::ldexp(d[i], exponent);
+}
+
+}  // namespace
+
 double LargestEigenvalue(std::vector<double>& a, int64_t n64) {
   GEOFP8_CHECK(static_cast<int64_t>(a.size()) == n64 * n64, "eigen buffer size ", a.size());
   if (n64 == 0) return 0.0;
   const int n = ToInt(n64, "n");
-  const char jobz = 'N', uplo = 'U';
-  std::vector<double> w(static_cast<size_t>(n));
-  int info = 0, lwork = -1;
-  double query = 0;
-  dsyev_(&jobz, &uplo, &n, a.data(), &n, w.data(), &query, &lwork, &info);
-  GEOFP8_CHECK(info == 0, "dsyev workspace query failed, info=", info);
-  lwork = std::max(1, static_cast<int>(query));
-  std::vector<double> work(static_cast<size_t>(lwork));
-  dsyev_(&jobz, &uplo, &n, a.data(), &n, w.data(), work.data(), &lwork, &info);
-  GEOFP8_CHECK(info == 0, "dsyev failed to converge, info=", info);
-  return w.back();  // ascending order
+  thread_local std::vector<double> work, values;
+  work.resize(size_t(n) * n + 3 * size_t(n));
+  values.resize(size_t(n));
+  SmallSymmetricEigen(a.data(), n, values.data(), work.data(), /*vectors=*/false);
+  return values.back();  // ascending order
 }
 
 void SymmetricEigenInPlace(double* a, int64_t n64, double* values, std::vector<double>& work) {
   const int n = ToInt(n64, "n");
   if (n == 0) return;
-  const char jobz = 'V', uplo = 'U';
-  // (nb + 2) n with LAPACK's block size 64 is dsyev's optimal workspace; no query needed.
-  int lwork = std::max(1, 66 * n), info = 0;
-  if (work.size() < static_cast<size_t>(lwork)) work.resize(static_cast<size_t>(lwork));
-  dsyev_(&jobz, &uplo, &n, a, &n, values, work.data(), &lwork, &info);
-  GEOFP8_CHECK(info == 0, "dsyev failed to converge, info=", info);
+  const size_t need = size_t(n) * n + 3 * size_t(n);
+  if (work.size() < need) work.resize(need);
+  SmallSymmetricEigen(a, n, values, work.data(), /*vectors=*/true);
 }
 
 void SymmetricEigen(std::vector<double> a, int64_t n64, std::vector<double>& values,
