@@ -169,7 +169,14 @@ void UpdateFactorSketch(FactorSketch& s, std::span<const float> G, int64_t m, in
     double in_left = 0.0, in_right = 0.0, pred_left = 0.0, pred_right = 0.0;
     double* row = Sized(sc.row, n);
     for (int i = 0; i < kk; ++i) {
-      cblas_dgemv(CblasColMajor, CblasNoTrans, n, ca, 1.0, bd, n, &r_left[i * ca], 1, 0.0, row, 1);
+      // row = B^T r_i by column axpys on this thread (OpenBLAS threads dgemv at this size).
+      double* __restrict out = row;
+      for (int64_t h = 0; h < n; ++h) out[h] = 0.0;
+      for (int c = 0; c < ca; ++c) {
+        const double coef = r_left[i * ca + c];
+        const double* __restrict col = bd + int64_t(c) * n;
+        for (int64_t h = 0; h < n; ++h) out[h] += col[h] * coef;
+      }
       for (int64_t h = 0; h < n; ++h) in_left += row[h] * row[h];
       for (int64_t r = 0; r < m; ++r) in_right += double(y[r * ldx + i]) * y[r * ldx + i];
       pred_left += s.left_energy[i];
