@@ -64,7 +64,7 @@ using FloatBuffer = std::vector<float, UninitAllocator<float>>;
 struct LowRankUpdate {
   bool identity = true;  // every whitening factor is 1 (or k = 0): nothing to do
   int64_t n = 0;
-  int k2 = 0;                // 2k
+  int k2 = 0;         // 2k
   FloatBuffer left;   // m x 2k: [U | X Bb - U Ab C Bb]
   FloatBuffer right;  // 2k x n: [Ab W ; V^T]
 };

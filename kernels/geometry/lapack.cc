@@ -86,7 +86,8 @@ __attribute__((target("avx2,fma"))) void SolveUpperRightAvx2(double* a, int64_t 
   for (; row < m; ++row) {  // the last m % 8 rows, the same operations one lane at a time
     for (int j = 0; j < n; ++j) {
       double acc = a[int64_t(j) * m + row];
-      for (int i = 0; i < j; ++i) acc = std::fma(-a[int64_t(i) * m + row], r[int64_t(j) * n + i], acc);
+      for (int i = 0; i < j; ++i)
+        acc = std::fma(-a[int64_t(i) * m + row], r[int64_t(j) * n + i], acc);
       a[int64_t(j) * m + row] = acc * inv[j];
     }
   }
@@ -281,15 +282,15 @@ namespace {
 // The body is compiled twice, for AVX2 and for the x86-64 baseline, and picked at run time: the
 // loops that vectorise are elementwise (no reassociated sums, and the build contracts no FMAs),
 // so both give the same bits; AVX2 only makes them faster.
-inline __attribute__((always_inline)) void EigenBody(double* a, int n, double* values,
-                                                     double* work, bool vectors) {
+inline __attribute__((always_inline)) void EigenBody(double* a, int n, double* values, double* work,
+                                                     bool vectors) {
   double amax = 0.0;
   for (int j = 0; j < n; ++j)
     for (int i = 0; i <= j; ++i) amax = std::max(amax, std::abs(a[size_t(j) * n + i]));
   GEOFP8_CHECK(std::isfinite(amax), "symmetric eigen: the matrix holds a non-finite entry");
-  double* t = work;              // A, both triangles, then the Householder vectors
+  double* t = work;  // A, both triangles, then the Householder vectors
   double* tau = work + size_t(n) * n;
-  double* e = tau + n;           // e[i] couples values[i] and values[i + 1]; e[n - 1] = 0
+  double* e = tau + n;  // e[i] couples values[i] and values[i + 1]; e[n - 1] = 0
   double* p = e + n;
   if (amax == 0.0) {
     for (int i = 0; i < n; ++i) values[i] = 0.0;
@@ -381,8 +382,7 @@ inline __attribute__((always_inline)) void EigenBody(double* a, int n, double* v
         if (std::abs(e[m]) <= eps * (std::abs(d[m]) + std::abs(d[m + 1]))) break;
       }
       if (m == l) break;
-      GEOFP8_CHECK(iter < 60, "symmetric eigen: QL did not converge for eigenvalue ", l, " of ",
-                   n);
+      GEOFP8_CHECK(iter < 60, "symmetric eigen: QL did not converge for eigenvalue ", l, " of ", n);
       double g = (d[l + 1] - d[l]) / (2.0 * e[l]);
       double r = std::sqrt(g * g + 1.0);
       g = d[m] - d[l] + e[l] / (g + (g >= 0.0 ? r : -r));

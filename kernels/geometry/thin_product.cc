@@ -15,8 +15,8 @@ namespace {
 
 #ifdef GEOFP8_THIN_AVX2
 // Sum of squares of row (n floats) added to two double accumulators.
-__attribute__((target("avx2,fma"))) inline void AddSquares(const float* row, int64_t n,
-                                                            __m256d& s0, __m256d& s1) {
+__attribute__((target("avx2,fma"))) inline void AddSquares(const float* row, int64_t n, __m256d& s0,
+                                                           __m256d& s1) {
   int64_t j = 0;
   for (; j + 8 <= n; j += 8) {
     const __m256d a = _mm256_cvtps_pd(_mm_loadu_ps(row + j));
@@ -34,7 +34,7 @@ __attribute__((target("avx2,fma"))) inline void AddSquares(const float* row, int
 // G per row and one load of X per column block for each j.
 template <int R, int W>
 __attribute__((target("avx2,fma"))) inline void Block(const float* g, int64_t n, const float* x,
-                                                       int ldx, float* y, int64_t r, int c) {
+                                                      int ldx, float* y, int64_t r, int c) {
   __m256 acc[R][W];
   for (int i = 0; i < R; ++i)
     for (int w = 0; w < W; ++w) acc[i][w] = _mm256_setzero_ps();
@@ -53,7 +53,7 @@ __attribute__((target("avx2,fma"))) inline void Block(const float* g, int64_t n,
 
 template <int R>
 __attribute__((target("avx2,fma"))) inline void Rows(const float* g, int64_t n, const float* x,
-                                                      int ldx, float* y, int64_t r) {
+                                                     int ldx, float* y, int64_t r) {
   int c = 0;
   for (; c + 16 <= ldx; c += 16) Block<R, 2>(g, n, x, ldx, y, r, c);
   if (c < ldx) Block<R, 1>(g, n, x, ldx, y, r, c);
@@ -80,8 +80,8 @@ __attribute__((target("avx2,fma"))) double ThinAvx2(const float* g, int64_t m, i
 }  // namespace
 
 double ThinProductAndNorm(const float* g, int64_t m, int64_t n, const float* x, int ldx, float* y) {
-  GEOFP8_CHECK(m >= 1 && n >= 1 && ldx >= 0 && ldx % 8 == 0, "ThinProductAndNorm: shape ", m,
-               "x", n, ", ldx ", ldx, " (need m, n >= 1 and ldx a multiple of 8)");
+  GEOFP8_CHECK(m >= 1 && n >= 1 && ldx >= 0 && ldx % 8 == 0, "ThinProductAndNorm: shape ", m, "x",
+               n, ", ldx ", ldx, " (need m, n >= 1 and ldx a multiple of 8)");
 #ifdef GEOFP8_THIN_AVX2
   static const bool avx2 = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
   if (avx2) return ThinAvx2(g, m, n, x, ldx, y);
