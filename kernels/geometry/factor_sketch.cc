@@ -1,6 +1,7 @@
 // The streaming Kronecker-factor sketch of factor_sketch.h: a randomized range finder per update
-// (two thin GEMMs over G), Cholesky QR2 (Householder when ill-conditioned) and small symmetric
-// eigenproblems by LAPACK's dsyev.
+// (two thin products over G, the first fused with ||G||^2 in thin_product.h), Cholesky QR2
+// (Householder when ill-conditioned) and small symmetric eigenproblems by lapack.h's own
+// tridiagonal QL.
 #include "kernels/geometry/factor_sketch.h"
 
 #include <cblas.h>

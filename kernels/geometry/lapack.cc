@@ -1,5 +1,6 @@
 // LAPACK wrappers for the geometry: Householder and Cholesky QR, divide-and-conquer SVD,
-// symmetric eigen. Each call checks LAPACK's info and throws geofp8::Error naming the routine.
+// symmetric eigen (dsyev for the reference; the geometry's small problems by own loops below).
+// Each LAPACK call checks its info and throws geofp8::Error naming the routine.
 #include "kernels/geometry/lapack.h"
 
 #include <cblas.h>
