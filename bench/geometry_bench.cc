@@ -510,10 +510,11 @@ void RunSketchCost(const Args& a, const std::vector<Shape>& shapes) {
     }
     const double u = Median(tu), t = Median(tt), gm = Median(tg);
     const double held = double((m + n) * sketch.width) * 4 + 2.0 * sketch.width * 8;
-    // x, y, qf, bf in float; q, bd, z, e, rot in double (factor_sketch.cc Scratch), plus the
-    // copy of its input that OrthonormalizeInPlace keeps for the Householder fallback.
-    const double cz = sketch.width + ca;
-    const double scratch = 4.0 * (n * cx + m * cx + m * ca + double(ca) * n) +
+    // x, y (padded to whole 8-float registers), qf, bf in float; q, bd, z, e, rot in double
+    // (factor_sketch.cc Scratch), plus the copy of its input that OrthonormalizeInPlace keeps for
+    // the Householder fallback.
+    const double cz = sketch.width + ca, ldx = (cx + 7) / 8 * 8;
+    const double scratch = 4.0 * (n * ldx + m * ldx + m * ca + double(ca) * n) +
                            8.0 * (m * ca + double(ca) * n + n * cz + cz * ca +
                                   std::max(m, n) * sketch.width + std::max(double(m) * ca, n * cz));
     std::printf("| %lldx%lld | %.2f | %.2f | %.2f | %.2f | %.2f | %.0f | %.0f |\n",

@@ -1,6 +1,7 @@
 // The streaming Kronecker-factor sketch of factor_sketch.h: a randomized range finder per update
-// (two thin GEMMs over G), Cholesky QR2 (Householder when ill-conditioned) and small symmetric
-// eigenproblems by LAPACK's dsyev.
+// (two thin products over G, the first fused with ||G||^2 in thin_product.h), Cholesky QR2
+// (Householder when ill-conditioned) and small symmetric eigenproblems by lapack.h's own
+// tridiagonal QL.
 #include "kernels/geometry/factor_sketch.h"
 
 #include <cblas.h>
@@ -12,6 +13,7 @@
 #include "kernels/common/check.h"
 #include "kernels/geometry/factors.h"
 #include "kernels/geometry/lapack.h"
+#include "kernels/geometry/thin_product.h"
 
 namespace geofp8 {
 
@@ -106,9 +108,29 @@ void UpdateFactorSketch(FactorSketch& s, std::span<const float> G, int64_t m, in
   GEOFP8_CHECK(o.width >= 1 && o.probes >= 0 && o.beta >= 0.f && o.beta < 1.f,
                "FactorSketchOptions: width ", o.width, ", probes ", o.probes, ", beta ", o.beta,
                " (need width >= 1, probes >= 0, beta in [0, 1))");
-  // ||G||^2 accumulated in double; a NaN or inf anywhere makes it non-finite (a finite float's
-  // square cannot overflow a double), and only then is G searched for the culprit.
-  const double g2 = cblas_dsdot(static_cast<int>(G.size()), G.data(), 1, G.data(), 1);
+  // Nothing of the sketch changes until G has been checked, so a bad G leaves it as it was.
+  const bool fresh = s.m != m || s.n != n;
+  const uint64_t updates = fresh ? 0 : s.updates;
+  const int target = static_cast<int>(std::min<int64_t>({o.width, m, n}));
+  const int held = updates == 0 ? 0 : s.width;
+  // The range finder's inputs: the held right basis (where the persistent energy is) plus fresh
+  // probes so that new directions can enter; on the first update probes only, as many as the
+  // sketch will hold plus the extra. Q = orth([U, G X]) needs at most m columns.
+  const int want = held == 0 ? target + o.probes : o.probes;
+  const int p = static_cast<int>(std::max<int64_t>(0, std::min<int64_t>(want, m - 2 * held)));
+  const int cx = held + p;
+  const int ldx = (cx + 7) / 8 * 8;  // X and Y padded with zero columns to whole AVX registers
+  Scratch& sc = ThreadScratch();
+  float* x = Sized(sc.x, n * std::max(ldx, 1));
+  for (int64_t r = 0; r < n; ++r) {
+    std::memcpy(&x[r * ldx], s.right.data() + r * held, sizeof(float) * held);
+    std::fill(&x[r * ldx + cx], &x[r * ldx + ldx], 0.f);
+  }
+  if (p > 0) Probes(o.seed, updates, n, p, x, ldx, held);
+  float* y = Sized(sc.y, m * std::max(ldx, 1));
+  // Y = G X and ||G||^2 (in double) from one read of G; a NaN or inf anywhere makes the norm
+  // non-finite, and only then is G searched for the culprit.
+  const double g2 = geometry::ThinProductAndNorm(G.data(), m, n, x, ldx, y);
   if (!std::isfinite(g2)) {
     for (size_t i = 0; i < G.size(); ++i) {
       if (!std::isfinite(G[i])) {
@@ -116,26 +138,9 @@ void UpdateFactorSketch(FactorSketch& s, std::span<const float> G, int64_t m, in
       }
     }
   }
-  if (s.m != m || s.n != n) s = FactorSketch{};
+  if (fresh) s = FactorSketch{};
   s.m = m;
   s.n = n;
-  const int target = static_cast<int>(std::min<int64_t>({o.width, m, n}));
-  const int held = s.updates == 0 ? 0 : s.width;
-  // The range finder's inputs: the held right basis (where the persistent energy is) plus fresh
-  // probes so that new directions can enter; on the first update probes only, as many as the
-  // sketch will hold plus the extra. Q = orth([U, G X]) needs at most m columns.
-  const int want = held == 0 ? target + o.probes : o.probes;
-  const int p = static_cast<int>(std::max<int64_t>(0, std::min<int64_t>(want, m - 2 * held)));
-  const int cx = held + p;
-  Scratch& sc = ThreadScratch();
-  float* x = Sized(sc.x, n * std::max(cx, 1));
-  for (int64_t r = 0; r < n; ++r) std::memcpy(&x[r * cx], &s.right[r * held], sizeof(float) * held);
-  if (p > 0) Probes(o.seed, s.updates, n, p, x, cx, held);
-  float* y = Sized(sc.y, m * std::max(cx, 1));
-  if (cx > 0) {
-    cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, m, cx, n, 1.f, G.data(), n, x, cx, 0.f,
-                y, cx);
-  }
 
   // Left: Q = orth([U, G X]) (Cholesky QR2, Householder when ill-conditioned), B = Q^T G,
   // S_L = Q^T (beta U L U^T + (1-beta) G G^T) Q. U is Q's leading columns, so Q^T U is R's
@@ -145,7 +150,7 @@ void UpdateFactorSketch(FactorSketch& s, std::span<const float> G, int64_t m, in
   for (int j = 0; j < held; ++j)
     for (int64_t r = 0; r < m; ++r) q[j * m + r] = s.left[r * held + j];
   for (int j = held; j < ca; ++j)
-    for (int64_t r = 0; r < m; ++r) q[j * m + r] = y[r * cx + (j - held)];
+    for (int64_t r = 0; r < m; ++r) q[j * m + r] = y[r * ldx + (j - held)];
   geometry::lapack::OrthonormalizeInPlace(q, m, ca, &sc.r_left);
   const std::vector<double>& r_left = sc.r_left;
   float* qf = Sized(sc.qf, m * ca);  // Q in float, column-major like q
@@ -165,9 +170,16 @@ void UpdateFactorSketch(FactorSketch& s, std::span<const float> G, int64_t m, in
     double in_left = 0.0, in_right = 0.0, pred_left = 0.0, pred_right = 0.0;
     double* row = Sized(sc.row, n);
     for (int i = 0; i < kk; ++i) {
-      cblas_dgemv(CblasColMajor, CblasNoTrans, n, ca, 1.0, bd, n, &r_left[i * ca], 1, 0.0, row, 1);
+      // row = B^T r_i by column axpys on this thread (OpenBLAS threads dgemv at this size).
+      double* __restrict out = row;
+      for (int64_t h = 0; h < n; ++h) out[h] = 0.0;
+      for (int c = 0; c < ca; ++c) {
+        const double coef = r_left[i * ca + c];
+        const double* __restrict col = bd + int64_t(c) * n;
+        for (int64_t h = 0; h < n; ++h) out[h] += col[h] * coef;
+      }
       for (int64_t h = 0; h < n; ++h) in_left += row[h] * row[h];
-      for (int64_t r = 0; r < m; ++r) in_right += double(y[r * cx + i]) * y[r * cx + i];
+      for (int64_t r = 0; r < m; ++r) in_right += double(y[r * ldx + i]) * y[r * ldx + i];
       pred_left += s.left_energy[i];
       pred_right += s.right_energy[i];
     }

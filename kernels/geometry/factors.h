@@ -5,7 +5,10 @@
 #include <cstddef>
 #include <cstdint>
 #include <functional>
+#include <memory>
+#include <new>
 #include <span>
+#include <utility>
 #include <vector>
 
 #include "kernels/geometry/geometry.h"
@@ -35,13 +38,35 @@ int64_t TileRows(int64_t m, int64_t n);
 // memory that holds them, or `scratch` (room for TileRows(m, n) rows) after filling it.
 using RowSource = std::function<const float*(int64_t r0, int64_t r1, float* scratch)>;
 
+// A vector whose resize leaves new elements uninitialised (default-initialised floats): buffers
+// that are written whole before they are read skip the memset of a value-initialising resize.
+template <typename T>
+struct UninitAllocator : std::allocator<T> {
+  template <typename U>
+  struct rebind {
+    using other = UninitAllocator<U>;
+  };
+  UninitAllocator() = default;
+  template <typename U>
+  UninitAllocator(const UninitAllocator<U>&) noexcept {}
+  template <typename U>
+  void construct(U* p) noexcept {
+    ::new (static_cast<void*>(p)) U;
+  }
+  template <typename U, typename... Args>
+  void construct(U* p, Args&&... args) {
+    ::new (static_cast<void*>(p)) U(std::forward<Args>(args)...);
+  }
+};
+using FloatBuffer = std::vector<float, UninitAllocator<float>>;
+
 // The lowrank map of one input as a rank-2k update: T(G) = G - left right.
 struct LowRankUpdate {
   bool identity = true;  // every whitening factor is 1 (or k = 0): nothing to do
   int64_t n = 0;
-  int k2 = 0;                // 2k
-  std::vector<float> left;   // m x 2k: [U | X Bb - U Ab C Bb]
-  std::vector<float> right;  // 2k x n: [Ab W ; V^T]
+  int k2 = 0;         // 2k
+  FloatBuffer left;   // m x 2k: [U | X Bb - U Ab C Bb]
+  FloatBuffer right;  // 2k x n: [Ab W ; V^T]
 };
 
 // Pass 1: reduces W = U^T G and X = G V over row tiles (TileRows) read from `rows_of`, in row

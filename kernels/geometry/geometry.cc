@@ -139,13 +139,24 @@ LowRankUpdate PrepareLowRank(const Geometry& g, bool inverse, const RowSource& r
   const std::vector<float> ab = SideCore(g.U, m, k, fl, inverse);
   const std::vector<float> bb = SideCore(g.V, n, k, fr, inverse);
   const int k2 = u.k2;
-  std::vector<float> w(static_cast<size_t>(k * n)), x(static_cast<size_t>(m * k));
-  std::vector<float> c(static_cast<size_t>(k * k)), t(static_cast<size_t>(k * k));
+  // Per-thread scratch, grown and never zeroed: every element is written before it is read
+  // (the first tile's GEMM sets W with beta 0), and fresh zero-filled vectors of these sizes
+  // (the tile alone is kTileBytes) were a fifth of this function.
+  struct Scratch {
+    FloatBuffer w, x, c, t, abc, tile;
+  };
+  thread_local Scratch sc;
+  FloatBuffer &w = sc.w, &x = sc.x, &c = sc.c, &t = sc.t, &abc = sc.abc;
+  w.resize(static_cast<size_t>(k * n));
+  x.resize(static_cast<size_t>(m * k));
+  c.resize(static_cast<size_t>(k * k));
+  t.resize(static_cast<size_t>(k * k));
+  abc.resize(static_cast<size_t>(k * k));
   const int64_t tile = TileRows(m, n);
-  std::vector<float> scratch(static_cast<size_t>(tile * n));
+  sc.tile.resize(static_cast<size_t>(tile * n));  // pages are touched only if rows_of writes them
   for (int64_t r0 = 0; r0 < m; r0 += tile) {
     const int64_t r1 = std::min(m, r0 + tile), len = r1 - r0;
-    const float* rows = rows_of(r0, r1, scratch.data());
+    const float* rows = rows_of(r0, r1, sc.tile.data());
     cblas_sgemm(CblasRowMajor, CblasTrans, CblasNoTrans, k, n, len, 1.f, g.U.data() + r0 * k, k,
                 rows, n, r0 == 0 ? 0.f : 1.f, w.data(), n);
     cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, len, k, n, 1.f, rows, n, g.V.data(), k,
@@ -154,7 +165,6 @@ LowRankUpdate PrepareLowRank(const Geometry& g, bool inverse, const RowSource& r
   cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, k, k, n, 1.f, w.data(), n, g.V.data(), k,
               0.f, c.data(), k);
   // t = Ab C Bb (k x k); left = [U | X Bb - U t] (m x 2k); right = [Ab W ; V^T] (2k x n).
-  std::vector<float> abc(static_cast<size_t>(k * k));
   cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, k, k, k, 1.f, ab.data(), k, c.data(), k,
               0.f, abc.data(), k);
   cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, k, k, k, 1.f, abc.data(), k, bb.data(), k,

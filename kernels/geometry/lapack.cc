@@ -1,5 +1,6 @@
 // LAPACK wrappers for the geometry: Householder and Cholesky QR, divide-and-conquer SVD,
-// symmetric eigen. Each call checks LAPACK's info and throws geofp8::Error naming the routine.
+// symmetric eigen (dsyev for the reference; the geometry's small problems by own loops below).
+// Each LAPACK call checks its info and throws geofp8::Error naming the routine.
 #include "kernels/geometry/lapack.h"
 
 #include <cblas.h>
@@ -8,8 +9,14 @@
 #include <atomic>
 #include <cmath>
 #include <cstring>
+#include <limits>
 
 #include "kernels/common/check.h"
+
+#if defined(__x86_64__) && defined(__GNUC__)
+#include <immintrin.h>
+#define GEOFP8_LAPACK_AVX2 1
+#endif
 
 extern "C" {
 void dgeqrf_(const int* m, const int* n, double* a, const int* lda, double* tau, double* work,
@@ -39,6 +46,65 @@ int ToInt(int64_t v, const char* what) {
 
 std::atomic<uint64_t> fallbacks{0};
 
+// A (m x n, column-major, leading dimension m) <- A R^-1 for R upper triangular (n x n, leading
+// dimension n, nonzero diagonal): forward substitution along each row, x_j = (a_j - sum_{i<j}
+// x_i r_ij) / r_jj with the division as a multiplication by 1 / r_jj, as BLAS trsm kernels do.
+// Backward stable like dtrsm. Plain loops on the calling thread: OpenBLAS's dtrsm hands even a
+// 256 x 20 solve to its thread pool, which in a process whose pool has two threads (a PyTorch
+// trainer) cost several times the arithmetic. Same input, same bits, on one machine.
+void SolveUpperRightBaseline(double* a, int64_t m, int n, const double* r, const double* inv) {
+  for (int64_t row = 0; row < m; ++row) {
+    for (int j = 0; j < n; ++j) {
+      double acc = a[int64_t(j) * m + row];
+      for (int i = 0; i < j; ++i) acc -= a[int64_t(i) * m + row] * r[int64_t(j) * n + i];
+      a[int64_t(j) * m + row] = acc * inv[j];
+    }
+  }
+}
+
+#ifdef GEOFP8_LAPACK_AVX2
+// Eight rows per step in two registers: the running sums stay in registers across i, and the
+// solved x_i are read back from A's columns (contiguous in the rows). Fused multiply-adds.
+__attribute__((target("avx2,fma"))) void SolveUpperRightAvx2(double* a, int64_t m, int n,
+                                                             const double* r, const double* inv) {
+  int64_t row = 0;
+  for (; row + 8 <= m; row += 8) {
+    for (int j = 0; j < n; ++j) {
+      double* aj = a + int64_t(j) * m + row;
+      __m256d acc0 = _mm256_loadu_pd(aj), acc1 = _mm256_loadu_pd(aj + 4);
+      const double* rj = r + int64_t(j) * n;
+      for (int i = 0; i < j; ++i) {
+        const double* ai = a + int64_t(i) * m + row;
+        const __m256d b = _mm256_broadcast_sd(rj + i);
+        acc0 = _mm256_fnmadd_pd(b, _mm256_loadu_pd(ai), acc0);
+        acc1 = _mm256_fnmadd_pd(b, _mm256_loadu_pd(ai + 4), acc1);
+      }
+      const __m256d d = _mm256_broadcast_sd(inv + j);
+      _mm256_storeu_pd(aj, _mm256_mul_pd(acc0, d));
+      _mm256_storeu_pd(aj + 4, _mm256_mul_pd(acc1, d));
+    }
+  }
+  for (; row < m; ++row) {  // the last m % 8 rows, the same operations one lane at a time
+    for (int j = 0; j < n; ++j) {
+      double acc = a[int64_t(j) * m + row];
+      for (int i = 0; i < j; ++i)
+        acc = std::fma(-a[int64_t(i) * m + row], r[int64_t(j) * n + i], acc);
+      a[int64_t(j) * m + row] = acc * inv[j];
+    }
+  }
+}
+#endif
+
+void SolveUpperRight(double* a, int64_t m, int n, const double* r, std::vector<double>& inv) {
+  inv.resize(static_cast<size_t>(n));
+  for (int j = 0; j < n; ++j) inv[j] = 1.0 / r[int64_t(j) * n + j];
+#ifdef GEOFP8_LAPACK_AVX2
+  static const bool avx2 = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
+  if (avx2) return SolveUpperRightAvx2(a, m, n, r, inv.data());
+#endif
+  SolveUpperRightBaseline(a, m, n, r, inv.data());
+}
+
 }  // namespace
 
 uint64_t OrthonormalizeFallbacks() { return fallbacks.load(std::memory_order_relaxed); }
@@ -50,7 +116,7 @@ bool OrthonormalizeInPlace(double* a, int64_t rows, int64_t cols, std::vector<do
   if (cols == 0) return true;
   const int m = ToInt(rows, "rows"), n = ToInt(cols, "cols");
   struct Scratch {
-    std::vector<double> original, gram, r1, d;
+    std::vector<double> original, gram, r1, d, inv;
   };
   thread_local Scratch sc;
   sc.original.assign(a, a + static_cast<size_t>(rows * cols));
@@ -79,8 +145,7 @@ bool OrthonormalizeInPlace(double* a, int64_t rows, int64_t cols, std::vector<do
     for (int j = 0; j < n; ++j)
       for (int i = 0; i <= j; ++i)
         r1[static_cast<size_t>(j) * n + i] = gram[static_cast<size_t>(j) * n + i] * sc.d[j];
-    cblas_dtrsm(CblasColMajor, CblasRight, CblasUpper, CblasNoTrans, CblasNonUnit, m, n, 1.0, r1, n,
-                a, m);
+    SolveUpperRight(a, m, n, r1, sc.inv);
     // Pass 2 on Q1 = A R1^-1. Its Gram Q1^T Q1 says how far pass 1 got: with ||Q1^T Q1 - I||_2
     // <= 1/2 (checked through the Frobenius norm, <= n max|entry|), kappa(Q1) <= sqrt(3), far
     // inside CholeskyQR's condition kappa <= 1 / (8 sqrt((m n + n (n + 1)) u)) (Yamamoto et al.
@@ -107,8 +172,7 @@ bool OrthonormalizeInPlace(double* a, int64_t rows, int64_t cols, std::vector<do
   }
   for (int j = 0; j < n; ++j)  // dpotrf leaves the strict lower triangle as it found it
     for (int i = j + 1; i < n; ++i) gram[static_cast<size_t>(j) * n + i] = 0.0;
-  cblas_dtrsm(CblasColMajor, CblasRight, CblasUpper, CblasNoTrans, CblasNonUnit, m, n, 1.0, gram, n,
-              a, m);
+  SolveUpperRight(a, m, n, gram, sc.inv);
   if (r) {  // R = R2 R1, both upper triangular
     cblas_dtrmm(CblasColMajor, CblasLeft, CblasUpper, CblasNoTrans, CblasNonUnit, n, n, 1.0, gram,
                 n, r1, n);
@@ -201,32 +265,214 @@ std::vector<double> Inverse(std::vector<double> a, int64_t n64) {
   return b;
 }
 
+namespace {
+
+// The small symmetric eigensolver behind SymmetricEigenInPlace and LargestEigenvalue: Householder
+// tridiagonalisation, then implicit-shift QL on the tridiagonal matrix, in plain loops. The
+// geometry's eigenproblems are tiny (c x c with c = 2 width + probes, 20 and 28 by default; k x k
+// for the drift), and LAPACK's dsyev reduces them through dsymv, which OpenBLAS 0.3.21 hands to
+// its thread pool at every size: in a process whose pool has more than one thread (a PyTorch
+// trainer sharing libopenblas) the synchronisation cost several times the arithmetic. These loops
+// never leave the calling thread, and the same input gives the same bits on one machine.
+//
+// `a` holds the upper triangle of A (column-major, n x n). The matrix is scaled by a power of two
+// (exact) so that its largest entry lies in [1/2, 1): no square below can overflow. On return
+// values[0..n) ascend, and when `vectors` a holds the eigenvectors, column j for values[j].
+// `work` needs n * n + 3 n doubles.
+//
+// The body is compiled twice, for AVX2 and for the x86-64 baseline, and picked at run time: the
+// loops that vectorise are elementwise (no reassociated sums, and the build contracts no FMAs),
+// so both give the same bits; AVX2 only makes them faster.
+inline __attribute__((always_inline)) void EigenBody(double* a, int n, double* values, double* work,
+                                                     bool vectors) {
+  double amax = 0.0;
+  for (int j = 0; j < n; ++j)
+    for (int i = 0; i <= j; ++i) amax = std::max(amax, std::abs(a[size_t(j) * n + i]));
+  GEOFP8_CHECK(std::isfinite(amax), "symmetric eigen: the matrix holds a non-finite entry");
+  double* t = work;  // A, both triangles, then the Householder vectors
+  double* tau = work + size_t(n) * n;
+  double* e = tau + n;  // e[i] couples values[i] and values[i + 1]; e[n - 1] = 0
+  double* p = e + n;
+  if (amax == 0.0) {
+    for (int i = 0; i < n; ++i) values[i] = 0.0;
+    if (vectors) {
+      for (int j = 0; j < n; ++j)
+        for (int i = 0; i < n; ++i) a[size_t(j) * n + i] = i == j ? 1.0 : 0.0;
+    }
+    return;
+  }
+  int exponent = 0;
+  std::frexp(amax, &exponent);  // amax = f 2^exponent, f in [1/2, 1)
+  for (int j = 0; j < n; ++j)
+    for (int i = 0; i <= j; ++i)
+      t[size_t(j) * n + i] = t[size_t(i) * n + j] = std::ldexp(a[size_t(j) * n + i], -exponent);
+
+  // Tridiagonalise: step k maps column k below the subdiagonal onto its first entry with
+  // H_k = I - tau_k v v^T (v[0] = 1, v acting on rows k+1..n-1), and updates the trailing block
+  // B <- H B H = B - v w^T - w v^T, w = q - (tau/2)(q^T v) v, q = tau B v. v's tail is kept in
+  // column k under the subdiagonal.
+  for (int k = 0; k + 2 < n; ++k) {
+    double* col = t + size_t(k) * n;
+    const int r = n - k - 1;  // size of the trailing block
+    double* v = col + k + 1;
+    double tail = 0.0;
+    for (int i = 1; i < r; ++i) tail += v[i] * v[i];
+    if (tail == 0.0) {  // already tridiagonal in this column: H = I
+      tau[k] = 0.0;
+      e[k] = v[0];
+      continue;
+    }
+    const double x0 = v[0];
+    const double norm = std::sqrt(x0 * x0 + tail);
+    const double beta = x0 >= 0.0 ? -norm : norm;  // away from x0: no cancellation in x0 - beta
+    tau[k] = (beta - x0) / beta;
+    const double scale = 1.0 / (x0 - beta);
+    for (int i = 1; i < r; ++i) v[i] *= scale;
+    v[0] = 1.0;
+    e[k] = beta;
+    double* b = t + size_t(k + 1) * n + (k + 1);  // trailing block, leading dimension n
+    for (int i = 0; i < r; ++i) p[i] = 0.0;
+    for (int j = 0; j < r; ++j) {
+      const double vj = tau[k] * v[j];
+      const double* __restrict bj = b + size_t(j) * n;
+      double* __restrict pp = p;
+      for (int i = 0; i < r; ++i) pp[i] += bj[i] * vj;
+    }
+    double pv = 0.0;
+    for (int i = 0; i < r; ++i) pv += p[i] * v[i];
+    const double half = 0.5 * tau[k] * pv;
+    for (int i = 0; i < r; ++i) p[i] -= half * v[i];
+    for (int j = 0; j < r; ++j) {
+      double* __restrict bj = b + size_t(j) * n;
+      const double* __restrict vv = v;
+      const double* __restrict pp = p;
+      const double vj = v[j], pj = p[j];
+      for (int i = 0; i < r; ++i) bj[i] -= vv[i] * pj + pp[i] * vj;
+    }
+  }
+  for (int i = 0; i < n; ++i) values[i] = t[size_t(i) * n + i];
+  if (n >= 2) e[n - 2] = t[size_t(n - 2) * n + (n - 1)];
+  e[n - 1] = 0.0;
+
+  if (vectors) {  // Q = H_0 H_1 ... H_{n-3}, accumulated from the last reflector backwards
+    for (int j = 0; j < n; ++j)
+      for (int i = 0; i < n; ++i) a[size_t(j) * n + i] = i == j ? 1.0 : 0.0;
+    for (int k = n - 3; k >= 0; --k) {
+      if (tau[k] == 0.0) continue;
+      const double* v = t + size_t(k) * n + k + 1;
+      const int r = n - k - 1;
+      for (int j = k + 1; j < n; ++j) {  // column j of Q, rows k+1..n-1
+        double* __restrict qj = a + size_t(j) * n + k + 1;
+        double dot = 0.0;
+        for (int i = 0; i < r; ++i) dot += v[i] * qj[i];
+        dot *= tau[k];
+        for (int i = 0; i < r; ++i) qj[i] -= dot * v[i];
+      }
+    }
+  }
+
+  // Implicit QL with Wilkinson-like shifts on (values, e), rotating Q's columns along. An
+  // off-diagonal entry counts as zero once it is below eps times its two diagonal neighbours,
+  // which keeps the backward error a small multiple of eps ||A||.
+  const double eps = std::numeric_limits<double>::epsilon();
+  double* d = values;
+  for (int l = 0; l < n; ++l) {
+    for (int iter = 0;; ++iter) {
+      int m = l;
+      for (; m + 1 < n; ++m) {
+        if (std::abs(e[m]) <= eps * (std::abs(d[m]) + std::abs(d[m + 1]))) break;
+      }
+      if (m == l) break;
+      GEOFP8_CHECK(iter < 60, "symmetric eigen: QL did not converge for eigenvalue ", l, " of ", n);
+      double g = (d[l + 1] - d[l]) / (2.0 * e[l]);
+      double r = std::sqrt(g * g + 1.0);
+      g = d[m] - d[l] + e[l] / (g + (g >= 0.0 ? r : -r));
+      double s = 1.0, c = 1.0, shift = 0.0;
+      bool split = false;
+      for (int i = m - 1; i >= l; --i) {
+        const double f = s * e[i], bb = c * e[i];
+        r = std::sqrt(f * f + g * g);
+        e[i + 1] = r;
+        if (r == 0.0) {  // the rotation degenerates: the matrix split at i + 1
+          d[i + 1] -= shift;
+          e[m] = 0.0;
+          split = true;
+          break;
+        }
+        s = f / r;
+        c = g / r;
+        g = d[i + 1] - shift;
+        r = (d[i] - g) * s + 2.0 * c * bb;
+        shift = s * r;
+        d[i + 1] = g + shift;
+        g = c * r - bb;
+        if (vectors) {  // distinct columns: __restrict lets the compiler vectorise the loop
+          double* __restrict zi = a + size_t(i) * n;
+          double* __restrict zn = a + size_t(i + 1) * n;
+          for (int row = 0; row < n; ++row) {
+            const double x = zi[row], y = zn[row];
+            zn[row] = s * x + c * y;
+            zi[row] = c * x - s * y;
+          }
+        }
+      }
+      if (split) continue;
+      d[l] -= shift;
+      e[l] = g;
+      e[m] = 0.0;
+    }
+  }
+
+  // Ascending order (selection sort: n is small and every swap moves a whole eigenvector).
+  for (int i = 0; i + 1 < n; ++i) {
+    int lo = i;
+    for (int j = i + 1; j < n; ++j)
+      if (d[j] < d[lo]) lo = j;
+    if (lo == i) continue;
+    std::swap(d[i], d[lo]);
+    if (vectors) std::swap_ranges(a + size_t(i) * n, a + size_t(i + 1) * n, a + size_t(lo) * n);
+  }
+  for (int i = 0; i < n; ++i) d[i] = std::ldexp(d[i], exponent);
+}
+
+#if defined(__x86_64__) && defined(__GNUC__)
+__attribute__((target("avx2"))) void EigenAvx2(double* a, int n, double* values, double* work,
+                                               bool vectors) {
+  EigenBody(a, n, values, work, vectors);
+}
+#endif
+
+void EigenBaseline(double* a, int n, double* values, double* work, bool vectors) {
+  EigenBody(a, n, values, work, vectors);
+}
+
+void SmallSymmetricEigen(double* a, int n, double* values, double* work, bool vectors) {
+#if defined(__x86_64__) && defined(__GNUC__)
+  static const bool avx2 = __builtin_cpu_supports("avx2");
+  if (avx2) return EigenAvx2(a, n, values, work, vectors);
+#endif
+  EigenBaseline(a, n, values, work, vectors);
+}
+
+}  // namespace
+
 double LargestEigenvalue(std::vector<double>& a, int64_t n64) {
   GEOFP8_CHECK(static_cast<int64_t>(a.size()) == n64 * n64, "eigen buffer size ", a.size());
   if (n64 == 0) return 0.0;
   const int n = ToInt(n64, "n");
-  const char jobz = 'N', uplo = 'U';
-  std::vector<double> w(static_cast<size_t>(n));
-  int info = 0, lwork = -1;
-  double query = 0;
-  dsyev_(&jobz, &uplo, &n, a.data(), &n, w.data(), &query, &lwork, &info);
-  GEOFP8_CHECK(info == 0, "dsyev workspace query failed, info=", info);
-  lwork = std::max(1, static_cast<int>(query));
-  std::vector<double> work(static_cast<size_t>(lwork));
-  dsyev_(&jobz, &uplo, &n, a.data(), &n, w.data(), work.data(), &lwork, &info);
-  GEOFP8_CHECK(info == 0, "dsyev failed to converge, info=", info);
-  return w.back();  // ascending order
+  thread_local std::vector<double> work, values;
+  work.resize(size_t(n) * n + 3 * size_t(n));
+  values.resize(size_t(n));
+  SmallSymmetricEigen(a.data(), n, values.data(), work.data(), /*vectors=*/false);
+  return values.back();  // ascending order
 }
 
 void SymmetricEigenInPlace(double* a, int64_t n64, double* values, std::vector<double>& work) {
   const int n = ToInt(n64, "n");
   if (n == 0) return;
-  const char jobz = 'V', uplo = 'U';
-  // (nb + 2) n with LAPACK's block size 64 is dsyev's optimal workspace; no query needed.
-  int lwork = std::max(1, 66 * n), info = 0;
-  if (work.size() < static_cast<size_t>(lwork)) work.resize(static_cast<size_t>(lwork));
-  dsyev_(&jobz, &uplo, &n, a, &n, values, work.data(), &lwork, &info);
-  GEOFP8_CHECK(info == 0, "dsyev failed to converge, info=", info);
+  const size_t need = size_t(n) * n + 3 * size_t(n);
+  if (work.size() < need) work.resize(need);
+  SmallSymmetricEigen(a, n, values, work.data(), /*vectors=*/true);
 }
 
 void SymmetricEigen(std::vector<double> a, int64_t n64, std::vector<double>& values,

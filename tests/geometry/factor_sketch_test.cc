@@ -12,6 +12,7 @@
 #include "kernels/common/check.h"
 #include "kernels/geometry/factors.h"
 #include "kernels/geometry/lapack.h"
+#include "kernels/geometry/thin_product.h"
 
 namespace geofp8 {
 namespace {
@@ -74,6 +75,49 @@ double Distance(const std::vector<float>& a, const std::vector<float>& b, int64_
   ga.U = ga.V = a;
   gb.U = gb.V = b;
   return SubspaceDrift(ga, gb);
+}
+
+// Y = G X and ||G||^2 in one pass, on shapes that leave remainders in every blocking (rows not
+// a multiple of the kernel's 6, columns not of 8, X's width 0 to 3 registers).
+TEST(ThinProduct, MatchesALongDoubleReferenceAndGivesTheSameBitsTwice) {
+  const int64_t m = 37, n = 29;
+  std::mt19937 gen(3);
+  std::normal_distribution<float> normal;
+  std::vector<float> g(size_t(m * n));
+  for (float& v : g) v = normal(gen);
+  long double norm_ref = 0;
+  for (float v : g) norm_ref += (long double)v * v;
+  for (const int cols : {0, 5, 8, 12, 20}) {
+    const int ldx = (cols + 7) / 8 * 8;
+    std::vector<float> x(size_t(n * ldx), 0.f), y(size_t(m * ldx), NAN), y2(y.size(), NAN);
+    for (int64_t j = 0; j < n; ++j)
+      for (int c = 0; c < cols; ++c) x[j * ldx + c] = normal(gen);
+    const double norm = geometry::ThinProductAndNorm(g.data(), m, n, x.data(), ldx, y.data());
+    // A double sum of m n non-negative terms: relative error at most m n u_double.
+    EXPECT_NEAR(norm, double(norm_ref), double(m * n) * 0x1.0p-53 * double(norm_ref)) << cols;
+    for (int64_t r = 0; r < m; ++r)
+      for (int c = 0; c < ldx; ++c) {
+        long double ref = 0, mag = 0;
+        for (int64_t j = 0; j < n; ++j) {
+          ref += (long double)g[r * n + j] * x[j * ldx + c];
+          mag += std::abs((long double)g[r * n + j] * x[j * ldx + c]);
+        }
+        // A float dot product of length n (fused or not): |error| <= gamma_n sum |g x|,
+        // gamma_n = n u / (1 - n u), u = 2^-24 (Higham, Accuracy and Stability, 3.1).
+        const double u = 0x1.0p-24, gamma = n * u / (1 - n * u);
+        EXPECT_NEAR(y[r * ldx + c], double(ref), gamma * double(mag)) << r << "," << c;
+        if (c >= cols) EXPECT_EQ(y[r * ldx + c], 0.f) << "padding column " << c;
+      }
+    EXPECT_EQ(norm, geometry::ThinProductAndNorm(g.data(), m, n, x.data(), ldx, y2.data()));
+    EXPECT_EQ(0, std::memcmp(y.data(), y2.data(), y.size() * sizeof(float))) << cols;
+  }
+  std::vector<float> bad = g, x(size_t(n * 8), 1.f), y(size_t(m * 8));
+  bad[m * n - 1] = INFINITY;
+  EXPECT_FALSE(
+      std::isfinite(geometry::ThinProductAndNorm(bad.data(), m, n, x.data(), 8, y.data())));
+  bad[m * n - 1] = NAN;
+  EXPECT_TRUE(std::isnan(geometry::ThinProductAndNorm(bad.data(), m, n, x.data(), 8, y.data())));
+  EXPECT_THROW(geometry::ThinProductAndNorm(g.data(), m, n, x.data(), 5, y.data()), Error);
 }
 
 TEST(FactorSketchBlocks, SymmetricEigenMatchesAKnownSpectrumAndReconstructs) {
