@@ -23,7 +23,8 @@ set -euo pipefail
 
 prog=netem_train.sh
 die() { echo "$prog: error: $*" >&2; exit 2; }
-here="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
+# No dirname: the "not installed" check below must still be reached with nothing on PATH.
+here="${BASH_SOURCE[0]}"; [[ "$here" == */* ]] || here="./$here"; here="$(cd "${here%/*}" && pwd)"
 NETNS_PROG="$prog"
 # shellcheck source-path=SCRIPTDIR source=../scripts/lib/netns.sh
 source "$here/../scripts/lib/netns.sh"

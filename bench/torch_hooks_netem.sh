@@ -13,7 +13,8 @@ set -euo pipefail
 ranks=2
 rate=1gbit
 delay=0
-here="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
+# No dirname: the "not installed" check below must still be reached with nothing on PATH.
+here="${BASH_SOURCE[0]}"; [[ "$here" == */* ]] || here="./$here"; here="$(cd "${here%/*}" && pwd)"
 NETNS_PROG=torch_hooks_netem.sh
 # shellcheck source-path=SCRIPTDIR source=../scripts/lib/netns.sh
 source "$here/../scripts/lib/netns.sh"

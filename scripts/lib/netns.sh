@@ -26,7 +26,7 @@
 #   netns_wait                      waits for NETNS_PIDS; returns the last non-zero status, else 0
 # Errors name the option and the value and exit 2, prefixed with $NETNS_PROG (default: $0's name).
 
-NETNS_PROG="${NETNS_PROG:-$(basename "$0")}"
+NETNS_PROG="${NETNS_PROG:-${0##*/}}"
 NETNS_TAG=""
 NETNS_RANKS=0
 NETNS_CREATED=()  # namespaces made so far, bridge first
