@@ -54,8 +54,9 @@ netns_setup() {
   local tag="$1" ranks="$2" rate="$3" delay="${4:-0}"
 
   # --- checks, all before anything is made ---
-  [[ "$tag" =~ ^[A-Za-z][A-Za-z0-9]{0,9}$ ]] ||
-    netns_die "netns_setup: TAG: must be a letter then at most 9 letters or digits ($tag)"
+  # Interface names hold 15 characters: TAG, then v or b, then a rank of up to 3 digits.
+  [[ "$tag" =~ ^[A-Za-z][A-Za-z0-9]{0,10}$ ]] ||
+    netns_die "netns_setup: TAG: must be a letter then at most 10 letters or digits ($tag)"
   [[ "$ranks" =~ ^[0-9]{1,6}$ ]] && (( 10#$ranks >= 1 && 10#$ranks <= 1000 )) ||
     netns_die "$ranks_option: must be an integer in [1, 1000] ($ranks)"
   ranks=$((10#$ranks))

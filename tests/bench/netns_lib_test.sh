@@ -14,7 +14,8 @@ fail() { echo "FAIL: $*" >&2; fails=$((fails + 1)); }
 expect_usage() {  # MESSAGE ARGS...: netns_setup ARGS exits 2 with exactly MESSAGE on stderr
   local want="$1"; shift
   local err rc
-  err="$(bash -c 'set -euo pipefail; NETNS_PROG=t; source "$0"; netns_setup "$@"; echo made' \
+  err="$(bash -c 'set -euo pipefail; NETNS_PROG=t; source "$0"; trap netns_cleanup EXIT
+    netns_setup "$@"; echo made' \
     "$lib" "$@" 2>&1)"; rc=$?
   [[ $rc -eq 2 ]] || fail "$* : exit $rc, want 2 ($err)"
   [[ "$err" == "t: error: $want" ]] || fail "$* : '$err', want 't: error: $want'"
@@ -31,8 +32,10 @@ case "$mode" in
     expect_usage "--workers: must be an integer in [1, 1000] (x)" --ranks-option --workers t1 x 1gbit
     expect_usage "netns_setup: --net: 1000 ranks do not fit in 10.0.254.0/16" \
       --net 10.0.254.0/16 t1 1000 1gbit
-    expect_usage "netns_setup: TAG: must be a letter then at most 9 letters or digits (1a)" \
+    expect_usage "netns_setup: TAG: must be a letter then at most 10 letters or digits (1a)" \
       1a 2 1gbit
+    expect_usage "netns_setup: TAG: must be a letter then at most 10 letters or digits (gft123456789)" \
+      gft123456789 2 1gbit
     ;;
   layout)
     [[ $(id -u) -eq 0 ]] || { echo "SKIP: not root (uid $(id -u))"; exit 77; }
