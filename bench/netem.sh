@@ -16,7 +16,11 @@ rate=1gbit
 delay=0
 bench=""
 command=exchange
-here="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
+# No dirname: the "not installed" check below must still be reached with nothing on PATH.
+here="${BASH_SOURCE[0]}"; [[ "$here" == */* ]] || here="./$here"; here="$(cd "${here%/*}" && pwd)"
+NETNS_PROG=netem.sh
+# shellcheck source-path=SCRIPTDIR source=../scripts/lib/netns.sh
+source "$here/../scripts/lib/netns.sh"
 while [[ $# -gt 0 ]]; do
   case "$1" in
     --ranks) ranks="$2"; shift 2 ;;
@@ -53,59 +57,19 @@ for tool in ip tc; do
 done
 
 tag="gfp8$$"
-bridge_ns="${tag}br"
 store_dir="$(mktemp -d /tmp/geofp8-netem.XXXXXX)"
-created=()
-pids=()
-
-cleanup() {
-  local status=$?
-  for pid in "${pids[@]}"; do kill "$pid" 2>/dev/null || true; done
-  for ns in "${created[@]}"; do ip netns del "$ns" 2>/dev/null || true; done  # veths go with them
-  rm -rf "$store_dir"
-  exit $status
-}
-trap cleanup EXIT INT TERM
-
-# Shapes egress of one interface: a token bucket at $rate, behind a netem delay if asked for.
-shape() {
-  local ns="$1" dev="$2"
-  if [[ "$delay" == "0" ]]; then
-    tc -n "$ns" qdisc add dev "$dev" root handle 1: tbf rate "$rate" burst 256kb latency 100ms
-  else
-    tc -n "$ns" qdisc add dev "$dev" root handle 1: netem delay "$delay" limit 100000
-    tc -n "$ns" qdisc add dev "$dev" parent 1: handle 2: tbf rate "$rate" burst 256kb latency 100ms
-  fi
-}
-
-ip netns add "$bridge_ns"; created+=("$bridge_ns")
-ip -n "$bridge_ns" link add br0 type bridge
-ip -n "$bridge_ns" link set br0 up
-for ((r = 0; r < ranks; r++)); do
-  ns="${tag}r$r"
-  ip netns add "$ns"; created+=("$ns")
-  ip link add "${tag}v$r" type veth peer name "${tag}b$r"
-  ip link set "${tag}v$r" netns "$ns"
-  ip link set "${tag}b$r" netns "$bridge_ns"
-  ip -n "$ns" link set lo up
-  ip -n "$ns" link set "${tag}v$r" name eth0
-  ip -n "$ns" addr add "10.213.$((r / 250)).$((r % 250 + 1))/16" dev eth0
-  ip -n "$ns" link set eth0 up
-  ip -n "$bridge_ns" link set "${tag}b$r" master br0
-  ip -n "$bridge_ns" link set "${tag}b$r" up
-  shape "$ns" eth0                     # rank -> bridge
-  shape "$bridge_ns" "${tag}b$r"       # bridge -> rank
-done
+NETNS_REMOVE=("$store_dir")
+trap netns_exit EXIT INT TERM
+netns_setup --net 10.213.0.0/16 "$tag" "$ranks" "$rate" "$delay"
 
 # The ranks share this machine's cores: one BLAS thread each unless the caller says otherwise.
 export OPENBLAS_NUM_THREADS="${OPENBLAS_NUM_THREADS:-1}"
 echo "netem.sh: $ranks ranks in namespaces ${tag}r*, links $rate with $delay delay each way"
 for ((r = 0; r < ranks; r++)); do
-  ip netns exec "${tag}r$r" "$bench" "$command" --ranks "$ranks" --rank "$r" --store-dir "$store_dir" \
-    --hostname "10.213.$((r / 250)).$((r % 250 + 1))" "${bench_args[@]}" &
-  pids+=($!)
+  ip netns exec "$(netns_rank_ns "$r")" "$bench" "$command" --ranks "$ranks" --rank "$r" \
+    --store-dir "$store_dir" --hostname "$(netns_addr "$r")" "${bench_args[@]}" &
+  NETNS_PIDS+=($!)
 done
 status=0
-for pid in "${pids[@]}"; do wait "$pid" || status=$?; done
-pids=()
+netns_wait || status=$?
 exit $status

@@ -23,7 +23,11 @@ set -euo pipefail
 
 prog=netem_train.sh
 die() { echo "$prog: error: $*" >&2; exit 2; }
-here="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
+# No dirname: the "not installed" check below must still be reached with nothing on PATH.
+here="${BASH_SOURCE[0]}"; [[ "$here" == */* ]] || here="./$here"; here="$(cd "${here%/*}" && pwd)"
+NETNS_PROG="$prog"
+# shellcheck source-path=SCRIPTDIR source=../scripts/lib/netns.sh
+source "$here/../scripts/lib/netns.sh"
 
 workers=4
 rate=1gbit
@@ -118,7 +122,6 @@ PY=/usr/bin/python3; [[ -x "$PY" ]] || PY=python3
 tag="gft$$"
 cns="${tag}c"            # coordinator + bridge namespace
 state="$(mktemp -d "/tmp/$tag.XXXXXX")"
-created_ns=()
 pids=()
 aux=()
 cleanup() {
@@ -133,12 +136,7 @@ cleanup() {
     kill -KILL "$pid" 2>/dev/null || true
     wait "$pid" 2>/dev/null || true
   done
-  for ns in "${created_ns[@]}"; do
-    # Anything still running inside (a watch, a scrape) goes with the namespace.
-    for pid in $(ip netns pids "$ns" 2>/dev/null); do kill -KILL "$pid" 2>/dev/null || true; done
-    ip netns del "$ns" 2>/dev/null || true
-  done
-  for ((r = 0; r < workers; r++)); do ip link del "${tag}v$r" 2>/dev/null || true; done
+  netns_cleanup  # anything still inside (a watch, a scrape) goes with the namespaces
   rm -rf "$state"
   exit "$status"
 }
@@ -146,41 +144,11 @@ trap cleanup EXIT
 trap 'exit 143' TERM
 trap 'exit 130' INT
 
-shape() {  # egress of one interface: netem delay (if any) in front of a token bucket at $rate
-  local ns="$1" dev="$2"
-  if (( delay_us == 0 )); then
-    tc -n "$ns" qdisc add dev "$dev" root handle 1: tbf rate "$rate" burst 256kb latency 100ms
-  else
-    tc -n "$ns" qdisc add dev "$dev" root handle 1: netem delay "${delay_us}us" limit 100000
-    tc -n "$ns" qdisc add dev "$dev" parent 1: handle 2: tbf rate "$rate" burst 256kb latency 100ms
-  fi
-}
-
 mkdir -p "$out"
-ip netns add "$cns"; created_ns+=("$cns")
-ip -n "$cns" link set lo up
-ip -n "$cns" link add br0 type bridge
-ip -n "$cns" addr add 10.214.0.254/16 dev br0
-ip -n "$cns" link set br0 up
-if (( delay_us > 0 )) && ! tc -n "$cns" qdisc add dev lo root netem delay 1us 2>/dev/null; then
-  die "--delay: $delay needs the sch_netem kernel module, which this kernel lacks (modprobe sch_netem; --delay 0 shapes with tbf only)"
-fi
-(( delay_us == 0 )) || tc -n "$cns" qdisc del dev lo root
-for ((r = 0; r < workers; r++)); do
-  ns="${tag}w$r"
-  ip netns add "$ns"; created_ns+=("$ns")
-  ip link add "${tag}v$r" type veth peer name "${tag}b$r"
-  ip link set "${tag}v$r" netns "$ns"
-  ip link set "${tag}b$r" netns "$cns"
-  ip -n "$ns" link set lo up
-  ip -n "$ns" link set "${tag}v$r" name eth0
-  ip -n "$ns" addr add "10.214.1.$((r + 1))/16" dev eth0
-  ip -n "$ns" link set eth0 up
-  ip -n "$cns" link set "${tag}b$r" master br0
-  ip -n "$cns" link set "${tag}b$r" up
-  shape "$ns" eth0            # worker -> bridge
-  shape "$cns" "${tag}b$r"    # bridge -> worker
-done
+# Workers in ${tag}w<r> at 10.214.1.<r+1>/16; the bridge (10.214.0.254) in the coordinator's $cns.
+netns_setup --bridge-ns "$cns" --rank-ns "${tag}w" --net 10.214.1.0/16 \
+  --bridge-addr 10.214.0.254/16 --ranks-option --workers \
+  "$tag" "$workers" "$rate" "$( ((delay_us == 0)) && echo 0 || echo "$delay")"
 echo "$prog: $workers workers in namespaces ${tag}w*, coordinator in $cns; links $rate each way, delay $delay"
 
 wait_ready() {  # READY PID LOG: waits up to 60 s for a --ready-file
@@ -206,8 +174,8 @@ export OPENBLAS_NUM_THREADS=1   # the ranks share this machine's cores
 for ((r = 0; r < workers; r++)); do
   mkdir -p "$state/worker-$r"
   ln -s "$(realpath "$corpus")" "$state/worker-$r/corpus"
-  ip netns exec "${tag}w$r" "$WORKER" --coordinator "10.214.0.254:$port" --name "w$r" \
-    --advertise-host "10.214.1.$((r + 1))" --metrics-host 127.0.0.1 --metrics-port 0 \
+  ip netns exec "$(netns_rank_ns "$r")" "$WORKER" --coordinator "10.214.0.254:$port" --name "w$r" \
+    --advertise-host "$(netns_addr "$r")" --metrics-host 127.0.0.1 --metrics-port 0 \
     --blas-threads 1 --data-dir "$state/worker-$r" --ready-file "$state/worker-$r.ready.json" \
     >"$out/worker-$r.log" 2>&1 &
   pids+=($!)

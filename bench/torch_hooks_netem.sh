@@ -13,7 +13,11 @@ set -euo pipefail
 ranks=2
 rate=1gbit
 delay=0
-here="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
+# No dirname: the "not installed" check below must still be reached with nothing on PATH.
+here="${BASH_SOURCE[0]}"; [[ "$here" == */* ]] || here="./$here"; here="$(cd "${here%/*}" && pwd)"
+NETNS_PROG=torch_hooks_netem.sh
+# shellcheck source-path=SCRIPTDIR source=../scripts/lib/netns.sh
+source "$here/../scripts/lib/netns.sh"
 while [[ $# -gt 0 ]]; do
   case "$1" in
     --ranks) ranks="$2"; shift 2 ;;
@@ -39,58 +43,19 @@ for tool in ip tc; do
 done
 
 tag="thk$$"
-bridge_ns="${tag}br"
 store_dir="$(mktemp -d /tmp/geofp8-hooks-netem.XXXXXX)"
-created=()
-pids=()
-
-cleanup() {
-  local status=$?
-  for pid in "${pids[@]}"; do kill "$pid" 2>/dev/null || true; done
-  for ns in "${created[@]}"; do ip netns del "$ns" 2>/dev/null || true; done  # veths go with them
-  rm -rf "$store_dir"
-  exit $status
-}
-trap cleanup EXIT INT TERM
-
-shape() {
-  local ns="$1" dev="$2"
-  if [[ "$delay" == "0" ]]; then
-    tc -n "$ns" qdisc add dev "$dev" root handle 1: tbf rate "$rate" burst 256kb latency 100ms
-  else
-    tc -n "$ns" qdisc add dev "$dev" root handle 1: netem delay "$delay" limit 100000
-    tc -n "$ns" qdisc add dev "$dev" parent 1: handle 2: tbf rate "$rate" burst 256kb latency 100ms
-  fi
-}
-
-ip netns add "$bridge_ns"; created+=("$bridge_ns")
-ip -n "$bridge_ns" link add br0 type bridge
-ip -n "$bridge_ns" link set br0 up
-for ((r = 0; r < ranks; r++)); do
-  ns="${tag}r$r"
-  ip netns add "$ns"; created+=("$ns")
-  ip link add "${tag}v$r" type veth peer name "${tag}b$r"
-  ip link set "${tag}v$r" netns "$ns"
-  ip link set "${tag}b$r" netns "$bridge_ns"
-  ip -n "$ns" link set lo up
-  ip -n "$ns" link set "${tag}v$r" name eth0
-  ip -n "$ns" addr add "10.214.0.$((r + 1))/24" dev eth0
-  ip -n "$ns" link set eth0 up
-  ip -n "$bridge_ns" link set "${tag}b$r" master br0
-  ip -n "$bridge_ns" link set "${tag}b$r" up
-  shape "$ns" eth0                # rank -> bridge
-  shape "$bridge_ns" "${tag}b$r"  # bridge -> rank
-done
+NETNS_REMOVE=("$store_dir")
+trap netns_exit EXIT INT TERM
+netns_setup --net 10.214.0.0/24 "$tag" "$ranks" "$rate" "$delay"
 
 echo "torch_hooks_netem.sh: $ranks ranks in namespaces ${tag}r*, links $rate with $delay delay each way"
 for ((r = 0; r < ranks; r++)); do
   # torch's gloo and GeoFP8's engine both listen on the namespace's eth0 address.
-  ip netns exec "${tag}r$r" env GLOO_SOCKET_IFNAME=eth0 GEOFP8_HOSTNAME="10.214.0.$((r + 1))" \
-    OMP_NUM_THREADS=1 /usr/bin/python3 "$here/torch_hooks.py" --ranks "$ranks" --rank "$r" \
+  ip netns exec "$(netns_rank_ns "$r")" env GLOO_SOCKET_IFNAME=eth0 \
+    GEOFP8_HOSTNAME="$(netns_addr "$r")" OMP_NUM_THREADS=1 /usr/bin/python3 "$here/torch_hooks.py" --ranks "$ranks" --rank "$r" \
     --store-dir "$store_dir" "$@" &
-  pids+=($!)
+  NETNS_PIDS+=($!)
 done
 status=0
-for pid in "${pids[@]}"; do wait "$pid" || status=$?; done
-pids=()
+netns_wait || status=$?
 exit $status

@@ -13,8 +13,10 @@ if(GEOFP8_GPU_ONLY)
     find_library(OpenBLAS_LIBRARIES openblas HINTS ${GEOFP8_DEPS_DIR}/lib REQUIRED)
   endif()
   find_package(Gloo CONFIG QUIET)
-  find_package(GTest CONFIG QUIET)
-  if(NOT GTest_FOUND)
+  if(GEOFP8_BUILD_TESTS)
+    find_package(GTest CONFIG QUIET)
+  endif()
+  if(GEOFP8_BUILD_TESTS AND NOT GTest_FOUND)
     set(INSTALL_GTEST OFF CACHE BOOL "" FORCE)
     add_subdirectory(${GEOFP8_DEPS_DIR}/googletest ${CMAKE_BINARY_DIR}/googletest EXCLUDE_FROM_ALL)
     if(NOT TARGET GTest::gtest_main)  # googletest >= 1.11 defines these itself
@@ -32,7 +34,9 @@ else()
   find_package(yaml-cpp CONFIG REQUIRED)
   find_package(SQLite3 REQUIRED)
   find_package(CLI11 CONFIG REQUIRED)
-  find_package(GTest CONFIG REQUIRED)
+  if(GEOFP8_BUILD_TESTS)  # only the tests link GoogleTest
+    find_package(GTest CONFIG REQUIRED)
+  endif()
 endif()
 
 # OpenBLAS' config exports variables, not a target; wrap them.
