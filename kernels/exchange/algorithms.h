@@ -12,6 +12,7 @@
 #include <utility>
 #include <vector>
 
+#include "kernels/common/uninitialized.h"
 #include "kernels/exchange/communicator.h"
 #include "kernels/exchange/policy.h"
 #include "kernels/exchange/trace.h"
@@ -32,29 +33,6 @@ struct BucketLayer {
   // the exchanger gives each bucket of a coalesced exchange its own bit.
   uint32_t flag_bit = 0;
 };
-
-// A vector whose resize() leaves new elements uninitialized: exchange buffers are always fully
-// written before they are read, so zeroing them would be a wasted pass over memory.
-template <typename T>
-struct UninitializedAllocator : std::allocator<T> {
-  template <typename U>
-  struct rebind {
-    using other = UninitializedAllocator<U>;
-  };
-  UninitializedAllocator() = default;
-  template <typename U>
-  UninitializedAllocator(const UninitializedAllocator<U>&) noexcept {}
-  template <typename U>
-  void construct(U* p) noexcept {
-    ::new (static_cast<void*>(p)) U;
-  }
-  template <typename U, typename... Args>
-  void construct(U* p, Args&&... args) {
-    ::new (static_cast<void*>(p)) U(std::forward<Args>(args)...);
-  }
-};
-template <typename T>
-using UninitializedVector = std::vector<T, UninitializedAllocator<T>>;
 
 // Buffers that outlive one bucket, so a steady-state exchange allocates nothing: fresh multi-MiB
 // allocations come from mmap and cost a page fault per 4 KiB on every step. Not thread-safe; one

@@ -11,6 +11,7 @@
 #include <utility>
 #include <vector>
 
+#include "kernels/common/uninitialized.h"
 #include "kernels/geometry/geometry.h"
 
 namespace geofp8::geometry {
@@ -38,27 +39,7 @@ int64_t TileRows(int64_t m, int64_t n);
 // memory that holds them, or `scratch` (room for TileRows(m, n) rows) after filling it.
 using RowSource = std::function<const float*(int64_t r0, int64_t r1, float* scratch)>;
 
-// A vector whose resize leaves new elements uninitialised (default-initialised floats): buffers
-// that are written whole before they are read skip the memset of a value-initialising resize.
-template <typename T>
-struct UninitAllocator : std::allocator<T> {
-  template <typename U>
-  struct rebind {
-    using other = UninitAllocator<U>;
-  };
-  UninitAllocator() = default;
-  template <typename U>
-  UninitAllocator(const UninitAllocator<U>&) noexcept {}
-  template <typename U>
-  void construct(U* p) noexcept {
-    ::new (static_cast<void*>(p)) U;
-  }
-  template <typename U, typename... Args>
-  void construct(U* p, Args&&... args) {
-    ::new (static_cast<void*>(p)) U(std::forward<Args>(args)...);
-  }
-};
-using FloatBuffer = std::vector<float, UninitAllocator<float>>;
+using FloatBuffer = UninitializedVector<float>;
 
 // The lowrank map of one input as a rank-2k update: T(G) = G - left right.
 struct LowRankUpdate {
