@@ -282,4 +282,36 @@ std::vector<RefreshSchedule> ScheduleFor(const v1::Policy& p,
   return out;
 }
 
+std::optional<v1::Policy> DueVersion(const std::map<uint64_t, v1::Policy>& versions,
+                                     uint64_t in_force, int64_t step, uint64_t agreed) {
+  std::optional<v1::Policy> due;
+  bool replaying = false;
+  for (const auto& [v, p] : versions) {
+    if (v <= in_force || !p.has_taken_step()) continue;
+    if (p.taken_step() <= step) {
+      due = p;
+    } else {
+      replaying = true;
+    }
+  }
+  if (replaying) return due;
+  for (const auto& [v, p] : versions) {
+    if (v <= in_force || v > agreed || p.has_taken_step() || (due && v < due->version())) {
+      continue;
+    }
+    if (p.effective_step() <= step) due = p;
+  }
+  return due;
+}
+
+std::optional<v1::Policy> StartVersion(const std::map<uint64_t, v1::Policy>& versions,
+                                       int64_t start) {
+  std::optional<v1::Policy> taken, legacy;
+  for (const auto& [v, p] : versions) {
+    if (p.has_taken_step() && p.taken_step() <= start) taken = p;
+    if (!p.has_taken_step() && p.effective_step() <= start) legacy = p;
+  }
+  return taken ? taken : legacy;
+}
+
 }  // namespace geofp8

@@ -4,6 +4,7 @@
 // worker and geofp8ctl; no state, no I/O.
 #pragma once
 
+#include <map>
 #include <optional>
 #include <string>
 #include <vector>
@@ -78,5 +79,21 @@ std::vector<RefreshSchedule> ScheduleFor(const v1::Policy& p,
                                          const std::vector<model::ParamInfo>& params,
                                          const std::vector<LayerPolicy>& layer_policies,
                                          bool* missing, std::string* which);
+
+// When coordinator policy versions take effect, the rule the built-in trainer and the Python hook
+// share. `versions` holds the versions a rank has received, by version number.
+//
+// DueVersion: the version to put in force from the start of `step` (nullopt: the one in force
+// stays), among those newer than `in_force`. `agreed` is the newest version every rank holds. A
+// taken version (one a resumed attempt replays) applies exactly at its taken_step, and until the
+// last of them has, nothing else does; any other version applies at the first step at or after
+// its effective_step (a lower bound) at which every rank holds it (version <= agreed).
+std::optional<v1::Policy> DueVersion(const std::map<uint64_t, v1::Policy>& versions,
+                                     uint64_t in_force, int64_t step, uint64_t agreed);
+// StartVersion: the version in force at an attempt's start step `start`: the newest taken at or
+// before it, or, when none carries a taken_step (versions from an older coordinator), the newest
+// effective at or before it.
+std::optional<v1::Policy> StartVersion(const std::map<uint64_t, v1::Policy>& versions,
+                                       int64_t start);
 
 }  // namespace geofp8

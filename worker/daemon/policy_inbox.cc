@@ -3,6 +3,7 @@
 #include <algorithm>
 
 #include "geofp8/v1/geofp8.grpc.pb.h"
+#include "kernels/policy/policy.h"
 #include "worker/daemon/log.h"
 
 namespace geofp8::worker {
@@ -66,38 +67,15 @@ void PolicyInbox::Interrupt() {
 
 std::optional<v1::Policy> PolicyInbox::TakeDue(int64_t step, uint64_t agreed) {
   std::lock_guard<std::mutex> lock(mu_);
-  const uint64_t in_force = in_force_;
-  std::optional<v1::Policy> due;
-  bool replaying = false;
-  for (const auto& [v, p] : queued_) {
-    if (v <= in_force || !p.has_taken_step()) continue;
-    if (p.taken_step() <= step) {
-      due = p;
-    } else {
-      replaying = true;
-    }
-  }
-  if (!replaying) {
-    for (const auto& [v, p] : queued_) {
-      if (v <= in_force || v > agreed || p.has_taken_step() || (due && v < due->version())) {
-        continue;
-      }
-      if (p.effective_step() <= step) due = p;
-    }
-  }
-  const uint64_t drop = due ? due->version() : in_force;
+  const std::optional<v1::Policy> due = DueVersion(queued_, in_force_, step, agreed);
+  const uint64_t drop = due ? due->version() : in_force_;
   queued_.erase(queued_.begin(), queued_.upper_bound(drop));
   return due;
 }
 
 std::optional<v1::Policy> PolicyInbox::TakeStart(int64_t start, uint64_t written_under) {
   std::lock_guard<std::mutex> lock(mu_);
-  std::optional<v1::Policy> first, legacy;
-  for (const auto& [v, p] : queued_) {
-    if (p.has_taken_step() && p.taken_step() <= start) first = p;
-    if (!p.has_taken_step() && p.effective_step() <= start) legacy = p;
-  }
-  if (!first) first = legacy;
+  std::optional<v1::Policy> first = StartVersion(queued_, start);
   if (auto it = queued_.find(written_under); first && written_under > first->version() &&
                                              it != queued_.end() && !it->second.has_taken_step()) {
     first = it->second;

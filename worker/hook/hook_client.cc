@@ -323,36 +323,11 @@ std::optional<PolicyChange> HookClient::PolicyAgreedAt(int64_t step, uint64_t ag
     const uint64_t in_force = impl_->in_force;
     std::optional<v1::Policy> due;
     if (in_force == 0) {
-      // The attempt's start step: the version in force there (job_runner's TakeStartPolicy).
-      std::optional<v1::Policy> first, legacy;
-      for (const auto& [v, p] : impl_->policies) {
-        if (p.has_taken_step() && p.taken_step() <= step) first = p;
-        if (!p.has_taken_step() && p.effective_step() <= step) legacy = p;
-      }
-      if (!first) first = legacy;
-      if (first && first->has_taken_step()) taken = first->taken_step();
-      due = first;
+      // The attempt's start step: the version in force there (the worker's TakeStart).
+      due = StartVersion(impl_->policies, step);
+      if (due && due->has_taken_step()) taken = due->taken_step();
     } else {
-      // job_runner's TakeDuePolicy: taken versions replay at their taken_step, and until the
-      // last of them has, nothing else applies; any other version at the first step at or
-      // after its effective_step at which every rank holds it (v <= agreed).
-      bool replaying = false;
-      for (const auto& [v, p] : impl_->policies) {
-        if (v <= in_force || !p.has_taken_step()) continue;
-        if (p.taken_step() <= step) {
-          due = p;
-        } else {
-          replaying = true;
-        }
-      }
-      if (!replaying) {
-        for (const auto& [v, p] : impl_->policies) {
-          if (v <= in_force || v > agreed || p.has_taken_step() || (due && v < due->version())) {
-            continue;
-          }
-          if (p.effective_step() <= step) due = p;
-        }
-      }
+      due = DueVersion(impl_->policies, in_force, step, agreed);  // the worker's TakeDue
     }
     if (!due) return std::nullopt;
     impl_->in_force = due->version();
