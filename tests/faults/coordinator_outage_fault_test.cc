@@ -16,6 +16,7 @@
 #include <filesystem>
 #include <string>
 
+#include "tests/faults/reference_run.h"
 #include "tests/worker/worker_process.h"
 
 namespace geofp8::testing {
@@ -36,19 +37,7 @@ int OutageSeconds() {
 // Long enough that the job is still running when the coordinator comes back: at 20+ ms a step,
 // an outage of S seconds covers at most 50 S steps.
 std::string Spec(const std::string& name) {
-  return "name: " + name +
-         "\nworld_size: 2\nmodel: {preset: llama-tiny}\n"
-         "training: {steps: " +
-         std::to_string(150 + 50 * OutageSeconds()) +
-         ", batch_size: 2, seq_len: 16, seed: 9}\n"
-         "checkpoint: {dir: ckpt, every: " +
-         std::to_string(kEvery) + "}\nrestarts: {max_restarts: 0}\n";
-}
-
-int64_t NowUnixMs() {
-  return std::chrono::duration_cast<milliseconds>(
-             std::chrono::system_clock::now().time_since_epoch())
-      .count();
+  return TinyJobSpec(name, 150 + 50 * OutageSeconds(), 9, kEvery, 0);
 }
 
 std::vector<int64_t> Checkpoints(const WorkerProcess& w, const std::string& job) {

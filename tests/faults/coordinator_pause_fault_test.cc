@@ -25,14 +25,7 @@ constexpr int kStepDelayMs = 50;
 // step), so the job is still running at SIGCONT.
 constexpr int kSteps = 40 + kPauseSeconds * 1000 / kStepDelayMs + 40;
 
-std::string Spec(const std::string& name) {
-  return "name: " + name +
-         "\nworld_size: 2\nmodel: {preset: llama-tiny}\n"
-         "training: {steps: " +
-         std::to_string(kSteps) +
-         ", batch_size: 2, seq_len: 16, seed: 13}\n"
-         "checkpoint: {dir: ckpt, every: 5}\nrestarts: {max_restarts: 2}\n";
-}
+std::string Spec(const std::string& name) { return TinyJobSpec(name, kSteps, 13, 5, 2); }
 
 TEST(CoordinatorPauseFaultTest, SigstopPastTheHeartbeatTimeoutIsNoDeath) {
   // The coordinator's default heartbeat timeout (6 s) and interval (1 s).

@@ -77,12 +77,7 @@ class Tmpfs {
   std::string error_;
 };
 
-std::string Spec(const std::string& name) {
-  return "name: " + name +
-         "\nworld_size: 2\nmodel: {preset: llama-tiny}\n"
-         "training: {steps: 200, batch_size: 2, seq_len: 16, seed: 17}\n"
-         "checkpoint: {dir: ckpt, every: 5}\nrestarts: {max_restarts: 0}\n";
-}
+std::string Spec(const std::string& name) { return TinyJobSpec(name, 200, 17, 5, 0); }
 
 std::vector<std::string> WorkerArgv(const std::string& coordinator, const std::string& name,
                                     const std::string& dir) {

@@ -6,6 +6,7 @@
 
 #include <string>
 
+#include "tests/faults/reference_run.h"
 #include "tests/worker/worker_process.h"
 
 namespace geofp8::testing {
@@ -15,11 +16,7 @@ using std::chrono::milliseconds;
 using std::chrono::seconds;
 
 std::string Spec(const std::string& name) {
-  return "name: " + name +
-         "\nworld_size: 2\nmodel: {preset: llama-tiny}\n"
-         "training: {steps: 80, batch_size: 2, seq_len: 16, seed: 5}\n"
-         "exchange: {timeout_s: 60}\n"
-         "checkpoint: {dir: ckpt, every: 10}\nrestarts: {max_restarts: 2}\n";
+  return TinyJobSpec(name, 80, 5, 10, 2, "exchange: {timeout_s: 60}\n");
 }
 
 // Unix ms of the job's first (last) event whose message contains `text`; 0 if none.

@@ -186,21 +186,7 @@ class Lab {
   int workers_ = 0;
 };
 
-std::string Spec(const std::string& name) {
-  return "name: " + name +
-         "\nworld_size: 2\nmodel: {preset: llama-tiny}\n"
-         "training: {steps: " +
-         std::to_string(kSteps) +
-         ", batch_size: 2, seq_len: 16, seed: 11}\n"
-         "checkpoint: {dir: ckpt, every: " +
-         std::to_string(kEvery) + "}\nrestarts: {max_restarts: 2}\n";
-}
-
-int64_t NowUnixMs() {
-  return std::chrono::duration_cast<milliseconds>(
-             std::chrono::system_clock::now().time_since_epoch())
-      .count();
-}
+std::string Spec(const std::string& name) { return TinyJobSpec(name, kSteps, 11, kEvery, 2); }
 
 // A worker in a namespace: its data directory (the mount namespace is shared) and process.
 struct Daemon {
