@@ -1,7 +1,7 @@
 // The streaming Kronecker-factor sketch of factor_sketch.h: a randomized range finder per update
-// (two thin products over G, the first fused with ||G||^2 in thin_product.h), Cholesky QR2
-// (Householder when ill-conditioned) and small symmetric eigenproblems by lapack.h's own
-// tridiagonal QL.
+// (two thin products over G, the first fused with ||G||^2 in thin_product.h), Cholesky QR2 on
+// the left (Householder when ill-conditioned), the right side from the Gram of a thin root of its
+// factor, and small symmetric eigenproblems by lapack.h's own tridiagonal QL.
 #include "kernels/geometry/factor_sketch.h"
 
 #include <cblas.h>
@@ -97,6 +97,81 @@ void Probes(uint64_t seed, uint64_t update, int64_t n, int p, float* x, int ld, 
       --left;
     }
   }
+}
+
+// Below this fraction of the top eigenvalue, RightFromGram's vectors W phi / sqrt(s) would lose
+// orthogonality beyond float's (about eps_double / 1e-6 = 2e-10 << 6e-8): the orthonormalizing
+// path takes over.
+constexpr double kGramFloor = 1e-6;
+
+// W (n x cw, column-major double) = [V diag(sqrt(beta R)), sqrt(1 - beta) B^T]: the right factor
+// is W W^T. V and R are the sketch's held right basis and energies, B^T is bd (n x ca).
+double* RightFactorRoot(const FactorSketch& s, const double* bd, int64_t n, int held, int ca,
+                        double beta, Scratch& sc) {
+  double* W = Sized(sc.z, n * (held + ca));
+  for (int j = 0; j < held; ++j) {
+    const double root = std::sqrt(beta * std::max(s.right_energy[j], 0.0));
+    double* __restrict col = W + int64_t(j) * n;
+    for (int64_t r = 0; r < n; ++r) col[r] = double(s.right[r * held + j]) * root;
+  }
+  const double root = std::sqrt(1.0 - beta);
+  for (int64_t i = 0; i < int64_t(ca) * n; ++i) W[int64_t(held) * n + i] = bd[i] * root;
+  return W;
+}
+
+// The new right basis and energies from the Gram of W (see UpdateFactorSketch). Returns false,
+// changing nothing, when the w-th eigenvalue is below kGramFloor of the first.
+bool RightFromGram(FactorSketch& s, const double* bd, int64_t n, int held, int ca, double beta,
+                   int w, Scratch& sc) {
+  const int cw = held + ca;
+  if (w <= 0 || n < cw) return false;
+  const double* W = RightFactorRoot(s, bd, n, held, ca, beta, sc);
+  std::vector<double>& K = sc.s_right;
+  K.assign(static_cast<size_t>(cw) * cw, 0.0);
+  cblas_dsyrk(CblasColMajor, CblasUpper, CblasTrans, cw, n, 1.0, W, n, 0.0, K.data(), cw);
+  double* values = Sized(sc.values_right, cw);
+  geometry::lapack::SymmetricEigenInPlace(K.data(), cw, values, sc.work);
+  const double top = values[cw - 1];
+  if (!(top > 0.0) || !(values[cw - w] > kGramFloor * top)) return false;
+  double* r = Sized(sc.rot, n * w);
+  cblas_dgemm(CblasColMajor, CblasNoTrans, CblasNoTrans, n, w, cw, 1.0, W, n,
+              K.data() + int64_t(cw - w) * cw, cw, 0.0, r, n);
+  std::vector<float> right(static_cast<size_t>(n * w));
+  std::vector<double> energy(static_cast<size_t>(w));
+  for (int j = 0; j < w; ++j) {  // descending: column cw - 1 - j of the eigenvectors
+    const double value = values[cw - 1 - j];
+    const double inv = 1.0 / std::sqrt(value);
+    const double* col = r + int64_t(w - 1 - j) * n;
+    for (int64_t i = 0; i < n; ++i) right[i * w + j] = static_cast<float>(col[i] * inv);
+    energy[j] = value;
+  }
+  s.right = std::move(right);
+  s.right_energy = std::move(energy);
+  return true;
+}
+
+// The same by orthonormalizing [V, B^T] first: P = orth([V, B^T]) (n x cz), S_R = P^T (beta V R
+// V^T + (1-beta) B^T B) P, P^T V is R_z's leading columns, E = P^T B^T by a product (B^T may not
+// fit whole into P when n is small). For the cases RightFromGram declines.
+void RightFromBasis(FactorSketch& s, const double* bd, int64_t n, int held, int ca, double beta,
+                    int w, Scratch& sc) {
+  const int cz = std::min<int>(held + ca, static_cast<int>(n));
+  double* z = Sized(sc.z, n * cz);
+  for (int j = 0; j < held; ++j)
+    for (int64_t r = 0; r < n; ++r) z[j * n + r] = s.right[r * held + j];
+  std::memcpy(z + int64_t(held) * n, bd, sizeof(double) * (cz - held) * n);
+  geometry::lapack::OrthonormalizeInPlace(z, n, cz, &sc.r_right);
+  double* e = Sized(sc.e, int64_t(cz) * ca);
+  // E (cz x ca) = P^T B^T.
+  cblas_dgemm(CblasColMajor, CblasTrans, CblasNoTrans, cz, ca, n, 1.0, z, n, bd, n, 0.0, e, cz);
+  std::vector<double>& vectors_r = sc.s_right;
+  FoldedFactor(sc.r_right.data(), cz, s.right_energy.data(), held, e, cz, ca, /*e_trans=*/false, cz,
+               beta, sc.rot, vectors_r);
+  double* values_r = Sized(sc.values_right, cz);
+  geometry::lapack::SymmetricEigenInPlace(vectors_r.data(), cz, values_r, sc.work);
+  Rotate(z, n, cz, vectors_r.data(), w, sc.rot, s.right);
+  s.right_energy.resize(w);
+  for (int i = 0; i < w; ++i) s.right_energy[i] = std::max(values_r[cz - 1 - i], 0.0);
 }
 
 }  // namespace
@@ -197,31 +272,21 @@ void UpdateFactorSketch(FactorSketch& s, std::span<const float> G, int64_t m, in
   geometry::lapack::SymmetricEigenInPlace(vectors.data(), ca, values, sc.work);
   const int w_left = std::min(target, ca);
 
-  // Right: P = orth([V, B^T]), S_R = P^T (beta V R V^T + (1-beta) B^T B) P; P^T V is R_z's
-  // leading columns, E = P^T B^T by a product (B^T may not fit whole into P when n is small).
-  const int cz = std::min<int>(held + ca, static_cast<int>(n));
-  double* z = Sized(sc.z, n * cz);
-  for (int j = 0; j < held; ++j)
-    for (int64_t r = 0; r < n; ++r) z[j * n + r] = s.right[r * held + j];
-  std::memcpy(z + int64_t(held) * n, bd, sizeof(double) * (cz - held) * n);
-  geometry::lapack::OrthonormalizeInPlace(z, n, cz, &sc.r_right);
-  double* e = Sized(sc.e, int64_t(cz) * ca);
-  // E (cz x ca) = P^T B^T.
-  cblas_dgemm(CblasColMajor, CblasTrans, CblasNoTrans, cz, ca, n, 1.0, z, n, bd, n, 0.0, e, cz);
-  std::vector<double>& vectors_r = sc.s_right;
-  FoldedFactor(sc.r_right.data(), cz, s.right_energy.data(), held, e, cz, ca, /*e_trans=*/false, cz,
-               beta, sc.rot, vectors_r);
-  double* values_r = Sized(sc.values_right, cz);
-  geometry::lapack::SymmetricEigenInPlace(vectors_r.data(), cz, values_r, sc.work);
-  const int w = std::min(w_left, cz);
+  // Right: the right factor beta V R V^T + (1-beta) B^T B is W W^T with W = [V diag(sqrt(beta
+  // R)), sqrt(1-beta) B^T] (n x cw), so its top eigenpairs come from the cw x cw Gram K = W^T W:
+  // K phi = s phi, eigenvector W phi / sqrt(s), eigenvalue s. One dsyrk and one thin product,
+  // where orthonormalizing [V, B^T] first took two Grams, two triangular solves and a product.
+  // The Gram squares W's condition, which costs the top pairs nothing while they hold most of
+  // the energy: W phi_i / sqrt(s_i) loses orthogonality like eps s_1 / s_i, so below
+  // kGramFloor s_1 (a rank-deficient or nearly flat right side) the orthonormalizing path runs.
+  const int w = std::min<int>(w_left, static_cast<int>(std::min<int64_t>(held + ca, n)));
+  if (!RightFromGram(s, bd, n, held, ca, beta, w, sc))
+    RightFromBasis(s, bd, n, held, ca, beta, w, sc);
 
   Rotate(q, m, ca, vectors.data(), w, sc.rot, s.left);
-  Rotate(z, n, cz, vectors_r.data(), w, sc.rot, s.right);
   s.left_energy.resize(w);
-  s.right_energy.resize(w);
   for (int i = 0; i < w; ++i) {  // descending, clamped at 0
     s.left_energy[i] = std::max(values[ca - 1 - i], 0.0);
-    s.right_energy[i] = std::max(values_r[cz - 1 - i], 0.0);
   }
   s.width = w;
   s.energy = beta * s.energy + (1.0 - beta) * g2;

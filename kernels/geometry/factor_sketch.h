@@ -18,12 +18,15 @@
 //
 // Cost per update, with c = 2 width + probes: 2 m n (width + probes) + 2 m n c flops in two thin
 // products over G (the first, with ||G||^2, in one register-blocked pass on AVX2 machines; the
-// second by sgemm), O((m + n) c^2) for two Cholesky QR2 orthonormalizations (Householder when the
-// basis is ill-conditioned; own triangular solves), O(c^3) for two small eigensolves (own
-// Householder + QL, lapack.h). The eigensolves, the triangular solves and the fit's
-// matrix-vector products run in plain loops on the calling thread, whatever OpenBLAS thread count
-// the process set; the second product over G, the Gram matrices (dsyrk), Cholesky (dpotrf) and
-// the small dgemms still call OpenBLAS, which threads the sgemm and the c x c x n dgemm at n = 704.
+// second by sgemm), O(m c^2) for one Cholesky QR2 orthonormalization on the left (Householder
+// when the basis is ill-conditioned; own triangular solves), O(n (width + c)^2) for the right
+// side's Gram (its top eigenpairs come from the Gram of a thin root of the right factor, no
+// orthonormalization unless the spectrum is nearly flat or rank-deficient), O(c^3) for two small
+// eigensolves (own Householder + QL, lapack.h). The eigensolves, the triangular solves and the
+// fit's matrix-vector products run in plain loops on the calling thread, whatever OpenBLAS
+// thread count the process set; the second product over G, the Gram matrices (dsyrk), Cholesky
+// (dpotrf) and the small dgemms still call OpenBLAS, which threads the sgemm and the dgemms at
+// n = 704.
 // Memory: (m + n) width floats held, O((m + n) c) scratch.
 
 #include <cstdint>

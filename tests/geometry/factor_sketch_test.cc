@@ -171,6 +171,42 @@ TEST(FactorSketch, OneUpdateWithBetaZeroIsTheTopSubspaceOfGGt) {
   EXPECT_NEAR(s.energy, 1e4 + 2500 + 625 + 144, 1e-5 * 1.3e4);
 }
 
+// The right basis comes from the Gram of [V sqrt(beta R), sqrt(1-beta) B^T] when its top `width`
+// eigenvalues stay above 1e-6 of the first, else by orthonormalizing [V, B^T]: both must hand
+// back orthonormal columns and the same subspace. Rank 3 under width 6 takes the second path
+// (three zero eigenvalues); the same part plus noise the first.
+TEST(FactorSketch, RightBasisIsOrthonormalOnTheGramAndTheBasisPath) {
+  const int64_t m = 80, n = 72;
+  const int k = 3;
+  const std::vector<float> U = Basis(m, k, 20), V = Basis(n, k, 21);
+  for (const double noise : {0.0, 0.05}) {
+    FactorSketch s;
+    FactorSketchOptions o;
+    o.width = 6;
+    for (int step = 0; step < 4; ++step) {
+      const std::vector<float> G = LowRankPlusNoise(U, V, {40, 20, 10}, m, n, noise, 30 + step);
+      UpdateFactorSketch(s, G, m, n, k, o);
+    }
+    ASSERT_EQ(s.width, 6);
+    // Columns computed in double and rounded to float once: each entry is off by at most
+    // 2^-24 of itself, so V^T V is off the identity by at most about 2 n 2^-24 entrywise.
+    const double bound = 2.0 * double(n) * std::ldexp(1.0, -24);
+    for (int a = 0; a < 6; ++a)
+      for (int b = 0; b < 6; ++b) {
+        double dot = 0.0;
+        for (int64_t r = 0; r < n; ++r) dot += double(s.right[r * 6 + a]) * s.right[r * 6 + b];
+        EXPECT_NEAR(dot, a == b ? 1.0 : 0.0, bound) << "noise " << noise << " " << a << "," << b;
+      }
+    std::vector<float> right_k(size_t(n * k));
+    for (int64_t r = 0; r < n; ++r)
+      for (int j = 0; j < k; ++j) right_k[r * k + j] = s.right[r * 6 + j];
+    // The persistent part dominates the noise (singular values 40-10 against noise 0.05 sqrt(m)
+    // = 0.45), so the top 3 directions are V's up to a sin-theta of noise / gap, about 0.05.
+    EXPECT_LT(Distance(right_k, V, n, k), noise == 0.0 ? 1e-4 : 0.1) << "noise " << noise;
+    for (int i = 0; i + 1 < 6; ++i) EXPECT_GE(s.right_energy[i], s.right_energy[i + 1]);
+  }
+}
+
 TEST(FactorSketch, TracksTheDenseEmaFactorsOverATrajectory) {
   // A persistent rank-4 part with slowly rotating weights under strong per-step noise: the
   // sketch's top-4 subspaces must match those of the exactly accumulated dense EMA factors.
