@@ -180,9 +180,10 @@ void UpdateFactorSketch(FactorSketch& s, std::span<const float> G, int64_t m, in
                         const FactorSketchOptions& o) {
   GEOFP8_CHECK(m > 0 && n > 0 && static_cast<int64_t>(G.size()) == m * n,
                "UpdateFactorSketch: G has ", G.size(), " elements, shape ", m, "x", n);
-  GEOFP8_CHECK(o.width >= 1 && o.probes >= 0 && o.beta >= 0.f && o.beta < 1.f,
-               "FactorSketchOptions: width ", o.width, ", probes ", o.probes, ", beta ", o.beta,
-               " (need width >= 1, probes >= 0, beta in [0, 1))");
+  GEOFP8_CHECK(o.width >= 1 && o.probes >= 0 && o.probe_every >= 1 && o.beta >= 0.f && o.beta < 1.f,
+               "FactorSketchOptions: width ", o.width, ", probes ", o.probes, ", probe_every ",
+               o.probe_every, ", beta ", o.beta,
+               " (need width >= 1, probes >= 0, probe_every >= 1, beta in [0, 1))");
   // Nothing of the sketch changes until G has been checked, so a bad G leaves it as it was.
   const bool fresh = s.m != m || s.n != n;
   const uint64_t updates = fresh ? 0 : s.updates;
@@ -191,7 +192,7 @@ void UpdateFactorSketch(FactorSketch& s, std::span<const float> G, int64_t m, in
   // The range finder's inputs: the held right basis (where the persistent energy is) plus fresh
   // probes so that new directions can enter; on the first update probes only, as many as the
   // sketch will hold plus the extra. Q = orth([U, G X]) needs at most m columns.
-  const int want = held == 0 ? target + o.probes : o.probes;
+  const int want = held == 0 ? target + o.probes : updates % o.probe_every == 0 ? o.probes : 0;
   const int p = static_cast<int>(std::max<int64_t>(0, std::min<int64_t>(want, m - 2 * held)));
   const int cx = held + p;
   const int ldx = (cx + 7) / 8 * 8;  // X and Y padded with zero columns to whole AVX registers

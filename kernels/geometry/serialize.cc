@@ -271,9 +271,25 @@ FactorSketch DeserializeFactorSketch(std::span<const uint8_t> bytes) {
 }
 
 uint64_t GeometryDigest(const Geometry& g) {
+  // FNV-1a's xor-then-multiply over 8-byte words instead of bytes (eight times fewer dependent
+  // multiplies: the exchanger digests every layer's new geometry at each activation, every step
+  // under the ema estimator). Each step maps the state bijectively (xor with the word, then an
+  // odd multiplier mod 2^64), so two inputs of the same length that differ in one word always
+  // give different digests. A finalizer then mixes the high bits into the low ones.
   const std::vector<uint8_t> bytes = SerializeGeometry(g);
-  uint64_t h = 14695981039346656037ull;
-  for (uint8_t b : bytes) h = (h ^ b) * 1099511628211ull;
+  uint64_t h = 14695981039346656037ull ^ bytes.size();
+  size_t i = 0;
+  for (; i + sizeof(uint64_t) <= bytes.size(); i += sizeof(uint64_t)) {
+    uint64_t word;
+    std::memcpy(&word, bytes.data() + i, sizeof word);
+    h = (h ^ word) * 0x9e3779b97f4a7c15ull;
+  }
+  uint64_t tail = 0;
+  std::memcpy(&tail, bytes.data() + i, bytes.size() - i);
+  h = (h ^ tail) * 0x9e3779b97f4a7c15ull;
+  h ^= h >> 31;
+  h *= 0xbf58476d1ce4e5b9ull;
+  h ^= h >> 29;
   return h;
 }
 

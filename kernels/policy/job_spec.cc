@@ -265,8 +265,8 @@ void ReadRefresh(Reader& r, const YAML::Node& root, const std::string& p, Refres
   YAML::Node n = root["geometry_refresh"];
   if (!n.IsDefined() || n.IsNull() ||
       !r.Map(n, p + ".geometry_refresh",
-             {"estimator", "interval", "stagger", "beta", "width", "probes", "adapt", "power_iters",
-              "sigma_ema"})) {
+             {"estimator", "interval", "stagger", "beta", "width", "probes", "probe_every", "adapt",
+              "power_iters", "sigma_ema"})) {
     return;
   }
   const std::string q = p + ".geometry_refresh";
@@ -278,11 +278,13 @@ void ReadRefresh(Reader& r, const YAML::Node& root, const std::string& p, Refres
   r.Number(n, "beta", q, &g.sketch.beta, 0.0f, 0.999f);
   r.Number(n, "width", q, &g.sketch.width, 1, 256);
   r.Number(n, "probes", q, &g.sketch.probes, 0, 64);
+  r.Number(n, "probe_every", q, &g.sketch.probe_every, 1, 1000000);
   r.Number(n, "adapt", q, &g.adapt, 0.0f, 4.0f);
   r.Number(n, "power_iters", q, &g.power_iters, 1, 16);
   r.Number(n, "sigma_ema", q, &g.sigma_ema, 0.0f, 0.999f);
   const bool ema = g.estimator == GeometryEstimator::kFactorEma;
-  for (const char* k : {"beta", "width", "probes", "adapt", "power_iters", "sigma_ema"}) {
+  for (const char* k :
+       {"beta", "width", "probes", "probe_every", "adapt", "power_iters", "sigma_ema"}) {
     const bool ema_key = std::string_view(k) != "power_iters" && std::string_view(k) != "sigma_ema";
     if (n[k].IsDefined() && ema_key != ema) {
       r.Error(n[k], q + "." + k,

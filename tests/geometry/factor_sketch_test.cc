@@ -207,6 +207,38 @@ TEST(FactorSketch, RightBasisIsOrthonormalOnTheGramAndTheBasisPath) {
   }
 }
 
+// probe_every: the first update and every probe_every-th one take the probes, the others none,
+// bit for bit as if the probes had been switched off for those updates.
+TEST(FactorSketch, ProbesJoinEveryProbeEveryThUpdate) {
+  const int64_t m = 48, n = 40;
+  const std::vector<float> U = Basis(m, 3, 50), V = Basis(n, 3, 51);
+  FactorSketch a, b;
+  FactorSketchOptions every3;
+  every3.width = 4;
+  every3.probes = 3;
+  every3.probe_every = 3;
+  FactorSketchOptions always = every3, never = every3;
+  always.probe_every = 1;
+  never.probes = 0;
+  for (int u = 0; u < 7; ++u) {
+    const std::vector<float> G = LowRankPlusNoise(U, V, {9, 4, 2}, m, n, 0.3, 60 + u);
+    UpdateFactorSketch(a, G, m, n, 3, every3);
+    UpdateFactorSketch(b, G, m, n, 3, u % 3 == 0 ? always : never);
+    ASSERT_EQ(a.left, b.left) << "update " << u;
+    ASSERT_EQ(a.right, b.right) << "update " << u;
+    ASSERT_EQ(a.left_energy, b.left_energy) << "update " << u;
+  }
+  // And the probes do change the update they join (the comparison above is not vacuous).
+  FactorSketch c = a, d = a;
+  const std::vector<float> G = LowRankPlusNoise(U, V, {9, 4, 2}, m, n, 0.3, 99);
+  UpdateFactorSketch(c, G, m, n, 3, always);
+  UpdateFactorSketch(d, G, m, n, 3, never);
+  EXPECT_NE(c.left, d.left);
+  FactorSketchOptions bad = every3;
+  bad.probe_every = 0;
+  EXPECT_THROW(UpdateFactorSketch(c, G, m, n, 3, bad), Error);
+}
+
 TEST(FactorSketch, TracksTheDenseEmaFactorsOverATrajectory) {
   // A persistent rank-4 part with slowly rotating weights under strong per-step noise: the
   // sketch's top-4 subspaces must match those of the exactly accumulated dense EMA factors.
@@ -327,6 +359,52 @@ TEST(FactorSketch, GeometryFromSketch) {
   Geometry other = g;
   other.sigma_right[2] *= 1.0001f;
   EXPECT_NE(GeometryDigest(other), GeometryDigest(g));
+}
+
+// The digest the exchange fingerprint compares: every single-bit change of any number in U, V,
+// sigma or the header gives another digest (each word step is a bijection of the state, so one
+// differing word cannot be absorbed), and it is a pure function of the geometry.
+TEST(FactorSketch, GeometryDigestChangesWithEveryBitOfTheGeometry) {
+  Geometry g;
+  g.mode = GeometryMode::kLowRank;
+  g.version = 7;
+  g.m = 5;
+  g.n = 3;
+  g.k = 2;
+  g.alpha = 0.25f;
+  g.U = Gaussian(10, 40);
+  g.V = Gaussian(6, 41);
+  g.sigma = {3.f, 1.f};
+  g.sigma_right = {2.f, 1.f};
+  g.delta_L = 0.5f;
+  g.delta_R = 0.25f;
+  const uint64_t base = GeometryDigest(g);
+  EXPECT_EQ(GeometryDigest(g), base);
+  int changed = 0, tried = 0;
+  auto flip_each_bit = [&](std::vector<float>& v) {
+    for (float& x : v)
+      for (int bit = 0; bit < 32; ++bit) {
+        const float keep = x;
+        uint32_t u;
+        std::memcpy(&u, &x, 4);
+        u ^= 1u << bit;
+        std::memcpy(&x, &u, 4);
+        ++tried;
+        changed += GeometryDigest(g) != base;
+        x = keep;
+      }
+  };
+  flip_each_bit(g.U);
+  flip_each_bit(g.V);
+  flip_each_bit(g.sigma);
+  flip_each_bit(g.sigma_right);
+  EXPECT_EQ(changed, tried);
+  Geometry other = g;
+  other.version = 8;
+  EXPECT_NE(GeometryDigest(other), base);
+  other = g;
+  other.alpha = 0.5f;
+  EXPECT_NE(GeometryDigest(other), base);
 }
 
 TEST(FactorSketch, EachSideKeepsAndWhitensWithItsOwnEnergies) {

@@ -94,11 +94,19 @@ TEST(JobSpec, GeometryRefreshChoosesTheEstimatorAndItsCadence) {
   EXPECT_EQ(spec->geometry_refresh.estimator, GeometryEstimator::kFactorEma);
   EXPECT_EQ(spec->geometry_refresh.interval, 1);
   EXPECT_FLOAT_EQ(spec->geometry_refresh.sketch.beta, 0.9f);
-  spec = ParseJobSpec("name: a\ngeometry_refresh: {beta: 0.7, width: 16, probes: 2}\n");
+  EXPECT_EQ(spec->geometry_refresh.sketch.probe_every, 4);
+  spec = ParseJobSpec(
+      "name: a\ngeometry_refresh: {beta: 0.7, width: 16, probes: 2, probe_every: 1}\n");
   ASSERT_TRUE(spec.ok()) << spec.status();
   EXPECT_FLOAT_EQ(spec->geometry_refresh.sketch.beta, 0.7f);
   EXPECT_EQ(spec->geometry_refresh.sketch.width, 16);
   EXPECT_EQ(spec->geometry_refresh.sketch.probes, 2);
+  EXPECT_EQ(spec->geometry_refresh.sketch.probe_every, 1);
+  spec = ParseJobSpec("name: a\ngeometry_refresh: {probe_every: 0}\n");
+  ASSERT_FALSE(spec.ok());
+  EXPECT_NE(std::string(spec.status().message()).find("geometry_refresh.probe_every"),
+            std::string::npos)
+      << spec.status();
   // instant keeps its own default cadence, and an explicit one wins for either estimator.
   spec = ParseJobSpec("name: a\ngeometry_refresh: {estimator: instant}\n");
   ASSERT_TRUE(spec.ok()) << spec.status();

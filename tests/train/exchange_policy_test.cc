@@ -126,7 +126,7 @@ policy:
 
 TEST_F(PolicyFileTest, TheEmaEstimatorAndItsKnobsReachTheExchangeOptions) {
   const ExchangePlan plan = MakeExchangePlan(Write(R"(
-geometry_refresh: {interval: 2, estimator: ema, beta: 0.8, width: 12, probes: 2, adapt: 0.5}
+geometry_refresh: {interval: 2, estimator: ema, beta: 0.8, width: 12, probes: 2, probe_every: 3, adapt: 0.5}
 policy:
   layers:
     - {match: "layers.*", geometry: lowrank, rank: 4}
@@ -138,6 +138,7 @@ policy:
   EXPECT_FLOAT_EQ(eo.sketch.beta, 0.8f);
   EXPECT_EQ(eo.sketch.width, 12);
   EXPECT_EQ(eo.sketch.probes, 2);
+  EXPECT_EQ(eo.sketch.probe_every, 3);
   EXPECT_FLOAT_EQ(eo.adapt, 0.5f);
   EXPECT_EQ(eo.bucket_cap_bytes, plan.bucket_cap_bytes);
   EXPECT_EQ(MakeRefreshSchedule(plan, 2)[1].interval, 2);
