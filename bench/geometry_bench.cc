@@ -471,16 +471,18 @@ int RunGrads(const Args& a) {
 // The ema estimator's per-step cost (factor_sketch.h, default options at k = 8) against the
 // transform it feeds and an sgemm with the FLOPs of its two products over G.
 void RunSketchCost(const Args& a, const std::vector<Shape>& shapes) {
-  const FactorSketchOptions so;  // width 8, probes 4: G X has 12 columns, Q^T G 20 rows
+  const FactorSketchOptions so;  // width 8, probes 4 every 4th update: G X has 8 or 12 columns
   const int cx = so.width + so.probes, ca = so.width + cx;
   std::printf(
-      "### Cost of the ema estimator: one FactorSketch update (width %d, probes %d) vs "
-      "apply + inverse at k = 8 and sgemm m x n x %d (the FLOPs of its two products over "
-      "G), %d BLAS thread(s), median of %d interleaved reps\n\n",
-      so.width, so.probes, cx + ca, a.threads, a.reps);
+      "### Cost of the ema estimator: one FactorSketch update (width %d, probes %d every %d "
+      "updates; the mean over that cycle, and a probing update alone) vs apply + inverse at "
+      "k = 8 and sgemm m x n x %d (the FLOPs of a probing update's two products over G), %d "
+      "BLAS thread(s), median of %d interleaved reps\n\n",
+      so.width, so.probes, so.probe_every, cx + ca, a.threads, a.reps);
   std::printf(
-      "| shape | sketch update ms | apply+inverse ms | sgemm ms | update / sgemm | update / "
-      "transform | state held KiB | scratch KiB |\n|---|---|---|---|---|---|---|---|\n");
+      "| shape | sketch update ms (cycle mean) | probing update ms | apply+inverse ms | sgemm ms | "
+      "update / sgemm | update / transform | state held KiB | scratch KiB |\n"
+      "|---|---|---|---|---|---|---|---|---|\n");
   for (const Shape& s : shapes) {
     const int64_t m = s.m, n = s.n;
     const std::vector<float> g =
@@ -492,10 +494,17 @@ void RunSketchCost(const Args& a, const std::vector<Shape>& shapes) {
     const int64_t kk = cx + ca;
     std::vector<float> A(size_t(m * kk), 0.5f), B(size_t(kk * n), 0.25f), C(size_t(m * n));
     std::vector<float> x(g.size());
-    std::vector<double> tu, tt, tg;
+    std::vector<double> tu, tp, tt, tg;
     for (int r = 0; r <= a.reps; ++r) {
+      // A probing update (the update count a multiple of probe_every), then a plain one.
       FactorSketch copy = sketch;
+      copy.updates = uint64_t(so.probe_every) * 2;
       auto t0 = std::chrono::steady_clock::now();
+      UpdateFactorSketch(copy, g, m, n, 8, so);
+      if (r) tp.push_back(Seconds(t0));
+      copy = sketch;
+      copy.updates = uint64_t(so.probe_every) * 2 + 1;
+      t0 = std::chrono::steady_clock::now();
       UpdateFactorSketch(copy, g, m, n, 8, so);
       if (r) tu.push_back(Seconds(t0));
       std::copy(g.begin(), g.end(), x.begin());
@@ -508,7 +517,8 @@ void RunSketchCost(const Args& a, const std::vector<Shape>& shapes) {
                   n, 0.f, C.data(), n);
       if (r) tg.push_back(Seconds(t0));
     }
-    const double u = Median(tu), t = Median(tt), gm = Median(tg);
+    const double probing = Median(tp), t = Median(tt), gm = Median(tg);
+    const double u = (probing + (so.probe_every - 1) * Median(tu)) / so.probe_every;
     const double held = double((m + n) * sketch.width) * 4 + 2.0 * sketch.width * 8;
     // x, y (padded to whole 8-float registers), qf, bf in float; q, bd, z, e, rot in double
     // (factor_sketch.cc Scratch), plus the copy of its input that OrthonormalizeInPlace keeps for
@@ -517,9 +527,9 @@ void RunSketchCost(const Args& a, const std::vector<Shape>& shapes) {
     const double scratch = 4.0 * (n * ldx + m * ldx + m * ca + double(ca) * n) +
                            8.0 * (m * ca + double(ca) * n + n * cz + cz * ca +
                                   std::max(m, n) * sketch.width + std::max(double(m) * ca, n * cz));
-    std::printf("| %lldx%lld | %.2f | %.2f | %.2f | %.2f | %.2f | %.0f | %.0f |\n",
-                static_cast<long long>(m), static_cast<long long>(n), u * 1e3, t * 1e3, gm * 1e3,
-                u / gm, u / t, held / 1024, scratch / 1024);
+    std::printf("| %lldx%lld | %.2f | %.2f | %.2f | %.2f | %.2f | %.2f | %.0f | %.0f |\n",
+                static_cast<long long>(m), static_cast<long long>(n), u * 1e3, probing * 1e3,
+                t * 1e3, gm * 1e3, u / gm, u / t, held / 1024, scratch / 1024);
     std::fflush(stdout);
   }
   std::printf("\n");

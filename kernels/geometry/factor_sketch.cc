@@ -136,17 +136,16 @@ bool RightFromGram(FactorSketch& s, const double* bd, int64_t n, int held, int c
   double* r = Sized(sc.rot, n * w);
   cblas_dgemm(CblasColMajor, CblasNoTrans, CblasNoTrans, n, w, cw, 1.0, W, n,
               K.data() + int64_t(cw - w) * cw, cw, 0.0, r, n);
-  std::vector<float> right(static_cast<size_t>(n * w));
-  std::vector<double> energy(static_cast<size_t>(w));
+  // W holds its own copy of the old basis, so the new one is written over it in place.
+  s.right.resize(static_cast<size_t>(n * w));
+  s.right_energy.resize(static_cast<size_t>(w));
   for (int j = 0; j < w; ++j) {  // descending: column cw - 1 - j of the eigenvectors
     const double value = values[cw - 1 - j];
     const double inv = 1.0 / std::sqrt(value);
     const double* col = r + int64_t(w - 1 - j) * n;
-    for (int64_t i = 0; i < n; ++i) right[i * w + j] = static_cast<float>(col[i] * inv);
-    energy[j] = value;
+    for (int64_t i = 0; i < n; ++i) s.right[i * w + j] = static_cast<float>(col[i] * inv);
+    s.right_energy[j] = value;
   }
-  s.right = std::move(right);
-  s.right_energy = std::move(energy);
   return true;
 }
 

@@ -100,7 +100,10 @@ size_t ArrayFloats(const Geometry& g) {
 
 }  // namespace
 
-std::vector<uint8_t> SerializeGeometry(const Geometry& g) {
+namespace {
+
+// The wire form without its trailing checksum, appended to `out`.
+void AppendGeometryBody(const Geometry& g, std::vector<uint8_t>& out) {
   GEOFP8_CHECK(g.m >= 0 && g.n >= 0 && g.m < kMaxDim && g.n < kMaxDim, "geometry shape ", g.m, "x",
                g.n);
   if (g.mode == GeometryMode::kLowRank) {
@@ -112,8 +115,7 @@ std::vector<uint8_t> SerializeGeometry(const Geometry& g) {
     GEOFP8_CHECK(g.row_scale.size() == size_t(g.m) && g.col_scale.size() == size_t(g.n),
                  "diag geometry scale sizes ", g.row_scale.size(), ", ", g.col_scale.size());
   }
-  std::vector<uint8_t> out;
-  out.reserve(kHeaderBytes + ArrayFloats(g) * sizeof(float));
+  out.reserve(out.size() + kHeaderBytes + ArrayFloats(g) * sizeof(float));
   for (char c : kMagic) out.push_back(static_cast<uint8_t>(c));
   Put<uint8_t>(out, kFormatVersion);
   Put<uint8_t>(out, static_cast<uint8_t>(g.mode));
@@ -135,6 +137,13 @@ std::vector<uint8_t> SerializeGeometry(const Geometry& g) {
     PutFloats(out, g.row_scale);
     PutFloats(out, g.col_scale);
   }
+}
+
+}  // namespace
+
+std::vector<uint8_t> SerializeGeometry(const Geometry& g) {
+  std::vector<uint8_t> out;
+  AppendGeometryBody(g, out);
   Put<uint32_t>(out, Fnv1a(out.data(), out.size()));
   return out;
 }
@@ -275,8 +284,11 @@ uint64_t GeometryDigest(const Geometry& g) {
   // multiplies: the exchanger digests every layer's new geometry at each activation, every step
   // under the ema estimator). Each step maps the state bijectively (xor with the word, then an
   // odd multiplier mod 2^64), so two inputs of the same length that differ in one word always
-  // give different digests. A finalizer then mixes the high bits into the low ones.
-  const std::vector<uint8_t> bytes = SerializeGeometry(g);
+  // give different digests. A finalizer then mixes the high bits into the low ones. The wire form
+  // without its byte-wise checksum, in a buffer kept per thread.
+  thread_local std::vector<uint8_t> bytes;
+  bytes.clear();
+  AppendGeometryBody(g, bytes);
   uint64_t h = 14695981039346656037ull ^ bytes.size();
   size_t i = 0;
   for (; i + sizeof(uint64_t) <= bytes.size(); i += sizeof(uint64_t)) {
