@@ -37,6 +37,11 @@ struct Svd {
 };
 Svd ThinSvd(std::vector<double>& a, int64_t rows, int64_t cols);
 
+// Fault injection for tests: the next ThinSvd on this thread treats divide and conquer (dgesdd)
+// as failed to converge, so its QR-iteration fallback (dgesvd) runs whatever OpenBLAS kernel the
+// machine picks (dgesdd fails on the test fixture with Haswell kernels only).
+void FailNextDivideAndConquerForTest();
+
 // Inverse of the general n x n matrix A (LU with partial pivoting); throws if A is singular.
 std::vector<double> Inverse(std::vector<double> a, int64_t n);
 

@@ -29,6 +29,41 @@ std::vector<double> Fixture(int64_t rows, int64_t cols) {
   return a;
 }
 
+// The fallback itself, on every kernel: with divide and conquer made to fail, ThinSvd's
+// QR-iteration path must give the same decomposition (singular values to LAPACK's backward-error
+// bound, p(m, n) eps ||A|| with p = m n generous at this size).
+TEST(LapackTest, ThinSvdFallsBackToQrIterationWhenDivideAndConquerFails) {
+  const int64_t m = 40, n = 30;
+  std::vector<double> a(size_t(m * n));
+  uint64_t x = 12345;
+  for (double& v : a) {
+    x = x * 6364136223846793005ull + 1442695040888963407ull;
+    v = double(int64_t(x >> 11) % 2001 - 1000) / 1000.0;
+  }
+  std::vector<double> work = a;
+  const Svd plain = ThinSvd(work, m, n);
+  work = a;
+  FailNextDivideAndConquerForTest();
+  const Svd fallback = ThinSvd(work, m, n);
+  ASSERT_EQ(fallback.s.size(), size_t(n));
+  const double tol = double(m) * n * 2.2e-16 * plain.s[0];
+  for (int64_t i = 0; i < n; ++i) EXPECT_NEAR(fallback.s[i], plain.s[i], tol) << i;
+  double num = 0, den = 0;
+  for (int64_t i = 0; i < m; ++i)
+    for (int64_t j = 0; j < n; ++j) {
+      double r = 0;
+      for (int64_t p = 0; p < n; ++p)
+        r += fallback.u[p * m + i] * fallback.s[p] * fallback.vt[j * n + p];
+      num += (r - a[j * m + i]) * (r - a[j * m + i]);
+      den += a[j * m + i] * a[j * m + i];
+    }
+  EXPECT_LT(std::sqrt(num / den), double(m) * n * 2.2e-16);
+  // The injection is one-shot: the next call is divide and conquer again, with its own bits.
+  work = a;
+  const Svd again = ThinSvd(work, m, n);
+  EXPECT_EQ(again.s, plain.s);
+}
+
 TEST(LapackTest, ThinSvdDecomposesAMatrixDivideAndConquerCannot) {
   openblas_set_num_threads(1);
   const int64_t n = 256;
