@@ -67,6 +67,18 @@ class Communicator {
 
   virtual void Barrier() = 0;
 
+  // Whether ExchangeBounded is available. Where it is, the exchange sends its fingerprint record
+  // in the first data round instead of a separate MaxReduceWords (algorithms.h,
+  // AlgorithmOptions::check_record). Gloo: yes; NCCL: no.
+  virtual bool SupportsBoundedReceive() const { return false; }
+  // One round of point-to-point messages: this rank sends send_to[j] to every rank j != rank()
+  // and receives rank j's message into the front of recv_from[j], whose size is a capacity: a
+  // shorter message is accepted (its length is not reported, so messages must describe
+  // themselves), a longer one is a failure. Entries for rank() are ignored. Every rank calls it
+  // in the same position of its collective sequence. Counts one collective and the bytes sent.
+  virtual void ExchangeBounded(std::span<const std::span<const uint8_t>> send_to,
+                               std::span<const std::span<uint8_t>> recv_from);
+
   // The `native` algorithm: in-place sum of data over ranks through the backend's own FP8 E4M3
   // all-reduce (NCCL >= 2.24 on sm90+), one scale shared by all ranks. Backends without one
   // report false and throw.
@@ -119,6 +131,11 @@ inline void Communicator::MaxReduceWords(std::span<uint64_t> words) {
     for (size_t i = 0; i < words.size(); ++i)
       words[i] = std::max(words[i], all[r * words.size() + i]);
   }
+}
+
+inline void Communicator::ExchangeBounded(std::span<const std::span<const uint8_t>>,
+                                          std::span<const std::span<uint8_t>>) {
+  GEOFP8_FAIL("exchange-bounded: backend ", backend(), " has no bounded receive");
 }
 
 inline void Communicator::AllReduceSumNativeFp8(std::span<float>) {

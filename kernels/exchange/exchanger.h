@@ -200,6 +200,9 @@ class Exchanger {
   std::vector<std::string> layer_names_;  // layers_[i].name, for fingerprint messages
   std::vector<LayerState> state_;         // touched only on the worker thread while tasks run
   ExchangeWorkspace workspace_;  // the algorithms' buffers, reused every step: worker thread only
+  // Per bucket: a run holding it has passed the fingerprint check, so every rank has the same
+  // layers and shapes in it (RunBuckets then fuses the check into the data). Worker thread only.
+  std::vector<bool> verified_;
 
   // Per-step bookkeeping on the caller's thread.
   struct Pending {
