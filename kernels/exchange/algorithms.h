@@ -72,8 +72,9 @@ struct AlgorithmOptions {
   // Reused buffers; null: the call allocates its own (tests, one-off calls).
   ExchangeWorkspace* workspace = nullptr;
   // Run on the calling thread before the first collective that moves data (the exchanger's
-  // fingerprint check); two_phase and allgather encode their first groups meanwhile. If it
-  // throws, nothing is sent and the exception propagates.
+  // fingerprint check, as a round of its own); two_phase and allgather encode their first groups
+  // meanwhile. If it throws, nothing is sent and the exception propagates. Not run when the
+  // check rides in the data instead (check_record below).
   std::function<void()> before_data;
   // The same check without a round of its own, where the communicator has a bounded receive
   // (Communicator::SupportsBoundedReceive) and the algorithm is two_phase or allgather: every

@@ -177,6 +177,8 @@ class Exchanger {
     FactorSketch sketch;         // estimator kFactorEma: the same on every rank
   };
   void Activate(LayerState& st);
+  // The run's layout for Communicator::IsAgreedLayout: algorithm, grouping and layer sizes.
+  uint64_t RunLayoutDigest(std::span<const BucketLayer> work) const;
   FactorSketchOptions SketchOptions(uint32_t layer) const;
   uint32_t LayerId(uint32_t layer) const {
     return options_.layer_ids.empty() ? layer : options_.layer_ids[layer];
@@ -200,9 +202,6 @@ class Exchanger {
   std::vector<std::string> layer_names_;  // layers_[i].name, for fingerprint messages
   std::vector<LayerState> state_;         // touched only on the worker thread while tasks run
   ExchangeWorkspace workspace_;  // the algorithms' buffers, reused every step: worker thread only
-  // Per bucket: a run holding it has passed the fingerprint check, so every rank has the same
-  // layers and shapes in it (RunBuckets then fuses the check into the data). Worker thread only.
-  std::vector<bool> verified_;
 
   // Per-step bookkeeping on the caller's thread.
   struct Pending {

@@ -53,9 +53,10 @@ std::string ConfigName(const ::testing::TestParamInfo<Config>& info) {
 
 class FusedCheck : public ::testing::TestWithParam<Config> {};
 
-// An Exchanger's second step fuses the check (its first passed one); a fresh Exchanger's first
-// step over the same communicator does not. Same step, same inputs: the same bits, on every rank,
-// the same skip decisions, and one collective round fewer.
+// On a communicator where a step with this layout has passed the separate check, the next steps
+// fuse it, also in an Exchanger built afterwards (as geofp8.torch rebuilds them); on a fresh
+// communicator the first step does not. Same step, same inputs: the same bits on every rank, the
+// same skip decisions, and one collective round fewer.
 TEST_P(FusedCheck, SameBitsAsTheSeparateRoundAndOneRoundFewer) {
   const auto [n, algorithm, in_line, channels] = GetParam();
   const auto layers = Layers();
@@ -66,25 +67,39 @@ TEST_P(FusedCheck, SameBitsAsTheSeparateRoundAndOneRoundFewer) {
   options.segment_bytes = 1024;  // pipelined: several groups per run
   options.inline_bytes = in_line ? size_t{1} << 30 : 0;
   for (const bool with_nan : {false, true}) {
-    std::vector<Tensors> fused(n), separate(n);
-    std::vector<StepResult> fused_result(n), separate_result(n);
-    std::vector<uint64_t> fused_rounds(n), separate_rounds(n);
-    const auto errors = RunRanks(
+    std::vector<Tensors> fused(n), rebuilt(n), separate(n);
+    std::vector<StepResult> fused_result(n), rebuilt_result(n), separate_result(n);
+    std::vector<uint64_t> fused_rounds(n), rebuilt_rounds(n), separate_rounds(n);
+    auto step1 = [&](Communicator& comm, Exchanger& ex, Tensors& out, StepResult& result,
+                     uint64_t& rounds) {
+      const int r = comm.rank();
+      out = MakeInputs(r, layers, 1);
+      if (with_nan && r == n - 1) out[2][17] = std::nanf("");  // fc2's bucket is skipped
+      const uint64_t before = comm.stats().collectives;
+      result = ex.Exchange(1, std::vector<std::span<float>>(out.begin(), out.end()));
+      rounds = comm.stats().collectives - before;
+    };
+    auto errors = RunRanks(
         n,
         [&](Communicator& comm) {
           const int r = comm.rank();
-          Exchanger warm(comm, layers, options), fresh(comm, layers, options);
-          Tensors step0 = MakeInputs(r, layers, 0);
-          warm.Exchange(0, std::vector<std::span<float>>(step0.begin(), step0.end()));
-          auto run = [&](Exchanger& ex, Tensors& out, StepResult& result, uint64_t& rounds) {
-            out = MakeInputs(r, layers, 1);
-            if (with_nan && r == n - 1) out[2][17] = std::nanf("");  // fc2's bucket is skipped
-            const uint64_t before = comm.stats().collectives;
-            result = ex.Exchange(1, std::vector<std::span<float>>(out.begin(), out.end()));
-            rounds = comm.stats().collectives - before;
-          };
-          run(warm, fused[r], fused_result[r], fused_rounds[r]);
-          run(fresh, separate[r], separate_result[r], separate_rounds[r]);
+          {
+            Exchanger warm(comm, layers, options);
+            Tensors step0 = MakeInputs(r, layers, 0);
+            warm.Exchange(0, std::vector<std::span<float>>(step0.begin(), step0.end()));
+            step1(comm, warm, fused[r], fused_result[r], fused_rounds[r]);
+          }
+          Exchanger again(comm, layers, options);
+          step1(comm, again, rebuilt[r], rebuilt_result[r], rebuilt_rounds[r]);
+        },
+        std::chrono::milliseconds(60000), channels);
+    ASSERT_EQ(JoinErrors(errors), "") << "nan " << with_nan;
+    errors = RunRanks(
+        n,
+        [&](Communicator& comm) {
+          Exchanger fresh(comm, layers, options);
+          const int r = comm.rank();
+          step1(comm, fresh, separate[r], separate_result[r], separate_rounds[r]);
         },
         std::chrono::milliseconds(60000), channels);
     ASSERT_EQ(JoinErrors(errors), "") << "nan " << with_nan;
@@ -93,6 +108,7 @@ TEST_P(FusedCheck, SameBitsAsTheSeparateRoundAndOneRoundFewer) {
       const std::string where = "nan " + std::to_string(with_nan) + " rank " + std::to_string(r);
       // One RunBuckets (Exchange runs every bucket at once): exactly one round fewer.
       EXPECT_EQ(fused_rounds[r] + 1, separate_rounds[r]) << where;
+      EXPECT_EQ(rebuilt_rounds[r], fused_rounds[r]) << where;
       EXPECT_EQ(fused_result[r].skipped, with_nan) << where;
       ASSERT_EQ(fused_result[r].buckets.size(), separate_result[r].buckets.size()) << where;
       for (size_t b = 0; b < fused_result[r].buckets.size(); ++b) {
@@ -103,6 +119,7 @@ TEST_P(FusedCheck, SameBitsAsTheSeparateRoundAndOneRoundFewer) {
           EXPECT_TRUE(SameBytes(fused[r][l], separate[r][l]))
               << where << " layer " << l << " first difference at "
               << FirstBitDifference(fused[r][l], separate[r][l]);
+          EXPECT_TRUE(SameBytes(rebuilt[r][l], separate[r][l])) << where << " layer " << l;
           EXPECT_TRUE(SameBytes(fused[r][l], fused[0][l])) << where << " layer " << l;
         }
       }
