@@ -63,6 +63,54 @@ GEOFP8_DIVIDE_CLONES bool Divide(std::span<const float> in, float divisor, std::
 
 uint64_t FlagBit(const BucketLayer& l) { return uint64_t{1} << l.flag_bit; }
 
+// After a fused check's ExchangeBounded: recv[j] starts with rank j's record (ours included).
+// Returns if every record equals ours; otherwise every rank holds the same records and is here
+// too, so every rank runs the diagnosis, whose collectives then match, and throws.
+void CompareRecords(const AlgorithmOptions& ao, std::span<const std::span<uint8_t>> recv) {
+  bool agree = true;
+  for (const auto& r : recv) {
+    agree = agree && std::equal(ao.check_record.begin(), ao.check_record.end(), r.begin());
+  }
+  if (agree) return;
+  if (ao.diagnose) ao.diagnose();
+  GEOFP8_FAIL("exchange: the ranks' fingerprint records differ (step ", ao.step, ")");
+}
+
+// The fused check of a run that moves no pipelined data (the fp32/bf16/native baselines, or no
+// layers): a round of its own, still through ExchangeBounded, as a peer that runs two_phase or
+// allgather here (a diverged policy) sends its first data round. Each receive is sized to take
+// that: the record, MaxEncodedBytes of every layer of the run and the flags. `staging` is scratch.
+void CheckRecordsOnly(Communicator& comm, const AlgorithmOptions& ao,
+                      std::span<const BucketLayer> layers, UninitializedVector<uint8_t>& staging) {
+  TraceScope span(ao.trace, "fingerprints", ExchangeTrace::kMainLane, ao.step);
+  const int n = comm.size(), r = comm.rank();
+  size_t cap = ao.check_record.size() + sizeof(uint64_t);
+  for (const auto& l : layers) cap += MaxEncodedBytes(l.in.size());
+  staging.resize(cap * n);
+  std::vector<std::span<const uint8_t>> send(n, std::span<const uint8_t>(ao.check_record));
+  std::vector<std::span<uint8_t>> recv(n);
+  for (int j = 0; j < n; ++j) recv[j] = std::span(staging).subspan(j * cap, cap);
+  comm.ExchangeBounded(send, recv);
+  std::copy(ao.check_record.begin(), ao.check_record.end(), recv[r].begin());
+  CompareRecords(ao, recv);
+}
+
+// Runs the run's check when no pipeline carries it: fused (a round of its own through
+// ExchangeBounded) where the caller asked for it and the backend can, else before_data.
+void CheckBeforeData(Communicator& comm, const AlgorithmOptions& ao,
+                     std::span<const BucketLayer> layers, ExchangeWorkspace& ws) {
+  if (!ao.check_record.empty() && comm.SupportsBoundedReceive()) {
+    // Group 0's send buffer: the baselines and an empty run use no pipeline buffers.
+    if (ws.bytes.empty()) ws.bytes.resize(1);
+    CheckRecordsOnly(comm, ao, layers, ws.bytes[0]);
+    return;
+  }
+  if (ao.before_data) {
+    TraceScope span(ao.trace, "fingerprints", ExchangeTrace::kMainLane, ao.step);
+    ao.before_data();
+  }
+}
+
 // The OR over ranks of every rank's flags: one all-gather of 8 bytes (the baselines; two_phase and
 // allgather carry the flags in their last data collective instead).
 uint64_t AgreeFlags(Communicator& comm, uint64_t mine) {
@@ -407,16 +455,7 @@ class Pipeline {
     }
     comm.ExchangeBounded(send, recv);
     std::copy(send[r_].begin(), send[r_].end(), recv[r_].begin());  // our own block
-    bool agree = true;
-    for (int j = 0; j < n_; ++j) {
-      agree =
-          agree && std::equal(ao_.check_record.begin(), ao_.check_record.end(), recv[j].begin());
-    }
-    if (!agree) {
-      // Every rank holds every record, so every rank is here: the diagnosis's collectives match.
-      if (ao_.diagnose) ao_.diagnose();
-      GEOFP8_FAIL("exchange: the ranks' fingerprint records differ (step ", ao_.step, ")");
-    }
+    CompareRecords(ao_, recv);
     MarkChecked();
   }
 
@@ -719,7 +758,7 @@ uint64_t ExchangeBucketData(Communicator& comm, Algorithm algorithm,
   if (algorithm == Algorithm::kTwoPhase || algorithm == Algorithm::kAllGather) {
     // Geometry transforms run inside the pipeline, per group.
     if (layers.empty()) {  // every rank has the same (fingerprinted) layers: nothing to agree on
-      if (options.before_data) options.before_data();
+      CheckBeforeData(comm, options, layers, ws);
       return 0;
     }
     size_t fp32 = 0;
@@ -732,10 +771,7 @@ uint64_t ExchangeBucketData(Communicator& comm, Algorithm algorithm,
     one.segment_bytes = std::max(options.segment_bytes, fp32);
     return Pipeline(comm, one, layers, algorithm == Algorithm::kTwoPhase, ws).RunInline();
   }
-  if (options.before_data) {
-    TraceScope span(options.trace, "fingerprints", ExchangeTrace::kMainLane, options.step);
-    options.before_data();
-  }
+  CheckBeforeData(comm, options, layers, ws);
   TraceScope span(options.trace, "all_reduce", ExchangeTrace::kMainLane, options.step);
   uint64_t bad = 0;
   for (const auto& l : layers) {

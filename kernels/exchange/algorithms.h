@@ -85,9 +85,12 @@ struct AlgorithmOptions {
   // cannot overflow it. If every rank's record equals this one, the run goes on exactly as with
   // before_data; otherwise every rank sees a difference and calls `diagnose`, which must throw
   // the same error everywhere (it may issue collectives on the calling thread), and no received
-  // data is used. No lane moves other data before the records are compared. Empty: before_data.
-  // The caller must know that every rank has the same layer sizes (the exchanger compares them
-  // with before_data first): capacities are derived from them.
+  // data is used. No lane moves other data before the records are compared. The baselines (and
+  // a run without layers) send the record alone in a round of their own, through the same
+  // primitive with receives sized for a two_phase or allgather peer, so ranks whose policies
+  // disagree on the algorithm still meet in one round and get the diagnosis. Empty: before_data.
+  // The caller must know that every rank has the same layer sizes and grouping options (the
+  // exchanger compares them with before_data first): capacities are derived from them.
   std::vector<uint8_t> check_record;
   std::function<void()> diagnose;
 };

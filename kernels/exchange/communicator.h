@@ -116,7 +116,7 @@ class Communicator {
     stats_->collectives = 0;
   }
 
-  // Layouts (Exchanger: a digest of a run's layer sizes, algorithm and grouping) with which every
+  // Layouts (Exchanger: a digest of a run's layer sizes and grouping options) with which every
   // rank of this communicator has passed a fingerprint check, so every rank is known to have the
   // same layer sizes for them: the exchange sizes the receives of its fused check from those
   // (AlgorithmOptions::check_record). Kept here, not per Exchanger, so that an Exchanger rebuilt

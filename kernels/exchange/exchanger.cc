@@ -416,7 +416,7 @@ std::vector<BucketResult> Exchanger::RunBuckets(uint64_t step, size_t first, siz
   ao.workspace = &workspace_;
   // The fingerprints are compared while the first groups are encoded, in one collective for
   // every bucket of the run; nothing moves before. Once a check of a run with this layout (layer
-  // sizes, algorithm, grouping) has passed on this communicator, every rank is known to have
+  // sizes, grouping options) has passed on this communicator, every rank is known to have
   // these layer sizes (the records hold them), which is what sizing the fused round's receives
   // needs: then, on a communicator with a bounded receive, the record rides in the run's first
   // data round instead (AlgorithmOptions::check_record). Every rank has passed the same checks,
@@ -453,12 +453,12 @@ std::vector<BucketResult> Exchanger::RunBuckets(uint64_t step, size_t first, siz
 }
 
 uint64_t Exchanger::RunLayoutDigest(std::span<const BucketLayer> work) const {
-  // FNV-1a over what decides the messages' sizes and grouping apart from the policies.
+  // FNV-1a over what decides the messages' largest sizes and grouping, whatever the policies and
+  // the algorithm (the fused check's receives are sized for every algorithm, algorithms.h).
   uint64_t h = 0xcbf29ce484222325ull;
   auto mix = [&h](uint64_t v) {
     for (int i = 0; i < 8; ++i) h = (h ^ ((v >> (8 * i)) & 0xff)) * 0x100000001b3ull;
   };
-  mix(static_cast<uint64_t>(options_.algorithm));
   mix(options_.segment_bytes);
   mix(options_.inline_bytes);
   mix(work.size());

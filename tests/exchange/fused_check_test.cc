@@ -256,5 +256,87 @@ TEST(FusedCheckExchanger, StepMismatchAfterAPassedStepNamesTheRank) {
   }
 }
 
+// After a passed step, one rank's policy switches algorithm (as a diverged policy version
+// would): every algorithm sends the record through the same bounded round, so the ranks still
+// meet and every rank gets the error naming the rank and its algorithm.
+TEST(FusedCheckExchanger, AlgorithmSwitchOnOneRankIsNamed) {
+  const auto layers = Layers();
+  for (auto [base, other] : {std::pair{Algorithm::kTwoPhase, Algorithm::kFp32},
+                             std::pair{Algorithm::kTwoPhase, Algorithm::kAllGather},
+                             std::pair{Algorithm::kFp32, Algorithm::kTwoPhase},
+                             std::pair{Algorithm::kBf16, Algorithm::kAllGather}}) {
+    ExchangeOptions options;
+    options.algorithm = base;
+    options.bucket_cap_bytes = 4096;
+    std::vector<std::string> second(3);
+    const auto errors = RunRanks(3, [&](Communicator& comm) {
+      Tensors data = MakeInputs(comm.rank(), layers, 0);
+      {
+        Exchanger ex(comm, layers, options);
+        ex.Exchange(0, std::vector<std::span<float>>(data.begin(), data.end()));
+      }
+      ExchangeOptions mine = options;
+      if (comm.rank() == 1) mine.algorithm = other;
+      Exchanger ex(comm, layers, mine);
+      try {
+        ex.Exchange(1, std::vector<std::span<float>>(data.begin(), data.end()));
+      } catch (const Error& e) {
+        second[comm.rank()] = e.what();
+      }
+    });
+    const std::string what =
+        std::string(AlgorithmName(base)) + " -> " + std::string(AlgorithmName(other));
+    ASSERT_EQ(JoinErrors(errors), "") << what;
+    const std::string want = "algorithm " + std::string(AlgorithmName(other));
+    for (int r = 0; r < 3; ++r) {
+      EXPECT_NE(second[r].find("rank 1 is at step 1"), std::string::npos)
+          << what << " rank " << r << ": " << second[r];
+      EXPECT_NE(second[r].find(want), std::string::npos)
+          << what << " rank " << r << ": " << second[r];
+    }
+  }
+}
+
+// The baselines keep their check round, now through the bounded exchange once the layout has
+// passed: the same rounds and bits as the max-reduce, and the record's bytes on the wire instead
+// of the max-reduce's (40 to each peer against a ring all-reduce of 16 words: 2(N-1)/N x 128).
+TEST(FusedCheckExchanger, BaselinesKeepTheirRoundAndBits) {
+  const auto layers = Layers();
+  for (int n : {2, 3}) {
+    for (Algorithm a : {Algorithm::kFp32, Algorithm::kBf16}) {
+      ExchangeOptions options;
+      options.algorithm = a;
+      options.bucket_cap_bytes = 4096;
+      std::vector<Tensors> out(2 * n);
+      std::vector<uint64_t> rounds(2 * n), bytes(2 * n);
+      for (int fresh = 0; fresh < 2; ++fresh) {
+        const auto errors = RunRanks(n, [&](Communicator& comm) {
+          const int r = comm.rank(), k = fresh * n + r;
+          Exchanger ex(comm, layers, options);
+          if (!fresh) {
+            Tensors step0 = MakeInputs(r, layers, 0);
+            ex.Exchange(0, std::vector<std::span<float>>(step0.begin(), step0.end()));
+          }
+          out[k] = MakeInputs(r, layers, 1);
+          const uint64_t c0 = comm.stats().collectives, b0 = comm.stats().bytes_sent;
+          ex.Exchange(1, std::vector<std::span<float>>(out[k].begin(), out[k].end()));
+          rounds[k] = comm.stats().collectives - c0;
+          bytes[k] = comm.stats().bytes_sent - b0;
+        });
+        ASSERT_EQ(JoinErrors(errors), "") << AlgorithmName(a) << " n " << n;
+      }
+      for (int r = 0; r < n; ++r) {
+        const std::string where = std::string(AlgorithmName(a)) + " n " + std::to_string(n) +
+                                  " rank " + std::to_string(r);
+        EXPECT_EQ(rounds[r], rounds[n + r]) << where;
+        EXPECT_EQ(bytes[n + r] - bytes[r], 2 * (n - 1) * 128 / n - 40 * (n - 1)) << where;
+        for (size_t l = 0; l < layers.size(); ++l) {
+          EXPECT_TRUE(SameBytes(out[r][l], out[n + r][l])) << where << " layer " << l;
+        }
+      }
+    }
+  }
+}
+
 }  // namespace
 }  // namespace geofp8
