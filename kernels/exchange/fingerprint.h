@@ -1,7 +1,8 @@
 // Bucket fingerprints: before any payload is used, ranks compare one small fixed-size record for
 // the buckets that move together (policy version, step, algorithm, a digest of every bucket's
 // layers): one max-reduction per run, however many buckets it holds, or, on a communicator with a
-// bounded receive (Gloo), no round of its own: the record rides in the run's first data round. A
+// bounded receive (Gloo) once the run's layout has passed that check, no round of its own: the
+// record rides in the run's first data round (the fp32/bf16 baselines exchange it alone). A
 // mismatch is diagnosed with further gathers of per-bucket and per-layer records and reported
 // naming the rank and the layer, on every rank.
 #pragma once
