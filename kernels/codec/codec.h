@@ -63,6 +63,11 @@ inline constexpr uint8_t kFlagNonFinite = 1;
 size_t PayloadBytes(const CodecOptions& options, size_t n);
 size_t ScaleBytes(const CodecOptions& options, size_t n);
 size_t EncodedBytes(const CodecOptions& options, size_t n);  // header + scales + payload
+// An upper bound on EncodedBytes(o, n) over every option set ValidateCodecOptions accepts: fp8
+// with block 1 spends 4 scale bytes and 1 payload byte per element, the most of any format, and
+// a tensor scale costs 4 bytes even when n is 0. Ranks that may disagree on the options but agree
+// on n size their receives with it (the exchange's fingerprint round, algorithms.cc).
+inline constexpr size_t MaxEncodedBytes(size_t n) { return sizeof(EncodedHeader) + 4 + 5 * n; }
 
 // Encodes x[0..n) into out, which must hold EncodedBytes(options, n) bytes. Any alignment.
 // Throws geofp8::Error on invalid options or a short output buffer.

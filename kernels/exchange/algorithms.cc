@@ -63,6 +63,54 @@ GEOFP8_DIVIDE_CLONES bool Divide(std::span<const float> in, float divisor, std::
 
 uint64_t FlagBit(const BucketLayer& l) { return uint64_t{1} << l.flag_bit; }
 
+// After a fused check's ExchangeBounded: recv[j] starts with rank j's record (ours included).
+// Returns if every record equals ours; otherwise every rank holds the same records and is here
+// too, so every rank runs the diagnosis, whose collectives then match, and throws.
+void CompareRecords(const AlgorithmOptions& ao, std::span<const std::span<uint8_t>> recv) {
+  bool agree = true;
+  for (const auto& r : recv) {
+    agree = agree && std::equal(ao.check_record.begin(), ao.check_record.end(), r.begin());
+  }
+  if (agree) return;
+  if (ao.diagnose) ao.diagnose();
+  GEOFP8_FAIL("exchange: the ranks' fingerprint records differ (step ", ao.step, ")");
+}
+
+// The fused check of a run that moves no pipelined data (the fp32/bf16/native baselines, or no
+// layers): a round of its own, still through ExchangeBounded, as a peer that runs two_phase or
+// allgather here (a diverged policy) sends its first data round. Each receive is sized to take
+// that: the record, MaxEncodedBytes of every layer of the run and the flags. `staging` is scratch.
+void CheckRecordsOnly(Communicator& comm, const AlgorithmOptions& ao,
+                      std::span<const BucketLayer> layers, UninitializedVector<uint8_t>& staging) {
+  TraceScope span(ao.trace, "fingerprints", ExchangeTrace::kMainLane, ao.step);
+  const int n = comm.size(), r = comm.rank();
+  size_t cap = ao.check_record.size() + sizeof(uint64_t);
+  for (const auto& l : layers) cap += MaxEncodedBytes(l.in.size());
+  staging.resize(cap * n);
+  std::vector<std::span<const uint8_t>> send(n, std::span<const uint8_t>(ao.check_record));
+  std::vector<std::span<uint8_t>> recv(n);
+  for (int j = 0; j < n; ++j) recv[j] = std::span(staging).subspan(j * cap, cap);
+  comm.ExchangeBounded(send, recv);
+  std::copy(ao.check_record.begin(), ao.check_record.end(), recv[r].begin());
+  CompareRecords(ao, recv);
+}
+
+// Runs the run's check when no pipeline carries it: fused (a round of its own through
+// ExchangeBounded) where the caller asked for it and the backend can, else before_data.
+void CheckBeforeData(Communicator& comm, const AlgorithmOptions& ao,
+                     std::span<const BucketLayer> layers, ExchangeWorkspace& ws) {
+  if (!ao.check_record.empty() && comm.SupportsBoundedReceive()) {
+    // Group 0's send buffer: the baselines and an empty run use no pipeline buffers.
+    if (ws.bytes.empty()) ws.bytes.resize(1);
+    CheckRecordsOnly(comm, ao, layers, ws.bytes[0]);
+    return;
+  }
+  if (ao.before_data) {
+    TraceScope span(ao.trace, "fingerprints", ExchangeTrace::kMainLane, ao.step);
+    ao.before_data();
+  }
+}
+
 // The OR over ranks of every rank's flags: one all-gather of 8 bytes (the baselines; two_phase and
 // allgather carry the flags in their last data collective instead).
 uint64_t AgreeFlags(Communicator& comm, uint64_t mine) {
@@ -163,6 +211,12 @@ struct Group {
   size_t tail = 0;
   size_t WireCount(int j) const { return counts[j] + tail; }
   size_t WireOffset(int j) const { return dest_offset[j] + j * tail; }  // block j, tails included
+  // Group 0 of a fused run (AlgorithmOptions::check_record): every message of its first
+  // collective starts with `prefix` bytes of record, and the receives land in staging slots of
+  // `slot` bytes each, rank j's message at j * slot. 0 for the other groups and runs.
+  size_t prefix = 0, slot = 0;
+  // two_phase: where destination j's block starts in the send buffer (after its record).
+  size_t SendOffset(int j) const { return WireOffset(j) + (j + 1) * prefix; }
   // Workspace buffers (ExchangeWorkspace), each fully written before it is read.
   UninitializedVector<uint8_t>*send = nullptr, *recv = nullptr, *mine = nullptr, *all = nullptr;
   UninitializedVector<float>* acc = nullptr;  // the sum of this rank's chunk of one layer
@@ -177,7 +231,8 @@ class Pipeline {
         layers_(layers),
         two_phase_(two_phase),
         n_(comm.size()),
-        r_(comm.rank()) {
+        r_(comm.rank()),
+        fused_(!ao.check_record.empty() && comm.SupportsBoundedReceive()) {
     const size_t L = layers.size();
     chunk_.assign(L, std::vector<ChunkRange>(n_));
     bytes_.assign(L, std::vector<size_t>(n_));
@@ -211,6 +266,14 @@ class Pipeline {
       groups_.push_back(std::move(g));
     }
     groups_.back().tail = sizeof(uint64_t);
+    if (fused_) {
+      // No layout of group 0's layers can encode more than MaxEncodedBytes of each (a two_phase
+      // chunk is at most the whole layer), whatever format, scaling or block a rank uses.
+      Group& g = groups_[0];
+      g.prefix = ao.check_record.size();
+      g.slot = g.prefix + g.tail;
+      for (size_t k = g.first; k < g.last; ++k) g.slot += MaxEncodedBytes(layers[k].in.size());
+    }
     // Group s always uses the same workspace buffers, so sizes repeat from step to step.
     if (ws.bytes.size() < 4 * groups_.size()) ws.bytes.resize(4 * groups_.size());
     if (ws.floats.size() < groups_.size()) ws.floats.resize(groups_.size());
@@ -230,7 +293,7 @@ class Pipeline {
   // group's encode (so the flags are complete for the last group's first collective), then per
   // group its collectives, sum and decode. The same wire layout and bytes as Run().
   uint64_t RunInline() {
-    if (ao_.before_data) {
+    if (!fused_ && ao_.before_data) {
       TraceScope span(ao_.trace, "fingerprints", ExchangeTrace::kMainLane, ao_.step);
       ao_.before_data();
     }
@@ -246,7 +309,7 @@ class Pipeline {
         {
           TraceScope span(ao_.trace, "all_to_all", ExchangeTrace::kMainLane, ao_.step,
                           static_cast<int>(s));
-          AllToAll(comm_, s);
+          First(comm_, s);
         }
         if (s + 1 == G) agreed_ = ReadFlags(*g.recv, g);
         {
@@ -258,7 +321,11 @@ class Pipeline {
       {
         TraceScope span(ao_.trace, "all_gather", ExchangeTrace::kMainLane, ao_.step,
                         static_cast<int>(s));
-        AllGather(comm_, s);
+        if (two_phase_) {
+          AllGather(comm_, s);
+        } else {
+          First(comm_, s);
+        }
       }
       if (!two_phase_ && s + 1 == G) agreed_ = ReadFlags(*g.all, g);
       TraceScope span(ao_.trace, "decode", ExchangeTrace::kCodecLane, ao_.step,
@@ -290,12 +357,14 @@ class Pipeline {
     }
     try {
       // The caller's check (fingerprints) runs while the helper encodes the first groups; no
-      // lane moves data before it has passed.
-      if (ao_.before_data) {
-        TraceScope span(ao_.trace, "fingerprints", ExchangeTrace::kMainLane, ao_.step);
-        ao_.before_data();
+      // lane moves data before it has passed. Fused, lane 0's first collective is the check.
+      if (!fused_) {
+        if (ao_.before_data) {
+          TraceScope span(ao_.trace, "fingerprints", ExchangeTrace::kMainLane, ao_.step);
+          ao_.before_data();
+        }
+        MarkChecked();
       }
-      MarkChecked();
       RunLane(comm_, 0, lanes);
       WaitAllDecoded();
     } catch (...) {
@@ -331,7 +400,7 @@ class Pipeline {
         WaitFor(s, kEncoded);
         {
           TraceScope span(ao_.trace, "all_gather", trace_lane, ao_.step, static_cast<int>(s));
-          AllGather(comm, s);
+          First(comm, s);
         }
         if (s + 1 == G) agreed_ = ReadFlags(*groups_[s].all, groups_[s]);
         Mark(s, kGathered);
@@ -344,7 +413,7 @@ class Pipeline {
         WaitFor(s, kEncoded);
         {
           TraceScope span(ao_.trace, "all_to_all", trace_lane, ao_.step, static_cast<int>(s));
-          AllToAll(comm, s);
+          First(comm, s);
         }
         if (s + 1 == G) agreed_ = ReadFlags(*groups_[s].recv, groups_[s]);
         Mark(s, kExchanged);
@@ -358,6 +427,43 @@ class Pipeline {
         Mark(s - 1, kGathered);
       }
     }
+  }
+
+  // Group s's first collective (two_phase's all-to-all, allgather's all-gather). In a fused run,
+  // group 0's goes through ExchangeBounded with every rank's record in front, and returns only
+  // once every record equals ours; the other lane may then move data.
+  void First(Communicator& comm, size_t s) {
+    if (!fused_ || s != 0) {
+      if (two_phase_) {
+        AllToAll(comm, s);
+      } else {
+        AllGather(comm, s);
+      }
+      return;
+    }
+    Group& g = groups_[s];
+    UninitializedVector<uint8_t>& staging = two_phase_ ? *g.recv : *g.all;
+    staging.resize(g.slot * n_);
+    std::vector<std::span<const uint8_t>> send(n_);
+    std::vector<std::span<uint8_t>> recv(n_);
+    for (int j = 0; j < n_; ++j) {
+      // two_phase: record and block j; allgather: record and this rank's block, to everyone.
+      send[j] = two_phase_ ? std::span<const uint8_t>(*g.send).subspan(g.SendOffset(j) - g.prefix,
+                                                                       g.prefix + g.WireCount(j))
+                           : std::span<const uint8_t>(*g.mine);
+      recv[j] = std::span(staging).subspan(j * g.slot, g.slot);
+    }
+    comm.ExchangeBounded(send, recv);
+    std::copy(send[r_].begin(), send[r_].end(), recv[r_].begin());  // our own block
+    CompareRecords(ao_, recv);
+    MarkChecked();
+  }
+
+  // Where rank j's block of group g starts in the first collective's receive buffer: two_phase's
+  // all-to-all (j's chunks for this rank) or allgather's all-gather (j's layers).
+  size_t RecvAt(const Group& g, int j) const {
+    if (g.slot) return j * g.slot + g.prefix;
+    return two_phase_ ? j * g.WireCount(r_) : g.WireOffset(j);
   }
 
   // two_phase's first phase for group s: chunk j of every layer to rank j.
@@ -385,7 +491,7 @@ class Pipeline {
   uint64_t ReadFlags(const UninitializedVector<uint8_t>& wire, const Group& g) const {
     uint64_t any = 0;
     for (int j = 0; j < n_; ++j) {
-      const size_t end = two_phase_ ? (j + 1) * g.WireCount(r_) : g.WireOffset(j) + g.WireCount(j);
+      const size_t end = RecvAt(g, j) + (two_phase_ ? g.WireCount(r_) : g.WireCount(j));
       uint64_t flags;
       std::memcpy(&flags, wire.data() + end - sizeof flags, sizeof flags);
       any |= flags;
@@ -397,7 +503,7 @@ class Pipeline {
   // group is encoded by now (the helper encodes in order), so nonfinite_ is complete.
   void WriteFlags(Group& g, UninitializedVector<uint8_t>& wire, int blocks) {
     for (int j = 0; j < blocks; ++j) {
-      const size_t end = blocks == 1 ? wire.size() : g.WireOffset(j) + g.WireCount(j);
+      const size_t end = blocks == 1 ? wire.size() : g.SendOffset(j) + g.WireCount(j);
       std::memcpy(wire.data() + end - sizeof nonfinite_, &nonfinite_, sizeof nonfinite_);
     }
   }
@@ -427,8 +533,9 @@ class Pipeline {
       ApplyGeometry(*layers_[i].geometry, layers_[i].in);
     }
     if (!two_phase_) {  // allgather: this rank's whole layers, once
-      g.mine->resize(g.WireCount(r_));
-      size_t off = 0;
+      g.mine->resize(g.prefix + g.WireCount(r_));
+      std::copy_n(ao_.check_record.begin(), g.prefix, g.mine->begin());
+      size_t off = g.prefix;
       for (size_t i = g.first; i < g.last; ++i) {
         Encode(Divided(i, {0, layers_[i].in.size()}), Options(i, r_, 1, 0),
                std::span(*g.mine).subspan(off, bytes_[i][r_]));
@@ -437,9 +544,10 @@ class Pipeline {
       if (g.tail) WriteFlags(g, *g.mine, 1);
       return;
     }
-    g.send->resize(g.total + n_ * g.tail);
+    g.send->resize(g.total + n_ * (g.tail + g.prefix));
     for (int j = 0; j < n_; ++j) {
-      size_t off = g.WireOffset(j);
+      std::copy_n(ao_.check_record.begin(), g.prefix, g.send->begin() + g.SendOffset(j) - g.prefix);
+      size_t off = g.SendOffset(j);
       for (size_t i = g.first; i < g.last; ++i) {
         const ChunkRange c = chunk_[i][j];
         Encode(Divided(i, c), Options(i, r_, 1, j), std::span(*g.send).subspan(off, bytes_[i][j]));
@@ -458,8 +566,7 @@ class Pipeline {
       acc.assign(chunk_[i][r_].size(), 0.f);
       for (int src = 0; src < n_; ++src) {
         DecodeAccumulate(
-            std::span<const uint8_t>(*g.recv).subspan(src * g.WireCount(r_) + off, bytes_[i][r_]),
-            acc);
+            std::span<const uint8_t>(*g.recv).subspan(RecvAt(g, src) + off, bytes_[i][r_]), acc);
       }
       Encode(acc, Options(i, r_, 2, r_), std::span(*g.mine).subspan(off, bytes_[i][r_]));
       off += bytes_[i][r_];
@@ -473,9 +580,9 @@ class Pipeline {
       for (size_t i = g.first; i < g.last; ++i) {
         std::fill(layers_[i].out.begin(), layers_[i].out.end(), 0.f);
         for (int src = 0; src < n_; ++src) {
-          DecodeAccumulate(std::span<const uint8_t>(*g.all).subspan(g.WireOffset(src) + layer_off,
-                                                                    bytes_[i][src]),
-                           layers_[i].out);
+          DecodeAccumulate(
+              std::span<const uint8_t>(*g.all).subspan(RecvAt(g, src) + layer_off, bytes_[i][src]),
+              layers_[i].out);
         }
         layer_off += bytes_[i][r_];
         if (layers_[i].geometry) InvertGeometry(*layers_[i].geometry, layers_[i].out);
@@ -617,6 +724,7 @@ class Pipeline {
   std::span<const BucketLayer> layers_;
   const bool two_phase_;
   const int n_, r_;
+  const bool fused_;  // group 0's first collective carries the records (check_record)
   std::vector<std::vector<ChunkRange>> chunk_;  // [layer][rank]
   std::vector<std::vector<size_t>> bytes_;      // [layer][rank] encoded bytes of that chunk
   std::vector<Group> groups_;
@@ -650,7 +758,7 @@ uint64_t ExchangeBucketData(Communicator& comm, Algorithm algorithm,
   if (algorithm == Algorithm::kTwoPhase || algorithm == Algorithm::kAllGather) {
     // Geometry transforms run inside the pipeline, per group.
     if (layers.empty()) {  // every rank has the same (fingerprinted) layers: nothing to agree on
-      if (options.before_data) options.before_data();
+      CheckBeforeData(comm, options, layers, ws);
       return 0;
     }
     size_t fp32 = 0;
@@ -663,10 +771,7 @@ uint64_t ExchangeBucketData(Communicator& comm, Algorithm algorithm,
     one.segment_bytes = std::max(options.segment_bytes, fp32);
     return Pipeline(comm, one, layers, algorithm == Algorithm::kTwoPhase, ws).RunInline();
   }
-  if (options.before_data) {
-    TraceScope span(options.trace, "fingerprints", ExchangeTrace::kMainLane, options.step);
-    options.before_data();
-  }
+  CheckBeforeData(comm, options, layers, ws);
   TraceScope span(options.trace, "all_reduce", ExchangeTrace::kMainLane, options.step);
   uint64_t bad = 0;
   for (const auto& l : layers) {

@@ -72,9 +72,27 @@ struct AlgorithmOptions {
   // Reused buffers; null: the call allocates its own (tests, one-off calls).
   ExchangeWorkspace* workspace = nullptr;
   // Run on the calling thread before the first collective that moves data (the exchanger's
-  // fingerprint check); two_phase and allgather encode their first groups meanwhile. If it
-  // throws, nothing is sent and the exception propagates.
+  // fingerprint check, as a round of its own); two_phase and allgather encode their first groups
+  // meanwhile. If it throws, nothing is sent and the exception propagates. Not run when the
+  // check rides in the data instead (check_record below).
   std::function<void()> before_data;
+  // The same check without a round of its own, where the communicator has a bounded receive
+  // (Communicator::SupportsBoundedReceive) and the algorithm is two_phase or allgather: every
+  // message of the run's first data collective (group 0's all-to-all or all-gather) goes through
+  // Communicator::ExchangeBounded, prefixed by the sender's `check_record` (the same size on
+  // every rank), and each receive is posted at a capacity no layout of the group's layers can
+  // exceed (MaxEncodedBytes of every layer's element count), so a rank that encodes differently
+  // cannot overflow it. If every rank's record equals this one, the run goes on exactly as with
+  // before_data; otherwise every rank sees a difference and calls `diagnose`, which must throw
+  // the same error everywhere (it may issue collectives on the calling thread), and no received
+  // data is used. No lane moves other data before the records are compared. The baselines (and
+  // a run without layers) send the record alone in a round of their own, through the same
+  // primitive with receives sized for a two_phase or allgather peer, so ranks whose policies
+  // disagree on the algorithm still meet in one round and get the diagnosis. Empty: before_data.
+  // The caller must know that every rank has the same layer sizes and grouping options (the
+  // exchanger compares them with before_data first): capacities are derived from them.
+  std::vector<uint8_t> check_record;
+  std::function<void()> diagnose;
 };
 
 // Runs `algorithm` over the bucket's layers. Every rank ends with byte-identical outputs: the sum

@@ -7,6 +7,8 @@
 #include <chrono>
 #include <cstddef>
 #include <cstdint>
+#include <mutex>
+#include <set>
 #include <span>
 #include <string>
 #include <string_view>
@@ -59,13 +61,25 @@ class Communicator {
   virtual uint32_t MaxReduce(uint32_t value) = 0;
 
   // Element-wise maximum over ranks of up to kMaxReduceWords words, in place, as one small
-  // collective. The fingerprint check compares records with it: every rank holds the same x iff
-  // max(x) == ~max(~x). This default gathers every rank's words; backends override it with
-  // their fastest small reduction.
+  // collective. The fingerprint check compares records with it where the backend has no bounded
+  // receive (below): every rank holds the same x iff max(x) == ~max(~x). This default gathers every
+  // rank's words; backends override it with their fastest small reduction.
   static constexpr size_t kMaxReduceWords = 16;
   virtual void MaxReduceWords(std::span<uint64_t> words);
 
   virtual void Barrier() = 0;
+
+  // Whether ExchangeBounded is available. Where it is, the exchange sends its fingerprint record
+  // in the first data round instead of a separate MaxReduceWords (algorithms.h,
+  // AlgorithmOptions::check_record). Gloo: yes; NCCL: no.
+  virtual bool SupportsBoundedReceive() const { return false; }
+  // One round of point-to-point messages: this rank sends send_to[j] to every rank j != rank()
+  // and receives rank j's message into the front of recv_from[j], whose size is a capacity: a
+  // shorter message is accepted (its length is not reported, so messages must describe
+  // themselves), a longer one is a failure. Entries for rank() are ignored. Every rank calls it
+  // in the same position of its collective sequence. Counts one collective and the bytes sent.
+  virtual void ExchangeBounded(std::span<const std::span<const uint8_t>> send_to,
+                               std::span<const std::span<uint8_t>> recv_from);
 
   // The `native` algorithm: in-place sum of data over ranks through the backend's own FP8 E4M3
   // all-reduce (NCCL >= 2.24 on sm90+), one scale shared by all ranks. Backends without one
@@ -102,10 +116,29 @@ class Communicator {
     stats_->collectives = 0;
   }
 
+  // Layouts (Exchanger: a digest of a run's layer sizes and grouping options) with which every
+  // rank of this communicator has passed a fingerprint check, so every rank is known to have the
+  // same layer sizes for them: the exchange sizes the receives of its fused check from those
+  // (AlgorithmOptions::check_record). Kept here, not per Exchanger, so that an Exchanger rebuilt
+  // on some ranks only (geofp8.torch does on start_trace) makes the same choice as its peers.
+  // Every rank passes the same checks, so every rank holds the same set. Thread-safe.
+  bool IsAgreedLayout(uint64_t digest) const {
+    std::lock_guard<std::mutex> lock(layouts_mu_);
+    return agreed_layouts_.count(digest) != 0;
+  }
+  void AddAgreedLayout(uint64_t digest) {
+    std::lock_guard<std::mutex> lock(layouts_mu_);
+    agreed_layouts_.insert(digest);
+  }
+
  protected:
   std::chrono::milliseconds timeout_ = kDefaultCollectiveTimeout;
   CommStats own_stats_;
   CommStats* stats_ = &own_stats_;  // a side channel counts into its parent's
+
+ private:
+  mutable std::mutex layouts_mu_;
+  std::set<uint64_t> agreed_layouts_;  // under layouts_mu_
 };
 
 inline void Communicator::MaxReduceWords(std::span<uint64_t> words) {
@@ -119,6 +152,11 @@ inline void Communicator::MaxReduceWords(std::span<uint64_t> words) {
     for (size_t i = 0; i < words.size(); ++i)
       words[i] = std::max(words[i], all[r * words.size() + i]);
   }
+}
+
+inline void Communicator::ExchangeBounded(std::span<const std::span<const uint8_t>>,
+                                          std::span<const std::span<uint8_t>>) {
+  GEOFP8_FAIL("exchange-bounded: backend ", backend(), " has no bounded receive");
 }
 
 inline void Communicator::AllReduceSumNativeFp8(std::span<float>) {

@@ -415,9 +415,22 @@ std::vector<BucketResult> Exchanger::RunBuckets(uint64_t step, size_t first, siz
   ao.trace = options_.trace;
   ao.workspace = &workspace_;
   // The fingerprints are compared while the first groups are encoded, in one collective for
-  // every bucket of the run; nothing moves before.
+  // every bucket of the run; nothing moves before. Once a check of a run with this layout (layer
+  // sizes, grouping options) has passed on this communicator, every rank is known to have
+  // these layer sizes (the records hold them), which is what sizing the fused round's receives
+  // needs: then, on a communicator with a bounded receive, the record rides in the run's first
+  // data round instead (AlgorithmOptions::check_record). Every rank has passed the same checks,
+  // so every rank makes the same choice.
   ao.before_data = [&] { CheckFingerprints(comm_, prints, layer_names_); };
+  const uint64_t layout = RunLayoutDigest(work);
+  if (comm_.IsAgreedLayout(layout)) {
+    const RunRecord run = MakeRunRecord(prints);
+    const auto* bytes = reinterpret_cast<const uint8_t*>(&run);
+    ao.check_record.assign(bytes, bytes + sizeof run);
+    ao.diagnose = [&] { DiagnoseFingerprints(comm_, prints, layer_names_); };
+  }
   const uint64_t nonfinite = ExchangeBucketData(comm_, options_.algorithm, ao, work);
+  comm_.AddAgreedLayout(layout);
   // One run moved every bucket's bytes: each bucket is charged its share of the fp32 size.
   const uint64_t bytes = comm_.stats().bytes_sent - bytes_before;
   size_t total_fp32 = 0;
@@ -437,6 +450,20 @@ std::vector<BucketResult> Exchanger::RunBuckets(uint64_t step, size_t first, siz
     results.push_back(r);
   }
   return results;
+}
+
+uint64_t Exchanger::RunLayoutDigest(std::span<const BucketLayer> work) const {
+  // FNV-1a over what decides the messages' largest sizes and grouping, whatever the policies and
+  // the algorithm (the fused check's receives are sized for every algorithm, algorithms.h).
+  uint64_t h = 0xcbf29ce484222325ull;
+  auto mix = [&h](uint64_t v) {
+    for (int i = 0; i < 8; ++i) h = (h ^ ((v >> (8 * i)) & 0xff)) * 0x100000001b3ull;
+  };
+  mix(options_.segment_bytes);
+  mix(options_.inline_bytes);
+  mix(work.size());
+  for (const BucketLayer& l : work) mix(l.in.size());
+  return h;
 }
 
 void Exchanger::Activate(LayerState& st) {

@@ -177,6 +177,8 @@ class Exchanger {
     FactorSketch sketch;         // estimator kFactorEma: the same on every rank
   };
   void Activate(LayerState& st);
+  // The run's layout for Communicator::IsAgreedLayout: grouping options and layer sizes.
+  uint64_t RunLayoutDigest(std::span<const BucketLayer> work) const;
   FactorSketchOptions SketchOptions(uint32_t layer) const;
   uint32_t LayerId(uint32_t layer) const {
     return options_.layer_ids.empty() ? layer : options_.layer_ids[layer];

@@ -141,11 +141,9 @@ uint64_t LayerDigest(std::span<const LayerRecord> layers) {
   return Fnv1a(layers.data(), layers.size_bytes());
 }
 
-void CheckFingerprints(Communicator& comm, std::span<const BucketFingerprint> buckets,
-                       std::span<const std::string> layer_names) {
+RunRecord MakeRunRecord(std::span<const BucketFingerprint> buckets,
+                        std::vector<BucketRecord>* headers) {
   GEOFP8_CHECK(!buckets.empty(), "fingerprint check: no buckets");
-  const int n = comm.size();
-  std::vector<BucketRecord> headers;
   RunRecord run;
   run.policy_version = buckets[0].header.policy_version;
   run.step = buckets[0].header.step;
@@ -162,8 +160,14 @@ void CheckFingerprints(Communicator& comm, std::span<const BucketFingerprint> bu
     h.layer_count = static_cast<uint32_t>(b.layers.size());
     h.digest = LayerDigest(b.layers);
     run.digest = Fnv1a(&h, sizeof h, run.digest);
-    headers.push_back(h);
+    if (headers) headers->push_back(h);
   }
+  return run;
+}
+
+void CheckFingerprints(Communicator& comm, std::span<const BucketFingerprint> buckets,
+                       std::span<const std::string> layer_names) {
+  const RunRecord run = MakeRunRecord(buckets);
   // The common case in one small reduction: every rank holds the same record iff, word by word,
   // the maximum over ranks equals the minimum (the complement of the maximum of complements).
   constexpr size_t kWords = sizeof(RunRecord) / sizeof(uint64_t);
@@ -175,9 +179,16 @@ void CheckFingerprints(Communicator& comm, std::span<const BucketFingerprint> bu
   bool agree = true;
   for (size_t i = 0; i < kWords; ++i) agree = agree && words[i] == ~words[kWords + i];
   if (agree) return;
+  // Some rank differs; every rank saw the same reduction, so every rank diagnoses.
+  DiagnoseFingerprints(comm, buckets, layer_names);
+}
 
-  // Some rank differs; every rank saw the same reduction, so every rank takes the same path below
-  // and each gather is matched on all of them.
+void DiagnoseFingerprints(Communicator& comm, std::span<const BucketFingerprint> buckets,
+                          std::span<const std::string> layer_names) {
+  const int n = comm.size();
+  std::vector<BucketRecord> headers;
+  const RunRecord run = MakeRunRecord(buckets, &headers);
+  // Every rank takes this path, so each gather below is matched on all of them.
   std::vector<RunRecord> all(n);
   comm.AllGatherV({reinterpret_cast<const uint8_t*>(&run), sizeof run},
                   {reinterpret_cast<uint8_t*>(all.data()), all.size() * sizeof(RunRecord)},

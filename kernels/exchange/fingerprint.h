@@ -1,8 +1,10 @@
-// Bucket fingerprints: before any payload moves, ranks compare one small fixed-size record for
+// Bucket fingerprints: before any payload is used, ranks compare one small fixed-size record for
 // the buckets that move together (policy version, step, algorithm, a digest of every bucket's
-// layers): one max-reduction per run, however many buckets it holds. A mismatch is diagnosed with
-// further gathers of per-bucket and per-layer records and reported naming the rank and the layer,
-// on every rank.
+// layers): one max-reduction per run, however many buckets it holds, or, on a communicator with a
+// bounded receive (Gloo) once the run's layout has passed that check, no round of its own: the
+// record rides in the run's first data round (the fp32/bf16 baselines exchange it alone). A
+// mismatch is diagnosed with further gathers of per-bucket and per-layer records and reported
+// naming the rank and the layer, on every rank.
 #pragma once
 
 #include <cstdint>
@@ -73,5 +75,20 @@ uint64_t LayerDigest(std::span<const LayerRecord> layers);
 // message (may be empty).
 void CheckFingerprints(Communicator& comm, std::span<const BucketFingerprint> buckets,
                        std::span<const std::string> layer_names);
+
+// The record CheckFingerprints compares, for a caller that carries it itself: where the
+// communicator has a bounded receive, the exchange sends it in its first data round
+// (AlgorithmOptions::check_record) instead of the separate max-reduction. `headers`, when given,
+// receives the buckets' records with layer_count and digest filled in.
+RunRecord MakeRunRecord(std::span<const BucketFingerprint> buckets,
+                        std::vector<BucketRecord>* headers = nullptr);
+
+// The collective half of CheckFingerprints, for when some rank's RunRecord differs and every rank
+// knows it: gathers the run, bucket and layer records and throws the error naming the first
+// disagreeing rank and layer, the same on every rank. Every rank must call it; it always throws
+// (a generic mismatch error if the records turn out equal).
+[[noreturn]] void DiagnoseFingerprints(Communicator& comm,
+                                       std::span<const BucketFingerprint> buckets,
+                                       std::span<const std::string> layer_names);
 
 }  // namespace geofp8

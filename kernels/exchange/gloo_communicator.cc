@@ -13,6 +13,8 @@
 #include <gloo/rendezvous/prefix_store.h>
 #include <gloo/transport/tcp/device.h>
 #include <gloo/transport/tcp/pair.h>
+#include <gloo/transport/unbound_buffer.h>
+#include <gloo/types.h>
 
 #include <algorithm>
 #include <atomic>
@@ -48,6 +50,9 @@ void GlooStoreAdapter::wait(const std::vector<std::string>& keys,
 }
 
 namespace {
+
+// ExchangeBounded's slots: a prefix none of gloo's collectives use (gloo/types.h: 0x01..0x08).
+constexpr uint8_t kBoundedSlotPrefix = 0x47;
 
 // Gloo wakes the operations waiting on a pair with an error only through
 // tcp::Pair::signalExceptionExternal: its own collective timeout calls it on every pair of the
@@ -273,6 +278,51 @@ class GlooCommunicator final : public Communicator {
       }
     });
     std::copy_n(v.w, words.size(), words.begin());
+  }
+
+  bool SupportsBoundedReceive() const override { return true; }
+
+  // Pairwise unbound-buffer messages on one slot of their own. Gloo's TCP pair accepts a message
+  // no longer than the posted receive (and fails the process on a longer one), so each receive is
+  // posted at its full capacity. Receives go out first, so every peer's send finds one posted.
+  void ExchangeBounded(std::span<const std::span<const uint8_t>> send_to,
+                       std::span<const std::span<uint8_t>> recv_from) override {
+    const int n = size(), me = rank();
+    GEOFP8_CHECK(static_cast<int>(send_to.size()) == n && static_cast<int>(recv_from.size()) == n,
+                 "exchange-bounded: send_to and recv_from must have one entry per rank (", n, ")");
+    ++stats_->collectives;
+    for (int j = 0; j < n; ++j) {
+      if (j != me) stats_->bytes_sent += send_to[j].size();
+    }
+    if (n == 1) return;
+    const uint32_t tag = next_tag_++;
+    Call("exchange-bounded", [&] {
+      const uint64_t slot = gloo::Slot::build(kBoundedSlotPrefix, tag);
+      uint8_t dummy_in = 0, dummy_out = 0;
+      std::vector<std::unique_ptr<gloo::transport::UnboundBuffer>> recvs, sends;
+      for (int k = 1; k < n; ++k) {
+        const int j = (me + n - k) % n;
+        const std::span<uint8_t> in = recv_from[j];
+        recvs.push_back(
+            context_->createUnboundBuffer(in.empty() ? &dummy_in : in.data(), in.size()));
+        recvs.back()->recv(j, slot, 0, in.size());
+      }
+      for (int k = 1; k < n; ++k) {
+        const int j = (me + k) % n;
+        const std::span<const uint8_t> out = send_to[j];
+        sends.push_back(context_->createUnboundBuffer(
+            out.empty() ? &dummy_out : const_cast<uint8_t*>(out.data()), out.size()));
+        sends.back()->send(j, slot, 0, out.size());
+      }
+      for (auto& b : recvs) {
+        if (!b->waitRecv(timeout_))
+          GEOFP8_FAIL_TRANSPORT("gloo exchange-bounded on rank ", me, ": receive aborted");
+      }
+      for (auto& b : sends) {
+        if (!b->waitSend(timeout_))
+          GEOFP8_FAIL_TRANSPORT("gloo exchange-bounded on rank ", me, ": send aborted");
+      }
+    });
   }
 
   void Barrier() override {

@@ -192,6 +192,42 @@ TEST(CodecLayout, ByteCounts) {
   EXPECT_EQ(PayloadBytes(o, 5), 20u);
 }
 
+// MaxEncodedBytes bounds the real encoded size of every option set the codec accepts, whatever
+// the element count: the exchange sizes receives with it for ranks whose options may differ.
+TEST(CodecLayout, MaxEncodedBytesBoundsEveryOptionSet) {
+  std::vector<float> x(4097);
+  for (size_t i = 0; i < x.size(); ++i) x[i] = std::ldexp(static_cast<float>(i % 37) - 18.f, -3);
+  for (Format f : {Format::kFp32, Format::kBf16, Format::kFp8E4M3, Format::kFp8E5M2, Format::kMxfp8,
+                   Format::kNvfp4}) {
+    for (Scaling s : {Scaling::kNone, Scaling::kTensor, Scaling::kBlock}) {
+      for (uint32_t block : {1u, 2u, 3u, 7u, 16u, 32u, 100u, 128u, 4096u, 0xffffffffu}) {
+        for (Rounding rounding : {Rounding::kNearest, Rounding::kStochastic}) {
+          CodecOptions o;
+          o.format = f;
+          o.scaling = s;
+          o.block = block;
+          o.rounding = rounding;
+          ASSERT_EQ(ValidateCodecOptions(o), "");
+          for (size_t n : {size_t{0}, size_t{1}, size_t{2}, size_t{15}, size_t{33}, size_t{1000},
+                           size_t{4097}}) {
+            const size_t bytes = EncodedBytes(o, n);
+            ASSERT_LE(bytes, MaxEncodedBytes(n))
+                << FormatName(f) << " " << ScalingName(s) << " block " << block << " n " << n;
+            // The real encode fills exactly that many bytes and parses back to n elements.
+            std::vector<uint8_t> out(bytes);
+            Encode(std::span<const float>(x).first(n), o, out);
+            ASSERT_EQ(ParseEncoded(out).header.count, n);
+          }
+        }
+      }
+    }
+  }
+  // fp8 with block 1 is the largest: 4 scale bytes and 1 payload byte per element.
+  CodecOptions worst;
+  worst.block = 1;
+  EXPECT_EQ(EncodedBytes(worst, 1000), MaxEncodedBytes(1000) - 4);
+}
+
 TEST(CodecWire, HeaderIsSelfDescribing) {
   CodecOptions o;
   o.block = 64;

@@ -111,6 +111,31 @@ TEST_P(CommSweep, EveryCollective) {
     }
     std::vector<uint64_t> too_many(Communicator::kMaxReduceWords + 1);
     EXPECT_THROW(comm.MaxReduceWords(too_many), Error);
+
+    // Bounded exchange: rank r sends PairBytes(r, j) + 1 bytes to j, which posts a receive 8
+    // bytes larger (a shorter message is accepted) and finds the bytes at the front; the bytes
+    // counted are those actually sent. The slack of the receive is left as it was.
+    ASSERT_TRUE(comm.SupportsBoundedReceive());
+    std::vector<std::vector<uint8_t>> out(n), in(n);
+    std::vector<std::span<const uint8_t>> send_to(n);
+    std::vector<std::span<uint8_t>> recv_from(n);
+    uint64_t sent = 0;
+    for (int j = 0; j < n; ++j) {
+      for (size_t k = 0; k < PairBytes(r, j) + 1; ++k) out[j].push_back(PairByte(r, j, k));
+      in[j].assign(PairBytes(j, r) + 1 + 8, 0xee);
+      send_to[j] = out[j];
+      recv_from[j] = in[j];
+      if (j != r) sent += out[j].size();
+    }
+    const uint64_t bytes_before = comm.stats().bytes_sent;
+    comm.ExchangeBounded(send_to, recv_from);
+    EXPECT_EQ(comm.stats().bytes_sent - bytes_before, sent);
+    for (int j = 0; j < n; ++j) {
+      if (j == r) continue;
+      const size_t len = PairBytes(j, r) + 1;
+      for (size_t k = 0; k < len; ++k) ASSERT_EQ(in[j][k], PairByte(j, r, k)) << j << " " << k;
+      for (size_t k = len; k < in[j].size(); ++k) ASSERT_EQ(in[j][k], 0xee) << j << " " << k;
+    }
     comm.Barrier();
     EXPECT_GT(comm.stats().collectives, 0u);
   });
