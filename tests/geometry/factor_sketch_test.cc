@@ -106,7 +106,9 @@ TEST(ThinProduct, MatchesALongDoubleReferenceAndGivesTheSameBitsTwice) {
         // gamma_n = n u / (1 - n u), u = 2^-24 (Higham, Accuracy and Stability, 3.1).
         const double u = 0x1.0p-24, gamma = n * u / (1 - n * u);
         EXPECT_NEAR(y[r * ldx + c], double(ref), gamma * double(mag)) << r << "," << c;
-        if (c >= cols) EXPECT_EQ(y[r * ldx + c], 0.f) << "padding column " << c;
+        if (c >= cols) {
+          EXPECT_EQ(y[r * ldx + c], 0.f) << "padding column " << c;
+        }
       }
     EXPECT_EQ(norm, geometry::ThinProductAndNorm(g.data(), m, n, x.data(), ldx, y2.data()));
     EXPECT_EQ(0, std::memcmp(y.data(), y2.data(), y.size() * sizeof(float))) << cols;

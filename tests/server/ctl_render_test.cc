@@ -118,7 +118,7 @@ TEST(Render, PolicyHistoryShowsTheTakenStep) {
   EXPECT_NE(wide.find("TAKEN-STEP"), std::string::npos) << wide;
   EXPECT_NE(wide.find("fp8_e4m3/lowrank"), std::string::npos) << wide;
   EXPECT_NE(wide.find("v3       45              47"), std::string::npos) << wide;
-  for (const YAML::Node doc : {YAML::Load(ToJson(r)), YAML::Load(ToYaml(r))}) {
+  for (const YAML::Node& doc : {YAML::Load(ToJson(r)), YAML::Load(ToYaml(r))}) {
     const YAML::Node ps = doc["policies"];
     ASSERT_EQ(ps.size(), 4u);
     EXPECT_EQ(ps[0]["taken_step"].as<int64_t>(), 0);
