@@ -17,6 +17,17 @@ namespace geofp8::testing {
 
 using Tensors = std::vector<std::vector<float>>;  // [layer][element]
 
+// A layer policy from its codec fields (the exchange tests' layer tables).
+inline LayerPolicy Policy(Format format, Scaling scaling, uint32_t block,
+                          Rounding rounding = Rounding::kNearest) {
+  LayerPolicy p;
+  p.format = format;
+  p.scaling = scaling;
+  p.block = block;
+  p.rounding = rounding;
+  return p;
+}
+
 // Deterministic gradient values: a hash-driven uniform in [-1, 1) times 2^e, where e varies per
 // 64-element run so block scales differ across blocks.
 inline float InputValue(int rank, uint32_t layer, size_t i, uint64_t step = 0) {

@@ -50,22 +50,14 @@ INSTANTIATE_TEST_SUITE_P(
 
 // Several layers with different policies share buckets; a small cap splits them.
 std::vector<LayerSpec> MixedLayers() {
-  auto policy = [](Format f, Scaling s, uint32_t block, Rounding r) {
-    LayerPolicy p;
-    p.format = f;
-    p.scaling = s;
-    p.block = block;
-    p.rounding = r;
-    return p;
-  };
   return {
-      {"embed", 40, 25, policy(Format::kFp8E4M3, Scaling::kTensor, 128, Rounding::kNearest)},
-      {"fc1", 33, 31, policy(Format::kFp8E5M2, Scaling::kBlock, 64, Rounding::kNearest)},
-      {"fc2", 999, 1, policy(Format::kMxfp8, Scaling::kBlock, 32, Rounding::kNearest)},
-      {"fc3", 517, 1, policy(Format::kNvfp4, Scaling::kBlock, 16, Rounding::kNearest)},
-      {"norm", 7, 1, policy(Format::kBf16, Scaling::kNone, 1, Rounding::kNearest)},
-      {"head", 300, 3, policy(Format::kFp8E4M3, Scaling::kBlock, 100, Rounding::kStochastic)},
-      {"bias", 1, 1, policy(Format::kFp32, Scaling::kNone, 1, Rounding::kNearest)},
+      {"embed", 40, 25, Policy(Format::kFp8E4M3, Scaling::kTensor, 128, Rounding::kNearest)},
+      {"fc1", 33, 31, Policy(Format::kFp8E5M2, Scaling::kBlock, 64, Rounding::kNearest)},
+      {"fc2", 999, 1, Policy(Format::kMxfp8, Scaling::kBlock, 32, Rounding::kNearest)},
+      {"fc3", 517, 1, Policy(Format::kNvfp4, Scaling::kBlock, 16, Rounding::kNearest)},
+      {"norm", 7, 1, Policy(Format::kBf16, Scaling::kNone, 1, Rounding::kNearest)},
+      {"head", 300, 3, Policy(Format::kFp8E4M3, Scaling::kBlock, 100, Rounding::kStochastic)},
+      {"bias", 1, 1, Policy(Format::kFp32, Scaling::kNone, 1, Rounding::kNearest)},
   };
 }
 

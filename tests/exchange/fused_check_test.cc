@@ -18,15 +18,6 @@ namespace {
 
 using namespace geofp8::testing;
 
-LayerPolicy Policy(Format f, Scaling s, uint32_t block, Rounding r = Rounding::kNearest) {
-  LayerPolicy p;
-  p.format = f;
-  p.scaling = s;
-  p.block = block;
-  p.rounding = r;
-  return p;
-}
-
 // Several formats and block sizes in a few buckets (cap 4096 bytes), each several groups when
 // segment_bytes is small.
 std::vector<LayerSpec> Layers() {
