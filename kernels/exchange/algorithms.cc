@@ -63,6 +63,19 @@ GEOFP8_DIVIDE_CLONES bool Divide(std::span<const float> in, float divisor, std::
 
 uint64_t FlagBit(const BucketLayer& l) { return uint64_t{1} << l.flag_bit; }
 
+// Whether this run's check rides in its data (AlgorithmOptions::check_record) rather than a
+// round of its own (before_data): asked for by the caller and possible on this backend.
+bool FusedCheck(const Communicator& comm, const AlgorithmOptions& ao) {
+  return !ao.check_record.empty() && comm.SupportsBoundedReceive();
+}
+
+// The check as a round of its own, where the caller gave one.
+void RunBeforeData(const AlgorithmOptions& ao) {
+  if (!ao.before_data) return;
+  TraceScope span(ao.trace, "fingerprints", ExchangeTrace::kMainLane, ao.step);
+  ao.before_data();
+}
+
 // After a fused check's ExchangeBounded: recv[j] starts with rank j's record (ours included).
 // Returns if every record equals ours; otherwise every rank holds the same records and is here
 // too, so every rank runs the diagnosis, whose collectives then match, and throws.
@@ -99,16 +112,13 @@ void CheckRecordsOnly(Communicator& comm, const AlgorithmOptions& ao,
 // ExchangeBounded) where the caller asked for it and the backend can, else before_data.
 void CheckBeforeData(Communicator& comm, const AlgorithmOptions& ao,
                      std::span<const BucketLayer> layers, ExchangeWorkspace& ws) {
-  if (!ao.check_record.empty() && comm.SupportsBoundedReceive()) {
-    // Group 0's send buffer: the baselines and an empty run use no pipeline buffers.
-    if (ws.bytes.empty()) ws.bytes.resize(1);
-    CheckRecordsOnly(comm, ao, layers, ws.bytes[0]);
+  if (!FusedCheck(comm, ao)) {
+    RunBeforeData(ao);
     return;
   }
-  if (ao.before_data) {
-    TraceScope span(ao.trace, "fingerprints", ExchangeTrace::kMainLane, ao.step);
-    ao.before_data();
-  }
+  // Group 0's send buffer: the baselines and an empty run use no pipeline buffers.
+  if (ws.bytes.empty()) ws.bytes.resize(1);
+  CheckRecordsOnly(comm, ao, layers, ws.bytes[0]);
 }
 
 // The OR over ranks of every rank's flags: one all-gather of 8 bytes (the baselines; two_phase and
@@ -232,7 +242,7 @@ class Pipeline {
         two_phase_(two_phase),
         n_(comm.size()),
         r_(comm.rank()),
-        fused_(!ao.check_record.empty() && comm.SupportsBoundedReceive()) {
+        fused_(FusedCheck(comm, ao)) {
     const size_t L = layers.size();
     chunk_.assign(L, std::vector<ChunkRange>(n_));
     bytes_.assign(L, std::vector<size_t>(n_));
@@ -293,10 +303,7 @@ class Pipeline {
   // group's encode (so the flags are complete for the last group's first collective), then per
   // group its collectives, sum and decode. The same wire layout and bytes as Run().
   uint64_t RunInline() {
-    if (!fused_ && ao_.before_data) {
-      TraceScope span(ao_.trace, "fingerprints", ExchangeTrace::kMainLane, ao_.step);
-      ao_.before_data();
-    }
+    if (!fused_) RunBeforeData(ao_);
     const size_t G = groups_.size();
     for (size_t s = 0; s < G; ++s) {
       TraceScope span(ao_.trace, "encode", ExchangeTrace::kCodecLane, ao_.step,
@@ -359,10 +366,7 @@ class Pipeline {
       // The caller's check (fingerprints) runs while the helper encodes the first groups; no
       // lane moves data before it has passed. Fused, lane 0's first collective is the check.
       if (!fused_) {
-        if (ao_.before_data) {
-          TraceScope span(ao_.trace, "fingerprints", ExchangeTrace::kMainLane, ao_.step);
-          ao_.before_data();
-        }
+        RunBeforeData(ao_);
         MarkChecked();
       }
       RunLane(comm_, 0, lanes);

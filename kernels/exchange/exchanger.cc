@@ -455,15 +455,9 @@ std::vector<BucketResult> Exchanger::RunBuckets(uint64_t step, size_t first, siz
 uint64_t Exchanger::RunLayoutDigest(std::span<const BucketLayer> work) const {
   // FNV-1a over what decides the messages' largest sizes and grouping, whatever the policies and
   // the algorithm (the fused check's receives are sized for every algorithm, algorithms.h).
-  uint64_t h = 0xcbf29ce484222325ull;
-  auto mix = [&h](uint64_t v) {
-    for (int i = 0; i < 8; ++i) h = (h ^ ((v >> (8 * i)) & 0xff)) * 0x100000001b3ull;
-  };
-  mix(options_.segment_bytes);
-  mix(options_.inline_bytes);
-  mix(work.size());
-  for (const BucketLayer& l : work) mix(l.in.size());
-  return h;
+  std::vector<uint64_t> words = {options_.segment_bytes, options_.inline_bytes, work.size()};
+  for (const BucketLayer& l : work) words.push_back(l.in.size());
+  return Fnv1a(words.data(), words.size() * sizeof(uint64_t));
 }
 
 void Exchanger::Activate(LayerState& st) {

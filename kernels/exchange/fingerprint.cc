@@ -9,13 +9,13 @@
 
 namespace geofp8 {
 
-namespace {
-
-uint64_t Fnv1a(const void* data, size_t bytes, uint64_t h = 0xcbf29ce484222325ull) {
+uint64_t Fnv1a(const void* data, size_t bytes, uint64_t h) {
   const auto* p = static_cast<const uint8_t*>(data);
   for (size_t i = 0; i < bytes; ++i) h = (h ^ p[i]) * 0x100000001b3ull;
   return h;
 }
+
+namespace {
 
 std::string NameOf(uint32_t layer, std::span<const std::string> names) {
   std::ostringstream os;

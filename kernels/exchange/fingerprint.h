@@ -65,6 +65,9 @@ struct BucketFingerprint {
   std::vector<LayerRecord> layers;
 };
 
+// 64-bit FNV-1a of `bytes` bytes, continuing from `h` (chain calls to hash several pieces).
+uint64_t Fnv1a(const void* data, size_t bytes, uint64_t h = 0xcbf29ce484222325ull);
+
 uint64_t LayerDigest(std::span<const LayerRecord> layers);
 
 // Compares every rank's RunRecord of `buckets` (one small max-reduction when the ranks agree,

@@ -13,6 +13,7 @@
 #include <utility>
 
 #include "kernels/common/check.h"
+#include "kernels/common/cpu_features.h"
 
 #if defined(__x86_64__) && defined(__GNUC__)
 #include <immintrin.h>
@@ -100,8 +101,7 @@ void SolveUpperRight(double* a, int64_t m, int n, const double* r, std::vector<d
   inv.resize(static_cast<size_t>(n));
   for (int j = 0; j < n; ++j) inv[j] = 1.0 / r[int64_t(j) * n + j];
 #ifdef GEOFP8_LAPACK_AVX2
-  static const bool avx2 = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
-  if (avx2) return SolveUpperRightAvx2(a, m, n, r, inv.data());
+  if (CpuHasAvx2Fma()) return SolveUpperRightAvx2(a, m, n, r, inv.data());
 #endif
   SolveUpperRightBaseline(a, m, n, r, inv.data());
 }
@@ -455,9 +455,8 @@ void EigenBaseline(double* a, int n, double* values, double* work, bool vectors)
 }
 
 void SmallSymmetricEigen(double* a, int n, double* values, double* work, bool vectors) {
-#if defined(__x86_64__) && defined(__GNUC__)
-  static const bool avx2 = __builtin_cpu_supports("avx2");
-  if (avx2) return EigenAvx2(a, n, values, work, vectors);
+#ifdef GEOFP8_LAPACK_AVX2
+  if (CpuHasAvx2()) return EigenAvx2(a, n, values, work, vectors);
 #endif
   EigenBaseline(a, n, values, work, vectors);
 }

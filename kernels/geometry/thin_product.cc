@@ -4,6 +4,7 @@
 #include <cblas.h>
 
 #include "kernels/common/check.h"
+#include "kernels/common/cpu_features.h"
 
 #if defined(__x86_64__) && defined(__GNUC__)
 #include <immintrin.h>
@@ -83,8 +84,7 @@ double ThinProductAndNorm(const float* g, int64_t m, int64_t n, const float* x, 
   GEOFP8_CHECK(m >= 1 && n >= 1 && ldx >= 0 && ldx % 8 == 0, "ThinProductAndNorm: shape ", m, "x",
                n, ", ldx ", ldx, " (need m, n >= 1 and ldx a multiple of 8)");
 #ifdef GEOFP8_THIN_AVX2
-  static const bool avx2 = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
-  if (avx2) return ThinAvx2(g, m, n, x, ldx, y);
+  if (CpuHasAvx2Fma()) return ThinAvx2(g, m, n, x, ldx, y);
 #endif
   if (ldx > 0) {
     cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, static_cast<int>(m), ldx,
