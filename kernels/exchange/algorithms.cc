@@ -589,7 +589,8 @@ class Pipeline {
               layers_[i].out);
         }
         layer_off += bytes_[i][r_];
-        if (layers_[i].geometry) InvertGeometry(*layers_[i].geometry, layers_[i].out);
+        if (layers_[i].geometry)
+          InvertGeometry(*layers_[i].geometry, layers_[i].out, layers_[i].products);
       }
       return;
     }
@@ -603,7 +604,8 @@ class Pipeline {
       }
     }
     for (size_t i = g.first; i < g.last; ++i) {
-      if (layers_[i].geometry) InvertGeometry(*layers_[i].geometry, layers_[i].out);
+      if (layers_[i].geometry)
+        InvertGeometry(*layers_[i].geometry, layers_[i].out, layers_[i].products);
     }
   }
 
@@ -798,7 +800,7 @@ uint64_t ExchangeBucketData(Communicator& comm, Algorithm algorithm,
                   " (accepted: ", AcceptedAlgorithms(), ")");
   }
   for (const auto& l : layers) {
-    if (l.geometry) InvertGeometry(*l.geometry, l.out);
+    if (l.geometry) InvertGeometry(*l.geometry, l.out, l.products);
   }
   return AgreeFlags(comm, bad);
 }

@@ -29,6 +29,9 @@ struct BucketLayer {
   // before any of its outputs is written.
   std::span<float> in;
   std::span<float> out;  // the reduced result in gradient coordinates (same size)
+  // When not null and the layer has a lowrank geometry: filled by the inverse transform with what
+  // it learnt of `out` (geometry.h InverseProducts), for the factor sketch that reads it next.
+  InverseProducts* products = nullptr;
   // Which bit of ExchangeBucketData's result reports a NaN or inf in this layer's input (< 64):
   // the exchanger gives each bucket of a coalesced exchange its own bit.
   uint32_t flag_bit = 0;

@@ -138,6 +138,12 @@ bool Exchanger::UsesGeometry(uint32_t layer) const {
          options_.algorithm != Algorithm::kFp32 && options_.algorithm != Algorithm::kBf16;
 }
 
+bool Exchanger::RefreshesAt(uint32_t layer, uint64_t step) const {
+  if (schedule_.empty()) return false;
+  const RefreshSchedule& s = schedule_[layer];
+  return step >= static_cast<uint64_t>(s.offset) && (step - s.offset) % s.interval == 0;
+}
+
 std::shared_future<BucketResult> Exchanger::Submit(uint64_t step, size_t bucket,
                                                    std::vector<std::span<float>> grads) {
   GEOFP8_CHECK(bucket < buckets_.size(), "submit: bucket ", bucket, " out of range (",
@@ -397,6 +403,11 @@ std::vector<BucketResult> Exchanger::RunBuckets(uint64_t step, size_t first, siz
       BucketLayer w{LayerId(l), spec.policy, UsesGeometry(l) ? &st.active : nullptr, grads[l],
                     grads[l]};
       w.flag_bit = static_cast<uint32_t>(bucket - first);
+      // The sketch that refreshes this layer after the exchange can take G V, U^T G and ||G||^2
+      // from the inverse instead of reading the result for them.
+      st.products.valid = false;
+      if (w.geometry && options_.estimator == GeometryEstimator::kFactorEma && RefreshesAt(l, step))
+        w.products = &st.products;
       work.push_back(w);
     }
     fp.header.policy_version = options_.policy_version;
@@ -479,9 +490,8 @@ std::vector<RefreshRecord> Exchanger::RunRefreshes(uint64_t step,
   TraceScope span(options_.trace, "geometry_refresh", ExchangeTrace::kMainLane, step);
   std::vector<RefreshRecord> out;
   for (uint32_t l = 0; l < layers_.size(); ++l) {
-    if (!UsesGeometry(l)) continue;
+    if (!UsesGeometry(l) || !RefreshesAt(l, step)) continue;
     const RefreshSchedule& s = schedule_[l];
-    if (step < static_cast<uint64_t>(s.offset) || (step - s.offset) % s.interval != 0) continue;
     const LayerSpec& spec = layers_[l];
     LayerState& st = state_[l];
     RefreshRecord rec;
@@ -490,8 +500,9 @@ std::vector<RefreshRecord> Exchanger::RunRefreshes(uint64_t step,
       // Every rank holds the same averaged gradient and runs the same fixed-order arithmetic, so
       // every rank derives the same geometry; the fingerprint's digest checks it at its first use.
       const auto start = std::chrono::steady_clock::now();
-      UpdateFactorSketch(st.sketch, grads[l], spec.rows, spec.cols, spec.policy.rank,
-                         SketchOptions(l));
+      rec.from_inverse = UpdateFactorSketch(st.sketch, grads[l], spec.rows, spec.cols,
+                                            spec.policy.rank, SketchOptions(l), &st.products);
+      st.products.valid = false;
       SketchGeometryOptions go;
       go.rank = spec.policy.rank;
       go.alpha = spec.policy.alpha;

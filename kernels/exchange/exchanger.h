@@ -92,6 +92,10 @@ struct RefreshRecord {
   uint64_t active_from = 0;  // step at which every rank switches to it
   double drift = 0.0;        // owner-measured subspace distance to the previous basis
   double seconds = 0.0;      // owner's estimate time (the same figure on every rank)
+  // factor_ema: the sketch took G V, U^T G and ||G||^2 from the step's inverse transform instead
+  // of reading G for them (factor_sketch.h), as it does whenever the geometry in force is the one
+  // its last update derived.
+  bool from_inverse = false;
 };
 
 struct StepResult {
@@ -175,6 +179,7 @@ class Exchanger {
     bool has_pending = false;
     uint64_t active_digest = 0;  // GeometryDigest(active), compared across ranks every step
     FactorSketch sketch;         // estimator kFactorEma: the same on every rank
+    InverseProducts products;    // kFactorEma: this step's inverse transform's, for the sketch
   };
   void Activate(LayerState& st);
   // The run's layout for Communicator::IsAgreedLayout: grouping options and layer sizes.
@@ -190,6 +195,7 @@ class Exchanger {
   std::vector<RefreshRecord> RunRefreshes(uint64_t step,
                                           const std::vector<std::span<float>>& grads);
   bool UsesGeometry(uint32_t layer) const;
+  bool RefreshesAt(uint32_t layer, uint64_t step) const;
   std::string PolicyMismatch(uint32_t layer, const Geometry& geometry) const;
   void Enqueue(std::function<void()> task);
   void WorkerLoop();

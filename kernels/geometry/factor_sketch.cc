@@ -173,10 +173,24 @@ void RightFromBasis(FactorSketch& s, const double* bd, int64_t n, int held, int 
   for (int i = 0; i < w; ++i) s.right_energy[i] = std::max(values_r[cz - 1 - i], 0.0);
 }
 
+// Whether `known` holds G's projections on exactly the sketch's held basis (all of it), so that
+// the update can take them instead of reading G for them.
+bool Matches(const FactorSketch& s, const InverseProducts* known, const float* G, int64_t m,
+             int64_t n, int held) {
+  if (!known || !known->valid || known->data != G || known->m != m || known->n != n || held == 0 ||
+      known->k != held || s.width != held)
+    return false;
+  const size_t left = static_cast<size_t>(m) * held, right = static_cast<size_t>(n) * held;
+  return known->U.size() == left && known->V.size() == right && known->ug.size() == right &&
+         known->gv.size() == left && s.left.size() == left && s.right.size() == right &&
+         std::memcmp(known->U.data(), s.left.data(), left * sizeof(float)) == 0 &&
+         std::memcmp(known->V.data(), s.right.data(), right * sizeof(float)) == 0;
+}
+
 }  // namespace
 
-void UpdateFactorSketch(FactorSketch& s, std::span<const float> G, int64_t m, int64_t n, int k,
-                        const FactorSketchOptions& o) {
+bool UpdateFactorSketch(FactorSketch& s, std::span<const float> G, int64_t m, int64_t n, int k,
+                        const FactorSketchOptions& o, const InverseProducts* known) {
   GEOFP8_CHECK(m > 0 && n > 0 && static_cast<int64_t>(G.size()) == m * n,
                "UpdateFactorSketch: G has ", G.size(), " elements, shape ", m, "x", n);
   GEOFP8_CHECK(o.width >= 1 && o.probes >= 0 && o.probe_every >= 1 && o.beta >= 0.f && o.beta < 1.f,
@@ -204,8 +218,33 @@ void UpdateFactorSketch(FactorSketch& s, std::span<const float> G, int64_t m, in
   if (p > 0) Probes(o.seed, updates, n, p, x, ldx, held);
   float* y = Sized(sc.y, m * std::max(ldx, 1));
   // Y = G X and ||G||^2 (in double) from one read of G; a NaN or inf anywhere makes the norm
-  // non-finite, and only then is G searched for the culprit.
-  const double g2 = geometry::ThinProductAndNorm(G.data(), m, n, x, ldx, y);
+  // non-finite, and only then is G searched for the culprit. When the inverse transform that
+  // produced G already knows G V and ||G||^2 for the held V, only the probes' columns are read,
+  // and on an update without probes nothing.
+  const bool use_known = Matches(s, known, G.data(), m, n, held);
+  double g2 = 0.0;
+  if (use_known) {
+    g2 = known->norm2;
+    const int ldp = (p + 7) / 8 * 8;
+    float* yp = nullptr;
+    if (p > 0) {
+      float* xp = Sized(sc.qf, n * ldp);  // qf is free until Q is formed below
+      for (int64_t r = 0; r < n; ++r) {
+        std::memcpy(&xp[r * ldp], &x[r * ldx + held], sizeof(float) * p);
+        std::fill(&xp[r * ldp + p], &xp[r * ldp + ldp], 0.f);
+      }
+      yp = Sized(sc.bf, m * ldp);  // so is bf
+      geometry::ThinProductAndNorm(G.data(), m, n, xp, ldp, yp);
+    }
+    for (int64_t r = 0; r < m; ++r) {
+      float* __restrict out = y + r * ldx;
+      std::memcpy(out, &known->gv[r * held], sizeof(float) * held);
+      if (p > 0) std::memcpy(out + held, &yp[r * ldp], sizeof(float) * p);
+      std::fill(out + cx, out + ldx, 0.f);
+    }
+  } else {
+    g2 = geometry::ThinProductAndNorm(G.data(), m, n, x, ldx, y);
+  }
   if (!std::isfinite(g2)) {
     for (size_t i = 0; i < G.size(); ++i) {
       if (!std::isfinite(G[i])) {
@@ -231,11 +270,24 @@ void UpdateFactorSketch(FactorSketch& s, std::span<const float> G, int64_t m, in
   float* qf = Sized(sc.qf, m * ca);  // Q in float, column-major like q
   for (int64_t i = 0; i < m * ca; ++i) qf[i] = static_cast<float>(q[i]);
   // B^T = G^T Q (n x ca, column-major): G row-major is G^T column-major with leading dimension n.
+  // With known projections only Q's columns past the held ones are multiplied by G: the held ones
+  // are U R11^-1 (R11 = R's leading held x held block, since QR keeps the span of every leading
+  // set of columns), so G^T Q's are (G^T U) R11^-1, a triangular solve on the known U^T G. U is
+  // orthonormal in float, so R11 is the identity to float round-off and the solve amplifies
+  // nothing.
+  const int from = use_known ? held : 0;
   float* bf = Sized(sc.bf, int64_t(ca) * n);
-  cblas_sgemm(CblasColMajor, CblasNoTrans, CblasNoTrans, n, ca, m, 1.f, G.data(), n, qf, m, 0.f, bf,
-              n);
   double* bd = Sized(sc.bd, int64_t(ca) * n);  // B^T in double, column-major n x ca
-  for (int64_t i = 0; i < int64_t(ca) * n; ++i) bd[i] = bf[i];
+  if (ca > from) {
+    cblas_sgemm(CblasColMajor, CblasNoTrans, CblasNoTrans, n, ca - from, m, 1.f, G.data(), n,
+                qf + int64_t(from) * m, m, 0.f, bf + int64_t(from) * n, n);
+  }
+  for (int64_t i = int64_t(from) * n; i < int64_t(ca) * n; ++i) bd[i] = bf[i];
+  if (use_known) {
+    for (int64_t i = 0; i < int64_t(held) * n; ++i) bd[i] = known->ug[i];
+    cblas_dtrsm(CblasColMajor, CblasRight, CblasUpper, CblasNoTrans, CblasNonUnit, n, held, 1.0,
+                r_left.data(), ca, bd, n);
+  }
 
   // How the basis that was in force fit this gradient, before the gradient moves it: the energy
   // of G inside span(U_k) (rows of U^T G = C^T B) and span(V_k) (columns of G V = Y), against the
@@ -245,7 +297,16 @@ void UpdateFactorSketch(FactorSketch& s, std::span<const float> G, int64_t m, in
     double in_left = 0.0, in_right = 0.0, pred_left = 0.0, pred_right = 0.0;
     double* row = Sized(sc.row, n);
     for (int i = 0; i < kk; ++i) {
-      // row = B^T r_i by column axpys on this thread (OpenBLAS threads dgemv at this size).
+      pred_left += s.left_energy[i];
+      pred_right += s.right_energy[i];
+      for (int64_t r = 0; r < m; ++r) in_right += double(y[r * ldx + i]) * y[r * ldx + i];
+      if (use_known) {  // G^T u_i is row i of the known U^T G
+        for (int64_t h = 0; h < n; ++h)
+          in_left += double(known->ug[i * n + h]) * known->ug[i * n + h];
+        continue;
+      }
+      // row = B^T r_i = G^T Q Q^T u_i = G^T u_i by column axpys on this thread (OpenBLAS threads
+      // dgemv at this size).
       double* __restrict out = row;
       for (int64_t h = 0; h < n; ++h) out[h] = 0.0;
       for (int c = 0; c < ca; ++c) {
@@ -254,9 +315,6 @@ void UpdateFactorSketch(FactorSketch& s, std::span<const float> G, int64_t m, in
         for (int64_t h = 0; h < n; ++h) out[h] += col[h] * coef;
       }
       for (int64_t h = 0; h < n; ++h) in_left += row[h] * row[h];
-      for (int64_t r = 0; r < m; ++r) in_right += double(y[r * ldx + i]) * y[r * ldx + i];
-      pred_left += s.left_energy[i];
-      pred_right += s.right_energy[i];
     }
     const double fl = pred_left > 0 ? (in_left / g2) / (pred_left / s.energy) : 1.0;
     const double fr = pred_right > 0 ? (in_right / g2) / (pred_right / s.energy) : 1.0;
@@ -291,6 +349,7 @@ void UpdateFactorSketch(FactorSketch& s, std::span<const float> G, int64_t m, in
   s.width = w;
   s.energy = beta * s.energy + (1.0 - beta) * g2;
   ++s.updates;
+  return use_known;
 }
 
 Geometry GeometryFromSketch(const FactorSketch& s, const SketchGeometryOptions& o,

@@ -72,8 +72,16 @@ struct FactorSketch {
 
 // Folds G (m x n, row-major float32, finite) into the sketch. `k` is the geometry rank whose fit
 // is recorded. Throws geofp8::Error on a shape mismatch or a non-finite value.
-void UpdateFactorSketch(FactorSketch& sketch, std::span<const float> G, int64_t m, int64_t n, int k,
-                        const FactorSketchOptions& options);
+//
+// `known`, when given, is what the inverse transform that produced G (at the same address) knew
+// of it (geometry.h InverseProducts). When its basis is bit for bit the sketch's whole held basis,
+// as it is for the geometry derived from this sketch at its last update, the update takes G V,
+// U^T G and ||G||^2 from it: its products over G shrink from (held + probes) + (2 held + probes)
+// columns to the probes' plus (held + probes), and on an update without probes from 3 held to
+// held. The result agrees with the update without `known` to float round-off, not bit for bit.
+// Returns whether `known` was used.
+bool UpdateFactorSketch(FactorSketch& sketch, std::span<const float> G, int64_t m, int64_t n, int k,
+                        const FactorSketchOptions& options, const InverseProducts* known = nullptr);
 
 // How the whitening strength follows the sketch's fit to the last gradient.
 struct SketchGeometryOptions {

@@ -48,6 +48,10 @@ struct LowRankUpdate {
   int k2 = 0;         // 2k
   FloatBuffer left;   // m x 2k: [U | X Bb - U Ab C Bb]
   FloatBuffer right;  // 2k x n: [Ab W ; V^T]
+  // W = U^T G (k x n) and X = G V (m x k) of the input, in this thread's scratch: valid until the
+  // next PrepareLowRank on the same thread.
+  const float* w = nullptr;
+  const float* x = nullptr;
 };
 
 // Pass 1: reduces W = U^T G and X = G V over row tiles (TileRows) read from `rows_of`, in row

@@ -14,6 +14,7 @@
 #include "kernels/geometry/factors.h"
 #include "kernels/geometry/geometry_math.h"
 #include "kernels/geometry/lapack.h"
+#include "kernels/geometry/thin_product.h"
 
 namespace geofp8 {
 
@@ -182,6 +183,8 @@ LowRankUpdate PrepareLowRank(const Geometry& g, bool inverse, const RowSource& r
               0.f, u.right.data(), n);
   for (int64_t j = 0; j < n; ++j)
     for (int i = 0; i < k; ++i) u.right[(k + i) * n + j] = g.V[j * k + i];
+  u.w = w.data();
+  u.x = x.data();
   return u;
 }
 
@@ -363,19 +366,60 @@ void ApplyDiag(const Geometry& g, std::span<float> G, bool inverse) {
   geometry::DiagRows(g, 0, g.m, G.data(), G.data(), inverse);
 }
 
-void ApplyLowRank(const Geometry& g, std::span<float> G, bool inverse) {
+// The result's projections from the input's (InverseProducts): with G = D - L R (L = u.left,
+// R = u.right), G V = X - L (R V) and U^T G = W - (U^T L) R, four products of width k or 2k.
+void ProjectionsOfResult(const Geometry& g, const geometry::LowRankUpdate& u, InverseProducts& p) {
+  const int64_t m = g.m, n = g.n;
+  const int k = g.k, k2 = u.k2;
+  struct Scratch {
+    geometry::FloatBuffer rv, ul;
+  };
+  thread_local Scratch sc;
+  sc.rv.resize(static_cast<size_t>(k2 * k));
+  sc.ul.resize(static_cast<size_t>(k * k2));
+  cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, k2, k, n, 1.f, u.right.data(), n,
+              g.V.data(), k, 0.f, sc.rv.data(), k);
+  p.gv.assign(u.x, u.x + m * k);
+  cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, m, k, k2, -1.f, u.left.data(), k2,
+              sc.rv.data(), k, 1.f, p.gv.data(), k);
+  cblas_sgemm(CblasRowMajor, CblasTrans, CblasNoTrans, k, k2, m, 1.f, g.U.data(), k, u.left.data(),
+              k2, 0.f, sc.ul.data(), k2);
+  p.ug.assign(u.w, u.w + k * n);
+  cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, k, n, k2, -1.f, sc.ul.data(), k2,
+              u.right.data(), n, 1.f, p.ug.data(), n);
+  p.U = g.U;
+  p.V = g.V;
+  p.m = m;
+  p.n = n;
+  p.k = k;
+}
+
+void ApplyLowRank(const Geometry& g, std::span<float> G, bool inverse, InverseProducts* products) {
   const int64_t n = g.n;
   const geometry::LowRankUpdate u = geometry::PrepareLowRank(
       g, inverse, [&](int64_t r0, int64_t, float*) -> const float* { return G.data() + r0 * n; });
   if (u.identity) return;
+  // Taken before the update below: u.w and u.x live in scratch that nothing else touches, and G
+  // itself is not read.
+  if (products) ProjectionsOfResult(g, u, *products);
   const int64_t rows = geometry::TileRows(g.m, n);
+  double norm2 = 0.0;
   for (int64_t r0 = 0; r0 < g.m; r0 += rows) {
     const int64_t r1 = std::min(g.m, r0 + rows);
-    geometry::UpdateRows(u, r0, r1, G.data() + r0 * n);
+    float* tile = G.data() + r0 * n;
+    geometry::UpdateRows(u, r0, r1, tile);
+    if (products) norm2 += geometry::ThinProductAndNorm(tile, r1 - r0, n, nullptr, 0, nullptr);
+  }
+  if (products) {
+    products->norm2 = norm2;
+    products->data = G.data();
+    products->valid = true;
   }
 }
 
-void Transform(const Geometry& g, std::span<float> G, bool inverse) {
+void Transform(const Geometry& g, std::span<float> G, bool inverse,
+               InverseProducts* products = nullptr) {
+  if (products) products->valid = false;
   if (g.is_identity()) return;
   CheckShape(g, G);
   switch (g.mode) {
@@ -384,7 +428,7 @@ void Transform(const Geometry& g, std::span<float> G, bool inverse) {
     case GeometryMode::kDiag:
       return ApplyDiag(g, G, inverse);
     case GeometryMode::kLowRank:
-      return ApplyLowRank(g, G, inverse);
+      return ApplyLowRank(g, G, inverse, products);
   }
   GEOFP8_FAIL("geometry.mode: unknown value (", static_cast<int>(g.mode),
               "); accepted: ", AcceptedGeometryModes());
@@ -465,6 +509,9 @@ RefreshResult EstimateGeometry(std::span<const float> G, int64_t m, int64_t n,
 
 void ApplyGeometry(const Geometry& geometry, std::span<float> G) { Transform(geometry, G, false); }
 void InvertGeometry(const Geometry& geometry, std::span<float> G) { Transform(geometry, G, true); }
+void InvertGeometry(const Geometry& geometry, std::span<float> G, InverseProducts* products) {
+  Transform(geometry, G, true, products);
+}
 
 double SubspaceDrift(const Geometry& a, const Geometry& b) {
   if (a.is_identity() && b.is_identity()) return 0.0;

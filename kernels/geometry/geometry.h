@@ -65,6 +65,26 @@ RefreshResult EstimateGeometry(std::span<const float> G, int64_t m, int64_t n,
 void ApplyGeometry(const Geometry& geometry, std::span<float> G);
 void InvertGeometry(const Geometry& geometry, std::span<float> G);
 
+// What the lowrank inverse learns of its result G = T^-1(D) on the way: U^T G and G V for the
+// geometry's own U and V, and ||G||_F^2. T^-1 reduces U^T D and D V over D anyway, and G's
+// projections follow from those in O((m + n) k^2); the norm is summed over each row tile while it
+// is in cache. The factor sketch (factor_sketch.h) needs exactly these of the averaged gradient,
+// which is what spares it a pass over G.
+struct InverseProducts {
+  bool valid = false;  // false: not a lowrank inverse, or one whose factors were all 1
+  int64_t m = 0, n = 0;
+  int k = 0;
+  const float* data = nullptr;  // the G they describe (for the caller's identity check)
+  std::vector<float> U, V;      // copies of the basis they were taken against (m x k, n x k)
+  std::vector<float> ug;        // U^T G, k x n row-major (G^T U column-major)
+  std::vector<float> gv;        // G V, m x k row-major
+  double norm2 = 0.0;           // ||G||_F^2 accumulated in double; non-finite if G is
+};
+// InvertGeometry that also fills `products` (when not null): valid only for a lowrank geometry
+// whose inverse is not the identity. Each projection is within a few float round-offs of
+// computing it from G, relative to ||G|| times the inverse's amplification 1 / min f.
+void InvertGeometry(const Geometry& geometry, std::span<float> G, InverseProducts* products);
+
 // Subspace distance between two bases of equal shape: ||sin Theta||_2-style, in [0, 1].
 double SubspaceDrift(const Geometry& a, const Geometry& b);
 

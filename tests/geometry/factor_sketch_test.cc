@@ -4,9 +4,11 @@
 
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstring>
 #include <random>
+#include <string>
 #include <vector>
 
 #include "kernels/common/check.h"
@@ -239,6 +241,173 @@ TEST(FactorSketch, ProbesJoinEveryProbeEveryThUpdate) {
   FactorSketchOptions bad = every3;
   bad.probe_every = 0;
   EXPECT_THROW(UpdateFactorSketch(c, G, m, n, 3, bad), Error);
+}
+
+// The round trip the exchange makes: T(G) on the way out, T^-1 on the way back, with the products
+// of the inverse taken as it runs. Returns the inverse's result; `amp` gets 1 / (min f_L min f_R),
+// the factor by which T^-1 can enlarge a round-off of its input.
+std::vector<float> RoundTrip(const Geometry& g, const std::vector<float>& G, InverseProducts* p,
+                             double* amp) {
+  std::vector<float> x = G;
+  ApplyGeometry(g, x);
+  InvertGeometry(g, x, p);
+  const std::vector<float> fl = geometry::WhitenFactors(g, true),
+                           fr = geometry::WhitenFactors(g, false);
+  *amp = 1.0 / (*std::min_element(fl.begin(), fl.end()) * *std::min_element(fr.begin(), fr.end()));
+  return x;
+}
+
+// What the inverse transform learns on the way is G V, U^T G and ||G||^2 of its own result, for
+// its own basis: against the same projections of the result array computed in double.
+TEST(InverseProducts, AreTheProjectionsAndNormOfTheResult) {
+  const int64_t m = 70, n = 52;
+  const int k = 4;
+  const std::vector<float> U = Basis(m, k, 70), V = Basis(n, k, 71);
+  FactorSketch s;
+  FactorSketchOptions so;
+  so.width = k;
+  for (int u = 0; u < 3; ++u)
+    UpdateFactorSketch(s, LowRankPlusNoise(U, V, {40, 20, 10, 5}, m, n, 0.2, 80 + u), m, n, k, so);
+  SketchGeometryOptions go;
+  go.rank = k;
+  const Geometry g = GeometryFromSketch(s, go, 3);
+  const std::vector<float> G = LowRankPlusNoise(U, V, {40, 20, 10, 5}, m, n, 0.2, 90);
+  InverseProducts p;
+  double amp = 0;
+  const std::vector<float> out = RoundTrip(g, G, &p, &amp);
+  ASSERT_TRUE(p.valid);
+  ASSERT_GT(amp, 2.0);  // the whitening is real, so the inverse's update is not trivial
+  EXPECT_EQ(p.data, out.data());
+  EXPECT_EQ(p.k, k);
+  EXPECT_EQ(p.U, g.U);
+  EXPECT_EQ(p.V, g.V);
+  double norm2 = 0, gv_err = 0, ug_err = 0;
+  for (int64_t i = 0; i < m * n; ++i) norm2 += double(out[i]) * out[i];
+  for (int64_t r = 0; r < m; ++r)
+    for (int j = 0; j < k; ++j) {
+      double e = 0;
+      for (int64_t c = 0; c < n; ++c) e += double(out[r * n + c]) * g.V[c * k + j];
+      gv_err = std::max(gv_err, std::abs(e - p.gv[r * k + j]));
+    }
+  for (int j = 0; j < k; ++j)
+    for (int64_t c = 0; c < n; ++c) {
+      double e = 0;
+      for (int64_t r = 0; r < m; ++r) e += double(g.U[r * k + j]) * out[r * n + c];
+      ug_err = std::max(ug_err, std::abs(e - p.ug[j * n + c]));
+    }
+  // The same float array summed in double in another order: double round-off only.
+  EXPECT_NEAR(p.norm2, norm2, 1e-12 * norm2);
+  // Each projection is a sum of n (or m) products with T^-1's input D, of norm <= ||G||, plus
+  // the rank-2k correction, of norm <= amp ||G||; float round-off per term is eps, so both
+  // routes are within (n + m + 2k) eps amp ||G||_F of the exact projection (Higham's gamma_n).
+  const double tol = double(n + m + 2 * k) * 6e-8 * amp * std::sqrt(norm2);
+  EXPECT_LT(gv_err, tol);
+  EXPECT_LT(ug_err, tol);
+  // Identity geometries and the forward map leave nothing behind.
+  InverseProducts none;
+  none.valid = true;
+  std::vector<float> x = G;
+  InvertGeometry(Geometry{}, x, &none);
+  EXPECT_FALSE(none.valid);
+}
+
+// The sketch update that takes G V, U^T G and ||G||^2 from the inverse reads G for the probes and
+// the new directions only, and lands where the update that reads everything lands, to float
+// round-off over the eigengaps, on updates with and without probes.
+TEST(FactorSketch, KnownProjectionsGiveTheSameUpdateWithFewerReads) {
+  const int64_t m = 70, n = 52;
+  const int k = 4;
+  const std::vector<float> U = Basis(m, k, 72), V = Basis(n, k, 73);
+  const std::vector<double> spectrum = {40, 20, 10, 5};
+  FactorSketchOptions so;
+  so.width = k;
+  so.probes = 3;
+  so.probe_every = 2;
+  SketchGeometryOptions go;
+  go.rank = k;
+  FactorSketch s;
+  UpdateFactorSketch(s, LowRankPlusNoise(U, V, spectrum, m, n, 0.2, 100), m, n, k, so);
+  for (int u = 1; u < 6; ++u) {  // updates 1, 3, 5 without probes, 2 and 4 with
+    const Geometry g = GeometryFromSketch(s, go, uint64_t(u));
+    InverseProducts p;
+    double amp = 0;
+    const std::vector<float> G =
+        RoundTrip(g, LowRankPlusNoise(U, V, spectrum, m, n, 0.2, 100 + u), &p, &amp);
+    FactorSketch read = s;
+    EXPECT_FALSE(UpdateFactorSketch(read, G, m, n, k, so));
+    ASSERT_TRUE(UpdateFactorSketch(s, G, m, n, k, so, &p)) << "update " << u;
+    // The inputs agree to (n + m + 2k) eps amp ||G|| (InverseProducts test); Davis-Kahan turns
+    // that into a subspace angle over the relative eigengap, >= 1/3 for this spectrum (5 over
+    // the noise bulk's 0.2 sqrt(max(m, n)) = 1.4 is the smallest gap), and the energies move by
+    // the same relative amount.
+    const double tol = 3.0 * double(n + m + 2 * k) * 6e-8 * amp;
+    EXPECT_LT(Distance(s.left, read.left, m, k), tol) << "update " << u;
+    EXPECT_LT(Distance(s.right, read.right, n, k), tol) << "update " << u;
+    for (int i = 0; i < k; ++i) {
+      EXPECT_NEAR(s.left_energy[i], read.left_energy[i], tol * read.left_energy[0])
+          << u << " " << i;
+      EXPECT_NEAR(s.right_energy[i], read.right_energy[i], tol * read.right_energy[0])
+          << u << " " << i;
+    }
+    EXPECT_NEAR(s.energy, read.energy, 1e-12 * read.energy);
+    EXPECT_NEAR(s.fit, read.fit, tol) << "update " << u;
+    EXPECT_EQ(s.updates, read.updates);
+  }
+}
+
+// Products that do not describe this G on this sketch's basis are never taken: another basis
+// (the geometry of an older update), another tensor, or a narrower k than the sketch holds. The
+// update is then the one that reads G, bit for bit.
+TEST(FactorSketch, KnownProjectionsOfAnotherBasisOrTensorAreNotUsed) {
+  const int64_t m = 40, n = 30;
+  const int k = 3;
+  const std::vector<float> U = Basis(m, k, 74), V = Basis(n, k, 75);
+  FactorSketchOptions so;
+  so.width = k;
+  SketchGeometryOptions go;
+  go.rank = k;
+  FactorSketch s;
+  UpdateFactorSketch(s, LowRankPlusNoise(U, V, {9, 4, 2}, m, n, 0.3, 110), m, n, k, so);
+  const Geometry old = GeometryFromSketch(s, go, 1);
+  UpdateFactorSketch(s, LowRankPlusNoise(U, V, {9, 4, 2}, m, n, 0.3, 111), m, n, k, so);
+  const Geometry now = GeometryFromSketch(s, go, 2);
+  go.rank = k - 1;
+  const Geometry narrow = GeometryFromSketch(s, go, 2);
+  const std::vector<float> G0 = LowRankPlusNoise(U, V, {9, 4, 2}, m, n, 0.3, 112);
+  double amp = 0;
+  for (const Geometry* g : {&old, &narrow, &now}) {
+    InverseProducts p;
+    const std::vector<float> G = RoundTrip(*g, G0, &p, &amp);
+    ASSERT_TRUE(p.valid);
+    FactorSketch a = s, b = s;
+    const std::vector<float> copy = G;  // the same numbers at another address
+    const bool used = UpdateFactorSketch(a, g == &now ? copy : G, m, n, k, so, &p);
+    EXPECT_FALSE(used);
+    UpdateFactorSketch(b, G, m, n, k, so);
+    EXPECT_EQ(a.left, b.left);
+    EXPECT_EQ(a.right, b.right);
+    EXPECT_EQ(a.left_energy, b.left_energy);
+  }
+  // The control: the current basis on the tensor itself is taken.
+  InverseProducts p;
+  const std::vector<float> G = RoundTrip(now, G0, &p, &amp);
+  FactorSketch c = s;
+  EXPECT_TRUE(UpdateFactorSketch(c, G, m, n, k, so, &p));
+  // A non-finite result is still found and named, through the known norm.
+  std::vector<float> bad = G0;
+  bad[17] = std::nanf("");
+  InverseProducts q;
+  const std::vector<float> B = RoundTrip(now, bad, &q, &amp);
+  ASSERT_TRUE(q.valid);
+  EXPECT_FALSE(std::isfinite(q.norm2));
+  FactorSketch d = s;
+  try {
+    UpdateFactorSketch(d, B, m, n, k, so, &q);
+    ADD_FAILURE() << "no error";
+  } catch (const Error& e) {
+    EXPECT_NE(std::string(e.what()).find("non-finite"), std::string::npos) << e.what();
+  }
+  EXPECT_EQ(d.left, s.left);  // unchanged
 }
 
 TEST(FactorSketch, TracksTheDenseEmaFactorsOverATrajectory) {
