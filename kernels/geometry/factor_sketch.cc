@@ -278,11 +278,22 @@ bool UpdateFactorSketch(FactorSketch& s, std::span<const float> G, int64_t m, in
   const int from = use_known ? held : 0;
   float* bf = Sized(sc.bf, int64_t(ca) * n);
   double* bd = Sized(sc.bd, int64_t(ca) * n);  // B^T in double, column-major n x ca
-  if (ca > from) {
+  bool thin = false;
+  if (ca - from == 8) {  // an update without probes: 8 columns, one register-blocked read of G
+    float* q8 = Sized(sc.x, m * 8);  // X is not read again
+    for (int64_t r = 0; r < m; ++r)
+      for (int c = 0; c < 8; ++c) q8[r * 8 + c] = qf[int64_t(from + c) * m + r];
+    thin = geometry::ThinBothSides(G.data(), m, n, q8, nullptr, 8, nullptr, bf, false);
+    if (thin) {
+      for (int c = 0; c < 8; ++c)
+        for (int64_t h = 0; h < n; ++h) bd[int64_t(from + c) * n + h] = bf[h * 8 + c];
+    }
+  }
+  if (!thin && ca > from) {
     cblas_sgemm(CblasColMajor, CblasNoTrans, CblasNoTrans, n, ca - from, m, 1.f, G.data(), n,
                 qf + int64_t(from) * m, m, 0.f, bf + int64_t(from) * n, n);
+    for (int64_t i = int64_t(from) * n; i < int64_t(ca) * n; ++i) bd[i] = bf[i];
   }
-  for (int64_t i = int64_t(from) * n; i < int64_t(ca) * n; ++i) bd[i] = bf[i];
   if (use_known) {
     for (int64_t i = 0; i < int64_t(held) * n; ++i) bd[i] = known->ug[i];
     cblas_dtrsm(CblasColMajor, CblasRight, CblasUpper, CblasNoTrans, CblasNonUnit, n, held, 1.0,

@@ -3,6 +3,8 @@
 
 #include <cblas.h>
 
+#include <algorithm>
+
 #include "kernels/common/check.h"
 #include "kernels/common/cpu_features.h"
 
@@ -76,6 +78,42 @@ __attribute__((target("avx2,fma"))) double ThinAvx2(const float* g, int64_t m, i
   _mm256_store_pd(lanes, _mm256_add_pd(s0, s1));
   return (lanes[0] + lanes[1]) + (lanes[2] + lanes[3]);
 }
+
+// Rows [r, r + R) of G against both sides, width 8: x's R rows accumulate in registers over j; for
+// each j, W^T's row j gathers the R rows' contributions (in row order) on top of what it held.
+template <int R, bool kX, bool kW>
+__attribute__((target("avx2,fma"))) inline void BothRows(const float* g, int64_t n, const float* u,
+                                                         const float* v, float* x, float* wt,
+                                                         int64_t r) {
+  __m256 acc[R], ur[R];
+  for (int i = 0; i < R; ++i) {
+    acc[i] = _mm256_setzero_ps();
+    if constexpr (kW) ur[i] = _mm256_loadu_ps(u + (r + i) * 8);
+  }
+  const float* rows = g + r * n;
+  for (int64_t j = 0; j < n; ++j) {
+    __m256 vj = _mm256_setzero_ps(), wj = _mm256_setzero_ps();
+    if constexpr (kX) vj = _mm256_loadu_ps(v + j * 8);
+    if constexpr (kW) wj = _mm256_loadu_ps(wt + j * 8);
+    for (int i = 0; i < R; ++i) {
+      const __m256 b = _mm256_broadcast_ss(rows + i * n + j);
+      if constexpr (kX) acc[i] = _mm256_fmadd_ps(b, vj, acc[i]);
+      if constexpr (kW) wj = _mm256_fmadd_ps(b, ur[i], wj);
+    }
+    if constexpr (kW) _mm256_storeu_ps(wt + j * 8, wj);
+  }
+  if constexpr (kX)
+    for (int i = 0; i < R; ++i) _mm256_storeu_ps(x + (r + i) * 8, acc[i]);
+}
+
+template <bool kX, bool kW>
+__attribute__((target("avx2,fma"))) void BothAvx2(const float* g, int64_t m, int64_t n,
+                                                  const float* u, const float* v, float* x,
+                                                  float* wt) {
+  int64_t r = 0;
+  for (; r + 6 <= m; r += 6) BothRows<6, kX, kW>(g, n, u, v, x, wt, r);
+  for (; r < m; ++r) BothRows<1, kX, kW>(g, n, u, v, x, wt, r);
+}
 #endif
 
 }  // namespace
@@ -91,6 +129,26 @@ double ThinProductAndNorm(const float* g, int64_t m, int64_t n, const float* x, 
                 static_cast<int>(n), 1.f, g, static_cast<int>(n), x, ldx, 0.f, y, ldx);
   }
   return cblas_dsdot(static_cast<int>(m * n), g, 1, g, 1);
+}
+
+bool ThinBothSides(const float* g, int64_t m, int64_t n, const float* u, const float* v, int width,
+                   float* x, float* wt, bool accumulate) {
+  GEOFP8_CHECK(m >= 1 && n >= 1, "ThinBothSides: shape ", m, "x", n);
+#ifdef GEOFP8_THIN_AVX2
+  if (width != 8 || !CpuHasAvx2Fma()) return false;
+  if (wt && !accumulate) std::fill(wt, wt + n * 8, 0.f);
+  if (x && wt) {
+    BothAvx2<true, true>(g, m, n, u, v, x, wt);
+  } else if (x) {
+    BothAvx2<true, false>(g, m, n, u, v, x, wt);
+  } else if (wt) {
+    BothAvx2<false, true>(g, m, n, u, v, x, wt);
+  }
+  return true;
+#else
+  (void)g, (void)u, (void)v, (void)width, (void)x, (void)wt, (void)accumulate;
+  return false;
+#endif
 }
 
 }  // namespace geofp8::geometry

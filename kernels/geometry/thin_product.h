@@ -17,4 +17,14 @@ namespace geofp8::geometry {
 // one machine, within n float round-offs of the exact product.
 double ThinProductAndNorm(const float* g, int64_t m, int64_t n, const float* x, int ldx, float* y);
 
+// The two reductions of the lowrank transform in one read of G (m x n, row-major): X = G V (m x 8)
+// when x is not null, and W^T (n x 8) = G^T U, or += when `accumulate`, when wt is not null. U is
+// m x 8 and V n x 8, row-major. Only for width 8 on CPUs with AVX2 and FMA, one register-blocked
+// loop (OpenBLAS's sgemm first copies G into its packed layout for each of the two, which cost
+// twice the multiplications); returns false having done nothing otherwise, and the caller uses
+// BLAS. Each output element is a float sum in index order with fused multiply-adds: the same input
+// gives the same bits on one machine, within n (or m) float round-offs of the exact product.
+bool ThinBothSides(const float* g, int64_t m, int64_t n, const float* u, const float* v, int width,
+                   float* x, float* wt, bool accumulate);
+
 }  // namespace geofp8::geometry

@@ -12,6 +12,7 @@
 #include <vector>
 
 #include "kernels/common/check.h"
+#include "kernels/common/cpu_features.h"
 #include "kernels/geometry/factors.h"
 #include "kernels/geometry/lapack.h"
 #include "kernels/geometry/thin_product.h"
@@ -122,6 +123,68 @@ TEST(ThinProduct, MatchesALongDoubleReferenceAndGivesTheSameBitsTwice) {
   bad[m * n - 1] = NAN;
   EXPECT_TRUE(std::isnan(geometry::ThinProductAndNorm(bad.data(), m, n, x.data(), 8, y.data())));
   EXPECT_THROW(geometry::ThinProductAndNorm(g.data(), m, n, x.data(), 5, y.data()), Error);
+}
+
+// Both reductions of the lowrank transform in one read: X = G V and W^T = G^T U (or +=), each
+// output within gamma of a long double reference, for rows not a multiple of the kernel's 6, with
+// each side alone, and the same bits twice. Where the CPU lacks AVX2 it declines, and the
+// transform's own tests cover the BLAS path it then takes.
+TEST(ThinProduct, BothSidesMatchALongDoubleReference) {
+  const int64_t m = 37, n = 29;
+  std::mt19937 gen(4);
+  std::normal_distribution<float> normal;
+  std::vector<float> g(size_t(m * n)), u(size_t(m * 8)), v(size_t(n * 8)), w0(size_t(n * 8));
+  for (std::vector<float>* a : {&g, &u, &v, &w0})
+    for (float& e : *a) e = normal(gen);
+  std::vector<float> x(size_t(m * 8), NAN), wt = w0;
+  if (!geometry::ThinBothSides(g.data(), m, n, u.data(), v.data(), 8, x.data(), wt.data(), true)) {
+    EXPECT_FALSE(CpuHasAvx2Fma());
+    GTEST_SKIP() << "no AVX2 and FMA: the transform takes its BLAS path";
+  }
+  EXPECT_FALSE(geometry::ThinBothSides(g.data(), m, n, u.data(), v.data(), 4, x.data(), wt.data(),
+                                       true));  // width 8 only
+  // A float dot product of length L with one extra addend: |error| <= gamma_{L+1} sum |terms|.
+  const double unit = 0x1.0p-24;
+  auto gamma = [&](int64_t len) { return (len + 1) * unit / (1 - (len + 1) * unit); };
+  for (int64_t r = 0; r < m; ++r)
+    for (int c = 0; c < 8; ++c) {
+      long double ref = 0, mag = 0;
+      for (int64_t j = 0; j < n; ++j) {
+        ref += (long double)g[r * n + j] * v[j * 8 + c];
+        mag += std::abs((long double)g[r * n + j] * v[j * 8 + c]);
+      }
+      EXPECT_NEAR(x[r * 8 + c], double(ref), gamma(n) * double(mag)) << r << "," << c;
+    }
+  for (int64_t j = 0; j < n; ++j)
+    for (int c = 0; c < 8; ++c) {
+      long double ref = w0[j * 8 + c], mag = std::abs(w0[j * 8 + c]);
+      for (int64_t r = 0; r < m; ++r) {
+        ref += (long double)g[r * n + j] * u[r * 8 + c];
+        mag += std::abs((long double)g[r * n + j] * u[r * 8 + c]);
+      }
+      EXPECT_NEAR(wt[j * 8 + c], double(ref), gamma(m) * double(mag)) << j << "," << c;
+    }
+  // Overwrite instead of accumulate, one side at a time: the same bits as both at once.
+  std::vector<float> x2(x.size(), NAN), wt2(wt.size(), NAN), wt3(wt.size(), NAN);
+  ASSERT_TRUE(
+      geometry::ThinBothSides(g.data(), m, n, u.data(), v.data(), 8, x2.data(), wt2.data(), false));
+  ASSERT_TRUE(
+      geometry::ThinBothSides(g.data(), m, n, u.data(), nullptr, 8, nullptr, wt3.data(), false));
+  EXPECT_EQ(x2, x);
+  EXPECT_EQ(wt3, wt2);
+  for (int64_t j = 0; j < n; ++j)
+    for (int c = 0; c < 8; ++c) {
+      double ref = 0, mag = 0;
+      for (int64_t r = 0; r < m; ++r) {
+        ref += double(g[r * n + j]) * u[r * 8 + c];
+        mag += std::abs(double(g[r * n + j]) * u[r * 8 + c]);
+      }
+      EXPECT_NEAR(wt2[j * 8 + c], ref, gamma(m) * mag) << j << "," << c;
+    }
+  std::vector<float> x3(x.size(), NAN);
+  ASSERT_TRUE(
+      geometry::ThinBothSides(g.data(), m, n, nullptr, v.data(), 8, x3.data(), nullptr, false));
+  EXPECT_EQ(x3, x);
 }
 
 TEST(FactorSketchBlocks, SymmetricEigenMatchesAKnownSpectrumAndReconstructs) {
