@@ -1,6 +1,7 @@
 """geofp8.torch state: a state_dict() round trip resumes bit for bit (geometry included),
-set_policy(policy, effective_step) applies at that step on every rank, and a NaN on one rank
-skips the step on every rank. Two gloo ranks."""
+set_policy(policy, effective_step) applies at that step on every rank, a NaN on one rank
+skips the step on every rank, and the hook's cached bucket layouts follow a bucket whose
+parameters change while its buffer stays. Two gloo ranks."""
 
 import io
 import os
@@ -39,8 +40,82 @@ def fresh(policy):
     return model, ddp, state, opt
 
 
+class FakeBucket:
+    """What geofp8_hook reads of torch's GradBucket, over a buffer and parameters we choose."""
+
+    def __init__(self, buf, params):
+        self.buf, self.params = buf, params
+
+    def buffer(self):
+        return self.buf
+
+    def parameters(self):
+        return list(self.params)
+
+    def gradients(self):
+        out, off = [], 0
+        for p in self.params:
+            out.append(self.buf[off:off + p.numel()].view(p.shape))
+            off += p.numel()
+        return out
+
+    def index(self):
+        return 0
+
+    def is_last(self):
+        return True
+
+
+def layout_errors():
+    """One buffer, reused for bucket layouts that hold the same two matrices in the two orders
+    (DDP's rebuild can hand a new bucket the old buffer's address): each call must map the
+    buffer to the layers it now holds. The matrices' gradients differ in magnitude by 1e6, so a
+    stale layout (the first order's offsets on the second order's buffer) quantizes the small
+    one with the large one's tensor scale and flushes it to 0 in FP8, while the right layout
+    gives each its own scale and a relative error below E4M3's rounding bound 2^-4. Every rank
+    holds the same gradients, so the average is the gradient itself."""
+    import torch
+    import geofp8.torch as gt
+    model = L.tiny_model()
+    # Tensor scaling (one scale per layer): a block-scaled layout would give each 128-element
+    # block its own scale whatever the offsets, so a stale layout would go unseen.
+    state = gt.GeoFP8State(model=model, seed=5, policy={
+        "policy": {"default": {"format": "fp8_e4m3", "scaling": "tensor"}}})
+    w0, w3 = model[0].weight, model[3].weight  # 64x32 and 16x64: different sizes
+    g = torch.Generator().manual_seed(3)
+
+    def values(n, scale):
+        # Magnitudes in [0.5, 1) x scale, random signs: every value is a normal E4M3 number
+        # after its layer's tensor scaling, so the rounding bound holds elementwise.
+        mag = 0.5 + 0.5 * torch.rand(n, generator=g)
+        sign = torch.where(torch.rand(n, generator=g) < 0.5, -1.0, 1.0)
+        return scale * mag * sign
+
+    buf = torch.empty(w0.numel() + w3.numel())
+    errors = []
+    for call, order in enumerate([(w3, w0), (w0, w3), (w3, w0)]):
+        scales = {id(w0): 1e3, id(w3): 1e-3}
+        parts = [values(p.numel(), scales[id(p)]) for p in order]
+        expect = torch.cat(parts)
+        buf.copy_(expect)
+        out = gt.geofp8_hook(state, FakeBucket(buf, order)).wait()
+        off = 0
+        for p, part in zip(order, parts):
+            got = out[off:off + p.numel()]
+            rel = float(((got - part).abs() / part.abs()).max())
+            if not rel < 2.0 ** -4:
+                errors.append("layout call %d: layer of %d elements: max relative error %g"
+                              % (call, p.numel(), rel))
+            off += p.numel()
+    if len(state._layouts) != 2:
+        errors.append("layout cache holds %d layouts after 2 distinct ones"
+                      % len(state._layouts))
+    return errors
+
+
 def work(rank, world):
     import torch
+    layout = layout_errors()
     model, ddp, state, opt = fresh("geofp8")
     run_steps(rank, ddp, model, opt, 0, WARM)
     buf = io.BytesIO()
@@ -87,6 +162,7 @@ def work(rank, world):
             "formats": formats, "version": state4.policy_version,
             "geometry_layers": geometry_layers, "step": ckpt["hook"]["step"],
             "skips": skips, "skipped_buckets": state5.stats["skipped_buckets"],
+            "layout": layout,
             "buckets": state._engine.exchanger_count,
             "buckets_resumed": state2._engine.exchanger_count}
 
@@ -122,6 +198,7 @@ def main():
         if r["skips"] != [(False, False), (True, True), (False, False)]:
             failures.append("rank %d: (skipped, all-NaN grads) by step %s, expected skip at step"
                             " 1 only" % (rank, r["skips"]))
+        failures += ["rank %d: %s" % (rank, e) for e in r["layout"]]
         if r["version"] != 2:
             failures.append("rank %d: policy version %d, expected 2" % (rank, r["version"]))
     print("resume exact over %d buckets, set_policy at step 2: formats %s"

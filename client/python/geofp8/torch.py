@@ -148,6 +148,9 @@ class GeoFP8State:
         self._reported_at = time.perf_counter()
         self._layer_errors = []  # this step's (layer, rel_fro_error), measured steps only
         self._measure = False
+        # DDP bucket layouts already mapped to layers: (buffer address, numel, parameter ids)
+        # -> (layers, offsets, sizes) (_bucket_layout).
+        self._layouts = {}
 
     # ---- the coordinator (a GeoFP8 `command:` job) ------------------------------------------
 
@@ -363,15 +366,44 @@ class GeoFP8State:
         self._in_step = False
 
 
-def _measure_layers(state, layers, local, averaged, grads):
+_LAYOUT_CACHE_MAX = 64  # bucket layouts a state remembers (DDP keeps a handful at a time)
+
+
+def _bucket_layout(state, bucket, buf):
+    """The bucket's layers (indices into state.names), their offsets in the bucket buffer and
+    their sizes, in bucket order. Mapped once per layout and then looked up: the key is the
+    buffer (address and size) and the identities of its parameters in order, which together fix
+    where DDP puts each gradient in the buffer, so a bucket that DDP rebuilds gets a new entry
+    even where the allocator hands it the old address (the parameters or their order differ, or
+    the layout is the same one)."""
+    params = bucket.parameters()
+    key = (buf.data_ptr(), buf.numel(), tuple(map(id, params)))
+    hit = state._layouts.get(key)
+    if hit is not None:
+        return hit
+    layers = []
+    for p in params:
+        i = state._index.get(id(p))
+        if i is None:
+            raise ValueError("model: bucket %d holds a parameter (shape %s) that is not in the "
+                             "model given to GeoFP8State" % (bucket.index(), tuple(p.shape)))
+        layers.append(i)
+    base = buf.data_ptr()
+    grads = bucket.gradients()
+    offsets = [(g.data_ptr() - base) // 4 for g in grads]
+    sizes = [g.numel() for g in grads]
+    if len(state._layouts) >= _LAYOUT_CACHE_MAX:
+        state._layouts.clear()
+    state._layouts[key] = (layers, offsets, sizes)
+    return layers, offsets, sizes
+
+
+def _measure_layers(state, layers, local, averaged, offsets, sizes):
     """Each layer's relative Frobenius error of the exchanged average against the exact fp32
     average (one fp32 all-reduce of the bucket on measured steps, as the worker's trainer)."""
     exact = local / state.world_size
     dist.all_reduce(exact, group=state.process_group)
-    base = averaged.data_ptr()
-    for i, g in zip(layers, grads):
-        o = (g.data_ptr() - base) // 4
-        n = g.numel()
+    for i, o, n in zip(layers, offsets, sizes):
         e = exact[o:o + n].double()
         d = averaged[o:o + n].double() - e
         g2 = float(e.dot(e))
@@ -397,17 +429,7 @@ def geofp8_hook(state, bucket):
                         "gradients" % (bucket.index(), buf.dtype))
     if not state._in_step:
         state._begin_step()
-    params = bucket.parameters()
-    grads = bucket.gradients()
-    layers = []
-    for p in params:
-        i = state._index.get(id(p))
-        if i is None:
-            raise ValueError("model: bucket %d holds a parameter (shape %s) that is not in the "
-                             "model given to GeoFP8State" % (bucket.index(), tuple(p.shape)))
-        layers.append(i)
-    base = buf.data_ptr()
-    offsets = [(g.data_ptr() - base) // 4 for g in grads]
+    layers, offsets, sizes = _bucket_layout(state, bucket, buf)
     local = buf.clone() if state._measure else None
     if buf.device.type == "cuda":
         # Device pointers and torch's current stream as integers: the work is ordered after
@@ -418,7 +440,7 @@ def geofp8_hook(state, bucket):
     else:
         result = state._engine.exchange(state.step, layers, buf.numpy(), offsets)
     if local is not None and not result["skipped"]:
-        _measure_layers(state, layers, local, buf, grads)
+        _measure_layers(state, layers, local, buf, offsets, sizes)
     if result["skipped"]:
         buf.fill_(float("nan"))
         state.stats["skipped_buckets"] += 1
