@@ -480,9 +480,10 @@ void RunSketchCost(const Args& a, const std::vector<Shape>& shapes) {
       "BLAS thread(s), median of %d interleaved reps\n\n",
       so.width, so.probes, so.probe_every, cx + ca, a.threads, a.reps);
   std::printf(
-      "| shape | sketch update ms (cycle mean) | probing update ms | apply+inverse ms | sgemm ms | "
-      "update / sgemm | update / transform | state held KiB | scratch KiB |\n"
-      "|---|---|---|---|---|---|---|---|---|\n");
+      "| shape | sketch update ms (cycle mean) | probing update ms | with the inverse's products "
+      "ms (cycle mean) | apply+inverse ms | sgemm ms | update / sgemm | update / transform | "
+      "state held KiB | scratch KiB |\n"
+      "|---|---|---|---|---|---|---|---|---|---|\n");
   for (const Shape& s : shapes) {
     const int64_t m = s.m, n = s.n;
     const std::vector<float> g =
@@ -494,7 +495,8 @@ void RunSketchCost(const Args& a, const std::vector<Shape>& shapes) {
     const int64_t kk = cx + ca;
     std::vector<float> A(size_t(m * kk), 0.5f), B(size_t(kk * n), 0.25f), C(size_t(m * n));
     std::vector<float> x(g.size());
-    std::vector<double> tu, tp, tt, tg;
+    std::vector<double> tu, tp, tt, tg, tkp, tku;
+    InverseProducts known;
     for (int r = 0; r <= a.reps; ++r) {
       // A probing update (the update count a multiple of probe_every), then a plain one.
       FactorSketch copy = sketch;
@@ -510,8 +512,18 @@ void RunSketchCost(const Args& a, const std::vector<Shape>& shapes) {
       std::copy(g.begin(), g.end(), x.begin());
       t0 = std::chrono::steady_clock::now();
       ApplyGeometry(geo, x);
-      InvertGeometry(geo, x);
+      InvertGeometry(geo, x, &known);  // as the exchange runs it before a refresh
       if (r) tt.push_back(Seconds(t0));
+      // The same two updates taking G V, U^T G and ||G||^2 from that inverse, as the exchange's
+      // refresh does when the geometry in force came from the sketch's last update.
+      for (const int plus : {0, 1}) {
+        copy = sketch;
+        copy.updates = uint64_t(so.probe_every) * 2 + plus;
+        t0 = std::chrono::steady_clock::now();
+        const bool used = UpdateFactorSketch(copy, x, m, n, 8, so, &known);
+        if (r) (plus ? tku : tkp).push_back(Seconds(t0));
+        GEOFP8_CHECK(used, "sketch cost: the inverse's products were not taken");
+      }
       t0 = std::chrono::steady_clock::now();
       cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, m, n, kk, 1.f, A.data(), kk, B.data(),
                   n, 0.f, C.data(), n);
@@ -519,6 +531,7 @@ void RunSketchCost(const Args& a, const std::vector<Shape>& shapes) {
     }
     const double probing = Median(tp), t = Median(tt), gm = Median(tg);
     const double u = (probing + (so.probe_every - 1) * Median(tu)) / so.probe_every;
+    const double uk = (Median(tkp) + (so.probe_every - 1) * Median(tku)) / so.probe_every;
     const double held = double((m + n) * sketch.width) * 4 + 2.0 * sketch.width * 8;
     // x, y (padded to whole 8-float registers), qf, bf in float; q, bd, z, e, rot in double
     // (factor_sketch.cc Scratch), plus the copy of its input that OrthonormalizeInPlace keeps for
@@ -527,9 +540,9 @@ void RunSketchCost(const Args& a, const std::vector<Shape>& shapes) {
     const double scratch = 4.0 * (n * ldx + m * ldx + m * ca + double(ca) * n) +
                            8.0 * (m * ca + double(ca) * n + n * cz + cz * ca +
                                   std::max(m, n) * sketch.width + std::max(double(m) * ca, n * cz));
-    std::printf("| %lldx%lld | %.2f | %.2f | %.2f | %.2f | %.2f | %.2f | %.0f | %.0f |\n",
+    std::printf("| %lldx%lld | %.2f | %.2f | %.2f | %.2f | %.2f | %.2f | %.2f | %.0f | %.0f |\n",
                 static_cast<long long>(m), static_cast<long long>(n), u * 1e3, probing * 1e3,
-                t * 1e3, gm * 1e3, u / gm, u / t, held / 1024, scratch / 1024);
+                uk * 1e3, t * 1e3, gm * 1e3, u / gm, u / t, held / 1024, scratch / 1024);
     std::fflush(stdout);
   }
   std::printf("\n");

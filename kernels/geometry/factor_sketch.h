@@ -18,7 +18,9 @@
 //
 // Cost per update, with c = 2 width + probes: 2 m n (width + probes) + 2 m n c flops in two thin
 // products over G (the first, with ||G||^2, in one register-blocked pass on AVX2 machines; the
-// second by sgemm), O(m c^2) for one Cholesky QR2 orthonormalization on the left (Householder
+// second by sgemm); 2 m n probes + 2 m n (c - width) when the exchange's inverse transform hands
+// over G V, U^T G and ||G||^2 (`known` below), as it does at interval 1: 2 m n width on an update
+// without probes, in one register-blocked pass, O(m c^2) for one Cholesky QR2 orthonormalization on the left (Householder
 // when the basis is ill-conditioned; own triangular solves), O(n (width + c)^2) for the right
 // side's Gram (its top eigenpairs come from the Gram of a thin root of the right factor, no
 // orthonormalization unless the spectrum is nearly flat or rank-deficient), O(c^3) for two small
