@@ -20,16 +20,15 @@
 // products over G (the first, with ||G||^2, in one register-blocked pass on AVX2 machines; the
 // second by sgemm); 2 m n probes + 2 m n (c - width) when the exchange's inverse transform hands
 // over G V, U^T G and ||G||^2 (`known` below), as it does at interval 1: 2 m n width on an update
-// without probes, in one register-blocked pass, O(m c^2) for one Cholesky QR2 orthonormalization on the left (Householder
-// when the basis is ill-conditioned; own triangular solves), O(n (width + c)^2) for the right
-// side's Gram (its top eigenpairs come from the Gram of a thin root of the right factor, no
-// orthonormalization unless the spectrum is nearly flat or rank-deficient), O(c^3) for two small
-// eigensolves (own Householder + QL, lapack.h). The eigensolves, the triangular solves and the
-// fit's matrix-vector products run in plain loops on the calling thread, whatever OpenBLAS
-// thread count the process set; the second product over G, the Gram matrices (dsyrk), Cholesky
-// (dpotrf) and the small dgemms still call OpenBLAS, which threads the sgemm and the dgemms at
-// n = 704.
-// Memory: (m + n) width floats held, O((m + n) c) scratch.
+// without probes, in one register-blocked pass, O(m c^2) for one Cholesky QR2 orthonormalization on
+// the left (Householder when the basis is ill-conditioned; own triangular solves), O(n (width +
+// c)^2) for the right side's Gram (its top eigenpairs come from the Gram of a thin root of the
+// right factor, no orthonormalization unless the spectrum is nearly flat or rank-deficient), O(c^3)
+// for two small eigensolves (own Householder + QL, lapack.h). The eigensolves, the triangular
+// solves and the fit's matrix-vector products run in plain loops on the calling thread, whatever
+// OpenBLAS thread count the process set; the second product over G, the Gram matrices (dsyrk),
+// Cholesky (dpotrf) and the small dgemms still call OpenBLAS, which threads the sgemm and the
+// dgemms at n = 704. Memory: (m + n) width floats held, O((m + n) c) scratch.
 
 #include <cstdint>
 #include <span>
