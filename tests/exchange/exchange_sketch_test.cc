@@ -49,27 +49,45 @@ EmaCase EmaSetup(int64_t m, int64_t n) {
   return s;
 }
 
-TEST(ExchangeSketch, EveryRankDerivesTheSameGeometryFromTheExchangedAverage) {
-  const int N = 3;
-  const int64_t m = 48, n = 40;
-  const EmaCase setup = EmaSetup(m, n);
-  const int steps = 5;
-  std::vector<std::vector<std::vector<uint8_t>>> active(N);  // [rank][step]
-  std::vector<std::vector<std::vector<float>>> outputs(N);   // [rank][step]: layer w
-  std::vector<std::vector<StepResult>> results(N);
+// Every rank's exchanged layer w, active geometry and step results over `steps` steps of a run
+// with `setup`, with a checked 1-D layer beside it. Indexed [rank][step].
+struct EmaRun {
+  std::vector<std::vector<std::vector<uint8_t>>> active;
+  std::vector<std::vector<std::vector<float>>> outputs;
+  std::vector<std::vector<StepResult>> results;
+};
+
+EmaRun RunEma(int N, const EmaCase& setup, int64_t m, int64_t n, int steps) {
+  EmaRun run;
+  run.active.resize(N);
+  run.outputs.resize(N);
+  run.results.resize(N);
   const auto errors = RunRanks(N, [&](Communicator& comm) {
     const int r = comm.rank();
     Exchanger ex(comm, setup.layers, setup.options, setup.schedule);
     for (int s = 0; s < steps; ++s) {
       auto w = Persistent(r, s, m, n);
       std::vector<float> b(n, 0.5f * r);
-      results[r].push_back(ex.Exchange(s, {std::span<float>(w), std::span<float>(b)}));
-      active[r].push_back(SerializeGeometry(ex.active_geometry(0)));
-      outputs[r].push_back(w);
+      run.results[r].push_back(ex.Exchange(s, {std::span<float>(w), std::span<float>(b)}));
+      run.active[r].push_back(SerializeGeometry(ex.active_geometry(0)));
+      run.outputs[r].push_back(w);
       EXPECT_TRUE(ex.active_geometry(1).is_identity());  // 1-D layer keeps no sketch
     }
   });
-  ASSERT_EQ(JoinErrors(errors), "");
+  EXPECT_EQ(JoinErrors(errors), "");
+  return run;
+}
+
+TEST(ExchangeSketch, EveryRankDerivesTheSameGeometryFromTheExchangedAverage) {
+  const int N = 3;
+  const int64_t m = 48, n = 40;
+  const EmaCase setup = EmaSetup(m, n);
+  const int steps = 5;
+  const EmaRun run = RunEma(N, setup, m, n, steps);
+  ASSERT_FALSE(::testing::Test::HasFailure());
+  const auto& active = run.active;
+  const auto& outputs = run.outputs;
+  const auto& results = run.results;
   // The independent replay: a sketch fed rank 0's exchanged averages, step by step, with the
   // options the exchanger derives (width raised to k, seed from the run seed and layer index).
   FactorSketch replay;
@@ -112,21 +130,11 @@ TEST(ExchangeSketch, RefreshesTakeTheirProjectionsFromTheInverse) {
     setup.options.sketch.width = 3;  // = k
     setup.options.algorithm = algorithm;
     const int steps = 5;
-    std::vector<std::vector<std::vector<uint8_t>>> active(N);
-    std::vector<std::vector<std::vector<float>>> outputs(N);
-    std::vector<std::vector<StepResult>> results(N);
-    const auto errors = RunRanks(N, [&](Communicator& comm) {
-      const int r = comm.rank();
-      Exchanger ex(comm, setup.layers, setup.options, setup.schedule);
-      for (int s = 0; s < steps; ++s) {
-        auto w = Persistent(r, s, m, n);
-        std::vector<float> b(n, 0.5f * r);
-        results[r].push_back(ex.Exchange(s, {std::span<float>(w), std::span<float>(b)}));
-        active[r].push_back(SerializeGeometry(ex.active_geometry(0)));
-        outputs[r].push_back(w);
-      }
-    });
-    ASSERT_EQ(JoinErrors(errors), "");
+    const EmaRun run = RunEma(N, setup, m, n, steps);
+    ASSERT_FALSE(::testing::Test::HasFailure());
+    const auto& active = run.active;
+    const auto& outputs = run.outputs;
+    const auto& results = run.results;
     FactorSketch replay;
     FactorSketchOptions so = setup.options.sketch;
     so.seed = setup.options.seed ^ 0x5851f42d4c957f2dull;
