@@ -78,6 +78,14 @@ EmaRun RunEma(int N, const EmaCase& setup, int64_t m, int64_t n, int steps) {
   return run;
 }
 
+// The sketch options the exchanger derives for layer 0 (width raised to k, which EmaSetup's
+// width already is at least; the seed from the run seed and the layer index).
+FactorSketchOptions ReplayOptions(const EmaCase& setup) {
+  FactorSketchOptions so = setup.options.sketch;
+  so.seed = setup.options.seed ^ 0x5851f42d4c957f2dull;
+  return so;
+}
+
 TEST(ExchangeSketch, EveryRankDerivesTheSameGeometryFromTheExchangedAverage) {
   const int N = 3;
   const int64_t m = 48, n = 40;
@@ -89,10 +97,9 @@ TEST(ExchangeSketch, EveryRankDerivesTheSameGeometryFromTheExchangedAverage) {
   const auto& outputs = run.outputs;
   const auto& results = run.results;
   // The independent replay: a sketch fed rank 0's exchanged averages, step by step, with the
-  // options the exchanger derives (width raised to k, seed from the run seed and layer index).
+  // options the exchanger derives.
   FactorSketch replay;
-  FactorSketchOptions so = setup.options.sketch;
-  so.seed = setup.options.seed ^ 0x5851f42d4c957f2dull;
+  const FactorSketchOptions so = ReplayOptions(setup);
   SketchGeometryOptions go;
   go.rank = 3;
   for (int s = 0; s < steps; ++s) {
@@ -136,8 +143,7 @@ TEST(ExchangeSketch, RefreshesTakeTheirProjectionsFromTheInverse) {
     const auto& outputs = run.outputs;
     const auto& results = run.results;
     FactorSketch replay;
-    FactorSketchOptions so = setup.options.sketch;
-    so.seed = setup.options.seed ^ 0x5851f42d4c957f2dull;
+    const FactorSketchOptions so = ReplayOptions(setup);
     SketchGeometryOptions go;
     go.rank = 3;
     for (int s = 0; s < steps; ++s) {
