@@ -56,6 +56,8 @@ def entry(rank, world, store, args):
               "engine median %.2f ms (min %.2f), %d bytes sent per call"
               % (args.policy, len(layers), off, 1e3 * statistics.median(t_ref), 1e3 * min(t_ref),
                  1e3 * statistics.median(t_eng), 1e3 * min(t_eng), result["bytes_sent"]))
+        print("last call: %d geometry refreshes, %d of them from the inverse's products"
+              % (result["refreshes"], result["refreshes_from_inverse"]))
     dist.destroy_process_group()
 
 

@@ -289,6 +289,7 @@ class Engine {
     d["bytes_sent"] = r.bytes_sent;
     d["seconds"] = r.seconds;
     d["refreshes"] = 0;
+    d["refreshes_from_inverse"] = 0;
     return d;
 #else
     (void)step, (void)ptr, (void)numel, (void)stream;
@@ -335,6 +336,9 @@ class Engine {
     d["bytes_sent"] = r.bytes_sent;
     d["seconds"] = r.seconds;
     d["refreshes"] = r.refreshes.size();
+    size_t from_inverse = 0;  // refreshes whose sketch took its projections from the inverse
+    for (const RefreshRecord& rec : r.refreshes) from_inverse += rec.from_inverse;
+    d["refreshes_from_inverse"] = from_inverse;
     return d;
   }
 

@@ -163,6 +163,7 @@ def work(rank, world):
             "geometry_layers": geometry_layers, "step": ckpt["hook"]["step"],
             "skips": skips, "skipped_buckets": state5.stats["skipped_buckets"],
             "layout": layout,
+            "refreshes": (state.stats["refreshes"], state.stats["refreshes_from_inverse"]),
             "buckets": state._engine.exchanger_count,
             "buckets_resumed": state2._engine.exchanger_count}
 
@@ -188,6 +189,12 @@ def main():
         if r["buckets"] < 2 or r["buckets_resumed"] != r["buckets"]:
             failures.append("rank %d: %d and %d DDP buckets, the test wants several" %
                             (rank, r["buckets"], r["buckets_resumed"]))
+        # The EMA refreshes after the first take their projections from the exchange's inverse
+        # transform (the geometry in force is the sketch's basis), not from another read.
+        refreshes, from_inverse = r["refreshes"]
+        if not (refreshes > 0 and 0 < from_inverse < refreshes):
+            failures.append("rank %d: %d refreshes, %d from the inverse's products; expected all "
+                            "but the first of each layer" % (rank, refreshes, from_inverse))
         fmts = [f for f, _ in r["formats"]]
         if fmts != ["fp8_e4m3", "fp8_e4m3", "fp32", "fp32"]:
             failures.append("rank %d: formats by step %s" % (rank, fmts))

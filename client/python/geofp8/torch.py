@@ -140,7 +140,8 @@ class GeoFP8State:
         self.step = 0
         self._in_step = False
         self._scheduled = []  # [(effective_step, kind, spec)], applied in order
-        self.stats = {"bytes_sent": 0, "seconds": 0.0, "skipped_buckets": 0, "refreshes": 0}
+        self.stats = {"bytes_sent": 0, "seconds": 0.0, "skipped_buckets": 0, "refreshes": 0,
+                      "refreshes_from_inverse": 0}
         self.last_step = {"bytes_sent": 0, "seconds": 0.0, "skipped": False}
         # What an fp32 ring all-reduce of the same parameters sends per rank and step.
         numel = sum(r * c for r, c in shapes)
@@ -448,6 +449,7 @@ def geofp8_hook(state, bucket):
     state.stats["bytes_sent"] += result["bytes_sent"]
     state.stats["seconds"] += result["seconds"]
     state.stats["refreshes"] += result["refreshes"]
+    state.stats["refreshes_from_inverse"] += result["refreshes_from_inverse"]
     state.last_step["bytes_sent"] += result["bytes_sent"]
     state.last_step["seconds"] += result["seconds"]
     if bucket.is_last():
