@@ -210,12 +210,6 @@ bool UpdateFactorSketch(FactorSketch& s, std::span<const float> G, int64_t m, in
   const int cx = held + p;
   const int ldx = (cx + 7) / 8 * 8;  // X and Y padded with zero columns to whole AVX registers
   Scratch& sc = ThreadScratch();
-  float* x = Sized(sc.x, n * std::max(ldx, 1));
-  for (int64_t r = 0; r < n; ++r) {
-    std::memcpy(&x[r * ldx], s.right.data() + r * held, sizeof(float) * held);
-    std::fill(&x[r * ldx + cx], &x[r * ldx + ldx], 0.f);
-  }
-  if (p > 0) Probes(o.seed, updates, n, p, x, ldx, held);
   float* y = Sized(sc.y, m * std::max(ldx, 1));
   // Y = G X and ||G||^2 (in double) from one read of G; a NaN or inf anywhere makes the norm
   // non-finite, and only then is G searched for the culprit. When the inverse transform that
@@ -228,12 +222,10 @@ bool UpdateFactorSketch(FactorSketch& s, std::span<const float> G, int64_t m, in
     const int ldp = (p + 7) / 8 * 8;
     float* yp = nullptr;
     if (p > 0) {
-      float* xp = Sized(sc.qf, n * ldp);  // qf is free until Q is formed below
-      for (int64_t r = 0; r < n; ++r) {
-        std::memcpy(&xp[r * ldp], &x[r * ldx + held], sizeof(float) * p);
-        std::fill(&xp[r * ldp + p], &xp[r * ldp + ldp], 0.f);
-      }
-      yp = Sized(sc.bf, m * ldp);  // so is bf
+      float* xp = Sized(sc.x, n * ldp);  // the probes alone, the same signs as in X below
+      for (int64_t r = 0; r < n; ++r) std::fill(&xp[r * ldp + p], &xp[r * ldp + ldp], 0.f);
+      Probes(o.seed, updates, n, p, xp, ldp, 0);
+      yp = Sized(sc.bf, m * ldp);  // bf is free until B is formed below
       geometry::ThinProductAndNorm(G.data(), m, n, xp, ldp, yp);
     }
     for (int64_t r = 0; r < m; ++r) {
@@ -243,6 +235,13 @@ bool UpdateFactorSketch(FactorSketch& s, std::span<const float> G, int64_t m, in
       std::fill(out + cx, out + ldx, 0.f);
     }
   } else {
+    // X = [V, probes], zero-padded to ldx columns.
+    float* x = Sized(sc.x, n * std::max(ldx, 1));
+    for (int64_t r = 0; r < n; ++r) {
+      std::memcpy(&x[r * ldx], s.right.data() + r * held, sizeof(float) * held);
+      std::fill(&x[r * ldx + cx], &x[r * ldx + ldx], 0.f);
+    }
+    if (p > 0) Probes(o.seed, updates, n, p, x, ldx, held);
     g2 = geometry::ThinProductAndNorm(G.data(), m, n, x, ldx, y);
   }
   if (!std::isfinite(g2)) {

@@ -158,7 +158,7 @@ LowRankUpdate PrepareLowRank(const Geometry& g, bool inverse, const RowSource& r
   // Width 8 on AVX2 machines: one register-blocked read of each tile for both reductions, W^T
   // accumulated row by row and transposed at the end (thin_product.h); elsewhere two sgemms.
   bool both = true;
-  if (both) sc.wt.resize(static_cast<size_t>(n * k));
+  sc.wt.resize(static_cast<size_t>(n * k));
   for (int64_t r0 = 0; r0 < m; r0 += tile) {
     const int64_t r1 = std::min(m, r0 + tile), len = r1 - r0;
     const float* rows = rows_of(r0, r1, sc.tile.data());
