@@ -44,10 +44,16 @@ sys.path.insert(0, os.path.join(HERE, "..", "examples", "pytorch"))
 DEFAULT_METHODS = ["ddp", "fp16", "powersgd4", "powersgd32", "geofp8 fp8", "geofp8 fp8+geometry",
                    "geofp8 nvfp4+geometry"]
 METHODS = ["ddp", "fp16", "bf16", "powersgd4", "powersgd32", "geofp8 fp8", "geofp8 fp8+geometry",
-           "geofp8 nvfp4+geometry", "geofp8 fp8+geometry/10", "geofp8 fp8 two_phase"]
+           "geofp8 nvfp4+geometry", "geofp8 fp8+geometry/2", "geofp8 fp8+geometry/10",
+           "geofp8 fp8 two_phase"]
 GEOFP8_POLICY = {"geofp8 fp8": "fp8", "geofp8 fp8+geometry": "geofp8",
                  "geofp8 nvfp4+geometry": "geonvfp4",
-                 # The geofp8 preset with its EMA geometry refreshed every 10 steps, not every step.
+                 # The geofp8 preset with its EMA sketch fed every 2nd step (half the layers on
+                 # each step: the schedule staggers them) or every 10th, not every step.
+                 "geofp8 fp8+geometry/2": {
+                     "geometry_refresh": {"estimator": "ema", "interval": 2},
+                     "policy": {"default": {"format": "fp8_e4m3"},
+                                "layers": [{"match": "*", "geometry": "lowrank", "rank": 8}]}},
                  "geofp8 fp8+geometry/10": {
                      "geometry_refresh": {"estimator": "ema", "interval": 10},
                      "policy": {"default": {"format": "fp8_e4m3"},

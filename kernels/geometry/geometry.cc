@@ -97,10 +97,11 @@ std::vector<float> SideCore(const std::vector<float>& q, int64_t rows, int k,
   }
   if (!any) return core;
   // S = I - M A (column-major for LAPACK), solve S X = I, core = -A X.
-  std::vector<double> s_mat(static_cast<size_t>(k * k));
+  std::vector<double> s_mat(static_cast<size_t>(k * k)), gram(static_cast<size_t>(k * k));
+  geometry::CrossGram(q.data(), q.data(), rows, k, gram.data());  // M = Q^T Q in one read of Q
   for (int i = 0; i < k; ++i)
     for (int j = i; j < k; ++j) {
-      const double mij = cblas_dsdot(static_cast<int>(rows), q.data() + i, k, q.data() + j, k);
+      const double mij = gram[i * k + j];
       s_mat[j * k + i] = (i == j ? 1.0 : 0.0) - mij * a[j];
       s_mat[i * k + j] = (i == j ? 1.0 : 0.0) - mij * a[i];
     }
@@ -449,32 +450,18 @@ void Transform(const Geometry& g, std::span<float> G, bool inverse,
 // singular value of B - A (A^T B), from the eigenvalues of its k x k Gram matrix. Working with
 // sin directly avoids the cancellation of 1 - cos^2 for nearly equal bases.
 double SinTheta(const std::vector<float>& A, const std::vector<float>& B, int64_t rows, int k) {
-  // Three double GEMMs over per-thread scratch: the sketch estimator measures drift after every
-  // step's refresh, and the scalar triple loops this replaced were a sixth of that refresh.
-  struct Scratch {
-    std::vector<double> a, b, atb, gram;
-  };
-  thread_local Scratch sc;
-  const size_t n = static_cast<size_t>(rows) * k;
-  sc.a.assign(A.begin(), A.begin() + static_cast<std::ptrdiff_t>(n));
-  sc.b.assign(B.begin(), B.begin() + static_cast<std::ptrdiff_t>(n));
-  sc.atb.assign(static_cast<size_t>(k) * k, 0.0);
-  sc.gram.assign(static_cast<size_t>(k) * k, 0.0);
-  const int r = static_cast<int>(rows);
-  // A^T B (k x k), then B <- B - A (A^T B) in place: the residual of B outside span(A).
-  cblas_dgemm(CblasRowMajor, CblasTrans, CblasNoTrans, k, k, r, 1.0, sc.a.data(), k, sc.b.data(), k,
-              0.0, sc.atb.data(), k);
-  cblas_dgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, r, k, k, -1.0, sc.a.data(), k,
-              sc.atb.data(), k, 1.0, sc.b.data(), k);
-  // Its Gram matrix R^T R, whose largest eigenvalue is ||sin Theta||_2^2.
-  cblas_dgemm(CblasRowMajor, CblasTrans, CblasNoTrans, k, k, r, 1.0, sc.b.data(), k, sc.b.data(), k,
-              0.0, sc.gram.data(), k);
-  for (int j = 0; j < k; ++j)  // exactly symmetric
-    for (int i = 0; i < j; ++i) {
-      const double v = 0.5 * (sc.gram[i * k + j] + sc.gram[j * k + i]);
-      sc.gram[i * k + j] = sc.gram[j * k + i] = v;
-    }
-  const double lmax = geometry::lapack::LargestEigenvalue(sc.gram, k);
+  // Two passes over the float bases with k x k double accumulators (thin_product.h): C = A^T B,
+  // then the Gram of B's residual B - A C, formed a row at a time. The sketch estimator measures
+  // drift after every step's refresh, and the copies to double and three dgemms this replaced
+  // were a twentieth of the exchange.
+  thread_local std::vector<double> atb, gram;
+  atb.resize(static_cast<size_t>(k) * k);
+  gram.resize(static_cast<size_t>(k) * k);
+  geometry::CrossGram(A.data(), B.data(), rows, k, atb.data());
+  geometry::ResidualGram(A.data(), B.data(), atb.data(), rows, k, gram.data());
+  // Its largest eigenvalue is ||sin Theta||_2^2 (the Gram is exactly symmetric: each entry's
+  // products are formed in the same order on both sides of the diagonal).
+  const double lmax = geometry::lapack::LargestEigenvalue(gram, k);
   return std::clamp(std::sqrt(std::max(0.0, lmax)), 0.0, 1.0);
 }
 

@@ -311,9 +311,16 @@ inline __attribute__((always_inline)) void EigenBody(double* a, int n, double* v
   }
   int exponent = 0;
   std::frexp(amax, &exponent);  // amax = f 2^exponent, f in [1/2, 1)
+  // Multiplying by a power of two that is itself a normal double rounds exactly as ldexp does
+  // (one correctly rounded operation), without a libm call per entry; the scales 2^-exponent and
+  // 2^exponent are both normal unless amax is within a factor 4 of the exponent range's ends.
+  const bool exact_scales = exponent > -1020 && exponent < 1020;
+  const double down = exact_scales ? std::ldexp(1.0, -exponent) : 0.0;
   for (int j = 0; j < n; ++j)
-    for (int i = 0; i <= j; ++i)
-      t[size_t(j) * n + i] = t[size_t(i) * n + j] = std::ldexp(a[size_t(j) * n + i], -exponent);
+    for (int i = 0; i <= j; ++i) {
+      const double x = a[size_t(j) * n + i];
+      t[size_t(j) * n + i] = t[size_t(i) * n + j] = exact_scales ? x * down : std::ldexp(x, -exponent);
+    }
 
   // Tridiagonalise: step k maps column k below the subdiagonal onto its first entry with
   // H_k = I - tau_k v v^T (v[0] = 1, v acting on rows k+1..n-1), and updates the trailing block
@@ -440,7 +447,8 @@ inline __attribute__((always_inline)) void EigenBody(double* a, int n, double* v
     std::swap(d[i], d[lo]);
     if (vectors) std::swap_ranges(a + size_t(i) * n, a + size_t(i + 1) * n, a + size_t(lo) * n);
   }
-  for (int i = 0; i < n; ++i) d[i] = std::ldexp(d[i], exponent);
+  const double up = exact_scales ? std::ldexp(1.0, exponent) : 0.0;
+  for (int i = 0; i < n; ++i) d[i] = exact_scales ? d[i] * up : std::ldexp(d[i], exponent);
 }
 
 #if defined(__x86_64__) && defined(__GNUC__)

@@ -4,6 +4,7 @@
 #include <cblas.h>
 
 #include <algorithm>
+#include <vector>
 
 #include "kernels/common/check.h"
 #include "kernels/common/cpu_features.h"
@@ -149,6 +150,101 @@ bool ThinBothSides(const float* g, int64_t m, int64_t n, const float* u, const f
   (void)g, (void)u, (void)v, (void)width, (void)x, (void)wt, (void)accumulate;
   return false;
 #endif
+}
+
+namespace {
+
+#ifdef GEOFP8_THIN_AVX2
+// k = 8 (the default width) on AVX2: the generic loops' operations in the same order (a multiply,
+// then an add: no fused multiply-add), so the bits do not depend on the path taken. Four columns
+// of the output at a time, eight accumulator registers.
+__attribute__((target("avx2"))) void CrossGram8(const float* a, const float* b, int64_t rows,
+                                                double* out) {
+  for (int h = 0; h < 8; h += 4) {
+    __m256d acc[8];
+    for (int i = 0; i < 8; ++i) acc[i] = _mm256_setzero_pd();
+    for (int64_t r = 0; r < rows; ++r) {
+      const __m256d bv = _mm256_cvtps_pd(_mm_loadu_ps(b + r * 8 + h));
+      const float* ar = a + r * 8;
+      for (int i = 0; i < 8; ++i)
+        acc[i] = _mm256_add_pd(acc[i], _mm256_mul_pd(_mm256_set1_pd(ar[i]), bv));
+    }
+    for (int i = 0; i < 8; ++i) _mm256_storeu_pd(out + i * 8 + h, acc[i]);
+  }
+}
+
+__attribute__((target("avx2"))) void ResidualGram8(const float* a, const float* b, const double* c,
+                                                   int64_t rows, double* out) {
+  __m256d c0[8], c1[8];
+  for (int i = 0; i < 8; ++i) {
+    c0[i] = _mm256_loadu_pd(c + i * 8);
+    c1[i] = _mm256_loadu_pd(c + i * 8 + 4);
+  }
+  alignas(32) double res[8];
+  for (int i = 0; i < 64; ++i) out[i] = 0.0;
+  for (int64_t r = 0; r < rows; ++r) {
+    const float* ar = a + r * 8;
+    __m256d r0 = _mm256_cvtps_pd(_mm_loadu_ps(b + r * 8));
+    __m256d r1 = _mm256_cvtps_pd(_mm_loadu_ps(b + r * 8 + 4));
+    for (int i = 0; i < 8; ++i) {
+      const __m256d ai = _mm256_set1_pd(ar[i]);
+      r0 = _mm256_sub_pd(r0, _mm256_mul_pd(ai, c0[i]));
+      r1 = _mm256_sub_pd(r1, _mm256_mul_pd(ai, c1[i]));
+    }
+    _mm256_store_pd(res, r0);
+    _mm256_store_pd(res + 4, r1);
+    for (int i = 0; i < 8; ++i) {
+      const __m256d ri = _mm256_set1_pd(res[i]);
+      double* o = out + i * 8;
+      _mm256_storeu_pd(o, _mm256_add_pd(_mm256_loadu_pd(o), _mm256_mul_pd(ri, r0)));
+      _mm256_storeu_pd(o + 4, _mm256_add_pd(_mm256_loadu_pd(o + 4), _mm256_mul_pd(ri, r1)));
+    }
+  }
+}
+#endif
+
+}  // namespace
+
+void CrossGram(const float* a, const float* b, int64_t rows, int k, double* out) {
+#ifdef GEOFP8_THIN_AVX2
+  if (k == 8 && CpuHasAvx2()) return CrossGram8(a, b, rows, out);
+#endif
+  std::fill(out, out + int64_t(k) * k, 0.0);
+  for (int64_t r = 0; r < rows; ++r) {
+    const float* ar = a + r * k;
+    const float* br = b + r * k;
+    for (int i = 0; i < k; ++i) {
+      const double ai = ar[i];
+      double* __restrict o = out + int64_t(i) * k;
+      for (int j = 0; j < k; ++j) o[j] += ai * double(br[j]);
+    }
+  }
+}
+
+void ResidualGram(const float* a, const float* b, const double* c, int64_t rows, int k,
+                  double* out) {
+#ifdef GEOFP8_THIN_AVX2
+  if (k == 8 && CpuHasAvx2()) return ResidualGram8(a, b, c, rows, out);
+#endif
+  std::fill(out, out + int64_t(k) * k, 0.0);
+  thread_local std::vector<double> res;
+  res.resize(static_cast<size_t>(k));
+  double* __restrict rr = res.data();
+  for (int64_t r = 0; r < rows; ++r) {
+    const float* ar = a + r * k;
+    const float* br = b + r * k;
+    for (int j = 0; j < k; ++j) rr[j] = br[j];
+    for (int i = 0; i < k; ++i) {  // rr -= a_r^T C, row by row of C
+      const double ai = ar[i];
+      const double* __restrict ci = c + int64_t(i) * k;
+      for (int j = 0; j < k; ++j) rr[j] -= ai * ci[j];
+    }
+    for (int i = 0; i < k; ++i) {
+      const double ri = rr[i];
+      double* __restrict o = out + int64_t(i) * k;
+      for (int j = 0; j < k; ++j) o[j] += ri * rr[j];
+    }
+  }
 }
 
 }  // namespace geofp8::geometry

@@ -27,4 +27,16 @@ double ThinProductAndNorm(const float* g, int64_t m, int64_t n, const float* x, 
 bool ThinBothSides(const float* g, int64_t m, int64_t n, const float* u, const float* v, int width,
                    float* x, float* wt, bool accumulate);
 
+// out (k x k, row-major) = A^T B in double, for A and B (rows x k, row-major float): each product
+// of two floats is exact in double, and each entry is summed over the rows in order, so the same
+// input gives the same bits on every machine. One read of both (the k^2 strided dot products
+// this replaced each read them again).
+void CrossGram(const float* a, const float* b, int64_t rows, int k, double* out);
+
+// out (k x k, row-major) = R^T R in double, R = B - A C (rows x k, formed a row at a time in
+// double and never stored), for A and B as above and C (k x k, row-major double): the Gram of
+// B's residual outside span(A) when C = A^T B.
+void ResidualGram(const float* a, const float* b, const double* c, int64_t rows, int k,
+                  double* out);
+
 }  // namespace geofp8::geometry

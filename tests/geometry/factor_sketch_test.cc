@@ -187,6 +187,45 @@ TEST(ThinProduct, BothSidesMatchALongDoubleReference) {
   EXPECT_EQ(x3, x);
 }
 
+// The drift's and the inverse core's k x k Grams in double: C = A^T B and R^T R for R = B - A C.
+// Every product of two floats is exact in double and each entry is one sum over the rows in
+// order, so the result is the same bits as the plain double loops below, whichever path ran (the
+// AVX2 kernel at k = 8 multiplies and adds separately, in the same order). And for B = A
+// orthonormal the residual is round-off: its Gram is below rows k (2 eps_float)^2.
+TEST(ThinProduct, CrossAndResidualGramsAreThePlainDoubleSums) {
+  for (const int k : {3, 8}) {
+    for (const int64_t rows : {int64_t{1}, int64_t{37}, int64_t{300}}) {
+      std::vector<float> a = Gaussian(size_t(rows * k), 11), b = Gaussian(size_t(rows * k), 12);
+      std::vector<double> c(size_t(k * k), NAN), gram(size_t(k * k), NAN);
+      geometry::CrossGram(a.data(), b.data(), rows, k, c.data());
+      geometry::ResidualGram(a.data(), b.data(), c.data(), rows, k, gram.data());
+      std::vector<double> c_ref(size_t(k * k), 0.0), g_ref(size_t(k * k), 0.0);
+      std::vector<double> res(static_cast<size_t>(k));
+      for (int64_t r = 0; r < rows; ++r)
+        for (int i = 0; i < k; ++i)
+          for (int j = 0; j < k; ++j) c_ref[i * k + j] += double(a[r * k + i]) * double(b[r * k + j]);
+      for (int64_t r = 0; r < rows; ++r) {
+        for (int j = 0; j < k; ++j) res[j] = b[r * k + j];
+        for (int i = 0; i < k; ++i)
+          for (int j = 0; j < k; ++j) res[j] -= double(a[r * k + i]) * c_ref[i * k + j];
+        for (int i = 0; i < k; ++i)
+          for (int j = 0; j < k; ++j) g_ref[i * k + j] += res[i] * res[j];
+      }
+      EXPECT_EQ(c, c_ref) << "k " << k << ", rows " << rows;
+      EXPECT_EQ(gram, g_ref) << "k " << k << ", rows " << rows;
+    }
+    const int64_t rows = 200;
+    const std::vector<float> q = Basis(rows, k, 13);
+    std::vector<double> c(size_t(k * k)), gram(size_t(k * k));
+    geometry::CrossGram(q.data(), q.data(), rows, k, c.data());
+    geometry::ResidualGram(q.data(), q.data(), c.data(), rows, k, gram.data());
+    for (int i = 0; i < k; ++i) {
+      EXPECT_NEAR(c[i * k + i], 1.0, 4 * rows * 0x1.0p-24) << i;  // float-rounded orthonormal
+      EXPECT_LE(gram[i * k + i], double(rows * k) * 0x1.0p-46) << i;
+    }
+  }
+}
+
 TEST(FactorSketchBlocks, SymmetricEigenMatchesAKnownSpectrumAndReconstructs) {
   const int c = 9;
   // S = W diag(lambda) W^T with a known orthonormal W and distinct lambdas.
