@@ -319,7 +319,8 @@ inline __attribute__((always_inline)) void EigenBody(double* a, int n, double* v
   for (int j = 0; j < n; ++j)
     for (int i = 0; i <= j; ++i) {
       const double x = a[size_t(j) * n + i];
-      t[size_t(j) * n + i] = t[size_t(i) * n + j] = exact_scales ? x * down : std::ldexp(x, -exponent);
+      t[size_t(j) * n + i] = t[size_t(i) * n + j] =
+          exact_scales ? x * down : std::ldexp(x, -exponent);
     }
 
   // Tridiagonalise: step k maps column k below the subdiagonal onto its first entry with

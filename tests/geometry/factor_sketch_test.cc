@@ -203,7 +203,8 @@ TEST(ThinProduct, CrossAndResidualGramsAreThePlainDoubleSums) {
       std::vector<double> res(static_cast<size_t>(k));
       for (int64_t r = 0; r < rows; ++r)
         for (int i = 0; i < k; ++i)
-          for (int j = 0; j < k; ++j) c_ref[i * k + j] += double(a[r * k + i]) * double(b[r * k + j]);
+          for (int j = 0; j < k; ++j)
+            c_ref[i * k + j] += double(a[r * k + i]) * double(b[r * k + j]);
       for (int64_t r = 0; r < rows; ++r) {
         for (int j = 0; j < k; ++j) res[j] = b[r * k + j];
         for (int i = 0; i < k; ++i)
