@@ -49,9 +49,10 @@ METHODS = ["ddp", "fp16", "bf16", "powersgd4", "powersgd32", "geofp8 fp8", "geof
 GEOFP8_POLICY = {"geofp8 fp8": "fp8", "geofp8 fp8+geometry": "geofp8",
                  "geofp8 nvfp4+geometry": "geonvfp4",
                  # The geofp8 preset with its EMA sketch fed every 2nd step (half the layers on
-                 # each step: the schedule staggers them) or every 10th, not every step.
+                 # each step: the schedule staggers them) with beta 0.81 = 0.9^2, the same memory
+                 # in steps (examples/policies/ema-every2-beta81.yaml), or every 10th step.
                  "geofp8 fp8+geometry/2": {
-                     "geometry_refresh": {"estimator": "ema", "interval": 2},
+                     "geometry_refresh": {"estimator": "ema", "interval": 2, "beta": 0.81},
                      "policy": {"default": {"format": "fp8_e4m3"},
                                 "layers": [{"match": "*", "geometry": "lowrank", "rank": 8}]}},
                  "geofp8 fp8+geometry/10": {

@@ -510,7 +510,7 @@ std::vector<RefreshRecord> Exchanger::RunRefreshes(uint64_t step,
       const Geometry& latest = st.has_pending ? st.pending : st.active;
       Geometry g = GeometryFromSketch(st.sketch, go, latest.version + 1);
       if (g.is_identity()) continue;
-      rec.drift = latest.is_identity() ? 0.0 : SubspaceDrift(latest, g);
+      rec.drift = options_.measure_drift && !latest.is_identity() ? SubspaceDrift(latest, g) : 0.0;
       rec.seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
       st.pending = std::move(g);
       st.pending_from = step + options_.activation_delay;

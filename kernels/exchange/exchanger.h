@@ -63,6 +63,10 @@ struct ExchangeOptions {
   float sigma_ema = 0.f;
   FactorSketchOptions sketch;  // width is raised to the layer's rank k where it is smaller
   float adapt = 0.0f;          // SketchGeometryOptions::adapt: strength follows the sketch's fit
+  // kFactorEma: measure each refresh's RefreshRecord::drift (SubspaceDrift to the geometry it
+  // replaces, O((m + n) k^2) and two small eigenproblems per refresh). False leaves drift 0 and
+  // changes nothing else; geofp8.torch, which reports no drift, turns it off.
+  bool measure_drift = true;
   // The model index of each layer (one per layer, distinct), which keys its stochastic-rounding
   // stream, sketch probes and geometry cold start. Empty: the layer's position here. An
   // Exchanger over a subset of a model's layers (geofp8.torch has one per DDP bucket) sets it

@@ -157,49 +157,69 @@ namespace {
 #ifdef GEOFP8_THIN_AVX2
 // k = 8 (the default width) on AVX2: the generic loops' operations in the same order (a multiply,
 // then an add: no fused multiply-add), so the bits do not depend on the path taken. Four columns
-// of the output at a time, eight accumulator registers.
-__attribute__((target("avx2"))) void CrossGram8(const float* a, const float* b, int64_t rows,
-                                                double* out) {
+// of the output at a time in eight accumulator registers. The scalars that multiply a whole row
+// are broadcast from doubles in memory (a load; converting and broadcasting a float in registers
+// takes two shuffles, and the shuffle port was the bound).
+
+// `rows` x 8 floats to doubles, in per-thread scratch.
+__attribute__((target("avx2"))) const double* Widened8(const float* a, int64_t rows,
+                                                       std::vector<double>& scratch) {
+  scratch.resize(static_cast<size_t>(rows) * 8);
+  double* out = scratch.data();
+  for (int64_t i = 0; i < rows * 8; i += 4)
+    _mm256_storeu_pd(out + i, _mm256_cvtps_pd(_mm_loadu_ps(a + i)));
+  return out;
+}
+
+// out (8 x 8) = A^T B with A given in double (ad) and B in float.
+__attribute__((target("avx2"))) void Gram8(const double* ad, const float* b, const double* bd,
+                                           int64_t rows, double* out) {
   for (int h = 0; h < 8; h += 4) {
     __m256d acc[8];
     for (int i = 0; i < 8; ++i) acc[i] = _mm256_setzero_pd();
     for (int64_t r = 0; r < rows; ++r) {
-      const __m256d bv = _mm256_cvtps_pd(_mm_loadu_ps(b + r * 8 + h));
-      const float* ar = a + r * 8;
+      const __m256d bv =
+          bd ? _mm256_loadu_pd(bd + r * 8 + h) : _mm256_cvtps_pd(_mm_loadu_ps(b + r * 8 + h));
+      const double* ar = ad + r * 8;
       for (int i = 0; i < 8; ++i)
-        acc[i] = _mm256_add_pd(acc[i], _mm256_mul_pd(_mm256_set1_pd(ar[i]), bv));
+        acc[i] = _mm256_add_pd(acc[i], _mm256_mul_pd(_mm256_broadcast_sd(ar + i), bv));
     }
     for (int i = 0; i < 8; ++i) _mm256_storeu_pd(out + i * 8 + h, acc[i]);
   }
 }
 
+__attribute__((target("avx2"))) void CrossGram8(const float* a, const float* b, int64_t rows,
+                                                double* out) {
+  thread_local std::vector<double> scratch;
+  Gram8(Widened8(a, rows, scratch), b, nullptr, rows, out);
+}
+
 __attribute__((target("avx2"))) void ResidualGram8(const float* a, const float* b, const double* c,
                                                    int64_t rows, double* out) {
+  // The residual rows first, into scratch (rows x 8 doubles), then their Gram: accumulating into
+  // memory a row at a time made every row wait on the previous row's stores.
+  thread_local std::vector<double> wide, scratch;
+  const double* ad = Widened8(a, rows, wide);
+  scratch.resize(static_cast<size_t>(rows) * 8);
+  double* res = scratch.data();
   __m256d c0[8], c1[8];
   for (int i = 0; i < 8; ++i) {
     c0[i] = _mm256_loadu_pd(c + i * 8);
     c1[i] = _mm256_loadu_pd(c + i * 8 + 4);
   }
-  alignas(32) double res[8];
-  for (int i = 0; i < 64; ++i) out[i] = 0.0;
   for (int64_t r = 0; r < rows; ++r) {
-    const float* ar = a + r * 8;
+    const double* ar = ad + r * 8;
     __m256d r0 = _mm256_cvtps_pd(_mm_loadu_ps(b + r * 8));
     __m256d r1 = _mm256_cvtps_pd(_mm_loadu_ps(b + r * 8 + 4));
     for (int i = 0; i < 8; ++i) {
-      const __m256d ai = _mm256_set1_pd(ar[i]);
+      const __m256d ai = _mm256_broadcast_sd(ar + i);
       r0 = _mm256_sub_pd(r0, _mm256_mul_pd(ai, c0[i]));
       r1 = _mm256_sub_pd(r1, _mm256_mul_pd(ai, c1[i]));
     }
-    _mm256_store_pd(res, r0);
-    _mm256_store_pd(res + 4, r1);
-    for (int i = 0; i < 8; ++i) {
-      const __m256d ri = _mm256_set1_pd(res[i]);
-      double* o = out + i * 8;
-      _mm256_storeu_pd(o, _mm256_add_pd(_mm256_loadu_pd(o), _mm256_mul_pd(ri, r0)));
-      _mm256_storeu_pd(o + 4, _mm256_add_pd(_mm256_loadu_pd(o + 4), _mm256_mul_pd(ri, r1)));
-    }
+    _mm256_storeu_pd(res + r * 8, r0);
+    _mm256_storeu_pd(res + r * 8 + 4, r1);
   }
+  Gram8(res, nullptr, res, rows, out);
 }
 #endif
 

@@ -174,6 +174,29 @@ TEST(ExchangeSketch, RefreshesTakeTheirProjectionsFromTheInverse) {
   }
 }
 
+// Drift is a measurement only: without it every rank's geometry and output are the same bits,
+// and each record's drift is 0 where it was otherwise positive from the second refresh on.
+TEST(ExchangeSketch, DriftOffChangesOnlyTheDrift) {
+  const int N = 2;
+  const int64_t m = 48, n = 40;
+  const EmaCase with = EmaSetup(m, n);
+  EmaCase without = with;
+  without.options.measure_drift = false;
+  const int steps = 4;
+  const EmaRun a = RunEma(N, with, m, n, steps), b = RunEma(N, without, m, n, steps);
+  ASSERT_FALSE(::testing::Test::HasFailure());
+  for (int r = 0; r < N; ++r)
+    for (int s = 0; s < steps; ++s) {
+      EXPECT_EQ(b.active[r][s], a.active[r][s]) << "rank " << r << " step " << s;
+      EXPECT_TRUE(SameBytes(b.outputs[r][s], a.outputs[r][s])) << "rank " << r << " step " << s;
+      ASSERT_EQ(a.results[r][s].refreshes.size(), 1u);
+      ASSERT_EQ(b.results[r][s].refreshes.size(), 1u);
+      if (s > 0) EXPECT_GT(a.results[r][s].refreshes[0].drift, 0.0) << "step " << s;
+      EXPECT_EQ(b.results[r][s].refreshes[0].drift, 0.0) << "step " << s;
+      EXPECT_EQ(b.results[r][s].refreshes[0].version, a.results[r][s].refreshes[0].version);
+    }
+}
+
 TEST(ExchangeSketch, ExportImportContinuesExactly) {
   const int N = 2;
   const int64_t m = 40, n = 24;
