@@ -44,15 +44,21 @@ sys.path.insert(0, os.path.join(HERE, "..", "examples", "pytorch"))
 DEFAULT_METHODS = ["ddp", "fp16", "powersgd4", "powersgd32", "geofp8 fp8", "geofp8 fp8+geometry",
                    "geofp8 nvfp4+geometry"]
 METHODS = ["ddp", "fp16", "bf16", "powersgd4", "powersgd32", "geofp8 fp8", "geofp8 fp8+geometry",
-           "geofp8 nvfp4+geometry", "geofp8 fp8+geometry/2", "geofp8 fp8+geometry/10",
+           "geofp8 nvfp4+geometry", "geofp8 fp8+geometry/2", "geofp8 fp8+geometry/4",
+           "geofp8 fp8+geometry/10",
            "geofp8 fp8 two_phase"]
 GEOFP8_POLICY = {"geofp8 fp8": "fp8", "geofp8 fp8+geometry": "geofp8",
                  "geofp8 nvfp4+geometry": "geonvfp4",
-                 # The geofp8 preset with its EMA sketch fed every 2nd step (half the layers on
-                 # each step: the schedule staggers them) with beta 0.81 = 0.9^2, the same memory
-                 # in steps (examples/policies/ema-every2-beta81.yaml), or every 10th step.
+                 # The geofp8 preset with its EMA sketch fed every 2nd or 4th step (the schedule
+                 # staggers the layers over the interval) with beta 0.9^2 or 0.9^4, the same
+                 # memory in steps (examples/policies/ema-every2-beta81.yaml, ema-every4-beta66),
+                 # or every 10th step at the preset's beta.
                  "geofp8 fp8+geometry/2": {
                      "geometry_refresh": {"estimator": "ema", "interval": 2, "beta": 0.81},
+                     "policy": {"default": {"format": "fp8_e4m3"},
+                                "layers": [{"match": "*", "geometry": "lowrank", "rank": 8}]}},
+                 "geofp8 fp8+geometry/4": {
+                     "geometry_refresh": {"estimator": "ema", "interval": 4, "beta": 0.6561},
                      "policy": {"default": {"format": "fp8_e4m3"},
                                 "layers": [{"match": "*", "geometry": "lowrank", "rank": 8}]}},
                  "geofp8 fp8+geometry/10": {
