@@ -5,6 +5,7 @@
 
 #include <gtest/gtest.h>
 
+#include <cmath>
 #include <filesystem>
 #include <fstream>
 
@@ -249,6 +250,32 @@ geometry_refresh: {interval: 2, estimator: ema}
 // daemons run: ParseJobSpec and InitialPolicy (coordinator), ResolveLayers (worker), rank 0's
 // catalog and ComputeSchedules (coordinator), then the schedule by layer name as the worker maps
 // it onto its parameters.
+// Every policy file under examples/policies/ (the trajectory study's and the hook's alternatives
+// to the presets, docs/benchmarks.md) resolves on llama-small, and the two that feed the sketch
+// every 2nd and 4th step keep the shipped memory in steps: beta per update = 0.9^interval.
+TEST(ExamplePolicies, EveryFileResolvesAndTheSparseSketchesKeepTheMemoryInSteps) {
+  const std::filesystem::path dir = std::filesystem::path(GEOFP8_EXAMPLES_DIR) / "policies";
+  const auto params = model::Model<float>(*model::PresetConfig("llama-small")).params();
+  int files = 0;
+  for (const auto& entry : std::filesystem::directory_iterator(dir)) {
+    if (entry.path().extension() != ".yaml") continue;
+    ++files;
+    EXPECT_NO_THROW(MakeExchangePlan(entry.path().string(), params)) << entry.path();
+  }
+  EXPECT_GE(files, 10);
+  for (const auto& [name, interval] :
+       {std::pair<std::string, int>{"ema-every2-beta81.yaml", 2}, {"ema-every4-beta66.yaml", 4}}) {
+    const ExchangePlan plan = MakeExchangePlan((dir / name).string(), params);
+    const ExchangeOptions eo = MakeExchangeOptions(plan);
+    EXPECT_EQ(eo.estimator, GeometryEstimator::kFactorEma) << name;
+    EXPECT_NEAR(eo.sketch.beta, std::pow(0.9, interval), 1e-6) << name;
+    const auto schedule = MakeRefreshSchedule(plan, 2);
+    ASSERT_EQ(schedule.size(), params.size());
+    for (size_t i = 0; i < params.size(); ++i)
+      if (params[i].is_matrix()) EXPECT_EQ(schedule[i].interval, interval) << params[i].name;
+  }
+}
+
 TEST_F(PolicyFileTest, AFileAndAJobSpecWithTheSameSectionsResolveIdentically) {
   const std::string sections = R"(exchange: {algorithm: two_phase, bucket_mb: 2}
 policy:
