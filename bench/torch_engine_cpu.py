@@ -21,6 +21,7 @@ import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.join(HERE, "..", "examples", "pytorch"))
+sys.path.insert(0, HERE)
 
 
 def main():
@@ -36,18 +37,14 @@ def main():
     import torch.distributed as dist
     import train_gpt as T
     import geofp8.torch as gt
+    from torch_engine_overhead import one_bucket
     torch.set_num_threads(1)
     store = tempfile.NamedTemporaryFile(prefix="geofp8_engine_cpu.", delete=False).name
     os.unlink(store)
     dist.init_process_group("gloo", init_method="file://" + store, rank=0, world_size=1)
     torch.manual_seed(0)
     model = T.GPT(2, 128, 4, 64)
-    params = list(model.parameters())
-    layers = list(range(len(params)))[::-1]
-    offsets, off = [], 0
-    for i in layers:
-        offsets.append(off)
-        off += params[i].numel()
+    layers, offsets, off = one_bucket(model)
     gen = torch.Generator().manual_seed(1)
     base = torch.randn(off, generator=gen)
     for policy in args.policies:

@@ -21,6 +21,18 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.join(HERE, "..", "examples", "pytorch"))
 
 
+def one_bucket(model):
+    """Every parameter of `model` in one bucket, in reverse order as DDP packs them: the layer
+    indices, each one's offset in the flat bucket, and the bucket's length."""
+    params = list(model.parameters())
+    layers = list(range(len(params)))[::-1]
+    offsets, off = [], 0
+    for i in layers:
+        offsets.append(off)
+        off += params[i].numel()
+    return layers, offsets, off
+
+
 def entry(rank, world, store, args):
     import torch
     import torch.distributed as dist
@@ -31,12 +43,7 @@ def entry(rank, world, store, args):
     torch.manual_seed(0)
     model = T.GPT(2, 128, 4, 64)
     state = gt.GeoFP8State(model=model, policy=args.policy)
-    params = list(model.parameters())
-    layers = list(range(len(params)))[::-1]
-    offsets, off = [], 0
-    for i in layers:
-        offsets.append(off)
-        off += params[i].numel()
+    layers, offsets, off = one_bucket(model)
     grad = torch.randn(off, generator=torch.Generator().manual_seed(rank))
     t_ref, t_eng = [], []
     result = None
