@@ -171,15 +171,14 @@ __attribute__((target("avx2"))) const double* Widened8(const float* a, int64_t r
   return out;
 }
 
-// out (8 x 8) = A^T B with A given in double (ad) and B in float.
-__attribute__((target("avx2"))) void Gram8(const double* ad, const float* b, const double* bd,
-                                           int64_t rows, double* out) {
+// out (8 x 8) = A^T B, both given widened to double.
+__attribute__((target("avx2"))) void Gram8(const double* ad, const double* bd, int64_t rows,
+                                           double* out) {
   for (int h = 0; h < 8; h += 4) {
     __m256d acc[8];
     for (int i = 0; i < 8; ++i) acc[i] = _mm256_setzero_pd();
     for (int64_t r = 0; r < rows; ++r) {
-      const __m256d bv =
-          bd ? _mm256_loadu_pd(bd + r * 8 + h) : _mm256_cvtps_pd(_mm_loadu_ps(b + r * 8 + h));
+      const __m256d bv = _mm256_loadu_pd(bd + r * 8 + h);
       const double* ar = ad + r * 8;
       for (int i = 0; i < 8; ++i)
         acc[i] = _mm256_add_pd(acc[i], _mm256_mul_pd(_mm256_broadcast_sd(ar + i), bv));
@@ -190,8 +189,9 @@ __attribute__((target("avx2"))) void Gram8(const double* ad, const float* b, con
 
 __attribute__((target("avx2"))) void CrossGram8(const float* a, const float* b, int64_t rows,
                                                 double* out) {
-  thread_local std::vector<double> scratch;
-  Gram8(Widened8(a, rows, scratch), b, nullptr, rows, out);
+  thread_local std::vector<double> wide_a, wide_b;
+  const double* ad = Widened8(a, rows, wide_a);
+  Gram8(ad, b == a ? ad : Widened8(b, rows, wide_b), rows, out);
 }
 
 __attribute__((target("avx2"))) void ResidualGram8(const float* a, const float* b, const double* c,
@@ -219,7 +219,7 @@ __attribute__((target("avx2"))) void ResidualGram8(const float* a, const float* 
     _mm256_storeu_pd(res + r * 8, r0);
     _mm256_storeu_pd(res + r * 8 + 4, r1);
   }
-  Gram8(res, nullptr, res, rows, out);
+  Gram8(res, res, rows, out);
 }
 #endif
 

@@ -33,9 +33,9 @@ bool ThinBothSides(const float* g, int64_t m, int64_t n, const float* u, const f
 // this replaced each read them again).
 void CrossGram(const float* a, const float* b, int64_t rows, int k, double* out);
 
-// out (k x k, row-major) = R^T R in double, R = B - A C (rows x k, formed a row at a time in
-// double and never stored), for A and B as above and C (k x k, row-major double): the Gram of
-// B's residual outside span(A) when C = A^T B.
+// out (k x k, row-major) = R^T R in double, R = B - A C (rows x k, formed in double), for A and B
+// as above and C (k x k, row-major double): the Gram of B's residual outside span(A) when
+// C = A^T B. The same bits on every machine, as for CrossGram.
 void ResidualGram(const float* a, const float* b, const double* c, int64_t rows, int k,
                   double* out);
 
