@@ -25,6 +25,7 @@
 #include "bench/dump.h"
 #include "bench/ranks.h"
 #include "bench/registry.h"
+#include "bench/summed_error.h"
 #include "kernels/common/check.h"
 #include "kernels/exchange/exchanger.h"
 #include "kernels/geometry/analysis.h"
@@ -193,6 +194,7 @@ struct Sample {
 struct Results {
   // [variant][layer][measured step]
   std::vector<std::vector<std::vector<Sample>>> samples;
+  std::vector<std::vector<SummedError>> summed;       // [variant][layer], over the measured steps
   std::vector<std::vector<double>> refresh_seconds;   // [variant][measured step]: estimator time
   std::vector<std::vector<double>> exchange_seconds;  // [variant][measured step]
 };
@@ -216,6 +218,7 @@ Results Replay(const Args& a, const Trajectory& t, const std::vector<Variant>& v
   const size_t L = t.layers.size();
   Results res;
   res.samples.assign(variants.size(), std::vector<std::vector<Sample>>(L));
+  res.summed.assign(variants.size(), std::vector<SummedError>(L));
   res.refresh_seconds.assign(variants.size(), {});
   res.exchange_seconds.assign(variants.size(), {});
   std::vector<std::unique_ptr<Exchanger>> ex;
@@ -296,6 +299,7 @@ Results Replay(const Args& a, const Trajectory& t, const std::vector<Variant>& v
               ResidualSubspaceError(avg[l], work[l], d.rows, d.cols, g.U, g.V, g.k).value_or(NAN);
         }
         res.samples[vi][l].push_back(s);
+        res.summed[vi][l].Add(work[l], avg[l]);
       }
     }
     if (rank == 0) {
@@ -327,10 +331,14 @@ void Print(const Args& a, const Trajectory& t, const std::vector<Variant>& varia
     std::printf("#### %s\n\n", dep.policy.c_str());
     std::printf(
         "| layer | shape | euclid rel_fro | deployed rel_fro | deployed worst | fresh "
-        "rel_fro | fresh worst | deployed residual | steps deployed worse (rel) |\n");
-    std::printf("|---|---|---|---|---|---|---|---|---|\n");
+        "rel_fro | fresh worst | deployed residual | steps deployed worse (rel) | summed "
+        "rel_fro, deployed / euclid | summed coherence, euclid | summed coherence, deployed |\n");
+    std::printf("|---|---|---|---|---|---|---|---|---|---|---|---|\n");
     std::vector<double> all[2][2];  // [deployed, fresh][rel, worst]: per-layer geomeans
     std::vector<double> residual_all;
+    std::vector<double> summed_all, coherence_all[2];  // [euclid, deployed]
+    double along_sum[2] = {0, 0};
+    double along_max[2] = {0, 0};  // largest |along| of a layer
     int worse_rel = 0, worse_worst = 0, layers = 0;
     double max_rel = 0, max_worst = 0;
     for (size_t l = 0; l < L; ++l) {
@@ -367,10 +375,24 @@ void Print(const Args& a, const Trajectory& t, const std::vector<Variant>& varia
       if (ratio[0][1] > 1) ++worse_worst;
       max_rel = std::max(max_rel, ratio[0][0]);
       max_worst = std::max(max_worst, ratio[0][1]);
-      std::printf("| %s | %lldx%lld | %.4f | %.3f | %.3f | %.3f | %.3f | %.3f | %d/%zu |\n",
-                  t.layers[l].name.c_str(), static_cast<long long>(t.layers[l].rows),
-                  static_cast<long long>(t.layers[l].cols), GeoMean(euclid_rel), ratio[0][0],
-                  ratio[0][1], ratio[1][0], ratio[1][1], residual, steps_worse, e.size());
+      const SummedError& acc_dep = res.summed[vi][l];
+      const SummedError& acc_euc = res.summed[vi + 1][l];
+      const double summed = acc_dep.RelFro() / acc_euc.RelFro();
+      summed_all.push_back(summed);
+      coherence_all[0].push_back(acc_euc.Coherence());
+      coherence_all[1].push_back(acc_dep.Coherence());
+      for (int which = 0; which < 2; ++which) {
+        const double along = (which == 0 ? acc_euc : acc_dep).Along();
+        along_sum[which] += along;
+        along_max[which] = std::max(along_max[which], std::abs(along));
+      }
+      std::printf(
+          "| %s | %lldx%lld | %.4f | %.3f | %.3f | %.3f | %.3f | %.3f | %d/%zu | %.3f | %.2f | "
+          "%.2f |\n",
+          t.layers[l].name.c_str(), static_cast<long long>(t.layers[l].rows),
+          static_cast<long long>(t.layers[l].cols), GeoMean(euclid_rel), ratio[0][0], ratio[0][1],
+          ratio[1][0], ratio[1][1], residual, steps_worse, e.size(), summed, acc_euc.Coherence(),
+          acc_dep.Coherence());
       if (csv) {
         for (int which = 0; which < 3; ++which) {
           const auto& x = res.samples[vi + which][l];
@@ -390,6 +412,17 @@ void Print(const Args& a, const Trajectory& t, const std::vector<Variant>& varia
         "%.2f, %.2f.\n",
         dep.policy.c_str(), layers, GeoMean(all[0][0]), GeoMean(all[0][1]), GeoMean(all[1][0]),
         GeoMean(all[1][1]), GeoMean(residual_all), worse_rel, worse_worst, max_rel, max_worst);
+    int measured = 0;
+    for (const SummedError& acc : res.summed[vi + 1]) measured = std::max(measured, acc.steps());
+    std::printf(
+        "Summed over the %d measured steps (what momentum and the weights integrate): deployed "
+        "rel_fro %.3f of Euclidean's; coherence ||sum e||^2 / sum ||e||^2 (1: independent "
+        "errors, %d: one error repeated) Euclidean %.2f, deployed %.2f (geometric means over "
+        "layers). Error along the summed gradient, <sum e, sum g> / ||sum g||^2 (mean over "
+        "layers; largest |value| of a layer): Euclidean %+.2e (%.1e), deployed %+.2e (%.1e).\n",
+        measured, GeoMean(summed_all), measured, GeoMean(coherence_all[0]),
+        GeoMean(coherence_all[1]), along_sum[0] / std::max(layers, 1), along_max[0],
+        along_sum[1] / std::max(layers, 1), along_max[1]);
     std::printf(
         "Exchange seconds per step (median over measured steps, rank 0, ranks share this "
         "machine's cores): deployed %.4f, euclid %.4f; estimator %.4f s per step.\n\n",

@@ -6,6 +6,8 @@
 #
 # Usage: scripts/convergence_study.sh [-b BINARY] [-o OUTDIR] [-s "1 2 3 4 5"] [-p "fp32 fp8 ..."]
 #        [-n STEPS] [-- extra geofp8-train flags]
+# A policy is a preset name or a policy file (FILE.yaml); a file's runs are named by its base name:
+# -p examples/policies/ema-every4-beta66.yaml writes conv_ema-every4-beta66_seed<s>.csv.
 # Then:  scripts/convergence_paired.py OUTDIR
 set -euo pipefail
 here=$(cd "$(dirname "$0")/.." && pwd)
@@ -34,16 +36,21 @@ n=0
 for s in $seeds; do
   for p in $policies; do
     n=$((n + 1))
-    csv="$out/conv_${p}_seed${s}.csv"
+    name=$p
+    if [[ $p == *.yaml || $p == *.yml ]]; then
+      [[ -f $p ]] || { echo "convergence_study.sh: error: -p: no such policy file ($p)" >&2; exit 2; }
+      name=$(basename "${p%.*}")
+    fi
+    csv="$out/conv_${name}_seed${s}.csv"
     if [[ -f $csv ]] && tail -n 1 "$csv" | grep -q "^$last,"; then
-      echo "[$n/$total] $p seed $s: done already ($csv)"
+      echo "[$n/$total] $name seed $s: done already ($csv)"
       continue
     fi
-    echo "[$n/$total] $p seed $s -> $csv  ($(date +%H:%M:%S))"
+    echo "[$n/$total] $name seed $s -> $csv  ($(date +%H:%M:%S))"
     "$bin" --preset llama-small --ranks 2 --batch 4 --steps "$steps" --policy "$p" \
       --data /usr/lib/python3.11 --seed "$s" --eval-every 50 --eval-batches 16 \
-      --error-every 100 --checksum-every 0 --quiet --csv "$csv.part" "$@" > "$out/conv_${p}_seed${s}.log" 2>&1
+      --error-every 100 --checksum-every 0 --quiet --csv "$csv.part" "$@" > "$out/conv_${name}_seed${s}.log" 2>&1
     mv "$csv.part" "$csv"
-    tail -n 1 "$out/conv_${p}_seed${s}.log"
+    tail -n 1 "$out/conv_${name}_seed${s}.log"
   done
 done

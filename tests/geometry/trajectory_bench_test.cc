@@ -86,9 +86,20 @@ TEST_F(TrajectoryBenchTest, ReplaysEveryRankAndTablesEachMatrixAgainstEuclidean)
     if (!line.starts_with("| ") || line.starts_with("| layer |")) continue;
     EXPECT_EQ(line.find("norm"), std::string::npos) << line;
     ++rows;
+    // The last three cells: the summed error's ratio and both coherences, which lie in
+    // [0, steps] (||sum of 4 errors||^2 <= 4 sum ||e||^2 by Cauchy-Schwarz).
+    std::vector<std::string> cells;
+    std::stringstream ls(line);
+    for (std::string c; std::getline(ls, c, '|');) cells.push_back(c);
+    ASSERT_EQ(cells.size(), 13u) << line;  // a leading empty cell, then 12
+    const double summed = std::stod(cells[10]), ce = std::stod(cells[11]),
+                 cd = std::stod(cells[12]);
+    EXPECT_TRUE(summed > 0 && summed < 2) << line;
+    EXPECT_TRUE(ce > 0 && ce <= 4.005 && cd > 0 && cd <= 4.005) << line;
   }
   EXPECT_EQ(rows, 16u) << r.out;
   EXPECT_NE(r.out.find("over 16 layers, deployed rel_fro"), std::string::npos) << r.out;
+  EXPECT_NE(r.out.find("Summed over the 4 measured steps"), std::string::npos) << r.out;
   // The CSV holds every (variant, layer, measured step) with finite errors.
   std::istringstream csv(Slurp(*dir_ / "out.csv"));
   std::string line;
