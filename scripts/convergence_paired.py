@@ -186,7 +186,7 @@ def main():
         ax.grid(alpha=0.3)
         ax.legend(fontsize=8)
 
-        def band(ax, p, q, label):
+        def band(ax, p, q, label, style="-"):
             shared = sorted(set(runs[p]) & set(runs[q]))
             if not shared:
                 return
@@ -196,9 +196,10 @@ def main():
                 d = [runs[p][s]["val"][i][1] - runs[q][s]["val"][i][1] for s in shared]
                 means.append(statistics.fmean(d))
                 ses.append(statistics.stdev(d) / math.sqrt(len(d)) if len(d) > 1 else 0.0)
-            ax.plot(steps, means, label=label, color=color[p])
+            ax.plot(steps, means, label=label, color=color[p], linestyle=style)
             ax.fill_between(steps, [m - s for m, s in zip(means, ses)],
-                            [m + s for m, s in zip(means, ses)], color=color[p], alpha=0.2)
+                            [m + s for m, s in zip(means, ses)], color=color[p],
+                            alpha=0.2 if style == "-" else 0.08)
 
         ax = axes[1]
         for p in order[1:]:
@@ -209,8 +210,11 @@ def main():
         ax.grid(alpha=0.3)
         ax.legend(fontsize=8)
         ax = axes[2]
+        drawn = {}  # a geometry policy in several pairs: solid, then dashed, then dotted
         for g, e in pairs:
-            band(ax, g, e, f"{g} - {e}")
+            style = ("-", "--", ":")[min(drawn.get(g, 0), 2)]
+            drawn[g] = drawn.get(g, 0) + 1
+            band(ax, g, e, f"{g} - {e}", style)
         ax.axhline(0, color="black", lw=0.8)
         ax.set_xlabel("step")
         ax.set_ylabel("val loss, geometry - Euclidean, same seed (mean ± SE)")
