@@ -47,24 +47,27 @@ METHODS = ["ddp", "fp16", "bf16", "powersgd4", "powersgd32", "geofp8 fp8", "geof
            "geofp8 nvfp4+geometry", "geofp8 fp8+geometry/2", "geofp8 fp8+geometry/4",
            "geofp8 fp8+geometry/10",
            "geofp8 fp8 two_phase"]
+
+
+def every(interval, beta=None):
+    """The geofp8 preset with its EMA sketch fed every `interval`-th step (the schedule staggers
+    the layers over the interval), at `beta` per update (None: the preset's)."""
+    refresh = {"estimator": "ema", "interval": interval}
+    if beta is not None:
+        refresh["beta"] = beta
+    return {"geometry_refresh": refresh,
+            "policy": {"default": {"format": "fp8_e4m3"},
+                       "layers": [{"match": "*", "geometry": "lowrank", "rank": 8}]}}
+
+
 GEOFP8_POLICY = {"geofp8 fp8": "fp8", "geofp8 fp8+geometry": "geofp8",
                  "geofp8 nvfp4+geometry": "geonvfp4",
-                 # The geofp8 preset with its EMA sketch fed every 2nd or 4th step (the schedule
-                 # staggers the layers over the interval) with beta 0.9^2 or 0.9^4, the same
-                 # memory in steps (examples/policies/ema-every2-beta81.yaml, ema-every4-beta66),
-                 # or every 10th step at the preset's beta.
-                 "geofp8 fp8+geometry/2": {
-                     "geometry_refresh": {"estimator": "ema", "interval": 2, "beta": 0.81},
-                     "policy": {"default": {"format": "fp8_e4m3"},
-                                "layers": [{"match": "*", "geometry": "lowrank", "rank": 8}]}},
-                 "geofp8 fp8+geometry/4": {
-                     "geometry_refresh": {"estimator": "ema", "interval": 4, "beta": 0.6561},
-                     "policy": {"default": {"format": "fp8_e4m3"},
-                                "layers": [{"match": "*", "geometry": "lowrank", "rank": 8}]}},
-                 "geofp8 fp8+geometry/10": {
-                     "geometry_refresh": {"estimator": "ema", "interval": 10},
-                     "policy": {"default": {"format": "fp8_e4m3"},
-                                "layers": [{"match": "*", "geometry": "lowrank", "rank": 8}]}},
+                 # Every 2nd or 4th step with beta 0.9^2 or 0.9^4, the same memory in steps
+                 # (examples/policies/ema-every2-beta81.yaml, ema-every4-beta66), or every 10th
+                 # step at the preset's beta.
+                 "geofp8 fp8+geometry/2": every(2, 0.81),
+                 "geofp8 fp8+geometry/4": every(4, 0.6561),
+                 "geofp8 fp8+geometry/10": every(10),
                  # The fp8 preset with two_phase forced (the presets' algorithm is auto, which is
                  # allgather at 2 ranks): the same bytes at 2 ranks, one collective round more.
                  "geofp8 fp8 two_phase": {"exchange": {"algorithm": "two_phase"},

@@ -378,9 +378,10 @@ void Print(const Args& a, const Trajectory& t, const std::vector<Variant>& varia
       const SummedError& acc_dep = res.summed[vi][l];
       const SummedError& acc_euc = res.summed[vi + 1][l];
       const double summed = acc_dep.RelFro() / acc_euc.RelFro();
+      const double coherence[2] = {acc_euc.Coherence(), acc_dep.Coherence()};
       summed_all.push_back(summed);
-      coherence_all[0].push_back(acc_euc.Coherence());
-      coherence_all[1].push_back(acc_dep.Coherence());
+      coherence_all[0].push_back(coherence[0]);
+      coherence_all[1].push_back(coherence[1]);
       for (int which = 0; which < 2; ++which) {
         const double along = (which == 0 ? acc_euc : acc_dep).Along();
         along_sum[which] += along;
@@ -391,8 +392,8 @@ void Print(const Args& a, const Trajectory& t, const std::vector<Variant>& varia
           "%.2f |\n",
           t.layers[l].name.c_str(), static_cast<long long>(t.layers[l].rows),
           static_cast<long long>(t.layers[l].cols), GeoMean(euclid_rel), ratio[0][0], ratio[0][1],
-          ratio[1][0], ratio[1][1], residual, steps_worse, e.size(), summed, acc_euc.Coherence(),
-          acc_dep.Coherence());
+          ratio[1][0], ratio[1][1], residual, steps_worse, e.size(), summed, coherence[0],
+          coherence[1]);
       if (csv) {
         for (int which = 0; which < 3; ++which) {
           const auto& x = res.samples[vi + which][l];
@@ -412,8 +413,7 @@ void Print(const Args& a, const Trajectory& t, const std::vector<Variant>& varia
         "%.2f, %.2f.\n",
         dep.policy.c_str(), layers, GeoMean(all[0][0]), GeoMean(all[0][1]), GeoMean(all[1][0]),
         GeoMean(all[1][1]), GeoMean(residual_all), worse_rel, worse_worst, max_rel, max_worst);
-    int measured = 0;
-    for (const SummedError& acc : res.summed[vi + 1]) measured = std::max(measured, acc.steps());
+    const int measured = int(a.last - a.first + 1 - a.warmup);
     std::printf(
         "Summed over the %d measured steps (what momentum and the weights integrate): deployed "
         "rel_fro %.3f of Euclidean's; coherence ||sum e||^2 / sum ||e||^2 (1: independent "
