@@ -50,11 +50,11 @@ double Percentile(std::vector<double> v, double p) {
 // writes started from outside a reaction by up to ~100 ms, so it would measure itself.)
 class SimWorker {
  public:
-  SimWorker(v1::WorkerService::Stub* stub, std::string id, uint64_t generation,
+  SimWorker(v1::WorkerService::Stub* stub, std::string id, uint64_t generation, std::string secret,
             Clock::time_point phase, const std::atomic<bool>* beating)
       : beating_(beating) {
-    thread_ = std::thread(
-        [this, stub, id = std::move(id), generation, phase] { Loop(stub, id, generation, phase); });
+    thread_ = std::thread([this, stub, id = std::move(id), generation, secret = std::move(secret),
+                           phase] { Loop(stub, id, generation, secret, phase); });
   }
   ~SimWorker() { Stop(); }
 
@@ -79,7 +79,7 @@ class SimWorker {
 
  private:
   void Loop(v1::WorkerService::Stub* stub, const std::string& id, uint64_t generation,
-            Clock::time_point next) {
+            const std::string& secret, Clock::time_point next) {
     grpc::ClientContext ctx;
     {
       std::lock_guard<std::mutex> lock(mu_);
@@ -90,6 +90,7 @@ class SimWorker {
     v1::WorkerMessage out;
     out.set_worker_id(id);
     out.set_generation(generation);
+    out.set_session_secret(secret);  // the first message opens the session
     v1::CoordinatorMessage in;
     uint64_t seq = 0;
     while (true) {
@@ -103,6 +104,7 @@ class SimWorker {
       out.mutable_heartbeat()->set_unix_ms(0);
       const auto t0 = Clock::now();
       if (!stream->Write(out)) break;
+      out.clear_session_secret();
       bool acked = false;
       while (stream->Read(&in)) {
         if (in.has_ack() && in.ack().seq() == seq) {
@@ -295,7 +297,7 @@ int Run(int argc, char** argv) {
       // Phases spread evenly over the second (golden-ratio sequence: even for any count).
       const double phase = std::fmod(next_id * 0.6180339887, 1.0);
       auto w = std::make_unique<SimWorker>(
-          stub.get(), resp.worker_id(), resp.generation(),
+          stub.get(), resp.worker_id(), resp.generation(), resp.session_secret(),
           std::max(Clock::now(), epoch) +
               std::chrono::microseconds(static_cast<int64_t>(phase * 1e6)),
           &beating);

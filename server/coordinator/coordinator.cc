@@ -13,6 +13,7 @@
 
 #include "kernels/common/log.h"
 #include "server/coordinator/policy_engine.h"
+#include "server/coordinator/secrets.h"
 
 namespace geofp8::coordinator {
 namespace {
@@ -340,12 +341,9 @@ absl::StatusOr<v1::SubmitJobResponse> Coordinator::SubmitJobUnlogged(
       }
     }
     const int64_t now = clock_->NowMs();
-    char id[32];
-    std::snprintf(id, sizeof id, "job-%06zu", job_order_.size() + 1);
     auto rec = std::make_unique<JobRec>();
     rec->spec = *spec;
     v1::Job& job = rec->job;
-    job.set_id(id);
     job.set_name(spec->name);
     job.set_state(v1::JOB_PENDING);
     job.set_reason("submitted; waiting for " + std::to_string(spec->world_size) + " idle workers" +
@@ -362,9 +360,16 @@ absl::StatusOr<v1::SubmitJobResponse> Coordinator::SubmitJobUnlogged(
     event.set_unix_ms(now);
     event.set_state(v1::JOB_PENDING);
     event.set_message("PENDING: " + job.reason());
-    v1::Policy policy = InitialPolicy(job.id(), *spec, now);
-    // The job, its first event and policy v1 become durable together, before the reply.
+    v1::Policy policy;
+    // The job's number, the job, its first event and policy v1 become durable together, before
+    // the reply. Numbers come from the store, so an id is never handed out twice.
     absl::Status s = store_->Transaction([&]() -> absl::Status {
+      auto number = store_->NextJobNumber();
+      if (!number.ok()) return number.status();
+      char id[32];
+      std::snprintf(id, sizeof id, "job-%06llu", static_cast<unsigned long long>(*number));
+      job.set_id(id);
+      policy = InitialPolicy(job.id(), *spec, now);
       if (auto st = store_->PutJob(job); !st.ok()) return st;
       if (auto st = store_->AppendEvent(job.id(), event); !st.ok()) return st;
       return store_->PutPolicy(policy);
@@ -372,6 +377,7 @@ absl::StatusOr<v1::SubmitJobResponse> Coordinator::SubmitJobUnlogged(
     if (!s.ok()) return s;
     rec->events.push_back(event);
     rec->policies.push_back(policy);
+    const std::string id = job.id();
     if (!request.idempotency_key().empty()) by_idempotency_key_[request.idempotency_key()] = id;
     JobRec* raw = rec.get();
     job_order_.push_back(raw);
@@ -669,6 +675,7 @@ absl::StatusOr<v1::RegisterResponse> Coordinator::Register(const v1::RegisterReq
     w.info.set_host(request.host());
     w.info.set_device(request.device());
     w.info.set_memory_bytes(request.memory_bytes());
+    w.info.set_accepts_commands(request.accepts_commands());
     w.info.set_generation(*gen);
     w.info.set_state(v1::WORKER_DISCONNECTED);
     w.info.clear_job_id();
@@ -677,14 +684,17 @@ absl::StatusOr<v1::RegisterResponse> Coordinator::Register(const v1::RegisterReq
     w.sink.reset();
     w.fenced_reason.clear();
     w.held.assign(request.checkpoints().begin(), request.checkpoints().end());
+    w.session_secret = RandomSecret();
     SyncLive(w, /*touch=*/true);
     response.set_worker_id(w.info.id());
     response.set_generation(*gen);
+    response.set_session_secret(w.session_secret);
     log::Info("worker.registered")
         .F("worker", w.info.id())
         .F("generation", *gen)
         .F("host", w.info.host())
         .F("device", w.info.device())
+        .F("accepts_commands", w.info.accepts_commands() ? "true" : "false")
         .F("held_checkpoints", w.held.size())
         .Msg("registered");
     response.set_heartbeat_interval_ms(options_.heartbeat_interval_ms);
@@ -708,6 +718,7 @@ absl::Status Coordinator::Leave(const v1::LeaveRequest& request) {
       return FencedError(request.worker_id(), request.generation(), w.info.generation(),
                          w.fenced_reason);
     }
+    if (auto s = CheckSecret(w, request.session_secret(), "leave"); !s.ok()) return s;
     DeclareDead(w, "left (" + (request.reason().empty() ? "shutdown" : request.reason()) + ")",
                 out);
     TrySchedule(out);
@@ -716,7 +727,20 @@ absl::Status Coordinator::Leave(const v1::LeaveRequest& request) {
   return absl::OkStatus();
 }
 
+absl::Status Coordinator::CheckSecret(const WorkerRec& w, const std::string& secret,
+                                      const char* what) {
+  if (SecretEquals(w.session_secret, secret)) return absl::OkStatus();
+  ++counters_.forged_sessions;
+  return absl::PermissionDeniedError(
+      std::string(what) + ": worker " + w.info.id() + " generation " +
+      std::to_string(w.info.generation()) +
+      (secret.empty() ? ": no session secret (RegisterResponse.session_secret)"
+                      : ": wrong session secret") +
+      "; only the process that registered this generation may open its session");
+}
+
 absl::Status Coordinator::OpenSession(const std::string& worker_id, uint64_t generation,
+                                      const std::string& session_secret,
                                       std::shared_ptr<SessionSink> sink) {
   Outbox out;
   {
@@ -731,6 +755,10 @@ absl::Status Coordinator::OpenSession(const std::string& worker_id, uint64_t gen
     if (generation != w.info.generation() || !w.fenced_reason.empty()) {
       return FencedError(worker_id, generation, w.info.generation(), w.fenced_reason);
     }
+    if (auto s = CheckSecret(w, session_secret, "session"); !s.ok()) return s;
+    // The same process again (it holds the secret) before its old stream was seen to break:
+    // the new stream takes over, and the old one ends.
+    if (w.sink && w.sink != sink) w.sink->End();
     w.sink = std::move(sink);
     SyncLive(w, /*touch=*/true);
     // A rank whose stream broke may have missed policy versions sent meanwhile. The ranks only
@@ -757,11 +785,13 @@ absl::Status Coordinator::OpenSession(const std::string& worker_id, uint64_t gen
   return absl::OkStatus();
 }
 
-void Coordinator::CloseSession(const std::string& worker_id, uint64_t generation) {
+void Coordinator::CloseSession(const std::string& worker_id, uint64_t generation,
+                               const std::shared_ptr<SessionSink>& sink) {
   std::lock_guard<std::mutex> lock(mu_);
   auto it = workers_.find(worker_id);
   if (it == workers_.end() || it->second.info.generation() != generation) return;
   WorkerRec& w = it->second;
+  if (!sink || w.sink != sink) return;  // replaced, or never this worker's session
   w.sink.reset();
   SyncLive(w, /*touch=*/false);
   // An assigned worker keeps its rank until its heartbeats time out: a short reconnect is fine.
@@ -907,18 +937,22 @@ void Coordinator::TrySchedule(Outbox& out) {
     if (rec->job.state() != v1::JOB_PENDING) continue;
     // NCCL ranks need a GPU; Gloo ranks run anywhere.
     const bool needs_gpu = rec->spec.backend == "nccl";
+    // A `command:` job runs an arbitrary program: only on workers started with --allow-commands.
+    const bool needs_commands = !rec->spec.command.empty();
     std::vector<WorkerRec*> idle;
     int able = 0;  // connected workers that could run a rank of this job, idle or busy
     for (auto& [id, w] : workers_) {
       if (!w.sink || !w.fenced_reason.empty() ||
-          (needs_gpu && w.info.device().rfind("cuda", 0) != 0)) {
+          (needs_gpu && w.info.device().rfind("cuda", 0) != 0) ||
+          (needs_commands && !w.info.accepts_commands())) {
         continue;
       }
       ++able;
       if (w.info.state() == v1::WORKER_IDLE) idle.push_back(&w);
     }
     const int world = rec->job.world_size();
-    const std::string kind = needs_gpu ? " with a CUDA device" : "";
+    std::string kind = needs_gpu ? " with a CUDA device" : "";
+    if (needs_commands) kind += " that run command jobs (--allow-commands)";
     if (able < world) {
       // No finishing job can make room for this one: waiting for it would stall every later
       // job (head-of-line blocking), so it is passed over until enough workers connect.
@@ -1223,6 +1257,22 @@ absl::Status Coordinator::HandleWorkerMessage(const v1::WorkerMessage& message) 
           j->second->ranks[rank].worker_id == w.info.id()) {
         rec = j->second.get();
       }
+    }
+    // A report that names a job is about a rank of this worker's own job; one about any other
+    // job (an impostor's, or a stale one resent after the worker moved on) changes nothing.
+    const std::string* named = message.has_checkpoint()   ? &message.checkpoint().job_id()
+                               : message.has_finished()   ? &message.finished().job_id()
+                               : message.has_policy_ack() ? &message.policy_ack().job_id()
+                                                          : nullptr;
+    if (named && !named->empty() && (!rec || *named != rec->job.id())) {
+      ++counters_.foreign_reports;
+      log::Warn("report.refused")
+          .F("worker", w.info.id())
+          .F("generation", w.info.generation())
+          .F("job", *named)
+          .Msg("a report for job " + *named + ", of which worker " + w.info.id() +
+               " is not a rank" + (rec ? " (it is a rank of " + rec->job.id() + ")" : ""));
+      rec = nullptr;
     }
     switch (message.body_case()) {
       case v1::WorkerMessage::kHeartbeat:  // handled on the fast path above

@@ -90,12 +90,21 @@ class Coordinator {
   absl::StatusOr<v1::RegisterResponse> Register(const v1::RegisterRequest& request);
   // The worker's generation leaves on purpose: fenced at once, and its job's attempt fails over.
   absl::Status Leave(const v1::LeaveRequest& request);
-  // Attaches the stream of (worker_id, generation). FAILED_PRECONDITION if fenced or unknown.
+  // Attaches the stream of (worker_id, generation), which must carry the generation's session
+  // secret (RegisterResponse.session_secret): PERMISSION_DENIED otherwise, counted as a forged
+  // session. FAILED_PRECONDITION if fenced or unknown. A second stream with the right secret
+  // replaces the first (the same process reconnecting before its old stream broke).
   absl::Status OpenSession(const std::string& worker_id, uint64_t generation,
-                           std::shared_ptr<SessionSink> sink);
-  // FAILED_PRECONDITION for a fenced or unknown generation: the adapter ends the stream.
+                           const std::string& session_secret, std::shared_ptr<SessionSink> sink);
+  // FAILED_PRECONDITION for a fenced or unknown generation: the adapter ends the stream. The
+  // adapter has bound the stream to one (worker_id, generation) at OpenSession and passes only
+  // messages naming it. A report for a job the worker is not a rank of changes nothing and is
+  // counted (Counts::foreign_reports).
   absl::Status HandleWorkerMessage(const v1::WorkerMessage& message);
-  void CloseSession(const std::string& worker_id, uint64_t generation);
+  // Detaches `sink` if it is still the worker's session: a stream that was replaced, or one a
+  // session never owned, changes nothing.
+  void CloseSession(const std::string& worker_id, uint64_t generation,
+                    const std::shared_ptr<SessionSink>& sink);
   v1::ListWorkersResponse ListWorkers();
 
   // Declares workers dead whose heartbeats stopped; restarts or fails their jobs. Called by a
@@ -114,6 +123,8 @@ class Coordinator {
     uint64_t policy_updates = 0;              // versions created after v1 (user and auto)
     uint64_t auto_policy_updates = 0;
     uint64_t fenced_messages = 0;  // messages rejected for a stale generation
+    uint64_t forged_sessions = 0;  // sessions and Leaves refused for a wrong session secret
+    uint64_t foreign_reports = 0;  // reports naming a job the worker is not a rank of
     uint64_t workers_declared_dead = 0;
     uint64_t job_restarts = 0;  // attempts ended by a restartable failure and restarted
   };
@@ -153,6 +164,7 @@ class Coordinator {
     std::shared_ptr<SessionSink> sink;
     std::string fenced_reason;              // non-empty once the current generation is fenced
     std::vector<v1::HeldCheckpoints> held;  // reported at its last Register
+    std::string session_secret;             // of the current generation (RegisterResponse)
   };
   // Heartbeat fast path: what a heartbeat needs, under its own mutex, so heartbeats never wait
   // behind a store fsync held under mu_. Written under mu_ + live_mu_ (that order); the last
@@ -171,6 +183,8 @@ class Coordinator {
   int64_t LastSeen(const std::string& worker_id);
   absl::Status FencedError(const std::string& worker_id, uint64_t generation, uint64_t current,
                            const std::string& reason);
+  // PERMISSION_DENIED (counted) unless `secret` is w's session secret; `what` names the call.
+  absl::Status CheckSecret(const WorkerRec& w, const std::string& secret, const char* what);
 
   // Messages to send after the lock is released, so a slow stream never stalls the coordinator.
   using Outbox = std::vector<std::pair<std::shared_ptr<SessionSink>, v1::CoordinatorMessage>>;

@@ -17,6 +17,7 @@
 
 #include "geofp8/v1/geofp8.grpc.pb.h"
 #include "kernels/common/log.h"
+#include "server/coordinator/secrets.h"
 
 namespace geofp8::coordinator {
 namespace {
@@ -99,22 +100,19 @@ class Common {
       return grpc::Status(grpc::StatusCode::UNAUTHENTICATED,
                           "authorization: missing bearer token (this coordinator requires one)");
     }
-    const std::string expected = "Bearer " + token_;
-    const std::string got(it->second.data(), it->second.size());
-    // Constant-time comparison: the token is a secret.
-    unsigned diff = got.size() != expected.size();
-    for (size_t i = 0; i < expected.size(); ++i) {
-      diff |= static_cast<unsigned>(expected[i] ^ (i < got.size() ? got[i] : 0));
+    if (!SecretEquals("Bearer " + token_, std::string_view(it->second.data(), it->second.size()))) {
+      return grpc::Status(grpc::StatusCode::UNAUTHENTICATED, "authorization: wrong token");
     }
-    if (diff) return grpc::Status(grpc::StatusCode::UNAUTHENTICATED, "authorization: wrong token");
     return grpc::Status::OK;
   }
 
-  // Runs fn (returning grpc::Status) and records method, code and latency.
+  // Authorizes (every geofp8.v1 call, reads included: a job's events and reason, its spec and
+  // the worker list are the token holder's; only grpc.health.v1 and /metrics are open), runs fn
+  // (returning grpc::Status) and records method, code and latency.
   template <typename Fn>
-  grpc::Status Call(const char* method, grpc::ServerContext* ctx, bool mutating, Fn&& fn) {
+  grpc::Status Call(const char* method, grpc::ServerContext* ctx, Fn&& fn) {
     const auto start = std::chrono::steady_clock::now();
-    grpc::Status s = mutating ? Authorize(ctx) : grpc::Status::OK;
+    grpc::Status s = Authorize(ctx);
     if (!s.ok()) {
       log::Warn("auth.refused").F("peer", ctx->peer()).F("method", method).Msg(s.error_message());
     } else {
@@ -144,27 +142,27 @@ class JobServiceImpl final : public v1::JobService::Service {
   explicit JobServiceImpl(Common* k) : k_(k) {}
   grpc::Status SubmitJob(grpc::ServerContext* ctx, const v1::SubmitJobRequest* req,
                          v1::SubmitJobResponse* resp) override {
-    return k_->Call("JobService/SubmitJob", ctx, true,
+    return k_->Call("JobService/SubmitJob", ctx,
                     [&] { return Common::Reply(k_->c_->SubmitJob(*req), resp); });
   }
   grpc::Status GetJob(grpc::ServerContext* ctx, const v1::GetJobRequest* req,
                       v1::Job* resp) override {
-    return k_->Call("JobService/GetJob", ctx, false,
+    return k_->Call("JobService/GetJob", ctx,
                     [&] { return Common::Reply(k_->c_->GetJob(*req), resp); });
   }
   grpc::Status ListJobs(grpc::ServerContext* ctx, const v1::ListJobsRequest* req,
                         v1::ListJobsResponse* resp) override {
-    return k_->Call("JobService/ListJobs", ctx, false,
+    return k_->Call("JobService/ListJobs", ctx,
                     [&] { return Common::Reply(k_->c_->ListJobs(*req), resp); });
   }
   grpc::Status CancelJob(grpc::ServerContext* ctx, const v1::CancelJobRequest* req,
                          v1::Job* resp) override {
-    return k_->Call("JobService/CancelJob", ctx, true,
+    return k_->Call("JobService/CancelJob", ctx,
                     [&] { return Common::Reply(k_->c_->CancelJob(*req), resp); });
   }
   grpc::Status WatchJob(grpc::ServerContext* ctx, const v1::WatchJobRequest* req,
                         grpc::ServerWriter<v1::WatchJobResponse>* writer) override {
-    return k_->Call("JobService/WatchJob", ctx, false, [&]() -> grpc::Status {
+    return k_->Call("JobService/WatchJob", ctx, [&]() -> grpc::Status {
       WatchCursor cursor;
       while (!ctx->IsCancelled()) {
         auto next = k_->c_->WatchNext(req->job_id(), &cursor, 500);
@@ -189,18 +187,18 @@ class PolicyServiceImpl final : public v1::PolicyService::Service {
   explicit PolicyServiceImpl(Common* k) : k_(k) {}
   grpc::Status GetPolicy(grpc::ServerContext* ctx, const v1::GetPolicyRequest* req,
                          v1::Policy* resp) override {
-    return k_->Call("PolicyService/GetPolicy", ctx, false,
+    return k_->Call("PolicyService/GetPolicy", ctx,
                     [&] { return Common::Reply(k_->c_->GetPolicy(*req), resp); });
   }
   grpc::Status UpdatePolicy(grpc::ServerContext* ctx, const v1::UpdatePolicyRequest* req,
                             v1::UpdatePolicyResponse* resp) override {
-    return k_->Call("PolicyService/UpdatePolicy", ctx, true,
+    return k_->Call("PolicyService/UpdatePolicy", ctx,
                     [&] { return Common::Reply(k_->c_->UpdatePolicy(*req), resp); });
   }
   grpc::Status ListPolicyVersions(grpc::ServerContext* ctx,
                                   const v1::ListPolicyVersionsRequest* req,
                                   v1::ListPolicyVersionsResponse* resp) override {
-    return k_->Call("PolicyService/ListPolicyVersions", ctx, false,
+    return k_->Call("PolicyService/ListPolicyVersions", ctx,
                     [&] { return Common::Reply(k_->c_->ListPolicyVersions(*req), resp); });
   }
 
@@ -239,16 +237,16 @@ class WorkerServiceImpl final : public v1::WorkerService::Service {
   explicit WorkerServiceImpl(Common* k) : k_(k) {}
   grpc::Status Register(grpc::ServerContext* ctx, const v1::RegisterRequest* req,
                         v1::RegisterResponse* resp) override {
-    return k_->Call("WorkerService/Register", ctx, true,
+    return k_->Call("WorkerService/Register", ctx,
                     [&] { return Common::Reply(k_->c_->Register(*req), resp); });
   }
   grpc::Status Leave(grpc::ServerContext* ctx, const v1::LeaveRequest* req,
                      v1::LeaveResponse*) override {
-    return k_->Call("WorkerService/Leave", ctx, true, [&] { return ToGrpc(k_->c_->Leave(*req)); });
+    return k_->Call("WorkerService/Leave", ctx, [&] { return ToGrpc(k_->c_->Leave(*req)); });
   }
   grpc::Status ListWorkers(grpc::ServerContext* ctx, const v1::ListWorkersRequest*,
                            v1::ListWorkersResponse* resp) override {
-    return k_->Call("WorkerService/ListWorkers", ctx, false, [&] {
+    return k_->Call("WorkerService/ListWorkers", ctx, [&] {
       *resp = k_->c_->ListWorkers();
       return grpc::Status::OK;
     });
@@ -266,20 +264,39 @@ class WorkerServiceImpl final : public v1::WorkerService::Service {
                           "session: stream ended before the first message");
     }
     auto sink = std::make_shared<StreamSink>(ctx, stream);
+    // The stream belongs to the (worker, generation) its first message names and proves with
+    // the generation's secret; every later message must name the same one.
     const std::string id = message.worker_id();
     const uint64_t generation = message.generation();
-    absl::Status status = k_->c_->OpenSession(id, generation, sink);
+    absl::Status status = k_->c_->OpenSession(id, generation, message.session_secret(), sink);
+    if (!status.ok() && status.code() == absl::StatusCode::kPermissionDenied) {
+      log::Warn("session.refused")
+          .F("peer", ctx->peer())
+          .F("worker", id)
+          .Msg(std::string(status.message()));
+    }
     // Every message is timed on its own: that is the latency a worker's heartbeat sees.
     while (status.ok()) {
       const auto start = std::chrono::steady_clock::now();
-      status = k_->c_->HandleWorkerMessage(message);
+      if (message.worker_id() != id || message.generation() != generation) {
+        status = absl::PermissionDeniedError("session: this stream belongs to worker " + id +
+                                             " generation " + std::to_string(generation) +
+                                             "; a message named worker " + message.worker_id() +
+                                             " generation " + std::to_string(message.generation()));
+        log::Warn("session.refused")
+            .F("peer", ctx->peer())
+            .F("worker", id)
+            .Msg(std::string(status.message()));
+      } else {
+        status = k_->c_->HandleWorkerMessage(message);
+      }
       k_->m_->RecordRpc(
           "WorkerService/Session", absl::StatusCodeToString(status.code()),
           std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count());
       if (!status.ok() || !stream->Read(&message)) break;
     }
     sink->Close();
-    k_->c_->CloseSession(id, generation);
+    k_->c_->CloseSession(id, generation, sink);
     return ToGrpc(status);
   }
 
@@ -311,14 +328,14 @@ class RendezvousServiceImpl final : public v1::RendezvousService::Service {
   explicit RendezvousServiceImpl(Common* k) : k_(k) {}
   grpc::Status Set(grpc::ServerContext* ctx, const v1::KvSetRequest* req,
                    v1::KvSetResponse*) override {
-    return k_->Call("RendezvousService/Set", ctx, true, [&] {
+    return k_->Call("RendezvousService/Set", ctx, [&] {
       return ToGrpc(LogKvRefusal("RendezvousService/Set", ctx, req->job_id(), req->key(),
                                  k_->c_->kv().Set(req->job_id(), req->key(), req->value())));
     });
   }
   grpc::Status Get(grpc::ServerContext* ctx, const v1::KvGetRequest* req,
                    v1::KvGetResponse* resp) override {
-    return k_->Call("RendezvousService/Get", ctx, false, [&]() -> grpc::Status {
+    return k_->Call("RendezvousService/Get", ctx, [&]() -> grpc::Status {
       auto v = k_->c_->kv().Get(req->job_id(), req->key(), req->wait_ms());
       if (!v.ok()) {
         return ToGrpc(
@@ -330,7 +347,7 @@ class RendezvousServiceImpl final : public v1::RendezvousService::Service {
   }
   grpc::Status Wait(grpc::ServerContext* ctx, const v1::KvWaitRequest* req,
                     v1::KvWaitResponse*) override {
-    return k_->Call("RendezvousService/Wait", ctx, false, [&] {
+    return k_->Call("RendezvousService/Wait", ctx, [&] {
       std::vector<std::string> keys(req->keys().begin(), req->keys().end());
       return ToGrpc(LogKvRefusal("RendezvousService/Wait", ctx, req->job_id(),
                                  keys.empty() ? std::string() : keys.front(),
@@ -339,7 +356,7 @@ class RendezvousServiceImpl final : public v1::RendezvousService::Service {
   }
   grpc::Status Add(grpc::ServerContext* ctx, const v1::KvAddRequest* req,
                    v1::KvAddResponse* resp) override {
-    return k_->Call("RendezvousService/Add", ctx, true, [&]() -> grpc::Status {
+    return k_->Call("RendezvousService/Add", ctx, [&]() -> grpc::Status {
       auto v = k_->c_->kv().Add(req->job_id(), req->key(), req->delta());
       if (!v.ok()) {
         return ToGrpc(

@@ -57,7 +57,13 @@ int main(int argc, char** argv) {
                  "Prometheus /metrics address host:port; empty disables")
       ->capture_default_str();
   app.add_option("--token-file", token_file,
-                 "File holding the bearer token required on mutating RPCs (or env GEOFP8_TOKEN)");
+                 "File holding the bearer token every geofp8.v1 call needs, reads included "
+                 "(or env GEOFP8_TOKEN); health and /metrics stay open");
+  geofp8::coordinator::StoreOptions store_options;
+  app.add_flag("--accept-store-loss", store_options.accept_loss,
+               "Start even when coordinator.db does not match its coordinator.seal (truncated, "
+               "replaced or rolled back: acknowledged jobs are missing); logged. Job ids still "
+               "never repeat");
   app.add_option("--tls-cert", server.tls_cert, "PEM server certificate (enables TLS)");
   app.add_option("--tls-key", server.tls_key, "PEM private key of --tls-cert");
   app.add_option("--tls-client-ca", server.tls_client_ca,
@@ -128,7 +134,7 @@ int main(int argc, char** argv) {
   sigaction(SIGTERM, &action, nullptr);
   sigaction(SIGINT, &action, nullptr);
 
-  auto store = geofp8::coordinator::Store::Open(data_dir);
+  auto store = geofp8::coordinator::Store::Open(data_dir, store_options);
   if (!store.ok()) return Fail(std::string(store.status().message()));
   geofp8::coordinator::Coordinator coordinator(store->get(), geofp8::coordinator::SystemClock(),
                                                coord);

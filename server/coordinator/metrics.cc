@@ -86,6 +86,12 @@ class Metrics::StateCollector : public prometheus::Collectable {
     out.push_back(std::move(updates));
     counter("geofp8_fenced_messages_total", "Worker messages rejected for a fenced generation",
             static_cast<double>(counts.fenced_messages));
+    counter("geofp8_forged_sessions_total",
+            "Worker sessions and Leaves refused for a missing or wrong session secret",
+            static_cast<double>(counts.forged_sessions));
+    counter("geofp8_foreign_reports_total",
+            "Worker reports naming a job the worker is not a rank of (ignored)",
+            static_cast<double>(counts.foreign_reports));
     counter("geofp8_workers_declared_dead_total",
             "Workers declared dead (heartbeat timeout or re-registration)",
             static_cast<double>(counts.workers_declared_dead));

@@ -2,13 +2,22 @@
 // uniqueness constraint (the idempotency key).
 #include "server/coordinator/store.h"
 
+#include <fcntl.h>
 #include <sqlite3.h>
+#include <unistd.h>
 
+#include <cerrno>
+#include <cstring>
 #include <filesystem>
+#include <fstream>
+#include <optional>
+#include <sstream>
 #include <unordered_map>
 
 #include "google/protobuf/unknown_field_set.h"
+#include "kernels/common/log.h"
 #include "kernels/policy/policy.h"
+#include "server/coordinator/secrets.h"
 
 namespace geofp8::coordinator {
 namespace {
@@ -63,7 +72,87 @@ CREATE TABLE IF NOT EXISTS workers (
   name TEXT PRIMARY KEY,
   generation INTEGER NOT NULL
 );
+CREATE TABLE IF NOT EXISTS meta (
+  key TEXT PRIMARY KEY,
+  value TEXT NOT NULL
+);
 )sql";
+
+constexpr const char* kSealName = "coordinator.seal";
+
+// What coordinator.seal says. Absent: no seal file.
+struct Seal {
+  std::string store_id;
+  uint64_t jobs_issued = 0;
+};
+
+absl::StatusOr<std::optional<Seal>> ReadSeal(const std::string& path) {
+  std::error_code ec;
+  if (!std::filesystem::exists(path, ec) && !ec) return std::optional<Seal>();
+  std::ifstream in(path);
+  if (!in) {
+    return absl::FailedPreconditionError("store: cannot read " + path + ": " +
+                                         std::strerror(errno));
+  }
+  Seal seal;
+  bool has_jobs = false;
+  std::string line;
+  while (std::getline(in, line)) {
+    if (line.empty() || line[0] == '#') continue;
+    const size_t eq = line.find('=');
+    const std::string key = line.substr(0, eq),
+                      value = eq == std::string::npos ? "" : line.substr(eq + 1);
+    if (key == "store_id") {
+      seal.store_id = value;
+    } else if (key == "jobs_issued") {
+      char* end = nullptr;
+      errno = 0;
+      seal.jobs_issued = std::strtoull(value.c_str(), &end, 10);
+      has_jobs = !value.empty() && *end == 0 && errno == 0 && value[0] != '-';
+    }
+  }
+  if (seal.store_id.size() != 32 || !has_jobs) {
+    return absl::DataLossError("store: " + path +
+                               " is damaged (expected store_id=<32 hex digits> and "
+                               "jobs_issued=<N>); restore it, or start with --accept-store-loss");
+  }
+  return std::optional<Seal>(seal);
+}
+
+// Writes path atomically and durably: a temporary file, fsync, rename, fsync of the directory.
+absl::Status WriteFileDurably(const std::string& path, const std::string& text) {
+  const std::string tmp = path + ".tmp";
+  const int fd = ::open(tmp.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0600);
+  if (fd < 0) {
+    return absl::UnavailableError("store: cannot write " + tmp + ": " + std::strerror(errno));
+  }
+  const bool ok = ::write(fd, text.data(), text.size()) == ssize_t(text.size()) && ::fsync(fd) == 0;
+  const int err = errno;
+  ::close(fd);
+  if (!ok || ::rename(tmp.c_str(), path.c_str()) != 0) {
+    ::unlink(tmp.c_str());
+    return absl::UnavailableError("store: cannot write " + path + ": " +
+                                  std::strerror(ok ? errno : err));
+  }
+  const std::string dir = std::filesystem::path(path).parent_path().string();
+  const int dfd = ::open(dir.empty() ? "." : dir.c_str(), O_RDONLY | O_DIRECTORY | O_CLOEXEC);
+  if (dfd >= 0) {
+    ::fsync(dfd);
+    ::close(dfd);
+  }
+  return absl::OkStatus();
+}
+
+// The number in a job id "job-000042" (0 for any other form).
+uint64_t JobNumber(const std::string& id) {
+  if (id.rfind("job-", 0) != 0 || id.size() == 4) return 0;
+  uint64_t n = 0;
+  for (size_t i = 4; i < id.size(); ++i) {
+    if (id[i] < '0' || id[i] > '9') return 0;
+    n = n * 10 + uint64_t(id[i] - '0');
+  }
+  return n;
+}
 
 // PRAGMA user_version of the file. 0: the first layout, in which LayerPolicy and LayerPatch
 // carried format, scaling, rounding and geometry as their names (strings); 1: as enums.
@@ -131,7 +220,8 @@ absl::StatusOr<bool> UpgradePolicy(v1::Policy& p) {
 
 }  // namespace
 
-absl::StatusOr<std::unique_ptr<Store>> Store::Open(const std::string& data_dir) {
+absl::StatusOr<std::unique_ptr<Store>> Store::Open(const std::string& data_dir,
+                                                   const StoreOptions& options) {
   std::string path = ":memory:";
   if (!data_dir.empty()) {
     std::error_code ec;
@@ -151,6 +241,19 @@ absl::StatusOr<std::unique_ptr<Store>> Store::Open(const std::string& data_dir) 
   }
   std::unique_ptr<Store> store(new Store(db));
   sqlite3_busy_timeout(db, 5000);
+  if (!data_dir.empty()) {
+    // Before anything writes to it: a damaged file is refused as it is.
+    Stmt check(db, "PRAGMA quick_check");
+    int rc = check.ok() ? check.Step() : sqlite3_errcode(db);
+    std::string first = rc == SQLITE_ROW
+                            ? reinterpret_cast<const char*>(sqlite3_column_text(check.get(), 0))
+                            : sqlite3_errmsg(db);
+    if (rc != SQLITE_ROW || first != "ok") {
+      return absl::DataLossError("store: " + path + " fails its integrity check (" + first +
+                                 "); restore it from a backup, or move it away to start an "
+                                 "empty store");
+    }
+  }
   // WAL with synchronous=FULL: a commit is on disk before the RPC that caused it returns.
   if (!data_dir.empty()) {
     if (auto s = store->Exec("PRAGMA journal_mode=WAL"); !s.ok()) return s;
@@ -158,7 +261,125 @@ absl::StatusOr<std::unique_ptr<Store>> Store::Open(const std::string& data_dir) 
   if (auto s = store->Exec("PRAGMA synchronous=FULL"); !s.ok()) return s;
   if (auto s = store->Exec(kSchema); !s.ok()) return s;
   if (auto s = store->Migrate(); !s.ok()) return s;
+  if (!data_dir.empty()) {
+    if (auto s = store->CheckIntegrity(data_dir, options); !s.ok()) return s;
+  }
   return store;
+}
+
+absl::StatusOr<std::string> Store::GetMeta(const std::string& key) {
+  Stmt st(db_, "SELECT value FROM meta WHERE key = ?1");
+  if (!st.ok()) return Error("prepare get meta");
+  st.Text(1, key);
+  const int rc = st.Step();
+  if (rc == SQLITE_DONE) return std::string();
+  if (rc != SQLITE_ROW) return Error("get meta " + key);
+  return std::string(reinterpret_cast<const char*>(sqlite3_column_text(st.get(), 0)));
+}
+
+absl::Status Store::SetMeta(const std::string& key, const std::string& value) {
+  Stmt st(db_, "INSERT OR REPLACE INTO meta(key, value) VALUES(?1, ?2)");
+  if (!st.ok()) return Error("prepare set meta");
+  st.Text(1, key);
+  st.Text(2, value);
+  if (st.Step() != SQLITE_DONE) return Error("set meta " + key);
+  return absl::OkStatus();
+}
+
+absl::Status Store::WriteSeal(uint64_t jobs_issued) {
+  return WriteFileDurably(
+      seal_path_,
+      "# GeoFP8 coordinator store seal: the identity of coordinator.db beside it and how many\n"
+      "# job ids it has issued. The coordinator refuses a database that does not match.\n"
+      "store_id=" +
+          store_id_ + "\njobs_issued=" + std::to_string(jobs_issued) + "\n");
+}
+
+absl::Status Store::CheckIntegrity(const std::string& data_dir, const StoreOptions& options) {
+  seal_path_ = (std::filesystem::path(data_dir) / kSealName).string();
+  const std::string db_path = (std::filesystem::path(data_dir) / "coordinator.db").string();
+  auto seal = ReadSeal(seal_path_);
+  if (!seal.ok()) {
+    if (!options.accept_loss) return seal.status();
+    log::Warn("store.loss_accepted").Msg(std::string(seal.status().message()));
+    seal = std::optional<Seal>();
+  }
+  auto id = GetMeta("store_id");
+  if (!id.ok()) return id.status();
+  auto issued_text = GetMeta("jobs_issued");
+  if (!issued_text.ok()) return issued_text.status();
+  // A database older than the seal counts the job ids it has (they were job-<count>).
+  uint64_t issued = issued_text->empty() ? 0 : std::strtoull(issued_text->c_str(), nullptr, 10);
+  if (issued_text->empty()) {
+    Stmt st(db_, "SELECT id FROM jobs");
+    if (!st.ok()) return Error("prepare count jobs");
+    while (st.Step() == SQLITE_ROW) {
+      issued = std::max(issued,
+                        JobNumber(reinterpret_cast<const char*>(sqlite3_column_text(st.get(), 0))));
+    }
+  }
+  std::string problem;
+  if (seal->has_value()) {
+    const Seal& s = **seal;
+    const std::string had = "coordinator.seal says store " + s.store_id + " issued " +
+                            std::to_string(s.jobs_issued) + " job ids";
+    if (id->empty()) {
+      problem = db_path + " has no store identity, but " + had +
+                ": the database was truncated or replaced";
+    } else if (*id != s.store_id) {
+      problem = db_path + " is store " + *id + ", but " + had + ": the database was replaced";
+    } else if (issued < s.jobs_issued) {
+      problem = db_path + " has issued " + std::to_string(issued) + " job ids, but " + had +
+                ": it was rolled back, and job-" + std::to_string(issued + 1) + " to job-" +
+                std::to_string(s.jobs_issued) + " are missing";
+    }
+    if (!problem.empty() && !options.accept_loss) {
+      return absl::DataLossError("store: " + problem +
+                                 ". Restore the database from a backup, or start with "
+                                 "--accept-store-loss to serve what it holds (job ids continue "
+                                 "after job-" +
+                                 std::to_string(s.jobs_issued) + ")");
+    }
+    if (!problem.empty()) {
+      log::Warn("store.loss_accepted")
+          .F("data_dir", data_dir)
+          .Msg(problem + " (--accept-store-loss)");
+    }
+    store_id_ = s.store_id;
+    issued = std::max(issued, s.jobs_issued);
+  } else {
+    store_id_ = id->empty() ? RandomSecret() : *id;
+    if (!id->empty()) {
+      log::Warn("store.sealed")
+          .F("data_dir", data_dir)
+          .Msg("no " + std::string(kSealName) + " beside store " + store_id_ +
+               "; writing a new one");
+    }
+  }
+  if (auto s = SetMeta("store_id", store_id_); !s.ok()) return s;
+  if (auto s = SetMeta("jobs_issued", std::to_string(issued)); !s.ok()) return s;
+  return WriteSeal(issued);
+}
+
+absl::StatusOr<uint64_t> Store::NextJobNumber() {
+  std::unique_lock<std::mutex> lock(mu_);
+  Stmt st(db_,
+          "INSERT INTO meta(key, value) VALUES('jobs_issued', '1') ON CONFLICT(key) DO UPDATE "
+          "SET value = CAST(value AS INTEGER) + 1 RETURNING CAST(value AS INTEGER)");
+  if (!st.ok()) return Error("prepare next job number");
+  if (st.Step() != SQLITE_ROW) return Error("next job number");
+  const uint64_t n = static_cast<uint64_t>(sqlite3_column_int64(st.get(), 0));
+  st.Step();
+  if (seal_path_.empty()) return n;
+  if (in_transaction_) {
+    unsealed_jobs_ = n;
+    return n;
+  }
+  lock.unlock();
+  if (auto s = WriteSeal(n); !s.ok()) {
+    log::Error("store.seal_failed").Msg(std::string(s.message()));
+  }
+  return n;
 }
 
 absl::StatusOr<int> Store::SchemaVersion() {
@@ -257,12 +478,24 @@ absl::Status Store::Transaction(const std::function<absl::Status()>& fn) {
   lock.lock();
   in_transaction_ = false;
   if (!status.ok()) {
+    unsealed_jobs_ = 0;
     Exec("ROLLBACK").IgnoreError();
     return status;
   }
+  const uint64_t sealed = unsealed_jobs_;
+  unsealed_jobs_ = 0;
   if (auto s = Exec("COMMIT"); !s.ok()) {
     Exec("ROLLBACK").IgnoreError();
     return s;
+  }
+  lock.unlock();
+  // After the commit: a crash between the two leaves the seal behind the database, which is
+  // fine; ahead of it would look like a rollback. The database is the record, so a seal that
+  // cannot be written is logged, not the caller's failure.
+  if (sealed > 0) {
+    if (auto s = WriteSeal(sealed); !s.ok()) {
+      log::Error("store.seal_failed").Msg(std::string(s.message()));
+    }
   }
   return absl::OkStatus();
 }

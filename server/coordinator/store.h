@@ -17,11 +17,23 @@ struct sqlite3;
 
 namespace geofp8::coordinator {
 
+struct StoreOptions {
+  // --accept-store-loss: open a database that its seal shows was truncated, replaced or rolled
+  // back (jobs acknowledged once are missing), instead of refusing to start. Logged; job ids
+  // still continue after the highest ever issued.
+  bool accept_loss = false;
+};
+
+// Beside coordinator.db, coordinator.seal (fsynced, replaced atomically) holds the database's
+// identity and how many job ids it has issued. At start the database must pass PRAGMA
+// quick_check, carry the seal's identity, and have issued at least as many job ids as the seal
+// says; otherwise Open refuses (DATA_LOSS) with what is missing, unless accept_loss.
 class Store {
  public:
   // Opens (creating if needed) <data_dir>/coordinator.db. An empty data_dir keeps everything in
-  // memory, for tests.
-  static absl::StatusOr<std::unique_ptr<Store>> Open(const std::string& data_dir);
+  // memory, for tests (no seal).
+  static absl::StatusOr<std::unique_ptr<Store>> Open(const std::string& data_dir,
+                                                     const StoreOptions& options = {});
   ~Store();
   Store(const Store&) = delete;
   Store& operator=(const Store&) = delete;
@@ -36,6 +48,11 @@ class Store {
   absl::Status PutPolicy(const v1::Policy& policy);
   // Next generation for the worker name (1 for a new name), persisted so it never repeats.
   absl::StatusOr<uint64_t> NextGeneration(const std::string& worker_name);
+  // The next job number (1, 2, ...: job-000001), persisted so it never repeats, even across a
+  // store reset. Inside a Transaction the seal follows once it commits.
+  absl::StatusOr<uint64_t> NextJobNumber();
+  // This database's identity (32 hex digits; empty for an in-memory store).
+  const std::string& store_id() const { return store_id_; }
 
   struct Snapshot {
     std::vector<v1::Job> jobs;         // oldest first, events filled in
@@ -45,6 +62,12 @@ class Store {
 
  private:
   explicit Store(sqlite3* db) : db_(db) {}
+  // quick_check, then the identity and job-id checks against the seal (see the class comment).
+  absl::Status CheckIntegrity(const std::string& data_dir, const StoreOptions& options);
+  absl::StatusOr<std::string> GetMeta(const std::string& key);
+  absl::Status SetMeta(const std::string& key, const std::string& value);
+  // Rewrites the seal with jobs_issued (mu_ not held).
+  absl::Status WriteSeal(uint64_t jobs_issued);
   // Upgrades a file written under an older schema (PRAGMA user_version) in one transaction;
   // fails for a newer one.
   absl::Status Migrate();
@@ -55,6 +78,9 @@ class Store {
   sqlite3* db_;
   std::mutex mu_;  // SQLite handle is used from one thread at a time
   bool in_transaction_ = false;
+  std::string seal_path_;  // empty: in memory, no seal
+  std::string store_id_;
+  uint64_t unsealed_jobs_ = 0;  // a job number issued in the open transaction, sealed at commit
 };
 
 }  // namespace geofp8::coordinator

@@ -11,7 +11,8 @@ Checked:
      per-layer error while it runs;
   2. a SIGKILLed rank (the python process) is restarted by the restart policy, the new attempt
      resumes from the last checkpoint rank 0 reported, and the job succeeds;
-  3. a script whose torch world size differs from the job's fails with an error naming both.
+  3. a script whose torch world size differs from the job's fails with an error naming both;
+  4. a SIGSTOPped rank is found within the spec's exchange.timeout_s (GEOFP8_EXCHANGE_TIMEOUT_S).
 
 Usage: test_command_job.py (env GEOFP8_COORDINATOR, GEOFP8_WORKER, GEOFP8CTL, GEOFP8_EXAMPLE,
 PYTHONPATH=<build>/client/python). Exits 77 (skipped) without torch.
@@ -106,7 +107,7 @@ class CommandJobTest(unittest.TestCase):
             wdir = os.path.join(root, "w%d" % i)
             os.makedirs(wdir)
             cls.workers.append(Proc([WORKER, "--coordinator", cls.address, "--name", "w%d" % i,
-                                     "--metrics-port", "0", "--data-dir", wdir, "--ready-file",
+                                     "--allow-commands", "--metrics-port", "0", "--data-dir", wdir, "--ready-file",
                                      os.path.join(wdir, "ready.json")], env=env))
             cls.worker_dirs.append(wdir)
         for wdir in cls.worker_dirs:
@@ -292,8 +293,48 @@ class CommandJobTest(unittest.TestCase):
         job_id = self.submit_file(spec)
         j = self.wait_final(job_id)
         self.assertEqual(j["state"], "JOB_FAILED", self.everything(job_id))
+        # The reason says where the output is, not what it is (issue #31); the error is there.
+        self.assertIn("exited with code 1; its output stays on worker", j.get("reason", ""))
+        errs = "".join(self.rank_file(job_id, r, 0, "err") or "" for r in (0, 1))
         self.assertIn("world size: torch's process group has 1 ranks (WORLD_SIZE=2) but GeoFP8 "
-                      "job %s has 2 (its spec.world_size)" % job_id, j.get("reason", ""))
+                      "job %s has 2 (its spec.world_size)" % job_id, errs)
+
+    def test_4_a_stopped_rank_is_found_within_the_specs_exchange_timeout(self):
+        # Issue #31 item 5: the spec's exchange.timeout_s reaches the hook (it used 300 s).
+        timeout_s = 4
+        job_id = self.submit(
+            "pystop", 2, ["--steps", "400", "--step-sleep", "0.05", "--checkpoint-every", "5"],
+            "training: {steps: 400}
+"
+            "exchange: {timeout_s: %d}
+"
+            "policy: {default: {format: fp8_e4m3}}
+"
+            "restarts: {max_restarts: 0}
+" % timeout_s)
+        self.wait(job_id, lambda j: self.step_of(j) >= 5, "step 5")
+        pid = None
+        for w in self.workers:
+            m = re.search(r"job %s rank 1: started '\S+' as pid (\d+)" % job_id, w.text())
+            if m:
+                pid = int(m.group(1))
+        self.assertIsNotNone(pid, self.everything(job_id))
+        stopped = time.time()
+        os.kill(pid, signal.SIGSTOP)
+        try:
+            j = self.wait_final(job_id)
+        finally:
+            try:
+                os.kill(pid, signal.SIGCONT)
+            except ProcessLookupError:
+                pass
+        took = time.time() - stopped
+        self.assertEqual(j["state"], "JOB_FAILED", self.everything(job_id))
+        # exchange.timeout_s, plus the heartbeat timeout (3 s), plus the report's and the
+        # Stop's travel and a loaded machine's slack: far below the hook's old 300 s.
+        self.assertLess(took, timeout_s + 3 + 15, self.everything(job_id))
+        rank0 = self.rank_file(job_id, 0, 0, "err") or ""
+        self.assertRegex(rank0, r"(?i)time(d)? ?out", self.everything(job_id))
 
 if __name__ == "__main__":
     require_torch()

@@ -56,6 +56,7 @@ v1::ProbeResult* AddProbe(v1::WorkerMessage& m, const std::string& layer, double
 struct Worker {
   std::string id;
   uint64_t generation = 0;
+  std::string secret;  // RegisterResponse.session_secret
   std::shared_ptr<FakeSink> sink = std::make_shared<FakeSink>();
 };
 
@@ -97,7 +98,8 @@ class CoordinatorTest : public ::testing::Test {
     Worker w;
     w.id = r->worker_id();
     w.generation = r->generation();
-    EXPECT_TRUE(coordinator->OpenSession(w.id, w.generation, w.sink).ok());
+    w.secret = r->session_secret();
+    EXPECT_TRUE(coordinator->OpenSession(w.id, w.generation, w.secret, w.sink).ok());
     return w;
   }
   absl::Status Send(const Worker& w, v1::WorkerMessage m) {
@@ -163,7 +165,8 @@ class CoordinatorTest : public ::testing::Test {
     Worker w;
     w.id = r->worker_id();
     w.generation = r->generation();
-    EXPECT_TRUE(coordinator->OpenSession(w.id, w.generation, w.sink).ok());
+    w.secret = r->session_secret();
+    EXPECT_TRUE(coordinator->OpenSession(w.id, w.generation, w.secret, w.sink).ok());
     return w;
   }
 
@@ -284,7 +287,8 @@ TEST_F(CoordinatorTest, NcclJobsOnlyGoToCudaWorkers) {
   auto r = coordinator->Register(req);
   ASSERT_TRUE(r.ok());
   auto sink = std::make_shared<FakeSink>();
-  ASSERT_TRUE(coordinator->OpenSession(r->worker_id(), r->generation(), sink).ok());
+  ASSERT_TRUE(
+      coordinator->OpenSession(r->worker_id(), r->generation(), r->session_secret(), sink).ok());
   v1::Job job = Get(id);
   ASSERT_EQ(job.state(), v1::JOB_SCHEDULED);
   EXPECT_EQ(job.ranks(0).worker_id(), "gpu-worker");
@@ -416,6 +420,136 @@ TEST_F(CoordinatorTest, ReliableReportsAreAckedAndRepeatsAreHarmless) {
   EXPECT_EQ(Get(id).state(), v1::JOB_SUCCEEDED);
 }
 
+// Issue #31 item 3: a second session for a live worker's (id, generation) needs that
+// generation's secret, which only Register's caller saw.
+TEST_F(CoordinatorTest, ASessionWithoutTheSecretIsRefusedAndCounted) {
+  Worker a = Join("a");
+  ASSERT_EQ(a.secret.size(), 32u);
+  EXPECT_NE(Join("b").secret, a.secret);
+  auto impostor = std::make_shared<FakeSink>();
+  const absl::Status none = coordinator->OpenSession(a.id, a.generation, "", impostor);
+  EXPECT_EQ(none.code(), absl::StatusCode::kPermissionDenied) << none;
+  EXPECT_NE(none.message().find("no session secret"), std::string::npos) << none;
+  std::string wrong = a.secret;
+  wrong[0] = wrong[0] == '0' ? '1' : '0';
+  const absl::Status forged = coordinator->OpenSession(a.id, a.generation, wrong, impostor);
+  EXPECT_EQ(forged.code(), absl::StatusCode::kPermissionDenied) << forged;
+  EXPECT_EQ(forged.message().find(a.secret), std::string::npos) << "the secret is never echoed";
+  EXPECT_EQ(coordinator->GetCounts().forged_sessions, 2u);
+  // The impostor's stream ends: the real worker stays connected and takes the next job.
+  coordinator->CloseSession(a.id, a.generation, impostor);
+  const std::string id = Submit("name: j\nworld_size: 2\n");
+  const v1::Job job = Get(id);
+  ASSERT_EQ(job.state(), v1::JOB_SCHEDULED) << job.reason();
+  EXPECT_EQ(a.sink->Take(v1::CoordinatorMessage::kAssignment).size(), 1u);
+  EXPECT_TRUE(impostor->Take(v1::CoordinatorMessage::kAssignment).empty());
+}
+
+// Issue #31 item 3, stranding: an impostor's session closing (or any stream that is not the
+// worker's current one) never marks the real worker disconnected.
+TEST_F(CoordinatorTest, AClosedForeignStreamDoesNotStrandTheWorker) {
+  Worker a = Join("a");
+  coordinator->CloseSession(a.id, a.generation, std::make_shared<FakeSink>());
+  coordinator->CloseSession(a.id, a.generation, nullptr);
+  const v1::ListWorkersResponse workers = coordinator->ListWorkers();
+  ASSERT_EQ(workers.workers_size(), 1);
+  EXPECT_EQ(workers.workers(0).state(), v1::WORKER_IDLE);
+  const std::string id = Submit("name: j\nworld_size: 1\n");
+  EXPECT_EQ(Get(id).state(), v1::JOB_SCHEDULED) << Get(id).reason();
+}
+
+// The same process reconnecting before its old stream was seen to break: the new stream takes
+// over, the old one is ended, and the old one's close changes nothing.
+TEST_F(CoordinatorTest, AReconnectWithTheSecretReplacesTheOldStream) {
+  struct EndCounting : FakeSink {
+    void End() override { ++ended; }
+    int ended = 0;
+  };
+  v1::RegisterRequest req;
+  req.set_name("a");
+  auto r = coordinator->Register(req);
+  ASSERT_TRUE(r.ok()) << r.status();
+  auto first = std::make_shared<EndCounting>();
+  auto second = std::make_shared<FakeSink>();
+  ASSERT_TRUE(
+      coordinator->OpenSession(r->worker_id(), r->generation(), r->session_secret(), first).ok());
+  ASSERT_TRUE(
+      coordinator->OpenSession(r->worker_id(), r->generation(), r->session_secret(), second).ok());
+  EXPECT_EQ(first->ended, 1);
+  coordinator->CloseSession(r->worker_id(), r->generation(), first);
+  const std::string id = Submit("name: j\nworld_size: 1\n");
+  EXPECT_EQ(Get(id).state(), v1::JOB_SCHEDULED) << Get(id).reason();
+  EXPECT_EQ(second->Take(v1::CoordinatorMessage::kAssignment).size(), 1u);
+  EXPECT_TRUE(first->Take(v1::CoordinatorMessage::kAssignment).empty());
+}
+
+// Issue #31 item 3, forged failure: a report naming a job the worker is not a rank of changes
+// nothing and is counted.
+TEST_F(CoordinatorTest, AReportForAnotherWorkersJobIsIgnoredAndCounted) {
+  Worker a = Join("a");
+  const std::string id = Submit("name: j\nworld_size: 1\n");
+  ASSERT_EQ(Get(id).state(), v1::JOB_SCHEDULED);
+  Worker b = Join("b");  // idle: no rank of the job
+  v1::WorkerMessage forged;
+  forged.mutable_finished()->set_job_id(id);
+  forged.mutable_finished()->set_attempt(0);
+  forged.mutable_finished()->set_success(false);
+  forged.mutable_finished()->set_restartable(false);
+  forged.mutable_finished()->set_reason("forged");
+  ASSERT_TRUE(Send(b, forged).ok());
+  v1::WorkerMessage ckpt;
+  ckpt.mutable_checkpoint()->set_job_id(id);
+  ckpt.mutable_checkpoint()->set_step(99);
+  ASSERT_TRUE(Send(b, ckpt).ok());
+  const v1::Job job = Get(id);
+  EXPECT_EQ(job.state(), v1::JOB_SCHEDULED) << job.reason();
+  EXPECT_EQ(job.progress().checkpoint_step(), 0);
+  EXPECT_EQ(coordinator->GetCounts().foreign_reports, 2u);
+  // The job's own rank still reports for it.
+  v1::WorkerMessage done;
+  done.mutable_finished()->set_job_id(id);
+  done.mutable_finished()->set_success(true);
+  ASSERT_TRUE(Send(a, done).ok());
+  EXPECT_EQ(Get(id).state(), v1::JOB_SUCCEEDED);
+  EXPECT_EQ(coordinator->GetCounts().foreign_reports, 2u);
+}
+
+TEST_F(CoordinatorTest, LeaveNeedsTheSessionSecret) {
+  Worker a = Join("a");
+  v1::LeaveRequest leave;
+  leave.set_worker_id(a.id);
+  leave.set_generation(a.generation);
+  leave.set_reason("forged");
+  EXPECT_EQ(coordinator->Leave(leave).code(), absl::StatusCode::kPermissionDenied);
+  EXPECT_TRUE(Heartbeat(a).ok());
+  leave.set_session_secret(a.secret);
+  EXPECT_TRUE(coordinator->Leave(leave).ok());
+  EXPECT_EQ(Heartbeat(a).code(), absl::StatusCode::kFailedPrecondition);
+}
+
+// Command jobs run arbitrary programs: only on workers started with --allow-commands.
+TEST_F(CoordinatorTest, CommandJobsOnlyGoToWorkersThatAllowCommands) {
+  Worker plain = Join("plain");
+  const std::string id = Submit("name: c\nworld_size: 1\ncommand: [/bin/true]\n");
+  const v1::Job waiting = Get(id);
+  EXPECT_EQ(waiting.state(), v1::JOB_PENDING);
+  EXPECT_NE(waiting.scheduling().find("that run command jobs (--allow-commands)"),
+            std::string::npos)
+      << waiting.scheduling();
+  v1::RegisterRequest req;
+  req.set_name("runner");
+  req.set_accepts_commands(true);
+  auto r = coordinator->Register(req);
+  ASSERT_TRUE(r.ok());
+  auto sink = std::make_shared<FakeSink>();
+  ASSERT_TRUE(
+      coordinator->OpenSession(r->worker_id(), r->generation(), r->session_secret(), sink).ok());
+  const v1::Job job = Get(id);
+  ASSERT_EQ(job.state(), v1::JOB_SCHEDULED) << job.scheduling();
+  EXPECT_EQ(job.ranks(0).worker_id(), "runner");
+  EXPECT_TRUE(plain.sink->Take(v1::CoordinatorMessage::kAssignment).empty());
+}
+
 TEST_F(CoordinatorTest, ReRegistrationFencesTheOldGeneration) {
   Worker a1 = Join("a");
   // While a1's session is live, a second process under the name is refused (issue #13 item 7:
@@ -429,14 +563,14 @@ TEST_F(CoordinatorTest, ReRegistrationFencesTheOldGeneration) {
             "its own --name");
   EXPECT_TRUE(Heartbeat(a1).ok());
   // Its process died: the session ends, and the name can be registered again.
-  coordinator->CloseSession(a1.id, a1.generation);
+  coordinator->CloseSession(a1.id, a1.generation, a1.sink);
   Worker a2 = Join("a");
   EXPECT_EQ(a2.generation, a1.generation + 1);
   EXPECT_EQ(Heartbeat(a1).code(), absl::StatusCode::kFailedPrecondition);
   EXPECT_TRUE(Heartbeat(a2).ok());
-  EXPECT_EQ(coordinator->OpenSession(a1.id, a1.generation, a1.sink).code(),
+  EXPECT_EQ(coordinator->OpenSession(a1.id, a1.generation, a1.secret, a1.sink).code(),
             absl::StatusCode::kFailedPrecondition);
-  EXPECT_EQ(coordinator->OpenSession("nobody", 1, a1.sink).code(),
+  EXPECT_EQ(coordinator->OpenSession("nobody", 1, a1.secret, a1.sink).code(),
             absl::StatusCode::kFailedPrecondition);
 }
 

@@ -103,11 +103,14 @@ class Server:
 class SimWorker:
     """A worker over the real Session stream: a send queue and a reader thread."""
 
-    def __init__(self, channel, name, metadata=()):
+    def __init__(self, channel, name, metadata=(), impersonate=None):
         stub = rpc.WorkerServiceStub(channel)
-        r = stub.Register(pb.RegisterRequest(name=name, device="cpu", memory_bytes=1 << 30),
-                          metadata=metadata, timeout=5)
-        self.id, self.generation = r.worker_id, r.generation
+        if impersonate is None:
+            r = stub.Register(pb.RegisterRequest(name=name, device="cpu", memory_bytes=1 << 30),
+                              metadata=metadata, timeout=5)
+            self.id, self.generation, self.secret = r.worker_id, r.generation, r.session_secret
+        else:  # (id, generation, secret) of another worker, as an attacker would claim them
+            self.id, self.generation, self.secret = impersonate
         self.out = queue.Queue()
         self.inbox = queue.Queue()
         self.error = None
@@ -132,7 +135,7 @@ class SimWorker:
 
     def send(self, seq=0, **body):
         self.out.put(pb.WorkerMessage(worker_id=self.id, generation=self.generation, seq=seq,
-                                      **body))
+                                      session_secret=self.secret, **body))
 
     def expect(self, kind, timeout=10):
         deadline = time.time() + timeout
@@ -203,6 +206,10 @@ class Base(unittest.TestCase):
         self.channel.close()
         self.server.stop()
         self.tmp.cleanup()
+
+    def scrape(self):
+        return urllib.request.urlopen(
+            "http://127.0.0.1:%d/metrics" % self.server.metrics_port, timeout=5).read().decode()
 
     def worker(self, name, channel=None, metadata=()):
         w = SimWorker(channel or self.channel, name, metadata)
@@ -291,10 +298,6 @@ class ApiTest(Base):
         self.assertEqual(e.exception.code(), grpc.StatusCode.DEADLINE_EXCEEDED)
         self.assertEqual(self.kv.Add(pb.KvAddRequest(job_id="j", key="n", delta=3), timeout=5).value, 3)
         self.assertEqual(self.kv.Add(pb.KvAddRequest(job_id="j", key="n", delta=4), timeout=5).value, 7)
-
-    def scrape(self):
-        return urllib.request.urlopen(
-            "http://127.0.0.1:%d/metrics" % self.server.metrics_port, timeout=5).read().decode()
 
     def test_metrics_endpoint(self):
         # Counters are there from the start, at 0 for every label value.
@@ -402,6 +405,33 @@ class WorkerTest(Base):
         self.assertEqual(new.expect("ack").ack.seq, 1)  # the first heartbeat's ack
         new.send(heartbeat=pb.Heartbeat(), seq=3)
         self.assertEqual(new.expect("ack").ack.seq, 3)
+
+    def test_sessions_are_bound_to_their_worker(self):
+        # Issue #31 item 3: the id and generation are public (ListWorkers); the secret is not.
+        job_id, a, b = self.start_job()
+        for secret in ("", "0" * 32):
+            forged = SimWorker(self.channel, None, impersonate=(a.id, a.generation, secret))
+            err = forged.wait_closed()
+            self.assertEqual(err.code(), grpc.StatusCode.PERMISSION_DENIED, err)
+            self.assertNotIn(a.secret, err.details())
+        # A forged "failed, not restartable" report on a stream opened as b, naming a:
+        # refused, and the stream ends.
+        c = self.worker("c")
+        c.expect("ack")
+        c.out.put(pb.WorkerMessage(worker_id=a.id, generation=a.generation, seq=2,
+                                   finished=pb.JobFinished(job_id=job_id, success=False,
+                                                           reason="forged")))
+        err = c.wait_closed()
+        self.assertEqual(err.code(), grpc.StatusCode.PERMISSION_DENIED, err)
+        self.assertIn("this stream belongs to worker c", err.details())
+        # The real worker a is still connected and its job still scheduled.
+        a.send(heartbeat=pb.Heartbeat(), seq=7)
+        self.assertEqual(a.expect("ack").ack.seq, 7)
+        self.assertEqual(self.get(job_id).state, pb.JOB_SCHEDULED)
+        states = {w.id: w.state for w in rpc.WorkerServiceStub(self.channel).ListWorkers(
+            pb.ListWorkersRequest(), timeout=5).workers}
+        self.assertEqual(states[a.id], pb.WORKER_ASSIGNED)
+        self.assertIn("geofp8_forged_sessions_total 2", self.scrape())
 
     def test_dead_worker_restarts_job_then_fails(self):
         job_id, a, b = self.start_job()
@@ -599,7 +629,19 @@ class AuthTest(Base):
         r = self.jobs.SubmitJob(pb.SubmitJobRequest(spec_yaml=SPEC2), timeout=5,
                                 metadata=[("authorization", "Bearer s3cret")])
         self.assertTrue(r.created)
-        self.assertEqual(self.get(r.job.id).id, r.job.id)  # reads need no token
+        # Reads need it too (issue #31: a job's reason and events are the token holder's).
+        for read in (lambda: self.get(r.job.id),
+                     lambda: self.jobs.ListJobs(pb.ListJobsRequest(), timeout=5),
+                     lambda: rpc.WorkerServiceStub(self.channel).ListWorkers(
+                         pb.ListWorkersRequest(), timeout=5),
+                     lambda: rpc.PolicyServiceStub(self.channel).ListPolicyVersions(
+                         pb.ListPolicyVersionsRequest(job_id=r.job.id), timeout=5)):
+            with self.assertRaises(grpc.RpcError) as e:
+                read()
+            self.assertEqual(e.exception.code(), grpc.StatusCode.UNAUTHENTICATED)
+        got = self.jobs.GetJob(pb.GetJobRequest(job_id=r.job.id), timeout=5,
+                               metadata=[("authorization", "Bearer s3cret")])
+        self.assertEqual(got.id, r.job.id)
         with self.assertRaises(grpc.RpcError) as e:
             SimWorker(self.channel, "w")
         self.assertEqual(e.exception.code(), grpc.StatusCode.UNAUTHENTICATED)

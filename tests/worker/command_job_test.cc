@@ -56,7 +56,9 @@ class CommandJobTest : public ::testing::Test {
         std::vector<std::string>{"--heartbeat-timeout-ms", "2000"});
     client_ = std::make_unique<Client>(coordinator_->address());
   }
+  // Workers that run command jobs (--allow-commands), plus `extra` flags.
   void StartWorkers(int n, std::vector<std::string> extra = {}) {
+    extra.insert(extra.begin(), "--allow-commands");
     for (int i = 0; i < n; ++i) {
       workers_.push_back(
           std::make_unique<WorkerProcess>(coordinator_->address(), "w" + std::to_string(i), extra));
@@ -109,7 +111,12 @@ class CommandJobTest : public ::testing::Test {
 TEST_F(CommandJobTest, TwoRanksRunToSuccessAndApplyALivePolicyAtTheSameStep) {
   const std::string token = out_.path() + "/token";
   std::ofstream(token) << "s3cret-token\n";
-  StartWorkers(2, {"--token-file", token});
+  // The program gets the documented variables and --command-env's, nothing else of the worker's.
+  ::setenv("GEOFP8_TEST_WORKER_SECRET", "aws-key", 1);
+  ::setenv("GEOFP8_TEST_PASSED", "1", 1);
+  StartWorkers(2, {"--token-file", token, "--command-env", "GEOFP8_TEST_PASSED"});
+  ::unsetenv("GEOFP8_TEST_WORKER_SECRET");
+  ::unsetenv("GEOFP8_TEST_PASSED");
   v1::Job job = client_->Submit(Spec("cmd", 2, 40, 0));
   job = client_->WaitStep(job.id(), 5, seconds(60));
   ASSERT_EQ(job.state(), v1::JOB_RUNNING) << Everything(job);
@@ -149,12 +156,15 @@ TEST_F(CommandJobTest, TwoRanksRunToSuccessAndApplyALivePolicyAtTheSameStep) {
     EXPECT_EQ((*e)["GEOFP8_COORDINATOR"], coordinator_->address());
     EXPECT_EQ((*e)["GEOFP8_HOOK_ADDRESS"].rfind("unix:", 0), 0u);
     EXPECT_EQ((*e)["token_in_env"], "0");
-    // The token reaches the program as a file only its user can read.
+    EXPECT_EQ((*e)["secret_in_env"], "0");
+    EXPECT_EQ((*e)["passed_in_env"], "1");
+    EXPECT_EQ((*e)["path_in_env"], "1");
+    // The token reaches the program as a file only its user can read, removed when it ends.
+    EXPECT_EQ((*e)["token_file_token"], "s3cret-token");
+    EXPECT_EQ((*e)["token_file_mode"], std::to_string(0600));
     const std::string tf = (*e)["GEOFP8_TOKEN_FILE"];
-    EXPECT_EQ(ReadFile(tf), "s3cret-token\n") << tf;
-    struct stat st {};
-    ASSERT_EQ(::stat(tf.c_str(), &st), 0) << tf;
-    EXPECT_EQ(st.st_mode & 0777, 0600u);
+    EXPECT_FALSE(tf.empty());
+    EXPECT_FALSE(std::filesystem::exists(tf)) << tf;
   }
   EXPECT_EQ(e0["MASTER_PORT"], e1["MASTER_PORT"]);
   EXPECT_GT(std::stoi(e0["MASTER_PORT"]), 0);
@@ -178,6 +188,12 @@ TEST_F(CommandJobTest, TwoRanksRunToSuccessAndApplyALivePolicyAtTheSameStep) {
     EXPECT_NE(ReadFile(dir + "/rank" + rank + ".out").find("hook_script: rank " + rank),
               std::string::npos);
     EXPECT_TRUE(std::filesystem::exists(dir + "/rank" + rank + ".err"));
+    for (const char* f : {".out", ".err"}) {
+      EXPECT_EQ(std::filesystem::status(dir + "/rank" + rank + f).permissions() &
+                    std::filesystem::perms::all,
+                std::filesystem::perms::owner_read | std::filesystem::perms::owner_write)
+          << f;
+    }
     EXPECT_EQ(ReadKeyValues(EnvFile(std::stoi(rank), 0))["cwd"],
               std::filesystem::canonical(dir).string());
     EXPECT_EQ(result.at("steps"), "40");
@@ -239,15 +255,21 @@ TEST_F(CommandJobTest, AKilledRankFailsTheJobWhenNoRestartsAreLeft) {
 
 TEST_F(CommandJobTest, ExitCodesAndMissingProgramsFailWithTheirReason) {
   StartWorkers(1);
-  // A non-zero exit: the code and the last lines of stderr, which is kept.
+  // A non-zero exit: the code and where the output is, never the output itself (issue #31:
+  // the reason is shown to every reader of the job).
   v1::Job job = client_->Submit(Spec("cmd-exit", 1, 3, 0, ", --exit-code, 3"));
   job = client_->WaitFinal(job.id(), seconds(60));
   ASSERT_EQ(job.state(), v1::JOB_FAILED) << Everything(job);
-  EXPECT_NE(job.reason().find("exited with code 3"), std::string::npos) << job.reason();
-  EXPECT_NE(job.reason().find("hook_script: failing on purpose with code 3"), std::string::npos)
-      << job.reason();
   const std::string dir = workers_[0]->data_dir() + "/jobs/" + job.id() + "/0";
+  EXPECT_NE(job.reason().find("exited with code 3; its output stays on worker w0 (" + dir +
+                              "/rank0.err, " + dir + "/rank0.out)"),
+            std::string::npos)
+      << job.reason();
+  EXPECT_EQ(job.reason().find("failing on purpose"), std::string::npos) << job.reason();
   EXPECT_NE(ReadFile(dir + "/rank0.err").find("failing on purpose"), std::string::npos);
+  // Nor does either daemon's log copy it.
+  EXPECT_EQ(workers_[0]->process().output().find("failing on purpose"), std::string::npos);
+  EXPECT_EQ(coordinator_->process().output().find("failing on purpose"), std::string::npos);
 
   // A program that does not exist fails at once, whatever the restart policy.
   ASSERT_TRUE(client_->WaitIdle(1, seconds(30)));

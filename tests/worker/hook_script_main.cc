@@ -12,6 +12,7 @@
 #include <netdb.h>
 #include <netinet/in.h>
 #include <sys/socket.h>
+#include <sys/stat.h>
 #include <unistd.h>
 
 #include <chrono>
@@ -126,6 +127,19 @@ int main(int argc, char** argv) {
       env << k << "=" << Env(k) << "\n";
     }
     env << "token_in_env=" << (std::getenv("GEOFP8_TOKEN") ? 1 : 0) << "\n";
+    // What the token file is while the rank runs (the worker removes it when the rank ends).
+    if (const char* tf = std::getenv("GEOFP8_TOKEN_FILE")) {
+      struct stat st {};
+      std::ifstream in(tf);
+      std::string token;
+      std::getline(in, token);
+      env << "token_file_mode=" << (::stat(tf, &st) == 0 ? int(st.st_mode & 0777) : -1) << "\n";
+      env << "token_file_token=" << token << "\n";
+    }
+    // A variable of the worker's own that is not on the documented list (the test sets it).
+    env << "secret_in_env=" << (std::getenv("GEOFP8_TEST_WORKER_SECRET") ? 1 : 0) << "\n";
+    env << "passed_in_env=" << (std::getenv("GEOFP8_TEST_PASSED") ? 1 : 0) << "\n";
+    env << "path_in_env=" << (std::getenv("PATH") ? 1 : 0) << "\n";
     env << "pid=" << ::getpid() << "\ncwd=" << std::filesystem::current_path().string() << "\n";
     env << "master_connections=" << master << "\n";
   }

@@ -71,15 +71,18 @@ class WorkerProcess {
 
 class Client {
  public:
-  explicit Client(const std::string& address)
+  // token: sent as "authorization: Bearer <token>" on every call; empty: none.
+  explicit Client(const std::string& address, std::string token = "")
       : channel_(grpc::CreateChannel(address, grpc::InsecureChannelCredentials())),
         jobs_(v1::JobService::NewStub(channel_)),
         policies_(v1::PolicyService::NewStub(channel_)),
-        workers_(v1::WorkerService::NewStub(channel_)) {}
+        workers_(v1::WorkerService::NewStub(channel_)),
+        token_(std::move(token)) {}
 
-  static std::unique_ptr<grpc::ClientContext> Ctx() {
+  std::unique_ptr<grpc::ClientContext> Ctx() const {
     auto c = std::make_unique<grpc::ClientContext>();
     c->set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(10));
+    if (!token_.empty()) c->AddMetadata("authorization", "Bearer " + token_);
     return c;
   }
   v1::Job Submit(const std::string& yaml) {
@@ -160,6 +163,7 @@ class Client {
   std::unique_ptr<v1::JobService::Stub> jobs_;
   std::unique_ptr<v1::PolicyService::Stub> policies_;
   std::unique_ptr<v1::WorkerService::Stub> workers_;
+  std::string token_;
 };
 
 // Everything a failure message needs: the job's events and every process's output.

@@ -18,7 +18,9 @@
 #include <cstring>
 #include <filesystem>
 #include <fstream>
+#include <set>
 #include <sstream>
+#include <string_view>
 
 #include "kernels/common/check.h"
 #include "kernels/policy/job_spec.h"
@@ -53,9 +55,6 @@ constexpr milliseconds kPollInterval{20};
 constexpr const char* kMasterKey = "command/master";
 // A Unix socket path must fit sockaddr_un.sun_path (108 bytes with its NUL).
 constexpr size_t kMaxSocketPath = 107;
-// A failure reason quotes at most this much of the program's stderr (the job's reason travels
-// in gRPC messages and trailers and is shown by describe).
-constexpr size_t kMaxTailBytes = 1024;
 
 // A free TCP port on this host: bound with port 0 and released. Like torchrun's, the program
 // binds it again a moment later; another process taking it meanwhile is possible but rare.
@@ -102,26 +101,35 @@ std::string CommandJobDir(const std::string& data_dir, const std::string& job_id
   return (std::filesystem::path(data_dir) / "jobs" / job_id / std::to_string(attempt)).string();
 }
 
-std::string FileTail(const std::string& path, int lines) {
-  std::ifstream in(path, std::ios::binary);
-  if (!in || lines <= 0) return "";
-  in.seekg(0, std::ios::end);
-  const std::streamoff size = in.tellg();
-  const std::streamoff from = std::max<std::streamoff>(0, size - std::streamoff(kMaxTailBytes));
-  in.seekg(from);
-  std::vector<std::string> all;
-  std::string line;
-  while (std::getline(in, line)) all.push_back(line);
-  // Read from mid-file: the first line is a fragment, unless it is the only one.
-  if (from > 0 && all.size() > 1) all.erase(all.begin());
-  while (!all.empty() && all.back().empty()) all.pop_back();
-  const size_t first = all.size() > size_t(lines) ? all.size() - size_t(lines) : 0;
-  std::string tail;
-  for (size_t i = first; i < all.size(); ++i) {
-    if (!tail.empty()) tail += "\n";
-    tail += all[i];
+std::map<std::string, std::string> CommandEnvironment(char** environ_,
+                                                      const std::vector<std::string>& pass) {
+  static const std::set<std::string_view> kNames = {"PATH",
+                                                    "HOME",
+                                                    "USER",
+                                                    "LOGNAME",
+                                                    "SHELL",
+                                                    "LANG",
+                                                    "LANGUAGE",
+                                                    "TZ",
+                                                    "TMPDIR",
+                                                    "TERM",
+                                                    "LD_LIBRARY_PATH",
+                                                    "VIRTUAL_ENV",
+                                                    "CUDA_VISIBLE_DEVICES"};
+  static const std::string_view kPrefixes[] = {"LC_",  "PYTHON", "OMP_",  "OPENBLAS_",
+                                               "MKL_", "NCCL_",  "GLOO_", "TORCH_"};
+  const std::set<std::string> extra(pass.begin(), pass.end());
+  std::map<std::string, std::string> env;
+  for (char** e = environ_; e && *e; ++e) {
+    const std::string_view kv = *e;
+    const size_t eq = kv.find('=');
+    if (eq == std::string_view::npos) continue;
+    const std::string_view name = kv.substr(0, eq);
+    bool keep = kNames.count(name) > 0 || extra.count(std::string(name)) > 0;
+    for (std::string_view p : kPrefixes) keep = keep || name.substr(0, p.size()) == p;
+    if (keep) env[std::string(name)] = std::string(kv.substr(eq + 1));
   }
-  return tail;
+  return env;
 }
 
 CommandRunner::CommandRunner(std::shared_ptr<Connection> connection, v1::Assignment assignment,
@@ -294,7 +302,10 @@ JobOutcome CommandRunner::Run() {
   bool restartable = false;
   const std::string dir = CommandJobDir(options_.job.data_dir, a.job_id(), a.attempt());
   std::string program;
+  std::string token_file;
   try {
+    Require(options_.allow_commands, "worker ", options_.job.worker_name,
+            " does not run command: jobs (start geofp8-worker with --allow-commands)");
     auto parsed = ParseJobSpec(a.spec_yaml());
     Require(parsed.ok(), "spec: ", std::string(parsed.status().message()));
     const JobSpec spec = *parsed;
@@ -318,7 +329,6 @@ JobOutcome CommandRunner::Run() {
     std::filesystem::create_directories(ckpt, ec);
     Require(!ec, "checkpoint directory: cannot create ", ckpt.string(), ": ", ec.message());
 
-    std::string token_file;
     if (!options_.token.empty()) {
       token_file = dir + "/rank" + rank + ".token";
       WriteTokenFile(token_file, options_.token);
@@ -358,15 +368,8 @@ JobOutcome CommandRunner::Run() {
 
     const auto [master_addr, master_port] = MasterAddress();
 
-    // The environment: the worker's own, less its token, plus torchrun's and GeoFP8's.
-    std::map<std::string, std::string> env;
-    for (char** e = environ; *e; ++e) {
-      const std::string kv = *e;
-      const size_t eq = kv.find('=');
-      if (eq == std::string::npos) continue;
-      env[kv.substr(0, eq)] = kv.substr(eq + 1);
-    }
-    env.erase("GEOFP8_TOKEN");
+    // The environment: the documented part of the worker's own, plus torchrun's and GeoFP8's.
+    std::map<std::string, std::string> env = CommandEnvironment(environ, options_.pass_env);
     env["RANK"] = rank;
     env["WORLD_SIZE"] = std::to_string(a.world_size());
     env["LOCAL_RANK"] = "0";  // one rank per worker
@@ -380,11 +383,9 @@ JobOutcome CommandRunner::Run() {
     env["GEOFP8_RESUME_STEP"] = std::to_string(a.resume_step());
     env["GEOFP8_CHECKPOINT_DIR"] = ckpt.string();
     env["GEOFP8_JOB_SPEC"] = spec_path;
-    if (token_file.empty()) {
-      env.erase("GEOFP8_TOKEN_FILE");
-    } else {
-      env["GEOFP8_TOKEN_FILE"] = token_file;
-    }
+    // The spec's collective timeout, which GeoFP8State takes unless given timeout_s itself.
+    env["GEOFP8_EXCHANGE_TIMEOUT_S"] = std::to_string(spec.exchange.timeout_s);
+    if (!token_file.empty()) env["GEOFP8_TOKEN_FILE"] = token_file;
     std::vector<std::string> env_text;
     for (const auto& [k, v] : env) env_text.push_back(k + "=" + v);
     std::vector<char*> envp, argv;
@@ -402,8 +403,9 @@ JobOutcome CommandRunner::Run() {
     posix_spawnattr_init(&attr);
     posix_spawn_file_actions_addchdir_np(&fa, dir.c_str());
     posix_spawn_file_actions_addopen(&fa, 0, "/dev/null", O_RDONLY, 0);
-    posix_spawn_file_actions_addopen(&fa, 1, out_path.c_str(), O_WRONLY | O_CREAT | O_APPEND, 0644);
-    posix_spawn_file_actions_addopen(&fa, 2, err_path.c_str(), O_WRONLY | O_CREAT | O_APPEND, 0644);
+    // Only the worker's user reads a program's output (it may print anything it can read).
+    posix_spawn_file_actions_addopen(&fa, 1, out_path.c_str(), O_WRONLY | O_CREAT | O_APPEND, 0600);
+    posix_spawn_file_actions_addopen(&fa, 2, err_path.c_str(), O_WRONLY | O_CREAT | O_APPEND, 0600);
     // Its own process group (a Stop signals the whole tree), default signal dispositions and
     // an empty mask whatever the daemon's threads use.
     sigset_t none, defaults;
@@ -470,13 +472,14 @@ JobOutcome CommandRunner::Run() {
                    std::to_string(out.steps) + " steps";
     } else {
       restartable = true;
+      // The status and where the output is, never the output itself: the reason is shown to
+      // every reader of the job, and the program may print anything it can read.
       out.reason =
-          WIFEXITED(status)
-              ? "command '" + program + "' exited with code " + std::to_string(WEXITSTATUS(status))
-              : "command '" + program + "' was killed by " + SignalName(WTERMSIG(status));
-      const std::string tail = FileTail(err_path, options_.stderr_tail_lines);
-      out.reason += tail.empty() ? "; stderr (" + err_path + ") is empty"
-                                 : "; last lines of " + err_path + ":\n" + tail;
+          (WIFEXITED(status)
+               ? "command '" + program + "' exited with code " + std::to_string(WEXITSTATUS(status))
+               : "command '" + program + "' was killed by " + SignalName(WTERMSIG(status))) +
+          "; its output stays on worker " + options_.job.worker_name + " (" + err_path + ", " +
+          out_path + ")";
     }
   } catch (const std::exception& e) {
     out.success = false;
@@ -487,6 +490,8 @@ JobOutcome CommandRunner::Run() {
       out.reason = "stopped (" + stop + "); then: " + out.reason;
     }
   }
+  // The token was the running program's; nothing keeps a copy once it has ended.
+  if (!token_file.empty()) ::unlink(token_file.c_str());
   relay_open_ = false;
   {
     std::unique_ptr<HookServer> hook;

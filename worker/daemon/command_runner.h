@@ -32,17 +32,29 @@ struct CommandRunnerOptions {
   // The worker's bearer token, handed to the program as a 0600 file (GEOFP8_TOKEN_FILE), never
   // in its arguments or environment. Empty: no file.
   std::string token;
+  // --allow-commands. Off: the rank fails at once, not restartable, without running anything
+  // (the coordinator never places a command job on such a worker; this is the second check).
+  bool allow_commands = false;
+  // --command-env: names of the worker's own variables the program also gets, beyond
+  // CommandEnvironment's fixed list.
+  std::vector<std::string> pass_env;
   std::chrono::milliseconds kill_grace{5000};           // after SIGTERM, before SIGKILL
   std::chrono::milliseconds rendezvous_timeout{60000};  // ranks > 0 wait for rank 0's address
-  int stderr_tail_lines = 10;  // last stderr lines quoted in a failure reason
 };
 
-// Where a rank of (job, attempt) keeps its files: <data_dir>/jobs/<job>/<attempt>/, holding
-// rank<R>.out, rank<R>.err, the hook socket hook<R>.sock and the token file rank<R>.token.
-// It is the program's working directory.
+// Where a rank of (job, attempt) keeps its files: <data_dir>/jobs/<job>/<attempt>/ (mode 0700),
+// holding rank<R>.out and rank<R>.err (0600), the hook socket hook<R>.sock and, while the rank
+// runs, the token file rank<R>.token. It is the program's working directory.
 std::string CommandJobDir(const std::string& data_dir, const std::string& job_id, int attempt);
-// The last `lines` lines of `path` (at most about 1 KiB of them), for failure reasons.
-std::string FileTail(const std::string& path, int lines);
+
+// The variables of the worker's environment `environ` a command job's program inherits: a fixed
+// list a Python/torch program needs (PATH, HOME, USER, LOGNAME, SHELL, LANG, LANGUAGE, TZ,
+// TMPDIR, TERM, LD_LIBRARY_PATH, VIRTUAL_ENV, CUDA_VISIBLE_DEVICES, and every LC_*, PYTHON*,
+// OMP_*, OPENBLAS_*, MKL_*, NCCL_*, GLOO_* and TORCH_* name), plus the names in `pass`. Nothing
+// else of the worker's (its GEOFP8_TOKEN, credentials of its own) reaches the program; the
+// caller then adds torchrun's and the GEOFP8_* variables.
+std::map<std::string, std::string> CommandEnvironment(char** environ_,
+                                                      const std::vector<std::string>& pass);
 
 class CommandRunner final : public RankRunner {
  public:

@@ -96,6 +96,13 @@ int main(int argc, char** argv) {
                  "Checkpoints (relative checkpoint.dir of a job) and result files")
       ->capture_default_str();
   app.add_option("--device", device, "Compute device: cpu")->capture_default_str();
+  app.add_flag("--allow-commands", o.session.accepts_commands,
+               "Run `command:` jobs: any program whoever holds the coordinator's token submits, "
+               "as this worker's user (docs/reliability.md, \"Threat model\"). Off: the "
+               "coordinator places no command job here");
+  app.add_option("--command-env", o.command_env,
+                 "Also pass this variable of the worker's environment to command jobs "
+                 "(repeatable; the fixed list is in docs/job-spec.md)");
   app.add_option("--capacity", capacity,
                  "Memory offered to jobs, e.g. 8GiB (default: physical memory)");
   app.add_option("--advertise-host", o.job.advertise_host,

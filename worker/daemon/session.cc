@@ -94,6 +94,7 @@ bool SessionClient::Leave(const std::string& reason, milliseconds timeout) {
     std::lock_guard<std::mutex> lock(mu_);
     if (worker_id_.empty()) return false;  // never registered: nothing to leave
     req.set_worker_id(worker_id_);
+    req.set_session_secret(session_secret_);
   }
   req.set_generation(generation_.load());
   req.set_reason(reason);
@@ -115,6 +116,7 @@ bool SessionClient::Register(std::string* error) {
   req.set_host(options_.host);
   req.set_device(options_.device);
   req.set_memory_bytes(options_.memory_bytes);
+  req.set_accepts_commands(options_.accepts_commands);
   if (events_.held_checkpoints) {
     for (auto& h : events_.held_checkpoints()) *req.add_checkpoints() = std::move(h);
   }
@@ -127,6 +129,7 @@ bool SessionClient::Register(std::string* error) {
   {
     std::lock_guard<std::mutex> lock(mu_);
     worker_id_ = resp.worker_id();
+    session_secret_ = resp.session_secret();
     generation_ = resp.generation();
     if (resp.heartbeat_interval_ms() > 0)
       heartbeat_interval_ = milliseconds(resp.heartbeat_interval_ms());
@@ -165,6 +168,7 @@ grpc::Status SessionClient::RunStream() {
     std::lock_guard<std::mutex> lock(mu_);
     hello.set_worker_id(worker_id_);
     hello.set_generation(generation_.load());
+    hello.set_session_secret(session_secret_);
     hello.set_seq(++seq_);
     hello.mutable_heartbeat()->set_unix_ms(std::chrono::duration_cast<milliseconds>(
                                                std::chrono::system_clock::now().time_since_epoch())
@@ -270,6 +274,7 @@ void SessionClient::Loop() {
       backoff = options_.backoff_initial;
     }
     if (status.error_code() == grpc::StatusCode::FAILED_PRECONDITION ||
+        status.error_code() == grpc::StatusCode::PERMISSION_DENIED ||
         status.error_code() == grpc::StatusCode::NOT_FOUND) {
       ++counters_.generations_lost;
       const std::string reason = "session rejected: " + DescribeStatus(status);

@@ -24,6 +24,7 @@ struct SessionOptions {
   std::string host;  // where the worker runs (reported, informational)
   std::string device = "cpu";
   uint64_t memory_bytes = 0;
+  bool accepts_commands = false;                   // --allow-commands: reported at registration
   std::chrono::milliseconds backoff_initial{200};  // first reconnect delay, doubled per failure
   // At most this long between tries: a coordinator back from an outage sees its workers, and
   // resumes their jobs, within it (the recovery target is 5 s after it returns).
@@ -108,6 +109,7 @@ class SessionClient {
   std::condition_variable cv_;
   bool stop_ = false;
   std::string worker_id_;
+  std::string session_secret_;  // of generation_ (RegisterResponse); never logged
   std::atomic<uint64_t> generation_{0};
   std::atomic<bool> connected_{false};
   std::chrono::milliseconds heartbeat_interval_{1000};

@@ -103,6 +103,8 @@ void Worker::StartRunner(const v1::Assignment& a) {
     co.job = o;
     co.coordinator = options_.connection.address;
     co.token = options_.connection.token;
+    co.allow_commands = options_.session.accepts_commands;
+    co.pass_env = options_.command_env;
     runner_ = std::make_unique<CommandRunner>(connection_, a, co, send, metrics_.get());
   } else {
     runner_ = std::make_unique<TrainerRankRunner>(

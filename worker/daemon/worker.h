@@ -9,6 +9,7 @@
 #include <optional>
 #include <string>
 #include <thread>
+#include <vector>
 
 #include "worker/daemon/connection.h"
 #include "worker/daemon/job_runner.h"
@@ -22,6 +23,9 @@ struct WorkerOptions {
   ConnectionOptions connection;
   SessionOptions session;
   JobRunnerOptions job;
+  // --command-env: more of the worker's variables for command jobs (CommandEnvironment).
+  // Whether it runs command jobs at all is session.accepts_commands (--allow-commands).
+  std::vector<std::string> command_env;
   std::string metrics_host = "127.0.0.1";
   int metrics_port = 9465;  // 0: a free port; -1: no /metrics
 };

@@ -63,6 +63,21 @@ def _check_parameter(name, p, device):
                         "gradients" % (name, p.dtype))
 
 
+def _environment_timeout():
+    # A command job's worker passes the spec's exchange.timeout_s; elsewhere the default.
+    text = os.environ.get("GEOFP8_EXCHANGE_TIMEOUT_S")
+    if text is None:
+        return 300.0
+    try:
+        value = float(text)
+    except ValueError:
+        value = float("nan")
+    if not value > 0 or value == float("inf"):
+        raise ValueError("GEOFP8_EXCHANGE_TIMEOUT_S: must be a positive number of seconds (%r)"
+                         % text)
+    return value
+
+
 class GeoFP8State:
     """The hook's state: the engine (communicator, per-layer policy, geometry) and the step.
 
@@ -70,12 +85,13 @@ class GeoFP8State:
     DDP module); its named_parameters() name the layers that policy globs match. policy: a
     preset name, a YAML path, YAML text or a dict in geofp8-train's --policy schema
     (docs/pytorch.md). seed: stochastic rounding and geometry cold starts derive from it.
-    timeout_s: every collective's timeout. store: a c10d Store to meet through (default: the
-    group's default store).
+    timeout_s: every collective's timeout (default: the job spec's exchange.timeout_s under a
+    GeoFP8 `command:` job, GEOFP8_EXCHANGE_TIMEOUT_S; else 300). store: a c10d Store to meet
+    through (default: the group's default store).
     """
 
     def __init__(self, process_group=None, model=None, policy="geofp8", *, seed=0,
-                 timeout_s=300.0, store=None, hostname=None, model_name="the model",
+                 timeout_s=None, store=None, hostname=None, model_name="the model",
                  coordinator=None, summary_every=10, attach_timeout_s=60.0, blas_threads=None):
         global _states_created
         if model is None:
@@ -130,6 +146,8 @@ class GeoFP8State:
         # CUDA parameters: the NCCL communicator and the CUDA codec kernels, on that device.
         self.device = device
         backend = "nccl" if device.type == "cuda" else "gloo"
+        if timeout_s is None:
+            timeout_s = _environment_timeout()
         self._engine = _geofp8.Engine(dist.PrefixStore(prefix, base), rank, size,
                                       hostname or _local_hostname(), float(timeout_s), int(seed),
                                       backend, device.index if device.index is not None else -1)
