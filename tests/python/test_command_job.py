@@ -304,14 +304,10 @@ class CommandJobTest(unittest.TestCase):
         timeout_s = 4
         job_id = self.submit(
             "pystop", 2, ["--steps", "400", "--step-sleep", "0.05", "--checkpoint-every", "5"],
-            "training: {steps: 400}
-"
-            "exchange: {timeout_s: %d}
-"
-            "policy: {default: {format: fp8_e4m3}}
-"
-            "restarts: {max_restarts: 0}
-" % timeout_s)
+            "training: {steps: 400}\n"
+            "exchange: {timeout_s: %d}\n"
+            "policy: {default: {format: fp8_e4m3}}\n"
+            "restarts: {max_restarts: 0}\n" % timeout_s)
         self.wait(job_id, lambda j: self.step_of(j) >= 5, "step 5")
         pid = None
         for w in self.workers:
