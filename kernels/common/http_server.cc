@@ -155,6 +155,7 @@ struct MetricsServer::Connection {
   enum class State { kReading, kWriting, kDraining };
   int fd = -1;
   State state = State::kReading;
+  Clock::time_point accepted;  // when its slot was taken (eviction picks the oldest reader)
   Clock::time_point deadline;
   std::string in;   // the request head read so far
   std::string out;  // the response not yet written
@@ -256,6 +257,18 @@ void MetricsServer::Loop() {
     ::close(it->fd);
     return conns.erase(it);
   };
+  // After bytes arrived: once the head is complete (or too long), the response is due.
+  auto advance = [&](Connection& c, Clock::time_point after) {
+    const size_t end = HeadEnd(c.in);
+    if (end == std::string::npos && c.in.size() <= options_.max_head_bytes) return;
+    Response r = end == std::string::npos || end > options_.max_head_bytes
+                     ? Error(431, "Request Header Fields Too Large")
+                     : Respond(std::string_view(c.in).substr(0, end), render_);
+    c.out = Serialize(r);
+    c.in.clear();
+    c.state = Connection::State::kWriting;
+    c.deadline = after + io_timeout;
+  };
   for (;;) {
     const Clock::time_point now = Clock::now();
     fds.clear();
@@ -298,15 +311,8 @@ void MetricsServer::Loop() {
             c.deadline = after + io_timeout;
           } else if (n > 0) {
             c.in.append(buf, size_t(n));
-            const size_t end = HeadEnd(c.in);
-            if (end == std::string::npos && c.in.size() <= options_.max_head_bytes) continue;
-            Response r = end == std::string::npos || end > options_.max_head_bytes
-                             ? Error(431, "Request Header Fields Too Large")
-                             : Respond(std::string_view(c.in).substr(0, end), render_);
-            c.out = Serialize(r);
-            c.in.clear();
-            c.state = Connection::State::kWriting;
-            c.deadline = after + io_timeout;
+            advance(c, after);
+            if (c.state == Connection::State::kReading) continue;
           }
         } else if (c.state == Connection::State::kDraining) {
           const ssize_t n = ::recv(c.fd, buf, sizeof buf, 0);
@@ -347,6 +353,24 @@ void MetricsServer::Loop() {
 
     if (!accepting || !(fds[1].revents & POLLIN)) continue;
     for (;;) {
+      // Full: the oldest connection still waiting for its head makes room (408). A scraper's
+      // head comes within a round trip of its connect, long before 63 newer connections push it
+      // out, so clients that never finish a head cannot hold the slots between them. One
+      // accepted in this pass has not been polled yet and is not evicted before it could be: if
+      // only such ones are waiting, the rest stay in the listen backlog, in order, until the
+      // next pass has read their heads.
+      const bool full = conns.size() >= size_t(options_.max_connections);
+      auto victim = conns.end();
+      bool fresh_reader = false;
+      for (auto it = conns.begin(); full && it != conns.end(); ++it) {
+        if (it->state != Connection::State::kReading) continue;
+        if (it->accepted == after) {
+          fresh_reader = true;
+        } else if (victim == conns.end() || it->accepted < victim->accepted) {
+          victim = it;
+        }
+      }
+      if (full && victim == conns.end() && fresh_reader) break;
       const int fd = ::accept4(listen_fd_, nullptr, nullptr, SOCK_NONBLOCK | SOCK_CLOEXEC);
       if (fd < 0) {
         if (errno == EMFILE || errno == ENFILE || errno == ENOBUFS || errno == ENOMEM) {
@@ -355,8 +379,15 @@ void MetricsServer::Loop() {
         break;  // EAGAIN: drained; ECONNABORTED and friends: the next poll retries
       }
       stats_.accepted.fetch_add(1, std::memory_order_relaxed);
-      if (conns.size() >= size_t(options_.max_connections)) {
-        // Best effort and never blocking: the client learns why, and the slot stays free.
+      if (victim != conns.end()) {
+        const std::string slow = Serialize(Error(408, "Request Timeout"));
+        [[maybe_unused]] ssize_t n =
+            ::send(victim->fd, slow.data(), slow.size(), MSG_NOSIGNAL | MSG_DONTWAIT);
+        close_conn(victim);
+        stats_.evicted.fetch_add(1, std::memory_order_relaxed);
+      } else if (full) {
+        // Every slot is a response in flight. Best effort and never blocking: the client
+        // learns why, and the slot stays free.
         const std::string busy = Serialize(Error(503, "Service Unavailable"));
         [[maybe_unused]] ssize_t n =
             ::send(fd, busy.data(), busy.size(), MSG_NOSIGNAL | MSG_DONTWAIT);
@@ -366,6 +397,7 @@ void MetricsServer::Loop() {
       }
       Connection c;
       c.fd = fd;
+      c.accepted = after;
       c.deadline = after + io_timeout;
       conns.push_back(std::move(c));
     }

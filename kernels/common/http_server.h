@@ -21,7 +21,11 @@ struct MetricsServerOptions {
   // The request head must arrive within this, and the response must be taken within this again;
   // a slow client (slowloris) is dropped when its time is up.
   int io_timeout_ms = 5000;
-  // Connections held at once. Excess connections get a short 503 and are closed at once.
+  // Connections held at once. When all are taken, a new connection takes the slot of the oldest
+  // one still reading its request head, which gets a 408 and is closed: a scraper sends its head
+  // within a round trip, so slow clients that reconnect as fast as they are dropped cannot hold
+  // every slot. When every slot is a response in flight, the new one gets a short 503 and is
+  // closed at once.
   int max_connections = 64;
   // A request head (request line and headers) longer than this gets 431.
   size_t max_head_bytes = 8192;
@@ -35,6 +39,7 @@ struct MetricsServerStats {
   std::atomic<uint64_t> accepted{0};
   std::atomic<uint64_t> rejected_busy{0};  // answered 503 because max_connections were open
   std::atomic<uint64_t> timed_out{0};      // dropped at io_timeout_ms
+  std::atomic<uint64_t> evicted{0};        // unfinished heads closed to make room (408)
   std::atomic<uint64_t> responses{0};      // responses fully written
 };
 

@@ -165,8 +165,8 @@ void Fuzz(ChildProcess& proc, int port, const std::string& metric) {
         const int status = HttpStatus(r);
         if (status == 200 && HttpBody(r).find(metric) != std::string::npos) {
           ++ok;
-        } else if (status == 503 || r.empty()) {
-          ++busy;
+        } else if (status == 503 || status == 408 || r.empty()) {
+          ++busy;  // refused, or made room for a newer connection before its head arrived
         } else {
           ++bad;
         }
