@@ -38,7 +38,12 @@ enum Exit : int {
   kUnreachable = 4,      // server unavailable or deadline exceeded
   kRejected = 5,         // server refused the request (invalid spec, wrong state, key reuse)
   kUnauthenticated = 6,  // missing or wrong token, or TLS client identity refused
+  kStoreUnwritable = 7,  // the coordinator is up but cannot write its store (full, read-only)
 };
+
+// The status details the coordinator sets on a store that cannot be written
+// (server/coordinator/store.h, kStoreUnwritableDetails): a wire value, matched by type.
+constexpr char kStoreUnwritableDetails[] = "geofp8.store_unwritable";
 
 struct Globals {
   std::string server = "127.0.0.1:7070";
@@ -62,6 +67,11 @@ int Error(int code, const std::string& message) {
 }
 
 int FromStatus(const grpc::Status& s, const Globals& g) {
+  if (s.error_details() == kStoreUnwritableDetails) {
+    return Error(
+        kStoreUnwritable,
+        "server " + g.server + " cannot record anything now (its store): " + s.error_message());
+  }
   switch (s.error_code()) {
     case grpc::StatusCode::NOT_FOUND:
       return Error(kNotFound, s.error_message());

@@ -5,8 +5,10 @@
 #include <fnmatch.h>
 
 #include <algorithm>
+#include <cerrno>
 #include <cmath>
 #include <cstdio>
+#include <cstdlib>
 #include <filesystem>
 #include <limits>
 #include <map>
@@ -14,6 +16,7 @@
 #include <sstream>
 
 #include "kernels/model/model.h"
+#include "yaml-cpp/depthguard.h"
 #include "yaml-cpp/yaml.h"
 
 namespace geofp8 {
@@ -124,9 +127,42 @@ class Reader {
   template <typename T>
   void Number(const YAML::Node& map, const char* key, const std::string& path, T* out, T lo, T hi) {
     T value{};
-    const char* expected = std::is_integral_v<T> ? "an integer" : "a number";
+    const char* expected = std::is_integral_v<T> ? "a decimal integer" : "a number";
     YAML::Node node = Get(map, key, path, &value, expected);
     if (!node.IsDefined()) return;
+    if constexpr (std::is_integral_v<T>) {
+      // Decimal digits only: yaml-cpp would also read 0x2 as 2 and 017 as 15.
+      const std::string& text = node.Scalar();
+      const bool negative = !text.empty() && text[0] == '-';
+      const size_t digits = !text.empty() && (text[0] == '+' || negative) ? 1 : 0;
+      if (text.size() == digits ||
+          text.find_first_not_of("0123456789", digits) != std::string::npos) {
+        Error(node, path + "." + key, "expected a decimal integer (" + Show(node) + ")");
+        return;
+      }
+      // In range before the cast, so that nothing wraps; past 2^64 is out of range too.
+      errno = 0;
+      const unsigned long long magnitude = std::strtoull(text.c_str() + digits, nullptr, 10);
+      bool in_range = errno != ERANGE;
+      if (!negative) {
+        in_range = in_range && hi >= T(0) && magnitude <= static_cast<unsigned long long>(hi);
+      } else if constexpr (std::is_signed_v<T>) {
+        // -lo as a magnitude: lo + 1 first, so that the lowest long long does not overflow.
+        in_range =
+            in_range && lo < T(0) &&
+            magnitude <= static_cast<unsigned long long>(-(static_cast<long long>(lo) + 1)) + 1;
+      } else {
+        in_range = in_range && magnitude == 0;
+      }
+      if (!in_range) {
+        std::ostringstream os;
+        os << "must be in [" << lo << ", " << hi << "] (" << Show(node) << ")";
+        Error(node, path + "." + key, os.str());
+        return;
+      }
+      value =
+          negative ? static_cast<T>(-static_cast<long long>(magnitude)) : static_cast<T>(magnitude);
+    }
     if constexpr (std::is_floating_point_v<T>) {
       if (!std::isfinite(value)) {
         Error(node, path + "." + key, "must be finite (" + Show(node) + ")");
@@ -376,12 +412,53 @@ absl::Status Invalid(const std::vector<std::string>& errors) {
   return absl::InvalidArgumentError(out);
 }
 
+// Flow collections ([...], {...}) nested deeper than this are refused before yaml-cpp recurses
+// into them; a spec needs a handful.
+constexpr int kMaxFlowNesting = 64;
+
+// The line (1-based) where flow collections first nest deeper than kMaxFlowNesting, outside
+// quoted scalars and comments; 0 if they never do.
+size_t DeepFlowNestingLine(std::string_view yaml) {
+  int depth = 0;
+  size_t line = 1;
+  char quote = 0;
+  for (size_t i = 0; i < yaml.size(); ++i) {
+    const char c = yaml[i];
+    if (c == '\n') {
+      ++line;
+      if (quote == 0) continue;
+    }
+    if (quote == '"') {
+      if (c == '\\')
+        ++i;
+      else if (c == '"')
+        quote = 0;
+    } else if (quote == '\'') {
+      if (c == '\'') quote = 0;  // '' inside is a closing and an opening quote: the same
+    } else if (c == '"' || c == '\'') {
+      quote = c;
+    } else if (c == '#' && (i == 0 || yaml[i - 1] == ' ' || yaml[i - 1] == '\t')) {
+      while (i + 1 < yaml.size() && yaml[i + 1] != '\n') ++i;
+    } else if (c == '[' || c == '{') {
+      if (++depth > kMaxFlowNesting) return line;
+    } else if ((c == ']' || c == '}') && depth > 0) {
+      --depth;
+    }
+  }
+  return 0;
+}
+
 // Parses exactly one YAML document of valid UTF-8; `root` names it in errors ("spec", "patch").
 absl::StatusOr<YAML::Node> Load(std::string_view yaml, const std::string& root) {
   if (const size_t bad = InvalidUtf8At(yaml); bad != std::string_view::npos) {
     const size_t line = size_t(std::count(yaml.begin(), yaml.begin() + bad, '\n')) + 1;
     return absl::InvalidArgumentError("line " + std::to_string(line) + ": " + root +
                                       ": invalid UTF-8 at byte " + std::to_string(bad));
+  }
+  if (const size_t line = DeepFlowNestingLine(yaml); line > 0) {
+    return absl::InvalidArgumentError("line " + std::to_string(line) + ": " + root +
+                                      ": nested deeper than " + std::to_string(kMaxFlowNesting) +
+                                      " levels of [...] or {...}");
   }
   try {
     std::vector<YAML::Node> docs = YAML::LoadAll(std::string(yaml));
@@ -391,6 +468,10 @@ absl::StatusOr<YAML::Node> Load(std::string_view yaml, const std::string& root) 
                                         "a " + root + " is one document");
     }
     return docs.empty() ? YAML::Node() : docs[0];
+  } catch (const YAML::DeepRecursion& e) {  // block collections ("- - - ...") nested as deep
+    return absl::InvalidArgumentError("line " + std::to_string(e.mark.line + 1) + ": " + root +
+                                      ": nested deeper than " + std::to_string(e.depth()) +
+                                      " levels");
   } catch (const YAML::Exception& e) {
     return absl::InvalidArgumentError("line " + std::to_string(e.mark.line + 1) + ": " + root +
                                       ": malformed YAML: " + e.msg);

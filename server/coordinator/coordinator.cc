@@ -1368,6 +1368,11 @@ absl::Status Coordinator::HandleWorkerMessage(const v1::WorkerMessage& message) 
                         message.finished().restartable(), out);
           } else {
             rec->ranks[rank].finished = true;
+            // Progress sent while the coordinator was away may have been lost; the report of
+            // the finish says how far the rank got.
+            if (message.finished().steps() - 1 > rec->job.progress().step()) {
+              rec->job.mutable_progress()->set_step(message.finished().steps() - 1);
+            }
             if (std::all_of(rec->ranks.begin(), rec->ranks.end(),
                             [](const RankState& r) { return r.finished; })) {
               ReleaseRanks(*rec, "job succeeded", v1::STOP_JOB_SUCCEEDED, out);

@@ -35,6 +35,9 @@ grpc::Status ToGrpc(const absl::Status& s) {
     message.resize(kMaxStatusMessageBytes);
     message += "... (cut, " + std::to_string(full) + " bytes in all)";
   }
+  if (s.GetPayload(kStoreUnwritablePayload).has_value()) {
+    return grpc::Status(static_cast<grpc::StatusCode>(s.code()), message, kStoreUnwritableDetails);
+  }
   return grpc::Status(static_cast<grpc::StatusCode>(s.code()), message);
 }
 

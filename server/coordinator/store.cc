@@ -356,9 +356,19 @@ absl::Status Store::CheckIntegrity(const std::string& data_dir, const StoreOptio
                "; writing a new one");
     }
   }
-  if (auto s = SetMeta("store_id", store_id_); !s.ok()) return s;
-  if (auto s = SetMeta("jobs_issued", std::to_string(issued)); !s.ok()) return s;
-  return WriteSeal(issued);
+  // Written only when something changed, so that a coordinator still starts on a full disk.
+  if (*id != store_id_) {
+    if (auto s = SetMeta("store_id", store_id_); !s.ok()) return s;
+  }
+  if (*issued_text != std::to_string(issued)) {
+    if (auto s = SetMeta("jobs_issued", std::to_string(issued)); !s.ok()) return s;
+  }
+  if (!seal->has_value() || (**seal).store_id != store_id_ || (**seal).jobs_issued != issued) {
+    if (auto s = WriteSeal(issued); !s.ok()) {
+      log::Error("store.seal_failed").Msg(std::string(s.message()));
+    }
+  }
+  return absl::OkStatus();
 }
 
 absl::StatusOr<uint64_t> Store::NextJobNumber() {
@@ -433,23 +443,29 @@ namespace {
 // caller may retry); anything else is a bug, INTERNAL.
 absl::Status StoreStatus(int code, const std::string& what, const std::string& msg) {
   const std::string text = "store: " + what + ": " + msg;
+  absl::Status s;
   switch (code & 0xff) {  // the primary result code of an extended one
     case SQLITE_FULL:
-      return absl::ResourceExhaustedError(
+      s = absl::ResourceExhaustedError(
           text +
           " (the coordinator's --data-dir is out of space; nothing was recorded; retry "
           "once space is freed)");
+      break;
     case SQLITE_IOERR:
     case SQLITE_CANTOPEN:
     case SQLITE_BUSY:
     case SQLITE_LOCKED:
     case SQLITE_READONLY:
-      return absl::UnavailableError(text +
-                                    " (the coordinator's --data-dir cannot be written "
-                                    "now; nothing was recorded; retry later)");
+      s = absl::UnavailableError(text +
+                                 " (the coordinator's --data-dir cannot be written "
+                                 "now; nothing was recorded; retry later)");
+      break;
     default:
       return absl::InternalError(text);
   }
+  // By type, not by text: the server is up but cannot record (geofp8ctl exits 7, not 4).
+  s.SetPayload(kStoreUnwritablePayload, absl::Cord("1"));
+  return s;
 }
 
 }  // namespace

@@ -11,11 +11,18 @@
 
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
+#include "absl/strings/cord.h"
 #include "geofp8/v1/geofp8.pb.h"
 
 struct sqlite3;
 
 namespace geofp8::coordinator {
+
+// The payload (absl::Status::GetPayload) of a store error that means the coordinator cannot
+// write its --data-dir (full, read-only, I/O error): it is up, but records nothing. The gRPC
+// adapter passes it on as the status details kStoreUnwritableDetails.
+inline constexpr char kStoreUnwritablePayload[] = "type.geofp8/store-unwritable";
+inline constexpr char kStoreUnwritableDetails[] = "geofp8.store_unwritable";
 
 struct StoreOptions {
   // --accept-store-loss: open a database that its seal shows was truncated, replaced or rolled

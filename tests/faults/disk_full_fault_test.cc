@@ -18,6 +18,7 @@
 #include <cerrno>
 #include <cstring>
 #include <filesystem>
+#include <fstream>
 #include <memory>
 #include <set>
 #include <string>
@@ -233,6 +234,19 @@ TEST(DiskFullFaultTest, CoordinatorStoreOnAFullDiskRefusesSubmitsClearlyAndLoses
   EXPECT_NE(refused.error_message().find("out of space"), std::string::npos)
       << refused.error_message();
   EXPECT_NE(refused.error_message().find("full"), std::string::npos) << refused.error_message();
+#ifdef GEOFP8CTL_BIN
+  // Issue #31 item 8: geofp8ctl said "server unreachable" (exit 4); the server is up and says
+  // why it cannot record: exit 7.
+  {
+    TempDir tmp("geofp8-ctl-spec");  // not on the full disk
+    const std::string spec_file = tmp.path() + "/spec.yaml";
+    std::ofstream(spec_file) << spec;
+    ChildProcess ctl({GEOFP8CTL_BIN, "-s", address_of(*coordinator), "submit", "-f", spec_file});
+    EXPECT_EQ(ctl.Wait(), 7) << ctl.output();
+    EXPECT_NE(ctl.output().find("cannot record anything now (its store)"), std::string::npos)
+        << ctl.output();
+  }
+#endif
   // Still serving: an acknowledged job reads back.
   {
     grpc::ClientContext ctx;

@@ -514,6 +514,31 @@ TEST_F(CoordinatorTest, AReportForAnotherWorkersJobIsIgnoredAndCounted) {
   EXPECT_EQ(coordinator->GetCounts().foreign_reports, 2u);
 }
 
+// Issue #31 item 8: ranks that finish during an outage report their last step only in the
+// Finished message; the job ended "all ranks finished at step 309" (really 1199).
+TEST_F(CoordinatorTest, TheFinalStepComesFromTheFinishReports) {
+  const std::string dir = ::testing::TempDir() + "/final-step-" + std::to_string(::getpid());
+  std::filesystem::remove_all(dir);
+  Open(dir);
+  Worker a = Join("a"), b = Join("b");
+  const std::string id = Submit("name: j\nworld_size: 2\ntraining: {steps: 1200}\n");
+  ASSERT_TRUE(Progress(a, 309).ok());
+  for (const Worker* w : {&a, &b}) {
+    v1::WorkerMessage done;
+    done.mutable_finished()->set_job_id(id);
+    done.mutable_finished()->set_success(true);
+    done.mutable_finished()->set_steps(1200);
+    ASSERT_TRUE(Send(*w, done).ok());
+  }
+  v1::Job job = Get(id);
+  ASSERT_EQ(job.state(), v1::JOB_SUCCEEDED);
+  EXPECT_EQ(job.progress().step(), 1199);
+  EXPECT_EQ(job.reason(), "all ranks finished at step 1199");
+  Open(dir);  // and it survives a restart
+  EXPECT_EQ(Get(id).progress().step(), 1199);
+  std::filesystem::remove_all(dir);
+}
+
 TEST_F(CoordinatorTest, LeaveNeedsTheSessionSecret) {
   Worker a = Join("a");
   v1::LeaveRequest leave;

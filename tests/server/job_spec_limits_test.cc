@@ -115,3 +115,43 @@ TEST(JobSpecLimits, WorkerResolvesPathsOnlyInsideItsDataDirectory) {
 
 }  // namespace
 }  // namespace geofp8
+
+namespace geofp8 {
+namespace {
+
+// Issue #31 item 8: `world_size: 0x2` was taken as 2 (yaml-cpp reads hex and octal); integer
+// fields are decimal only.
+TEST(JobSpecLimits, IntegerFieldsAreDecimalOnly) {
+  EXPECT_EQ(ErrorOf("name: a\nworld_size: 0x2\n"),
+            "line 2: spec.world_size: expected a decimal integer (0x2)");
+  EXPECT_EQ(ErrorOf("name: a\ntraining: {steps: 0o17}\n"),
+            "line 2: spec.training.steps: expected a decimal integer (0o17)");
+  EXPECT_EQ(ErrorOf("name: a\nworld_size: 1e1\n"),
+            "line 2: spec.world_size: expected a decimal integer (1e1)");
+  EXPECT_TRUE(ParseJobSpec("name: a\nworld_size: +2\ntraining: {steps: 010}\n").ok());
+  EXPECT_EQ(ParseJobSpec("name: a\ntraining: {steps: 010}\n")->training.steps, 10);
+}
+
+// Issue #31 item 8: 10 KB of nesting gave only "malformed YAML: bad file".
+TEST(JobSpecLimits, DeepNestingIsRefusedWithItsLine) {
+  for (const std::string& deep :
+       {std::string(10000, '['), std::string(5000, '[') + std::string(5000, ']'),
+        std::string(5000, '{') + std::string(5000, '}')}) {
+    EXPECT_EQ(ErrorOf("name: a\nextra: " + deep + "\n"),
+              "line 2: spec: nested deeper than 64 levels of [...] or {...}");
+  }
+  // Brackets inside quotes and comments are text, not nesting: the spec gets as far as
+  // checking the name.
+  const std::string quoted = "name: '" + std::string(100, '[') + "' # " + std::string(100, '{');
+  EXPECT_NE(ErrorOf(quoted + "\n").find("spec.name: must be 1-63 characters"), std::string::npos);
+  EXPECT_TRUE(ParseJobSpec("name: a # " + std::string(100, '{') + "\n").ok());
+  // Block collections as deep: yaml-cpp's own depth limit, with the line.
+  std::string block = "name: a\nextra:\n";
+  for (int i = 0; i < 3000; ++i) block += "- ";
+  block += "x\n";
+  const std::string e = ErrorOf(block);
+  EXPECT_EQ(e.rfind("line 3: spec: nested deeper than", 0), 0u) << e.substr(0, 300);
+}
+
+}  // namespace
+}  // namespace geofp8

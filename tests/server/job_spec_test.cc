@@ -273,7 +273,7 @@ TEST(JobSpec, ErrorsNameThePathAndLine) {
   EXPECT_NE(ErrorOf("- a\n- b\n").find("spec: expected a mapping"), std::string::npos);
   EXPECT_NE(ErrorOf("name: [unclosed\n").find("malformed YAML"), std::string::npos);
   EXPECT_NE(
-      ErrorOf("name: a\nworld_size: 2.5\n").find("spec.world_size: expected an integer (2.5)"),
+      ErrorOf("name: a\nworld_size: 2.5\n").find("spec.world_size: expected a decimal integer (2.5)"),
       std::string::npos);
 }
 

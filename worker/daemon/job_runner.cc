@@ -37,6 +37,7 @@ v1::WorkerMessage FinishedMessage(const v1::Assignment& assignment, const JobOut
   m.mutable_finished()->set_reason(out.reason);
   m.mutable_finished()->set_job_id(assignment.job_id());
   m.mutable_finished()->set_attempt(assignment.attempt());
+  m.mutable_finished()->set_steps(out.steps);
   return m;
 }
 
