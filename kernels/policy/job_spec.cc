@@ -456,6 +456,10 @@ size_t InvalidUtf8At(std::string_view s) {
 }
 
 absl::StatusOr<JobSpec> ParseJobSpec(std::string_view yaml) {
+  if (yaml.size() > kMaxSpecBytes) {
+    return absl::InvalidArgumentError("spec: at most " + std::to_string(kMaxSpecBytes) +
+                                      " bytes (" + std::to_string(yaml.size()) + ")");
+  }
   auto loaded = Load(yaml, "spec");
   if (!loaded.ok()) return loaded.status();
   const YAML::Node& root = *loaded;
