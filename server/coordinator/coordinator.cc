@@ -4,6 +4,7 @@
 
 #include <google/protobuf/io/coded_stream.h>
 #include <google/protobuf/util/message_differencer.h>
+#include <malloc.h>
 
 #include <algorithm>
 #include <chrono>
@@ -35,6 +36,10 @@ std::string StateName(v1::JobState s) {
 
 // Progress is persisted at most this often per job; state changes and checkpoints always are.
 constexpr int64_t kProgressPersistMs = 1000;
+
+// A refused spec at least this large is followed by malloc_trim: the trim costs about a
+// millisecond, small next to receiving such a request.
+constexpr size_t kTrimAfterRefusedBytes = size_t{64} << 10;
 
 // A version's patches are applied in order, field by field, so a field that a later patch with
 // the same `layer` pattern sets again can never show: drop it, and drop patches left empty.
@@ -319,6 +324,9 @@ absl::StatusOr<v1::SubmitJobResponse> Coordinator::SubmitJob(const v1::SubmitJob
         .F("code", absl::StatusCodeToString(response.status().code()))
         .F("idempotency_key", request.idempotency_key())
         .Msg(std::string(response.status().message()));
+    // A large refused request leaves its buffers in malloc's free lists, where glibc keeps them
+    // (issue #31 item 7: ten refused 3 MB specs kept 540 MB): give the free memory back.
+    if (request.spec_yaml().size() >= kTrimAfterRefusedBytes) malloc_trim(0);
   } else if (response->created()) {
     const v1::Job& job = response->job();
     log::Info("job.submitted")
