@@ -1,5 +1,6 @@
-// A job spec's size bound (issue #31 item 7): a spec over kMaxSpecBytes is refused before the
-// YAML parser sees it, with the bound and the size; one at the bound still parses.
+// A job spec's size and shape bounds (issue #31 item 7): a spec over kMaxSpecBytes, or one whose
+// flow collections nest too deep or that has too many entries, is refused before the YAML parser
+// builds a node, with the bound and where; quotes and comments do not count.
 #include <gtest/gtest.h>
 
 #include <chrono>
@@ -34,6 +35,56 @@ TEST(JobSpecSize, ASpecAtTheBoundStillParses) {
   EXPECT_EQ(ok->name, "a");
   yaml.insert(yaml.size() - 1, "x");
   EXPECT_EQ(ParseJobSpec(yaml).status().message(), "spec: at most 1048576 bytes (1048577)");
+}
+
+TEST(JobSpecShape, AFlowListOfAMillionEntriesIsRefusedBeforeParsing) {
+  // Under the size bound: parsed, it cost half a second and 160 MB of nodes.
+  std::string list = "name: a\nx: [";
+  while (list.size() < 1'000'000) list += "1, ";
+  list += "1]\n";
+  const auto start = std::chrono::steady_clock::now();
+  auto r = ParseJobSpec(list);
+  const double seconds =
+      std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+  EXPECT_EQ(r.status().message(),
+            "line 2: spec: more than 50000 entries (lines and flow items) by this line");
+  EXPECT_LT(seconds, 0.5);
+  // As many lines: the same bound.
+  std::string lines = "name: a\n";
+  for (int i = 0; i < 50'001; ++i) lines += "# a comment line\n";
+  EXPECT_EQ(ParseJobSpec(lines).status().message(),
+            "line 50002: spec: more than 50000 entries (lines and flow items) by this line");
+}
+
+TEST(JobSpecShape, DeepNestingIsRefusedNamingItsLine) {
+  // 10 KB of nesting gave only "malformed YAML: bad file" (issue #31 item 9).
+  EXPECT_EQ(
+      ParseJobSpec("name: a\ntraining:\n  steps: " + std::string(10'000, '[')).status().message(),
+      "line 3: spec: flow collections ([ and {) nested deeper than 32 levels");
+  EXPECT_EQ(ParsePolicyPatch("layers:\n- {match: " + std::string(40, '{')).status().message(),
+            "line 2: patch: flow collections ([ and {) nested deeper than 32 levels");
+  // 32 levels are allowed (and then fail as what they are: a value of the wrong kind).
+  const std::string deep = std::string(32, '[') + std::string(32, ']');
+  EXPECT_NE(ParseJobSpec("name: a\ntraining:\n  steps: " + deep + "\n")
+                .status()
+                .message()
+                .find("spec.training.steps"),
+            std::string::npos);
+}
+
+TEST(JobSpecShape, BracketsInQuotesAndCommentsDoNotCount) {
+  const std::string many(40, '[');
+  const std::string yaml = "name: a  # " + many + "\ncommand: [\"/bin/echo\", \"" + many +
+                           "\", 'it''s " + many + "', \"esc\\\" " + many + "\"]\n";
+  auto ok = ParseJobSpec(yaml);
+  ASSERT_TRUE(ok.ok()) << ok.status() << "\n" << yaml;
+  ASSERT_EQ(ok->command.size(), 4u);
+  EXPECT_EQ(ok->command[1], many);
+  EXPECT_EQ(ok->command[2], "it's " + many);
+  EXPECT_EQ(ok->command[3], "esc\" " + many);
+  // An apostrophe inside a plain scalar opens no quote: the nesting after it still counts.
+  EXPECT_EQ(ParseJobSpec("name: a\ncommand: [it's, " + many + "\n").status().message(),
+            "line 2: spec: flow collections ([ and {) nested deeper than 32 levels");
 }
 
 }  // namespace
