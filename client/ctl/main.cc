@@ -347,12 +347,18 @@ class Client {
   int PolicyHistory(const std::string& ref) {
     std::string id;
     if (int rc = Resolve(ref, &id); rc != kOk) return rc;
+    // Page by page (each under gRPC's message limit), printed as one list.
     v1::ListPolicyVersionsRequest req;
     req.set_job_id(id);
-    v1::ListPolicyVersionsResponse resp;
-    grpc::Status s = policies_->ListPolicyVersions(Context().get(), req, &resp);
-    if (!s.ok()) return FromStatus(s, g_);
-    return Print(resp, PolicyHistoryTable(resp), PolicyHistoryWideTable(resp, NowMs()));
+    v1::ListPolicyVersionsResponse all;
+    do {
+      v1::ListPolicyVersionsResponse page;
+      grpc::Status s = policies_->ListPolicyVersions(Context().get(), req, &page);
+      if (!s.ok()) return FromStatus(s, g_);
+      for (auto& p : *page.mutable_policies()) *all.add_policies() = std::move(p);
+      req.set_page_token(page.next_page_token());
+    } while (!req.page_token().empty());
+    return Print(all, PolicyHistoryTable(all), PolicyHistoryWideTable(all, NowMs()));
   }
 
   int PolicyUpdate(const std::string& ref, const std::vector<LayerPatchSpec>& patches,

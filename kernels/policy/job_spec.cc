@@ -412,40 +412,57 @@ absl::Status Invalid(const std::vector<std::string>& errors) {
   return absl::InvalidArgumentError(out);
 }
 
-// Flow collections ([...], {...}) nested deeper than this are refused before yaml-cpp recurses
-// into them; a spec needs a handful.
-constexpr int kMaxFlowNesting = 64;
-
-// The line (1-based) where flow collections first nest deeper than kMaxFlowNesting, outside
-// quoted scalars and comments; 0 if they never do.
-size_t DeepFlowNestingLine(std::string_view yaml) {
+// A document's shape, from one pass over its text before the YAML parser builds a node (issue
+// #31 item 7: a 1 MB flow list cost half a second and 160 MB of nodes): how deep its flow
+// collections nest, and how many entries (lines, and items of flow collections) it has. Quotes
+// and comments are skipped as YAML reads them: a quote opens a scalar only where one can start.
+// "" when within kMaxSpecFlowDepth and kMaxSpecEntries.
+std::string ShapeProblem(std::string_view yaml, const std::string& root) {
   int depth = 0;
-  size_t line = 1;
-  char quote = 0;
-  for (size_t i = 0; i < yaml.size(); ++i) {
+  size_t entries = 0, line = 1;
+  char quote = 0;  // the open quote, if any
+  char prev = '\n';
+  for (size_t i = 0; i < yaml.size(); prev = yaml[i++]) {
     const char c = yaml[i];
     if (c == '\n') {
       ++line;
-      if (quote == 0) continue;
+      if (++entries > kMaxSpecEntries) break;
+      continue;
     }
-    if (quote == '"') {
-      if (c == '\\')
-        ++i;
-      else if (c == '"')
+    if (quote) {
+      if (quote == '"' && c == '\\' && i + 1 < yaml.size()) {
+        ++i;  // an escaped character; an escaped newline is still a line
+        if (yaml[i] == '\n') ++line;
+      } else if (quote == '\'' && c == '\'' && i + 1 < yaml.size() && yaml[i + 1] == '\'') {
+        ++i;  // '' is a quote inside single quotes
+      } else if (c == quote) {
         quote = 0;
-    } else if (quote == '\'') {
-      if (c == '\'') quote = 0;  // '' inside is a closing and an opening quote: the same
-    } else if (c == '"' || c == '\'') {
+      }
+      continue;
+    }
+    const bool at_start = prev == '\n' || prev == ' ' || prev == '\t' || prev == ':' ||
+                          prev == ',' || prev == '[' || prev == '{' || prev == '-';
+    if ((c == '"' || c == '\'') && at_start) {
       quote = c;
-    } else if (c == '#' && (i == 0 || yaml[i - 1] == ' ' || yaml[i - 1] == '\t')) {
+    } else if (c == '#' && (prev == '\n' || prev == ' ' || prev == '\t')) {
       while (i + 1 < yaml.size() && yaml[i + 1] != '\n') ++i;
     } else if (c == '[' || c == '{') {
-      if (++depth > kMaxFlowNesting) return line;
+      if (++depth > kMaxSpecFlowDepth) {
+        return "line " + std::to_string(line) + ": " + root +
+               ": flow collections ([ and {) nested " + "deeper than " +
+               std::to_string(kMaxSpecFlowDepth) + " levels";
+      }
     } else if ((c == ']' || c == '}') && depth > 0) {
       --depth;
+    } else if (c == ',' && depth > 0 && ++entries > kMaxSpecEntries) {
+      break;
     }
   }
-  return 0;
+  if (entries > kMaxSpecEntries) {
+    return "line " + std::to_string(line) + ": " + root + ": more than " +
+           std::to_string(kMaxSpecEntries) + " entries (lines and flow items) by this line";
+  }
+  return "";
 }
 
 // Parses exactly one YAML document of valid UTF-8; `root` names it in errors ("spec", "patch").
@@ -455,10 +472,8 @@ absl::StatusOr<YAML::Node> Load(std::string_view yaml, const std::string& root) 
     return absl::InvalidArgumentError("line " + std::to_string(line) + ": " + root +
                                       ": invalid UTF-8 at byte " + std::to_string(bad));
   }
-  if (const size_t line = DeepFlowNestingLine(yaml); line > 0) {
-    return absl::InvalidArgumentError("line " + std::to_string(line) + ": " + root +
-                                      ": nested deeper than " + std::to_string(kMaxFlowNesting) +
-                                      " levels of [...] or {...}");
+  if (std::string problem = ShapeProblem(yaml, root); !problem.empty()) {
+    return absl::InvalidArgumentError(problem);
   }
   try {
     std::vector<YAML::Node> docs = YAML::LoadAll(std::string(yaml));
@@ -537,6 +552,10 @@ size_t InvalidUtf8At(std::string_view s) {
 }
 
 absl::StatusOr<JobSpec> ParseJobSpec(std::string_view yaml) {
+  if (yaml.size() > kMaxSpecBytes) {
+    return absl::InvalidArgumentError("spec: at most " + std::to_string(kMaxSpecBytes) +
+                                      " bytes (" + std::to_string(yaml.size()) + ")");
+  }
   auto loaded = Load(yaml, "spec");
   if (!loaded.ok()) return loaded.status();
   const YAML::Node& root = *loaded;

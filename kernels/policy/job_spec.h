@@ -25,6 +25,15 @@ inline constexpr int kMaxEvalBatches = 1024;
 // Attention probabilities kept for backward, per rank: about one H200's memory. The paper-scale
 // example (llama-300m, batch 32 x 1024) needs 48 GiB.
 inline constexpr int64_t kMaxAttentionBytes = int64_t{128} << 30;
+// Longest job spec, checked before the YAML is parsed: a refused spec costs no parse. It travels
+// in every Assignment beside the policy versions (coordinator.h kMaxPolicyHistoryBytes), under
+// gRPC's 4 MiB message limit.
+inline constexpr size_t kMaxSpecBytes = size_t{1} << 20;
+// A spec's (or patch's) shape, checked in one pass over the text before parsing: flow
+// collections ([ and {) nest at most kMaxSpecFlowDepth deep, and the document has at most
+// kMaxSpecEntries lines and flow items. A spec with a policy of 4096 patches needs about 40,000.
+inline constexpr int kMaxSpecFlowDepth = 32;
+inline constexpr size_t kMaxSpecEntries = 50'000;
 // Longest error message of a rejected spec or patch; the rest is "... and N more errors".
 inline constexpr size_t kMaxErrorBytes = 2048;
 // A `command:` job's program and arguments: at most this many entries, each at most

@@ -2,7 +2,9 @@
 // durability point of each RPC), stream writes happen after it is released (Outbox).
 #include "server/coordinator/coordinator.h"
 
+#include <google/protobuf/io/coded_stream.h>
 #include <google/protobuf/util/message_differencer.h>
+#include <malloc.h>
 
 #include <algorithm>
 #include <chrono>
@@ -34,6 +36,10 @@ std::string StateName(v1::JobState s) {
 
 // Progress is persisted at most this often per job; state changes and checkpoints always are.
 constexpr int64_t kProgressPersistMs = 1000;
+
+// A refused spec at least this large is followed by malloc_trim: the trim costs about a
+// millisecond, small next to receiving such a request.
+constexpr size_t kTrimAfterRefusedBytes = size_t{64} << 10;
 
 // A version's patches are applied in order, field by field, so a field that a later patch with
 // the same `layer` pattern sets again can never show: drop it, and drop patches left empty.
@@ -118,6 +124,25 @@ std::vector<size_t> PolicyHistory(const std::vector<v1::Policy>& policies, int64
     out.push_back(v);
   }
   return out;
+}
+
+// The bytes `p` takes as one element of a repeated or singular message field: tag, length, body.
+size_t FieldBytes(const v1::Policy& p) {
+  const size_t body = p.ByteSizeLong();
+  return 1 + google::protobuf::io::CodedOutputStream::VarintSize64(body) + body;
+}
+
+// Bytes of policy versions the Assignments of an attempt resuming at `resume` can carry until
+// the recovery point moves on: the latest version (`policy`), and every version from the one in
+// force at `resume` (`policy_history`). That is PolicyHistory's versions and those it leaves out
+// now but sends once the ranks take them, so taking versions never makes it grow.
+size_t AssignmentPolicyBytes(const std::vector<v1::Policy>& policies, int64_t resume) {
+  if (policies.empty()) return 0;
+  size_t bytes = FieldBytes(policies.back());
+  for (size_t v = InForceAt(policies, resume); v < policies.size(); ++v) {
+    bytes += FieldBytes(policies[v]);
+  }
+  return bytes;
 }
 
 }  // namespace
@@ -299,6 +324,9 @@ absl::StatusOr<v1::SubmitJobResponse> Coordinator::SubmitJob(const v1::SubmitJob
         .F("code", absl::StatusCodeToString(response.status().code()))
         .F("idempotency_key", request.idempotency_key())
         .Msg(std::string(response.status().message()));
+    // A large refused request leaves its buffers in malloc's free lists, where glibc keeps them
+    // (issue #31 item 7: ten refused 3 MB specs kept 540 MB): give the free memory back.
+    if (request.spec_yaml().size() >= kTrimAfterRefusedBytes) malloc_trim(0);
   } else if (response->created()) {
     const v1::Job& job = response->job();
     log::Info("job.submitted")
@@ -482,11 +510,42 @@ absl::StatusOr<v1::Policy> Coordinator::GetPolicy(const v1::GetPolicyRequest& re
 
 absl::StatusOr<v1::ListPolicyVersionsResponse> Coordinator::ListPolicyVersions(
     const v1::ListPolicyVersionsRequest& request) {
+  if (request.page_size() < 0 || request.page_size() > kMaxPolicyPageSize) {
+    return absl::InvalidArgumentError("page_size: must be in [0, " +
+                                      std::to_string(kMaxPolicyPageSize) +
+                                      "], 0 = " + std::to_string(kDefaultPolicyPageSize) + " (" +
+                                      std::to_string(request.page_size()) + ")");
+  }
+  const size_t page_size = request.page_size() == 0 ? kDefaultPolicyPageSize : request.page_size();
   std::lock_guard<std::mutex> lock(mu_);
   auto found = FindJob(request.job_id());
   if (!found.ok()) return found.status();
+  const std::vector<v1::Policy>& policies = (*found)->policies;
+  // The token is the number of the first version of the page, which never changes meaning:
+  // versions are immutable and only ever appended.
+  uint64_t first = 1;
+  if (!request.page_token().empty()) {
+    const std::string& t = request.page_token();
+    const bool digits = t.size() <= 19 && std::all_of(t.begin(), t.end(),
+                                                      [](char c) { return c >= '0' && c <= '9'; });
+    first = digits ? std::stoull(t) : 0;
+    if (first < 2 || first > policies.size()) {
+      return absl::InvalidArgumentError("page_token: not a token this job's history issued (" +
+                                        (t.size() <= 64 ? t : t.substr(0, 64) + "...") + ")");
+    }
+  }
   v1::ListPolicyVersionsResponse response;
-  for (const auto& p : (*found)->policies) *response.add_policies() = p;
+  size_t bytes = 0;
+  for (size_t v = first - 1; v < policies.size(); ++v) {
+    const size_t add = FieldBytes(policies[v]);
+    if (response.policies_size() > 0 && (response.policies_size() >= static_cast<int>(page_size) ||
+                                         bytes + add > kMaxPolicyPageBytes)) {
+      response.set_next_page_token(std::to_string(v + 1));
+      break;
+    }
+    *response.add_policies() = policies[v];
+    bytes += add;
+  }
   return response;
 }
 
@@ -528,11 +587,31 @@ absl::StatusOr<v1::Policy> Coordinator::AddPolicyVersion(JobRec& rec,
   next.set_author(author);
   next.set_created_unix_ms(clock_->NowMs());
   next.clear_refresh();
+  std::vector<v1::RefreshSchedule> schedules;
   if (!rec.catalog.empty()) {
-    rec.schedules =
+    schedules =
         ComputeSchedules(rec.catalog, next, rec.job.world_size(), rec.spec.geometry_refresh);
-    for (const auto& s : rec.schedules) *next.add_refresh() = s;
+    for (const auto& s : schedules) *next.add_refresh() = s;
   }
+  // Every version a resumed rank may need travels in its Assignment; refuse the one that would
+  // make that undeliverable (issue #31: 200 updates of 20 new globs made an 8 MB Assignment,
+  // and every worker looped on gRPC's 4 MiB limit).
+  const int64_t resume = rec.job.progress().checkpoint_step();
+  rec.policies.push_back(next);
+  const size_t bytes = AssignmentPolicyBytes(rec.policies, resume);
+  const uint64_t oldest = rec.policies[InForceAt(rec.policies, resume)].version();
+  rec.policies.pop_back();
+  if (bytes > kMaxPolicyHistoryBytes) {
+    return absl::ResourceExhaustedError(
+        "policy history: v" + std::to_string(next.version()) +
+        " would bring the policy versions a resumed rank can need (v" + std::to_string(oldest) +
+        " to v" + std::to_string(next.version()) + ", from the recovery point at step " +
+        std::to_string(resume) + ") to " + std::to_string(bytes) + " bytes, over the bound of " +
+        std::to_string(kMaxPolicyHistoryBytes) +
+        " bytes; versions before the one in force at the next checkpoint drop out, or patch "
+        "broader globs");
+  }
+  if (!rec.catalog.empty()) rec.schedules = std::move(schedules);
   rec.job.set_policy_version(next.version());
   rec.job.set_updated_unix_ms(next.created_unix_ms());
   v1::JobEvent event;
@@ -1025,6 +1104,34 @@ void Coordinator::TrySchedule(Outbox& out) {
       rec->interrupted_workers.clear();
       rec->interrupted_attempt = -1;
     }
+    // What every rank's Assignment shares. Only what the rank can still need (issue #4: every
+    // version since v1 grew without bound and past gRPC's message limit): see PolicyHistory.
+    v1::Assignment base;
+    base.set_job_id(rec->job.id());
+    base.set_attempt(rec->job.attempt());
+    base.set_world_size(world);
+    base.set_spec_yaml(rec->job.spec_yaml());
+    base.set_rendezvous_prefix(rec->job.id() + "/" + std::to_string(rec->job.attempt()) + "/");
+    base.set_resume_step(rec->job.progress().checkpoint_step());
+    base.set_checkpoint_path(rec->spec.checkpoint.dir);
+    *base.mutable_policy() = rec->policies.back();
+    for (size_t v : PolicyHistory(rec->policies, rec->job.progress().checkpoint_step())) {
+      *base.add_policy_history() = rec->policies[v];
+    }
+    // UpdatePolicy keeps the versions under kMaxPolicyHistoryBytes; a store written before that
+    // bound may hold more. Such an Assignment could never arrive: fail the job with the reason
+    // rather than have every worker loop on it. A peer entry is at most 256 bytes (a 200-byte
+    // worker id, its rank and generation).
+    const size_t assignment_bytes = base.ByteSizeLong() + 6 + size_t{256} * world;
+    if (assignment_bytes > kMaxAssignmentBytes) {
+      SetState(
+          *rec, v1::JOB_FAILED,
+          "policy history: an assignment resuming at step " + std::to_string(base.resume_step()) +
+              " would carry " + std::to_string(base.policy_history_size()) +
+              " policy versions in " + std::to_string(assignment_bytes) + " bytes, over the " +
+              std::to_string(kMaxAssignmentBytes) + "-byte bound on what a worker can receive");
+      continue;
+    }
     rec->ranks.clear();
     rec->job.clear_ranks();
     for (int r = 0; r < world; ++r) {
@@ -1045,20 +1152,8 @@ void Coordinator::TrySchedule(Outbox& out) {
     for (int r = 0; r < world; ++r) {
       v1::CoordinatorMessage m;
       v1::Assignment* a = m.mutable_assignment();
-      a->set_job_id(rec->job.id());
-      a->set_attempt(rec->job.attempt());
+      *a = base;
       a->set_rank(r);
-      a->set_world_size(world);
-      a->set_spec_yaml(rec->job.spec_yaml());
-      a->set_rendezvous_prefix(rec->job.id() + "/" + std::to_string(rec->job.attempt()) + "/");
-      a->set_resume_step(rec->job.progress().checkpoint_step());
-      a->set_checkpoint_path(rec->spec.checkpoint.dir);
-      *a->mutable_policy() = rec->policies.back();
-      // Only what the rank can still need (issue #4: every version since v1 grew without bound
-      // and past gRPC's message limit): see PolicyHistory.
-      for (size_t v : PolicyHistory(rec->policies, rec->job.progress().checkpoint_step())) {
-        *a->add_policy_history() = rec->policies[v];
-      }
       *a->mutable_peers() = rec->job.ranks();
       out.emplace_back(idle[r]->sink, std::move(m));
       log::Info("job.assigned")
@@ -1322,7 +1417,17 @@ absl::Status Coordinator::HandleWorkerMessage(const v1::WorkerMessage& message) 
             }
             reason.pop_back();
             auto s = AddPolicyVersion(*rec, patches, reason, "auto", out);
-            if (!s.ok()) return s.status();
+            // At a bound the engine's decision waits for its next probe; the worker's message
+            // was fine.
+            if (!s.ok() && s.status().code() != absl::StatusCode::kResourceExhausted) {
+              return s.status();
+            }
+            if (!s.ok()) {
+              log::Warn("policy.refused")
+                  .F("job", rec->job.id())
+                  .F("author", "auto")
+                  .Msg(std::string(s.status().message()));
+            }
           }
           // What `describe` shows per layer: the latest gain, its basis, and the state after the
           // decision (the engine's own record; summaries do not carry it).

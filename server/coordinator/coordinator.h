@@ -43,6 +43,22 @@ class SessionSink {
 // compaction (a version travels whole in every Policy message and Assignment).
 inline constexpr int kMaxPatchesPerUpdate = 256;
 inline constexpr int kMaxPatchesPerVersion = 4096;
+// Bytes of policy versions one Assignment may carry in `policy` and `policy_history`: the latest
+// version, and every version from the one in force at the job's recovery point on (those a
+// resumed rank can need). UpdatePolicy refuses a version that would take them past this, so an
+// Assignment stays deliverable: with the spec (kMaxSpecBytes) and its peers it is under
+// kMaxAssignmentBytes. The versions before the recovery point drop out as checkpoints pass.
+inline constexpr size_t kMaxPolicyHistoryBytes = size_t{2} << 20;
+// gRPC's default limit on a received message (4 MiB), less room for the CoordinatorMessage
+// around the Assignment. An Assignment over it (only from a store written before the bound
+// above) fails its job with the reason instead of looping on every worker.
+inline constexpr size_t kMaxAssignmentBytes = (size_t{4} << 20) - (size_t{64} << 10);
+// ListPolicyVersions pages: page_size 0 means kDefaultPolicyPageSize, at most
+// kMaxPolicyPageSize; a page also ends before kMaxPolicyPageBytes (it holds at least one
+// version, and a version is at most kMaxPolicyHistoryBytes).
+inline constexpr int kDefaultPolicyPageSize = 100;
+inline constexpr int kMaxPolicyPageSize = 1000;
+inline constexpr size_t kMaxPolicyPageBytes = size_t{1} << 20;
 
 struct CoordinatorOptions {
   int heartbeat_interval_ms = 1000;  // told to workers at Register

@@ -138,7 +138,7 @@ TEST(JobSpecLimits, DeepNestingIsRefusedWithItsLine) {
        {std::string(10000, '['), std::string(5000, '[') + std::string(5000, ']'),
         std::string(5000, '{') + std::string(5000, '}')}) {
     EXPECT_EQ(ErrorOf("name: a\nextra: " + deep + "\n"),
-              "line 2: spec: nested deeper than 64 levels of [...] or {...}");
+              "line 2: spec: flow collections ([ and {) nested deeper than 32 levels");
   }
   // Brackets inside quotes and comments are text, not nesting: the spec gets as far as
   // checking the name.

@@ -272,9 +272,9 @@ TEST(JobSpec, ErrorsNameThePathAndLine) {
             std::string::npos);
   EXPECT_NE(ErrorOf("- a\n- b\n").find("spec: expected a mapping"), std::string::npos);
   EXPECT_NE(ErrorOf("name: [unclosed\n").find("malformed YAML"), std::string::npos);
-  EXPECT_NE(
-      ErrorOf("name: a\nworld_size: 2.5\n").find("spec.world_size: expected a decimal integer (2.5)"),
-      std::string::npos);
+  EXPECT_NE(ErrorOf("name: a\nworld_size: 2.5\n")
+                .find("spec.world_size: expected a decimal integer (2.5)"),
+            std::string::npos);
 }
 
 TEST(PolicyPatch, ParsesAndValidates) {

@@ -193,7 +193,7 @@ TEST_F(PolicyFileTest, BadFieldsAreNamedWithTheFileAndLine) {
                       "exchange, policy, geometry_refresh)"),
             std::string::npos);
   EXPECT_NE(ErrorOf("policy:\n  default: {block: many}\n")
-                .find("spec.policy.default.block: expected an integer (many)"),
+                .find("spec.policy.default.block: expected a decimal integer (many)"),
             std::string::npos);
   EXPECT_NE(ErrorOf("policy: {default: [1, 2\n").find("malformed YAML"), std::string::npos);
   try {

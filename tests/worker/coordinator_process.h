@@ -76,6 +76,7 @@ class ChildProcess {
     std::lock_guard<std::mutex> lock(mu_);
     return output_;
   }
+  pid_t pid() const { return pid_; }
   void Kill(int sig) {
     if (pid_ > 0 && !exited_) ::kill(pid_, sig);
   }

@@ -1,6 +1,7 @@
 #include "worker/daemon/policy_inbox.h"
 
 #include <algorithm>
+#include <vector>
 
 #include "geofp8/v1/geofp8.grpc.pb.h"
 #include "kernels/policy/policy.h"
@@ -20,16 +21,23 @@ void PolicyInbox::LoadVersions(const v1::Assignment& a, Connection& connection) 
     queued_.emplace(a.policy().version(), a.policy());
     return;
   }
-  // An assignment without history (an older coordinator): ask for the versions.
+  // An assignment without history (an older coordinator): ask for the versions, page by page.
   auto stub = v1::PolicyService::NewStub(connection.channel());
   v1::ListPolicyVersionsRequest req;
   req.set_job_id(a.job_id());
-  v1::ListPolicyVersionsResponse resp;
-  grpc::Status s = stub->ListPolicyVersions(
-      connection.Context(std::chrono::milliseconds(10000)).get(), req, &resp);
+  std::vector<v1::Policy> listed;
+  grpc::Status s;
+  do {
+    v1::ListPolicyVersionsResponse resp;
+    s = stub->ListPolicyVersions(connection.Context(std::chrono::milliseconds(10000)).get(), req,
+                                 &resp);
+    if (!s.ok()) break;
+    listed.insert(listed.end(), resp.policies().begin(), resp.policies().end());
+    req.set_page_token(resp.next_page_token());
+  } while (!req.page_token().empty());
   std::lock_guard<std::mutex> lock(mu_);
   if (s.ok()) {
-    for (const auto& p : resp.policies()) queued_.emplace(p.version(), p);
+    for (const auto& p : listed) queued_.emplace(p.version(), p);
   } else {
     Log("job " + a.job_id() + ": listing policy versions failed (" + DescribeStatus(s) +
         "); using the assignment's policy v" + std::to_string(a.policy().version()));
