@@ -104,7 +104,31 @@ int64_t StepsDone(const v1::Job& j) {
   return p.total_steps() > 0 ? std::min(done, p.total_steps()) : done;
 }
 
-std::string Table(const std::vector<std::vector<std::string>>& rows) {
+// A cell on one line: every line break or tab, with the blanks around it, becomes one space (a
+// reason may hold several lines; a row of the table must stay one).
+std::string OneLineCell(const std::string& text) {
+  std::string out;
+  out.reserve(text.size());
+  bool in_break = false;
+  for (char c : text) {
+    const bool brk = c == '\n' || c == '\r' || c == '\t';
+    if (brk) {
+      while (!in_break && !out.empty() && out.back() == ' ') out.pop_back();
+      if (!in_break) out += ' ';
+      in_break = true;
+    } else if (!(in_break && c == ' ')) {
+      out += c;
+      in_break = false;
+    }
+  }
+  return out;
+}
+
+std::string Table(const std::vector<std::vector<std::string>>& raw) {
+  std::vector<std::vector<std::string>> rows = raw;
+  for (auto& row : rows) {
+    for (auto& cell : row) cell = OneLineCell(cell);
+  }
   std::vector<size_t> width;
   for (const auto& row : rows) {
     if (width.size() < row.size()) width.resize(row.size(), 0);

@@ -2,6 +2,7 @@
 // YAML output carry the same fields.
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <optional>
 
 #include "client/ctl/render.h"
@@ -24,6 +25,19 @@ TEST(Render, DurationAndBytes) {
 
 TEST(Render, TableAlignsColumns) {
   EXPECT_EQ(Table({{"A", "BB"}, {"ccc", "d"}}), "A    BB\nccc  d\n");
+}
+
+// Issue #29: a reason holding a newline broke the table; every row stays one line.
+TEST(Render, TableKeepsOneLinePerRow) {
+  EXPECT_EQ(Table({{"NAME", "REASON"}, {"a", "failed:\n  line 2\r\n\tline 3"}, {"bb", "ok"}}),
+            "NAME  REASON\na     failed: line 2 line 3\nbb    ok\n");
+  v1::Job job;
+  job.set_id("job-000001");
+  job.set_name("j");
+  job.set_state(v1::JOB_FAILED);
+  job.set_reason("rank 0 failed:\nsecond line");
+  const std::string table = JobsTable({job}, 0);
+  EXPECT_EQ(std::count(table.begin(), table.end(), '\n'), 2) << table;
 }
 
 TEST(Render, ProgressLine) {
