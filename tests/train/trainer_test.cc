@@ -96,6 +96,125 @@ TEST(Trainer, FourRanksFp32MatchOneRankOnTheCombinedBatch) {
   EXPECT_LT(max_diff, 1e-4) << "max |w4 - w1| = " << max_diff;
 }
 
+// The gradient an accumulating step hands to the exchange, bit for bit: the sum of the first
+// accum - 1 micro-batches' gradients (in order, from zero), plus the last one's, divided by
+// accum; micro-batch m is rows [m * batch, (m + 1) * batch) of the step's accum * batch draw.
+TEST(Trainer, AccumulationExchangesTheMeanOfItsMicroBatches) {
+  TrainOptions o = Tiny(1, 2, 1);
+  o.accum = 3;
+  model::SetBlasThreads(o.blas_threads);
+  model::Model<float> ref(o.model);
+  ref.Init(o.seed);
+  auto data = model::MakeDataSource(o.data, o.seed);
+  std::vector<int32_t> tokens;
+  data->TrainBatch(0, 0, 1, o.accum * o.batch, 16, &tokens);
+  const size_t micro = size_t(o.batch) * 17;
+  std::vector<float> sum(ref.grads().size(), 0.f);
+  double loss = 0;
+  for (int m = 0; m < o.accum; ++m) {
+    loss += ref.ForwardBackward(std::span<const int32_t>(tokens).subspan(m * micro, micro), o.batch,
+                                16);
+    if (m + 1 < o.accum) {
+      for (size_t j = 0; j < sum.size(); ++j) sum[j] += ref.grads()[j];
+    }
+  }
+  std::vector<float> expected(sum.size());
+  for (size_t j = 0; j < sum.size(); ++j) expected[j] = (sum[j] + ref.grads()[j]) / 3.f;
+
+  const auto errors = geofp8::testing::RunRanks(1, [&](Communicator& comm) {
+    Trainer t(o, comm);
+    const StepRecord rec = t.Step(0, {.keep_local = true});
+    EXPECT_EQ(t.local_gradient(), expected);
+    EXPECT_EQ(rec.loss, double(float(loss / 3)));
+    EXPECT_EQ(rec.tokens, 3 * 2 * 16);
+  });
+  EXPECT_EQ(geofp8::testing::JoinErrors(errors), "");
+}
+
+// accum N at batch b sees the data of batch N*b, and this model has no cross-sequence coupling
+// (no batch statistics), so both compute the same gradient; only rounding differs.
+TEST(Trainer, AccumulationMatchesTheLargerBatchToSummationRoundoff) {
+  const int n = 4, b = 2, seq = 16;
+  TrainOptions accum = Tiny(1, b, 1);
+  accum.accum = n;
+  TrainOptions big = Tiny(1, n * b, 1);
+  model::SetBlasThreads(accum.blas_threads);
+  std::vector<float> g_accum, g_big;
+  const auto errors = geofp8::testing::RunRanks(1, [&](Communicator& comm) {
+    Trainer ta(accum, comm);
+    ta.Step(0, {.keep_local = true});
+    g_accum = ta.local_gradient();
+    Trainer tb(big, comm);
+    tb.Step(0, {.keep_local = true});
+    g_big = tb.local_gradient();
+  });
+  ASSERT_EQ(geofp8::testing::JoinErrors(errors), "");
+  ASSERT_EQ(g_accum.size(), g_big.size());
+  // Each parameter's gradient is a sum of R = n*b*seq per-row contributions c_r, each computed
+  // alike in both runs (per-row forward, the same reductions over dim and ffn); what differs is
+  // the order of the sum over rows (and the accumulating run's n - 1 extra additions and one
+  // division, within the same bound). Recursive summation errs by at most gamma_R * sum_r |c_r|
+  // per element (Higham, Accuracy and Stability, 4.2), so the two differ by at most
+  // 2 * gamma_R * sum_r |c_r|. The rows of a sequence interact through attention, so sum_r |c_r|
+  // is not observable; the sum of the absolute per-sequence gradients stands in for it, with a
+  // factor seq for cancellation among a sequence's rows.
+  model::Model<float> m(big.model);
+  m.Init(big.seed);
+  auto data = model::MakeDataSource(big.data, big.seed);
+  std::vector<int32_t> tokens;
+  data->TrainBatch(0, 0, 1, n * b, seq, &tokens);
+  std::vector<double> abs_sum(g_big.size(), 0.0);
+  for (int s = 0; s < n * b; ++s) {
+    // A one-sequence mean gradient, scaled back to its share of the n*b-sequence mean.
+    m.ForwardBackward(std::span<const int32_t>(tokens).subspan(size_t(s) * (seq + 1), seq + 1), 1,
+                      seq);
+    for (size_t j = 0; j < abs_sum.size(); ++j) abs_sum[j] += std::abs(m.grads()[j]) / (n * b);
+  }
+  const double R = n * b * seq, u = std::ldexp(1.0, -24), gamma = R * u / (1 - R * u);
+  double worst = 0;
+  for (size_t j = 0; j < g_big.size(); ++j) {
+    const double bound = 2 * gamma * seq * abs_sum[j];
+    const double diff = std::abs(double(g_accum[j]) - g_big[j]);
+    if (diff > bound) ADD_FAILURE() << "element " << j << ": |diff| " << diff << " > " << bound;
+    worst = std::max(worst, bound > 0 ? diff / bound : diff);
+    if (::testing::Test::HasFailure()) break;
+  }
+  std::printf("worst |g_accum - g_big| / bound = %.3g\n", worst);
+  // Not the same bits: the test would otherwise not see the division order at all.
+  EXPECT_NE(g_accum, g_big);
+}
+
+TEST(Trainer, AccumulationResumesBitwiseAndIsPartOfTheCheckpointFingerprint) {
+  const fs::path ckpt = TempPath("accum.ckpt");
+  fs::remove(ckpt);
+  TrainOptions straight = Tiny(2, 2, 6, "geofp8");
+  straight.accum = 2;
+  straight.optimizer.total_steps = 6;
+  const TrainResult full = Train(straight);
+  TrainOptions first = straight;
+  first.checkpoint = ckpt.string();
+  first.steps = 3;
+  Train(first);
+  TrainOptions second = straight;
+  second.checkpoint = ckpt.string();
+  second.resume = true;
+  const TrainResult resumed = Train(second);
+  EXPECT_EQ(resumed.start_step, 3);
+  EXPECT_EQ(resumed.weights, full.weights);
+  EXPECT_EQ(resumed.checksum, full.checksum);
+  // The same checkpoint under another accumulation is another run's.
+  TrainOptions other = second;
+  other.accum = 3;
+  try {
+    Train(other);
+    ADD_FAILURE() << "a checkpoint of accum 2 resumed under accum 3";
+  } catch (const Error& e) {
+    EXPECT_NE(std::string(e.what()).find("written by a different run"), std::string::npos)
+        << e.what();
+  }
+  fs::remove(ckpt);
+}
+
 TEST(Trainer, ResumeFromCheckpointIsBitwiseIdentical) {
   // geofp8 uses the ema estimator: its sketch travels in the checkpoint (format 3).
   for (const std::string policy : {"fp32", "fp8", "geofp8"}) {
@@ -672,6 +791,9 @@ TEST(Trainer, BadOptionsAreRejectedNamingTheField) {
   o = Tiny(1, 2, 2);
   o.optimizer.lr = 0;
   EXPECT_NE(ValidateTrainOptions(o).find("optimizer.lr"), std::string::npos);
+  o = Tiny(1, 2, 2);
+  o.accum = 0;
+  EXPECT_EQ(ValidateTrainOptions(o), "accum: must be in [1, 65536] (0)");
   o = Tiny(1, 2, 2);
   o.resume = true;
   EXPECT_EQ(ValidateTrainOptions(o), "resume: needs a checkpoint path (empty)");

@@ -219,7 +219,12 @@ int main(int argc, char** argv) {
   app.add_option("--ranks", o.ranks, "data-parallel ranks")->capture_default_str();
   app.add_option("--launcher", launcher, "threads or processes")->capture_default_str();
   app.add_option("--steps", o.steps, "optimizer steps")->capture_default_str();
-  app.add_option("--batch", o.batch, "sequences per rank per step")->capture_default_str();
+  app.add_option("--batch", o.batch, "sequences per rank per micro-batch")->capture_default_str();
+  app.add_option("--accum", o.accum,
+                 "micro-batches per step: each rank averages the gradients of N micro-batches "
+                 "before the exchange (global batch ranks x N x batch sequences, activations of "
+                 "one micro-batch)")
+      ->capture_default_str();
   app.add_option("--seq", o.seq, "tokens per sequence (0: the preset's context)")
       ->capture_default_str();
   app.add_option("--seed", o.seed, "seed of init, data and rounding")->capture_default_str();

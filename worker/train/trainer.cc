@@ -38,6 +38,8 @@ std::string ValidateTrainOptions(const TrainOptions& o) {
     os << "ranks: must be in [1, 64] (" << o.ranks << ")";
   } else if (o.batch < 1) {
     os << "batch: must be >= 1 (" << o.batch << ")";
+  } else if (o.accum < 1 || o.accum > 65536) {
+    os << "accum: must be in [1, 65536] (" << o.accum << ")";
   } else if (o.seq < 0 || o.seq > o.model.seq) {
     os << "seq: must be in [0, model.seq = " << o.model.seq << "] (" << o.seq << ")";
   } else if (o.steps < 1) {
@@ -87,6 +89,8 @@ std::string Fingerprint(const TrainOptions& o) {
   os << "model=" << m.vocab << "/" << m.dim << "/" << m.layers << "/" << m.heads << "/" << m.ffn
      << "/" << m.seq << " ranks=" << o.ranks << " batch=" << o.batch << " seq=" << o.seq
      << " policy=" << o.policy << " data=" << o.data << " seed=" << o.seed;
+  // Only when set, so checkpoints written before accumulation existed still resume.
+  if (o.accum != 1) os << " accum=" << o.accum;
   return os.str();
 }
 
@@ -259,7 +263,26 @@ StepRecord Trainer::Step(int64_t step, const StepControl& control) {
   const bool dump = !o_.dump_dir.empty() && std::find(o_.dump_steps.begin(), o_.dump_steps.end(),
                                                       step) != o_.dump_steps.end();
   const bool keep = control.measure_error || control.keep_local || dump;
-  data_->TrainBatch(step, rank_, ranks_, o_.batch, seq_, &tokens_);
+  // The step's accum * batch sequences, drawn as one batch: micro-batch m takes rows
+  // [m * batch, (m + 1) * batch), so accumulation sees exactly the data of one accum * batch step.
+  data_->TrainBatch(step, rank_, ranks_, o_.accum * o_.batch, seq_, &tokens_);
+  const size_t micro_tokens = size_t(o_.batch) * (seq_ + 1);
+  auto micro = [&](int m) {
+    return std::span<const int32_t>(tokens_.data() + size_t(m) * micro_tokens, micro_tokens);
+  };
+  // Every micro-batch has batch * seq tokens, so the mean of their mean losses and gradients is
+  // the mean over all accum * batch * seq tokens. The earlier micro-batches' gradients are summed
+  // here; the last one's backward adds the sum and divides, layer by layer, before each bucket
+  // goes to the exchange.
+  double loss = 0;
+  if (o_.accum > 1) {
+    accum_grads_.assign(model_.grads().size(), 0.f);
+    for (int m = 0; m + 1 < o_.accum; ++m) {
+      loss += model_.ForwardBackward(micro(m), o_.batch, seq_);
+      const std::vector<float>& g = model_.grads();
+      for (size_t j = 0; j < g.size(); ++j) accum_grads_[j] += g[j];
+    }
+  }
 
   std::vector<std::span<float>> grads(L);
   for (size_t i = 0; i < L; ++i) grads[i] = model_.grad(int(i));
@@ -269,17 +292,21 @@ StepRecord Trainer::Step(int64_t step, const StepControl& control) {
   for (size_t b = 0; b < remaining.size(); ++b)
     remaining[b] = exchanger_->buckets()[b].layers.size();
   size_t next_bucket = 0;
+  const float accum = float(o_.accum);
   auto on_ready = [&](int i) {
-    if (keep) {
-      auto g = model_.grad(i);
-      std::copy(g.begin(), g.end(), local_.begin() + model_.params()[i].offset);
+    auto g = model_.grad(i);
+    if (o_.accum > 1) {
+      const float* acc = accum_grads_.data() + model_.params()[i].offset;
+      for (size_t j = 0; j < g.size(); ++j) g[j] = (acc[j] + g[j]) / accum;
     }
+    if (keep) std::copy(g.begin(), g.end(), local_.begin() + model_.params()[i].offset);
     --remaining[bucket_of_[i]];
     while (next_bucket < remaining.size() && remaining[next_bucket] == 0) {
       exchanger_->Submit(uint64_t(step), next_bucket++, grads);
     }
   };
-  const double loss = model_.ForwardBackward(tokens_, o_.batch, seq_, on_ready);
+  loss += model_.ForwardBackward(micro(o_.accum - 1), o_.batch, seq_, on_ready);
+  loss /= o_.accum;
   GEOFP8_CHECK(next_bucket == remaining.size(), "backward left buckets unsubmitted");
   const auto t_backward = Clock::now();
   if (trace_)
@@ -314,7 +341,7 @@ StepRecord Trainer::Step(int64_t step, const StepControl& control) {
   float sum[1] = {float(loss)};
   comm_.AllReduceSum(sum);
   rec.loss = double(sum[0]) / ranks_;
-  rec.tokens = int64_t(ranks_) * o_.batch * seq_;
+  rec.tokens = int64_t(ranks_) * o_.accum * o_.batch * seq_;
   rec.step_seconds = std::chrono::duration<double>(Clock::now() - t0).count();
   return rec;
 }

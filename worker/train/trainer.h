@@ -28,7 +28,11 @@ struct TrainOptions {
   model::ModelConfig model;           // a preset's shape (llama-tiny by default)
   model::OptimizerOptions optimizer;  // total_steps is set to `steps` when it is 0
   int ranks = 1;                      // data-parallel world size
-  int batch = 8;                      // sequences per rank per step
+  int batch = 8;                      // sequences per rank per micro-batch
+  // Micro-batches per optimizer step: each rank runs `accum` forward/backward passes of `batch`
+  // sequences and exchanges the mean of their gradients, so the global batch is
+  // ranks * accum * batch sequences while activations stay those of one micro-batch.
+  int accum = 1;
   int seq = 0;                        // tokens per sequence; 0: model.seq
   int64_t steps = 100;                // total optimizer steps (a resumed run stops here too)
   uint64_t seed = 1;                  // model init, data windows, rounding streams
@@ -71,7 +75,7 @@ struct StepRecord {
   double wait_seconds = 0;      // time rank 0 blocked waiting for the exchange after its backward
   uint64_t bytes_sent = 0;      // rank 0's bytes on the wire this step
   bool skipped = false;         // non-finite gradient on some rank: no update
-  int64_t tokens = 0;           // tokens over all ranks this step
+  int64_t tokens = 0;           // tokens over all ranks this step (every micro-batch)
   int refreshes = 0;            // geometry refreshes this step
   double geometry_seconds = 0;  // this rank's geometry estimation (refresh) time this step
   std::vector<double> layer_error;  // per parameter rel_fro_error, empty when not measured
@@ -203,6 +207,7 @@ class Trainer {
   std::map<uint64_t, PolicyChange> policy_changes_;  // by from_step
   int64_t next_step_ = 0;                            // the lowest step Step may run
   std::vector<int32_t> tokens_;
+  std::vector<float> accum_grads_;  // sum of the step's earlier micro-batches' gradients
   std::vector<float> local_;
   std::vector<double> drift_;
   double best_val_loss_ = NAN;  // run totals, carried by checkpoints
