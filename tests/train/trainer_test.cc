@@ -215,6 +215,66 @@ TEST(Trainer, AccumulationResumesBitwiseAndIsPartOfTheCheckpointFingerprint) {
   fs::remove(ckpt);
 }
 
+// The trainer's two-batch noise scale against a direct estimate on the same (fixed) model: the
+// per-sequence gradients of many independent sequences give tr(Sigma) and |g|^2 without the
+// two-batch trick. The learning rate is so small that the weights stay where they started
+// (Adam moves each by about lr = 1e-8 a step), so both estimate one quantity.
+TEST(Trainer, NoiseScaleAgreesWithADirectEstimateFromIndependentSequences) {
+  const int seq = 16;
+  TrainOptions o = Tiny(4, 2, 200);
+  o.optimizer.lr = 1e-8f;
+  o.optimizer.min_lr = 0;
+  o.checksum_every = 0;
+  o.gns_beta = 0.99;
+  double trained = NAN;
+  int defined = 0;
+  Train(o, [&](const StepRecord& r) {
+    trained = r.gradient_noise_scale;
+    defined += std::isfinite(r.gradient_noise_scale) ? 1 : 0;
+  });
+  // Direct: S independent sequences (indices the run never drew), one gradient each (the mean
+  // over its seq tokens). A batch of B tokens is B / seq sequences, so in tokens
+  // tr(Sigma) = seq * tr(Cov over sequences), and B_simple = seq * tr / |g|^2, with the unbiased
+  // |g|^2 = |mean|^2 - tr(Cov) / S.
+  model::SetBlasThreads(o.blas_threads);
+  model::Model<float> m(o.model);
+  m.Init(o.seed);
+  auto data = model::MakeDataSource(o.data, o.seed);
+  const int S = 1024, per_draw = 64;
+  std::vector<double> mean(m.grads().size(), 0.0), sq(m.grads().size(), 0.0);
+  std::vector<int32_t> tokens;
+  for (int draw = 0; draw < S / per_draw; ++draw) {
+    data->TrainBatch(100000 + draw, 0, 1, per_draw, seq, &tokens);
+    for (int s = 0; s < per_draw; ++s) {
+      m.ForwardBackward(std::span<const int32_t>(tokens).subspan(size_t(s) * (seq + 1), seq + 1), 1,
+                        seq);
+      for (size_t j = 0; j < mean.size(); ++j) {
+        mean[j] += m.grads()[j];
+        sq[j] += double(m.grads()[j]) * m.grads()[j];
+      }
+    }
+  }
+  double trace = 0, mean_sq = 0;
+  for (size_t j = 0; j < mean.size(); ++j) {
+    const double mu = mean[j] / S;
+    trace += (sq[j] - S * mu * mu) / (S - 1);
+    mean_sq += mu * mu;
+  }
+  const double direct = seq * trace / (mean_sq - trace / S);
+  std::printf("B_simple: trainer %.4g tokens, direct %.4g tokens (%d of %lld steps defined)\n",
+              trained, direct, defined, (long long)o.steps);
+  ASSERT_TRUE(std::isfinite(trained));
+  EXPECT_GT(trained, direct / 2);
+  EXPECT_LT(trained, direct * 2);
+}
+
+TEST(Trainer, NoiseScaleIsUndefinedOnOneRank) {
+  TrainOptions o = Tiny(1, 2, 3);
+  Train(o, [&](const StepRecord& r) { EXPECT_TRUE(std::isnan(r.gradient_noise_scale)); });
+  o.gns_beta = 1;
+  EXPECT_EQ(ValidateTrainOptions(o), "gns_beta: must be in [0, 1) (1)");
+}
+
 TEST(Trainer, ResumeFromCheckpointIsBitwiseIdentical) {
   // geofp8 uses the ema estimator: its sketch travels in the checkpoint (format 3).
   for (const std::string policy : {"fp32", "fp8", "geofp8"}) {

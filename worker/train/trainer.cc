@@ -52,6 +52,8 @@ std::string ValidateTrainOptions(const TrainOptions& o) {
     os << "checksum_every: must be >= 0 (" << o.checksum_every << ")";
   } else if (o.error_every < 0) {
     os << "error_every: must be >= 0 (" << o.error_every << ")";
+  } else if (!(o.gns_beta >= 0 && o.gns_beta < 1)) {
+    os << "gns_beta: must be in [0, 1) (" << o.gns_beta << ")";
   } else if (o.checkpoint_every < 0) {
     os << "checkpoint_every: must be >= 0 (" << o.checkpoint_every << ")";
   } else if (o.checkpoint_every > 0 && o.checkpoint.empty()) {
@@ -121,7 +123,8 @@ Trainer::Trainer(const TrainOptions& options, Communicator& comm, ExchangePlan p
       seq_(options.seq > 0 ? options.seq : options.model.seq),
       model_(options.model),
       plan_(std::move(plan)),
-      policy_version_(policy_version) {
+      policy_version_(policy_version),
+      noise_scale_(options.gns_beta) {
   const std::string err = ValidateTrainOptions(o_);
   GEOFP8_CHECK(err.empty(), err);
   GEOFP8_CHECK(ranks_ == o_.ranks, "ranks: the communicator has ", ranks_, " ranks, options say ",
@@ -293,12 +296,14 @@ StepRecord Trainer::Step(int64_t step, const StepControl& control) {
     remaining[b] = exchanger_->buckets()[b].layers.size();
   size_t next_bucket = 0;
   const float accum = float(o_.accum);
+  double local_sq = 0;  // this rank's own gradient's squared norm, for the noise scale
   auto on_ready = [&](int i) {
     auto g = model_.grad(i);
     if (o_.accum > 1) {
       const float* acc = accum_grads_.data() + model_.params()[i].offset;
       for (size_t j = 0; j < g.size(); ++j) g[j] = (acc[j] + g[j]) / accum;
     }
+    for (float v : g) local_sq += double(v) * v;
     if (keep) std::copy(g.begin(), g.end(), local_.begin() + model_.params()[i].offset);
     --remaining[bucket_of_[i]];
     while (next_bucket < remaining.size() && remaining[next_bucket] == 0) {
@@ -338,10 +343,25 @@ StepRecord Trainer::Step(int64_t step, const StepControl& control) {
   }
   if (rank_ == o_.debug_perturb_rank && step == o_.debug_perturb_step) model_.weights()[0] += 1e-3f;
 
-  float sum[1] = {float(loss)};
+  // The loss and the local squared norms travel in one all-reduce.
+  float sum[2] = {float(loss), float(local_sq)};
   comm_.AllReduceSum(sum);
   rec.loss = double(sum[0]) / ranks_;
   rec.tokens = int64_t(ranks_) * o_.accum * o_.batch * seq_;
+  // Both norms are those of the gradients the exchange carried: the local one before encode, the
+  // averaged one after decode (its quantization error adds eps^2 |G_big|^2, second order).
+  model::NoiseScaleSample ns;
+  ns.small_sq = double(sum[1]) / ranks_;
+  ns.big_sq = ex.skipped ? NAN : rec.grad_norm * rec.grad_norm;
+  ns.b_small = double(o_.accum) * o_.batch * seq_;
+  ns.b_big = double(rec.tokens);
+  noise_scale_.Add(ns);
+  rec.gradient_noise_scale = noise_scale_.value();
+  for (size_t l = 0; l < rec.layer_error.size(); ++l) {
+    rec.noise_ratio.push_back(
+        model::QuantizationNoiseRatio(rec.layer_error[l], ns.b_big, rec.gradient_noise_scale,
+                                      plan_.layers[l].rounding == Rounding::kStochastic));
+  }
   rec.step_seconds = std::chrono::duration<double>(Clock::now() - t0).count();
   return rec;
 }

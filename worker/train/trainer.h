@@ -17,6 +17,7 @@
 #include "kernels/exchange/exchanger.h"
 #include "kernels/model/data.h"
 #include "kernels/model/model.h"
+#include "kernels/model/noise_scale.h"
 #include "kernels/model/optimizer.h"
 #include "worker/train/checkpoint.h"
 #include "worker/train/exchange_policy.h"
@@ -43,10 +44,12 @@ struct TrainOptions {
   int eval_batches = 8;         // held-out batches of 16 sequences per validation
   int checksum_every = 10;      // parameter checksum cadence; 0: never
   int error_every = 0;          // per-layer exchange error cadence; 0: never
-  std::string checkpoint;       // checkpoint path; empty: none
-  int checkpoint_every = 0;     // steps between checkpoints (and at the end); 0: end only
-  bool resume = false;          // start from `checkpoint` when it exists
-  std::string dump_dir;         // --dump-grads output folder; empty: off
+  // Weight of the past in the gradient noise scale's moving averages (kernels/model/noise_scale.h).
+  double gns_beta = 0.95;
+  std::string checkpoint;    // checkpoint path; empty: none
+  int checkpoint_every = 0;  // steps between checkpoints (and at the end); 0: end only
+  bool resume = false;       // start from `checkpoint` when it exists
+  std::string dump_dir;      // --dump-grads output folder; empty: off
   // Folder for one Chrome trace per rank (rank<R>.json, written when Run ends): the exchange's
   // collectives and codec stages (ExchangeTrace) next to this rank's forward/backward, wait and
   // optimizer. Empty: off.
@@ -88,6 +91,15 @@ struct StepRecord {
   // optimizer state: the error that reaches the weights (Adam amplifies weak directions). Empty
   // when not measured.
   std::vector<double> update_error;
+  // The gradient noise scale B_simple in tokens (kernels/model/noise_scale.h): from each rank's
+  // own gradient (ranks x ... at accum * batch * seq tokens) and the averaged one, each term
+  // smoothed over steps (TrainOptions::gns_beta). NaN when undefined: one rank, or a smoothed
+  // term not positive. The same on every rank.
+  double gradient_noise_scale = NAN;
+  // Per parameter, the predicted ratio of the exchange's quantization noise to the SGD noise of
+  // this step's global batch (QuantizationNoiseRatio with eps = layer_error and the layer's
+  // rounding). NaN where the noise scale is undefined. Empty when not measured.
+  std::vector<double> noise_ratio;
   StepResult exchange;  // the exchange engine's own report (buckets, refresh records)
 };
 
@@ -176,6 +188,7 @@ class Trainer {
   // This rank's gradient before the exchange at the last step run with keep_local or
   // measure_error, flat in params() layout.
   const std::vector<float>& local_gradient() const { return local_; }
+  const model::GradientNoiseScale& noise_scale() const { return noise_scale_; }
   // Drift of each layer's last geometry refresh (0 before its second refresh: a cold start has
   // no previous basis, and for layers without geometry).
   const std::vector<double>& last_drift() const { return drift_; }
@@ -210,6 +223,7 @@ class Trainer {
   std::vector<float> accum_grads_;  // sum of the step's earlier micro-batches' gradients
   std::vector<float> local_;
   std::vector<double> drift_;
+  model::GradientNoiseScale noise_scale_;
   double best_val_loss_ = NAN;  // run totals, carried by checkpoints
   uint64_t bytes_sent_ = 0;
 };
