@@ -75,6 +75,74 @@ GEOFP8_AVX2_ONLY void BlockAvx2(const float* in, float* out, int b, uint64_t see
   }
 }
 
+// Stages h = 8 H, 16 H, ... of a block held as V vectors (distance H in vectors), unrolled at
+// compile time so the block stays in registers.
+template <int V, int H>
+GEOFP8_AVX2_ONLY inline void CrossVectorStages(__m256* v) {
+  if constexpr (H < V) {
+#pragma GCC unroll 16
+    for (int i = 0; i < V; i += 2 * H) {
+#pragma GCC unroll 16
+      for (int j = i; j < i + H; ++j) {
+        const __m256 a = v[j], c = v[j + H];
+        v[j] = _mm256_add_ps(a, c);
+        v[j + H] = _mm256_sub_ps(a, c);
+      }
+    }
+    CrossVectorStages<V, 2 * H>(v);
+  }
+}
+
+// BlockAvx2 for a block of B <= 128 elements held in registers from load to store: the same
+// operations in the same order, without the intermediate stores between stages.
+template <int B, bool kInverse>
+GEOFP8_AVX2_ONLY void BlockInRegisters(const float* in, float* out, uint64_t seed, uint64_t first,
+                                       float scale) {
+  constexpr int V = B / 8;
+  uint64_t words[(B + 63) / 64];
+#pragma GCC unroll 2
+  for (int w = 0; w < (B + 63) / 64; ++w) words[w] = hadamard::SignWord(seed, (first >> 6) + w);
+  auto bits = [&](int q) {
+    const uint64_t e = first + uint64_t(8 * q);
+    return uint32_t(words[(e >> 6) - (first >> 6)] >> (e & 63)) & 0xFF;
+  };
+  __m256 v[V];
+#pragma GCC unroll 16
+  for (int q = 0; q < V; ++q) {
+    v[q] = _mm256_loadu_ps(in + 8 * q);
+    if (!kInverse) v[q] = ApplySigns(v[q], bits(q));
+    v[q] = InVectorStages(v[q]);
+  }
+  CrossVectorStages<V, 1>(v);
+  const __m256 s = _mm256_set1_ps(scale);
+#pragma GCC unroll 16
+  for (int q = 0; q < V; ++q) {
+    __m256 r = _mm256_mul_ps(v[q], s);
+    if (kInverse) r = ApplySigns(r, bits(q));
+    _mm256_storeu_ps(out + 8 * q, r);
+  }
+}
+
+// One block of b >= 8 elements: in registers up to 128, through memory beyond.
+template <bool kInverse>
+GEOFP8_AVX2_ONLY void AnyBlockAvx2(const float* in, float* out, int b, uint64_t seed,
+                                   uint64_t first, float scale) {
+  switch (b) {
+    case 8:
+      return BlockInRegisters<8, kInverse>(in, out, seed, first, scale);
+    case 16:
+      return BlockInRegisters<16, kInverse>(in, out, seed, first, scale);
+    case 32:
+      return BlockInRegisters<32, kInverse>(in, out, seed, first, scale);
+    case 64:
+      return BlockInRegisters<64, kInverse>(in, out, seed, first, scale);
+    case 128:
+      return BlockInRegisters<128, kInverse>(in, out, seed, first, scale);
+    default:
+      return BlockAvx2<kInverse>(in, out, b, seed, first, scale);
+  }
+}
+
 void CheckArgs(size_t n, int block, uint64_t first) {
   GEOFP8_CHECK(block >= 2 && block <= kMaxHadamardBlock && (block & (block - 1)) == 0,
                "hadamard_block: must be a power of two in [2, ", kMaxHadamardBlock, "] (", block,
@@ -95,7 +163,7 @@ void Rotate(const float* in, float* out, size_t n, int block, uint64_t seed, uin
   const bool avx2 = !reference && block >= 8 && CpuHasAvx2();
   for (size_t i = 0; i < whole; i += size_t(block)) {
     if (avx2) {
-      BlockAvx2<kInverse>(out + i, out + i, block, seed, first + i, scale);
+      AnyBlockAvx2<kInverse>(out + i, out + i, block, seed, first + i, scale);
     } else if (kInverse) {
       hadamard::InverseBlock(out + i, block, seed, first + i, scale);
     } else {
@@ -162,7 +230,7 @@ EncodeStats EncodeRotated(std::span<const float> x, int block, uint64_t seed,
     const size_t whole = len / size_t(block) * size_t(block);
     for (size_t i = 0; i < whole; i += size_t(block)) {
       if (block >= 8) {
-        BlockAvx2<false>(x.data() + t0 + i, buf.data() + i, block, seed, t0 + i, scale);
+        AnyBlockAvx2<false>(x.data() + t0 + i, buf.data() + i, block, seed, t0 + i, scale);
       } else {
         std::memcpy(buf.data() + i, x.data() + t0 + i, size_t(block) * sizeof(float));
         hadamard::ForwardBlock(buf.data() + i, block, seed, t0 + i, scale);
@@ -170,8 +238,9 @@ EncodeStats EncodeRotated(std::span<const float> x, int block, uint64_t seed,
     }
     std::memcpy(buf.data() + whole, x.data() + t0 + whole, (len - whole) * sizeof(float));
     hadamard::SignsOnly(buf.data() + whole, int(len - whole), seed, t0 + whole);
-    const detail::Layout sub = detail::MakeLayout(options, len);
-    const detail::Layout before = detail::MakeLayout(options, t0);
+    // The options were validated above; the unvalidated overload costs no string formatting.
+    const detail::Layout sub = detail::MakeLayout(l.format, l.scaling, l.block, len);
+    const detail::Layout before = detail::MakeLayout(l.format, l.scaling, l.block, t0);
     EncodeStats ts;
     GEOFP8_CHECK(detail::EncodeFp8Avx2(buf.data(), sub, scales + before.scale_bytes,
                                        payload + before.payload_bytes, &ts),
