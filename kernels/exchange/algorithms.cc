@@ -20,6 +20,7 @@
 #include "kernels/exchange/bf16.h"
 #include "kernels/exchange/chunking.h"
 #include "kernels/exchange/priority.h"
+#include "kernels/geometry/hadamard.h"
 
 namespace geofp8 {
 namespace {
@@ -62,6 +63,18 @@ GEOFP8_DIVIDE_CLONES bool Divide(std::span<const float> in, float divisor, std::
 }
 
 uint64_t FlagBit(const BucketLayer& l) { return uint64_t{1} << l.flag_bit; }
+
+// The layer's transform on its (divided) input: the geometry, then the rotation; and its inverse
+// on the reduced output, in the opposite order.
+void ApplyTransform(const BucketLayer& l) {
+  if (l.geometry) ApplyGeometry(*l.geometry, l.in);
+  if (l.hadamard_block) HadamardForward(l.in, int(l.hadamard_block), l.hadamard_seed);
+}
+
+void InvertTransform(const BucketLayer& l) {
+  if (l.hadamard_block) HadamardInverse(l.out, int(l.hadamard_block), l.hadamard_seed);
+  if (l.geometry) InvertGeometry(*l.geometry, l.out, l.products);
+}
 
 // Whether this run's check rides in its data (AlgorithmOptions::check_record) rather than a
 // round of its own (before_data): asked for by the caller and possible on this backend.
@@ -145,7 +158,7 @@ uint64_t Flatten(std::span<const BucketLayer> layers, float divisor,
   uint64_t bad = 0;
   for (const auto& l : layers) {
     // Geometry layers were divided (and transformed) in place already.
-    if (Divide(l.in, l.geometry ? 1.f : divisor, std::span(flat).subspan(off, l.in.size()))) {
+    if (Divide(l.in, Transformed(l) ? 1.f : divisor, std::span(flat).subspan(off, l.in.size()))) {
       bad |= FlagBit(l);
     }
     off += l.in.size();
@@ -178,7 +191,7 @@ uint64_t RunBf16(Communicator& comm, std::span<const BucketLayer> layers, float 
   size_t off = 0;
   uint64_t bad = 0;
   for (const auto& l : layers) {
-    const float d = l.geometry ? 1.f : divisor;  // geometry layers were divided in place
+    const float d = Transformed(l) ? 1.f : divisor;  // transformed layers were divided in place
     uint32_t layer_bad = 0;
     for (float v : l.in) {
       uint32_t bits;
@@ -524,7 +537,7 @@ class Pipeline {
   // a buffer that stays in cache for the encode, so the gradient is read from memory once.
   std::span<const float> Divided(size_t i, ChunkRange c) {
     const std::span<const float> x = layers_[i].in.subspan(c.begin, c.size());
-    if (layers_[i].geometry) return x;
+    if (Transformed(layers_[i])) return x;
     divided_->resize(c.size());
     if (Divide(x, ao_.divisor, *divided_)) nonfinite_ |= FlagBit(layers_[i]);
     return *divided_;
@@ -532,9 +545,9 @@ class Pipeline {
 
   void Encode1(Group& g) {
     for (size_t i = g.first; i < g.last; ++i) {
-      if (!layers_[i].geometry) continue;
+      if (!Transformed(layers_[i])) continue;
       if (Divide(layers_[i].in, ao_.divisor, layers_[i].in)) nonfinite_ |= FlagBit(layers_[i]);
-      ApplyGeometry(*layers_[i].geometry, layers_[i].in);
+      ApplyTransform(layers_[i]);
     }
     if (!two_phase_) {  // allgather: this rank's whole layers, once
       g.mine->resize(g.prefix + g.WireCount(r_));
@@ -589,8 +602,7 @@ class Pipeline {
               layers_[i].out);
         }
         layer_off += bytes_[i][r_];
-        if (layers_[i].geometry)
-          InvertGeometry(*layers_[i].geometry, layers_[i].out, layers_[i].products);
+        InvertTransform(layers_[i]);
       }
       return;
     }
@@ -603,10 +615,7 @@ class Pipeline {
         off += bytes_[i][j];
       }
     }
-    for (size_t i = g.first; i < g.last; ++i) {
-      if (layers_[i].geometry)
-        InvertGeometry(*layers_[i].geometry, layers_[i].out, layers_[i].products);
-    }
+    for (size_t i = g.first; i < g.last; ++i) InvertTransform(layers_[i]);
   }
 
   // Codec work, most advanced stage first so the wire never waits on a backlog of encodes.
@@ -781,9 +790,9 @@ uint64_t ExchangeBucketData(Communicator& comm, Algorithm algorithm,
   TraceScope span(options.trace, "all_reduce", ExchangeTrace::kMainLane, options.step);
   uint64_t bad = 0;
   for (const auto& l : layers) {
-    if (!l.geometry) continue;
+    if (!Transformed(l)) continue;
     if (Divide(l.in, options.divisor, l.in)) bad |= FlagBit(l);
-    ApplyGeometry(*l.geometry, l.in);
+    ApplyTransform(l);
   }
   switch (algorithm) {
     case Algorithm::kFp32:
@@ -799,9 +808,7 @@ uint64_t ExchangeBucketData(Communicator& comm, Algorithm algorithm,
       GEOFP8_FAIL("algorithm: unknown value ", static_cast<int>(algorithm),
                   " (accepted: ", AcceptedAlgorithms(), ")");
   }
-  for (const auto& l : layers) {
-    if (l.geometry) InvertGeometry(*l.geometry, l.out, l.products);
-  }
+  for (const auto& l : layers) InvertTransform(l);
   return AgreeFlags(comm, bad);
 }
 

@@ -25,8 +25,8 @@ struct BucketLayer {
   LayerPolicy policy;  // format, scaling, block, rounding
   const Geometry* geometry = nullptr;  // applied to `in`, inverted on `out`; null: identity
   // This rank's contribution before the division. Clobbered (divided and transformed in place)
-  // when the layer has a geometry. May be the same memory as `out`: a group's inputs are all read
-  // before any of its outputs is written.
+  // when the layer has a geometry or a rotation (Transformed). May be the same memory as `out`: a
+  // group's inputs are all read before any of its outputs is written.
   std::span<float> in;
   std::span<float> out;  // the reduced result in gradient coordinates (same size)
   // When not null and the layer has a lowrank geometry: filled by the inverse transform with what
@@ -35,7 +35,13 @@ struct BucketLayer {
   // Which bit of ExchangeBucketData's result reports a NaN or inf in this layer's input (< 64):
   // the exchanger gives each bucket of a coalesced exchange its own bit.
   uint32_t flag_bit = 0;
+  // The block random Hadamard rotation after the geometry (0: none), with its signs' seed.
+  uint32_t hadamard_block = 0;
+  uint64_t hadamard_seed = 0;
 };
+
+// Whether the layer is divided and transformed in place before its encode.
+inline bool Transformed(const BucketLayer& l) { return l.geometry || l.hadamard_block; }
 
 // Buffers that outlive one bucket, so a steady-state exchange allocates nothing: fresh multi-MiB
 // allocations come from mmap and cost a page fault per 4 KiB on every step. Not thread-safe; one

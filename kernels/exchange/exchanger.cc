@@ -10,7 +10,9 @@
 #include "kernels/codec/codec.h"
 #include "kernels/common/check.h"
 #include "kernels/exchange/algorithms.h"
+#include "kernels/exchange/chunking.h"
 #include "kernels/exchange/fingerprint.h"
+#include "kernels/geometry/hadamard.h"
 
 namespace geofp8 {
 namespace {
@@ -40,6 +42,15 @@ std::string ValidateLayerPolicy(const LayerSpec& layer) {
   if (p.geometry != GeometryMode::kNone && !(p.alpha > 0.f && p.alpha <= 1.f)) {
     os << "alpha: must be in (0, 1] (" << p.alpha << ")";
     return os.str();
+  }
+  if (p.hadamard) {
+    if (std::string err = ValidateHadamardBlock(int(EffectiveHadamardBlock(p)),
+                                                LayerCodecOptions(p, 0, 0, 0, 0, 0, 0));
+        !err.empty()) {
+      // The default block is the codec's: name the field the user would change.
+      if (p.hadamard_block == 0) err += " (the default, from the codec's block)";
+      return os.str() + err;
+    }
   }
   if (p.error_feedback) {
     os << "error_feedback: not supported by the exchange engine yet (on)";
@@ -136,6 +147,13 @@ bool Exchanger::UsesGeometry(uint32_t layer) const {
   const auto& spec = layers_[layer];
   return spec.policy.geometry != GeometryMode::kNone && spec.rows > 1 && spec.cols > 1 &&
          options_.algorithm != Algorithm::kFp32 && options_.algorithm != Algorithm::kBf16;
+}
+
+uint32_t Exchanger::HadamardBlockOf(uint32_t layer) const {
+  const auto& spec = layers_[layer];
+  const bool compressed =
+      options_.algorithm != Algorithm::kFp32 && options_.algorithm != Algorithm::kBf16;
+  return compressed && spec.rows > 1 && spec.cols > 1 ? EffectiveHadamardBlock(spec.policy) : 0;
 }
 
 bool Exchanger::RefreshesAt(uint32_t layer, uint64_t step) const {
@@ -399,9 +417,16 @@ std::vector<BucketResult> Exchanger::RunBuckets(uint64_t step, size_t first, siz
         rec.geometry_version = st.active.version;
         rec.geometry_digest = st.active_digest;
       }
+      rec.hadamard_block = HadamardBlockOf(l);
       fp.layers.push_back(rec);
-      BucketLayer w{LayerId(l), spec.policy, UsesGeometry(l) ? &st.active : nullptr, grads[l],
-                    grads[l]};
+      BucketLayer w;
+      w.layer = LayerId(l);
+      w.policy = spec.policy;
+      w.geometry = UsesGeometry(l) ? &st.active : nullptr;
+      w.hadamard_block = rec.hadamard_block;
+      w.hadamard_seed = HadamardLayerSeed(options_.seed, LayerId(l));
+      w.in = grads[l];
+      w.out = grads[l];
       w.flag_bit = static_cast<uint32_t>(bucket - first);
       // The sketch that refreshes this layer after the exchange can take G V, U^T G and ||G||^2
       // from the inverse instead of reading the result for them.

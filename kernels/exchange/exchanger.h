@@ -198,6 +198,9 @@ class Exchanger {
                                        const std::vector<std::span<float>>& grads);
   std::vector<RefreshRecord> RunRefreshes(uint64_t step,
                                           const std::vector<std::span<float>>& grads);
+  // The rotation block the layer's exchange uses (0: none): matrices under a compressed algorithm,
+  // as for geometry.
+  uint32_t HadamardBlockOf(uint32_t layer) const;
   bool UsesGeometry(uint32_t layer) const;
   bool RefreshesAt(uint32_t layer, uint64_t step) const;
   std::string PolicyMismatch(uint32_t layer, const Geometry& geometry) const;

@@ -175,6 +175,11 @@ void Rotate(const float* in, float* out, size_t n, int block, uint64_t seed, uin
 
 }  // namespace
 
+uint64_t HadamardLayerSeed(uint64_t run_seed, uint32_t layer) {
+  // A distinct constant keeps the signs independent of the rounding streams of the same seed.
+  return hadamard::SignWord(run_seed ^ 0x48414441u, layer);
+}
+
 uint32_t CodecScaleBlock(const CodecOptions& o) {
   const detail::Layout l = detail::MakeLayout(o, 0);
   return l.scaling == Scaling::kBlock ? l.block : 0;

@@ -14,6 +14,9 @@ namespace geofp8 {
 
 inline constexpr int kMaxHadamardBlock = 4096;
 
+// The signs' seed of one layer in a run: the same on every rank, different across layers.
+uint64_t HadamardLayerSeed(uint64_t run_seed, uint32_t layer);
+
 // The codec's scale block under `options`: 16 for nvfp4, 32 for mxfp8, options.block for block
 // scaling; 0 when the scale does not work per block (fp32, bf16, tensor or no scaling).
 uint32_t CodecScaleBlock(const CodecOptions& options);
