@@ -309,6 +309,8 @@ class Pipeline {
       g.acc = &ws.floats[s];
     }
     divided_ = &ws.divided;
+    feedback_ = &ws.feedback;
+    feedback_decoded_ = &ws.feedback_decoded;
     state_.assign(groups_.size(), 0);
   }
 
@@ -543,6 +545,35 @@ class Pipeline {
     return *divided_;
   }
 
+  // Encodes elements c of layer i's divided input into `out`. With error feedback, the residual
+  // of this rank's last applied step is added first (none at the first), and what this encode
+  // loses is kept: residual_out = (x + residual_in) - Decode(Encode(x + residual_in)).
+  void EncodeChunk(size_t i, ChunkRange c, const CodecOptions& o, std::span<uint8_t> out) {
+    const BucketLayer& l = layers_[i];
+    const std::span<const float> x = Divided(i, c);
+    if (!l.residual_out) {
+      Encode(x, o, out);
+      return;
+    }
+    auto& sum = *feedback_;
+    sum.resize(c.size());
+    if (l.residual_in) {
+      for (size_t k = 0; k < c.size(); ++k) sum[k] = x[k] + l.residual_in[c.begin + k];
+    } else {
+      std::copy(x.begin(), x.end(), sum.begin());
+    }
+    Encode(sum, o, out);
+    Lost(out, sum, l.residual_out + c.begin);
+  }
+
+  // dst[k] = x[k] - Decode(encoded)[k]: what an encode of x lost.
+  void Lost(std::span<const uint8_t> encoded, std::span<const float> x, float* dst) {
+    auto& dec = *feedback_decoded_;
+    dec.resize(x.size());
+    Decode(encoded, dec);
+    for (size_t k = 0; k < x.size(); ++k) dst[k] = x[k] - dec[k];
+  }
+
   void Encode1(Group& g) {
     for (size_t i = g.first; i < g.last; ++i) {
       if (!Transformed(layers_[i])) continue;
@@ -554,8 +585,8 @@ class Pipeline {
       std::copy_n(ao_.check_record.begin(), g.prefix, g.mine->begin());
       size_t off = g.prefix;
       for (size_t i = g.first; i < g.last; ++i) {
-        Encode(Divided(i, {0, layers_[i].in.size()}), Options(i, r_, 1, 0),
-               std::span(*g.mine).subspan(off, bytes_[i][r_]));
+        EncodeChunk(i, {0, layers_[i].in.size()}, Options(i, r_, 1, 0),
+                    std::span(*g.mine).subspan(off, bytes_[i][r_]));
         off += bytes_[i][r_];
       }
       if (g.tail) WriteFlags(g, *g.mine, 1);
@@ -567,7 +598,7 @@ class Pipeline {
       size_t off = g.SendOffset(j);
       for (size_t i = g.first; i < g.last; ++i) {
         const ChunkRange c = chunk_[i][j];
-        Encode(Divided(i, c), Options(i, r_, 1, j), std::span(*g.send).subspan(off, bytes_[i][j]));
+        EncodeChunk(i, c, Options(i, r_, 1, j), std::span(*g.send).subspan(off, bytes_[i][j]));
         off += bytes_[i][j];
       }
     }
@@ -585,7 +616,15 @@ class Pipeline {
         DecodeAccumulate(
             std::span<const uint8_t>(*g.recv).subspan(RecvAt(g, src) + off, bytes_[i][r_]), acc);
       }
-      Encode(acc, Options(i, r_, 2, r_), std::span(*g.mine).subspan(off, bytes_[i][r_]));
+      // Error feedback: the owner adds what its last requantization of this chunk lost.
+      const BucketLayer& l = layers_[i];
+      const size_t c0 = chunk_[i][r_].begin;
+      if (l.owner_in) {
+        for (size_t k = 0; k < acc.size(); ++k) acc[k] += l.owner_in[c0 + k];
+      }
+      const auto mine = std::span(*g.mine).subspan(off, bytes_[i][r_]);
+      Encode(acc, Options(i, r_, 2, r_), mine);
+      if (l.owner_out) Lost(mine, acc, l.owner_out + c0);
       off += bytes_[i][r_];
     }
   }
@@ -744,6 +783,9 @@ class Pipeline {
   std::vector<std::vector<size_t>> bytes_;      // [layer][rank] encoded bytes of that chunk
   std::vector<Group> groups_;
   UninitializedVector<float>* divided_ = nullptr;  // Divided()'s buffer: helper thread only
+  // EncodeChunk's and SumRequantize's error-feedback buffers: helper thread only.
+  UninitializedVector<float>* feedback_ = nullptr;
+  UninitializedVector<float>* feedback_decoded_ = nullptr;
   // Flag bits of layers whose input held a NaN or inf: written by the helper while encoding, read
   // once every group is encoded.
   uint64_t nonfinite_ = 0;

@@ -38,6 +38,14 @@ struct BucketLayer {
   // The block random Hadamard rotation after the geometry (0: none), with its signs' seed.
   uint32_t hadamard_block = 0;
   uint64_t hadamard_seed = 0;
+  // Error feedback (LayerPolicy::error_feedback), each null or one float per element of `in`, in
+  // the coordinates the codec sees: residual_in is added to this rank's input before its encode
+  // and residual_out receives what that encode lost (input + residual - decoded); owner_in and
+  // owner_out do the same for two_phase's requantization of the chunk this rank owns.
+  const float* residual_in = nullptr;
+  float* residual_out = nullptr;
+  const float* owner_in = nullptr;
+  float* owner_out = nullptr;
 };
 
 // Whether the layer is divided and transformed in place before its encode.
@@ -50,6 +58,8 @@ struct ExchangeWorkspace {
   std::vector<UninitializedVector<uint8_t>> bytes;  // per pipeline group: send, recv, mine, all
   std::vector<UninitializedVector<float>> floats;   // per pipeline group: sum accumulator
   UninitializedVector<float> divided;               // one chunk of input, divided, to encode
+  UninitializedVector<float> feedback;              // error feedback: input + residual
+  UninitializedVector<float> feedback_decoded;      // error feedback: what its encode decodes to
   UninitializedVector<float> flat;                  // the fp32 baseline's flattened bucket
   UninitializedVector<uint16_t> flat_bf16;          // the bf16 baseline's flattened bucket
 };

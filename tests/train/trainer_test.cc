@@ -308,6 +308,80 @@ TEST(Trainer, ResumeFromCheckpointIsBitwiseIdentical) {
   }
 }
 
+// Error feedback's residuals differ between ranks, so Run's checkpoint gathers every rank's and a
+// resume gives each its own: bitwise the uninterrupted run. Without them the resume differs,
+// which is what makes the test see them.
+TEST(Trainer, ErrorFeedbackResumesBitwiseWithEveryRanksResiduals) {
+  const fs::path policy = TempPath("ef.yaml");
+  std::ofstream(policy) << "exchange: {algorithm: two_phase}\n"
+                           "policy:\n  default: {format: nvfp4, error_feedback: true}\n";
+  const fs::path plain_policy = TempPath("plain.yaml");
+  std::ofstream(plain_policy) << "exchange: {algorithm: two_phase}\n"
+                                 "policy:\n  default: {format: nvfp4}\n";
+  const fs::path ckpt = TempPath("ef.ckpt");
+  fs::remove(ckpt);
+  TrainOptions straight = Tiny(2, 2, 8, policy.string());
+  straight.optimizer.total_steps = 8;
+  const TrainResult full = Train(straight);
+  TrainOptions plain = straight;
+  plain.policy = plain_policy.string();
+  EXPECT_NE(Train(plain).weights, full.weights) << "error feedback changed nothing";
+
+  TrainOptions first = straight;
+  first.checkpoint = ckpt.string();
+  first.steps = 4;
+  Train(first);
+  Checkpoint saved = LoadCheckpoint(ckpt.string());
+  ASSERT_EQ(saved.residuals.size(), 2u);
+  bool differ = false;
+  for (size_t l = 0; l < saved.residuals[0].size(); ++l) {
+    ASSERT_FALSE(saved.residuals[0][l].local.empty()) << l;
+    differ = differ || saved.residuals[0][l].local != saved.residuals[1][l].local;
+  }
+  EXPECT_TRUE(differ) << "both ranks saved the same residuals";
+
+  TrainOptions second = straight;
+  second.checkpoint = ckpt.string();
+  second.resume = true;
+  const TrainResult resumed = Train(second);
+  EXPECT_EQ(resumed.start_step, 4);
+  EXPECT_EQ(resumed.weights, full.weights);
+  EXPECT_EQ(resumed.checksum, full.checksum);
+
+  saved.residuals.clear();
+  SaveCheckpoint(ckpt.string(), saved);
+  EXPECT_NE(Train(second).weights, full.weights) << "the residuals did not matter";
+  // One rank's set for a two-rank run is another run's checkpoint.
+  saved.residuals.assign(1, {});
+  SaveCheckpoint(ckpt.string(), saved);
+  try {
+    Train(second);
+    ADD_FAILURE() << "residuals of 1 rank accepted for 2";
+  } catch (const Error& e) {
+    EXPECT_NE(std::string(e.what()).find("error-feedback residuals of 1 ranks, this run has 2"),
+              std::string::npos)
+        << e.what();
+  }
+  fs::remove(ckpt);
+  fs::remove(policy);
+  fs::remove(plain_policy);
+}
+
+TEST(Trainer, ErrorFeedbackWithFp32IsRefusedNamingTheLayer) {
+  const fs::path policy = TempPath("ef32.yaml");
+  std::ofstream(policy) << "policy:\n  default: {format: fp32, error_feedback: true}\n";
+  try {
+    Train(Tiny(2, 2, 1, policy.string()));
+    ADD_FAILURE() << "fp32 with error feedback accepted";
+  } catch (const Error& e) {
+    EXPECT_NE(std::string(e.what()).find(
+                  "layer 'tok_emb': error_feedback: fp32 loses nothing to feed back (format fp32)"),
+              std::string::npos)
+        << e.what();
+  }
+  fs::remove(policy);
+}
+
 // A geofp8 policy whose matrices refresh every 3 steps (offsets staggered over 0, 1, 2) with sigma
 // smoothing: the geometry state a resume has to carry.
 fs::path GeoPolicyFile(const std::string& tag) {
@@ -511,16 +585,16 @@ TEST(Trainer, CheckpointVersionsAndGeometryAreValidated) {
         std::string::npos)
         << e.what();
   }
-  std::string v4 = SerializeCheckpoint(c);
-  v4[8] = 4;
-  const uint64_t h = fnv(v4.substr(0, v4.size() - 8));
-  std::memcpy(v4.data() + v4.size() - 8, &h, 8);
+  std::string v5 = SerializeCheckpoint(c);
+  v5[8] = 5;
+  const uint64_t h = fnv(v5.substr(0, v5.size() - 8));
+  std::memcpy(v5.data() + v5.size() - 8, &h, 8);
   try {
-    ParseCheckpoint(v4, "new");
+    ParseCheckpoint(v5, "new");
     FAIL() << "expected an error";
   } catch (const Error& e) {
     EXPECT_NE(std::string(e.what()).find(
-                  "checkpoint new: format version 4 is not supported (this build reads 1 to 3)"),
+                  "checkpoint new: format version 5 is not supported (this build reads 1 to 4)"),
               std::string::npos)
         << e.what();
   }

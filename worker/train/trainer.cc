@@ -7,11 +7,13 @@
 
 #include <atomic>
 #include <cstdio>
+#include <cstring>
 #include <filesystem>
 #include <fstream>
 #include <iomanip>
 #include <memory>
 #include <mutex>
+#include <numeric>
 #include <sstream>
 #include <thread>
 
@@ -170,6 +172,9 @@ void Trainer::BuildExchanger(std::vector<RefreshSchedule> schedule) {
          next->ImportGeometry(exchanger_->ExportGeometry(), GeometryImport::kDropMismatched)) {
       drift_[l] = 0.0;
     }
+    // Error feedback continues where the layer still feeds back (a layer whose geometry was
+    // dropped drops its residuals at its next step: they were taken under the old basis).
+    next->ImportResiduals(exchanger_->ExportResiduals());
   }
   exchanger_ = std::move(next);
   bucket_of_.assign(model_.params().size(), 0);
@@ -510,6 +515,15 @@ int64_t Trainer::Restore(const Checkpoint& c) {
   } catch (const Error& e) {
     GEOFP8_FAIL("checkpoint: ", e.what());
   }
+  if (!c.residuals.empty()) {
+    GEOFP8_CHECK(c.residuals.size() == size_t(ranks_), "checkpoint: error-feedback residuals of ",
+                 c.residuals.size(), " ranks, this run has ", ranks_);
+    try {
+      exchanger_->ImportResiduals(c.residuals[rank_]);
+    } catch (const Error& e) {
+      GEOFP8_FAIL("checkpoint: ", e.what());
+    }
+  }
   model_.weights() = c.weights;
   optimizer_->m() = c.m;
   optimizer_->v() = c.v;
@@ -520,8 +534,64 @@ int64_t Trainer::Restore(const Checkpoint& c) {
 }
 
 void Trainer::Save(int64_t next_step) {
+  std::vector<std::vector<LayerResidual>> residuals = GatherResiduals();
   if (rank_ != 0) return;  // every rank holds the same state (checked by the checksum)
-  SaveCheckpoint(o_.checkpoint, MakeCheckpoint(next_step));
+  Checkpoint c = MakeCheckpoint(next_step);
+  c.residuals = std::move(residuals);
+  SaveCheckpoint(o_.checkpoint, c);
+}
+
+std::vector<std::vector<LayerResidual>> Trainer::GatherResiduals() {
+  // The same decision on every rank: the policies are.
+  const bool any = std::any_of(plan_.layers.begin(), plan_.layers.end(),
+                               [](const LayerPolicy& p) { return p.error_feedback; });
+  if (!any) return {};
+  // This rank's residuals as u64 layers | per layer u64 version, u64 n, f32[n], u64 n, f32[n].
+  std::vector<uint8_t> mine;
+  auto put = [&](const void* p, size_t n) {
+    const auto* b = static_cast<const uint8_t*>(p);
+    mine.insert(mine.end(), b, b + n);
+  };
+  const std::vector<LayerResidual> own = exchanger_->ExportResiduals();
+  const uint64_t layers = own.size();
+  put(&layers, 8);
+  for (const LayerResidual& r : own) {
+    put(&r.geometry_version, 8);
+    for (const std::vector<float>* v : {&r.local, &r.owner}) {
+      const uint64_t n = v->size();
+      put(&n, 8);
+      put(v->data(), n * sizeof(float));
+    }
+  }
+  const uint64_t size = mine.size();
+  std::vector<uint64_t> sizes(ranks_);
+  comm_.AllGatherV({reinterpret_cast<const uint8_t*>(&size), 8},
+                   {reinterpret_cast<uint8_t*>(sizes.data()), sizes.size() * 8},
+                   std::vector<size_t>(ranks_, 8));
+  std::vector<size_t> counts(sizes.begin(), sizes.end());
+  std::vector<uint8_t> all(std::accumulate(counts.begin(), counts.end(), size_t{0}));
+  comm_.AllGatherV(mine, all, counts);
+  std::vector<std::vector<LayerResidual>> out(ranks_);
+  size_t pos = 0;
+  auto get = [&](void* p, size_t n) {
+    std::memcpy(p, all.data() + pos, n);
+    pos += n;
+  };
+  for (auto& rank : out) {
+    uint64_t n_layers = 0;
+    get(&n_layers, 8);
+    rank.resize(n_layers);
+    for (LayerResidual& r : rank) {
+      get(&r.geometry_version, 8);
+      for (std::vector<float>* v : {&r.local, &r.owner}) {
+        uint64_t n = 0;
+        get(&n, 8);
+        v->resize(n);
+        get(v->data(), n * sizeof(float));
+      }
+    }
+  }
+  return out;
 }
 
 int64_t Trainer::RestoreFile() {

@@ -169,12 +169,15 @@ class Trainer {
 
   // Everything the trajectory depends on after `next_step` steps: weights, moments, the
   // exchange's geometry state and policy version, run totals. Fingerprint from the options.
-  // Between steps only.
+  // Between steps only. Not collective, so it holds no error-feedback residuals (they differ
+  // between ranks; Run's checkpoints gather them): a driver that resumes from it restarts them
+  // from zero.
   Checkpoint MakeCheckpoint(int64_t next_step) const;
   // Takes a checkpoint's state in and returns its next_step. Sizes, seed, geometry shapes and
   // (under the same policy version) geometry policies must match; a checkpoint written under
   // another policy version keeps only the geometry the current policies can use, exactly as
   // SetPolicies would have. Does not check the fingerprint (Run does, drivers have their own).
+  // Residuals, when the checkpoint has them, must be one set per rank; this rank takes its own.
   int64_t Restore(const Checkpoint& checkpoint);
 
   const TrainOptions& options() const { return o_; }
@@ -198,7 +201,11 @@ class Trainer {
   void ApplyDuePolicies(int64_t step);
   void LayerErrors(StepRecord& rec);
   void Dump(int64_t step);
+  // Collective: rank 0 writes the checkpoint, with every rank's error-feedback residuals.
   void Save(int64_t next_step);
+  // Collective: every rank's Exchanger::ExportResiduals, in rank order; empty when no layer
+  // feeds back.
+  std::vector<std::vector<LayerResidual>> GatherResiduals();
   int64_t RestoreFile();
 
   const TrainOptions o_;
