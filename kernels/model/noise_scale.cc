@@ -37,6 +37,13 @@ void GradientNoiseScale::Add(const NoiseScaleSample& s) {
   ++samples_;
 }
 
+void GradientNoiseScale::Restore(double grad_sq, double trace, int64_t samples) {
+  GEOFP8_CHECK(samples >= 0, "noise scale: samples must be >= 0 (", samples, ")");
+  grad_sq_ = samples ? grad_sq : NAN;
+  trace_ = samples ? trace : NAN;
+  samples_ = samples;
+}
+
 double GradientNoiseScale::value() const {
   if (!(grad_sq_ > 0) || !(trace_ > 0)) return NAN;
   const double b = trace_ / grad_sq_;

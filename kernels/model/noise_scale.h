@@ -42,6 +42,8 @@ class GradientNoiseScale {
   double grad_sq() const { return grad_sq_; }  // smoothed |g|^2 (NaN before the first step)
   double trace() const { return trace_; }      // smoothed tr(Sigma)
   int64_t samples() const { return samples_; }
+  // The state a checkpoint carries (the three above), back: a resumed run continues the averages.
+  void Restore(double grad_sq, double trace, int64_t samples);
 
  private:
   double beta_;

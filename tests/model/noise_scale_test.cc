@@ -31,7 +31,7 @@ struct Toy {
 
 TEST(NoiseScale, ExactExpectationsGiveTheClosedFormBack) {
   const Toy toy;
-  for (const auto [b_small, b_big] : {std::pair{8.0, 32.0}, {32.0, 256.0}, {1.0, 2.0}}) {
+  for (const auto& [b_small, b_big] : {std::pair{8.0, 32.0}, {32.0, 256.0}, {1.0, 2.0}}) {
     NoiseScaleSample s;
     s.b_small = b_small;
     s.b_big = b_big;

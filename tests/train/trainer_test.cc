@@ -13,6 +13,7 @@
 #include <cstring>
 #include <filesystem>
 #include <fstream>
+#include <map>
 
 #include "kernels/common/check.h"
 #include "kernels/model/data.h"
@@ -190,7 +191,10 @@ TEST(Trainer, AccumulationResumesBitwiseAndIsPartOfTheCheckpointFingerprint) {
   TrainOptions straight = Tiny(2, 2, 6, "geofp8");
   straight.accum = 2;
   straight.optimizer.total_steps = 6;
-  const TrainResult full = Train(straight);
+  // The noise scale's averages travel in the checkpoint too: the resumed steps report the same.
+  std::map<int64_t, double> gns_full, gns_resumed;
+  const TrainResult full =
+      Train(straight, [&](const StepRecord& r) { gns_full[r.step] = r.gradient_noise_scale; });
   TrainOptions first = straight;
   first.checkpoint = ckpt.string();
   first.steps = 3;
@@ -198,10 +202,16 @@ TEST(Trainer, AccumulationResumesBitwiseAndIsPartOfTheCheckpointFingerprint) {
   TrainOptions second = straight;
   second.checkpoint = ckpt.string();
   second.resume = true;
-  const TrainResult resumed = Train(second);
+  const TrainResult resumed =
+      Train(second, [&](const StepRecord& r) { gns_resumed[r.step] = r.gradient_noise_scale; });
   EXPECT_EQ(resumed.start_step, 3);
   EXPECT_EQ(resumed.weights, full.weights);
   EXPECT_EQ(resumed.checksum, full.checksum);
+  ASSERT_EQ(gns_resumed.size(), 3u);
+  for (const auto& [step, b] : gns_resumed) {
+    EXPECT_TRUE(std::isfinite(b)) << step;
+    EXPECT_EQ(b, gns_full.at(step)) << step;
+  }
   // The same checkpoint under another accumulation is another run's.
   TrainOptions other = second;
   other.accum = 3;

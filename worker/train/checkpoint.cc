@@ -3,10 +3,11 @@
 //   u64 policy_version | f64 best_val_loss | u64 bytes_sent | f32[] weights | f32[] m |
 //   f32[] v | u64 layers | per layer: bytes active, bytes pending, u64 pending_from, bytes sketch |
 //   u64 ranks | per rank: u64 layers | per layer: u64 geometry_version, f32[] local, f32[] owner |
-//   u64 FNV-1a of everything before it.
-// Version 3 lacks the error-feedback residuals; version 2 also each layer's sketch (the ema
-// estimator's state); version 1 also lacks the three fields after rng_seed. str/bytes/f32[] are a
-// u64 count followed by the elements; geometry bytes are kernels/geometry's checksummed wire form.
+//   f64 gns_grad_sq | f64 gns_trace | i64 gns_samples | u64 FNV-1a of everything before it.
+// Version 3 lacks the error-feedback residuals and the noise scale's averages; version 2 also each
+// layer's sketch (the ema estimator's state); version 1 also lacks the three fields after rng_seed.
+// str/bytes/f32[] are a u64 count followed by the elements; geometry bytes are kernels/geometry's
+// checksummed wire form.
 
 #include "worker/train/checkpoint.h"
 
@@ -111,6 +112,9 @@ std::string SerializeCheckpoint(const Checkpoint& c) {
       w.Vec(r.owner);
     }
   }
+  w.Pod(c.gns_grad_sq);
+  w.Pod(c.gns_trace);
+  w.Pod(c.gns_samples);
   w.Pod(Fnv(reinterpret_cast<const uint8_t*>(w.out.data()), w.out.size()));
   return std::move(w.out);
 }
@@ -185,6 +189,9 @@ Checkpoint ParseCheckpoint(std::string_view in, const std::string& path) {
         res.owner = r.Vec<float>();
       }
     }
+    c.gns_grad_sq = r.Pod<double>();
+    c.gns_trace = r.Pod<double>();
+    c.gns_samples = r.Pod<int64_t>();
   }
   GEOFP8_CHECK(r.pos == in.size() - 8, "checkpoint ", path, ": trailing bytes");
   if (version == 1) {

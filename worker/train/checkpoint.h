@@ -12,7 +12,8 @@
 
 namespace geofp8::train {
 
-// Format versions: 4 (written) adds every rank's error-feedback residuals; 3 each layer's ema
+// Format versions: 4 (written) adds every rank's error-feedback residuals and the gradient noise
+// scale's averages; 3 each layer's ema
 // sketch; 2 the policy version, the run totals and each layer's pending geometry. 1 is still read
 // when it holds no geometry (fp32/bf16/fp8/nvfp4 runs); a version 1 checkpoint with geometry is
 // refused, since its pending refreshes were never saved and a resume from it could not continue
@@ -30,6 +31,10 @@ struct Checkpoint {
   // Error feedback: Exchanger::ExportResiduals of every rank ([rank][layer]); they differ between
   // ranks. Empty when no layer feeds back, or when the writer did not gather them.
   std::vector<std::vector<LayerResidual>> residuals;
+  // The gradient noise scale's moving averages (kernels/model/noise_scale.h), the same on every
+  // rank; samples 0: none yet.
+  double gns_grad_sq = NAN, gns_trace = NAN;
+  int64_t gns_samples = 0;
 };
 
 // The checkpoint as bytes (the file's contents), and back. Parse throws geofp8::Error naming

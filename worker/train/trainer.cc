@@ -489,6 +489,9 @@ Checkpoint Trainer::MakeCheckpoint(int64_t next_step) const {
   c.m = optimizer_->m();
   c.v = optimizer_->v();
   c.geometry = exchanger_->ExportGeometry();
+  c.gns_grad_sq = noise_scale_.grad_sq();
+  c.gns_trace = noise_scale_.trace();
+  c.gns_samples = noise_scale_.samples();
   return c;
 }
 
@@ -524,6 +527,7 @@ int64_t Trainer::Restore(const Checkpoint& c) {
       GEOFP8_FAIL("checkpoint: ", e.what());
     }
   }
+  noise_scale_.Restore(c.gns_grad_sq, c.gns_trace, c.gns_samples);
   model_.weights() = c.weights;
   optimizer_->m() = c.m;
   optimizer_->v() = c.v;
