@@ -11,12 +11,12 @@
 #include <cmath>
 #include <cstring>
 #include <random>
+#include <thread>
 #include <vector>
 
 #include "kernels/codec/codec.h"
 #include "kernels/common/check.h"
 #include "kernels/geometry/hadamard_math.h"
-#include "tests/exchange/rank_threads.h"
 
 namespace geofp8 {
 namespace {
@@ -124,13 +124,18 @@ TEST(Hadamard, Avx2IsBitIdenticalToTheReference) {
 
 TEST(Hadamard, SignsAreTheSameOnEveryRankAndDifferAcrossSeeds) {
   const std::vector<float> x = Gaussian(1000, 8);
+  // Four "ranks" as threads that share nothing but the seed: the rotation never communicates,
+  // so each computes its signs alone (the exchange test checks real ranks end to end).
   std::vector<std::vector<float>> per_rank(4);
-  const auto errors = geofp8::testing::RunRanks(4, [&](Communicator& comm) {
-    std::vector<float> y = x;
-    HadamardForward(y, 16, /*seed=*/1234);
-    per_rank[comm.rank()] = y;
-  });
-  ASSERT_EQ(geofp8::testing::JoinErrors(errors), "");
+  std::vector<std::thread> ranks;
+  for (int r = 0; r < 4; ++r) {
+    ranks.emplace_back([&, r] {
+      std::vector<float> y = x;
+      HadamardForward(y, 16, /*seed=*/1234);
+      per_rank[r] = y;
+    });
+  }
+  for (auto& t : ranks) t.join();
   for (int r = 1; r < 4; ++r) {
     EXPECT_EQ(std::memcmp(per_rank[r].data(), per_rank[0].data(), x.size() * 4), 0) << r;
   }
