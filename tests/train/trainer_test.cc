@@ -358,6 +358,28 @@ TEST(Trainer, ErrorFeedbackResumesBitwiseWithEveryRanksResiduals) {
   EXPECT_EQ(resumed.weights, full.weights);
   EXPECT_EQ(resumed.checksum, full.checksum);
 
+  // A driver's per-rank checkpoints (MakeCheckpoint, as the worker daemon writes them) resume
+  // each rank exactly from its own.
+  std::vector<std::vector<float>> driven(2);
+  const auto errors = geofp8::testing::RunRanks(2, [&](Communicator& comm) {
+    Checkpoint mine;
+    {
+      Trainer t(straight, comm);
+      for (int64_t s = 0; s < 4; ++s) t.Step(s);
+      mine = t.MakeCheckpoint(4);
+      ASSERT_EQ(mine.residuals.size(), 2u);
+      EXPECT_TRUE(mine.residuals[1 - comm.rank()].empty());
+      EXPECT_FALSE(mine.residuals[comm.rank()].empty());
+    }
+    Trainer t(straight, comm);
+    t.Restore(mine);
+    for (int64_t s = 4; s < 8; ++s) t.Step(s);
+    driven[comm.rank()] = t.model().weights();
+  });
+  ASSERT_EQ(geofp8::testing::JoinErrors(errors), "");
+  EXPECT_EQ(driven[0], full.weights);
+  EXPECT_EQ(driven[1], full.weights);
+
   saved.residuals.clear();
   SaveCheckpoint(ckpt.string(), saved);
   EXPECT_NE(Train(second).weights, full.weights) << "the residuals did not matter";

@@ -489,6 +489,14 @@ Checkpoint Trainer::MakeCheckpoint(int64_t next_step) const {
   c.m = optimizer_->m();
   c.v = optimizer_->v();
   c.geometry = exchanger_->ExportGeometry();
+  // This rank's residuals under its own index (the others' are not here without a collective):
+  // a driver that writes one file per rank resumes each rank exactly when the rank reads its
+  // own file, and from zero residuals when it reads another rank's.
+  if (std::any_of(plan_.layers.begin(), plan_.layers.end(),
+                  [](const LayerPolicy& p) { return p.error_feedback; })) {
+    c.residuals.assign(ranks_, {});
+    c.residuals[rank_] = exchanger_->ExportResiduals();
+  }
   c.gns_grad_sq = noise_scale_.grad_sq();
   c.gns_trace = noise_scale_.trace();
   c.gns_samples = noise_scale_.samples();

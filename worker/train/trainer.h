@@ -169,15 +169,15 @@ class Trainer {
 
   // Everything the trajectory depends on after `next_step` steps: weights, moments, the
   // exchange's geometry state and policy version, run totals. Fingerprint from the options.
-  // Between steps only. Not collective, so it holds no error-feedback residuals (they differ
-  // between ranks; Run's checkpoints gather them): a driver that resumes from it restarts them
-  // from zero.
+  // Between steps only. Not collective, so of the error-feedback residuals (which differ between
+  // ranks) it holds this rank's only, at its index; Run's checkpoints gather every rank's.
   Checkpoint MakeCheckpoint(int64_t next_step) const;
   // Takes a checkpoint's state in and returns its next_step. Sizes, seed, geometry shapes and
   // (under the same policy version) geometry policies must match; a checkpoint written under
   // another policy version keeps only the geometry the current policies can use, exactly as
   // SetPolicies would have. Does not check the fingerprint (Run does, drivers have their own).
-  // Residuals, when the checkpoint has them, must be one set per rank; this rank takes its own.
+  // Residuals, when the checkpoint has them, must be one set per rank; this rank takes its own
+  // (an empty set, as in another rank's MakeCheckpoint, leaves it with none).
   int64_t Restore(const Checkpoint& checkpoint);
 
   const TrainOptions& options() const { return o_; }
