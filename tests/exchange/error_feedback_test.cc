@@ -210,6 +210,67 @@ TEST_P(ErrorFeedbackAlgorithms, SkippedStepsKeepTheResidualsAndImportContinuesEx
 INSTANTIATE_TEST_SUITE_P(ErrorFeedback, ErrorFeedbackAlgorithms,
                          ::testing::Values(Algorithm::kTwoPhase, Algorithm::kAllGather));
 
+// What error feedback is for: the same gradient exchanged T times at nvfp4. Round to nearest
+// makes the same error every step, so without feedback the sum of the outputs drifts from T
+// times the exact average linearly in T. With it, rank r's step t encodes s_t = fl(x + e_t-1)
+// and keeps e_t = fl(s_t - d_t), so d_t = x + e_t-1 - e_t + (roundings) and the decodes
+// telescope: sum_t d_t = T x - e_T (e_0 = 0: the first step adds nothing). Allgather's output is
+// the rank-order float sum of the N decodes. So the summed outputs plus the final residuals equal
+// T times the exact sum up to: per step and rank two roundings, each at most u |s_t| (|s_t - d_t|
+// <= |s_t| under round to nearest, 0 being representable), with |s_t| <= |x| + |e_t-1| <= t |x|
+// (the same argument step by step), so 2 u T (T + 1) / 2 |x| in all; and the output sums' own
+// rounding, at most N u |out_t| per step. The test sums the outputs in double.
+TEST(ErrorFeedback, SummedOutputsTrackTheExactSumOnlyWithFeedback) {
+  const int N = 2, T = 30;
+  const double u = std::ldexp(1.0, -24);
+  std::vector<double> drift(2);
+  for (const bool feedback : {false, true}) {
+    LayerPolicy nv = Policy(Format::kNvfp4, Scaling::kBlock, 16);
+    nv.error_feedback = feedback;
+    const std::vector<LayerSpec> layers = {{"w", 16, 32, nv}};
+    ExchangeOptions options;
+    options.algorithm = Algorithm::kAllGather;
+    std::vector<double> summed(512, 0.0), magnitude(512, 0.0);  // rank 0's outputs over steps
+    std::vector<std::vector<float>> residual(N);
+    const auto errors = RunRanks(N, [&](Communicator& comm) {
+      const int r = comm.rank();
+      Exchanger ex(comm, layers, options);
+      for (int s = 0; s < T; ++s) {
+        Tensors t = MakeInputs(r, layers, 0);  // the same gradient every step
+        std::vector<std::span<float>> spans = {std::span<float>(t[0])};
+        ex.Exchange(s, spans);
+        if (r != 0) continue;
+        for (size_t i = 0; i < 512; ++i) {
+          summed[i] += t[0][i];
+          magnitude[i] += std::abs(double(t[0][i]));
+        }
+      }
+      residual[r] = ex.ExportResiduals()[0].local;
+    });
+    ASSERT_EQ(JoinErrors(errors), "");
+    double worst = 0;
+    for (size_t i = 0; i < 512; ++i) {
+      double exact = 0, x_mag = 0, e_sum = 0;
+      for (int r = 0; r < N; ++r) {
+        const float x = MakeInputs(r, layers, 0)[0][i] / float(N);
+        exact += double(x);
+        x_mag += std::abs(double(x));
+        if (feedback) e_sum += residual[r][i];
+      }
+      worst = std::max(worst, std::abs(summed[i] - T * exact));
+      if (feedback) {
+        const double bound = u * T * (T + 1) * x_mag + N * u * magnitude[i];
+        EXPECT_LE(std::abs(summed[i] + e_sum - T * exact), bound) << "element " << i;
+      }
+    }
+    drift[feedback] = worst;
+  }
+  std::printf("max |sum_t out - T exact|: %.3g without feedback, %.3g with\n", drift[0], drift[1]);
+  // Without feedback the drift is T times one step's error; with it, about one step's error
+  // (the final residuals): at T = 30 a factor 5 leaves room for the residuals to peak.
+  EXPECT_GT(drift[0], 5 * drift[1]);
+}
+
 TEST(ErrorFeedback, Fp32AndTheBaselinesAreRefused) {
   LayerPolicy p;
   p.format = Format::kFp32;
