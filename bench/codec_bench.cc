@@ -14,6 +14,7 @@
 #include "bench/registry.h"
 #include "kernels/codec/codec.h"
 #include "kernels/codec/codec_internal.h"
+#include "kernels/geometry/hadamard.h"
 
 namespace geofp8 {
 namespace {
@@ -27,6 +28,8 @@ struct Row {
   Config config;
   int threads = 1;
   double memcpy_gbps = 0, encode_gbps = 0, decode_gbps = 0, decode_acc_gbps = 0;
+  int hadamard_block = 0;         // --hadamard: the rotation block (the codec's scale block)
+  double rotate_encode_gbps = 0;  // --hadamard: EncodeRotated, the same bytes counted as encode
 };
 
 // Runs fn(t) on `threads` threads (t = 0 on the caller) and returns the wall time in seconds.
@@ -55,6 +58,7 @@ int RunCodecBench(int argc, char** argv) {
   uint32_t block = 128;
   bool json = false;
   bool scalar = false;
+  bool hadamard = false;
   app.add_option("--size-mib", size_mib, "input size in MiB of float32")->capture_default_str();
   app.add_option("--reps", reps, "timed repetitions per measurement (median)")
       ->capture_default_str();
@@ -65,6 +69,9 @@ int RunCodecBench(int argc, char** argv) {
   app.add_option("--block", block, "block size for block scaling")->capture_default_str();
   app.add_flag("--json", json, "machine-readable output");
   app.add_flag("--scalar", scalar, "force the scalar reference (no AVX2)");
+  app.add_flag("--hadamard", hadamard,
+               "also time rotate-and-encode (block random Hadamard over the codec's scale block, "
+               "or --block where the codec has none) against the same memcpy");
   if (int rc = bench::ParseFlags(app, argc, argv); rc >= 0) return rc;
   if (size_mib <= 0 || reps < 1 || block == 0) {
     std::fprintf(stderr, "geofp8-bench codec: error: size-mib, reps and block must be positive\n");
@@ -136,14 +143,28 @@ int RunCodecBench(int argc, char** argv) {
       const auto dacc_fn = [&](int t) {
         DecodeAccumulate(bufs[t], std::span(acc).subspan(t * per, per));
       };
-      std::vector<double> mem, enc, dec, dacc;
+      const uint32_t scale_block = CodecScaleBlock(o);
+      const int hb = hadamard ? int(scale_block ? scale_block : block) : 0;
+      if (hb) {
+        if (std::string err = ValidateHadamardBlock(hb, o); !err.empty()) {
+          std::fprintf(stderr, "geofp8-bench codec: error: hadamard: %s: %s\n",
+                       std::string(FormatName(c.format)).c_str(), err.c_str());
+          return 2;
+        }
+      }
+      const auto rot_fn = [&](int t) {
+        // Each thread's range starts at a multiple of every block, so it rotates as a tensor.
+        EncodeRotated(std::span(x).subspan(t * per, per), hb, 7, o, bufs[t]);
+      };
+      std::vector<double> mem, enc, dec, dacc, rot;
       for (int r = -1; r < reps; ++r) {  // r = -1: warm-up, not recorded
         const double m = TimeParallel(threads, memcpy_fn);
         const double e = TimeParallel(threads, enc_fn);
         const double d = TimeParallel(threads, dec_fn);
         const double a = TimeParallel(threads, dacc_fn);
+        const double h = hb ? TimeParallel(threads, rot_fn) : 0;
         if (r < 0) continue;
-        mem.push_back(m), enc.push_back(e), dec.push_back(d), dacc.push_back(a);
+        mem.push_back(m), enc.push_back(e), dec.push_back(d), dacc.push_back(a), rot.push_back(h);
       }
       const double wire = static_cast<double>(enc_bytes) * threads;
       Row row;
@@ -153,6 +174,8 @@ int RunCodecBench(int argc, char** argv) {
       row.encode_gbps = (4.0 * n + wire) / Median(enc) / 1e9;
       row.decode_gbps = (4.0 * n + wire) / Median(dec) / 1e9;
       row.decode_acc_gbps = (8.0 * n + wire) / Median(dacc) / 1e9;
+      row.hadamard_block = hb;
+      if (hb) row.rotate_encode_gbps = (4.0 * n + wire) / Median(rot) / 1e9;
       rows.push_back(row);
     }
   }
@@ -179,11 +202,18 @@ int RunCodecBench(int argc, char** argv) {
           "\"memcpy_gbps\": %.3f, \"encode_gbps\": %.3f, \"decode_gbps\": %.3f, "
           "\"decode_acc_gbps\": %.3f, \"encode_vs_memcpy\": %.3f, "
           "\"decode_vs_memcpy\": %.3f, \"decode_acc_vs_memcpy\": %.3f, "
-          "\"encode_speedup_vs_1_thread\": %.3f}",
+          "\"encode_speedup_vs_1_thread\": %.3f",
           i ? "," : "", std::string(FormatName(r.config.format)).c_str(),
           std::string(ScalingName(r.config.scaling)).c_str(), r.threads, r.memcpy_gbps,
           r.encode_gbps, r.decode_gbps, r.decode_acc_gbps, r.encode_gbps / r.memcpy_gbps,
           r.decode_gbps / r.memcpy_gbps, r.decode_acc_gbps / r.memcpy_gbps, speedup(r));
+      if (r.hadamard_block) {
+        std::printf(
+            ", \"hadamard_block\": %d, \"rotate_encode_gbps\": %.3f, "
+            "\"rotate_encode_vs_memcpy\": %.3f",
+            r.hadamard_block, r.rotate_encode_gbps, r.rotate_encode_gbps / r.memcpy_gbps);
+      }
+      std::printf("}");
     }
     std::printf("\n]}\n");
     return 0;
@@ -193,15 +223,22 @@ int RunCodecBench(int argc, char** argv) {
   std::printf(
       "GB/s count bytes read + written; ratios are against memcpy at the same thread "
       "count, measured in this run\n\n");
-  std::printf("%-9s %-7s %3s %8s %8s %6s %8s %6s %8s %6s %8s\n", "format", "scaling", "thr",
-              "memcpy", "encode", "ratio", "decode", "ratio", "dec+acc", "ratio", "enc x1thr");
+  std::printf("%-9s %-7s %3s %8s %8s %6s %8s %6s %8s %6s %8s", "format", "scaling", "thr", "memcpy",
+              "encode", "ratio", "decode", "ratio", "dec+acc", "ratio", "enc x1thr");
+  if (hadamard) std::printf(" %5s %8s %6s", "hblk", "rot+enc", "ratio");
+  std::printf("\n");
   for (const Row& r : rows) {
-    std::printf("%-9s %-7s %3d %8.2f %8.2f %6.2f %8.2f %6.2f %8.2f %6.2f %8.2f\n",
+    std::printf("%-9s %-7s %3d %8.2f %8.2f %6.2f %8.2f %6.2f %8.2f %6.2f %8.2f",
                 std::string(FormatName(r.config.format)).c_str(),
                 std::string(ScalingName(r.config.scaling)).c_str(), r.threads, r.memcpy_gbps,
                 r.encode_gbps, r.encode_gbps / r.memcpy_gbps, r.decode_gbps,
                 r.decode_gbps / r.memcpy_gbps, r.decode_acc_gbps, r.decode_acc_gbps / r.memcpy_gbps,
                 speedup(r));
+    if (hadamard) {
+      std::printf(" %5d %8.2f %6.2f", r.hadamard_block, r.rotate_encode_gbps,
+                  r.rotate_encode_gbps / r.memcpy_gbps);
+    }
+    std::printf("\n");
   }
   return 0;
 }

@@ -177,7 +177,10 @@ std::vector<Variant> MakeVariants(const Args& a, const Trajectory& t) {
     }
     if (!plan.uses_geometry()) Usage("--policy", "uses no geometry: nothing to judge", p);
     train::ExchangePlan euclid = plan;
-    for (LayerPolicy& lp : euclid.layers) lp.geometry = GeometryMode::kNone;
+    for (LayerPolicy& lp : euclid.layers) {
+      lp.geometry = GeometryMode::kNone;
+      lp.hadamard = false;  // the twin quantizes the gradient itself: no transform at all
+    }
     out.push_back({p, "deployed", plan, train::MakeRefreshSchedule(plan, t.ranks)});
     out.push_back({p, "euclid", euclid, {}});
     out.push_back({p, "fresh", plan, {}});
@@ -279,8 +282,9 @@ Results Replay(const Args& a, const Trajectory& t, const std::vector<Variant>& v
       for (size_t l = 0; l < L; ++l) {
         const DumpedLayer& d = t.layers[l];
         const size_t base = vi - (v.kind == "deployed" ? 0 : v.kind == "euclid" ? 1 : 2);
+        const LayerPolicy& deployed = variants[base].plan.layers[l];
         if (d.rows < 2 || d.cols < 2 ||
-            variants[base].plan.layers[l].geometry == GeometryMode::kNone) {
+            (deployed.geometry == GeometryMode::kNone && !deployed.hadamard)) {
           continue;
         }
         if (!refs[l]) refs[l] = ComputeSpectralReference(avg[l], d.rows, d.cols);

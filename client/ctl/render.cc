@@ -71,13 +71,23 @@ std::string Age(int64_t since_ms, int64_t now_ms) {
   return Duration(static_cast<double>(now_ms - since_ms) / 1000.0);
 }
 
+// A geometry as the job spec names it: lowrank+hadamard, hadamard, or the geometry alone.
+std::string TransformNameOf(v1::GeometryMode g, bool hadamard) {
+  if (!hadamard) return NameOf(g);
+  return g == v1::GEOMETRY_NONE ? "hadamard" : NameOf(g) + "+hadamard";
+}
+
 std::string LayerFields(const v1::LayerPatch& p) {
   std::vector<std::string> parts;
   if (p.has_format()) parts.push_back("format=" + NameOf(p.format()));
   if (p.has_scaling()) parts.push_back("scaling=" + NameOf(p.scaling()));
   if (p.has_block()) parts.push_back("block=" + std::to_string(p.block()));
   if (p.has_rounding()) parts.push_back("rounding=" + NameOf(p.rounding()));
-  if (p.has_geometry()) parts.push_back("geometry=" + NameOf(p.geometry()));
+  if (p.has_geometry()) {
+    parts.push_back("geometry=" + TransformNameOf(p.geometry(), p.has_hadamard() && p.hadamard()));
+  }
+  if (p.has_hadamard_block())
+    parts.push_back("hadamard_block=" + std::to_string(p.hadamard_block()));
   if (p.has_rank()) parts.push_back("rank=" + std::to_string(p.rank()));
   if (p.has_alpha()) parts.push_back("alpha=" + Fmt("%g", p.alpha()));
   if (p.has_error_feedback())
@@ -227,8 +237,10 @@ std::string PolicyTable(const v1::Policy& p) {
   std::vector<std::vector<std::string>> rows = {
       {"LAYER", "FORMAT", "SCALING", "BLOCK", "ROUNDING", "GEOMETRY", "RANK", "ALPHA", "EF"},
       {"(default)", NameOf(d.format()), NameOf(d.scaling()), std::to_string(d.block()),
-       NameOf(d.rounding()), NameOf(d.geometry()), std::to_string(d.rank()), Fmt("%g", d.alpha()),
-       d.error_feedback() ? "on" : "off"}};
+       NameOf(d.rounding()),
+       TransformNameOf(d.geometry(), d.hadamard()) +
+           (d.hadamard_block() ? "/" + std::to_string(d.hadamard_block()) : ""),
+       std::to_string(d.rank()), Fmt("%g", d.alpha()), d.error_feedback() ? "on" : "off"}};
   os << Table(rows);
   if (p.patches_size() > 0) {
     os << "\npatches, applied in order:\n";

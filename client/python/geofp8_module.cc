@@ -447,6 +447,13 @@ class Engine {
                    GeometryNameOf(plan.layers[i].geometry),
                    ", which the CUDA path of geofp8.torch does not run yet (use geometry none "
                    "there, e.g. the fp8 or nvfp4 preset, or CPU tensors)");
+      // Neither does it rotate or feed errors back: refused rather than silently left out.
+      GEOFP8_CHECK(!plan.layers[i].hadamard, "policy: layer '", params_[i].name,
+                   "' uses the hadamard rotation, which the CUDA path of geofp8.torch does not "
+                   "run yet (use CPU tensors)");
+      GEOFP8_CHECK(!plan.layers[i].error_feedback, "policy: layer '", params_[i].name,
+                   "': error_feedback, which the CUDA path of geofp8.torch does not run yet (use "
+                   "CPU tensors)");
     }
     GEOFP8_CHECK(plan.algorithm == Algorithm::kAuto || plan.algorithm == Algorithm::kTwoPhase ||
                      plan.algorithm == Algorithm::kAllGather || plan.algorithm == Algorithm::kFp32,

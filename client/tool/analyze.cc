@@ -11,6 +11,7 @@
 #include "kernels/codec/error_metrics.h"
 #include "kernels/geometry/analysis.h"
 #include "kernels/geometry/geometry.h"
+#include "kernels/geometry/hadamard.h"
 
 namespace geofp8::tool {
 namespace {
@@ -18,7 +19,8 @@ namespace {
 struct AnalyzeArgs {
   CodecFlags codec;
   std::string shape;              // "MxN": enables the band metrics
-  std::string geometry = "none";  // none, diag, lowrank
+  std::string geometry = "none";  // none, diag, lowrank, hadamard, diag+hadamard, lowrank+hadamard
+  int hadamard_block = 0;         // rotation block; 0: the codec's scale block (128 without one)
   int rank = 16;                  // k of lowrank, and the band parameter
   float alpha = 0.25f;            // whitening exponent
   std::string basis_from;         // estimate the geometry on this gradient instead of --in
@@ -38,11 +40,32 @@ double SecondsSince(std::chrono::steady_clock::time_point t0) {
 
 void RunAnalyze(const AnalyzeArgs& a) {
   const CodecOptions o = ToOptions(a.codec);
-  const auto mode = ParseGeometryMode(a.geometry);
+  // "hadamard" alone, or a geometry followed by "+hadamard": the rotation after the geometry.
+  std::string base = a.geometry;
+  bool rotate = false;
+  constexpr std::string_view kSuffix = "+hadamard";
+  if (base == "hadamard") {
+    base = "none", rotate = true;
+  } else if (base.size() > kSuffix.size() && base.ends_with(kSuffix) && base != "none+hadamard") {
+    base.resize(base.size() - kSuffix.size()), rotate = true;
+  }
+  const auto mode = ParseGeometryMode(base);
   if (!mode) {
     UsageError("geometry", "unknown geometry (" + a.geometry +
-                               "); accepted: " + std::string(AcceptedGeometryModes()));
+                               "); accepted: " + std::string(AcceptedGeometryModes()) +
+                               ", hadamard, diag+hadamard, lowrank+hadamard");
   }
+  int hblock = 0;
+  if (rotate) {
+    const uint32_t codec_block = CodecScaleBlock(o);
+    hblock = a.hadamard_block ? a.hadamard_block : codec_block ? int(codec_block) : 128;
+    if (std::string err = ValidateHadamardBlock(hblock, o); !err.empty()) {
+      UsageError("hadamard-block", err.substr(err.find(": ") + 2));
+    }
+  } else if (a.hadamard_block) {
+    UsageError("hadamard-block", "needs --geometry hadamard or G+hadamard (" + a.geometry + ")");
+  }
+  const uint64_t hseed = HadamardLayerSeed(a.codec.seed, 0);
   if (a.rank < 1) UsageError("rank", "must be at least 1 (" + std::to_string(a.rank) + ")");
   if (!(a.alpha >= 0.f && a.alpha <= 1.f)) {
     UsageError("alpha", "must be in [0, 1] (" + JsonNum(a.alpha) + ")");
@@ -61,8 +84,22 @@ void RunAnalyze(const AnalyzeArgs& a) {
   const std::vector<float> x = ReadFloats(a.codec.in);
   std::vector<float> decoded;
   if (dims.empty()) {
-    const CodecReport report = AnalyzeCodec(x, o, &decoded);
-    std::printf("%s\n", CodecReportJson(report).c_str());
+    std::vector<float> t = x;
+    if (rotate) HadamardForward(t, hblock, hseed);
+    CodecReport report = AnalyzeCodec(t, o, &decoded);
+    if (rotate) {
+      // The metrics of the result in the gradient's own coordinates.
+      HadamardInverse(decoded, hblock, hseed);
+      const auto saturated = static_cast<uint64_t>(
+          std::llround(report.metrics.saturation_fraction * static_cast<double>(x.size())));
+      report.metrics = ComputeErrorMetrics(x, decoded, saturated);
+      std::string json = CodecReportJson(report);
+      json.pop_back();
+      std::printf("%s, \"geometry\": \"hadamard\", \"hadamard_block\": %d}\n", json.c_str(),
+                  hblock);
+    } else {
+      std::printf("%s\n", CodecReportJson(report).c_str());
+    }
     if (!a.codec.out.empty()) WriteFloats(a.codec.out, decoded);
     return;
   }
@@ -94,9 +131,11 @@ void RunAnalyze(const AnalyzeArgs& a) {
   std::vector<float> t = x;
   auto t0 = std::chrono::steady_clock::now();
   ApplyGeometry(geo, t);
+  if (rotate) HadamardForward(t, hblock, hseed);
   double transform_seconds = SecondsSince(t0);
   CodecReport report = AnalyzeCodec(t, o, &decoded);
   t0 = std::chrono::steady_clock::now();
+  if (rotate) HadamardInverse(decoded, hblock, hseed);
   InvertGeometry(geo, decoded);
   transform_seconds += SecondsSince(t0);
   // The issue-1 metrics of the final result against the original gradient.
@@ -124,11 +163,11 @@ void RunAnalyze(const AnalyzeArgs& a) {
   std::string json = CodecReportJson(report);
   json.pop_back();  // reopen the object to append the geometry fields
   std::ostringstream os;
-  os << json << ", \"shape\": [" << m << ", " << n << "], \"geometry\": \""
-     << GeometryModeName(*mode)
+  os << json << ", \"shape\": [" << m << ", " << n << "], \"geometry\": \"" << a.geometry
      << "\", \"rank\": " << (geo.mode == GeometryMode::kLowRank ? geo.k : a.rank)
      << ", \"alpha\": " << JsonNum(a.alpha)
      << ", \"basis_from\": " << (a.basis_from.empty() ? "null" : "\"" + a.basis_from + "\"")
+     << ", \"hadamard_block\": " << (rotate ? std::to_string(hblock) : "null")
      << ", \"band_errors\": [";
   for (size_t b = 0; b < bands.bands.size(); ++b) {
     const BandError& be = bands.bands[b];
@@ -151,8 +190,13 @@ void AddAnalyzeCommand(CLI::App& app) {
       "analyze", "encode + decode, print JSON error metrics and sizes (--out: decoded floats)");
   AddCodecFlags(cmd, &args->codec, /*out_required=*/false);
   cmd->add_option("--shape", args->shape, "MxN: adds band errors and residual-subspace error");
-  cmd->add_option("--geometry", args->geometry, "none, diag, lowrank (needs --shape)")
+  cmd->add_option("--geometry", args->geometry,
+                  "none, diag, lowrank (need --shape), hadamard, diag+hadamard, lowrank+hadamard "
+                  "(a block random Hadamard rotation after the geometry)")
       ->capture_default_str();
+  cmd->add_option("--hadamard-block", args->hadamard_block,
+                  "rotation block: a power of two dividing the codec's scale block (default: "
+                  "that block, 128 without one)");
   cmd->add_option("--rank", args->rank, "k of lowrank, and the band parameter")
       ->capture_default_str();
   cmd->add_option("--alpha", args->alpha, "whitening exponent")->capture_default_str();

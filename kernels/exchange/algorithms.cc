@@ -20,6 +20,7 @@
 #include "kernels/exchange/bf16.h"
 #include "kernels/exchange/chunking.h"
 #include "kernels/exchange/priority.h"
+#include "kernels/geometry/hadamard.h"
 
 namespace geofp8 {
 namespace {
@@ -62,6 +63,18 @@ GEOFP8_DIVIDE_CLONES bool Divide(std::span<const float> in, float divisor, std::
 }
 
 uint64_t FlagBit(const BucketLayer& l) { return uint64_t{1} << l.flag_bit; }
+
+// The layer's transform on its (divided) input: the geometry, then the rotation; and its inverse
+// on the reduced output, in the opposite order.
+void ApplyTransform(const BucketLayer& l) {
+  if (l.geometry) ApplyGeometry(*l.geometry, l.in);
+  if (l.hadamard_block) HadamardForward(l.in, int(l.hadamard_block), l.hadamard_seed);
+}
+
+void InvertTransform(const BucketLayer& l) {
+  if (l.hadamard_block) HadamardInverse(l.out, int(l.hadamard_block), l.hadamard_seed);
+  if (l.geometry) InvertGeometry(*l.geometry, l.out, l.products);
+}
 
 // Whether this run's check rides in its data (AlgorithmOptions::check_record) rather than a
 // round of its own (before_data): asked for by the caller and possible on this backend.
@@ -145,7 +158,7 @@ uint64_t Flatten(std::span<const BucketLayer> layers, float divisor,
   uint64_t bad = 0;
   for (const auto& l : layers) {
     // Geometry layers were divided (and transformed) in place already.
-    if (Divide(l.in, l.geometry ? 1.f : divisor, std::span(flat).subspan(off, l.in.size()))) {
+    if (Divide(l.in, Transformed(l) ? 1.f : divisor, std::span(flat).subspan(off, l.in.size()))) {
       bad |= FlagBit(l);
     }
     off += l.in.size();
@@ -178,7 +191,7 @@ uint64_t RunBf16(Communicator& comm, std::span<const BucketLayer> layers, float 
   size_t off = 0;
   uint64_t bad = 0;
   for (const auto& l : layers) {
-    const float d = l.geometry ? 1.f : divisor;  // geometry layers were divided in place
+    const float d = Transformed(l) ? 1.f : divisor;  // transformed layers were divided in place
     uint32_t layer_bad = 0;
     for (float v : l.in) {
       uint32_t bits;
@@ -296,6 +309,8 @@ class Pipeline {
       g.acc = &ws.floats[s];
     }
     divided_ = &ws.divided;
+    feedback_ = &ws.feedback;
+    feedback_decoded_ = &ws.feedback_decoded;
     state_.assign(groups_.size(), 0);
   }
 
@@ -524,25 +539,54 @@ class Pipeline {
   // a buffer that stays in cache for the encode, so the gradient is read from memory once.
   std::span<const float> Divided(size_t i, ChunkRange c) {
     const std::span<const float> x = layers_[i].in.subspan(c.begin, c.size());
-    if (layers_[i].geometry) return x;
+    if (Transformed(layers_[i])) return x;
     divided_->resize(c.size());
     if (Divide(x, ao_.divisor, *divided_)) nonfinite_ |= FlagBit(layers_[i]);
     return *divided_;
   }
 
+  // Encodes elements c of layer i's divided input into `out`. With error feedback, the residual
+  // of this rank's last applied step is added first (none at the first), and what this encode
+  // loses is kept: residual_out = (x + residual_in) - Decode(Encode(x + residual_in)).
+  void EncodeChunk(size_t i, ChunkRange c, const CodecOptions& o, std::span<uint8_t> out) {
+    const BucketLayer& l = layers_[i];
+    const std::span<const float> x = Divided(i, c);
+    if (!l.residual_out) {
+      Encode(x, o, out);
+      return;
+    }
+    auto& sum = *feedback_;
+    sum.resize(c.size());
+    if (l.residual_in) {
+      for (size_t k = 0; k < c.size(); ++k) sum[k] = x[k] + l.residual_in[c.begin + k];
+    } else {
+      std::copy(x.begin(), x.end(), sum.begin());
+    }
+    Encode(sum, o, out);
+    Lost(out, sum, l.residual_out + c.begin);
+  }
+
+  // dst[k] = x[k] - Decode(encoded)[k]: what an encode of x lost.
+  void Lost(std::span<const uint8_t> encoded, std::span<const float> x, float* dst) {
+    auto& dec = *feedback_decoded_;
+    dec.resize(x.size());
+    Decode(encoded, dec);
+    for (size_t k = 0; k < x.size(); ++k) dst[k] = x[k] - dec[k];
+  }
+
   void Encode1(Group& g) {
     for (size_t i = g.first; i < g.last; ++i) {
-      if (!layers_[i].geometry) continue;
+      if (!Transformed(layers_[i])) continue;
       if (Divide(layers_[i].in, ao_.divisor, layers_[i].in)) nonfinite_ |= FlagBit(layers_[i]);
-      ApplyGeometry(*layers_[i].geometry, layers_[i].in);
+      ApplyTransform(layers_[i]);
     }
     if (!two_phase_) {  // allgather: this rank's whole layers, once
       g.mine->resize(g.prefix + g.WireCount(r_));
       std::copy_n(ao_.check_record.begin(), g.prefix, g.mine->begin());
       size_t off = g.prefix;
       for (size_t i = g.first; i < g.last; ++i) {
-        Encode(Divided(i, {0, layers_[i].in.size()}), Options(i, r_, 1, 0),
-               std::span(*g.mine).subspan(off, bytes_[i][r_]));
+        EncodeChunk(i, {0, layers_[i].in.size()}, Options(i, r_, 1, 0),
+                    std::span(*g.mine).subspan(off, bytes_[i][r_]));
         off += bytes_[i][r_];
       }
       if (g.tail) WriteFlags(g, *g.mine, 1);
@@ -554,7 +598,7 @@ class Pipeline {
       size_t off = g.SendOffset(j);
       for (size_t i = g.first; i < g.last; ++i) {
         const ChunkRange c = chunk_[i][j];
-        Encode(Divided(i, c), Options(i, r_, 1, j), std::span(*g.send).subspan(off, bytes_[i][j]));
+        EncodeChunk(i, c, Options(i, r_, 1, j), std::span(*g.send).subspan(off, bytes_[i][j]));
         off += bytes_[i][j];
       }
     }
@@ -572,7 +616,15 @@ class Pipeline {
         DecodeAccumulate(
             std::span<const uint8_t>(*g.recv).subspan(RecvAt(g, src) + off, bytes_[i][r_]), acc);
       }
-      Encode(acc, Options(i, r_, 2, r_), std::span(*g.mine).subspan(off, bytes_[i][r_]));
+      // Error feedback: the owner adds what its last requantization of this chunk lost.
+      const BucketLayer& l = layers_[i];
+      const size_t c0 = chunk_[i][r_].begin;
+      if (l.owner_in) {
+        for (size_t k = 0; k < acc.size(); ++k) acc[k] += l.owner_in[c0 + k];
+      }
+      const auto mine = std::span(*g.mine).subspan(off, bytes_[i][r_]);
+      Encode(acc, Options(i, r_, 2, r_), mine);
+      if (l.owner_out) Lost(mine, acc, l.owner_out + c0);
       off += bytes_[i][r_];
     }
   }
@@ -589,8 +641,7 @@ class Pipeline {
               layers_[i].out);
         }
         layer_off += bytes_[i][r_];
-        if (layers_[i].geometry)
-          InvertGeometry(*layers_[i].geometry, layers_[i].out, layers_[i].products);
+        InvertTransform(layers_[i]);
       }
       return;
     }
@@ -603,10 +654,7 @@ class Pipeline {
         off += bytes_[i][j];
       }
     }
-    for (size_t i = g.first; i < g.last; ++i) {
-      if (layers_[i].geometry)
-        InvertGeometry(*layers_[i].geometry, layers_[i].out, layers_[i].products);
-    }
+    for (size_t i = g.first; i < g.last; ++i) InvertTransform(layers_[i]);
   }
 
   // Codec work, most advanced stage first so the wire never waits on a backlog of encodes.
@@ -735,6 +783,9 @@ class Pipeline {
   std::vector<std::vector<size_t>> bytes_;      // [layer][rank] encoded bytes of that chunk
   std::vector<Group> groups_;
   UninitializedVector<float>* divided_ = nullptr;  // Divided()'s buffer: helper thread only
+  // EncodeChunk's and SumRequantize's error-feedback buffers: helper thread only.
+  UninitializedVector<float>* feedback_ = nullptr;
+  UninitializedVector<float>* feedback_decoded_ = nullptr;
   // Flag bits of layers whose input held a NaN or inf: written by the helper while encoding, read
   // once every group is encoded.
   uint64_t nonfinite_ = 0;
@@ -781,9 +832,9 @@ uint64_t ExchangeBucketData(Communicator& comm, Algorithm algorithm,
   TraceScope span(options.trace, "all_reduce", ExchangeTrace::kMainLane, options.step);
   uint64_t bad = 0;
   for (const auto& l : layers) {
-    if (!l.geometry) continue;
+    if (!Transformed(l)) continue;
     if (Divide(l.in, options.divisor, l.in)) bad |= FlagBit(l);
-    ApplyGeometry(*l.geometry, l.in);
+    ApplyTransform(l);
   }
   switch (algorithm) {
     case Algorithm::kFp32:
@@ -799,9 +850,7 @@ uint64_t ExchangeBucketData(Communicator& comm, Algorithm algorithm,
       GEOFP8_FAIL("algorithm: unknown value ", static_cast<int>(algorithm),
                   " (accepted: ", AcceptedAlgorithms(), ")");
   }
-  for (const auto& l : layers) {
-    if (l.geometry) InvertGeometry(*l.geometry, l.out, l.products);
-  }
+  for (const auto& l : layers) InvertTransform(l);
   return AgreeFlags(comm, bad);
 }
 

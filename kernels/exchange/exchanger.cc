@@ -10,7 +10,9 @@
 #include "kernels/codec/codec.h"
 #include "kernels/common/check.h"
 #include "kernels/exchange/algorithms.h"
+#include "kernels/exchange/chunking.h"
 #include "kernels/exchange/fingerprint.h"
+#include "kernels/geometry/hadamard.h"
 
 namespace geofp8 {
 namespace {
@@ -41,8 +43,17 @@ std::string ValidateLayerPolicy(const LayerSpec& layer) {
     os << "alpha: must be in (0, 1] (" << p.alpha << ")";
     return os.str();
   }
-  if (p.error_feedback) {
-    os << "error_feedback: not supported by the exchange engine yet (on)";
+  if (p.hadamard) {
+    if (std::string err = ValidateHadamardBlock(int(EffectiveHadamardBlock(p)),
+                                                LayerCodecOptions(p, 0, 0, 0, 0, 0, 0));
+        !err.empty()) {
+      // The default block is the codec's: name the field the user would change.
+      if (p.hadamard_block == 0) err += " (the default, from the codec's block)";
+      return os.str() + err;
+    }
+  }
+  if (p.error_feedback && p.format == Format::kFp32) {
+    os << "error_feedback: fp32 loses nothing to feed back (format fp32)";
     return os.str();
   }
   return "";
@@ -95,6 +106,14 @@ Exchanger::Exchanger(Communicator& comm, std::vector<LayerSpec> layers, Exchange
     GEOFP8_CHECK(s.offset >= 0, "schedule: layer '", layers_[l].name, "': offset must be >= 0 (",
                  s.offset, ")");
   }
+  for (const auto& l : layers_) {
+    const Algorithm a = options_.algorithm;
+    GEOFP8_CHECK(
+        !l.policy.error_feedback || a == Algorithm::kTwoPhase || a == Algorithm::kAllGather,
+        "layer '", l.name,
+        "': error_feedback: needs a quantizing algorithm (two_phase or allgather), not ",
+        AlgorithmName(a));
+  }
   comm_.set_timeout(options_.timeout);
   buckets_ = MakeBuckets(layers_, options_.bucket_cap_bytes);
   for (const auto& l : layers_) layer_names_.push_back(l.name);
@@ -136,6 +155,50 @@ bool Exchanger::UsesGeometry(uint32_t layer) const {
   const auto& spec = layers_[layer];
   return spec.policy.geometry != GeometryMode::kNone && spec.rows > 1 && spec.cols > 1 &&
          options_.algorithm != Algorithm::kFp32 && options_.algorithm != Algorithm::kBf16;
+}
+
+bool Exchanger::UsesErrorFeedback(uint32_t layer) const {
+  return layers_[layer].policy.error_feedback && (options_.algorithm == Algorithm::kTwoPhase ||
+                                                  options_.algorithm == Algorithm::kAllGather);
+}
+
+std::vector<LayerResidual> Exchanger::ExportResiduals() const {
+  std::vector<LayerResidual> out(layers_.size());
+  for (size_t l = 0; l < layers_.size(); ++l) out[l] = state_[l].residual;
+  return out;
+}
+
+void Exchanger::ImportResiduals(const std::vector<LayerResidual>& residuals) {
+  if (residuals.empty()) return;
+  GEOFP8_CHECK(residuals.size() == layers_.size(), "residuals: ", residuals.size(), " entries for ",
+               layers_.size(), " layers");
+  for (size_t l = 0; l < layers_.size(); ++l) {
+    const LayerResidual& r = residuals[l];
+    const size_t n = static_cast<size_t>(layers_[l].count());
+    GEOFP8_CHECK(r.local.empty() || r.local.size() == n, "residuals: layer '", layers_[l].name,
+                 "': local has ", r.local.size(), " values, the layer ", n);
+    GEOFP8_CHECK(r.owner.empty() || r.owner.size() == n, "residuals: layer '", layers_[l].name,
+                 "': owner has ", r.owner.size(), " values, the layer ", n);
+  }
+  for (size_t l = 0; l < layers_.size(); ++l) {
+    // A layer without error feedback has nothing to continue.
+    state_[l].residual = UsesErrorFeedback(uint32_t(l)) ? residuals[l] : LayerResidual{};
+  }
+}
+
+void Exchanger::CommitResiduals(bool skipped) {
+  // A skipped step is not applied, so neither is what its quantization lost.
+  if (skipped) return;
+  for (uint32_t l = 0; l < layers_.size(); ++l) {
+    if (UsesErrorFeedback(l)) std::swap(state_[l].residual, state_[l].next_residual);
+  }
+}
+
+uint32_t Exchanger::HadamardBlockOf(uint32_t layer) const {
+  const auto& spec = layers_[layer];
+  const bool compressed =
+      options_.algorithm != Algorithm::kFp32 && options_.algorithm != Algorithm::kBf16;
+  return compressed && spec.rows > 1 && spec.cols > 1 ? EffectiveHadamardBlock(spec.policy) : 0;
 }
 
 bool Exchanger::RefreshesAt(uint32_t layer, uint64_t step) const {
@@ -185,6 +248,7 @@ StepResult Exchanger::Finish(uint64_t step) {
     }
   }
   if (first_error) std::rethrow_exception(first_error);
+  CommitResiduals(result.skipped);
   if (!result.skipped && !schedule_.empty()) {
     auto task = std::make_shared<std::packaged_task<std::vector<RefreshRecord>()>>(
         [this, step, grads = pending.grads] { return RunRefreshes(step, grads); });
@@ -218,6 +282,7 @@ StepResult Exchanger::Exchange(uint64_t step, std::vector<std::span<float>> grad
         result.buckets.push_back(r);
       }
     }
+    CommitResiduals(result.skipped);
     if (!result.skipped && !schedule_.empty()) result.refreshes = RunRefreshes(step, grads);
     result.seconds =
         std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
@@ -399,9 +464,34 @@ std::vector<BucketResult> Exchanger::RunBuckets(uint64_t step, size_t first, siz
         rec.geometry_version = st.active.version;
         rec.geometry_digest = st.active_digest;
       }
+      rec.hadamard_block = HadamardBlockOf(l);
+      rec.error_feedback = UsesErrorFeedback(l) ? 1 : 0;
       fp.layers.push_back(rec);
-      BucketLayer w{LayerId(l), spec.policy, UsesGeometry(l) ? &st.active : nullptr, grads[l],
-                    grads[l]};
+      BucketLayer w;
+      w.layer = LayerId(l);
+      w.policy = spec.policy;
+      w.geometry = UsesGeometry(l) ? &st.active : nullptr;
+      w.hadamard_block = rec.hadamard_block;
+      w.hadamard_seed = HadamardLayerSeed(options_.seed, LayerId(l));
+      w.in = grads[l];
+      w.out = grads[l];
+      if (UsesErrorFeedback(l)) {
+        // The residuals live in the codec's coordinates: under a newer basis they no longer
+        // apply, and the layer starts again from none.
+        const size_t n = static_cast<size_t>(spec.count());
+        LayerResidual& cur = st.residual;
+        LayerResidual& next = st.next_residual;
+        if (cur.geometry_version != st.active.version) cur = LayerResidual{};
+        next.geometry_version = st.active.version;
+        if (next.local.size() != n) next.local.assign(n, 0.f);
+        w.residual_in = cur.local.empty() ? nullptr : cur.local.data();
+        w.residual_out = next.local.data();
+        if (options_.algorithm == Algorithm::kTwoPhase) {
+          if (next.owner.size() != n) next.owner.assign(n, 0.f);
+          w.owner_in = cur.owner.empty() ? nullptr : cur.owner.data();
+          w.owner_out = next.owner.data();
+        }
+      }
       w.flag_bit = static_cast<uint32_t>(bucket - first);
       // The sketch that refreshes this layer after the exchange can take G V, U^T G and ||G||^2
       // from the inverse instead of reading the result for them.

@@ -121,6 +121,16 @@ struct LayerGeometryState {
   std::vector<uint8_t> sketch;   // the ema estimator's FactorSketch wire form (empty: none)
 };
 
+// One layer's error-feedback residuals on this rank (LayerPolicy::error_feedback), in the
+// coordinates the codec sees (divided by N, transformed): what this rank's own quantization lost
+// at its last applied step, and, two_phase, what its requantization of the chunk it owns lost.
+// They differ between ranks, so a checkpoint keeps one set per rank. Empty vectors: zero.
+struct LayerResidual {
+  uint64_t geometry_version = 0;  // the active geometry they were taken under
+  std::vector<float> local;       // one per element of the layer
+  std::vector<float> owner;       // one per element; only this rank's two_phase chunk is used
+};
+
 // How ImportGeometry treats a layer whose saved geometry disagrees with the layer's policy.
 enum class GeometryImport {
   kStrict,          // resume: any disagreement is an error naming the layer and field
@@ -172,6 +182,13 @@ class Exchanger {
   // geometry here (1-D, geometry none, fp32/bf16 algorithm) takes only empty state: kStrict
   // throws naming the layer and field, kDropMismatched resets such a layer to identity. On an
   // error nothing is changed. Returns the layers reset.
+  // This rank's error-feedback residuals, one entry per layer (empty vectors where the layer
+  // has no error feedback or nothing was lost yet). Between steps.
+  std::vector<LayerResidual> ExportResiduals() const;
+  // Takes ExportResiduals' output back (one entry per layer, or empty for none), between steps.
+  // Throws geofp8::Error naming the layer when a vector's size is neither 0 nor the layer's.
+  void ImportResiduals(const std::vector<LayerResidual>& residuals);
+
   std::vector<uint32_t> ImportGeometry(const std::vector<LayerGeometryState>& state,
                                        GeometryImport mode = GeometryImport::kStrict);
 
@@ -184,7 +201,14 @@ class Exchanger {
     uint64_t active_digest = 0;  // GeometryDigest(active), compared across ranks every step
     FactorSketch sketch;         // estimator kFactorEma: the same on every rank
     InverseProducts products;    // kFactorEma: this step's inverse transform's, for the sketch
+    // Error feedback: the residuals of the last applied step, and this step's new ones, which
+    // Finish keeps only when the step is not skipped.
+    LayerResidual residual, next_residual;
   };
+  // Whether layer's exchange adds its residuals (policy and a quantizing algorithm).
+  bool UsesErrorFeedback(uint32_t layer) const;
+  // After a step: its new residuals become the current ones unless it was skipped.
+  void CommitResiduals(bool skipped);
   void Activate(LayerState& st);
   // The run's layout for Communicator::IsAgreedLayout: grouping options and layer sizes.
   uint64_t RunLayoutDigest(std::span<const BucketLayer> work) const;
@@ -198,6 +222,9 @@ class Exchanger {
                                        const std::vector<std::span<float>>& grads);
   std::vector<RefreshRecord> RunRefreshes(uint64_t step,
                                           const std::vector<std::span<float>>& grads);
+  // The rotation block the layer's exchange uses (0: none): matrices under a compressed algorithm,
+  // as for geometry.
+  uint32_t HadamardBlockOf(uint32_t layer) const;
   bool UsesGeometry(uint32_t layer) const;
   bool RefreshesAt(uint32_t layer, uint64_t step) const;
   std::string PolicyMismatch(uint32_t layer, const Geometry& geometry) const;

@@ -63,6 +63,11 @@ std::string DescribeLayerDifference(const LayerRecord& a, const LayerRecord& ref
        << std::dec
        << "): the ranks derived different transforms from the same version, e.g. "
           "different CPU kernels; every rank must compute the sketch identically";
+  } else if (a.error_feedback != ref.error_feedback) {
+    os << "error_feedback " << (a.error_feedback ? "on" : "off")
+       << " (others: " << (ref.error_feedback ? "on" : "off") << ")";
+  } else if (a.hadamard_block != ref.hadamard_block) {
+    os << "hadamard_block " << a.hadamard_block << " (others: " << ref.hadamard_block << ")";
   } else if (a.rank_k != ref.rank_k || std::memcmp(&a.alpha, &ref.alpha, 4) != 0) {
     os << "geometry rank/alpha " << a.rank_k << "/" << a.alpha << " (others: " << ref.rank_k << "/"
        << ref.alpha << ")";

@@ -30,8 +30,10 @@ struct LayerRecord {
   // GeometryDigest of the active geometry (0: identity): ranks that derive their geometry
   // themselves (the ema estimator) prove here that they hold the same transform.
   uint64_t geometry_digest = 0;
+  uint32_t hadamard_block = 0;  // the rotation block (0: no rotation)
+  uint32_t error_feedback = 0;  // 1: the layer adds its residuals (LayerPolicy::error_feedback)
 };
-static_assert(sizeof(LayerRecord) == 52);
+static_assert(sizeof(LayerRecord) == 60);
 
 struct BucketRecord {
   uint64_t policy_version = 0;

@@ -35,6 +35,22 @@ std::optional<Algorithm> ParseAlgorithm(std::string_view name) {
 
 std::string_view AcceptedAlgorithms() { return "auto, two_phase, allgather, native, fp32, bf16"; }
 
+uint32_t EffectiveHadamardBlock(const LayerPolicy& p) {
+  if (!p.hadamard) return 0;
+  if (p.hadamard_block) return p.hadamard_block;
+  switch (p.format) {
+    case Format::kNvfp4:
+      return 16;
+    case Format::kMxfp8:
+      return 32;
+    case Format::kFp8E4M3:
+    case Format::kFp8E5M2:
+      return p.scaling == Scaling::kBlock ? p.block : 128;
+    default:
+      return 128;
+  }
+}
+
 Algorithm ResolveAlgorithm(Algorithm a, int ranks) {
   if (a != Algorithm::kAuto) return a;
   return ranks <= 2 ? Algorithm::kAllGather : Algorithm::kTwoPhase;

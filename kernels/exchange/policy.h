@@ -44,7 +44,16 @@ struct LayerPolicy {
   int rank = 16;                // k for kLowRank
   float alpha = 0.25f;          // whitening exponent
   bool error_feedback = false;  // optional extension, off by default
+  // Block random Hadamard rotation of the flattened gradient after the geometry (before it, on
+  // the way back), kernels/geometry/hadamard.h: spreads an outlier over its scale block.
+  bool hadamard = false;
+  // Elements per rotation block: a power of two dividing the codec's scale block; 0: the codec's
+  // scale block itself (16 nvfp4, 32 mxfp8, `block` for block scaling, 128 without one).
+  uint32_t hadamard_block = 0;
 };
+
+// The rotation block `p` uses (0 when it does not rotate): hadamard_block, or its default.
+uint32_t EffectiveHadamardBlock(const LayerPolicy& p);
 
 // How a layer's geometry is estimated from the post-exchange averaged gradient.
 enum class GeometryEstimator : uint8_t {

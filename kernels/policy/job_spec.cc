@@ -15,6 +15,7 @@
 #include <set>
 #include <sstream>
 
+#include "kernels/geometry/hadamard.h"
 #include "kernels/model/model.h"
 #include "yaml-cpp/depthguard.h"
 #include "yaml-cpp/yaml.h"
@@ -45,6 +46,29 @@ constexpr Vocabulary<Scaling> kScalings{ParseScaling, AcceptedScalings};
 constexpr Vocabulary<Rounding> kRoundings{ParseRounding, AcceptedRoundings};
 constexpr Vocabulary<GeometryMode> kGeometries{ParseGeometryMode, AcceptedGeometryModes};
 constexpr Vocabulary<Algorithm> kAlgorithms{ParseAlgorithm, AcceptedAlgorithms};
+
+// A layer's `geometry:` value: the geometry, optionally followed by the Hadamard rotation.
+struct Transform {
+  GeometryMode geometry = GeometryMode::kNone;
+  bool hadamard = false;
+};
+std::optional<Transform> ParseTransform(std::string_view name) {
+  constexpr std::string_view kSuffix = "+hadamard";
+  if (name == "hadamard") return Transform{GeometryMode::kNone, true};
+  const bool rotated = name.size() > kSuffix.size() && name.ends_with(kSuffix);
+  if (rotated) name.remove_suffix(kSuffix.size());
+  const std::optional<GeometryMode> g = ParseGeometryMode(name);
+  if (!g || (rotated && *g == GeometryMode::kNone)) return std::nullopt;
+  return Transform{*g, rotated};
+}
+std::string_view AcceptedTransforms() {
+  return "none, diag, lowrank, hadamard, diag+hadamard, lowrank+hadamard";
+}
+constexpr Vocabulary<Transform> kTransforms{ParseTransform, AcceptedTransforms};
+std::string TransformName(GeometryMode g, bool hadamard) {
+  if (!hadamard) return std::string(GeometryModeName(g));
+  return g == GeometryMode::kNone ? "hadamard" : std::string(GeometryModeName(g)) + "+hadamard";
+}
 constexpr Vocabulary<GeometryEstimator> kEstimators{ParseGeometryEstimator,
                                                     AcceptedGeometryEstimators};
 
@@ -216,14 +240,22 @@ class Reader {
 void ReadLayerPolicy(Reader& r, const YAML::Node& node, const std::string& path, LayerPolicy* out) {
   if (!r.Map(node, path,
              {"format", "scaling", "block", "rounding", "geometry", "rank", "alpha",
-              "error_feedback"})) {
+              "error_feedback", "hadamard_block"})) {
     return;
   }
   r.Enum(node, "format", path, kFormats, &out->format);
   r.Enum(node, "scaling", path, kScalings, &out->scaling);
   r.Number<uint32_t>(node, "block", path, &out->block, 1, 1u << 20);
   r.Enum(node, "rounding", path, kRoundings, &out->rounding);
-  r.Enum(node, "geometry", path, kGeometries, &out->geometry);
+  Transform t{out->geometry, out->hadamard};
+  r.Enum(node, "geometry", path, kTransforms, &t);
+  out->geometry = t.geometry;
+  out->hadamard = t.hadamard;
+  r.Number<uint32_t>(node, "hadamard_block", path, &out->hadamard_block, 2, kMaxHadamardBlock);
+  if (const uint32_t b = out->hadamard_block; b & (b - 1)) {
+    r.Error(node["hadamard_block"], path + ".hadamard_block",
+            "must be a power of two (" + std::to_string(b) + ")");
+  }
   r.Number(node, "rank", path, &out->rank, 1, 4096);
   r.Number(node, "alpha", path, &out->alpha, 0.f, 1.f);
   r.Bool(node, "error_feedback", path, &out->error_feedback);
@@ -233,7 +265,7 @@ void ReadLayerPatch(Reader& r, const YAML::Node& node, const std::string& path,
                     LayerPatchSpec* out) {
   if (!r.Map(node, path,
              {"match", "format", "scaling", "block", "rounding", "geometry", "rank", "alpha",
-              "error_feedback", "refresh_interval"})) {
+              "error_feedback", "refresh_interval", "hadamard_block"})) {
     return;
   }
   YAML::Node match = r.Get(node, "match", path, &out->match, "a layer name or glob");
@@ -246,7 +278,14 @@ void ReadLayerPatch(Reader& r, const YAML::Node& node, const std::string& path,
   r.OptionalEnum(node, "scaling", path, kScalings, &out->scaling);
   r.OptionalNumber<uint32_t>(node, "block", path, &out->block, 1, 1u << 20);
   r.OptionalEnum(node, "rounding", path, kRoundings, &out->rounding);
-  r.OptionalEnum(node, "geometry", path, kGeometries, &out->geometry);
+  std::optional<Transform> t;
+  r.OptionalEnum(node, "geometry", path, kTransforms, &t);
+  if (t) {
+    out->geometry = t->geometry;
+    out->hadamard = t->hadamard;
+  }
+  r.OptionalNumber<uint32_t>(node, "hadamard_block", path, &out->hadamard_block, 2,
+                             kMaxHadamardBlock);
   r.OptionalNumber(node, "rank", path, &out->rank, 1, 4096);
   r.OptionalNumber(node, "alpha", path, &out->alpha, 0.f, 1.f);
   if (node["error_feedback"].IsDefined() && !node["error_feedback"].IsNull()) {
@@ -807,7 +846,8 @@ namespace {
 // Emits the fields of a (partial) layer policy in the schema's order.
 void EmitFields(YAML::Emitter& out, std::optional<Format> format, std::optional<Scaling> scaling,
                 std::optional<uint32_t> block, std::optional<Rounding> rounding,
-                std::optional<GeometryMode> geometry, std::optional<int> rank,
+                std::optional<GeometryMode> geometry, std::optional<bool> hadamard,
+                std::optional<uint32_t> hadamard_block, std::optional<int> rank,
                 std::optional<float> alpha, std::optional<bool> error_feedback) {
   if (format) out << YAML::Key << "format" << YAML::Value << std::string(FormatName(*format));
   if (scaling) out << YAML::Key << "scaling" << YAML::Value << std::string(ScalingName(*scaling));
@@ -816,8 +856,10 @@ void EmitFields(YAML::Emitter& out, std::optional<Format> format, std::optional<
     out << YAML::Key << "rounding" << YAML::Value << std::string(RoundingName(*rounding));
   }
   if (geometry) {
-    out << YAML::Key << "geometry" << YAML::Value << std::string(GeometryModeName(*geometry));
+    out << YAML::Key << "geometry" << YAML::Value
+        << TransformName(*geometry, hadamard.value_or(false));
   }
+  if (hadamard_block) out << YAML::Key << "hadamard_block" << YAML::Value << *hadamard_block;
   if (rank) out << YAML::Key << "rank" << YAML::Value << *rank;
   // Shortest text that reads back to the same float.
   if (alpha) {
@@ -837,16 +879,17 @@ std::string WritePolicyPatch(const PolicyPatchSpec& patch, const std::string& he
   if (patch.defaults) {
     const LayerPolicy& d = *patch.defaults;
     out << YAML::Key << "default" << YAML::Value << YAML::BeginMap;
-    EmitFields(out, d.format, d.scaling, d.block, d.rounding, d.geometry, d.rank, d.alpha,
-               d.error_feedback);
+    EmitFields(out, d.format, d.scaling, d.block, d.rounding, d.geometry, d.hadamard,
+               d.hadamard_block ? std::optional<uint32_t>(d.hadamard_block) : std::nullopt, d.rank,
+               d.alpha, d.error_feedback);
     out << YAML::EndMap;
   }
   if (!patch.layers.empty()) {
     out << YAML::Key << "layers" << YAML::Value << YAML::BeginSeq;
     for (const LayerPatchSpec& p : patch.layers) {
       out << YAML::BeginMap << YAML::Key << "match" << YAML::Value << YAML::DoubleQuoted << p.match;
-      EmitFields(out, p.format, p.scaling, p.block, p.rounding, p.geometry, p.rank, p.alpha,
-                 p.error_feedback);
+      EmitFields(out, p.format, p.scaling, p.block, p.rounding, p.geometry, p.hadamard,
+                 p.hadamard_block, p.rank, p.alpha, p.error_feedback);
       if (p.refresh_interval) {
         out << YAML::Key << "refresh_interval" << YAML::Value << *p.refresh_interval;
       }
@@ -871,6 +914,13 @@ std::string ValidateLayerPatch(const LayerPatchSpec& patch, const std::string& p
     errors.push_back(path + ".rank: must be in [1, 4096] (" + std::to_string(*patch.rank) + ")");
   if (patch.alpha && !(*patch.alpha >= 0.f && *patch.alpha <= 1.f))
     errors.push_back(path + ".alpha: must be in [0, 1] (" + std::to_string(*patch.alpha) + ")");
+  if (patch.hadamard_block &&
+      (*patch.hadamard_block < 2 || *patch.hadamard_block > uint32_t(kMaxHadamardBlock) ||
+       (*patch.hadamard_block & (*patch.hadamard_block - 1)) != 0)) {
+    errors.push_back(path + ".hadamard_block: must be a power of two in [2, " +
+                     std::to_string(kMaxHadamardBlock) + "] (" +
+                     std::to_string(*patch.hadamard_block) + ")");
+  }
   if (patch.refresh_interval && (*patch.refresh_interval < 1 || *patch.refresh_interval > 1000000))
     errors.push_back(path + ".refresh_interval: must be in [1, 1000000] (" +
                      std::to_string(*patch.refresh_interval) + ")");

@@ -55,6 +55,9 @@ struct LayerPatchSpec {
   std::optional<float> alpha;
   std::optional<bool> error_feedback;
   std::optional<int> refresh_interval;  // geometry refresh interval override, steps
+  // Set together with `geometry` (a YAML geometry name such as lowrank+hadamard names both).
+  std::optional<bool> hadamard;
+  std::optional<uint32_t> hadamard_block;
 };
 
 struct ModelSpec {

@@ -77,6 +77,8 @@ v1::LayerPolicy ToProto(const LayerPolicy& p) {
   out.set_rank(p.rank);
   out.set_alpha(p.alpha);
   out.set_error_feedback(p.error_feedback);
+  out.set_hadamard(p.hadamard);
+  out.set_hadamard_block(p.hadamard_block);
   return out;
 }
 
@@ -92,6 +94,9 @@ v1::LayerPatch ToProto(const LayerPatchSpec& p) {
   if (p.alpha) out.set_alpha(*p.alpha);
   if (p.error_feedback) out.set_error_feedback(*p.error_feedback);
   if (p.refresh_interval) out.set_refresh_interval(*p.refresh_interval);
+  // A geometry names the whole transform: a patch that sets one sets the rotation too.
+  if (p.hadamard || p.geometry) out.set_hadamard(p.hadamard.value_or(false));
+  if (p.hadamard_block) out.set_hadamard_block(*p.hadamard_block);
   return out;
 }
 
@@ -119,6 +124,8 @@ absl::StatusOr<LayerPatchSpec> FromProto(const v1::LayerPatch& p, const std::str
   if (p.has_alpha()) out.alpha = p.alpha();
   if (p.has_error_feedback()) out.error_feedback = p.error_feedback();
   if (p.has_refresh_interval()) out.refresh_interval = p.refresh_interval();
+  if (p.has_hadamard()) out.hadamard = p.hadamard();
+  if (p.has_hadamard_block()) out.hadamard_block = p.hadamard_block();
   if (std::string e = ValidateLayerPatch(out, path); !e.empty()) errors.push_back(e);
   if (!errors.empty()) return absl::InvalidArgumentError(JoinErrors(errors, "; "));
   return out;
@@ -167,6 +174,8 @@ ResolvedLayer ResolveLayer(const v1::Policy& policy, const std::string& layer) {
     if (p.has_alpha()) r.policy.set_alpha(p.alpha());
     if (p.has_error_feedback()) r.policy.set_error_feedback(p.error_feedback());
     if (p.has_refresh_interval()) r.refresh_interval = p.refresh_interval();
+    if (p.has_hadamard()) r.policy.set_hadamard(p.hadamard());
+    if (p.has_hadamard_block()) r.policy.set_hadamard_block(p.hadamard_block());
   }
   return r;
 }
@@ -223,6 +232,8 @@ absl::StatusOr<LayerPolicy> FromProto(const v1::LayerPolicy& lp, const std::stri
   if (lp.rank() > 0) r.rank = lp.rank();
   if (lp.alpha() > 0) r.alpha = lp.alpha();
   r.error_feedback = lp.error_feedback();
+  r.hadamard = lp.hadamard();
+  r.hadamard_block = lp.hadamard_block();
   return r;
 }
 
@@ -247,7 +258,10 @@ absl::StatusOr<std::vector<LayerPolicy>> ResolveLayers(
     auto r = FromProto(ResolveLayer(policy, p.name).policy,
                        "policy v" + std::to_string(policy.version()) + ": layer " + p.name);
     if (!r.ok()) return r.status();
-    if (!p.is_matrix()) r->geometry = GeometryMode::kNone;  // DESIGN.md section 2
+    if (!p.is_matrix()) {  // DESIGN.md section 2: 1-D tensors are never transformed
+      r->geometry = GeometryMode::kNone;
+      r->hadamard = false;
+    }
     out.push_back(*r);
   }
   return out;

@@ -7,6 +7,7 @@
 #include <algorithm>
 #include <cmath>
 
+#include "kernels/geometry/hadamard.h"
 #include "tests/exchange/exchange_harness.h"
 #include "tests/geometry/reference_geometry.h"
 
@@ -165,6 +166,123 @@ TEST_P(GeometryAlgorithms, OwnerRefreshActivatesEverywhereAndMatchesReference) {
         << "step " << s << " first difference at " << FirstBitDifference(outputs[0][s], ref);
     ExpectWithinQuantizationOfExact(g, outputs[0][s], exact, N, m, n, s);
   }
+}
+
+// The block random Hadamard rotation in the exchange: alone (fp8 blocks of 128 with a tail,
+// nvfp4 at its block of 16, a smaller block inside fp8's) and after an owner-refreshed lowrank
+// geometry. Reference, written from the documented order without the engine: divide by N,
+// ApplyGeometry with the step's active basis, rotate with the GEOFP8_HD reference under
+// HadamardLayerSeed(seed, layer), the quantization math, then the inverse rotation and
+// InvertGeometry. 1-D layers are not rotated (as they get no geometry).
+TEST_P(GeometryAlgorithms, HadamardRotationMatchesTheReference) {
+  const int N = 3;
+  LayerPolicy both;
+  both.geometry = GeometryMode::kLowRank;
+  both.rank = 4;
+  both.hadamard = true;  // block 128, the codec's
+  LayerPolicy fp8 = both;
+  fp8.geometry = GeometryMode::kNone;
+  LayerPolicy fp8_small = fp8;
+  fp8_small.hadamard_block = 32;
+  LayerPolicy nv = fp8;
+  nv.format = Format::kNvfp4;
+  const std::vector<LayerSpec> layers = {{"w", 64, 48, both},
+                                         {"h", 33, 40, fp8},
+                                         {"s", 8, 96, fp8_small},
+                                         {"v", 16, 20, nv},
+                                         {"b", 48, 1, fp8}};
+  const std::vector<uint32_t> blocks = {128, 128, 32, 16, 0};
+  const std::vector<RefreshSchedule> schedule = {
+      {1, 2, 0}, {0, 1, 0}, {0, 1, 0}, {0, 1, 0}, {0, 1, 0}};
+  ExchangeOptions options;
+  options.seed = 5;
+  options.algorithm = GetParam();
+  const int steps = 3;
+  auto input = [&](int r, int s, size_t l) {
+    const LayerSpec& spec = layers[l];
+    if (l == 0) return LowRankish(r, s, spec.rows, spec.cols);
+    std::vector<float> x(spec.count());
+    for (size_t i = 0; i < x.size(); ++i) x[i] = InputValue(r, uint32_t(l), i, s);
+    x[x.size() / 3] *= 40.f;  // an outlier for the rotation to spread
+    return x;
+  };
+  std::vector<std::vector<std::vector<float>>> outputs(N);  // [rank][step * L + l]
+  std::vector<std::vector<uint8_t>> active(steps);          // rank 0's basis of layer w
+  const auto errors = RunRanks(N, [&](Communicator& comm) {
+    const int r = comm.rank();
+    Exchanger ex(comm, layers, options, schedule);
+    for (int s = 0; s < steps; ++s) {
+      std::vector<std::vector<float>> g;
+      std::vector<std::span<float>> spans;
+      for (size_t l = 0; l < layers.size(); ++l) g.push_back(input(r, s, l));
+      for (auto& v : g) spans.emplace_back(v);
+      ex.Exchange(s, spans);
+      // After the step: the basis it used (a refresh activates at a later step's first bucket).
+      if (r == 0) active[s] = SerializeGeometry(ex.active_geometry(0));
+      for (auto& v : g) outputs[r].push_back(v);
+    }
+  });
+  ASSERT_EQ(JoinErrors(errors), "");
+  for (int s = 0; s < steps; ++s) {
+    const Geometry g = DeserializeGeometry(active[s]);
+    if (s == 2) {
+      EXPECT_GE(g.version, 1u) << "the lowrank basis never activated";
+    }
+    for (size_t l = 0; l < layers.size(); ++l) {
+      const size_t idx = size_t(s) * layers.size() + l;
+      std::vector<std::vector<float>> transformed(N);
+      for (int r = 0; r < N; ++r) {
+        transformed[r] = input(r, s, l);
+        for (float& v : transformed[r]) v /= static_cast<float>(N);
+        if (l == 0) ApplyGeometry(g, transformed[r]);
+        if (blocks[l]) {
+          HadamardForward(transformed[r], int(blocks[l]), HadamardLayerSeed(options.seed, l), 0,
+                          /*reference=*/true);
+        }
+      }
+      std::vector<float> ref =
+          options.algorithm == Algorithm::kTwoPhase
+              ? ReferenceTwoPhase(transformed, layers[l].policy, options.seed, s, uint32_t(l))
+              : ReferenceAllGather(transformed, layers[l].policy, options.seed, s, uint32_t(l));
+      if (blocks[l]) {
+        HadamardInverse(ref, int(blocks[l]), HadamardLayerSeed(options.seed, l), 0, true);
+      }
+      if (l == 0) InvertGeometry(g, ref);
+      for (int r = 0; r < N; ++r) {
+        ASSERT_TRUE(SameBytes(outputs[r][idx], ref))
+            << "rank " << r << " step " << s << " layer " << layers[l].name
+            << ": first difference at " << FirstBitDifference(outputs[r][idx], ref);
+      }
+    }
+  }
+}
+
+TEST(ExchangeGeometry, HadamardBlockIsValidatedAndPartOfTheFingerprint) {
+  LayerPolicy p;
+  p.hadamard = true;
+  p.format = Format::kNvfp4;
+  p.hadamard_block = 32;
+  EXPECT_EQ(ValidateLayerPolicy({"w", 16, 16, p}),
+            "layer 'w': hadamard_block: must divide the codec's scale block 16 (32)");
+  p.hadamard_block = 12;
+  EXPECT_EQ(ValidateLayerPolicy({"w", 16, 16, p}),
+            "layer 'w': hadamard_block: must be a power of two in [2, 4096] (12)");
+  p = LayerPolicy{};
+  p.hadamard = true;
+  p.block = 96;  // the default rotation block would be 96
+  EXPECT_EQ(ValidateLayerPolicy({"w", 16, 16, p}),
+            "layer 'w': hadamard_block: must be a power of two in [2, 4096] (96) (the default, "
+            "from the codec's block)");
+  // Ranks that disagree on the rotation are stopped before any data moves, naming it.
+  const std::vector<std::string> errors = RunRanks(2, [&](Communicator& comm) {
+    LayerPolicy q;
+    q.hadamard = true;
+    q.hadamard_block = comm.rank() == 0 ? 64 : 128;
+    Exchanger ex(comm, {{"w", 16, 16, q}}, ExchangeOptions{});
+    std::vector<float> w(256, 1.f);
+    ex.Exchange(0, {std::span<float>(w)});
+  });
+  EXPECT_NE(JoinErrors(errors).find("hadamard_block"), std::string::npos) << JoinErrors(errors);
 }
 
 INSTANTIATE_TEST_SUITE_P(ExchangeGeometry, GeometryAlgorithms,

@@ -400,13 +400,17 @@ TEST(Exchanger, RejectsBadPolicyNamingLayerAndField) {
   auto layers = OneLayer(10);
   layers[0].name = "w";
   layers[0].policy.error_feedback = true;
+  const Format format = layers[0].policy.format;
+  layers[0].policy.format = Format::kFp32;  // nothing to feed back
   try {
     Exchanger ex(*comm, layers, {});
     FAIL();
   } catch (const Error& e) {
-    EXPECT_NE(std::string(e.what()).find("layer 'w': error_feedback"), std::string::npos)
+    EXPECT_NE(std::string(e.what()).find("layer 'w': error_feedback: fp32 loses nothing"),
+              std::string::npos)
         << e.what();
   }
+  layers[0].policy.format = format;
   layers[0].policy.error_feedback = false;
   EXPECT_THROW(Exchanger(*comm, layers, {}, {RefreshSchedule{3, 10, 0}}), Error);  // owner 3 of 1
   for (int nice : {-1, 20}) {

@@ -12,7 +12,9 @@
 #include <string>
 #include <vector>
 
+#include "kernels/codec/codec.h"
 #include "kernels/geometry/analysis.h"
+#include "kernels/geometry/hadamard.h"
 #include "kernels/geometry/synthetic.h"
 
 namespace geofp8 {
@@ -106,6 +108,57 @@ TEST_F(AnalyzeToolTest, StaleBasisFromAnotherGradient) {
   EXPECT_EQ(diag.code, 0) << diag.err;
 }
 
+// --geometry hadamard: the decoded file is the library's rotate, encode, decode, inverse
+// rotate, bit for bit, with or without a shape, and after lowrank.
+TEST_F(AnalyzeToolTest, HadamardRotationIsTheLibrarysAndComposesWithLowRank) {
+  auto library = [&](int block, const CodecOptions& o) {
+    std::vector<float> t = g_;
+    HadamardForward(t, block, HadamardLayerSeed(o.seed, 0));
+    std::vector<uint8_t> enc(EncodedBytes(o, t.size()));
+    Encode(t, o, enc);
+    Decode(enc, t);
+    HadamardInverse(t, block, HadamardLayerSeed(o.seed, 0));
+    return t;
+  };
+  auto read = [&](const std::string& name) {
+    const std::string bytes = Slurp(Path(name));
+    std::vector<float> v(bytes.size() / 4);
+    std::memcpy(v.data(), bytes.data(), bytes.size());
+    return v;
+  };
+  CodecOptions nv;
+  nv.format = Format::kNvfp4;
+  nv.seed = 3;
+  const Result flat = Run("--format nvfp4 --seed 3 --geometry hadamard --in " + Path("g.f32") +
+                          " --out " + Path("h.f32"));
+  ASSERT_EQ(flat.code, 0) << flat.err;
+  EXPECT_NE(flat.out.find("\"geometry\": \"hadamard\", \"hadamard_block\": 16"), std::string::npos)
+      << flat.out;
+  EXPECT_EQ(read("h.f32"), library(16, nv));
+  EXPECT_NEAR(Field(flat.out, "rel_fro_error"), RelFroError(g_, library(16, nv)), 1e-6);
+  CodecOptions fp8;
+  const Result small = Run("--geometry hadamard --hadamard-block 32 --shape 96x160 --in " +
+                           Path("g.f32") + " --out " + Path("s.f32"));
+  ASSERT_EQ(small.code, 0) << small.err;
+  EXPECT_NE(small.out.find("\"hadamard_block\": 32"), std::string::npos) << small.out;
+  EXPECT_EQ(read("s.f32"), library(32, fp8));
+  const Result both =
+      Run("--geometry lowrank+hadamard --rank 8 --shape 96x160 --in " + Path("g.f32"));
+  ASSERT_EQ(both.code, 0) << both.err;
+  EXPECT_NE(both.out.find("\"geometry\": \"lowrank+hadamard\", \"rank\": 8"), std::string::npos)
+      << both.out;
+  const Result bad_block =
+      Run("--format nvfp4 --geometry hadamard --hadamard-block 32 --in " + Path("g.f32"));
+  EXPECT_EQ(bad_block.code, 2);
+  EXPECT_NE(bad_block.err.find("hadamard-block: must divide the codec's scale block 16 (32)"),
+            std::string::npos)
+      << bad_block.err;
+  const Result no_rotation = Run("--hadamard-block 64 --in " + Path("g.f32"));
+  EXPECT_EQ(no_rotation.code, 2);
+  EXPECT_NE(no_rotation.err.find("hadamard-block: needs --geometry hadamard"), std::string::npos)
+      << no_rotation.err;
+}
+
 TEST_F(AnalyzeToolTest, BadGeometryFlagsAreOneLineUsageErrors) {
   Write("small.f32", std::vector<float>(10, 1.f));
   struct Case {
@@ -115,7 +168,8 @@ TEST_F(AnalyzeToolTest, BadGeometryFlagsAreOneLineUsageErrors) {
   for (const Case& c : std::vector<Case>{
            {in + " --geometry lowrank", "geometry: needs --shape MxN"},
            {in + " --shape 96x160 --geometry wide",
-            "geometry: unknown geometry (wide); accepted: none, diag, lowrank"},
+            "geometry: unknown geometry (wide); accepted: none, diag, lowrank, hadamard, "
+            "diag+hadamard, lowrank+hadamard"},
            {in + " --shape 15360 --geometry lowrank", "shape: expected a matrix MxN (15360)"},
            {in + " --shape 96x160 --geometry lowrank --rank 0", "rank: must be at least 1 (0)"},
            {in + " --shape 96x160 --geometry lowrank --alpha 2", "alpha: must be in [0, 1] (2)"},

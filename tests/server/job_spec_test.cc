@@ -238,6 +238,38 @@ TEST(JobSpec, InvalidExampleReportsEveryFieldWithItsLine) {
       << e;
 }
 
+TEST(JobSpec, HadamardPatchesRoundTripThroughTheWriterAndTheWire) {
+  auto p = ParsePolicyPatch(
+      "default: {format: nvfp4, geometry: lowrank+hadamard, hadamard_block: 8}\n"
+      "layers:\n"
+      "  - {match: a, geometry: hadamard, hadamard_block: 4}\n"
+      "  - {match: b, geometry: diag}\n");
+  ASSERT_TRUE(p.ok()) << p.status();
+  EXPECT_EQ(p->defaults->geometry, GeometryMode::kLowRank);
+  EXPECT_TRUE(p->defaults->hadamard);
+  EXPECT_EQ(p->defaults->hadamard_block, 8u);
+  EXPECT_EQ(p->layers[0].geometry, GeometryMode::kNone);
+  EXPECT_EQ(p->layers[0].hadamard, true);
+  EXPECT_EQ(p->layers[0].hadamard_block, 4u);
+  EXPECT_EQ(p->layers[1].geometry, GeometryMode::kDiag);
+  EXPECT_EQ(p->layers[1].hadamard, false);
+  EXPECT_FALSE(p->layers[1].hadamard_block.has_value());
+  const std::string text = WritePolicyPatch(*p);
+  EXPECT_NE(text.find("lowrank+hadamard"), std::string::npos) << text;
+  auto back = ParsePolicyPatch(text);
+  ASSERT_TRUE(back.ok()) << back.status() << "\n" << text;
+  EXPECT_TRUE(back->defaults->hadamard);
+  EXPECT_EQ(back->defaults->hadamard_block, 8u);
+  EXPECT_EQ(back->layers[0].hadamard, true);
+  EXPECT_EQ(back->layers[0].geometry, GeometryMode::kNone);
+  EXPECT_EQ(back->layers[1].hadamard, false);
+  LayerPatchSpec odd;
+  odd.match = "x";
+  odd.hadamard_block = 12;
+  EXPECT_EQ(ValidateLayerPatch(odd, "p"),
+            "p.hadamard_block: must be a power of two in [2, 4096] (12)");
+}
+
 TEST(JobSpec, ErrorsNameThePathAndLine) {
   EXPECT_NE(ErrorOf("world_size: 2\n").find("spec.name: required"), std::string::npos);
   EXPECT_NE(ErrorOf("name: a\nbackend: mpi\n").find("line 2: spec.backend: unknown value (mpi)"),

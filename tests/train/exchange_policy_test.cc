@@ -125,6 +125,61 @@ policy:
   }
 }
 
+TEST_F(PolicyFileTest, HadamardIsAGeometryValueComposedWithLowrankAndValidatedPerLayer) {
+  const auto params = Params();
+  const ExchangePlan plan = MakeExchangePlan(Write(R"(
+policy:
+  default: {format: fp8_e4m3, block: 128, geometry: lowrank+hadamard, rank: 4}
+  layers:
+    - {match: "layers.*.mlp.*", geometry: hadamard, hadamard_block: 32}
+    - {match: "lm_head", format: nvfp4}
+    - {match: "tok_emb", geometry: lowrank}
+)"),
+                                             params);
+  for (size_t i = 0; i < params.size(); ++i) {
+    const auto& p = params[i];
+    const LayerPolicy& lp = plan.layers[i];
+    if (!p.is_matrix()) {
+      EXPECT_FALSE(lp.hadamard) << p.name;  // 1-D: never transformed
+      EXPECT_EQ(lp.geometry, GeometryMode::kNone) << p.name;
+    } else if (p.name.find(".mlp.") != std::string::npos) {
+      EXPECT_TRUE(lp.hadamard) << p.name;
+      EXPECT_EQ(lp.geometry, GeometryMode::kNone) << p.name;
+      EXPECT_EQ(EffectiveHadamardBlock(lp), 32u) << p.name;
+    } else if (p.name == "tok_emb") {
+      EXPECT_FALSE(lp.hadamard);  // a geometry value names the whole transform
+      EXPECT_EQ(lp.geometry, GeometryMode::kLowRank);
+    } else {
+      EXPECT_TRUE(lp.hadamard) << p.name;
+      EXPECT_EQ(lp.geometry, GeometryMode::kLowRank) << p.name;
+      // The rotation block follows the layer's codec: nvfp4's 16, fp8's block of 128.
+      EXPECT_EQ(EffectiveHadamardBlock(lp), p.name == "lm_head" ? 16u : 128u) << p.name;
+    }
+  }
+  EXPECT_NE(
+      ErrorOf("policy:\n  default: {format: nvfp4, geometry: hadamard, hadamard_block: 32}\n")
+          .find("layer 'tok_emb': hadamard_block: must divide the codec's scale block 16 (32)"),
+      std::string::npos)
+      << ErrorOf("policy:\n  default: {format: nvfp4, geometry: hadamard, hadamard_block: 32}\n");
+  EXPECT_NE(ErrorOf("policy:\n  default: {geometry: hadamard, hadamard_block: 24}\n")
+                .find("line 2: spec.policy.default.hadamard_block: must be a power of two (24)"),
+            std::string::npos);
+  EXPECT_NE(ErrorOf("policy:\n  layers:\n    - {match: '*', hadamard_block: 8192}\n")
+                .find("spec.policy.layers[0].hadamard_block: must be in [2, 4096] (8192)"),
+            std::string::npos);
+  const std::string bad = ErrorOf("policy:\n  default: {geometry: hadamard+lowrank}\n");
+  EXPECT_NE(bad.find("spec.policy.default.geometry: unknown value (hadamard+lowrank); accepted: "
+                     "none, diag, lowrank, hadamard, diag+hadamard, lowrank+hadamard"),
+            std::string::npos)
+      << bad;
+  EXPECT_NE(ErrorOf("policy:\n  default: {geometry: none+hadamard}\n").find("unknown value"),
+            std::string::npos);
+  // A block of 96 has no power-of-two default rotation block.
+  EXPECT_NE(ErrorOf("policy:\n  default: {block: 96, geometry: hadamard}\n")
+                .find("hadamard_block: must be a power of two in [2, 4096] (96) (the default"),
+            std::string::npos);
+}
+
 TEST_F(PolicyFileTest, TheEmaEstimatorAndItsKnobsReachTheExchangeOptions) {
   const ExchangePlan plan = MakeExchangePlan(Write(R"(
 geometry_refresh: {interval: 2, estimator: ema, beta: 0.8, width: 12, probes: 2, probe_every: 3, adapt: 0.5}

@@ -13,6 +13,7 @@
 #include <cstring>
 #include <filesystem>
 #include <fstream>
+#include <map>
 
 #include "kernels/common/check.h"
 #include "kernels/model/data.h"
@@ -96,6 +97,194 @@ TEST(Trainer, FourRanksFp32MatchOneRankOnTheCombinedBatch) {
   EXPECT_LT(max_diff, 1e-4) << "max |w4 - w1| = " << max_diff;
 }
 
+// The gradient an accumulating step hands to the exchange, bit for bit: the sum of the first
+// accum - 1 micro-batches' gradients (in order, from zero), plus the last one's, divided by
+// accum; micro-batch m is rows [m * batch, (m + 1) * batch) of the step's accum * batch draw.
+TEST(Trainer, AccumulationExchangesTheMeanOfItsMicroBatches) {
+  TrainOptions o = Tiny(1, 2, 1);
+  o.accum = 3;
+  model::SetBlasThreads(o.blas_threads);
+  model::Model<float> ref(o.model);
+  ref.Init(o.seed);
+  auto data = model::MakeDataSource(o.data, o.seed);
+  std::vector<int32_t> tokens;
+  data->TrainBatch(0, 0, 1, o.accum * o.batch, 16, &tokens);
+  const size_t micro = size_t(o.batch) * 17;
+  std::vector<float> sum(ref.grads().size(), 0.f);
+  double loss = 0;
+  for (int m = 0; m < o.accum; ++m) {
+    loss += ref.ForwardBackward(std::span<const int32_t>(tokens).subspan(m * micro, micro), o.batch,
+                                16);
+    if (m + 1 < o.accum) {
+      for (size_t j = 0; j < sum.size(); ++j) sum[j] += ref.grads()[j];
+    }
+  }
+  std::vector<float> expected(sum.size());
+  for (size_t j = 0; j < sum.size(); ++j) expected[j] = (sum[j] + ref.grads()[j]) / 3.f;
+
+  const auto errors = geofp8::testing::RunRanks(1, [&](Communicator& comm) {
+    Trainer t(o, comm);
+    const StepRecord rec = t.Step(0, {.keep_local = true});
+    EXPECT_EQ(t.local_gradient(), expected);
+    EXPECT_EQ(rec.loss, double(float(loss / 3)));
+    EXPECT_EQ(rec.tokens, 3 * 2 * 16);
+  });
+  EXPECT_EQ(geofp8::testing::JoinErrors(errors), "");
+}
+
+// accum N at batch b sees the data of batch N*b, and this model has no cross-sequence coupling
+// (no batch statistics), so both compute the same gradient; only rounding differs.
+TEST(Trainer, AccumulationMatchesTheLargerBatchToSummationRoundoff) {
+  const int n = 4, b = 2, seq = 16;
+  TrainOptions accum = Tiny(1, b, 1);
+  accum.accum = n;
+  TrainOptions big = Tiny(1, n * b, 1);
+  model::SetBlasThreads(accum.blas_threads);
+  std::vector<float> g_accum, g_big;
+  const auto errors = geofp8::testing::RunRanks(1, [&](Communicator& comm) {
+    Trainer ta(accum, comm);
+    ta.Step(0, {.keep_local = true});
+    g_accum = ta.local_gradient();
+    Trainer tb(big, comm);
+    tb.Step(0, {.keep_local = true});
+    g_big = tb.local_gradient();
+  });
+  ASSERT_EQ(geofp8::testing::JoinErrors(errors), "");
+  ASSERT_EQ(g_accum.size(), g_big.size());
+  // Each parameter's gradient is a sum of R = n*b*seq per-row contributions c_r, each computed
+  // alike in both runs (per-row forward, the same reductions over dim and ffn); what differs is
+  // the order of the sum over rows (and the accumulating run's n - 1 extra additions and one
+  // division, within the same bound). Recursive summation errs by at most gamma_R * sum_r |c_r|
+  // per element (Higham, Accuracy and Stability, 4.2), so the two differ by at most
+  // 2 * gamma_R * sum_r |c_r|. The rows of a sequence interact through attention, so sum_r |c_r|
+  // is not observable; the sum of the absolute per-sequence gradients stands in for it, with a
+  // factor seq for cancellation among a sequence's rows.
+  model::Model<float> m(big.model);
+  m.Init(big.seed);
+  auto data = model::MakeDataSource(big.data, big.seed);
+  std::vector<int32_t> tokens;
+  data->TrainBatch(0, 0, 1, n * b, seq, &tokens);
+  std::vector<double> abs_sum(g_big.size(), 0.0);
+  for (int s = 0; s < n * b; ++s) {
+    // A one-sequence mean gradient, scaled back to its share of the n*b-sequence mean.
+    m.ForwardBackward(std::span<const int32_t>(tokens).subspan(size_t(s) * (seq + 1), seq + 1), 1,
+                      seq);
+    for (size_t j = 0; j < abs_sum.size(); ++j) abs_sum[j] += std::abs(m.grads()[j]) / (n * b);
+  }
+  const double R = n * b * seq, u = std::ldexp(1.0, -24), gamma = R * u / (1 - R * u);
+  double worst = 0;
+  for (size_t j = 0; j < g_big.size(); ++j) {
+    const double bound = 2 * gamma * seq * abs_sum[j];
+    const double diff = std::abs(double(g_accum[j]) - g_big[j]);
+    if (diff > bound) ADD_FAILURE() << "element " << j << ": |diff| " << diff << " > " << bound;
+    worst = std::max(worst, bound > 0 ? diff / bound : diff);
+    if (::testing::Test::HasFailure()) break;
+  }
+  std::printf("worst |g_accum - g_big| / bound = %.3g\n", worst);
+  // Not the same bits: the test would otherwise not see the division order at all.
+  EXPECT_NE(g_accum, g_big);
+}
+
+TEST(Trainer, AccumulationResumesBitwiseAndIsPartOfTheCheckpointFingerprint) {
+  const fs::path ckpt = TempPath("accum.ckpt");
+  fs::remove(ckpt);
+  TrainOptions straight = Tiny(2, 2, 6, "geofp8");
+  straight.accum = 2;
+  straight.optimizer.total_steps = 6;
+  // The noise scale's averages travel in the checkpoint too: the resumed steps report the same.
+  std::map<int64_t, double> gns_full, gns_resumed;
+  const TrainResult full =
+      Train(straight, [&](const StepRecord& r) { gns_full[r.step] = r.gradient_noise_scale; });
+  TrainOptions first = straight;
+  first.checkpoint = ckpt.string();
+  first.steps = 3;
+  Train(first);
+  TrainOptions second = straight;
+  second.checkpoint = ckpt.string();
+  second.resume = true;
+  const TrainResult resumed =
+      Train(second, [&](const StepRecord& r) { gns_resumed[r.step] = r.gradient_noise_scale; });
+  EXPECT_EQ(resumed.start_step, 3);
+  EXPECT_EQ(resumed.weights, full.weights);
+  EXPECT_EQ(resumed.checksum, full.checksum);
+  ASSERT_EQ(gns_resumed.size(), 3u);
+  for (const auto& [step, b] : gns_resumed) {
+    EXPECT_TRUE(std::isfinite(b)) << step;
+    EXPECT_EQ(b, gns_full.at(step)) << step;
+  }
+  // The same checkpoint under another accumulation is another run's.
+  TrainOptions other = second;
+  other.accum = 3;
+  try {
+    Train(other);
+    ADD_FAILURE() << "a checkpoint of accum 2 resumed under accum 3";
+  } catch (const Error& e) {
+    EXPECT_NE(std::string(e.what()).find("written by a different run"), std::string::npos)
+        << e.what();
+  }
+  fs::remove(ckpt);
+}
+
+// The trainer's two-batch noise scale against a direct estimate on the same (fixed) model: the
+// per-sequence gradients of many independent sequences give tr(Sigma) and |g|^2 without the
+// two-batch trick. The learning rate is so small that the weights stay where they started
+// (Adam moves each by about lr = 1e-8 a step), so both estimate one quantity.
+TEST(Trainer, NoiseScaleAgreesWithADirectEstimateFromIndependentSequences) {
+  const int seq = 16;
+  TrainOptions o = Tiny(4, 2, 200);
+  o.optimizer.lr = 1e-8f;
+  o.optimizer.min_lr = 0;
+  o.checksum_every = 0;
+  o.gns_beta = 0.99;
+  double trained = NAN;
+  int defined = 0;
+  Train(o, [&](const StepRecord& r) {
+    trained = r.gradient_noise_scale;
+    defined += std::isfinite(r.gradient_noise_scale) ? 1 : 0;
+  });
+  // Direct: S independent sequences (indices the run never drew), one gradient each (the mean
+  // over its seq tokens). A batch of B tokens is B / seq sequences, so in tokens
+  // tr(Sigma) = seq * tr(Cov over sequences), and B_simple = seq * tr / |g|^2, with the unbiased
+  // |g|^2 = |mean|^2 - tr(Cov) / S.
+  model::SetBlasThreads(o.blas_threads);
+  model::Model<float> m(o.model);
+  m.Init(o.seed);
+  auto data = model::MakeDataSource(o.data, o.seed);
+  const int S = 1024, per_draw = 64;
+  std::vector<double> mean(m.grads().size(), 0.0), sq(m.grads().size(), 0.0);
+  std::vector<int32_t> tokens;
+  for (int draw = 0; draw < S / per_draw; ++draw) {
+    data->TrainBatch(100000 + draw, 0, 1, per_draw, seq, &tokens);
+    for (int s = 0; s < per_draw; ++s) {
+      m.ForwardBackward(std::span<const int32_t>(tokens).subspan(size_t(s) * (seq + 1), seq + 1), 1,
+                        seq);
+      for (size_t j = 0; j < mean.size(); ++j) {
+        mean[j] += m.grads()[j];
+        sq[j] += double(m.grads()[j]) * m.grads()[j];
+      }
+    }
+  }
+  double trace = 0, mean_sq = 0;
+  for (size_t j = 0; j < mean.size(); ++j) {
+    const double mu = mean[j] / S;
+    trace += (sq[j] - S * mu * mu) / (S - 1);
+    mean_sq += mu * mu;
+  }
+  const double direct = seq * trace / (mean_sq - trace / S);
+  std::printf("B_simple: trainer %.4g tokens, direct %.4g tokens (%d of %lld steps defined)\n",
+              trained, direct, defined, (long long)o.steps);
+  ASSERT_TRUE(std::isfinite(trained));
+  EXPECT_GT(trained, direct / 2);
+  EXPECT_LT(trained, direct * 2);
+}
+
+TEST(Trainer, NoiseScaleIsUndefinedOnOneRank) {
+  TrainOptions o = Tiny(1, 2, 3);
+  Train(o, [&](const StepRecord& r) { EXPECT_TRUE(std::isnan(r.gradient_noise_scale)); });
+  o.gns_beta = 1;
+  EXPECT_EQ(ValidateTrainOptions(o), "gns_beta: must be in [0, 1) (1)");
+}
+
 TEST(Trainer, ResumeFromCheckpointIsBitwiseIdentical) {
   // geofp8 uses the ema estimator: its sketch travels in the checkpoint (format 3).
   for (const std::string policy : {"fp32", "fp8", "geofp8"}) {
@@ -127,6 +316,102 @@ TEST(Trainer, ResumeFromCheckpointIsBitwiseIdentical) {
     EXPECT_EQ(resumed.checksum, full.checksum) << policy;
     fs::remove(ckpt);
   }
+}
+
+// Error feedback's residuals differ between ranks, so Run's checkpoint gathers every rank's and a
+// resume gives each its own: bitwise the uninterrupted run. Without them the resume differs,
+// which is what makes the test see them.
+TEST(Trainer, ErrorFeedbackResumesBitwiseWithEveryRanksResiduals) {
+  const fs::path policy = TempPath("ef.yaml");
+  std::ofstream(policy) << "exchange: {algorithm: two_phase}\n"
+                           "policy:\n  default: {format: nvfp4, error_feedback: true}\n";
+  const fs::path plain_policy = TempPath("plain.yaml");
+  std::ofstream(plain_policy) << "exchange: {algorithm: two_phase}\n"
+                                 "policy:\n  default: {format: nvfp4}\n";
+  const fs::path ckpt = TempPath("ef.ckpt");
+  fs::remove(ckpt);
+  TrainOptions straight = Tiny(2, 2, 8, policy.string());
+  straight.optimizer.total_steps = 8;
+  const TrainResult full = Train(straight);
+  TrainOptions plain = straight;
+  plain.policy = plain_policy.string();
+  EXPECT_NE(Train(plain).weights, full.weights) << "error feedback changed nothing";
+
+  TrainOptions first = straight;
+  first.checkpoint = ckpt.string();
+  first.steps = 4;
+  Train(first);
+  Checkpoint saved = LoadCheckpoint(ckpt.string());
+  ASSERT_EQ(saved.residuals.size(), 2u);
+  bool differ = false;
+  for (size_t l = 0; l < saved.residuals[0].size(); ++l) {
+    ASSERT_FALSE(saved.residuals[0][l].local.empty()) << l;
+    differ = differ || saved.residuals[0][l].local != saved.residuals[1][l].local;
+  }
+  EXPECT_TRUE(differ) << "both ranks saved the same residuals";
+
+  TrainOptions second = straight;
+  second.checkpoint = ckpt.string();
+  second.resume = true;
+  const TrainResult resumed = Train(second);
+  EXPECT_EQ(resumed.start_step, 4);
+  EXPECT_EQ(resumed.weights, full.weights);
+  EXPECT_EQ(resumed.checksum, full.checksum);
+
+  // A driver's per-rank checkpoints (MakeCheckpoint, as the worker daemon writes them) resume
+  // each rank exactly from its own.
+  std::vector<std::vector<float>> driven(2);
+  const auto errors = geofp8::testing::RunRanks(2, [&](Communicator& comm) {
+    Checkpoint mine;
+    {
+      Trainer t(straight, comm);
+      for (int64_t s = 0; s < 4; ++s) t.Step(s);
+      mine = t.MakeCheckpoint(4);
+      ASSERT_EQ(mine.residuals.size(), 2u);
+      EXPECT_TRUE(mine.residuals[1 - comm.rank()].empty());
+      EXPECT_FALSE(mine.residuals[comm.rank()].empty());
+    }
+    Trainer t(straight, comm);
+    t.Restore(mine);
+    for (int64_t s = 4; s < 8; ++s) t.Step(s);
+    driven[comm.rank()] = t.model().weights();
+  });
+  ASSERT_EQ(geofp8::testing::JoinErrors(errors), "");
+  EXPECT_EQ(driven[0], full.weights);
+  EXPECT_EQ(driven[1], full.weights);
+
+  saved.residuals.clear();
+  SaveCheckpoint(ckpt.string(), saved);
+  EXPECT_NE(Train(second).weights, full.weights) << "the residuals did not matter";
+  // One rank's set for a two-rank run is another run's checkpoint.
+  saved.residuals.assign(1, {});
+  SaveCheckpoint(ckpt.string(), saved);
+  try {
+    Train(second);
+    ADD_FAILURE() << "residuals of 1 rank accepted for 2";
+  } catch (const Error& e) {
+    EXPECT_NE(std::string(e.what()).find("error-feedback residuals of 1 ranks, this run has 2"),
+              std::string::npos)
+        << e.what();
+  }
+  fs::remove(ckpt);
+  fs::remove(policy);
+  fs::remove(plain_policy);
+}
+
+TEST(Trainer, ErrorFeedbackWithFp32IsRefusedNamingTheLayer) {
+  const fs::path policy = TempPath("ef32.yaml");
+  std::ofstream(policy) << "policy:\n  default: {format: fp32, error_feedback: true}\n";
+  try {
+    Train(Tiny(2, 2, 1, policy.string()));
+    ADD_FAILURE() << "fp32 with error feedback accepted";
+  } catch (const Error& e) {
+    EXPECT_NE(std::string(e.what()).find(
+                  "layer 'tok_emb': error_feedback: fp32 loses nothing to feed back (format fp32)"),
+              std::string::npos)
+        << e.what();
+  }
+  fs::remove(policy);
 }
 
 // A geofp8 policy whose matrices refresh every 3 steps (offsets staggered over 0, 1, 2) with sigma
@@ -332,16 +617,16 @@ TEST(Trainer, CheckpointVersionsAndGeometryAreValidated) {
         std::string::npos)
         << e.what();
   }
-  std::string v4 = SerializeCheckpoint(c);
-  v4[8] = 4;
-  const uint64_t h = fnv(v4.substr(0, v4.size() - 8));
-  std::memcpy(v4.data() + v4.size() - 8, &h, 8);
+  std::string v5 = SerializeCheckpoint(c);
+  v5[8] = 5;
+  const uint64_t h = fnv(v5.substr(0, v5.size() - 8));
+  std::memcpy(v5.data() + v5.size() - 8, &h, 8);
   try {
-    ParseCheckpoint(v4, "new");
+    ParseCheckpoint(v5, "new");
     FAIL() << "expected an error";
   } catch (const Error& e) {
     EXPECT_NE(std::string(e.what()).find(
-                  "checkpoint new: format version 4 is not supported (this build reads 1 to 3)"),
+                  "checkpoint new: format version 5 is not supported (this build reads 1 to 4)"),
               std::string::npos)
         << e.what();
   }
@@ -672,6 +957,9 @@ TEST(Trainer, BadOptionsAreRejectedNamingTheField) {
   o = Tiny(1, 2, 2);
   o.optimizer.lr = 0;
   EXPECT_NE(ValidateTrainOptions(o).find("optimizer.lr"), std::string::npos);
+  o = Tiny(1, 2, 2);
+  o.accum = 0;
+  EXPECT_EQ(ValidateTrainOptions(o), "accum: must be in [1, 65536] (0)");
   o = Tiny(1, 2, 2);
   o.resume = true;
   EXPECT_EQ(ValidateTrainOptions(o), "resume: needs a checkpoint path (empty)");

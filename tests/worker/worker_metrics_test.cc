@@ -2,6 +2,7 @@
 // it has ended (its gauges go; its counters stay for the last kKeptJobs jobs).
 #include <gtest/gtest.h>
 
+#include <cmath>
 #include <string>
 
 #include "worker/daemon/metrics.h"
@@ -73,6 +74,22 @@ TEST(WorkerMetricsTest, JobSeriesCarryTheJobAndWholeBytes) {
   m.ValidationLoss(3, 1.0);
   EXPECT_FALSE(Has(m.Render(), "geofp8_quantization_rel_error{"));
   EXPECT_FALSE(Has(m.Render(), "geofp8_worker_val_loss{"));
+}
+
+TEST(WorkerMetricsTest, NoiseScaleHasNoSampleWhileUndefined) {
+  WorkerMetrics m;
+  m.JobStarted("a", 0, 2);
+  m.GradientNoiseScale(NAN);  // one rank, or the first steps
+  EXPECT_FALSE(Has(m.Render(), "geofp8_gradient_noise_scale{")) << m.Render();
+  m.GradientNoiseScale(1234.5);
+  EXPECT_TRUE(Has(m.Render(), "geofp8_gradient_noise_scale{job_id=\"a\"} 1234.5")) << m.Render();
+  for (double undefined : {-3.0, double(NAN), double(INFINITY), 0.0}) {
+    m.GradientNoiseScale(undefined);
+    EXPECT_FALSE(Has(m.Render(), "geofp8_gradient_noise_scale{")) << undefined << m.Render();
+  }
+  m.GradientNoiseScale(77);
+  m.JobEnded(true, false, false);
+  EXPECT_FALSE(Has(m.Render(), "geofp8_gradient_noise_scale{")) << m.Render();
 }
 
 TEST(WorkerMetricsTest, ResultsAndTheBoundOnKeptJobs) {

@@ -89,6 +89,13 @@ WorkerMetrics::WorkerMetrics()
                             "layer deploys (basis=deployed) or would deploy while off "
                             "(basis=shadow); below 1, geometry hurts")
                       .Register(*registry_)),
+      noise_scale_(
+          BuildGauge()
+              .Name("geofp8_gradient_noise_scale")
+              .Help("Gradient noise scale B_simple = tr(Sigma) / |g|^2 in tokens, from each "
+                    "rank's gradient and the averaged one, smoothed over steps; absent "
+                    "while undefined (one rank, or an estimate not positive)")
+              .Register(*registry_)),
       policy_version_(BuildGauge()
                           .Name("geofp8_worker_policy_version")
                           .Help("Policy version in force")
@@ -271,6 +278,19 @@ void WorkerMetrics::ProbeGain(const std::string& layer, const std::string& basis
     }
   }
   JobGauge(probe_gain_, {{"layer", layer}, {"basis", basis}}).Set(gain);
+}
+
+void WorkerMetrics::GradientNoiseScale(double tokens) {
+  std::lock_guard<std::mutex> lock(mu_);
+  if (job_.empty()) return;
+  const prometheus::Labels labels{{"job_id", job_}};
+  if (std::isfinite(tokens) && tokens > 0) {
+    JobGauge(noise_scale_, {}).Set(tokens);
+  } else if (noise_scale_.Has(labels)) {
+    prometheus::Gauge* g = &noise_scale_.Add(labels);
+    job_gauges_.erase({&noise_scale_, g});
+    noise_scale_.Remove(g);
+  }
 }
 
 void WorkerMetrics::Checkpoint(int64_t step) {

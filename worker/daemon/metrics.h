@@ -33,9 +33,9 @@ class WorkerMetrics {
   // A job (attempt) starts on this worker: labels step/loss gauges and resets per-job gauges.
   // Every series labelled job_id belongs to the job that runs now. When the attempt ends its
   // gauges (step, loss, validation loss and step, tokens/s, policy version, checkpoint step,
-  // per-layer error, drift, probe gain) are removed; its counters (exchange bytes, refreshes) stay
-  // for the last kKeptJobs jobs that ended here, so their final values remain scrapeable without
-  // growing without bound.
+  // per-layer error, drift, probe gain, noise scale) are removed; its counters (exchange bytes,
+  // refreshes) stay for the last kKeptJobs jobs that ended here, so their final values remain
+  // scrapeable without growing without bound.
   static constexpr size_t kKeptJobs = 4;
   void JobStarted(const std::string& job_id, int rank, int world_size);
   // result: succeeded; stopped by the coordinator with a reason that says "cancelled"
@@ -61,6 +61,9 @@ class WorkerMetrics {
   // An auto-mode probe's gain (error without geometry / error with it) and the basis judged:
   // "deployed" (the layer uses geometry) or "shadow" (what it would deploy while off).
   void ProbeGain(const std::string& layer, const std::string& basis, double gain);
+  // The gradient noise scale B_simple in tokens (train::StepRecord::gradient_noise_scale). An
+  // undefined (non-finite or non-positive) value removes the sample rather than showing a number.
+  void GradientNoiseScale(double tokens);
   void Checkpoint(int64_t step);
   void Error(const std::string& kind);  // job_failed, session_lost, ...
   // Session counters are sampled at scrape time by the daemon.
@@ -84,6 +87,7 @@ class WorkerMetrics {
   prometheus::Family<prometheus::Counter>& refreshes_total_;
   prometheus::Family<prometheus::Gauge>& drift_;
   prometheus::Family<prometheus::Gauge>& probe_gain_;
+  prometheus::Family<prometheus::Gauge>& noise_scale_;
   prometheus::Family<prometheus::Gauge>& policy_version_;
   prometheus::Family<prometheus::Gauge>& checkpoint_step_;
   prometheus::Family<prometheus::Counter>& jobs_total_;

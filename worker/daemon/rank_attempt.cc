@@ -305,7 +305,7 @@ bool RankAttempt::Step(int64_t step, int64_t steps, double baseline_per_step, Jo
   }
   ctx_.reporter.Progress(step, steps, rec.loss, tokens_per_second_, trainer_->bytes_sent(),
                          uint64_t(baseline_per_step * double(step + 1)), policy_.version(),
-                         val_loss);
+                         val_loss, rec.gradient_noise_scale);
 
   if (last || (ctx_.options.checksum_every > 0 && (step + 1) % ctx_.options.checksum_every == 0)) {
     const uint64_t checksum = trainer_->VerifyChecksum(step);

@@ -118,6 +118,7 @@ void RankReporter::StepMetrics(int64_t step, const train::StepRecord& rec, doubl
   if (!metrics_) return;
   metrics_->Step(step, rec.loss, tokens_per_second,
                  {rec.step_seconds, rec.exchange_seconds, rec.geometry_seconds}, rec.skipped);
+  metrics_->GradientNoiseScale(rec.gradient_noise_scale);
   for (const BucketResult& b : rec.exchange.buckets) {
     const auto& ls = trainer.exchanger().buckets()[b.bucket].layers;
     double total = 0;
@@ -137,7 +138,7 @@ void RankReporter::StepMetrics(int64_t step, const train::StepRecord& rec, doubl
 
 void RankReporter::Progress(int64_t step, int64_t steps, double loss, double tokens_per_second,
                             uint64_t bytes_sent, uint64_t bytes_baseline, uint64_t policy_version,
-                            double val_loss) {
+                            double val_loss, double gradient_noise_scale) {
   if (!std::isnan(val_loss)) {
     if (metrics_) metrics_->ValidationLoss(step, val_loss);
     last_val_loss_ = val_loss;
@@ -164,6 +165,9 @@ void RankReporter::Progress(int64_t step, int64_t steps, double loss, double tok
   p->set_bytes_baseline(bytes_baseline);
   p->set_policy_version(policy_version);
   if (!std::isnan(val_loss)) p->set_val_loss(val_loss);
+  if (std::isfinite(gradient_noise_scale) && gradient_noise_scale > 0) {
+    p->set_gradient_noise_scale(gradient_noise_scale);
+  }
   Send(std::move(pm), false);
 }
 

@@ -46,9 +46,10 @@ class RankReporter {
                    const std::vector<LayerPolicy>& layer_policies,
                    const std::vector<RefreshSchedule>& schedule, const train::Trainer& trainer);
   // `val_loss`: the validation loss measured after `step`, NaN when the step did not validate.
+  // `gradient_noise_scale`: B_simple in tokens, sent only when defined (finite and positive).
   void Progress(int64_t step, int64_t steps, double loss, double tokens_per_second,
                 uint64_t bytes_sent, uint64_t bytes_baseline, uint64_t policy_version,
-                double val_loss);
+                double val_loss, double gradient_noise_scale);
   // Rank 0 sends each layer's rel_fro_error and residual-subspace error from a measured step,
   // with its geometry version and the drift of its last refresh.
   void Summaries(const train::StepRecord& rec, const std::vector<model::ParamInfo>& params,

@@ -1,11 +1,13 @@
-// Binary checkpoint format (little-endian), version 3:
+// Binary checkpoint format (little-endian), version 4:
 //   "GFP8CKPT" | u32 version | str fingerprint | i64 next_step | u64 rng_seed |
 //   u64 policy_version | f64 best_val_loss | u64 bytes_sent | f32[] weights | f32[] m |
 //   f32[] v | u64 layers | per layer: bytes active, bytes pending, u64 pending_from, bytes sketch |
-//   u64 FNV-1a of everything before it.
-// Version 2 lacks each layer's sketch (the ema estimator's state); version 1 also lacks the three
-// fields after rng_seed. str/bytes/f32[] are a u64 count followed by
-// the elements; geometry bytes are kernels/geometry's checksummed wire form.
+//   u64 ranks | per rank: u64 layers | per layer: u64 geometry_version, f32[] local, f32[] owner |
+//   f64 gns_grad_sq | f64 gns_trace | i64 gns_samples | u64 FNV-1a of everything before it.
+// Version 3 lacks the error-feedback residuals and the noise scale's averages; version 2 also each
+// layer's sketch (the ema estimator's state); version 1 also lacks the three fields after rng_seed.
+// str/bytes/f32[] are a u64 count followed by the elements; geometry bytes are kernels/geometry's
+// checksummed wire form.
 
 #include "worker/train/checkpoint.h"
 
@@ -24,7 +26,7 @@ namespace geofp8::train {
 namespace {
 
 constexpr char kMagic[8] = {'G', 'F', 'P', '8', 'C', 'K', 'P', 'T'};
-constexpr uint32_t kVersion = 3;
+constexpr uint32_t kVersion = 4;
 
 uint64_t Fnv(const uint8_t* p, size_t n, uint64_t h = 0xcbf29ce484222325ULL) {
   for (size_t i = 0; i < n; ++i) h = (h ^ p[i]) * 0x100000001b3ULL;
@@ -101,6 +103,18 @@ std::string SerializeCheckpoint(const Checkpoint& c) {
     w.Pod(g.pending_from);
     w.Vec(g.sketch);
   }
+  w.Pod<uint64_t>(c.residuals.size());
+  for (const auto& rank : c.residuals) {
+    w.Pod<uint64_t>(rank.size());
+    for (const LayerResidual& r : rank) {
+      w.Pod(r.geometry_version);
+      w.Vec(r.local);
+      w.Vec(r.owner);
+    }
+  }
+  w.Pod(c.gns_grad_sq);
+  w.Pod(c.gns_trace);
+  w.Pod(c.gns_samples);
   w.Pod(Fnv(reinterpret_cast<const uint8_t*>(w.out.data()), w.out.size()));
   return std::move(w.out);
 }
@@ -160,6 +174,24 @@ Checkpoint ParseCheckpoint(std::string_view in, const std::string& path) {
     g.pending = r.Vec<uint8_t>();
     g.pending_from = r.Pod<uint64_t>();
     if (version >= 3) g.sketch = r.Vec<uint8_t>();
+  }
+  if (version >= 4) {
+    const uint64_t ranks = r.Pod<uint64_t>();
+    GEOFP8_CHECK(ranks <= 1024, "checkpoint ", path, ": bad rank count ", ranks);
+    c.residuals.resize(ranks);
+    for (auto& rank : c.residuals) {
+      const uint64_t n = r.Pod<uint64_t>();
+      GEOFP8_CHECK(n <= c.weights.size(), "checkpoint ", path, ": bad residual layer count ", n);
+      rank.resize(n);
+      for (LayerResidual& res : rank) {
+        res.geometry_version = r.Pod<uint64_t>();
+        res.local = r.Vec<float>();
+        res.owner = r.Vec<float>();
+      }
+    }
+    c.gns_grad_sq = r.Pod<double>();
+    c.gns_trace = r.Pod<double>();
+    c.gns_samples = r.Pod<int64_t>();
   }
   GEOFP8_CHECK(r.pos == in.size() - 8, "checkpoint ", path, ": trailing bytes");
   if (version == 1) {

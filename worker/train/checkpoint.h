@@ -12,10 +12,12 @@
 
 namespace geofp8::train {
 
-// Format versions: 2 (written) adds the policy version, the run totals and each layer's pending
-// geometry. 1 is still read when it holds no geometry (fp32/bf16/fp8/nvfp4 runs); a version 1
-// checkpoint with geometry is refused, since its pending refreshes were never saved and a resume
-// from it could not continue exactly.
+// Format versions: 4 (written) adds every rank's error-feedback residuals and the gradient noise
+// scale's averages; 3 each layer's ema
+// sketch; 2 the policy version, the run totals and each layer's pending geometry. 1 is still read
+// when it holds no geometry (fp32/bf16/fp8/nvfp4 runs); a version 1 checkpoint with geometry is
+// refused, since its pending refreshes were never saved and a resume from it could not continue
+// exactly.
 struct Checkpoint {
   std::string fingerprint;  // model shape, ranks, batch, seq, policy, data, seed: must match
   int64_t next_step = 0;    // the first step a resumed run executes
@@ -26,6 +28,13 @@ struct Checkpoint {
   std::vector<float> weights, m, v;
   std::vector<LayerGeometryState>
       geometry;  // Exchanger::ExportGeometry: one per parameter, or empty
+  // Error feedback: Exchanger::ExportResiduals of every rank ([rank][layer]); they differ between
+  // ranks. Empty when no layer feeds back, or when the writer did not gather them.
+  std::vector<std::vector<LayerResidual>> residuals;
+  // The gradient noise scale's moving averages (kernels/model/noise_scale.h), the same on every
+  // rank; samples 0: none yet.
+  double gns_grad_sq = NAN, gns_trace = NAN;
+  int64_t gns_samples = 0;
 };
 
 // The checkpoint as bytes (the file's contents), and back. Parse throws geofp8::Error naming

@@ -82,6 +82,13 @@ ExchangePlan PlanFromText(std::string_view text, const std::string& name, const 
   plan.bucket_cap_bytes = size_t(std::max(1.0, file->exchange.bucket_mb * 1024 * 1024));
   plan.layers = std::move(*layers);
   plan.refresh = file->geometry_refresh;
+  for (size_t i = 0; i < params.size(); ++i) {
+    // What the exchange engine would refuse later, refused here naming the file and layer.
+    const model::ParamInfo& p = params[i];
+    const LayerSpec spec{p.name, p.is_matrix() ? p.rows : p.size(), p.is_matrix() ? p.cols : 1,
+                         plan.layers[i]};
+    if (std::string err = ValidateLayerPolicy(spec); !err.empty()) GEOFP8_FAIL(where, err);
+  }
   for (const model::ParamInfo& p : params) {
     plan.refresh_intervals.push_back(ResolveLayer(policy, p.name).refresh_interval);
     plan.matrices.push_back(p.is_matrix() && p.rows > 1 && p.cols > 1);

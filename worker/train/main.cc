@@ -56,6 +56,15 @@ std::string Num(double v, int precision = 4) {
   return os.str();
 }
 
+// Empty for an undefined (non-finite) value, else 6 significant digits: the noise scale and the
+// noise ratios span many decades.
+std::string Sci(double v) {
+  if (!std::isfinite(v)) return "";
+  std::ostringstream os;
+  os << std::setprecision(6) << v;
+  return os.str();
+}
+
 // Seconds rank 0 spent estimating geometries this step (ema: every rank runs its own sketch
 // updates; instant: the owner's estimate, reported to every rank).
 // Rank 0's per-step sink: CSV rows, and a progress bar on a tty or periodic log lines otherwise.
@@ -68,11 +77,12 @@ class Reporter {
       csv_.open(csv_path);
       if (!csv_) throw geofp8::Error("csv: cannot open " + csv_path);
       csv_ << "step,loss,val_loss,lr,grad_norm,step_s,exchange_s,wait_s,bytes_sent,skipped,tokens,"
-              "refreshes,geometry_s,max_layer_err";
+              "refreshes,geometry_s,max_layer_err,gns";
       if (o.error_every > 0) {
         for (const auto& p : params) csv_ << ",err:" << p.name;
         for (const auto& p : params) csv_ << ",res:" << p.name;
         for (const auto& p : params) csv_ << ",upd:" << p.name;
+        for (const auto& p : params) csv_ << ",qnr:" << p.name;
       }
       csv_ << "\n";
     }
@@ -90,7 +100,8 @@ class Reporter {
            << "," << Num(r.grad_norm, 6) << "," << Num(r.step_seconds, 6) << ","
            << Num(r.exchange_seconds, 6) << "," << Num(r.wait_seconds, 6) << "," << r.bytes_sent
            << "," << (r.skipped ? 1 : 0) << "," << r.tokens << "," << r.refreshes << ","
-           << Num(r.geometry_seconds, 6) << "," << (std::isnan(worst) ? "" : Num(worst, 8));
+           << Num(r.geometry_seconds, 6) << "," << (std::isnan(worst) ? "" : Num(worst, 8)) << ","
+           << Sci(r.gradient_noise_scale);
       if (o_.error_every > 0) {
         for (size_t i = 0; i < params_.size(); ++i) {
           csv_ << "," << (r.layer_error.empty() ? "" : Num(r.layer_error[i], 8));
@@ -102,6 +113,9 @@ class Reporter {
         }
         for (size_t i = 0; i < params_.size(); ++i) {
           csv_ << "," << (r.update_error.empty() ? "" : Num(r.update_error[i], 8));
+        }
+        for (size_t i = 0; i < params_.size(); ++i) {
+          csv_ << "," << (i < r.noise_ratio.size() ? Sci(r.noise_ratio[i]) : "");
         }
       }
       csv_ << "\n";
@@ -219,7 +233,12 @@ int main(int argc, char** argv) {
   app.add_option("--ranks", o.ranks, "data-parallel ranks")->capture_default_str();
   app.add_option("--launcher", launcher, "threads or processes")->capture_default_str();
   app.add_option("--steps", o.steps, "optimizer steps")->capture_default_str();
-  app.add_option("--batch", o.batch, "sequences per rank per step")->capture_default_str();
+  app.add_option("--batch", o.batch, "sequences per rank per micro-batch")->capture_default_str();
+  app.add_option("--accum", o.accum,
+                 "micro-batches per step: each rank averages the gradients of N micro-batches "
+                 "before the exchange (global batch ranks x N x batch sequences, activations of "
+                 "one micro-batch)")
+      ->capture_default_str();
   app.add_option("--seq", o.seq, "tokens per sequence (0: the preset's context)")
       ->capture_default_str();
   app.add_option("--seed", o.seed, "seed of init, data and rounding")->capture_default_str();
@@ -244,6 +263,9 @@ int main(int argc, char** argv) {
       ->capture_default_str();
   app.add_option("--error-every", o.error_every,
                  "per-layer exchange error cadence, extra fp32 all-reduce (0: off)")
+      ->capture_default_str();
+  app.add_option("--gns-beta", o.gns_beta,
+                 "moving-average weight of the past for the gradient noise scale (CSV column gns)")
       ->capture_default_str();
   app.add_option("--checkpoint", o.checkpoint, "checkpoint file");
   app.add_option("--checkpoint-every", o.checkpoint_every, "checkpoint cadence in steps");

@@ -7,11 +7,13 @@
 
 #include <atomic>
 #include <cstdio>
+#include <cstring>
 #include <filesystem>
 #include <fstream>
 #include <iomanip>
 #include <memory>
 #include <mutex>
+#include <numeric>
 #include <sstream>
 #include <thread>
 
@@ -38,6 +40,8 @@ std::string ValidateTrainOptions(const TrainOptions& o) {
     os << "ranks: must be in [1, 64] (" << o.ranks << ")";
   } else if (o.batch < 1) {
     os << "batch: must be >= 1 (" << o.batch << ")";
+  } else if (o.accum < 1 || o.accum > 65536) {
+    os << "accum: must be in [1, 65536] (" << o.accum << ")";
   } else if (o.seq < 0 || o.seq > o.model.seq) {
     os << "seq: must be in [0, model.seq = " << o.model.seq << "] (" << o.seq << ")";
   } else if (o.steps < 1) {
@@ -50,6 +54,8 @@ std::string ValidateTrainOptions(const TrainOptions& o) {
     os << "checksum_every: must be >= 0 (" << o.checksum_every << ")";
   } else if (o.error_every < 0) {
     os << "error_every: must be >= 0 (" << o.error_every << ")";
+  } else if (!(o.gns_beta >= 0 && o.gns_beta < 1)) {
+    os << "gns_beta: must be in [0, 1) (" << o.gns_beta << ")";
   } else if (o.checkpoint_every < 0) {
     os << "checkpoint_every: must be >= 0 (" << o.checkpoint_every << ")";
   } else if (o.checkpoint_every > 0 && o.checkpoint.empty()) {
@@ -87,6 +93,8 @@ std::string Fingerprint(const TrainOptions& o) {
   os << "model=" << m.vocab << "/" << m.dim << "/" << m.layers << "/" << m.heads << "/" << m.ffn
      << "/" << m.seq << " ranks=" << o.ranks << " batch=" << o.batch << " seq=" << o.seq
      << " policy=" << o.policy << " data=" << o.data << " seed=" << o.seed;
+  // Only when set, so checkpoints written before accumulation existed still resume.
+  if (o.accum != 1) os << " accum=" << o.accum;
   return os.str();
 }
 
@@ -117,7 +125,8 @@ Trainer::Trainer(const TrainOptions& options, Communicator& comm, ExchangePlan p
       seq_(options.seq > 0 ? options.seq : options.model.seq),
       model_(options.model),
       plan_(std::move(plan)),
-      policy_version_(policy_version) {
+      policy_version_(policy_version),
+      noise_scale_(options.gns_beta) {
   const std::string err = ValidateTrainOptions(o_);
   GEOFP8_CHECK(err.empty(), err);
   GEOFP8_CHECK(ranks_ == o_.ranks, "ranks: the communicator has ", ranks_, " ranks, options say ",
@@ -163,6 +172,9 @@ void Trainer::BuildExchanger(std::vector<RefreshSchedule> schedule) {
          next->ImportGeometry(exchanger_->ExportGeometry(), GeometryImport::kDropMismatched)) {
       drift_[l] = 0.0;
     }
+    // Error feedback continues where the layer still feeds back (a layer whose geometry was
+    // dropped drops its residuals at its next step: they were taken under the old basis).
+    next->ImportResiduals(exchanger_->ExportResiduals());
   }
   exchanger_ = std::move(next);
   bucket_of_.assign(model_.params().size(), 0);
@@ -259,7 +271,26 @@ StepRecord Trainer::Step(int64_t step, const StepControl& control) {
   const bool dump = !o_.dump_dir.empty() && std::find(o_.dump_steps.begin(), o_.dump_steps.end(),
                                                       step) != o_.dump_steps.end();
   const bool keep = control.measure_error || control.keep_local || dump;
-  data_->TrainBatch(step, rank_, ranks_, o_.batch, seq_, &tokens_);
+  // The step's accum * batch sequences, drawn as one batch: micro-batch m takes rows
+  // [m * batch, (m + 1) * batch), so accumulation sees exactly the data of one accum * batch step.
+  data_->TrainBatch(step, rank_, ranks_, o_.accum * o_.batch, seq_, &tokens_);
+  const size_t micro_tokens = size_t(o_.batch) * (seq_ + 1);
+  auto micro = [&](int m) {
+    return std::span<const int32_t>(tokens_.data() + size_t(m) * micro_tokens, micro_tokens);
+  };
+  // Every micro-batch has batch * seq tokens, so the mean of their mean losses and gradients is
+  // the mean over all accum * batch * seq tokens. The earlier micro-batches' gradients are summed
+  // here; the last one's backward adds the sum and divides, layer by layer, before each bucket
+  // goes to the exchange.
+  double loss = 0;
+  if (o_.accum > 1) {
+    accum_grads_.assign(model_.grads().size(), 0.f);
+    for (int m = 0; m + 1 < o_.accum; ++m) {
+      loss += model_.ForwardBackward(micro(m), o_.batch, seq_);
+      const std::vector<float>& g = model_.grads();
+      for (size_t j = 0; j < g.size(); ++j) accum_grads_[j] += g[j];
+    }
+  }
 
   std::vector<std::span<float>> grads(L);
   for (size_t i = 0; i < L; ++i) grads[i] = model_.grad(int(i));
@@ -269,17 +300,23 @@ StepRecord Trainer::Step(int64_t step, const StepControl& control) {
   for (size_t b = 0; b < remaining.size(); ++b)
     remaining[b] = exchanger_->buckets()[b].layers.size();
   size_t next_bucket = 0;
+  const float accum = float(o_.accum);
+  double local_sq = 0;  // this rank's own gradient's squared norm, for the noise scale
   auto on_ready = [&](int i) {
-    if (keep) {
-      auto g = model_.grad(i);
-      std::copy(g.begin(), g.end(), local_.begin() + model_.params()[i].offset);
+    auto g = model_.grad(i);
+    if (o_.accum > 1) {
+      const float* acc = accum_grads_.data() + model_.params()[i].offset;
+      for (size_t j = 0; j < g.size(); ++j) g[j] = (acc[j] + g[j]) / accum;
     }
+    for (float v : g) local_sq += double(v) * v;
+    if (keep) std::copy(g.begin(), g.end(), local_.begin() + model_.params()[i].offset);
     --remaining[bucket_of_[i]];
     while (next_bucket < remaining.size() && remaining[next_bucket] == 0) {
       exchanger_->Submit(uint64_t(step), next_bucket++, grads);
     }
   };
-  const double loss = model_.ForwardBackward(tokens_, o_.batch, seq_, on_ready);
+  loss += model_.ForwardBackward(micro(o_.accum - 1), o_.batch, seq_, on_ready);
+  loss /= o_.accum;
   GEOFP8_CHECK(next_bucket == remaining.size(), "backward left buckets unsubmitted");
   const auto t_backward = Clock::now();
   if (trace_)
@@ -311,10 +348,25 @@ StepRecord Trainer::Step(int64_t step, const StepControl& control) {
   }
   if (rank_ == o_.debug_perturb_rank && step == o_.debug_perturb_step) model_.weights()[0] += 1e-3f;
 
-  float sum[1] = {float(loss)};
+  // The loss and the local squared norms travel in one all-reduce.
+  float sum[2] = {float(loss), float(local_sq)};
   comm_.AllReduceSum(sum);
   rec.loss = double(sum[0]) / ranks_;
-  rec.tokens = int64_t(ranks_) * o_.batch * seq_;
+  rec.tokens = int64_t(ranks_) * o_.accum * o_.batch * seq_;
+  // Both norms are those of the gradients the exchange carried: the local one before encode, the
+  // averaged one after decode (its quantization error adds eps^2 |G_big|^2, second order).
+  model::NoiseScaleSample ns;
+  ns.small_sq = double(sum[1]) / ranks_;
+  ns.big_sq = ex.skipped ? NAN : rec.grad_norm * rec.grad_norm;
+  ns.b_small = double(o_.accum) * o_.batch * seq_;
+  ns.b_big = double(rec.tokens);
+  noise_scale_.Add(ns);
+  rec.gradient_noise_scale = noise_scale_.value();
+  for (size_t l = 0; l < rec.layer_error.size(); ++l) {
+    rec.noise_ratio.push_back(
+        model::QuantizationNoiseRatio(rec.layer_error[l], ns.b_big, rec.gradient_noise_scale,
+                                      plan_.layers[l].rounding == Rounding::kStochastic));
+  }
   rec.step_seconds = std::chrono::duration<double>(Clock::now() - t0).count();
   return rec;
 }
@@ -437,6 +489,17 @@ Checkpoint Trainer::MakeCheckpoint(int64_t next_step) const {
   c.m = optimizer_->m();
   c.v = optimizer_->v();
   c.geometry = exchanger_->ExportGeometry();
+  // This rank's residuals under its own index (the others' are not here without a collective):
+  // a driver that writes one file per rank resumes each rank exactly when the rank reads its
+  // own file, and from zero residuals when it reads another rank's.
+  if (std::any_of(plan_.layers.begin(), plan_.layers.end(),
+                  [](const LayerPolicy& p) { return p.error_feedback; })) {
+    c.residuals.assign(ranks_, {});
+    c.residuals[rank_] = exchanger_->ExportResiduals();
+  }
+  c.gns_grad_sq = noise_scale_.grad_sq();
+  c.gns_trace = noise_scale_.trace();
+  c.gns_samples = noise_scale_.samples();
   return c;
 }
 
@@ -463,6 +526,16 @@ int64_t Trainer::Restore(const Checkpoint& c) {
   } catch (const Error& e) {
     GEOFP8_FAIL("checkpoint: ", e.what());
   }
+  if (!c.residuals.empty()) {
+    GEOFP8_CHECK(c.residuals.size() == size_t(ranks_), "checkpoint: error-feedback residuals of ",
+                 c.residuals.size(), " ranks, this run has ", ranks_);
+    try {
+      exchanger_->ImportResiduals(c.residuals[rank_]);
+    } catch (const Error& e) {
+      GEOFP8_FAIL("checkpoint: ", e.what());
+    }
+  }
+  noise_scale_.Restore(c.gns_grad_sq, c.gns_trace, c.gns_samples);
   model_.weights() = c.weights;
   optimizer_->m() = c.m;
   optimizer_->v() = c.v;
@@ -473,8 +546,64 @@ int64_t Trainer::Restore(const Checkpoint& c) {
 }
 
 void Trainer::Save(int64_t next_step) {
+  std::vector<std::vector<LayerResidual>> residuals = GatherResiduals();
   if (rank_ != 0) return;  // every rank holds the same state (checked by the checksum)
-  SaveCheckpoint(o_.checkpoint, MakeCheckpoint(next_step));
+  Checkpoint c = MakeCheckpoint(next_step);
+  c.residuals = std::move(residuals);
+  SaveCheckpoint(o_.checkpoint, c);
+}
+
+std::vector<std::vector<LayerResidual>> Trainer::GatherResiduals() {
+  // The same decision on every rank: the policies are.
+  const bool any = std::any_of(plan_.layers.begin(), plan_.layers.end(),
+                               [](const LayerPolicy& p) { return p.error_feedback; });
+  if (!any) return {};
+  // This rank's residuals as u64 layers | per layer u64 version, u64 n, f32[n], u64 n, f32[n].
+  std::vector<uint8_t> mine;
+  auto put = [&](const void* p, size_t n) {
+    const auto* b = static_cast<const uint8_t*>(p);
+    mine.insert(mine.end(), b, b + n);
+  };
+  const std::vector<LayerResidual> own = exchanger_->ExportResiduals();
+  const uint64_t layers = own.size();
+  put(&layers, 8);
+  for (const LayerResidual& r : own) {
+    put(&r.geometry_version, 8);
+    for (const std::vector<float>* v : {&r.local, &r.owner}) {
+      const uint64_t n = v->size();
+      put(&n, 8);
+      put(v->data(), n * sizeof(float));
+    }
+  }
+  const uint64_t size = mine.size();
+  std::vector<uint64_t> sizes(ranks_);
+  comm_.AllGatherV({reinterpret_cast<const uint8_t*>(&size), 8},
+                   {reinterpret_cast<uint8_t*>(sizes.data()), sizes.size() * 8},
+                   std::vector<size_t>(ranks_, 8));
+  std::vector<size_t> counts(sizes.begin(), sizes.end());
+  std::vector<uint8_t> all(std::accumulate(counts.begin(), counts.end(), size_t{0}));
+  comm_.AllGatherV(mine, all, counts);
+  std::vector<std::vector<LayerResidual>> out(ranks_);
+  size_t pos = 0;
+  auto get = [&](void* p, size_t n) {
+    std::memcpy(p, all.data() + pos, n);
+    pos += n;
+  };
+  for (auto& rank : out) {
+    uint64_t n_layers = 0;
+    get(&n_layers, 8);
+    rank.resize(n_layers);
+    for (LayerResidual& r : rank) {
+      get(&r.geometry_version, 8);
+      for (std::vector<float>* v : {&r.local, &r.owner}) {
+        uint64_t n = 0;
+        get(&n, 8);
+        v->resize(n);
+        get(v->data(), n * sizeof(float));
+      }
+    }
+  }
+  return out;
 }
 
 int64_t Trainer::RestoreFile() {

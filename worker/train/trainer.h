@@ -17,6 +17,7 @@
 #include "kernels/exchange/exchanger.h"
 #include "kernels/model/data.h"
 #include "kernels/model/model.h"
+#include "kernels/model/noise_scale.h"
 #include "kernels/model/optimizer.h"
 #include "worker/train/checkpoint.h"
 #include "worker/train/exchange_policy.h"
@@ -28,7 +29,11 @@ struct TrainOptions {
   model::ModelConfig model;           // a preset's shape (llama-tiny by default)
   model::OptimizerOptions optimizer;  // total_steps is set to `steps` when it is 0
   int ranks = 1;                      // data-parallel world size
-  int batch = 8;                      // sequences per rank per step
+  int batch = 8;                      // sequences per rank per micro-batch
+  // Micro-batches per optimizer step: each rank runs `accum` forward/backward passes of `batch`
+  // sequences and exchanges the mean of their gradients, so the global batch is
+  // ranks * accum * batch sequences while activations stay those of one micro-batch.
+  int accum = 1;
   int seq = 0;                        // tokens per sequence; 0: model.seq
   int64_t steps = 100;                // total optimizer steps (a resumed run stops here too)
   uint64_t seed = 1;                  // model init, data windows, rounding streams
@@ -39,10 +44,12 @@ struct TrainOptions {
   int eval_batches = 8;         // held-out batches of 16 sequences per validation
   int checksum_every = 10;      // parameter checksum cadence; 0: never
   int error_every = 0;          // per-layer exchange error cadence; 0: never
-  std::string checkpoint;       // checkpoint path; empty: none
-  int checkpoint_every = 0;     // steps between checkpoints (and at the end); 0: end only
-  bool resume = false;          // start from `checkpoint` when it exists
-  std::string dump_dir;         // --dump-grads output folder; empty: off
+  // Weight of the past in the gradient noise scale's moving averages (kernels/model/noise_scale.h).
+  double gns_beta = 0.95;
+  std::string checkpoint;    // checkpoint path; empty: none
+  int checkpoint_every = 0;  // steps between checkpoints (and at the end); 0: end only
+  bool resume = false;       // start from `checkpoint` when it exists
+  std::string dump_dir;      // --dump-grads output folder; empty: off
   // Folder for one Chrome trace per rank (rank<R>.json, written when Run ends): the exchange's
   // collectives and codec stages (ExchangeTrace) next to this rank's forward/backward, wait and
   // optimizer. Empty: off.
@@ -71,7 +78,7 @@ struct StepRecord {
   double wait_seconds = 0;      // time rank 0 blocked waiting for the exchange after its backward
   uint64_t bytes_sent = 0;      // rank 0's bytes on the wire this step
   bool skipped = false;         // non-finite gradient on some rank: no update
-  int64_t tokens = 0;           // tokens over all ranks this step
+  int64_t tokens = 0;           // tokens over all ranks this step (every micro-batch)
   int refreshes = 0;            // geometry refreshes this step
   double geometry_seconds = 0;  // this rank's geometry estimation (refresh) time this step
   std::vector<double> layer_error;  // per parameter rel_fro_error, empty when not measured
@@ -84,6 +91,15 @@ struct StepRecord {
   // optimizer state: the error that reaches the weights (Adam amplifies weak directions). Empty
   // when not measured.
   std::vector<double> update_error;
+  // The gradient noise scale B_simple in tokens (kernels/model/noise_scale.h): from each rank's
+  // own gradient (ranks x ... at accum * batch * seq tokens) and the averaged one, each term
+  // smoothed over steps (TrainOptions::gns_beta). NaN when undefined: one rank, or a smoothed
+  // term not positive. The same on every rank.
+  double gradient_noise_scale = NAN;
+  // Per parameter, the predicted ratio of the exchange's quantization noise to the SGD noise of
+  // this step's global batch (QuantizationNoiseRatio with eps = layer_error and the layer's
+  // rounding). NaN where the noise scale is undefined. Empty when not measured.
+  std::vector<double> noise_ratio;
   StepResult exchange;  // the exchange engine's own report (buckets, refresh records)
 };
 
@@ -153,12 +169,15 @@ class Trainer {
 
   // Everything the trajectory depends on after `next_step` steps: weights, moments, the
   // exchange's geometry state and policy version, run totals. Fingerprint from the options.
-  // Between steps only.
+  // Between steps only. Not collective, so of the error-feedback residuals (which differ between
+  // ranks) it holds this rank's only, at its index; Run's checkpoints gather every rank's.
   Checkpoint MakeCheckpoint(int64_t next_step) const;
   // Takes a checkpoint's state in and returns its next_step. Sizes, seed, geometry shapes and
   // (under the same policy version) geometry policies must match; a checkpoint written under
   // another policy version keeps only the geometry the current policies can use, exactly as
   // SetPolicies would have. Does not check the fingerprint (Run does, drivers have their own).
+  // Residuals, when the checkpoint has them, must be one set per rank; this rank takes its own
+  // (an empty set, as in another rank's MakeCheckpoint, leaves it with none).
   int64_t Restore(const Checkpoint& checkpoint);
 
   const TrainOptions& options() const { return o_; }
@@ -172,6 +191,7 @@ class Trainer {
   // This rank's gradient before the exchange at the last step run with keep_local or
   // measure_error, flat in params() layout.
   const std::vector<float>& local_gradient() const { return local_; }
+  const model::GradientNoiseScale& noise_scale() const { return noise_scale_; }
   // Drift of each layer's last geometry refresh (0 before its second refresh: a cold start has
   // no previous basis, and for layers without geometry).
   const std::vector<double>& last_drift() const { return drift_; }
@@ -181,7 +201,11 @@ class Trainer {
   void ApplyDuePolicies(int64_t step);
   void LayerErrors(StepRecord& rec);
   void Dump(int64_t step);
+  // Collective: rank 0 writes the checkpoint, with every rank's error-feedback residuals.
   void Save(int64_t next_step);
+  // Collective: every rank's Exchanger::ExportResiduals, in rank order; empty when no layer
+  // feeds back.
+  std::vector<std::vector<LayerResidual>> GatherResiduals();
   int64_t RestoreFile();
 
   const TrainOptions o_;
@@ -203,8 +227,10 @@ class Trainer {
   std::map<uint64_t, PolicyChange> policy_changes_;  // by from_step
   int64_t next_step_ = 0;                            // the lowest step Step may run
   std::vector<int32_t> tokens_;
+  std::vector<float> accum_grads_;  // sum of the step's earlier micro-batches' gradients
   std::vector<float> local_;
   std::vector<double> drift_;
+  model::GradientNoiseScale noise_scale_;
   double best_val_loss_ = NAN;  // run totals, carried by checkpoints
   uint64_t bytes_sent_ = 0;
 };
