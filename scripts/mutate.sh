@@ -44,8 +44,8 @@ trap 'restore; rm -rf "$backup_dir"' EXIT
 trap 'echo "mutate.sh: interrupted; restored sources" >&2; exit 130' INT TERM
 
 # Test executables behind a ctest regex and label regex, as ninja targets (paths relative to the
-# build folder). A Python test (label python) needs the geofp8 package, and the daemons and
-# geofp8ctl when its environment names them.
+# build folder). A Python test (label python) needs the geofp8 package, and it and a wire test
+# (label wire) need the daemons and geofp8ctl when their environment names them.
 targets_for() {  # regex labels
   ctest --test-dir "$build" -N -R "$1" -L "$2" --show-only=json-v1 | python3 -c '
 import json, os, sys
@@ -56,8 +56,10 @@ for t in json.load(sys.stdin).get("tests", []):
     props = {p["name"]: p["value"] for p in t.get("properties", [])}
     if cmd and cmd[0].startswith(build + "/"):
         seen.add(os.path.relpath(cmd[0], build))
-    elif "python" in (props.get("LABELS") or []):
-        seen.add("geofp8_python")
+    elif set(props.get("LABELS") or []) & {"python", "wire"}:
+        # A script: the geofp8 package for Python tests, and the daemons it starts.
+        if "python" in props.get("LABELS"):
+            seen.add("geofp8_python")
         env = " ".join(props.get("ENVIRONMENT") or [])
         for var, target in (("GEOFP8_COORDINATOR=", "geofp8-coordinator"),
                             ("GEOFP8_WORKER=", "geofp8-worker"), ("GEOFP8CTL=", "geofp8ctl")):

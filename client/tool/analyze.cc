@@ -1,6 +1,7 @@
 // geofp8-tool analyze: encode + decode a float32 file and print the quality metrics as JSON
 // (kernels/codec/error_metrics.h); --out also writes the decoded float32 file. With --shape MxN
 // it also reports band errors (kernels/geometry/analysis.h), optionally through a geometry.
+#include <algorithm>
 #include <chrono>
 #include <cmath>
 #include <cstdio>
@@ -74,6 +75,13 @@ void RunAnalyze(const AnalyzeArgs& a) {
   if (!a.shape.empty()) {
     dims = ParseShape(a.shape);
     if (dims.size() != 2) UsageError("shape", "expected a matrix MxN (" + a.shape + ")");
+    // Past half the smaller side the low-rank geometry has no residual to flatten against and
+    // the bands [k, 4k) and [4k, r/2) are empty: the analysis would silently measure nothing.
+    if (2 * int64_t(a.rank) >= std::min(dims[0], dims[1])) {
+      UsageError("rank", "must be below half of min(M, N) = " +
+                             std::to_string(std::min(dims[0], dims[1]) / 2) + " for shape " +
+                             a.shape + " (" + std::to_string(a.rank) + ")");
+    }
   }
   if (*mode != GeometryMode::kNone && dims.empty()) {
     UsageError("geometry", "needs --shape MxN; 1-D tensors always use none (" + a.geometry + ")");
@@ -107,8 +115,8 @@ void RunAnalyze(const AnalyzeArgs& a) {
   const int64_t m = dims[0], n = dims[1];
   for (size_t i = 0; i < x.size(); ++i) {
     if (!std::isfinite(x[i])) {
-      RuntimeError("in", "band metrics need a finite gradient; element " + std::to_string(i) +
-                             " is " + JsonNum(x[i]));
+      UsageError("in", "band metrics need a finite gradient; element " + std::to_string(i) +
+                           " is " + JsonNum(x[i]));
     }
   }
   // The geometry: estimated on --in, or on --basis-from (a stale basis, as in training).

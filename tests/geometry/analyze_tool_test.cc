@@ -172,6 +172,11 @@ TEST_F(AnalyzeToolTest, BadGeometryFlagsAreOneLineUsageErrors) {
             "diag+hadamard, lowrank+hadamard"},
            {in + " --shape 15360 --geometry lowrank", "shape: expected a matrix MxN (15360)"},
            {in + " --shape 96x160 --geometry lowrank --rank 0", "rank: must be at least 1 (0)"},
+           // Issue #29: --rank 600 on 512x512 silently made the geometry a no-op.
+           {in + " --shape 96x160 --geometry lowrank --rank 48",
+            "rank: must be below half of min(M, N) = 48 for shape 96x160 (48)"},
+           {in + " --shape 96x160 --rank 600",
+            "rank: must be below half of min(M, N) = 48 for shape 96x160 (600)"},
            {in + " --shape 96x160 --geometry lowrank --alpha 2", "alpha: must be in [0, 1] (2)"},
            {in + " --shape 96x160 --basis-from " + Path("prev.f32"),
             "basis-from: needs --geometry"},
