@@ -184,6 +184,15 @@ class CommandJobTest(unittest.TestCase):
                     return f.read()
         return None
 
+    def rank_pid(self, job_id, rank):
+        """The program's pid that rank's worker logged when it started it."""
+        for w in self.workers:
+            m = re.search(r"job %s rank %d: started '\S+' as pid (\d+)" % (job_id, rank),
+                          w.text())
+            if m:
+                return int(m.group(1))
+        self.fail("no worker started rank %d of %s\n%s" % (rank, job_id, self.everything(job_id)))
+
     def step_of(self, j):
         return int(j.get("progress", {}).get("step", -1))
 
@@ -261,12 +270,7 @@ class CommandJobTest(unittest.TestCase):
             "restarts: {max_restarts: 1}\n")
         self.wait(job_id, lambda j: int(j.get("progress", {}).get("checkpoint_step", 0)) >= 5,
                   "a checkpoint")
-        pid = None
-        for w in self.workers:
-            m = re.search(r"job %s rank 1: started '\S+' as pid (\d+)" % job_id, w.text())
-            if m:
-                pid = int(m.group(1))
-        self.assertIsNotNone(pid, self.everything(job_id))
+        pid = self.rank_pid(job_id, 1)
         os.kill(pid, signal.SIGKILL)
         j = self.wait_final(job_id)
         self.assertEqual(j["state"], "JOB_SUCCEEDED", self.everything(job_id))
@@ -309,12 +313,7 @@ class CommandJobTest(unittest.TestCase):
             "policy: {default: {format: fp8_e4m3}}\n"
             "restarts: {max_restarts: 0}\n" % timeout_s)
         self.wait(job_id, lambda j: self.step_of(j) >= 5, "step 5")
-        pid = None
-        for w in self.workers:
-            m = re.search(r"job %s rank 1: started '\S+' as pid (\d+)" % job_id, w.text())
-            if m:
-                pid = int(m.group(1))
-        self.assertIsNotNone(pid, self.everything(job_id))
+        pid = self.rank_pid(job_id, 1)
         stopped = time.time()
         os.kill(pid, signal.SIGSTOP)
         try:

@@ -9,33 +9,10 @@
 #include <thread>
 
 #include "server/coordinator/policy_engine.h"
+#include "tests/server/coordinator_harness.h"
 
 namespace geofp8::coordinator {
 namespace {
-
-class FakeClock : public Clock {
- public:
-  int64_t now = 1'000'000;
-  int64_t NowMs() override { return now; }
-};
-
-class FakeSink : public SessionSink {
- public:
-  void Send(const v1::CoordinatorMessage& m) override {
-    std::lock_guard<std::mutex> lock(mu);
-    messages.push_back(m);
-  }
-  std::vector<v1::CoordinatorMessage> Take(v1::CoordinatorMessage::BodyCase kind) {
-    std::lock_guard<std::mutex> lock(mu);
-    std::vector<v1::CoordinatorMessage> out;
-    for (const auto& m : messages) {
-      if (m.body_case() == kind) out.push_back(m);
-    }
-    return out;
-  }
-  std::mutex mu;
-  std::vector<v1::CoordinatorMessage> messages;
-};
 
 constexpr const char* kSpec2 =
     "name: t\nworld_size: 2\nrestarts: {max_restarts: 1}\npolicy: {margin: 5}\n";
@@ -53,60 +30,8 @@ v1::ProbeResult* AddProbe(v1::WorkerMessage& m, const std::string& layer, double
   return p;
 }
 
-struct Worker {
-  std::string id;
-  uint64_t generation = 0;
-  std::string secret;  // RegisterResponse.session_secret
-  std::shared_ptr<FakeSink> sink = std::make_shared<FakeSink>();
-};
-
-class CoordinatorTest : public ::testing::Test {
+class CoordinatorTest : public CoordinatorHarness {
  protected:
-  void SetUp() override { Open(""); }
-  void Open(const std::string& dir) {
-    coordinator.reset();
-    auto s = Store::Open(dir);
-    ASSERT_TRUE(s.ok()) << s.status();
-    store = std::move(*s);
-    CoordinatorOptions options;
-    options.heartbeat_timeout_ms = 1000;
-    coordinator = std::make_unique<Coordinator>(store.get(), &clock, options);
-    ASSERT_TRUE(coordinator->Recover().ok());
-  }
-
-  std::string Submit(const std::string& yaml, const std::string& key = "") {
-    v1::SubmitJobRequest req;
-    req.set_spec_yaml(yaml);
-    req.set_idempotency_key(key);
-    auto r = coordinator->SubmitJob(req);
-    EXPECT_TRUE(r.ok()) << r.status();
-    return r.ok() ? r->job().id() : "";
-  }
-  v1::Job Get(const std::string& id) {
-    v1::GetJobRequest req;
-    req.set_job_id(id);
-    auto r = coordinator->GetJob(req);
-    EXPECT_TRUE(r.ok()) << r.status();
-    return r.ok() ? *r : v1::Job();
-  }
-  Worker Join(const std::string& name) {
-    v1::RegisterRequest req;
-    req.set_name(name);
-    req.set_device("cpu");
-    auto r = coordinator->Register(req);
-    EXPECT_TRUE(r.ok()) << r.status();
-    Worker w;
-    w.id = r->worker_id();
-    w.generation = r->generation();
-    w.secret = r->session_secret();
-    EXPECT_TRUE(coordinator->OpenSession(w.id, w.generation, w.secret, w.sink).ok());
-    return w;
-  }
-  absl::Status Send(const Worker& w, v1::WorkerMessage m) {
-    m.set_worker_id(w.id);
-    m.set_generation(w.generation);
-    return coordinator->HandleWorkerMessage(m);
-  }
   absl::Status Progress(const Worker& w, int64_t step, uint64_t policy_version = 0) {
     v1::WorkerMessage m;
     m.mutable_progress()->set_step(step);
@@ -114,12 +39,6 @@ class CoordinatorTest : public ::testing::Test {
     m.mutable_progress()->set_bytes_sent(100);
     m.mutable_progress()->set_bytes_baseline(400);
     m.mutable_progress()->set_policy_version(policy_version);
-    return Send(w, m);
-  }
-  absl::Status Heartbeat(const Worker& w, uint64_t seq = 0) {
-    v1::WorkerMessage m;
-    m.set_seq(seq);
-    m.mutable_heartbeat()->set_unix_ms(clock.now);
     return Send(w, m);
   }
   absl::StatusOr<v1::Policy> Update(const std::string& id, const std::string& layer,
@@ -160,19 +79,8 @@ class CoordinatorTest : public ::testing::Test {
       t->set_version(version);
       t->set_step(step);
     }
-    auto r = coordinator->Register(req);
-    EXPECT_TRUE(r.ok()) << r.status();
-    Worker w;
-    w.id = r->worker_id();
-    w.generation = r->generation();
-    w.secret = r->session_secret();
-    EXPECT_TRUE(coordinator->OpenSession(w.id, w.generation, w.secret, w.sink).ok());
-    return w;
+    return Attach(req);
   }
-
-  FakeClock clock;
-  std::unique_ptr<Store> store;
-  std::unique_ptr<Coordinator> coordinator;
 };
 
 TEST_F(CoordinatorTest, SubmitValidatesAndStartsPending) {

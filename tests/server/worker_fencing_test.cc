@@ -7,84 +7,13 @@
 #include <vector>
 
 #include "server/coordinator/coordinator.h"
+#include "tests/server/coordinator_harness.h"
 
 namespace geofp8::coordinator {
 namespace {
 
-class FakeClock : public Clock {
- public:
-  int64_t now = 1'000'000;
-  int64_t NowMs() override { return now; }
-};
-
-class FakeSink : public SessionSink {
- public:
-  void Send(const v1::CoordinatorMessage& m) override {
-    std::lock_guard<std::mutex> lock(mu);
-    messages.push_back(m);
-  }
-  std::vector<v1::Assignment> Assignments() {
-    std::lock_guard<std::mutex> lock(mu);
-    std::vector<v1::Assignment> out;
-    for (const auto& m : messages) {
-      if (m.has_assignment()) out.push_back(m.assignment());
-    }
-    return out;
-  }
-  std::mutex mu;
-  std::vector<v1::CoordinatorMessage> messages;
-};
-
-struct Worker {
-  std::string id;
-  uint64_t generation = 0;
-  std::string secret;  // RegisterResponse.session_secret
-  std::shared_ptr<FakeSink> sink = std::make_shared<FakeSink>();
-};
-
-class WorkerFencingTest : public ::testing::Test {
+class WorkerFencingTest : public CoordinatorHarness {
  protected:
-  void SetUp() override {
-    auto s = Store::Open("");
-    ASSERT_TRUE(s.ok()) << s.status();
-    store = std::move(*s);
-    CoordinatorOptions options;
-    options.heartbeat_timeout_ms = 1000;
-    coordinator = std::make_unique<Coordinator>(store.get(), &clock, options);
-    ASSERT_TRUE(coordinator->Recover().ok());
-  }
-  std::string Submit(const std::string& yaml) {
-    v1::SubmitJobRequest req;
-    req.set_spec_yaml(yaml);
-    auto r = coordinator->SubmitJob(req);
-    EXPECT_TRUE(r.ok()) << r.status();
-    return r.ok() ? r->job().id() : "";
-  }
-  v1::Job Get(const std::string& id) {
-    v1::GetJobRequest req;
-    req.set_job_id(id);
-    auto r = coordinator->GetJob(req);
-    EXPECT_TRUE(r.ok()) << r.status();
-    return r.ok() ? *r : v1::Job();
-  }
-  Worker Join(const std::string& name) {
-    v1::RegisterRequest req;
-    req.set_name(name);
-    req.set_device("cpu");
-    auto r = coordinator->Register(req);
-    EXPECT_TRUE(r.ok()) << r.status();
-    Worker w;
-    w.id = r->worker_id();
-    w.generation = r->generation();
-    w.secret = r->session_secret();
-    EXPECT_TRUE(coordinator->OpenSession(w.id, w.generation, w.secret, w.sink).ok());
-    return w;
-  }
-  absl::Status Send(const Worker& w, v1::WorkerMessage m) {
-    m.set_worker_id(w.id);
-    m.set_generation(w.generation);
-    return coordinator->HandleWorkerMessage(m);
-  }
   absl::Status Progress(const Worker& w, int64_t step) {
     v1::WorkerMessage m;
     m.mutable_progress()->set_step(step);
@@ -149,10 +78,6 @@ class WorkerFencingTest : public ::testing::Test {
     out.emplace_back("finished (succeeded)", m);
     return out;
   }
-
-  FakeClock clock;
-  std::unique_ptr<Store> store;
-  std::unique_ptr<Coordinator> coordinator;
 };
 
 constexpr const char* kSpec = "name: t\nworld_size: 1\nrestarts: {max_restarts: 3}\n";
