@@ -902,6 +902,9 @@ void Coordinator::ReleaseRanks(JobRec& rec, const std::string& stop_reason, v1::
   m.mutable_stop()->set_job_id(rec.job.id());
   m.mutable_stop()->set_reason(stop_reason);
   m.mutable_stop()->set_cause(cause);
+  if (cause == v1::STOP_JOB_SUCCEEDED) {
+    m.mutable_stop()->set_recovery_step(rec.job.progress().checkpoint_step());
+  }
   SendToRanks(rec, m, out);
   for (const auto& r : rec.ranks) {
     auto it = workers_.find(r.worker_id);
@@ -1520,10 +1523,10 @@ absl::Status Coordinator::HandleWorkerMessage(const v1::WorkerMessage& message) 
     if (message.want_ack() && w.sink) {
       v1::CoordinatorMessage ack;
       ack.mutable_ack()->set_seq(message.seq());
-      if (message.has_checkpoint()) {
-        const std::string& job_id = message.checkpoint().job_id().empty() && rec
-                                        ? rec->job.id()
-                                        : message.checkpoint().job_id();
+      if (message.has_checkpoint() || message.has_finished()) {
+        const std::string& reported = message.has_checkpoint() ? message.checkpoint().job_id()
+                                                               : message.finished().job_id();
+        const std::string& job_id = reported.empty() && rec ? rec->job.id() : reported;
         auto j = jobs_.find(job_id);
         if (j != jobs_.end()) {
           ack.mutable_ack()->set_job_id(job_id);

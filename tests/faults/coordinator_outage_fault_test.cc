@@ -142,6 +142,24 @@ TEST(CoordinatorOutageFaultTest, KillNineLongerThanACheckpointIntervalStillSucce
   // Measured 0.5 s: the sessions wait for the channel, which retries at most 2 s apart.
   EXPECT_LT(double(running_ms - restarted_ms) / 1000.0, 5.0) << describe();
 
+  // After the job each rank keeps only what is at or past the final recovery point (issue #31,
+  // item 8: a rank whose last Ack came before rank 0's final report kept 2 + keep_unacknowledged
+  // files). The Stop that ends the job carries that point; give it a moment to arrive.
+  const int64_t final_point = done.progress().checkpoint_step();
+  for (const WorkerProcess* w : {&w0, &w1}) {
+    std::vector<int64_t> left = Checkpoints(*w, job.id());
+    for (auto deadline = std::chrono::steady_clock::now() + seconds(10);
+         !left.empty() && left.front() < final_point &&
+         std::chrono::steady_clock::now() < deadline;
+         left = Checkpoints(*w, job.id())) {
+      std::this_thread::sleep_for(milliseconds(50));
+    }
+    ASSERT_FALSE(left.empty()) << "the final checkpoint is the job's output";
+    EXPECT_GE(left.front(), final_point)
+        << left.size() << " files left, the oldest at step " << left.front() << "\n"
+        << describe();
+  }
+
   // The same final state as a run without the outage; and after the job, each rank keeps only
   // checkpoints at or past the acknowledged recovery point.
   const std::string checksum = w0.Result(job.id(), done.attempt())["checksum"];

@@ -328,6 +328,61 @@ TEST_F(CoordinatorTest, ReliableReportsAreAckedAndRepeatsAreHarmless) {
   EXPECT_EQ(Get(id).state(), v1::JOB_SUCCEEDED);
 }
 
+// Issue #31, item 8: a rank that ends before rank 0's last checkpoint report is persisted (a
+// coordinator outage, a full disk) must still learn the job's final recovery point, or it keeps
+// every unacknowledged checkpoint it held. The Ack of a Finished report carries the recovery point
+// as the Ack of a checkpoint does, and the Stop that ends a succeeded job carries the final one.
+TEST_F(CoordinatorTest, AFinishedRankLearnsTheFinalRecoveryPoint) {
+  std::string id = Submit(kSpec2);
+  Worker a = Join("a");
+  Worker b = Join("b");
+  ASSERT_TRUE(Progress(a, 25).ok());
+  ASSERT_TRUE(Progress(b, 25).ok());
+  auto finished = [&](uint64_t seq) {
+    v1::WorkerMessage m;
+    m.set_seq(seq);
+    m.set_want_ack(true);
+    m.mutable_finished()->set_success(true);
+    m.mutable_finished()->set_job_id(id);
+    m.mutable_finished()->set_attempt(0);
+    m.mutable_finished()->set_steps(40);
+    return m;
+  };
+  auto checkpoint = [&](uint64_t seq, int64_t step) {
+    v1::WorkerMessage m;
+    m.set_seq(seq);
+    m.set_want_ack(true);
+    m.mutable_checkpoint()->set_step(step);
+    m.mutable_checkpoint()->set_job_id(id);
+    m.mutable_checkpoint()->set_attempt(0);
+    return m;
+  };
+  ASSERT_TRUE(Send(a, checkpoint(1, 20)).ok());
+  // Rank 1 ends first: its Ack names the recovery point persisted so far.
+  ASSERT_TRUE(Send(b, finished(1)).ok());
+  auto acks = b.sink->Take(v1::CoordinatorMessage::kAck);
+  ASSERT_EQ(acks.size(), 1u);
+  EXPECT_EQ(acks[0].ack().job_id(), id);
+  EXPECT_EQ(acks[0].ack().checkpoint_step(), 20);
+  b.sink->Take(v1::CoordinatorMessage::kStop);
+  // Rank 0's final checkpoint, then its finish: the job succeeds, and both ranks are told the
+  // final recovery point.
+  ASSERT_TRUE(Send(a, checkpoint(2, 40)).ok());
+  ASSERT_TRUE(Send(a, finished(3)).ok());
+  ASSERT_EQ(Get(id).state(), v1::JOB_SUCCEEDED);
+  for (Worker* w : {&a, &b}) {
+    auto stops = w->sink->Take(v1::CoordinatorMessage::kStop);
+    ASSERT_EQ(stops.size(), 1u) << w->id;
+    EXPECT_EQ(stops[0].stop().cause(), v1::STOP_JOB_SUCCEEDED);
+    EXPECT_EQ(stops[0].stop().recovery_step(), 40) << w->id;
+  }
+  acks = a.sink->Take(v1::CoordinatorMessage::kAck);
+  ASSERT_FALSE(acks.empty());
+  EXPECT_EQ(acks.back().ack().seq(), 3u);  // the Finished report's
+  EXPECT_EQ(acks.back().ack().job_id(), id);
+  EXPECT_EQ(acks.back().ack().checkpoint_step(), 40);
+}
+
 // Issue #31 item 3: a second session for a live worker's (id, generation) needs that
 // generation's secret, which only Register's caller saw.
 TEST_F(CoordinatorTest, ASessionWithoutTheSecretIsRefusedAndCounted) {

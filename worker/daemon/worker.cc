@@ -170,6 +170,12 @@ void Worker::OnMessage(const v1::CoordinatorMessage& message) {
       return;
     case v1::CoordinatorMessage::kStop: {
       const v1::Stop& s = message.stop();
+      // The job succeeded: what precedes its final recovery point can go, even on a rank that
+      // ended before that point was persisted (the Ack of its own report came earlier).
+      if (runner_ && s.cause() == v1::STOP_JOB_SUCCEEDED && s.recovery_step() > 0 &&
+          runner_->assignment().job_id() == s.job_id()) {
+        runner_->OnCheckpointAcknowledged(s.recovery_step());
+      }
       if (pending_ && (s.job_id().empty() || s.job_id() == pending_->job_id())) pending_.reset();
       if (active && (s.job_id().empty() || s.job_id() == runner_->assignment().job_id())) {
         log::Info("job.stop_requested")
