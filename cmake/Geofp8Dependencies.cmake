@@ -13,6 +13,8 @@ if(GEOFP8_GPU_ONLY)
     find_library(OpenBLAS_LIBRARIES openblas HINTS ${GEOFP8_DEPS_DIR}/lib REQUIRED)
   endif()
   find_package(Gloo CONFIG QUIET)
+  # geofp8-bench's command line (header-only; prepare.sh carries it).
+  find_package(CLI11 CONFIG REQUIRED)
   if(GEOFP8_BUILD_TESTS)
     find_package(GTest CONFIG QUIET)
   endif()

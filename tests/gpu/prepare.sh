@@ -33,5 +33,9 @@ for so in "$deps/lib/libopenblas.so.0" "$deps/lib/libgloo.so.0.5.0"; do
   done
 done
 
+# CLI11 (header-only) for geofp8-bench: its config finds the headers three levels above itself.
+cp -r /usr/include/CLI "$deps/include/"
+cp -r /usr/share/cmake/CLI11 "$deps/share/cmake/"
+
 cp -r /usr/src/googletest "$deps/googletest"
 du -sh "$deps"

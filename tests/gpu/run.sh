@@ -43,6 +43,15 @@ if python3 -c 'import sys, torch, pybind11; sys.exit(0 if torch.cuda.is_availabl
 else
   log "python CUDA hook: skipped (no python3 with a CUDA torch and pybind11 on this machine)"
 fi
-# There are no GPU benchmarks yet (geofp8-bench times the CPU paths only); when they exist, run
-# them here and append to "$OUT/bench.log".
+# The GPU benchmarks (bench/gpu_bench_main.cc): codec against device memcpy, the lowrank
+# transform against a cuBLAS sgemm of equal FLOPs, after a bit-for-bit device/host check of both
+# codecs (a mismatch fails the run).
+log "gpu benchmarks"
+timeout 120 build-gpu/bench/geofp8-gpu-bench --reps 20 > "$OUT/bench.log" 2>&1
+bench_rc=$?
+cat "$OUT/bench.log" >> "$OUT/summary.txt"
+if [[ $bench_rc -ne 0 ]]; then
+  log "gpu benchmarks: failed (exit $bench_rc)"
+  rc=$bench_rc
+fi
 exit $rc
