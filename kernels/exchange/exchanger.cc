@@ -448,7 +448,7 @@ std::vector<BucketResult> Exchanger::RunBuckets(uint64_t step, size_t first, siz
                    "': gradient has ", grads[l].size(), " elements, shape ", spec.rows, "x",
                    spec.cols, " needs ", spec.count());
       LayerState& st = state_[l];
-      if (st.has_pending && step >= st.pending_from) Activate(st);
+      if (st.has_pending && step >= st.pending_from) Activate(l, st);
       LayerRecord rec;
       rec.layer = l;
       rec.format = static_cast<uint8_t>(spec.policy.format);
@@ -561,7 +561,27 @@ uint64_t Exchanger::RunLayoutDigest(std::span<const BucketLayer> work) const {
   return Fnv1a(words.data(), words.size() * sizeof(uint64_t));
 }
 
-void Exchanger::Activate(LayerState& st) {
+void Exchanger::Activate(uint32_t layer, LayerState& st) {
+  // Error feedback: the residuals were taken in the coordinates the codec saw, R T_old (R the
+  // rotation, if any). The transforms are linear, so what they hold is carried into the new
+  // coordinates, r' = R T_new T_old^-1 R^-1 r, and is still sent; dropping them at every basis
+  // change would turn error feedback off under a geometry refreshed every step. The owner's
+  // residual keeps only its own chunk of r' (it requantizes no other): exact while the basis
+  // moves little between refreshes, which the sketch's smoothing makes the common case.
+  LayerResidual& r = st.residual;
+  if (UsesErrorFeedback(layer) && r.geometry_version == st.active.version &&
+      st.pending.version != st.active.version) {
+    const uint32_t hb = HadamardBlockOf(layer);
+    const uint64_t hs = HadamardLayerSeed(options_.seed, LayerId(layer));
+    for (std::vector<float>* v : {&r.local, &r.owner}) {
+      if (v->empty()) continue;
+      if (hb) HadamardInverse(*v, int(hb), hs);
+      if (!st.active.is_identity()) InvertGeometry(st.active, *v);
+      if (!st.pending.is_identity()) ApplyGeometry(st.pending, *v);
+      if (hb) HadamardForward(*v, int(hb), hs);
+    }
+    r.geometry_version = st.pending.version;
+  }
   st.active = std::move(st.pending);
   st.pending = Geometry{};
   st.has_pending = false;

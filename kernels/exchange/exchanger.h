@@ -209,7 +209,9 @@ class Exchanger {
   bool UsesErrorFeedback(uint32_t layer) const;
   // After a step: its new residuals become the current ones unless it was skipped.
   void CommitResiduals(bool skipped);
-  void Activate(LayerState& st);
+  // Makes the pending geometry the active one, carrying the layer's error-feedback residuals
+  // into its coordinates.
+  void Activate(uint32_t layer, LayerState& st);
   // The run's layout for Communicator::IsAgreedLayout: grouping options and layer sizes.
   uint64_t RunLayoutDigest(std::span<const BucketLayer> work) const;
   FactorSketchOptions SketchOptions(uint32_t layer) const;

@@ -271,6 +271,69 @@ TEST(ErrorFeedback, SummedOutputsTrackTheExactSumOnlyWithFeedback) {
   EXPECT_GT(drift[0], 5 * drift[1]);
 }
 
+// Under a geometry refreshed every step the residuals must follow the basis: they were taken in
+// the old transform's coordinates and are carried into the new one's (Exchanger::Activate).
+// Before, a new basis dropped them, so error feedback did nothing under the shipped every-step
+// estimator (bench/damage_mechanism.py: nvfp4 lowrank + feedback equalled lowrank to every digit).
+// The same telescoping as above, looser: the carried residual is rounded by two transforms a
+// step, so the test asks for the drift of feedback to stay near one step's error.
+TEST(ErrorFeedback, ResidualsFollowAGeometryRefreshedEveryStep) {
+  const int N = 2, T = 30;
+  const int64_t m = 16, n = 32;
+  std::vector<double> drift(2);
+  uint64_t versions = 0;
+  for (const bool feedback : {false, true}) {
+    LayerPolicy nv = Policy(Format::kNvfp4, Scaling::kBlock, 16);
+    nv.geometry = GeometryMode::kLowRank;
+    nv.rank = 3;
+    nv.error_feedback = feedback;
+    const std::vector<LayerSpec> layers = {{"w", m, n, nv}};
+    ExchangeOptions options;
+    options.algorithm = Algorithm::kAllGather;
+    options.seed = 5;
+    options.estimator = GeometryEstimator::kFactorEma;
+    options.sketch.width = 6;
+    options.sketch.beta = 0.8f;
+    const std::vector<RefreshSchedule> schedule = {{0, 1, 0}};  // every step
+    std::vector<double> summed(size_t(m * n), 0.0);
+    std::vector<std::vector<float>> inputs(N);
+    const auto errors = RunRanks(N, [&](Communicator& comm) {
+      const int r = comm.rank();
+      Exchanger ex(comm, layers, options, schedule);
+      for (int s = 0; s < T; ++s) {
+        Tensors t = MakeInputs(r, layers, 0);  // the same gradient every step
+        if (s == 0) inputs[r] = t[0];
+        std::vector<std::span<float>> spans = {std::span<float>(t[0])};
+        ex.Exchange(s, spans);
+        if (r != 0) continue;
+        for (size_t i = 0; i < summed.size(); ++i) summed[i] += t[0][i];
+      }
+      if (r == 0) {
+        versions = ex.active_geometry(0).version;
+        if (feedback) {
+          const LayerResidual res = ex.ExportResiduals()[0];
+          EXPECT_EQ(res.geometry_version, ex.active_geometry(0).version);
+          EXPECT_FALSE(res.local.empty());
+        }
+      }
+    });
+    ASSERT_EQ(JoinErrors(errors), "");
+    double worst = 0;
+    for (size_t i = 0; i < summed.size(); ++i) {
+      double exact = 0;
+      for (int r = 0; r < N; ++r) exact += double(inputs[r][i]) / N;
+      worst = std::max(worst, std::abs(summed[i] - T * exact));
+    }
+    drift[feedback] = worst;
+  }
+  ASSERT_GE(versions, uint64_t(T / 2)) << "the basis did not change most steps";
+  std::printf(
+      "max |sum_t out - T exact| under a basis refreshed every step: %.3g without "
+      "feedback, %.3g with\n",
+      drift[0], drift[1]);
+  EXPECT_GT(drift[0], 5 * drift[1]);
+}
+
 TEST(ErrorFeedback, Fp32AndTheBaselinesAreRefused) {
   LayerPolicy p;
   p.format = Format::kFp32;
