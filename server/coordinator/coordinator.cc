@@ -1524,8 +1524,8 @@ absl::Status Coordinator::HandleWorkerMessage(const v1::WorkerMessage& message) 
       v1::CoordinatorMessage ack;
       ack.mutable_ack()->set_seq(message.seq());
       if (message.has_checkpoint() || message.has_finished()) {
-        const std::string& reported = message.has_checkpoint() ? message.checkpoint().job_id()
-                                                               : message.finished().job_id();
+        const std::string& reported =
+            message.has_checkpoint() ? message.checkpoint().job_id() : message.finished().job_id();
         const std::string& job_id = reported.empty() && rec ? rec->job.id() : reported;
         auto j = jobs_.find(job_id);
         if (j != jobs_.end()) {

@@ -149,8 +149,7 @@ TEST(CoordinatorOutageFaultTest, KillNineLongerThanACheckpointIntervalStillSucce
   for (const WorkerProcess* w : {&w0, &w1}) {
     std::vector<int64_t> left = Checkpoints(*w, job.id());
     for (auto deadline = std::chrono::steady_clock::now() + seconds(10);
-         !left.empty() && left.front() < final_point &&
-         std::chrono::steady_clock::now() < deadline;
+         !left.empty() && left.front() < final_point && std::chrono::steady_clock::now() < deadline;
          left = Checkpoints(*w, job.id())) {
       std::this_thread::sleep_for(milliseconds(50));
     }
