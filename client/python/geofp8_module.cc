@@ -187,17 +187,21 @@ class Engine {
       {
         py::gil_scoped_release release;
         {
-          std::lock_guard<std::mutex> lock(mu_);
-          stop_ = true;
-          if (running_ && comm_) comm_->Abort("the geofp8 engine is being destroyed");
+          std::lock_guard<std::mutex> lock(q_->mu);
+          q_->stop = true;
+          if (q_->running && comm_) comm_->Abort("the geofp8 engine is being destroyed");
         }
-        work_cv_.notify_all();
-        done_cv_.notify_all();
+        q_->work_cv.notify_all();
+        q_->done_cv.notify_all();
         exchange_thread_.join();
-        completer_.join();
+        if (completer_.get_id() == std::this_thread::get_id()) {
+          completer_.detach();  // a callback let go of the engine; the loop ends on its own
+        } else {
+          completer_.join();
+        }
       }
-      exchange_queue_.clear();  // their Python objects are released with the GIL held
-      done_queue_.clear();
+      q_->exchange.clear();  // their Python objects are released with the GIL held
+      q_->done.clear();
     }
     exchangers_.clear();
     comm_.reset();
@@ -386,14 +390,14 @@ class Engine {
     job->queued = std::chrono::steady_clock::now();
     if (!exchange_thread_.joinable()) {
       exchange_thread_ = std::thread([this] { ExchangeLoop(); });
-      completer_ = std::thread([this] { CompleterLoop(); });
+      completer_ = std::thread([q = q_] { CompleterLoop(q); });
     }
     {
-      std::lock_guard<std::mutex> lock(mu_);
-      exchange_queue_.push_back(std::move(job));
-      ++in_flight_;
+      std::lock_guard<std::mutex> lock(q_->mu);
+      q_->exchange.push_back(std::move(job));
+      ++q_->in_flight;
     }
-    work_cv_.notify_one();
+    q_->work_cv.notify_one();
   }
 
   // Waits, with the GIL released, until every submitted bucket is exchanged and its callback
@@ -401,13 +405,13 @@ class Engine {
   void Drain() {
     if (!exchange_thread_.joinable()) return;
     py::gil_scoped_release release;
-    std::unique_lock<std::mutex> lock(mu_);
-    idle_cv_.wait(lock, [this] { return in_flight_ == 0; });
+    std::unique_lock<std::mutex> lock(q_->mu);
+    q_->idle_cv.wait(lock, [this] { return q_->in_flight == 0; });
   }
 
   size_t in_flight() {
-    std::lock_guard<std::mutex> lock(mu_);
-    return in_flight_;
+    std::lock_guard<std::mutex> lock(q_->mu);
+    return q_->in_flight;
   }
 
   // Every layer's geometry state, in set_layers order: (active, pending, pending_from, sketch).
@@ -512,6 +516,18 @@ class Engine {
     std::exception_ptr error;
   };
 
+  // submit()'s queues. Shared with the completer thread, which may outlive the engine by a few
+  // instructions: a callback may drop the last reference to the engine's Python owner, so the
+  // engine can be destroyed on that very thread.
+  struct Queue {
+    std::mutex mu;
+    std::condition_variable work_cv, done_cv, idle_cv;
+    std::deque<std::unique_ptr<Job>> exchange, done;  // for the exchange thread, the completer
+    size_t in_flight = 0;  // submitted, callback not yet returned
+    bool running = false;  // the exchange thread is inside an exchange
+    bool stop = false;
+  };
+
   // The bucket's layers as spans into `buffer`, checked (exchange() and submit()).
   std::vector<std::span<float>> BucketGrads(const std::vector<uint32_t>& layers,
                                             py::buffer& buffer,
@@ -547,12 +563,12 @@ class Engine {
     for (;;) {
       std::unique_ptr<Job> job;
       {
-        std::unique_lock<std::mutex> lock(mu_);
-        work_cv_.wait(lock, [this] { return stop_ || !exchange_queue_.empty(); });
-        if (stop_) return;
-        job = std::move(exchange_queue_.front());
-        exchange_queue_.pop_front();
-        running_ = true;
+        std::unique_lock<std::mutex> lock(q_->mu);
+        q_->work_cv.wait(lock, [this] { return q_->stop || !q_->exchange.empty(); });
+        if (q_->stop) return;
+        job = std::move(q_->exchange.front());
+        q_->exchange.pop_front();
+        q_->running = true;
       }
       job->started = std::chrono::steady_clock::now();
       try {
@@ -562,24 +578,24 @@ class Engine {
       }
       job->finished = std::chrono::steady_clock::now();
       {
-        std::lock_guard<std::mutex> lock(mu_);
-        running_ = false;
-        done_queue_.push_back(std::move(job));
+        std::lock_guard<std::mutex> lock(q_->mu);
+        q_->running = false;
+        q_->done.push_back(std::move(job));
       }
-      done_cv_.notify_one();
+      q_->done_cv.notify_one();
     }
   }
 
   // The completer thread: calls each finished bucket's callback with the GIL, in order.
-  void CompleterLoop() {
+  static void CompleterLoop(std::shared_ptr<Queue> q) {
     for (;;) {
       std::unique_ptr<Job> job;
       {
-        std::unique_lock<std::mutex> lock(mu_);
-        done_cv_.wait(lock, [this] { return stop_ || !done_queue_.empty(); });
-        if (stop_) return;
-        job = std::move(done_queue_.front());
-        done_queue_.pop_front();
+        std::unique_lock<std::mutex> lock(q->mu);
+        q->done_cv.wait(lock, [&q] { return q->stop || !q->done.empty(); });
+        if (q->stop) return;
+        job = std::move(q->done.front());
+        q->done.pop_front();
       }
       {
         py::gil_scoped_acquire gil;
@@ -587,10 +603,10 @@ class Engine {
         job.reset();
       }
       {
-        std::lock_guard<std::mutex> lock(mu_);
-        --in_flight_;
+        std::lock_guard<std::mutex> lock(q->mu);
+        --q->in_flight;
       }
-      idle_cv_.notify_all();
+      q->idle_cv.notify_all();
     }
   }
 
@@ -754,13 +770,7 @@ class Engine {
   std::map<std::vector<uint32_t>, std::unique_ptr<Exchanger>> exchangers_;
   std::vector<std::optional<Stashed>> stash_;
 
-  // submit(): the queue of buckets for the exchange thread, then for the completer.
-  std::mutex mu_;
-  std::condition_variable work_cv_, done_cv_, idle_cv_;
-  std::deque<std::unique_ptr<Job>> exchange_queue_, done_queue_;
-  size_t in_flight_ = 0;  // submitted, callback not yet returned
-  bool running_ = false;  // the exchange thread is inside an exchange
-  bool stop_ = false;
+  std::shared_ptr<Queue> q_ = std::make_shared<Queue>();
   std::thread exchange_thread_, completer_;  // started by the first submit()
 };
 

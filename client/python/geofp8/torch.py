@@ -483,6 +483,10 @@ def _account(state, result, buf, layers, offsets, sizes, exact):
     state.last_step["seconds"] += result["seconds"]
 
 
+def _unwrap(fut):
+    return fut.value()
+
+
 def _end_bucket(state, bucket):
     if bucket.is_last():
         state.step += 1
@@ -537,8 +541,11 @@ def geofp8_hook(state, bucket):
         record = {"step": step, "bucket": index, "called": called}
         state._engine.submit(step, layers, buf.numpy(), offsets, done)
         _end_bucket(state, bucket)
+        # DDP reads the Future from C++, where set_exception's value would be a failed cast to
+        # Tensor: the chained Future turns it into a real error, which backward() raises.
+        chained = fut.then(_unwrap)
         record["returned"] = time.monotonic()
-        return fut
+        return chained
     started = time.monotonic()
     if buf.device.type == "cuda":
         # Device pointers and torch's current stream as integers: the work is ordered after

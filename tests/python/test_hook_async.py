@@ -1,0 +1,240 @@
+"""geofp8.torch's asynchronous hook (issue 28 item 3), two gloo ranks:
+
+1. Overlap: with a layer whose backward takes SLOW_S seconds between two buckets, the hook
+   trace shows that backward inside bucket 0's exchange; on the synchronous path it starts
+   only after that exchange has finished (so the check can fail).
+2. The same bits: several small buckets (many in flight at once), the geofp8 preset (geometry
+   refreshed every step) and a per-layer YAML policy: weights and wire bytes after STEPS steps
+   equal the synchronous path's exactly.
+3. Errors reach DDP through the Future: ranks whose policies differ get the fingerprint
+   mismatch from backward(), a rank whose peer never exchanges gets the timeout, and a NaN on
+   one rank comes back as NaN buckets on both.
+"""
+
+import os
+import sys
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import hook_testlib as L  # noqa: E402
+
+SLOW_S = 0.25
+STEPS = 5
+YAML_POLICY = """
+geometry_refresh: {estimator: ema, interval: 1}
+policy:
+  default: {format: fp8_e4m3}
+  layers:
+    - {match: "[02].weight", geometry: lowrank, rank: 8}
+    - {match: "7.*", format: nvfp4}
+"""
+
+
+def overlap(rank, world, synchronous):
+    """Bucket 0 holds the last layer's weight, bucket 1 the first's; between them a layer whose
+    backward sleeps SLOW_S and records when. Returns [(sleep begin, end)] and the trace."""
+    import torch
+    from torch.nn.parallel import DistributedDataParallel as DDP
+    import geofp8.torch as gt
+    spans = []
+
+    class Slow(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, x):
+            return x.clone()
+
+        @staticmethod
+        def backward(ctx, g):
+            t0 = time.monotonic()
+            time.sleep(SLOW_S)
+            spans.append((t0, time.monotonic()))
+            return g
+
+    class Net(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            torch.manual_seed(0)
+            # 1024 x 1024 floats (4 MiB) each: bucket 0's exchange takes milliseconds, far more
+            # than the microseconds from the hook's return to the next backward node.
+            self.a = torch.nn.Linear(1024, 1024, bias=False)
+            self.b = torch.nn.Linear(1024, 1024, bias=False)
+
+        def forward(self, x):
+            return self.b(Slow.apply(self.a(x)))
+
+    model = Net()
+    # Each 4 MiB weight over the 1 MiB cap: one bucket each, b's first (backward order).
+    ddp = DDP(model, bucket_cap_mb=1)
+    state = gt.GeoFP8State(model=model, policy="fp8", synchronous=synchronous,
+                           trace_buckets=True)
+    ddp.register_comm_hook(state, gt.geofp8_hook)
+    for s in range(3):
+        x = torch.randn(8, 1024, generator=torch.Generator().manual_seed(rank * 100 + s))
+        ddp(x).square().mean().backward()
+    return {"spans": spans, "trace": state.bucket_trace}
+
+
+def train(rank, world, policy, synchronous):
+    import torch
+    from torch.nn.parallel import DistributedDataParallel as DDP
+    import geofp8.torch as gt
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(
+        torch.nn.Linear(32, 64), torch.nn.Tanh(), torch.nn.Linear(64, 64), torch.nn.Tanh(),
+        torch.nn.LayerNorm(64), torch.nn.Linear(64, 64), torch.nn.Tanh(), torch.nn.Linear(64, 16))
+    # Buckets of at most 4 KiB, the first one included (torch documents both knobs): each
+    # 8-16 KiB weight in a bucket of its own, so buckets queue on the exchange thread while
+    # backward runs.
+    torch.distributed._DEFAULT_FIRST_BUCKET_BYTES = 4096
+    ddp = DDP(model, bucket_cap_mb=4096 / 2**20)
+    state = gt.GeoFP8State(model=model, policy=policy, seed=3, synchronous=synchronous,
+                           trace_buckets=True)
+    ddp.register_comm_hook(state, gt.geofp8_hook)
+    opt = torch.optim.SGD(ddp.parameters(), lr=0.05, momentum=0.9)
+    for s in range(STEPS):
+        x, y = L.batch(rank, s)
+        opt.zero_grad()
+        ((ddp(x) - y) ** 2).mean().backward()
+        opt.step()
+    return {"weights": {n: p.detach().clone() for n, p in model.named_parameters()},
+            "bytes": state.stats["bytes_sent"], "refreshes": state.stats["refreshes"],
+            "trace": state.bucket_trace}
+
+
+def backward_error(rank, world, policy, timeout_s=30.0, idle_rank=None):
+    """One step; returns the exception backward() raised (type name and message) or None."""
+    import torch
+    from torch.nn.parallel import DistributedDataParallel as DDP
+    import geofp8.torch as gt
+    model = L.tiny_model()
+    ddp = DDP(model)
+    state = gt.GeoFP8State(model=model, policy=policy, timeout_s=timeout_s)
+    ddp.register_comm_hook(state, gt.geofp8_hook)
+    x, y = L.batch(rank, 0)
+    if rank == idle_rank:
+        # Never exchanges: the peer's collective runs out of time. Wait long enough for it to
+        # fail first, so this rank's engine is not torn down under it.
+        time.sleep(timeout_s + 3.0)
+        return None
+    t0 = time.monotonic()
+    try:
+        ((ddp(x) - y) ** 2).mean().backward()
+    except Exception as e:  # noqa: BLE001 - what reaches the caller is the test
+        return {"type": type(e).__name__, "message": str(e), "seconds": time.monotonic() - t0}
+    return None
+
+
+def nan_step(rank, world):
+    import torch
+    from torch.nn.parallel import DistributedDataParallel as DDP
+    import geofp8.torch as gt
+    model = L.tiny_model()
+    torch.distributed._DEFAULT_FIRST_BUCKET_BYTES = 4096
+    ddp = DDP(model, bucket_cap_mb=4096 / 2**20)
+    state = gt.GeoFP8State(model=model, policy="fp8")
+    ddp.register_comm_hook(state, gt.geofp8_hook)
+    x, y = L.batch(rank, 0)
+    if rank == 1:
+        x[0, 0] = float("nan")
+    ((ddp(x) - y) ** 2).mean().backward()
+    return {"all_nan": all(bool(p.grad.isnan().all()) for p in model.parameters()),
+            "skipped": state.last_step["skipped"],
+            "skipped_buckets": state.stats["skipped_buckets"]}
+
+
+def work(rank, world):
+    import torch.distributed as dist
+    out = {"overlap_async": overlap(rank, world, False),
+           "overlap_sync": overlap(rank, world, True)}
+    for name, policy in (("geofp8", "geofp8"), ("yaml", YAML_POLICY)):
+        out["async_" + name] = train(rank, world, policy, False)
+        out["sync_" + name] = train(rank, world, policy, True)
+    out["nan"] = nan_step(rank, world)
+    dist.barrier()
+    out["fingerprint"] = backward_error(rank, world, "fp8" if rank == 0 else "nvfp4")
+    dist.barrier()
+    out["timeout"] = backward_error(rank, world, "fp8", timeout_s=2.0, idle_rank=1)
+    return out
+
+
+def intersect(a0, a1, b0, b1):
+    return max(a0, b0) < min(a1, b1)
+
+
+def main():
+    L.require_torch()
+    import torch
+    results = L.spawn(2, work)
+    failures = []
+    for rank, r in enumerate(results):
+        # 1. Overlap, every step after the first (step 0 includes DDP's bucket rebuild).
+        for mode, expect in (("overlap_async", True), ("overlap_sync", False)):
+            spans, trace = r[mode]["spans"], r[mode]["trace"]
+            for step in (1, 2):
+                b0 = [t for t in trace if t["step"] == step and t["bucket"] == 0]
+                b1 = [t for t in trace if t["step"] == step and t["bucket"] == 1]
+                if len(b0) != 1 or len(b1) != 1:
+                    failures.append("rank %d %s step %d: trace has %d and %d records for "
+                                    "buckets 0 and 1" % (rank, mode, step, len(b0), len(b1)))
+                    continue
+                s0, s1 = spans[step]
+                ex0, ex1 = b0[0]["started"], b0[0]["finished"]
+                inside = intersect(ex0, ex1, s0, s1)
+                print("rank %d %s step %d: bucket 0 exchanged %.1f-%.1f ms, bucket 1's backward "
+                      "%.1f-%.1f ms (from bucket 0's hook call): %s"
+                      % (rank, mode, step, 1e3 * (ex0 - b0[0]["called"]),
+                         1e3 * (ex1 - b0[0]["called"]), 1e3 * (s0 - b0[0]["called"]),
+                         1e3 * (s1 - b0[0]["called"]), "overlap" if inside else "no overlap"))
+                if inside != expect:
+                    failures.append("rank %d %s step %d: overlap %s, expected %s"
+                                    % (rank, mode, step, inside, expect))
+                # The hook returned before the exchange finished (async) / after (sync).
+                if (b0[0]["returned"] < ex1) != expect:
+                    failures.append("rank %d %s step %d: hook returned at %.4f, exchange ended "
+                                    "%.4f" % (rank, mode, step, b0[0]["returned"], ex1))
+                # Bucket 1 was exchanged after bucket 0: submission order.
+                if not b1[0]["started"] >= ex1:
+                    failures.append("rank %d %s step %d: bucket 1 started before bucket 0 "
+                                    "ended" % (rank, mode, step))
+        # 2. The same bits.
+        for name in ("geofp8", "yaml"):
+            a, s = r["async_" + name], r["sync_" + name]
+            diff = [n for n, w in a["weights"].items() if not torch.equal(w, s["weights"][n])]
+            trace = a["trace"]
+            per_step = min(sum(1 for t in trace if t["step"] == k) for k in range(1, STEPS))
+            # A bucket handed over while the one before it was still being exchanged.
+            queued = sum(1 for p, t in zip(trace, trace[1:])
+                         if t["step"] == p["step"] and t["called"] < p["finished"])
+            print("rank %d %s: async vs sync: %d of %d weights differ; bytes %d / %d; "
+                  "refreshes %d / %d; >= %d buckets a step after step 0, %d handed over during the previous "
+                  "one's exchange" % (rank, name, len(diff), len(a["weights"]), a["bytes"],
+                                      s["bytes"], a["refreshes"], s["refreshes"], per_step,
+                                      queued))
+            if diff or a["bytes"] != s["bytes"] or a["refreshes"] != s["refreshes"]:
+                failures.append("rank %d %s: async differs from sync (%s)" % (rank, name, diff))
+            if per_step < 4:
+                failures.append("rank %d %s: %d bucket(s) a step; the test needs several"
+                                % (rank, name, per_step))
+        # 3. Errors.
+        n = r["nan"]
+        print("rank %d NaN on rank 1: %s" % (rank, n))
+        if not (n["all_nan"] and n["skipped"] and n["skipped_buckets"] >= 1):
+            failures.append("rank %d: the NaN step did not come back as NaN buckets (%s)"
+                            % (rank, n))
+        f = r["fingerprint"]
+        print("rank %d different policies: %s" % (rank, f))
+        if f is None or "fingerprint" not in f["message"] or "fp8_e4m3" not in f["message"]:
+            failures.append("rank %d: different policies did not raise the fingerprint "
+                            "mismatch from backward (%s)" % (rank, f))
+    t = results[0]["timeout"]
+    print("rank 0, peer idle: %s" % (t,))
+    # The collective's timeout is 2 s; allow 3x for a loaded machine, never a hang.
+    if t is None or "tim" not in t["message"].lower() or not t["seconds"] < 6.0:
+        failures.append("rank 0: an idle peer did not raise the timeout from backward (%s)" % (t,))
+    for f in failures:
+        print("FAIL:", f)
+    sys.exit(1 if failures else 0)
+
+
+if __name__ == "__main__":
+    main()
