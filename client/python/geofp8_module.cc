@@ -32,6 +32,7 @@
 #include <sstream>
 #include <string>
 #include <thread>
+#include <utility>
 #include <vector>
 
 #include "client/python/cuda_exchange.h"
@@ -359,7 +360,18 @@ class Engine {
   py::dict Exchange(uint64_t step, const std::vector<uint32_t>& layers, py::buffer buffer,
                     const std::vector<int64_t>& offsets) {
     std::vector<std::span<float>> grads = BucketGrads(layers, buffer, offsets);
-    Drain();  // the buckets submitted before this one go first
+    // The buckets submitted before this one go first; their callbacks may still run meanwhile
+    // (they touch no exchanger), and a new layout waits for those too.
+    if (exchangers_.contains(layers)) {
+      WaitForExchanges();
+    } else {
+      Drain(/*forget_errors=*/false);
+    }
+    // A queued bucket of this step failed (a timeout, a fingerprint mismatch): its Future holds
+    // the error, but DDP raises this call's first, so this call raises that root cause too,
+    // and leaves the bucket unexchanged on every rank, as the synchronous hook stops at the
+    // first failed bucket.
+    if (q_->first_error) std::rethrow_exception(std::exchange(q_->first_error, nullptr));
     Exchanger& ex = ExchangerFor(layers);
     StepResult r;
     {
@@ -380,7 +392,7 @@ class Engine {
               const std::vector<int64_t>& offsets, py::function done) {
     std::vector<std::span<float>> grads = BucketGrads(layers, buffer, offsets);
     // A new layout takes geometry over from exchangers that a queued bucket may be using.
-    if (!exchangers_.contains(layers)) Drain();
+    if (!exchangers_.contains(layers)) Drain(/*forget_errors=*/false);
     auto job = std::make_unique<Job>();
     job->step = step;
     job->exchanger = &ExchangerFor(layers);
@@ -401,12 +413,24 @@ class Engine {
   }
 
   // Waits, with the GIL released, until every submitted bucket is exchanged and its callback
-  // has returned.
-  void Drain() {
+  // has returned. forget_errors: the queued buckets' errors have reached their Futures and
+  // are not raised again by the next exchange() (a new step).
+  void Drain(bool forget_errors = true) {
+    if (!exchange_thread_.joinable()) return;
+    {
+      py::gil_scoped_release release;
+      std::unique_lock<std::mutex> lock(q_->mu);
+      q_->idle_cv.wait(lock, [this] { return q_->in_flight == 0; });
+    }
+    if (forget_errors) q_->first_error = nullptr;
+  }
+
+  // Waits, with the GIL released, until the exchange thread has nothing queued or running.
+  void WaitForExchanges() {
     if (!exchange_thread_.joinable()) return;
     py::gil_scoped_release release;
     std::unique_lock<std::mutex> lock(q_->mu);
-    q_->idle_cv.wait(lock, [this] { return q_->in_flight == 0; });
+    q_->idle_cv.wait(lock, [this] { return q_->exchange.empty() && !q_->running; });
   }
 
   size_t in_flight() {
@@ -526,6 +550,7 @@ class Engine {
     size_t in_flight = 0;  // submitted, callback not yet returned
     bool running = false;  // the exchange thread is inside an exchange
     bool stop = false;
+    std::exception_ptr first_error;  // of a queued bucket, for the next exchange() to raise
   };
 
   // The bucket's layers as spans into `buffer`, checked (exchange() and submit()).
@@ -580,9 +605,11 @@ class Engine {
       {
         std::lock_guard<std::mutex> lock(q_->mu);
         q_->running = false;
+        if (job->error && !q_->first_error) q_->first_error = job->error;
         q_->done.push_back(std::move(job));
       }
       q_->done_cv.notify_one();
+      q_->idle_cv.notify_all();  // WaitForExchanges
     }
   }
 
@@ -812,7 +839,9 @@ PYBIND11_MODULE(_geofp8, m) {
            "exchange() on the engine's exchange thread, in submission order; returns at once and "
            "calls done(result, error) with the GIL when the bucket is averaged (result: "
            "exchange()'s dict plus queued/started/finished, time.monotonic() seconds).")
-      .def("drain", &Engine::Drain, "Waits until every submitted bucket's callback has returned.")
+      .def("drain", &Engine::Drain, py::arg("forget_errors") = true,
+           "Waits until every submitted bucket's callback has returned; forget_errors: the next "
+           "exchange() does not raise a queued bucket's error again.")
       .def_property_readonly("in_flight", &Engine::in_flight,
                              "Buckets submitted whose callback has not yet returned.")
       .def("exchange_cuda", &Engine::ExchangeCuda, py::arg("step"), py::arg("layers"),

@@ -74,10 +74,9 @@ def overlap(rank, world, synchronous):
     return {"spans": spans, "trace": state.bucket_trace}
 
 
-def train(rank, world, policy, synchronous):
+def multi_bucket_model():
     import torch
     from torch.nn.parallel import DistributedDataParallel as DDP
-    import geofp8.torch as gt
     torch.manual_seed(0)
     model = torch.nn.Sequential(
         torch.nn.Linear(32, 64), torch.nn.Tanh(), torch.nn.Linear(64, 64), torch.nn.Tanh(),
@@ -86,7 +85,13 @@ def train(rank, world, policy, synchronous):
     # 8-16 KiB weight in a bucket of its own, so buckets queue on the exchange thread while
     # backward runs.
     torch.distributed._DEFAULT_FIRST_BUCKET_BYTES = 4096
-    ddp = DDP(model, bucket_cap_mb=4096 / 2**20)
+    return model, DDP(model, bucket_cap_mb=4096 / 2**20)
+
+
+def train(rank, world, policy, synchronous):
+    import torch
+    import geofp8.torch as gt
+    model, ddp = multi_bucket_model()
     state = gt.GeoFP8State(model=model, policy=policy, seed=3, synchronous=synchronous,
                            trace_buckets=True)
     ddp.register_comm_hook(state, gt.geofp8_hook)
@@ -101,42 +106,61 @@ def train(rank, world, policy, synchronous):
             "trace": state.bucket_trace}
 
 
-def backward_error(rank, world, policy, timeout_s=30.0, idle_rank=None):
-    """One step; returns the exception backward() raised (type name and message) or None."""
-    import torch
-    from torch.nn.parallel import DistributedDataParallel as DDP
+def backward_error(rank, world, step1_policy=None, timeout_s=30.0, idle_rank=None):
+    """Two steps of the multi-bucket model (DDP's step 0 has one bucket, later steps several),
+    the second under `step1_policy` when given. Returns what step 1's backward() raised and
+    what its bucket 0's Future (queued on the engine's thread, not the step's last) raises."""
     import geofp8.torch as gt
-    model = L.tiny_model()
-    ddp = DDP(model)
-    state = gt.GeoFP8State(model=model, policy=policy, timeout_s=timeout_s)
-    ddp.register_comm_hook(state, gt.geofp8_hook)
+    model, ddp = multi_bucket_model()
+    state = gt.GeoFP8State(model=model, policy="fp8", timeout_s=timeout_s)
+    if step1_policy is not None:
+        state.set_policy(step1_policy, effective_step=1)
+    futures = {}
+
+    def hook(st, bucket):
+        fut = gt.geofp8_hook(st, bucket)
+        futures[bucket.index()] = (fut, bucket.is_last())
+        return fut
+
+    ddp.register_comm_hook(state, hook)
     x, y = L.batch(rank, 0)
+    ((ddp(x) - y) ** 2).mean().backward()
+    x, y = L.batch(rank, 1)
+    # Step 1's forward rebuilds DDP's buckets (a collective over torch's group): every rank.
+    loss = ((ddp(x) - y) ** 2).mean()
     if rank == idle_rank:
-        # Never exchanges: the peer's collective runs out of time. Wait long enough for it to
-        # fail first, so this rank's engine is not torn down under it.
-        time.sleep(timeout_s + 3.0)
+        # Never exchanges: the peer's collectives run out of time (bucket 0's, then the last
+        # bucket's). Wait for both to fail first, so this rank's engine is not torn down under
+        # them.
+        time.sleep(2 * timeout_s + 3.0)
         return None
+    out = {}
     t0 = time.monotonic()
     try:
-        ((ddp(x) - y) ** 2).mean().backward()
+        loss.backward()
     except Exception as e:  # noqa: BLE001 - what reaches the caller is the test
-        return {"type": type(e).__name__, "message": str(e), "seconds": time.monotonic() - t0}
-    return None
+        out["backward"] = "%s: %s" % (type(e).__name__, e)
+    out["seconds"] = time.monotonic() - t0
+    fut, last = futures.get(0, (None, True))
+    out["bucket0_queued"] = not last
+    try:
+        if fut is not None:
+            fut.wait()
+    except Exception as e:  # noqa: BLE001
+        out["bucket0"] = "%s: %s" % (type(e).__name__, e)
+    return out
 
 
 def nan_step(rank, world):
-    import torch
-    from torch.nn.parallel import DistributedDataParallel as DDP
     import geofp8.torch as gt
-    model = L.tiny_model()
-    torch.distributed._DEFAULT_FIRST_BUCKET_BYTES = 4096
-    ddp = DDP(model, bucket_cap_mb=4096 / 2**20)
+    model, ddp = multi_bucket_model()
     state = gt.GeoFP8State(model=model, policy="fp8")
     ddp.register_comm_hook(state, gt.geofp8_hook)
-    x, y = L.batch(rank, 0)
-    if rank == 1:
-        x[0, 0] = float("nan")
-    ((ddp(x) - y) ** 2).mean().backward()
+    for s in range(2):  # step 1: several buckets
+        x, y = L.batch(rank, s)
+        if rank == 1 and s == 1:
+            x[0, 0] = float("nan")
+        ((ddp(x) - y) ** 2).mean().backward()
     return {"all_nan": all(bool(p.grad.isnan().all()) for p in model.parameters()),
             "skipped": state.last_step["skipped"],
             "skipped_buckets": state.stats["skipped_buckets"]}
@@ -151,9 +175,12 @@ def work(rank, world):
         out["sync_" + name] = train(rank, world, policy, True)
     out["nan"] = nan_step(rank, world)
     dist.barrier()
-    out["fingerprint"] = backward_error(rank, world, "fp8" if rank == 0 else "nvfp4")
+    # From step 1 rank 1 runs another policy (version 2): bucket 0's fingerprint differs.
+    other = {"policy": {"default": {"format": "fp8_e4m3"},
+                        "layers": [{"match": "7.*", "format": "nvfp4"}]}}
+    out["fingerprint"] = backward_error(rank, world, None if rank == 0 else other)
     dist.barrier()
-    out["timeout"] = backward_error(rank, world, "fp8", timeout_s=2.0, idle_rank=1)
+    out["timeout"] = backward_error(rank, world, timeout_s=2.0, idle_rank=1)
     return out
 
 
@@ -218,19 +245,30 @@ def main():
         # 3. Errors.
         n = r["nan"]
         print("rank %d NaN on rank 1: %s" % (rank, n))
-        if not (n["all_nan"] and n["skipped"] and n["skipped_buckets"] >= 1):
+        if not (n["all_nan"] and n["skipped"] and n["skipped_buckets"] >= 2):
             failures.append("rank %d: the NaN step did not come back as NaN buckets (%s)"
                             % (rank, n))
         f = r["fingerprint"]
         print("rank %d different policies: %s" % (rank, f))
-        if f is None or "fingerprint" not in f["message"] or "fp8_e4m3" not in f["message"]:
-            failures.append("rank %d: different policies did not raise the fingerprint "
-                            "mismatch from backward (%s)" % (rank, f))
+        for key in ("backward", "bucket0"):
+            msg = f.get(key, "")
+            if "fingerprint mismatch in bucket 0 at step 1" not in msg or "policy version" \
+                    not in msg:
+                failures.append("rank %d: different policies: %s lacks bucket 0's fingerprint "
+                                "mismatch naming the policy version (%s)" % (rank, key, f))
+        if not f["bucket0_queued"]:
+            failures.append("rank %d: bucket 0 was the step's last; its Future was not tested"
+                            % rank)
     t = results[0]["timeout"]
     print("rank 0, peer idle: %s" % (t,))
-    # The collective's timeout is 2 s; allow 3x for a loaded machine, never a hang.
-    if t is None or "tim" not in t["message"].lower() or not t["seconds"] < 6.0:
-        failures.append("rank 0: an idle peer did not raise the timeout from backward (%s)" % (t,))
+    # Bucket 0's collective waits out the 2 s timeout, and backward() raises that root cause
+    # (the last bucket is not exchanged after it); 2 s, and never a hang: 8 s leaves room for a
+    # loaded machine.
+    for key in ("backward", "bucket0"):
+        if "Timed out" not in t.get(key, ""):
+            failures.append("rank 0: an idle peer: %s lacks the timeout (%s)" % (key, t))
+    if not t["seconds"] < 8.0:
+        failures.append("rank 0: an idle peer: backward took %.1f s" % t["seconds"])
     for f in failures:
         print("FAIL:", f)
     sys.exit(1 if failures else 0)

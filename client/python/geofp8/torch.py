@@ -495,10 +495,10 @@ def _end_bucket(state, bucket):
 
 def geofp8_hook(state, bucket):
     """DDP comm hook: averages the bucket over the group with GeoFP8's engine and returns a
-    Future holding the averaged bucket. On CPU tensors (unless the state is synchronous) the
-    bucket is queued on the engine's exchange thread, which exchanges the buckets in the order
-    DDP hands them over, and the engine completes the Future, so DDP's backward goes on
-    meanwhile; errors (timeouts, fingerprint mismatches) complete it with the engine's
+    Future holding the averaged bucket. On CPU tensors (unless the state is synchronous) each
+    bucket but the step's last is queued on the engine's exchange thread, which exchanges the
+    buckets in the order DDP hands them over, and the engine completes the Future, so DDP's
+    backward goes on meanwhile (the last bucket is exchanged in the call, after them); errors (timeouts, fingerprint mismatches) complete it with the engine's
     geofp8.Error, which DDP raises from backward(). A bucket in which some rank had a NaN or inf
     gradient comes back as NaN (the engine skips it on every rank), so a GradScaler or a
     finiteness check skips the optimizer step."""
@@ -521,7 +521,10 @@ def geofp8_hook(state, bucket):
     step, index = state.step, bucket.index()
     fut = torch.futures.Future()
     trace = state.bucket_trace
-    if not state.synchronous:
+    # The step's last bucket is exchanged in this call, after the queued ones: no backward is
+    # left to overlap it with, and the calling thread saves the handoffs to the engine's
+    # threads and back (the same Exchanger call, so the same bits).
+    if not state.synchronous and not bucket.is_last():
         def done(result, error):
             # The engine's completer thread, with the GIL.
             if error is not None:
