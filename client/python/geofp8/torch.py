@@ -45,8 +45,16 @@ def _local_hostname():
     return socket.gethostbyname(socket.getfqdn())
 
 
-def _check_parameter(name, p, device):
-    """device: the model's device (that of its first trainable parameter)."""
+def _check_parameter(name, p, first, device):
+    """first, device: the model's first trainable parameter's name and device."""
+    if p.device != device:
+        raise RuntimeError(
+            "device: the model is on more than one device: parameter '%s' is on %s, its first "
+            "parameter '%s' on %s; the GeoFP8 hook takes a model on one device (move it with "
+            "model.to(device))%s" % (name, p.device, first, device,
+                                     "; CUDA tensors also need a CUDA build of geofp8, which "
+                                     "this is not" if "cuda" in (p.device.type, device.type)
+                                     and not _geofp8.has_cuda else ""))
     if p.device.type == "cuda" and not _geofp8.has_cuda:
         raise RuntimeError(
             "device: parameter '%s' is on %s; CUDA tensors need a CUDA build of geofp8 and torch "
@@ -55,9 +63,6 @@ def _check_parameter(name, p, device):
     if p.device.type not in ("cpu", "cuda"):
         raise RuntimeError("device: parameter '%s' is on %s; the GeoFP8 hook takes CPU or CUDA "
                            "tensors" % (name, p.device))
-    if p.device != device:
-        raise RuntimeError("device: parameter '%s' is on %s, the model's first parameter on %s; "
-                           "the GeoFP8 hook takes a model on one device" % (name, p.device, device))
     if p.dtype != torch.float32:
         raise TypeError("gradient dtype: parameter '%s' is %s; the GeoFP8 hook takes float32 "
                         "gradients" % (name, p.dtype))
@@ -126,12 +131,13 @@ class GeoFP8State:
         self.names = []
         shapes = []
         self._index = {}
-        device = None
+        device = first = None
         for name, p in model.named_parameters():
             if not p.requires_grad:
                 continue
-            device = p.device if device is None else device
-            _check_parameter(name, p, device)
+            if device is None:
+                device, first = p.device, name
+            _check_parameter(name, p, first, device)
             self._index[id(p)] = len(self.names)
             self.names.append(name)
             shapes.append((p.shape[0], p.shape[1]) if p.dim() == 2 else (1, p.numel()))
