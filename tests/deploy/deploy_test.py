@@ -421,10 +421,14 @@ class HelmChartTest(unittest.TestCase):
                 self.assertIn(message, str(cm.exception))
 
     def test_device_cuda_is_not_offered(self):
-        # geofp8-worker refuses cuda today, so the chart must not offer it.
-        r = subprocess.run([WORKER, "--device", "cuda", "--metrics-port", "-1"],
-                           capture_output=True, text=True, timeout=30)
+        # geofp8-worker takes --device cuda[:N] only where the driver lists a GPU (an empty
+        # listing here: exit 2), and the chart does not offer GPU workers yet.
+        with tempfile.TemporaryDirectory() as no_gpus:
+            r = subprocess.run([WORKER, "--device", "cuda", "--metrics-port", "-1"],
+                               capture_output=True, text=True, timeout=30,
+                               env=dict(os.environ, GEOFP8_NVIDIA_GPUS_DIR=no_gpus))
         self.assertEqual(r.returncode, 2, r.stderr)
+        self.assertIn("no GPU", r.stderr)
         values = helm_render.Renderer(CHART, [{"worker": {"device": "cuda"}}]).values
         self.assertTrue(any("device" in e for e in self.schema_errors(values)))
         self.assertEqual(yaml.safe_load(read(os.path.join(CHART, "values.yaml")))
