@@ -547,15 +547,14 @@ class Engine {
     std::mutex mu;
     std::condition_variable work_cv, done_cv, idle_cv;
     std::deque<std::unique_ptr<Job>> exchange, done;  // for the exchange thread, the completer
-    size_t in_flight = 0;  // submitted, callback not yet returned
-    bool running = false;  // the exchange thread is inside an exchange
+    size_t in_flight = 0;                             // submitted, callback not yet returned
+    bool running = false;                             // the exchange thread is inside an exchange
     bool stop = false;
     std::exception_ptr first_error;  // of a queued bucket, for the next exchange() to raise
   };
 
   // The bucket's layers as spans into `buffer`, checked (exchange() and submit()).
-  std::vector<std::span<float>> BucketGrads(const std::vector<uint32_t>& layers,
-                                            py::buffer& buffer,
+  std::vector<std::span<float>> BucketGrads(const std::vector<uint32_t>& layers, py::buffer& buffer,
                                             const std::vector<int64_t>& offsets) {
     GEOFP8_CHECK(comm_,
                  "device: this engine runs on CUDA tensors (backend nccl); CPU tensors "

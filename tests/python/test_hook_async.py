@@ -54,22 +54,23 @@ def overlap(rank, world, synchronous):
         def __init__(self):
             super().__init__()
             torch.manual_seed(0)
-            # 1024 x 1024 floats (4 MiB) each: bucket 0's exchange takes milliseconds, far more
-            # than the microseconds from the hook's return to the next backward node.
-            self.a = torch.nn.Linear(1024, 1024, bias=False)
-            self.b = torch.nn.Linear(1024, 1024, bias=False)
+            # 2048 x 2048 floats (16 MiB) each: bucket 0's exchange (encode, 4 MiB each way,
+            # decode) takes tens of milliseconds, far more than the microseconds from the hook's
+            # return to the next backward node.
+            self.a = torch.nn.Linear(2048, 2048, bias=False)
+            self.b = torch.nn.Linear(2048, 2048, bias=False)
 
         def forward(self, x):
             return self.b(Slow.apply(self.a(x)))
 
     model = Net()
-    # Each 4 MiB weight over the 1 MiB cap: one bucket each, b's first (backward order).
+    # Each 16 MiB weight over the 1 MiB cap: one bucket each, b's first (backward order).
     ddp = DDP(model, bucket_cap_mb=1)
     state = gt.GeoFP8State(model=model, policy="fp8", synchronous=synchronous,
                            trace_buckets=True)
     ddp.register_comm_hook(state, gt.geofp8_hook)
     for s in range(3):
-        x = torch.randn(8, 1024, generator=torch.Generator().manual_seed(rank * 100 + s))
+        x = torch.randn(8, 2048, generator=torch.Generator().manual_seed(rank * 100 + s))
         ddp(x).square().mean().backward()
     return {"spans": spans, "trace": state.bucket_trace}
 

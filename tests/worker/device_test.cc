@@ -29,8 +29,7 @@ TEST(WorkerDevice, AGpuPastTheCountIsRefusedWithBothNumbers) {
   auto r = ParseWorkerDevice("cuda:7", 2, "/proc/driver/nvidia/gpus");
   ASSERT_FALSE(r.ok());
   const std::string m(r.status().message());
-  EXPECT_NE(m.find("cuda:7 names GPU 7, but this machine has 2 GPUs (0-1"), std::string::npos)
-      << m;
+  EXPECT_NE(m.find("cuda:7 names GPU 7, but this machine has 2 GPUs (0-1"), std::string::npos) << m;
   EXPECT_NE(m.find("/proc/driver/nvidia/gpus"), std::string::npos) << m;
   EXPECT_FALSE(ParseWorkerDevice("cuda:2", 2, "gpus").ok());  // the first index past the end
   auto none = ParseWorkerDevice("cuda", 0, "gpus");
@@ -39,8 +38,8 @@ TEST(WorkerDevice, AGpuPastTheCountIsRefusedWithBothNumbers) {
 }
 
 TEST(WorkerDevice, MalformedValuesAreNamed) {
-  for (const char* bad : {"gpu", "cuda:", "cuda:-1", "cuda:x", "cuda:1x", "cuda:99999", "CUDA",
-                          " cpu", ""}) {
+  for (const char* bad :
+       {"gpu", "cuda:", "cuda:-1", "cuda:x", "cuda:1x", "cuda:99999", "CUDA", " cpu", ""}) {
     auto r = ParseWorkerDevice(bad, 8, "gpus");
     ASSERT_FALSE(r.ok()) << bad;
     EXPECT_NE(std::string(r.status().message()).find("accepted: cpu, cuda, cuda:N"),
@@ -50,8 +49,9 @@ TEST(WorkerDevice, MalformedValuesAreNamed) {
 }
 
 TEST(WorkerDevice, CountsTheDriversEntries) {
-  const auto dir = std::filesystem::temp_directory_path() /
-                   ("geofp8-gpus-" + std::to_string(::testing::UnitTest::GetInstance()->random_seed()));
+  const auto dir =
+      std::filesystem::temp_directory_path() /
+      ("geofp8-gpus-" + std::to_string(::testing::UnitTest::GetInstance()->random_seed()));
   std::filesystem::remove_all(dir);
   EXPECT_EQ(CountNvidiaGpus(dir.string()), 0);  // no driver
   std::filesystem::create_directories(dir / "0000:3b:00.0");

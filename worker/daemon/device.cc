@@ -29,22 +29,20 @@ absl::StatusOr<WorkerDevice> ParseWorkerDevice(const std::string& text, int gpu_
         text.compare(0, prefix.size(), prefix) == 0 ? text.substr(prefix.size()) : "";
     const char* last = digits.data() + digits.size();
     auto [end, err] = std::from_chars(digits.data(), last, index);
-    if (digits.empty() || digits.size() > 4 || err != std::errc() || end != last ||
-        index < 0) {
+    if (digits.empty() || digits.size() > 4 || err != std::errc() || end != last || index < 0) {
       return absl::InvalidArgumentError("unknown value (" + text +
                                         "); accepted: cpu, cuda, cuda:N (N a GPU index)");
     }
   }
   if (gpu_count <= 0) {
-    return absl::InvalidArgumentError(text + ": this machine has no GPU (none listed in " +
-                                      where + ")");
+    return absl::InvalidArgumentError(text + ": this machine has no GPU (none listed in " + where +
+                                      ")");
   }
   if (index >= gpu_count) {
     return absl::InvalidArgumentError(text + " names GPU " + std::to_string(index) +
                                       ", but this machine has " + std::to_string(gpu_count) +
                                       " GPU" + (gpu_count == 1 ? "" : "s") + " (0-" +
-                                      std::to_string(gpu_count - 1) + ", listed in " + where +
-                                      ")");
+                                      std::to_string(gpu_count - 1) + ", listed in " + where + ")");
   }
   d.cuda_index = index;
   d.name = "cuda:" + std::to_string(index);

@@ -159,8 +159,8 @@ int main(int argc, char** argv) {
     // folder (tests give a machine any number of GPUs that way).
     const char* dir = std::getenv("GEOFP8_NVIDIA_GPUS_DIR");
     const std::string where = dir && *dir ? dir : geofp8::worker::kNvidiaGpusDir;
-    auto parsed = geofp8::worker::ParseWorkerDevice(
-        device, geofp8::worker::CountNvidiaGpus(where), where);
+    auto parsed =
+        geofp8::worker::ParseWorkerDevice(device, geofp8::worker::CountNvidiaGpus(where), where);
     if (!parsed.ok()) return UsageError("--device: " + std::string(parsed.status().message()));
     o.session.device = parsed->name;
     o.cuda_device = parsed->cuda_index;
