@@ -19,6 +19,14 @@ warm-up excluded):
                over the same-run fp32 all-reduce time
   loss         mean training loss over the last 5 steps (mean over ranks)
 
+With --exposed the hook is not waited for inside the wrapper: DDP gets the method's own Future,
+so an asynchronous hook (geofp8's default on CPU tensors, torch's all-reduce hooks) overlaps
+the rest of backward. The bucket is copied in the hook call, and the copies' fp32 all-reduce
+(the same-run baseline, after a barrier) runs after backward. Then "hook" time is the exposed
+time: the hook calls' own time (the copy left out) plus the wait at the end of backward (from
+the last hook call's return to backward()'s). "geofp8 ... sync" methods are the same presets
+with GeoFP8State(synchronous=True).
+
     PYTHONPATH=build/client/python /usr/bin/python3 bench/torch_hooks.py --steps 40
 
 Over a tc-shaped link instead of loopback, one rank per network namespace (root only):
@@ -46,7 +54,8 @@ DEFAULT_METHODS = ["ddp", "fp16", "powersgd4", "powersgd32", "geofp8 fp8", "geof
 METHODS = ["ddp", "fp16", "bf16", "powersgd4", "powersgd32", "geofp8 fp8", "geofp8 fp8+geometry",
            "geofp8 nvfp4+geometry", "geofp8 fp8+geometry/2", "geofp8 fp8+geometry/4",
            "geofp8 fp8+geometry/10",
-           "geofp8 fp8 two_phase"]
+           "geofp8 fp8 two_phase", "geofp8 fp8 sync", "geofp8 fp8+geometry sync",
+           "geofp8 fp8+geometry/2 sync"]
 
 
 def every(interval, beta=None):
@@ -124,12 +133,27 @@ def run_method(name, rank, world, args, data):
         static_bytes = ring(powersgd_bytes(params, r), world)
     else:
         import geofp8.torch as gt
-        gstate = gt.GeoFP8State(model=model, policy=GEOFP8_POLICY[name], seed=args.seed)
+        sync = name.endswith(" sync")
+        gstate = gt.GeoFP8State(model=model, policy=GEOFP8_POLICY[name[:-5] if sync else name],
+                                seed=args.seed, synchronous=sync)
         inner, istate = gt.geofp8_hook, gstate
         if args.trace:
             gstate._engine.start_trace()
         static_bytes = None
-    rec = {"err2": 0.0, "ref2": 0.0, "t_hook": 0.0, "t_ref": 0.0, "measure": False}
+    rec = {"err2": 0.0, "ref2": 0.0, "t_hook": 0.0, "t_ref": 0.0, "measure": False,
+           "copies": [], "futures": [], "returned": 0.0}
+
+    def exposed_hook(state, bucket):
+        buf = bucket.buffer()
+        if rec["measure"]:
+            rec["copies"].append(buf.clone())
+        t0 = time.perf_counter()
+        fut = inner(istate, bucket)
+        rec["returned"] = time.perf_counter()
+        if rec["measure"]:
+            rec["t_hook"] += rec["returned"] - t0
+            rec["futures"].append(fut)
+        return fut
 
     def hook(state, bucket):
         buf = bucket.buffer()
@@ -155,7 +179,7 @@ def run_method(name, rank, world, args, data):
         fut.set_result(out)
         return fut
 
-    ddp.register_comm_hook(None, hook)
+    ddp.register_comm_hook(None, exposed_hook if args.exposed else hook)
     opt = torch.optim.AdamW(ddp.parameters(), lr=args.lr)
     gen = torch.Generator().manual_seed(args.seed * 1000 + rank)
     losses, times, wire = [], [], []
@@ -168,6 +192,21 @@ def run_method(name, rank, world, args, data):
         opt.zero_grad(set_to_none=True)
         loss = F.cross_entropy(ddp(x).view(-1, 256), y.view(-1))
         loss.backward()
+        if args.exposed and rec["measure"]:
+            # The wait at the end of backward for the Futures still running.
+            rec["t_hook"] += time.perf_counter() - rec["returned"]
+            dist.barrier()
+            for exact, fut in zip(rec["copies"], rec["futures"]):
+                t1 = time.perf_counter()
+                dist.all_reduce(exact)
+                rec["t_ref"] += time.perf_counter() - t1
+                exact /= world
+                out = fut.value()
+                if isinstance(out, list):
+                    out = out[0]
+                rec["err2"] += float(((out - exact) ** 2).sum())
+                rec["ref2"] += float((exact ** 2).sum())
+            rec["copies"], rec["futures"] = [], []
         opt.step()
         if step >= args.skip:
             times.append(time.perf_counter() - t0)
@@ -207,9 +246,9 @@ def entry(rank, world, store, args, out):
 
 def print_table(res, args):
     first = next(iter(res.values()))
-    print("GPT %d layers d=%d (%d parameters), %d ranks, %d steps (figures over steps %d-%d)"
+    print("GPT %d layers d=%d (%d parameters), %d ranks, %d steps (figures over steps %d-%d)%s"
           % (args.layers, args.d_model, first["params"], args.ranks, args.steps, args.skip,
-             args.steps - 1))
+             args.steps - 1, "; hook time: exposed (--exposed)" if args.exposed else ""))
     fp16 = res.get("fp16", {}).get("bytes")
     print("| method | bytes/step/rank | x fp16 | relF | step ms | hook/fp32 all-reduce | "
           "hook ms/step | fp32 all-reduce ms/step | overhead/fp32 all-reduce | glue/fp32 | "
@@ -218,7 +257,7 @@ def print_table(res, args):
     measured = args.steps - args.skip
     for m, r in res.items():
         over = (r["t_hook"] - r["t_ref"] * r["bytes"] / r["fp32_bytes"]) / r["t_ref"]
-        glue = "-" if r["engine_s"] is None else "%.2f" % ((r["t_hook"] - r["engine_s"]) /
+        glue = "-" if r["engine_s"] is None or args.exposed else "%.2f" % ((r["t_hook"] - r["engine_s"]) /
                                                            r["t_ref"])
         print("| %s | %d | %s | %.4f | %.1f | %.2f | %.1f | %.1f | %.2f | %s | %.4f |"
               % (m, r["bytes"], "%.3f" % (r["bytes"] / fp16) if fp16 else "-", r["relF"],
@@ -246,6 +285,9 @@ def main():
     ap.add_argument("--trace", default=None,
                     help="write DIR/METHOD.rankR.json, the GeoFP8 engine's timeline per method "
                          "(scripts/exchange_timeline.py DIR/METHOD.rank*.json)")
+    ap.add_argument("--exposed", action="store_true",
+                    help="hand DDP each hook's own Future and time what it leaves exposed "
+                         "(asynchronous hooks overlap backward; see the docstring)")
     ap.add_argument("--rank", type=int, default=None,
                     help="run only this rank (with --store-dir; bench/torch_hooks_netem.sh)")
     ap.add_argument("--store-dir", default=None,

@@ -7,6 +7,13 @@
 // The GIL: every call into the Python store takes it; the rendezvous and the exchange run with
 // it released, so the store may be served by another Python thread.
 //
+// Asynchronous buckets (submit): the engine's own exchange thread runs each submitted bucket
+// through its Exchanger, one at a time in submission order (the order DDP hands buckets over,
+// the same on every rank), and a completer thread takes the GIL to call the bucket's Python
+// callback, which completes the hook's torch Future. The exchange thread never takes the GIL,
+// so a Python thread holding it (DDP's autograd hook calling into Python) never stalls the
+// wire; every other engine call first waits, with the GIL released, until the queue is empty.
+//
 // backend "nccl" (builds with CUDA and NCCL, GEOFP8_PYTHON_CUDA): CUDA buckets go through
 // cuda_exchange.h instead, on the caller's CUDA stream, with NCCL bootstrapped from the same store.
 
@@ -14,6 +21,9 @@
 #include <pybind11/stl.h>
 
 #include <chrono>
+#include <condition_variable>
+#include <deque>
+#include <exception>
 #include <fstream>
 #include <map>
 #include <memory>
@@ -21,6 +31,8 @@
 #include <span>
 #include <sstream>
 #include <string>
+#include <thread>
+#include <utility>
 #include <vector>
 
 #include "client/python/cuda_exchange.h"
@@ -107,6 +119,26 @@ std::vector<uint8_t> FromBytes(const py::bytes& b) {
 
 constexpr size_t kInlineBytes = size_t{4} << 20;
 
+// geofp8._geofp8.Error, for exceptions handed to a submitted bucket's callback (set at import).
+py::handle g_error_type;
+
+double SteadySeconds(std::chrono::steady_clock::time_point t) {
+  return std::chrono::duration<double>(t.time_since_epoch()).count();
+}
+
+// An exchange's figures for Python (exchange()'s and submit()'s result).
+py::dict ResultDict(const StepResult& r) {
+  py::dict d;
+  d["skipped"] = r.skipped;
+  d["bytes_sent"] = r.bytes_sent;
+  d["seconds"] = r.seconds;
+  d["refreshes"] = r.refreshes.size();
+  size_t from_inverse = 0;  // refreshes whose sketch took its projections from the inverse
+  for (const RefreshRecord& rec : r.refreshes) from_inverse += rec.from_inverse;
+  d["refreshes_from_inverse"] = from_inverse;
+  return d;
+}
+
 #if GEOFP8_PYTHON_CUDA
 // 64-bit mix (splitmix64's finalizer) for the CUDA path's bucket fingerprint.
 uint64_t Mix(uint64_t h, uint64_t v) {
@@ -149,7 +181,29 @@ class Engine {
     comm_ = CreateGlooCommunicator(*store_, rank, size, go);
   }
 
+  // Called by Python with the GIL held. A bucket still queued is dropped with its callback
+  // uncalled; one on the wire is stopped through the communicator's abort.
   ~Engine() {
+    if (exchange_thread_.joinable()) {
+      {
+        py::gil_scoped_release release;
+        {
+          std::lock_guard<std::mutex> lock(q_->mu);
+          q_->stop = true;
+          if (q_->running && comm_) comm_->Abort("the geofp8 engine is being destroyed");
+        }
+        q_->work_cv.notify_all();
+        q_->done_cv.notify_all();
+        exchange_thread_.join();
+        if (completer_.get_id() == std::this_thread::get_id()) {
+          completer_.detach();  // a callback let go of the engine; the loop ends on its own
+        } else {
+          completer_.join();
+        }
+      }
+      q_->exchange.clear();  // their Python objects are released with the GIL held
+      q_->done.clear();
+    }
     exchangers_.clear();
     comm_.reset();
   }
@@ -166,6 +220,7 @@ class Engine {
     GEOFP8_CHECK(names.size() == shapes.size(), "layers: ", names.size(), " names but ",
                  shapes.size(), " shapes");
     GEOFP8_CHECK(!names.empty(), "layers: the model has no parameter that requires a gradient");
+    Drain();
     params_.clear();
     int64_t offset = 0;
     for (size_t i = 0; i < names.size(); ++i) {
@@ -214,6 +269,7 @@ class Engine {
 #endif
     (void)stream;
     GEOFP8_CHECK(comm_, "agree_min: the engine has no communicator");
+    Drain();  // the communicator runs one collective at a time
     uint64_t word = ~value;
     {
       py::gil_scoped_release release;
@@ -225,6 +281,7 @@ class Engine {
   py::list SetPlan(train::ExchangePlan plan, std::vector<RefreshSchedule> schedule,
                    uint64_t version) {
     if (OnCuda()) CheckCudaPlan(plan);
+    Drain();
     if (plan_) StashAll(GeometryImport::kDropMismatched);
     plan_ = std::move(plan);
     schedule_ = std::move(schedule);
@@ -302,48 +359,88 @@ class Engine {
   // float32 buffer (a CPU tensor's numpy() view).
   py::dict Exchange(uint64_t step, const std::vector<uint32_t>& layers, py::buffer buffer,
                     const std::vector<int64_t>& offsets) {
-    GEOFP8_CHECK(comm_,
-                 "device: this engine runs on CUDA tensors (backend nccl); CPU tensors "
-                 "need a gloo engine");
-    GEOFP8_CHECK(plan_.has_value(), "exchange: set_policy first");
-    py::buffer_info info = buffer.request(/*writable=*/true);
-    const bool f32 =
-        info.itemsize == 4 && (info.format == "f" || info.format == "<f" || info.format == "=f");
-    GEOFP8_CHECK(f32, "gradient dtype: must be float32 (buffer format '", info.format, "')");
-    GEOFP8_CHECK(info.ndim == 1 && info.strides[0] == 4,
-                 "gradient buffer: must be one contiguous 1-D array");
-    GEOFP8_CHECK(layers.size() == offsets.size() && !layers.empty(), "exchange: ", layers.size(),
-                 " layers but ", offsets.size(), " offsets");
-    float* data = static_cast<float*>(info.ptr);
-    std::vector<std::span<float>> grads;
-    for (size_t i = 0; i < layers.size(); ++i) {
-      GEOFP8_CHECK(layers[i] < params_.size(), "exchange: layer index ", layers[i],
-                   " >= ", params_.size());
-      const int64_t n = params_[layers[i]].size();
-      GEOFP8_CHECK(offsets[i] >= 0 && offsets[i] + n <= info.shape[0], "exchange: layer '",
-                   params_[layers[i]].name, "' at offset ", offsets[i], " + ", n,
-                   " is outside the bucket of ", info.shape[0], " floats");
-      grads.emplace_back(data + offsets[i], static_cast<size_t>(n));
+    std::vector<std::span<float>> grads = BucketGrads(layers, buffer, offsets);
+    // The buckets submitted before this one go first; their callbacks may still run meanwhile
+    // (they touch no exchanger), and a new layout waits for those too.
+    if (exchangers_.contains(layers)) {
+      WaitForExchanges();
+    } else {
+      Drain(/*forget_errors=*/false);
     }
+    // A queued bucket of this step failed (a timeout, a fingerprint mismatch): its Future holds
+    // the error, but DDP raises this call's first, so this call raises that root cause too,
+    // and leaves the bucket unexchanged on every rank, as the synchronous hook stops at the
+    // first failed bucket.
+    if (q_->first_error) std::rethrow_exception(std::exchange(q_->first_error, nullptr));
     Exchanger& ex = ExchangerFor(layers);
     StepResult r;
     {
       py::gil_scoped_release release;
       r = ex.Exchange(step, grads);
     }
-    py::dict d;
-    d["skipped"] = r.skipped;
-    d["bytes_sent"] = r.bytes_sent;
-    d["seconds"] = r.seconds;
-    d["refreshes"] = r.refreshes.size();
-    size_t from_inverse = 0;  // refreshes whose sketch took its projections from the inverse
-    for (const RefreshRecord& rec : r.refreshes) from_inverse += rec.from_inverse;
-    d["refreshes_from_inverse"] = from_inverse;
-    return d;
+    return ResultDict(r);
+  }
+
+  // exchange() without waiting: queues the bucket for the engine's exchange thread, which runs
+  // the buckets one at a time in submission order (the same Exchanger call as exchange(), so the
+  // same bits), and returns. When it is done, `done(result, error)` is called on the engine's
+  // completer thread with the GIL held: result is exchange()'s dict plus "queued", "started" and
+  // "finished" (steady_clock seconds, Python's time.monotonic()) and error None, or result None
+  // and error the exception (geofp8.Error for the engine's own). The buffer must not be touched
+  // until then.
+  void Submit(uint64_t step, const std::vector<uint32_t>& layers, py::buffer buffer,
+              const std::vector<int64_t>& offsets, py::function done) {
+    std::vector<std::span<float>> grads = BucketGrads(layers, buffer, offsets);
+    // A new layout takes geometry over from exchangers that a queued bucket may be using.
+    if (!exchangers_.contains(layers)) Drain(/*forget_errors=*/false);
+    auto job = std::make_unique<Job>();
+    job->step = step;
+    job->exchanger = &ExchangerFor(layers);
+    job->grads = std::move(grads);
+    job->buffer = std::move(buffer);
+    job->done = std::move(done);
+    job->queued = std::chrono::steady_clock::now();
+    if (!exchange_thread_.joinable()) {
+      exchange_thread_ = std::thread([this] { ExchangeLoop(); });
+      completer_ = std::thread([q = q_] { CompleterLoop(q); });
+    }
+    {
+      std::lock_guard<std::mutex> lock(q_->mu);
+      q_->exchange.push_back(std::move(job));
+      ++q_->in_flight;
+    }
+    q_->work_cv.notify_one();
+  }
+
+  // Waits, with the GIL released, until every submitted bucket is exchanged and its callback
+  // has returned. forget_errors: the queued buckets' errors have reached their Futures and
+  // are not raised again by the next exchange() (a new step).
+  void Drain(bool forget_errors = true) {
+    if (!exchange_thread_.joinable()) return;
+    {
+      py::gil_scoped_release release;
+      std::unique_lock<std::mutex> lock(q_->mu);
+      q_->idle_cv.wait(lock, [this] { return q_->in_flight == 0; });
+    }
+    if (forget_errors) q_->first_error = nullptr;
+  }
+
+  // Waits, with the GIL released, until the exchange thread has nothing queued or running.
+  void WaitForExchanges() {
+    if (!exchange_thread_.joinable()) return;
+    py::gil_scoped_release release;
+    std::unique_lock<std::mutex> lock(q_->mu);
+    q_->idle_cv.wait(lock, [this] { return q_->exchange.empty() && !q_->running; });
+  }
+
+  size_t in_flight() {
+    std::lock_guard<std::mutex> lock(q_->mu);
+    return q_->in_flight;
   }
 
   // Every layer's geometry state, in set_layers order: (active, pending, pending_from, sketch).
   py::list ExportGeometry() {
+    Drain();
     std::vector<std::optional<LayerGeometryState>> all(params_.size());
     for (auto& [key, ex] : exchangers_) {
       std::vector<LayerGeometryState> s = ex->ExportGeometry();
@@ -364,6 +461,7 @@ class Engine {
   // (an error names the layer and field), then taken up by the bucket exchangers as they form.
   void ImportGeometry(const py::list& state) {
     GEOFP8_CHECK(plan_.has_value(), "import_geometry: set_policy first");
+    Drain();
     GEOFP8_CHECK(state.size() == params_.size(), "geometry: ", state.size(),
                  " layers in the state, the model has ", params_.size());
     std::vector<LayerGeometryState> all;
@@ -400,20 +498,25 @@ class Engine {
     }
   }
 
-  size_t exchanger_count() const { return exchangers_.size(); }
+  size_t exchanger_count() {
+    Drain();
+    return exchangers_.size();
+  }
 
   // Starts recording every exchange's collectives, codec stages and geometry refreshes
   // (kernels/exchange/trace.h) from the next bucket on; write_trace saves them.
   void StartTrace() {
     if (trace_) return;
+    Drain();
     trace_ = std::make_unique<ExchangeTrace>();
     StashAll(GeometryImport::kStrict);  // the exchangers are rebuilt with the trace attached
   }
 
   // Chrome trace JSON of what was recorded since start_trace (ui.perfetto.dev), this rank as
   // process `rank`. Returns the number of spans written.
-  size_t WriteTrace(const std::string& path) const {
+  size_t WriteTrace(const std::string& path) {
     GEOFP8_CHECK(trace_, "write_trace: no trace recorded (call start_trace first)");
+    Drain();
     trace_->WriteChromeJson(path, rank_);
     return trace_->spans().size();
   }
@@ -423,6 +526,140 @@ class Engine {
     LayerGeometryState state;
     GeometryImport mode = GeometryImport::kStrict;
   };
+
+  // One submitted bucket. It holds Python objects, so it is created and destroyed with the GIL
+  // held, and moves between the threads as a unique_ptr (never copied).
+  struct Job {
+    uint64_t step = 0;
+    Exchanger* exchanger = nullptr;  // stays alive: layouts change only with the queue empty
+    std::vector<std::span<float>> grads;
+    py::object buffer;  // keeps the bucket's memory alive
+    py::object done;
+    std::chrono::steady_clock::time_point queued, started, finished;
+    StepResult result;
+    std::exception_ptr error;
+  };
+
+  // submit()'s queues. Shared with the completer thread, which may outlive the engine by a few
+  // instructions: a callback may drop the last reference to the engine's Python owner, so the
+  // engine can be destroyed on that very thread.
+  struct Queue {
+    std::mutex mu;
+    std::condition_variable work_cv, done_cv, idle_cv;
+    std::deque<std::unique_ptr<Job>> exchange, done;  // for the exchange thread, the completer
+    size_t in_flight = 0;                             // submitted, callback not yet returned
+    bool running = false;                             // the exchange thread is inside an exchange
+    bool stop = false;
+    std::exception_ptr first_error;  // of a queued bucket, for the next exchange() to raise
+  };
+
+  // The bucket's layers as spans into `buffer`, checked (exchange() and submit()).
+  std::vector<std::span<float>> BucketGrads(const std::vector<uint32_t>& layers, py::buffer& buffer,
+                                            const std::vector<int64_t>& offsets) {
+    GEOFP8_CHECK(comm_,
+                 "device: this engine runs on CUDA tensors (backend nccl); CPU tensors "
+                 "need a gloo engine");
+    GEOFP8_CHECK(plan_.has_value(), "exchange: set_policy first");
+    py::buffer_info info = buffer.request(/*writable=*/true);
+    const bool f32 =
+        info.itemsize == 4 && (info.format == "f" || info.format == "<f" || info.format == "=f");
+    GEOFP8_CHECK(f32, "gradient dtype: must be float32 (buffer format '", info.format, "')");
+    GEOFP8_CHECK(info.ndim == 1 && info.strides[0] == 4,
+                 "gradient buffer: must be one contiguous 1-D array");
+    GEOFP8_CHECK(layers.size() == offsets.size() && !layers.empty(), "exchange: ", layers.size(),
+                 " layers but ", offsets.size(), " offsets");
+    float* data = static_cast<float*>(info.ptr);
+    std::vector<std::span<float>> grads;
+    for (size_t i = 0; i < layers.size(); ++i) {
+      GEOFP8_CHECK(layers[i] < params_.size(), "exchange: layer index ", layers[i],
+                   " >= ", params_.size());
+      const int64_t n = params_[layers[i]].size();
+      GEOFP8_CHECK(offsets[i] >= 0 && offsets[i] + n <= info.shape[0], "exchange: layer '",
+                   params_[layers[i]].name, "' at offset ", offsets[i], " + ", n,
+                   " is outside the bucket of ", info.shape[0], " floats");
+      grads.emplace_back(data + offsets[i], static_cast<size_t>(n));
+    }
+    return grads;
+  }
+
+  // The exchange thread: never takes the GIL.
+  void ExchangeLoop() {
+    for (;;) {
+      std::unique_ptr<Job> job;
+      {
+        std::unique_lock<std::mutex> lock(q_->mu);
+        q_->work_cv.wait(lock, [this] { return q_->stop || !q_->exchange.empty(); });
+        if (q_->stop) return;
+        job = std::move(q_->exchange.front());
+        q_->exchange.pop_front();
+        q_->running = true;
+      }
+      job->started = std::chrono::steady_clock::now();
+      try {
+        job->result = job->exchanger->Exchange(job->step, job->grads);
+      } catch (...) {
+        job->error = std::current_exception();
+      }
+      job->finished = std::chrono::steady_clock::now();
+      {
+        std::lock_guard<std::mutex> lock(q_->mu);
+        q_->running = false;
+        if (job->error && !q_->first_error) q_->first_error = job->error;
+        q_->done.push_back(std::move(job));
+      }
+      q_->done_cv.notify_one();
+      q_->idle_cv.notify_all();  // WaitForExchanges
+    }
+  }
+
+  // The completer thread: calls each finished bucket's callback with the GIL, in order.
+  static void CompleterLoop(std::shared_ptr<Queue> q) {
+    for (;;) {
+      std::unique_ptr<Job> job;
+      {
+        std::unique_lock<std::mutex> lock(q->mu);
+        q->done_cv.wait(lock, [&q] { return q->stop || !q->done.empty(); });
+        if (q->stop) return;
+        job = std::move(q->done.front());
+        q->done.pop_front();
+      }
+      {
+        py::gil_scoped_acquire gil;
+        Complete(*job);
+        job.reset();
+      }
+      {
+        std::lock_guard<std::mutex> lock(q->mu);
+        --q->in_flight;
+      }
+      q->idle_cv.notify_all();
+    }
+  }
+
+  // With the GIL held.
+  static void Complete(Job& job) {
+    try {
+      py::object result = py::none(), error = py::none();
+      if (job.error) {
+        try {
+          std::rethrow_exception(job.error);
+        } catch (const geofp8::Error& e) {
+          error = g_error_type(e.what());
+        } catch (const std::exception& e) {
+          error = py::reinterpret_borrow<py::object>(PyExc_RuntimeError)(e.what());
+        }
+      } else {
+        py::dict d = ResultDict(job.result);
+        d["queued"] = SteadySeconds(job.queued);
+        d["started"] = SteadySeconds(job.started);
+        d["finished"] = SteadySeconds(job.finished);
+        result = std::move(d);
+      }
+      job.done(result, error);
+    } catch (py::error_already_set& e) {
+      e.discard_as_unraisable("geofp8 engine: a submitted bucket's callback");
+    }
+  }
 
   train::ExchangePlan BuildPlan(const std::string& kind, const std::string& spec,
                                 const std::string& model) const {
@@ -558,6 +795,9 @@ class Engine {
   std::unique_ptr<ExchangeTrace> trace_;  // before exchangers_: they write into it
   std::map<std::vector<uint32_t>, std::unique_ptr<Exchanger>> exchangers_;
   std::vector<std::optional<Stashed>> stash_;
+
+  std::shared_ptr<Queue> q_ = std::make_shared<Queue>();
+  std::thread exchange_thread_, completer_;  // started by the first submit()
 };
 
 }  // namespace
@@ -566,7 +806,8 @@ class Engine {
 PYBIND11_MODULE(_geofp8, m) {
   using geofp8::python::Engine;
   m.doc() = "GeoFP8's exchange engine (kernels/exchange) for Python; see geofp8.torch.";
-  py::register_exception<geofp8::Error>(m, "Error", PyExc_RuntimeError);
+  geofp8::python::g_error_type =
+      py::register_exception<geofp8::Error>(m, "Error", PyExc_RuntimeError);
 
   py::class_<Engine>(m, "Engine")
       .def(py::init<py::object, int, int, std::string, double, uint64_t, std::string, int>(),
@@ -592,6 +833,16 @@ PYBIND11_MODULE(_geofp8, m) {
            py::arg("model") = "model")
       .def("exchange", &Engine::Exchange, py::arg("step"), py::arg("layers"), py::arg("buffer"),
            py::arg("offsets"))
+      .def("submit", &Engine::Submit, py::arg("step"), py::arg("layers"), py::arg("buffer"),
+           py::arg("offsets"), py::arg("done"),
+           "exchange() on the engine's exchange thread, in submission order; returns at once and "
+           "calls done(result, error) with the GIL when the bucket is averaged (result: "
+           "exchange()'s dict plus queued/started/finished, time.monotonic() seconds).")
+      .def("drain", &Engine::Drain, py::arg("forget_errors") = true,
+           "Waits until every submitted bucket's callback has returned; forget_errors: the next "
+           "exchange() does not raise a queued bucket's error again.")
+      .def_property_readonly("in_flight", &Engine::in_flight,
+                             "Buckets submitted whose callback has not yet returned.")
       .def("exchange_cuda", &Engine::ExchangeCuda, py::arg("step"), py::arg("layers"),
            py::arg("ptr"), py::arg("numel"), py::arg("offsets"), py::arg("stream"))
       .def("export_geometry", &Engine::ExportGeometry)

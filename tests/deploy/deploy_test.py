@@ -420,15 +420,45 @@ class HelmChartTest(unittest.TestCase):
                     render(overrides)
                 self.assertIn(message, str(cm.exception))
 
-    def test_device_cuda_is_not_offered(self):
-        # geofp8-worker refuses cuda today, so the chart must not offer it.
-        r = subprocess.run([WORKER, "--device", "cuda", "--metrics-port", "-1"],
-                           capture_output=True, text=True, timeout=30)
+    def test_gpu_workers(self):
+        # geofp8-worker takes --device cuda only where the driver lists a GPU (an empty listing
+        # here: exit 2 naming it).
+        with tempfile.TemporaryDirectory() as no_gpus:
+            r = subprocess.run([WORKER, "--device", "cuda", "--metrics-port", "-1"],
+                               capture_output=True, text=True, timeout=30,
+                               env=dict(os.environ, GEOFP8_NVIDIA_GPUS_DIR=no_gpus))
         self.assertEqual(r.returncode, 2, r.stderr)
-        values = helm_render.Renderer(CHART, [{"worker": {"device": "cuda"}}]).values
-        self.assertTrue(any("device" in e for e in self.schema_errors(values)))
+        self.assertIn("no GPU", r.stderr)
         self.assertEqual(yaml.safe_load(read(os.path.join(CHART, "values.yaml")))
                          ["worker"]["device"], "cpu")
+        # The schema allows cuda only with a GPU count, and a GPU count only with cuda.
+        for bad in ({"device": "cuda"}, {"device": "cuda", "gpus": 0}, {"gpus": 1},
+                    {"device": "cuda:1", "gpus": 2}, {"device": "cuda", "gpus": -1}):
+            with self.subTest(worker=bad):
+                values = helm_render.Renderer(CHART, [{"worker": bad}]).values
+                self.assertTrue(any("gpus" in e or "device" in e
+                                    for e in self.schema_errors(values)), bad)
+        gpu = {"device": "cuda", "gpus": 1, "nodeSelector": {"nvidia.com/gpu.present": "true"},
+               "tolerations": [{"key": "nvidia.com/gpu", "operator": "Exists",
+                                "effect": "NoSchedule"}]}
+        r = helm_render.Renderer(CHART, [{"worker": gpu}])
+        self.assertEqual(self.schema_errors(r.values), [])
+        docs = [d for _, d in r.manifests()
+                if d["kind"] == "StatefulSet" and d["metadata"]["name"].endswith("-worker")]
+        self.assertEqual(len(docs), 1)
+        spec, containers = containers_of(docs[0])
+        self.assertIn("--device=cuda", containers[0]["args"])
+        res = containers[0]["resources"]
+        self.assertEqual(res["limits"]["nvidia.com/gpu"], 1)
+        self.assertEqual(res["limits"]["cpu"], "2")  # the default limits are kept
+        self.assertEqual(res["requests"]["memory"], "2Gi")
+        self.assertNotIn("nvidia.com/gpu", res["requests"])
+        self.assertEqual(spec["nodeSelector"], gpu["nodeSelector"])
+        self.assertEqual(spec["tolerations"], gpu["tolerations"])
+        # CPU workers ask for no GPU.
+        cpu = [d for _, d in render({}) if d["kind"] == "StatefulSet"
+               and d["metadata"]["name"].endswith("-worker")]
+        self.assertNotIn("nvidia.com/gpu", containers_of(cpu[0])[1][0]["resources"]["limits"])
 
     def test_schema_rejects_bad_values(self):
         for bad in ({"worker": {"replicas": 0}}, {"coordinator": {"grpcPort": "7070"}},

@@ -21,6 +21,42 @@ def expect(failures, what, fn, *needles):
     failures.append("%s: no error" % what)
 
 
+class FakeParam:
+    """What GeoFP8State reads of a parameter before it checks the device: a CUDA parameter
+    without a CUDA device or a CUDA torch (torch.device("cuda:0") needs neither)."""
+
+    def __init__(self, device, shape=(4, 4)):
+        import torch
+        self.device, self.shape = torch.device(device), shape
+        self.dtype, self.requires_grad = torch.float32, True
+
+    def dim(self):
+        return len(self.shape)
+
+
+class FakeModel:
+    def __init__(self, params):
+        self.params = params
+
+    def named_parameters(self):
+        return iter(self.params)
+
+
+class FakeBucket:
+    """A DDP bucket whose buffer is on `device` (only .device and .dtype are read first)."""
+
+    def __init__(self, index, device):
+        import torch
+        self.i = index
+        self.buf = FakeParam(device)
+
+    def buffer(self):
+        return self.buf
+
+    def index(self):
+        return self.i
+
+
 def work(rank, world):
     import torch
     import geofp8.torch as gt
@@ -65,6 +101,35 @@ def work(rank, world):
     expect(failures, "state of another model", lambda: state.load_state_dict(sd2), "state.names")
     sd3 = dict(sd, geometry=[(b"junk", b"", 0, b"")] + sd["geometry"][1:])
     expect(failures, "corrupt geometry", lambda: state.load_state_dict(sd3), "0.weight")
+    # Issue 28's bad input: CUDA tensors in a CPU build, a model on two devices.
+    if not gt._geofp8.has_cuda:
+        expect(failures, "cuda model, CPU build",
+               lambda: gt.GeoFP8State(model=FakeModel([("a.weight", FakeParam("cuda:0"))]),
+                                      policy="fp8"),
+               "device", "parameter 'a.weight' is on cuda:0", "CUDA build")
+        expect(failures, "mixed cpu/cuda model",
+               lambda: gt.GeoFP8State(model=FakeModel([("a.weight", FakeParam("cpu")),
+                                                       ("b.weight", FakeParam("cuda:1"))]),
+                                      policy="fp8"),
+               "device", "more than one device", "'b.weight' is on cuda:1", "'a.weight' on cpu",
+               "CUDA build")
+        cpu_state = gt.GeoFP8State(model=model, policy="fp8")
+        expect(failures, "cuda bucket, CPU build",
+               lambda: gt.geofp8_hook(cpu_state, FakeBucket(3, "cuda:0")),
+               "device", "bucket 3 is on cuda:0", "CUDA build")
+    mixed = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 4, device="meta"))
+    expect(failures, "mixed cpu/meta model", lambda: gt.GeoFP8State(model=mixed, policy="fp8"),
+           "device", "more than one device", "'1.weight' is on meta", "'0.weight' on cpu")
+    expect(failures, "meta bucket",
+           lambda: gt.geofp8_hook(gt.GeoFP8State(model=model, policy="fp8"),
+                                  FakeBucket(2, "meta")),
+           "device", "bucket 2 is on meta", "made for a model on cpu")
+    expect(failures, "synchronous", lambda: gt.GeoFP8State(model=model, synchronous="yes"),
+           "synchronous", "'yes'")
+    os.environ["GEOFP8_HOOK_SYNCHRONOUS"] = "true"
+    expect(failures, "GEOFP8_HOOK_SYNCHRONOUS", lambda: gt.GeoFP8State(model=model),
+           "GEOFP8_HOOK_SYNCHRONOUS", "0 or 1", "'true'")
+    del os.environ["GEOFP8_HOOK_SYNCHRONOUS"]
     if torch.cuda.is_available() and not gt._geofp8.has_cuda:
         mc = L.tiny_model().cuda()
         expect(failures, "cuda tensors", lambda: gt.GeoFP8State(model=mc, policy="fp8"),

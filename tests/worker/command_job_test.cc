@@ -210,6 +210,28 @@ TEST_F(CommandJobTest, TwoRanksRunToSuccessAndApplyALivePolicyAtTheSameStep) {
   EXPECT_GE(std::stod(metrics.substr(at + counter.size())), 40.0);
 }
 
+TEST_F(CommandJobTest, GpuWorkersReportTheirGpuAndHandItToTheProgram) {
+  // Two GPUs as the driver lists them (GEOFP8_NVIDIA_GPUS_DIR stands in for
+  // /proc/driver/nvidia/gpus); both workers offer the second.
+  TempDir gpus("geofp8-gpus");
+  std::filesystem::create_directories(gpus.path() + "/0000:3b:00.0");
+  std::filesystem::create_directories(gpus.path() + "/0000:af:00.0");
+  ::setenv("GEOFP8_NVIDIA_GPUS_DIR", gpus.path().c_str(), 1);
+  ::unsetenv("CUDA_VISIBLE_DEVICES");
+  StartWorkers(2, {"--device", "cuda:1"});
+  ::unsetenv("GEOFP8_NVIDIA_GPUS_DIR");
+  for (const v1::Worker& w : client_->Workers()) EXPECT_EQ(w.device(), "cuda:1");
+  v1::Job job = client_->Submit(Spec("gpu", 2, 3, 0));
+  job = client_->WaitFinal(job.id(), seconds(60));
+  ASSERT_EQ(job.state(), v1::JOB_SUCCEEDED) << Everything(job);
+  for (int rank = 0; rank < 2; ++rank) {
+    auto e = ReadKeyValues(EnvFile(rank, 0));
+    EXPECT_EQ(e["CUDA_VISIBLE_DEVICES"], "1") << "rank " << rank;
+    EXPECT_EQ(e["GEOFP8_DEVICE"], "cuda:0") << "rank " << rank;
+    EXPECT_EQ(e["LOCAL_RANK"], "0") << "rank " << rank;
+  }
+}
+
 TEST_F(CommandJobTest, AKilledRankRestartsTheJobFromItsCheckpoint) {
   StartWorkers(2);
   v1::Job job = client_->Submit(Spec("cmd-kill", 2, 40, 1));

@@ -120,10 +120,10 @@ int main(int argc, char** argv) {
   {
     const int master = CheckMaster(rank, world);
     std::ofstream env(tag + ".attempt" + std::to_string(hook->attempt()) + ".env");
-    for (const char* k :
-         {"RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT",
-          "GEOFP8_COORDINATOR", "GEOFP8_JOB_ID", "GEOFP8_ATTEMPT", "GEOFP8_TOKEN_FILE",
-          "GEOFP8_HOOK_ADDRESS", "GEOFP8_RESUME_STEP", "GEOFP8_CHECKPOINT_DIR"}) {
+    for (const char* k : {"RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR",
+                          "MASTER_PORT", "GEOFP8_COORDINATOR", "GEOFP8_JOB_ID", "GEOFP8_ATTEMPT",
+                          "GEOFP8_TOKEN_FILE", "GEOFP8_HOOK_ADDRESS", "GEOFP8_RESUME_STEP",
+                          "GEOFP8_CHECKPOINT_DIR", "CUDA_VISIBLE_DEVICES", "GEOFP8_DEVICE"}) {
       env << k << "=" << Env(k) << "\n";
     }
     env << "token_in_env=" << (std::getenv("GEOFP8_TOKEN") ? 1 : 0) << "\n";

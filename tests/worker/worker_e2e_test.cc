@@ -371,9 +371,23 @@ TEST_F(WorkerE2ETest, WorkerReRegistersAfterACoordinatorRestart) {
   EXPECT_NE(workers_[0]->process().output().find("registering again"), std::string::npos);
 }
 
+TEST(WorkerCliTest, ACudaDevicePastTheGpuCountIsRefusedWithBothNumbers) {
+  TempDir gpus("geofp8-gpus");  // two GPUs as the driver would list them
+  std::filesystem::create_directories(gpus.path() + "/0000:3b:00.0");
+  std::filesystem::create_directories(gpus.path() + "/0000:af:00.0");
+  ::setenv("GEOFP8_NVIDIA_GPUS_DIR", gpus.path().c_str(), 1);
+  ChildProcess p({GEOFP8_WORKER_BIN, "--device", "cuda:7", "--metrics-port", "-1"});
+  ::unsetenv("GEOFP8_NVIDIA_GPUS_DIR");
+  EXPECT_EQ(p.Wait(), 2);
+  EXPECT_NE(p.output().find("geofp8-worker: error: --device: cuda:7 names GPU 7, but this "
+                            "machine has 2 GPUs"),
+            std::string::npos)
+      << p.output();
+}
+
 TEST(WorkerCliTest, BadFlagsAreNamedAndExitWith2) {
   for (const auto& [flag, value] :
-       std::vector<std::pair<std::string, std::string>>{{"--device", "cuda:0"},
+       std::vector<std::pair<std::string, std::string>>{{"--device", "tpu"},
                                                         {"--capacity", "lots"},
                                                         {"--metrics-port", "70000"},
                                                         {"--coordinator", "nocolon"}}) {

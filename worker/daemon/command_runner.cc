@@ -374,6 +374,10 @@ JobOutcome CommandRunner::Run() {
     env["WORLD_SIZE"] = std::to_string(a.world_size());
     env["LOCAL_RANK"] = "0";  // one rank per worker
     env["LOCAL_WORLD_SIZE"] = "1";
+    if (options_.cuda_device >= 0) {
+      env["CUDA_VISIBLE_DEVICES"] = std::to_string(options_.cuda_device);
+      env["GEOFP8_DEVICE"] = "cuda:0";  // the one visible GPU, at index LOCAL_RANK
+    }
     env["MASTER_ADDR"] = master_addr;
     env["MASTER_PORT"] = std::to_string(master_port);
     env["GEOFP8_COORDINATOR"] = options_.coordinator;

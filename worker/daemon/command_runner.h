@@ -38,6 +38,9 @@ struct CommandRunnerOptions {
   // --command-env: names of the worker's own variables the program also gets, beyond
   // CommandEnvironment's fixed list.
   std::vector<std::string> pass_env;
+  // The worker's GPU (--device cuda:N), or -1: the program gets CUDA_VISIBLE_DEVICES=N (so it
+  // sees that one GPU as cuda:0, LOCAL_RANK 0) and GEOFP8_DEVICE=cuda:0. -1 leaves both alone.
+  int cuda_device = -1;
   std::chrono::milliseconds kill_grace{5000};           // after SIGTERM, before SIGKILL
   std::chrono::milliseconds rendezvous_timeout{60000};  // ranks > 0 wait for rank 0's address
 };

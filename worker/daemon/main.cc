@@ -13,6 +13,7 @@
 
 #include "kernels/common/log.h"
 #include "kernels/common/ready_file.h"
+#include "worker/daemon/device.h"
 #include "worker/daemon/worker.h"
 
 namespace {
@@ -95,7 +96,10 @@ int main(int argc, char** argv) {
   app.add_option("--data-dir", o.job.data_dir,
                  "Checkpoints (relative checkpoint.dir of a job) and result files")
       ->capture_default_str();
-  app.add_option("--device", device, "Compute device: cpu")->capture_default_str();
+  app.add_option("--device", device,
+                 "Compute device: cpu, cuda or cuda:N (a GPU for command: jobs, which get "
+                 "CUDA_VISIBLE_DEVICES=N; the built-in trainer runs on CPU)")
+      ->capture_default_str();
   app.add_flag("--allow-commands", o.session.accepts_commands,
                "Run `command:` jobs: any program whoever holds the coordinator's token submits, "
                "as this worker's user (docs/reliability.md, \"Threat model\"). Off: the "
@@ -150,10 +154,17 @@ int main(int argc, char** argv) {
     return UsageError("--log-progress-every: must be >= 0 (" +
                       std::to_string(o.job.log_progress_every) + ")");
   }
-  if (device != "cpu") {
-    return UsageError("--device: only cpu is supported by this worker (" + device + ")");
+  {
+    // The GPUs are counted from the driver's listing; GEOFP8_NVIDIA_GPUS_DIR replaces the
+    // folder (tests give a machine any number of GPUs that way).
+    const char* dir = std::getenv("GEOFP8_NVIDIA_GPUS_DIR");
+    const std::string where = dir && *dir ? dir : geofp8::worker::kNvidiaGpusDir;
+    auto parsed =
+        geofp8::worker::ParseWorkerDevice(device, geofp8::worker::CountNvidiaGpus(where), where);
+    if (!parsed.ok()) return UsageError("--device: " + std::string(parsed.status().message()));
+    o.session.device = parsed->name;
+    o.cuda_device = parsed->cuda_index;
   }
-  o.session.device = device;
   if (o.metrics_port < -1 || o.metrics_port > 65535) {
     return UsageError("--metrics-port: must be in [-1, 65535] (" + std::to_string(o.metrics_port) +
                       ")");
@@ -212,7 +223,7 @@ int main(int argc, char** argv) {
                 worker.metrics_port());
   }
   std::printf("geofp8-worker: %s connecting to %s (device %s, data %s)\n", o.session.name.c_str(),
-              o.connection.address.c_str(), device.c_str(), o.job.data_dir.c_str());
+              o.connection.address.c_str(), o.session.device.c_str(), o.job.data_dir.c_str());
   std::fflush(stdout);
   if (!ready_file.empty()) {
     const std::string metrics =

@@ -26,8 +26,9 @@ constexpr double kThroughputDecay = 0.8;
 
 train::TrainOptions TrainOptionsFor(const JobSpec& spec, int world,
                                     const JobRunnerOptions& options) {
-  GEOFP8_CHECK(spec.backend == "gloo", "backend: this worker runs --device cpu, which needs gloo (",
-               spec.backend, ")");
+  GEOFP8_CHECK(spec.backend == "gloo",
+               "backend: the worker's built-in trainer runs on CPU only, over gloo (", spec.backend,
+               "); run an NCCL job as a command: job on --device cuda workers");
   GEOFP8_CHECK(spec.training.optimizer == "adamw",
                "training.optimizer: the worker's trainer implements adamw only (",
                spec.training.optimizer, ")");

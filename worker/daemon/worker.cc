@@ -105,8 +105,16 @@ void Worker::StartRunner(const v1::Assignment& a) {
     co.token = options_.connection.token;
     co.allow_commands = options_.session.accepts_commands;
     co.pass_env = options_.command_env;
+    co.cuda_device = options_.cuda_device;
     runner_ = std::make_unique<CommandRunner>(connection_, a, co, send, metrics_.get());
   } else {
+    if (options_.cuda_device >= 0) {
+      log::Warn("job.cpu_only")
+          .F("job", a.job_id())
+          .F("device", options_.session.device)
+          .Msg("job " + a.job_id() + ": the built-in trainer runs on CPU only; this worker's " +
+               options_.session.device + " stays unused (a command: job gets it)");
+    }
     runner_ = std::make_unique<TrainerRankRunner>(
         std::make_unique<JobRunner>(connection_, a, o, send, metrics_.get()));
   }

@@ -26,6 +26,9 @@ struct WorkerOptions {
   // --command-env: more of the worker's variables for command jobs (CommandEnvironment).
   // Whether it runs command jobs at all is session.accepts_commands (--allow-commands).
   std::vector<std::string> command_env;
+  // --device cuda:N: the GPU a `command:` job's program gets (CUDA_VISIBLE_DEVICES=N); -1: cpu.
+  // The built-in trainer runs on CPU whatever the device.
+  int cuda_device = -1;
   std::string metrics_host = "127.0.0.1";
   int metrics_port = 9465;  // 0: a free port; -1: no /metrics
 };

@@ -45,8 +45,16 @@ def _local_hostname():
     return socket.gethostbyname(socket.getfqdn())
 
 
-def _check_parameter(name, p, device):
-    """device: the model's device (that of its first trainable parameter)."""
+def _check_parameter(name, p, first, device):
+    """first, device: the model's first trainable parameter's name and device."""
+    if p.device != device:
+        raise RuntimeError(
+            "device: the model is on more than one device: parameter '%s' is on %s, its first "
+            "parameter '%s' on %s; the GeoFP8 hook takes a model on one device (move it with "
+            "model.to(device))%s" % (name, p.device, first, device,
+                                     "; CUDA tensors also need a CUDA build of geofp8, which "
+                                     "this is not" if "cuda" in (p.device.type, device.type)
+                                     and not _geofp8.has_cuda else ""))
     if p.device.type == "cuda" and not _geofp8.has_cuda:
         raise RuntimeError(
             "device: parameter '%s' is on %s; CUDA tensors need a CUDA build of geofp8 and torch "
@@ -55,12 +63,20 @@ def _check_parameter(name, p, device):
     if p.device.type not in ("cpu", "cuda"):
         raise RuntimeError("device: parameter '%s' is on %s; the GeoFP8 hook takes CPU or CUDA "
                            "tensors" % (name, p.device))
-    if p.device != device:
-        raise RuntimeError("device: parameter '%s' is on %s, the model's first parameter on %s; "
-                           "the GeoFP8 hook takes a model on one device" % (name, p.device, device))
     if p.dtype != torch.float32:
         raise TypeError("gradient dtype: parameter '%s' is %s; the GeoFP8 hook takes float32 "
                         "gradients" % (name, p.dtype))
+
+
+def _environment_synchronous():
+    # GEOFP8_HOOK_SYNCHRONOUS=1 puts every state made without synchronous= on the synchronous
+    # path (to compare it with the asynchronous one without editing the script).
+    text = os.environ.get("GEOFP8_HOOK_SYNCHRONOUS")
+    if text is None or text == "":
+        return False
+    if text not in ("0", "1"):
+        raise ValueError("GEOFP8_HOOK_SYNCHRONOUS: must be 0 or 1 (%r)" % text)
+    return text == "1"
 
 
 def _environment_timeout():
@@ -87,12 +103,19 @@ class GeoFP8State:
     (docs/pytorch.md). seed: stochastic rounding and geometry cold starts derive from it.
     timeout_s: every collective's timeout (default: the job spec's exchange.timeout_s under a
     GeoFP8 `command:` job, GEOFP8_EXCHANGE_TIMEOUT_S; else 300). store: a c10d Store to meet
-    through (default: the group's default store).
+    through (default: the group's default store). synchronous: False (the default for CPU
+    tensors) queues each bucket on the engine's exchange thread and returns a Future the engine
+    completes, so DDP goes on with backward while the bucket is on the wire; True exchanges the
+    bucket inside the hook call and returns a completed Future (the same bits, no overlap).
+    None: GEOFP8_HOOK_SYNCHRONOUS (0 or 1; unset: False). The CUDA path is synchronous.
+    trace_buckets: keep one record per bucket in `bucket_trace` (time.monotonic() seconds:
+    called, started, finished, returned, completed; docs/pytorch.md).
     """
 
     def __init__(self, process_group=None, model=None, policy="geofp8", *, seed=0,
                  timeout_s=None, store=None, hostname=None, model_name="the model",
-                 coordinator=None, summary_every=10, attach_timeout_s=60.0, blas_threads=None):
+                 coordinator=None, summary_every=10, attach_timeout_s=60.0, blas_threads=None,
+                 synchronous=None, trace_buckets=False):
         global _states_created
         if model is None:
             raise ValueError("model: required (the module DDP wraps), to name the parameters")
@@ -108,17 +131,27 @@ class GeoFP8State:
         self.names = []
         shapes = []
         self._index = {}
-        device = None
+        device = first = None
         for name, p in model.named_parameters():
             if not p.requires_grad:
                 continue
-            device = p.device if device is None else device
-            _check_parameter(name, p, device)
+            if device is None:
+                device, first = p.device, name
+            _check_parameter(name, p, first, device)
             self._index[id(p)] = len(self.names)
             self.names.append(name)
             shapes.append((p.shape[0], p.shape[1]) if p.dim() == 2 else (1, p.numel()))
         if not self.names:
             raise ValueError("model: has no parameter that requires a gradient")
+        if synchronous is None:
+            synchronous = _environment_synchronous()
+        if synchronous not in (True, False):
+            raise ValueError("synchronous: True, False or None (GEOFP8_HOOK_SYNCHRONOUS), not %r"
+                             % (synchronous,))
+        if device.type == "cuda":
+            synchronous = True  # the CUDA path exchanges on the caller's stream, in the call
+        self.synchronous = synchronous
+        self.bucket_trace = [] if trace_buckets else None
         self.model_name = model_name
         # The policy is parsed in C++ once the layers are known (set_policy below); a bad one
         # fails the same way on every rank.
@@ -325,6 +358,9 @@ class GeoFP8State:
         self._scheduled.sort(key=lambda t: t[0])
 
     def _begin_step(self):
+        # Buckets of an earlier step still in flight (its backward raised) finish first, so
+        # their callbacks do not count into this step.
+        self._engine.drain()
         while self._scheduled and self._scheduled[0][0] <= self.step:
             _, kind, spec = self._scheduled.pop(0)
             self.policy_version += 1
@@ -417,11 +453,17 @@ def _bucket_layout(state, bucket, buf):
     return layers, offsets, sizes
 
 
-def _measure_layers(state, layers, local, averaged, offsets, sizes):
-    """Each layer's relative Frobenius error of the exchanged average against the exact fp32
-    average (one fp32 all-reduce of the bucket on measured steps, as the worker's trainer)."""
-    exact = local / state.world_size
+def _exact_average(state, buf):
+    """The bucket's exact fp32 average over the group (one gloo all-reduce of a copy, as the
+    worker's trainer measures), taken on the hook's thread so that every rank issues it in the
+    order DDP hands the buckets over."""
+    exact = buf / state.world_size
     dist.all_reduce(exact, group=state.process_group)
+    return exact
+
+
+def _measure_layers(state, layers, exact, averaged, offsets, sizes):
+    """Each layer's relative Frobenius error of the exchanged average against the exact one."""
     for i, o, n in zip(layers, offsets, sizes):
         e = exact[o:o + n].double()
         d = averaged[o:o + n].double() - e
@@ -431,35 +473,10 @@ def _measure_layers(state, layers, local, averaged, offsets, sizes):
             (state.names[i], math.sqrt(err / g2) if g2 > 0 else math.sqrt(err)))
 
 
-def geofp8_hook(state, bucket):
-    """DDP comm hook: averages the bucket over the group with GeoFP8's engine and returns a
-    completed Future holding the averaged bucket. A bucket in which some rank had a NaN or inf
-    gradient comes back as NaN (the engine skips it on every rank), so a GradScaler or a
-    finiteness check skips the optimizer step."""
-    buf = bucket.buffer()
-    if buf.device != state.device:
-        if buf.device.type == "cuda" and not _geofp8.has_cuda:
-            raise RuntimeError("device: bucket %d is on %s; CUDA tensors need a CUDA build of "
-                               "geofp8 and torch" % (bucket.index(), buf.device))
-        raise RuntimeError("device: bucket %d is on %s; this GeoFP8State was made for a model on "
-                           "%s" % (bucket.index(), buf.device, state.device))
-    if buf.dtype != torch.float32:
-        raise TypeError("gradient dtype: bucket %d is %s; the GeoFP8 hook takes float32 "
-                        "gradients" % (bucket.index(), buf.dtype))
-    if not state._in_step:
-        state._begin_step()
-    layers, offsets, sizes = _bucket_layout(state, bucket, buf)
-    local = buf.clone() if state._measure else None
-    if buf.device.type == "cuda":
-        # Device pointers and torch's current stream as integers: the work is ordered after
-        # the backward kernels that wrote the bucket, and done when this returns.
-        stream = torch.cuda.current_stream(buf.device).cuda_stream
-        result = state._engine.exchange_cuda(state.step, layers, buf.data_ptr(), buf.numel(),
-                                             offsets, stream)
-    else:
-        result = state._engine.exchange(state.step, layers, buf.numpy(), offsets)
-    if local is not None and not result["skipped"]:
-        _measure_layers(state, layers, local, buf, offsets, sizes)
+def _account(state, result, buf, layers, offsets, sizes, exact):
+    """A finished bucket: measured errors, the NaN fill of a skipped bucket, the statistics."""
+    if exact is not None and not result["skipped"]:
+        _measure_layers(state, layers, exact, buf, offsets, sizes)
     if result["skipped"]:
         buf.fill_(float("nan"))
         state.stats["skipped_buckets"] += 1
@@ -470,9 +487,90 @@ def geofp8_hook(state, bucket):
     state.stats["refreshes_from_inverse"] += result["refreshes_from_inverse"]
     state.last_step["bytes_sent"] += result["bytes_sent"]
     state.last_step["seconds"] += result["seconds"]
+
+
+def _unwrap(fut):
+    return fut.value()
+
+
+def _end_bucket(state, bucket):
     if bucket.is_last():
         state.step += 1
         state._in_step = False
+
+
+def geofp8_hook(state, bucket):
+    """DDP comm hook: averages the bucket over the group with GeoFP8's engine and returns a
+    Future holding the averaged bucket. On CPU tensors (unless the state is synchronous) each
+    bucket but the step's last is queued on the engine's exchange thread, which exchanges the
+    buckets in the order DDP hands them over, and the engine completes the Future, so DDP's
+    backward goes on meanwhile (the last bucket is exchanged in the call, after them); errors (timeouts, fingerprint mismatches) complete it with the engine's
+    geofp8.Error, which DDP raises from backward(). A bucket in which some rank had a NaN or inf
+    gradient comes back as NaN (the engine skips it on every rank), so a GradScaler or a
+    finiteness check skips the optimizer step."""
+    called = time.monotonic()
+    buf = bucket.buffer()
+    if buf.device != state.device:
+        if buf.device.type == "cuda" and not _geofp8.has_cuda:
+            raise RuntimeError("device: bucket %d is on %s; CUDA tensors need a CUDA build of "
+                               "geofp8 and torch (this geofp8 was built without CUDA/NCCL)"
+                               % (bucket.index(), buf.device))
+        raise RuntimeError("device: bucket %d is on %s; this GeoFP8State was made for a model on "
+                           "%s" % (bucket.index(), buf.device, state.device))
+    if buf.dtype != torch.float32:
+        raise TypeError("gradient dtype: bucket %d is %s; the GeoFP8 hook takes float32 "
+                        "gradients" % (bucket.index(), buf.dtype))
+    if not state._in_step:
+        state._begin_step()
+    layers, offsets, sizes = _bucket_layout(state, bucket, buf)
+    exact = _exact_average(state, buf) if state._measure else None
+    step, index = state.step, bucket.index()
     fut = torch.futures.Future()
+    trace = state.bucket_trace
+    # The step's last bucket is exchanged in this call, after the queued ones: no backward is
+    # left to overlap it with, and the calling thread saves the handoffs to the engine's
+    # threads and back (the same Exchanger call, so the same bits).
+    if not state.synchronous and not bucket.is_last():
+        def done(result, error):
+            # The engine's completer thread, with the GIL.
+            if error is not None:
+                fut.set_exception(error)
+                return
+            try:
+                _account(state, result, buf, layers, offsets, sizes, exact)
+                if trace is not None:
+                    record.update(started=result["started"], finished=result["finished"],
+                                  completed=time.monotonic(), skipped=result["skipped"])
+                    trace.append(record)
+            except BaseException as e:  # noqa: BLE001 - it belongs to the Future
+                fut.set_exception(e)
+                return
+            fut.set_result(buf)
+
+        record = {"step": step, "bucket": index, "called": called}
+        state._engine.submit(step, layers, buf.numpy(), offsets, done)
+        _end_bucket(state, bucket)
+        # DDP reads the Future from C++, where set_exception's value would be a failed cast to
+        # Tensor: the chained Future turns it into a real error, which backward() raises.
+        chained = fut.then(_unwrap)
+        record["returned"] = time.monotonic()
+        return chained
+    started = time.monotonic()
+    if buf.device.type == "cuda":
+        # Device pointers and torch's current stream as integers: the work is ordered after
+        # the backward kernels that wrote the bucket, and done when this returns.
+        stream = torch.cuda.current_stream(buf.device).cuda_stream
+        result = state._engine.exchange_cuda(step, layers, buf.data_ptr(), buf.numel(),
+                                             offsets, stream)
+    else:
+        result = state._engine.exchange(step, layers, buf.numpy(), offsets)
+    finished = time.monotonic()
+    _account(state, result, buf, layers, offsets, sizes, exact)
+    _end_bucket(state, bucket)
     fut.set_result(buf)
+    if trace is not None:
+        now = time.monotonic()
+        trace.append({"step": step, "bucket": index, "called": called, "started": started,
+                      "finished": finished, "returned": now, "completed": now,
+                      "skipped": result["skipped"]})
     return fut
