@@ -498,6 +498,57 @@ class Engine {
     }
   }
 
+  // Every layer's error-feedback residuals, in set_layers order: (geometry_version, local,
+  // owner), the float32 values as bytes (empty where the layer keeps none).
+  py::list ExportResiduals() {
+    Drain();
+    std::vector<std::optional<LayerResidual>> all(params_.size());
+    for (auto& [key, ex] : exchangers_) {
+      std::vector<LayerResidual> r = ex->ExportResiduals();
+      for (size_t j = 0; j < key.size(); ++j) all[key[j]] = std::move(r[j]);
+    }
+    auto floats = [](const std::vector<float>& v) {
+      return py::bytes(reinterpret_cast<const char*>(v.data()), v.size() * sizeof(float));
+    };
+    py::list out;
+    for (size_t i = 0; i < params_.size(); ++i) {
+      const LayerResidual r = all[i] ? *all[i] : stash_[i] ? stash_[i]->residual : LayerResidual{};
+      out.append(py::make_tuple(r.geometry_version, floats(r.local), floats(r.owner)));
+    }
+    return out;
+  }
+
+  // Restores ExportResiduals' list (resume), after import_geometry: each layer's residuals are
+  // taken up with its geometry when its bucket's exchanger forms.
+  void ImportResiduals(const py::list& state) {
+    GEOFP8_CHECK(plan_.has_value(), "import_residuals: set_policy first");
+    Drain();
+    GEOFP8_CHECK(state.size() == params_.size(), "residuals: ", state.size(),
+                 " layers in the state, the model has ", params_.size());
+    std::vector<LayerResidual> all;
+    for (size_t i = 0; i < params_.size(); ++i) {
+      auto t = py::reinterpret_borrow<py::object>(state[i]).cast<py::tuple>();
+      GEOFP8_CHECK(t.size() == 3, "residuals: each entry is (geometry_version, local, owner)");
+      LayerResidual r;
+      r.geometry_version = t[0].cast<uint64_t>();
+      for (auto [k, dst] : {std::pair{1, &r.local}, std::pair{2, &r.owner}}) {
+        const std::string b = t[k].cast<std::string>();
+        const size_t want = size_t(params_[i].size()) * sizeof(float);
+        GEOFP8_CHECK(b.empty() || b.size() == want, "residuals: layer '", params_[i].name,
+                     "' holds ", b.size() / sizeof(float), " values, the layer ",
+                     params_[i].size());
+        dst->resize(b.size() / sizeof(float));
+        if (!b.empty()) std::memcpy(dst->data(), b.data(), b.size());
+      }
+      all.push_back(std::move(r));
+    }
+    StashAll(GeometryImport::kStrict);
+    for (size_t i = 0; i < all.size(); ++i) {
+      if (!stash_[i]) stash_[i] = Stashed{};
+      stash_[i]->residual = std::move(all[i]);
+    }
+  }
+
   size_t exchanger_count() {
     Drain();
     return exchangers_.size();
@@ -525,6 +576,9 @@ class Engine {
   struct Stashed {
     LayerGeometryState state;
     GeometryImport mode = GeometryImport::kStrict;
+    // Error feedback's residuals (LayerPolicy::error_feedback), carried with the geometry they
+    // were taken under; a policy change (kDropMismatched) drops them.
+    LayerResidual residual;
   };
 
   // One submitted bucket. It holds Python objects, so it is created and destroyed with the GIL
@@ -733,7 +787,12 @@ class Engine {
   void StashAll(GeometryImport mode) {
     for (auto& [key, ex] : exchangers_) {
       std::vector<LayerGeometryState> s = ex->ExportGeometry();
-      for (size_t j = 0; j < key.size(); ++j) stash_[key[j]] = Stashed{std::move(s[j]), mode};
+      std::vector<LayerResidual> r = ex->ExportResiduals();
+      for (size_t j = 0; j < key.size(); ++j) {
+        stash_[key[j]] =
+            Stashed{std::move(s[j]), mode,
+                    mode == GeometryImport::kStrict ? std::move(r[j]) : LayerResidual{}};
+      }
     }
     exchangers_.clear();
   }
@@ -756,14 +815,16 @@ class Engine {
         continue;
       }
       std::vector<LayerGeometryState> s = e->second->ExportGeometry();
+      std::vector<LayerResidual> r = e->second->ExportResiduals();
       for (size_t j = 0; j < e->first.size(); ++j) {
-        stash_[e->first[j]] = Stashed{std::move(s[j]), GeometryImport::kStrict};
+        stash_[e->first[j]] = Stashed{std::move(s[j]), GeometryImport::kStrict, std::move(r[j])};
       }
       e = exchangers_.erase(e);
     }
     std::unique_ptr<Exchanger> ex = MakeExchanger(layers);
     std::vector<LayerGeometryState> state(layers.size());
-    bool any = false;
+    std::vector<LayerResidual> residuals(layers.size());
+    bool any = false, any_residual = false;
     GeometryImport mode = GeometryImport::kStrict;
     for (size_t j = 0; j < layers.size(); ++j) {
       if (!stash_[layers[j]]) continue;
@@ -772,8 +833,11 @@ class Engine {
         mode = GeometryImport::kDropMismatched;
       }
       state[j] = std::move(stash_[layers[j]]->state);
+      residuals[j] = std::move(stash_[layers[j]]->residual);
+      any_residual = any_residual || !residuals[j].local.empty() || !residuals[j].owner.empty();
     }
     if (any) ex->ImportGeometry(state, mode);
+    if (any_residual) ex->ImportResiduals(residuals);
     for (uint32_t l : layers) stash_[l].reset();
     return *exchangers_.emplace(layers, std::move(ex)).first->second;
   }
@@ -847,6 +911,8 @@ PYBIND11_MODULE(_geofp8, m) {
            py::arg("ptr"), py::arg("numel"), py::arg("offsets"), py::arg("stream"))
       .def("export_geometry", &Engine::ExportGeometry)
       .def("import_geometry", &Engine::ImportGeometry, py::arg("state"))
+      .def("export_residuals", &Engine::ExportResiduals)
+      .def("import_residuals", &Engine::ImportResiduals, py::arg("state"))
       .def_property_readonly("exchanger_count", &Engine::exchanger_count)
       .def("start_trace", &Engine::StartTrace,
            "Records every exchange's collectives, codec stages and geometry refreshes from now on.")

@@ -157,6 +157,31 @@ def work(rank, world):
         ((ddp5(x) - y) ** 2).mean().backward()
         skips.append((state5.last_step["skipped"],
                       all(bool(p.grad.isnan().all()) for p in model5.parameters())))
+    # Error feedback under the every-step geometry: the residuals travel in the state (format
+    # 2), so a resume continues bit for bit; loaded without them it does not.
+    ef_policy = {"exchange": {"algorithm": "allgather"},
+                 "policy": {"default": {"format": "nvfp4", "error_feedback": True},
+                            "layers": [{"match": "*", "geometry": "lowrank", "rank": 4}]},
+                 "geometry_refresh": {"estimator": "ema", "interval": 1}}
+    model6, ddp6, state6, opt6 = fresh(ef_policy)
+    run_steps(rank, ddp6, model6, opt6, 0, WARM)
+    buf6 = io.BytesIO()
+    torch.save({"model": model6.state_dict(), "opt": opt6.state_dict(),
+                "hook": state6.state_dict()}, buf6)
+    ef_reference = run_steps(rank, ddp6, model6, opt6, WARM, 2)
+    ef_runs = {}
+    for name, keep in (("resumed", True), ("without", False)):
+        buf6.seek(0)
+        ck = torch.load(buf6)
+        if not keep:
+            del ck["hook"]["residuals"]
+        m, d, st, o = fresh(ef_policy)
+        m.load_state_dict(ck["model"])
+        o.load_state_dict(ck["opt"])
+        st.load_state_dict(ck["hook"])
+        ef_runs[name] = run_steps(rank, d, m, o, WARM, 2)
+    buf6.seek(0)
+    ef_held = sum(1 for r in torch.load(buf6)["hook"]["residuals"] if r[1])
     geometry_layers = sum(1 for g in ckpt["hook"]["geometry"] if g[0])
     return {"reference": reference, "resumed": resumed, "control": control,
             "formats": formats, "version": state4.policy_version,
@@ -165,7 +190,11 @@ def work(rank, world):
             "layout": layout,
             "refreshes": (state.stats["refreshes"], state.stats["refreshes_from_inverse"]),
             "buckets": state._engine.exchanger_count,
-            "buckets_resumed": state2._engine.exchanger_count}
+            "buckets_resumed": state2._engine.exchanger_count,
+            "ef_same": all(torch.equal(a, b) for a, b in zip(ef_reference, ef_runs["resumed"])),
+            "ef_without_same": all(torch.equal(a, b)
+                                   for a, b in zip(ef_reference, ef_runs["without"])),
+            "ef_held": ef_held}
 
 
 def main():
@@ -195,6 +224,14 @@ def main():
         if not (refreshes > 0 and 0 < from_inverse < refreshes):
             failures.append("rank %d: %d refreshes, %d from the inverse's products; expected all "
                             "but the first of each layer" % (rank, refreshes, from_inverse))
+        if r["ef_held"] < 2:
+            failures.append("rank %d: %d layers with saved error-feedback residuals" %
+                            (rank, r["ef_held"]))
+        if not r["ef_same"]:
+            failures.append("rank %d: error feedback: the resumed step differs" % rank)
+        if r["ef_without_same"]:
+            failures.append("rank %d: error feedback: a resume without the residuals gave the "
+                            "same step (the check is vacuous)" % rank)
         fmts = [f for f, _ in r["formats"]]
         if fmts != ["fp8_e4m3", "fp8_e4m3", "fp32", "fp32"]:
             failures.append("rank %d: formats by step %s" % (rank, fmts))

@@ -27,7 +27,7 @@ from . import _geofp8, policy_source
 __all__ = ["GeoFP8State", "geofp8_hook"]
 
 _states_created = 0  # per process: each state's store prefix (same order on every rank)
-_STATE_FORMAT = 1
+_STATE_FORMAT = 2
 
 
 def _local_hostname():
@@ -397,12 +397,16 @@ class GeoFP8State:
             "policy_version": self.policy_version,
             "scheduled": [list(t) for t in self._scheduled],
             "geometry": [tuple(g) for g in self._engine.export_geometry()],
+            # error_feedback's residuals (format 2): without them a resume would drop what the
+            # last step's quantization lost, and differ from a run without the restart
+            "residuals": [tuple(r) for r in self._engine.export_residuals()],
         }
 
     def load_state_dict(self, state):
         """Restores state_dict()'s output; the model must have the same parameters."""
-        if state.get("format") != _STATE_FORMAT:
-            raise ValueError("state.format: %r is not %d" % (state.get("format"), _STATE_FORMAT))
+        if state.get("format") not in (1, _STATE_FORMAT):
+            raise ValueError("state.format: %r is not 1 or %d" % (state.get("format"),
+                                                                  _STATE_FORMAT))
         if list(state["names"]) != self.names:
             raise ValueError("state.names: the saved parameters (%d) differ from the model's (%d)"
                              % (len(state["names"]), len(self.names)))
@@ -416,6 +420,8 @@ class GeoFP8State:
                                                   self.policy_version)
         self._policy = policy
         self._engine.import_geometry([tuple(g) for g in state["geometry"]])
+        if "residuals" in state:  # format 1 has none: error feedback starts again from zero
+            self._engine.import_residuals([tuple(r) for r in state["residuals"]])
         self._scheduled = [tuple(t) for t in state["scheduled"]]
         self.step = int(state["step"])
         self._in_step = False
