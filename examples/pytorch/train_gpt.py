@@ -123,7 +123,7 @@ def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--hook", choices=HOOKS, default="geofp8")
     ap.add_argument("--policy", default="geofp8",
-                    help="geofp8 hook: preset (fp32, bf16, fp8, geofp8, nvfp4, geonvfp4) or "
+                    help="geofp8 hook: preset (fp32, bf16, fp8, geofp8, nvfp4, geonvfp4, fp8-ef, nvfp4-ef) or "
                          "policy YAML file")
     ap.add_argument("--powersgd-rank", type=int, default=4)
     ap.add_argument("--data", default="/usr/share/common-licenses/GPL-3")

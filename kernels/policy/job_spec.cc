@@ -959,17 +959,21 @@ std::vector<RefreshSchedule> RefreshScheduleOf(const std::vector<int>& intervals
   return out;
 }
 
-std::string_view AcceptedPolicyPresets() { return "fp32, bf16, fp8, geofp8, nvfp4, geonvfp4"; }
+std::string_view AcceptedPolicyPresets() {
+  return "fp32, bf16, fp8, geofp8, nvfp4, geonvfp4, fp8-ef, nvfp4-ef, fp8-ef, nvfp4-ef";
+}
 
 std::optional<std::string> PresetPolicyFile(std::string_view name) {
   // 1 MiB buckets, as geofp8-train has always run; the geometry presets use the estimator chosen
   // on training trajectories (docs/benchmarks.md, "Geometry on training trajectories"): a
   // Kronecker-factor EMA fed every step.
   const std::string bucket = "exchange: {algorithm: ALG, bucket_mb: 1}\n";
-  auto file = [&](std::string_view alg, std::string_view format, bool geometry) {
+  auto file = [&](std::string_view alg, std::string_view format, bool geometry,
+                  bool feedback = false) {
     std::string s = bucket;
     s.replace(s.find("ALG"), 3, alg);
-    s += "policy:\n  default: {format: " + std::string(format) + "}\n";
+    s += "policy:\n  default: {format: " + std::string(format) +
+         (feedback ? ", error_feedback: true" : "") + "}\n";
     if (geometry) {
       s += "  layers:\n    - {match: \"*\", geometry: lowrank, rank: 8}\n";
       s += "geometry_refresh: {estimator: ema, interval: 1}\n";
@@ -982,6 +986,10 @@ std::optional<std::string> PresetPolicyFile(std::string_view name) {
   if (name == "geofp8") return file("auto", "fp8_e4m3", true);
   if (name == "nvfp4") return file("auto", "nvfp4", false);
   if (name == "geonvfp4") return file("auto", "nvfp4", true);
+  // Error feedback, the arm that removed the floor a non-vanishing per-rank gradient leaves
+  // (docs/benchmarks.md, "The damage map"); two_phase, which feedback needs and auto may not pick.
+  if (name == "fp8-ef") return file("two_phase", "fp8_e4m3", false, true);
+  if (name == "nvfp4-ef") return file("two_phase", "nvfp4", false, true);
   return std::nullopt;
 }
 

@@ -86,6 +86,25 @@ class PolicyFileTest : public ::testing::Test {
   std::vector<fs::path> paths_;
 };
 
+// The error-feedback presets (the damage map's winning arm): two_phase, every layer's residual
+// carried, no geometry; the Euclidean presets keep none.
+TEST(ExchangePolicy, ErrorFeedbackPresetsCarryResidualsOnEveryLayer) {
+  const auto params = Params();
+  for (const auto& [name, format] :
+       {std::pair{"fp8-ef", Format::kFp8E4M3}, std::pair{"nvfp4-ef", Format::kNvfp4}}) {
+    const ExchangePlan plan = MakeExchangePlan(name, params);
+    EXPECT_EQ(plan.algorithm, Algorithm::kTwoPhase) << name;
+    EXPECT_FALSE(plan.uses_geometry()) << name;
+    for (size_t i = 0; i < params.size(); ++i) {
+      EXPECT_EQ(plan.layers[i].format, format) << name << " " << params[i].name;
+      EXPECT_TRUE(plan.layers[i].error_feedback) << name << " " << params[i].name;
+    }
+  }
+  for (const char* name : {"fp8", "nvfp4", "geofp8", "geonvfp4"}) {
+    for (const auto& l : MakeExchangePlan(name, params).layers) EXPECT_FALSE(l.error_feedback);
+  }
+}
+
 TEST_F(PolicyFileTest, GlobsOverrideInOrderAndOneDLayersStayEuclidean) {
   const auto params = Params();
   const ExchangePlan plan = MakeExchangePlan(Write(R"(
@@ -262,7 +281,8 @@ TEST_F(PolicyFileTest, BadFieldsAreNamedWithTheFileAndLine) {
     MakeExchangePlan("fp7", Params());
     FAIL();
   } catch (const Error& e) {
-    EXPECT_NE(std::string(e.what()).find("accepted: fp32, bf16, fp8, geofp8, nvfp4, geonvfp4"),
+    EXPECT_NE(std::string(e.what()).find(
+                  "accepted: fp32, bf16, fp8, geofp8, nvfp4, geonvfp4, fp8-ef, nvfp4-ef"),
               std::string::npos);
   }
 }

@@ -1,5 +1,5 @@
 // The trainer's exchange policy: one LayerPolicy per model parameter plus the algorithm and the
-// geometry refresh cadence, from a preset name (fp32, bf16, fp8, geofp8, nvfp4, geonvfp4) or a
+// geometry refresh cadence, from a preset name (fp32, bf16, fp8, geofp8, nvfp4, geonvfp4, fp8-ef, nvfp4-ef) or a
 // YAML file with per-layer globs. Parsed and validated here, at the edge.
 #pragma once
 
@@ -29,7 +29,7 @@ struct ExchangePlan {
   bool uses_geometry() const;
 };
 
-// "fp32, bf16, fp8, geofp8, nvfp4, geonvfp4"
+// "fp32, bf16, fp8, geofp8, nvfp4, geonvfp4, fp8-ef, nvfp4-ef"
 std::string_view AcceptedPolicyPresets();
 
 // Builds the plan for `spec`: a preset name, or a path to a policy file (anything ending in

@@ -16,7 +16,7 @@ __all__ = ["Engine", "Error", "HookClient", "accepted_presets", "layer_matches",
 def policy_source(policy):
     """(kind, spec) for Engine.set_policy from what a user passes as a policy:
 
-    - a preset name (fp32, bf16, fp8, geofp8, nvfp4, geonvfp4), as geofp8-train --policy;
+    - a preset name (fp32, bf16, fp8, geofp8, nvfp4, geonvfp4, fp8-ef, nvfp4-ef), as geofp8-train --policy;
     - a path ending in .yaml or .yml: the policy file geofp8-train --policy reads;
     - YAML text (anything with a newline or a colon) in that file's schema;
     - a dict in that schema (sent as JSON, which is YAML).
