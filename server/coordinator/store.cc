@@ -574,8 +574,8 @@ absl::Status Store::DeleteJob(const v1::Job& job) {
         return absl::NotFoundError("store: job " + job.id() + " has no row");
       }
     }
-    for (const char* sql : {"DELETE FROM job_events WHERE job_id = ?1",
-                            "DELETE FROM policies WHERE job_id = ?1"}) {
+    for (const char* sql :
+         {"DELETE FROM job_events WHERE job_id = ?1", "DELETE FROM policies WHERE job_id = ?1"}) {
       Stmt st(db_, sql);
       if (!st.ok()) return Error("prepare delete job records");
       st.Text(1, job.id());

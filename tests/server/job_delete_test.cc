@@ -144,8 +144,7 @@ TEST_F(JobDeleteTest, TheDeleteIsDurableAndIdsNeverRepeat) {
   EXPECT_EQ(ListedIds(), std::vector<std::string>{keep});
   v1::ListPolicyVersionsRequest versions;
   versions.set_job_id(gone);
-  EXPECT_EQ(coordinator->ListPolicyVersions(versions).status().code(),
-            absl::StatusCode::kNotFound);
+  EXPECT_EQ(coordinator->ListPolicyVersions(versions).status().code(), absl::StatusCode::kNotFound);
   // The deleted job's totals stay in the counters (geofp8_jobs_total never goes down).
   EXPECT_EQ(coordinator->GetCounts().deleted_by_state.at(v1::JOB_CANCELLED), 1);
   // Nothing of the job is left in the store.
