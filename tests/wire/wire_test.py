@@ -868,6 +868,10 @@ class CtlTest(Base):
         self.assertEqual(rc, 3, err)
         rc, _, err = ctl(self.server, "delete", "job", "job-000002")
         self.assertEqual(rc, 3, err)
+        # The deleted job leaves the gauge but stays counted: a counter never goes down.
+        body = self.scrape()
+        self.assertIn('geofp8_jobs{state="cancelled"} 0', body)
+        self.assertIn('geofp8_jobs_total{result="cancelled"} 1', body)
         rc, _, err = ctl(self.server, "cancel", "1.5")
         self.assertEqual(rc, 0, err)
         rc, out, err = submit("1.5")
