@@ -231,6 +231,8 @@ class DaemonEventsTest(unittest.TestCase):
         failed = self.one(c, "job.failed", job=f_id)
         self.assertEqual(failed["level"], "error")
         self.assertIn("missing.txt", failed["msg"])
+        # The reason is for the user: no C++ source location (issue #29) ...
+        self.assertNotRegex(failed["msg"], r"\b\w+\.(cc|h):\d+")
         self.one(c, "job.cancelled", job=c_id)
         self.one(c, "worker.dead", worker="lw0")  # it left on SIGTERM and is fenced
         self.one(c, "coordinator.stopped")
@@ -250,6 +252,12 @@ class DaemonEventsTest(unittest.TestCase):
         self.one(w, "rank.finished", job=a_id, rank=0, step=40, result="succeeded")
         rf = self.one(w, "rank.failed", job=f_id, rank=0)
         self.assertIn("missing.txt", rf["msg"])
+        self.assertNotRegex(rf["msg"], r"\b\w+\.(cc|h):\d+")
+        # ... which the worker keeps for a bug report, at debug level.
+        where = self.one(w, "rank.error_location", job=f_id, rank=0)
+        self.assertEqual(where["level"], "debug")
+        self.assertRegex(where["where"], r"^\w+\.(cc|h):\d+$")
+        self.assertEqual(where["msg"], rf["msg"])
         self.one(w, "rank.finished", job=c_id, rank=0, result="cancelled")
         self.one(w, "worker.shutdown", signal="SIGTERM")
         self.one(w, "worker.left")
