@@ -234,7 +234,7 @@ for p in "${policy_list[@]}"; do
   # One line per progress update, stamped here (EPOCHREALTIME) and by the coordinator.
   # In the background and waited for: bash runs a trap (SIGTERM, Ctrl-C) only between commands,
   # and `wait` is one it interrupts.
-  ctl watch "$name" -o 'jsonpath={.job.state} {.job.progress.step} {.job.progress.loss} {.job.progress.updated_unix_ms}' |
+  ctl watch "$name" -o 'jsonpath={.job.state} {.job.progress.step} {.job.progress.loss} {.job.progress.updated_time}{"\n"}' |
     while read -r line; do printf '%s %s\n' "$EPOCHREALTIME" "$line"; done >"$out/$p.progress" &
   aux+=($!)
   wait "$!" || true
@@ -243,6 +243,6 @@ for p in "${policy_list[@]}"; do
   scrape "$out/$p.metrics.after"
   final="$(ctl get job "$name" -o 'jsonpath={.state} {.progress.step}' 2>/dev/null || echo unknown)"
   echo "$prog: $p: $final"
-  [[ "$final" == JOB_SUCCEEDED* ]] || status=1
+  [[ "$final" == succeeded* ]] || status=1
 done
 exit "$status"

@@ -124,7 +124,7 @@ change_policy() {
   for _ in $(seq 3000); do
     step="$("$CTL" get job "$job" -o 'jsonpath={.progress.step} {.state}' 2>/dev/null || true)"
     case "$step" in
-      *SUCCEEDED*|*FAILED*|*CANCELLED*) return 0 ;;
+      *succeeded*|*failed*|*cancelled*) return 0 ;;
     esac
     if [ "${step%% *}" -ge "$POLICY_STEP" ] 2>/dev/null; then
       "$CTL" policy set "$job" --layer 'layers.*.mlp.*' --format nvfp4 \

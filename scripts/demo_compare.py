@@ -23,7 +23,8 @@ import sys
 import threading
 import time
 
-TERMINAL = ("JOB_SUCCEEDED", "JOB_FAILED", "JOB_CANCELLED")
+# Records hold what geofp8ctl prints: states in lower case, steps as steps done (the table's).
+TERMINAL = ("succeeded", "failed", "cancelled")
 
 
 def record(args):
@@ -33,7 +34,7 @@ def record(args):
     template = ('{.job.state} {.job.progress.step} '
                 '{.job.progress.total_steps} {.job.progress.loss} {.job.progress.bytes_sent} '
                 '{.job.progress.bytes_baseline} {.job.policy_version} {.job.progress.val_loss} '
-                '{.job.progress.val_step}')
+                '{.job.progress.val_step}{"\\n"}')  # jsonpath adds no newline of its own
     lock = threading.Lock()
     out = open(args.out, "w")
     ident = {"id": "", "name": args.job}  # filled in by the first poll
@@ -111,13 +112,13 @@ def load(path):
 
 
 def val_losses(recs):
-    """(steps done, validation loss) per validation, in order. val_step is the index of the step
-    the loss was measured after, so step val_step + 1 is the number of steps trained."""
+    """(steps done, validation loss) per validation, in order: val_step is the number of steps
+    trained when the loss was measured."""
     seen = {}
     for r in recs:
         v = r.get("val_loss")
         if v is not None and math.isfinite(v):
-            seen[r["val_step"] + 1] = v
+            seen[r["val_step"]] = v
     return sorted(seen.items())
 
 
@@ -171,7 +172,7 @@ def report(args):
         best = min(x for _, x in vs)
         frac = last["bytes_sent"] / last["bytes_baseline"] if last["bytes_baseline"] else math.nan
         print(f"| {label} | {last.get('name', '')} ({last.get('id', '')}) | "
-              f"{last['state'].removeprefix('JOB_')} | {last['step'] + 1}/{last['total_steps']} | "
+              f"{last['state'].upper()} | {last['step']}/{last['total_steps']} | "
               f"{mib(last['bytes_sent'])} | {mib(last['bytes_baseline'])} | {frac:.1%} | "
               f"{len(vs)} | {final:.4f} (step {final_step}) | {best:.4f} |")
         summary["runs"][label] = {"bytes_sent": last["bytes_sent"],

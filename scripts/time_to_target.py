@@ -18,6 +18,7 @@ against wall-clock, one curve per policy. With several DIRs (one per seed) it al
 median over them of each column, the ratios taken within each run.
 """
 import argparse
+import datetime
 import json
 import math
 import os
@@ -31,17 +32,23 @@ def fail(msg):
     sys.exit(2)
 
 
+def unix_seconds(rfc3339):
+    """geofp8ctl's times (RFC 3339 UTC, 2026-12-03T12:49:36.123Z) as Unix seconds."""
+    return datetime.datetime.fromisoformat(rfc3339.replace("Z", "+00:00")).timestamp()
+
+
 def load_progress(path):
-    """Last reported (coordinator time s, loss) per step > 0 ... the watch stream repeats steps."""
+    """Last reported (coordinator time s, loss) per step (steps done, as geofp8ctl counts them)
+    ... the watch stream repeats steps. A line: local time, state, step, loss, updated_time."""
     per_step = {}
     with open(path) as f:
         for line in f:
             fields = line.split()
-            if len(fields) != 5 or fields[1] != "JOB_RUNNING":
+            if len(fields) != 5 or fields[1] != "running" or fields[4] == "null":
                 continue
-            step, loss, ms = int(fields[2]), float(fields[3]), int(fields[4])
-            if ms > 0 and math.isfinite(loss):
-                per_step[step] = (ms / 1000.0, loss)
+            step, loss, t = int(fields[2]), float(fields[3]), unix_seconds(fields[4])
+            if math.isfinite(loss):
+                per_step[step] = (t, loss)
     return [(s, t, l) for s, (t, l) in sorted(per_step.items())]
 
 
@@ -87,8 +94,8 @@ def analyse(directory, baseline, fraction, window):
         if len(pts) < 2:
             fail(f"{prog}: fewer than 2 steps of progress")
         desc = json.load(open(desc_path))
-        sched = [e["unix_ms"] for e in desc["events"] if e["state"] == "JOB_SCHEDULED"]
-        t0 = sched[0] / 1000.0 if sched else pts[0][1]
+        sched = [unix_seconds(e["time"]) for e in desc["events"] if e["state"] == "scheduled"]
+        t0 = sched[0] if sched else pts[0][1]
         before = metric_sums(os.path.join(directory, p + ".metrics.before"))
         after = metric_sums(os.path.join(directory, p + ".metrics.after"))
         timing = {}
@@ -141,7 +148,7 @@ def report(runs, target, target_step, baseline, window):
         if p not in runs:
             continue
         r, tm = runs[p], runs[p]["timing"]
-        print(f"| {p} | {r['state'].replace('JOB_', '')} | {r['target_step'] or 'not reached'} "
+        print(f"| {p} | {r['state'].upper()} | {r['target_step'] or 'not reached'} "
               f"| {f(r['target_s'], 1)} | {f(ratio(runs, p, 'fp32'))} | {f(ratio(runs, p, 'bf16'))} "
               f"| {f(ratio(runs, p, 'fp8'))} | {f(tm.get('step_s'))} | {f(tm.get('exchange_s'))} "
               f"| {f(tm.get('geometry_s'), 3)} | {f(tm.get('compute_s'))} "

@@ -4,6 +4,7 @@
 #include <charconv>
 #include <cmath>
 #include <cstdio>
+#include <ctime>
 #include <regex>
 
 #include "absl/status/status.h"
@@ -89,7 +90,69 @@ std::string Base64(const std::string& in) {
   return out;
 }
 
-Doc Scalar(const Message& m, const Reflection* r, const FieldDescriptor* f, int index) {
+// An enum value as the table and the job spec name it: lower case, without the prefix every
+// value of its type shares (JOB_SUCCEEDED -> succeeded, FORMAT_FP8_E4M3 -> fp8_e4m3); the zero
+// value (*_UNSPECIFIED) is "unspecified".
+std::string EnumName(const google::protobuf::EnumValueDescriptor* e) {
+  if (e->number() == 0) return "unspecified";
+  const google::protobuf::EnumDescriptor* type = e->type();
+  // The longest prefix, ending in '_', that every nonzero value's name starts with; with one
+  // nonzero value, that of the zero value (FOO_UNSPECIFIED: FOO_).
+  std::string prefix;
+  int nonzero = 0;
+  for (int i = 0; i < type->value_count(); ++i) {
+    if (type->value(i)->number() == 0) continue;
+    const std::string& n = type->value(i)->name();
+    if (nonzero++ == 0) {
+      prefix = n.substr(0, n.rfind('_') + 1);  // npos + 1 == 0: no prefix
+      continue;
+    }
+    while (!prefix.empty() && n.rfind(prefix, 0) != 0) {
+      prefix.pop_back();
+      const size_t u = prefix.rfind('_');
+      prefix.resize(u == std::string::npos ? 0 : u + 1);
+    }
+  }
+  if (nonzero == 1) {
+    const google::protobuf::EnumValueDescriptor* zero = type->FindValueByNumber(0);
+    const std::string z = zero ? zero->name() : "";
+    const size_t u = z.rfind('_');
+    const std::string zp = u == std::string::npos ? "" : z.substr(0, u + 1);
+    prefix = e->name().rfind(zp, 0) == 0 ? zp : "";
+  }
+  std::string out = e->name().substr(e->name().rfind(prefix, 0) == 0 ? prefix.size() : 0);
+  for (char& c : out) c = static_cast<char>(std::tolower(static_cast<unsigned char>(c)));
+  return out;
+}
+
+}  // namespace
+
+bool IsTimeField(const FieldDescriptor* f) {
+  const std::string& n = f->name();
+  return f->cpp_type() == FieldDescriptor::CPPTYPE_INT64 && !f->is_repeated() &&
+         (n == "unix_ms" || (n.size() > 8 && n.compare(n.size() - 8, 8, "_unix_ms") == 0));
+}
+
+std::string TimeFieldName(const std::string& name) {
+  return name.substr(0, name.size() - 7) + "time";  // created_unix_ms -> created_time
+}
+
+std::string Rfc3339(int64_t unix_ms) {
+  const int64_t secs = unix_ms >= 0 ? unix_ms / 1000 : (unix_ms - 999) / 1000;
+  const int ms = static_cast<int>(unix_ms - secs * 1000);
+  const time_t t = static_cast<time_t>(secs);
+  struct tm tm {};
+  gmtime_r(&t, &tm);
+  char buf[40];
+  std::snprintf(buf, sizeof buf, "%04d-%02d-%02dT%02d:%02d:%02d.%03dZ", tm.tm_year + 1900,
+                tm.tm_mon + 1, tm.tm_mday, tm.tm_hour, tm.tm_min, tm.tm_sec, ms);
+  return buf;
+}
+
+namespace {
+
+Doc Scalar(const Message& m, const Reflection* r, const FieldDescriptor* f, int index,
+           const DocAdjust& adjust) {
   const bool rep = f->is_repeated();
   switch (f->cpp_type()) {
     case FieldDescriptor::CPPTYPE_INT32:
@@ -114,14 +177,14 @@ Doc Scalar(const Message& m, const Reflection* r, const FieldDescriptor* f, int 
       return Doc::Bool(rep ? r->GetRepeatedBool(m, f, index) : r->GetBool(m, f));
     case FieldDescriptor::CPPTYPE_ENUM: {
       const auto* e = rep ? r->GetRepeatedEnum(m, f, index) : r->GetEnum(m, f);
-      return Doc::String(e ? e->name() : "");
+      return Doc::String(e ? EnumName(e) : "");
     }
     case FieldDescriptor::CPPTYPE_STRING: {
       std::string v = rep ? r->GetRepeatedString(m, f, index) : r->GetString(m, f);
       return Doc::String(f->type() == FieldDescriptor::TYPE_BYTES ? Base64(v) : std::move(v));
     }
     case FieldDescriptor::CPPTYPE_MESSAGE:
-      return FromProto(rep ? r->GetRepeatedMessage(m, f, index) : r->GetMessage(m, f));
+      return FromProto(rep ? r->GetRepeatedMessage(m, f, index) : r->GetMessage(m, f), adjust);
   }
   return Doc::Null();
 }
@@ -298,7 +361,7 @@ void Yaml(const Doc& d, int indent, std::string* out) {
 
 }  // namespace
 
-Doc FromProto(const Message& m) {
+Doc FromProto(const Message& m, const DocAdjust& adjust) {
   Doc d = Doc::Object();
   const auto* desc = m.GetDescriptor();
   const Reflection* r = m.GetReflection();
@@ -309,23 +372,30 @@ Doc FromProto(const Message& m) {
       Doc obj = Doc::Object();
       for (int k = 0; k < r->FieldSize(m, f); ++k) {
         const Message& entry = r->GetRepeatedMessage(m, f, k);
-        Doc key = Scalar(entry, entry.GetReflection(), entry.GetDescriptor()->field(0), -1);
-        Doc val = Scalar(entry, entry.GetReflection(), entry.GetDescriptor()->field(1), -1);
+        Doc key = Scalar(entry, entry.GetReflection(), entry.GetDescriptor()->field(0), -1, adjust);
+        Doc val = Scalar(entry, entry.GetReflection(), entry.GetDescriptor()->field(1), -1, adjust);
         obj.Add(key.kind == Doc::Kind::kString ? key.s : JsonScalar(key), std::move(val));
       }
       d.Add(f->name(), std::move(obj));
     } else if (f->is_repeated()) {
       Doc arr = Doc::Array();
-      for (int k = 0; k < r->FieldSize(m, f); ++k) arr.items.push_back(Scalar(m, r, f, k));
+      for (int k = 0; k < r->FieldSize(m, f); ++k) {
+        arr.items.push_back(Scalar(m, r, f, k, adjust));
+      }
       d.Add(f->name(), std::move(arr));
     } else if (f->has_presence() && !r->HasField(m, f)) {
       // An absent sub-message, as protobuf's printer says null; likewise an unset `optional`
       // scalar (Policy.taken_step: not taken yet, which is not "taken at step 0").
       d.Add(f->name(), Doc::Null());
+    } else if (IsTimeField(f)) {
+      // A point in time as RFC 3339 UTC; 0 (never set) is null.
+      const int64_t ms = r->GetInt64(m, f);
+      d.Add(TimeFieldName(f->name()), ms == 0 ? Doc::Null() : Doc::String(Rfc3339(ms)));
     } else {
-      d.Add(f->name(), Scalar(m, r, f, -1));
+      d.Add(f->name(), Scalar(m, r, f, -1, adjust));
     }
   }
+  if (adjust) adjust(m, &d);
   return d;
 }
 

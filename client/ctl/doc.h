@@ -5,12 +5,14 @@
 #pragma once
 
 #include <cstdint>
+#include <functional>
 #include <memory>
 #include <string>
 #include <utility>
 #include <vector>
 
 #include "absl/status/statusor.h"
+#include "google/protobuf/descriptor.h"
 #include "google/protobuf/message.h"
 
 namespace geofp8::ctl {
@@ -39,10 +41,21 @@ struct Doc {
   Doc& Add(std::string key, Doc value);  // kObject
 };
 
+// Called by FromProto with each message and its finished Doc (nested messages first).
+using DocAdjust = std::function<void(const google::protobuf::Message&, Doc*)>;
+
 // Every field of the message, including unset ones (proto3 defaults), by proto field name.
 // float and double NaN or infinity become the strings "NaN", "Infinity", "-Infinity" in JSON (as
-// protobuf's JSON mapping writes them) and .nan, .inf, -.inf in YAML.
-Doc FromProto(const google::protobuf::Message& m);
+// protobuf's JSON mapping writes them) and .nan, .inf, -.inf in YAML. Enums print as the table
+// and the job spec name them: lower case, without their type's prefix (`succeeded`,
+// `fp8_e4m3`, `lowrank`; 0 is `unspecified`). A time field (int64 `unix_ms` or `*_unix_ms`,
+// Unix milliseconds on the wire) prints as `time` or `*_time`, an RFC 3339 UTC string with
+// milliseconds (`2026-12-03T12:49:36.123Z`), or null when 0 (never set).
+Doc FromProto(const google::protobuf::Message& m, const DocAdjust& adjust = nullptr);
+// The pieces of that mapping, for tests and for code that builds a Doc by hand.
+bool IsTimeField(const google::protobuf::FieldDescriptor* f);
+std::string TimeFieldName(const std::string& proto_name);  // created_unix_ms -> created_time
+std::string Rfc3339(int64_t unix_ms);                      // 0 -> 1970-01-01T00:00:00.000Z
 
 // Two-space indented JSON ending in a newline; integers of every width are JSON numbers.
 std::string DocToJson(const Doc& d);

@@ -36,7 +36,8 @@ enum Exit : int {
   kUsage = 2,            // bad flags, unreadable or invalid local file
   kNotFound = 3,         // job or policy version does not exist
   kUnreachable = 4,      // server unavailable or deadline exceeded
-  kRejected = 5,         // server refused the request (invalid spec, wrong state, key reuse)
+  kRejected = 5,         // server refused the request (invalid spec, wrong state, key reuse,
+                         // a name a live job holds)
   kUnauthenticated = 6,  // missing or wrong token, or TLS client identity refused
   kStoreUnwritable = 7,  // the coordinator is up but cannot write its store (full, read-only)
 };
@@ -190,9 +191,10 @@ class Client {
     } else if (g_.output == "yaml") {
       std::cout << ToYaml(m);
     } else if (g_.output == "jsonpath") {
-      auto text = JsonPath(FromProto(m), g_.jsonpath);
+      // As kubectl: the template's text only, no newline of ours ({"\n"} adds one).
+      auto text = JsonPath(OutputDoc(m), g_.jsonpath);
       if (!text.ok()) return Error(kUsage, "-o " + std::string(text.status().message()));
-      std::cout << *text << "\n";
+      std::cout << *text;
     } else if (g_.output == "name") {
       std::cout << names;
     } else if (g_.output == "wide" && !wide.empty()) {
@@ -204,7 +206,9 @@ class Client {
     return kOk;
   }
 
-  // A job by id or, failing that, by name (ListJobs). `job` gets the job when it was fetched.
+  // A job by id or, failing that, by name (ListJobs): the newest job of that name (names are
+  // unique among unfinished jobs, so that is the live one when there is one). `job` gets the job
+  // when it was fetched.
   int Resolve(const std::string& ref, std::string* id, v1::Job* job = nullptr) {
     v1::GetJobRequest req;
     req.set_job_id(ref);
@@ -219,20 +223,13 @@ class Client {
     v1::ListJobsResponse all;
     s = jobs_->ListJobs(Context().get(), v1::ListJobsRequest(), &all);
     if (!s.ok()) return FromStatus(s, g_);
-    std::vector<std::string> ids;
-    for (const auto& j : all.jobs()) {
-      if (j.name() == ref) ids.push_back(j.id());
-    }
-    if (ids.empty())
+    // ListJobs answers newest first.
+    auto newest = std::find_if(all.jobs().begin(), all.jobs().end(),
+                               [&](const v1::Job& j) { return j.name() == ref; });
+    if (newest == all.jobs().end()) {
       return Error(kNotFound, "job " + ref + " not found (no job has this id or name)");
-    if (ids.size() > 1) {
-      std::sort(ids.begin(), ids.end());
-      std::string list;
-      for (const auto& i : ids) list += (list.empty() ? "" : ", ") + i;
-      return Error(kUsage, "job name " + ref + " is ambiguous: " + std::to_string(ids.size()) +
-                               " jobs have it (" + list + "); give an id");
     }
-    *id = ids[0];
+    *id = newest->id();
     if (!job) return kOk;
     req.set_job_id(*id);
     s = jobs_->GetJob(Context().get(), req, job);
@@ -318,6 +315,18 @@ class Client {
     if (!s.ok()) return FromStatus(s, g_);
     return Print(job, "job/" + job.id() + " " + StateName(job.state()) + ": " + job.reason() + "\n",
                  "", "job/" + job.id() + "\n");
+  }
+
+  // kubectl's `delete`: "job/ID deleted"; the server refuses a job that is not finished.
+  int Delete(const std::string& ref) {
+    std::string id;
+    if (int rc = Resolve(ref, &id); rc != kOk) return rc;
+    v1::DeleteJobRequest req;
+    req.set_job_id(id);
+    v1::DeleteJobResponse resp;
+    grpc::Status s = jobs_->DeleteJob(Context().get(), req, &resp);
+    if (!s.ok()) return FromStatus(s, g_);
+    return Print(resp, "job/" + id + " deleted\n", "", "job/" + id + "\n");
   }
 
   int PolicyGet(const std::string& ref, uint64_t version) {
@@ -598,7 +607,7 @@ int ConfigCommand(const std::string& what, Config config, const std::string& nam
       if (g.output == "jsonpath") {
         auto text = JsonPath(root, g.jsonpath);
         if (!text.ok()) return Error(kUsage, "-o " + std::string(text.status().message()));
-        std::cout << *text << "\n";
+        std::cout << *text;
       }
       return kOk;
     }
@@ -660,12 +669,14 @@ int Run(int argc, char** argv) {
   CLI::App app{"geofp8ctl: control GeoFP8 training jobs through the coordinator", "geofp8ctl"};
   app.require_subcommand(0, 1);
   app.footer(
-      "Jobs are named by id or by the spec's name (an id wins; a name several jobs share is an\n"
-      "error listing their ids). Settings: flags, then env (GEOFP8_SERVER, GEOFP8_TOKEN), then\n"
+      "Jobs are named by id or by the spec's name (an id wins; a name means the newest job of\n"
+      "that name). Settings: flags, then env (GEOFP8_SERVER, GEOFP8_TOKEN), then\n"
       "the context of the config file (--config, env GEOFP8_CONFIG, default\n"
       "~/.config/geofp8/config.yaml).\n"
       "Exit codes: 0 ok, 1 failure (or watched job failed/cancelled), 2 usage error, 3 not found,\n"
-      "4 server unreachable or deadline exceeded, 5 rejected by the server, 6 unauthenticated.");
+      "4 server unreachable or deadline exceeded, 5 rejected by the server (a live job has the\n"
+      "name, or a delete of an unfinished job), 6 unauthenticated, 7 the server cannot write its\n"
+      "store.");
   std::string server_flag, output_flag = "table", config_flag, context_flag;
   app.add_option("-s,--server", server_flag,
                  "Coordinator address (env GEOFP8_SERVER, else the context's, else "
@@ -731,6 +742,12 @@ int Run(int argc, char** argv) {
   auto* cancel = app.add_subcommand("cancel", "Cancel a job");
   cancel->add_option("job", id, "Job id or name")->required();
   cancel->add_option("--reason", reason, "Why (recorded in the job's events)");
+
+  auto* del = app.add_subcommand("delete", "Delete a finished job and its records");
+  del->require_subcommand(1);
+  auto* delete_job = del->add_subcommand(
+      "job", "Delete a SUCCEEDED, FAILED or CANCELLED job: its events and policy versions go too");
+  delete_job->add_option("job", id, "Job id or name")->required();
 
   auto* policy = app.add_subcommand("policy", "Show or change a job's compression policy");
   policy->require_subcommand(1);
@@ -812,7 +829,7 @@ int Run(int argc, char** argv) {
     return Error(kUsage, "--version: must be >= 0, 0 = latest (" + std::to_string(version) + ")");
   }
   if (g.output == "name" && (*describe || *watch || *policy || *version_cmd)) {
-    return Error(kUsage, "-o name: only for get, submit, cancel and config get-contexts");
+    return Error(kUsage, "-o name: only for get, submit, cancel, delete and config get-contexts");
   }
 
   if (*completion) {
@@ -831,7 +848,7 @@ int Run(int argc, char** argv) {
     } else if (g.output == "jsonpath") {
       auto text = JsonPath(v, g.jsonpath);
       if (!text.ok()) return Error(kUsage, "-o " + std::string(text.status().message()));
-      std::cout << *text << "\n";
+      std::cout << *text;
     } else {
       std::cout << "Client Version: " << kVersion << " (git " << kGitDescribe << ")\n";
     }
@@ -956,6 +973,7 @@ int Run(int argc, char** argv) {
   if (*describe_job) return client.GetJob(id, true);
   if (*watch) return client.Watch(id);
   if (*cancel) return client.Cancel(id, reason);
+  if (*delete_job) return client.Delete(id);
   if (*policy_get) return client.PolicyGet(id, version);
   if (*policy_history) return client.PolicyHistory(id);
   if (*policy_set || *policy_apply) return client.PolicyUpdate(id, patches, defaults, reason);

@@ -101,9 +101,36 @@ std::string LayerFields(const v1::LayerPatch& p) {
 
 }  // namespace
 
-std::string ToJson(const google::protobuf::Message& m) { return DocToJson(FromProto(m)); }
+namespace {
 
-std::string ToYaml(const google::protobuf::Message& m) { return DocToYaml(FromProto(m)); }
+Doc* Field(Doc* d, const std::string& key) {
+  for (auto& [k, v] : d->fields) {
+    if (k == key) return &v;
+  }
+  return nullptr;
+}
+
+// A job's steps in the document as the table shows them: progress.step is steps done (StepsDone;
+// on the wire it is the index of the last step completed, so a finished 200-step job says 199),
+// and val_step the steps done when the validation was measured ("after step N" in describe).
+void AdjustJob(const google::protobuf::Message& m, Doc* d) {
+  const auto* job = dynamic_cast<const v1::Job*>(&m);
+  if (!job) return;
+  Doc* progress = Field(d, "progress");
+  if (!progress || progress->kind != Doc::Kind::kObject) return;
+  if (Doc* step = Field(progress, "step")) *step = Doc::Int(StepsDone(*job));
+  if (Doc* val = Field(progress, "val_step"); val && job->progress().has_val_loss()) {
+    *val = Doc::Int(job->progress().val_step() + 1);
+  }
+}
+
+}  // namespace
+
+Doc OutputDoc(const google::protobuf::Message& m) { return FromProto(m, AdjustJob); }
+
+std::string ToJson(const google::protobuf::Message& m) { return DocToJson(OutputDoc(m)); }
+
+std::string ToYaml(const google::protobuf::Message& m) { return DocToYaml(OutputDoc(m)); }
 
 int64_t StepsDone(const v1::Job& j) {
   // progress.step is the index of the largest step any rank completed.

@@ -5,13 +5,18 @@
 #include <string>
 #include <vector>
 
+#include "client/ctl/doc.h"
 #include "geofp8/v1/geofp8.pb.h"
 
 namespace geofp8::ctl {
 
 enum class OutputFormat { kTable, kJson, kYaml };
 
-// Proto as JSON (field names as in the .proto) or block YAML.
+// The document -o json, yaml and jsonpath print: FromProto (doc.h: enums by their table names,
+// times as RFC 3339), with a job's progress.step and val_step counted as the table counts them
+// (steps done, see StepsDone).
+Doc OutputDoc(const google::protobuf::Message& m);
+// OutputDoc as JSON (field names as in the .proto) or block YAML.
 std::string ToJson(const google::protobuf::Message& m);
 std::string ToYaml(const google::protobuf::Message& m);
 

@@ -122,6 +122,14 @@ constexpr size_t kInlineBytes = size_t{4} << 20;
 // geofp8._geofp8.Error, for exceptions handed to a submitted bucket's callback (set at import).
 py::handle g_error_type;
 
+// A geofp8.Error for e: its message, and the source location that raised it as `where` (for
+// debugging; the message carries none).
+py::object ErrorObject(const geofp8::Error& e) {
+  py::object instance = g_error_type(e.what());
+  instance.attr("where") = e.where();
+  return instance;
+}
+
 double SteadySeconds(std::chrono::steady_clock::time_point t) {
   return std::chrono::duration<double>(t.time_since_epoch()).count();
 }
@@ -698,7 +706,7 @@ class Engine {
         try {
           std::rethrow_exception(job.error);
         } catch (const geofp8::Error& e) {
-          error = g_error_type(e.what());
+          error = ErrorObject(e);
         } catch (const std::exception& e) {
           error = py::reinterpret_borrow<py::object>(PyExc_RuntimeError)(e.what());
         }
@@ -719,7 +727,8 @@ class Engine {
                                 const std::string& model) const {
     GEOFP8_CHECK(!params_.empty(), "policy: set_layers first");
     if (kind == "preset") return train::MakeExchangePlan(spec, params_);
-    if (kind == "text") return train::MakeExchangePlanFromText(spec, "policy", params_, model);
+    // No name: the errors already start "policy: " ("policy: line 1: ...").
+    if (kind == "text") return train::MakeExchangePlanFromText(spec, "", params_, model);
     if (kind == "file") {
       std::ifstream in(spec);
       if (!in) GEOFP8_FAIL("policy: cannot read file ", spec);
@@ -870,8 +879,17 @@ class Engine {
 PYBIND11_MODULE(_geofp8, m) {
   using geofp8::python::Engine;
   m.doc() = "GeoFP8's exchange engine (kernels/exchange) for Python; see geofp8.torch.";
-  geofp8::python::g_error_type =
-      py::register_exception<geofp8::Error>(m, "Error", PyExc_RuntimeError);
+  // geofp8.Error: the message for the user; the C++ source location that raised it, for
+  // debugging, in its `where` attribute ("exchange_policy.cc:103"), never in the message.
+  static py::exception<geofp8::Error> error(m, "Error", PyExc_RuntimeError);
+  geofp8::python::g_error_type = error;
+  py::register_exception_translator([](std::exception_ptr p) {
+    try {
+      if (p) std::rethrow_exception(p);
+    } catch (const geofp8::Error& e) {
+      PyErr_SetObject(error.ptr(), geofp8::python::ErrorObject(e).ptr());
+    }
+  });
 
   py::class_<Engine>(m, "Engine")
       .def(py::init<py::object, int, int, std::string, double, uint64_t, std::string, int>(),

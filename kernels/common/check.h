@@ -1,17 +1,26 @@
-// Invariant checks for the numeric core: a failed check throws geofp8::Error carrying file:line.
+// Invariant checks for the numeric core: a failed check throws geofp8::Error carrying file:line
+// apart from its message (Error::where).
 // Services catch it at the boundary and convert it to absl::Status; the core never sees Status.
 #pragma once
 
 #include <sstream>
 #include <stdexcept>
 #include <string>
+#include <utility>
 
 namespace geofp8 {
 
-// The one exception type the core throws. what() is a single line: "file:line: message".
+// The one exception type the core throws. what() is the message alone, one line, for the user
+// (job reasons, Python exceptions, CLI errors); where() is the source location that threw it
+// ("exchange_policy.cc:103"; empty when constructed without one), for debug logs.
 class Error : public std::runtime_error {
  public:
-  using std::runtime_error::runtime_error;
+  explicit Error(const std::string& message, std::string where = {})
+      : std::runtime_error(message), where_(std::move(where)) {}
+  const std::string& where() const { return where_; }
+
+ private:
+  std::string where_;
 };
 
 // A collective or its rendezvous could not complete: a peer vanished, closed its connections or
@@ -27,13 +36,12 @@ namespace detail {
 template <typename E = Error, typename... Args>
 [[noreturn]] inline void ThrowError(const char* file, int line, const Args&... args) {
   std::ostringstream os;
+  (os << ... << args);
   const char* base = file;
   for (const char* p = file; *p; ++p) {
     if (*p == '/') base = p + 1;
   }
-  os << base << ":" << line << ": ";
-  (os << ... << args);
-  throw E(os.str());
+  throw E(os.str(), std::string(base) + ":" + std::to_string(line));
 }
 
 }  // namespace detail

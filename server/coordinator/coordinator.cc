@@ -182,6 +182,7 @@ absl::Status Coordinator::Recover() {
     job_order_.push_back(rec.get());
     jobs_[rec->job.id()] = std::move(rec);
   }
+  deleted_ = snap->deleted;
   for (auto& p : snap->policies) {
     auto it = jobs_.find(p.job_id());
     if (it == jobs_.end()) continue;
@@ -368,6 +369,13 @@ absl::StatusOr<v1::SubmitJobResponse> Coordinator::SubmitJobUnlogged(
         return response;
       }
     }
+    if (const JobRec* live = LiveJobNamed(spec->name)) {
+      return absl::AlreadyExistsError("name: job " + live->job.id() + " (" +
+                                      StateName(live->job.state()) + ") is already named " +
+                                      spec->name +
+                                      "; names are unique among unfinished jobs: wait for it to "
+                                      "finish, cancel it, or choose another name");
+    }
     const int64_t now = clock_->NowMs();
     auto rec = std::make_unique<JobRec>();
     rec->spec = *spec;
@@ -476,7 +484,12 @@ absl::StatusOr<std::optional<v1::WatchJobResponse>> Coordinator::WatchNext(
   JobRec* rec = *found;
   const auto deadline = std::chrono::steady_clock::now() + std::chrono::milliseconds(timeout_ms);
   while (rec->change <= cursor->change && !shutdown_) {
-    if (changed_.wait_until(lock, deadline) == std::cv_status::timeout) break;
+    const bool timed_out = changed_.wait_until(lock, deadline) == std::cv_status::timeout;
+    // The job may have been deleted while the lock was released (DeleteJob wakes watchers).
+    found = FindJob(job_id);
+    if (!found.ok()) return found.status();
+    rec = *found;
+    if (timed_out) break;
   }
   if (shutdown_) return absl::UnavailableError("coordinator shutting down");
   if (rec->change <= cursor->change) return std::optional<v1::WatchJobResponse>();
@@ -488,6 +501,43 @@ absl::StatusOr<std::optional<v1::WatchJobResponse>> Coordinator::WatchNext(
   cursor->change = rec->change;
   cursor->events = rec->events.size();
   return std::optional<v1::WatchJobResponse>(std::move(response));
+}
+
+const Coordinator::JobRec* Coordinator::LiveJobNamed(const std::string& name) const {
+  for (const JobRec* rec : job_order_) {
+    if (rec->job.name() == name && !IsFinal(rec->job.state())) return rec;
+  }
+  return nullptr;
+}
+
+absl::StatusOr<v1::DeleteJobResponse> Coordinator::DeleteJob(const v1::DeleteJobRequest& request) {
+  std::lock_guard<std::mutex> lock(mu_);
+  auto found = FindJob(request.job_id());
+  if (!found.ok()) return found.status();
+  JobRec* rec = *found;
+  if (!IsFinal(rec->job.state())) {
+    return absl::FailedPreconditionError(
+        "job " + rec->job.id() + " (" + rec->job.name() + ") is " + StateName(rec->job.state()) +
+        "; only a finished job (SUCCEEDED, FAILED, CANCELLED) can be deleted: cancel it first");
+  }
+  // The store first: if it cannot be written, nothing changes and the caller may retry.
+  if (auto s = store_->DeleteJob(rec->job); !s.ok()) return s;
+  v1::DeleteJobResponse response;
+  *response.mutable_job() = Snapshot(*rec, false);
+  ++deleted_.by_state[rec->job.state()];
+  deleted_.restarts += rec->job.restarts();
+  if (!rec->job.idempotency_key().empty()) by_idempotency_key_.erase(rec->job.idempotency_key());
+  job_order_.erase(std::find(job_order_.begin(), job_order_.end(), rec));
+  kv_.Clear(rec->job.id());
+  log::Info("job.deleted")
+      .F("job", rec->job.id())
+      .F("name", rec->job.name())
+      .F("state", StateName(rec->job.state()))
+      .Msg("deleted with its events and policy versions");
+  const std::string id = rec->job.id();
+  jobs_.erase(id);
+  changed_.notify_all();
+  return response;
 }
 
 // ------------------------------------------------------------------------------------------
@@ -1552,6 +1602,8 @@ Coordinator::Counts Coordinator::GetCounts() {
     ++c.jobs_by_state[rec->job.state()];
     c.job_restarts += rec->job.restarts();
   }
+  c.deleted_by_state = deleted_.by_state;
+  c.job_restarts += static_cast<uint64_t>(deleted_.restarts);
   for (const auto& [id, w] : workers_) ++c.workers_by_state[w.info.state()];
   return c;
 }

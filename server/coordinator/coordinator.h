@@ -95,6 +95,9 @@ class Coordinator {
   absl::StatusOr<std::optional<v1::WatchJobResponse>> WatchNext(const std::string& job_id,
                                                                 WatchCursor* cursor,
                                                                 int timeout_ms);
+  // Removes a finished job and its records (store and memory); FAILED_PRECONDITION naming the
+  // job and its state unless it is SUCCEEDED, FAILED or CANCELLED. Watchers of it get NOT_FOUND.
+  absl::StatusOr<v1::DeleteJobResponse> DeleteJob(const v1::DeleteJobRequest& request);
 
   // --- PolicyService
   absl::StatusOr<v1::Policy> GetPolicy(const v1::GetPolicyRequest& request);
@@ -135,6 +138,7 @@ class Coordinator {
 
   struct Counts {
     std::map<int, int64_t> jobs_by_state;     // v1::JobState -> count
+    std::map<int, int64_t> deleted_by_state;  // final v1::JobState -> jobs deleted in it
     std::map<int, int64_t> workers_by_state;  // v1::WorkerState -> count
     uint64_t policy_updates = 0;              // versions created after v1 (user and auto)
     uint64_t auto_policy_updates = 0;
@@ -143,6 +147,7 @@ class Coordinator {
     uint64_t foreign_reports = 0;  // reports naming a job the worker is not a rank of
     uint64_t workers_declared_dead = 0;
     uint64_t job_restarts = 0;  // attempts ended by a restartable failure and restarted
+                                // (those of deleted jobs included)
   };
   Counts GetCounts();
 
@@ -208,6 +213,8 @@ class Coordinator {
   static bool IsFinal(v1::JobState s);
   v1::Job Snapshot(const JobRec& rec, bool with_events) const;
   absl::StatusOr<JobRec*> FindJob(const std::string& job_id);
+  // The job that is not finished and has `name`, if any (names are unique among those).
+  const JobRec* LiveJobNamed(const std::string& name) const;
   // State change with a reason: persisted with its event before anyone can observe it.
   void SetState(JobRec& rec, v1::JobState state, const std::string& reason);
   static void LogState(const JobRec& rec, v1::JobState state, const std::string& reason);
@@ -251,6 +258,7 @@ class Coordinator {
   std::map<std::string, std::string> by_idempotency_key_;
   std::map<std::string, WorkerRec> workers_;  // by worker id (= name)
   Counts counters_;
+  Store::DeletedTotals deleted_;  // of jobs deleted, ever (persisted with each delete)
   std::atomic<uint64_t> fenced_messages_{0};
   bool shutdown_ = false;
   std::mutex live_mu_;

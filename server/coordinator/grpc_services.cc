@@ -180,6 +180,11 @@ class JobServiceImpl final : public v1::JobService::Service {
       return grpc::Status(grpc::StatusCode::CANCELLED, "watch cancelled by the client");
     });
   }
+  grpc::Status DeleteJob(grpc::ServerContext* ctx, const v1::DeleteJobRequest* req,
+                         v1::DeleteJobResponse* resp) override {
+    return k_->Call("JobService/DeleteJob", ctx,
+                    [&] { return Common::Reply(k_->c_->DeleteJob(*req), resp); });
+  }
 
  private:
   Common* k_;

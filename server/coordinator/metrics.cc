@@ -57,8 +57,9 @@ class Metrics::StateCollector : public prometheus::Collectable {
       f.metric.push_back(Value(v, std::move(labels)));
       out.push_back(std::move(f));
     };
-    // Job records are kept for good, so counting them by state is monotonic (and survives a
-    // coordinator restart, as they are persisted). Every result is present from the start.
+    // Counted from the job records plus the persisted totals of deleted ones (Store::DeleteJob),
+    // so it is monotonic and survives a coordinator restart. Every result is present from the
+    // start.
     prometheus::MetricFamily results{
         "geofp8_jobs_total",
         "Job attempts ended, by result: succeeded, failed, cancelled (final states of jobs) or "
@@ -69,7 +70,8 @@ class Metrics::StateCollector : public prometheus::Collectable {
          {std::pair{v1::JOB_SUCCEEDED, "succeeded"}, std::pair{v1::JOB_FAILED, "failed"},
           std::pair{v1::JOB_CANCELLED, "cancelled"}}) {
       results.metric.push_back(
-          Value(static_cast<double>(counts.jobs_by_state[state]), {{"result", name}}));
+          Value(static_cast<double>(counts.jobs_by_state[state] + counts.deleted_by_state[state]),
+                {{"result", name}}));
     }
     results.metric.push_back(
         Value(static_cast<double>(counts.job_restarts), {{"result", "restarted"}}));

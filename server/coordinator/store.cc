@@ -556,6 +556,47 @@ absl::Status Store::PutPolicy(const v1::Policy& policy) {
   return absl::OkStatus();
 }
 
+namespace {
+// meta keys of the deleted-job totals: "deleted.<state number>" and "deleted.restarts".
+constexpr char kDeletedPrefix[] = "deleted.";
+constexpr char kDeletedRestartsKey[] = "deleted.restarts";
+}  // namespace
+
+absl::Status Store::DeleteJob(const v1::Job& job) {
+  return Transaction([&]() -> absl::Status {
+    std::lock_guard<std::mutex> lock(mu_);
+    {
+      Stmt st(db_, "DELETE FROM jobs WHERE id = ?1");
+      if (!st.ok()) return Error("prepare delete job");
+      st.Text(1, job.id());
+      if (st.Step() != SQLITE_DONE) return Error("delete job " + job.id());
+      if (sqlite3_changes(db_) == 0) {
+        return absl::NotFoundError("store: job " + job.id() + " has no row");
+      }
+    }
+    for (const char* sql :
+         {"DELETE FROM job_events WHERE job_id = ?1", "DELETE FROM policies WHERE job_id = ?1"}) {
+      Stmt st(db_, sql);
+      if (!st.ok()) return Error("prepare delete job records");
+      st.Text(1, job.id());
+      if (st.Step() != SQLITE_DONE) return Error("delete records of job " + job.id());
+    }
+    const std::pair<std::string, int64_t> adds[] = {
+        {kDeletedPrefix + std::to_string(static_cast<int>(job.state())), 1},
+        {kDeletedRestartsKey, job.restarts()}};
+    for (const auto& [key, delta] : adds) {
+      Stmt st(db_,
+              "INSERT INTO meta(key, value) VALUES(?1, CAST(?2 AS TEXT)) ON CONFLICT(key) DO "
+              "UPDATE SET value = CAST(CAST(value AS INTEGER) + ?2 AS TEXT)");
+      if (!st.ok()) return Error("prepare count deleted job");
+      st.Text(1, key);
+      st.Int(2, delta);
+      if (st.Step() != SQLITE_DONE) return Error("count deleted job " + job.id());
+    }
+    return absl::OkStatus();
+  });
+}
+
 absl::StatusOr<uint64_t> Store::NextGeneration(const std::string& worker_name) {
   std::lock_guard<std::mutex> lock(mu_);
   Stmt st(db_,
@@ -609,6 +650,21 @@ absl::StatusOr<Store::Snapshot> Store::Load() {
       snap.policies.push_back(std::move(p));
     }
     if (rc != SQLITE_DONE) return Error("load policies");
+  }
+  {
+    Stmt st(db_, "SELECT key, CAST(value AS INTEGER) FROM meta WHERE key LIKE 'deleted.%'");
+    if (!st.ok()) return Error("prepare load deleted totals");
+    int rc;
+    while ((rc = st.Step()) == SQLITE_ROW) {
+      const std::string key(reinterpret_cast<const char*>(sqlite3_column_text(st.get(), 0)));
+      const int64_t value = sqlite3_column_int64(st.get(), 1);
+      if (key == kDeletedRestartsKey) {
+        snap.deleted.restarts = value;
+      } else {
+        snap.deleted.by_state[std::atoi(key.c_str() + std::strlen(kDeletedPrefix))] = value;
+      }
+    }
+    if (rc != SQLITE_DONE) return Error("load deleted totals");
   }
   return snap;
 }

@@ -4,6 +4,7 @@
 
 #include <cstdint>
 #include <functional>
+#include <map>
 #include <memory>
 #include <mutex>
 #include <string>
@@ -58,12 +59,23 @@ class Store {
   // The next job number (1, 2, ...: job-000001), persisted so it never repeats, even across a
   // store reset. Inside a Transaction the seal follows once it commits.
   absl::StatusOr<uint64_t> NextJobNumber();
+  // Removes a job's row, its events and its policy versions in one transaction, and adds the
+  // job to the totals of deleted jobs (Snapshot::deleted). The job-id counter and the seal stay
+  // as they are, so the id is never issued again. NOT_FOUND when no such row exists.
+  absl::Status DeleteJob(const v1::Job& job);
   // This database's identity (32 hex digits; empty for an in-memory store).
   const std::string& store_id() const { return store_id_; }
 
+  // What deleted jobs leave behind: how many ended in each final state and how many restarts
+  // they had, so that counters derived from job records (geofp8_jobs_total) never go down.
+  struct DeletedTotals {
+    std::map<int, int64_t> by_state;  // v1::JobState -> jobs deleted in that state
+    int64_t restarts = 0;
+  };
   struct Snapshot {
     std::vector<v1::Job> jobs;         // oldest first, events filled in
     std::vector<v1::Policy> policies;  // by job, then version
+    DeletedTotals deleted;
   };
   absl::StatusOr<Snapshot> Load();
 

@@ -68,11 +68,11 @@ case "$mode" in
     pid=$!
     tag="gft$pid"
     for _ in $(seq 600); do  # up to 60 s for training to start
-      grep -qs "JOB_RUNNING" "$out/fp8.progress" && break
+      grep -qs " running " "$out/fp8.progress" && break
       kill -0 "$pid" 2>/dev/null || break
       sleep 0.1
     done
-    grep -qs "JOB_RUNNING" "$out/fp8.progress" || { cat "$out/script.log" >&2; fail "job never ran"; }
+    grep -qs " running " "$out/fp8.progress" || { cat "$out/script.log" >&2; fail "job never ran"; }
     [[ -n "$(ip netns list | grep "$tag")" ]] || fail "no namespace $tag* while running"
     kill -TERM "$pid"
     for _ in $(seq 300); do kill -0 "$pid" 2>/dev/null || break; sleep 0.1; done
@@ -91,7 +91,7 @@ case "$mode" in
     pid=$!
     wait "$pid"; rc=$?
     [[ $rc -eq 0 ]] || { cat "$out/script.log" >&2; fail "exit $rc"; }
-    grep -q "fp8: JOB_SUCCEEDED 19" "$out/script.log" || fail "no success line: $(cat "$out/script.log")"
+    grep -q "fp8: succeeded 20" "$out/script.log" || fail "no success line: $(cat "$out/script.log")"
     left="$(leftovers "gft$pid")"
     [[ -z "$left" ]] || fail "left behind: $left"
     table="$(/usr/bin/python3 "$root/scripts/time_to_target.py" "$out" --baseline fp8 --window 3 \

@@ -77,7 +77,8 @@ TEST(CliInputTest, TokenFileAuthenticatesAndTokenFlagWarns) {
   EXPECT_EQ(r.code, 0) << r.output;
   r = RunProgram({GEOFP8CTL_BIN, "-s", s, "--token-file", wrong, "submit", "-f", spec});
   EXPECT_EQ(r.code, 6) << r.output;
-  r = RunProgram({GEOFP8CTL_BIN, "-s", s, "--token", "s3cret", "submit", "-f", spec});
+  const std::string spec2 = WriteFile(dir, "job2.yaml", "name: tok2\n");  // tok is still live
+  r = RunProgram({GEOFP8CTL_BIN, "-s", s, "--token", "s3cret", "submit", "-f", spec2});
   EXPECT_EQ(r.code, 0) << r.output;
   EXPECT_NE(r.output.find("geofp8ctl: warning: --token: other users can read it in the process "
                           "list; use --token-file or GEOFP8_TOKEN"),

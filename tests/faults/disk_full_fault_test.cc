@@ -187,10 +187,14 @@ TEST(DiskFullFaultTest, CoordinatorStoreOnAFullDiskRefusesSubmitsClearlyAndLoses
   Tmpfs disk("4m");
   if (!disk.mounted()) GTEST_SKIP() << "cannot mount a tmpfs here: " << disk.error();
   const std::string data = disk.path() + "/coordinator";
-  // A job no worker runs (none is connected): it stays PENDING, recorded.
-  const std::string spec =
-      "name: queued\nworld_size: 1\nmodel: {preset: llama-tiny}\n"
-      "training: {steps: 10, batch_size: 2, seq_len: 16}\n";
+  // Jobs no worker runs (none is connected): they stay PENDING, recorded. Each has its own name
+  // (names are unique among unfinished jobs).
+  int submitted = 0;
+  auto next_spec = [&] {
+    return "name: queued-" + std::to_string(++submitted) +
+           "\nworld_size: 1\nmodel: {preset: llama-tiny}\n"
+           "training: {steps: 10, batch_size: 2, seq_len: 16}\n";
+  };
   auto start = [&] {
     auto p = std::make_unique<ChildProcess>(
         std::vector<std::string>{GEOFP8_COORDINATOR_BIN, "--listen", "127.0.0.1:0",
@@ -209,7 +213,7 @@ TEST(DiskFullFaultTest, CoordinatorStoreOnAFullDiskRefusesSubmitsClearlyAndLoses
 
   std::set<std::string> acknowledged;
   v1::Job job;
-  ASSERT_TRUE(SubmitStatus(*stub, spec, &job).ok());
+  ASSERT_TRUE(SubmitStatus(*stub, next_spec(), &job).ok());
   acknowledged.insert(job.id());
   const size_t filled = disk.Fill();
   // SQLite reuses the pages its WAL file already has, so the first few submits may still fit:
@@ -217,7 +221,7 @@ TEST(DiskFullFaultTest, CoordinatorStoreOnAFullDiskRefusesSubmitsClearlyAndLoses
   grpc::Status refused;
   int accepted_while_full = 0;
   for (int i = 0; i < 500 && refused.ok(); ++i) {
-    grpc::Status s = SubmitStatus(*stub, spec, &job);
+    grpc::Status s = SubmitStatus(*stub, next_spec(), &job);
     if (s.ok()) {
       acknowledged.insert(job.id());
       ++accepted_while_full;
@@ -240,7 +244,7 @@ TEST(DiskFullFaultTest, CoordinatorStoreOnAFullDiskRefusesSubmitsClearlyAndLoses
   {
     TempDir tmp("geofp8-ctl-spec");  // not on the full disk
     const std::string spec_file = tmp.path() + "/spec.yaml";
-    std::ofstream(spec_file) << spec;
+    std::ofstream(spec_file) << next_spec();
     ChildProcess ctl({GEOFP8CTL_BIN, "-s", address_of(*coordinator), "submit", "-f", spec_file});
     EXPECT_EQ(ctl.Wait(), 7) << ctl.output();
     EXPECT_NE(ctl.output().find("cannot record anything now (its store)"), std::string::npos)
@@ -258,7 +262,7 @@ TEST(DiskFullFaultTest, CoordinatorStoreOnAFullDiskRefusesSubmitsClearlyAndLoses
   EXPECT_TRUE(coordinator->running()) << coordinator->output();
 
   disk.Free();
-  ASSERT_TRUE(SubmitStatus(*stub, spec, &job).ok()) << "submit after freeing space";
+  ASSERT_TRUE(SubmitStatus(*stub, next_spec(), &job).ok()) << "submit after freeing space";
   acknowledged.insert(job.id());
 
   // Nothing acknowledged is lost: after a restart on the same data every one is there.

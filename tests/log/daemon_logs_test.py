@@ -171,7 +171,7 @@ class DaemonEventsTest(unittest.TestCase):
         self.wait_for(a_id, lambda j: j["progress"]["step"] >= 5, "reached step 5")
         self.ctl("policy", "set", a_id, "--layer", "layers.*.mlp.*", "--format", "nvfp4",
                  "--reason", "log test")
-        self.wait_for(a_id, lambda j: j["state"] == "JOB_SUCCEEDED", "succeeded")
+        self.wait_for(a_id, lambda j: j["state"] == "succeeded", "succeeded")
         # The wrong token, and a spec the coordinator refuses.
         r = self.ctl("submit", "-f", self.spec("logs-x", 10), token="wrong", check=False)
         self.assertNotEqual(r.returncode, 0, r.stdout)
@@ -182,14 +182,14 @@ class DaemonEventsTest(unittest.TestCase):
         self.assertNotEqual(r.returncode, 0, r.stdout)
         # A job whose rank fails at start: its data file does not exist on the worker.
         self.ctl("submit", "-f", self.spec("logs-f", 10, "{source: file, path: missing.txt}"))
-        self.wait_for("logs-f", lambda j: j["state"] == "JOB_FAILED", "failed")
+        self.wait_for("logs-f", lambda j: j["state"] == "failed", "failed")
         # A job cancelled while it runs.
         self.ctl("submit", "-f", self.spec("logs-c", 100000))
-        self.wait_for("logs-c", lambda j: j["state"] == "JOB_RUNNING" and
+        self.wait_for("logs-c", lambda j: j["state"] == "running" and
                       j["progress"]["step"] >= 2, "ran 2 steps")
         c_id = self.job("logs-c")["id"]
         self.ctl("cancel", "logs-c", "--reason", "log test")
-        self.wait_for("logs-c", lambda j: j["state"] == "JOB_CANCELLED", "cancelled")
+        self.wait_for("logs-c", lambda j: j["state"] == "cancelled", "cancelled")
         f_id = self.job("logs-f")["id"]
         time.sleep(0.5)  # the worker logs its rank's end after the coordinator's cancel
         for name in ("worker", "coordinator"):
@@ -231,6 +231,8 @@ class DaemonEventsTest(unittest.TestCase):
         failed = self.one(c, "job.failed", job=f_id)
         self.assertEqual(failed["level"], "error")
         self.assertIn("missing.txt", failed["msg"])
+        # The reason is for the user: no C++ source location (issue #29) ...
+        self.assertNotRegex(failed["msg"], r"\b\w+\.(cc|h):\d+")
         self.one(c, "job.cancelled", job=c_id)
         self.one(c, "worker.dead", worker="lw0")  # it left on SIGTERM and is fenced
         self.one(c, "coordinator.stopped")
@@ -250,6 +252,12 @@ class DaemonEventsTest(unittest.TestCase):
         self.one(w, "rank.finished", job=a_id, rank=0, step=40, result="succeeded")
         rf = self.one(w, "rank.failed", job=f_id, rank=0)
         self.assertIn("missing.txt", rf["msg"])
+        self.assertNotRegex(rf["msg"], r"\b\w+\.(cc|h):\d+")
+        # ... which the worker keeps for a bug report, at debug level.
+        where = self.one(w, "rank.error_location", job=f_id, rank=0)
+        self.assertEqual(where["level"], "debug")
+        self.assertRegex(where["where"], r"^\w+\.(cc|h):\d+$")
+        self.assertEqual(where["msg"], rf["msg"])
         self.one(w, "rank.finished", job=c_id, rank=0, result="cancelled")
         self.one(w, "worker.shutdown", signal="SIGTERM")
         self.one(w, "worker.left")

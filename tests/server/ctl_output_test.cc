@@ -4,6 +4,7 @@
 #include <gtest/gtest.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <cstdio>
 #include <cstdlib>
 #include <filesystem>
@@ -13,6 +14,7 @@
 #include "client/ctl/config.h"
 #include "client/ctl/doc.h"
 #include "client/ctl/render.h"
+#include "kernels/policy/policy.h"
 #include "yaml-cpp/yaml.h"
 
 namespace geofp8::ctl {
@@ -35,12 +37,11 @@ v1::Job SampleJob() {
 
 TEST(CtlOutput, JsonPrintsInt64AsNumbers) {
   const std::string json = ToJson(SampleJob());
-  // protobuf's JsonPrintOptions would write "1764590000123" and "9007199254740993" as strings.
-  EXPECT_NE(json.find("\"created_unix_ms\": 1764590000123,"), std::string::npos) << json;
+  // protobuf's JsonPrintOptions would write "9007199254740993" as a string.
   EXPECT_NE(json.find("\"bytes_sent\": 9007199254740993,"), std::string::npos) << json;
-  EXPECT_NE(json.find("\"step\": 41,"), std::string::npos) << json;
+  EXPECT_NE(json.find("\"step\": 42,"), std::string::npos) << json;  // steps done: 0..41
   EXPECT_NE(json.find("\"world_size\": 2,"), std::string::npos) << json;
-  EXPECT_NE(json.find("\"state\": \"JOB_RUNNING\""), std::string::npos) << json;
+  EXPECT_NE(json.find("\"state\": \"running\""), std::string::npos) << json;
   EXPECT_NE(json.find("\"loss\": 3.5,"), std::string::npos) << json;
   EXPECT_NE(json.find("\"ranks\": []"), std::string::npos) << json;
   // Every field is present, unset ones with their default.
@@ -103,7 +104,100 @@ TEST(CtlOutput, YamlReadsBackWithTheSameTypes) {
   EXPECT_EQ(n["world_size"].as<int>(), 2);
   EXPECT_EQ(n["progress"]["bytes_sent"].as<uint64_t>(), 9007199254740993ull);
   EXPECT_EQ(n["events"][0]["message"].as<std::string>(), "line one\nline two: \"quoted\"");
-  EXPECT_EQ(n["events"][0]["state"].as<std::string>(), "JOB_STATE_UNSPECIFIED");
+  EXPECT_EQ(n["events"][0]["state"].as<std::string>(), "unspecified");
+  EXPECT_EQ(n["created_time"].as<std::string>(), "2025-12-01T11:53:20.123Z");
+  EXPECT_TRUE(n["events"][0]["time"].IsNull());
+}
+
+// Issue #29: -o json and yaml name enums as the table, --state and the job spec do, and print
+// times as RFC 3339 UTC; the wire keeps the proto enums and Unix milliseconds.
+TEST(CtlOutput, EnumsPrintAsTheTableAndTheSpecNameThem) {
+  for (int v = v1::Format_MIN + 1; v <= v1::Format_MAX; ++v) {
+    v1::LayerPolicy p;
+    p.set_format(static_cast<v1::Format>(v));
+    p.set_scaling(static_cast<v1::Scaling>(std::min(v, int(v1::Scaling_MAX))));
+    p.set_rounding(static_cast<v1::Rounding>(std::min(v, int(v1::Rounding_MAX))));
+    p.set_geometry(static_cast<v1::GeometryMode>(std::min(v, int(v1::GeometryMode_MAX))));
+    const Doc d = OutputDoc(p);
+    EXPECT_EQ(d.Find("format")->s, NameOf(p.format())) << v;
+    EXPECT_EQ(d.Find("scaling")->s, NameOf(p.scaling())) << v;
+    EXPECT_EQ(d.Find("rounding")->s, NameOf(p.rounding())) << v;
+    EXPECT_EQ(d.Find("geometry")->s, NameOf(p.geometry())) << v;
+  }
+  EXPECT_EQ(OutputDoc(v1::LayerPolicy()).Find("format")->s, "unspecified");
+  for (int v = v1::JobState_MIN + 1; v <= v1::JobState_MAX; ++v) {
+    v1::Job job;
+    job.set_state(static_cast<v1::JobState>(v));
+    std::string lower = StateName(job.state());
+    for (char& c : lower) c = static_cast<char>(std::tolower(static_cast<unsigned char>(c)));
+    EXPECT_EQ(OutputDoc(job).Find("state")->s, lower);  // what --state accepts
+  }
+  v1::Worker w;
+  w.set_state(v1::WORKER_DISCONNECTED);
+  EXPECT_EQ(OutputDoc(w).Find("state")->s, "disconnected");
+  v1::Stop stop;
+  stop.set_cause(v1::STOP_JOB_SUCCEEDED);
+  EXPECT_EQ(OutputDoc(stop).Find("cause")->s, "job_succeeded");
+  v1::ProbeResult probe;
+  probe.set_basis(v1::PROBE_BASIS_SHADOW);
+  EXPECT_EQ(OutputDoc(probe).Find("basis")->s, "shadow");
+}
+
+TEST(CtlOutput, TimesPrintAsRfc3339Utc) {
+  EXPECT_EQ(Rfc3339(0), "1970-01-01T00:00:00.000Z");
+  EXPECT_EQ(Rfc3339(1764590000123), "2025-12-01T11:53:20.123Z");
+  EXPECT_EQ(Rfc3339(951782400999), "2000-02-29T00:00:00.999Z");  // a leap day
+  EXPECT_EQ(Rfc3339(-1), "1969-12-31T23:59:59.999Z");
+  v1::Job job = SampleJob();
+  job.add_events()->set_unix_ms(1764590001000);
+  job.mutable_progress()->set_updated_unix_ms(1764590002005);
+  const std::string json = ToJson(job);
+  EXPECT_NE(json.find("\"created_time\": \"2025-12-01T11:53:20.123Z\","), std::string::npos)
+      << json;
+  EXPECT_NE(json.find("\"updated_time\": null,"), std::string::npos) << json;  // never set
+  EXPECT_NE(json.find("\"updated_time\": \"2025-12-01T11:53:22.005Z\""), std::string::npos) << json;
+  EXPECT_NE(json.find("\"time\": \"2025-12-01T11:53:21.000Z\""), std::string::npos) << json;
+  EXPECT_EQ(json.find("unix_ms"), std::string::npos) << json;
+  v1::Worker w;
+  w.set_last_heartbeat_unix_ms(1764590000123);
+  EXPECT_EQ(OutputDoc(w).Find("last_heartbeat_time")->s, "2025-12-01T11:53:20.123Z");
+  // YAML quotes the time, so that a YAML 1.1 reader keeps it a string, not a timestamp.
+  EXPECT_NE(ToYaml(job).find("created_time: \"2025-12-01T11:53:20.123Z\"\n"), std::string::npos)
+      << ToYaml(job);
+}
+
+// The step in the document is the table's (steps done): the docs' example printed 199/200 for
+// a finished 200-step job, whose progress.step on the wire is 199 (the last index completed).
+TEST(CtlOutput, TheStepIsCountedAsTheTableCountsIt) {
+  v1::Job job = SampleJob();
+  job.set_state(v1::JOB_SUCCEEDED);
+  job.mutable_progress()->set_step(199);
+  job.mutable_progress()->set_total_steps(200);
+  job.mutable_progress()->set_val_loss(2.5);
+  job.mutable_progress()->set_val_step(179);
+  const std::string tmpl = "{.progress.step}/{.progress.total_steps}";
+  EXPECT_EQ(*JsonPath(OutputDoc(job), tmpl), "200/200");
+  EXPECT_NE(JobsTable({job}, 0).find(" 200/200 "), std::string::npos) << JobsTable({job}, 0);
+  EXPECT_EQ(*JsonPath(OutputDoc(job), "{.progress.val_step}"), "180");
+  EXPECT_NE(DescribeJob(job, nullptr, 0).find("after step 180"), std::string::npos);
+  job.set_state(v1::JOB_RUNNING);
+  job.mutable_progress()->set_step(41);
+  EXPECT_EQ(*JsonPath(OutputDoc(job), tmpl), "42/200");
+  EXPECT_NE(JobsTable({job}, 0).find(" 42/200 "), std::string::npos) << JobsTable({job}, 0);
+  job.set_state(v1::JOB_PENDING);
+  job.mutable_progress()->set_step(0);
+  job.mutable_progress()->clear_val_loss();  // no validation yet: val_step 0 as on the wire
+  job.mutable_progress()->clear_val_step();
+  EXPECT_EQ(*JsonPath(OutputDoc(job), tmpl), "0/200");
+  EXPECT_EQ(*JsonPath(OutputDoc(job), "{.progress.val_step}"), "0");
+  // Inside a list, a watch update and a delete reply alike.
+  v1::ListJobsResponse list;
+  *list.add_jobs() = job;
+  list.mutable_jobs(0)->set_state(v1::JOB_SUCCEEDED);
+  EXPECT_EQ(*JsonPath(OutputDoc(list), "{.jobs[0].progress.step}"), "200");
+  v1::WatchJobResponse watch;
+  *watch.mutable_job() = list.jobs(0);
+  EXPECT_EQ(*JsonPath(OutputDoc(watch), "{.job.progress.step}"), "200");
 }
 
 TEST(CtlOutput, YamlFloatsKeepADotOrExponentForYaml11Readers) {

@@ -178,9 +178,9 @@ TEST(Render, JsonAndYamlCarryTheSameFields) {
   YAML::Node from_yaml = YAML::Load(ToYaml(job));
   EXPECT_EQ(from_json["id"].as<std::string>(), "job-000007");
   EXPECT_EQ(from_yaml["id"].as<std::string>(), "job-000007");
-  EXPECT_EQ(from_yaml["state"].as<std::string>(), "JOB_FAILED");
+  EXPECT_EQ(from_yaml["state"].as<std::string>(), "failed");
   EXPECT_EQ(from_yaml["world_size"].as<int>(), 4);
-  EXPECT_EQ(from_yaml["progress"]["step"].as<std::string>(), "12");
+  EXPECT_EQ(from_yaml["progress"]["step"].as<std::string>(), "13");  // steps done: 0..12
   EXPECT_EQ(from_json.size(), from_yaml.size());
   EXPECT_EQ(ToYaml(job).find('{'), std::string::npos);  // block style, not flow
 }

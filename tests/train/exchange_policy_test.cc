@@ -105,6 +105,33 @@ TEST(ExchangePolicy, ErrorFeedbackPresetsCarryResidualsOnEveryLayer) {
   }
 }
 
+// Issue #29: a user-facing error is the message alone; the source location that raised it is
+// kept apart (Error::where) for debug logs. The Python hook's YAML text has no name, so its
+// errors start "policy: line 1:", not "policy: policy: line 1:".
+TEST_F(PolicyFileTest, ErrorsCarryNoSourceLocationAndNoDoubledPrefix) {
+  try {
+    MakeExchangePlanFromText("policy:\n  default: {format: fp9}\n", "", Params(), "");
+    FAIL() << "no error";
+  } catch (const Error& e) {
+    const std::string what = e.what();
+    EXPECT_EQ(what.rfind("policy: line 2: spec.policy.default.format: unknown value (fp9)", 0), 0u)
+        << what;
+    EXPECT_EQ(what.find(".cc:"), std::string::npos) << what;
+    EXPECT_EQ(e.where().rfind("exchange_policy.cc:", 0), 0u) << e.where();
+    EXPECT_GT(std::stoi(e.where().substr(e.where().find(':') + 1)), 0) << e.where();
+  }
+  try {
+    GEOFP8_CHECK(1 + 1 == 3, "arithmetic: ", 2);
+    FAIL() << "no error";
+  } catch (const Error& e) {
+    EXPECT_STREQ(e.what(), "check failed: 1 + 1 == 3: arithmetic: 2");
+    EXPECT_EQ(e.where().rfind("exchange_policy_test.cc:", 0), 0u) << e.where();
+  }
+  const std::string file = ErrorOf("policy:\n  default: {format: fp9}\n");
+  EXPECT_EQ(file.rfind("policy: /", 0), 0u) << file;  // "policy: <path>: line 2: ..."
+  EXPECT_EQ(file.find(".cc:"), std::string::npos) << file;
+}
+
 TEST_F(PolicyFileTest, GlobsOverrideInOrderAndOneDLayersStayEuclidean) {
   const auto params = Params();
   const ExchangePlan plan = MakeExchangePlan(Write(R"(

@@ -20,18 +20,19 @@ def records(name, errs, loss0, bytes_sent, val):
     """20 steps of a job: layer a's error is errs[0] at every step, layer b's errs[1]; loss falls
     by 0.01 a step from loss0. Steps 0 and 1 carry a huge error that the 10% warm-up skips.
     Validation after steps 4, 9, 14 and 19 (eval_every 5) gives val[0..3]; the records in between
-    carry the last one measured, as the coordinator's progress does, and none before step 4."""
+    carry the last one measured, as the coordinator's progress does, and none before step 4.
+    Steps in the records are counted as geofp8ctl prints them (steps done)."""
     out = []
     for step in range(20):
         early = step < 2
         measured = [i for i in range(4) if 5 * i + 4 <= step]
         out.append({
             "t": step, "id": "job-%s" % name, "name": name,
-            "state": "JOB_SUCCEEDED" if step == 19 else "JOB_RUNNING",
-            "step": step, "total_steps": 20, "loss": loss0 - 0.01 * step,
+            "state": "succeeded" if step == 19 else "running",
+            "step": step + 1, "total_steps": 20, "loss": loss0 - 0.01 * step,
             "bytes_sent": bytes_sent, "bytes_baseline": 4 * 2**20, "policy_version": 1,
             "val_loss": val[measured[-1]] if measured else None,
-            "val_step": 5 * measured[-1] + 4 if measured else 0,
+            "val_step": 5 * measured[-1] + 5 if measured else 0,  # steps done, as geofp8ctl
             "layers": [{"layer": "a", "step": step, "rel_fro_error": 9.0 if early else errs[0]},
                        {"layer": "b", "step": step, "rel_fro_error": 9.0 if early else errs[1]}],
         })
@@ -69,7 +70,7 @@ class DemoCompareTest(unittest.TestCase):
         self.assertIn("| a | 0.04 | 0.01 | 4.00x |", p.stdout)
         self.assertIn("| b | 0.02 | 0.02 | 1.00x |", p.stdout)
         self.assertIn("| median over layers | 0.03 | 0.015 | 2.00x |", p.stdout)
-        # 1 MiB of 4 MiB = 25%; 4 validations; the final one after 20 steps (val_step 19); the
+        # 1 MiB of 4 MiB = 25%; 4 validations; the final one after 20 steps (val_step 20); the
         # best the smallest of the four (GeoFP8's third, 2.875, below its final 2.9375).
         self.assertIn("| Euclidean FP8 | e (job-e) | SUCCEEDED | 20/20 | 1.0 MiB | 4.0 MiB | "
                       "25.0% | 4 | 3.0000 (step 20) | 3.0000 |", p.stdout)

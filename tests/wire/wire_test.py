@@ -561,8 +561,12 @@ class WorkerTest(Base):
 
 
 class PersistenceTest(Base):
+    def keyed(self, key):
+        """SPEC2 under key, named after it: names are unique among unfinished jobs."""
+        return self.submit(SPEC2.replace("name: wire", "name: wire-" + key), key)
+
     def test_kill9_keeps_every_acknowledged_job_and_policy(self):
-        ids = [self.submit(key="key-%d" % i).job.id for i in range(5)]
+        ids = [self.keyed("key-%d" % i).job.id for i in range(5)]
         v = self.policies.UpdatePolicy(pb.UpdatePolicyRequest(
             job_id=ids[2], patches=[pb.LayerPatch(layer="*", format=pb.FORMAT_BF16)]), timeout=5)
         self.assertEqual(v.policy.version, 2)
@@ -577,7 +581,7 @@ class PersistenceTest(Base):
         p = self.policies.GetPolicy(pb.GetPolicyRequest(job_id=ids[2]), timeout=5)
         self.assertEqual(p.version, 2)
         self.assertEqual(p.patches[0].format, pb.FORMAT_BF16)
-        again = self.submit(key="key-3")
+        again = self.keyed("key-3")
         self.assertFalse(again.created)
         self.assertEqual(again.job.id, ids[3])
         self.assertEqual(len(self.jobs.ListJobs(pb.ListJobsRequest(), timeout=5).jobs), 5)
@@ -590,7 +594,7 @@ class PersistenceTest(Base):
             i = 0
             while not stop.is_set():
                 try:
-                    acked.append(self.submit(key="s-%d" % i).job.id)
+                    acked.append(self.keyed("s-%d" % i).job.id)
                 except grpc.RpcError:
                     return
                 i += 1
@@ -714,7 +718,7 @@ class CtlTest(Base):
         rc, out, err = ctl(self.server, "-o", "yaml", "get", "job", "job-000001")
         self.assertEqual(rc, 0, err)
         doc = yaml.safe_load(out)
-        self.assertEqual(doc["state"], "JOB_PENDING")
+        self.assertEqual(doc["state"], "pending")  # as the table and --state name it
         self.assertEqual(doc["world_size"], 2)
         rc, out, err = ctl(self.server, "-o", "json", "get", "jobs")
         self.assertEqual(json.loads(out)["jobs"][0]["id"], "job-000001")
@@ -819,41 +823,79 @@ class CtlTest(Base):
         self.assertEqual(sorted(json.loads(out)), ["clientVersion", "gitDescribe"])
 
         # Names YAML would read as other types, and jobs by name.
-        for name in ("true", "1.5", "1.5"):
-            rc, _, err = ctl(self.server, "submit", "-f", "-",
-                             stdin=SPEC2.replace("name: wire", "name: '%s'" % name))
+        def submit(name):
+            return ctl(self.server, "submit", "-f", "-",
+                       stdin=SPEC2.replace("name: wire", "name: '%s'" % name))
+        for name in ("true", "1.5"):
+            rc, _, err = submit(name)
             self.assertEqual(rc, 0, err)
+        # Names are unique among unfinished jobs: refused (exit 5) naming the live job.
+        rc, _, err = submit("1.5")
+        self.assertEqual(rc, 5, err)
+        self.assertIn("job job-000002 (PENDING) is already named 1.5", err)
+        rc, _, err = ctl(self.server, "cancel", "job-000002")
+        self.assertEqual(rc, 0, err)
+        rc, out, err = submit("1.5")
+        self.assertEqual((rc, out), (0, "job/job-000003 created (PENDING)\n"), err)
+        rfc3339 = r"^\d{4}-\d\d-\d\dT\d\d:\d\d:\d\d\.\d{3}Z$"
         rc, out, err = ctl(self.server, "-o", "yaml", "get", "job", "true")
         self.assertEqual(rc, 0, err)
         doc = yaml.safe_load(out)
         self.assertEqual(doc["name"], "true")
         self.assertEqual(doc["id"], "job-000001")
-        self.assertIsInstance(doc["created_unix_ms"], int)
+        self.assertRegex(doc["created_time"], rfc3339)  # a string: YAML quotes it
+        self.assertNotIn("unix_ms", out)
         rc, out, err = ctl(self.server, "-o", "json", "get", "job", "job-000002")
         doc = json.loads(out)
-        self.assertEqual(doc["name"], "1.5")
-        for field in ("created_unix_ms", "updated_unix_ms", "policy_version"):
-            self.assertIsInstance(doc[field], int, field)
+        self.assertEqual((doc["name"], doc["state"]), ("1.5", "cancelled"))
+        for field in ("created_time", "updated_time"):
+            self.assertRegex(doc[field], rfc3339, field)
+        self.assertEqual([e["state"] for e in doc["events"]], ["pending", "cancelled"])
+        self.assertRegex(doc["events"][0]["time"], rfc3339)
+        self.assertIsInstance(doc["policy_version"], int)
         self.assertIsInstance(doc["progress"]["total_steps"], int)
-        rc, _, err = ctl(self.server, "describe", "job", "1.5")
-        self.assertEqual(rc, 2, err)
-        self.assertIn("job name 1.5 is ambiguous", err)
-        self.assertIn("job-000002, job-000003", err)
+        # A name is the newest job of that name.
+        rc, out, err = ctl(self.server, "describe", "job", "1.5")
+        self.assertEqual(rc, 0, err)
+        self.assertIn("job-000003", out)
+        # delete job: a finished job only; its id is never issued again.
+        rc, _, err = ctl(self.server, "delete", "job", "1.5")
+        self.assertEqual(rc, 5, err)
+        self.assertIn("job job-000003 (1.5) is PENDING", err)
+        rc, out, err = ctl(self.server, "delete", "job", "job-000002")
+        self.assertEqual((rc, out), (0, "job/job-000002 deleted\n"), err)
+        rc, _, err = ctl(self.server, "get", "job", "job-000002")
+        self.assertEqual(rc, 3, err)
+        rc, _, err = ctl(self.server, "delete", "job", "job-000002")
+        self.assertEqual(rc, 3, err)
+        # The deleted job leaves the gauge but stays counted: a counter never goes down.
+        body = self.scrape()
+        self.assertIn('geofp8_jobs{state="cancelled"} 0', body)
+        self.assertIn('geofp8_jobs_total{result="cancelled"} 1', body)
+        rc, _, err = ctl(self.server, "cancel", "1.5")
+        self.assertEqual(rc, 0, err)
+        rc, out, err = submit("1.5")
+        self.assertEqual((rc, out), (0, "job/job-000004 created (PENDING)\n"), err)
+        rc, out, err = ctl(self.server, "-o", "json", "delete", "job", "job-000004")
+        self.assertEqual(rc, 5, err)
         rc, _, err = ctl(self.server, "get", "job", "nosuch")
         self.assertEqual(rc, 3, err)
         self.assertIn("job nosuch not found", err)
 
         # -o name, wide, jsonpath.
         rc, out, err = ctl(self.server, "-o", "name", "get", "jobs")
-        self.assertEqual(out.splitlines(), ["job/job-000003", "job/job-000002", "job/job-000001"])
+        self.assertEqual(out.splitlines(), ["job/job-000004", "job/job-000003", "job/job-000001"])
         rc, out, err = ctl(self.server, "-o", "wide", "get", "jobs")
         self.assertEqual(out.splitlines()[0].split()[:4], ["ID", "NAME", "STATE", "STEP"])
         self.assertIn("LOSS", out.splitlines()[0])
         rc, out, err = ctl(self.server, "-o", "jsonpath={.jobs[*].name}", "get", "jobs")
-        self.assertEqual((rc, out), (0, "1.5 1.5 true\n"), err)
+        self.assertEqual((rc, out), (0, "1.5 1.5 true"), err)  # as kubectl: no newline added
         rc, out, err = ctl(self.server, "-o", "jsonpath={.progress.total_steps}", "get", "job",
                            "true")
-        self.assertEqual(out, "100\n")
+        self.assertEqual(out, "100")
+        rc, out, err = ctl(self.server, "-o", "jsonpath={.progress.step}/{.progress.total_steps}"
+                           '{"\\n"}', "get", "job", "true")
+        self.assertEqual((rc, out), (0, "0/100\n"), err)
         rc, _, err = ctl(None, "-o", "jsonpath={.jobs[?(@.name=='x')]}", "get", "jobs")
         self.assertEqual(rc, 2, err)  # refused before any call: the server is unreachable
         self.assertIn("only [N], [-N], [*]", err)
@@ -880,10 +922,10 @@ class CtlTest(Base):
                            text=True, timeout=60,
                            env=dict(env, GEOFP8_SERVER=self.server.address))
         first, second = p.stdout.splitlines()
-        for cmd in ("submit", "get", "describe", "watch", "cancel", "policy", "config",
+        for cmd in ("submit", "get", "describe", "watch", "cancel", "delete", "policy", "config",
                     "version", "completion"):
             self.assertIn(cmd, first.split())
-        self.assertEqual(set(second.split()), {"job-000001", "job-000002", "job-000003", "true",
+        self.assertEqual(set(second.split()), {"job-000001", "job-000003", "job-000004", "true",
                                                "1.5"}, p.stderr)
         rc, script, err = raw("completion", "zsh")
         self.assertIn("bashcompinit", script)

@@ -123,6 +123,14 @@ JobOutcome JobRunner::Run() {
   } catch (const std::exception& e) {
     out.success = false;
     out.reason = e.what();
+    // The reason is the user's (no source location); where the core raised it, for debugging.
+    if (const auto* core = dynamic_cast<const geofp8::Error*>(&e); core && !core->where().empty()) {
+      log::Debug("rank.error_location")
+          .F("job", assignment_.job_id())
+          .F("rank", assignment_.rank())
+          .F("where", core->where())
+          .Msg(out.reason);
+    }
     // A collective that failed because a peer vanished is the coordinator's to judge: it
     // declares the peer dead and restarts the attempt from its checkpoint (a Stop reaches us).
     // Reporting the failure ourselves would make it final.

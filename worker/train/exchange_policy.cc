@@ -117,7 +117,8 @@ ExchangePlan MakeExchangePlan(const std::string& spec,
 ExchangePlan MakeExchangePlanFromText(std::string_view yaml, const std::string& name,
                                       const std::vector<model::ParamInfo>& params,
                                       std::string_view model) {
-  return PlanFromText(yaml, name, "policy: " + name + ": ", params,
+  return PlanFromText(yaml, name.empty() ? "policy" : name,
+                      name.empty() ? "policy: " : "policy: " + name + ": ", params,
                       model.empty() ? std::string_view("the model") : model);
 }
 

@@ -40,7 +40,8 @@ std::string_view AcceptedPolicyPresets();
 ExchangePlan MakeExchangePlan(const std::string& spec, const std::vector<model::ParamInfo>& params);
 
 // A policy file's text (the Python hook passes a string, or a dict as JSON, which is YAML).
-// `name` names the text in errors, and `model` the model in an unmatched glob's error.
+// `name` names the text in errors ("policy: NAME: line 1: ..."; empty: "policy: line 1: ..."),
+// and `model` the model in an unmatched glob's error.
 ExchangePlan MakeExchangePlanFromText(std::string_view yaml, const std::string& name,
                                       const std::vector<model::ParamInfo>& params,
                                       std::string_view model = "");

@@ -5,6 +5,8 @@
 #include <unistd.h>
 
 #include <CLI/CLI.hpp>
+#include <algorithm>
+#include <array>
 #include <chrono>
 #include <cmath>
 #include <cstdio>
@@ -21,6 +23,7 @@
 #include "kernels/model/data.h"
 #include "kernels/model/model.h"
 #include "kernels/model/ops.h"
+#include "kernels/policy/job_spec.h"
 #include "worker/train/exchange_policy.h"
 #include "worker/train/trainer.h"
 
@@ -207,6 +210,58 @@ int RunProcesses(const TrainOptions& o, const std::string& csv, bool quiet) {
   return failed ? 1 : 0;
 }
 
+// The defaults of this command that differ from a job spec's (kernels/policy/job_spec.h, which
+// the worker daemon turns into the same TrainOptions): here they are the benchmarks' (the
+// commands docs/benchmarks.md quotes rely on them), in a spec a small first job's. Built from
+// both sets of defaults, so the help cannot drift from either.
+std::string SpecDefaultsFooter(const TrainOptions& t, const std::string& preset) {
+  const geofp8::JobSpec j;
+  auto num = [](double v) {
+    std::ostringstream os;
+    os << v;
+    return os.str();
+  };
+  std::vector<std::array<std::string, 3>> rows;  // flag and its default, spec field, its default
+  auto row = [&](const std::string& flag, const std::string& ours, const std::string& field,
+                 const std::string& theirs) {
+    if (ours != theirs) rows.push_back({flag + " " + ours, field, theirs});
+  };
+  row("--preset", preset, "model.preset", j.model.preset);
+  row("--steps", std::to_string(t.steps), "training.steps", std::to_string(j.training.steps));
+  row("--seq", std::to_string(t.seq) + (t.seq == 0 ? " (the preset's context)" : ""),
+      "training.seq_len", std::to_string(j.training.seq_len));
+  row("--batch", std::to_string(t.batch), "training.batch_size",
+      std::to_string(j.training.batch_size));
+  row("--lr", num(t.optimizer.lr), "training.lr", num(j.training.lr));
+  row("--warmup", std::to_string(t.optimizer.warmup_steps), "training.warmup_steps",
+      std::to_string(j.training.warmup_steps));
+  row("--weight-decay", num(t.optimizer.weight_decay), "training.weight_decay",
+      num(j.training.weight_decay));
+  row("--clip", num(t.optimizer.clip_norm), "training.grad_clip", num(j.training.grad_clip));
+  row("--seed", std::to_string(t.seed), "training.seed, data.seed",
+      std::to_string(j.training.seed) +
+          (j.data.seed == j.training.seed ? "" : ", " + std::to_string(j.data.seed)));
+  row("--eval-every", std::to_string(t.eval_every), "training.eval_every",
+      std::to_string(j.training.eval_every));
+  row("--eval-batches", std::to_string(t.eval_batches), "training.eval_batches",
+      std::to_string(j.training.eval_batches));
+  row("--policy", t.policy, "policy.default",
+      std::string(geofp8::FormatNameOf(j.policy.defaults.format)) + ", " +
+          std::string(geofp8::ScalingNameOf(j.policy.defaults.scaling)) + " " +
+          std::to_string(j.policy.defaults.block) + ", geometry " +
+          std::string(geofp8::GeometryNameOf(j.policy.defaults.geometry)));
+  std::ostringstream os;
+  os << "Defaults that differ from a job spec's (docs/job-spec.md; the worker daemon trains a\n"
+        "spec's job with this trainer): to run a job's training here, pass the spec's values.\n";
+  size_t w = 0;
+  for (const auto& r : rows) w = std::max(w, r[0].size());
+  for (const auto& r : rows) {
+    os << "  " << std::left << std::setw(int(w)) << r[0] << "  spec: " << r[1] << " " << r[2]
+       << "\n";
+  }
+  return os.str();
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
@@ -283,6 +338,7 @@ int main(int argc, char** argv) {
       ->capture_default_str();
   app.add_option("--timeout-ms", timeout_ms, "collective timeout")->capture_default_str();
   app.add_flag("--quiet", quiet, "no progress output");
+  app.footer(SpecDefaultsFooter(o, preset));
   try {
     app.parse(argc, argv);
   } catch (const CLI::ParseError& e) {
@@ -333,12 +389,7 @@ int main(int argc, char** argv) {
     geofp8::train::MakeExchangePlan(o.policy, shape.params());
     geofp8::model::MakeDataSource(o.data, o.seed);
   } catch (const geofp8::Error& e) {
-    std::string msg = e.what();
-    // Drop the core's "file:line: " prefix for the user.
-    if (auto pos = msg.find(": "); pos != std::string::npos && msg.find(".cc:") < pos) {
-      msg = msg.substr(pos + 2);
-    }
-    return UsageError(msg);
+    return UsageError(e.what());  // the message alone: the core's location is e.where()
   }
   std::cerr << kProgram << ": " << preset << " (" << geofp8::model::ParameterCount(o.model)
             << " params), " << o.ranks << " ranks as " << launcher << ", policy " << o.policy
