@@ -12,6 +12,7 @@ GEOFP8_PACKAGES=(
   libgtest-dev libgmock-dev libbenchmark-dev
   python3 python3-grpcio python3-grpc-tools python3-matplotlib python3-yaml python3-jsonschema
   python3-torch pybind11-dev python3-pybind11
+  python3-setuptools python3-wheel python3-build python3-venv
   prometheus sqlite3 iproute2 hyperfine openssl clang-format
 )
 

@@ -1,6 +1,7 @@
 """GeoFP8 for Python: the project's gradient exchange engine (kernels/exchange) and, in
 geofp8.torch, a DDP communication hook on top of it. See docs/pytorch.md.
 
+Installed: /usr/bin/python3 -m pip install --no-build-isolation . (pyproject.toml, setup.py).
 From a build tree: PYTHONPATH=build/client/python /usr/bin/python3 -c 'import geofp8.torch'
 """
 
@@ -8,8 +9,9 @@ import json
 import os
 
 from ._geofp8 import Engine, Error, HookClient, accepted_presets, layer_matches
+from ._version import __version__
 
-__all__ = ["Engine", "Error", "HookClient", "accepted_presets", "layer_matches",
+__all__ = ["Engine", "Error", "HookClient", "__version__", "accepted_presets", "layer_matches",
            "policy_source"]
 
 
