@@ -75,7 +75,43 @@ VALUE_SETS = {
                                     "effect": "NoSchedule"}],
                    "affinity": {"podAntiAffinity": {}}},
         "metrics": {"serviceMonitor": True, "grafanaDashboard": False}},
+    "pod-extras": {"coordinator": {}, "worker": {}},  # filled in below from POD_EXTRAS
 }
+# Every pod extra (issue 29) on both components, with a ServiceMonitor and a worker PDB.
+POD_EXTRAS = {
+    "image": {"repository": "registry.example/geofp8", "tag": "0.1.0-custom",
+              "pullPolicy": "Always"},
+    "env": [{"name": "GEOFP8_EXTRA", "value": "1"},
+            {"name": "FROM_FIELD", "valueFrom": {"fieldRef": {"fieldPath": "spec.nodeName"}}}],
+    "envFrom": [{"configMapRef": {"name": "job-env"}}, {"secretRef": {"name": "job-secrets"}}],
+    "extraVolumes": [{"name": "data", "persistentVolumeClaim": {"claimName": "datasets"}}],
+    "extraVolumeMounts": [{"name": "data", "mountPath": "/data", "readOnly": True}],
+    "podAnnotations": {"example.com/team": "training"},
+    "priorityClassName": "training-high",
+    "topologySpreadConstraints": [{"maxSkew": 1, "topologyKey": "kubernetes.io/hostname",
+                                   "whenUnsatisfiable": "ScheduleAnyway"}],
+}
+VALUE_SETS["pod-extras"] = {
+    "coordinator": dict(POD_EXTRAS),
+    "worker": dict(POD_EXTRAS, shmSize="2Gi",
+                   podDisruptionBudget={"enabled": True, "maxUnavailable": "25%"}),
+    "metrics": {"serviceMonitor": True, "serviceMonitorLabels": {"release": "kube-prometheus"},
+                "serviceMonitorInterval": "30s"},
+}
+# A user's own script as a command: job through the chart (issue 29): the script in a ConfigMap
+# (kubectl create configmap my-train --from-file=train.py) mounted with extraVolumes, the
+# directory on PYTHONPATH through env (the worker passes its environment on to the program).
+COMMAND_JOB_VALUES = {"worker": {
+    "extraVolumes": [{"name": "job-code", "configMap": {"name": "my-train"}}],
+    "extraVolumeMounts": [{"name": "job-code", "mountPath": "/opt/job", "readOnly": True}],
+    "env": [{"name": "PYTHONPATH", "value": "/opt/job"}],
+    "shmSize": "1Gi"}}
+COMMAND_JOB_SPEC = """
+name: my-train
+world_size: 2
+backend: gloo
+command: [python3, /opt/job/train.py, --steps, "20"]
+"""
 # Value sets the chart must refuse, and the message that says why.
 BAD_TLS = {
     "server cert without CA": ({"tls": {"serverSecret": "s"}}, "tls.caSecret is required"),
@@ -459,6 +495,113 @@ class HelmChartTest(unittest.TestCase):
         cpu = [d for _, d in render({}) if d["kind"] == "StatefulSet"
                and d["metadata"]["name"].endswith("-worker")]
         self.assertNotIn("nvidia.com/gpu", containers_of(cpu[0])[1][0]["resources"]["limits"])
+
+    def test_pod_extras_reach_both_pods(self):
+        r = helm_render.Renderer(CHART, [VALUE_SETS["pod-extras"]])
+        self.assertEqual(self.schema_errors(r.values), [])
+        docs = [d for _, d in r.manifests()]
+        for component in ("coordinator", "worker"):
+            with self.subTest(component=component):
+                w = workload(docs, component)
+                spec, (c,) = containers_of(w)
+                self.assertEqual(c["image"], "registry.example/geofp8:0.1.0-custom")
+                self.assertEqual(c["imagePullPolicy"], "Always")
+                env = {e["name"]: e for e in c["env"]}
+                self.assertEqual(env["GEOFP8_EXTRA"]["value"], "1")
+                self.assertIn("valueFrom", env["FROM_FIELD"])
+                self.assertEqual(c["envFrom"], POD_EXTRAS["envFrom"])
+                self.assertIn({"name": "data", "persistentVolumeClaim": {"claimName": "datasets"}},
+                              spec["volumes"])
+                self.assertIn(POD_EXTRAS["extraVolumeMounts"][0], c["volumeMounts"])
+                self.assertEqual(w["spec"]["template"]["metadata"]["annotations"],
+                                 POD_EXTRAS["podAnnotations"])
+                self.assertEqual(spec["priorityClassName"], "training-high")
+                self.assertEqual(spec["topologySpreadConstraints"],
+                                 POD_EXTRAS["topologySpreadConstraints"])
+        # The worker keeps the chart's own variables next to the user's, and gets /dev/shm.
+        spec, (c,) = containers_of(workload(docs, "worker"))
+        self.assertEqual([e["name"] for e in c["env"]][:2], ["POD_NAME", "POD_IP"])
+        shm = next(v for v in spec["volumes"] if v["name"] == "shm")
+        self.assertEqual(shm["emptyDir"], {"medium": "Memory", "sizeLimit": "2Gi"})
+        self.assertIn({"name": "shm", "mountPath": "/dev/shm"}, c["volumeMounts"])
+        pdb = [d for d in docs if d["kind"] == "PodDisruptionBudget"]
+        self.assertEqual(len(pdb), 1)
+        self.assertEqual(pdb[0]["apiVersion"], "policy/v1")
+        self.assertEqual(pdb[0]["spec"]["maxUnavailable"], "25%")
+        self.assertEqual(pdb[0]["spec"]["selector"]["matchLabels"],
+                         workload(docs, "worker")["spec"]["selector"]["matchLabels"])
+        (sm,) = [d for d in docs if d["kind"] == "ServiceMonitor"]
+        self.assertEqual(sm["metadata"]["labels"]["release"], "kube-prometheus")
+        self.assertEqual({e["interval"] for e in sm["spec"]["endpoints"]}, {"30s"})
+        # Defaults: global image, no PDB, no /dev/shm volume, the 10s interval.
+        docs = [d for _, d in render({"metrics": {"serviceMonitor": True}})]
+        spec, (c,) = containers_of(workload(docs, "worker"))
+        self.assertEqual(c["image"], "geofp8:0.1.0")
+        self.assertNotIn("shm", [v["name"] for v in spec["volumes"]])
+        self.assertNotIn("PodDisruptionBudget", [d["kind"] for d in docs])
+        (sm,) = [d for d in docs if d["kind"] == "ServiceMonitor"]
+        self.assertEqual({e["interval"] for e in sm["spec"]["endpoints"]}, {"10s"})
+        # Only the worker's image overridden: the coordinator keeps the global one.
+        docs = [d for _, d in render({"worker": {"image": {"tag": "gpu"}}})]
+        self.assertEqual(containers_of(workload(docs, "worker"))[1][0]["image"], "geofp8:gpu")
+        self.assertEqual(containers_of(workload(docs, "coordinator"))[1][0]["image"],
+                         "geofp8:0.1.0")
+
+    def test_schema_rejects_bad_pod_extras(self):
+        for bad in ({"worker": {"shmSize": "1GB"}}, {"worker": {"env": [{"value": "x"}]}},
+                    {"worker": {"env": {"PYTHONPATH": "/x"}}},
+                    {"worker": {"podDisruptionBudget": {"maxUnavailable": "many"}}},
+                    {"worker": {"podDisruptionBudget": {"enable": True}}},
+                    {"worker": {"extraVolumeMounts": [{"name": "x", "mountPath": "rel"}]}},
+                    {"coordinator": {"shmSize": "1Gi"}},
+                    {"coordinator": {"image": {"tags": "x"}}},
+                    {"coordinator": {"priorityClassName": "Not A Name"}},
+                    {"worker": {"topologySpreadConstraints": [{"maxSkew": 1}]}},
+                    {"metrics": {"serviceMonitorInterval": "10"}},
+                    {"metrics": {"serviceMonitorLabels": {"a": 1}}}):
+            with self.subTest(values=bad):
+                values = helm_render.Renderer(CHART, [bad]).values
+                self.assertNotEqual(self.schema_errors(values), [])
+
+    def test_command_job_through_the_chart(self):
+        r = helm_render.Renderer(CHART, [COMMAND_JOB_VALUES])
+        self.assertEqual(self.schema_errors(r.values), [])
+        docs = [d for _, d in r.manifests()]
+        self.assertEqual(validate(docs), [])
+        self.assertEqual(flag_problems(docs, self.help), [])
+        spec, (c,) = containers_of(workload(docs, "worker"))
+        # The worker runs command: jobs only with --allow-commands, which it has.
+        self.assertIn("--allow-commands", split_args(c["args"]))
+        self.assertIn("--allow-commands", self.help["geofp8-worker"])
+        # The spec's script is on a mounted volume, that volume is the user's ConfigMap, and
+        # PYTHONPATH names the mounted directory.
+        job = yaml.safe_load(COMMAND_JOB_SPEC)
+        script = next(a for a in job["command"] if a.endswith(".py"))
+        volumes = {v["name"]: v for v in spec["volumes"]}
+        mount = next(m for m in c["volumeMounts"]
+                     if script.startswith(m["mountPath"].rstrip("/") + "/"))
+        self.assertEqual(volumes[mount["name"]]["configMap"]["name"], "my-train")
+        env = {e["name"]: e.get("value") for e in c["env"]}
+        self.assertEqual(env["PYTHONPATH"], mount["mountPath"])
+        self.assertTrue(mount.get("readOnly"))
+        # The program's working directory and checkpoints live under --data-dir, which is the
+        # writable checkpoint volume (the root filesystem is read-only).
+        data_dir = split_args(c["args"])["--data-dir"]
+        self.assertIn({"name": "checkpoints", "mountPath": data_dir}, c["volumeMounts"])
+
+    def test_notes_submit_command_parses(self):
+        # The NOTES.txt geofp8ctl line, run as written against a closed port: "unreachable"
+        # (exit 4) means geofp8ctl took its arguments; a usage error is exit 2.
+        if not CTL:
+            self.skipTest("GEOFP8CTL not set")
+        notes = helm_render.Renderer(CHART).render()["NOTES.txt"]
+        (line,) = [l.strip() for l in notes.splitlines() if l.strip().startswith("geofp8ctl ")]
+        argv = line.split()
+        argv[argv.index("--server") + 1] = "127.0.0.1:%d" % free_port()
+        r = subprocess.run([CTL] + argv[1:], cwd=ROOT, capture_output=True, text=True,
+                           timeout=60)
+        self.assertEqual(r.returncode, 4, "%s: %s" % (line, r.stderr))
+        self.assertIn("unreachable", r.stderr)
 
     def test_schema_rejects_bad_values(self):
         for bad in ({"worker": {"replicas": 0}}, {"coordinator": {"grpcPort": "7070"}},

@@ -11,8 +11,13 @@ app.kubernetes.io/name: geofp8
 app.kubernetes.io/instance: {{ .Release.Name }}
 {{- end -}}
 
-{{- define "geofp8.image" -}}
-{{ .Values.image.repository }}:{{ .Values.image.tag }}
+{{/* Each component's image: its own image.repository / image.tag where set, else the global one. */}}
+{{- define "geofp8.coordinatorImage" -}}
+{{ .Values.coordinator.image.repository | default .Values.image.repository }}:{{ .Values.coordinator.image.tag | default .Values.image.tag }}
+{{- end -}}
+
+{{- define "geofp8.workerImage" -}}
+{{ .Values.worker.image.repository | default .Values.image.repository }}:{{ .Values.worker.image.tag | default .Values.image.tag }}
 {{- end -}}
 
 {{- define "geofp8.coordinator" -}}
