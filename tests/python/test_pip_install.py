@@ -1,7 +1,9 @@
 """The pip-installable package (issue 29): pyproject.toml + setup.py make a wheel with Debian's
 setuptools/wheel/build, the wheel installs into a fresh venv (--system-site-packages, for
 Debian's torch), and a 2-rank DDP step with the geofp8 hook runs under torchrun from a directory
-outside the source tree, importing the installed copy.
+outside the source tree, importing the installed copy; under policy fp32 the gradients equal
+the exact fp32 mean with DDP's defaults, a frozen parameter + find_unused_parameters=True,
+gradient_as_bucket_view=True and no_sync() accumulation.
 
 Environment: GEOFP8_SOURCE (repository root), GEOFP8_CMAKE_BUILD_DIR (the ctest build tree,
 reused so the test does not rebuild the engine), GEOFP8CTL (geofp8ctl, whose version the
@@ -57,6 +59,62 @@ for policy in ("fp32", "geofp8"):
         other = flat.clone()
         dist.broadcast(other, 0)
         out["geofp8_same_on_ranks"] = torch.equal(flat, other)
+# DDP options under policy fp32, each against the same computation without DDP (exact, as
+# above): a frozen parameter and a module the forward never uses (find_unused_parameters=True),
+# gradient_as_bucket_view=True, and two micro-batches accumulated under no_sync().
+# (Without find_unused_parameters a parameter the forward skips keeps its bucket from ever
+# becoming ready, so only that case has one.)
+class Net(torch.nn.Module):
+    def __init__(self, unused):
+        super().__init__()
+        self.body = torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.ReLU(),
+                                        torch.nn.Linear(64, 8))
+        if unused:
+            self.unused = torch.nn.Linear(8, 8)
+
+    def forward(self, x):
+        return self.body(x)
+
+
+def variant(frozen=False, accumulate=False, **ddp_kwargs):
+    unused = ddp_kwargs.get("find_unused_parameters", False)
+    base = Net(unused)
+    base.body.load_state_dict(ref.state_dict())
+    if frozen:
+        base.body[0].bias.requires_grad_(False)
+    plain = Net(unused)
+    plain.load_state_dict(base.state_dict())
+    if frozen:
+        plain.body[0].bias.requires_grad_(False)
+    ddp = DDP(base, **ddp_kwargs)
+    ddp.register_comm_hook(gt.GeoFP8State(model=base, policy="fp32"), gt.geofp8_hook)
+    x2, y2 = torch.randn(32, 64, generator=g), torch.randn(32, 8, generator=g)
+    if accumulate:
+        with ddp.no_sync():
+            ((ddp(x) - y) ** 2).mean().backward()
+        ((ddp(x2) - y2) ** 2).mean().backward()
+        ((plain(x) - y) ** 2).mean().backward()
+        ((plain(x2) - y2) ** 2).mean().backward()
+    else:
+        ((ddp(x) - y) ** 2).mean().backward()
+        ((plain(x) - y) ** 2).mean().backward()
+    ok = True
+    for (name, a), b in zip(base.named_parameters(), plain.parameters()):
+        if b.grad is None:  # frozen or unused: nothing to compare but a zero at most
+            ok = ok and (a.grad is None or not bool(a.grad.any()))
+            continue
+        w = b.grad.clone()
+        dist.all_reduce(w)
+        w /= world
+        ok = ok and torch.equal(a.grad, w)
+    return ok
+
+
+out["ddp_options"] = {
+    "find_unused_parameters+frozen": variant(frozen=True, find_unused_parameters=True),
+    "gradient_as_bucket_view": variant(gradient_as_bucket_view=True),
+    "no_sync": variant(accumulate=True),
+}
 with open(os.path.join(sys.argv[1], "rank%d.json" % rank), "w") as f:
     json.dump(out, f)
 dist.destroy_process_group()
@@ -127,6 +185,8 @@ def main():
             assert r["version"] == want_version, (r["version"], want_version)
             assert r["fp32_exact"], "policy fp32: gradients differ from the fp32 mean"
             assert r["geofp8_finite"] and r["geofp8_same_on_ranks"], r
+            for option, ok in r["ddp_options"].items():
+                assert ok, "DDP %s: gradients differ from the fp32 mean" % option
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     print("ok: wheel %s installed and ran 2 ranks from outside the tree" % wheels[0])
