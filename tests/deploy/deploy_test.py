@@ -589,6 +589,88 @@ class HelmChartTest(unittest.TestCase):
         data_dir = split_args(c["args"])["--data-dir"]
         self.assertIn({"name": "checkpoints", "mountPath": data_dir}, c["volumeMounts"])
 
+    def test_command_job_runs_with_the_rendered_worker(self):
+        # The rendered worker container, run here: its args (cluster addresses and paths moved
+        # to a temp dir) and env (the ConfigMap's mount path moved likewise), two workers and a
+        # coordinator; the user's script imports a module from the mounted directory through
+        # PYTHONPATH and the job succeeds.
+        if not CTL:
+            self.skipTest("GEOFP8CTL not set")
+        docs = [d for _, d in render(COMMAND_JOB_VALUES)]
+        _, (c,) = containers_of(workload(docs, "worker"))
+        mount = next(m for m in c["volumeMounts"] if m["name"] == "job-code")["mountPath"]
+        with tempfile.TemporaryDirectory(prefix="geofp8-chartjob-") as tmp:
+            code = os.path.join(tmp, "configmap-my-train")
+            os.makedirs(code)
+            with open(os.path.join(code, "jobhelper.py"), "w") as f:
+                f.write("def where():\n    return __file__\n")
+            with open(os.path.join(code, "train.py"), "w") as f:
+                f.write("import os, jobhelper\nprint('rank', os.environ['RANK'], 'helper',"
+                        " jobhelper.where(), flush=True)\n")
+            ready = os.path.join(tmp, "coord-ready.json")
+            coord = subprocess.Popen([COORDINATOR, "--listen", "127.0.0.1:0", "--metrics-listen",
+                                      "127.0.0.1:0", "--data-dir", os.path.join(tmp, "coord"),
+                                      "--ready-file", ready], stdout=subprocess.DEVNULL,
+                                     stderr=subprocess.DEVNULL)
+            procs = [coord]
+            try:
+                address = wait_ready_file(ready, coord, "coordinator")["grpc"]
+                env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+                for e in c["env"]:
+                    if "value" in e:
+                        env[e["name"]] = e["value"].replace(mount, code)
+                self.assertEqual(env["PYTHONPATH"], code)
+                logs = []
+                for i in range(2):
+                    args = []
+                    for a in c["args"]:
+                        flag, _, value = a.partition("=")
+                        value = {"--coordinator": address, "--name": "w%d" % i,
+                                 "--advertise-host": "127.0.0.1", "--metrics-host": "127.0.0.1",
+                                 "--metrics-port": "0",
+                                 "--data-dir": os.path.join(tmp, "w%d" % i)}.get(flag, value)
+                        args.append("%s=%s" % (flag, value) if _ else flag)
+                    wready = os.path.join(tmp, "w%d-ready.json" % i)
+                    logs.append(open(os.path.join(tmp, "w%d.log" % i), "w+"))
+                    procs.append(subprocess.Popen([WORKER] + args + ["--ready-file", wready],
+                                                  env=env, stdout=logs[-1],
+                                                  stderr=subprocess.STDOUT))
+                    wait_ready_file(wready, procs[-1], "worker %d" % i)
+                job = yaml.safe_load(COMMAND_JOB_SPEC)
+                job["command"] = [sys.executable] + [a.replace(mount, code)
+                                                     for a in job["command"][1:]]
+                spec = os.path.join(tmp, "job.yaml")
+                with open(spec, "w") as f:
+                    yaml.safe_dump(job, f)
+
+                def ctl(*args):
+                    r = subprocess.run([CTL, "-s", address] + list(args), capture_output=True,
+                                       text=True, timeout=30)
+                    self.assertEqual(r.returncode, 0, r.stderr)
+                    return r.stdout
+                job_id = json.loads(ctl("-o", "json", "submit", "-f", spec))["job"]["id"]
+                deadline = time.time() + 120
+                while time.time() < deadline:
+                    j = json.loads(ctl("-o", "json", "get", "job", job_id))
+                    if j.get("state") in ("succeeded", "failed", "cancelled"):
+                        break
+                    time.sleep(0.2)
+                outs = []
+                for i in range(2):
+                    for root, _, files in os.walk(os.path.join(tmp, "w%d" % i, "jobs")):
+                        for name in files:
+                            if name.endswith(".out"):
+                                outs.append(read(os.path.join(root, name)))
+                self.assertEqual(j.get("state"), "succeeded", (j, outs))
+                helper = os.path.join(code, "jobhelper.py")
+                self.assertEqual(sorted(o.strip() for o in outs),
+                                 ["rank %d helper %s" % (r, helper) for r in range(2)])
+            finally:
+                for p in procs:
+                    p.terminate()
+                for p in procs:
+                    p.wait(timeout=30)
+
     def test_notes_submit_command_parses(self):
         # The NOTES.txt geofp8ctl line, run as written against a closed port: "unreachable"
         # (exit 4) means geofp8ctl took its arguments; a usage error is exit 2.
