@@ -69,6 +69,28 @@ void CompactPatches(google::protobuf::RepeatedPtrField<v1::LayerPatch>* patches)
   for (auto it = kept.rbegin(); it != kept.rend(); ++it) *patches->Add() = std::move(*it);
 }
 
+// The name an unmatched glob's error gives a job's model: the preset, or for a command job the
+// program's script as its command line names it (issue #29: a command job has no preset).
+// `python3 -u train.py --lr 1` -> "train.py", `python3 -m pkg.train` -> "pkg.train",
+// `/opt/bin/trainer --x` -> "trainer".
+std::string ModelNameForGlobs(const JobSpec& spec) {
+  if (spec.command.empty()) return spec.model.preset;
+  const auto base = [](const std::string& path) {
+    const size_t slash = path.rfind('/');
+    return slash == std::string::npos ? path : path.substr(slash + 1);
+  };
+  const std::string program = base(spec.command[0]);
+  if (program.rfind("python", 0) == 0) {
+    for (size_t i = 1; i < spec.command.size(); ++i) {
+      const std::string& a = spec.command[i];
+      if (a == "-m" && i + 1 < spec.command.size()) return spec.command[i + 1];
+      if (a == "-c") break;  // inline code: no script to name
+      if (!a.empty() && a[0] != '-') return base(a);
+    }
+  }
+  return program.empty() ? "the program" : program;
+}
+
 }  // namespace
 
 Clock* SystemClock() {
@@ -750,7 +772,7 @@ absl::StatusOr<v1::UpdatePolicyResponse> Coordinator::UpdatePolicy(
     }
     for (size_t i = 0; i < patches.size() && !layers.empty(); ++i) {
       if (std::string problem =
-              UnmatchedGlobProblem(patches[i].layer(), layers, rec.spec.model.preset);
+              UnmatchedGlobProblem(patches[i].layer(), layers, ModelNameForGlobs(rec.spec));
           !problem.empty()) {
         return absl::InvalidArgumentError("patches[" + std::to_string(i) + "].layer: " + problem);
       }

@@ -538,6 +538,38 @@ TEST_F(CoordinatorTest, CommandJobsOnlyGoToWorkersThatAllowCommands) {
   EXPECT_TRUE(plain.sink->Take(v1::CoordinatorMessage::kAssignment).empty());
 }
 
+// `policy set` on a command job checks the glob against the program's catalog and names the
+// program's script, not a preset it does not have (issue #29: "matches no layer of llama-tiny").
+TEST_F(CoordinatorTest, CommandJobGlobsAreCheckedAgainstTheCatalogNamingTheScript) {
+  v1::RegisterRequest req;
+  req.set_name("runner");
+  req.set_device("cpu");
+  req.set_accepts_commands(true);
+  Worker w = Attach(req);
+  const std::string id =
+      Submit("name: c\nworld_size: 1\ncommand: [python3, -u, /src/my_train.py, --lr, '1']\n");
+  ASSERT_EQ(Get(id).state(), v1::JOB_SCHEDULED);
+  // Before the catalog, any glob is accepted.
+  ASSERT_TRUE(Update(id, "fc3.*", "bf16").ok());
+  v1::WorkerMessage m;
+  for (const char* name : {"fc1.weight", "fc2.weight"}) {
+    auto* l = m.mutable_catalog()->add_layers();
+    l->set_name(name);
+    l->set_rows(8);
+    l->set_cols(8);
+  }
+  ASSERT_TRUE(Send(w, m).ok());
+  auto typo = Update(id, "fc3.*", "bf16");
+  ASSERT_FALSE(typo.ok());
+  EXPECT_EQ(typo.status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_NE(typo.status().message().find("patches[0].layer: matches no layer of my_train.py "
+                                         "(fc3.*); its layers are fc1.weight, fc2.weight"),
+            std::string::npos)
+      << typo.status();
+  EXPECT_EQ(typo.status().message().find("llama-tiny"), std::string::npos) << typo.status();
+  EXPECT_TRUE(Update(id, "fc2.*", "bf16").ok());
+}
+
 TEST_F(CoordinatorTest, ReRegistrationFencesTheOldGeneration) {
   Worker a1 = Join("a");
   // While a1's session is live, a second process under the name is refused (issue #13 item 7:
