@@ -91,6 +91,24 @@ std::string ModelNameForGlobs(const JobSpec& spec) {
   return program.empty() ? "the program" : program;
 }
 
+// "" unless `spec` is a command job's and one of its policy.layers globs matches no layer of
+// `catalog`: then "spec.policy.layers[I].match: matches no layer of SCRIPT (GLOB); ...", the
+// message GeoFP8State gives for the same policy.
+std::string CommandSpecGlobProblem(const JobSpec& spec, const v1::LayerCatalog& catalog) {
+  if (spec.command.empty() || catalog.layers().empty()) return "";
+  std::vector<model::ParamInfo> layers;
+  for (const auto& l : catalog.layers()) layers.push_back({.name = l.name()});
+  for (size_t i = 0; i < spec.policy.layers.size(); ++i) {
+    const std::string& glob = spec.policy.layers[i].match;
+    if (glob.empty()) continue;
+    if (std::string problem = UnmatchedGlobProblem(glob, layers, ModelNameForGlobs(spec));
+        !problem.empty()) {
+      return "spec.policy.layers[" + std::to_string(i) + "].match: " + problem;
+    }
+  }
+  return "";
+}
+
 }  // namespace
 
 Clock* SystemClock() {
@@ -1453,6 +1471,13 @@ absl::Status Coordinator::HandleWorkerMessage(const v1::WorkerMessage& message) 
         break;
       case v1::WorkerMessage::kCatalog:
         if (rec && rank == 0) {
+          // A command job's spec globs are checked once its program names its layers, as the
+          // built-in trainer's are at submit: one that matches nothing would do nothing.
+          if (std::string problem = CommandSpecGlobProblem(rec->spec, message.catalog());
+              !problem.empty()) {
+            FailAttempt(*rec, problem, /*restartable=*/false, out);
+            break;
+          }
           rec->catalog.assign(message.catalog().layers().begin(), message.catalog().layers().end());
           rec->schedules = ComputeSchedules(rec->catalog, rec->policies.back(),
                                             rec->job.world_size(), rec->spec.geometry_refresh);
