@@ -377,10 +377,17 @@ std::string DescribeJob(const v1::Job& j, const v1::Policy* policy, int64_t now_
     // Auto jobs: the engine's latest judgement of each layer (gain with the basis it deploys, or
     // would deploy while off) and the state it left the layer in.
     if (probed) rows[0].insert(rows[0].end(), {"AUTO-GAIN", "BASIS", "PROBED", "GEOMETRY"});
+    // A command job's program reports what its hook measures: geofp8.torch sends residual
+    // error 0 and no geometry version or drift. Those zeros mean "not reported", shown as "-".
+    const bool command = !CommandText(j).empty();
+    const auto reported = [command](double v, const std::string& text) {
+      return command && v == 0 ? std::string("-") : text;
+    };
     for (const auto& l : j.layers()) {
       rows.push_back({"  " + l.layer(), std::to_string(l.step()), Fmt("%.4g", l.rel_fro_error()),
-                      Fmt("%.4g", l.residual_error()), std::to_string(l.geometry_version()),
-                      Fmt("%.3g", l.drift())});
+                      reported(l.residual_error(), Fmt("%.4g", l.residual_error())),
+                      reported(double(l.geometry_version()), std::to_string(l.geometry_version())),
+                      reported(l.drift(), Fmt("%.3g", l.drift()))});
       if (!probed) continue;
       if (l.probe_step() > 0) {
         rows.back().insert(rows.back().end(),

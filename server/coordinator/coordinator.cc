@@ -69,6 +69,46 @@ void CompactPatches(google::protobuf::RepeatedPtrField<v1::LayerPatch>* patches)
   for (auto it = kept.rbegin(); it != kept.rend(); ++it) *patches->Add() = std::move(*it);
 }
 
+// The name an unmatched glob's error gives a job's model: the preset, or for a command job the
+// program's script as its command line names it (issue #29: a command job has no preset).
+// `python3 -u train.py --lr 1` -> "train.py", `python3 -m pkg.train` -> "pkg.train",
+// `/opt/bin/trainer --x` -> "trainer".
+std::string ModelNameForGlobs(const JobSpec& spec) {
+  if (spec.command.empty()) return spec.model.preset;
+  const auto base = [](const std::string& path) {
+    const size_t slash = path.rfind('/');
+    return slash == std::string::npos ? path : path.substr(slash + 1);
+  };
+  const std::string program = base(spec.command[0]);
+  if (program.rfind("python", 0) == 0) {
+    for (size_t i = 1; i < spec.command.size(); ++i) {
+      const std::string& a = spec.command[i];
+      if (a == "-m" && i + 1 < spec.command.size()) return spec.command[i + 1];
+      if (a == "-c") break;  // inline code: no script to name
+      if (!a.empty() && a[0] != '-') return base(a);
+    }
+  }
+  return program.empty() ? "the program" : program;
+}
+
+// "" unless `spec` is a command job's and one of its policy.layers globs matches no layer of
+// `catalog`: then "spec.policy.layers[I].match: matches no layer of SCRIPT (GLOB); ...", the
+// message GeoFP8State gives for the same policy.
+std::string CommandSpecGlobProblem(const JobSpec& spec, const v1::LayerCatalog& catalog) {
+  if (spec.command.empty() || catalog.layers().empty()) return "";
+  std::vector<model::ParamInfo> layers;
+  for (const auto& l : catalog.layers()) layers.push_back({.name = l.name()});
+  for (size_t i = 0; i < spec.policy.layers.size(); ++i) {
+    const std::string& glob = spec.policy.layers[i].match;
+    if (glob.empty()) continue;
+    if (std::string problem = UnmatchedGlobProblem(glob, layers, ModelNameForGlobs(spec));
+        !problem.empty()) {
+      return "spec.policy.layers[" + std::to_string(i) + "].match: " + problem;
+    }
+  }
+  return "";
+}
+
 }  // namespace
 
 Clock* SystemClock() {
@@ -750,7 +790,7 @@ absl::StatusOr<v1::UpdatePolicyResponse> Coordinator::UpdatePolicy(
     }
     for (size_t i = 0; i < patches.size() && !layers.empty(); ++i) {
       if (std::string problem =
-              UnmatchedGlobProblem(patches[i].layer(), layers, rec.spec.model.preset);
+              UnmatchedGlobProblem(patches[i].layer(), layers, ModelNameForGlobs(rec.spec));
           !problem.empty()) {
         return absl::InvalidArgumentError("patches[" + std::to_string(i) + "].layer: " + problem);
       }
@@ -1431,6 +1471,13 @@ absl::Status Coordinator::HandleWorkerMessage(const v1::WorkerMessage& message) 
         break;
       case v1::WorkerMessage::kCatalog:
         if (rec && rank == 0) {
+          // A command job's spec globs are checked once its program names its layers, as the
+          // built-in trainer's are at submit: one that matches nothing would do nothing.
+          if (std::string problem = CommandSpecGlobProblem(rec->spec, message.catalog());
+              !problem.empty()) {
+            FailAttempt(*rec, problem, /*restartable=*/false, out);
+            break;
+          }
           rec->catalog.assign(message.catalog().layers().begin(), message.catalog().layers().end());
           rec->schedules = ComputeSchedules(rec->catalog, rec->policies.back(),
                                             rec->job.world_size(), rec->spec.geometry_refresh);

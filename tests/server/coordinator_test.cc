@@ -538,6 +538,91 @@ TEST_F(CoordinatorTest, CommandJobsOnlyGoToWorkersThatAllowCommands) {
   EXPECT_TRUE(plain.sink->Take(v1::CoordinatorMessage::kAssignment).empty());
 }
 
+// `policy set` on a command job checks the glob against the program's catalog and names the
+// program's script, not a preset it does not have (issue #29: "matches no layer of llama-tiny").
+TEST_F(CoordinatorTest, CommandJobGlobsAreCheckedAgainstTheCatalogNamingTheScript) {
+  v1::RegisterRequest req;
+  req.set_name("runner");
+  req.set_device("cpu");
+  req.set_accepts_commands(true);
+  Worker w = Attach(req);
+  const std::string id =
+      Submit("name: c\nworld_size: 1\ncommand: [python3, -u, /src/my_train.py, --lr, '1']\n");
+  ASSERT_EQ(Get(id).state(), v1::JOB_SCHEDULED);
+  // Before the catalog, any glob is accepted.
+  ASSERT_TRUE(Update(id, "fc3.*", "bf16").ok());
+  v1::WorkerMessage m;
+  for (const char* name : {"fc1.weight", "fc2.weight"}) {
+    auto* l = m.mutable_catalog()->add_layers();
+    l->set_name(name);
+    l->set_rows(8);
+    l->set_cols(8);
+  }
+  ASSERT_TRUE(Send(w, m).ok());
+  auto typo = Update(id, "fc3.*", "bf16");
+  ASSERT_FALSE(typo.ok());
+  EXPECT_EQ(typo.status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_NE(typo.status().message().find("patches[0].layer: matches no layer of my_train.py "
+                                         "(fc3.*); its layers are fc1.weight, fc2.weight"),
+            std::string::npos)
+      << typo.status();
+  EXPECT_EQ(typo.status().message().find("llama-tiny"), std::string::npos) << typo.status();
+  EXPECT_TRUE(Update(id, "fc2.*", "bf16").ok());
+}
+
+// A command job's spec glob that matches none of the program's layers fails the job when rank 0's
+// catalog arrives, with GeoFP8State's message for the same policy (issue #29: it SUCCEEDED).
+TEST_F(CoordinatorTest, CommandJobSpecGlobMatchingNoLayerFailsTheJobAtTheCatalog) {
+  v1::RegisterRequest req;
+  req.set_name("runner");
+  req.set_device("cpu");
+  req.set_accepts_commands(true);
+  Worker w = Attach(req);
+  const std::string id = Submit(
+      "name: c\nworld_size: 1\ncommand: [python3, train.py]\n"
+      "policy:\n  default: {format: fp8_e4m3}\n  layers:\n"
+      "    - {match: 'fc1.*', format: bf16}\n    - {match: 'fc3.*', format: bf16}\n");
+  ASSERT_EQ(Get(id).state(), v1::JOB_SCHEDULED);
+  w.sink->Take(v1::CoordinatorMessage::kAssignment);
+  v1::WorkerMessage m;
+  for (const char* name : {"fc1.weight", "fc2.weight"}) {
+    auto* l = m.mutable_catalog()->add_layers();
+    l->set_name(name);
+    l->set_rows(8);
+    l->set_cols(8);
+  }
+  ASSERT_TRUE(Send(w, m).ok());
+  const v1::Job job = Get(id);
+  EXPECT_EQ(job.state(), v1::JOB_FAILED);
+  EXPECT_EQ(job.reason(),
+            "spec.policy.layers[1].match: matches no layer of train.py (fc3.*); its layers are "
+            "fc1.weight, fc2.weight")
+      << job.reason();
+  EXPECT_EQ(job.restarts(), 0);
+  // The rank was told to stop, and no refresh schedule went out.
+  EXPECT_EQ(w.sink->Take(v1::CoordinatorMessage::kStop).size(), 1u);
+  EXPECT_TRUE(w.sink->Take(v1::CoordinatorMessage::kRefresh).empty());
+}
+
+// Globs that all match: the catalog is taken as before.
+TEST_F(CoordinatorTest, CommandJobSpecGlobsThatMatchKeepTheJobRunning) {
+  v1::RegisterRequest req;
+  req.set_name("runner");
+  req.set_device("cpu");
+  req.set_accepts_commands(true);
+  Worker w = Attach(req);
+  const std::string id = Submit(
+      "name: c\nworld_size: 1\ncommand: [python3, train.py]\n"
+      "policy:\n  default: {format: fp8_e4m3}\n  layers:\n    - {match: 'fc*', format: bf16}\n");
+  v1::WorkerMessage m;
+  auto* l = m.mutable_catalog()->add_layers();
+  l->set_name("fc1.weight");
+  l->set_rows(8);
+  l->set_cols(8);
+  ASSERT_TRUE(Send(w, m).ok());
+  EXPECT_NE(Get(id).state(), v1::JOB_FAILED) << Get(id).reason();
+}
+
 TEST_F(CoordinatorTest, ReRegistrationFencesTheOldGeneration) {
   Worker a1 = Join("a");
   // While a1's session is live, a second process under the name is refused (issue #13 item 7:

@@ -168,6 +168,39 @@ TEST(Render, DescribeAndWatchShowACommandJob) {
   EXPECT_NE(out.find("Checkpoint:   step 40\n"), std::string::npos) << out;
 }
 
+// A command job's hook reports no residual error, geometry version or drift (issue #29): its
+// layers show "-" for them, not 0; values it did report, and a built-in job's zeros, are shown.
+TEST(Render, DescribeShowsUnreportedLayerFieldsOfACommandJobAsDash) {
+  v1::Job job;
+  job.set_id("job-5");
+  job.set_state(v1::JOB_RUNNING);
+  auto* l = job.add_layers();
+  l->set_layer("fc1.weight");
+  l->set_step(30);
+  l->set_rel_fro_error(0.0312);
+  auto* g = job.add_layers();
+  g->set_layer("fc2.weight");
+  g->set_step(30);
+  g->set_rel_fro_error(0.02);
+  g->set_residual_error(0.015);
+  g->set_geometry_version(3);
+  g->set_drift(0.25);
+  job.set_spec_yaml("name: a\ncommand: [python3, train.py]\n");
+  std::string out = DescribeJob(job, nullptr, 0);
+  EXPECT_NE(out.find("  fc1.weight  30    0.0312     -               -           -\n"),
+            std::string::npos)
+      << out;
+  EXPECT_NE(out.find("  fc2.weight  30    0.02       0.015           3           0.25\n"),
+            std::string::npos)
+      << out;
+  // The built-in trainer reports all three: its zeros are values.
+  job.set_spec_yaml("name: a\nmodel: {preset: llama-tiny}\n");
+  out = DescribeJob(job, nullptr, 0);
+  EXPECT_NE(out.find("  fc1.weight  30    0.0312     0               0           0\n"),
+            std::string::npos)
+      << out;
+}
+
 TEST(Render, JsonAndYamlCarryTheSameFields) {
   v1::Job job;
   job.set_id("job-000007");

@@ -2,8 +2,10 @@
 // hook_script (hook_script_main.cc, a user program written against worker/hook/hook_client.h)
 // as each rank. Checked: the torchrun/GEOFP8_* environment and a working MASTER_ADDR:MASTER_PORT,
 // a live policy update applied by both ranks at the same step, progress/summaries/checkpoints
-// relayed to the job, per-rank logs, a killed rank restarted by the restart policy (or failing
-// with the signal named when none are left), exit codes, a missing program, and bad specs.
+// relayed to the job, per-rank logs, the worker's rank events (rank.started, policy.taken,
+// job.progress, rank.finished, rank.failed at level error) parsed from its log, a killed rank
+// restarted by the restart policy (or failing with the signal named when none are left), exit
+// codes, a missing program, and bad specs.
 #include <gtest/gtest.h>
 #include <signal.h>
 #include <sys/stat.h>
@@ -11,6 +13,9 @@
 #include <filesystem>
 #include <fstream>
 #include <map>
+#include <sstream>
+#include <thread>
+#include <vector>
 
 #include "tests/common/http_client.h"
 #include "tests/worker/worker_process.h"
@@ -47,6 +52,59 @@ std::map<std::pair<int, int64_t>, uint64_t> ReadVersions(const std::string& path
   uint64_t version;
   while (in >> attempt >> step >> version) out[{attempt, step}] = version;
   return out;
+}
+
+// One logfmt line (kernels/common/log.h) as key -> value, quotes and escapes undone.
+std::map<std::string, std::string> ParseLogfmt(const std::string& line) {
+  std::map<std::string, std::string> out;
+  size_t i = 0;
+  while (i < line.size()) {
+    while (i < line.size() && line[i] == ' ') ++i;
+    const size_t eq = line.find('=', i);
+    if (eq == std::string::npos) break;
+    const std::string key = line.substr(i, eq - i);
+    std::string value;
+    i = eq + 1;
+    if (i < line.size() && line[i] == '"') {
+      for (++i; i < line.size() && line[i] != '"'; ++i) {
+        if (line[i] == '\\' && i + 1 < line.size()) ++i;
+        value += line[i];
+      }
+      ++i;
+    } else {
+      const size_t end = std::min(line.find(' ', i), line.size());
+      value = line.substr(i, end - i);
+      i = end;
+    }
+    out[key] = value;
+  }
+  return out;
+}
+
+// The daemon's `event` lines of `job`, in order.
+std::vector<std::map<std::string, std::string>> Events(const std::string& output,
+                                                       const std::string& event,
+                                                       const std::string& job) {
+  std::vector<std::map<std::string, std::string>> out;
+  std::istringstream in(output);
+  std::string line;
+  while (std::getline(in, line)) {
+    auto f = ParseLogfmt(line);
+    if (f["event"] == event && f["job"] == job) out.push_back(std::move(f));
+  }
+  return out;
+}
+
+// Waits until `w` has logged `event` for `job` (the end is logged after the coordinator heard it).
+std::vector<std::map<std::string, std::string>> WaitEvents(WorkerProcess& w,
+                                                           const std::string& event,
+                                                           const std::string& job) {
+  const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(10);
+  for (;;) {
+    auto e = Events(w.process().output(), event, job);
+    if (!e.empty() || std::chrono::steady_clock::now() >= deadline) return e;
+    std::this_thread::sleep_for(std::chrono::milliseconds(20));
+  }
 }
 
 class CommandJobTest : public ::testing::Test {
@@ -114,7 +172,8 @@ TEST_F(CommandJobTest, TwoRanksRunToSuccessAndApplyALivePolicyAtTheSameStep) {
   // The program gets the documented variables and --command-env's, nothing else of the worker's.
   ::setenv("GEOFP8_TEST_WORKER_SECRET", "aws-key", 1);
   ::setenv("GEOFP8_TEST_PASSED", "1", 1);
-  StartWorkers(2, {"--token-file", token, "--command-env", "GEOFP8_TEST_PASSED"});
+  StartWorkers(2, {"--token-file", token, "--command-env", "GEOFP8_TEST_PASSED",
+                   "--log-progress-every", "10"});
   ::unsetenv("GEOFP8_TEST_WORKER_SECRET");
   ::unsetenv("GEOFP8_TEST_PASSED");
   v1::Job job = client_->Submit(Spec("cmd", 2, 40, 0));
@@ -197,6 +256,40 @@ TEST_F(CommandJobTest, TwoRanksRunToSuccessAndApplyALivePolicyAtTheSameStep) {
     EXPECT_EQ(ReadKeyValues(EnvFile(std::stoi(rank), 0))["cwd"],
               std::filesystem::canonical(dir).string());
     EXPECT_EQ(result.at("steps"), "40");
+
+    // The worker logged the built-in trainer's rank events for this rank (docs/operations.md).
+    const auto finished = WaitEvents(*w, "rank.finished", job.id());
+    const std::string out = w->process().output();
+    ASSERT_EQ(finished.size(), 1u) << out;
+    EXPECT_EQ(finished[0].at("level"), "info");
+    EXPECT_EQ(finished[0].at("rank"), rank);
+    EXPECT_EQ(finished[0].at("attempt"), "0");
+    EXPECT_EQ(finished[0].at("step"), "40");
+    EXPECT_EQ(finished[0].at("result"), "succeeded");
+    EXPECT_TRUE(finished[0].count("seconds")) << out;
+    const auto started = Events(out, "rank.started", job.id());
+    ASSERT_EQ(started.size(), 1u) << out;
+    EXPECT_EQ(started[0].at("level"), "info");
+    EXPECT_EQ(started[0].at("rank"), rank);
+    EXPECT_EQ(started[0].at("world_size"), "2");
+    EXPECT_EQ(started[0].at("step"), "0");
+    std::map<std::string, std::map<std::string, std::string>> taken;
+    for (auto& e : Events(out, "policy.taken", job.id())) taken[e.at("version")] = e;
+    ASSERT_EQ(taken.count("2"), 1u) << out;
+    EXPECT_EQ(taken["2"].at("rank"), rank);
+    EXPECT_EQ(taken["2"].at("step"), std::to_string(v2.effective_step()));
+    EXPECT_EQ(taken["2"].at("effective_step"), std::to_string(v2.effective_step()));
+    // job.progress: rank 0 only, every --log-progress-every 10 steps.
+    std::vector<std::string> progress;
+    for (auto& e : Events(out, "job.progress", job.id())) {
+      EXPECT_EQ(e.at("rank"), "0");
+      EXPECT_TRUE(e.count("loss") && e.count("policy_version")) << out;
+      progress.push_back(e.at("step") + " " + e.at("msg"));
+    }
+    const std::vector<std::string> every10 = {"9 step 10/40", "19 step 20/40", "29 step 30/40",
+                                              "39 step 40/40"};
+    EXPECT_EQ(progress, rank == "0" ? every10 : std::vector<std::string>{}) << out;
+    EXPECT_TRUE(Events(out, "rank.failed", job.id()).empty()) << out;
   }
   // The worker's /metrics counted the relayed steps, and the job's gauges ended with the job.
   const int port = workers_[0]->MetricsPort();
@@ -289,6 +382,15 @@ TEST_F(CommandJobTest, ExitCodesAndMissingProgramsFailWithTheirReason) {
       << job.reason();
   EXPECT_EQ(job.reason().find("failing on purpose"), std::string::npos) << job.reason();
   EXPECT_NE(ReadFile(dir + "/rank0.err").find("failing on purpose"), std::string::npos);
+  // The failure is the worker's rank.failed at level error, as for the built-in trainer.
+  {
+    const auto failed = WaitEvents(*workers_[0], "rank.failed", job.id());
+    ASSERT_EQ(failed.size(), 1u) << workers_[0]->process().output();
+    EXPECT_EQ(failed[0].at("level"), "error");
+    EXPECT_EQ(failed[0].at("rank"), "0");
+    EXPECT_NE(failed[0].at("msg").find("exited with code 3"), std::string::npos);
+    EXPECT_TRUE(Events(workers_[0]->process().output(), "rank.finished", job.id()).empty());
+  }
   // Nor does either daemon's log copy it.
   EXPECT_EQ(workers_[0]->process().output().find("failing on purpose"), std::string::npos);
   EXPECT_EQ(coordinator_->process().output().find("failing on purpose"), std::string::npos);
@@ -305,6 +407,9 @@ TEST_F(CommandJobTest, ExitCodesAndMissingProgramsFailWithTheirReason) {
             std::string::npos)
       << job.reason();
   EXPECT_EQ(job.restarts(), 0);
+  const auto failed = WaitEvents(*workers_[0], "rank.failed", job.id());
+  ASSERT_EQ(failed.size(), 1u) << workers_[0]->process().output();
+  EXPECT_EQ(failed[0].at("level"), "error");
 }
 
 TEST_F(CommandJobTest, BadCommandSpecsAreRefusedAtSubmitNamingTheField) {

@@ -23,6 +23,7 @@
 #include <string_view>
 
 #include "kernels/common/check.h"
+#include "kernels/common/log.h"
 #include "kernels/policy/job_spec.h"
 #include "worker/daemon/grpc_store.h"
 #include "worker/daemon/log.h"
@@ -141,6 +142,72 @@ CommandRunner::CommandRunner(std::shared_ptr<Connection> connection, v1::Assignm
       metrics_(metrics) {
   for (const auto& p : assignment_.policy_history()) policies_.emplace(p.version(), p);
   policies_.emplace(assignment_.policy().version(), assignment_.policy());
+  for (const auto& [v, p] : policies_) RememberEffectiveStep(p);
+}
+
+void CommandRunner::RememberEffectiveStep(const v1::Policy& policy) {
+  std::lock_guard<std::mutex> lock(effective_mu_);
+  effective_steps_.emplace(policy.version(), policy.effective_step());
+}
+
+int64_t CommandRunner::EffectiveStep(uint64_t version) const {
+  std::lock_guard<std::mutex> lock(effective_mu_);
+  const auto it = effective_steps_.find(version);
+  return it == effective_steps_.end() ? -1 : it->second;
+}
+
+void CommandRunner::LogPolicyTaken(const v1::PolicyAck& ack) {
+  const v1::Assignment& a = assignment_;
+  const int64_t step = ack.has_step() ? ack.step() : last_step_.load() + 1;
+  log::Info("policy.taken")
+      .F("job", a.job_id())
+      .F("attempt", a.attempt())
+      .F("rank", a.rank())
+      .F("version", ack.version())
+      .F("step", step)
+      .F("effective_step", EffectiveStep(ack.version()))
+      .Msg("policy v" + std::to_string(ack.version()) + " in force from step " +
+           std::to_string(step) + " (the program's hook)");
+}
+
+void CommandRunner::LogProgress(const v1::StepProgress& p) {
+  double val_loss = 0;
+  int64_t val_step = -1;
+  {
+    std::lock_guard<std::mutex> lock(effective_mu_);
+    if (p.has_val_loss()) {
+      last_val_loss_ = p.val_loss();
+      last_val_step_ = p.step();
+    }
+    val_loss = last_val_loss_;
+    val_step = last_val_step_;
+  }
+  const int every = options_.job.log_progress_every;
+  if (assignment_.rank() != 0 || every <= 0 || (p.step() + 1) % every != 0) return;
+  log::Event e(log::Level::kInfo, "job.progress");
+  e.F("job", assignment_.job_id())
+      .F("attempt", assignment_.attempt())
+      .F("rank", assignment_.rank())
+      .F("step", p.step())
+      .F("loss", p.loss())
+      .F("tokens_per_second", p.tokens_per_second())
+      .F("policy_version", p.policy_version());
+  if (val_step >= 0) e.F("val_loss", val_loss).F("val_step", val_step);
+  const int64_t total = total_steps_.load();
+  e.Msg("step " + std::to_string(p.step() + 1) +
+        (total > 0 ? "/" + std::to_string(total) : std::string()));
+}
+
+void CommandRunner::LogEnded(const JobOutcome& out, double seconds) {
+  const bool failed = !out.success && !out.stopped;
+  log::Event e(failed ? log::Level::kError : log::Level::kInfo,
+               failed ? "rank.failed" : "rank.finished");
+  e.F("job", assignment_.job_id())
+      .F("attempt", assignment_.attempt())
+      .F("rank", assignment_.rank())
+      .F("step", out.steps);
+  if (!failed) e.F("result", out.success ? "succeeded" : out.cancelled ? "cancelled" : "stopped");
+  e.F("seconds", seconds).Msg(out.reason);
 }
 
 CommandRunner::~CommandRunner() {
@@ -167,6 +234,7 @@ JobOutcome CommandRunner::outcome() const {
 void CommandRunner::OfferPolicy(const v1::Policy& policy) {
   std::lock_guard<std::mutex> lock(mu_);
   if (!policies_.emplace(policy.version(), policy).second) return;
+  RememberEffectiveStep(policy);
   if (hook_) hook_->OfferPolicy(policy);
 }
 
@@ -248,6 +316,7 @@ void CommandRunner::Relay(const v1::HookMessage& h) {
             {p.step_seconds() > 0 ? p.step_seconds() : between, p.exchange_seconds(), 0.0}, false);
         if (p.has_val_loss()) metrics_->ValidationLoss(p.step(), p.val_loss());
       }
+      LogProgress(p);
       *m.mutable_progress() = p;
       break;
     }
@@ -274,8 +343,7 @@ void CommandRunner::Relay(const v1::HookMessage& h) {
     case v1::HookMessage::kPolicyAck:
       version_in_force_ = h.policy_ack().version();
       if (metrics_) metrics_->PolicyVersion(h.policy_ack().version());
-      Log("job " + assignment_.job_id() + " rank " + std::to_string(assignment_.rank()) +
-          ": the program put policy v" + std::to_string(h.policy_ack().version()) + " in force");
+      LogPolicyTaken(h.policy_ack());
       *m.mutable_policy_ack() = h.policy_ack();
       m.mutable_policy_ack()->set_job_id(assignment_.job_id());
       m.mutable_policy_ack()->set_attempt(assignment_.attempt());
@@ -294,10 +362,15 @@ JobOutcome CommandRunner::Run() {
   const v1::Assignment& a = assignment_;
   const std::string rank = std::to_string(a.rank());
   if (metrics_) metrics_->JobStarted(a.job_id(), a.rank(), a.world_size());
-  Log("job " + a.job_id() + " attempt " + std::to_string(a.attempt()) + ": starting rank " + rank +
-      " of " + std::to_string(a.world_size()) + " as a command" +
-      (a.resume_step() > 0 ? " from checkpoint step " + std::to_string(a.resume_step())
-                           : std::string()));
+  log::Info("rank.started")
+      .F("job", a.job_id())
+      .F("attempt", a.attempt())
+      .F("rank", a.rank())
+      .F("world_size", a.world_size())
+      .F("step", a.resume_step())
+      .Msg("starting rank " + rank + " of " + std::to_string(a.world_size()) + " as a command" +
+           (a.resume_step() > 0 ? " from checkpoint step " + std::to_string(a.resume_step())
+                                : std::string()));
   JobOutcome out;
   bool restartable = false;
   const std::string dir = CommandJobDir(options_.job.data_dir, a.job_id(), a.attempt());
@@ -311,6 +384,7 @@ JobOutcome CommandRunner::Run() {
     const JobSpec spec = *parsed;
     Require(!spec.command.empty(), "spec.command: missing");
     program = spec.command[0];
+    total_steps_ = spec.training.steps;
 
     std::error_code ec;
     std::filesystem::create_directories(dir, ec);
@@ -517,12 +591,7 @@ JobOutcome CommandRunner::Run() {
     m.mutable_finished()->set_restartable(restartable);
     send_(std::move(m), true);
   }
-  Log("job " + a.job_id() + " attempt " + std::to_string(a.attempt()) + " rank " + rank + ": " +
-      (out.success   ? "SUCCEEDED"
-       : out.stopped ? "STOPPED"
-                     : "FAILED") +
-      ": " + out.reason + " (" +
-      std::to_string(std::chrono::duration<double>(Clock::now() - started).count()) + " s)");
+  LogEnded(out, std::chrono::duration<double>(Clock::now() - started).count());
   std::error_code ec;
   const std::filesystem::path results = std::filesystem::path(options_.job.data_dir) / "results";
   std::filesystem::create_directories(results, ec);

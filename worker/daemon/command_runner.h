@@ -82,6 +82,12 @@ class CommandRunner final : public RankRunner {
   std::pair<std::string, int> MasterAddress();
   void Relay(const v1::HookMessage& message);
   bool StopRequested(std::string* reason) const;
+  void RememberEffectiveStep(const v1::Policy& policy);
+  int64_t EffectiveStep(uint64_t version) const;
+  // The built-in trainer's rank events (rank_reporter.cc), for a command job's rank.
+  void LogPolicyTaken(const v1::PolicyAck& ack);
+  void LogProgress(const v1::StepProgress& p);
+  void LogEnded(const JobOutcome& out, double seconds);
 
   std::shared_ptr<Connection> connection_;
   v1::Assignment assignment_;
@@ -101,6 +107,14 @@ class CommandRunner final : public RankRunner {
   std::atomic<std::chrono::steady_clock::time_point> last_progress_at_{
       std::chrono::steady_clock::now()};
   std::atomic<uint64_t> version_in_force_{0};
+  // For the rank events (docs/operations.md): each known version's effective step, under its own
+  // mutex (Relay runs on the hook server's thread and never takes mu_), and training.steps.
+  mutable std::mutex effective_mu_;
+  std::map<uint64_t, int64_t> effective_steps_;
+  std::atomic<int64_t> total_steps_{0};
+  // The job.progress line's last validation loss (rank 0), under effective_mu_.
+  double last_val_loss_ = 0;
+  int64_t last_val_step_ = -1;
   std::atomic<bool> done_{false};
   JobOutcome outcome_;
   std::thread thread_;
