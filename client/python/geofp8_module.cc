@@ -247,9 +247,9 @@ class Engine {
     plan_.reset();
   }
 
-  // kind: "preset" (fp32, bf16, fp8, geofp8, nvfp4, geonvfp4, fp8-ef, nvfp4-ef), "file" (a YAML path) or "text"
-  // (YAML). Geometry of the previous policy carries over where it still fits the new one
-  // (GeometryImport::kDropMismatched). Returns one summary dict per layer.
+  // kind: "preset" (fp32, bf16, fp8, geofp8, nvfp4, geonvfp4, fp8-ef, nvfp4-ef), "file" (a YAML
+  // path) or "text" (YAML). Geometry of the previous policy carries over where it still fits the
+  // new one (GeometryImport::kDropMismatched). Returns one summary dict per layer.
   py::list SetPolicy(const std::string& kind, const std::string& spec, const std::string& model,
                      uint64_t version) {
     train::ExchangePlan plan = BuildPlan(kind, spec, model);

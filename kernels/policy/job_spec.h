@@ -185,7 +185,8 @@ struct PolicyFileSpec {
 };
 absl::StatusOr<PolicyFileSpec> ParsePolicyFile(std::string_view yaml);
 
-// geofp8-train's presets as policy files: "fp32, bf16, fp8, geofp8, nvfp4, geonvfp4, fp8-ef, nvfp4-ef".
+// geofp8-train's presets as policy files: "fp32, bf16, fp8, geofp8, nvfp4, geonvfp4, fp8-ef,
+// nvfp4-ef".
 std::string_view AcceptedPolicyPresets();
 std::optional<std::string> PresetPolicyFile(std::string_view name);
 // A spec's file paths (checkpoint.dir, data.path) name places inside the worker's --data-dir:

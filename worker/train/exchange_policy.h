@@ -1,6 +1,6 @@
 // The trainer's exchange policy: one LayerPolicy per model parameter plus the algorithm and the
-// geometry refresh cadence, from a preset name (fp32, bf16, fp8, geofp8, nvfp4, geonvfp4, fp8-ef, nvfp4-ef) or a
-// YAML file with per-layer globs. Parsed and validated here, at the edge.
+// geometry refresh cadence, from a preset name (fp32, bf16, fp8, geofp8, nvfp4, geonvfp4, fp8-ef,
+// nvfp4-ef) or a YAML file with per-layer globs. Parsed and validated here, at the edge.
 #pragma once
 
 #include <string>

@@ -298,7 +298,8 @@ int main(int argc, char** argv) {
       ->capture_default_str();
   app.add_option("--seed", o.seed, "seed of init, data and rounding")->capture_default_str();
   app.add_option("--policy", o.policy,
-                 "exchange policy: fp32, bf16, fp8, geofp8, nvfp4, geonvfp4, fp8-ef, nvfp4-ef, or FILE.yaml")
+                 "exchange policy: fp32, bf16, fp8, geofp8, nvfp4, geonvfp4, fp8-ef, nvfp4-ef, or "
+                 "FILE.yaml")
       ->capture_default_str();
   app.add_option("--data", o.data, "synthetic, markov:SEED, or a UTF-8 text file or folder")
       ->capture_default_str();

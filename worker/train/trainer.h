@@ -39,11 +39,12 @@ struct TrainOptions {
   uint64_t seed = 1;                  // model init, data windows, rounding streams
   std::optional<uint64_t> data_seed;  // data windows only, when set (the worker's data.seed)
   std::string data = "synthetic";     // "synthetic", "markov:SEED", or a UTF-8 file/folder
-  std::string policy = "fp32";  // preset (fp32, bf16, fp8, geofp8, nvfp4, geonvfp4, fp8-ef, nvfp4-ef) or FILE.yaml
-  int eval_every = 50;          // validation cadence in steps (and always at the end); 0: end only
-  int eval_batches = 8;         // held-out batches of 16 sequences per validation
-  int checksum_every = 10;      // parameter checksum cadence; 0: never
-  int error_every = 0;          // per-layer exchange error cadence; 0: never
+  std::string policy =
+      "fp32";  // preset (fp32, bf16, fp8, geofp8, nvfp4, geonvfp4, fp8-ef, nvfp4-ef) or FILE.yaml
+  int eval_every = 50;      // validation cadence in steps (and always at the end); 0: end only
+  int eval_batches = 8;     // held-out batches of 16 sequences per validation
+  int checksum_every = 10;  // parameter checksum cadence; 0: never
+  int error_every = 0;      // per-layer exchange error cadence; 0: never
   // Weight of the past in the gradient noise scale's moving averages (kernels/model/noise_scale.h).
   double gns_beta = 0.95;
   std::string checkpoint;    // checkpoint path; empty: none
