@@ -11,13 +11,12 @@
 namespace geofp8::tool {
 namespace {
 
-// geofp8::Error reads "file.cc:123: message"; the tool's one-line error keeps the message.
+// geofp8::Error's message carries no source location (Error::where() keeps it); a failed check
+// reads "check failed: <condition>: message", and the tool's one-line error keeps the message.
 std::string WithoutLocation(const Error& e) {
   std::string what = e.what();
-  size_t colon = what.find(": ");
-  if (colon != std::string::npos) what = what.substr(colon + 2);
-  if (what.rfind("check failed: ", 0) == 0) {  // "check failed: <condition>: message"
-    colon = what.find(": ", 14);
+  if (what.rfind("check failed: ", 0) == 0) {
+    const size_t colon = what.find(": ", 14);
     if (colon != std::string::npos) what = what.substr(colon + 2);
   }
   return what;
