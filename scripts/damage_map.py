@@ -123,7 +123,8 @@ def main():
             pts.sort()
             x = [q[0] * (1 + 0.015 * (i - len(points) / 2)) for q in pts]  # dodge
             ax.errorbar(x, [q[1] for q in pts], yerr=[q[2] for q in pts], marker="o",
-                        capsize=3, label=p, linestyle="-" if p.startswith("nvfp4") else "--")
+                        capsize=3, label=p, color=plt.cm.tab20(i % 20),
+                        linestyle="-" if p.startswith("nvfp4") else "--")
         ax.axhline(0, color="black", lw=0.8)
         ax.set_xscale("log")
         ax.set_xlabel(f"B / B_simple ({args.baseline}'s noise scale, second half of the run)")
