@@ -448,17 +448,8 @@ class Engine {
 
   // Every layer's geometry state, in set_layers order: (active, pending, pending_from, sketch).
   py::list ExportGeometry() {
-    Drain();
-    std::vector<std::optional<LayerGeometryState>> all(params_.size());
-    for (auto& [key, ex] : exchangers_) {
-      std::vector<LayerGeometryState> s = ex->ExportGeometry();
-      for (size_t j = 0; j < key.size(); ++j) all[key[j]] = std::move(s[j]);
-    }
     py::list out;
-    for (size_t i = 0; i < params_.size(); ++i) {
-      const LayerGeometryState s = all[i]      ? *all[i]
-                                   : stash_[i] ? stash_[i]->state
-                                               : LayerGeometryState{};
+    for (const LayerGeometryState& s : PerLayer(&Exchanger::ExportGeometry, &Stashed::state)) {
       out.append(
           py::make_tuple(Bytes(s.active), Bytes(s.pending), s.pending_from, Bytes(s.sketch)));
     }
@@ -509,18 +500,11 @@ class Engine {
   // Every layer's error-feedback residuals, in set_layers order: (geometry_version, local,
   // owner), the float32 values as bytes (empty where the layer keeps none).
   py::list ExportResiduals() {
-    Drain();
-    std::vector<std::optional<LayerResidual>> all(params_.size());
-    for (auto& [key, ex] : exchangers_) {
-      std::vector<LayerResidual> r = ex->ExportResiduals();
-      for (size_t j = 0; j < key.size(); ++j) all[key[j]] = std::move(r[j]);
-    }
     auto floats = [](const std::vector<float>& v) {
       return py::bytes(reinterpret_cast<const char*>(v.data()), v.size() * sizeof(float));
     };
     py::list out;
-    for (size_t i = 0; i < params_.size(); ++i) {
-      const LayerResidual r = all[i] ? *all[i] : stash_[i] ? stash_[i]->residual : LayerResidual{};
+    for (const LayerResidual& r : PerLayer(&Exchanger::ExportResiduals, &Stashed::residual)) {
       out.append(py::make_tuple(r.geometry_version, floats(r.local), floats(r.owner)));
     }
     return out;
@@ -588,6 +572,26 @@ class Engine {
     // were taken under; a policy change (kDropMismatched) drops them.
     LayerResidual residual;
   };
+
+  // One kind of per-layer state, in set_layers order: from the exchanger holding the layer,
+  // else from the stash, else empty.
+  template <class T>
+  std::vector<T> PerLayer(std::vector<T> (Exchanger::*exported)() const, T Stashed::*stashed) {
+    Drain();
+    std::vector<T> all(params_.size());
+    std::vector<bool> held(params_.size(), false);
+    for (auto& [key, ex] : exchangers_) {
+      std::vector<T> s = ((*ex).*exported)();
+      for (size_t j = 0; j < key.size(); ++j) {
+        all[key[j]] = std::move(s[j]);
+        held[key[j]] = true;
+      }
+    }
+    for (size_t i = 0; i < params_.size(); ++i) {
+      if (!held[i] && stash_[i]) all[i] = (*stash_[i]).*stashed;
+    }
+    return all;
+  }
 
   // One submitted bucket. It holds Python objects, so it is created and destroyed with the GIL
   // held, and moves between the threads as a unique_ptr (never copied).

@@ -30,8 +30,50 @@ v1::ProbeResult* AddProbe(v1::WorkerMessage& m, const std::string& layer, double
   return p;
 }
 
+// Rank reports a worker resends until acknowledged: a checkpoint at `step`, a successful finish.
+v1::WorkerMessage CheckpointReport(const std::string& job, uint64_t seq, int64_t step,
+                                   int attempt) {
+  v1::WorkerMessage m;
+  m.set_seq(seq);
+  m.set_want_ack(true);
+  m.mutable_checkpoint()->set_step(step);
+  m.mutable_checkpoint()->set_job_id(job);
+  m.mutable_checkpoint()->set_attempt(attempt);
+  return m;
+}
+v1::WorkerMessage FinishedReport(const std::string& job, uint64_t seq, int attempt, int64_t steps) {
+  v1::WorkerMessage m;
+  m.set_seq(seq);
+  m.set_want_ack(true);
+  m.mutable_finished()->set_success(true);
+  m.mutable_finished()->set_job_id(job);
+  m.mutable_finished()->set_attempt(attempt);
+  m.mutable_finished()->set_steps(steps);
+  return m;
+}
+
+// A catalog report of 8x8 matrices with these names.
+v1::WorkerMessage Catalog(std::initializer_list<const char*> names) {
+  v1::WorkerMessage m;
+  for (const char* name : names) {
+    auto* l = m.mutable_catalog()->add_layers();
+    l->set_name(name);
+    l->set_rows(8);
+    l->set_cols(8);
+  }
+  return m;
+}
+
 class CoordinatorTest : public CoordinatorHarness {
  protected:
+  // A connected worker started with --allow-commands.
+  Worker AttachCommandWorker() {
+    v1::RegisterRequest req;
+    req.set_name("runner");
+    req.set_device("cpu");
+    req.set_accepts_commands(true);
+    return Attach(req);
+  }
   absl::Status Progress(const Worker& w, int64_t step, uint64_t policy_version = 0) {
     v1::WorkerMessage m;
     m.mutable_progress()->set_step(step);
@@ -268,13 +310,7 @@ TEST_F(CoordinatorTest, ReliableReportsAreAckedAndRepeatsAreHarmless) {
   ASSERT_TRUE(Progress(a, 25).ok());
   ASSERT_TRUE(Progress(b, 25).ok());
   auto report = [&](const Worker& w, uint64_t seq, int64_t step, int attempt) {
-    v1::WorkerMessage m;
-    m.set_seq(seq);
-    m.set_want_ack(true);
-    m.mutable_checkpoint()->set_step(step);
-    m.mutable_checkpoint()->set_job_id(id);
-    m.mutable_checkpoint()->set_attempt(attempt);
-    return Send(w, m);
+    return Send(w, CheckpointReport(id, seq, step, attempt));
   };
   ASSERT_TRUE(report(a, 7, 20, 0).ok());
   ASSERT_TRUE(report(a, 8, 10, 0).ok());  // an older one, resent late: never moves back
@@ -338,28 +374,9 @@ TEST_F(CoordinatorTest, AFinishedRankLearnsTheFinalRecoveryPoint) {
   Worker b = Join("b");
   ASSERT_TRUE(Progress(a, 25).ok());
   ASSERT_TRUE(Progress(b, 25).ok());
-  auto finished = [&](uint64_t seq) {
-    v1::WorkerMessage m;
-    m.set_seq(seq);
-    m.set_want_ack(true);
-    m.mutable_finished()->set_success(true);
-    m.mutable_finished()->set_job_id(id);
-    m.mutable_finished()->set_attempt(0);
-    m.mutable_finished()->set_steps(40);
-    return m;
-  };
-  auto checkpoint = [&](uint64_t seq, int64_t step) {
-    v1::WorkerMessage m;
-    m.set_seq(seq);
-    m.set_want_ack(true);
-    m.mutable_checkpoint()->set_step(step);
-    m.mutable_checkpoint()->set_job_id(id);
-    m.mutable_checkpoint()->set_attempt(0);
-    return m;
-  };
-  ASSERT_TRUE(Send(a, checkpoint(1, 20)).ok());
+  ASSERT_TRUE(Send(a, CheckpointReport(id, 1, 20, 0)).ok());
   // Rank 1 ends first: its Ack names the recovery point persisted so far.
-  ASSERT_TRUE(Send(b, finished(1)).ok());
+  ASSERT_TRUE(Send(b, FinishedReport(id, 1, 0, 40)).ok());
   auto acks = b.sink->Take(v1::CoordinatorMessage::kAck);
   ASSERT_EQ(acks.size(), 1u);
   EXPECT_EQ(acks[0].ack().job_id(), id);
@@ -367,8 +384,8 @@ TEST_F(CoordinatorTest, AFinishedRankLearnsTheFinalRecoveryPoint) {
   b.sink->Take(v1::CoordinatorMessage::kStop);
   // Rank 0's final checkpoint, then its finish: the job succeeds, and both ranks are told the
   // final recovery point.
-  ASSERT_TRUE(Send(a, checkpoint(2, 40)).ok());
-  ASSERT_TRUE(Send(a, finished(3)).ok());
+  ASSERT_TRUE(Send(a, CheckpointReport(id, 2, 40, 0)).ok());
+  ASSERT_TRUE(Send(a, FinishedReport(id, 3, 0, 40)).ok());
   ASSERT_EQ(Get(id).state(), v1::JOB_SUCCEEDED);
   for (Worker* w : {&a, &b}) {
     auto stops = w->sink->Take(v1::CoordinatorMessage::kStop);
@@ -541,24 +558,13 @@ TEST_F(CoordinatorTest, CommandJobsOnlyGoToWorkersThatAllowCommands) {
 // `policy set` on a command job checks the glob against the program's catalog and names the
 // program's script, not a preset it does not have (issue #29: "matches no layer of llama-tiny").
 TEST_F(CoordinatorTest, CommandJobGlobsAreCheckedAgainstTheCatalogNamingTheScript) {
-  v1::RegisterRequest req;
-  req.set_name("runner");
-  req.set_device("cpu");
-  req.set_accepts_commands(true);
-  Worker w = Attach(req);
+  Worker w = AttachCommandWorker();
   const std::string id =
       Submit("name: c\nworld_size: 1\ncommand: [python3, -u, /src/my_train.py, --lr, '1']\n");
   ASSERT_EQ(Get(id).state(), v1::JOB_SCHEDULED);
   // Before the catalog, any glob is accepted.
   ASSERT_TRUE(Update(id, "fc3.*", "bf16").ok());
-  v1::WorkerMessage m;
-  for (const char* name : {"fc1.weight", "fc2.weight"}) {
-    auto* l = m.mutable_catalog()->add_layers();
-    l->set_name(name);
-    l->set_rows(8);
-    l->set_cols(8);
-  }
-  ASSERT_TRUE(Send(w, m).ok());
+  ASSERT_TRUE(Send(w, Catalog({"fc1.weight", "fc2.weight"})).ok());
   auto typo = Update(id, "fc3.*", "bf16");
   ASSERT_FALSE(typo.ok());
   EXPECT_EQ(typo.status().code(), absl::StatusCode::kInvalidArgument);
@@ -573,25 +579,14 @@ TEST_F(CoordinatorTest, CommandJobGlobsAreCheckedAgainstTheCatalogNamingTheScrip
 // A command job's spec glob that matches none of the program's layers fails the job when rank 0's
 // catalog arrives, with GeoFP8State's message for the same policy (issue #29: it SUCCEEDED).
 TEST_F(CoordinatorTest, CommandJobSpecGlobMatchingNoLayerFailsTheJobAtTheCatalog) {
-  v1::RegisterRequest req;
-  req.set_name("runner");
-  req.set_device("cpu");
-  req.set_accepts_commands(true);
-  Worker w = Attach(req);
+  Worker w = AttachCommandWorker();
   const std::string id = Submit(
       "name: c\nworld_size: 1\ncommand: [python3, train.py]\n"
       "policy:\n  default: {format: fp8_e4m3}\n  layers:\n"
       "    - {match: 'fc1.*', format: bf16}\n    - {match: 'fc3.*', format: bf16}\n");
   ASSERT_EQ(Get(id).state(), v1::JOB_SCHEDULED);
   w.sink->Take(v1::CoordinatorMessage::kAssignment);
-  v1::WorkerMessage m;
-  for (const char* name : {"fc1.weight", "fc2.weight"}) {
-    auto* l = m.mutable_catalog()->add_layers();
-    l->set_name(name);
-    l->set_rows(8);
-    l->set_cols(8);
-  }
-  ASSERT_TRUE(Send(w, m).ok());
+  ASSERT_TRUE(Send(w, Catalog({"fc1.weight", "fc2.weight"})).ok());
   const v1::Job job = Get(id);
   EXPECT_EQ(job.state(), v1::JOB_FAILED);
   EXPECT_EQ(job.reason(),
@@ -606,20 +601,11 @@ TEST_F(CoordinatorTest, CommandJobSpecGlobMatchingNoLayerFailsTheJobAtTheCatalog
 
 // Globs that all match: the catalog is taken as before.
 TEST_F(CoordinatorTest, CommandJobSpecGlobsThatMatchKeepTheJobRunning) {
-  v1::RegisterRequest req;
-  req.set_name("runner");
-  req.set_device("cpu");
-  req.set_accepts_commands(true);
-  Worker w = Attach(req);
+  Worker w = AttachCommandWorker();
   const std::string id = Submit(
       "name: c\nworld_size: 1\ncommand: [python3, train.py]\n"
       "policy:\n  default: {format: fp8_e4m3}\n  layers:\n    - {match: 'fc*', format: bf16}\n");
-  v1::WorkerMessage m;
-  auto* l = m.mutable_catalog()->add_layers();
-  l->set_name("fc1.weight");
-  l->set_rows(8);
-  l->set_cols(8);
-  ASSERT_TRUE(Send(w, m).ok());
+  ASSERT_TRUE(Send(w, Catalog({"fc1.weight"})).ok());
   EXPECT_NE(Get(id).state(), v1::JOB_FAILED) << Get(id).reason();
 }
 
