@@ -1,5 +1,30 @@
 // The coordinator's handlers: job lifecycle, policy versions, worker sessions with fencing, and
 // rank assignment. Plain C++ over proto messages; the gRPC adapters (grpc_services.h) are thin.
+//
+// Coordinator is a facade over one class per concern, each with its own state:
+//   WorkerRegistry (worker_registry.h)  workers: registration, generations and session secrets,
+//                                       session streams, liveness (heartbeats), fencing;
+//   JobTable (job_table.h)              jobs and their events, watchers, and the ranks' progress,
+//                                       checkpoint and finish reports; attempts and restarts;
+//   PolicyBook (policy_book.h)          each job's policy versions (compaction, the history
+//                                       bound, taken steps), catalog, refresh schedules, layer
+//                                       summaries, probes and the auto policy engine;
+//   Place (scheduler.h)                 placement, a pure function of (pending jobs, workers).
+// Dependencies point one way: PolicyBook -> JobTable -> WorkerRegistry. The registry reports a
+// lost rank through a callback (the facade fails the attempt in the JobTable), and the facade
+// does what spans concerns: scheduling (Place, then the attempt's Assignments), the policy
+// resend on a new session, and the dispatch of worker messages to the concern that owns each.
+//
+// Locking. One mutex, Coordinator::mu_, guards the registry, the job table and the policy book:
+// nearly every call crosses them (a lost worker fails its job's attempt, which frees the other
+// ranks' workers and schedules onto the freed ones; a policy version is sent to the ranks' streams)
+// and each RPC's store write is its durability point, so one lock per concern would only trade
+// this lock for an ordering protocol. Store writes happen under mu_; stream writes after it is
+// released (the Outbox). The heartbeat fast path takes only WorkerRegistry::live_mu_.
+// Lock order (never take one to the left while holding one to its right):
+//   Coordinator::mu_  ->  WorkerRegistry::live_mu_  ->  RendezvousKv::mu_
+// (live_mu_ and the KV's mutex are never held together; the KV is also used without mu_ by the
+// rendezvous RPCs.) Watchers wait on JobTable's condition variable with mu_.
 #pragma once
 
 #include <atomic>
@@ -16,49 +41,14 @@
 #include "absl/status/statusor.h"
 #include "geofp8/v1/geofp8.pb.h"
 #include "kernels/policy/job_spec.h"
+#include "server/coordinator/job_table.h"
 #include "server/coordinator/kv.h"
+#include "server/coordinator/policy_book.h"
+#include "server/coordinator/session.h"
 #include "server/coordinator/store.h"
+#include "server/coordinator/worker_registry.h"
 
 namespace geofp8::coordinator {
-
-class Clock {
- public:
-  virtual ~Clock() = default;
-  virtual int64_t NowMs() = 0;  // wall clock, unix milliseconds
-};
-Clock* SystemClock();
-
-// The coordinator's end of one worker's Session stream. Send must not block for long; after the
-// stream ends it silently drops messages.
-class SessionSink {
- public:
-  virtual ~SessionSink() = default;
-  virtual void Send(const v1::CoordinatorMessage& message) = 0;
-  // Ends the stream from the coordinator's side (shutdown), so that its handler returns now
-  // instead of when the worker next writes or the server's grace runs out.
-  virtual void End() {}
-};
-
-// Bounds on policy updates: patches in one UpdatePolicy, and patches a version may hold after
-// compaction (a version travels whole in every Policy message and Assignment).
-inline constexpr int kMaxPatchesPerUpdate = 256;
-inline constexpr int kMaxPatchesPerVersion = 4096;
-// Bytes of policy versions one Assignment may carry in `policy` and `policy_history`: the latest
-// version, and every version from the one in force at the job's recovery point on (those a
-// resumed rank can need). UpdatePolicy refuses a version that would take them past this, so an
-// Assignment stays deliverable: with the spec (kMaxSpecBytes) and its peers it is under
-// kMaxAssignmentBytes. The versions before the recovery point drop out as checkpoints pass.
-inline constexpr size_t kMaxPolicyHistoryBytes = size_t{2} << 20;
-// gRPC's default limit on a received message (4 MiB), less room for the CoordinatorMessage
-// around the Assignment. An Assignment over it (only from a store written before the bound
-// above) fails its job with the reason instead of looping on every worker.
-inline constexpr size_t kMaxAssignmentBytes = (size_t{4} << 20) - (size_t{64} << 10);
-// ListPolicyVersions pages: page_size 0 means kDefaultPolicyPageSize, at most
-// kMaxPolicyPageSize; a page also ends before kMaxPolicyPageBytes (it holds at least one
-// version, and a version is at most kMaxPolicyHistoryBytes).
-inline constexpr int kDefaultPolicyPageSize = 100;
-inline constexpr int kMaxPolicyPageSize = 1000;
-inline constexpr size_t kMaxPolicyPageBytes = size_t{1} << 20;
 
 struct CoordinatorOptions {
   int heartbeat_interval_ms = 1000;  // told to workers at Register
@@ -68,12 +58,6 @@ struct CoordinatorOptions {
   // Serve the rendezvous KV for any job id, not only jobs with a live attempt. Off in production;
   // for tests that drive the KV without running jobs (--debug-kv-any-job).
   bool kv_any_job = false;
-};
-
-// Where a watcher stands in a job's change stream.
-struct WatchCursor {
-  uint64_t change = 0;  // last change number seen
-  size_t events = 0;    // events already delivered
 };
 
 class Coordinator {
@@ -155,114 +139,38 @@ class Coordinator {
   void Shutdown();
 
  private:
-  struct RankState {
-    std::string worker_id;
-    uint64_t generation = 0;
-    int64_t step = -1;  // -1 until the rank reports progress in this attempt
-    uint64_t bytes_sent = 0, bytes_baseline = 0;
-    bool finished = false;
-  };
-  struct JobRec {
-    v1::Job job;  // without events
-    std::vector<v1::JobEvent> events;
-    JobSpec spec;
-    std::vector<v1::Policy> policies;  // policies[v - 1] is version v
-    std::vector<v1::LayerInfo> catalog;
-    std::vector<v1::RefreshSchedule> schedules;
-    std::map<std::string, v1::LayerSummary> layers;  // latest summary per layer
-    std::vector<RankState> ranks;  // current attempt, empty unless SCHEDULED or RUNNING
-    uint64_t change = 1;
-    int64_t persisted_progress_ms = 0;
-    // After a coordinator restart or a restartable failure, until the job is scheduled again:
-    // the attempt that was running and its ranks' worker ids (by rank). The checkpoints they report
-    // when they register again may allow a later resume step than the persisted recovery point
-    // (ResumeAfterOutage).
-    int32_t interrupted_attempt = -1;
-    std::vector<std::string> interrupted_workers;
-  };
-  struct WorkerRec {
-    v1::Worker info;
-    std::shared_ptr<SessionSink> sink;
-    std::string fenced_reason;              // non-empty once the current generation is fenced
-    std::vector<v1::HeldCheckpoints> held;  // reported at its last Register
-    std::string session_secret;             // of the current generation (RegisterResponse)
-  };
-  // Heartbeat fast path: what a heartbeat needs, under its own mutex, so heartbeats never wait
-  // behind a store fsync held under mu_. Written under mu_ + live_mu_ (that order); the last
-  // heartbeat time lives only here.
-  struct Liveness {
-    uint64_t generation = 0;
-    std::string fenced_reason;
-    std::shared_ptr<SessionSink> sink;
-    int64_t last_ms = 0;
-  };
-  // Versions rank 0 of the interrupted attempt reported taken when it registered again (its
-  // PolicyAcks were lost with its generation) are recorded before the job resumes, so that the
-  // resumed ranks start under, and replay, the versions that attempt ran under.
-  void RecordReportedTaken(JobRec& rec);
-  void SyncLive(const WorkerRec& w, bool touch);
-  int64_t LastSeen(const std::string& worker_id);
-  absl::Status FencedError(const std::string& worker_id, uint64_t generation, uint64_t current,
-                           const std::string& reason);
-  // PERMISSION_DENIED (counted) unless `secret` is w's session secret; `what` names the call.
-  absl::Status CheckSecret(const WorkerRec& w, const std::string& secret, const char* what);
-
-  // Messages to send after the lock is released, so a slow stream never stalls the coordinator.
-  using Outbox = std::vector<std::pair<std::shared_ptr<SessionSink>, v1::CoordinatorMessage>>;
-
-  static bool IsFinal(v1::JobState s);
-  v1::Job Snapshot(const JobRec& rec, bool with_events) const;
-  absl::StatusOr<JobRec*> FindJob(const std::string& job_id);
-  // The job that is not finished and has `name`, if any (names are unique among those).
-  const JobRec* LiveJobNamed(const std::string& name) const;
-  // State change with a reason: persisted with its event before anyone can observe it.
-  void SetState(JobRec& rec, v1::JobState state, const std::string& reason);
-  static void LogState(const JobRec& rec, v1::JobState state, const std::string& reason);
   // SubmitJob without its log line (the line says whether and why it was refused).
   absl::StatusOr<v1::SubmitJobResponse> SubmitJobUnlogged(const v1::SubmitJobRequest& request);
-  absl::Status PersistJob(JobRec& rec);
-  void Changed(JobRec& rec);
-  void ReleaseRanks(JobRec& rec, const std::string& stop_reason, v1::StopCause cause, Outbox& out);
-  void FailAttempt(JobRec& rec, const std::string& reason, bool restartable, Outbox& out);
+  // RankLost of the registry: the worker holding a rank of `job_id` was declared dead.
+  void OnRankLost(const std::string& job_id, const std::string& reason, Outbox& out);
+  // Places what can be placed of the pending jobs (Place) and starts their attempts.
   void TrySchedule(Outbox& out);
-  // The newest step past the persisted recovery point that every rank of the interrupted
-  // attempt reported holding, when one of `chosen` is such a rank (it broadcasts the
-  // checkpoint); -1 otherwise.
-  int64_t ResumeAfterOutage(const JobRec& rec, const std::vector<WorkerRec*>& chosen) const;
-  void SendToRanks(const JobRec& rec, const v1::CoordinatorMessage& m, Outbox& out);
-  // The latest version with `patches` appended (and `default_policy` in place of its default,
-  // when given), compacted. When that equals the latest version, no version is made:
-  // *unchanged is set and the latest version is returned.
-  absl::StatusOr<v1::Policy> AddPolicyVersion(JobRec& rec,
-                                              const std::vector<v1::LayerPatch>& patches,
-                                              const std::string& reason, const std::string& author,
-                                              Outbox& out,
-                                              const v1::LayerPolicy* default_policy = nullptr,
-                                              bool* unchanged = nullptr);
-  void DeclareDead(WorkerRec& w, const std::string& reason, Outbox& out);
-  void OnProgress(JobRec& rec, int rank, const v1::StepProgress& p, Outbox& out);
-  static void Flush(Outbox& out);
-  // Whether a report naming (job_id, attempt) belongs to rec's current attempt; an empty job_id
-  // (an older worker) does.
-  static bool SameAttempt(const JobRec& rec, const std::string& job_id, int32_t attempt);
+  // Starts rec's next attempt on `workers` (by rank): assignments out, SCHEDULED. False if the
+  // Assignment would be undeliverable: the job failed and the workers stay idle.
+  bool StartAttempt(JobRec& rec, const std::vector<std::string>& workers, Outbox& out);
+  // A snapshot with the events and the layer summaries.
+  v1::Job Details(const JobRec& rec) const;
+  // The job of which `w` is a rank, if any; nullptr (counted, logged) when `message` reports on
+  // another job.
+  JobRec* ReportedJob(const WorkerRec& w, const v1::WorkerMessage& message);
+  // The case of HandleWorkerMessage for message's body, handed to the concern that owns it.
+  absl::Status Dispatch(const v1::WorkerMessage& message, WorkerRec& w, JobRec* rec, Outbox& out);
+  // The Ack of a want_ack message, once handled (and persisted where it changed the job).
+  void Ack(const v1::WorkerMessage& message, const WorkerRec& w, const JobRec* rec, Outbox& out);
 
   Store* store_;
   Clock* clock_;
   CoordinatorOptions options_;
   RendezvousKv kv_;
 
+  // The coordinator's mutex: guards the registry (but its liveness), the job table and the
+  // policy book, and shutdown_.
   std::mutex mu_;
-  std::condition_variable changed_;
-  std::map<std::string, std::unique_ptr<JobRec>> jobs_;
-  std::vector<JobRec*> job_order_;  // submission order: scheduling is first come, first served
-  std::map<std::string, std::string> by_idempotency_key_;
-  std::map<std::string, WorkerRec> workers_;  // by worker id (= name)
-  Counts counters_;
-  Store::DeletedTotals deleted_;  // of jobs deleted, ever (persisted with each delete)
-  std::atomic<uint64_t> fenced_messages_{0};
+  WorkerRegistry workers_;
+  JobTable jobs_;
+  PolicyBook policies_;
+  uint64_t foreign_reports_ = 0;
   bool shutdown_ = false;
-  std::mutex live_mu_;
-  std::map<std::string, Liveness> live_;
 };
 
 }  // namespace geofp8::coordinator

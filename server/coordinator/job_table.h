@@ -1,0 +1,146 @@
+// The coordinator's jobs: their records and events, the watch stream, and what the ranks report
+// about them (progress, checkpoints, finishes). A job's policy versions are PolicyBook's.
+#pragma once
+
+#include <condition_variable>
+#include <cstdint>
+#include <functional>
+#include <map>
+#include <memory>
+#include <mutex>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include "absl/status/status.h"
+#include "absl/status/statusor.h"
+#include "geofp8/v1/geofp8.pb.h"
+#include "kernels/policy/job_spec.h"
+#include "server/coordinator/kv.h"
+#include "server/coordinator/session.h"
+#include "server/coordinator/store.h"
+#include "server/coordinator/worker_registry.h"
+
+namespace geofp8::coordinator {
+
+// Where a watcher stands in a job's change stream.
+struct WatchCursor {
+  uint64_t change = 0;  // last change number seen
+  size_t events = 0;    // events already delivered
+};
+
+struct RankState {
+  std::string worker_id;
+  uint64_t generation = 0;
+  int64_t step = -1;  // -1 until the rank reports progress in this attempt
+  uint64_t bytes_sent = 0, bytes_baseline = 0;
+  bool finished = false;
+};
+
+struct JobRec {
+  v1::Job job;  // without events
+  std::vector<v1::JobEvent> events;
+  JobSpec spec;
+  std::vector<RankState> ranks;  // current attempt, empty unless SCHEDULED or RUNNING
+  uint64_t change = 1;
+  int64_t persisted_progress_ms = 0;
+  // After a coordinator restart or a restartable failure, until the job is scheduled again:
+  // the attempt that was running and its ranks' worker ids (by rank). The checkpoints they report
+  // when they register again may allow a later resume step than the persisted recovery point
+  // (ResumeAfterOutage).
+  int32_t interrupted_attempt = -1;
+  std::vector<std::string> interrupted_workers;
+};
+
+std::string StateName(v1::JobState s);
+
+// Locking: none of its own; every call runs under the coordinator's mutex, which WatchNext
+// releases while it waits (on changed_).
+class JobTable {
+ public:
+  JobTable(Store* store, Clock* clock, RendezvousKv* kv, WorkerRegistry* workers);
+
+  static bool IsFinal(v1::JobState s);
+
+  // Recover, in two steps around PolicyBook's load: Load takes the stored jobs (and returns the
+  // ids of those whose spec no longer parses, with the reason); Restart then fails the jobs
+  // without a policy or with such a spec, and sends SCHEDULED and RUNNING ones back to PENDING.
+  std::map<std::string, std::string> Load(Store::Snapshot& snap);
+  void Restart(const std::map<std::string, std::string>& invalid_specs,
+               const std::function<bool(const std::string& job_id)>& has_policy);
+
+  // A new job, with its number, first event and (through `put_policy`, in the same store
+  // transaction) policy v1; or the job an earlier request with the same idempotency key made
+  // (*created false).
+  absl::StatusOr<JobRec*> Submit(
+      const v1::SubmitJobRequest& request, const JobSpec& spec,
+      const std::function<absl::Status(const v1::Job& job, int64_t now)>& put_policy,
+      bool* created);
+  absl::StatusOr<v1::ListJobsResponse> List(const v1::ListJobsRequest& request) const;
+  absl::Status Cancel(JobRec& rec, const std::string& request_reason, Outbox& out);
+  // See Coordinator::WatchNext; `lock` holds the coordinator's mutex.
+  absl::StatusOr<std::optional<v1::WatchJobResponse>> WatchNext(std::unique_lock<std::mutex>& lock,
+                                                                const std::string& job_id,
+                                                                WatchCursor* cursor, int timeout_ms,
+                                                                const bool& shutdown);
+  // Removes a finished job (store, then memory); FAILED_PRECONDITION unless it is finished.
+  absl::StatusOr<v1::DeleteJobResponse> Delete(JobRec* rec);
+
+  v1::Job Snapshot(const JobRec& rec, bool with_events) const;
+  absl::StatusOr<JobRec*> Find(const std::string& job_id);
+  JobRec* FindOrNull(const std::string& job_id);
+  // The job that is not finished and has `name`, if any (names are unique among those).
+  const JobRec* LiveJobNamed(const std::string& name) const;
+  // PENDING jobs in submission order.
+  std::vector<JobRec*> Pending() const;
+
+  // State change with a reason: persisted with its event before anyone can observe it.
+  void SetState(JobRec& rec, v1::JobState state, const std::string& reason);
+  absl::Status PersistJob(JobRec& rec);
+  // Appends `event` to the job, in the store and then in memory; false if the store refused.
+  bool AppendEvent(JobRec& rec, const v1::JobEvent& event);
+  void Changed(JobRec& rec);
+  void WakeWatchers() { changed_.notify_all(); }
+
+  void ReleaseRanks(JobRec& rec, const std::string& stop_reason, v1::StopCause cause, Outbox& out);
+  void FailAttempt(JobRec& rec, const std::string& reason, bool restartable, Outbox& out);
+  // The newest step past the persisted recovery point that every rank of the interrupted
+  // attempt reported holding, when one of `chosen` is such a rank (it broadcasts the
+  // checkpoint); -1 otherwise.
+  int64_t ResumeAfterOutage(const JobRec& rec, const std::vector<std::string>& chosen) const;
+  // Moves the recovery point to what the interrupted attempt's ranks hold (ResumeAfterOutage)
+  // and forgets that attempt: the job is being placed on `chosen`.
+  void ResumeInterrupted(JobRec& rec, const std::vector<std::string>& chosen);
+  // Binds ranks 0.. of a new attempt to `workers` (the registry marks them assigned).
+  void BindRanks(JobRec& rec, const std::vector<std::string>& workers);
+
+  // Rank reports. `policies` are the job's versions (PolicyBook), for the divergence check.
+  void OnProgress(JobRec& rec, int rank, const v1::StepProgress& p,
+                  const std::vector<v1::Policy>& policies, Outbox& out);
+  absl::Status OnCheckpoint(JobRec& rec, int rank, const v1::Checkpoint& checkpoint);
+  // Whether the report was of the current attempt (then the caller tries to schedule).
+  bool OnFinished(JobRec& rec, int rank, const v1::JobFinished& finished, Outbox& out);
+  // Whether a report naming (job_id, attempt) belongs to rec's current attempt; an empty job_id
+  // (an older worker) does.
+  static bool SameAttempt(const JobRec& rec, const std::string& job_id, int32_t attempt);
+
+  // Jobs by state and restarts, of the jobs here and (restarts, final states) those deleted.
+  void Count(std::map<int, int64_t>* by_state, std::map<int, int64_t>* deleted_by_state,
+             uint64_t* restarts) const;
+
+ private:
+  static void LogState(const JobRec& rec, v1::JobState state, const std::string& reason);
+
+  Store* store_;
+  Clock* clock_;
+  RendezvousKv* kv_;
+  WorkerRegistry* workers_;
+
+  std::condition_variable changed_;
+  std::map<std::string, std::unique_ptr<JobRec>> jobs_;
+  std::vector<JobRec*> job_order_;  // submission order: scheduling is first come, first served
+  std::map<std::string, std::string> by_idempotency_key_;
+  Store::DeletedTotals deleted_;  // of jobs deleted, ever (persisted with each delete)
+};
+
+}  // namespace geofp8::coordinator

@@ -1,0 +1,91 @@
+// Placement (scheduler.h): first come, first served among the jobs that fit the fleet.
+#include "server/coordinator/scheduler.h"
+
+#include <algorithm>
+
+namespace geofp8::coordinator {
+namespace {
+
+// Orders `idle` so that the interrupted attempt's workers keep their old ranks: they may hold
+// checkpoints written while cut off from the coordinator. The other ranks (their old worker is
+// gone) take the remaining idle workers in order.
+std::vector<const WorkerSlot*> KeepOldRanks(const PendingJob& job,
+                                            std::vector<const WorkerSlot*> idle) {
+  const int world = job.world_size;
+  std::vector<const WorkerSlot*> ordered(world, nullptr);
+  for (size_t r = 0; r < job.interrupted_workers.size() && r < size_t(world); ++r) {
+    const std::string& id = job.interrupted_workers[r];
+    auto it = std::find_if(idle.begin(), idle.end(),
+                           [&](const WorkerSlot* w) { return w && w->id == id; });
+    if (it != idle.end()) {
+      ordered[r] = *it;
+      *it = nullptr;
+    }
+  }
+  auto next = idle.begin();
+  for (auto& slot : ordered) {
+    while (!slot && next != idle.end()) slot = *next++;
+  }
+  for (; next != idle.end(); ++next) {
+    if (*next) ordered.push_back(*next);
+  }
+  return ordered;
+}
+
+}  // namespace
+
+std::vector<Placement> Place(const std::vector<PendingJob>& jobs,
+                             const std::vector<WorkerSlot>& workers) {
+  std::vector<Placement> placements(jobs.size());
+  std::vector<bool> taken(workers.size(), false);
+  std::string blocked_by;  // the first job that fits the fleet but waits for busy workers
+  for (size_t j = 0; j < jobs.size(); ++j) {
+    const PendingJob& job = jobs[j];
+    const bool needs_gpu = job.needs_gpu;
+    const bool needs_commands = job.needs_commands;
+    std::vector<const WorkerSlot*> idle;
+    int able = 0;  // connected workers that could run a rank of this job, idle or busy
+    for (size_t i = 0; i < workers.size(); ++i) {
+      const WorkerSlot& w = workers[i];
+      if (!w.connected || w.fenced || (needs_gpu && w.device.rfind("cuda", 0) != 0) ||
+          (needs_commands && !w.accepts_commands)) {
+        continue;
+      }
+      ++able;
+      if (w.idle && !taken[i]) idle.push_back(&w);
+    }
+    const int world = job.world_size;
+    std::string kind = needs_gpu ? " with a CUDA device" : "";
+    if (needs_commands) kind += " that run command jobs (--allow-commands)";
+    Placement& placement = placements[j];
+    if (able < world) {
+      // No finishing job can make room for this one: waiting for it would stall every later
+      // job (head-of-line blocking), so it is passed over until enough workers connect.
+      placement.waiting = "cannot be placed: needs " + std::to_string(world) + " workers" + kind +
+                          ", " + std::to_string(able) + " connected" +
+                          (needs_gpu ? " (backend nccl)" : "") + "; later jobs go first";
+      continue;
+    }
+    // First come, first served among jobs that fit the fleet: one that waits for busy workers
+    // blocks later ones, so large jobs are never starved by a stream of small ones.
+    if (!blocked_by.empty()) {
+      placement.waiting = "queued behind " + blocked_by + " (first come, first served)";
+      continue;
+    }
+    if (static_cast<int>(idle.size()) < world) {
+      placement.waiting = "waiting for " + std::to_string(world) + " idle workers" + kind + " (" +
+                          std::to_string(idle.size()) + " idle of " + std::to_string(able) + ")";
+      blocked_by = job.id;
+      continue;
+    }
+    if (!job.interrupted_workers.empty()) idle = KeepOldRanks(job, std::move(idle));
+    placement.placed = true;
+    for (int r = 0; r < world; ++r) {
+      placement.workers.push_back(idle[r]->id);
+      taken[idle[r] - workers.data()] = true;
+    }
+  }
+  return placements;
+}
+
+}  // namespace geofp8::coordinator

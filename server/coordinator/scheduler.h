@@ -1,0 +1,37 @@
+// Placement: which idle workers run which pending jobs. A pure function over the pending jobs
+// and the workers, with no store, clock or stream, so that its rules can be tested directly.
+#pragma once
+
+#include <string>
+#include <vector>
+
+#include "server/coordinator/worker_registry.h"
+
+namespace geofp8::coordinator {
+
+// What placement needs to know of a pending job.
+struct PendingJob {
+  std::string id;
+  int world_size = 0;
+  bool needs_gpu = false;       // backend nccl: only workers with a CUDA device
+  bool needs_commands = false;  // a `command:` job: only workers started with --allow-commands
+  // By rank, the workers of the attempt that was interrupted (a coordinator restart, a lost
+  // worker), empty if none: they go first, each to its old rank where it can.
+  std::vector<std::string> interrupted_workers;
+};
+
+// A job's placement: the worker ids of ranks 0..world_size-1, or why it waits.
+struct Placement {
+  bool placed = false;
+  std::vector<std::string> workers;  // by rank, when placed
+  std::string waiting;               // Job.scheduling when it waits
+};
+
+// One placement per job, in order. Jobs are considered first come, first served: a job that
+// fits the fleet but waits for busy workers holds back every later job, so that a large job is
+// never starved by a stream of small ones; a job the connected workers can never hold (too few
+// of them able) is passed over. The workers a placement takes are no longer idle for later jobs.
+std::vector<Placement> Place(const std::vector<PendingJob>& jobs,
+                             const std::vector<WorkerSlot>& workers);
+
+}  // namespace geofp8::coordinator

@@ -1,0 +1,140 @@
+// The coordinator's workers: registration, generations and their session secrets, session
+// streams, liveness (heartbeats) and fencing. A worker is known by its name; each Register gives
+// it a new generation, and every older generation is fenced: its messages are refused.
+#pragma once
+
+#include <atomic>
+#include <cstdint>
+#include <functional>
+#include <map>
+#include <memory>
+#include <mutex>
+#include <string>
+#include <vector>
+
+#include "absl/status/status.h"
+#include "absl/status/statusor.h"
+#include "geofp8/v1/geofp8.pb.h"
+#include "server/coordinator/session.h"
+#include "server/coordinator/store.h"
+
+namespace geofp8::coordinator {
+
+struct WorkerRec {
+  v1::Worker info;
+  std::shared_ptr<SessionSink> sink;
+  std::string fenced_reason;              // non-empty once the current generation is fenced
+  std::vector<v1::HeldCheckpoints> held;  // reported at its last Register
+  std::string session_secret;             // of the current generation (RegisterResponse)
+};
+
+// What the scheduler needs to know of a worker (Scheduler::Place).
+struct WorkerSlot {
+  std::string id;
+  std::string device;
+  bool accepts_commands = false;
+  bool connected = false;  // has a session stream
+  bool fenced = false;
+  bool idle = false;
+};
+
+// Locking: everything but Heartbeat, LastSeen and the fenced count runs under the coordinator's
+// mutex (the caller holds it). The heartbeat fast path has its own live_mu_, taken after the
+// coordinator's mutex where both are held, so heartbeats never wait behind a store fsync.
+class WorkerRegistry {
+ public:
+  // Called when a worker that held a rank is declared dead (fenced, timed out, left): the job's
+  // attempt has lost `rank`; `reason` names the worker and why. Runs under the coordinator's lock.
+  using RankLost =
+      std::function<void(const std::string& job_id, const std::string& reason, Outbox& out)>;
+
+  WorkerRegistry(Store* store, Clock* clock, int heartbeat_interval_ms, int heartbeat_timeout_ms,
+                 RankLost rank_lost);
+
+  absl::StatusOr<v1::RegisterResponse> Register(const v1::RegisterRequest& request, Outbox& out);
+  absl::Status Leave(const v1::LeaveRequest& request, Outbox& out);
+  // Attaches `sink` as the session of (worker_id, generation); see Coordinator::OpenSession.
+  absl::StatusOr<WorkerRec*> OpenSession(const std::string& worker_id, uint64_t generation,
+                                         const std::string& session_secret,
+                                         std::shared_ptr<SessionSink> sink);
+  void CloseSession(const std::string& worker_id, uint64_t generation,
+                    const std::shared_ptr<SessionSink>& sink);
+  v1::ListWorkersResponse List();
+
+  // The worker a (non-heartbeat) message comes from, if it is its current, unfenced generation;
+  // its heartbeat clock restarts. FAILED_PRECONDITION otherwise.
+  absl::StatusOr<WorkerRec*> Current(const v1::WorkerMessage& message);
+  // The heartbeat fast path: liveness and the ack only. Takes live_mu_, never the coordinator's
+  // mutex.
+  absl::Status Heartbeat(const v1::WorkerMessage& message);
+
+  // Declares dead the workers whose heartbeats stopped.
+  void Tick(Outbox& out);
+  // Every live worker's heartbeat clock restarts now (Coordinator::CreditPause).
+  void CreditPause(int64_t paused_ms);
+  // Fences w's generation: a Stop to its stream, and its rank (if any) is lost (RankLost).
+  void DeclareDead(WorkerRec& w, const std::string& reason, Outbox& out);
+
+  WorkerRec* Find(const std::string& worker_id);
+  const WorkerRec* Find(const std::string& worker_id) const;
+  // Workers in id order, as the scheduler sees them.
+  std::vector<WorkerSlot> Slots() const;
+  // Marks the worker (at `generation`) the holder of `rank` of `job_id`.
+  void Assign(const std::string& worker_id, const std::string& job_id, int rank);
+  // The session stream of (worker_id, generation), if it has one.
+  std::shared_ptr<SessionSink> SinkOf(const std::string& worker_id, uint64_t generation) const;
+
+  // Queues `m` for every rank's worker that still is the generation it was assigned at and has a
+  // stream. `Ranks` is a range of something with worker_id and generation (RankState).
+  template <typename Ranks>
+  void SendToRanks(const Ranks& ranks, const v1::CoordinatorMessage& m, Outbox& out) const {
+    for (const auto& r : ranks) {
+      if (auto sink = SinkOf(r.worker_id, r.generation)) out.emplace_back(std::move(sink), m);
+    }
+  }
+  // Frees the ranks' workers (still at their assigned generation) of their job.
+  template <typename Ranks>
+  void ReleaseRanks(const Ranks& ranks) {
+    for (const auto& r : ranks) Release(r.worker_id, r.generation);
+  }
+
+  // The session streams open now (for shutdown).
+  std::vector<std::shared_ptr<SessionSink>> Sinks() const;
+  void CountStates(std::map<int, int64_t>* by_state) const;
+  uint64_t fenced_messages() const { return fenced_messages_.load(); }
+  uint64_t forged_sessions() const { return forged_sessions_; }
+  uint64_t workers_declared_dead() const { return workers_declared_dead_; }
+
+ private:
+  // Heartbeat fast path: what a heartbeat needs, under its own mutex, so heartbeats never wait
+  // behind a store fsync held under the coordinator's mutex. Written under that mutex + live_mu_
+  // (that order); the last heartbeat time lives only here.
+  struct Liveness {
+    uint64_t generation = 0;
+    std::string fenced_reason;
+    std::shared_ptr<SessionSink> sink;
+    int64_t last_ms = 0;
+  };
+  void Release(const std::string& worker_id, uint64_t generation);
+  void SyncLive(const WorkerRec& w, bool touch);
+  int64_t LastSeen(const std::string& worker_id);
+  absl::Status FencedError(const std::string& worker_id, uint64_t generation, uint64_t current,
+                           const std::string& reason);
+  // PERMISSION_DENIED (counted) unless `secret` is w's session secret; `what` names the call.
+  absl::Status CheckSecret(const WorkerRec& w, const std::string& secret, const char* what);
+
+  Store* store_;
+  Clock* clock_;
+  const int heartbeat_interval_ms_;
+  const int heartbeat_timeout_ms_;
+  RankLost rank_lost_;
+
+  std::map<std::string, WorkerRec> workers_;  // by worker id (= name)
+  uint64_t forged_sessions_ = 0;
+  uint64_t workers_declared_dead_ = 0;
+  std::atomic<uint64_t> fenced_messages_{0};
+  std::mutex live_mu_;
+  std::map<std::string, Liveness> live_;
+};
+
+}  // namespace geofp8::coordinator
