@@ -454,8 +454,9 @@ absl::Status Coordinator::Dispatch(const v1::WorkerMessage& message, WorkerRec& 
       break;
     case v1::WorkerMessage::kPolicyAck:
       // Rank 0 says at which step the ranks took a version.
-      if (rec && rank == 0)
+      if (rec && rank == 0) {
         GEOFP8_RETURN_IF_ERROR(policies_.OnPolicyAck(*rec, message.policy_ack()));
+      }
       break;
   }
   return absl::OkStatus();
