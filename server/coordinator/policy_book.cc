@@ -142,6 +142,27 @@ size_t AssignmentPolicyBytes(const std::vector<v1::Policy>& policies, int64_t re
   return bytes;
 }
 
+// RESOURCE_EXHAUSTED if `next`, appended to `policies`, would take the versions an attempt
+// resuming at `resume` carries past kMaxPolicyHistoryBytes (AssignmentPolicyBytes).
+absl::Status CheckHistoryBound(std::vector<v1::Policy>& policies, const v1::Policy& next,
+                               int64_t resume) {
+  policies.push_back(next);
+  const size_t bytes = AssignmentPolicyBytes(policies, resume);
+  const uint64_t oldest = policies[InForceAt(policies, resume)].version();
+  policies.pop_back();
+  if (bytes > kMaxPolicyHistoryBytes) {
+    return absl::ResourceExhaustedError(
+        "policy history: v" + std::to_string(next.version()) +
+        " would bring the policy versions a resumed rank can need (v" + std::to_string(oldest) +
+        " to v" + std::to_string(next.version()) + ", from the recovery point at step " +
+        std::to_string(resume) + ") to " + std::to_string(bytes) + " bytes, over the bound of " +
+        std::to_string(kMaxPolicyHistoryBytes) +
+        " bytes; versions before the one in force at the next checkpoint drop out, or patch "
+        "broader globs");
+  }
+  return absl::OkStatus();
+}
+
 }  // namespace
 
 PolicyBook::PolicyBook(Store* store, Clock* clock, JobTable* jobs, WorkerRegistry* workers)
@@ -270,21 +291,8 @@ absl::StatusOr<v1::Policy> PolicyBook::AddPolicyVersion(JobRec& rec,
   // Every version a resumed rank may need travels in its Assignment; refuse the one that would
   // make that undeliverable (issue #31: 200 updates of 20 new globs made an 8 MB Assignment,
   // and every worker looped on gRPC's 4 MiB limit).
-  const int64_t resume = rec.job.progress().checkpoint_step();
-  jp.versions.push_back(next);
-  const size_t bytes = AssignmentPolicyBytes(jp.versions, resume);
-  const uint64_t oldest = jp.versions[InForceAt(jp.versions, resume)].version();
-  jp.versions.pop_back();
-  if (bytes > kMaxPolicyHistoryBytes) {
-    return absl::ResourceExhaustedError(
-        "policy history: v" + std::to_string(next.version()) +
-        " would bring the policy versions a resumed rank can need (v" + std::to_string(oldest) +
-        " to v" + std::to_string(next.version()) + ", from the recovery point at step " +
-        std::to_string(resume) + ") to " + std::to_string(bytes) + " bytes, over the bound of " +
-        std::to_string(kMaxPolicyHistoryBytes) +
-        " bytes; versions before the one in force at the next checkpoint drop out, or patch "
-        "broader globs");
-  }
+  GEOFP8_RETURN_IF_ERROR(
+      CheckHistoryBound(jp.versions, next, rec.job.progress().checkpoint_step()));
   if (!jp.catalog.empty()) jp.schedules = std::move(schedules);
   rec.job.set_policy_version(next.version());
   rec.job.set_updated_unix_ms(next.created_unix_ms());
