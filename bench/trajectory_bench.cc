@@ -175,7 +175,12 @@ std::vector<Variant> MakeVariants(const Args& a, const Trajectory& t) {
     } catch (const Error& e) {
       Usage("--policy", e.what(), p);
     }
-    if (!plan.uses_geometry()) Usage("--policy", "uses no geometry: nothing to judge", p);
+    // A rotation alone (geometry: hadamard) transforms the gradient too: its twin drops it.
+    const bool rotates = std::any_of(plan.layers.begin(), plan.layers.end(),
+                                     [](const LayerPolicy& lp) { return lp.hadamard; });
+    if (!plan.uses_geometry() && !rotates) {
+      Usage("--policy", "uses no geometry: nothing to judge", p);
+    }
     train::ExchangePlan euclid = plan;
     for (LayerPolicy& lp : euclid.layers) {
       lp.geometry = GeometryMode::kNone;
