@@ -23,8 +23,8 @@
 #include "client/ctl/render.h"
 #include "client/ctl/version.h"
 #include "geofp8/v1/geofp8.grpc.pb.h"
-#include "kernels/policy/job_spec.h"
-#include "kernels/policy/policy.h"
+#include "platform/policy/job_spec.h"
+#include "platform/policy/policy.h"
 
 namespace geofp8::ctl {
 namespace {

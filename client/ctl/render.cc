@@ -10,8 +10,8 @@
 #include <sstream>
 
 #include "client/ctl/doc.h"
-#include "kernels/policy/job_spec.h"
-#include "kernels/policy/policy.h"
+#include "platform/policy/job_spec.h"
+#include "platform/policy/policy.h"
 
 namespace geofp8::ctl {
 namespace {

@@ -13,7 +13,7 @@
 #include <optional>
 #include <set>
 
-#include "kernels/common/log.h"
+#include "platform/common/log.h"
 #include "server/coordinator/policy_engine.h"
 #include "server/coordinator/secrets.h"
 

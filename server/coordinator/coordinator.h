@@ -15,7 +15,7 @@
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
 #include "geofp8/v1/geofp8.pb.h"
-#include "kernels/policy/job_spec.h"
+#include "platform/policy/job_spec.h"
 #include "server/coordinator/kv.h"
 #include "server/coordinator/store.h"
 

@@ -8,8 +8,8 @@
 #include <vector>
 
 #include "geofp8/v1/geofp8.pb.h"
-#include "kernels/policy/job_spec.h"
-#include "kernels/policy/policy.h"
+#include "platform/policy/job_spec.h"
+#include "platform/policy/policy.h"
 
 namespace geofp8::coordinator {
 

@@ -15,8 +15,8 @@
 #include <unordered_map>
 
 #include "google/protobuf/unknown_field_set.h"
-#include "kernels/common/log.h"
-#include "kernels/policy/policy.h"
+#include "platform/common/log.h"
+#include "platform/policy/policy.h"
 #include "server/coordinator/secrets.h"
 
 namespace geofp8::coordinator {

@@ -1,6 +1,6 @@
 // YAML -> JobSpec / PolicyPatchSpec with validation of every field. yaml-cpp's Mark gives the
 // line of each node, so every error reads "line N: spec.path: problem (value)".
-#include "kernels/policy/job_spec.h"
+#include "platform/policy/job_spec.h"
 
 #include <fnmatch.h>
 
@@ -17,6 +17,7 @@
 
 #include "kernels/geometry/hadamard.h"
 #include "kernels/model/model.h"
+#include "platform/common/status.h"
 #include "yaml-cpp/depthguard.h"
 #include "yaml-cpp/yaml.h"
 
@@ -595,9 +596,7 @@ absl::StatusOr<JobSpec> ParseJobSpec(std::string_view yaml) {
     return absl::InvalidArgumentError("spec: at most " + std::to_string(kMaxSpecBytes) +
                                       " bytes (" + std::to_string(yaml.size()) + ")");
   }
-  auto loaded = Load(yaml, "spec");
-  if (!loaded.ok()) return loaded.status();
-  const YAML::Node& root = *loaded;
+  GEOFP8_ASSIGN_OR_RETURN(const YAML::Node root, Load(yaml, "spec"));
   Reader r;
   JobSpec spec;
   const std::string p = "spec";
@@ -803,9 +802,7 @@ absl::StatusOr<JobSpec> ParseJobSpec(std::string_view yaml) {
 }
 
 absl::StatusOr<PolicyFileSpec> ParsePolicyFile(std::string_view yaml) {
-  auto loaded = Load(yaml, "spec");
-  if (!loaded.ok()) return loaded.status();
-  const YAML::Node& root = *loaded;
+  GEOFP8_ASSIGN_OR_RETURN(const YAML::Node root, Load(yaml, "spec"));
   Reader r;
   PolicyFileSpec file;
   const std::string p = "spec";
@@ -818,9 +815,7 @@ absl::StatusOr<PolicyFileSpec> ParsePolicyFile(std::string_view yaml) {
 }
 
 absl::StatusOr<PolicyPatchSpec> ParsePolicyPatch(std::string_view yaml) {
-  auto loaded = Load(yaml, "patch");
-  if (!loaded.ok()) return loaded.status();
-  const YAML::Node& root = *loaded;
+  GEOFP8_ASSIGN_OR_RETURN(const YAML::Node root, Load(yaml, "patch"));
   Reader r;
   PolicyPatchSpec patch;
   if (!r.Map(root, "patch", {"reason", "default", "layers"})) return Invalid(r.errors);
