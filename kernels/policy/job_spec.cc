@@ -518,20 +518,6 @@ absl::StatusOr<YAML::Node> Load(std::string_view yaml, const std::string& root) 
 
 }  // namespace
 
-std::optional<GeometryTransform> ParseTransformName(std::string_view name) {
-  constexpr std::string_view kSuffix = "+hadamard";
-  if (name == "hadamard") return GeometryTransform{GeometryMode::kNone, true};
-  const bool rotated = name.size() > kSuffix.size() && name.ends_with(kSuffix);
-  if (rotated) name.remove_suffix(kSuffix.size());
-  const std::optional<GeometryMode> g = ParseGeometryMode(name);
-  if (!g || (rotated && *g == GeometryMode::kNone)) return std::nullopt;
-  return GeometryTransform{*g, rotated};
-}
-
-std::string_view AcceptedTransformNames() {
-  return "none, diag, lowrank, hadamard, diag+hadamard, lowrank+hadamard";
-}
-
 std::string DataDirPathProblem(std::string_view path) {
   if (path.empty()) return "must not be empty";
   if (path.find('\0') != std::string_view::npos) return "must not contain NUL";

@@ -44,15 +44,6 @@ inline constexpr size_t kMaxCommandArgBytes = 4096;
 inline constexpr size_t kMaxCommandBytes = 32768;
 
 // A partial LayerPolicy for the layers whose name matches `match` (exact, or a glob with * ? []).
-// A layer's `geometry:` value, as the job spec and `geofp8ctl policy set --geometry` name it: the
-// geometry, optionally followed by the Hadamard rotation ("lowrank+hadamard"; "hadamard" alone).
-struct GeometryTransform {
-  GeometryMode geometry = GeometryMode::kNone;
-  bool hadamard = false;
-};
-std::optional<GeometryTransform> ParseTransformName(std::string_view name);
-std::string_view AcceptedTransformNames();
-
 struct LayerPatchSpec {
   std::string match;
   std::optional<Format> format;
