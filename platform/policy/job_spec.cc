@@ -48,24 +48,8 @@ constexpr Vocabulary<Rounding> kRoundings{ParseRounding, AcceptedRoundings};
 constexpr Vocabulary<GeometryMode> kGeometries{ParseGeometryMode, AcceptedGeometryModes};
 constexpr Vocabulary<Algorithm> kAlgorithms{ParseAlgorithm, AcceptedAlgorithms};
 
-// A layer's `geometry:` value: the geometry, optionally followed by the Hadamard rotation.
-struct Transform {
-  GeometryMode geometry = GeometryMode::kNone;
-  bool hadamard = false;
-};
-std::optional<Transform> ParseTransform(std::string_view name) {
-  constexpr std::string_view kSuffix = "+hadamard";
-  if (name == "hadamard") return Transform{GeometryMode::kNone, true};
-  const bool rotated = name.size() > kSuffix.size() && name.ends_with(kSuffix);
-  if (rotated) name.remove_suffix(kSuffix.size());
-  const std::optional<GeometryMode> g = ParseGeometryMode(name);
-  if (!g || (rotated && *g == GeometryMode::kNone)) return std::nullopt;
-  return Transform{*g, rotated};
-}
-std::string_view AcceptedTransforms() {
-  return "none, diag, lowrank, hadamard, diag+hadamard, lowrank+hadamard";
-}
-constexpr Vocabulary<Transform> kTransforms{ParseTransform, AcceptedTransforms};
+using Transform = GeometryTransform;
+constexpr Vocabulary<Transform> kTransforms{ParseTransformName, AcceptedTransformNames};
 std::string TransformName(GeometryMode g, bool hadamard) {
   if (!hadamard) return std::string(GeometryModeName(g));
   return g == GeometryMode::kNone ? "hadamard" : std::string(GeometryModeName(g)) + "+hadamard";

@@ -1368,6 +1368,7 @@ void Coordinator::OnProgress(JobRec& rec, int rank, const v1::StepProgress& p, O
   if (rank == 0) {
     prog->set_loss(p.loss());
     prog->set_tokens_per_second(p.tokens_per_second());
+    if (p.has_gradient_noise_scale()) prog->set_gradient_noise_scale(p.gradient_noise_scale());
     if (p.has_val_loss()) {
       prog->set_val_loss(p.val_loss());
       prog->set_val_step(p.step());

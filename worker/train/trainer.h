@@ -219,7 +219,6 @@ class Trainer {
   uint64_t policy_version_ = 0;
   std::unique_ptr<ExchangeTrace> trace_;  // options.trace_dir set; outlives every exchanger_
   std::unique_ptr<Exchanger> exchanger_;
-  std::vector<size_t> bucket_of_;
   struct PolicyChange {
     std::vector<LayerPolicy> policies;
     std::vector<RefreshSchedule> schedule;
