@@ -1,7 +1,6 @@
 // geofp8-bench coordinator: an in-process coordinator (real gRPC on 127.0.0.1, SQLite WAL +
 // synchronous=FULL) against simulated workers heartbeating at 1 Hz, then a policy update stream.
 #include <grpcpp/grpcpp.h>
-#include <sqlite3.h>
 #include <unistd.h>
 
 #include <algorithm>
@@ -17,6 +16,7 @@
 #include <vector>
 
 #include "CLI/CLI.hpp"
+#include "bench/control_plane.h"
 #include "bench/registry.h"
 #include "geofp8/v1/geofp8.grpc.pb.h"
 #include "server/coordinator/coordinator.h"
@@ -34,16 +34,7 @@ using coordinator::Metrics;
 using coordinator::ServerOptions;
 using coordinator::Store;
 using coordinator::SystemClock;
-using Clock = std::chrono::steady_clock;
-
-double Ms(Clock::duration d) { return std::chrono::duration<double, std::milli>(d).count(); }
-
-double Percentile(std::vector<double> v, double p) {
-  if (v.empty()) return 0.0;
-  std::sort(v.begin(), v.end());
-  size_t i = static_cast<size_t>(p * static_cast<double>(v.size() - 1) + 0.5);
-  return v[std::min(i, v.size() - 1)];
-}
+using Clock = SteadyClock;
 
 // One simulated worker: a thread with a blocking Session stream. It beats once a second at its
 // own phase, waits for the ack and records the round trip. (gRPC 1.51's callback client delays
@@ -145,27 +136,6 @@ struct Level {
   double beats_per_s = 0, p50 = 0, p99 = 0, max = 0;
   uint64_t skipped = 0;
 };
-
-// Fsync-bound commit rate of the same SQLite settings the store uses: the durability ceiling
-// for policy updates, measured in the same run.
-double SqliteCommitsPerSecond(const std::string& dir, double seconds) {
-  sqlite3* db = nullptr;
-  const std::string path = dir + "/baseline.db";
-  if (sqlite3_open(path.c_str(), &db) != SQLITE_OK) return 0;
-  sqlite3_exec(db,
-               "PRAGMA journal_mode=WAL; PRAGMA synchronous=FULL;"
-               "CREATE TABLE t(k INTEGER PRIMARY KEY, v BLOB)",
-               nullptr, nullptr, nullptr);
-  const auto start = Clock::now();
-  int n = 0;
-  while (std::chrono::duration<double>(Clock::now() - start).count() < seconds) {
-    sqlite3_exec(db, "INSERT INTO t(v) VALUES(randomblob(200))", nullptr, nullptr, nullptr);
-    ++n;
-  }
-  const double rate = n / std::chrono::duration<double>(Clock::now() - start).count();
-  sqlite3_close(db);
-  return rate;
-}
 
 int Run(int argc, char** argv) {
   CLI::App app{"geofp8-bench coordinator: heartbeat capacity and policy update rate",
