@@ -1,6 +1,6 @@
 // The coordinator's auto policy engine (DESIGN.md section 2, "auto" mode): turns workers' probe
 // results into policy patches. The policy itself (conversion, resolution, schedules) is
-// kernels/policy/policy.h.
+// platform/policy/policy.h.
 #pragma once
 
 #include <string>
