@@ -13,7 +13,8 @@
 #include <optional>
 #include <set>
 
-#include "kernels/common/log.h"
+#include "platform/common/log.h"
+#include "platform/common/status.h"
 #include "server/coordinator/policy_engine.h"
 #include "server/coordinator/secrets.h"
 
@@ -242,6 +243,9 @@ absl::Status Coordinator::Recover() {
       SetState(*rec, v1::JOB_FAILED, "store: job has no policy version");
       continue;
     }
+    // The versions are the record: a job row written while a version's write was in flight
+    // may carry the one before it.
+    rec->job.set_policy_version(rec->policies.back().version());
     if (auto it = invalid_specs.find(rec->job.id()); it != invalid_specs.end()) {
       if (!IsFinal(rec->job.state())) SetState(*rec, v1::JOB_FAILED, it->second);
       continue;
@@ -639,13 +643,14 @@ absl::StatusOr<v1::ListPolicyVersionsResponse> Coordinator::ListPolicyVersions(
   return response;
 }
 
-absl::StatusOr<v1::Policy> Coordinator::AddPolicyVersion(JobRec& rec,
-                                                         const std::vector<v1::LayerPatch>& patches,
-                                                         const std::string& reason,
-                                                         const std::string& author, Outbox& out,
-                                                         const v1::LayerPolicy* default_policy,
-                                                         bool* unchanged) {
-  const v1::Policy& latest = rec.policies.back();
+absl::StatusOr<v1::Policy> Coordinator::StagePolicyVersion(
+    JobRec& rec, const std::vector<v1::LayerPatch>& patches, const std::string& reason,
+    const std::string& author, Store::WriteHandle* write, const v1::LayerPolicy* default_policy,
+    bool* unchanged) {
+  // Made from the newest version, durable or staged: versions are numbered and submitted in
+  // order, and each is written only after the one it was made from (Store::PutNextPolicy).
+  const v1::Policy& latest =
+      rec.staged_policies.empty() ? rec.policies.back() : rec.staged_policies.back().policy;
   v1::Policy next = latest;
   next.set_version(latest.version() + 1);
   next.clear_taken_step();  // not taken until rank 0 says so
@@ -665,7 +670,11 @@ absl::StatusOr<v1::Policy> Coordinator::AddPolicyVersion(JobRec& rec,
       *unchanged =
           google::protobuf::util::MessageDifferencer::Equals(next.patches(i), latest.patches(i));
     }
-    if (*unchanged) return latest;
+    if (*unchanged) {
+      // A staged latest is answered once it is durable (or with its failure).
+      if (!rec.staged_policies.empty()) *write = rec.staged_policies.back().write;
+      return latest;
+    }
   }
   if (next.patches_size() > kMaxPatchesPerVersion) {
     return absl::ResourceExhaustedError(
@@ -687,10 +696,12 @@ absl::StatusOr<v1::Policy> Coordinator::AddPolicyVersion(JobRec& rec,
   // make that undeliverable (issue #31: 200 updates of 20 new globs made an 8 MB Assignment,
   // and every worker looped on gRPC's 4 MiB limit).
   const int64_t resume = rec.job.progress().checkpoint_step();
+  const size_t durable = rec.policies.size();
+  for (const StagedPolicy& staged : rec.staged_policies) rec.policies.push_back(staged.policy);
   rec.policies.push_back(next);
   const size_t bytes = AssignmentPolicyBytes(rec.policies, resume);
   const uint64_t oldest = rec.policies[InForceAt(rec.policies, resume)].version();
-  rec.policies.pop_back();
+  rec.policies.resize(durable);
   if (bytes > kMaxPolicyHistoryBytes) {
     return absl::ResourceExhaustedError(
         "policy history: v" + std::to_string(next.version()) +
@@ -701,40 +712,80 @@ absl::StatusOr<v1::Policy> Coordinator::AddPolicyVersion(JobRec& rec,
         " bytes; versions before the one in force at the next checkpoint drop out, or patch "
         "broader globs");
   }
-  if (!rec.catalog.empty()) rec.schedules = std::move(schedules);
-  rec.job.set_policy_version(next.version());
-  rec.job.set_updated_unix_ms(next.created_unix_ms());
   v1::JobEvent event;
   event.set_unix_ms(next.created_unix_ms());
   event.set_state(rec.job.state());
   event.set_message("policy v" + std::to_string(next.version()) + " effective at step " +
                     std::to_string(next.effective_step()) + " (" + author + "): " + reason);
-  absl::Status s = store_->Transaction([&]() -> absl::Status {
-    if (auto st = store_->PutPolicy(next); !st.ok()) return st;
-    if (auto st = PersistJob(rec); !st.ok()) return st;
-    return store_->AppendEvent(rec.job.id(), event);
+  // The closure runs on whichever thread leads the batch, perhaps after mu_ was released: it
+  // holds copies only.
+  v1::Job row = rec.job;
+  row.set_policy_version(next.version());
+  row.set_updated_unix_ms(next.created_unix_ms());
+  *write = store_->Submit([store = store_, next, row = std::move(row), event]() -> absl::Status {
+    GEOFP8_RETURN_IF_ERROR(store->PutNextPolicy(next));
+    GEOFP8_RETURN_IF_ERROR(store->PutJob(row));
+    return store->AppendEvent(row.id(), event);
   });
-  if (!s.ok()) {
-    rec.job.set_policy_version(latest.version());
+  rec.staged_policies.push_back({next, event, std::move(schedules), *write});
+  return next;
+}
+
+void Coordinator::PublishPolicies(JobRec& rec, Outbox& out) {
+  while (!rec.staged_policies.empty()) {
+    std::optional<absl::Status> result = store_->Result(rec.staged_policies.front().write);
+    if (!result) return;  // not yet durable, nor are the ones staged after it
+    if (!result->ok()) {
+      // The ones staged after it were made from it: their writes fail too (PutNextPolicy), and
+      // the next version made takes its number.
+      rec.staged_policies.clear();
+      return;
+    }
+    StagedPolicy staged = std::move(rec.staged_policies.front());
+    rec.staged_policies.pop_front();
+    const v1::Policy& next = staged.policy;
+    if (!rec.catalog.empty()) rec.schedules = std::move(staged.schedules);
+    rec.job.set_policy_version(next.version());
+    rec.job.set_updated_unix_ms(next.created_unix_ms());
+    rec.events.push_back(staged.event);
+    rec.policies.push_back(next);
+    log::Info("policy.changed")
+        .F("job", rec.job.id())
+        .F("version", next.version())
+        .F("author", next.author())
+        .F("effective_step", next.effective_step())
+        .F("step", rec.job.progress().step())
+        .F("patches", next.patches_size())
+        .Msg(next.reason());
+    ++counters_.policy_updates;
+    if (next.author() == "auto") ++counters_.auto_policy_updates;
+    v1::CoordinatorMessage m;
+    *m.mutable_policy() = next;
+    SendToRanks(rec, m, out);
+    Changed(rec);
+  }
+}
+
+absl::StatusOr<v1::Policy> Coordinator::AddPolicyVersion(JobRec& rec,
+                                                         const std::vector<v1::LayerPatch>& patches,
+                                                         const std::string& reason,
+                                                         const std::string& author, Outbox& out) {
+  Store::WriteHandle write;
+  auto policy = StagePolicyVersion(rec, patches, reason, author, &write);
+  if (!policy.ok() || !write) return policy;
+  // Waits under mu_ (the caller's state may be observed once this returns), sharing a commit
+  // with whatever is queued.
+  if (absl::Status s = store_->Wait(write); !s.ok()) {
+    // The versions staged before it are durable and published by their own callers (into the
+    // outboxes they flush); this one and those made from it are dropped.
+    std::deque<StagedPolicy>& staged = rec.staged_policies;
+    staged.erase(std::find_if(staged.begin(), staged.end(),
+                              [&](const StagedPolicy& p) { return p.write == write; }),
+                 staged.end());
     return s;
   }
-  rec.events.push_back(event);
-  rec.policies.push_back(next);
-  log::Info("policy.changed")
-      .F("job", rec.job.id())
-      .F("version", next.version())
-      .F("author", author)
-      .F("effective_step", next.effective_step())
-      .F("step", rec.job.progress().step())
-      .F("patches", next.patches_size())
-      .Msg(reason);
-  ++counters_.policy_updates;
-  if (author == "auto") ++counters_.auto_policy_updates;
-  v1::CoordinatorMessage m;
-  *m.mutable_policy() = next;
-  SendToRanks(rec, m, out);
-  Changed(rec);
-  return next;
+  PublishPolicies(rec, out);
+  return policy;
 }
 
 absl::StatusOr<v1::UpdatePolicyResponse> Coordinator::UpdatePolicy(
@@ -770,8 +821,10 @@ absl::StatusOr<v1::UpdatePolicyResponse> Coordinator::UpdatePolicy(
   }
   Outbox out;
   v1::UpdatePolicyResponse response;
+  Store::WriteHandle write;
+  absl::Status written;
   {
-    std::lock_guard<std::mutex> lock(mu_);
+    std::unique_lock<std::mutex> lock(mu_);
     auto found = FindJob(request.job_id());
     if (!found.ok()) return found.status();
     JobRec& rec = **found;
@@ -796,14 +849,28 @@ absl::StatusOr<v1::UpdatePolicyResponse> Coordinator::UpdatePolicy(
       }
     }
     bool unchanged = false;
-    auto policy =
-        AddPolicyVersion(rec, patches, request.reason().empty() ? "user update" : request.reason(),
-                         "user", out, default_policy ? &*default_policy : nullptr, &unchanged);
+    auto policy = StagePolicyVersion(
+        rec, patches, request.reason().empty() ? "user update" : request.reason(), "user", &write,
+        default_policy ? &*default_policy : nullptr, &unchanged);
     if (!policy.ok()) return policy.status();
     *response.mutable_policy() = *policy;
     response.set_unchanged(unchanged);
+    if (write) {
+      // Not under mu_, so that updates arriving together share one commit. Readers and ranks
+      // see the version only once PublishPolicies finds it durable.
+      lock.unlock();
+      written = store_->Wait(write);
+      lock.lock();
+      // The job may have been deleted meanwhile (cancelled, then DeleteJob): after this version
+      // was durable, since the delete was written after it. Versions published here (this one
+      // and any durable before it) go out even when this one failed.
+      if (auto again = jobs_.find(request.job_id()); again != jobs_.end()) {
+        PublishPolicies(*again->second, out);
+      }
+    }
   }
   Flush(out);
+  if (!written.ok()) return written;
   return response;
 }
 
@@ -815,28 +882,54 @@ absl::StatusOr<v1::RegisterResponse> Coordinator::Register(const v1::RegisterReq
   if (request.name().size() > 200) {
     return absl::InvalidArgumentError("name: longer than 200 characters");
   }
+  // A name held by a live session belongs to a running process: a second process under the
+  // same name would fence it, be fenced in turn when it re-registers, and so on for ever. A
+  // restarted process gets the name once the old session ends (its stream breaks when the
+  // process dies) or is declared dead. Checked before the write and again at install (mu_).
+  auto refusal = [&]() -> absl::Status {
+    if (shutdown_) return absl::UnavailableError("coordinator shutting down");
+    auto it = workers_.find(request.name());
+    if (it == workers_.end() || !it->second.fenced_reason.empty() || !it->second.sink) {
+      return absl::OkStatus();
+    }
+    const v1::Worker& held = it->second.info;
+    return absl::AlreadyExistsError("name: " + request.name() +
+                                    " is held by a live session (generation " +
+                                    std::to_string(held.generation()) + ", host " + held.host() +
+                                    "); each worker process needs its own --name");
+  };
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    GEOFP8_RETURN_IF_ERROR(refusal());
+  }
+  // Durable before anything uses it, and written without mu_ so that registrations arriving
+  // together share one commit (see "Durability" in coordinator.h).
+  GEOFP8_ASSIGN_OR_RETURN(const uint64_t gen, store_->NextGeneration(request.name()));
   Outbox out;
   v1::RegisterResponse response;
   {
     std::lock_guard<std::mutex> lock(mu_);
-    if (shutdown_) return absl::UnavailableError("coordinator shutting down");
+    GEOFP8_RETURN_IF_ERROR(refusal());
     auto it = workers_.find(request.name());
-    // A name held by a live session belongs to a running process: a second process under the
-    // same name would fence it, be fenced in turn when it re-registers, and so on for ever. A
-    // restarted process gets the name once the old session ends (its stream breaks when the
-    // process dies) or is declared dead.
-    if (it != workers_.end() && it->second.fenced_reason.empty() && it->second.sink) {
-      const v1::Worker& held = it->second.info;
-      return absl::AlreadyExistsError("name: " + request.name() +
-                                      " is held by a live session (generation " +
-                                      std::to_string(held.generation()) + ", host " + held.host() +
-                                      "); each worker process needs its own --name");
+    if (it != workers_.end() && it->second.info.generation() > gen) {
+      // A racing registration of the name committed after this one and is installed: this
+      // generation was replaced before it was ever current, so it is answered fenced (its
+      // session is refused) and the process registers again.
+      log::Warn("worker.superseded")
+          .F("worker", request.name())
+          .F("generation", gen)
+          .F("current", it->second.info.generation())
+          .Msg("registered concurrently with a later generation of the same name");
+      response.set_worker_id(request.name());
+      response.set_generation(gen);
+      response.set_session_secret(RandomSecret());
+      response.set_heartbeat_interval_ms(options_.heartbeat_interval_ms);
+      response.set_heartbeat_timeout_ms(options_.heartbeat_timeout_ms);
+      return response;
     }
-    auto gen = store_->NextGeneration(request.name());
-    if (!gen.ok()) return gen.status();
     if (it != workers_.end() && it->second.fenced_reason.empty()) {
       // A new generation replaces the old one, which is fenced from now on.
-      DeclareDead(it->second, "re-registered as generation " + std::to_string(*gen), out);
+      DeclareDead(it->second, "re-registered as generation " + std::to_string(gen), out);
     }
     WorkerRec& w = workers_[request.name()];
     w.info.set_id(request.name());
@@ -845,7 +938,7 @@ absl::StatusOr<v1::RegisterResponse> Coordinator::Register(const v1::RegisterReq
     w.info.set_device(request.device());
     w.info.set_memory_bytes(request.memory_bytes());
     w.info.set_accepts_commands(request.accepts_commands());
-    w.info.set_generation(*gen);
+    w.info.set_generation(gen);
     w.info.set_state(v1::WORKER_DISCONNECTED);
     w.info.clear_job_id();
     w.info.set_rank(-1);
@@ -856,11 +949,11 @@ absl::StatusOr<v1::RegisterResponse> Coordinator::Register(const v1::RegisterReq
     w.session_secret = RandomSecret();
     SyncLive(w, /*touch=*/true);
     response.set_worker_id(w.info.id());
-    response.set_generation(*gen);
+    response.set_generation(gen);
     response.set_session_secret(w.session_secret);
     log::Info("worker.registered")
         .F("worker", w.info.id())
-        .F("generation", *gen)
+        .F("generation", gen)
         .F("host", w.info.host())
         .F("device", w.info.device())
         .F("accepts_commands", w.info.accepts_commands() ? "true" : "false")
@@ -1368,6 +1461,7 @@ void Coordinator::OnProgress(JobRec& rec, int rank, const v1::StepProgress& p, O
   if (rank == 0) {
     prog->set_loss(p.loss());
     prog->set_tokens_per_second(p.tokens_per_second());
+    if (p.has_gradient_noise_scale()) prog->set_gradient_noise_scale(p.gradient_noise_scale());
     if (p.has_val_loss()) {
       prog->set_val_loss(p.val_loss());
       prog->set_val_step(p.step());

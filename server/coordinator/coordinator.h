@@ -5,6 +5,7 @@
 #include <atomic>
 #include <condition_variable>
 #include <cstdint>
+#include <deque>
 #include <map>
 #include <memory>
 #include <mutex>
@@ -15,7 +16,7 @@
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
 #include "geofp8/v1/geofp8.pb.h"
-#include "kernels/policy/job_spec.h"
+#include "platform/policy/job_spec.h"
 #include "server/coordinator/kv.h"
 #include "server/coordinator/store.h"
 
@@ -76,6 +77,32 @@ struct WatchCursor {
   size_t events = 0;    // events already delivered
 };
 
+// Durability (issue #30: group commit). The store batches writes that arrive together into one
+// transaction (Store: group commit); the coordinator lets them arrive together by not holding
+// mu_ across the fsync on its hot paths, and shows nothing before it is durable:
+// - Register: the next generation is reserved in the store (a write of its own, mu_ released),
+//   then installed under mu_. The generation order is the commit order, so of two racing
+//   registrations of one name the later commit has the higher generation: installed second, it
+//   fences the first (DeclareDead), or, installed first, the lower one finds itself overtaken
+//   and is answered with its generation already fenced, as though it had been registered and
+//   then replaced. The live-session check is made again at install: a name whose session opened
+//   meanwhile is refused as before (the reserved number is burnt, never handed out). Nothing
+//   of a generation is in memory, sent or answered before it is durable.
+// - UpdatePolicy: version v is staged under mu_ (JobRec::staged_policies: numbered after the
+//   newest durable or staged version, its write submitted in that order), then mu_ is released
+//   for the wait. rec.policies, which every reader uses (GetPolicy, ListPolicyVersions,
+//   Assignments, resends, divergence checks), holds durable versions only: PublishPolicies moves
+//   the durable prefix of the staged ones there, in order, under mu_, and only then are they
+//   sent to ranks (the Outbox is flushed after) and acknowledged. A version's write checks that
+//   v-1 is stored (Store::PutNextPolicy), so v+1 never becomes durable without v; when v fails,
+//   v and every version staged after it are dropped (their writes fail too), and the next
+//   version made takes v's number: versions stay dense and ordered. The job row's
+//   policy_version is a cache that Recover rebuilds from the versions.
+// - Other writes (SetState with its event, progress, PolicyAck's taken step, SubmitJob, ...)
+//   wait under mu_, as before: what they record is observable the moment mu_ is released, so
+//   it must be durable by then. They still share a commit with the registrations and policy
+//   versions waiting meanwhile. A failed batch fails exactly the writes it held; each caller
+//   handles its own error as before (SetState and progress log it).
 class Coordinator {
  public:
   Coordinator(Store* store, Clock* clock, CoordinatorOptions options);
@@ -162,11 +189,18 @@ class Coordinator {
     uint64_t bytes_sent = 0, bytes_baseline = 0;
     bool finished = false;
   };
+  // A policy version whose write is submitted but not yet published (PublishPolicies).
+  struct StagedPolicy {
+    v1::Policy policy;
+    v1::JobEvent event;                          // recorded with it
+    std::vector<v1::RefreshSchedule> schedules;  // JobRec::schedules once published
+    Store::WriteHandle write;
+  };
   struct JobRec {
     v1::Job job;  // without events
     std::vector<v1::JobEvent> events;
     JobSpec spec;
-    std::vector<v1::Policy> policies;  // policies[v - 1] is version v
+    std::vector<v1::Policy> policies;  // policies[v - 1] is version v; durable ones only
     std::vector<v1::LayerInfo> catalog;
     std::vector<v1::RefreshSchedule> schedules;
     std::map<std::string, v1::LayerSummary> layers;  // latest summary per layer
@@ -179,6 +213,9 @@ class Coordinator {
     // (ResumeAfterOutage).
     int32_t interrupted_attempt = -1;
     std::vector<std::string> interrupted_workers;
+    // Versions after policies.back() whose writes are submitted and not yet published, in
+    // version order (see "Durability" above).
+    std::deque<StagedPolicy> staged_policies;
   };
   struct WorkerRec {
     v1::Worker info;
@@ -230,15 +267,23 @@ class Coordinator {
   // checkpoint); -1 otherwise.
   int64_t ResumeAfterOutage(const JobRec& rec, const std::vector<WorkerRec*>& chosen) const;
   void SendToRanks(const JobRec& rec, const v1::CoordinatorMessage& m, Outbox& out);
-  // The latest version with `patches` appended (and `default_policy` in place of its default,
-  // when given), compacted. When that equals the latest version, no version is made:
-  // *unchanged is set and the latest version is returned.
+  // The latest version (durable or staged) with `patches` appended (and `default_policy` in
+  // place of its default, when given), compacted, staged with its write submitted (*write).
+  // When that equals the latest version, no version is made: *unchanged is set and the latest
+  // version is returned, with *write the staged one's write (null when it is durable).
+  absl::StatusOr<v1::Policy> StagePolicyVersion(
+      JobRec& rec, const std::vector<v1::LayerPatch>& patches, const std::string& reason,
+      const std::string& author, Store::WriteHandle* write,
+      const v1::LayerPolicy* default_policy = nullptr, bool* unchanged = nullptr);
+  // Moves the durable prefix of rec's staged versions to rec.policies, in order, and queues
+  // them to the ranks; drops every staged version from the first failed one on.
+  void PublishPolicies(JobRec& rec, Outbox& out);
+  // StagePolicyVersion, then waits for the write under mu_ and publishes: durable when it
+  // returns OK.
   absl::StatusOr<v1::Policy> AddPolicyVersion(JobRec& rec,
                                               const std::vector<v1::LayerPatch>& patches,
                                               const std::string& reason, const std::string& author,
-                                              Outbox& out,
-                                              const v1::LayerPolicy* default_policy = nullptr,
-                                              bool* unchanged = nullptr);
+                                              Outbox& out);
   void DeclareDead(WorkerRec& w, const std::string& reason, Outbox& out);
   void OnProgress(JobRec& rec, int rank, const v1::StepProgress& p, Outbox& out);
   static void Flush(Outbox& out);

@@ -7,7 +7,7 @@
 #include <fstream>
 
 #include "kernels/codec/codec.h"
-#include "kernels/policy/policy.h"
+#include "platform/policy/policy.h"
 #include "worker/daemon/log.h"
 
 namespace geofp8::worker {

@@ -24,7 +24,7 @@
 #include "kernels/geometry/analysis.h"
 #include "kernels/model/data.h"
 #include "kernels/model/ops.h"
-#include "kernels/policy/job_spec.h"
+#include "platform/policy/job_spec.h"
 
 namespace geofp8::train {
 

@@ -19,8 +19,8 @@
 #include "kernels/model/model.h"
 #include "kernels/model/noise_scale.h"
 #include "kernels/model/optimizer.h"
+#include "platform/policy/exchange_policy.h"
 #include "worker/train/checkpoint.h"
-#include "worker/train/exchange_policy.h"
 
 namespace geofp8::train {
 
