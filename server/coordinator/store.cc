@@ -541,12 +541,12 @@ absl::Status Store::Wait(const WriteHandle& w) {
     stats_.writes += batch.size();
     for (const WriteHandle& b : batch) {
       b->done = true;
-      b->cv.notify_one();
+      b->cv.notify_all();  // more than one caller may wait on a write (UpdatePolicy unchanged)
     }
     // The writes queued during this batch: one of their waiters leads the next.
     for (const WriteHandle& q : queue_) {
       if (q->waiting) {
-        q->cv.notify_one();
+        q->cv.notify_all();
         break;
       }
     }

@@ -174,6 +174,26 @@ TEST(StoreGroupCommit, WritesQueuedDuringACommitShareTheNextOne) {
   EXPECT_EQ(store->queued(), 0u);
 }
 
+TEST(StoreGroupCommit, EveryCallerWaitingOnOneWriteIsWoken) {
+  // UpdatePolicy answers an unchanged update with the staged version's write: two waiters.
+  auto store = OpenStore("");
+  ASSERT_TRUE(store);
+  Store::WriteHandle w;
+  std::vector<std::thread> threads;
+  std::atomic<int> woken{0};
+  {
+    HeldBatch held(store.get());
+    w = store->Submit([&] { return store->PutJob(JobRow("shared")); });
+    for (int i = 0; i < 2; ++i) {
+      threads.emplace_back([&] {
+        if (store->Wait(w).ok()) ++woken;
+      });
+    }
+  }
+  for (auto& t : threads) t.join();
+  EXPECT_EQ(woken.load(), 2);
+}
+
 TEST(StoreGroupCommit, AFailingWriteRollsBackOnlyItself) {
   auto store = OpenStore("");
   ASSERT_TRUE(store);
