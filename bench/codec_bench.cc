@@ -30,6 +30,10 @@ struct Row {
   double memcpy_gbps = 0, encode_gbps = 0, decode_gbps = 0, decode_acc_gbps = 0;
   int hadamard_block = 0;         // --hadamard: the rotation block (the codec's scale block)
   double rotate_encode_gbps = 0;  // --hadamard: EncodeRotated, the same bytes counted as encode
+  // --hadamard: HadamardForward alone, in place (4n read + 4n written), and its time over the
+  // encode's: what the rotation adds when the two do not overlap.
+  double rotate_gbps = 0;
+  double rotate_over_encode = 0;
 };
 
 // Runs fn(t) on `threads` threads (t = 0 on the caller) and returns the wall time in seconds.
@@ -156,15 +160,20 @@ int RunCodecBench(int argc, char** argv) {
         // Each thread's range starts at a multiple of every block, so it rotates as a tensor.
         EncodeRotated(std::span(x).subspan(t * per, per), hb, 7, o, bufs[t]);
       };
-      std::vector<double> mem, enc, dec, dacc, rot;
+      const auto rot_only_fn = [&](int t) {
+        HadamardForward(std::span(copy).subspan(t * per, per), hb, 7);
+      };
+      std::vector<double> mem, enc, dec, dacc, rot, rot_only;
       for (int r = -1; r < reps; ++r) {  // r = -1: warm-up, not recorded
         const double m = TimeParallel(threads, memcpy_fn);
         const double e = TimeParallel(threads, enc_fn);
         const double d = TimeParallel(threads, dec_fn);
         const double a = TimeParallel(threads, dacc_fn);
         const double h = hb ? TimeParallel(threads, rot_fn) : 0;
+        const double ro = hb ? TimeParallel(threads, rot_only_fn) : 0;
         if (r < 0) continue;
         mem.push_back(m), enc.push_back(e), dec.push_back(d), dacc.push_back(a), rot.push_back(h);
+        rot_only.push_back(ro);
       }
       const double wire = static_cast<double>(enc_bytes) * threads;
       Row row;
@@ -175,7 +184,11 @@ int RunCodecBench(int argc, char** argv) {
       row.decode_gbps = (4.0 * n + wire) / Median(dec) / 1e9;
       row.decode_acc_gbps = (8.0 * n + wire) / Median(dacc) / 1e9;
       row.hadamard_block = hb;
-      if (hb) row.rotate_encode_gbps = (4.0 * n + wire) / Median(rot) / 1e9;
+      if (hb) {
+        row.rotate_encode_gbps = (4.0 * n + wire) / Median(rot) / 1e9;
+        row.rotate_gbps = 8.0 * n / Median(rot_only) / 1e9;
+        row.rotate_over_encode = Median(rot_only) / Median(enc);
+      }
       rows.push_back(row);
     }
   }
@@ -210,8 +223,10 @@ int RunCodecBench(int argc, char** argv) {
       if (r.hadamard_block) {
         std::printf(
             ", \"hadamard_block\": %d, \"rotate_encode_gbps\": %.3f, "
-            "\"rotate_encode_vs_memcpy\": %.3f",
-            r.hadamard_block, r.rotate_encode_gbps, r.rotate_encode_gbps / r.memcpy_gbps);
+            "\"rotate_encode_vs_memcpy\": %.3f, \"rotate_gbps\": %.3f, "
+            "\"rotate_time_over_encode_time\": %.3f",
+            r.hadamard_block, r.rotate_encode_gbps, r.rotate_encode_gbps / r.memcpy_gbps,
+            r.rotate_gbps, r.rotate_over_encode);
       }
       std::printf("}");
     }
@@ -225,7 +240,8 @@ int RunCodecBench(int argc, char** argv) {
       "count, measured in this run\n\n");
   std::printf("%-9s %-7s %3s %8s %8s %6s %8s %6s %8s %6s %8s", "format", "scaling", "thr", "memcpy",
               "encode", "ratio", "decode", "ratio", "dec+acc", "ratio", "enc x1thr");
-  if (hadamard) std::printf(" %5s %8s %6s", "hblk", "rot+enc", "ratio");
+  if (hadamard)
+    std::printf(" %5s %8s %6s %8s %7s", "hblk", "rot+enc", "ratio", "rotate", "rot/enc");
   std::printf("\n");
   for (const Row& r : rows) {
     std::printf("%-9s %-7s %3d %8.2f %8.2f %6.2f %8.2f %6.2f %8.2f %6.2f %8.2f",
@@ -235,8 +251,8 @@ int RunCodecBench(int argc, char** argv) {
                 r.decode_gbps / r.memcpy_gbps, r.decode_acc_gbps, r.decode_acc_gbps / r.memcpy_gbps,
                 speedup(r));
     if (hadamard) {
-      std::printf(" %5d %8.2f %6.2f", r.hadamard_block, r.rotate_encode_gbps,
-                  r.rotate_encode_gbps / r.memcpy_gbps);
+      std::printf(" %5d %8.2f %6.2f %8.2f %7.2f", r.hadamard_block, r.rotate_encode_gbps,
+                  r.rotate_encode_gbps / r.memcpy_gbps, r.rotate_gbps, r.rotate_over_encode);
     }
     std::printf("\n");
   }

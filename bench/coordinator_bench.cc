@@ -1,7 +1,6 @@
 // geofp8-bench coordinator: an in-process coordinator (real gRPC on 127.0.0.1, SQLite WAL +
 // synchronous=FULL) against simulated workers heartbeating at 1 Hz, then a policy update stream.
 #include <grpcpp/grpcpp.h>
-#include <sqlite3.h>
 #include <unistd.h>
 
 #include <algorithm>
@@ -17,6 +16,7 @@
 #include <vector>
 
 #include "CLI/CLI.hpp"
+#include "bench/control_plane.h"
 #include "bench/registry.h"
 #include "geofp8/v1/geofp8.grpc.pb.h"
 #include "server/coordinator/coordinator.h"
@@ -34,16 +34,7 @@ using coordinator::Metrics;
 using coordinator::ServerOptions;
 using coordinator::Store;
 using coordinator::SystemClock;
-using Clock = std::chrono::steady_clock;
-
-double Ms(Clock::duration d) { return std::chrono::duration<double, std::milli>(d).count(); }
-
-double Percentile(std::vector<double> v, double p) {
-  if (v.empty()) return 0.0;
-  std::sort(v.begin(), v.end());
-  size_t i = static_cast<size_t>(p * static_cast<double>(v.size() - 1) + 0.5);
-  return v[std::min(i, v.size() - 1)];
-}
+using Clock = SteadyClock;
 
 // One simulated worker: a thread with a blocking Session stream. It beats once a second at its
 // own phase, waits for the ack and records the round trip. (gRPC 1.51's callback client delays
@@ -146,27 +137,6 @@ struct Level {
   uint64_t skipped = 0;
 };
 
-// Fsync-bound commit rate of the same SQLite settings the store uses: the durability ceiling
-// for policy updates, measured in the same run.
-double SqliteCommitsPerSecond(const std::string& dir, double seconds) {
-  sqlite3* db = nullptr;
-  const std::string path = dir + "/baseline.db";
-  if (sqlite3_open(path.c_str(), &db) != SQLITE_OK) return 0;
-  sqlite3_exec(db,
-               "PRAGMA journal_mode=WAL; PRAGMA synchronous=FULL;"
-               "CREATE TABLE t(k INTEGER PRIMARY KEY, v BLOB)",
-               nullptr, nullptr, nullptr);
-  const auto start = Clock::now();
-  int n = 0;
-  while (std::chrono::duration<double>(Clock::now() - start).count() < seconds) {
-    sqlite3_exec(db, "INSERT INTO t(v) VALUES(randomblob(200))", nullptr, nullptr, nullptr);
-    ++n;
-  }
-  const double rate = n / std::chrono::duration<double>(Clock::now() - start).count();
-  sqlite3_close(db);
-  return rate;
-}
-
 int Run(int argc, char** argv) {
   CLI::App app{"geofp8-bench coordinator: heartbeat capacity and policy update rate",
                "coordinator"};
@@ -176,6 +146,7 @@ int Run(int argc, char** argv) {
   int update_threads = 4;
   double update_seconds = 5;
   int channels = 8;
+  int register_threads = 1;
   app.add_option("--workers", levels, "Worker counts to try, ascending")
       ->delimiter(',')
       ->capture_default_str();
@@ -187,6 +158,9 @@ int Run(int argc, char** argv) {
   app.add_option("--update-seconds", update_seconds, "Seconds of the policy update stream")
       ->capture_default_str();
   app.add_option("--channels", channels, "Client TCP connections the workers share")
+      ->capture_default_str();
+  app.add_option("--register-threads", register_threads,
+                 "Concurrent Register callers while a level's new workers join (a cold start)")
       ->capture_default_str();
   if (int rc = ParseFlags(app, argc, argv); rc >= 0) return rc;
   std::sort(levels.begin(), levels.end());
@@ -250,8 +224,8 @@ int Run(int argc, char** argv) {
   std::printf("baseline: empty unary RPC round trip on the idle server p50 %.3f ms, p99 %.3f ms\n",
               base_p50, Percentile(idle, 0.99));
   std::printf("probe: the same RPC every 10 ms during each level (machine noise floor)\n\n");
-  std::printf("%8s %10s %9s %9s %9s %9s %10s %8s %6s\n", "workers", "beats/s", "p50 ms", "p99 ms",
-              "max ms", "p50/base", "probe p99", "skipped", "held");
+  std::printf("%8s %10s %9s %9s %9s %9s %10s %8s %6s %9s\n", "workers", "beats/s", "p50 ms",
+              "p99 ms", "max ms", "p50/base", "probe p99", "skipped", "held", "joins/s");
 
   std::vector<std::unique_ptr<SimWorker>> workers;
   std::atomic<bool> beating{false};
@@ -279,31 +253,46 @@ int Run(int argc, char** argv) {
   int held = 0;
   int next_id = 0;
   for (int target : levels) {
-    // Register and connect the extra workers (Register is a durable write: fsync each).
+    // Register and connect the extra workers (Register is a durable write), from
+    // --register-threads callers at once; joins/s is their rate.
     beating = false;
-    while (static_cast<int>(workers.size()) < target) {
-      v1::RegisterRequest req;
-      req.set_name("sim-" + std::to_string(next_id));
-      req.set_device("cpu");
-      grpc::ClientContext ctx;
-      v1::RegisterResponse resp;
-      auto& stub = stubs[next_id % channels];
-      ++next_id;
-      grpc::Status s = stub->Register(&ctx, req, &resp);
-      if (!s.ok()) {
-        std::fprintf(stderr, "register: %s\n", s.error_message().c_str());
-        return 1;
+    const int first = next_id, joining = target - static_cast<int>(workers.size());
+    next_id += std::max(joining, 0);
+    std::atomic<int> next_join{0};
+    std::atomic<bool> join_failed{false};
+    const auto j0 = Clock::now();
+    auto join = [&] {
+      for (int k; !join_failed && (k = next_join++) < joining;) {
+        const int id = first + k;
+        v1::RegisterRequest req;
+        req.set_name("sim-" + std::to_string(id));
+        req.set_device("cpu");
+        grpc::ClientContext ctx;
+        v1::RegisterResponse resp;
+        auto& stub = stubs[id % channels];
+        grpc::Status s = stub->Register(&ctx, req, &resp);
+        if (!s.ok()) {
+          std::fprintf(stderr, "register: %s\n", s.error_message().c_str());
+          join_failed = true;
+          return;
+        }
+        // Phases spread evenly over the second (golden-ratio sequence: even for any count).
+        const double phase = std::fmod((id + 1) * 0.6180339887, 1.0);
+        auto w = std::make_unique<SimWorker>(
+            stub.get(), resp.worker_id(), resp.generation(), resp.session_secret(),
+            std::max(Clock::now(), epoch) +
+                std::chrono::microseconds(static_cast<int64_t>(phase * 1e6)),
+            &beating);
+        std::lock_guard<std::mutex> lock(workers_mu);
+        workers.push_back(std::move(w));
       }
-      // Phases spread evenly over the second (golden-ratio sequence: even for any count).
-      const double phase = std::fmod(next_id * 0.6180339887, 1.0);
-      auto w = std::make_unique<SimWorker>(
-          stub.get(), resp.worker_id(), resp.generation(), resp.session_secret(),
-          std::max(Clock::now(), epoch) +
-              std::chrono::microseconds(static_cast<int64_t>(phase * 1e6)),
-          &beating);
-      std::lock_guard<std::mutex> lock(workers_mu);
-      workers.push_back(std::move(w));
-    }
+    };
+    std::vector<std::thread> joiners;
+    for (int t = 0; t < std::max(register_threads, 1); ++t) joiners.emplace_back(join);
+    for (auto& t : joiners) t.join();
+    if (join_failed) return 1;
+    const double joins_per_s =
+        joining > 0 ? joining / std::chrono::duration<double>(Clock::now() - j0).count() : 0.0;
     beating = true;
     std::vector<double> warm;
     uint64_t warm_skipped = 0;
@@ -319,9 +308,10 @@ int Run(int argc, char** argv) {
     level.max = lat.empty() ? 0 : *std::max_element(lat.begin(), lat.end());
     const bool ok = !lat.empty() && level.p99 < p99_target_ms &&
                     level.skipped * 100 <= static_cast<uint64_t>(target * seconds);
-    std::printf("%8d %10.0f %9.3f %9.3f %9.2f %9.1f %10.3f %8llu %6s\n", target, level.beats_per_s,
-                level.p50, level.p99, level.max, level.p50 / base_p50, Percentile(probe, 0.99),
-                static_cast<unsigned long long>(level.skipped), ok ? "yes" : "no");
+    std::printf("%8d %10.0f %9.3f %9.3f %9.2f %9.1f %10.3f %8llu %6s %9.0f\n", target,
+                level.beats_per_s, level.p50, level.p99, level.max, level.p50 / base_p50,
+                Percentile(probe, 0.99), static_cast<unsigned long long>(level.skipped),
+                ok ? "yes" : "no", joins_per_s);
     std::fflush(stdout);
     // Every level runs: on a shared machine a noisy level need not mean the next one fails.
     if (ok) held = target;

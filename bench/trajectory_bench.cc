@@ -30,7 +30,7 @@
 #include "kernels/exchange/exchanger.h"
 #include "kernels/geometry/analysis.h"
 #include "kernels/model/ops.h"
-#include "worker/train/exchange_policy.h"
+#include "platform/policy/exchange_policy.h"
 
 namespace geofp8::bench {
 namespace {
@@ -162,26 +162,31 @@ Trajectory ReadTrajectory(const Args& a) {
 struct Variant {
   std::string policy;  // as given
   std::string kind;    // deployed, euclid, fresh
-  train::ExchangePlan plan;
+  ExchangePlan plan;
   std::vector<RefreshSchedule> schedule;
 };
 
 std::vector<Variant> MakeVariants(const Args& a, const Trajectory& t) {
   std::vector<Variant> out;
   for (const std::string& p : a.policies) {
-    train::ExchangePlan plan;
+    ExchangePlan plan;
     try {
-      plan = train::MakeExchangePlan(p, t.params);
+      plan = MakeExchangePlan(p, t.params);
     } catch (const Error& e) {
       Usage("--policy", e.what(), p);
     }
-    if (!plan.uses_geometry()) Usage("--policy", "uses no geometry: nothing to judge", p);
-    train::ExchangePlan euclid = plan;
+    // A rotation alone (geometry: hadamard) transforms the gradient too: its twin drops it.
+    const bool rotates = std::any_of(plan.layers.begin(), plan.layers.end(),
+                                     [](const LayerPolicy& lp) { return lp.hadamard; });
+    if (!plan.uses_geometry() && !rotates) {
+      Usage("--policy", "uses no geometry: nothing to judge", p);
+    }
+    ExchangePlan euclid = plan;
     for (LayerPolicy& lp : euclid.layers) {
       lp.geometry = GeometryMode::kNone;
       lp.hadamard = false;  // the twin quantizes the gradient itself: no transform at all
     }
-    out.push_back({p, "deployed", plan, train::MakeRefreshSchedule(plan, t.ranks)});
+    out.push_back({p, "deployed", plan, MakeRefreshSchedule(plan, t.ranks)});
     out.push_back({p, "euclid", euclid, {}});
     out.push_back({p, "fresh", plan, {}});
   }
@@ -230,7 +235,7 @@ Results Replay(const Args& a, const Trajectory& t, const std::vector<Variant>& v
     for (size_t l = 0; l < L; ++l) {
       specs.push_back({t.layers[l].name, t.layers[l].rows, t.layers[l].cols, v.plan.layers[l]});
     }
-    ExchangeOptions eo = train::MakeExchangeOptions(v.plan);
+    ExchangeOptions eo = MakeExchangeOptions(v.plan);
     eo.seed = a.seed;
     ex.push_back(std::make_unique<Exchanger>(comm, std::move(specs), eo, v.schedule));
   }

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Mutation check (issues #17, #31): plants each bug of scripts/mutations.txt one at a time in the
-# numeric core (kernels/) or the services (server/, worker/, kernels/policy, client/python),
+# numeric core (kernels/) or the services (server/, worker/, platform/policy, client/python),
 # rebuilds only the tests that must catch it, runs them per OpenBLAS core, prints a table.
 #
 # Usage: scripts/mutate.sh [-B BUILD_DIR] [-c CORES] [NAME_REGEX]

@@ -14,6 +14,7 @@
 
 #include "absl/status/status.h"
 #include "client/ctl/doc.h"
+#include "platform/common/status.h"
 #include "yaml-cpp/yaml.h"
 
 namespace geofp8::ctl {
@@ -73,9 +74,7 @@ absl::StatusOr<Config> ParseConfig(const std::string& text, const std::string& p
   for (auto kv : root) {
     const std::string key = kv.first.Scalar();
     if (key == "current-context") {
-      auto v = ScalarString(path, kv.second, key);
-      if (!v.ok()) return v.status();
-      c.current_context = *v;
+      GEOFP8_ASSIGN_OR_RETURN(c.current_context, ScalarString(path, kv.second, key));
     } else if (key == "contexts") {
       if (kv.second.IsNull()) continue;
       if (!kv.second.IsSequence()) return At(path, kv.second, key, "must be a list of contexts");
@@ -98,9 +97,7 @@ absl::StatusOr<Config> ParseConfig(const std::string& text, const std::string& p
             return At(path, f.first, field,
                       "unknown field; accepted: name, server, token-file, ca, cert, key");
           }
-          auto v = ScalarString(path, f.second, field);
-          if (!v.ok()) return v.status();
-          *dst = *v;
+          GEOFP8_ASSIGN_OR_RETURN(*dst, ScalarString(path, f.second, field));
         }
         if (ctx.name.empty()) return At(path, item, where + ".name", "required");
         if (c.Find(ctx.name)) {

@@ -9,6 +9,7 @@
 
 #include "absl/status/status.h"
 #include "google/protobuf/descriptor.h"
+#include "platform/common/status.h"
 
 namespace geofp8::ctl {
 
@@ -523,10 +524,9 @@ absl::StatusOr<std::vector<Segment>> ParsePath(const std::string& expr, bool* wh
 
 absl::StatusOr<std::vector<const Doc*>> Evaluate(const Doc& root, const std::string& expr) {
   bool whole = false;
-  auto path = ParsePath(expr, &whole);
-  if (!path.ok()) return path.status();
+  GEOFP8_ASSIGN_OR_RETURN(const auto path, ParsePath(expr, &whole));
   std::vector<const Doc*> cur = {&root};
-  for (const Segment& seg : *path) {
+  for (const Segment& seg : path) {
     std::vector<const Doc*> next;
     for (const Doc* d : cur) {
       switch (seg.kind) {
@@ -616,11 +616,10 @@ absl::StatusOr<std::string> Template(const Doc* d, const std::string& tmpl) {
       out += Unescape(expr.substr(1, expr.size() - 2));
     } else if (!d) {
       bool whole = false;
-      if (auto path = ParsePath(expr, &whole); !path.ok()) return path.status();
+      GEOFP8_RETURN_IF_ERROR(ParsePath(expr, &whole));
     } else {
-      auto found = Evaluate(*d, expr);
-      if (!found.ok()) return found.status();
-      for (size_t k = 0; k < found->size(); ++k) out += (k ? " " : "") + Printed(*(*found)[k]);
+      GEOFP8_ASSIGN_OR_RETURN(const auto found, Evaluate(*d, expr));
+      for (size_t k = 0; k < found.size(); ++k) out += (k ? " " : "") + Printed(*found[k]);
     }
     i = close + 1;
   }

@@ -23,8 +23,8 @@
 #include "client/ctl/render.h"
 #include "client/ctl/version.h"
 #include "geofp8/v1/geofp8.grpc.pb.h"
-#include "kernels/policy/job_spec.h"
-#include "kernels/policy/policy.h"
+#include "platform/policy/job_spec.h"
+#include "platform/policy/policy.h"
 
 namespace geofp8::ctl {
 namespace {
@@ -762,7 +762,7 @@ int Run(int argc, char** argv) {
   policy_set->add_option("--layer", layer, "Layer name or glob, e.g. 'layers.*.attn.*'")
       ->required();
   std::string format, scaling, rounding, geometry, ef;
-  std::optional<uint32_t> block;
+  std::optional<uint32_t> block, hadamard_block;
   std::optional<int> rank, refresh;
   std::optional<float> alpha;
   policy_set->add_option("--format", format,
@@ -773,7 +773,10 @@ int Run(int argc, char** argv) {
   policy_set->add_option("--rounding", rounding,
                          std::string("One of: ") + std::string(AcceptedRoundingNames()));
   policy_set->add_option("--geometry", geometry,
-                         std::string("One of: ") + std::string(AcceptedGeometryNames()));
+                         std::string("One of: ") + std::string(AcceptedTransformNames()));
+  policy_set->add_option("--hadamard-block", hadamard_block,
+                         "Hadamard rotation block (a power of two dividing the codec's scale "
+                         "block; default: the scale block)");
   policy_set->add_option("--rank", rank, "Low-rank k");
   policy_set->add_option("--alpha", alpha, "Whitening exponent");
   policy_set->add_option("--error-feedback", ef, "on or off")->check(CLI::IsMember({"on", "off"}));
@@ -933,20 +936,30 @@ int Run(int argc, char** argv) {
     };
     if (!named(format, "--format", ParseFormatName, AcceptedFormatNames(), &p.format) ||
         !named(scaling, "--scaling", ParseScalingName, AcceptedScalingNames(), &p.scaling) ||
-        !named(rounding, "--rounding", ParseRoundingName, AcceptedRoundingNames(), &p.rounding) ||
-        !named(geometry, "--geometry", ParseGeometryName, AcceptedGeometryNames(), &p.geometry)) {
+        !named(rounding, "--rounding", ParseRoundingName, AcceptedRoundingNames(), &p.rounding)) {
       return kUsage;
     }
+    if (!geometry.empty()) {
+      // A transform name sets the geometry and the rotation together, as the job spec's does.
+      const std::optional<GeometryTransform> t = ParseTransformName(geometry);
+      if (!t) {
+        return Error(kUsage, "--geometry: unknown value (" + geometry +
+                                 "); accepted: " + std::string(AcceptedTransformNames()));
+      }
+      p.geometry = t->geometry;
+      p.hadamard = t->hadamard;
+    }
+    p.hadamard_block = hadamard_block;
     p.block = block;
     p.rank = rank;
     p.alpha = alpha;
     p.refresh_interval = refresh;
     if (!ef.empty()) p.error_feedback = ef == "on";
     if (!p.format && !p.scaling && !p.block && !p.rounding && !p.geometry && !p.rank && !p.alpha &&
-        !p.error_feedback && !p.refresh_interval) {
+        !p.error_feedback && !p.refresh_interval && !p.hadamard_block) {
       return Error(kUsage,
                    "policy set: give at least one of --format --scaling --block "
-                   "--rounding --geometry --rank --alpha --error-feedback "
+                   "--rounding --geometry --hadamard-block --rank --alpha --error-feedback "
                    "--refresh-interval");
     }
     if (std::string e = ValidateLayerPatch(p, "--layer " + layer); !e.empty()) {

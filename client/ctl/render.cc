@@ -10,8 +10,8 @@
 #include <sstream>
 
 #include "client/ctl/doc.h"
-#include "kernels/policy/job_spec.h"
-#include "kernels/policy/policy.h"
+#include "platform/policy/job_spec.h"
+#include "platform/policy/policy.h"
 
 namespace geofp8::ctl {
 namespace {
@@ -44,6 +44,28 @@ std::string TotalText(const v1::JobProgress& p) {
 std::string ValidationText(const v1::JobProgress& p) {
   if (!p.has_val_loss()) return "-";
   return "loss " + Fmt("%.4f", p.val_loss()) + " after step " + std::to_string(p.val_step() + 1);
+}
+
+// "B_simple 2.9k tokens, global batch 4.1k tokens (B/B_simple 1.4)", or "-" before rank 0 reports
+// one. The batch is the built-in trainer's (world size x batch_size x seq_len); a command job's
+// program sets its own, so only B_simple is shown.
+std::string NoiseScaleText(const v1::Job& j) {
+  const v1::JobProgress& p = j.progress();
+  if (!p.has_gradient_noise_scale() || !(p.gradient_noise_scale() > 0)) return "-";
+  auto tokens = [](double t) {
+    if (t >= 1e6) return Fmt("%.3gM", t / 1e6);
+    if (t >= 1e3) return Fmt("%.3gk", t / 1e3);
+    return Fmt("%.3g", t);
+  };
+  std::string out = "B_simple " + tokens(p.gradient_noise_scale()) + " tokens";
+  auto spec = ParseJobSpec(j.spec_yaml());
+  if (spec.ok() && spec->command.empty() && j.world_size() > 0) {
+    const double batch =
+        double(j.world_size()) * spec->training.batch_size * spec->training.seq_len;
+    out += ", global batch " + tokens(batch) + " tokens (B/B_simple " +
+           Fmt("%.2g", batch / p.gradient_noise_scale()) + ")";
+  }
+  return out;
 }
 
 // A command job's program and arguments, shell-quoted where needed; "" for the built-in trainer.
@@ -348,6 +370,7 @@ std::string DescribeJob(const v1::Job& j, const v1::Policy* policy, int64_t now_
      << "Progress:     step " << StepsDone(j) << "/" << TotalText(pr) << ", loss "
      << Fmt("%.4f", pr.loss()) << ", " << Fmt("%.0f", pr.tokens_per_second()) << " tok/s\n"
      << "Validation:   " << ValidationText(pr) << "\n"
+     << "Noise scale:  " << NoiseScaleText(j) << "\n"
      << "Checkpoint:   " << CheckpointText(j) << "\n";
   if (pr.bytes_baseline() > 0) {
     os << "Bytes:        sent " << Bytes(static_cast<double>(pr.bytes_sent())) << " of fp32 "

@@ -1,7 +1,7 @@
 // geofp8._geofp8: the exchange engine (kernels/exchange) for Python, as geofp8.torch's DDP comm
 // hook drives it. One Engine per process group: a Gloo communicator bootstrapped from a Python
 // store object (torch's c10d Store), the policy of geofp8-train's --policy (presets or YAML,
-// parsed by worker/train/exchange_policy), and one Exchanger per DDP bucket layout, whose
+// parsed by platform/policy/exchange_policy), and one Exchanger per DDP bucket layout, whose
 // geometry moves with the layers when DDP rebuilds its buckets or the policy changes.
 //
 // The GIL: every call into the Python store takes it; the rendezvous and the exchange run with
@@ -42,8 +42,8 @@
 #include "kernels/exchange/gloo_communicator.h"
 #include "kernels/exchange/store.h"
 #include "kernels/model/ops.h"
-#include "kernels/policy/job_spec.h"
-#include "worker/train/exchange_policy.h"
+#include "platform/policy/exchange_policy.h"
+#include "platform/policy/job_spec.h"
 
 #ifndef GEOFP8_PYTHON_CUDA
 #define GEOFP8_PYTHON_CUDA 0
@@ -252,8 +252,8 @@ class Engine {
   // new one (GeometryImport::kDropMismatched). Returns one summary dict per layer.
   py::list SetPolicy(const std::string& kind, const std::string& spec, const std::string& model,
                      uint64_t version) {
-    train::ExchangePlan plan = BuildPlan(kind, spec, model);
-    std::vector<RefreshSchedule> schedule = train::MakeRefreshSchedule(plan, size_);
+    ExchangePlan plan = BuildPlan(kind, spec, model);
+    std::vector<RefreshSchedule> schedule = MakeRefreshSchedule(plan, size_);
     return SetPlan(std::move(plan), std::move(schedule), version);
   }
 
@@ -286,8 +286,7 @@ class Engine {
     return ~word;
   }
 
-  py::list SetPlan(train::ExchangePlan plan, std::vector<RefreshSchedule> schedule,
-                   uint64_t version) {
+  py::list SetPlan(ExchangePlan plan, std::vector<RefreshSchedule> schedule, uint64_t version) {
     if (OnCuda()) CheckCudaPlan(plan);
     Drain();
     if (plan_) StashAll(GeometryImport::kDropMismatched);
@@ -315,7 +314,7 @@ class Engine {
 
   // Parses and checks a policy against the layers without applying it.
   void CheckPolicy(const std::string& kind, const std::string& spec, const std::string& model) {
-    const train::ExchangePlan plan = BuildPlan(kind, spec, model);
+    const ExchangePlan plan = BuildPlan(kind, spec, model);
     if (OnCuda()) CheckCudaPlan(plan);
   }
 
@@ -727,24 +726,24 @@ class Engine {
     }
   }
 
-  train::ExchangePlan BuildPlan(const std::string& kind, const std::string& spec,
-                                const std::string& model) const {
+  ExchangePlan BuildPlan(const std::string& kind, const std::string& spec,
+                         const std::string& model) const {
     GEOFP8_CHECK(!params_.empty(), "policy: set_layers first");
-    if (kind == "preset") return train::MakeExchangePlan(spec, params_);
+    if (kind == "preset") return MakeExchangePlan(spec, params_);
     // No name: the errors already start "policy: " ("policy: line 1: ...").
-    if (kind == "text") return train::MakeExchangePlanFromText(spec, "", params_, model);
+    if (kind == "text") return MakeExchangePlanFromText(spec, "", params_, model);
     if (kind == "file") {
       std::ifstream in(spec);
       if (!in) GEOFP8_FAIL("policy: cannot read file ", spec);
       std::stringstream text;
       text << in.rdbuf();
-      return train::MakeExchangePlanFromText(text.str(), spec, params_, model);
+      return MakeExchangePlanFromText(text.str(), spec, params_, model);
     }
     GEOFP8_FAIL("policy kind: unknown value '", kind, "' (accepted: preset, file, text)");
   }
 
   // The CUDA path runs each layer's format without geometry and no refreshes.
-  void CheckCudaPlan(const train::ExchangePlan& plan) const {
+  void CheckCudaPlan(const ExchangePlan& plan) const {
     for (size_t i = 0; i < params_.size(); ++i) {
       GEOFP8_CHECK(!params_[i].is_matrix() || plan.layers[i].geometry == GeometryMode::kNone,
                    "policy: layer '", params_[i].name, "' uses geometry ",
@@ -779,7 +778,7 @@ class Engine {
       specs.push_back(std::move(s));
       if (!schedule_.empty()) schedule.push_back(schedule_[l]);
     }
-    ExchangeOptions eo = train::MakeExchangeOptions(*plan_);
+    ExchangeOptions eo = MakeExchangeOptions(*plan_);
     eo.seed = seed_;
     eo.timeout = timeout_;
     eo.policy_version = version_;
@@ -866,7 +865,7 @@ class Engine {
   int rank_ = 0, size_ = 1;
   std::chrono::milliseconds timeout_{kDefaultCollectiveTimeout};
   std::vector<model::ParamInfo> params_;
-  std::optional<train::ExchangePlan> plan_;
+  std::optional<ExchangePlan> plan_;
   std::vector<RefreshSchedule> schedule_;
   uint64_t version_ = 0;
   std::unique_ptr<ExchangeTrace> trace_;  // before exchangers_: they write into it
@@ -955,5 +954,5 @@ PYBIND11_MODULE(_geofp8, m) {
       py::arg("threads"),
       "Sets OpenBLAS's thread count for the whole process (torch's CPU matmuls too, when torch "
       "uses the same OpenBLAS).");
-  m.def("accepted_presets", [] { return std::string(geofp8::train::AcceptedPolicyPresets()); });
+  m.def("accepted_presets", [] { return std::string(geofp8::AcceptedPolicyPresets()); });
 }

@@ -10,8 +10,9 @@
 #include <optional>
 
 #include "kernels/common/check.h"
-#include "kernels/policy/job_spec.h"
-#include "kernels/policy/policy.h"
+#include "platform/common/status_error.h"
+#include "platform/policy/job_spec.h"
+#include "platform/policy/policy.h"
 #include "worker/hook/hook_client.h"
 
 namespace py = pybind11;
@@ -95,23 +96,20 @@ CoordinatorPlan PlanFromCoordinator(const std::string& policy_bytes,
   const std::string what = "policy v" + std::to_string(policy.version());
   JobSpec spec;
   if (!spec_yaml.empty()) {
-    auto parsed = ParseJobSpec(spec_yaml);
-    GEOFP8_CHECK(parsed.ok(), "GEOFP8_JOB_SPEC: ", std::string(parsed.status().message()));
-    spec = *parsed;
+    spec = ValueOrThrow(ParseJobSpec(spec_yaml), "GEOFP8_JOB_SPEC: ");
   }
   GEOFP8_CHECK(spec.exchange.algorithm != Algorithm::kNative,
                "spec.exchange.algorithm: native needs NCCL on a GPU; geofp8.torch on CPU accepts "
                "two_phase, allgather, fp32, bf16 (native)");
-  auto layers = ResolveLayers(policy, params);
-  GEOFP8_CHECK(layers.ok(), std::string(layers.status().message()));
+  std::vector<LayerPolicy> layers = ValueOrThrow(ResolveLayers(policy, params));
 
   CoordinatorPlan out;
   out.version = policy.version();
-  train::ExchangePlan& plan = out.plan;
+  ExchangePlan& plan = out.plan;
   plan.name = what;
   plan.algorithm = spec.exchange.algorithm;
   plan.bucket_cap_bytes = size_t(std::max(1.0, spec.exchange.bucket_mb * 1024 * 1024));
-  plan.layers = std::move(*layers);
+  plan.layers = std::move(layers);
   plan.refresh = spec.geometry_refresh;
   for (const model::ParamInfo& p : params) {
     plan.refresh_intervals.push_back(ResolveLayer(policy, p.name).refresh_interval);

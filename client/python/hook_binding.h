@@ -10,7 +10,7 @@
 
 #include "kernels/exchange/exchanger.h"
 #include "kernels/model/model.h"
-#include "worker/train/exchange_policy.h"
+#include "platform/policy/exchange_policy.h"
 
 namespace geofp8::python {
 
@@ -26,7 +26,7 @@ void BindHookClient(pybind11::module_& m);
 // `schedule` is empty when no layer uses geometry. Throws geofp8::Error naming the version and
 // the field or layer.
 struct CoordinatorPlan {
-  train::ExchangePlan plan;
+  ExchangePlan plan;
   std::vector<RefreshSchedule> schedule;
   uint64_t version = 0;
 };

@@ -41,21 +41,13 @@ double SecondsSince(std::chrono::steady_clock::time_point t0) {
 
 void RunAnalyze(const AnalyzeArgs& a) {
   const CodecOptions o = ToOptions(a.codec);
-  // "hadamard" alone, or a geometry followed by "+hadamard": the rotation after the geometry.
-  std::string base = a.geometry;
-  bool rotate = false;
-  constexpr std::string_view kSuffix = "+hadamard";
-  if (base == "hadamard") {
-    base = "none", rotate = true;
-  } else if (base.size() > kSuffix.size() && base.ends_with(kSuffix) && base != "none+hadamard") {
-    base.resize(base.size() - kSuffix.size()), rotate = true;
-  }
-  const auto mode = ParseGeometryMode(base);
-  if (!mode) {
+  const std::optional<GeometryTransform> transform = ParseTransformName(a.geometry);
+  if (!transform) {
     UsageError("geometry", "unknown geometry (" + a.geometry +
-                               "); accepted: " + std::string(AcceptedGeometryModes()) +
-                               ", hadamard, diag+hadamard, lowrank+hadamard");
+                               "); accepted: " + std::string(AcceptedTransformNames()));
   }
+  const bool rotate = transform->hadamard;
+  const std::optional<GeometryMode> mode = transform->geometry;
   int hblock = 0;
   if (rotate) {
     const uint32_t codec_block = CodecScaleBlock(o);

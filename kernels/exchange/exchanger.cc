@@ -116,6 +116,10 @@ Exchanger::Exchanger(Communicator& comm, std::vector<LayerSpec> layers, Exchange
   }
   comm_.set_timeout(options_.timeout);
   buckets_ = MakeBuckets(layers_, options_.bucket_cap_bytes);
+  bucket_of_.assign(layers_.size(), 0);
+  for (size_t b = 0; b < buckets_.size(); ++b) {
+    for (uint32_t l : buckets_[b].layers) bucket_of_[l] = b;
+  }
   for (const auto& l : layers_) layer_names_.push_back(l.name);
   worker_ = std::thread([this] { WorkerLoop(); });
 }
@@ -228,11 +232,75 @@ std::shared_future<BucketResult> Exchanger::Submit(uint64_t step, size_t bucket,
   return future;
 }
 
+void Exchanger::BeginStep(uint64_t step, std::vector<std::span<float>> grads) {
+  GEOFP8_CHECK(grads.size() == layers_.size(), "begin step: ", grads.size(), " gradients for ",
+               layers_.size(), " layers");
+  GEOFP8_CHECK(steps_.find(step) == steps_.end(), "begin step: step ", step,
+               " already has submitted buckets");
+  Pending& pending = steps_[step];
+  pending.grads = std::move(grads);
+  pending.unready.resize(buckets_.size());
+  for (size_t b = 0; b < buckets_.size(); ++b) pending.unready[b] = buckets_[b].layers.size();
+  pending.ready.assign(layers_.size(), false);
+}
+
+void Exchanger::LayerReady(uint64_t step, uint32_t layer) {
+  auto it = steps_.find(step);
+  GEOFP8_CHECK(it != steps_.end() && !it->second.unready.empty(), "layer ready: step ", step,
+               " was not begun (BeginStep)");
+  GEOFP8_CHECK(layer < layers_.size(), "layer ready: layer ", layer, " out of range (",
+               layers_.size(), " layers)");
+  Pending& pending = it->second;
+  GEOFP8_CHECK(!pending.ready[layer], "layer ready: ", layers_[layer].name,
+               " was reported ready twice in step ", step);
+  pending.ready[layer] = true;
+  --pending.unready[bucket_of_[layer]];
+  while (pending.futures.size() < buckets_.size() && pending.unready[pending.futures.size()] == 0) {
+    Submit(step, pending.futures.size(), pending.grads);
+  }
+}
+
+std::vector<double> Exchanger::LayerBytesSent(const StepResult& result) const {
+  // A layer's share of its bucket: its encoded size under its own policy.
+  auto encoded = [](const LayerSpec& l) {
+    const LayerPolicy& p = l.policy;
+    if (p.format == Format::kFp32) return 4.0 * double(l.count());
+    if (p.format == Format::kBf16) return 2.0 * double(l.count());
+    CodecOptions o;
+    o.format = p.format;
+    o.scaling = p.scaling;
+    o.block = p.block;
+    return double(EncodedBytes(o, size_t(l.count())));
+  };
+  std::vector<double> bytes(layers_.size(), 0.0);
+  for (const BucketResult& b : result.buckets) {
+    GEOFP8_CHECK(b.bucket < buckets_.size(), "layer bytes: bucket ", b.bucket, " out of range (",
+                 buckets_.size(), " buckets)");
+    double total = 0;
+    for (uint32_t l : buckets_[b.bucket].layers) total += encoded(layers_[l]);
+    if (total <= 0) continue;
+    for (uint32_t l : buckets_[b.bucket].layers) {
+      bytes[l] = double(b.bytes_sent) * encoded(layers_[l]) / total;
+    }
+  }
+  return bytes;
+}
+
 StepResult Exchanger::Finish(uint64_t step) {
   auto it = steps_.find(step);
   GEOFP8_CHECK(it != steps_.end(), "finish: step ", step, " has no submitted buckets");
   Pending pending = std::move(it->second);
   steps_.erase(it);
+  if (!pending.unready.empty() && pending.futures.size() < buckets_.size()) {
+    std::string missing;
+    for (size_t l = 0; l < layers_.size(); ++l) {
+      if (!pending.ready[l]) missing += (missing.empty() ? "" : ", ") + layers_[l].name;
+    }
+    // The submitted buckets still run: wait for them so nothing refers to this step's grads.
+    for (auto& f : pending.futures) f.wait();
+    GEOFP8_FAIL("finish: step ", step,
+                ": backward left buckets unsubmitted (never ready: ", missing, ")");
+  }
   GEOFP8_CHECK(pending.futures.size() == buckets_.size(), "finish: step ", step, " submitted ",
                pending.futures.size(), " of ", buckets_.size(), " buckets");
   StepResult result;

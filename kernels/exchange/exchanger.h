@@ -150,6 +150,22 @@ class Exchanger {
 
   const std::vector<Bucket>& buckets() const { return buckets_; }
   const std::vector<LayerSpec>& layers() const { return layers_; }
+  // The bucket that holds layer l.
+  size_t bucket_of(uint32_t layer) const { return bucket_of_.at(layer); }
+
+  // Backward-driven submission, for a caller that learns the layers' gradients one at a time
+  // (a backward pass, last layer first): BeginStep names the step's gradients (as Submit's
+  // grads, valid until Finish), then LayerReady(step, l) says layer l's gradient is final. A
+  // bucket goes to the exchange as soon as it and every bucket before it are complete, so the
+  // caller keeps no bucket bookkeeping. Each layer once per step; Finish names any layer that
+  // never came. Not to be mixed with Submit within one step.
+  void BeginStep(uint64_t step, std::vector<std::span<float>> grads);
+  void LayerReady(uint64_t step, uint32_t layer);
+
+  // What this rank sent for each layer in `result` (one entry per layer, in bytes): each
+  // bucket's payload shared among its layers in proportion to their encoded sizes under their
+  // policies. Layers of buckets absent from `result` get 0.
+  std::vector<double> LayerBytesSent(const StepResult& result) const;
 
   // Queues bucket `bucket` of `step`. grads[l] is layer l's gradient (count() floats) for every
   // l; only the bucket's layers are read and replaced by the average over ranks (by values with
@@ -238,6 +254,7 @@ class Exchanger {
   ExchangeOptions options_;
   std::vector<RefreshSchedule> schedule_;
   std::vector<Bucket> buckets_;
+  std::vector<size_t> bucket_of_;         // layer -> its bucket
   std::vector<std::string> layer_names_;  // layers_[i].name, for fingerprint messages
   std::vector<LayerState> state_;         // touched only on the worker thread while tasks run
   ExchangeWorkspace workspace_;  // the algorithms' buffers, reused every step: worker thread only
@@ -247,6 +264,9 @@ class Exchanger {
     std::vector<std::shared_future<BucketResult>> futures;
     std::vector<std::span<float>> grads;
     std::chrono::steady_clock::time_point start;
+    // BeginStep / LayerReady: layers not yet ready in each bucket (empty when driven by Submit).
+    std::vector<size_t> unready;
+    std::vector<bool> ready;  // per layer
   };
   std::map<uint64_t, Pending> steps_;
 

@@ -39,6 +39,20 @@ std::optional<GeometryMode> ParseGeometryMode(std::string_view name) {
 
 std::string_view AcceptedGeometryModes() { return "none, diag, lowrank"; }
 
+std::optional<GeometryTransform> ParseTransformName(std::string_view name) {
+  constexpr std::string_view kSuffix = "+hadamard";
+  if (name == "hadamard") return GeometryTransform{GeometryMode::kNone, true};
+  const bool rotated = name.size() > kSuffix.size() && name.ends_with(kSuffix);
+  if (rotated) name.remove_suffix(kSuffix.size());
+  const std::optional<GeometryMode> g = ParseGeometryMode(name);
+  if (!g || (rotated && *g == GeometryMode::kNone)) return std::nullopt;
+  return GeometryTransform{*g, rotated};
+}
+
+std::string_view AcceptedTransformNames() {
+  return "none, diag, lowrank, hadamard, diag+hadamard, lowrank+hadamard";
+}
+
 namespace geometry {
 
 // Deterministic standard normals from a seed: splitmix64 + Box-Muller, so every rank and every

@@ -19,6 +19,17 @@ std::string_view GeometryModeName(GeometryMode m);  // "none", "diag", "lowrank"
 std::optional<GeometryMode> ParseGeometryMode(std::string_view name);
 std::string_view AcceptedGeometryModes();  // "none, diag, lowrank"
 
+// A layer's transform as the job spec, `geofp8ctl policy set --geometry` and `geofp8-tool
+// analyze --geometry` name it: the geometry, optionally followed by the block Hadamard rotation
+// ("lowrank+hadamard"; "hadamard" alone is the rotation with geometry none).
+struct GeometryTransform {
+  GeometryMode geometry = GeometryMode::kNone;
+  bool hadamard = false;
+};
+std::optional<GeometryTransform> ParseTransformName(std::string_view name);
+// "none, diag, lowrank, hadamard, diag+hadamard, lowrank+hadamard"
+std::string_view AcceptedTransformNames();
+
 // How to estimate a geometry. Plain struct with defaults.
 struct GeometryOptions {
   GeometryMode mode = GeometryMode::kLowRank;

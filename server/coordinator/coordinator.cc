@@ -6,7 +6,7 @@
 
 #include <chrono>
 
-#include "kernels/common/log.h"
+#include "platform/common/log.h"
 #include "platform/common/status.h"
 #include "server/coordinator/scheduler.h"
 
@@ -62,7 +62,7 @@ absl::Status Coordinator::Recover() {
   const std::map<std::string, std::string> invalid_specs = jobs_.Load(snap);
   policies_.Load(snap.policies);
   jobs_.Restart(invalid_specs,
-                [&](const std::string& job_id) { return policies_.HasVersions(job_id); });
+                [&](const std::string& job_id) { return policies_.LatestVersion(job_id); });
   return absl::OkStatus();
 }
 
@@ -197,12 +197,26 @@ absl::StatusOr<v1::UpdatePolicyResponse> Coordinator::UpdatePolicy(
   GEOFP8_ASSIGN_OR_RETURN(const PolicyUpdate update, PolicyBook::ParseUpdate(request));
   Outbox out;
   v1::UpdatePolicyResponse response;
+  Store::WriteHandle write;
+  absl::Status written;
   {
-    std::lock_guard<std::mutex> lock(mu_);
+    std::unique_lock<std::mutex> lock(mu_);
     GEOFP8_ASSIGN_OR_RETURN(JobRec * rec, jobs_.Find(request.job_id()));
-    GEOFP8_ASSIGN_OR_RETURN(response, policies_.Update(*rec, update, request.reason(), out));
+    GEOFP8_ASSIGN_OR_RETURN(response, policies_.Update(*rec, update, request.reason(), &write));
+    if (write) {
+      // Not under mu_, so that updates arriving together share one commit. Readers and ranks
+      // see the version only once Publish finds it durable.
+      lock.unlock();
+      written = store_->Wait(write);
+      lock.lock();
+      // The job may have been deleted meanwhile (cancelled, then DeleteJob): after this version
+      // was durable, since the delete was written after it. Versions published here (this one
+      // and any durable before it) go out even when this one failed.
+      if (JobRec* again = jobs_.FindOrNull(request.job_id())) policies_.Publish(*again, out);
+    }
   }
   Flush(out);
+  GEOFP8_RETURN_IF_ERROR(written);
   return response;
 }
 
@@ -214,12 +228,23 @@ absl::StatusOr<v1::RegisterResponse> Coordinator::Register(const v1::RegisterReq
   if (request.name().size() > 200) {
     return absl::InvalidArgumentError("name: longer than 200 characters");
   }
+  auto refusal = [&]() -> absl::Status {
+    if (shutdown_) return absl::UnavailableError("coordinator shutting down");
+    return workers_.CheckName(request);
+  };
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    GEOFP8_RETURN_IF_ERROR(refusal());
+  }
+  // Durable before anything uses it, and written without mu_ so that registrations arriving
+  // together share one commit (see "Durability" in coordinator.h).
+  GEOFP8_ASSIGN_OR_RETURN(const uint64_t gen, store_->NextGeneration(request.name()));
   Outbox out;
   v1::RegisterResponse response;
   {
     std::lock_guard<std::mutex> lock(mu_);
-    if (shutdown_) return absl::UnavailableError("coordinator shutting down");
-    GEOFP8_ASSIGN_OR_RETURN(response, workers_.Register(request, out));
+    GEOFP8_RETURN_IF_ERROR(refusal());
+    response = workers_.Register(request, gen, out);
   }
   Flush(out);
   return response;

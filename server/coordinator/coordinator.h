@@ -40,7 +40,7 @@
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
 #include "geofp8/v1/geofp8.pb.h"
-#include "kernels/policy/job_spec.h"
+#include "platform/policy/job_spec.h"
 #include "server/coordinator/job_table.h"
 #include "server/coordinator/kv.h"
 #include "server/coordinator/policy_book.h"
@@ -60,6 +60,32 @@ struct CoordinatorOptions {
   bool kv_any_job = false;
 };
 
+// Durability (issue #30: group commit). The store batches writes that arrive together into one
+// transaction (Store: group commit); the coordinator lets them arrive together by not holding
+// mu_ across the fsync on its hot paths, and shows nothing before it is durable:
+// - Register: the next generation is reserved in the store (a write of its own, mu_ released),
+//   then installed under mu_ (WorkerRegistry::CheckName, Register). The generation order is the
+//   commit order, so of two racing registrations of one name the later commit has the higher
+//   generation: installed second, it fences the first (DeclareDead), or, installed first, the lower
+//   one finds itself overtaken and is answered with its generation already fenced, as though it had
+//   been registered and then replaced. The live-session check is made again at install: a name
+//   whose session opened meanwhile is refused as before (the reserved number is burnt, never handed
+//   out). Nothing of a generation is in memory, sent or answered before it is durable.
+// - UpdatePolicy: version v is staged under mu_ (JobPolicies::staged: numbered after the
+//   newest durable or staged version, its write submitted in that order), then mu_ is released
+//   for the wait. PolicyBook's versions, which every reader uses (GetPolicy, ListPolicyVersions,
+//   Assignments, resends, divergence checks), holds durable versions only: PolicyBook::Publish
+//   moves the durable prefix of the staged ones there, in order, under mu_, and only then are they
+//   sent to ranks (the Outbox is flushed after) and acknowledged. A version's write checks that
+//   v-1 is stored (Store::PutNextPolicy), so v+1 never becomes durable without v; when v fails,
+//   v and every version staged after it are dropped (their writes fail too), and the next
+//   version made takes v's number: versions stay dense and ordered. The job row's
+//   policy_version is a cache that Recover rebuilds from the versions.
+// - Other writes (SetState with its event, progress, PolicyAck's taken step, SubmitJob, ...)
+//   wait under mu_, as before: what they record is observable the moment mu_ is released, so
+//   it must be durable by then. They still share a commit with the registrations and policy
+//   versions waiting meanwhile. A failed batch fails exactly the writes it held; each caller
+//   handles its own error as before (SetState and progress log it).
 class Coordinator {
  public:
   Coordinator(Store* store, Clock* clock, CoordinatorOptions options);

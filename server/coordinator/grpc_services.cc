@@ -16,7 +16,7 @@
 #include <utility>
 
 #include "geofp8/v1/geofp8.grpc.pb.h"
-#include "kernels/common/log.h"
+#include "platform/common/log.h"
 #include "server/coordinator/secrets.h"
 
 namespace geofp8::coordinator {

@@ -6,7 +6,7 @@
 #include <cstdio>
 #include <set>
 
-#include "kernels/common/log.h"
+#include "platform/common/log.h"
 #include "platform/common/status.h"
 
 namespace geofp8::coordinator {
@@ -57,7 +57,7 @@ std::map<std::string, std::string> JobTable::Load(Store::Snapshot& snap) {
 }
 
 void JobTable::Restart(const std::map<std::string, std::string>& invalid_specs,
-                       const std::function<bool(const std::string& job_id)>& has_policy) {
+                       const std::function<uint64_t(const std::string& job_id)>& latest_policy) {
   for (JobRec* rec : job_order_) {
     if (rec->job.state() == v1::JOB_SCHEDULED || rec->job.state() == v1::JOB_RUNNING) {
       rec->interrupted_attempt = rec->job.attempt();
@@ -68,10 +68,14 @@ void JobTable::Restart(const std::map<std::string, std::string>& invalid_specs,
       }
     }
     rec->job.clear_ranks();
-    if (!has_policy(rec->job.id())) {
+    const uint64_t latest = latest_policy(rec->job.id());
+    if (latest == 0) {
       SetState(*rec, v1::JOB_FAILED, "store: job has no policy version");
       continue;
     }
+    // The versions are the record: a job row written while a version's write was in flight
+    // may carry the one before it.
+    rec->job.set_policy_version(latest);
     if (auto it = invalid_specs.find(rec->job.id()); it != invalid_specs.end()) {
       if (!IsFinal(rec->job.state())) SetState(*rec, v1::JOB_FAILED, it->second);
       continue;
@@ -495,6 +499,7 @@ void JobTable::OnProgress(JobRec& rec, int rank, const v1::StepProgress& p,
   if (rank == 0) {
     prog->set_loss(p.loss());
     prog->set_tokens_per_second(p.tokens_per_second());
+    if (p.has_gradient_noise_scale()) prog->set_gradient_noise_scale(p.gradient_noise_scale());
     if (p.has_val_loss()) {
       prog->set_val_loss(p.val_loss());
       prog->set_val_step(p.step());

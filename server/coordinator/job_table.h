@@ -15,7 +15,7 @@
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
 #include "geofp8/v1/geofp8.pb.h"
-#include "kernels/policy/job_spec.h"
+#include "platform/policy/job_spec.h"
 #include "server/coordinator/kv.h"
 #include "server/coordinator/session.h"
 #include "server/coordinator/store.h"
@@ -64,10 +64,12 @@ class JobTable {
 
   // Recover, in two steps around PolicyBook's load: Load takes the stored jobs (and returns the
   // ids of those whose spec no longer parses, with the reason); Restart then fails the jobs
-  // without a policy or with such a spec, and sends SCHEDULED and RUNNING ones back to PENDING.
+  // without a policy or with such a spec, takes each job's policy_version from its versions, and
+  // sends SCHEDULED and RUNNING ones back to PENDING.
   std::map<std::string, std::string> Load(Store::Snapshot& snap);
+  // `latest_policy` gives a job's newest policy version, 0 if it has none.
   void Restart(const std::map<std::string, std::string>& invalid_specs,
-               const std::function<bool(const std::string& job_id)>& has_policy);
+               const std::function<uint64_t(const std::string& job_id)>& latest_policy);
 
   // A new job, with its number, first event and (through `put_policy`, in the same store
   // transaction) policy v1; or the job an earlier request with the same idempotency key made

@@ -11,8 +11,8 @@
 #include <thread>
 
 #include "CLI/CLI.hpp"
-#include "kernels/common/log.h"
-#include "kernels/common/ready_file.h"
+#include "platform/common/log.h"
+#include "platform/common/ready_file.h"
 #include "server/coordinator/coordinator.h"
 #include "server/coordinator/grpc_services.h"
 #include "server/coordinator/metrics.h"

@@ -9,8 +9,8 @@
 
 #include <exception>
 
-#include "kernels/common/http_server.h"
-#include "kernels/common/process_metrics.h"
+#include "platform/common/http_server.h"
+#include "platform/common/process_metrics.h"
 
 namespace geofp8::coordinator {
 namespace {

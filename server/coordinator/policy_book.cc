@@ -7,9 +7,10 @@
 
 #include <algorithm>
 #include <cstdio>
+#include <deque>
 #include <set>
 
-#include "kernels/common/log.h"
+#include "platform/common/log.h"
 #include "platform/common/status.h"
 #include "server/coordinator/policy_engine.h"
 
@@ -142,14 +143,18 @@ size_t AssignmentPolicyBytes(const std::vector<v1::Policy>& policies, int64_t re
   return bytes;
 }
 
-// RESOURCE_EXHAUSTED if `next`, appended to `policies`, would take the versions an attempt
-// resuming at `resume` carries past kMaxPolicyHistoryBytes (AssignmentPolicyBytes).
-absl::Status CheckHistoryBound(std::vector<v1::Policy>& policies, const v1::Policy& next,
+// RESOURCE_EXHAUSTED if `next`, appended to `policies` and the `staged` ones, would take the
+// versions an attempt resuming at `resume` carries past kMaxPolicyHistoryBytes
+// (AssignmentPolicyBytes).
+absl::Status CheckHistoryBound(std::vector<v1::Policy>& policies,
+                               const std::deque<StagedPolicy>& staged, const v1::Policy& next,
                                int64_t resume) {
+  const size_t durable = policies.size();
+  for (const StagedPolicy& p : staged) policies.push_back(p.policy);
   policies.push_back(next);
   const size_t bytes = AssignmentPolicyBytes(policies, resume);
   const uint64_t oldest = policies[InForceAt(policies, resume)].version();
-  policies.pop_back();
+  policies.resize(durable);
   if (bytes > kMaxPolicyHistoryBytes) {
     return absl::ResourceExhaustedError(
         "policy history: v" + std::to_string(next.version()) +
@@ -185,9 +190,10 @@ void PolicyBook::Add(const std::string& job_id, v1::Policy first) {
   by_job_[job_id].versions.push_back(std::move(first));
 }
 
-bool PolicyBook::HasVersions(const std::string& job_id) const {
+uint64_t PolicyBook::LatestVersion(const std::string& job_id) const {
   auto it = by_job_.find(job_id);
-  return it != by_job_.end() && !it->second.versions.empty();
+  return it == by_job_.end() || it->second.versions.empty() ? 0
+                                                            : it->second.versions.back().version();
 }
 
 absl::StatusOr<v1::Policy> PolicyBook::Get(const JobRec& rec, uint64_t version) {
@@ -243,15 +249,14 @@ absl::StatusOr<v1::ListPolicyVersionsResponse> PolicyBook::ListVersions(
   return response;
 }
 
-absl::StatusOr<v1::Policy> PolicyBook::AddPolicyVersion(JobRec& rec,
-                                                        const std::vector<v1::LayerPatch>& patches,
-                                                        const std::string& reason,
-                                                        const std::string& author, Outbox& out,
-                                                        const v1::LayerPolicy* default_policy,
-                                                        bool* unchanged) {
+absl::StatusOr<v1::Policy> PolicyBook::StagePolicyVersion(
+    JobRec& rec, const std::vector<v1::LayerPatch>& patches, const std::string& reason,
+    const std::string& author, Store::WriteHandle* write, const v1::LayerPolicy* default_policy,
+    bool* unchanged) {
   JobPolicies& jp = Of(rec.job.id());
-  const v1::Policy& latest = jp.versions.back();  // until versions grows
-  const uint64_t latest_version = latest.version();
+  // Made from the newest version, durable or staged: versions are numbered and submitted in
+  // order, and each is written only after the one it was made from (Store::PutNextPolicy).
+  const v1::Policy& latest = jp.staged.empty() ? jp.versions.back() : jp.staged.back().policy;
   v1::Policy next = latest;
   next.set_version(latest.version() + 1);
   next.clear_taken_step();  // not taken until rank 0 says so
@@ -271,7 +276,11 @@ absl::StatusOr<v1::Policy> PolicyBook::AddPolicyVersion(JobRec& rec,
       *unchanged =
           google::protobuf::util::MessageDifferencer::Equals(next.patches(i), latest.patches(i));
     }
-    if (*unchanged) return latest;
+    if (*unchanged) {
+      // A staged latest is answered once it is durable (or with its failure).
+      if (!jp.staged.empty()) *write = jp.staged.back().write;
+      return latest;
+    }
   }
   if (next.patches_size() > kMaxPatchesPerVersion) {
     return absl::ResourceExhaustedError(
@@ -292,41 +301,82 @@ absl::StatusOr<v1::Policy> PolicyBook::AddPolicyVersion(JobRec& rec,
   // make that undeliverable (issue #31: 200 updates of 20 new globs made an 8 MB Assignment,
   // and every worker looped on gRPC's 4 MiB limit).
   GEOFP8_RETURN_IF_ERROR(
-      CheckHistoryBound(jp.versions, next, rec.job.progress().checkpoint_step()));
-  if (!jp.catalog.empty()) jp.schedules = std::move(schedules);
-  rec.job.set_policy_version(next.version());
-  rec.job.set_updated_unix_ms(next.created_unix_ms());
+      CheckHistoryBound(jp.versions, jp.staged, next, rec.job.progress().checkpoint_step()));
   v1::JobEvent event;
   event.set_unix_ms(next.created_unix_ms());
   event.set_state(rec.job.state());
   event.set_message("policy v" + std::to_string(next.version()) + " effective at step " +
                     std::to_string(next.effective_step()) + " (" + author + "): " + reason);
-  absl::Status s = store_->Transaction([&]() -> absl::Status {
-    GEOFP8_RETURN_IF_ERROR(store_->PutPolicy(next));
-    GEOFP8_RETURN_IF_ERROR(jobs_->PersistJob(rec));
-    return store_->AppendEvent(rec.job.id(), event);
+  // The closure runs on whichever thread leads the batch, perhaps after the coordinator's mutex
+  // was released: it holds copies only.
+  v1::Job row = rec.job;
+  row.set_policy_version(next.version());
+  row.set_updated_unix_ms(next.created_unix_ms());
+  *write = store_->Submit([store = store_, next, row = std::move(row), event]() -> absl::Status {
+    GEOFP8_RETURN_IF_ERROR(store->PutNextPolicy(next));
+    GEOFP8_RETURN_IF_ERROR(store->PutJob(row));
+    return store->AppendEvent(row.id(), event);
   });
-  if (!s.ok()) {
-    rec.job.set_policy_version(latest_version);
+  jp.staged.push_back({next, event, std::move(schedules), *write});
+  return next;
+}
+
+void PolicyBook::Publish(JobRec& rec, Outbox& out) {
+  JobPolicies& jp = Of(rec.job.id());
+  while (!jp.staged.empty()) {
+    std::optional<absl::Status> result = store_->Result(jp.staged.front().write);
+    if (!result) return;  // not yet durable, nor are the ones staged after it
+    if (!result->ok()) {
+      // The ones staged after it were made from it: their writes fail too (PutNextPolicy), and
+      // the next version made takes its number.
+      jp.staged.clear();
+      return;
+    }
+    StagedPolicy staged = std::move(jp.staged.front());
+    jp.staged.pop_front();
+    const v1::Policy& next = staged.policy;
+    if (!jp.catalog.empty()) jp.schedules = std::move(staged.schedules);
+    rec.job.set_policy_version(next.version());
+    rec.job.set_updated_unix_ms(next.created_unix_ms());
+    rec.events.push_back(staged.event);
+    jp.versions.push_back(next);
+    log::Info("policy.changed")
+        .F("job", rec.job.id())
+        .F("version", next.version())
+        .F("author", next.author())
+        .F("effective_step", next.effective_step())
+        .F("step", rec.job.progress().step())
+        .F("patches", next.patches_size())
+        .Msg(next.reason());
+    ++policy_updates_;
+    if (next.author() == "auto") ++auto_policy_updates_;
+    v1::CoordinatorMessage m;
+    *m.mutable_policy() = next;
+    workers_->SendToRanks(rec.ranks, m, out);
+    jobs_->Changed(rec);
+  }
+}
+
+absl::StatusOr<v1::Policy> PolicyBook::AddPolicyVersion(JobRec& rec,
+                                                        const std::vector<v1::LayerPatch>& patches,
+                                                        const std::string& reason,
+                                                        const std::string& author, Outbox& out) {
+  Store::WriteHandle write;
+  auto policy = StagePolicyVersion(rec, patches, reason, author, &write);
+  if (!policy.ok() || !write) return policy;
+  // Waits under the coordinator's mutex (the caller's state may be observed once this returns),
+  // sharing a commit with whatever is queued.
+  if (absl::Status s = store_->Wait(write); !s.ok()) {
+    // The versions staged before it are durable and published by their own callers (into the
+    // outboxes they flush); this one and those made from it are dropped.
+    std::deque<StagedPolicy>& staged = Of(rec.job.id()).staged;
+    staged.erase(std::find_if(staged.begin(), staged.end(),
+                              [&](const StagedPolicy& p) { return p.write == write; }),
+                 staged.end());
     return s;
   }
-  rec.events.push_back(event);
-  jp.versions.push_back(next);
-  log::Info("policy.changed")
-      .F("job", rec.job.id())
-      .F("version", next.version())
-      .F("author", author)
-      .F("effective_step", next.effective_step())
-      .F("step", rec.job.progress().step())
-      .F("patches", next.patches_size())
-      .Msg(reason);
-  ++policy_updates_;
-  if (author == "auto") ++auto_policy_updates_;
-  v1::CoordinatorMessage m;
-  *m.mutable_policy() = next;
-  workers_->SendToRanks(rec.ranks, m, out);
-  jobs_->Changed(rec);
-  return next;
+  Publish(rec, out);
+  return policy;
 }
 
 absl::StatusOr<PolicyUpdate> PolicyBook::ParseUpdate(const v1::UpdatePolicyRequest& request) {
@@ -362,7 +412,7 @@ absl::StatusOr<PolicyUpdate> PolicyBook::ParseUpdate(const v1::UpdatePolicyReque
 
 absl::StatusOr<v1::UpdatePolicyResponse> PolicyBook::Update(JobRec& rec, const PolicyUpdate& update,
                                                             const std::string& reason,
-                                                            Outbox& out) {
+                                                            Store::WriteHandle* write) {
   const std::vector<v1::LayerPatch>& patches = update.patches;
   if (JobTable::IsFinal(rec.job.state())) {
     return absl::FailedPreconditionError("job " + rec.job.id() + " is " +
@@ -387,8 +437,8 @@ absl::StatusOr<v1::UpdatePolicyResponse> PolicyBook::Update(JobRec& rec, const P
   bool unchanged = false;
   GEOFP8_ASSIGN_OR_RETURN(
       v1::Policy policy,
-      AddPolicyVersion(rec, patches, reason.empty() ? "user update" : reason, "user", out,
-                       update.default_policy ? &*update.default_policy : nullptr, &unchanged));
+      StagePolicyVersion(rec, patches, reason.empty() ? "user update" : reason, "user", write,
+                         update.default_policy ? &*update.default_policy : nullptr, &unchanged));
   v1::UpdatePolicyResponse response;
   *response.mutable_policy() = std::move(policy);
   response.set_unchanged(unchanged);

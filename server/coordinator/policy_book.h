@@ -4,6 +4,7 @@
 #pragma once
 
 #include <cstdint>
+#include <deque>
 #include <map>
 #include <optional>
 #include <string>
@@ -40,9 +41,20 @@ inline constexpr int kDefaultPolicyPageSize = 100;
 inline constexpr int kMaxPolicyPageSize = 1000;
 inline constexpr size_t kMaxPolicyPageBytes = size_t{1} << 20;
 
+// A policy version whose write is submitted but not yet published (PolicyBook::Publish).
+struct StagedPolicy {
+  v1::Policy policy;
+  v1::JobEvent event;                          // recorded with it
+  std::vector<v1::RefreshSchedule> schedules;  // JobPolicies::schedules once published
+  Store::WriteHandle write;
+};
+
 // A job's policy state.
 struct JobPolicies {
-  std::vector<v1::Policy> versions;  // versions[v - 1] is version v
+  std::vector<v1::Policy> versions;  // versions[v - 1] is version v; durable ones only
+  // Versions after versions.back() whose writes are submitted and not yet published, in
+  // version order (see "Durability" in coordinator.h).
+  std::deque<StagedPolicy> staged;
   std::vector<v1::LayerInfo> catalog;
   std::vector<v1::RefreshSchedule> schedules;
   std::map<std::string, v1::LayerSummary> layers;  // latest summary per layer
@@ -67,7 +79,8 @@ class PolicyBook {
   absl::Status PutFirst(const v1::Job& job, const JobSpec& spec, int64_t now, v1::Policy* first);
   void Add(const std::string& job_id, v1::Policy first);
   void Erase(const std::string& job_id) { by_job_.erase(job_id); }
-  bool HasVersions(const std::string& job_id) const;
+  // The newest durable version's number, 0 if the job has none.
+  uint64_t LatestVersion(const std::string& job_id) const;
   // The job's policy state (created empty if unknown).
   JobPolicies& Of(const std::string& job_id) { return by_job_[job_id]; }
 
@@ -79,8 +92,14 @@ class PolicyBook {
                                                               size_t page_size);
   // What UpdatePolicy checks before taking the lock: the patches and default policy, typed.
   static absl::StatusOr<PolicyUpdate> ParseUpdate(const v1::UpdatePolicyRequest& request);
+  // Stages the update's version (its write submitted, *write; null when nothing is written):
+  // the caller waits for it without the coordinator's mutex, then calls Publish.
   absl::StatusOr<v1::UpdatePolicyResponse> Update(JobRec& rec, const PolicyUpdate& update,
-                                                  const std::string& reason, Outbox& out);
+                                                  const std::string& reason,
+                                                  Store::WriteHandle* write);
+  // Moves the durable prefix of the job's staged versions to its versions, in order, and queues
+  // them to the ranks; drops every staged version from the first failed one on.
+  void Publish(JobRec& rec, Outbox& out);
 
   // Rank reports (rank 0's catalog and acks; any rank's summaries and probes).
   void OnCatalog(JobRec& rec, const v1::LayerCatalog& catalog, Outbox& out);
@@ -105,15 +124,20 @@ class PolicyBook {
   uint64_t auto_policy_updates() const { return auto_policy_updates_; }
 
  private:
-  // The latest version with `patches` appended (and `default_policy` in place of its default,
-  // when given), compacted. When that equals the latest version, no version is made:
-  // *unchanged is set and the latest version is returned.
+  // The latest version (durable or staged) with `patches` appended (and `default_policy` in
+  // place of its default, when given), compacted, staged with its write submitted (*write).
+  // When that equals the latest version, no version is made: *unchanged is set and the latest
+  // version is returned, with *write the staged one's write (null when it is durable).
+  absl::StatusOr<v1::Policy> StagePolicyVersion(
+      JobRec& rec, const std::vector<v1::LayerPatch>& patches, const std::string& reason,
+      const std::string& author, Store::WriteHandle* write,
+      const v1::LayerPolicy* default_policy = nullptr, bool* unchanged = nullptr);
+  // StagePolicyVersion, then waits for the write under the coordinator's mutex and publishes:
+  // durable when it returns OK.
   absl::StatusOr<v1::Policy> AddPolicyVersion(JobRec& rec,
                                               const std::vector<v1::LayerPatch>& patches,
                                               const std::string& reason, const std::string& author,
-                                              Outbox& out,
-                                              const v1::LayerPolicy* default_policy = nullptr,
-                                              bool* unchanged = nullptr);
+                                              Outbox& out);
 
   Store* store_;
   Clock* clock_;

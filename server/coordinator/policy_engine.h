@@ -1,6 +1,6 @@
 // The coordinator's auto policy engine (DESIGN.md section 2, "auto" mode): turns workers' probe
 // results into policy patches. The policy itself (conversion, resolution, schedules) is
-// kernels/policy/policy.h.
+// platform/policy/policy.h.
 #pragma once
 
 #include <string>
@@ -8,8 +8,8 @@
 #include <vector>
 
 #include "geofp8/v1/geofp8.pb.h"
-#include "kernels/policy/job_spec.h"
-#include "kernels/policy/policy.h"
+#include "platform/policy/job_spec.h"
+#include "platform/policy/policy.h"
 
 namespace geofp8::coordinator {
 

@@ -13,10 +13,12 @@
 #include <optional>
 #include <sstream>
 #include <unordered_map>
+#include <utility>
 
 #include "google/protobuf/unknown_field_set.h"
-#include "kernels/common/log.h"
-#include "kernels/policy/policy.h"
+#include "platform/common/log.h"
+#include "platform/common/status.h"
+#include "platform/policy/policy.h"
 #include "server/coordinator/secrets.h"
 
 namespace geofp8::coordinator {
@@ -372,7 +374,7 @@ absl::Status Store::CheckIntegrity(const std::string& data_dir, const StoreOptio
 }
 
 absl::StatusOr<uint64_t> Store::NextJobNumber() {
-  std::unique_lock<std::mutex> lock(mu_);
+  if (!InBatch()) return AsWrite([&] { return NextJobNumber(); });
   Stmt st(db_,
           "INSERT INTO meta(key, value) VALUES('jobs_issued', '1') ON CONFLICT(key) DO UPDATE "
           "SET value = CAST(value AS INTEGER) + 1 RETURNING CAST(value AS INTEGER)");
@@ -380,15 +382,8 @@ absl::StatusOr<uint64_t> Store::NextJobNumber() {
   if (st.Step() != SQLITE_ROW) return Error("next job number");
   const uint64_t n = static_cast<uint64_t>(sqlite3_column_int64(st.get(), 0));
   st.Step();
-  if (seal_path_.empty()) return n;
-  if (in_transaction_) {
-    unsealed_jobs_ = n;
-    return n;
-  }
-  lock.unlock();
-  if (auto s = WriteSeal(n); !s.ok()) {
-    log::Error("store.seal_failed").Msg(std::string(s.message()));
-  }
+  // Sealed once the batch commits (RunBatch); a savepoint rolled back takes this back too.
+  if (!seal_path_.empty()) unsealed_jobs_ = n;
   return n;
 }
 
@@ -485,39 +480,165 @@ absl::Status Store::Exec(const std::string& sql) {
   return absl::OkStatus();
 }
 
+// ------------------------------------------------------------------------------------------
+// Group commit (see store.h)
+
+class Store::Write {
+ public:
+  explicit Write(std::function<absl::Status()> fn) : fn(std::move(fn)) {}
+  std::function<absl::Status()> fn;
+  // Under the store's queue_mu_:
+  absl::Status status;  // written by the leader before done
+  bool done = false;
+  bool waiting = false;  // its submitter is in Wait (a candidate to lead the next batch)
+  std::condition_variable cv;
+};
+
+namespace {
+// The store whose batch this thread is leading, if any.
+thread_local const Store* tls_leading = nullptr;
+}  // namespace
+
+bool Store::InBatch() const { return tls_leading == this; }
+
+template <typename F>
+auto Store::AsWrite(F f) -> decltype(f()) {
+  if (InBatch()) return f();
+  std::optional<decltype(f())> result;
+  absl::Status s = Transaction([&] {
+    result.emplace(f());
+    return ::geofp8::internal::StatusOf(*result);
+  });
+  if (!s.ok()) return s;  // the closure's error, or the batch's when its commit failed
+  return *std::move(result);
+}
+
+Store::WriteHandle Store::Submit(std::function<absl::Status()> fn) {
+  auto w = std::make_shared<Write>(std::move(fn));
+  std::lock_guard<std::mutex> lock(queue_mu_);
+  queue_.push_back(w);
+  return w;
+}
+
+absl::Status Store::Wait(const WriteHandle& w) {
+  std::unique_lock<std::mutex> lock(queue_mu_);
+  w->waiting = true;
+  while (!w->done) {
+    if (leading_) {
+      w->cv.wait(lock);
+      continue;
+    }
+    // No commit under way, and w is not done, so it is queued: lead a batch of everything
+    // queued (w included).
+    leading_ = true;
+    std::vector<WriteHandle> batch(queue_.begin(), queue_.end());
+    queue_.clear();
+    lock.unlock();
+    RunBatch(batch);
+    lock.lock();
+    leading_ = false;
+    ++stats_.commits;
+    stats_.writes += batch.size();
+    for (const WriteHandle& b : batch) {
+      b->done = true;
+      b->cv.notify_all();  // more than one caller may wait on a write (UpdatePolicy unchanged)
+    }
+    // The writes queued during this batch: one of their waiters leads the next.
+    for (const WriteHandle& q : queue_) {
+      if (q->waiting) {
+        q->cv.notify_all();
+        break;
+      }
+    }
+  }
+  return w->status;
+}
+
+std::optional<absl::Status> Store::Result(const WriteHandle& w) {
+  std::lock_guard<std::mutex> lock(queue_mu_);
+  if (!w->done) return std::nullopt;
+  return w->status;
+}
+
 absl::Status Store::Transaction(const std::function<absl::Status()>& fn) {
-  std::unique_lock<std::mutex> lock(mu_);
-  if (auto s = Exec("BEGIN IMMEDIATE"); !s.ok()) return s;
-  in_transaction_ = true;
-  lock.unlock();
-  absl::Status status = fn();
-  lock.lock();
-  in_transaction_ = false;
-  if (!status.ok()) {
-    unsealed_jobs_ = 0;
-    Exec("ROLLBACK").IgnoreError();
-    return status;
-  }
+  if (InBatch()) return Savepoint(fn);
+  return Wait(Submit([&fn] { return fn(); }));
+}
+
+Store::CommitStats Store::commit_stats() {
+  std::lock_guard<std::mutex> lock(queue_mu_);
+  return stats_;
+}
+
+size_t Store::queued() {
+  std::lock_guard<std::mutex> lock(queue_mu_);
+  return queue_.size();
+}
+
+absl::Status Store::Savepoint(const std::function<absl::Status()>& fn) {
+  const std::string name = "w" + std::to_string(savepoint_depth_);
+  GEOFP8_RETURN_IF_ERROR(Exec("SAVEPOINT " + name));
+  ++savepoint_depth_;
   const uint64_t sealed = unsealed_jobs_;
-  unsealed_jobs_ = 0;
-  if (auto s = Exec("COMMIT"); !s.ok()) {
-    Exec("ROLLBACK").IgnoreError();
-    return s;
+  absl::Status s = fn();
+  --savepoint_depth_;
+  // Autocommit again: SQLite rolled the whole transaction back itself; nothing to undo here.
+  if (sqlite3_get_autocommit(db_)) return s.ok() ? Error("transaction rolled back") : s;
+  if (!s.ok()) {
+    unsealed_jobs_ = sealed;
+    if (auto r = Exec("ROLLBACK TO " + name); !r.ok()) return r;
   }
-  lock.unlock();
+  if (auto r = Exec("RELEASE " + name); !r.ok()) return s.ok() ? r : s;
+  return s;
+}
+
+void Store::RunBatch(const std::vector<WriteHandle>& batch) {
+  tls_leading = this;
+  size_t first = 0;  // the first write of the open transaction
+  absl::Status begin = Exec("BEGIN IMMEDIATE");
+  for (size_t i = 0; i < batch.size(); ++i) {
+    if (!begin.ok()) {
+      batch[i]->status = begin;
+      continue;
+    }
+    batch[i]->status = Savepoint(batch[i]->fn);
+    if (sqlite3_get_autocommit(db_)) {
+      // SQLite rolled the transaction back (SQLITE_FULL or an I/O error in mid-statement): the
+      // writes before this one in it are lost as well. The rest get a transaction of their own.
+      for (size_t k = first; k < i; ++k) {
+        if (batch[k]->status.ok()) batch[k]->status = batch[i]->status;
+      }
+      unsealed_jobs_ = 0;
+      first = i + 1;
+      begin = Exec("BEGIN IMMEDIATE");
+    }
+  }
+  if (begin.ok()) {
+    if (absl::Status commit = Exec("COMMIT"); !commit.ok()) {
+      Exec("ROLLBACK").IgnoreError();
+      unsealed_jobs_ = 0;
+      for (size_t k = first; k < batch.size(); ++k) {
+        if (batch[k]->status.ok()) batch[k]->status = commit;
+      }
+    }
+  }
+  tls_leading = nullptr;
   // After the commit: a crash between the two leaves the seal behind the database, which is
   // fine; ahead of it would look like a rollback. The database is the record, so a seal that
-  // cannot be written is logged, not the caller's failure.
-  if (sealed > 0) {
+  // cannot be written is logged, not the callers' failure.
+  if (const uint64_t sealed = std::exchange(unsealed_jobs_, 0); sealed > 0) {
     if (auto s = WriteSeal(sealed); !s.ok()) {
       log::Error("store.seal_failed").Msg(std::string(s.message()));
     }
   }
-  return absl::OkStatus();
 }
 
+// ------------------------------------------------------------------------------------------
+// Writes: each runs in the leader's transaction (a Transaction of its own when called outside a
+// closure).
+
 absl::Status Store::PutJob(const v1::Job& job) {
-  std::lock_guard<std::mutex> lock(mu_);
+  if (!InBatch()) return AsWrite([&] { return PutJob(job); });
   v1::Job row = job;
   row.clear_events();
   Stmt st(db_,
@@ -536,7 +657,7 @@ absl::Status Store::PutJob(const v1::Job& job) {
 }
 
 absl::Status Store::AppendEvent(const std::string& job_id, const v1::JobEvent& event) {
-  std::lock_guard<std::mutex> lock(mu_);
+  if (!InBatch()) return AsWrite([&] { return AppendEvent(job_id, event); });
   Stmt st(db_, "INSERT INTO job_events(job_id, event) VALUES(?1, ?2)");
   if (!st.ok()) return Error("prepare append event");
   st.Text(1, job_id);
@@ -546,7 +667,7 @@ absl::Status Store::AppendEvent(const std::string& job_id, const v1::JobEvent& e
 }
 
 absl::Status Store::PutPolicy(const v1::Policy& policy) {
-  std::lock_guard<std::mutex> lock(mu_);
+  if (!InBatch()) return AsWrite([&] { return PutPolicy(policy); });
   Stmt st(db_, "INSERT OR REPLACE INTO policies(job_id, version, policy) VALUES(?1, ?2, ?3)");
   if (!st.ok()) return Error("prepare put policy");
   st.Text(1, policy.job_id());
@@ -554,6 +675,27 @@ absl::Status Store::PutPolicy(const v1::Policy& policy) {
   st.Blob(3, policy.SerializeAsString());
   if (st.Step() != SQLITE_DONE) return Error("put policy " + policy.job_id());
   return absl::OkStatus();
+}
+
+absl::Status Store::PutNextPolicy(const v1::Policy& policy) {
+  if (!InBatch()) return AsWrite([&] { return PutNextPolicy(policy); });
+  if (policy.version() > 1) {
+    Stmt st(db_, "SELECT 1 FROM policies WHERE job_id = ?1 AND version = ?2");
+    if (!st.ok()) return Error("prepare find policy");
+    st.Text(1, policy.job_id());
+    st.Int(2, static_cast<int64_t>(policy.version() - 1));
+    const int rc = st.Step();
+    if (rc == SQLITE_DONE) {
+      absl::Status s = absl::UnavailableError(
+          "store: policy v" + std::to_string(policy.version()) + " of job " + policy.job_id() +
+          " not recorded: v" + std::to_string(policy.version() - 1) +
+          ", which it was made from, failed to record; nothing was recorded; retry");
+      s.SetPayload(kStoreUnwritablePayload, absl::Cord("1"));
+      return s;
+    }
+    if (rc != SQLITE_ROW) return Error("find policy " + policy.job_id());
+  }
+  return PutPolicy(policy);
 }
 
 namespace {
@@ -564,7 +706,6 @@ constexpr char kDeletedRestartsKey[] = "deleted.restarts";
 
 absl::Status Store::DeleteJob(const v1::Job& job) {
   return Transaction([&]() -> absl::Status {
-    std::lock_guard<std::mutex> lock(mu_);
     {
       Stmt st(db_, "DELETE FROM jobs WHERE id = ?1");
       if (!st.ok()) return Error("prepare delete job");
@@ -598,7 +739,7 @@ absl::Status Store::DeleteJob(const v1::Job& job) {
 }
 
 absl::StatusOr<uint64_t> Store::NextGeneration(const std::string& worker_name) {
-  std::lock_guard<std::mutex> lock(mu_);
+  if (!InBatch()) return AsWrite([&] { return NextGeneration(worker_name); });
   Stmt st(db_,
           "INSERT INTO workers(name, generation) VALUES(?1, 1) "
           "ON CONFLICT(name) DO UPDATE SET generation = generation + 1 RETURNING generation");
@@ -611,7 +752,8 @@ absl::StatusOr<uint64_t> Store::NextGeneration(const std::string& worker_name) {
 }
 
 absl::StatusOr<Store::Snapshot> Store::Load() {
-  std::lock_guard<std::mutex> lock(mu_);
+  // Read-only, but on the leader's thread like every other use of the handle.
+  if (!InBatch()) return AsWrite([&] { return Load(); });
   Snapshot snap;
   std::unordered_map<std::string, size_t> index;
   {

@@ -2,11 +2,14 @@
 // policy versions and worker generations. Write-through; the coordinator reads it only at start.
 #pragma once
 
+#include <condition_variable>
 #include <cstdint>
+#include <deque>
 #include <functional>
 #include <map>
 #include <memory>
 #include <mutex>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -32,6 +35,30 @@ struct StoreOptions {
   bool accept_loss = false;
 };
 
+// Group commit (issue #30). Every write is a closure queued on the store; writes that arrive
+// together share one transaction and so one fsync:
+// - Submit queues a closure; Wait blocks until it is durable (or failed) and returns its own
+//   result. Transaction(fn) is Wait(Submit(fn)); a write method (PutJob, NextGeneration, ...)
+//   called outside a closure is a Transaction of its own, so every write takes this path.
+// - Leader/follower: a waiter that finds no commit under way becomes the leader and takes the
+//   whole queue as one batch: BEGIN IMMEDIATE, each closure in its own SAVEPOINT in submission
+//   order, one COMMIT. The writers queued meanwhile wait; when the batch is done every one of its
+//   callers is woken with its result and the next waiter leads the next batch. A lone caller
+//   leads at once: nothing waits for company, so an idle store adds no latency.
+// - Durable when: a closure's writes are on disk when Wait returns OK, and not before (callers
+//   acknowledge only then). Batches commit one after another in submission order, so a write
+//   submitted after another is durable only with or after it.
+// - Failure: a closure that fails rolls back its savepoint only, and its caller gets its error;
+//   the other closures of the batch are unaffected (later ones see the store without its
+//   writes). A failed BEGIN or COMMIT, or one that SQLite rolled back itself (a full disk or an
+//   I/O error in mid-statement), fails every closure of that transaction with the store's error
+//   (payload kStoreUnwritablePayload for a full disk or an unwritable --data-dir).
+// - Closures run on the leader's thread, which may be any caller's: a closure must not take the
+//   caller's locks, and may touch the caller's state only while that caller is blocked in Wait
+//   holding the lock that guards it. A submitter must call Wait (the queue advances only while
+//   someone waits); it may release its own lock between Submit and Wait, which is what lets
+//   callers batch.
+//
 // Beside coordinator.db, coordinator.seal (fsynced, replaced atomically) holds the database's
 // identity and how many job ids it has issued. At start the database must pass PRAGMA
 // quick_check, carry the seal's identity, and have issued at least as many job ids as the seal
@@ -46,14 +73,34 @@ class Store {
   Store(const Store&) = delete;
   Store& operator=(const Store&) = delete;
 
-  // Runs fn inside one transaction: everything it writes is durable when this returns OK, and
-  // nothing of it is when fn fails.
+  // One queued write (group commit, above).
+  class Write;
+  using WriteHandle = std::shared_ptr<Write>;
+  // Queues fn to run in the next batch; never blocks on the disk.
+  WriteHandle Submit(std::function<absl::Status()> fn);
+  // Blocks until w's batch is done (leading it if no commit is under way); w's own result.
+  absl::Status Wait(const WriteHandle& w);
+  // w's result once its batch is done; nullopt while it is queued or being committed.
+  std::optional<absl::Status> Result(const WriteHandle& w);
+  // Runs fn as one write: everything it writes is durable when this returns OK, and nothing of
+  // it is when fn fails. Inside another write's closure, fn is a nested savepoint of that write.
   absl::Status Transaction(const std::function<absl::Status()>& fn);
+
+  struct CommitStats {
+    uint64_t commits = 0;  // batches led (one BEGIN ... COMMIT each)
+    uint64_t writes = 0;   // closures they ran
+  };
+  CommitStats commit_stats();
+  size_t queued();  // writes submitted and not yet taken by a leader (for tests)
 
   // The job row without its events (events are stored separately).
   absl::Status PutJob(const v1::Job& job);
   absl::Status AppendEvent(const std::string& job_id, const v1::JobEvent& event);
   absl::Status PutPolicy(const v1::Policy& policy);
+  // A new version v of its job, refused unless version v-1 is stored: v is made from v-1, so it
+  // never becomes durable without it (when v-1's write failed, v fails too, with the store's
+  // unwritable payload).
+  absl::Status PutNextPolicy(const v1::Policy& policy);
   // Next generation for the worker name (1 for a new name), persisted so it never repeats.
   absl::StatusOr<uint64_t> NextGeneration(const std::string& worker_name);
   // The next job number (1, 2, ...: job-000001), persisted so it never repeats, even across a
@@ -93,13 +140,26 @@ class Store {
   absl::StatusOr<int> SchemaVersion();
   absl::Status Exec(const std::string& sql);
   absl::Status Error(const std::string& what) const;
+  // Whether this thread is leading a batch of this store (a closure, or a write it calls).
+  bool InBatch() const;
+  // f() on the leader's thread: inline inside a closure, else as a Transaction of its own.
+  template <typename F>
+  auto AsWrite(F f) -> decltype(f());
+  // The leader's part: one transaction for batch, each closure in its savepoint; then the seal.
+  void RunBatch(const std::vector<WriteHandle>& batch);
+  // fn in a savepoint of the open transaction, rolled back alone when fn fails.
+  absl::Status Savepoint(const std::function<absl::Status()>& fn);
 
-  sqlite3* db_;
-  std::mutex mu_;  // SQLite handle is used from one thread at a time
-  bool in_transaction_ = false;
+  sqlite3* db_;            // used only by the leader (and by Open, before anyone else can)
   std::string seal_path_;  // empty: in memory, no seal
   std::string store_id_;
   uint64_t unsealed_jobs_ = 0;  // a job number issued in the open transaction, sealed at commit
+  int savepoint_depth_ = 0;
+
+  std::mutex queue_mu_;  // guards the queue, leading_, stats_ and every Write's done/status
+  std::deque<WriteHandle> queue_;
+  bool leading_ = false;  // a batch is being committed
+  CommitStats stats_;
 };
 
 }  // namespace geofp8::coordinator

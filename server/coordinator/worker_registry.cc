@@ -4,7 +4,7 @@
 #include <algorithm>
 #include <cstdio>
 
-#include "kernels/common/log.h"
+#include "platform/common/log.h"
 #include "server/coordinator/secrets.h"
 
 namespace geofp8::coordinator {
@@ -17,26 +17,45 @@ WorkerRegistry::WorkerRegistry(Store* store, Clock* clock, int heartbeat_interva
       heartbeat_timeout_ms_(heartbeat_timeout_ms),
       rank_lost_(std::move(rank_lost)) {}
 
-absl::StatusOr<v1::RegisterResponse> WorkerRegistry::Register(const v1::RegisterRequest& request,
-                                                              Outbox& out) {
-  v1::RegisterResponse response;
-  auto it = workers_.find(request.name());
+absl::Status WorkerRegistry::CheckName(const v1::RegisterRequest& request) const {
   // A name held by a live session belongs to a running process: a second process under the
   // same name would fence it, be fenced in turn when it re-registers, and so on for ever. A
   // restarted process gets the name once the old session ends (its stream breaks when the
-  // process dies) or is declared dead.
-  if (it != workers_.end() && it->second.fenced_reason.empty() && it->second.sink) {
-    const v1::Worker& held = it->second.info;
-    return absl::AlreadyExistsError("name: " + request.name() +
-                                    " is held by a live session (generation " +
-                                    std::to_string(held.generation()) + ", host " + held.host() +
-                                    "); each worker process needs its own --name");
+  // process dies) or is declared dead. Checked before the write and again at install.
+  auto it = workers_.find(request.name());
+  if (it == workers_.end() || !it->second.fenced_reason.empty() || !it->second.sink) {
+    return absl::OkStatus();
   }
-  auto gen = store_->NextGeneration(request.name());
-  if (!gen.ok()) return gen.status();
+  const v1::Worker& held = it->second.info;
+  return absl::AlreadyExistsError("name: " + request.name() +
+                                  " is held by a live session (generation " +
+                                  std::to_string(held.generation()) + ", host " + held.host() +
+                                  "); each worker process needs its own --name");
+}
+
+v1::RegisterResponse WorkerRegistry::Register(const v1::RegisterRequest& request, uint64_t gen,
+                                              Outbox& out) {
+  v1::RegisterResponse response;
+  auto it = workers_.find(request.name());
+  if (it != workers_.end() && it->second.info.generation() > gen) {
+    // A racing registration of the name committed after this one and is installed: this
+    // generation was replaced before it was ever current, so it is answered fenced (its
+    // session is refused) and the process registers again.
+    log::Warn("worker.superseded")
+        .F("worker", request.name())
+        .F("generation", gen)
+        .F("current", it->second.info.generation())
+        .Msg("registered concurrently with a later generation of the same name");
+    response.set_worker_id(request.name());
+    response.set_generation(gen);
+    response.set_session_secret(RandomSecret());
+    response.set_heartbeat_interval_ms(heartbeat_interval_ms_);
+    response.set_heartbeat_timeout_ms(heartbeat_timeout_ms_);
+    return response;
+  }
   if (it != workers_.end() && it->second.fenced_reason.empty()) {
     // A new generation replaces the old one, which is fenced from now on.
-    DeclareDead(it->second, "re-registered as generation " + std::to_string(*gen), out);
+    DeclareDead(it->second, "re-registered as generation " + std::to_string(gen), out);
   }
   WorkerRec& w = workers_[request.name()];
   w.info.set_id(request.name());
@@ -45,7 +64,7 @@ absl::StatusOr<v1::RegisterResponse> WorkerRegistry::Register(const v1::Register
   w.info.set_device(request.device());
   w.info.set_memory_bytes(request.memory_bytes());
   w.info.set_accepts_commands(request.accepts_commands());
-  w.info.set_generation(*gen);
+  w.info.set_generation(gen);
   w.info.set_state(v1::WORKER_DISCONNECTED);
   w.info.clear_job_id();
   w.info.set_rank(-1);
@@ -56,11 +75,11 @@ absl::StatusOr<v1::RegisterResponse> WorkerRegistry::Register(const v1::Register
   w.session_secret = RandomSecret();
   SyncLive(w, /*touch=*/true);
   response.set_worker_id(w.info.id());
-  response.set_generation(*gen);
+  response.set_generation(gen);
   response.set_session_secret(w.session_secret);
   log::Info("worker.registered")
       .F("worker", w.info.id())
-      .F("generation", *gen)
+      .F("generation", gen)
       .F("host", w.info.host())
       .F("device", w.info.device())
       .F("accepts_commands", w.info.accepts_commands() ? "true" : "false")

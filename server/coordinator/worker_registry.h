@@ -51,7 +51,12 @@ class WorkerRegistry {
   WorkerRegistry(Store* store, Clock* clock, int heartbeat_interval_ms, int heartbeat_timeout_ms,
                  RankLost rank_lost);
 
-  absl::StatusOr<v1::RegisterResponse> Register(const v1::RegisterRequest& request, Outbox& out);
+  // Register in two steps around the store's write of the next generation (made without the
+  // coordinator's mutex, see "Durability" in coordinator.h): ALREADY_EXISTS while the name is
+  // held by a live session; then the generation `gen` is installed, fencing the one before it,
+  // or, when a later generation of the name was installed meanwhile, answered already fenced.
+  absl::Status CheckName(const v1::RegisterRequest& request) const;
+  v1::RegisterResponse Register(const v1::RegisterRequest& request, uint64_t gen, Outbox& out);
   absl::Status Leave(const v1::LeaveRequest& request, Outbox& out);
   // Attaches `sink` as the session of (worker_id, generation); see Coordinator::OpenSession.
   absl::StatusOr<WorkerRec*> OpenSession(const std::string& worker_id, uint64_t generation,

@@ -40,7 +40,7 @@ def help_flags(binary):
 
 def source_metric_names():
     names = set()
-    for sub in ("server", "worker", "kernels/common"):
+    for sub in ("server", "worker", "platform/common"):
         for root, _, files in os.walk(os.path.join(ROOT, sub)):
             for f in files:
                 if f.endswith((".cc", ".h")):

@@ -4,6 +4,7 @@
 #include <gtest/gtest.h>
 
 #include <algorithm>
+#include <cstring>
 #include <limits>
 #include <thread>
 #include <tuple>
@@ -123,6 +124,121 @@ TEST(Exchanger, FuturesPerBucketAndBytesOnTheWire) {
     EXPECT_GT(bytes[r], ideal * 0.9) << r;
     EXPECT_LT(bytes[r], ideal * 1.5) << r;
   }
+}
+
+// The trainer's path: BeginStep, then LayerReady as backward finishes each layer (last layer
+// first). Every bucket must reach the exchange exactly as Submit would send it: the averaged
+// gradients are bitwise those of the Submit path, and the bytes per layer add up to the step's.
+TEST(Exchanger, LayerReadySubmitsBucketsAsBackwardCompletesThem) {
+  const int n = 3;
+  const auto layers = MixedLayers();
+  ExchangeOptions options;
+  options.bucket_cap_bytes = 4096;  // several buckets
+  options.seed = 77;
+  std::vector<Tensors> by_submit(n), by_ready(n);
+  std::vector<StepResult> results(n);
+  std::vector<std::vector<double>> layer_bytes(n);
+  const auto errors = RunRanks(n, [&](Communicator& comm) {
+    const int r = comm.rank();
+    for (int pass = 0; pass < 2; ++pass) {
+      Exchanger ex(comm, layers, options);
+      ASSERT_GT(ex.buckets().size(), 2u);
+      Tensors data = MakeInputs(r, layers, 4);
+      std::vector<std::span<float>> grads;
+      for (auto& t : data) grads.emplace_back(t);
+      StepResult result;
+      if (pass == 0) {
+        for (size_t b = 0; b < ex.buckets().size(); ++b) ex.Submit(4, b, grads);
+        result = ex.Finish(4);
+        by_submit[r] = data;
+      } else {
+        ex.BeginStep(4, grads);
+        for (uint32_t l = uint32_t(layers.size()); l-- > 0;) ex.LayerReady(4, l);
+        result = ex.Finish(4);
+        by_ready[r] = data;
+        results[r] = result;
+        layer_bytes[r] = ex.LayerBytesSent(result);
+        for (uint32_t l = 0; l < layers.size(); ++l) {
+          EXPECT_EQ(std::count(ex.buckets()[ex.bucket_of(l)].layers.begin(),
+                               ex.buckets()[ex.bucket_of(l)].layers.end(), l),
+                    1);
+        }
+      }
+    }
+  });
+  ASSERT_EQ(JoinErrors(errors), "");
+  for (int r = 0; r < n; ++r) {
+    for (size_t l = 0; l < layers.size(); ++l) {
+      ASSERT_EQ(by_ready[r][l].size(), by_submit[r][l].size());
+      EXPECT_EQ(0, std::memcmp(by_ready[r][l].data(), by_submit[r][l].data(),
+                               by_ready[r][l].size() * sizeof(float)))
+          << "rank " << r << " layer " << layers[l].name;
+    }
+    double sum = 0;
+    for (double b : layer_bytes[r]) {
+      EXPECT_GT(b, 0.0);
+      sum += b;
+    }
+    // Shares of integers: exact up to the rounding of a few divisions.
+    EXPECT_NEAR(sum, double(results[r].bytes_sent), 1e-9 * double(results[r].bytes_sent));
+  }
+}
+
+// The shares follow the encoded sizes: one bucket holding an fp32 layer and an e4m3 layer of
+// the same length sends about 4x more for the fp32 one.
+TEST(Exchanger, LayerBytesSentSharesABucketByEncodedSize) {
+  std::vector<LayerSpec> layers = {
+      {"a", 1000, 1, Policy(Format::kFp32, Scaling::kNone, 1, Rounding::kNearest)},
+      {"b", 1000, 1, Policy(Format::kFp8E4M3, Scaling::kTensor, 128, Rounding::kNearest)}};
+  const auto errors = RunRanks(1, [&](Communicator& comm) {
+    Exchanger ex(comm, layers, ExchangeOptions{});
+    ASSERT_EQ(ex.buckets().size(), 1u);
+    StepResult fake;
+    fake.buckets.push_back(BucketResult{0, false, 5000, 0.0});
+    const std::vector<double> bytes = ex.LayerBytesSent(fake);
+    ASSERT_EQ(bytes.size(), 2u);
+    EXPECT_NEAR(bytes[0] + bytes[1], 5000.0, 1e-9);
+    CodecOptions o;
+    o.format = Format::kFp8E4M3;
+    o.scaling = Scaling::kTensor;
+    o.block = 128;
+    const double e4m3 = double(EncodedBytes(o, 1000));
+    EXPECT_NEAR(bytes[0] / bytes[1], 4000.0 / e4m3, 1e-12);
+    EXPECT_GT(bytes[0] / bytes[1], 3.5);
+  });
+  ASSERT_EQ(JoinErrors(errors), "");
+}
+
+TEST(Exchanger, LayerReadyErrorsNameTheLayer) {
+  const auto layers = MixedLayers();
+  ExchangeOptions options;
+  options.bucket_cap_bytes = 4096;
+  const auto errors = RunRanks(1, [&](Communicator& comm) {
+    Exchanger ex(comm, layers, options);
+    Tensors data = MakeInputs(0, layers);
+    std::vector<std::span<float>> grads;
+    for (auto& t : data) grads.emplace_back(t);
+    EXPECT_THROW(ex.LayerReady(1, 0), Error);  // step not begun
+    ex.BeginStep(1, grads);
+    ex.LayerReady(1, 6);
+    try {
+      ex.LayerReady(1, 6);
+      ADD_FAILURE() << "a layer ready twice was accepted";
+    } catch (const Error& e) {
+      EXPECT_NE(std::string(e.what()).find("bias was reported ready twice in step 1"),
+                std::string::npos)
+          << e.what();
+    }
+    for (uint32_t l = 5; l >= 2; --l) ex.LayerReady(1, l);  // fc1 and embed never come
+    try {
+      ex.Finish(1);
+      ADD_FAILURE() << "a step with layers never ready finished";
+    } catch (const Error& e) {
+      EXPECT_NE(std::string(e.what()).find("never ready: embed, fc1"), std::string::npos)
+          << e.what();
+    }
+  });
+  ASSERT_EQ(JoinErrors(errors), "");
 }
 
 TEST(Exchanger, PolicyMismatchNamesRankAndLayer) {

@@ -5,6 +5,7 @@
 #include <sys/wait.h>
 
 #include <cmath>
+#include <cstdio>
 #include <cstdlib>
 #include <filesystem>
 #include <fstream>
@@ -36,6 +37,8 @@ class TrajectoryBenchTest : public ::testing::Test {
     std::ofstream(*dir_ / "ema.yaml")
         << "geometry_refresh: {interval: 1, estimator: ema, beta: 0.8}\n"
            "policy:\n  layers:\n    - {match: '*', geometry: lowrank, rank: 4}\n";
+    std::ofstream(*dir_ / "hadamard.yaml")
+        << "policy:\n  default: {format: nvfp4, geometry: hadamard}\n";
     // Two ranks of llama-tiny on the Markov source: steps 0-5 of every rank are dumped.
     const std::string cmd = std::string(GEOFP8_TRAIN_PATH) +
                             " --preset llama-tiny --ranks 2 --steps 6 --policy fp32 --quiet "
@@ -117,6 +120,28 @@ TEST_F(TrajectoryBenchTest, ReplaysEveryRankAndTablesEachMatrixAgainstEuclidean)
     EXPECT_GE(std::stoi(f[3]), 2) << line;  // warm-up steps are not measured
   }
   EXPECT_EQ(lines, 3 * 16 * 4);  // deployed, euclid, fresh x 16 matrices x steps 2-5
+}
+
+// A rotation without a geometry is judged too, against the same format without the rotation;
+// it has no basis, so its fresh bound is the deployed exchange itself and its residual none.
+TEST_F(TrajectoryBenchTest, ARotationAloneIsJudgedAgainstTheUnrotatedTwin) {
+  const Result r = Run("'" + Dump().string() + "' --steps 0-5 --warmup 2 --policy '" +
+                       (*dir_ / "hadamard.yaml").string() + "'");
+  ASSERT_EQ(r.code, 0) << r.err;
+  const size_t at = r.out.find("over 16 layers, deployed rel_fro ");
+  ASSERT_NE(at, std::string::npos) << r.out;
+  double rel = 0, worst = 0, fresh_rel = 0, fresh_worst = 0;
+  ASSERT_EQ(std::sscanf(r.out.c_str() + at,
+                        "over 16 layers, deployed rel_fro %lf and worst band %lf of Euclidean "
+                        "(geometric mean over layers); fresh bound %lf and %lf;",
+                        &rel, &worst, &fresh_rel, &fresh_worst),
+            4)
+      << r.out;
+  // The rotated exchange's error is not the unrotated one's, and the bound is the same exchange.
+  EXPECT_TRUE(rel > 0 && rel < 2 && std::abs(rel - 1) > 1e-3) << r.out;
+  EXPECT_TRUE(worst > 0 && worst < 4) << r.out;
+  EXPECT_DOUBLE_EQ(fresh_rel, rel) << r.out;
+  EXPECT_NE(r.out.find("residual-subspace nan"), std::string::npos) << r.out;
 }
 
 TEST_F(TrajectoryBenchTest, BadTrajectoriesAreOneLineUsageErrorsNamingTheFile) {

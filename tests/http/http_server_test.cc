@@ -1,6 +1,6 @@
 // Tests of the /metrics responder over real sockets on 127.0.0.1: paths, methods, malformed and
 // oversized heads, slow clients, many concurrent connections, and that it keeps answering.
-#include "kernels/common/http_server.h"
+#include "platform/common/http_server.h"
 
 #include <arpa/inet.h>
 #include <gtest/gtest.h>

@@ -1,4 +1,4 @@
-// The event line format of both daemons (kernels/common/log.h): logfmt quoting and escaping,
+// The event line format of both daemons (platform/common/log.h): logfmt quoting and escaping,
 // JSON types, field order, base fields, and lines that never interleave across threads.
 #include <gtest/gtest.h>
 
@@ -9,7 +9,7 @@
 #include <thread>
 #include <vector>
 
-#include "kernels/common/log.h"
+#include "platform/common/log.h"
 
 namespace geofp8::log {
 namespace {

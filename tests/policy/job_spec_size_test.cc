@@ -6,7 +6,7 @@
 #include <chrono>
 #include <string>
 
-#include "kernels/policy/job_spec.h"
+#include "platform/policy/job_spec.h"
 
 namespace geofp8 {
 namespace {

@@ -1,11 +1,11 @@
-// DueVersion and StartVersion (kernels/policy/policy.h), the rule the built-in trainer and the
+// DueVersion and StartVersion (platform/policy/policy.h), the rule the built-in trainer and the
 // Python hook share for when a policy version takes effect: effective, agreed, taken, replaying.
 #include <gtest/gtest.h>
 
 #include <map>
 #include <optional>
 
-#include "kernels/policy/policy.h"
+#include "platform/policy/policy.h"
 
 namespace geofp8 {
 namespace {

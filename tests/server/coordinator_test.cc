@@ -204,6 +204,17 @@ TEST_F(CoordinatorTest, AssignsRanksWhenEnoughIdleWorkersThenRunsAndSucceeds) {
   ASSERT_TRUE(Send(b, val).ok());
   EXPECT_EQ(Get(id).progress().val_loss(), 2.375);
 
+  // So is its gradient noise scale: rank 0's, kept until it reports another.
+  EXPECT_FALSE(Get(id).progress().has_gradient_noise_scale());
+  v1::WorkerMessage noise;
+  noise.mutable_progress()->set_step(6);
+  noise.mutable_progress()->set_gradient_noise_scale(2900.0);
+  ASSERT_TRUE(Send(a, noise).ok());
+  ASSERT_TRUE(Progress(a, 7).ok());
+  noise.mutable_progress()->set_gradient_noise_scale(1.0);
+  ASSERT_TRUE(Send(b, noise).ok());
+  EXPECT_EQ(Get(id).progress().gradient_noise_scale(), 2900.0);
+
   v1::WorkerMessage summaries;
   for (int step : {5, 9, 7}) {  // a late, older summary never replaces a newer one
     auto* l = summaries.mutable_summaries()->add_layers();

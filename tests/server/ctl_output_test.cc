@@ -14,7 +14,7 @@
 #include "client/ctl/config.h"
 #include "client/ctl/doc.h"
 #include "client/ctl/render.h"
-#include "kernels/policy/policy.h"
+#include "platform/policy/policy.h"
 #include "yaml-cpp/yaml.h"
 
 namespace geofp8::ctl {

@@ -104,6 +104,27 @@ TEST(Render, DescribeAndWideShowTheValidationLoss) {
   EXPECT_NE(wide.find("3.219 @100"), std::string::npos) << wide;
 }
 
+// The noise scale, with the global batch it compares with for the built-in trainer.
+TEST(Render, DescribeShowsTheNoiseScaleAgainstTheGlobalBatch) {
+  v1::Job job;
+  job.set_id("job-5");
+  job.set_state(v1::JOB_RUNNING);
+  job.set_world_size(2);
+  job.set_spec_yaml("name: a\ntraining: {steps: 400, batch_size: 8, seq_len: 64}\n");
+  std::string out = DescribeJob(job, nullptr, 0);
+  EXPECT_NE(out.find("Noise scale:  -\n"), std::string::npos) << out;  // not reported yet
+  job.mutable_progress()->set_gradient_noise_scale(2900.0);
+  out = DescribeJob(job, nullptr, 0);
+  // 2 ranks x 8 sequences x 64 tokens = 1024 tokens a step; 1024 / 2900 = 0.353.
+  EXPECT_NE(out.find("Noise scale:  B_simple 2.9k tokens, global batch 1.02k tokens "
+                     "(B/B_simple 0.35)\n"),
+            std::string::npos)
+      << out;
+  job.set_spec_yaml("name: a\ncommand: [python3, train.py]\n");  // its own batch: unknown here
+  out = DescribeJob(job, nullptr, 0);
+  EXPECT_NE(out.find("Noise scale:  B_simple 2.9k tokens\n"), std::string::npos) << out;
+}
+
 // Policy history: the step each version was taken at, next to its effective step, in every output.
 TEST(Render, PolicyHistoryShowsTheTakenStep) {
   v1::ListPolicyVersionsResponse r;

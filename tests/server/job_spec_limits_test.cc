@@ -4,7 +4,7 @@
 
 #include <string>
 
-#include "kernels/policy/job_spec.h"
+#include "platform/policy/job_spec.h"
 #include "tests/server/job_spec_error.h"
 
 namespace geofp8 {

@@ -1,6 +1,6 @@
 // Job spec and policy patch parsing: defaults, every example file, and errors that name the field
 // path and the YAML line.
-#include "kernels/policy/job_spec.h"
+#include "platform/policy/job_spec.h"
 
 #include <gtest/gtest.h>
 

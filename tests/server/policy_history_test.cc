@@ -8,7 +8,7 @@
 #include <string>
 #include <vector>
 
-#include "kernels/policy/policy.h"
+#include "platform/policy/policy.h"
 #include "server/coordinator/coordinator.h"
 #include "tests/server/coordinator_harness.h"
 

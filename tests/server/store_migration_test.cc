@@ -10,7 +10,7 @@
 #include <filesystem>
 
 #include "google/protobuf/unknown_field_set.h"
-#include "kernels/policy/policy.h"
+#include "platform/policy/policy.h"
 #include "server/coordinator/coordinator.h"
 
 namespace geofp8::coordinator {

@@ -760,6 +760,22 @@ class CtlTest(Base):
         rc, out, err = ctl(self.server, "-o", "yaml", "policy", "get", "job-000001")
         self.assertEqual(yaml.safe_load(out)["default"]["format"], "fp8_e5m2")
         self.assertEqual(yaml.safe_load(out)["layers"], parsed["layers"])
+        # policy set names a rotation as the job spec does: the transform and its block.
+        rc, out, err = ctl(self.server, "policy", "set", "job-000001", "--layer", "*attn*",
+                           "--geometry", "lowrank+hadamard", "--hadamard-block", "32")
+        self.assertEqual(rc, 0, err)
+        self.assertEqual(out.strip(), "job/job-000001 policy v5 effective at step 5")
+        rc, out, err = ctl(self.server, "-o", "yaml", "policy", "get", "job-000001")
+        last = yaml.safe_load(out)["layers"][-1]
+        self.assertEqual((last["match"], last["geometry"], last["hadamard_block"]),
+                         ("*attn*", "lowrank+hadamard", 32), out)
+        rc, out, err = ctl(self.server, "policy", "get", "job-000001")
+        self.assertIn("lowrank+hadamard", out)
+        rc, _, err = ctl(self.server, "policy", "set", "job-000001", "--layer", "x",
+                         "--geometry", "hadamard+lowrank")
+        self.assertEqual(rc, 2, err)
+        self.assertIn("--geometry: unknown value (hadamard+lowrank); accepted: none, diag, "
+                      "lowrank, hadamard, diag+hadamard, lowrank+hadamard", err)
         rc, out, err = ctl(self.server, "policy", "get", "job-000001", "--version", "9")
         self.assertEqual(rc, 3, err)
         # Exit codes: usage 2, not found 3, unreachable 4, rejected 5.

@@ -54,7 +54,7 @@ std::map<std::pair<int, int64_t>, uint64_t> ReadVersions(const std::string& path
   return out;
 }
 
-// One logfmt line (kernels/common/log.h) as key -> value, quotes and escapes undone.
+// One logfmt line (platform/common/log.h) as key -> value, quotes and escapes undone.
 std::map<std::string, std::string> ParseLogfmt(const std::string& line) {
   std::map<std::string, std::string> out;
   size_t i = 0;

@@ -13,7 +13,7 @@
 #include <thread>
 
 #include "kernels/common/check.h"
-#include "kernels/policy/policy.h"
+#include "platform/policy/policy.h"
 #include "worker/daemon/hook_server.h"
 #include "worker/hook/hook_client.h"
 

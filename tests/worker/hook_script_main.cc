@@ -25,7 +25,7 @@
 #include <string>
 #include <thread>
 
-#include "kernels/policy/policy.h"
+#include "platform/policy/policy.h"
 #include "worker/hook/hook_client.h"
 
 namespace {

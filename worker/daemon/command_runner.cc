@@ -23,8 +23,9 @@
 #include <string_view>
 
 #include "kernels/common/check.h"
-#include "kernels/common/log.h"
-#include "kernels/policy/job_spec.h"
+#include "platform/common/log.h"
+#include "platform/common/status_error.h"
+#include "platform/policy/job_spec.h"
 #include "worker/daemon/grpc_store.h"
 #include "worker/daemon/log.h"
 
@@ -379,9 +380,7 @@ JobOutcome CommandRunner::Run() {
   try {
     Require(options_.allow_commands, "worker ", options_.job.worker_name,
             " does not run command: jobs (start geofp8-worker with --allow-commands)");
-    auto parsed = ParseJobSpec(a.spec_yaml());
-    Require(parsed.ok(), "spec: ", std::string(parsed.status().message()));
-    const JobSpec spec = *parsed;
+    const JobSpec spec = ValueOrThrow(ParseJobSpec(a.spec_yaml()), "spec: ");
     Require(!spec.command.empty(), "spec.command: missing");
     program = spec.command[0];
     total_steps_ = spec.training.steps;
@@ -433,10 +432,8 @@ JobOutcome CommandRunner::Run() {
       w.set_resume_step(a.resume_step());
       std::vector<v1::Policy> policies;
       for (const auto& [v, p] : policies_) policies.push_back(p);
-      auto hook = HookServer::Start(socket, w, std::move(policies),
-                                    [this](const v1::HookMessage& m) { Relay(m); });
-      Require(hook.ok(), std::string(hook.status().message()));
-      hook_ = std::move(*hook);
+      hook_ = ValueOrThrow(HookServer::Start(socket, w, std::move(policies),
+                                             [this](const v1::HookMessage& m) { Relay(m); }));
       if (refresh_) hook_->OfferRefresh(*refresh_);
     }
 

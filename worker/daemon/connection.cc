@@ -5,6 +5,7 @@
 #include <sstream>
 
 #include "absl/status/status.h"
+#include "platform/common/status.h"
 
 namespace geofp8::worker {
 
@@ -36,10 +37,10 @@ absl::StatusOr<std::shared_ptr<Connection>> Connection::Open(const ConnectionOpt
     creds = grpc::InsecureChannelCredentials();
   } else {
     grpc::SslCredentialsOptions ssl;
-    if (auto s = read("--tls-ca", options.tls_ca, &ssl.pem_root_certs); !s.ok()) return s;
+    GEOFP8_RETURN_IF_ERROR(read("--tls-ca", options.tls_ca, &ssl.pem_root_certs));
     if (!options.tls_cert.empty()) {
-      if (auto s = read("--tls-cert", options.tls_cert, &ssl.pem_cert_chain); !s.ok()) return s;
-      if (auto s = read("--tls-key", options.tls_key, &ssl.pem_private_key); !s.ok()) return s;
+      GEOFP8_RETURN_IF_ERROR(read("--tls-cert", options.tls_cert, &ssl.pem_cert_chain));
+      GEOFP8_RETURN_IF_ERROR(read("--tls-key", options.tls_key, &ssl.pem_private_key));
     }
     creds = grpc::SslCredentials(ssl);
   }

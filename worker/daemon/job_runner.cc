@@ -8,6 +8,7 @@
 #include <optional>
 
 #include "kernels/common/check.h"
+#include "platform/common/status_error.h"
 #include "worker/daemon/log.h"
 #include "worker/daemon/rank_attempt.h"
 #include "worker/daemon/rank_reporter.h"
@@ -124,12 +125,14 @@ JobOutcome JobRunner::Run() {
     out.success = false;
     out.reason = e.what();
     // The reason is the user's (no source location); where the core raised it, for debugging.
+    // A failed Status raised on the way (StatusError) adds its code: classified by type.
     if (const auto* core = dynamic_cast<const geofp8::Error*>(&e); core && !core->where().empty()) {
-      log::Debug("rank.error_location")
-          .F("job", assignment_.job_id())
-          .F("rank", assignment_.rank())
-          .F("where", core->where())
-          .Msg(out.reason);
+      log::Event event = log::Debug("rank.error_location");
+      event.F("job", assignment_.job_id()).F("rank", assignment_.rank()).F("where", core->where());
+      if (const auto* status = dynamic_cast<const StatusError*>(core)) {
+        event.F("code", absl::StatusCodeToString(status->status().code()));
+      }
+      event.Msg(out.reason);
     }
     // A collective that failed because a peer vanished is the coordinator's to judge: it
     // declares the peer dead and restarts the attempt from its checkpoint (a Stop reaches us).

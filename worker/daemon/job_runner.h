@@ -19,7 +19,7 @@
 #include "kernels/exchange/communicator.h"
 #include "kernels/exchange/policy.h"
 #include "kernels/model/model.h"
-#include "kernels/policy/job_spec.h"
+#include "platform/policy/job_spec.h"
 #include "worker/daemon/connection.h"
 #include "worker/daemon/metrics.h"
 #include "worker/daemon/policy_inbox.h"

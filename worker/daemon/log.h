@@ -1,10 +1,10 @@
 // The worker daemon's free-form notes: lines that are no lifecycle event of their own, written in
-// the shared structured format (kernels/common/log.h) as `event=worker.note msg=...`.
+// the shared structured format (platform/common/log.h) as `event=worker.note msg=...`.
 #pragma once
 
 #include <string>
 
-#include "kernels/common/log.h"
+#include "platform/common/log.h"
 
 namespace geofp8::worker {
 

@@ -11,8 +11,8 @@
 #include <fstream>
 #include <string>
 
-#include "kernels/common/log.h"
-#include "kernels/common/ready_file.h"
+#include "platform/common/log.h"
+#include "platform/common/ready_file.h"
 #include "worker/daemon/device.h"
 #include "worker/daemon/worker.h"
 

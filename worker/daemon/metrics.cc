@@ -8,7 +8,7 @@
 #include <cmath>
 
 #include "absl/status/status.h"
-#include "kernels/common/process_metrics.h"
+#include "platform/common/process_metrics.h"
 
 namespace geofp8::worker {
 

@@ -1,4 +1,4 @@
-// The worker's Prometheus metrics (prometheus-cpp registry, served by kernels/common/http_server):
+// The worker's Prometheus metrics (prometheus-cpp registry, served by platform/common/http_server):
 // training progress, exchange bytes and time, per-layer quantization error, session health.
 #pragma once
 
@@ -17,7 +17,7 @@
 #include <string>
 
 #include "absl/status/statusor.h"
-#include "kernels/common/http_server.h"
+#include "platform/common/http_server.h"
 
 namespace geofp8::worker {
 

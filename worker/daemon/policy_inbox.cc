@@ -4,7 +4,7 @@
 #include <vector>
 
 #include "geofp8/v1/geofp8.grpc.pb.h"
-#include "kernels/policy/policy.h"
+#include "platform/policy/policy.h"
 #include "worker/daemon/log.h"
 
 namespace geofp8::worker {

@@ -11,7 +11,8 @@
 #include "kernels/exchange/gloo_communicator.h"
 #include "kernels/model/ops.h"
 #include "kernels/model/optimizer.h"
-#include "kernels/policy/policy.h"
+#include "platform/common/status_error.h"
+#include "platform/policy/policy.h"
 #include "worker/daemon/log.h"
 
 namespace geofp8::worker {
@@ -34,10 +35,8 @@ train::TrainOptions TrainOptionsFor(const JobSpec& spec, int world,
                spec.training.optimizer, ")");
   GEOFP8_CHECK(spec.data.source == "synthetic" || spec.data.source == "file",
                "data.source: unknown (", spec.data.source, ")");
-  auto mc = ModelConfigFor(spec);
-  GEOFP8_CHECK(mc.ok(), std::string(mc.status().message()));
   train::TrainOptions to;
-  to.model = *mc;
+  to.model = ValueOrThrow(ModelConfigFor(spec));
   to.optimizer.lr = float(spec.training.lr);
   to.optimizer.min_lr = to.optimizer.lr * kMinLrFraction;
   to.optimizer.warmup_steps = int(spec.training.warmup_steps);
@@ -94,9 +93,7 @@ bool RankAttempt::UsesGeometry() const {
 }
 
 std::vector<RefreshSchedule> RankAttempt::Resolve(const v1::Policy& p) {
-  auto resolved = ResolveLayers(p, params_);
-  GEOFP8_CHECK(resolved.ok(), std::string(resolved.status().message()));
-  layer_policies_ = *resolved;
+  layer_policies_ = ValueOrThrow(ResolveLayers(p, params_));
   schedule_.clear();
   if (UsesGeometry()) {
     bool missing = false;
@@ -231,7 +228,7 @@ void RankAttempt::Begin(const train::TrainOptions& to, int64_t start) {
       ctx_.inbox.TakeStart(start, resumed ? resumed->policy_version : 0);
   GEOFP8_CHECK(first.has_value(), "policy: no version in force at step ", start);
   {
-    train::ExchangePlan plan;
+    ExchangePlan plan;
     plan.name = "policy v" + std::to_string(first->version());
     plan.algorithm = spec_.exchange.algorithm;
     plan.bucket_cap_bytes = size_t(std::max(1.0, spec_.exchange.bucket_mb * 1024 * 1024));
@@ -325,9 +322,7 @@ JobOutcome RankAttempt::Run() {
   JobOutcome out;
   rank_ = a_.rank();
   world_ = a_.world_size();
-  auto parsed = ParseJobSpec(a_.spec_yaml());
-  GEOFP8_CHECK(parsed.ok(), "spec: ", std::string(parsed.status().message()));
-  spec_ = *parsed;
+  spec_ = ValueOrThrow(ParseJobSpec(a_.spec_yaml()), "spec: ");
   const train::TrainOptions to = TrainOptionsFor(spec_, world_, ctx_.options);
   model_config_ = to.model;
   params_ = model::Model<float>(model_config_).params();

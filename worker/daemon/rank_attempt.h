@@ -18,7 +18,7 @@
 #include "kernels/exchange/communicator.h"
 #include "kernels/exchange/policy.h"
 #include "kernels/model/model.h"
-#include "kernels/policy/job_spec.h"
+#include "platform/policy/job_spec.h"
 #include "worker/daemon/connection.h"
 #include "worker/daemon/geometry_probe.h"
 #include "worker/daemon/grpc_store.h"

@@ -7,7 +7,7 @@
 #include <fstream>
 
 #include "kernels/codec/codec.h"
-#include "kernels/policy/policy.h"
+#include "platform/policy/policy.h"
 #include "worker/daemon/log.h"
 
 namespace geofp8::worker {
@@ -18,21 +18,6 @@ int64_t NowUnixMs() {
   return std::chrono::duration_cast<std::chrono::milliseconds>(
              std::chrono::system_clock::now().time_since_epoch())
       .count();
-}
-
-// Encoded size of a layer under its policy, to attribute a bucket's wire bytes to its layers.
-double EncodedWeight(const LayerPolicy& p, int64_t count) {
-  if (p.format == Format::kFp32) return 4.0 * double(count);
-  if (p.format == Format::kBf16) return 2.0 * double(count);
-  CodecOptions o;
-  o.format = p.format;
-  o.scaling = p.scaling;
-  o.block = p.block;
-  try {
-    return double(EncodedBytes(o, size_t(count)));
-  } catch (const std::exception&) {
-    return double(count);
-  }
 }
 
 }  // namespace
@@ -119,16 +104,10 @@ void RankReporter::StepMetrics(int64_t step, const train::StepRecord& rec, doubl
   metrics_->Step(step, rec.loss, tokens_per_second,
                  {rec.step_seconds, rec.exchange_seconds, rec.geometry_seconds}, rec.skipped);
   metrics_->GradientNoiseScale(rec.gradient_noise_scale);
-  for (const BucketResult& b : rec.exchange.buckets) {
-    const auto& ls = trainer.exchanger().buckets()[b.bucket].layers;
-    double total = 0;
-    for (uint32_t l : ls) total += EncodedWeight(layer_policies[l], params[l].size());
-    for (uint32_t l : ls) {
-      const double share =
-          total > 0 ? EncodedWeight(layer_policies[l], params[l].size()) / total : 0;
-      metrics_->LayerBytes(params[l].name, std::string(FormatNameOf(layer_policies[l].format)),
-                           double(b.bytes_sent) * share);
-    }
+  const std::vector<double> bytes = trainer.exchanger().LayerBytesSent(rec.exchange);
+  for (size_t l = 0; l < bytes.size(); ++l) {
+    metrics_->LayerBytes(params[l].name, std::string(FormatNameOf(layer_policies[l].format)),
+                         bytes[l]);
   }
   for (const RefreshRecord& rr : rec.exchange.refreshes) {
     // Every rank learns each refresh; the metric counts the ones this rank estimated.

@@ -3,7 +3,8 @@
 // once the previous rank has ended and samples session state for /metrics.
 #include "worker/daemon/worker.h"
 
-#include "kernels/policy/job_spec.h"
+#include "platform/common/status.h"
+#include "platform/policy/job_spec.h"
 #include "worker/daemon/command_runner.h"
 #include "worker/daemon/log.h"
 
@@ -14,14 +15,11 @@ Worker::Worker(WorkerOptions options) : options_(std::move(options)) {}
 Worker::~Worker() { Shutdown(std::chrono::hours(1)); }
 
 absl::Status Worker::Start() {
-  auto c = Connection::Open(options_.connection);
-  if (!c.ok()) return c.status();
-  connection_ = *c;
+  GEOFP8_ASSIGN_OR_RETURN(connection_, Connection::Open(options_.connection));
   metrics_ = std::make_unique<WorkerMetrics>();
   if (options_.metrics_port >= 0) {
-    auto port = metrics_->Serve(options_.metrics_host, options_.metrics_port);
-    if (!port.ok()) return port.status();
-    metrics_port_ = *port;
+    GEOFP8_ASSIGN_OR_RETURN(metrics_port_,
+                            metrics_->Serve(options_.metrics_host, options_.metrics_port));
   }
   SessionEvents events;
   events.on_message = [this](const v1::CoordinatorMessage& m) { OnMessage(m); };

@@ -15,7 +15,7 @@
 
 #include "geofp8/v1/geofp8.grpc.pb.h"
 #include "kernels/common/check.h"
-#include "kernels/policy/policy.h"
+#include "platform/policy/policy.h"
 
 namespace geofp8::hook {
 

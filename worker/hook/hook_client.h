@@ -62,7 +62,7 @@ struct LayerReport {
 };
 
 // A layer's policy under one version (the wire enums: format FORMAT_FP8_E4M3, geometry
-// GEOMETRY_LOWRANK; kernels/policy/policy.h converts them: FromProto, NameOf).
+// GEOMETRY_LOWRANK; platform/policy/policy.h converts them: FromProto, NameOf).
 struct ResolvedLayerPolicy {
   std::string layer;
   v1::LayerPolicy policy;

@@ -23,8 +23,8 @@
 #include "kernels/model/data.h"
 #include "kernels/model/model.h"
 #include "kernels/model/ops.h"
-#include "kernels/policy/job_spec.h"
-#include "worker/train/exchange_policy.h"
+#include "platform/policy/exchange_policy.h"
+#include "platform/policy/job_spec.h"
 #include "worker/train/trainer.h"
 
 namespace {
@@ -210,7 +210,7 @@ int RunProcesses(const TrainOptions& o, const std::string& csv, bool quiet) {
   return failed ? 1 : 0;
 }
 
-// The defaults of this command that differ from a job spec's (kernels/policy/job_spec.h, which
+// The defaults of this command that differ from a job spec's (platform/policy/job_spec.h, which
 // the worker daemon turns into the same TrainOptions): here they are the benchmarks' (the
 // commands docs/benchmarks.md quotes rely on them), in a spec a small first job's. Built from
 // both sets of defaults, so the help cannot drift from either.
@@ -387,7 +387,7 @@ int main(int argc, char** argv) {
   try {
     // Reject a bad policy or data source before starting any rank.
     geofp8::model::Model<float> shape(o.model);
-    geofp8::train::MakeExchangePlan(o.policy, shape.params());
+    geofp8::MakeExchangePlan(o.policy, shape.params());
     geofp8::model::MakeDataSource(o.data, o.seed);
   } catch (const geofp8::Error& e) {
     return UsageError(e.what());  // the message alone: the core's location is e.where()

@@ -24,7 +24,7 @@
 #include "kernels/geometry/analysis.h"
 #include "kernels/model/data.h"
 #include "kernels/model/ops.h"
-#include "kernels/policy/job_spec.h"
+#include "platform/policy/job_spec.h"
 
 namespace geofp8::train {
 
@@ -177,10 +177,6 @@ void Trainer::BuildExchanger(std::vector<RefreshSchedule> schedule) {
     next->ImportResiduals(exchanger_->ExportResiduals());
   }
   exchanger_ = std::move(next);
-  bucket_of_.assign(model_.params().size(), 0);
-  for (size_t b = 0; b < exchanger_->buckets().size(); ++b) {
-    for (uint32_t l : exchanger_->buckets()[b].layers) bucket_of_[l] = b;
-  }
 }
 
 void Trainer::SetPolicies(uint64_t from_step, std::vector<LayerPolicy> policies,
@@ -295,11 +291,8 @@ StepRecord Trainer::Step(int64_t step, const StepControl& control) {
   std::vector<std::span<float>> grads(L);
   for (size_t i = 0; i < L; ++i) grads[i] = model_.grad(int(i));
   if (keep) local_.resize(model_.grads().size());
-  // Buckets hold layers in reverse order, so they complete in bucket order during backward.
-  std::vector<size_t> remaining(exchanger_->buckets().size());
-  for (size_t b = 0; b < remaining.size(); ++b)
-    remaining[b] = exchanger_->buckets()[b].layers.size();
-  size_t next_bucket = 0;
+  // The exchanger submits each bucket as soon as backward has finished its layers.
+  exchanger_->BeginStep(uint64_t(step), grads);
   const float accum = float(o_.accum);
   double local_sq = 0;  // this rank's own gradient's squared norm, for the noise scale
   auto on_ready = [&](int i) {
@@ -310,14 +303,10 @@ StepRecord Trainer::Step(int64_t step, const StepControl& control) {
     }
     for (float v : g) local_sq += double(v) * v;
     if (keep) std::copy(g.begin(), g.end(), local_.begin() + model_.params()[i].offset);
-    --remaining[bucket_of_[i]];
-    while (next_bucket < remaining.size() && remaining[next_bucket] == 0) {
-      exchanger_->Submit(uint64_t(step), next_bucket++, grads);
-    }
+    exchanger_->LayerReady(uint64_t(step), uint32_t(i));
   };
   loss += model_.ForwardBackward(micro(o_.accum - 1), o_.batch, seq_, on_ready);
   loss /= o_.accum;
-  GEOFP8_CHECK(next_bucket == remaining.size(), "backward left buckets unsubmitted");
   const auto t_backward = Clock::now();
   if (trace_)
     trace_->Add("forward_backward", ExchangeTrace::kTrainerLane, step, -1, t0, t_backward);

@@ -19,8 +19,8 @@
 #include "kernels/model/model.h"
 #include "kernels/model/noise_scale.h"
 #include "kernels/model/optimizer.h"
+#include "platform/policy/exchange_policy.h"
 #include "worker/train/checkpoint.h"
-#include "worker/train/exchange_policy.h"
 
 namespace geofp8::train {
 
@@ -219,7 +219,6 @@ class Trainer {
   uint64_t policy_version_ = 0;
   std::unique_ptr<ExchangeTrace> trace_;  // options.trace_dir set; outlives every exchanger_
   std::unique_ptr<Exchanger> exchanger_;
-  std::vector<size_t> bucket_of_;
   struct PolicyChange {
     std::vector<LayerPolicy> policies;
     std::vector<RefreshSchedule> schedule;

@@ -23,7 +23,7 @@ def policy_source(policy):
     - YAML text (anything with a newline or a colon) in that file's schema;
     - a dict in that schema (sent as JSON, which is YAML).
 
-    Parsing and validation happen in C++ (worker/train/exchange_policy), not here.
+    Parsing and validation happen in C++ (platform/policy/exchange_policy), not here.
     """
     if isinstance(policy, dict):
         return "text", json.dumps(policy)

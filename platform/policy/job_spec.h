@@ -175,7 +175,7 @@ absl::StatusOr<JobSpec> ParseJobSpec(std::string_view yaml);
 
 // A policy file: the `exchange`, `policy` and `geometry_refresh` sections of a job spec and
 // nothing else, with the job spec's schema, defaults and error paths (`spec.policy.layers[0]...`).
-// `geofp8-train --policy FILE.yaml` takes it, and so do its presets (kernels/policy/presets.h),
+// `geofp8-train --policy FILE.yaml` takes it, and so do its presets (platform/policy/presets.h),
 // so a file that trains under geofp8-train resolves to the same layer policies and refresh
 // schedules as a job whose spec holds the same sections.
 struct PolicyFileSpec {

@@ -1,10 +1,10 @@
 // A small HTTP/1.1 responder that serves one text document at /metrics for Prometheus scrapes.
 // It replaces prometheus-cpp's Exposer, whose civetweb crashed on any request for another path.
 //
-// Why it lives in kernels/common: both daemons (server/coordinator and worker/daemon) serve
+// Why it lives in platform/common: both daemons (server/coordinator and worker/daemon) serve
 // /metrics, and neither may depend on the other, so the responder sits below both. It knows only
-// POSIX sockets and a render callback; it has no gRPC, no Prometheus types and no daemon state,
-// which is what kernels/ allows. The daemons render their registries in the callback.
+// POSIX sockets and a render callback; it has no gRPC, no Prometheus types and no daemon state.
+// The daemons render their registries in the callback.
 #pragma once
 
 #include <atomic>

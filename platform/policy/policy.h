@@ -12,7 +12,7 @@
 #include "absl/status/statusor.h"
 #include "geofp8/v1/geofp8.pb.h"
 #include "kernels/model/model.h"
-#include "kernels/policy/job_spec.h"
+#include "platform/policy/job_spec.h"
 
 namespace geofp8 {
 

@@ -1,6 +1,7 @@
-// The trainer's exchange policy: one LayerPolicy per model parameter plus the algorithm and the
-// geometry refresh cadence, from a preset name (fp32, bf16, fp8, geofp8, nvfp4, geonvfp4, fp8-ef,
-// nvfp4-ef) or a YAML file with per-layer globs. Parsed and validated here, at the edge.
+// An exchange plan: one LayerPolicy per model parameter plus the algorithm and the geometry
+// refresh cadence, from a preset name (AcceptedPolicyPresets in job_spec.h) or a YAML file with
+// per-layer globs. Parsed and validated here, at the edge, for geofp8-train, the worker daemon,
+// the Python hook and geofp8-bench trajectory.
 #pragma once
 
 #include <string>
@@ -10,9 +11,9 @@
 #include "kernels/exchange/exchanger.h"
 #include "kernels/exchange/policy.h"
 #include "kernels/model/model.h"
-#include "kernels/policy/job_spec.h"
+#include "platform/policy/job_spec.h"
 
-namespace geofp8::train {
+namespace geofp8 {
 
 // Plain struct: what the Exchanger needs besides the communicator.
 struct ExchangePlan {
@@ -29,12 +30,9 @@ struct ExchangePlan {
   bool uses_geometry() const;
 };
 
-// "fp32, bf16, fp8, geofp8, nvfp4, geonvfp4, fp8-ef, nvfp4-ef"
-std::string_view AcceptedPolicyPresets();
-
 // Builds the plan for `spec`: a preset name, or a path to a policy file (anything ending in
 // .yaml/.yml): the `exchange`, `policy` and `geometry_refresh` sections of a job spec
-// (docs/job-spec.md), parsed by kernels/policy's ParsePolicyFile and resolved as the coordinator
+// (docs/job-spec.md), parsed by platform/policy's ParsePolicyFile and resolved as the coordinator
 // resolves a job's policy. A preset is such a file too (PresetPolicyFile). Throws geofp8::Error
 // with one line naming the file, line and field on a bad file or a glob that matches no layer.
 ExchangePlan MakeExchangePlan(const std::string& spec, const std::vector<model::ParamInfo>& params);
@@ -51,7 +49,7 @@ ExchangePlan MakeExchangePlanFromText(std::string_view yaml, const std::string& 
 ExchangeOptions MakeExchangeOptions(const ExchangePlan& plan);
 
 // The geometry refresh schedule of `ranks` ranks, one entry per parameter, by the coordinator's
-// algorithm (kernels/policy RefreshScheduleOf). Empty when the plan uses no geometry.
+// algorithm (platform/policy RefreshScheduleOf). Empty when the plan uses no geometry.
 std::vector<RefreshSchedule> MakeRefreshSchedule(const ExchangePlan& plan, int ranks);
 
-}  // namespace geofp8::train
+}  // namespace geofp8

@@ -1,10 +1,12 @@
-#include "kernels/policy/policy.h"
+#include "platform/policy/policy.h"
 
 #include <algorithm>
 #include <cmath>
 #include <cstdio>
 #include <limits>
 #include <map>
+
+#include "platform/common/status.h"
 
 namespace geofp8 {
 namespace {
@@ -240,13 +242,11 @@ absl::StatusOr<LayerPolicy> FromProto(const v1::LayerPolicy& lp, const std::stri
 absl::StatusOr<PolicyPatchSpec> PatchFileOf(const v1::Policy& policy) {
   PolicyPatchSpec out;
   out.reason = policy.reason();
-  auto defaults = FromProto(policy.default_policy(), "default");
-  if (!defaults.ok()) return defaults.status();
-  out.defaults = *defaults;
+  GEOFP8_ASSIGN_OR_RETURN(out.defaults, FromProto(policy.default_policy(), "default"));
   for (int i = 0; i < policy.patches_size(); ++i) {
-    auto patch = FromProto(policy.patches(i), "patches[" + std::to_string(i) + "]");
-    if (!patch.ok()) return patch.status();
-    out.layers.push_back(*patch);
+    GEOFP8_ASSIGN_OR_RETURN(auto patch,
+                            FromProto(policy.patches(i), "patches[" + std::to_string(i) + "]"));
+    out.layers.push_back(std::move(patch));
   }
   return out;
 }
@@ -255,14 +255,14 @@ absl::StatusOr<std::vector<LayerPolicy>> ResolveLayers(
     const v1::Policy& policy, const std::vector<model::ParamInfo>& params) {
   std::vector<LayerPolicy> out;
   for (const auto& p : params) {
-    auto r = FromProto(ResolveLayer(policy, p.name).policy,
-                       "policy v" + std::to_string(policy.version()) + ": layer " + p.name);
-    if (!r.ok()) return r.status();
+    GEOFP8_ASSIGN_OR_RETURN(LayerPolicy r, FromProto(ResolveLayer(policy, p.name).policy,
+                                                     "policy v" + std::to_string(policy.version()) +
+                                                         ": layer " + p.name));
     if (!p.is_matrix()) {  // DESIGN.md section 2: 1-D tensors are never transformed
-      r->geometry = GeometryMode::kNone;
-      r->hadamard = false;
+      r.geometry = GeometryMode::kNone;
+      r.hadamard = false;
     }
-    out.push_back(*r);
+    out.push_back(std::move(r));
   }
   return out;
 }

@@ -1,6 +1,6 @@
 // The /metrics responder (see http_server.h): one poll loop over non-blocking sockets, a parser
 // for the request head only, and one response per connection, written with MSG_NOSIGNAL.
-#include "kernels/common/http_server.h"
+#include "platform/common/http_server.h"
 
 #include <fcntl.h>
 #include <netdb.h>

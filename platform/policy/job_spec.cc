@@ -1,6 +1,6 @@
 // YAML -> JobSpec / PolicyPatchSpec with validation of every field. yaml-cpp's Mark gives the
 // line of each node, so every error reads "line N: spec.path: problem (value)".
-#include "kernels/policy/job_spec.h"
+#include "platform/policy/job_spec.h"
 
 #include <fnmatch.h>
 
@@ -17,6 +17,7 @@
 
 #include "kernels/geometry/hadamard.h"
 #include "kernels/model/model.h"
+#include "platform/common/status.h"
 #include "yaml-cpp/depthguard.h"
 #include "yaml-cpp/yaml.h"
 
@@ -47,24 +48,8 @@ constexpr Vocabulary<Rounding> kRoundings{ParseRounding, AcceptedRoundings};
 constexpr Vocabulary<GeometryMode> kGeometries{ParseGeometryMode, AcceptedGeometryModes};
 constexpr Vocabulary<Algorithm> kAlgorithms{ParseAlgorithm, AcceptedAlgorithms};
 
-// A layer's `geometry:` value: the geometry, optionally followed by the Hadamard rotation.
-struct Transform {
-  GeometryMode geometry = GeometryMode::kNone;
-  bool hadamard = false;
-};
-std::optional<Transform> ParseTransform(std::string_view name) {
-  constexpr std::string_view kSuffix = "+hadamard";
-  if (name == "hadamard") return Transform{GeometryMode::kNone, true};
-  const bool rotated = name.size() > kSuffix.size() && name.ends_with(kSuffix);
-  if (rotated) name.remove_suffix(kSuffix.size());
-  const std::optional<GeometryMode> g = ParseGeometryMode(name);
-  if (!g || (rotated && *g == GeometryMode::kNone)) return std::nullopt;
-  return Transform{*g, rotated};
-}
-std::string_view AcceptedTransforms() {
-  return "none, diag, lowrank, hadamard, diag+hadamard, lowrank+hadamard";
-}
-constexpr Vocabulary<Transform> kTransforms{ParseTransform, AcceptedTransforms};
+using Transform = GeometryTransform;
+constexpr Vocabulary<Transform> kTransforms{ParseTransformName, AcceptedTransformNames};
 std::string TransformName(GeometryMode g, bool hadamard) {
   if (!hadamard) return std::string(GeometryModeName(g));
   return g == GeometryMode::kNone ? "hadamard" : std::string(GeometryModeName(g)) + "+hadamard";
@@ -595,9 +580,7 @@ absl::StatusOr<JobSpec> ParseJobSpec(std::string_view yaml) {
     return absl::InvalidArgumentError("spec: at most " + std::to_string(kMaxSpecBytes) +
                                       " bytes (" + std::to_string(yaml.size()) + ")");
   }
-  auto loaded = Load(yaml, "spec");
-  if (!loaded.ok()) return loaded.status();
-  const YAML::Node& root = *loaded;
+  GEOFP8_ASSIGN_OR_RETURN(const YAML::Node root, Load(yaml, "spec"));
   Reader r;
   JobSpec spec;
   const std::string p = "spec";
@@ -803,9 +786,7 @@ absl::StatusOr<JobSpec> ParseJobSpec(std::string_view yaml) {
 }
 
 absl::StatusOr<PolicyFileSpec> ParsePolicyFile(std::string_view yaml) {
-  auto loaded = Load(yaml, "spec");
-  if (!loaded.ok()) return loaded.status();
-  const YAML::Node& root = *loaded;
+  GEOFP8_ASSIGN_OR_RETURN(const YAML::Node root, Load(yaml, "spec"));
   Reader r;
   PolicyFileSpec file;
   const std::string p = "spec";
@@ -818,9 +799,7 @@ absl::StatusOr<PolicyFileSpec> ParsePolicyFile(std::string_view yaml) {
 }
 
 absl::StatusOr<PolicyPatchSpec> ParsePolicyPatch(std::string_view yaml) {
-  auto loaded = Load(yaml, "patch");
-  if (!loaded.ok()) return loaded.status();
-  const YAML::Node& root = *loaded;
+  GEOFP8_ASSIGN_OR_RETURN(const YAML::Node root, Load(yaml, "patch"));
   Reader r;
   PolicyPatchSpec patch;
   if (!r.Map(root, "patch", {"reason", "default", "layers"})) return Invalid(r.errors);

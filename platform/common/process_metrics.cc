@@ -1,7 +1,7 @@
 // build_info and process_* series (see process_metrics.h). The /proc formats are proc(5)'s:
 // /proc/self/stat fields 14, 15 (utime, stime) and 22 (starttime) in clock ticks after the
 // parenthesised command name, /proc/self/statm field 2 (resident pages), /proc/stat's btime.
-#include "kernels/common/process_metrics.h"
+#include "platform/common/process_metrics.h"
 
 #include <dirent.h>
 #include <sys/resource.h>

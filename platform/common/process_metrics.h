@@ -14,7 +14,7 @@ namespace geofp8::http {
 // The families above, as of now.
 std::vector<prometheus::MetricFamily> ProcessFamilies();
 
-// The version and `git describe` baked in at build time (kernels/CMakeLists.txt).
+// The version and `git describe` baked in at build time (platform/CMakeLists.txt).
 const char* BuildVersion();
 const char* BuildGitCommit();
 

@@ -1,5 +1,5 @@
-// geofp8-train's exchange plan: a preset or a policy file, parsed and resolved by the policy
-// library (kernels/policy) exactly as the coordinator and the worker resolve a job's policy.
+// The exchange plan: a preset or a policy file, parsed and resolved by the policy
+// library (platform/policy) exactly as the coordinator and the worker resolve a job's policy.
 //
 // A policy file holds the `exchange`, `policy` and `geometry_refresh` sections of a job spec
 // (docs/job-spec.md), for example:
@@ -11,15 +11,16 @@
 //   geometry_refresh: {estimator: ema, interval: 1}
 // 1-D parameters (norm gains) always use geometry none.
 
-#include "worker/train/exchange_policy.h"
+#include "platform/policy/exchange_policy.h"
 
 #include <fstream>
 #include <sstream>
 
 #include "kernels/common/check.h"
-#include "kernels/policy/policy.h"
+#include "platform/common/status_error.h"
+#include "platform/policy/policy.h"
 
-namespace geofp8::train {
+namespace geofp8 {
 
 bool ExchangePlan::uses_geometry() const {
   for (const LayerPolicy& p : layers) {
@@ -27,8 +28,6 @@ bool ExchangePlan::uses_geometry() const {
   }
   return false;
 }
-
-std::string_view AcceptedPolicyPresets() { return geofp8::AcceptedPolicyPresets(); }
 
 namespace {
 
@@ -56,32 +55,30 @@ namespace {
 // `model` names the model in an unmatched glob's error.
 ExchangePlan PlanFromText(std::string_view text, const std::string& name, const std::string& where,
                           const std::vector<model::ParamInfo>& params, std::string_view model) {
-  absl::StatusOr<PolicyFileSpec> file = ParsePolicyFile(text);
-  if (!file.ok()) GEOFP8_FAIL(where, file.status().message());
+  const PolicyFileSpec file = ValueOrThrow(ParsePolicyFile(text), where);
   // A patch whose glob names no parameter is a typo that would do nothing (as in a job spec).
-  for (size_t i = 0; i < file->policy.layers.size(); ++i) {
-    const std::string& glob = file->policy.layers[i].match;
+  for (size_t i = 0; i < file.policy.layers.size(); ++i) {
+    const std::string& glob = file.policy.layers[i].match;
     if (std::string problem = UnmatchedGlobProblem(glob, params, model); !problem.empty()) {
       GEOFP8_FAIL(where, "spec.policy.layers[", i, "].match: ", problem);
     }
   }
-  if (file->exchange.algorithm == Algorithm::kNative) {
+  if (file.exchange.algorithm == Algorithm::kNative) {
     GEOFP8_FAIL(where,
                 "spec.exchange.algorithm: native needs NCCL on a GPU; the CPU trainer "
                 "accepts two_phase, allgather, fp32, bf16 (native)");
   }
 
   // Resolved as the worker resolves a job's policy version 1.
-  const v1::Policy policy = InitialPolicy("geofp8-train", file->policy, 0);
-  absl::StatusOr<std::vector<LayerPolicy>> layers = ResolveLayers(policy, params);
-  if (!layers.ok()) GEOFP8_FAIL(where, layers.status().message());
+  const v1::Policy policy = InitialPolicy("geofp8-train", file.policy, 0);
+  std::vector<LayerPolicy> layers = ValueOrThrow(ResolveLayers(policy, params), where);
 
   ExchangePlan plan;
   plan.name = name;
-  plan.algorithm = file->exchange.algorithm;
-  plan.bucket_cap_bytes = size_t(std::max(1.0, file->exchange.bucket_mb * 1024 * 1024));
-  plan.layers = std::move(*layers);
-  plan.refresh = file->geometry_refresh;
+  plan.algorithm = file.exchange.algorithm;
+  plan.bucket_cap_bytes = size_t(std::max(1.0, file.exchange.bucket_mb * 1024 * 1024));
+  plan.layers = std::move(layers);
+  plan.refresh = file.geometry_refresh;
   for (size_t i = 0; i < params.size(); ++i) {
     // What the exchange engine would refuse later, refused here naming the file and layer.
     const model::ParamInfo& p = params[i];
@@ -154,4 +151,4 @@ std::vector<RefreshSchedule> MakeRefreshSchedule(const ExchangePlan& plan, int r
   return schedule;
 }
 
-}  // namespace geofp8::train
+}  // namespace geofp8

@@ -1,7 +1,7 @@
 // Exchange policy presets and the YAML policy file: per-layer globs, 1-D layers never get a
 // geometry, and every bad field is named.
 
-#include "worker/train/exchange_policy.h"
+#include "platform/policy/exchange_policy.h"
 
 #include <gtest/gtest.h>
 
@@ -10,9 +10,9 @@
 #include <fstream>
 
 #include "kernels/common/check.h"
-#include "kernels/policy/policy.h"
+#include "platform/policy/policy.h"
 
-namespace geofp8::train {
+namespace geofp8 {
 namespace {
 
 namespace fs = std::filesystem;
@@ -445,4 +445,4 @@ geometry_refresh: {estimator: instant, interval: 12, power_iters: 2}
 }
 
 }  // namespace
-}  // namespace geofp8::train
+}  // namespace geofp8

@@ -1,6 +1,6 @@
 // Structured event lines (see log.h): logfmt or JSON, one write per line under a mutex so lines
 // from different threads never interleave.
-#include "kernels/common/log.h"
+#include "platform/common/log.h"
 
 #include <chrono>
 #include <cmath>
