@@ -43,6 +43,14 @@ using Stream = grpc::ClientAsyncReaderWriter<v1::WorkerMessage, v1::CoordinatorM
 
 double Seconds(Clock::duration d) { return std::chrono::duration<double>(d).count(); }
 
+// A time that was never reached (not every worker got there) prints as "n/a".
+std::string Time(double v, int decimals) {
+  if (v < 0) return "n/a";
+  char buf[32];
+  std::snprintf(buf, sizeof buf, "%.*f", decimals, v);
+  return buf;
+}
+
 // The real worker's Register deadline (worker/daemon/session.h, rpc_timeout): a registration
 // slower than this would have timed out and been retried by a real worker.
 constexpr double kWorkerRegisterDeadlineS = 10.0;
@@ -926,10 +934,11 @@ LevelResult RunLevel(const Options& o, int n, const std::string& dir) {
                                        [](double v) { return v > kWorkerRegisterDeadlineS; }));
   }
   std::printf(
-      "cold start: %d/%d registered in %.2f s (%.0f/s), %d sessions open in %.2f s; Register "
+      "cold start: %d/%d registered in %s s (%.0f/s), %d sessions open in %s s; Register "
       "p50 %.2f s, p99 %.2f s, max %.2f s; %d over the worker's %.0f s deadline, %d failed\n",
-      r.registered, n, r.register_all_s, r.register_all_s > 0 ? n / r.register_all_s : 0.0,
-      r.opened, r.sessions_all_s, r.register_p50_s, r.register_p99_s, r.register_max_s,
+      r.registered, n, Time(r.register_all_s, 2).c_str(),
+      r.register_all_s > 0 ? n / r.register_all_s : 0.0, r.opened,
+      Time(r.sessions_all_s, 2).c_str(), r.register_p50_s, r.register_p99_s, r.register_max_s,
       r.register_over_deadline, kWorkerRegisterDeadlineS, r.register_failed);
   std::printf("  coordinator after cold start: %ld threads, peak RSS %ld MiB, %.1f CPU s\n",
               r.usage_after_start.threads, r.usage_after_start.peak_rss_mib,
@@ -1000,38 +1009,41 @@ const char* Verdict(bool met) { return met ? "met" : "MISSED"; }
 
 void PrintSummary(const std::vector<LevelResult>& results) {
   std::printf(
-      "| workers | register all s | Register p99 s | sessions s | hb p50 ms | hb p99 ms | "
+      "| workers | register all s | Register p99 s | sessions open | hb p50 ms | hb p99 ms | "
       "probe p99 ms | unacked | assign all s | RUNNING s | updates/s | update p99 ms | "
       "hb p99 during ms | SQLite commits/s | load (start) |\n");
   std::printf("|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|\n");
   for (const LevelResult& r : results) {
     std::printf(
-        "| %d | %.2f | %.2f | %.2f | %.3f | %.3f | %.3f | %llu | %.3f | %.3f | %.0f | %.2f | "
+        "| %d | %s | %.2f | %d/%d in %s | %.3f | %.3f | %.3f | %llu | %s | %s | %.0f | %.2f | "
         "%.3f | %.0f | %s |\n",
-        r.workers, r.register_all_s, r.register_p99_s, r.sessions_all_s, r.steady.p50, r.steady.p99,
-        r.steady.probe_p99, static_cast<unsigned long long>(r.steady.unacked()), r.all_assign_s,
-        r.running_s, r.update_rate, r.update_p99, r.during_updates.p99, r.sqlite_commits,
-        r.load_start.c_str());
+        r.workers, Time(r.register_all_s, 2).c_str(), r.register_p99_s, r.opened, r.workers,
+        Time(r.sessions_all_s, 2).c_str(), r.steady.p50, r.steady.p99, r.steady.probe_p99,
+        static_cast<unsigned long long>(r.steady.unacked()), Time(r.all_assign_s, 3).c_str(),
+        Time(r.running_s, 3).c_str(), r.update_rate, r.update_p99, r.during_updates.p99,
+        r.sqlite_commits, r.load_start.c_str());
   }
   std::printf("\n");
   for (const LevelResult& r : results) {
     const int n = r.workers;
     const bool reg = r.register_all_s >= 0 && r.sessions_all_s >= 0 && r.sessions_all_s <= 30;
-    std::printf("verdict %d: all register and open sessions within 30 s: %s (%.2f s)\n", n,
-                Verdict(reg), r.sessions_all_s);
+    std::printf(
+        "verdict %d: all register and open sessions within 30 s: %s (%d/%d sessions open, all in "
+        "%s s)\n",
+        n, Verdict(reg), r.opened, n, Time(r.sessions_all_s, 2).c_str());
     const bool hb = r.steady.acked > 0 && r.steady.unacked() == 0 &&
                     (r.steady.p99 < 10 || r.steady.p99 < 2 * r.steady.probe_p99);
     std::printf(
         "verdict %d: heartbeat p99 < 10 ms or < 2x probe p99, every beat acked: %s (p99 %.3f ms, "
-        "probe p99 %.3f ms, %llu unacked, %llu skipped)\n",
+        "probe p99 %.3f ms, %llu unacked, %llu skipped, over %d open sessions)\n",
         n, Verdict(hb), r.steady.p99, r.steady.probe_p99,
         static_cast<unsigned long long>(r.steady.unacked()),
-        static_cast<unsigned long long>(r.steady.skipped));
+        static_cast<unsigned long long>(r.steady.skipped), r.opened);
     std::printf("verdict %d: >= 1000 policy updates/s: %s (%.0f/s)\n", n,
                 Verdict(r.update_rate >= 1000), r.update_rate);
     const bool placed = r.all_assign_s >= 0 && r.all_assign_s <= 5;
-    std::printf("verdict %d: %d-rank job assigned within 5 s: %s (%.3f s)\n", n, r.job_ranks,
-                Verdict(placed), r.all_assign_s);
+    std::printf("verdict %d: %d-rank job assigned within 5 s: %s (%s s)\n", n, r.job_ranks,
+                Verdict(placed), Time(r.all_assign_s, 3).c_str());
   }
 }
 

@@ -22,10 +22,11 @@ expect() {
 expect 0 "exchange" --help
 expect 2 "subcommand"
 expect 2 "nosuch" nosuch
-for cmd in codec collectives coordinator exchange geometry model trajectory; do
+for cmd in cluster codec collectives coordinator exchange geometry model trajectory; do
   expect 0 "--help" "$cmd" --help
   expect 2 "--no-such-flag" "$cmd" --no-such-flag
 done
+expect 2 "--coordinator" cluster --coordinator /nonexistent/geofp8-coordinator
 expect 2 "--ranks" collectives --ranks 0
 expect 2 "--sizes" collectives --sizes 64,x
 expect 2 "--ops" collectives --ops allreduce,nosuch
