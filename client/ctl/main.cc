@@ -414,19 +414,25 @@ class Client {
                                  std::to_string(resp.policy().effective_step()) + "\n");
   }
 
-  // The rank's output as it is, on stdout; -o does not apply (it is the program's text).
-  int Logs(const std::string& ref, const LogsFlags& f) {
-    if (g_.output != "table") {
-      return Error(kUsage, "-o: not for logs (it prints the program's output as it is)");
-    }
+  // Before a long-lived stream (watch, logs -f), which has no deadline: connects within --timeout,
+  // then resolves `ref` as Resolve does.
+  int ResolveForStream(const std::string& ref, std::string* id) {
     const auto deadline = std::chrono::system_clock::now() +
                           std::chrono::milliseconds(static_cast<int64_t>(g_.timeout_s * 1000));
     if (!channel_->WaitForConnected(deadline)) {
       return Error(kUnreachable, "server " + g_.server + " unreachable within " +
                                      std::to_string(g_.timeout_s) + " s (--timeout)");
     }
+    return Resolve(ref, id);
+  }
+
+  // The rank's output as it is, on stdout; -o does not apply (it is the program's text).
+  int Logs(const std::string& ref, const LogsFlags& f) {
+    if (g_.output != "table") {
+      return Error(kUsage, "-o: not for logs (it prints the program's output as it is)");
+    }
     std::string id;
-    if (int rc = Resolve(ref, &id); rc != kOk) return rc;
+    if (int rc = ResolveForStream(ref, &id); rc != kOk) return rc;
     v1::LogsRequest req;
     req.set_job_id(id);
     req.set_rank(f.rank);
@@ -451,15 +457,8 @@ class Client {
   // Otherwise: events, and the status line on every state change and every --every % of steps.
   // -o json|yaml|jsonpath: every update, as documents.
   int Watch(const std::string& ref) {
-    // The stream itself is long-lived; the deadline bounds connecting and the first answer.
-    const auto deadline = std::chrono::system_clock::now() +
-                          std::chrono::milliseconds(static_cast<int64_t>(g_.timeout_s * 1000));
-    if (!channel_->WaitForConnected(deadline)) {
-      return Error(kUnreachable, "server " + g_.server + " unreachable within " +
-                                     std::to_string(g_.timeout_s) + " s (--timeout)");
-    }
     std::string id;
-    if (int rc = Resolve(ref, &id); rc != kOk) return rc;
+    if (int rc = ResolveForStream(ref, &id); rc != kOk) return rc;
     auto ctx = Context(false);
     v1::WatchJobRequest req;
     req.set_job_id(id);
