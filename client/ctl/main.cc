@@ -436,7 +436,7 @@ class Client {
     v1::LogsRequest req;
     req.set_job_id(id);
     req.set_rank(f.rank);
-    req.set_attempt(f.attempt);
+    if (f.attempt >= 0) req.set_attempt(f.attempt);
     req.set_follow(f.follow);
     req.set_tail_lines(std::max(f.tail, 0));
     req.set_stream(f.stderr_stream ? v1::LOG_STDERR : v1::LOG_STDOUT);

@@ -28,6 +28,32 @@ void SleepUnless(int ms, const std::function<bool()>& cancelled) {
   }
 }
 
+// A request the job can answer: a command job, a rank and an attempt it has, a tail >= 0.
+absl::Status CheckLogsRequest(const JobRec& rec, const v1::LogsRequest& request) {
+  const std::string& id = rec.job.id();
+  if (rec.spec.command.empty()) {
+    return absl::FailedPreconditionError(
+        "job " + id +
+        " runs the built-in trainer, which has no program output: its ranks' events are in "
+        "their workers' logs (geofp8-worker's stderr); logs shows a command: job's output");
+  }
+  const int world = rec.job.world_size();
+  if (request.rank() < 0 || request.rank() >= world) {
+    return absl::OutOfRangeError("rank: job " + id + " has ranks 0.." + std::to_string(world - 1) +
+                                 " (" + std::to_string(request.rank()) + ")");
+  }
+  if (request.has_attempt() && (request.attempt() < 0 || request.attempt() > rec.job.attempt())) {
+    return absl::OutOfRangeError("attempt: job " + id + " has attempts 0.." +
+                                 std::to_string(rec.job.attempt()) + " (" +
+                                 std::to_string(request.attempt()) + ")");
+  }
+  if (request.tail_lines() < 0) {
+    return absl::InvalidArgumentError("tail_lines: must be >= 0 (" +
+                                      std::to_string(request.tail_lines()) + ")");
+  }
+  return absl::OkStatus();
+}
+
 }  // namespace
 
 absl::StatusOr<LogTarget> Coordinator::ResolveLogs(const v1::LogsRequest& request) {
@@ -35,34 +61,14 @@ absl::StatusOr<LogTarget> Coordinator::ResolveLogs(const v1::LogsRequest& reques
   {
     std::lock_guard<std::mutex> lock(mu_);
     GEOFP8_ASSIGN_OR_RETURN(const JobRec* rec, jobs_.Find(request.job_id()));
+    GEOFP8_RETURN_IF_ERROR(CheckLogsRequest(*rec, request));
     const std::string& id = rec->job.id();
-    if (rec->spec.command.empty()) {
-      return absl::FailedPreconditionError(
-          "job " + id +
-          " runs the built-in trainer, which has no program output: its ranks' events are in "
-          "their workers' logs (geofp8-worker's stderr); logs shows a command: job's output");
-    }
-    const int world = rec->job.world_size();
-    if (request.rank() < 0 || request.rank() >= world) {
-      return absl::OutOfRangeError("rank: job " + id + " has ranks 0.." +
-                                   std::to_string(world - 1) + " (" +
-                                   std::to_string(request.rank()) + ")");
-    }
-    if (request.attempt() > rec->job.attempt()) {
-      return absl::OutOfRangeError("attempt: job " + id + " has attempts 0.." +
-                                   std::to_string(rec->job.attempt()) + " (" +
-                                   std::to_string(request.attempt()) + ")");
-    }
-    if (request.tail_lines() < 0) {
-      return absl::InvalidArgumentError("tail_lines: must be >= 0 (" +
-                                        std::to_string(request.tail_lines()) + ")");
-    }
     if (rec->attempt_workers.empty()) {
       return absl::FailedPreconditionError(
           "job " + id + " (" + StateName(rec->job.state()) +
           "): no attempt of it was placed on workers since this coordinator started");
     }
-    t.attempt = request.attempt() < 0 ? rec->attempt_workers.rbegin()->first : request.attempt();
+    t.attempt = request.has_attempt() ? request.attempt() : rec->attempt_workers.rbegin()->first;
     auto placed = rec->attempt_workers.find(t.attempt);
     if (placed == rec->attempt_workers.end() ||
         static_cast<int>(placed->second.size()) <= request.rank() ||

@@ -29,8 +29,10 @@ class FileSink : public FakeSink {
     v1::LogData* d = reply.mutable_log_data();
     d->set_request_id(r.request_id());
     std::lock_guard<std::mutex> lock(files_mu);
-    auto it = files.find("rank" + std::to_string(r.rank()) +
-                         (r.stream() == v1::LOG_STDERR ? ".err" : ".out"));
+    // Attempt 0's files by their names, a later attempt's under "<attempt>/".
+    auto it =
+        files.find((r.attempt() ? std::to_string(r.attempt()) + "/" : "") + "rank" +
+                   std::to_string(r.rank()) + (r.stream() == v1::LOG_STDERR ? ".err" : ".out"));
     if (it == files.end()) {
       d->set_missing(true);
       d->set_eof(true);
@@ -43,6 +45,16 @@ class FileSink : public FakeSink {
       d->set_eof(at + piece.size() == f.size());
     }
     (void)coordinator->HandleWorkerMessage(reply);
+  }
+  // The log reads sent since the last call.
+  std::vector<v1::LogRead> TakeReads() {
+    std::lock_guard<std::mutex> lock(mu);
+    std::vector<v1::LogRead> out;
+    for (const auto& m : messages) {
+      if (m.has_log_read()) out.push_back(m.log_read());
+    }
+    messages.clear();
+    return out;
   }
   void Append(const std::string& file, const std::string& text) {
     std::lock_guard<std::mutex> lock(files_mu);
@@ -104,7 +116,6 @@ class LogRelayTest : public CoordinatorHarness {
     v1::LogsRequest req;
     req.set_job_id(job);
     req.set_rank(rank);
-    req.set_attempt(-1);
     return req;
   }
   void Finish(const Worker& w, const std::string& job, int attempt) {
@@ -217,6 +228,36 @@ TEST_F(LogRelayTest, NamesTheWorkerThatIsNotConnectedOrHasNoFile) {
                              " attempt 0, is not connected"),
             std::string::npos)
       << s;
+}
+
+// A restarted job: the newest attempt by default, an earlier one with its number, each read from
+// the worker that ran it.
+TEST_F(LogRelayTest, ReadsTheNewestAttemptUnlessOneIsNamed) {
+  Worker wa;
+  auto a = Runner("a", &wa);
+  const std::string id = Submit("name: c\nworld_size: 1\ncommand: [python3, train.py]\n");
+  ASSERT_EQ(Get(id).ranks(0).worker_id(), "a");
+  a->Append("rank0.out", "attempt 0\n");
+  a->Append("1/rank0.out", "attempt 1\n");
+  v1::WorkerMessage crashed;
+  crashed.mutable_finished()->set_success(false);
+  crashed.mutable_finished()->set_restartable(true);
+  crashed.mutable_finished()->set_job_id(id);
+  crashed.mutable_finished()->set_attempt(0);
+  ASSERT_TRUE(Send(wa, crashed).ok());
+  ASSERT_EQ(Get(id).attempt(), 1);
+  ASSERT_EQ(Get(id).state(), v1::JOB_SCHEDULED);
+  a->TakeReads();
+  std::string text;
+  ASSERT_TRUE(Read(Request(id), &text).ok());
+  EXPECT_EQ(text, "attempt 1\n");
+  for (const auto& r : a->TakeReads()) EXPECT_EQ(r.attempt(), 1);
+  v1::LogsRequest first = Request(id);
+  first.set_attempt(0);
+  text.clear();
+  ASSERT_TRUE(Read(first, &text).ok());
+  EXPECT_EQ(text, "attempt 0\n");
+  for (const auto& r : a->TakeReads()) EXPECT_EQ(r.attempt(), 0);
 }
 
 // -f: output written after the call started arrives, and the stream ends once the rank has
