@@ -168,6 +168,16 @@ class JobServiceImpl final : public v1::JobService::Service {
     return k_->Call("JobService/DeleteJob", ctx,
                     [&] { return Common::Reply(k_->c_->DeleteJob(*req), resp); });
   }
+  // Write blocks while the client is slow (gRPC flow control): that holds back this stream's next
+  // read from the worker, and nothing else.
+  grpc::Status Logs(grpc::ServerContext* ctx, const v1::LogsRequest* req,
+                    grpc::ServerWriter<v1::LogsChunk>* writer) override {
+    return k_->Call("JobService/Logs", ctx, [&] {
+      return ToGrpc(k_->c_->StreamLogs(
+          *req, [&](const v1::LogsChunk& chunk) { return writer->Write(chunk); },
+          [&] { return ctx->IsCancelled(); }));
+    });
+  }
 
  private:
   Common* k_;
