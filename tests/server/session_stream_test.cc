@@ -144,26 +144,5 @@ TEST_F(SessionStreamTest, MessagesOfOneStreamAreAnsweredInOrder) {
   EXPECT_TRUE(stream->Finish().ok());
 }
 
-// A worker that sends but never reads: its acks wait for it, up to kMaxQueuedMessages, and then
-// the coordinator ends the stream rather than keep them all.
-TEST_F(SessionStreamTest, AStreamWhoseWorkerStopsReadingIsEndedAtTheQueueBound) {
-  grpc::ChannelArguments args;
-  args.SetInt(GRPC_ARG_HTTP2_BDP_PROBE, 0);
-  args.SetInt(GRPC_ARG_HTTP2_STREAM_LOOKAHEAD_BYTES, 1024);  // a small window fills at once
-  auto stub = v1::WorkerService::NewStub(Channel(args));
-  const v1::RegisterResponse r = Register(stub.get(), "w");
-  grpc::ClientContext ctx;
-  auto stream = stub->Session(&ctx);
-  // Enough beats for the window, the transport's buffers and the queue; the stream ends long
-  // before the last one.
-  bool ended = false;
-  for (uint64_t i = 1; i <= 20 * kMaxQueuedMessages && !ended; ++i) {
-    ended = !stream->Write(Beat(r, i));
-  }
-  EXPECT_TRUE(ended) << "the coordinator kept every ack of a worker that does not read";
-  const grpc::Status st = stream->Finish();
-  EXPECT_EQ(st.error_code(), grpc::StatusCode::CANCELLED) << st.error_message();
-}
-
 }  // namespace
 }  // namespace geofp8::coordinator
