@@ -143,6 +143,31 @@ std::string ReadPem(const std::string& flag, const std::string& path, const std:
   return "";
 }
 
+// `logs`' flags, kubectl's conventions (docs/logs.md).
+struct LogsFlags {
+  int rank = 0;
+  int attempt = -1;  // -1: the newest attempt
+  bool follow = false;
+  int tail = -1;  // -1: everything
+  bool stderr_stream = false;
+};
+
+CLI::App* AddLogsCommand(CLI::App& app, std::string* id, LogsFlags* f) {
+  auto* logs = app.add_subcommand(
+      "logs", "Print a command job's rank output (stdout, or --stderr), read from its worker");
+  logs->add_option("job", *id, "Job id or name")->required();
+  logs->add_option("--rank", f->rank, "Rank")->capture_default_str()->check(CLI::NonNegativeNumber);
+  logs->add_option("--attempt", f->attempt, "Attempt (0 is the first; default: the newest)")
+      ->check(CLI::NonNegativeNumber);
+  logs->add_flag("-f,--follow", f->follow,
+                 "Keep printing what the rank writes until it ends (Ctrl-C stops)");
+  logs->add_option("--tail", f->tail, "Only the last N lines (-1: all)")
+      ->capture_default_str()
+      ->check(CLI::Range(-1, 1 << 30));
+  logs->add_flag("--stderr", f->stderr_stream, "The rank's stderr instead of its stdout");
+  return logs;
+}
+
 class Client {
  public:
   explicit Client(const Globals& g) : g_(g) {}
@@ -389,19 +414,51 @@ class Client {
                                  std::to_string(resp.policy().effective_step()) + "\n");
   }
 
-  // On a TTY: one status line redrawn in place (at most 10 times a second), events above it.
-  // Otherwise: events, and the status line on every state change and every --every % of steps.
-  // -o json|yaml|jsonpath: every update, as documents.
-  int Watch(const std::string& ref) {
-    // The stream itself is long-lived; the deadline bounds connecting and the first answer.
+  // Before a long-lived stream (watch, logs -f), which has no deadline: connects within --timeout,
+  // then resolves `ref` as Resolve does.
+  int ResolveForStream(const std::string& ref, std::string* id) {
     const auto deadline = std::chrono::system_clock::now() +
                           std::chrono::milliseconds(static_cast<int64_t>(g_.timeout_s * 1000));
     if (!channel_->WaitForConnected(deadline)) {
       return Error(kUnreachable, "server " + g_.server + " unreachable within " +
                                      std::to_string(g_.timeout_s) + " s (--timeout)");
     }
+    return Resolve(ref, id);
+  }
+
+  // The rank's output as it is, on stdout; -o does not apply (it is the program's text).
+  int Logs(const std::string& ref, const LogsFlags& f) {
+    if (g_.output != "table") {
+      return Error(kUsage, "-o: not for logs (it prints the program's output as it is)");
+    }
     std::string id;
-    if (int rc = Resolve(ref, &id); rc != kOk) return rc;
+    if (int rc = ResolveForStream(ref, &id); rc != kOk) return rc;
+    v1::LogsRequest req;
+    req.set_job_id(id);
+    req.set_rank(f.rank);
+    if (f.attempt >= 0) req.set_attempt(f.attempt);
+    req.set_follow(f.follow);
+    req.set_tail_lines(std::max(f.tail, 0));
+    req.set_stream(f.stderr_stream ? v1::LOG_STDERR : v1::LOG_STDOUT);
+    if (f.tail == 0) return kOk;  // kubectl: --tail 0 prints nothing
+    // A long file or -f outlives any deadline; the server ends the stream.
+    auto ctx = Context(false);
+    auto reader = jobs_->Logs(ctx.get(), req);
+    v1::LogsChunk chunk;
+    while (reader->Read(&chunk)) {
+      std::fwrite(chunk.data().data(), 1, chunk.data().size(), stdout);
+      std::fflush(stdout);
+    }
+    grpc::Status s = reader->Finish();
+    return s.ok() ? kOk : FromStatus(s, g_);
+  }
+
+  // On a TTY: one status line redrawn in place (at most 10 times a second), events above it.
+  // Otherwise: events, and the status line on every state change and every --every % of steps.
+  // -o json|yaml|jsonpath: every update, as documents.
+  int Watch(const std::string& ref) {
+    std::string id;
+    if (int rc = ResolveForStream(ref, &id); rc != kOk) return rc;
     auto ctx = Context(false);
     v1::WatchJobRequest req;
     req.set_job_id(id);
@@ -803,6 +860,9 @@ int Run(int argc, char** argv) {
   config_set->add_option("--cert", given.cert, "PEM client certificate (mutual TLS)");
   config_set->add_option("--key", given.key, "PEM key of --cert");
 
+  LogsFlags logs_flags;
+  auto* logs = AddLogsCommand(app, &id, &logs_flags);
+
   auto* version_cmd = app.add_subcommand("version", "Print the client version");
   auto* completion = app.add_subcommand(
       "completion", "Print a shell completion script: source <(geofp8ctl completion bash)");
@@ -985,6 +1045,7 @@ int Run(int argc, char** argv) {
   if (*get_workers) return client.GetWorkers();
   if (*describe_job) return client.GetJob(id, true);
   if (*watch) return client.Watch(id);
+  if (*logs) return client.Logs(id, logs_flags);
   if (*cancel) return client.Cancel(id, reason);
   if (*delete_job) return client.Delete(id);
   if (*policy_get) return client.PolicyGet(id, version);

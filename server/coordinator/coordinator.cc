@@ -285,8 +285,11 @@ absl::Status Coordinator::OpenSession(const std::string& worker_id, uint64_t gen
 
 void Coordinator::CloseSession(const std::string& worker_id, uint64_t generation,
                                const std::shared_ptr<SessionSink>& sink) {
-  std::lock_guard<std::mutex> lock(mu_);
-  workers_.CloseSession(worker_id, generation, sink);
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    workers_.CloseSession(worker_id, generation, sink);
+  }
+  logs_.SessionClosed(sink.get());
 }
 
 v1::ListWorkersResponse Coordinator::ListWorkers() {
@@ -408,6 +411,18 @@ bool Coordinator::StartAttempt(JobRec& rec, const std::vector<std::string>& work
 absl::Status Coordinator::HandleWorkerMessage(const v1::WorkerMessage& message) {
   // Fast path: liveness and the ack only, without mu_.
   if (message.body_case() == v1::WorkerMessage::kHeartbeat) return workers_.Heartbeat(message);
+  // A log answer changes no state: it goes to the reader waiting on it, without mu_, and only
+  // if that read was sent to this session's (worker, generation) (LogRelay::Deliver).
+  if (message.has_log_data()) {
+    if (!logs_.Deliver(message.worker_id(), message.generation(), message.log_data())) {
+      log::Warn("log_data.refused")
+          .F("worker", message.worker_id())
+          .F("generation", message.generation())
+          .F("request", message.log_data().request_id())
+          .Msg("a log answer for no read sent to this worker's session");
+    }
+    return absl::OkStatus();
+  }
   Outbox out;
   {
     std::lock_guard<std::mutex> lock(mu_);
@@ -454,7 +469,8 @@ absl::Status Coordinator::Dispatch(const v1::WorkerMessage& message, WorkerRec& 
                                    Outbox& out) {
   const int rank = w.info.rank();
   switch (message.body_case()) {
-    case v1::WorkerMessage::kHeartbeat:  // handled on the fast path
+    case v1::WorkerMessage::kHeartbeat:  // handled on the fast paths
+    case v1::WorkerMessage::kLogData:
     case v1::WorkerMessage::BODY_NOT_SET:
       break;
     case v1::WorkerMessage::kProgress:
@@ -520,6 +536,7 @@ Coordinator::Counts Coordinator::GetCounts() {
   c.fenced_messages = workers_.fenced_messages();
   c.forged_sessions = workers_.forged_sessions();
   c.foreign_reports = foreign_reports_;
+  c.refused_log_data = logs_.refused_answers();
   c.workers_declared_dead = workers_.workers_declared_dead();
   return c;
 }

@@ -24,12 +24,14 @@
 // Lock order (never take one to the left while holding one to its right):
 //   Coordinator::mu_  ->  WorkerRegistry::live_mu_  ->  RendezvousKv::mu_
 // (live_mu_ and the KV's mutex are never held together; the KV is also used without mu_ by the
-// rendezvous RPCs.) Watchers wait on JobTable's condition variable with mu_.
+// rendezvous RPCs.) LogRelay's mutex (log reads in flight) is taken after mu_ or alone, and
+// nothing is taken while it is held. Watchers wait on JobTable's condition variable with mu_.
 #pragma once
 
 #include <atomic>
 #include <condition_variable>
 #include <cstdint>
+#include <functional>
 #include <map>
 #include <memory>
 #include <mutex>
@@ -43,6 +45,7 @@
 #include "platform/policy/job_spec.h"
 #include "server/coordinator/job_table.h"
 #include "server/coordinator/kv.h"
+#include "server/coordinator/log_relay.h"
 #include "server/coordinator/policy_book.h"
 #include "server/coordinator/session.h"
 #include "server/coordinator/store.h"
@@ -58,6 +61,10 @@ struct CoordinatorOptions {
   // Serve the rendezvous KV for any job id, not only jobs with a live attempt. Off in production;
   // for tests that drive the KV without running jobs (--debug-kv-any-job).
   bool kv_any_job = false;
+  // Logs: with follow, how long to wait before asking again for output that is not there yet;
+  // and how long a worker has to answer one log read.
+  int log_poll_ms = 500;
+  int log_read_timeout_ms = 10000;
 };
 
 // Durability (issue #30: group commit). The store batches writes that arrive together into one
@@ -108,6 +115,13 @@ class Coordinator {
   // Removes a finished job and its records (store and memory); FAILED_PRECONDITION naming the
   // job and its state unless it is SUCCEEDED, FAILED or CANCELLED. Watchers of it get NOT_FOUND.
   absl::StatusOr<v1::DeleteJobResponse> DeleteJob(const v1::DeleteJobRequest& request);
+  // A rank's program output (LogsRequest), read from its worker chunk by chunk (log_relay.h,
+  // docs/logs.md) and handed to `write` (false: the client went away). Ends when the file is
+  // read, or with `follow` when the rank has ended and its output is drained; CANCELLED once
+  // `cancelled` says so. Errors as JobService.Logs's comment in the proto says.
+  absl::Status StreamLogs(const v1::LogsRequest& request,
+                          const std::function<bool(const v1::LogsChunk&)>& write,
+                          const std::function<bool()>& cancelled);
 
   // --- PolicyService
   absl::StatusOr<v1::Policy> GetPolicy(const v1::GetPolicyRequest& request);
@@ -152,9 +166,10 @@ class Coordinator {
     std::map<int, int64_t> workers_by_state;  // v1::WorkerState -> count
     uint64_t policy_updates = 0;              // versions created after v1 (user and auto)
     uint64_t auto_policy_updates = 0;
-    uint64_t fenced_messages = 0;  // messages rejected for a stale generation
-    uint64_t forged_sessions = 0;  // sessions and Leaves refused for a wrong session secret
-    uint64_t foreign_reports = 0;  // reports naming a job the worker is not a rank of
+    uint64_t fenced_messages = 0;   // messages rejected for a stale generation
+    uint64_t forged_sessions = 0;   // sessions and Leaves refused for a wrong session secret
+    uint64_t foreign_reports = 0;   // reports naming a job the worker is not a rank of
+    uint64_t refused_log_data = 0;  // log answers for no read sent to that worker's session
     uint64_t workers_declared_dead = 0;
     uint64_t job_restarts = 0;  // attempts ended by a restartable failure and restarted
                                 // (those of deleted jobs included)
@@ -183,6 +198,12 @@ class Coordinator {
   absl::Status Dispatch(const v1::WorkerMessage& message, WorkerRec& w, JobRec* rec, Outbox& out);
   // The Ack of a want_ack message, once handled (and persisted where it changed the job).
   void Ack(const v1::WorkerMessage& message, const WorkerRec& w, const JobRec* rec, Outbox& out);
+  // StreamLogs' steps (coordinator_logs.cc): the request's target (holding one of the worker's
+  // stream slots when it returns one), one chunk read from the worker, and whether the rank's
+  // attempt has ended (its output will not grow).
+  absl::StatusOr<LogTarget> ResolveLogs(const v1::LogsRequest& request);
+  absl::StatusOr<v1::LogData> ReadLog(const LogTarget& target, int64_t offset, int32_t tail_lines);
+  bool RankEnded(const LogTarget& target);
 
   Store* store_;
   Clock* clock_;
@@ -195,6 +216,7 @@ class Coordinator {
   WorkerRegistry workers_;
   JobTable jobs_;
   PolicyBook policies_;
+  LogRelay logs_;  // its own mutex, after mu_
   uint64_t foreign_reports_ = 0;
   bool shutdown_ = false;
 };

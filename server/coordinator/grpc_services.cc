@@ -17,29 +17,12 @@
 
 #include "geofp8/v1/geofp8.grpc.pb.h"
 #include "platform/common/log.h"
+#include "server/coordinator/grpc_status.h"
 #include "server/coordinator/secrets.h"
+#include "server/coordinator/session_stream.h"
 
 namespace geofp8::coordinator {
 namespace {
-
-// The status message travels in the grpc-message trailer, percent-encoded (up to 3 bytes per
-// byte); a client drops trailers over 8 KiB and reports a transport error instead. Handlers keep
-// their messages short (job_spec.cc cuts its error list); this is the backstop.
-constexpr size_t kMaxStatusMessageBytes = 2600;
-
-grpc::Status ToGrpc(const absl::Status& s) {
-  if (s.ok()) return grpc::Status::OK;
-  std::string message(s.message());
-  if (message.size() > kMaxStatusMessageBytes) {
-    const size_t full = message.size();
-    message.resize(kMaxStatusMessageBytes);
-    message += "... (cut, " + std::to_string(full) + " bytes in all)";
-  }
-  if (s.GetPayload(kStoreUnwritablePayload).has_value()) {
-    return grpc::Status(static_cast<grpc::StatusCode>(s.code()), message, kStoreUnwritableDetails);
-  }
-  return grpc::Status(static_cast<grpc::StatusCode>(s.code()), message);
-}
 
 // Protobuf rejects a request whose string field holds invalid UTF-8 before any handler runs, and
 // gRPC then answers INTERNAL with an empty message. Protobuf names the field only in a log line:
@@ -95,7 +78,7 @@ class Common {
  public:
   Common(Coordinator* c, Metrics* m, std::string token) : c_(c), m_(m), token_(std::move(token)) {}
 
-  grpc::Status Authorize(grpc::ServerContext* ctx) const {
+  grpc::Status Authorize(grpc::ServerContextBase* ctx) const {
     if (token_.empty()) return grpc::Status::OK;
     const auto& md = ctx->client_metadata();
     auto it = md.find("authorization");
@@ -185,6 +168,16 @@ class JobServiceImpl final : public v1::JobService::Service {
     return k_->Call("JobService/DeleteJob", ctx,
                     [&] { return Common::Reply(k_->c_->DeleteJob(*req), resp); });
   }
+  // Write blocks while the client is slow (gRPC flow control): that holds back this stream's next
+  // read from the worker, and nothing else.
+  grpc::Status Logs(grpc::ServerContext* ctx, const v1::LogsRequest* req,
+                    grpc::ServerWriter<v1::LogsChunk>* writer) override {
+    return k_->Call("JobService/Logs", ctx, [&] {
+      return ToGrpc(k_->c_->StreamLogs(
+          *req, [&](const v1::LogsChunk& chunk) { return writer->Write(chunk); },
+          [&] { return ctx->IsCancelled(); }));
+    });
+  }
 
  private:
   Common* k_;
@@ -214,35 +207,11 @@ class PolicyServiceImpl final : public v1::PolicyService::Service {
   Common* k_;
 };
 
-// The coordinator's end of one Session stream. Write may run concurrently with the handler
-// thread's Read (gRPC allows one reader and one writer); writers serialize on mu_.
-class StreamSink : public SessionSink {
+// Session is on the callback API (session_stream.h says why); the unary methods stay synchronous.
+class WorkerServiceImpl final
+    : public v1::WorkerService::WithCallbackMethod_Session<v1::WorkerService::Service> {
  public:
-  StreamSink(grpc::ServerContext* ctx,
-             grpc::ServerReaderWriter<v1::CoordinatorMessage, v1::WorkerMessage>* s)
-      : ctx_(ctx), stream_(s) {}
-  void End() override {
-    std::lock_guard<std::mutex> lock(mu_);
-    if (stream_) ctx_->TryCancel();  // the handler's Read returns false
-  }
-  void Send(const v1::CoordinatorMessage& message) override {
-    std::lock_guard<std::mutex> lock(mu_);
-    if (stream_) stream_->Write(message);
-  }
-  void Close() {
-    std::lock_guard<std::mutex> lock(mu_);
-    stream_ = nullptr;
-  }
-
- private:
-  std::mutex mu_;
-  grpc::ServerContext* ctx_;
-  grpc::ServerReaderWriter<v1::CoordinatorMessage, v1::WorkerMessage>* stream_;
-};
-
-class WorkerServiceImpl final : public v1::WorkerService::Service {
- public:
-  explicit WorkerServiceImpl(Common* k) : k_(k) {}
+  WorkerServiceImpl(Common* k, SessionPool* pool) : k_(k), pool_(pool) {}
   grpc::Status Register(grpc::ServerContext* ctx, const v1::RegisterRequest* req,
                         v1::RegisterResponse* resp) override {
     return k_->Call("WorkerService/Register", ctx,
@@ -259,57 +228,14 @@ class WorkerServiceImpl final : public v1::WorkerService::Service {
       return grpc::Status::OK;
     });
   }
-  grpc::Status Session(
-      grpc::ServerContext* ctx,
-      grpc::ServerReaderWriter<v1::CoordinatorMessage, v1::WorkerMessage>* stream) override {
-    if (grpc::Status s = k_->Authorize(ctx); !s.ok()) {
-      k_->m_->RecordRpc("WorkerService/Session", "UNAUTHENTICATED", 0);
-      return s;
-    }
-    v1::WorkerMessage message;
-    if (!stream->Read(&message)) {
-      return grpc::Status(grpc::StatusCode::INVALID_ARGUMENT,
-                          "session: stream ended before the first message");
-    }
-    auto sink = std::make_shared<StreamSink>(ctx, stream);
-    // The stream belongs to the (worker, generation) its first message names and proves with
-    // the generation's secret; every later message must name the same one.
-    const std::string id = message.worker_id();
-    const uint64_t generation = message.generation();
-    absl::Status status = k_->c_->OpenSession(id, generation, message.session_secret(), sink);
-    if (!status.ok() && status.code() == absl::StatusCode::kPermissionDenied) {
-      log::Warn("session.refused")
-          .F("peer", ctx->peer())
-          .F("worker", id)
-          .Msg(std::string(status.message()));
-    }
-    // Every message is timed on its own: that is the latency a worker's heartbeat sees.
-    while (status.ok()) {
-      const auto start = std::chrono::steady_clock::now();
-      if (message.worker_id() != id || message.generation() != generation) {
-        status = absl::PermissionDeniedError("session: this stream belongs to worker " + id +
-                                             " generation " + std::to_string(generation) +
-                                             "; a message named worker " + message.worker_id() +
-                                             " generation " + std::to_string(message.generation()));
-        log::Warn("session.refused")
-            .F("peer", ctx->peer())
-            .F("worker", id)
-            .Msg(std::string(status.message()));
-      } else {
-        status = k_->c_->HandleWorkerMessage(message);
-      }
-      k_->m_->RecordRpc(
-          "WorkerService/Session", absl::StatusCodeToString(status.code()),
-          std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count());
-      if (!status.ok() || !stream->Read(&message)) break;
-    }
-    sink->Close();
-    k_->c_->CloseSession(id, generation, sink);
-    return ToGrpc(status);
+  grpc::ServerBidiReactor<v1::WorkerMessage, v1::CoordinatorMessage>* Session(
+      grpc::CallbackServerContext* ctx) override {
+    return NewSessionReactor(ctx, k_->Authorize(ctx), k_->c_, k_->m_, pool_);
   }
 
  private:
   Common* k_;
+  SessionPool* pool_;
 };
 
 // A rendezvous call the KV refused (not a key that is simply absent yet, nor a wait that timed
@@ -386,9 +312,12 @@ struct CoordinatorServer::Impl {
       : common(c, m, std::move(token)),
         jobs(&common),
         policies(&common),
-        workers(&common),
+        workers(&common, &session_pool),
         rendezvous(&common) {}
   Common common;
+  // Runs the session work that may block (session_stream.h). Declared before the server, so it
+  // outlives it: the streams' last reactions run on it while the server shuts down.
+  SessionPool session_pool{8};
   JobServiceImpl jobs;
   PolicyServiceImpl policies;
   WorkerServiceImpl workers;

@@ -118,6 +118,9 @@ void JobTable::Restart(const std::map<std::string, std::string>& invalid_specs,
         rec->interrupted_workers.resize(rec->job.world_size());
         rec->interrupted_workers[r.rank()] = r.worker_id();
       }
+      if (!rec->interrupted_workers.empty()) {
+        rec->attempt_workers[rec->job.attempt()] = rec->interrupted_workers;
+      }
     }
     rec->job.clear_ranks();
     const uint64_t latest = latest_policy(rec->job.id());
@@ -530,6 +533,7 @@ void JobTable::BindRanks(JobRec& rec, const std::vector<std::string>& workers) {
     ra->set_worker_id(w.info.id());
     ra->set_generation(w.info.generation());
   }
+  rec.attempt_workers[rec.job.attempt()] = workers;
 }
 
 void JobTable::OnProgress(JobRec& rec, int rank, const v1::StepProgress& p,

@@ -56,6 +56,10 @@ struct JobRec {
   // (ResumeAfterOutage).
   int32_t interrupted_attempt = -1;
   std::vector<std::string> interrupted_workers;
+  // The worker of each rank (by rank) of every attempt placed while this coordinator ran, and of
+  // the one a restart interrupted (from the stored ranks): where `geofp8ctl logs` reads a rank's
+  // output from. In memory only: attempts that ended before a restart are not here.
+  std::map<int32_t, std::vector<std::string>> attempt_workers;
 };
 
 std::string StateName(v1::JobState s);

@@ -94,6 +94,9 @@ class Metrics::StateCollector : public prometheus::Collectable {
     counter("geofp8_foreign_reports_total",
             "Worker reports naming a job the worker is not a rank of (ignored)",
             static_cast<double>(counts.foreign_reports));
+    counter("geofp8_refused_log_data_total",
+            "Log answers (geofp8ctl logs) for no read sent to that worker's session (dropped)",
+            static_cast<double>(counts.refused_log_data));
     counter("geofp8_workers_declared_dead_total",
             "Workers declared dead (heartbeat timeout or re-registration)",
             static_cast<double>(counts.workers_declared_dead));

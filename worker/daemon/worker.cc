@@ -7,6 +7,7 @@
 #include "platform/policy/job_spec.h"
 #include "worker/daemon/command_runner.h"
 #include "worker/daemon/log.h"
+#include "worker/daemon/log_reader.h"
 
 namespace geofp8::worker {
 
@@ -121,6 +122,14 @@ void Worker::StartRunner(const v1::Assignment& a) {
 }
 
 void Worker::OnMessage(const v1::CoordinatorMessage& message) {
+  if (message.has_log_read()) {
+    // Answered at once from the disk, bounded (log_reader.h), without the rank's mutex: a log
+    // read never waits for, or delays, the rank.
+    v1::WorkerMessage reply;
+    *reply.mutable_log_data() = ReadRankLog(options_.job.data_dir, message.log_read());
+    session_->Send(std::move(reply));
+    return;
+  }
   std::lock_guard<std::mutex> lock(mu_);
   if (stopping_) return;
   const bool active = runner_ && !runner_->done();

@@ -1,0 +1,169 @@
+// The Session streams on gRPC's callback API (server/coordinator/session_stream.h), through the
+// real server on loopback: no thread is parked per open stream, messages are answered in order,
+// and a worker that stops reading its stream has it ended instead of queueing without bound.
+#include "server/coordinator/session_stream.h"
+
+#include <grpcpp/grpcpp.h>
+#include <gtest/gtest.h>
+
+#include <fstream>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "geofp8/v1/geofp8.grpc.pb.h"
+#include "server/coordinator/coordinator.h"
+#include "server/coordinator/grpc_services.h"
+#include "server/coordinator/metrics.h"
+#include "server/coordinator/store.h"
+
+namespace geofp8::coordinator {
+namespace {
+
+int ThreadsOfThisProcess() {
+  std::ifstream in("/proc/self/status");
+  std::string line;
+  while (std::getline(in, line)) {
+    if (line.rfind("Threads:", 0) == 0) return std::stoi(line.substr(8));
+  }
+  return -1;
+}
+
+class SessionStreamTest : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    auto s = Store::Open("");
+    ASSERT_TRUE(s.ok()) << s.status();
+    store_ = std::move(*s);
+    coordinator_ = std::make_unique<Coordinator>(store_.get(), SystemClock(), CoordinatorOptions{});
+    ASSERT_TRUE(coordinator_->Recover().ok());
+    metrics_ = std::make_unique<Metrics>(coordinator_.get());
+    ServerOptions options;
+    options.listen = "127.0.0.1:0";
+    auto server = CoordinatorServer::Start(coordinator_.get(), metrics_.get(), options);
+    ASSERT_TRUE(server.ok()) << server.status();
+    server_ = std::move(*server);
+    address_ = "127.0.0.1:" + std::to_string(server_->port());
+  }
+  void TearDown() override {
+    if (coordinator_) coordinator_->Shutdown();
+    if (server_) server_->Shutdown(1000);
+  }
+
+  std::shared_ptr<grpc::Channel> Channel(const grpc::ChannelArguments& args = {}) {
+    return grpc::CreateCustomChannel(address_, grpc::InsecureChannelCredentials(), args);
+  }
+
+  v1::RegisterResponse Register(v1::WorkerService::Stub* stub, const std::string& name) {
+    v1::RegisterRequest req;
+    req.set_name(name);
+    req.set_device("cpu");
+    grpc::ClientContext ctx;
+    v1::RegisterResponse resp;
+    const grpc::Status st = stub->Register(&ctx, req, &resp);
+    EXPECT_TRUE(st.ok()) << st.error_message();
+    return resp;
+  }
+
+  static v1::WorkerMessage Beat(const v1::RegisterResponse& r, uint64_t seq) {
+    v1::WorkerMessage m;
+    m.set_worker_id(r.worker_id());
+    m.set_generation(r.generation());
+    m.set_session_secret(r.session_secret());
+    m.set_seq(seq);
+    m.mutable_heartbeat()->set_unix_ms(1);
+    return m;
+  }
+
+  std::unique_ptr<Store> store_;
+  std::unique_ptr<Coordinator> coordinator_;
+  std::unique_ptr<Metrics> metrics_;
+  std::unique_ptr<CoordinatorServer> server_;
+  std::string address_;
+};
+
+struct OpenStream {
+  std::unique_ptr<grpc::ClientContext> ctx = std::make_unique<grpc::ClientContext>();
+  std::unique_ptr<grpc::ClientReaderWriter<v1::WorkerMessage, v1::CoordinatorMessage>> stream;
+};
+
+// The synchronous server held one thread per open Session: 10,000 threads at 10,000 workers.
+TEST_F(SessionStreamTest, OpenSessionsParkNoThreadEach) {
+  constexpr int kWorkers = 300;
+  auto channel = Channel();
+  auto stub = v1::WorkerService::NewStub(channel);
+  std::vector<v1::RegisterResponse> registered;
+  for (int i = 0; i < kWorkers; ++i)
+    registered.push_back(Register(stub.get(), "w" + std::to_string(i)));
+  // One stream opened and answered first, so that the server's and the client's own threads
+  // (pollers, executors) exist before the count.
+  std::vector<OpenStream> streams(kWorkers);
+  auto open = [&](int i) {
+    streams[i].stream = stub->Session(streams[i].ctx.get());
+    ASSERT_TRUE(streams[i].stream->Write(Beat(registered[i], 1)));
+    v1::CoordinatorMessage ack;
+    ASSERT_TRUE(streams[i].stream->Read(&ack));
+    EXPECT_EQ(ack.ack().seq(), 1u);
+  };
+  open(0);
+  const int before = ThreadsOfThisProcess();
+  for (int i = 1; i < kWorkers; ++i) open(i);
+  const int after = ThreadsOfThisProcess();
+  EXPECT_EQ(coordinator_->GetCounts().workers_by_state[v1::WORKER_IDLE], kWorkers);
+  // A thread a stream would add kWorkers - 1; the pools are fixed (8 session threads, gRPC's
+  // executors sized by the cores, not the streams).
+  EXPECT_LT(after - before, 64) << before << " threads before, " << after << " after";
+  for (auto& s : streams) {
+    s.stream->WritesDone();
+    EXPECT_TRUE(s.stream->Finish().ok());
+  }
+}
+
+// Heartbeats (handled on gRPC's thread) and other messages (on the session pool) of one stream
+// are answered in the order they were sent.
+TEST_F(SessionStreamTest, MessagesOfOneStreamAreAnsweredInOrder) {
+  auto stub = v1::WorkerService::NewStub(Channel());
+  const v1::RegisterResponse r = Register(stub.get(), "w");
+  grpc::ClientContext ctx;
+  auto stream = stub->Session(&ctx);
+  constexpr int kMessages = 200;
+  for (int i = 1; i <= kMessages; ++i) {
+    v1::WorkerMessage m = Beat(r, i);
+    if (i % 3 == 0) {
+      m.mutable_summaries();  // not a heartbeat: handled on the pool
+      m.set_want_ack(true);
+    }
+    ASSERT_TRUE(stream->Write(m));
+  }
+  for (int i = 1; i <= kMessages; ++i) {
+    v1::CoordinatorMessage ack;
+    ASSERT_TRUE(stream->Read(&ack)) << "message " << i;
+    EXPECT_EQ(ack.ack().seq(), static_cast<uint64_t>(i));
+  }
+  stream->WritesDone();
+  EXPECT_TRUE(stream->Finish().ok());
+}
+
+// A worker that sends but never reads: its acks wait for it, up to kMaxQueuedMessages, and then
+// the coordinator ends the stream rather than keep them all.
+TEST_F(SessionStreamTest, AStreamWhoseWorkerStopsReadingIsEndedAtTheQueueBound) {
+  grpc::ChannelArguments args;
+  args.SetInt(GRPC_ARG_HTTP2_BDP_PROBE, 0);
+  args.SetInt(GRPC_ARG_HTTP2_STREAM_LOOKAHEAD_BYTES, 1024);  // a small window fills at once
+  auto stub = v1::WorkerService::NewStub(Channel(args));
+  const v1::RegisterResponse r = Register(stub.get(), "w");
+  grpc::ClientContext ctx;
+  auto stream = stub->Session(&ctx);
+  // Enough beats for the window, the transport's buffers and the queue; the stream ends long
+  // before the last one.
+  bool ended = false;
+  for (uint64_t i = 1; i <= 20 * kMaxQueuedMessages && !ended; ++i) {
+    ended = !stream->Write(Beat(r, i));
+  }
+  EXPECT_TRUE(ended) << "the coordinator kept every ack of a worker that does not read";
+  const grpc::Status st = stream->Finish();
+  EXPECT_EQ(st.error_code(), grpc::StatusCode::CANCELLED) << st.error_message();
+}
+
+}  // namespace
+}  // namespace geofp8::coordinator

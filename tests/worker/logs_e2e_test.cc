@@ -1,0 +1,150 @@
+// `geofp8ctl logs` end to end (issue #29 item 5): a real geofp8-coordinator and geofp8-worker run
+// a user's own shell script as a command job, and geofp8ctl prints its output, --tail's last
+// lines, --stderr, follows (-f) what the script writes after the call started until the rank
+// ends, and is refused without the token. A stalled reader does not hold back the worker.
+#include <gtest/gtest.h>
+#include <signal.h>
+
+#include <filesystem>
+#include <fstream>
+#include <thread>
+
+#include "tests/worker/worker_process.h"
+
+namespace geofp8::testing {
+namespace {
+
+using std::chrono::seconds;
+constexpr const char* kToken = "logs-test-token-0123456789";
+
+class LogsTest : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    token_file_ = dir_.path() + "/token";
+    std::ofstream(token_file_) << kToken << "\n";
+    coordinator_ = std::make_unique<CoordinatorProcess>(
+        std::vector<std::string>{"--token-file", token_file_, "--heartbeat-timeout-ms", "2000"});
+    worker_ = std::make_unique<WorkerProcess>(
+        coordinator_->address(), "w0",
+        std::vector<std::string>{"--token-file", token_file_, "--allow-commands"});
+    client_ = std::make_unique<Client>(coordinator_->address(), kToken);
+    ASSERT_TRUE(client_->WaitIdle(1, seconds(30))) << worker_->process().output();
+  }
+  // Submits a job that runs `script` (sh) on one rank.
+  std::string Run(const std::string& name, const std::string& script) {
+    const std::string path = dir_.path() + "/" + name + ".sh";
+    std::ofstream(path) << script;
+    return client_->Submit("name: " + name + "\nworld_size: 1\ncommand: [/bin/sh, " + path + "]\n")
+        .id();
+  }
+  // geofp8ctl with `args` (and the token unless `with_token` is false).
+  std::unique_ptr<ChildProcess> Ctl(std::vector<std::string> args, bool with_token = true) {
+    std::vector<std::string> argv = {GEOFP8CTL_BIN, "-s", coordinator_->address()};
+    if (with_token) argv.insert(argv.end(), {"--token-file", token_file_});
+    argv.insert(argv.end(), args.begin(), args.end());
+    return std::make_unique<ChildProcess>(argv);
+  }
+  std::string Output(std::vector<std::string> args, int* rc, bool with_token = true) {
+    auto p = Ctl(std::move(args), with_token);
+    *rc = p->Wait(std::chrono::milliseconds(30000));
+    return p->output();
+  }
+
+  TempDir dir_{"geofp8-logs"};
+  std::string token_file_;
+  std::unique_ptr<CoordinatorProcess> coordinator_;
+  std::unique_ptr<WorkerProcess> worker_;
+  std::unique_ptr<Client> client_;
+};
+
+TEST_F(LogsTest, PrintsTheScriptsOutputItsTailAndItsStderrOnlyWithTheToken) {
+  const std::string id = Run("hello",
+                             "for i in 1 2 3 4 5; do echo \"line $i\"; done\n"
+                             "echo 'a warning' >&2\n");
+  ASSERT_EQ(client_->WaitFinal(id, seconds(60)).state(), v1::JOB_SUCCEEDED)
+      << worker_->process().output();
+  int rc = -1;
+  EXPECT_EQ(Output({"logs", id}, &rc), "line 1\nline 2\nline 3\nline 4\nline 5\n");
+  EXPECT_EQ(rc, 0);
+  EXPECT_EQ(Output({"logs", "hello", "--tail", "2"}, &rc), "line 4\nline 5\n");  // by name
+  EXPECT_EQ(rc, 0);
+  EXPECT_EQ(Output({"logs", id, "--stderr"}, &rc), "a warning\n");
+  EXPECT_EQ(rc, 0);
+  // -f on a rank that has ended prints everything and ends.
+  EXPECT_EQ(Output({"logs", "-f", id}, &rc), "line 1\nline 2\nline 3\nline 4\nline 5\n");
+  EXPECT_EQ(rc, 0);
+
+  // Without the token: refused, and nothing of the output shows.
+  std::string out = Output({"logs", id}, &rc, /*with_token=*/false);
+  EXPECT_EQ(rc, 6) << out;
+  EXPECT_NE(out.find("authorization: missing bearer token"), std::string::npos) << out;
+  EXPECT_EQ(out.find("line 1"), std::string::npos) << out;
+  // The RPC itself, with the job id (the CLI's name lookup is refused before it).
+  v1::LogsRequest req;
+  req.set_job_id(id);
+  grpc::ClientContext ctx;
+  auto stub = v1::JobService::NewStub(
+      grpc::CreateChannel(coordinator_->address(), grpc::InsecureChannelCredentials()));
+  auto reader = stub->Logs(&ctx, req);
+  v1::LogsChunk chunk;
+  EXPECT_FALSE(reader->Read(&chunk));
+  EXPECT_EQ(reader->Finish().error_code(), grpc::StatusCode::UNAUTHENTICATED);
+
+  // Clear errors: a rank out of range, an unknown job.
+  out = Output({"logs", id, "--rank", "1"}, &rc);
+  EXPECT_EQ(rc, 5) << out;
+  EXPECT_NE(out.find("rank: job " + id + " has ranks 0..0 (1)"), std::string::npos) << out;
+  out = Output({"logs", "no-such-job"}, &rc);
+  EXPECT_EQ(rc, 3) << out;
+}
+
+// -f prints what the script writes after the call started, and exits 0 when the rank ends.
+TEST_F(LogsTest, FollowPrintsOutputWrittenLaterAndEndsWithTheRank) {
+  const std::string go = dir_.path() + "/go";
+  const std::string id = Run("follow",
+                             "echo before\n"
+                             "while [ ! -e " +
+                                 go +
+                                 " ]; do sleep 0.05; done\n"
+                                 "echo after\nsleep 0.5\necho last\n");
+  auto follow = Ctl({"logs", "-f", id});
+  ASSERT_TRUE(follow->WaitFor("before\n", std::chrono::milliseconds(30000)))
+      << follow->output() << worker_->process().output();
+  EXPECT_TRUE(follow->running());
+  std::ofstream(go) << "1";
+  EXPECT_EQ(follow->Wait(std::chrono::milliseconds(30000)), 0) << follow->output();
+  EXPECT_EQ(follow->output(), "before\nafter\nlast\n");
+  EXPECT_EQ(client_->WaitFinal(id, seconds(30)).state(), v1::JOB_SUCCEEDED);
+}
+
+// A reader that stops reading (SIGSTOP) holds back only its own stream: the worker keeps its
+// heartbeats (it stays connected and its job ends on time), and other readers are served.
+TEST_F(LogsTest, AStalledReaderDoesNotHoldBackTheWorker) {
+  const std::string go = dir_.path() + "/go";
+  // About 8 MB, far more than gRPC's and the pipes' buffers together.
+  const std::string id = Run("chatty",
+                             "i=0; while [ $i -lt 2000 ]; do head -c 4000 /dev/zero | tr '\\0' x; "
+                             "echo; i=$((i+1)); done\n"
+                             "while [ ! -e " +
+                                 go + " ]; do sleep 0.05; done\necho done\n");
+  auto stalled = Ctl({"logs", "-f", id});
+  ASSERT_TRUE(stalled->WaitFor("xxxx", std::chrono::milliseconds(30000))) << stalled->output();
+  stalled->Kill(SIGSTOP);
+  // Stalled for longer than the heartbeat timeout (2 s here): a worker whose session waited on
+  // this reader would be declared dead and its job restarted.
+  std::this_thread::sleep_for(std::chrono::seconds(3));
+  int rc = -1;
+  EXPECT_EQ(Output({"logs", id, "--tail", "1"}, &rc), std::string(4000, 'x') + "\n");
+  EXPECT_EQ(rc, 0);
+  std::ofstream(go) << "1";
+  const v1::Job done = client_->WaitFinal(id, seconds(30));
+  EXPECT_EQ(done.state(), v1::JOB_SUCCEEDED) << done.reason();
+  EXPECT_EQ(done.restarts(), 0);
+  for (const auto& w : client_->Workers()) EXPECT_NE(w.state(), v1::WORKER_DEAD) << w.id();
+  stalled->Kill(SIGCONT);
+  EXPECT_EQ(stalled->Wait(std::chrono::milliseconds(60000)), 0);
+  EXPECT_NE(stalled->output().find("done\n"), std::string::npos);
+}
+
+}  // namespace
+}  // namespace geofp8::testing
