@@ -121,6 +121,11 @@ std::string LayerFields(const v1::LayerPatch& p) {
   return out;
 }
 
+// A command job's program reports what its hook measures: geofp8.torch sends residual error 0
+// and no geometry version or drift. Those zeros mean "not reported": describe shows "-", the
+// documents null. The built-in trainer reports all three, so its zeros are values.
+bool Unreported(bool command, double v) { return command && v == 0; }
+
 }  // namespace
 
 namespace {
@@ -134,10 +139,26 @@ Doc* Field(Doc* d, const std::string& key) {
 
 // A job's steps in the document as the table shows them: progress.step is steps done (StepsDone;
 // on the wire it is the index of the last step completed, so a finished 200-step job says 199),
-// and val_step the steps done when the validation was measured ("after step N" in describe).
+// and val_step the steps done when the validation was measured ("after step N" in describe); a
+// command job's unreported layer fields are null, as describe's "-" (Unreported).
 void AdjustJob(const google::protobuf::Message& m, Doc* d) {
   const auto* job = dynamic_cast<const v1::Job*>(&m);
   if (!job) return;
+  Doc* layers = Field(d, "layers");
+  const bool command = !CommandText(*job).empty();
+  for (int i = 0;
+       command && layers && i < job->layers_size() && i < static_cast<int>(layers->items.size());
+       ++i) {
+    const v1::LayerSummary& l = job->layers(i);
+    Doc* doc = &layers->items[static_cast<size_t>(i)];
+    const std::pair<const char*, double> fields[] = {
+        {"residual_error", l.residual_error()},
+        {"geometry_version", double(l.geometry_version())},
+        {"drift", l.drift()}};
+    for (const auto& [name, v] : fields) {
+      if (Doc* f = Field(doc, name); f && Unreported(command, v)) *f = Doc::Null();
+    }
+  }
   Doc* progress = Field(d, "progress");
   if (!progress || progress->kind != Doc::Kind::kObject) return;
   if (Doc* step = Field(progress, "step")) *step = Doc::Int(StepsDone(*job));
@@ -358,6 +379,7 @@ std::string DescribeJob(const v1::Job& j, const v1::Policy* policy, int64_t now_
      << "Name:         " << j.name() << "\n"
      << "State:        " << StateName(j.state()) << "\n"
      << "Reason:       " << j.reason() << "\n";
+  if (!j.note().empty()) os << "Note:         " << j.note() << "\n";
   if (j.state() == v1::JOB_PENDING && !j.scheduling().empty()) {
     os << "Scheduling:   " << j.scheduling() << "\n";
   }
@@ -400,11 +422,9 @@ std::string DescribeJob(const v1::Job& j, const v1::Policy* policy, int64_t now_
     // Auto jobs: the engine's latest judgement of each layer (gain with the basis it deploys, or
     // would deploy while off) and the state it left the layer in.
     if (probed) rows[0].insert(rows[0].end(), {"AUTO-GAIN", "BASIS", "PROBED", "GEOMETRY"});
-    // A command job's program reports what its hook measures: geofp8.torch sends residual
-    // error 0 and no geometry version or drift. Those zeros mean "not reported", shown as "-".
     const bool command = !CommandText(j).empty();
     const auto reported = [command](double v, const std::string& text) {
-      return command && v == 0 ? std::string("-") : text;
+      return Unreported(command, v) ? std::string("-") : text;
     };
     for (const auto& l : j.layers()) {
       rows.push_back({"  " + l.layer(), std::to_string(l.step()), Fmt("%.4g", l.rel_fro_error()),

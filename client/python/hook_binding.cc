@@ -203,12 +203,15 @@ void BindHookClient(py::module_& m) {
           py::arg("timeout_s"))
       .def(
           "send_catalog",
-          [](PyHookClient& h, const std::vector<std::tuple<std::string, int64_t, int64_t>>& l) {
+          [](PyHookClient& h, const std::vector<std::tuple<std::string, int64_t, int64_t>>& l,
+             const std::string& model_name) {
             std::vector<hook::LayerInfo> layers;
             for (const auto& [name, rows, cols] : l) layers.push_back({name, rows, cols});
-            h.c().SendCatalog(layers);
+            h.c().SendCatalog(layers, model_name);
           },
-          py::arg("layers"), "[(name, rows, cols)]; cols 1 for a 1-D tensor.")
+          py::arg("layers"), py::arg("model_name") = "",
+          "[(name, rows, cols)]; cols 1 for a 1-D tensor. model_name: what the coordinator's "
+          "messages call the model.")
       .def(
           "report_step",
           [](PyHookClient& h, int64_t step, double loss, double tps, uint64_t sent,

@@ -447,10 +447,11 @@ JobRec* Coordinator::ReportedJob(const WorkerRec& w, const v1::WorkerMessage& me
   }
   // A report that names a job is about a rank of this worker's own job; one about any other
   // job (an impostor's, or a stale one resent after the worker moved on) changes nothing.
-  const std::string* named = message.has_checkpoint()   ? &message.checkpoint().job_id()
-                             : message.has_finished()   ? &message.finished().job_id()
-                             : message.has_policy_ack() ? &message.policy_ack().job_id()
-                                                        : nullptr;
+  const std::string* named = message.has_checkpoint()       ? &message.checkpoint().job_id()
+                             : message.has_finished()       ? &message.finished().job_id()
+                             : message.has_policy_ack()     ? &message.policy_ack().job_id()
+                             : message.has_command_status() ? &message.command_status().job_id()
+                                                            : nullptr;
   if (named && !named->empty() && (!rec || *named != rec->job.id())) {
     ++foreign_reports_;
     log::Warn("report.refused")
@@ -492,6 +493,9 @@ absl::Status Coordinator::Dispatch(const v1::WorkerMessage& message, WorkerRec& 
       break;
     case v1::WorkerMessage::kFinished:
       if (rec && jobs_.OnFinished(*rec, rank, message.finished(), out)) TrySchedule(out);
+      break;
+    case v1::WorkerMessage::kCommandStatus:
+      if (rec) jobs_.OnCommandStatus(*rec, rank, message.command_status());
       break;
     case v1::WorkerMessage::kPolicyAck:
       // Rank 0 says at which step the ranks took a version.

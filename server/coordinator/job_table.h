@@ -35,6 +35,12 @@ struct RankState {
   int64_t step = -1;  // -1 until the rank reports progress in this attempt
   uint64_t bytes_sent = 0, bytes_baseline = 0;
   bool finished = false;
+  // A command job's rank (CommandStatus, JobFinished.hook_never_attached): its program runs; it
+  // has not attached to the hook `hook_wait_s` seconds after starting (-1: no such report, or it
+  // attached since); it ended without attaching.
+  bool process_started = false;
+  double hook_wait_s = -1;
+  bool hook_never_attached = false;
 };
 
 struct JobRec {
@@ -124,6 +130,9 @@ class JobTable {
   void OnProgress(JobRec& rec, int rank, const v1::StepProgress& p,
                   const std::vector<v1::Policy>& policies, Outbox& out);
   absl::Status OnCheckpoint(JobRec& rec, int rank, const v1::Checkpoint& checkpoint);
+  // A command job's rank: its program started (RUNNING once every rank runs), has not attached
+  // to the hook in time (the job's note and an event) or attached.
+  void OnCommandStatus(JobRec& rec, int rank, const v1::CommandStatus& status);
   // Whether the report was of the current attempt (then the caller tries to schedule).
   bool OnFinished(JobRec& rec, int rank, const v1::JobFinished& finished, Outbox& out);
   // Whether a report naming (job_id, attempt) belongs to rec's current attempt; an empty job_id
@@ -136,6 +145,11 @@ class JobTable {
 
  private:
   static void LogState(const JobRec& rec, v1::JobState state, const std::string& reason);
+  // The job and an event in the current state, in one store transaction, then in memory; false
+  // if the store refused (logged).
+  bool PersistWithEvent(JobRec& rec, const std::string& message);
+  // SCHEDULED -> RUNNING once every rank runs: reported progress, or its program started.
+  void RunningIfAllRanksRun(JobRec& rec, const std::string& reason);
 
   Store* store_;
   Clock* clock_;

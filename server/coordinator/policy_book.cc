@@ -45,11 +45,14 @@ void CompactPatches(google::protobuf::RepeatedPtrField<v1::LayerPatch>* patches)
   for (auto it = kept.rbegin(); it != kept.rend(); ++it) *patches->Add() = std::move(*it);
 }
 
-// The name an unmatched glob's error gives a job's model: the preset, or for a command job the
-// program's script as its command line names it (issue #29: a command job has no preset).
+// The name an unmatched glob's error gives a job's model: the one its program's catalog gives
+// (LayerCatalog.model_name: GeoFP8State's model_name, by default the script's name); before a
+// catalog, or from an older hook, the preset, or for a command job the program's script as its
+// command line names it (issue #29: a command job has no preset).
 // `python3 -u train.py --lr 1` -> "train.py", `python3 -m pkg.train` -> "pkg.train",
 // `/opt/bin/trainer --x` -> "trainer".
-std::string ModelNameForGlobs(const JobSpec& spec) {
+std::string ModelNameForGlobs(const JobSpec& spec, const std::string& catalog_model) {
+  if (!catalog_model.empty()) return catalog_model;
   if (spec.command.empty()) return spec.model.preset;
   const auto base = [](const std::string& path) {
     const size_t slash = path.rfind('/');
@@ -77,7 +80,8 @@ std::string CommandSpecGlobProblem(const JobSpec& spec, const v1::LayerCatalog& 
   for (size_t i = 0; i < spec.policy.layers.size(); ++i) {
     const std::string& glob = spec.policy.layers[i].match;
     if (glob.empty()) continue;
-    if (std::string problem = UnmatchedGlobProblem(glob, layers, ModelNameForGlobs(spec));
+    if (std::string problem =
+            UnmatchedGlobProblem(glob, layers, ModelNameForGlobs(spec, catalog.model_name()));
         !problem.empty()) {
       return "spec.policy.layers[" + std::to_string(i) + "].match: " + problem;
     }
@@ -421,15 +425,16 @@ absl::StatusOr<v1::UpdatePolicyResponse> PolicyBook::Update(JobRec& rec, const P
   }
   // A pattern that names no layer is a typo that would do nothing. The layers are the ones
   // rank 0 reported, or before that the spec's model.
+  const JobPolicies& jp = Of(rec.job.id());
   std::vector<model::ParamInfo> layers;
-  for (const auto& l : Of(rec.job.id()).catalog) layers.push_back({.name = l.name()});
+  for (const auto& l : jp.catalog) layers.push_back({.name = l.name()});
   // A command job's layers are known only from its script's catalog.
   if (layers.empty() && rec.spec.command.empty()) {
     if (auto mc = model::PresetConfig(rec.spec.model.preset)) layers = model::ParamLayout(*mc);
   }
   for (size_t i = 0; i < patches.size() && !layers.empty(); ++i) {
-    if (std::string problem =
-            UnmatchedGlobProblem(patches[i].layer(), layers, ModelNameForGlobs(rec.spec));
+    if (std::string problem = UnmatchedGlobProblem(patches[i].layer(), layers,
+                                                   ModelNameForGlobs(rec.spec, jp.model_name));
         !problem.empty()) {
       return absl::InvalidArgumentError("patches[" + std::to_string(i) + "].layer: " + problem);
     }
@@ -454,6 +459,7 @@ void PolicyBook::OnCatalog(JobRec& rec, const v1::LayerCatalog& catalog, Outbox&
   }
   JobPolicies& jp = Of(rec.job.id());
   jp.catalog.assign(catalog.layers().begin(), catalog.layers().end());
+  jp.model_name = catalog.model_name();
   jp.schedules = ComputeSchedules(jp.catalog, jp.versions.back(), rec.job.world_size(),
                                   rec.spec.geometry_refresh);
   v1::CoordinatorMessage m;

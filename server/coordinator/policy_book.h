@@ -56,6 +56,7 @@ struct JobPolicies {
   // version order (see "Durability" in coordinator.h).
   std::deque<StagedPolicy> staged;
   std::vector<v1::LayerInfo> catalog;
+  std::string model_name;  // the catalog's (LayerCatalog.model_name); may be empty
   std::vector<v1::RefreshSchedule> schedules;
   std::map<std::string, v1::LayerSummary> layers;  // latest summary per layer
 };

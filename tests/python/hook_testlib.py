@@ -46,6 +46,16 @@ def spawn(world, fn, *args):
         return [torch.load(os.path.join(d, "rank%d.pt" % r)) for r in range(world)]
 
 
+def exit_with_failures(world, fn):
+    """For a test whose fn(rank, world) returns a list of failure messages: skips without torch,
+    runs it on `world` ranks, prints rank 0's failures and exits 1 if there are any."""
+    require_torch()
+    failures = spawn(world, fn)[0]
+    for f in failures:
+        print("FAIL:", f)
+    sys.exit(1 if failures else 0)
+
+
 def tiny_model(seed=0):
     """A two-layer MLP with a LayerNorm: two matrices for geometry, 1-D gains and biases."""
     import torch

@@ -80,6 +80,14 @@ def work(rank, world):
     expect(failures, "glob matching nothing",
            lambda: mk({"policy": {"layers": [{"match": "blocks.*.attn", "geometry": "lowrank"}]}}),
            "policy.layers[0].match", "blocks.*.attn", "0.weight")
+    # The model is named by the script's file name unless model_name says otherwise (issue #29:
+    # the coordinator's messages about a command job name it the same way, from the catalog).
+    unmatched = {"policy": {"layers": [{"match": "blocks.*", "format": "bf16"}]}}
+    expect(failures, "default model name", lambda: mk(unmatched),
+           "matches no layer of %s (blocks.*)" % os.path.basename(sys.argv[0]))
+    expect(failures, "model_name", lambda: gt.GeoFP8State(model=model, policy=unmatched,
+                                                          model_name="my-gpt"),
+           "matches no layer of my-gpt (blocks.*)")
     expect(failures, "bad format", lambda: mk({"policy": {"default": {"format": "fp9"}}}),
            "policy.default.format", "fp9")
     expect(failures, "bad rank", lambda: mk("policy:\n  layers:\n    - {match: '0.*', rank: 0}\n"),
@@ -158,13 +166,5 @@ def work(rank, world):
     return failures
 
 
-def main():
-    L.require_torch()
-    failures = L.spawn(1, work)[0]
-    for f in failures:
-        print("FAIL:", f)
-    sys.exit(1 if failures else 0)
-
-
 if __name__ == "__main__":
-    main()
+    L.exit_with_failures(1, work)

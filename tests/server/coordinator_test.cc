@@ -52,9 +52,22 @@ v1::WorkerMessage FinishedReport(const std::string& job, uint64_t seq, int attem
   return m;
 }
 
-// A catalog report of 8x8 matrices with these names.
-v1::WorkerMessage Catalog(std::initializer_list<const char*> names) {
+// A command rank's report of its program (CommandStatus) for attempt 0 of `job`.
+v1::WorkerMessage CommandReport(const std::string& job, v1::CommandPhase phase, double seconds) {
   v1::WorkerMessage m;
+  m.set_want_ack(true);
+  m.mutable_command_status()->set_job_id(job);
+  m.mutable_command_status()->set_attempt(0);
+  m.mutable_command_status()->set_phase(phase);
+  m.mutable_command_status()->set_seconds(seconds);
+  return m;
+}
+
+// A catalog report of 8x8 matrices with these names, of `model_name` (empty: an older hook).
+v1::WorkerMessage Catalog(std::initializer_list<const char*> names,
+                          const std::string& model_name = "") {
+  v1::WorkerMessage m;
+  m.mutable_catalog()->set_model_name(model_name);
   for (const char* name : names) {
     auto* l = m.mutable_catalog()->add_layers();
     l->set_name(name);
@@ -67,9 +80,9 @@ v1::WorkerMessage Catalog(std::initializer_list<const char*> names) {
 class CoordinatorTest : public CoordinatorHarness {
  protected:
   // A connected worker started with --allow-commands.
-  Worker AttachCommandWorker() {
+  Worker AttachCommandWorker(const std::string& name = "runner") {
     v1::RegisterRequest req;
-    req.set_name("runner");
+    req.set_name(name);
     req.set_device("cpu");
     req.set_accepts_commands(true);
     return Attach(req);
@@ -608,6 +621,145 @@ TEST_F(CoordinatorTest, CommandJobSpecGlobMatchingNoLayerFailsTheJobAtTheCatalog
   // The rank was told to stop, and no refresh schedule went out.
   EXPECT_EQ(w.sink->Take(v1::CoordinatorMessage::kStop).size(), 1u);
   EXPECT_TRUE(w.sink->Take(v1::CoordinatorMessage::kRefresh).empty());
+}
+
+// The catalog's model name (GeoFP8State's model_name, by default the script's file name) is what
+// the errors call the model, not the command line's script (issue #29 item 4).
+TEST_F(CoordinatorTest, CommandJobGlobErrorsNameTheCatalogsModel) {
+  Worker w = AttachCommandWorker();
+  const std::string id = Submit("name: c\nworld_size: 1\ncommand: [python3, train.py]\n");
+  ASSERT_TRUE(Send(w, Catalog({"fc1.weight"}, "my-gpt")).ok());
+  auto typo = Update(id, "fc3.*", "bf16");
+  ASSERT_FALSE(typo.ok());
+  EXPECT_NE(typo.status().message().find("patches[0].layer: matches no layer of my-gpt (fc3.*)"),
+            std::string::npos)
+      << typo.status();
+
+  // And the spec's globs, checked when the catalog arrives.
+  w.sink->Take(v1::CoordinatorMessage::kAssignment);
+  ASSERT_TRUE(coordinator
+                  ->CancelJob([&] {
+                    v1::CancelJobRequest r;
+                    r.set_job_id(id);
+                    return r;
+                  }())
+                  .ok());
+  const std::string id2 = Submit(
+      "name: c2\nworld_size: 1\ncommand: [python3, train.py]\n"
+      "policy:\n  layers:\n    - {match: 'fc3.*', format: bf16}\n");
+  ASSERT_EQ(Get(id2).state(), v1::JOB_SCHEDULED) << Get(id2).scheduling();
+  ASSERT_TRUE(Send(w, Catalog({"fc1.weight"}, "my-gpt")).ok());
+  EXPECT_EQ(Get(id2).reason(),
+            "spec.policy.layers[0].match: matches no layer of my-gpt (fc3.*); its layers are "
+            "fc1.weight");
+}
+
+// A command job turns RUNNING when every rank's program has started, as the built-in trainer's
+// does when every rank has reported a step; a script that never reports a step no longer leaves
+// it SCHEDULED for its whole run (issue #29 item 4).
+TEST_F(CoordinatorTest, CommandJobTurnsRunningWhenEveryRanksProgramStarted) {
+  Worker a = AttachCommandWorker("a");
+  Worker b = AttachCommandWorker("b");
+  const std::string id = Submit("name: c\nworld_size: 2\ncommand: [python3, train.py]\n");
+  const v1::Job scheduled = Get(id);
+  ASSERT_EQ(scheduled.state(), v1::JOB_SCHEDULED) << scheduled.scheduling();
+  const Worker& rank0 = scheduled.ranks(0).worker_id() == a.id ? a : b;
+  const Worker& rank1 = &rank0 == &a ? b : a;
+  ASSERT_TRUE(Send(rank0, CommandReport(id, v1::COMMAND_PROCESS_STARTED, 0)).ok());
+  EXPECT_EQ(Get(id).state(), v1::JOB_SCHEDULED);
+  // A rank that reports a step counts as running too.
+  ASSERT_TRUE(Progress(rank1, 0).ok());
+  EXPECT_EQ(Get(id).state(), v1::JOB_RUNNING);
+  EXPECT_EQ(Get(id).reason(), "all 2 ranks reported progress");
+
+  const std::string id2 = [&] {
+    v1::CancelJobRequest r;
+    r.set_job_id(id);
+    EXPECT_TRUE(coordinator->CancelJob(r).ok());
+    return Submit("name: d\nworld_size: 2\ncommand: [python3, train.py]\n");
+  }();
+  ASSERT_EQ(Get(id2).state(), v1::JOB_SCHEDULED) << Get(id2).scheduling();
+  ASSERT_TRUE(Send(a, CommandReport(id2, v1::COMMAND_PROCESS_STARTED, 0)).ok());
+  ASSERT_TRUE(Send(b, CommandReport(id2, v1::COMMAND_PROCESS_STARTED, 0)).ok());
+  const v1::Job running = Get(id2);
+  EXPECT_EQ(running.state(), v1::JOB_RUNNING);
+  EXPECT_EQ(running.reason(), "the programs of all 2 ranks started");
+  // A report of another attempt changes nothing.
+  v1::WorkerMessage stale = CommandReport(id2, v1::COMMAND_HOOK_NOT_ATTACHED, 120);
+  stale.mutable_command_status()->set_attempt(7);
+  ASSERT_TRUE(Send(a, stale).ok());
+  EXPECT_EQ(Get(id2).note(), "");
+}
+
+// A program that has not attached to the hook after the worker's timeout: the job gets a note
+// (describe) and an event naming the rank, the seconds and what to do; attaching later clears
+// the note with an event of its own.
+TEST_F(CoordinatorTest, ACommandRankThatHasNotAttachedGetsANoteAndAnEvent) {
+  Worker w = AttachCommandWorker();
+  const std::string id = Submit("name: c\nworld_size: 1\ncommand: [python3, train.py]\n");
+  ASSERT_TRUE(Send(w, CommandReport(id, v1::COMMAND_PROCESS_STARTED, 0)).ok());
+  ASSERT_TRUE(Send(w, CommandReport(id, v1::COMMAND_HOOK_NOT_ATTACHED, 120.2)).ok());
+  const std::string said =
+      "rank 0 has not attached to the GeoFP8 hook 120 s after its program started: a script "
+      "attaches by constructing geofp8.torch.GeoFP8State(process_group, model, policy) and "
+      "registering it with ddp_model.register_comm_hook(state, geofp8.torch.geofp8_hook)";
+  v1::Job job = Get(id);
+  EXPECT_EQ(job.state(), v1::JOB_RUNNING);
+  EXPECT_EQ(job.note().rfind(said, 0), 0u) << job.note();
+  ASSERT_GT(job.events_size(), 0);
+  EXPECT_EQ(job.events(job.events_size() - 1).message(), job.note());
+  EXPECT_EQ(job.events(job.events_size() - 1).state(), v1::JOB_RUNNING);
+  // A resent report adds nothing.
+  const int events = job.events_size();
+  ASSERT_TRUE(Send(w, CommandReport(id, v1::COMMAND_HOOK_NOT_ATTACHED, 120.2)).ok());
+  EXPECT_EQ(Get(id).events_size(), events);
+
+  ASSERT_TRUE(Send(w, CommandReport(id, v1::COMMAND_HOOK_ATTACHED, 150)).ok());
+  job = Get(id);
+  EXPECT_EQ(job.note(), "");
+  EXPECT_EQ(job.events(job.events_size() - 1).message(),
+            "rank 0 attached to the GeoFP8 hook 150 s after its program started");
+}
+
+// A program that ends without ever attaching: the final reason says so and the note says what to
+// do, whether it exited 0 or failed.
+TEST_F(CoordinatorTest, ACommandJobThatEndsWithoutAttachingSaysSo) {
+  Worker w = AttachCommandWorker();
+  const std::string id = Submit("name: c\nworld_size: 1\ncommand: [python3, train.py]\n");
+  ASSERT_TRUE(Send(w, CommandReport(id, v1::COMMAND_PROCESS_STARTED, 0)).ok());
+  v1::WorkerMessage done = FinishedReport(id, 1, 0, 0);
+  done.mutable_finished()->set_hook_never_attached(true);
+  ASSERT_TRUE(Send(w, done).ok());
+  v1::Job job = Get(id);
+  EXPECT_EQ(job.state(), v1::JOB_SUCCEEDED);
+  EXPECT_EQ(job.reason(),
+            "all ranks finished at step 0; rank 0's program ended without attaching to the "
+            "GeoFP8 hook");
+  EXPECT_EQ(job.note().rfind("rank 0's program ended without attaching to the GeoFP8 hook: a "
+                             "script attaches by constructing geofp8.torch.GeoFP8State",
+                             0),
+            0u)
+      << job.note();
+
+  const std::string id2 = Submit("name: d\nworld_size: 1\ncommand: [python3, train.py]\n");
+  ASSERT_EQ(Get(id2).state(), v1::JOB_SCHEDULED) << Get(id2).scheduling();
+  v1::WorkerMessage failed = FinishedReport(id2, 2, 0, 0);
+  failed.mutable_finished()->set_success(false);
+  failed.mutable_finished()->set_reason("command 'python3' exited with code 1");
+  failed.mutable_finished()->set_hook_never_attached(true);
+  ASSERT_TRUE(Send(w, failed).ok());
+  job = Get(id2);
+  EXPECT_EQ(job.state(), v1::JOB_FAILED);
+  EXPECT_EQ(job.reason(),
+            "rank 0 failed: command 'python3' exited with code 1; its program never attached to "
+            "the GeoFP8 hook");
+  EXPECT_NE(job.note().find("register_comm_hook"), std::string::npos) << job.note();
+  // A program that attached ends with neither.
+  const std::string id3 = Submit("name: e\nworld_size: 1\ncommand: [python3, train.py]\n");
+  ASSERT_EQ(Get(id3).state(), v1::JOB_SCHEDULED) << Get(id3).scheduling();
+  ASSERT_TRUE(Send(w, FinishedReport(id3, 3, 0, 5)).ok());
+  EXPECT_EQ(Get(id3).reason(), "all ranks finished at step 4");
+  EXPECT_EQ(Get(id3).note(), "");
 }
 
 // Globs that all match: the catalog is taken as before.

@@ -222,6 +222,52 @@ TEST(Render, DescribeShowsUnreportedLayerFieldsOfACommandJobAsDash) {
       << out;
 }
 
+// `get -o json|yaml` says the same as describe: null where describe shows "-".
+TEST(Render, DocumentsShowUnreportedLayerFieldsOfACommandJobAsNull) {
+  v1::Job job;
+  job.set_id("job-5");
+  auto* l = job.add_layers();
+  l->set_layer("fc1.weight");
+  l->set_rel_fro_error(0.0312);
+  auto* g = job.add_layers();
+  g->set_layer("fc2.weight");
+  g->set_residual_error(0.015);
+  g->set_geometry_version(3);
+  g->set_drift(0.25);
+  job.set_spec_yaml("name: a\ncommand: [python3, train.py]\n");
+  for (const std::string& text : {ToJson(job), ToYaml(job)}) {
+    YAML::Node doc = YAML::Load(text);
+    EXPECT_TRUE(doc["layers"][0]["residual_error"].IsNull()) << text;
+    EXPECT_TRUE(doc["layers"][0]["geometry_version"].IsNull()) << text;
+    EXPECT_TRUE(doc["layers"][0]["drift"].IsNull()) << text;
+    EXPECT_EQ(doc["layers"][0]["rel_fro_error"].as<double>(), 0.0312) << text;
+    EXPECT_EQ(doc["layers"][1]["residual_error"].as<double>(), 0.015) << text;
+    EXPECT_EQ(doc["layers"][1]["geometry_version"].as<int>(), 3) << text;
+    EXPECT_EQ(doc["layers"][1]["drift"].as<double>(), 0.25) << text;
+  }
+  // The built-in trainer's zeros are values.
+  job.set_spec_yaml("name: a\nmodel: {preset: llama-tiny}\n");
+  YAML::Node doc = YAML::Load(ToJson(job));
+  EXPECT_EQ(doc["layers"][0]["residual_error"].as<double>(), 0.0);
+  EXPECT_EQ(doc["layers"][0]["geometry_version"].as<int>(), 0);
+}
+
+// A command job's note (a program that has not attached to the hook) is a line of its own.
+TEST(Render, DescribeShowsTheJobsNote) {
+  v1::Job job;
+  job.set_id("job-5");
+  job.set_state(v1::JOB_RUNNING);
+  job.set_reason("the programs of all 1 ranks started");
+  EXPECT_EQ(DescribeJob(job, nullptr, 0).find("Note:"), std::string::npos);
+  job.set_note("rank 0 has not attached to the GeoFP8 hook 120 s after its program started: ...");
+  EXPECT_NE(DescribeJob(job, nullptr, 0)
+                .find("Reason:       the programs of all 1 ranks started\n"
+                      "Note:         rank 0 has not attached to the GeoFP8 hook 120 s after its "
+                      "program started: ...\n"),
+            std::string::npos)
+      << DescribeJob(job, nullptr, 0);
+}
+
 TEST(Render, JsonAndYamlCarryTheSameFields) {
   v1::Job job;
   job.set_id("job-000007");

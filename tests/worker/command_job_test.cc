@@ -412,6 +412,53 @@ TEST_F(CommandJobTest, ExitCodesAndMissingProgramsFailWithTheirReason) {
   EXPECT_EQ(failed[0].at("level"), "error");
 }
 
+// A program that never attaches to the hook (issue #29 item 4): the job turns RUNNING when its
+// process starts, gets an event and a note naming the rank and the seconds after the worker's
+// --hook-attach-timeout, and finishes saying it never attached. One that attaches gets neither.
+TEST_F(CommandJobTest, AProgramThatNeverAttachesIsRunningAndNoted) {
+  StartWorkers(1, {"--hook-attach-timeout", "1"});
+  v1::Job job = client_->Submit("name: cmd-silent\ncommand: [/bin/sleep, '3']\n");
+  const auto deadline = std::chrono::steady_clock::now() + seconds(30);
+  while (job.note().empty() && job.state() < v1::JOB_SUCCEEDED &&
+         std::chrono::steady_clock::now() < deadline) {
+    std::this_thread::sleep_for(std::chrono::milliseconds(50));
+    job = client_->Get(job.id());
+  }
+  EXPECT_EQ(job.state(), v1::JOB_RUNNING) << Everything(job);
+  EXPECT_EQ(job.note().rfind("rank 0 has not attached to the GeoFP8 hook 1 s after its program "
+                             "started: a script attaches by constructing geofp8.torch.GeoFP8State",
+                             0),
+            0u)
+      << Everything(job);
+  bool running = false, noted = false;
+  for (const auto& e : job.events()) {
+    running = running || e.message() == "RUNNING: the programs of all 1 ranks started";
+    noted = noted || e.message() == job.note();
+  }
+  EXPECT_TRUE(running && noted) << Everything(job);
+  const auto warned = WaitEvents(*workers_[0], "rank.hook_not_attached", job.id());
+  ASSERT_EQ(warned.size(), 1u) << workers_[0]->process().output();
+  EXPECT_EQ(warned[0].at("level"), "warn");
+
+  job = client_->WaitFinal(job.id(), seconds(60));
+  ASSERT_EQ(job.state(), v1::JOB_SUCCEEDED) << Everything(job);
+  EXPECT_EQ(job.reason(),
+            "all ranks finished at step 0; rank 0's program ended without attaching to the "
+            "GeoFP8 hook");
+  EXPECT_EQ(job.note().rfind("rank 0's program ended without attaching to the GeoFP8 hook: ", 0),
+            0u)
+      << job.note();
+
+  // hook_script attaches at once.
+  ASSERT_TRUE(client_->WaitIdle(1, seconds(30)));
+  job = client_->Submit(Spec("cmd-attached", 1, 30, 0));
+  job = client_->WaitFinal(job.id(), seconds(60));
+  ASSERT_EQ(job.state(), v1::JOB_SUCCEEDED) << Everything(job);
+  EXPECT_EQ(job.note(), "");
+  EXPECT_EQ(job.reason(), "all ranks finished at step 29");
+  EXPECT_TRUE(Events(workers_[0]->process().output(), "rank.hook_not_attached", job.id()).empty());
+}
+
 TEST_F(CommandJobTest, BadCommandSpecsAreRefusedAtSubmitNamingTheField) {
   const std::vector<std::pair<std::string, std::string>> cases = {
       {"name: a\ncommand: []\n", "spec.command: must not be empty"},

@@ -100,6 +100,45 @@ TEST_F(HookChannelTest, FromEnvironmentNeedsTheHookAddress) {
   EXPECT_EQ(hook::HookClient::FromEnvironment(), nullptr);
 }
 
+// The catalog carries the program's model name (what the coordinator's messages call the model),
+// on the first channel and when the client sends the catalog again after reattaching; the server
+// counts every stream that attached, so a program that attached and left is told from one that
+// never did (CommandRunner's note).
+TEST_F(HookChannelTest, TheCatalogCarriesTheModelNameAndAttachesAreCounted) {
+  auto server = Serve({MakePolicy(1, 0, "")});
+  ASSERT_NE(server, nullptr);
+  EXPECT_EQ(server->attaches(), 0);
+  auto client = hook::HookClient::Connect("unix:" + socket_);
+  ASSERT_NE(client, nullptr);
+  ASSERT_TRUE(client->WaitForPolicy(std::chrono::seconds(5)));
+  client->SendCatalog({{"fc1.weight", 4, 4}}, "my-gpt");
+  EXPECT_TRUE(relay_.WaitFor([](const v1::HookMessage& m) {
+    return m.has_catalog() && m.catalog().model_name() == "my-gpt";
+  }));
+  EXPECT_EQ(server->attaches(), 1);
+
+  server.reset();
+  Relay second;
+  const auto gone = std::chrono::steady_clock::now() + std::chrono::seconds(5);
+  while (client->connected() && std::chrono::steady_clock::now() < gone) {
+    std::this_thread::sleep_for(milliseconds(10));
+  }
+  // The client reattaches and sends the catalog again, with its name.
+  auto again =
+      worker::HookServer::Start(socket_, v1::HookWelcome(), {MakePolicy(1, 0, "")}, second.fn());
+  ASSERT_TRUE(again.ok()) << again.status();
+  EXPECT_TRUE(second.WaitFor([](const v1::HookMessage& m) {
+    return m.has_catalog() && m.catalog().model_name() == "my-gpt";
+  }));
+  client.reset();  // the program left
+  const auto left = std::chrono::steady_clock::now() + std::chrono::seconds(5);
+  while ((*again)->attached() > 0 && std::chrono::steady_clock::now() < left) {
+    std::this_thread::sleep_for(milliseconds(10));
+  }
+  EXPECT_EQ((*again)->attached(), 0);
+  EXPECT_EQ((*again)->attaches(), 1);
+}
+
 TEST_F(HookChannelTest, PoliciesComeDownAtTheirStepReportsGoUpAndTheClientReattaches) {
   auto server = Serve({MakePolicy(1, 0, "")});
   ASSERT_NE(server, nullptr);

@@ -211,6 +211,35 @@ void CommandRunner::LogEnded(const JobOutcome& out, double seconds) {
   e.F("seconds", seconds).Msg(out.reason);
 }
 
+void CommandRunner::SendStatus(v1::CommandPhase phase, double seconds) {
+  v1::WorkerMessage m;
+  m.mutable_command_status()->set_job_id(assignment_.job_id());
+  m.mutable_command_status()->set_attempt(assignment_.attempt());
+  m.mutable_command_status()->set_phase(phase);
+  m.mutable_command_status()->set_seconds(seconds);
+  send_(std::move(m), true);
+}
+
+bool CommandRunner::WatchAttach(Clock::time_point spawned, bool* noted) {
+  const double seconds = std::chrono::duration<double>(Clock::now() - spawned).count();
+  if (hook_->attaches() > 0) {
+    SendStatus(v1::COMMAND_HOOK_ATTACHED, seconds);
+    return true;
+  }
+  if (!*noted && options_.hook_attach_timeout.count() > 0 &&
+      Clock::now() - spawned >= options_.hook_attach_timeout) {
+    *noted = true;
+    log::Warn("rank.hook_not_attached")
+        .F("job", assignment_.job_id())
+        .F("attempt", assignment_.attempt())
+        .F("rank", assignment_.rank())
+        .F("seconds", seconds)
+        .Msg("the program has not attached to the GeoFP8 hook (" + hook_->address() + ")");
+    SendStatus(v1::COMMAND_HOOK_NOT_ATTACHED, seconds);
+  }
+  return false;
+}
+
 CommandRunner::~CommandRunner() {
   if (thread_.joinable()) thread_.join();
 }
@@ -374,6 +403,8 @@ JobOutcome CommandRunner::Run() {
                                 : std::string()));
   JobOutcome out;
   bool restartable = false;
+  bool ran = false;       // the program's process started
+  bool attached = false;  // ... and opened the hook channel
   const std::string dir = CommandJobDir(options_.job.data_dir, a.job_id(), a.attempt());
   std::string program;
   std::string token_file;
@@ -508,12 +539,20 @@ JobOutcome CommandRunner::Run() {
         std::to_string(pid) + " (MASTER_ADDR " + master_addr + ":" + std::to_string(master_port) +
         "; output in " + dir + ")");
 
+    // The job turns RUNNING when every rank's program runs; whether it attaches is watched
+    // below (hook_ stays until after the wait).
+    const auto spawned = Clock::now();
+    ran = true;
+    SendStatus(v1::COMMAND_PROCESS_STARTED, 0);
+    bool noted = false;
+
     // Wait, carrying out a Stop on the way.
     int status = 0;
     std::optional<Clock::time_point> termed;
     bool killed = false;
     for (;;) {
       const pid_t w = ::waitpid(pid, &status, WNOHANG);
+      if (!attached) attached = WatchAttach(spawned, &noted);
       if (w == pid) break;
       Require(w == 0 || errno == EINTR, "waitpid(", pid, "): ", std::strerror(errno));
       std::string reason;
@@ -586,6 +625,7 @@ JobOutcome CommandRunner::Run() {
   if (!out.stopped) {
     v1::WorkerMessage m = FinishedMessage(a, out);
     m.mutable_finished()->set_restartable(restartable);
+    m.mutable_finished()->set_hook_never_attached(ran && !attached);
     send_(std::move(m), true);
   }
   LogEnded(out, std::chrono::duration<double>(Clock::now() - started).count());

@@ -43,6 +43,9 @@ struct CommandRunnerOptions {
   int cuda_device = -1;
   std::chrono::milliseconds kill_grace{5000};           // after SIGTERM, before SIGKILL
   std::chrono::milliseconds rendezvous_timeout{60000};  // ranks > 0 wait for rank 0's address
+  // How long the program may run without opening the hook channel before the rank reports it
+  // (CommandStatus COMMAND_HOOK_NOT_ATTACHED: the job's note and an event). 0: never.
+  std::chrono::milliseconds hook_attach_timeout{120000};
 };
 
 // Where a rank of (job, attempt) keeps its files: <data_dir>/jobs/<job>/<attempt>/ (mode 0700),
@@ -77,6 +80,8 @@ class CommandRunner final : public RankRunner {
   JobOutcome outcome() const;
 
  private:
+  using Clock = std::chrono::steady_clock;
+
   JobOutcome Run();
   // Rank 0 publishes host:port in the job's rendezvous store; the others read it.
   std::pair<std::string, int> MasterAddress();
@@ -88,6 +93,13 @@ class CommandRunner final : public RankRunner {
   void LogPolicyTaken(const v1::PolicyAck& ack);
   void LogProgress(const v1::StepProgress& p);
   void LogEnded(const JobOutcome& out, double seconds);
+  // The program's process and hook channel, reported to the coordinator (CommandStatus): it
+  // started (the job turns RUNNING when every rank's has), it has not attached within
+  // hook_attach_timeout (the job's note), it attached.
+  void SendStatus(v1::CommandPhase phase, double seconds);
+  // Called from the wait loop: reports the first attach, or the timeout passing without one.
+  // Returns whether the program has attached.
+  bool WatchAttach(Clock::time_point spawned, bool* noted);
 
   std::shared_ptr<Connection> connection_;
   v1::Assignment assignment_;

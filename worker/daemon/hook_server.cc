@@ -37,6 +37,7 @@ class HookServer::Service final : public v1::HookService::Service {
       }
       if (!ok) return grpc::Status(grpc::StatusCode::UNAVAILABLE, "stream closed");
       streams_.insert(stream);
+      ++attaches_;
     }
     v1::HookMessage m;
     while (stream->Read(&m)) relay_(m);
@@ -67,6 +68,11 @@ class HookServer::Service final : public v1::HookService::Service {
     return int(streams_.size());
   }
 
+  int64_t attaches() const {
+    std::lock_guard<std::mutex> lock(mu_);
+    return attaches_;
+  }
+
  private:
   mutable std::mutex mu_;
   v1::HookWelcome welcome_;
@@ -74,6 +80,7 @@ class HookServer::Service final : public v1::HookService::Service {
   std::optional<v1::RefreshSchedules> refresh_;
   RelayFn relay_;
   bool closed_ = false;
+  int64_t attaches_ = 0;
   std::set<grpc::ServerReaderWriter<v1::HookCommand, v1::HookMessage>*> streams_;
 };
 
@@ -123,5 +130,7 @@ void HookServer::Shutdown() {
 }
 
 int HookServer::attached() const { return service_->attached(); }
+
+int64_t HookServer::attaches() const { return service_->attaches(); }
 
 }  // namespace geofp8::worker

@@ -6,6 +6,7 @@
 
 #include <grpcpp/grpcpp.h>
 
+#include <cstdint>
 #include <functional>
 #include <memory>
 #include <mutex>
@@ -39,6 +40,7 @@ class HookServer {
 
   const std::string& address() const { return address_; }  // "unix:<path>"
   int attached() const;                                    // streams open now
+  int64_t attaches() const;  // streams opened since Start (a program that attached and left)
 
   class Service;
 

@@ -6,6 +6,8 @@
 
 #include <CLI/CLI.hpp>
 #include <cerrno>
+#include <chrono>
+#include <cmath>
 #include <cstdio>
 #include <cstdlib>
 #include <fstream>
@@ -65,6 +67,7 @@ int main(int argc, char** argv) {
   geofp8::worker::WorkerOptions o;
   o.connection.address = "127.0.0.1:7070";
   std::string token_file, capacity, device = "cpu", log_format = "text";
+  double hook_attach_timeout_s = 120;
   int grace_ms = 10000;
   int step_delay_ms = 0;
   int policy_delay_ms = 0;
@@ -107,6 +110,12 @@ int main(int argc, char** argv) {
   app.add_option("--command-env", o.command_env,
                  "Also pass this variable of the worker's environment to command jobs "
                  "(repeatable; the fixed list is in docs/job-spec.md)");
+  app.add_option("--hook-attach-timeout", hook_attach_timeout_s,
+                 "Seconds a command: job's program may run without attaching to the GeoFP8 hook "
+                 "(geofp8.torch.GeoFP8State) before its job gets a note and an event saying so "
+                 "(0: no note)")
+      ->capture_default_str()
+      ->check(CLI::Range(0.0, 1e6));
   app.add_option("--capacity", capacity,
                  "Memory offered to jobs, e.g. 8GiB (default: physical memory)");
   app.add_option("--advertise-host", o.job.advertise_host,
@@ -165,6 +174,8 @@ int main(int argc, char** argv) {
     o.session.device = parsed->name;
     o.cuda_device = parsed->cuda_index;
   }
+  o.hook_attach_timeout =
+      std::chrono::milliseconds(static_cast<int64_t>(std::llround(hook_attach_timeout_s * 1000)));
   if (o.metrics_port < -1 || o.metrics_port > 65535) {
     return UsageError("--metrics-port: must be in [-1, 65535] (" + std::to_string(o.metrics_port) +
                       ")");

@@ -104,6 +104,7 @@ void Worker::StartRunner(const v1::Assignment& a) {
     co.token = options_.connection.token;
     co.allow_commands = options_.session.accepts_commands;
     co.pass_env = options_.command_env;
+    co.hook_attach_timeout = options_.hook_attach_timeout;
     co.cuda_device = options_.cuda_device;
     runner_ = std::make_unique<CommandRunner>(connection_, a, co, send, metrics_.get());
   } else {

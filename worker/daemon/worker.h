@@ -3,6 +3,7 @@
 #pragma once
 
 #include <atomic>
+#include <chrono>
 #include <condition_variable>
 #include <memory>
 #include <mutex>
@@ -26,6 +27,9 @@ struct WorkerOptions {
   // --command-env: more of the worker's variables for command jobs (CommandEnvironment).
   // Whether it runs command jobs at all is session.accepts_commands (--allow-commands).
   std::vector<std::string> command_env;
+  // --hook-attach-timeout: how long a command job's program may run without attaching to the
+  // GeoFP8 hook before its job gets a note and an event saying so (CommandRunnerOptions).
+  std::chrono::milliseconds hook_attach_timeout{120000};
   // --device cuda:N: the GPU a `command:` job's program gets (CUDA_VISIBLE_DEVICES=N); -1: cpu.
   // The built-in trainer runs on CPU whatever the device.
   int cuda_device = -1;

@@ -56,6 +56,7 @@ struct HookClient::Impl {
   std::optional<v1::HookWelcome> welcome;
   uint64_t in_force = 0;
   std::vector<LayerInfo> catalog;
+  std::string model_name;
   bool catalog_set = false;
   std::deque<v1::HookMessage> pending;  // reliable reports waiting for a stream
 
@@ -79,8 +80,10 @@ struct HookClient::Impl {
     pending.push_back(m);
   }
 
-  static v1::HookMessage CatalogMessage(const std::vector<LayerInfo>& layers) {
+  static v1::HookMessage CatalogMessage(const std::vector<LayerInfo>& layers,
+                                        const std::string& model_name) {
     v1::HookMessage m;
+    m.mutable_catalog()->set_model_name(model_name);
     for (const LayerInfo& l : layers) {
       auto* li = m.mutable_catalog()->add_layers();
       li->set_name(l.name);
@@ -111,7 +114,7 @@ struct HookClient::Impl {
           std::unique_lock<std::mutex> lock(mu_);
           connected = true;
           std::vector<v1::HookMessage> out;
-          if (catalog_set) out.push_back(CatalogMessage(catalog));
+          if (catalog_set) out.push_back(CatalogMessage(catalog, model_name));
           out.insert(out.end(), pending.begin(), pending.end());
           pending.clear();
           lock.unlock();
@@ -204,13 +207,14 @@ HookClient::~HookClient() {
   if (i.reader.joinable()) i.reader.join();
 }
 
-void HookClient::SendCatalog(const std::vector<LayerInfo>& layers) {
+void HookClient::SendCatalog(const std::vector<LayerInfo>& layers, const std::string& model_name) {
   {
     std::lock_guard<std::mutex> lock(impl_->mu_);
     impl_->catalog = layers;
+    impl_->model_name = model_name;
     impl_->catalog_set = true;
   }
-  impl_->Write(Impl::CatalogMessage(layers));  // else sent when the channel (re)opens
+  impl_->Write(Impl::CatalogMessage(layers, model_name));  // else sent when the channel (re)opens
 }
 
 void HookClient::ReportStep(int64_t step, double loss, double tokens_per_second,

@@ -98,8 +98,10 @@ class HookClient {
   int64_t resume_step() const { return resume_step_; }  // 0: a fresh start
   const std::string& checkpoint_dir() const { return checkpoint_dir_; }
 
-  // Rank 0: the layers (sent once per channel; a later call replaces the list).
-  void SendCatalog(const std::vector<LayerInfo>& layers);
+  // Rank 0: the layers (sent once per channel; a later call replaces the list), and the name of
+  // the model they are of, which the coordinator's messages give it ("matches no layer of
+  // <model_name>"; empty: the script as the job's command line names it).
+  void SendCatalog(const std::vector<LayerInfo>& layers, const std::string& model_name = "");
   // After each step: `step` is the step just completed; bytes are this rank's totals since the
   // job started (what the exchange sent, and what an fp32 ring all-reduce would have sent).
   void ReportStep(int64_t step, double loss, double tokens_per_second, uint64_t bytes_sent,

@@ -17,6 +17,7 @@ checkpoints (state.report_checkpoint). See docs/pytorch.md.
 
 import math
 import os
+import sys
 import time
 
 import torch
@@ -43,6 +44,15 @@ def _local_hostname():
         return "127.0.0.1"
     import socket
     return socket.gethostbyname(socket.getfqdn())
+
+
+def _script_name():
+    """The running script's file name (sys.argv[0]'s basename), or "the model" under python -c or
+    an interactive interpreter: what errors call the model unless GeoFP8State gets model_name."""
+    argv0 = sys.argv[0] if sys.argv else ""
+    if argv0 in ("", "-", "-c"):
+        return "the model"
+    return os.path.basename(argv0) or "the model"
 
 
 def _check_parameter(name, p, first, device):
@@ -103,7 +113,10 @@ class GeoFP8State:
     (docs/pytorch.md). seed: stochastic rounding and geometry cold starts derive from it.
     timeout_s: every collective's timeout (default: the job spec's exchange.timeout_s under a
     GeoFP8 `command:` job, GEOFP8_EXCHANGE_TIMEOUT_S; else 300). store: a c10d Store to meet
-    through (default: the group's default store). synchronous: False (the default for CPU
+    through (default: the group's default store). model_name: what errors call the model
+    ("matches no layer of <model_name>"), here and, under a `command:` job, in the coordinator's
+    messages (the catalog carries it); default: the script's file name (sys.argv[0]).
+    synchronous: False (the default for CPU
     tensors) queues each bucket on the engine's exchange thread and returns a Future the engine
     completes, so DDP goes on with backward while the bucket is on the wire; True exchanges the
     bucket inside the hook call and returns a completed Future (the same bits, no overlap).
@@ -113,7 +126,7 @@ class GeoFP8State:
     """
 
     def __init__(self, process_group=None, model=None, policy="geofp8", *, seed=0,
-                 timeout_s=None, store=None, hostname=None, model_name="the model",
+                 timeout_s=None, store=None, hostname=None, model_name=None,
                  coordinator=None, summary_every=10, attach_timeout_s=60.0, blas_threads=None,
                  synchronous=None, trace_buckets=False):
         global _states_created
@@ -152,7 +165,9 @@ class GeoFP8State:
             synchronous = True  # the CUDA path exchanges on the caller's stream, in the call
         self.synchronous = synchronous
         self.bucket_trace = [] if trace_buckets else None
-        self.model_name = model_name
+        if model_name is None:
+            model_name = _script_name()
+        self.model_name = str(model_name)
         # The policy is parsed in C++ once the layers are known (set_policy below); a bad one
         # fails the same way on every rank.
         kind, spec = policy_source(policy)
@@ -187,7 +202,7 @@ class GeoFP8State:
         self._engine.set_layers(self.names, shapes)
         self._policy = (kind, spec)
         self.policy_version = 1
-        self.layers = self._engine.set_policy(kind, spec, model_name, self.policy_version)
+        self.layers = self._engine.set_policy(kind, spec, self.model_name, self.policy_version)
         self.step = 0
         self._in_step = False
         self._scheduled = []  # [(effective_step, kind, spec)], applied in order
@@ -238,7 +253,7 @@ class GeoFP8State:
             # Every rank resolves the versions against the catalog; the worker forwards rank
             # 0's to the coordinator (which computes the refresh schedules from it).
             hook.send_catalog([(n, r, c) if r > 1 else (n, r * c, 1)
-                               for n, (r, c) in zip(self.names, shapes)])
+                               for n, (r, c) in zip(self.names, shapes)], self.model_name)
         except BaseException:
             hook.close()
             raise
