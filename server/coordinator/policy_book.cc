@@ -89,16 +89,24 @@ std::string CommandSpecGlobProblem(const JobSpec& spec, const v1::LayerCatalog& 
   return "";
 }
 
-// Index of the policy version in force at `step`: the newest taken at or before it; for a job
-// from an older coordinator, whose versions carry no taken_step, the newest effective by then.
-size_t InForceAt(const std::vector<v1::Policy>& policies, int64_t step) {
+// Index of the policy version in force at `step` among the n versions at(0) .. at(n - 1): the
+// newest taken at or before it; for a job from an older coordinator, whose versions carry no
+// taken_step, the newest effective by then.
+template <typename At>
+size_t InForceAtOf(size_t n, const At& at, int64_t step) {
   std::optional<size_t> taken;
   size_t legacy = 0;
-  for (size_t v = 0; v < policies.size(); ++v) {
-    if (policies[v].has_taken_step() && policies[v].taken_step() <= step) taken = v;
-    if (!policies[v].has_taken_step() && policies[v].effective_step() <= step) legacy = v;
+  for (size_t v = 0; v < n; ++v) {
+    const v1::Policy& p = at(v);
+    if (p.has_taken_step() && p.taken_step() <= step) taken = v;
+    if (!p.has_taken_step() && p.effective_step() <= step) legacy = v;
   }
   return taken ? *taken : legacy;
+}
+
+size_t InForceAt(const std::vector<v1::Policy>& policies, int64_t step) {
+  return InForceAtOf(
+      policies.size(), [&](size_t v) -> const v1::Policy& { return policies[v]; }, step);
 }
 
 // The versions an attempt resuming at `resume` can need, oldest first: the one in force there;
@@ -134,37 +142,47 @@ size_t FieldBytes(const v1::Policy& p) {
   return 1 + google::protobuf::io::CodedOutputStream::VarintSize64(body) + body;
 }
 
-// Bytes of policy versions the Assignments of an attempt resuming at `resume` can carry until
-// the recovery point moves on: the latest version (`policy`), and every version from the one in
-// force at `resume` (`policy_history`). That is PolicyHistory's versions and those it leaves out
-// now but sends once the ranks take them, so taking versions never makes it grow.
-size_t AssignmentPolicyBytes(const std::vector<v1::Policy>& policies, int64_t resume) {
-  if (policies.empty()) return 0;
-  size_t bytes = FieldBytes(policies.back());
-  for (size_t v = InForceAt(policies, resume); v < policies.size(); ++v) {
-    bytes += FieldBytes(policies[v]);
-  }
-  return bytes;
+// FieldBytes of the durable version jp.versions[v], counted again only when its taken step
+// changed (see VersionBytes).
+size_t DurableFieldBytes(JobPolicies& jp, size_t v) {
+  if (jp.bytes.size() < jp.versions.size()) jp.bytes.resize(jp.versions.size());
+  const v1::Policy& p = jp.versions[v];
+  const int64_t taken = p.has_taken_step() ? p.taken_step() : -1;
+  VersionBytes& counted = jp.bytes[v];
+  if (counted.bytes == 0 || counted.taken_step != taken) counted = {taken, FieldBytes(p)};
+  return counted.bytes;
 }
 
-// RESOURCE_EXHAUSTED if `next`, appended to `policies` and the `staged` ones, would take the
-// versions an attempt resuming at `resume` carries past kMaxPolicyHistoryBytes
-// (AssignmentPolicyBytes).
-absl::Status CheckHistoryBound(std::vector<v1::Policy>& policies,
-                               const std::deque<StagedPolicy>& staged, const v1::Policy& next,
+// RESOURCE_EXHAUSTED if `next` (of FieldBytes `next_bytes`), after the job's durable and staged
+// versions, would take the bytes of policy versions the Assignments of an attempt resuming at
+// `resume` can carry past kMaxPolicyHistoryBytes. Those are the latest version (`policy`), and
+// every version from the one in force at `resume` (`policy_history`): PolicyHistory's versions
+// and those it leaves out now but sends once the ranks take them, so taking versions never makes
+// it grow.
+absl::Status CheckHistoryBound(JobPolicies& jp, const v1::Policy& next, size_t next_bytes,
                                int64_t resume) {
-  const size_t durable = policies.size();
-  for (const StagedPolicy& p : staged) policies.push_back(p.policy);
-  policies.push_back(next);
-  const size_t bytes = AssignmentPolicyBytes(policies, resume);
-  const uint64_t oldest = policies[InForceAt(policies, resume)].version();
-  policies.resize(durable);
+  const size_t durable = jp.versions.size();
+  const size_t n = durable + jp.staged.size() + 1;
+  const auto at = [&](size_t v) -> const v1::Policy& {
+    if (v < durable) return jp.versions[v];
+    return v + 1 < n ? jp.staged[v - durable].policy : next;
+  };
+  const size_t first = InForceAtOf(n, at, resume);
+  size_t bytes = next_bytes;  // the latest version, sent as `policy`
+  for (size_t v = first; v < n; ++v) {
+    if (v < durable) {
+      bytes += DurableFieldBytes(jp, v);
+    } else {
+      bytes += v + 1 < n ? jp.staged[v - durable].field_bytes : next_bytes;
+    }
+  }
   if (bytes > kMaxPolicyHistoryBytes) {
     return absl::ResourceExhaustedError(
         "policy history: v" + std::to_string(next.version()) +
-        " would bring the policy versions a resumed rank can need (v" + std::to_string(oldest) +
-        " to v" + std::to_string(next.version()) + ", from the recovery point at step " +
-        std::to_string(resume) + ") to " + std::to_string(bytes) + " bytes, over the bound of " +
+        " would bring the policy versions a resumed rank can need (v" +
+        std::to_string(at(first).version()) + " to v" + std::to_string(next.version()) +
+        ", from the recovery point at step " + std::to_string(resume) + ") to " +
+        std::to_string(bytes) + " bytes, over the bound of " +
         std::to_string(kMaxPolicyHistoryBytes) +
         " bytes; versions before the one in force at the next checkpoint drop out, or patch "
         "broader globs");
@@ -304,8 +322,9 @@ absl::StatusOr<v1::Policy> PolicyBook::StagePolicyVersion(
   // Every version a resumed rank may need travels in its Assignment; refuse the one that would
   // make that undeliverable (issue #31: 200 updates of 20 new globs made an 8 MB Assignment,
   // and every worker looped on gRPC's 4 MiB limit).
+  const size_t next_bytes = FieldBytes(next);
   GEOFP8_RETURN_IF_ERROR(
-      CheckHistoryBound(jp.versions, jp.staged, next, rec.job.progress().checkpoint_step()));
+      CheckHistoryBound(jp, next, next_bytes, rec.job.progress().checkpoint_step()));
   v1::JobEvent event;
   event.set_unix_ms(next.created_unix_ms());
   event.set_state(rec.job.state());
@@ -321,7 +340,7 @@ absl::StatusOr<v1::Policy> PolicyBook::StagePolicyVersion(
     GEOFP8_RETURN_IF_ERROR(store->PutJob(row));
     return store->AppendEvent(row.id(), event);
   });
-  jp.staged.push_back({next, event, std::move(schedules), *write});
+  jp.staged.push_back({next, event, std::move(schedules), *write, next_bytes});
   return next;
 }
 
