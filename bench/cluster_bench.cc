@@ -31,6 +31,7 @@
 #include <vector>
 
 #include "CLI/CLI.hpp"
+#include "absl/synchronization/mutex.h"
 #include "bench/control_plane.h"
 #include "bench/registry.h"
 #include "geofp8/v1/geofp8.grpc.pb.h"
@@ -1126,6 +1127,9 @@ int Run(int argc, char** argv) {
     UsageError("geofp8-bench cluster", "--coordinator", "not an executable file", o.coordinator);
   }
   RaiseFileLimit();
+  // As the coordinator does (grpc_services.cc): Debian's abseil checks every gRPC mutex for
+  // deadlock cycles, and the simulator's CPU comes out of the same two cores.
+  absl::SetMutexDeadlockDetectionMode(absl::OnDeadlockCycle::kIgnore);
   rlimit files{};
   getrlimit(RLIMIT_NOFILE, &files);
   std::printf(
