@@ -47,106 +47,93 @@ void SessionPool::Loop() {
   }
 }
 
+void QueuedSink::Send(const v1::CoordinatorMessage& message) {
+  const v1::CoordinatorMessage* start = nullptr;
+  StreamWriter* writer = nullptr;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    if (closing_ || !writer_) return;
+    writer = writer_;
+    if (queue_.size() >= kMaxQueuedMessages) {
+      // The worker does not read its stream: end it rather than hold its messages without bound.
+      closing_ = true;
+      log::Warn("session.overflow")
+          .F("worker", worker_)
+          .F("queued", queue_.size())
+          .Msg("the worker is not reading its session stream; ending it");
+      writer_->Cancel();
+      return;
+    }
+    queue_.push_back(message);
+    if (!writing_) {
+      writing_ = true;
+      start = &queue_.front();
+    }
+  }
+  // Outside mu_: a reaction may run on this thread. Only this thread may touch front() until
+  // WriteDone, and a deque keeps references to its elements across push_back.
+  if (start) writer->Write(start);
+}
+
+void QueuedSink::End() {
+  std::lock_guard<std::mutex> lock(mu_);
+  if (writer_) writer_->Cancel();
+}
+
+void QueuedSink::WriteDone(bool ok) {
+  const v1::CoordinatorMessage* next = nullptr;
+  std::optional<grpc::Status> finish;
+  StreamWriter* writer = nullptr;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    writer = writer_;
+    queue_.pop_front();
+    if (!ok) queue_.clear();  // the stream is broken; the Read fails too
+    if (!queue_.empty()) {
+      next = &queue_.front();
+    } else {
+      writing_ = false;
+      if (finish_) finish = std::exchange(finish_, std::nullopt);
+    }
+  }
+  if (!writer) return;
+  if (next) writer->Write(next);
+  if (finish) writer->Close(*finish);
+}
+
+void QueuedSink::FinishWhenDrained(grpc::Status status) {
+  bool now = false;
+  StreamWriter* writer = nullptr;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    writer = writer_;
+    closing_ = true;
+    if (writing_) {
+      finish_ = std::move(status);
+    } else {
+      now = true;
+    }
+  }
+  if (now && writer) writer->Close(status);
+}
+
+void QueuedSink::Detach() {
+  std::lock_guard<std::mutex> lock(mu_);
+  closing_ = true;
+  writer_ = nullptr;
+  queue_.clear();
+}
+
+size_t QueuedSink::queued() {
+  std::lock_guard<std::mutex> lock(mu_);
+  return queue_.size();
+}
+
 namespace {
 
 using Reactor = grpc::ServerBidiReactor<v1::WorkerMessage, v1::CoordinatorMessage>;
 
-// The write side of one stream, shared with the coordinator (which holds it as the worker's
-// SessionSink, possibly after the call is done). One write is in flight at a time; the rest wait
-// in order. Finish is sent once the queue has drained, so a Stop queued before the stream ends
-// (a fenced generation's) still reaches the worker, as the synchronous Write made sure of.
-class QueuedSink final : public SessionSink {
- public:
-  QueuedSink(Reactor* reactor, grpc::CallbackServerContext* ctx, std::string worker)
-      : reactor_(reactor), ctx_(ctx), worker_(std::move(worker)) {}
-
-  void Send(const v1::CoordinatorMessage& message) override {
-    const v1::CoordinatorMessage* start = nullptr;
-    {
-      std::lock_guard<std::mutex> lock(mu_);
-      if (closing_ || !reactor_) return;
-      if (queue_.size() >= kMaxQueuedMessages) {
-        // The worker does not read its stream: end it (the worker reconnects and is sent its
-        // state again) rather than hold its messages without bound.
-        closing_ = true;
-        log::Warn("session.overflow")
-            .F("worker", worker_)
-            .F("queued", queue_.size())
-            .Msg("the worker is not reading its session stream; ending it");
-        ctx_->TryCancel();
-        return;
-      }
-      queue_.push_back(message);
-      if (!writing_) {
-        writing_ = true;
-        start = &queue_.front();
-      }
-    }
-    // Outside mu_: a reaction may run on this thread. Only this thread may touch front() until
-    // OnWriteDone, and a deque keeps references to its elements across push_back.
-    if (start) reactor_->StartWrite(start);
-  }
-
-  void End() override {
-    std::lock_guard<std::mutex> lock(mu_);
-    if (ctx_) ctx_->TryCancel();  // the pending Read fails, and the call ends
-  }
-
-  // The write in flight completed. Starts the next one, or the deferred Finish.
-  void WriteDone(bool ok) {
-    const v1::CoordinatorMessage* next = nullptr;
-    std::optional<grpc::Status> finish;
-    {
-      std::lock_guard<std::mutex> lock(mu_);
-      queue_.pop_front();
-      if (!ok) queue_.clear();  // the stream is broken; the Read fails too
-      if (!queue_.empty()) {
-        next = &queue_.front();
-      } else {
-        writing_ = false;
-        if (finish_) finish = std::exchange(finish_, std::nullopt);
-      }
-    }
-    if (next) reactor_->StartWrite(next);
-    if (finish) reactor_->Finish(*finish);
-  }
-
-  // No message is accepted after this; Finish(status) is sent once the queue has drained.
-  void FinishWhenDrained(grpc::Status status) {
-    bool now = false;
-    {
-      std::lock_guard<std::mutex> lock(mu_);
-      closing_ = true;
-      if (writing_) {
-        finish_ = std::move(status);
-      } else {
-        now = true;
-      }
-    }
-    if (now) reactor_->Finish(status);
-  }
-
-  // The call is done (OnDone): the reactor and the context are gone.
-  void Detach() {
-    std::lock_guard<std::mutex> lock(mu_);
-    closing_ = true;
-    reactor_ = nullptr;
-    ctx_ = nullptr;
-    queue_.clear();
-  }
-
- private:
-  std::mutex mu_;
-  Reactor* reactor_;
-  grpc::CallbackServerContext* ctx_;
-  const std::string worker_;
-  std::deque<v1::CoordinatorMessage> queue_;
-  bool writing_ = false;
-  bool closing_ = false;
-  std::optional<grpc::Status> finish_;
-};
-
-class SessionReactor final : public Reactor {
+class SessionReactor final : public Reactor, public StreamWriter {
  public:
   SessionReactor(grpc::CallbackServerContext* ctx, grpc::Status authorized, Coordinator* c,
                  Metrics* m, SessionPool* pool)
@@ -183,6 +170,10 @@ class SessionReactor final : public Reactor {
 
   void OnWriteDone(bool ok) override { sink_->WriteDone(ok); }
 
+  void Write(const v1::CoordinatorMessage* message) override { StartWrite(message); }
+  void Close(const grpc::Status& status) override { Finish(status); }
+  void Cancel() override { ctx_->TryCancel(); }
+
   void OnDone() override {
     if (sink_) sink_->Detach();
     delete this;
@@ -194,7 +185,7 @@ class SessionReactor final : public Reactor {
   void Open() {
     id_ = in_.worker_id();
     generation_ = in_.generation();
-    sink_ = std::make_shared<QueuedSink>(this, ctx_, id_);
+    sink_ = std::make_shared<QueuedSink>(this, id_);
     absl::Status status = c_->OpenSession(id_, generation_, in_.session_secret(), sink_);
     if (!status.ok()) {
       if (status.code() == absl::StatusCode::kPermissionDenied) {

@@ -21,12 +21,15 @@
 #include <deque>
 #include <functional>
 #include <mutex>
+#include <optional>
+#include <string>
 #include <thread>
 #include <vector>
 
 #include "geofp8/v1/geofp8.pb.h"
 #include "server/coordinator/coordinator.h"
 #include "server/coordinator/metrics.h"
+#include "server/coordinator/session.h"
 
 namespace geofp8::coordinator {
 
@@ -48,6 +51,48 @@ class SessionPool {
 
 // Messages a stream may have waiting to be written before it is ended as not reading.
 inline constexpr size_t kMaxQueuedMessages = 10000;
+
+// The write side of a Session call as QueuedSink drives it: the reactor in the server, a fake in
+// tests. Write starts one write (its completion is QueuedSink::WriteDone), Close finishes the
+// call, Cancel cancels it (the pending Read fails, and the call ends).
+class StreamWriter {
+ public:
+  virtual ~StreamWriter() = default;
+  virtual void Write(const v1::CoordinatorMessage* message) = 0;
+  virtual void Close(const grpc::Status& status) = 0;
+  virtual void Cancel() = 0;
+};
+
+// The write side of one stream, shared with the coordinator (which holds it as the worker's
+// SessionSink, possibly after the call is done). One write is in flight at a time; the rest wait
+// in order, at most kMaxQueuedMessages of them: the next Send cancels the call instead (the
+// worker reconnects and is sent its state again). Close is sent once the queue has drained, so a
+// Stop queued before the stream ends (a fenced generation's) still reaches the worker.
+class QueuedSink final : public SessionSink {
+ public:
+  QueuedSink(StreamWriter* writer, std::string worker)
+      : writer_(writer), worker_(std::move(worker)) {}
+
+  void Send(const v1::CoordinatorMessage& message) override;
+  void End() override;
+  // The write in flight completed. Starts the next one, or the deferred Close.
+  void WriteDone(bool ok);
+  // No message is accepted after this; Close(status) is sent once the queue has drained.
+  void FinishWhenDrained(grpc::Status status);
+  // The call is done: the writer is gone.
+  void Detach();
+
+  size_t queued();  // for tests
+
+ private:
+  std::mutex mu_;
+  StreamWriter* writer_;
+  const std::string worker_;
+  std::deque<v1::CoordinatorMessage> queue_;
+  bool writing_ = false;
+  bool closing_ = false;
+  std::optional<grpc::Status> finish_;
+};
 
 // The reactor of one Session call. `authorized` is the call's auth check: not OK finishes the
 // call with it at once. The reactor deletes itself when the call is done; `pool` and

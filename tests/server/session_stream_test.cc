@@ -1,6 +1,7 @@
 // The Session streams on gRPC's callback API (server/coordinator/session_stream.h), through the
 // real server on loopback: no thread is parked per open stream, messages are answered in order,
-// and a worker that stops reading its stream has it ended instead of queueing without bound.
+// and (QueuedSink against a fake writer) a worker that stops reading its stream has it ended
+// instead of queueing without bound.
 #include "server/coordinator/session_stream.h"
 
 #include <grpcpp/grpcpp.h>
@@ -142,6 +143,86 @@ TEST_F(SessionStreamTest, MessagesOfOneStreamAreAnsweredInOrder) {
   }
   stream->WritesDone();
   EXPECT_TRUE(stream->Finish().ok());
+}
+
+// QueuedSink against a writer that records what it is asked to do and completes nothing until
+// the test says so: the transport's buffers and flow control are out of the picture.
+class FakeWriter final : public StreamWriter {
+ public:
+  void Write(const v1::CoordinatorMessage* message) override {
+    writes.push_back(message->ack().seq());
+  }
+  void Close(const grpc::Status& status) override { closes.push_back(status.error_code()); }
+  void Cancel() override { ++cancels; }
+  std::vector<uint64_t> writes;  // the ack seq of each write started
+  std::vector<grpc::StatusCode> closes;
+  int cancels = 0;
+};
+
+v1::CoordinatorMessage AckOf(uint64_t seq) {
+  v1::CoordinatorMessage m;
+  m.mutable_ack()->set_seq(seq);
+  return m;
+}
+
+TEST(QueuedSink, OneWriteInFlightTheRestInOrder) {
+  FakeWriter w;
+  QueuedSink sink(&w, "w");
+  for (uint64_t i = 1; i <= 3; ++i) sink.Send(AckOf(i));
+  EXPECT_EQ(w.writes, (std::vector<uint64_t>{1}));  // the others wait for its completion
+  EXPECT_EQ(sink.queued(), 3u);
+  sink.WriteDone(true);
+  sink.WriteDone(true);
+  EXPECT_EQ(w.writes, (std::vector<uint64_t>{1, 2, 3}));
+  sink.WriteDone(true);
+  EXPECT_EQ(sink.queued(), 0u);
+  sink.Send(AckOf(4));  // idle again: written at once
+  EXPECT_EQ(w.writes, (std::vector<uint64_t>{1, 2, 3, 4}));
+  EXPECT_EQ(w.cancels, 0);
+}
+
+TEST(QueuedSink, AWorkerThatStopsReadingIsCancelledAtTheBoundAndNothingMoreIsKept) {
+  FakeWriter w;
+  QueuedSink sink(&w, "w");
+  // The first write never completes (the worker reads nothing): up to the bound, all are kept.
+  for (uint64_t i = 1; i <= kMaxQueuedMessages; ++i) sink.Send(AckOf(i));
+  EXPECT_EQ(w.cancels, 0);
+  EXPECT_EQ(sink.queued(), kMaxQueuedMessages);
+  sink.Send(AckOf(kMaxQueuedMessages + 1));
+  EXPECT_EQ(w.cancels, 1);
+  for (int i = 0; i < 10; ++i) sink.Send(AckOf(1));
+  EXPECT_EQ(w.cancels, 1) << "cancelled once";
+  EXPECT_EQ(sink.queued(), kMaxQueuedMessages) << "nothing queued after the bound";
+  EXPECT_EQ(w.writes.size(), 1u);
+}
+
+TEST(QueuedSink, CloseWaitsForTheQueueAndLaterMessagesAreDropped) {
+  FakeWriter w;
+  QueuedSink sink(&w, "w");
+  sink.Send(AckOf(1));
+  sink.Send(AckOf(2));  // e.g. the Stop of a fenced generation, queued before the stream ends
+  sink.FinishWhenDrained(grpc::Status(grpc::StatusCode::PERMISSION_DENIED, "fenced"));
+  sink.Send(AckOf(3));
+  EXPECT_TRUE(w.closes.empty()) << "closed with messages still waiting";
+  sink.WriteDone(true);
+  EXPECT_TRUE(w.closes.empty());
+  sink.WriteDone(true);
+  EXPECT_EQ(w.writes, (std::vector<uint64_t>{1, 2}));
+  EXPECT_EQ(w.closes, (std::vector<grpc::StatusCode>{grpc::StatusCode::PERMISSION_DENIED}));
+}
+
+TEST(QueuedSink, ABrokenWriteDropsTheQueueAndADetachedSinkSendsNothing) {
+  FakeWriter w;
+  QueuedSink sink(&w, "w");
+  for (uint64_t i = 1; i <= 3; ++i) sink.Send(AckOf(i));
+  sink.WriteDone(false);
+  EXPECT_EQ(sink.queued(), 0u);
+  EXPECT_EQ(w.writes, (std::vector<uint64_t>{1}));
+  sink.Detach();
+  sink.Send(AckOf(4));
+  sink.End();
+  EXPECT_EQ(w.writes.size(), 1u);
+  EXPECT_EQ(w.cancels, 0);
 }
 
 }  // namespace
