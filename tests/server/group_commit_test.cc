@@ -17,6 +17,7 @@
 #include <thread>
 #include <vector>
 
+#include "tests/common/temp_dir.h"
 #include "tests/server/coordinator_harness.h"
 
 namespace geofp8::coordinator {
@@ -24,22 +25,7 @@ namespace {
 
 using std::chrono::seconds;
 
-// A fresh directory under the temp dir, removed at the end.
-class TempDir {
- public:
-  TempDir() {
-    std::string tmpl = (std::filesystem::temp_directory_path() / "geofp8-gcommit-XXXXXX").string();
-    path_ = ::mkdtemp(tmpl.data()) ? tmpl : "";
-  }
-  ~TempDir() {
-    std::error_code ec;
-    std::filesystem::remove_all(path_, ec);
-  }
-  const std::string& path() const { return path_; }
-
- private:
-  std::string path_;
-};
+using ::geofp8::testing::TempDir;
 
 // Leads a batch whose one write blocks until Release: the writes submitted meanwhile queue up
 // behind it and form the next batch, whatever the machine's speed.
@@ -262,7 +248,7 @@ TEST(StoreGroupCommit, AVersionIsNeverWrittenWithoutTheOneBefore) {
 }
 
 TEST(StoreGroupCommit, ACommitThatFailsFailsEveryWriteOfItsBatch) {
-  TempDir dir;
+  TempDir dir("geofp8-gcommit");
   auto store = OpenStore(dir.path());
   ASSERT_TRUE(store);
   ASSERT_TRUE(store->PutJob(JobRow("before")).ok());
@@ -297,7 +283,7 @@ TEST(StoreGroupCommit, ACommitThatFailsFailsEveryWriteOfItsBatch) {
 }
 
 TEST(StoreGroupCommit, EveryAcknowledgedWriteSurvivesAReopen) {
-  TempDir dir;
+  TempDir dir("geofp8-gcommit");
   auto store = OpenStore(dir.path());
   ASSERT_TRUE(store);
   const Store::CommitStats base = store->commit_stats();
@@ -417,7 +403,7 @@ TEST_F(CoordinatorGroupCommit, OfTwoRacingRegistrationsTheHigherGenerationIsCurr
 }
 
 TEST_F(CoordinatorGroupCommit, PolicyVersionsAreShownOnlyOnceDurableAndStayDense) {
-  TempDir dir;
+  TempDir dir("geofp8-gcommit");
   Open(dir.path());
   const std::string job = Submit("name: gc\nworld_size: 1\n");
   constexpr int kUpdates = 8;
@@ -451,7 +437,7 @@ TEST_F(CoordinatorGroupCommit, PolicyVersionsAreShownOnlyOnceDurableAndStayDense
 }
 
 TEST_F(CoordinatorGroupCommit, AFailedPolicyWriteLeavesNoVersionBehind) {
-  TempDir dir;
+  TempDir dir("geofp8-gcommit");
   Open(dir.path());
   // A long spec makes every version's job row large enough to overrun the limit below.
   const std::string job =

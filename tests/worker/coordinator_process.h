@@ -16,25 +16,9 @@
 #include <thread>
 #include <vector>
 
+#include "tests/common/temp_dir.h"
+
 namespace geofp8::testing {
-
-// A fresh temporary directory, removed with its contents on destruction.
-class TempDir {
- public:
-  explicit TempDir(const std::string& tag) {
-    std::string tmpl = (std::filesystem::temp_directory_path() / (tag + "-XXXXXX")).string();
-    if (!::mkdtemp(tmpl.data())) throw std::runtime_error("mkdtemp failed for " + tmpl);
-    path_ = tmpl;
-  }
-  ~TempDir() {
-    std::error_code ec;
-    std::filesystem::remove_all(path_, ec);
-  }
-  const std::string& path() const { return path_; }
-
- private:
-  std::string path_;
-};
 
 // Runs `argv` with stdout+stderr into a pipe read by a thread; lines are kept.
 class ChildProcess {
