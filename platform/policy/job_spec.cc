@@ -575,91 +575,90 @@ size_t InvalidUtf8At(std::string_view s) {
   return std::string_view::npos;
 }
 
-absl::StatusOr<JobSpec> ParseJobSpec(std::string_view yaml) {
-  if (yaml.size() > kMaxSpecBytes) {
-    return absl::InvalidArgumentError("spec: at most " + std::to_string(kMaxSpecBytes) +
-                                      " bytes (" + std::to_string(yaml.size()) + ")");
+namespace {
+
+// A command job's user program trains its own model on its own data: the built-in trainer's
+// fields would be ignored, which must never happen silently. `program` is command[0].
+void RejectTrainerFields(Reader& r, const YAML::Node& root, const std::string& p,
+                         const std::string& program, TrainingSpec* training) {
+  for (const char* field : {"model", "data"}) {
+    if (YAML::Node n = root[field]; n.IsDefined()) {
+      r.Error(n, p + "." + field,
+              std::string("not allowed with command (") + Clip(program) +
+                  "): the built-in trainer's field; a command job trains its own model");
+    }
   }
-  GEOFP8_ASSIGN_OR_RETURN(const YAML::Node root, Load(yaml, "spec"));
-  Reader r;
-  JobSpec spec;
-  const std::string p = "spec";
-  if (!r.Map(root, p,
-             {"name", "world_size", "backend", "command", "model", "data", "training", "exchange",
-              "policy", "auto_policy", "geometry_refresh", "checkpoint", "restarts"})) {
-    return Invalid(r.errors);
-  }
-  ReadCommand(r, root, p, &spec.command);
-  const bool command_job = !spec.command.empty();
-  if (command_job) {
-    // A user program trains its own model on its own data: the built-in trainer's fields would
-    // be ignored, which must never happen silently.
-    for (const char* field : {"model", "data"}) {
-      if (YAML::Node n = root[field]; n.IsDefined()) {
-        r.Error(n, p + "." + field,
-                std::string("not allowed with command (") + Clip(spec.command[0]) +
-                    "): the built-in trainer's field; a command job trains its own model");
+  if (YAML::Node n = root["training"]; n.IsDefined() && n.IsMap()) {
+    for (const auto& kv : n) {
+      const std::string key = kv.first.IsScalar() ? kv.first.Scalar() : "?";
+      if (key != "steps") {
+        r.Error(kv.first, p + ".training." + Clip(key),
+                "not allowed with command (accepted: steps); the built-in trainer's field");
       }
     }
-    if (YAML::Node n = root["training"]; n.IsDefined() && n.IsMap()) {
-      for (const auto& kv : n) {
-        const std::string key = kv.first.IsScalar() ? kv.first.Scalar() : "?";
-        if (key != "steps") {
-          r.Error(kv.first, p + ".training." + Clip(key),
-                  "not allowed with command (accepted: steps); the built-in trainer's field");
-        }
-      }
-    }
-    spec.training.steps = 0;  // unknown unless given: the script decides when it is done
   }
-  YAML::Node name = r.Get(root, "name", p, &spec.name, "a string");
+  training->steps = 0;  // unknown unless given: the script decides when it is done
+}
+
+// The top-level scalars: name (required), world_size and backend.
+void ReadJobScalars(Reader& r, const YAML::Node& root, const std::string& p, JobSpec* spec) {
+  YAML::Node name = r.Get(root, "name", p, &spec->name, "a string");
   if (!name.IsDefined()) {
     if (!root["name"].IsDefined() || root["name"].IsNull()) r.Error(root, p + ".name", "required");
-  } else if (!ValidName(spec.name)) {
+  } else if (!ValidName(spec->name)) {
     r.Error(name, p + ".name",
-            "must be 1-63 characters of [A-Za-z0-9._-] (" + Clip(spec.name) + ")");
+            "must be 1-63 characters of [A-Za-z0-9._-] (" + Clip(spec->name) + ")");
   }
-  r.Number(root, "world_size", p, &spec.world_size, 1, 1024);
-  YAML::Node backend = r.Get(root, "backend", p, &spec.backend, "a string");
-  if (backend.IsDefined() && spec.backend != "gloo" && spec.backend != "nccl") {
+  r.Number(root, "world_size", p, &spec->world_size, 1, 1024);
+  YAML::Node backend = r.Get(root, "backend", p, &spec->backend, "a string");
+  if (backend.IsDefined() && spec->backend != "gloo" && spec->backend != "nccl") {
     r.Error(backend, p + ".backend",
-            "unknown value (" + Clip(spec.backend) + "); accepted: gloo, nccl");
+            "unknown value (" + Clip(spec->backend) + "); accepted: gloo, nccl");
   }
+}
 
+void ReadModel(Reader& r, const YAML::Node& root, const std::string& p, ModelSpec* out) {
   if (YAML::Node n = root["model"];
       n.IsDefined() && !n.IsNull() && r.Map(n, p + ".model", {"preset"})) {
-    YAML::Node preset = r.Get(n, "preset", p + ".model", &spec.model.preset, "a string");
-    if (preset.IsDefined() && !model::PresetConfig(spec.model.preset)) {
+    YAML::Node preset = r.Get(n, "preset", p + ".model", &out->preset, "a string");
+    if (preset.IsDefined() && !model::PresetConfig(out->preset)) {
       r.Error(preset, p + ".model.preset",
-              "unknown preset (" + Clip(spec.model.preset) +
+              "unknown preset (" + Clip(out->preset) +
                   "); accepted: " + std::string(model::AcceptedPresets()));
     }
   }
+}
+
+void ReadData(Reader& r, const YAML::Node& root, const std::string& p, DataSpec* out) {
   if (YAML::Node n = root["data"];
       n.IsDefined() && !n.IsNull() && r.Map(n, p + ".data", {"source", "path", "seed"})) {
     const std::string q = p + ".data";
-    YAML::Node source = r.Get(n, "source", q, &spec.data.source, "a string");
-    r.String(n, "path", q, &spec.data.path);
-    r.Number<uint64_t>(n, "seed", q, &spec.data.seed, 0, std::numeric_limits<uint64_t>::max());
-    if (source.IsDefined() && spec.data.source != "synthetic" && spec.data.source != "file") {
+    YAML::Node source = r.Get(n, "source", q, &out->source, "a string");
+    r.String(n, "path", q, &out->path);
+    r.Number<uint64_t>(n, "seed", q, &out->seed, 0, std::numeric_limits<uint64_t>::max());
+    if (source.IsDefined() && out->source != "synthetic" && out->source != "file") {
       r.Error(source, q + ".source",
-              "unknown value (" + Clip(spec.data.source) + "); accepted: synthetic, file");
+              "unknown value (" + Clip(out->source) + "); accepted: synthetic, file");
     }
-    if (spec.data.source == "file" && spec.data.path.empty()) {
+    if (out->source == "file" && out->path.empty()) {
       r.Error(n, q + ".path", "required when data.source is file");
-    } else if (!spec.data.path.empty()) {
-      if (std::string problem = DataDirPathProblem(spec.data.path); !problem.empty()) {
-        r.Error(n["path"], q + ".path", problem + " (" + Clip(spec.data.path) + ")");
+    } else if (!out->path.empty()) {
+      if (std::string problem = DataDirPathProblem(out->path); !problem.empty()) {
+        r.Error(n["path"], q + ".path", problem + " (" + Clip(out->path) + ")");
       }
     }
   }
+}
+
+// spec.training of a job the built-in trainer runs.
+void ReadTraining(Reader& r, const YAML::Node& root, const std::string& p, TrainingSpec* out) {
   if (YAML::Node n = root["training"];
-      n.IsDefined() && !n.IsNull() && !command_job &&
+      n.IsDefined() && !n.IsNull() &&
       r.Map(n, p + ".training",
             {"steps", "batch_size", "seq_len", "lr", "weight_decay", "warmup_steps", "optimizer",
              "grad_clip", "seed", "eval_every", "eval_batches"})) {
     const std::string q = p + ".training";
-    auto& t = spec.training;
+    auto& t = *out;
     r.Number<int64_t>(n, "steps", q, &t.steps, 1, kMaxSteps);
     r.Number(n, "batch_size", q, &t.batch_size, 1, kMaxBatchSize);
     r.Number(n, "seq_len", q, &t.seq_len, 1, kMaxSeqLen);
@@ -681,22 +680,28 @@ absl::StatusOr<JobSpec> ParseJobSpec(std::string_view yaml) {
                   " >= " + std::to_string(t.steps) + ")");
     }
   }
-  if (YAML::Node n = root["training"]; n.IsDefined() && !n.IsNull() && command_job) {
+}
+
+// spec.training of a command job: steps only (RejectTrainerFields reports the other keys).
+void ReadCommandTraining(Reader& r, const YAML::Node& root, const std::string& p,
+                         TrainingSpec* out) {
+  if (YAML::Node n = root["training"]; n.IsDefined() && !n.IsNull()) {
     if (n.IsMap()) {
-      r.Number<int64_t>(n, "steps", p + ".training", &spec.training.steps, 1, kMaxSteps);
+      r.Number<int64_t>(n, "steps", p + ".training", &out->steps, 1, kMaxSteps);
     } else {
       r.Error(n, p + ".training", "expected a mapping (" + Reader::Show(n) + ")");
     }
   }
-  ReadExchange(r, root, p, &spec.exchange);
-  ReadPolicySection(r, root, p, &spec.policy);
+}
+
+void ReadAutoPolicy(Reader& r, const YAML::Node& root, const std::string& p, AutoPolicySpec* out) {
   if (YAML::Node n = root["auto_policy"];
       n.IsDefined() && !n.IsNull() &&
       r.Map(n, p + ".auto_policy",
             {"enabled", "probe_every", "min_gain", "off_gain", "max_cost_fraction", "geometry",
              "rank", "min_interval", "max_interval", "drift_low", "drift_high"})) {
     const std::string q = p + ".auto_policy";
-    auto& a = spec.auto_policy;
+    auto& a = *out;
     r.Bool(n, "enabled", q, &a.enabled);
     r.Number(n, "probe_every", q, &a.probe_every, 1, 1000000);
     r.Number(n, "min_gain", q, &a.min_gain, 1.0, 1e9);
@@ -723,23 +728,67 @@ absl::StatusOr<JobSpec> ParseJobSpec(std::string_view yaml) {
       r.Error(n["geometry"], q + ".geometry", "must be diag or lowrank (none)");
     }
   }
-  ReadRefresh(r, root, p, &spec.geometry_refresh);
+}
+
+void ReadCheckpoint(Reader& r, const YAML::Node& root, const std::string& p, CheckpointSpec* out) {
   if (YAML::Node n = root["checkpoint"];
       n.IsDefined() && !n.IsNull() && r.Map(n, p + ".checkpoint", {"dir", "every"})) {
-    r.String(n, "dir", p + ".checkpoint", &spec.checkpoint.dir);
-    r.Number<int64_t>(n, "every", p + ".checkpoint", &spec.checkpoint.every, 0, kMaxSteps);
-    if (spec.checkpoint.every > 0 && spec.checkpoint.dir.empty()) {
+    r.String(n, "dir", p + ".checkpoint", &out->dir);
+    r.Number<int64_t>(n, "every", p + ".checkpoint", &out->every, 0, kMaxSteps);
+    if (out->every > 0 && out->dir.empty()) {
       r.Error(n, p + ".checkpoint.dir", "required when checkpoint.every > 0");
-    } else if (!spec.checkpoint.dir.empty()) {
-      if (std::string problem = DataDirPathProblem(spec.checkpoint.dir); !problem.empty()) {
-        r.Error(n["dir"], p + ".checkpoint.dir", problem + " (" + Clip(spec.checkpoint.dir) + ")");
+    } else if (!out->dir.empty()) {
+      if (std::string problem = DataDirPathProblem(out->dir); !problem.empty()) {
+        r.Error(n["dir"], p + ".checkpoint.dir", problem + " (" + Clip(out->dir) + ")");
       }
     }
   }
+}
+
+void ReadRestarts(Reader& r, const YAML::Node& root, const std::string& p, RestartSpec* out) {
   if (YAML::Node n = root["restarts"];
       n.IsDefined() && !n.IsNull() && r.Map(n, p + ".restarts", {"max_restarts"})) {
-    r.Number(n, "max_restarts", p + ".restarts", &spec.restarts.max_restarts, 0, 1000);
+    r.Number(n, "max_restarts", p + ".restarts", &out->max_restarts, 0, 1000);
   }
+}
+
+// The model keeps every layer's attention probabilities for the backward pass; bound them here,
+// before a worker finds out with std::bad_alloc.
+void CheckAttentionBytes(Reader& r, const YAML::Node& root, const std::string& p,
+                         const JobSpec& spec, const model::ModelConfig& model) {
+  const auto& t = spec.training;
+  const int64_t seq = std::max<int64_t>(t.seq_len, model.seq);
+  const double bytes =
+      4.0 * double(t.batch_size) * model.heads * double(seq) * double(seq) * model.layers;
+  if (bytes > kMaxAttentionBytes) {
+    std::ostringstream os;
+    os << "batch_size x heads x seq_len^2 x layers x 4 bytes of attention must be at most "
+       << (kMaxAttentionBytes >> 30) << " GiB for " << spec.model.preset << " (batch_size "
+       << t.batch_size << ", seq_len " << t.seq_len << ": " << int64_t(bytes / (1 << 30))
+       << " GiB)";
+    const YAML::Node training = root["training"];
+    r.Error(training.IsDefined() ? training : root, p + ".training.batch_size", os.str());
+  }
+}
+
+// A patch whose glob names no layer of the model is a typo that would do nothing.
+void CheckPatchGlobs(Reader& r, const YAML::Node& root, const std::string& p, const JobSpec& spec,
+                     const model::ModelConfig& model) {
+  const std::vector<model::ParamInfo> layout = model::ParamLayout(model);
+  for (size_t i = 0; i < spec.policy.layers.size(); ++i) {
+    const std::string& glob = spec.policy.layers[i].match;
+    if (glob.empty()) continue;  // reported already
+    if (std::string problem = UnmatchedGlobProblem(glob, layout, spec.model.preset);
+        !problem.empty()) {
+      r.Error(root["policy"]["layers"][i]["match"],
+              p + ".policy.layers[" + std::to_string(i) + "].match", problem);
+    }
+  }
+}
+
+// The checks that span sections, once each section has been read.
+void CheckAcrossSections(Reader& r, const YAML::Node& root, const std::string& p,
+                         const JobSpec& spec, bool command_job) {
   // The engine tunes refresh intervals of the instant estimator only: an ema sketch is fed every
   // `interval` steps and its basis drifts smoothly by construction.
   if (spec.auto_policy.enabled && spec.geometry_refresh.estimator == GeometryEstimator::kInstant &&
@@ -750,37 +799,49 @@ absl::StatusOr<JobSpec> ParseJobSpec(std::string_view yaml) {
   }
   // A command job's layers are the ones its script reports; nothing to check them against yet.
   if (auto model = command_job ? std::nullopt : model::PresetConfig(spec.model.preset)) {
-    // The model keeps every layer's attention probabilities for the backward pass; bound them
-    // here, before a worker finds out with std::bad_alloc.
-    const auto& t = spec.training;
-    const int64_t seq = std::max<int64_t>(t.seq_len, model->seq);
-    const double bytes =
-        4.0 * double(t.batch_size) * model->heads * double(seq) * double(seq) * model->layers;
-    if (bytes > kMaxAttentionBytes) {
-      std::ostringstream os;
-      os << "batch_size x heads x seq_len^2 x layers x 4 bytes of attention must be at most "
-         << (kMaxAttentionBytes >> 30) << " GiB for " << spec.model.preset << " (batch_size "
-         << t.batch_size << ", seq_len " << t.seq_len << ": " << int64_t(bytes / (1 << 30))
-         << " GiB)";
-      const YAML::Node training = root["training"];
-      r.Error(training.IsDefined() ? training : root, p + ".training.batch_size", os.str());
-    }
-    // A patch whose glob names no layer of the model is a typo that would do nothing.
-    const std::vector<model::ParamInfo> layout = model::ParamLayout(*model);
-    for (size_t i = 0; i < spec.policy.layers.size(); ++i) {
-      const std::string& glob = spec.policy.layers[i].match;
-      if (glob.empty()) continue;  // reported already
-      if (std::string problem = UnmatchedGlobProblem(glob, layout, spec.model.preset);
-          !problem.empty()) {
-        r.Error(root["policy"]["layers"][i]["match"],
-                p + ".policy.layers[" + std::to_string(i) + "].match", problem);
-      }
-    }
+    CheckAttentionBytes(r, root, p, spec, *model);
+    CheckPatchGlobs(r, root, p, spec, *model);
   }
   if (spec.backend == "gloo" && spec.exchange.algorithm == Algorithm::kNative) {
     r.Error(root["exchange"], p + ".exchange.algorithm",
             "native needs backend nccl (backend is gloo)");
   }
+}
+
+}  // namespace
+
+absl::StatusOr<JobSpec> ParseJobSpec(std::string_view yaml) {
+  if (yaml.size() > kMaxSpecBytes) {
+    return absl::InvalidArgumentError("spec: at most " + std::to_string(kMaxSpecBytes) +
+                                      " bytes (" + std::to_string(yaml.size()) + ")");
+  }
+  GEOFP8_ASSIGN_OR_RETURN(const YAML::Node root, Load(yaml, "spec"));
+  Reader r;
+  JobSpec spec;
+  const std::string p = "spec";
+  if (!r.Map(root, p,
+             {"name", "world_size", "backend", "command", "model", "data", "training", "exchange",
+              "policy", "auto_policy", "geometry_refresh", "checkpoint", "restarts"})) {
+    return Invalid(r.errors);
+  }
+  ReadCommand(r, root, p, &spec.command);
+  const bool command_job = !spec.command.empty();
+  if (command_job) RejectTrainerFields(r, root, p, spec.command[0], &spec.training);
+  ReadJobScalars(r, root, p, &spec);
+  ReadModel(r, root, p, &spec.model);
+  ReadData(r, root, p, &spec.data);
+  if (command_job) {
+    ReadCommandTraining(r, root, p, &spec.training);
+  } else {
+    ReadTraining(r, root, p, &spec.training);
+  }
+  ReadExchange(r, root, p, &spec.exchange);
+  ReadPolicySection(r, root, p, &spec.policy);
+  ReadAutoPolicy(r, root, p, &spec.auto_policy);
+  ReadRefresh(r, root, p, &spec.geometry_refresh);
+  ReadCheckpoint(r, root, p, &spec.checkpoint);
+  ReadRestarts(r, root, p, &spec.restarts);
+  CheckAcrossSections(r, root, p, spec, command_job);
   if (!r.errors.empty()) return Invalid(r.errors);
   return spec;
 }

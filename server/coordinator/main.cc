@@ -8,9 +8,12 @@
 #include <cerrno>
 #include <chrono>
 #include <cstdio>
+#include <optional>
+#include <string>
 #include <thread>
 
 #include "CLI/CLI.hpp"
+#include "absl/status/statusor.h"
 #include "platform/common/log.h"
 #include "platform/common/ready_file.h"
 #include "server/coordinator/coordinator.h"
@@ -33,12 +36,11 @@ int Fail(const std::string& message) {
   return 1;
 }
 
-}  // namespace
-
-int main(int argc, char** argv) {
-  CLI::App app{"geofp8-coordinator: GeoFP8 control plane (jobs, policies, workers, rendezvous)"};
+// The flags' values, each starting as its default.
+struct Flags {
   geofp8::coordinator::ServerOptions server;
   geofp8::coordinator::CoordinatorOptions coord;
+  geofp8::coordinator::StoreOptions store_options;
   std::string data_dir = "./geofp8-data";
   std::string metrics_listen = "127.0.0.1:9464";
   std::string ready_file;
@@ -46,48 +48,54 @@ int main(int argc, char** argv) {
   std::string log_format = "text";
   int tick_ms = 200;
   int grace_ms = 5000;
-  app.add_option("--listen", server.listen, "gRPC address host:port (port 0 picks a free one)")
+};
+
+void DefineFlags(CLI::App& app, Flags& f) {
+  app.add_option("--listen", f.server.listen, "gRPC address host:port (port 0 picks a free one)")
       ->capture_default_str();
-  app.add_option("--data-dir", data_dir, "Directory of the SQLite state (coordinator.db)")
+  app.add_option("--data-dir", f.data_dir, "Directory of the SQLite state (coordinator.db)")
       ->capture_default_str();
-  app.add_option("--ready-file", ready_file,
+  app.add_option("--ready-file", f.ready_file,
                  "Once serving, write {\"grpc\": \"host:port\", \"metrics\": ..., \"pid\": N} here "
                  "(atomically; removed on a clean shutdown)");
-  app.add_option("--metrics-listen", metrics_listen,
+  app.add_option("--metrics-listen", f.metrics_listen,
                  "Prometheus /metrics address host:port; empty disables")
       ->capture_default_str();
-  app.add_option("--token-file", token_file,
+  app.add_option("--token-file", f.token_file,
                  "File holding the bearer token every geofp8.v1 call needs, reads included "
                  "(or env GEOFP8_TOKEN); health and /metrics stay open");
-  geofp8::coordinator::StoreOptions store_options;
-  app.add_flag("--accept-store-loss", store_options.accept_loss,
+  app.add_flag("--accept-store-loss", f.store_options.accept_loss,
                "Start even when coordinator.db does not match its coordinator.seal (truncated, "
                "replaced or rolled back: acknowledged jobs are missing); logged. Job ids still "
                "never repeat");
-  app.add_option("--tls-cert", server.tls_cert, "PEM server certificate (enables TLS)");
-  app.add_option("--tls-key", server.tls_key, "PEM private key of --tls-cert");
-  app.add_option("--tls-client-ca", server.tls_client_ca,
+  app.add_option("--tls-cert", f.server.tls_cert, "PEM server certificate (enables TLS)");
+  app.add_option("--tls-key", f.server.tls_key, "PEM private key of --tls-cert");
+  app.add_option("--tls-client-ca", f.server.tls_client_ca,
                  "PEM CA bundle; clients must present a certificate it signed (mTLS)");
-  app.add_option("--heartbeat-interval-ms", coord.heartbeat_interval_ms,
+  app.add_option("--heartbeat-interval-ms", f.coord.heartbeat_interval_ms,
                  "Heartbeat period told to workers")
       ->capture_default_str()
       ->check(CLI::Range(10, 3600000));
-  app.add_option("--heartbeat-timeout-ms", coord.heartbeat_timeout_ms,
+  app.add_option("--heartbeat-timeout-ms", f.coord.heartbeat_timeout_ms,
                  "Silence after which a worker is declared dead and fenced")
       ->capture_default_str()
       ->check(CLI::Range(50, 86400000));
-  app.add_option("--tick-ms", tick_ms, "Period of the dead-worker check")
+  app.add_option("--tick-ms", f.tick_ms, "Period of the dead-worker check")
       ->capture_default_str()
       ->check(CLI::Range(5, 60000));
-  app.add_flag("--debug-kv-any-job", coord.kv_any_job,
+  app.add_flag("--debug-kv-any-job", f.coord.kv_any_job,
                "Tests only: serve the rendezvous KV for any job id, not only live attempts")
       ->group("");
-  app.add_option("--shutdown-grace-ms", grace_ms, "How long SIGTERM waits for running calls")
+  app.add_option("--shutdown-grace-ms", f.grace_ms, "How long SIGTERM waits for running calls")
       ->capture_default_str()
       ->check(CLI::Range(0, 600000));
-  app.add_option("--log-format", log_format,
+  app.add_option("--log-format", f.log_format,
                  "Event lines on stderr: text (logfmt, key=value) or json (one object a line)")
       ->capture_default_str();
+}
+
+// The exit code when main must stop here (--help, or 2 for a bad command line), else nullopt.
+std::optional<int> ParseFlags(CLI::App& app, int argc, char** argv) {
   try {
     app.parse(argc, argv);
   } catch (const CLI::ParseError& e) {
@@ -95,89 +103,116 @@ int main(int argc, char** argv) {
     std::fprintf(stderr, "geofp8-coordinator: error: %s\n", e.what());
     return 2;
   }
+  return std::nullopt;
+}
+
+// False, with the error on stderr, for an unknown --log-format.
+bool ConfigureLogging(const std::string& log_format) {
   const auto format = geofp8::log::ParseFormat(log_format);
   if (!format) {
     std::fprintf(stderr,
                  "geofp8-coordinator: error: --log-format: unknown value (%s); accepted: text, "
                  "json\n",
                  log_format.c_str());
-    return 2;
+    return false;
   }
   geofp8::log::Configure(*format);
+  return true;
+}
+
+// The bearer token from --token-file (trailing newlines and spaces dropped), else from env
+// GEOFP8_TOKEN. False, with the error on stderr, when the file cannot be read or is empty.
+bool ReadToken(const std::string& token_file, std::string* token) {
   if (!token_file.empty()) {
-    auto token = geofp8::coordinator::ReadFileForFlag("--token-file", token_file);
-    if (!token.ok()) {
+    auto text = geofp8::coordinator::ReadFileForFlag("--token-file", token_file);
+    if (!text.ok()) {
       std::fprintf(stderr, "geofp8-coordinator: error: %s\n",
-                   std::string(token.status().message()).c_str());
-      return 2;
+                   std::string(text.status().message()).c_str());
+      return false;
     }
-    server.token = *token;
-    while (!server.token.empty() && (server.token.back() == '\n' || server.token.back() == '\r' ||
-                                     server.token.back() == ' ')) {
-      server.token.pop_back();
+    *token = *text;
+    while (!token->empty() &&
+           (token->back() == '\n' || token->back() == '\r' || token->back() == ' ')) {
+      token->pop_back();
     }
-    if (server.token.empty()) {
+    if (token->empty()) {
       std::fprintf(stderr, "geofp8-coordinator: error: --token-file: %s is empty\n",
                    token_file.c_str());
-      return 2;
+      return false;
     }
   } else if (const char* env = std::getenv("GEOFP8_TOKEN"); env && *env) {
-    server.token = env;
+    *token = env;
   }
+  return true;
+}
 
-  // SIGTERM/SIGINT write to a pipe that main reads, so shutdown runs outside signal context. A
-  // handler rather than sigwait: libraries (OpenBLAS) start threads before main could mask them.
-  if (pipe(g_signal_pipe) != 0) return Fail("pipe() failed");
+// SIGTERM/SIGINT write to a pipe that main reads, so shutdown runs outside signal context. A
+// handler rather than sigwait: libraries (OpenBLAS) start threads before main could mask them.
+bool InstallSignalHandlers() {
+  if (pipe(g_signal_pipe) != 0) return false;
   struct sigaction action = {};
   action.sa_handler = OnSignal;
   sigemptyset(&action.sa_mask);
   sigaction(SIGTERM, &action, nullptr);
   sigaction(SIGINT, &action, nullptr);
+  return true;
+}
 
-  auto store = geofp8::coordinator::Store::Open(data_dir, store_options);
-  if (!store.ok()) return Fail(std::string(store.status().message()));
-  geofp8::coordinator::Coordinator coordinator(store->get(), geofp8::coordinator::SystemClock(),
-                                               coord);
-  if (auto s = coordinator.Recover(); !s.ok()) return Fail(s.ToString());
-  geofp8::coordinator::Metrics metrics(&coordinator);
-  std::string metrics_address;  // host:port, empty when off
-  if (!metrics_listen.empty()) {
-    auto port = metrics.Serve(metrics_listen);
-    if (!port.ok()) return Fail(std::string(port.status().message()));
-    metrics_address =
-        metrics_listen.substr(0, metrics_listen.rfind(':')) + ":" + std::to_string(*port);
-    std::printf("geofp8-coordinator: metrics on http://%s/metrics\n", metrics_address.c_str());
+// Blocks until a signal handled by OnSignal arrives; returns it.
+int WaitForSignal() {
+  int sig = 0;
+  while (read(g_signal_pipe[0], &sig, sizeof sig) < 0 && errno == EINTR) {
   }
-  auto srv = geofp8::coordinator::CoordinatorServer::Start(&coordinator, &metrics, server);
-  if (!srv.ok()) return Fail(std::string(srv.status().message()));
-  if (!ready_file.empty()) {
-    const std::string grpc_address =
-        server.listen.substr(0, server.listen.rfind(':')) + ":" + std::to_string((*srv)->port());
-    const std::string json =
-        "{\"grpc\": \"" + grpc_address + "\", \"metrics\": " +
-        (metrics_address.empty() ? std::string("null") : "\"" + metrics_address + "\"") +
-        ", \"pid\": " + std::to_string(getpid()) + "}";
-    if (std::string e = geofp8::WriteReadyFile(ready_file, json); !e.empty()) return Fail(e);
-  }
+  return sig;
+}
+
+// Serves /metrics on `listen` unless it is empty; returns the address host:port, empty when off.
+absl::StatusOr<std::string> ServeMetrics(geofp8::coordinator::Metrics& metrics,
+                                         const std::string& listen) {
+  if (listen.empty()) return std::string();
+  auto port = metrics.Serve(listen);
+  if (!port.ok()) return port.status();
+  std::string address = listen.substr(0, listen.rfind(':')) + ":" + std::to_string(*port);
+  std::printf("geofp8-coordinator: metrics on http://%s/metrics\n", address.c_str());
+  return address;
+}
+
+// Writes --ready-file; returns the error, empty on success.
+std::string WriteReady(const Flags& f, int grpc_port, const std::string& metrics_address) {
+  const std::string grpc_address =
+      f.server.listen.substr(0, f.server.listen.rfind(':')) + ":" + std::to_string(grpc_port);
+  const std::string json =
+      "{\"grpc\": \"" + grpc_address + "\", \"metrics\": " +
+      (metrics_address.empty() ? std::string("null") : "\"" + metrics_address + "\"") +
+      ", \"pid\": " + std::to_string(getpid()) + "}";
+  return geofp8::WriteReadyFile(f.ready_file, json);
+}
+
+void AnnounceServing(const Flags& f, int grpc_port, const std::string& metrics_address) {
+  const geofp8::coordinator::ServerOptions& server = f.server;
   std::printf("geofp8-coordinator: serving on %s:%d (data %s, auth %s, tls %s)\n",
-              server.listen.substr(0, server.listen.rfind(':')).c_str(), (*srv)->port(),
-              data_dir.c_str(), server.token.empty() ? "off" : "token",
+              server.listen.substr(0, server.listen.rfind(':')).c_str(), grpc_port,
+              f.data_dir.c_str(), server.token.empty() ? "off" : "token",
               server.tls_cert.empty() ? "off" : (server.tls_client_ca.empty() ? "on" : "mutual"));
   std::fflush(stdout);
   geofp8::log::Info("coordinator.started")
-      .F("grpc_port", (*srv)->port())
+      .F("grpc_port", grpc_port)
       .F("metrics", metrics_address)
-      .F("data_dir", data_dir)
+      .F("data_dir", f.data_dir)
       .F("auth", server.token.empty() ? "off" : "token")
       .F("tls", server.tls_cert.empty() ? "off" : (server.tls_client_ca.empty() ? "on" : "mutual"))
       .Msg("serving");
+}
 
-  std::atomic<bool> stopping{false};
-  std::thread ticker([&] {
+// Runs the dead-worker check every tick_ms until `stopping`.
+std::thread StartTicker(geofp8::coordinator::Coordinator& coordinator,
+                        const std::atomic<bool>& stopping, int tick_ms,
+                        int64_t heartbeat_interval_ms) {
+  return std::thread([&coordinator, &stopping, tick_ms, heartbeat_interval_ms] {
     // A sleep of tick_ms that took far longer means this process was not running (SIGSTOP,
     // a paused VM): the workers' heartbeats could not be read meanwhile, so their silence is
     // not theirs. A heartbeat interval (at least 1 s) of slack absorbs ordinary delay.
-    const int64_t slack_ms = std::max<int64_t>(1000, coord.heartbeat_interval_ms);
+    const int64_t slack_ms = std::max<int64_t>(1000, heartbeat_interval_ms);
     auto before = std::chrono::steady_clock::now();
     while (!stopping.load()) {
       const auto now = std::chrono::steady_clock::now();
@@ -189,9 +224,30 @@ int main(int argc, char** argv) {
       std::this_thread::sleep_for(std::chrono::milliseconds(tick_ms));
     }
   });
-  int sig = 0;
-  while (read(g_signal_pipe[0], &sig, sizeof sig) < 0 && errno == EINTR) {
+}
+
+// Opens the store, serves until SIGTERM or SIGINT, then shuts down; returns the exit code.
+int Serve(const Flags& f) {
+  auto store = geofp8::coordinator::Store::Open(f.data_dir, f.store_options);
+  if (!store.ok()) return Fail(std::string(store.status().message()));
+  geofp8::coordinator::Coordinator coordinator(store->get(), geofp8::coordinator::SystemClock(),
+                                               f.coord);
+  if (auto s = coordinator.Recover(); !s.ok()) return Fail(s.ToString());
+  geofp8::coordinator::Metrics metrics(&coordinator);
+  auto metrics_address = ServeMetrics(metrics, f.metrics_listen);
+  if (!metrics_address.ok()) return Fail(std::string(metrics_address.status().message()));
+  auto srv = geofp8::coordinator::CoordinatorServer::Start(&coordinator, &metrics, f.server);
+  if (!srv.ok()) return Fail(std::string(srv.status().message()));
+  if (!f.ready_file.empty()) {
+    if (std::string e = WriteReady(f, (*srv)->port(), *metrics_address); !e.empty()) {
+      return Fail(e);
+    }
   }
+  AnnounceServing(f, (*srv)->port(), *metrics_address);
+
+  std::atomic<bool> stopping{false};
+  std::thread ticker = StartTicker(coordinator, stopping, f.tick_ms, f.coord.heartbeat_interval_ms);
+  const int sig = WaitForSignal();
   std::printf("geofp8-coordinator: %s received, shutting down\n",
               sig == SIGTERM ? "SIGTERM" : "SIGINT");
   std::fflush(stdout);
@@ -200,10 +256,23 @@ int main(int argc, char** argv) {
       .Msg("shutting down");
   stopping = true;
   coordinator.Shutdown();  // wakes watchers and rendezvous waiters
-  (*srv)->Shutdown(grace_ms);
+  (*srv)->Shutdown(f.grace_ms);
   ticker.join();
-  if (!ready_file.empty()) std::remove(ready_file.c_str());
+  if (!f.ready_file.empty()) std::remove(f.ready_file.c_str());
   std::printf("geofp8-coordinator: stopped\n");
   geofp8::log::Info("coordinator.stopped").Msg("stopped");
   return 0;
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  CLI::App app{"geofp8-coordinator: GeoFP8 control plane (jobs, policies, workers, rendezvous)"};
+  Flags flags;
+  DefineFlags(app, flags);
+  if (std::optional<int> exit_code = ParseFlags(app, argc, argv)) return *exit_code;
+  if (!ConfigureLogging(flags.log_format)) return 2;
+  if (!ReadToken(flags.token_file, &flags.server.token)) return 2;
+  if (!InstallSignalHandlers()) return Fail("pipe() failed");
+  return Serve(flags);
 }
