@@ -21,6 +21,7 @@
 #include <set>
 #include <sstream>
 #include <string_view>
+#include <tuple>
 
 #include "kernels/common/check.h"
 #include "platform/common/log.h"
@@ -95,6 +96,87 @@ void WriteTokenFile(const std::string& path, const std::string& token) {
 std::string OneLine(std::string text) {
   std::replace(text.begin(), text.end(), '\n', '|');
   return text;
+}
+
+// The attempt's directory, the program's working directory: only the worker's user may enter it
+// (the hook socket and the token file live here).
+void CreateJobDir(const std::string& dir) {
+  std::error_code ec;
+  std::filesystem::create_directories(dir, ec);
+  Require(!ec, "job directory: cannot create ", dir, ": ", ec.message());
+  ::chmod(dir.c_str(), 0700);
+}
+
+// The job's spec as the coordinator holds it: the hook library reads its exchange and
+// geometry_refresh sections (GEOFP8_JOB_SPEC). Returns the file's path.
+std::string WriteJobSpec(const std::string& dir, const std::string& spec_yaml) {
+  const std::string spec_path = dir + "/job.yaml";
+  std::ofstream f(spec_path, std::ios::trunc);
+  f << spec_yaml;
+  Require(bool(f), "job spec: cannot write ", spec_path);
+  return spec_path;
+}
+
+// Starts `args` (args[0] looked up in PATH) in `dir` with exactly `env`, stdin /dev/null and
+// stdout/stderr appended to out_path/err_path, in a process group of its own. Returns its pid.
+pid_t SpawnProgram(std::vector<std::string> args, const std::map<std::string, std::string>& env,
+                   const std::string& dir, const std::string& out_path,
+                   const std::string& err_path) {
+  const std::string& program = args[0];
+  std::vector<std::string> env_text;
+  for (const auto& [k, v] : env) env_text.push_back(k + "=" + v);
+  std::vector<char*> envp, argv;
+  for (auto& s : env_text) envp.push_back(s.data());
+  envp.push_back(nullptr);
+  for (auto& s : args) argv.push_back(s.data());
+  argv.push_back(nullptr);
+
+  posix_spawn_file_actions_t fa;
+  posix_spawnattr_t attr;
+  posix_spawn_file_actions_init(&fa);
+  posix_spawnattr_init(&attr);
+  posix_spawn_file_actions_addchdir_np(&fa, dir.c_str());
+  posix_spawn_file_actions_addopen(&fa, 0, "/dev/null", O_RDONLY, 0);
+  // Only the worker's user reads a program's output (it may print anything it can read).
+  posix_spawn_file_actions_addopen(&fa, 1, out_path.c_str(), O_WRONLY | O_CREAT | O_APPEND, 0600);
+  posix_spawn_file_actions_addopen(&fa, 2, err_path.c_str(), O_WRONLY | O_CREAT | O_APPEND, 0600);
+  // Its own process group (a Stop signals the whole tree), default signal dispositions and
+  // an empty mask whatever the daemon's threads use.
+  sigset_t none, defaults;
+  sigemptyset(&none);
+  sigemptyset(&defaults);
+  for (int sig : {SIGTERM, SIGINT, SIGPIPE, SIGHUP, SIGCHLD}) sigaddset(&defaults, sig);
+  posix_spawnattr_setflags(&attr,
+                           POSIX_SPAWN_SETPGROUP | POSIX_SPAWN_SETSIGMASK | POSIX_SPAWN_SETSIGDEF);
+  posix_spawnattr_setpgroup(&attr, 0);
+  posix_spawnattr_setsigmask(&attr, &none);
+  posix_spawnattr_setsigdefault(&attr, &defaults);
+  pid_t pid = -1;
+  const int rc = posix_spawnp(&pid, argv[0], &fa, &attr, argv.data(), envp.data());
+  posix_spawn_file_actions_destroy(&fa);
+  posix_spawnattr_destroy(&attr);
+  if (rc != 0) {
+    std::string where;
+    if (program.find('/') == std::string::npos)
+      where = " (searched PATH)";
+    else if (program[0] != '/')
+      where = " (relative to " + dir + ")";
+    Fail("command[0]: cannot run '", program, "': ", std::strerror(rc), where);
+  }
+  return pid;
+}
+
+// <data_dir>/results/<job>.attempt<N>.txt: the attempt's end, one key=value a line.
+void WriteResultFile(const std::string& data_dir, const v1::Assignment& a, const std::string& dir,
+                     const JobOutcome& out) {
+  std::error_code ec;
+  const std::filesystem::path results = std::filesystem::path(data_dir) / "results";
+  std::filesystem::create_directories(results, ec);
+  std::ofstream f(results / (a.job_id() + ".attempt" + std::to_string(a.attempt()) + ".txt"));
+  f << "job=" << a.job_id() << "\nattempt=" << a.attempt() << "\nrank=" << a.rank()
+    << "\nsuccess=" << (out.success ? 1 : 0) << "\nstopped=" << (out.stopped ? 1 : 0)
+    << "\nsteps=" << out.steps << "\npolicy_version=" << out.policy_version
+    << "\ncommand_dir=" << dir << "\nreason=" << OneLine(out.reason) << "\n";
 }
 
 }  // namespace
@@ -387,8 +469,25 @@ void CommandRunner::Relay(const v1::HookMessage& h) {
   send_(std::move(m), reliable);
 }
 
-JobOutcome CommandRunner::Run() {
-  const auto started = Clock::now();
+// What the steps of Run share about one attempt: where its files are and how far it got.
+struct CommandRunner::Attempt {
+  std::string rank;            // the rank, as text
+  std::string dir;             // CommandJobDir: the program's working directory
+  std::string program;         // spec.command[0]
+  std::string token_file;      // written while the program runs; empty: none
+  std::string checkpoint_dir;  // GEOFP8_CHECKPOINT_DIR
+  std::string spec_path;       // GEOFP8_JOB_SPEC
+  std::string socket;          // the hook channel's Unix socket
+  std::string master_addr;
+  int master_port = 0;
+  std::string out_path;  // the program's stdout
+  std::string err_path;  // ... and stderr
+  bool restartable = false;
+  bool ran = false;       // the program's process started
+  bool attached = false;  // ... and opened the hook channel
+};
+
+void CommandRunner::LogStarted() {
   const v1::Assignment& a = assignment_;
   const std::string rank = std::to_string(a.rank());
   if (metrics_) metrics_->JobStarted(a.job_id(), a.rank(), a.world_size());
@@ -401,211 +500,173 @@ JobOutcome CommandRunner::Run() {
       .Msg("starting rank " + rank + " of " + std::to_string(a.world_size()) + " as a command" +
            (a.resume_step() > 0 ? " from checkpoint step " + std::to_string(a.resume_step())
                                 : std::string()));
-  JobOutcome out;
-  bool restartable = false;
-  bool ran = false;       // the program's process started
-  bool attached = false;  // ... and opened the hook channel
-  const std::string dir = CommandJobDir(options_.job.data_dir, a.job_id(), a.attempt());
-  std::string program;
-  std::string token_file;
-  try {
-    Require(options_.allow_commands, "worker ", options_.job.worker_name,
-            " does not run command: jobs (start geofp8-worker with --allow-commands)");
-    const JobSpec spec = ValueOrThrow(ParseJobSpec(a.spec_yaml()), "spec: ");
-    Require(!spec.command.empty(), "spec.command: missing");
-    program = spec.command[0];
-    total_steps_ = spec.training.steps;
+}
 
-    std::error_code ec;
-    std::filesystem::create_directories(dir, ec);
-    Require(!ec, "job directory: cannot create ", dir, ": ", ec.message());
-    ::chmod(dir.c_str(), 0700);  // the hook socket and the token file live here
-
-    // Checkpoints: the spec's directory (inside --data-dir) per job, else one in the job's.
-    std::filesystem::path ckpt =
-        std::filesystem::path(options_.job.data_dir) / "jobs" / a.job_id() / "checkpoints";
-    if (!spec.checkpoint.dir.empty()) {
-      const auto inside = ResolveInDataDir(options_.job.data_dir, spec.checkpoint.dir);
-      Require(inside.has_value(), "checkpoint.dir: must stay inside the data directory ",
-              options_.job.data_dir, " (", spec.checkpoint.dir, ")");
-      ckpt = std::filesystem::path(*inside) / a.job_id();
-    }
-    std::filesystem::create_directories(ckpt, ec);
-    Require(!ec, "checkpoint directory: cannot create ", ckpt.string(), ": ", ec.message());
-
-    if (!options_.token.empty()) {
-      token_file = dir + "/rank" + rank + ".token";
-      WriteTokenFile(token_file, options_.token);
-    }
-
-    // The job's spec as the coordinator holds it: the hook library reads its exchange and
-    // geometry_refresh sections (GEOFP8_JOB_SPEC).
-    const std::string spec_path = dir + "/job.yaml";
-    {
-      std::ofstream f(spec_path, std::ios::trunc);
-      f << a.spec_yaml();
-      Require(bool(f), "job spec: cannot write ", spec_path);
-    }
-
-    // The hook channel, before the program can look for it.
-    std::string socket = dir + "/hook" + rank + ".sock";
-    if (socket.size() > kMaxSocketPath) {
-      socket = "/tmp/geofp8-hook-" + std::to_string(::getpid()) + "-" + a.job_id() + "-" +
-               std::to_string(a.attempt()) + "-" + rank + ".sock";
-    }
-    {
-      std::lock_guard<std::mutex> lock(mu_);
-      v1::HookWelcome w;
-      w.set_job_id(a.job_id());
-      w.set_attempt(a.attempt());
-      w.set_rank(a.rank());
-      w.set_world_size(a.world_size());
-      w.set_resume_step(a.resume_step());
-      std::vector<v1::Policy> policies;
-      for (const auto& [v, p] : policies_) policies.push_back(p);
-      hook_ = ValueOrThrow(HookServer::Start(socket, w, std::move(policies),
-                                             [this](const v1::HookMessage& m) { Relay(m); }));
-      if (refresh_) hook_->OfferRefresh(*refresh_);
-    }
-
-    const auto [master_addr, master_port] = MasterAddress();
-
-    // The environment: the documented part of the worker's own, plus torchrun's and GeoFP8's.
-    std::map<std::string, std::string> env = CommandEnvironment(environ, options_.pass_env);
-    env["RANK"] = rank;
-    env["WORLD_SIZE"] = std::to_string(a.world_size());
-    env["LOCAL_RANK"] = "0";  // one rank per worker
-    env["LOCAL_WORLD_SIZE"] = "1";
-    if (options_.cuda_device >= 0) {
-      env["CUDA_VISIBLE_DEVICES"] = std::to_string(options_.cuda_device);
-      env["GEOFP8_DEVICE"] = "cuda:0";  // the one visible GPU, at index LOCAL_RANK
-    }
-    env["MASTER_ADDR"] = master_addr;
-    env["MASTER_PORT"] = std::to_string(master_port);
-    env["GEOFP8_COORDINATOR"] = options_.coordinator;
-    env["GEOFP8_JOB_ID"] = a.job_id();
-    env["GEOFP8_ATTEMPT"] = std::to_string(a.attempt());
-    env["GEOFP8_HOOK_ADDRESS"] = "unix:" + socket;
-    env["GEOFP8_RESUME_STEP"] = std::to_string(a.resume_step());
-    env["GEOFP8_CHECKPOINT_DIR"] = ckpt.string();
-    env["GEOFP8_JOB_SPEC"] = spec_path;
-    // The spec's collective timeout, which GeoFP8State takes unless given timeout_s itself.
-    env["GEOFP8_EXCHANGE_TIMEOUT_S"] = std::to_string(spec.exchange.timeout_s);
-    if (!token_file.empty()) env["GEOFP8_TOKEN_FILE"] = token_file;
-    std::vector<std::string> env_text;
-    for (const auto& [k, v] : env) env_text.push_back(k + "=" + v);
-    std::vector<char*> envp, argv;
-    for (auto& s : env_text) envp.push_back(s.data());
-    envp.push_back(nullptr);
-    std::vector<std::string> args = spec.command;
-    for (auto& s : args) argv.push_back(s.data());
-    argv.push_back(nullptr);
-
-    const std::string out_path = dir + "/rank" + rank + ".out";
-    const std::string err_path = dir + "/rank" + rank + ".err";
-    posix_spawn_file_actions_t fa;
-    posix_spawnattr_t attr;
-    posix_spawn_file_actions_init(&fa);
-    posix_spawnattr_init(&attr);
-    posix_spawn_file_actions_addchdir_np(&fa, dir.c_str());
-    posix_spawn_file_actions_addopen(&fa, 0, "/dev/null", O_RDONLY, 0);
-    // Only the worker's user reads a program's output (it may print anything it can read).
-    posix_spawn_file_actions_addopen(&fa, 1, out_path.c_str(), O_WRONLY | O_CREAT | O_APPEND, 0600);
-    posix_spawn_file_actions_addopen(&fa, 2, err_path.c_str(), O_WRONLY | O_CREAT | O_APPEND, 0600);
-    // Its own process group (a Stop signals the whole tree), default signal dispositions and
-    // an empty mask whatever the daemon's threads use.
-    sigset_t none, defaults;
-    sigemptyset(&none);
-    sigemptyset(&defaults);
-    for (int sig : {SIGTERM, SIGINT, SIGPIPE, SIGHUP, SIGCHLD}) sigaddset(&defaults, sig);
-    posix_spawnattr_setflags(
-        &attr, POSIX_SPAWN_SETPGROUP | POSIX_SPAWN_SETSIGMASK | POSIX_SPAWN_SETSIGDEF);
-    posix_spawnattr_setpgroup(&attr, 0);
-    posix_spawnattr_setsigmask(&attr, &none);
-    posix_spawnattr_setsigdefault(&attr, &defaults);
-    pid_t pid = -1;
-    const int rc = posix_spawnp(&pid, argv[0], &fa, &attr, argv.data(), envp.data());
-    posix_spawn_file_actions_destroy(&fa);
-    posix_spawnattr_destroy(&attr);
-    if (rc != 0) {
-      std::string where;
-      if (program.find('/') == std::string::npos)
-        where = " (searched PATH)";
-      else if (program[0] != '/')
-        where = " (relative to " + dir + ")";
-      Fail("command[0]: cannot run '", program, "': ", std::strerror(rc), where);
-    }
-    Log("job " + a.job_id() + " rank " + rank + ": started '" + program + "' as pid " +
-        std::to_string(pid) + " (MASTER_ADDR " + master_addr + ":" + std::to_string(master_port) +
-        "; output in " + dir + ")");
-
-    // The job turns RUNNING when every rank's program runs; whether it attaches is watched
-    // below (hook_ stays until after the wait).
-    const auto spawned = Clock::now();
-    ran = true;
-    SendStatus(v1::COMMAND_PROCESS_STARTED, 0);
-    bool noted = false;
-
-    // Wait, carrying out a Stop on the way.
-    int status = 0;
-    std::optional<Clock::time_point> termed;
-    bool killed = false;
-    for (;;) {
-      const pid_t w = ::waitpid(pid, &status, WNOHANG);
-      if (!attached) attached = WatchAttach(spawned, &noted);
-      if (w == pid) break;
-      Require(w == 0 || errno == EINTR, "waitpid(", pid, "): ", std::strerror(errno));
-      std::string reason;
-      if (StopRequested(&reason)) {
-        if (!termed) {
-          Log("job " + a.job_id() + " rank " + rank + ": stop (" + reason +
-              "): SIGTERM to process group " + std::to_string(pid));
-          ::kill(-pid, SIGTERM);
-          termed = Clock::now();
-        } else if (!killed && Clock::now() - *termed >= options_.kill_grace) {
-          Log("job " + a.job_id() + " rank " + rank + ": still running " +
-              std::to_string(options_.kill_grace.count()) + " ms after SIGTERM: SIGKILL");
-          ::kill(-pid, SIGKILL);
-          killed = true;
-        }
-      }
-      std::unique_lock<std::mutex> lock(mu_);
-      cv_.wait_for(lock, kPollInterval);
-    }
-    // Whatever the program left behind in its group goes with it.
-    ::kill(-pid, SIGKILL);
-
-    std::string stop;
-    out.steps = last_step_.load() + 1;
-    if (StopRequested(&stop)) {
-      out.stopped = true;
-      out.reason = "stopped (" + stop + ")";
-    } else if (WIFEXITED(status) && WEXITSTATUS(status) == 0) {
-      out.success = true;
-      out.reason = "command '" + program + "' exited with code 0 after " +
-                   std::to_string(out.steps) + " steps";
-    } else {
-      restartable = true;
-      // The status and where the output is, never the output itself: the reason is shown to
-      // every reader of the job, and the program may print anything it can read.
-      out.reason =
-          (WIFEXITED(status)
-               ? "command '" + program + "' exited with code " + std::to_string(WEXITSTATUS(status))
-               : "command '" + program + "' was killed by " + SignalName(WTERMSIG(status))) +
-          "; its output stays on worker " + options_.job.worker_name + " (" + err_path + ", " +
-          out_path + ")";
-    }
-  } catch (const std::exception& e) {
-    out.success = false;
-    out.reason = e.what();
-    std::string stop;
-    if (StopRequested(&stop)) {
-      out.stopped = true;
-      out.reason = "stopped (" + stop + "); then: " + out.reason;
-    }
+std::string CommandRunner::CreateCheckpointDir(const JobSpec& spec) const {
+  const v1::Assignment& a = assignment_;
+  // Checkpoints: the spec's directory (inside --data-dir) per job, else one in the job's.
+  std::filesystem::path ckpt =
+      std::filesystem::path(options_.job.data_dir) / "jobs" / a.job_id() / "checkpoints";
+  if (!spec.checkpoint.dir.empty()) {
+    const auto inside = ResolveInDataDir(options_.job.data_dir, spec.checkpoint.dir);
+    Require(inside.has_value(), "checkpoint.dir: must stay inside the data directory ",
+            options_.job.data_dir, " (", spec.checkpoint.dir, ")");
+    ckpt = std::filesystem::path(*inside) / a.job_id();
   }
+  std::error_code ec;
+  std::filesystem::create_directories(ckpt, ec);
+  Require(!ec, "checkpoint directory: cannot create ", ckpt.string(), ": ", ec.message());
+  return ckpt.string();
+}
+
+std::string CommandRunner::StartHook(const Attempt& at) {
+  const v1::Assignment& a = assignment_;
+  std::string socket = at.dir + "/hook" + at.rank + ".sock";
+  if (socket.size() > kMaxSocketPath) {
+    socket = "/tmp/geofp8-hook-" + std::to_string(::getpid()) + "-" + a.job_id() + "-" +
+             std::to_string(a.attempt()) + "-" + at.rank + ".sock";
+  }
+  std::lock_guard<std::mutex> lock(mu_);
+  v1::HookWelcome w;
+  w.set_job_id(a.job_id());
+  w.set_attempt(a.attempt());
+  w.set_rank(a.rank());
+  w.set_world_size(a.world_size());
+  w.set_resume_step(a.resume_step());
+  std::vector<v1::Policy> policies;
+  for (const auto& [v, p] : policies_) policies.push_back(p);
+  hook_ = ValueOrThrow(HookServer::Start(socket, w, std::move(policies),
+                                         [this](const v1::HookMessage& m) { Relay(m); }));
+  if (refresh_) hook_->OfferRefresh(*refresh_);
+  return socket;
+}
+
+std::map<std::string, std::string> CommandRunner::ProgramEnvironment(const JobSpec& spec,
+                                                                     const Attempt& at) const {
+  const v1::Assignment& a = assignment_;
+  // The environment: the documented part of the worker's own, plus torchrun's and GeoFP8's.
+  std::map<std::string, std::string> env = CommandEnvironment(environ, options_.pass_env);
+  env["RANK"] = at.rank;
+  env["WORLD_SIZE"] = std::to_string(a.world_size());
+  env["LOCAL_RANK"] = "0";  // one rank per worker
+  env["LOCAL_WORLD_SIZE"] = "1";
+  if (options_.cuda_device >= 0) {
+    env["CUDA_VISIBLE_DEVICES"] = std::to_string(options_.cuda_device);
+    env["GEOFP8_DEVICE"] = "cuda:0";  // the one visible GPU, at index LOCAL_RANK
+  }
+  env["MASTER_ADDR"] = at.master_addr;
+  env["MASTER_PORT"] = std::to_string(at.master_port);
+  env["GEOFP8_COORDINATOR"] = options_.coordinator;
+  env["GEOFP8_JOB_ID"] = a.job_id();
+  env["GEOFP8_ATTEMPT"] = std::to_string(a.attempt());
+  env["GEOFP8_HOOK_ADDRESS"] = "unix:" + at.socket;
+  env["GEOFP8_RESUME_STEP"] = std::to_string(a.resume_step());
+  env["GEOFP8_CHECKPOINT_DIR"] = at.checkpoint_dir;
+  env["GEOFP8_JOB_SPEC"] = at.spec_path;
+  // The spec's collective timeout, which GeoFP8State takes unless given timeout_s itself.
+  env["GEOFP8_EXCHANGE_TIMEOUT_S"] = std::to_string(spec.exchange.timeout_s);
+  if (!at.token_file.empty()) env["GEOFP8_TOKEN_FILE"] = at.token_file;
+  return env;
+}
+
+int CommandRunner::WaitForExit(pid_t pid, Clock::time_point spawned, Attempt* at) {
+  const v1::Assignment& a = assignment_;
+  bool noted = false;
+  int status = 0;
+  std::optional<Clock::time_point> termed;
+  bool killed = false;
+  for (;;) {
+    const pid_t w = ::waitpid(pid, &status, WNOHANG);
+    if (!at->attached) at->attached = WatchAttach(spawned, &noted);
+    if (w == pid) break;
+    Require(w == 0 || errno == EINTR, "waitpid(", pid, "): ", std::strerror(errno));
+    std::string reason;
+    if (StopRequested(&reason)) {
+      if (!termed) {
+        Log("job " + a.job_id() + " rank " + at->rank + ": stop (" + reason +
+            "): SIGTERM to process group " + std::to_string(pid));
+        ::kill(-pid, SIGTERM);
+        termed = Clock::now();
+      } else if (!killed && Clock::now() - *termed >= options_.kill_grace) {
+        Log("job " + a.job_id() + " rank " + at->rank + ": still running " +
+            std::to_string(options_.kill_grace.count()) + " ms after SIGTERM: SIGKILL");
+        ::kill(-pid, SIGKILL);
+        killed = true;
+      }
+    }
+    std::unique_lock<std::mutex> lock(mu_);
+    cv_.wait_for(lock, kPollInterval);
+  }
+  return status;
+}
+
+void CommandRunner::JudgeExit(int status, Attempt* at, JobOutcome* out) const {
+  const std::string& program = at->program;
+  std::string stop;
+  out->steps = last_step_.load() + 1;
+  if (StopRequested(&stop)) {
+    out->stopped = true;
+    out->reason = "stopped (" + stop + ")";
+  } else if (WIFEXITED(status) && WEXITSTATUS(status) == 0) {
+    out->success = true;
+    out->reason = "command '" + program + "' exited with code 0 after " +
+                  std::to_string(out->steps) + " steps";
+  } else {
+    at->restartable = true;
+    // The status and where the output is, never the output itself: the reason is shown to
+    // every reader of the job, and the program may print anything it can read.
+    out->reason =
+        (WIFEXITED(status)
+             ? "command '" + program + "' exited with code " + std::to_string(WEXITSTATUS(status))
+             : "command '" + program + "' was killed by " + SignalName(WTERMSIG(status))) +
+        "; its output stays on worker " + options_.job.worker_name + " (" + at->err_path + ", " +
+        at->out_path + ")";
+  }
+}
+
+void CommandRunner::RunProgram(Attempt* at, JobOutcome* out) {
+  const v1::Assignment& a = assignment_;
+  Require(options_.allow_commands, "worker ", options_.job.worker_name,
+          " does not run command: jobs (start geofp8-worker with --allow-commands)");
+  const JobSpec spec = ValueOrThrow(ParseJobSpec(a.spec_yaml()), "spec: ");
+  Require(!spec.command.empty(), "spec.command: missing");
+  at->program = spec.command[0];
+  total_steps_ = spec.training.steps;
+
+  CreateJobDir(at->dir);
+  at->checkpoint_dir = CreateCheckpointDir(spec);
+  if (!options_.token.empty()) {
+    at->token_file = at->dir + "/rank" + at->rank + ".token";
+    WriteTokenFile(at->token_file, options_.token);
+  }
+  at->spec_path = WriteJobSpec(at->dir, a.spec_yaml());
+  // The hook channel, before the program can look for it.
+  at->socket = StartHook(*at);
+  std::tie(at->master_addr, at->master_port) = MasterAddress();
+
+  at->out_path = at->dir + "/rank" + at->rank + ".out";
+  at->err_path = at->dir + "/rank" + at->rank + ".err";
+  const pid_t pid = SpawnProgram(spec.command, ProgramEnvironment(spec, *at), at->dir, at->out_path,
+                                 at->err_path);
+  Log("job " + a.job_id() + " rank " + at->rank + ": started '" + at->program + "' as pid " +
+      std::to_string(pid) + " (MASTER_ADDR " + at->master_addr + ":" +
+      std::to_string(at->master_port) + "; output in " + at->dir + ")");
+
+  // The job turns RUNNING when every rank's program runs; whether it attaches is watched
+  // while waiting (hook_ stays until after the wait).
+  const auto spawned = Clock::now();
+  at->ran = true;
+  SendStatus(v1::COMMAND_PROCESS_STARTED, 0);
+  // Wait, carrying out a Stop on the way.
+  const int status = WaitForExit(pid, spawned, at);
+  // Whatever the program left behind in its group goes with it.
+  ::kill(-pid, SIGKILL);
+  JudgeExit(status, at, out);
+}
+
+void CommandRunner::EndAttempt(const Attempt& at, JobOutcome* out) {
   // The token was the running program's; nothing keeps a copy once it has ended.
-  if (!token_file.empty()) ::unlink(token_file.c_str());
+  if (!at.token_file.empty()) ::unlink(at.token_file.c_str());
   relay_open_ = false;
   {
     std::unique_ptr<HookServer> hook;
@@ -615,28 +676,43 @@ JobOutcome CommandRunner::Run() {
     }
     hook.reset();  // outside mu_: shutting down waits for Relay calls in flight
   }
-  out.policy_version = version_in_force_.load();
+  out->policy_version = version_in_force_.load();
   // Before the coordinator hears of the end: a scrape after it sees the job's gauges gone.
   {
     std::lock_guard<std::mutex> lock(mu_);
-    out.cancelled = out.stopped && stop_.cause == v1::STOP_CANCELLED;
+    out->cancelled = out->stopped && stop_.cause == v1::STOP_CANCELLED;
   }
-  if (metrics_) metrics_->JobEnded(out.success, out.stopped, out.cancelled);
-  if (!out.stopped) {
-    v1::WorkerMessage m = FinishedMessage(a, out);
-    m.mutable_finished()->set_restartable(restartable);
-    m.mutable_finished()->set_hook_never_attached(ran && !attached);
+  if (metrics_) metrics_->JobEnded(out->success, out->stopped, out->cancelled);
+  if (!out->stopped) {
+    v1::WorkerMessage m = FinishedMessage(assignment_, *out);
+    m.mutable_finished()->set_restartable(at.restartable);
+    m.mutable_finished()->set_hook_never_attached(at.ran && !at.attached);
     send_(std::move(m), true);
   }
+}
+
+JobOutcome CommandRunner::Run() {
+  const auto started = Clock::now();
+  const v1::Assignment& a = assignment_;
+  LogStarted();
+  Attempt at;
+  at.rank = std::to_string(a.rank());
+  at.dir = CommandJobDir(options_.job.data_dir, a.job_id(), a.attempt());
+  JobOutcome out;
+  try {
+    RunProgram(&at, &out);
+  } catch (const std::exception& e) {
+    out.success = false;
+    out.reason = e.what();
+    std::string stop;
+    if (StopRequested(&stop)) {
+      out.stopped = true;
+      out.reason = "stopped (" + stop + "); then: " + out.reason;
+    }
+  }
+  EndAttempt(at, &out);
   LogEnded(out, std::chrono::duration<double>(Clock::now() - started).count());
-  std::error_code ec;
-  const std::filesystem::path results = std::filesystem::path(options_.job.data_dir) / "results";
-  std::filesystem::create_directories(results, ec);
-  std::ofstream f(results / (a.job_id() + ".attempt" + std::to_string(a.attempt()) + ".txt"));
-  f << "job=" << a.job_id() << "\nattempt=" << a.attempt() << "\nrank=" << a.rank()
-    << "\nsuccess=" << (out.success ? 1 : 0) << "\nstopped=" << (out.stopped ? 1 : 0)
-    << "\nsteps=" << out.steps << "\npolicy_version=" << out.policy_version
-    << "\ncommand_dir=" << dir << "\nreason=" << OneLine(out.reason) << "\n";
+  WriteResultFile(options_.job.data_dir, a, at.dir, out);
   return out;
 }
 

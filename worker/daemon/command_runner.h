@@ -7,6 +7,8 @@
 // then SIGKILL after kill_grace.
 #pragma once
 
+#include <sys/types.h>
+
 #include <atomic>
 #include <chrono>
 #include <condition_variable>
@@ -23,6 +25,10 @@
 #include "worker/daemon/hook_server.h"
 #include "worker/daemon/metrics.h"
 #include "worker/daemon/rank_runner.h"
+
+namespace geofp8 {
+struct JobSpec;
+}  // namespace geofp8
 
 namespace geofp8::worker {
 
@@ -82,7 +88,31 @@ class CommandRunner final : public RankRunner {
  private:
   using Clock = std::chrono::steady_clock;
 
+  // One attempt's state shared by the steps of Run (command_runner.cc).
+  struct Attempt;
+
+  // The rank's whole attempt: RunProgram, then EndAttempt, the rank's end event and the result
+  // file, whatever RunProgram threw.
   JobOutcome Run();
+  void LogStarted();  // rank.started (and the job's metrics)
+  // The spec's checks, the attempt's files, the hook channel, the rendezvous, the program's
+  // spawn and its wait; fills in `out` from its exit. Throws on a failure on the way.
+  void RunProgram(Attempt* at, JobOutcome* out);
+  // The job's checkpoint directory, created: the spec's checkpoint.dir or one in the job's.
+  std::string CreateCheckpointDir(const JobSpec& spec) const;
+  // Starts hook_ on the attempt's socket (a /tmp one when its path is too long). Returns it.
+  std::string StartHook(const Attempt& at);
+  // The program's whole environment (CommandEnvironment, torchrun's and the GEOFP8_* ones).
+  std::map<std::string, std::string> ProgramEnvironment(const JobSpec& spec,
+                                                        const Attempt& at) const;
+  // Waits for `pid` to exit, watching the hook's attach and carrying out a Stop on the way
+  // (SIGTERM to its group, SIGKILL after kill_grace). Returns its wait status.
+  int WaitForExit(pid_t pid, Clock::time_point spawned, Attempt* at);
+  // The outcome of a program that exited with `status`, or of a Stop.
+  void JudgeExit(int status, Attempt* at, JobOutcome* out) const;
+  // Removes the token file, closes the hook, completes `out`, and reports the end to the
+  // metrics and (without a Stop) the coordinator.
+  void EndAttempt(const Attempt& at, JobOutcome* out);
   // Rank 0 publishes host:port in the job's rendezvous store; the others read it.
   std::pair<std::string, int> MasterAddress();
   void Relay(const v1::HookMessage& message);
