@@ -721,9 +721,39 @@ int ConfigCommand(const std::string& what, Config config, const std::string& nam
   return kOk;
 }
 
-int Run(int argc, char** argv) {
-  Globals g;
-  CLI::App app{"geofp8ctl: control GeoFP8 training jobs through the coordinator", "geofp8ctl"};
+// `policy set`'s flags: the fields of the layer patch, as given.
+struct PolicySetFlags {
+  std::string layer;
+  std::string format, scaling, rounding, geometry, ef;
+  std::optional<uint32_t> block, hadamard_block;
+  std::optional<int> rank, refresh;
+  std::optional<float> alpha;
+};
+
+// What the command line sets. The subcommands share `job`, -f, --reason (only one runs).
+struct Flags {
+  std::string server, output = "table", config, context;
+  std::string token, token_file;
+  std::string tls_ca, tls_cert, tls_key;
+  std::string file, key, id, reason, shell, ctx_name;
+  std::vector<std::string> states;
+  int limit = 0;
+  int64_t version = 0;  // signed: CLI11 would wrap -1 into 2^64-1
+  PolicySetFlags policy_set;
+  Context given;  // config set-context's
+  LogsFlags logs;
+};
+
+// The subcommands (set by AddCommands), to tell which one the command line names.
+struct Commands {
+  CLI::App *submit, *get_jobs, *get_job, *get_workers, *describe, *describe_job, *watch, *cancel,
+      *delete_job, *policy, *policy_get, *policy_history, *policy_set, *policy_apply, *config_get,
+      *config_current, *config_use, *config_set, *logs, *version, *completion;
+};
+
+// The global flags (--timeout sets g; the others are resolved with the config file, in Settings)
+// and the help's footer.
+void AddGlobalFlags(CLI::App& app, Flags* f, Globals* g) {
   app.require_subcommand(0, 1);
   app.footer(
       "Jobs are named by id or by the spec's name (an id wins; a name means the newest job of\n"
@@ -734,142 +764,149 @@ int Run(int argc, char** argv) {
       "4 server unreachable or deadline exceeded, 5 rejected by the server (a live job has the\n"
       "name, or a delete of an unfinished job), 6 unauthenticated, 7 the server cannot write its\n"
       "store.");
-  std::string server_flag, output_flag = "table", config_flag, context_flag;
-  app.add_option("-s,--server", server_flag,
+  app.add_option("-s,--server", f->server,
                  "Coordinator address (env GEOFP8_SERVER, else the context's, else "
                  "127.0.0.1:7070)");
-  std::string token_flag, token_file;
-  app.add_option("--token", token_flag,
+  app.add_option("--token", f->token,
                  "Bearer token for mutating calls (visible in ps: prefer --token-file or env "
                  "GEOFP8_TOKEN)");
-  app.add_option("--token-file", token_file, "File whose first line is the bearer token");
-  std::string tls_ca, tls_cert, tls_key;
-  app.add_option("--tls-ca", tls_ca, "PEM CA that signed the server certificate (enables TLS)");
-  app.add_option("--tls-cert", tls_cert, "PEM client certificate for mutual TLS");
-  app.add_option("--tls-key", tls_key, "PEM key of --tls-cert");
-  app.add_option("--timeout", g.timeout_s, "Deadline of each call, seconds")
+  app.add_option("--token-file", f->token_file, "File whose first line is the bearer token");
+  app.add_option("--tls-ca", f->tls_ca, "PEM CA that signed the server certificate (enables TLS)");
+  app.add_option("--tls-cert", f->tls_cert, "PEM client certificate for mutual TLS");
+  app.add_option("--tls-key", f->tls_key, "PEM key of --tls-cert");
+  app.add_option("--timeout", g->timeout_s, "Deadline of each call, seconds")
       ->capture_default_str()
       ->check(CLI::Range(0.001, 86400.0));
-  app.add_option("-o,--output", output_flag,
+  app.add_option("-o,--output", f->output,
                  "Output format: table, wide, name, json, yaml, jsonpath=TEMPLATE (e.g. "
                  "jsonpath='{.progress.step}'; supported: .field, [N], [*], .*)")
       ->capture_default_str();
-  app.add_option("--config", config_flag,
+  app.add_option("--config", f->config,
                  "Config file with contexts (env GEOFP8_CONFIG; default "
                  "~/.config/geofp8/config.yaml)");
-  app.add_option("--context", context_flag, "Context of the config file to use for this command");
+  app.add_option("--context", f->context, "Context of the config file to use for this command");
   app.fallthrough();
+}
 
-  std::string file, key, id, reason, layer, shell, ctx_name;
-  std::vector<std::string> states;
-  int limit = 0;
-  int64_t version = 0;  // signed: CLI11 would wrap -1 into 2^64-1
-
-  auto* submit = app.add_subcommand("submit", "Submit a job spec (YAML)");
-  submit->add_option("-f,--file", file, "Job spec file")->required();
-  submit->add_option("--idempotency-key", key,
-                     "Retries with the same key return the first job instead of a new one");
+// submit, get, describe, watch, cancel, delete.
+void AddJobCommands(CLI::App& app, Flags* f, Globals* g, Commands* c) {
+  c->submit = app.add_subcommand("submit", "Submit a job spec (YAML)");
+  c->submit->add_option("-f,--file", f->file, "Job spec file")->required();
+  c->submit->add_option("--idempotency-key", f->key,
+                        "Retries with the same key return the first job instead of a new one");
 
   auto* get = app.add_subcommand("get", "List or show resources");
   get->require_subcommand(1);
-  auto* get_jobs = get->add_subcommand("jobs", "List jobs, newest first");
-  get_jobs->add_option("--state", states, "Only these states (repeatable)");
-  get_jobs->add_option("--limit", limit, "At most this many")->check(CLI::NonNegativeNumber);
-  auto* get_job = get->add_subcommand("job", "Show one job");
-  get_job->add_option("job", id, "Job id or name")->required();
-  auto* get_workers = get->add_subcommand("workers", "List workers");
+  c->get_jobs = get->add_subcommand("jobs", "List jobs, newest first");
+  c->get_jobs->add_option("--state", f->states, "Only these states (repeatable)");
+  c->get_jobs->add_option("--limit", f->limit, "At most this many")->check(CLI::NonNegativeNumber);
+  c->get_job = get->add_subcommand("job", "Show one job");
+  c->get_job->add_option("job", f->id, "Job id or name")->required();
+  c->get_workers = get->add_subcommand("workers", "List workers");
 
-  auto* describe = app.add_subcommand("describe", "Show a job in detail: ranks, policy, events");
-  describe->require_subcommand(1);
-  auto* describe_job = describe->add_subcommand("job", "Describe one job");
-  describe_job->add_option("job", id, "Job id or name")->required();
+  c->describe = app.add_subcommand("describe", "Show a job in detail: ranks, policy, events");
+  c->describe->require_subcommand(1);
+  c->describe_job = c->describe->add_subcommand("job", "Describe one job");
+  c->describe_job->add_option("job", f->id, "Job id or name")->required();
 
-  auto* watch = app.add_subcommand(
+  c->watch = app.add_subcommand(
       "watch",
       "Follow a job until it ends: a status line redrawn in place on a terminal; otherwise a "
       "line per state change and per --every % of the steps");
-  watch->add_option("job", id, "Job id or name")->required();
-  watch
-      ->add_option("--every", g.watch_every,
+  c->watch->add_option("job", f->id, "Job id or name")->required();
+  c->watch
+      ->add_option("--every", g->watch_every,
                    "Not a terminal: print progress every this many % of the steps (0: every "
                    "update)")
       ->capture_default_str()
       ->check(CLI::Range(0.0, 100.0));
 
-  auto* cancel = app.add_subcommand("cancel", "Cancel a job");
-  cancel->add_option("job", id, "Job id or name")->required();
-  cancel->add_option("--reason", reason, "Why (recorded in the job's events)");
+  c->cancel = app.add_subcommand("cancel", "Cancel a job");
+  c->cancel->add_option("job", f->id, "Job id or name")->required();
+  c->cancel->add_option("--reason", f->reason, "Why (recorded in the job's events)");
 
   auto* del = app.add_subcommand("delete", "Delete a finished job and its records");
   del->require_subcommand(1);
-  auto* delete_job = del->add_subcommand(
+  c->delete_job = del->add_subcommand(
       "job", "Delete a SUCCEEDED, FAILED or CANCELLED job: its events and policy versions go too");
-  delete_job->add_option("job", id, "Job id or name")->required();
+  c->delete_job->add_option("job", f->id, "Job id or name")->required();
+}
 
-  auto* policy = app.add_subcommand("policy", "Show or change a job's compression policy");
-  policy->require_subcommand(1);
-  auto* policy_get = policy->add_subcommand("get", "Show a policy version (default: latest)");
-  policy_get->add_option("job", id, "Job id or name")->required();
-  policy_get->add_option("--version", version, "Version (0 = latest)");
-  auto* policy_history = policy->add_subcommand("history", "List the policy versions");
-  policy_history->add_option("job", id, "Job id or name")->required();
-  auto* policy_set =
-      policy->add_subcommand("set", "Patch the policy of the layers matching a glob");
-  policy_set->add_option("job", id, "Job id or name")->required();
-  policy_set->add_option("--layer", layer, "Layer name or glob, e.g. 'layers.*.attn.*'")
-      ->required();
-  std::string format, scaling, rounding, geometry, ef;
-  std::optional<uint32_t> block, hadamard_block;
-  std::optional<int> rank, refresh;
-  std::optional<float> alpha;
-  policy_set->add_option("--format", format,
-                         std::string("One of: ") + std::string(AcceptedFormatNames()));
-  policy_set->add_option("--scaling", scaling,
-                         std::string("One of: ") + std::string(AcceptedScalingNames()));
-  policy_set->add_option("--block", block, "Elements per scale block");
-  policy_set->add_option("--rounding", rounding,
-                         std::string("One of: ") + std::string(AcceptedRoundingNames()));
-  policy_set->add_option("--geometry", geometry,
-                         std::string("One of: ") + std::string(AcceptedTransformNames()));
-  policy_set->add_option("--hadamard-block", hadamard_block,
-                         "Hadamard rotation block (a power of two dividing the codec's scale "
-                         "block; default: the scale block)");
-  policy_set->add_option("--rank", rank, "Low-rank k");
-  policy_set->add_option("--alpha", alpha, "Whitening exponent");
-  policy_set->add_option("--error-feedback", ef, "on or off")->check(CLI::IsMember({"on", "off"}));
-  policy_set->add_option("--refresh-interval", refresh, "Geometry refresh interval, steps");
-  policy_set->add_option("--reason", reason, "Why (recorded with the version)");
-  auto* policy_apply = policy->add_subcommand(
+// policy get, history, set, apply.
+void AddPolicyCommands(CLI::App& app, Flags* f, Commands* c) {
+  c->policy = app.add_subcommand("policy", "Show or change a job's compression policy");
+  c->policy->require_subcommand(1);
+  c->policy_get = c->policy->add_subcommand("get", "Show a policy version (default: latest)");
+  c->policy_get->add_option("job", f->id, "Job id or name")->required();
+  c->policy_get->add_option("--version", f->version, "Version (0 = latest)");
+  c->policy_history = c->policy->add_subcommand("history", "List the policy versions");
+  c->policy_history->add_option("job", f->id, "Job id or name")->required();
+  c->policy_set =
+      c->policy->add_subcommand("set", "Patch the policy of the layers matching a glob");
+  CLI::App* set = c->policy_set;
+  PolicySetFlags* p = &f->policy_set;
+  set->add_option("job", f->id, "Job id or name")->required();
+  set->add_option("--layer", p->layer, "Layer name or glob, e.g. 'layers.*.attn.*'")->required();
+  set->add_option("--format", p->format,
+                  std::string("One of: ") + std::string(AcceptedFormatNames()));
+  set->add_option("--scaling", p->scaling,
+                  std::string("One of: ") + std::string(AcceptedScalingNames()));
+  set->add_option("--block", p->block, "Elements per scale block");
+  set->add_option("--rounding", p->rounding,
+                  std::string("One of: ") + std::string(AcceptedRoundingNames()));
+  set->add_option("--geometry", p->geometry,
+                  std::string("One of: ") + std::string(AcceptedTransformNames()));
+  set->add_option("--hadamard-block", p->hadamard_block,
+                  "Hadamard rotation block (a power of two dividing the codec's scale "
+                  "block; default: the scale block)");
+  set->add_option("--rank", p->rank, "Low-rank k");
+  set->add_option("--alpha", p->alpha, "Whitening exponent");
+  set->add_option("--error-feedback", p->ef, "on or off")->check(CLI::IsMember({"on", "off"}));
+  set->add_option("--refresh-interval", p->refresh, "Geometry refresh interval, steps");
+  set->add_option("--reason", f->reason, "Why (recorded with the version)");
+  c->policy_apply = c->policy->add_subcommand(
       "apply", "Apply a policy patch file (YAML; what `policy get -o yaml` prints)");
-  policy_apply->add_option("job", id, "Job id or name")->required();
-  policy_apply->add_option("-f,--file", file, "Patch file, or - for standard input")->required();
+  c->policy_apply->add_option("job", f->id, "Job id or name")->required();
+  c->policy_apply->add_option("-f,--file", f->file, "Patch file, or - for standard input")
+      ->required();
+}
 
+// config get-contexts, current-context, use-context, set-context.
+void AddConfigCommands(CLI::App& app, Flags* f, Commands* c) {
   auto* config = app.add_subcommand("config", "Show or change the config file's contexts");
   config->require_subcommand(1);
-  auto* config_get = config->add_subcommand("get-contexts", "List the contexts (* = current)");
-  auto* config_current = config->add_subcommand("current-context", "Print the current context");
-  auto* config_use = config->add_subcommand("use-context", "Make a context the current one");
-  config_use->add_option("name", ctx_name, "Context name")->required();
-  auto* config_set = config->add_subcommand(
+  c->config_get = config->add_subcommand("get-contexts", "List the contexts (* = current)");
+  c->config_current = config->add_subcommand("current-context", "Print the current context");
+  c->config_use = config->add_subcommand("use-context", "Make a context the current one");
+  c->config_use->add_option("name", f->ctx_name, "Context name")->required();
+  c->config_set = config->add_subcommand(
       "set-context", "Create or update a context (the first one becomes current)");
-  config_set->add_option("name", ctx_name, "Context name")->required();
-  Context given;
-  config_set->add_option("--server", given.server, "Coordinator address host:port");
-  config_set->add_option("--token-file", given.token_file, "Bearer token file");
-  config_set->add_option("--ca", given.ca, "PEM CA of the server certificate");
-  config_set->add_option("--cert", given.cert, "PEM client certificate (mutual TLS)");
-  config_set->add_option("--key", given.key, "PEM key of --cert");
+  CLI::App* set = c->config_set;
+  set->add_option("name", f->ctx_name, "Context name")->required();
+  set->add_option("--server", f->given.server, "Coordinator address host:port");
+  set->add_option("--token-file", f->given.token_file, "Bearer token file");
+  set->add_option("--ca", f->given.ca, "PEM CA of the server certificate");
+  set->add_option("--cert", f->given.cert, "PEM client certificate (mutual TLS)");
+  set->add_option("--key", f->given.key, "PEM key of --cert");
+}
 
-  LogsFlags logs_flags;
-  auto* logs = AddLogsCommand(app, &id, &logs_flags);
-
-  auto* version_cmd = app.add_subcommand("version", "Print the client version");
-  auto* completion = app.add_subcommand(
+// Every subcommand, in the order the help lists them.
+void AddCommands(CLI::App& app, Flags* f, Globals* g, Commands* c) {
+  AddJobCommands(app, f, g, c);
+  AddPolicyCommands(app, f, c);
+  AddConfigCommands(app, f, c);
+  c->logs = AddLogsCommand(app, &f->id, &f->logs);
+  c->version = app.add_subcommand("version", "Print the client version");
+  c->completion = app.add_subcommand(
       "completion", "Print a shell completion script: source <(geofp8ctl completion bash)");
-  completion->add_option("shell", shell, "bash or zsh")
+  c->completion->add_option("shell", f->shell, "bash or zsh")
       ->required()
       ->check(CLI::IsMember({"bash", "zsh"}));
+}
 
+// Parses the command line. Returns -1 to go on, else the exit code: the help was printed (no
+// command given, or --help) or the command line is wrong.
+int Parse(CLI::App& app, int argc, char** argv) {
   if (argc <= 1) {  // bare invocation: the help, as kubectl does
     std::cout << app.help();
     return kOk;
@@ -887,171 +924,224 @@ int Run(int argc, char** argv) {
     std::cout << app.help();
     return kOk;
   }
-  if (std::string e = ParseOutput(output_flag, &g); !e.empty()) return Error(kUsage, e);
-  if (version < 0) {
-    return Error(kUsage, "--version: must be >= 0, 0 = latest (" + std::to_string(version) + ")");
+  return -1;
+}
+
+// -o (into g) and the values CLI11 cannot check by itself.
+int CheckFlags(const Flags& f, const Commands& c, Globals* g) {
+  if (std::string e = ParseOutput(f.output, g); !e.empty()) return Error(kUsage, e);
+  if (f.version < 0) {
+    return Error(kUsage, "--version: must be >= 0, 0 = latest (" + std::to_string(f.version) + ")");
   }
-  if (g.output == "name" && (*describe || *watch || *policy || *version_cmd)) {
+  if (g->output == "name" && (*c.describe || *c.watch || *c.policy || *c.version)) {
     return Error(kUsage, "-o name: only for get, submit, cancel, delete and config get-contexts");
   }
+  return kOk;
+}
 
-  if (*completion) {
-    std::cout << CompletionScript(Tree(app), shell);
-    return kOk;
+int PrintVersion(const Globals& g) {
+  // The coordinator's API has no version call, so only the client's is known.
+  Doc v = Doc::Object();
+  v.Add("clientVersion", Doc::String(std::string(kVersion)));
+  v.Add("gitDescribe", Doc::String(std::string(kGitDescribe)));
+  if (g.output == "json") {
+    std::cout << DocToJson(v);
+  } else if (g.output == "yaml") {
+    std::cout << DocToYaml(v);
+  } else if (g.output == "jsonpath") {
+    auto text = JsonPath(v, g.jsonpath);
+    if (!text.ok()) return Error(kUsage, "-o " + std::string(text.status().message()));
+    std::cout << *text;
+  } else {
+    std::cout << "Client Version: " << kVersion << " (git " << kGitDescribe << ")\n";
   }
-  if (*version_cmd) {
-    // The coordinator's API has no version call, so only the client's is known.
-    Doc v = Doc::Object();
-    v.Add("clientVersion", Doc::String(std::string(kVersion)));
-    v.Add("gitDescribe", Doc::String(std::string(kGitDescribe)));
-    if (g.output == "json") {
-      std::cout << DocToJson(v);
-    } else if (g.output == "yaml") {
-      std::cout << DocToYaml(v);
-    } else if (g.output == "jsonpath") {
-      auto text = JsonPath(v, g.jsonpath);
-      if (!text.ok()) return Error(kUsage, "-o " + std::string(text.status().message()));
-      std::cout << *text;
-    } else {
-      std::cout << "Client Version: " << kVersion << " (git " << kGitDescribe << ")\n";
-    }
-    return kOk;
-  }
+  return kOk;
+}
 
-  const std::string config_path = ConfigPath(config_flag);
-  // As kubectl's --kubeconfig and KUBECONFIG: a missing --config file is an error, a missing
-  // GEOFP8_CONFIG or default file an empty config (set-context creates it).
-  auto loaded = LoadConfig(config_path, !config_flag.empty() && !*config_set);
-  if (!loaded.ok()) return Error(kUsage, std::string(loaded.status().message()));
-  if (*config_get || *config_current || *config_use || *config_set) {
-    const std::string what = *config_get       ? "get-contexts"
-                             : *config_current ? "current-context"
-                             : *config_use     ? "use-context"
-                                               : "set-context";
-    return ConfigCommand(what, *loaded, ctx_name, given, g);
-  }
+// The bearer token: the first line of `path`; `flag` names the file in the errors.
+int ReadToken(const std::string& flag, const std::string& path, std::string* token) {
+  std::string text;
+  if (std::string e = ReadFile(flag, path, &text); !e.empty()) return Error(kUsage, e);
+  *token = text.substr(0, text.find_first_of("\r\n"));
+  if (token->empty()) return Error(kUsage, flag + ": first line is empty (" + path + ")");
+  return kOk;
+}
+
+// The server, TLS files and token of g. Precedence: flag, then environment, then the context
+// (--context, else the config's current one), then the default.
+int Settings(const Flags& f, const Config& config, const std::string& config_path, Globals* g) {
   const Context* ctx = nullptr;
-  if (!context_flag.empty()) {
-    ctx = loaded->Find(context_flag);
+  if (!f.context.empty()) {
+    ctx = config.Find(f.context);
     if (!ctx) {
-      return Error(kUsage, "--context: no context named " + context_flag + " in " + config_path);
+      return Error(kUsage, "--context: no context named " + f.context + " in " + config_path);
     }
-  } else if (!loaded->current_context.empty()) {
-    ctx = loaded->Find(loaded->current_context);
+  } else if (!config.current_context.empty()) {
+    ctx = config.Find(config.current_context);
   }
-  // Precedence: flag, then environment, then the context, then the default.
   const char* env_server = std::getenv("GEOFP8_SERVER");
   const char* env_token = std::getenv("GEOFP8_TOKEN");
-  if (!server_flag.empty()) {
-    g.server = server_flag;
+  if (!f.server.empty()) {
+    g->server = f.server;
   } else if (env_server && *env_server) {
-    g.server = env_server;
+    g->server = env_server;
   } else if (ctx && !ctx->server.empty()) {
-    g.server = ctx->server;
+    g->server = ctx->server;
   }
-  g.tls_ca = !tls_ca.empty() ? tls_ca : ctx ? ResolvePath(config_path, ctx->ca) : "";
-  g.tls_cert = !tls_cert.empty() ? tls_cert : ctx ? ResolvePath(config_path, ctx->cert) : "";
-  g.tls_key = !tls_key.empty() ? tls_key : ctx ? ResolvePath(config_path, ctx->key) : "";
-  if (!token_flag.empty()) {
+  g->tls_ca = !f.tls_ca.empty() ? f.tls_ca : ctx ? ResolvePath(config_path, ctx->ca) : "";
+  g->tls_cert = !f.tls_cert.empty() ? f.tls_cert : ctx ? ResolvePath(config_path, ctx->cert) : "";
+  g->tls_key = !f.tls_key.empty() ? f.tls_key : ctx ? ResolvePath(config_path, ctx->key) : "";
+  if (!f.token.empty()) {
     std::fprintf(stderr,
                  "geofp8ctl: warning: --token: other users can read it in the process list; use "
                  "--token-file or GEOFP8_TOKEN\n");
-    g.token = token_flag;
-  } else if (!token_file.empty()) {
-    std::string text;
-    if (std::string e = ReadFile("--token-file", token_file, &text); !e.empty()) {
-      return Error(kUsage, e);
-    }
-    g.token = text.substr(0, text.find_first_of("\r\n"));
-    if (g.token.empty())
-      return Error(kUsage, "--token-file: first line is empty (" + token_file + ")");
+    g->token = f.token;
+  } else if (!f.token_file.empty()) {
+    return ReadToken("--token-file", f.token_file, &g->token);
   } else if (env_token && *env_token) {
-    g.token = env_token;
+    g->token = env_token;
   } else if (ctx && !ctx->token_file.empty()) {
-    const std::string path = ResolvePath(config_path, ctx->token_file);
-    const std::string field = config_path + ": context " + ctx->name + ": token-file";
-    std::string text;
-    if (std::string e = ReadFile(field, path, &text); !e.empty()) return Error(kUsage, e);
-    g.token = text.substr(0, text.find_first_of("\r\n"));
-    if (g.token.empty()) return Error(kUsage, field + ": first line is empty (" + path + ")");
+    return ReadToken(config_path + ": context " + ctx->name + ": token-file",
+                     ResolvePath(config_path, ctx->token_file), &g->token);
   }
+  return kOk;
+}
 
-  // Local validation before any network call: a usage error never needs the server.
+// `policy set`'s flags as a layer patch, checked here: a usage error never needs the server.
+int PolicySetPatch(const PolicySetFlags& f, LayerPatchSpec* out) {
+  LayerPatchSpec p;
+  p.match = f.layer;
+  auto named = [&](const std::string& value, const char* flag, auto parse,
+                   std::string_view accepted, auto* dst) -> bool {
+    if (value.empty()) return true;
+    auto v = parse(value);
+    if (!v) {
+      Error(kUsage, std::string(flag) + ": unknown value (" + value +
+                        "); accepted: " + std::string(accepted));
+      return false;
+    }
+    *dst = *v;
+    return true;
+  };
+  if (!named(f.format, "--format", ParseFormatName, AcceptedFormatNames(), &p.format) ||
+      !named(f.scaling, "--scaling", ParseScalingName, AcceptedScalingNames(), &p.scaling) ||
+      !named(f.rounding, "--rounding", ParseRoundingName, AcceptedRoundingNames(), &p.rounding)) {
+    return kUsage;
+  }
+  if (!f.geometry.empty()) {
+    // A transform name sets the geometry and the rotation together, as the job spec's does.
+    const std::optional<GeometryTransform> t = ParseTransformName(f.geometry);
+    if (!t) {
+      return Error(kUsage, "--geometry: unknown value (" + f.geometry +
+                               "); accepted: " + std::string(AcceptedTransformNames()));
+    }
+    p.geometry = t->geometry;
+    p.hadamard = t->hadamard;
+  }
+  p.hadamard_block = f.hadamard_block;
+  p.block = f.block;
+  p.rank = f.rank;
+  p.alpha = f.alpha;
+  p.refresh_interval = f.refresh;
+  if (!f.ef.empty()) p.error_feedback = f.ef == "on";
+  if (!p.format && !p.scaling && !p.block && !p.rounding && !p.geometry && !p.rank && !p.alpha &&
+      !p.error_feedback && !p.refresh_interval && !p.hadamard_block) {
+    return Error(kUsage,
+                 "policy set: give at least one of --format --scaling --block "
+                 "--rounding --geometry --hadamard-block --rank --alpha --error-feedback "
+                 "--refresh-interval");
+  }
+  if (std::string e = ValidateLayerPatch(p, "--layer " + f.layer); !e.empty()) {
+    return Error(kUsage, e);
+  }
+  *out = p;
+  return kOk;
+}
+
+// The update `policy set` or `policy apply` sends: the patches, the new defaults, the reason.
+struct PolicyChange {
   std::vector<LayerPatchSpec> patches;
   std::optional<LayerPolicy> defaults;
-  if (*policy_set) {
-    LayerPatchSpec p;
-    p.match = layer;
-    auto named = [&](const std::string& value, const char* flag, auto parse,
-                     std::string_view accepted, auto* dst) -> bool {
-      if (value.empty()) return true;
-      auto v = parse(value);
-      if (!v) {
-        Error(kUsage, std::string(flag) + ": unknown value (" + value +
-                          "); accepted: " + std::string(accepted));
-        return false;
-      }
-      *dst = *v;
-      return true;
-    };
-    if (!named(format, "--format", ParseFormatName, AcceptedFormatNames(), &p.format) ||
-        !named(scaling, "--scaling", ParseScalingName, AcceptedScalingNames(), &p.scaling) ||
-        !named(rounding, "--rounding", ParseRoundingName, AcceptedRoundingNames(), &p.rounding)) {
-      return kUsage;
-    }
-    if (!geometry.empty()) {
-      // A transform name sets the geometry and the rotation together, as the job spec's does.
-      const std::optional<GeometryTransform> t = ParseTransformName(geometry);
-      if (!t) {
-        return Error(kUsage, "--geometry: unknown value (" + geometry +
-                                 "); accepted: " + std::string(AcceptedTransformNames()));
-      }
-      p.geometry = t->geometry;
-      p.hadamard = t->hadamard;
-    }
-    p.hadamard_block = hadamard_block;
-    p.block = block;
-    p.rank = rank;
-    p.alpha = alpha;
-    p.refresh_interval = refresh;
-    if (!ef.empty()) p.error_feedback = ef == "on";
-    if (!p.format && !p.scaling && !p.block && !p.rounding && !p.geometry && !p.rank && !p.alpha &&
-        !p.error_feedback && !p.refresh_interval && !p.hadamard_block) {
-      return Error(kUsage,
-                   "policy set: give at least one of --format --scaling --block "
-                   "--rounding --geometry --hadamard-block --rank --alpha --error-feedback "
-                   "--refresh-interval");
-    }
-    if (std::string e = ValidateLayerPatch(p, "--layer " + layer); !e.empty()) {
-      return Error(kUsage, e);
-    }
-    patches.push_back(p);
+  std::string reason;
+};
+
+// `policy apply`'s file, read and checked here: a usage error never needs the server.
+int ReadPolicyPatchFile(const std::string& file, PolicyChange* change) {
+  std::string text;
+  if (std::string e = ReadFile("-f", file, &text); !e.empty()) return Error(kUsage, e);
+  auto parsed = ParsePolicyPatch(text);
+  if (!parsed.ok()) return Error(kUsage, file + ": " + std::string(parsed.status().message()));
+  change->patches = parsed->layers;
+  change->defaults = parsed->defaults;
+  change->reason = parsed->reason.empty() ? "applied " + file : parsed->reason;
+  return kOk;
+}
+
+// Runs the command that needs the server.
+int Dispatch(Client& client, const Flags& f, const Commands& c, const PolicyChange& change) {
+  if (*c.submit) return client.Submit(f.file, f.key);
+  if (*c.get_jobs) return client.GetJobs(f.states, f.limit);
+  if (*c.get_job) return client.GetJob(f.id, false);
+  if (*c.get_workers) return client.GetWorkers();
+  if (*c.describe_job) return client.GetJob(f.id, true);
+  if (*c.watch) return client.Watch(f.id);
+  if (*c.logs) return client.Logs(f.id, f.logs);
+  if (*c.cancel) return client.Cancel(f.id, f.reason);
+  if (*c.delete_job) return client.Delete(f.id);
+  if (*c.policy_get) return client.PolicyGet(f.id, f.version);
+  if (*c.policy_history) return client.PolicyHistory(f.id);
+  if (*c.policy_set || *c.policy_apply) {
+    return client.PolicyUpdate(f.id, change.patches, change.defaults, change.reason);
   }
-  if (*policy_apply) {
-    std::string text;
-    if (std::string e = ReadFile("-f", file, &text); !e.empty()) return Error(kUsage, e);
-    auto parsed = ParsePolicyPatch(text);
-    if (!parsed.ok()) return Error(kUsage, file + ": " + std::string(parsed.status().message()));
-    patches = parsed->layers;
-    defaults = parsed->defaults;
-    reason = parsed->reason.empty() ? "applied " + file : parsed->reason;
+  return Error(kUsage, "no command given; run 'geofp8ctl --help'");
+}
+
+int Run(int argc, char** argv) {
+  Globals g;
+  Flags f;
+  Commands c{};
+  CLI::App app{"geofp8ctl: control GeoFP8 training jobs through the coordinator", "geofp8ctl"};
+  AddGlobalFlags(app, &f, &g);
+  AddCommands(app, &f, &g, &c);
+  if (int rc = Parse(app, argc, argv); rc >= 0) return rc;
+  if (int rc = CheckFlags(f, c, &g); rc != kOk) return rc;
+
+  // The commands that need neither the config file nor the server.
+  if (*c.completion) {
+    std::cout << CompletionScript(Tree(app), f.shell);
+    return kOk;
+  }
+  if (*c.version) return PrintVersion(g);
+
+  const std::string config_path = ConfigPath(f.config);
+  // As kubectl's --kubeconfig and KUBECONFIG: a missing --config file is an error, a missing
+  // GEOFP8_CONFIG or default file an empty config (set-context creates it).
+  auto loaded = LoadConfig(config_path, !f.config.empty() && !*c.config_set);
+  if (!loaded.ok()) return Error(kUsage, std::string(loaded.status().message()));
+  if (*c.config_get || *c.config_current || *c.config_use || *c.config_set) {
+    const std::string what = *c.config_get       ? "get-contexts"
+                             : *c.config_current ? "current-context"
+                             : *c.config_use     ? "use-context"
+                                                 : "set-context";
+    return ConfigCommand(what, *loaded, f.ctx_name, f.given, g);
+  }
+  if (int rc = Settings(f, *loaded, config_path, &g); rc != kOk) return rc;
+
+  // Local validation before any network call: a usage error never needs the server.
+  PolicyChange change;
+  change.reason = f.reason;
+  if (*c.policy_set) {
+    LayerPatchSpec p;
+    if (int rc = PolicySetPatch(f.policy_set, &p); rc != kOk) return rc;
+    change.patches.push_back(p);
+  }
+  if (*c.policy_apply) {
+    if (int rc = ReadPolicyPatchFile(f.file, &change); rc != kOk) return rc;
   }
 
   Client client(g);
   if (int rc = client.Connect(); rc != kOk) return rc;
-  if (*submit) return client.Submit(file, key);
-  if (*get_jobs) return client.GetJobs(states, limit);
-  if (*get_job) return client.GetJob(id, false);
-  if (*get_workers) return client.GetWorkers();
-  if (*describe_job) return client.GetJob(id, true);
-  if (*watch) return client.Watch(id);
-  if (*logs) return client.Logs(id, logs_flags);
-  if (*cancel) return client.Cancel(id, reason);
-  if (*delete_job) return client.Delete(id);
-  if (*policy_get) return client.PolicyGet(id, version);
-  if (*policy_history) return client.PolicyHistory(id);
-  if (*policy_set || *policy_apply) return client.PolicyUpdate(id, patches, defaults, reason);
-  return Error(kUsage, "no command given; run 'geofp8ctl --help'");
+  return Dispatch(client, f, c, change);
 }
 
 }  // namespace
