@@ -125,6 +125,7 @@ TEST_F(LogsTest, AStalledReaderDoesNotHoldBackTheWorker) {
   const std::string id = Run("chatty",
                              "i=0; while [ $i -lt 2000 ]; do head -c 4000 /dev/zero | tr '\\0' x; "
                              "echo; i=$((i+1)); done\n"
+                             "echo written\n"
                              "while [ ! -e " +
                                  go + " ]; do sleep 0.05; done\necho done\n");
   auto stalled = Ctl({"logs", "-f", id});
@@ -133,8 +134,18 @@ TEST_F(LogsTest, AStalledReaderDoesNotHoldBackTheWorker) {
   // Stalled for longer than the heartbeat timeout (2 s here): a worker whose session waited on
   // this reader would be declared dead and its job restarted.
   std::this_thread::sleep_for(std::chrono::seconds(3));
+  // Other readers are served while it stays stalled. The script's 2000 lines take seconds of
+  // process spawns on a loaded machine, so wait for the line it prints after them.
   int rc = -1;
-  EXPECT_EQ(Output({"logs", id, "--tail", "1"}, &rc), std::string(4000, 'x') + "\n");
+  const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(60);
+  std::string last;
+  while ((last = Output({"logs", id, "--tail", "1"}, &rc)) != "written\n" &&
+         std::chrono::steady_clock::now() < deadline) {
+    ASSERT_EQ(rc, 0) << last;
+    std::this_thread::sleep_for(std::chrono::milliseconds(200));
+  }
+  ASSERT_EQ(last, "written\n") << worker_->process().output();
+  EXPECT_EQ(Output({"logs", id, "--tail", "2"}, &rc), std::string(4000, 'x') + "\nwritten\n");
   EXPECT_EQ(rc, 0);
   std::ofstream(go) << "1";
   const v1::Job done = client_->WaitFinal(id, seconds(30));
