@@ -5,7 +5,13 @@
 //     `geofp8-bench codec` does on the host;
 //   - the lowrank transform (DeviceGeometry::Apply + Invert) against a cuBLAS sgemm of the same
 //     FLOPs (16 m n k, as `geofp8-bench geometry --mode cost` counts them on the host), at
-//     4096x4096 and 4096x11008, k 8 and 32.
+//     4096x4096 and 4096x11008, k 8 and 32;
+//   - the EMA sketch update of a 4096x4096 layer (on the host, from a device-to-host copy of the
+//     averaged gradient, as the device plane runs it) against that layer's transform (k 8);
+//   - a 4-rank exchange (fp8_e4m3 block 128, auto = two_phase) of 256 MiB of gradient per rank
+//     in device memory (the device plane, kernels/exchange/data_plane.h, over the CUDA backend),
+//     ranks as threads on one GPU over Gloo with host staging, against the same exchange of host
+//     memory (the host plane), after checking that both give the same bits.
 // Before timing anything it checks the device against the host, bit for bit: the encoded bytes
 // of both codecs and their decoded floats on a 1 Mi-element slice. A mismatch prints MISMATCH
 // and exits 1, so the prepared run fails loudly. Without a device it exits 77 (skipped).
@@ -19,10 +25,16 @@
 #include <cstring>
 #include <random>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include "kernels/codec/codec.h"
 #include "kernels/codec/codec_cuda.h"
+#include "kernels/exchange/cuda_backend.h"
+#include "kernels/exchange/exchanger.h"
+#include "kernels/exchange/gloo_communicator.h"
+#include "kernels/exchange/store.h"
+#include "kernels/geometry/factor_sketch.h"
 #include "kernels/geometry/geometry.h"
 #include "kernels/geometry/geometry_cuda.h"
 
@@ -130,7 +142,127 @@ bool SameAsHost(const char* name, const CodecOptions& o, const std::vector<float
   return true;
 }
 
-int Run(int reps, size_t codec_elems) {
+// Seconds of fn() on the host clock, median of reps after one warm-up.
+template <class Fn>
+double TimeHost(int reps, Fn fn) {
+  fn();
+  std::vector<double> t;
+  for (int r = 0; r < reps; ++r) {
+    const auto a = std::chrono::steady_clock::now();
+    fn();
+    t.push_back(std::chrono::duration<double>(std::chrono::steady_clock::now() - a).count());
+  }
+  return Median(t);
+}
+
+// The 4-rank exchange of device memory against host memory (see the top). Returns false on a
+// mismatch of the two planes' bits.
+bool ExchangeBench(int reps, size_t floats_per_rank) {
+  const int N = 4;
+  const int64_t rows = 4096, cols = 1024;
+  const size_t L = std::max<size_t>(1, floats_per_rank / size_t(rows * cols));
+  std::vector<LayerSpec> layers;
+  for (size_t l = 0; l < L; ++l) {
+    LayerSpec s;
+    s.name = "w" + std::to_string(l);
+    s.rows = rows;
+    s.cols = cols;
+    s.policy.format = Format::kFp8E4M3;
+    s.policy.scaling = Scaling::kBlock;
+    s.policy.block = 128;
+    layers.push_back(s);
+  }
+  const size_t per = size_t(rows * cols);
+  std::vector<double> seconds[2];                // [device][rank]: median seconds
+  std::vector<std::vector<float>> first(2 * N);  // layer 0 after the last rep, per plane and rank
+  bool ok = true;
+  for (int device = 0; device < 2; ++device) {
+    MemoryStore store;
+    seconds[device].assign(N, 0.0);
+    std::vector<std::thread> threads;
+    for (int r = 0; r < N; ++r) {
+      threads.emplace_back([&, r] {
+        try {
+          GlooOptions go;
+          go.prefix = device ? "bench-device" : "bench-host";
+          auto comm = CreateGlooCommunicator(store, r, N, go);
+          std::vector<float> host(per * L);
+          for (size_t i = 0; i < host.size(); ++i) {
+            host[i] = float(std::ldexp(double((i * 2654435761u + r * 97) % 2001) - 1000.0, -14));
+          }
+          std::unique_ptr<cuda::CudaBackend> backend;
+          std::unique_ptr<StagedPlane> plane;
+          float* dev = nullptr;
+          ExchangeOptions o;
+          o.algorithm = Algorithm::kAuto;
+          if (device) {
+            backend = std::make_unique<cuda::CudaBackend>(0);
+            plane = std::make_unique<StagedPlane>(*backend);
+            o.plane = plane.get();
+            dev = static_cast<float*>(backend->Allocate(host.size() * 4));
+          }
+          Exchanger ex(*comm, layers, o);
+          std::vector<std::span<float>> grads;
+          float* base = device ? dev : host.data();
+          for (size_t l = 0; l < L; ++l) grads.emplace_back(base + l * per, per);
+          std::vector<float> work(host.size());
+          uint64_t step = 0;
+          auto one = [&] {
+            // Fresh inputs every rep (the exchange overwrites them), not timed apart.
+            if (device) {
+              backend->ToDevice(dev, host.data(), host.size() * 4);
+              backend->Synchronize();
+            } else {
+              std::copy(host.begin(), host.end(), work.begin());
+            }
+            if (!device) {
+              for (size_t l = 0; l < L; ++l)
+                grads[l] = std::span<float>(work.data() + l * per, per);
+            }
+            return ex.Exchange(step++, grads).seconds;
+          };
+          std::vector<double> t;
+          for (int k = 0; k <= reps; ++k) {
+            const double s = one();
+            if (k > 0) t.push_back(s);  // the first is the warm-up
+          }
+          seconds[device][r] = Median(t);
+          first[device * N + r].resize(per);
+          if (device) {
+            backend->ToHost(first[device * N + r].data(), dev, per * 4);
+            backend->Free(dev);
+          } else {
+            std::copy_n(work.begin(), per, first[device * N + r].begin());
+          }
+        } catch (const std::exception& e) {
+          std::fprintf(stderr, "geofp8-gpu-bench: exchange rank %d (%s memory): %s\n", r,
+                       device ? "device" : "host", e.what());
+          ok = false;
+        }
+      });
+    }
+    for (auto& t : threads) t.join();
+  }
+  if (!ok) return false;
+  for (int r = 0; r < N; ++r) {
+    if (std::memcmp(first[r].data(), first[N + r].data(), per * 4) != 0) {
+      std::printf("MISMATCH: rank %d's exchanged layer 0 differs between host and device memory\n",
+                  r);
+      return false;
+    }
+  }
+  const double th = Median(seconds[0]), td = Median(seconds[1]);
+  std::printf(
+      "\n4-rank exchange, fp8_e4m3 block 128 (auto: two_phase), %zu layers of %lldx%lld "
+      "(%.0f MiB per rank), ranks as threads over Gloo (loopback TCP), same bits on both:\n"
+      "| memory | s per exchange (median) | device / host |\n|---|---|---|\n"
+      "| host (host plane) | %.3f | 1 |\n| device (device plane, staged) | %.3f | %.3f |\n",
+      L, static_cast<long long>(rows), static_cast<long long>(cols),
+      double(per * L) * 4 / (1 << 20), th, td, td / th);
+  return true;
+}
+
+int Run(int reps, size_t codec_elems, size_t exchange_floats) {
   if (!cuda::HaveDevice()) {
     std::printf("geofp8-gpu-bench: no CUDA device: skipped\n");
     return 77;
@@ -225,11 +357,44 @@ int Run(int reps, size_t codec_elems) {
     }
     cudaFree(dg);
   }
+  // The EMA sketch update of a 4096x4096 layer, as the device plane runs it (a device-to-host
+  // copy of the averaged gradient, then the host's update), against the transform (k 8).
+  {
+    const int64_t m = 4096, cols = 4096;
+    const int k = 8;
+    const std::vector<float> g = Gaussian(size_t(m * cols), 5, 1e-3f);
+    float* dg = nullptr;
+    Check(cudaMalloc(&dg, size_t(m * cols) * 4), "cudaMalloc");
+    Check(cudaMemcpy(dg, g.data(), size_t(m * cols) * 4, cudaMemcpyHostToDevice), "upload");
+    GeometryOptions go;
+    go.mode = GeometryMode::kLowRank;
+    go.rank = k;
+    cuda::DeviceGeometry dev(EstimateGeometry(g, m, cols, go, nullptr).geometry);
+    const double tt = TimeDevice(reps, [&] {
+      dev.Apply(dg, nullptr, handle);
+      dev.Invert(dg, nullptr, handle);
+    });
+    std::vector<float> host(size_t(m * cols));
+    FactorSketch sketch;
+    FactorSketchOptions so;
+    so.width = k;
+    const int sreps = std::max(3, reps / 4);
+    const double tc = TimeHost(sreps, [&] {
+      Check(cudaMemcpy(host.data(), dg, host.size() * 4, cudaMemcpyDeviceToHost), "download");
+    });
+    const double tu = TimeHost(sreps, [&] {
+      Check(cudaMemcpy(host.data(), dg, host.size() * 4, cudaMemcpyDeviceToHost), "download");
+      UpdateFactorSketch(sketch, host, m, cols, k, so, nullptr);
+    });
+    std::printf(
+        "\n| 4096x4096, k 8 | ms |\n|---|---|\n| transform (apply + inverse, device) | %.3f |\n"
+        "| sketch update (D2H copy + host update) | %.3f |\n| of which the D2H copy | %.3f |\n"
+        "| update / transform | %.2f |\n",
+        tt * 1e3, tu * 1e3, tc * 1e3, tu / tt);
+    cudaFree(dg);
+  }
   cublasDestroy(handle);
-  std::printf(
-      "\nnot measured here (not built yet, issue #28): the EMA sketch update on the device (it "
-      "runs on the host), and a multi-rank exchange of device buffers (the Exchanger takes host "
-      "buffers).\n");
+  if (!ExchangeBench(std::max(3, reps / 5), exchange_floats)) return 1;
   return 0;
 }
 
@@ -262,5 +427,5 @@ int main(int argc, char** argv) {
       return 2;
     }
   }
-  return geofp8::Run(reps, elems);
+  return geofp8::Run(reps, elems, elems);
 }

@@ -14,8 +14,11 @@
 // so a Python thread holding it (DDP's autograd hook calling into Python) never stalls the
 // wire; every other engine call first waits, with the GIL released, until the queue is empty.
 //
-// backend "nccl" (builds with CUDA and NCCL, GEOFP8_PYTHON_CUDA): CUDA buckets go through
-// cuda_exchange.h instead, on the caller's CUDA stream, with NCCL bootstrapped from the same store.
+// backend "nccl" (builds with CUDA and NCCL, GEOFP8_PYTHON_CUDA): the same Exchangers over an
+// NCCL communicator bootstrapped from the same store, with the device plane
+// (kernels/exchange/data_plane.h, StagedPlane over cuda_backend.h): CUDA buckets are exchanged
+// in place in device memory, the codec and geometry on the device, after the work queued on the
+// caller's CUDA stream.
 
 #include <pybind11/pybind11.h>
 #include <pybind11/stl.h>
@@ -35,7 +38,6 @@
 #include <utility>
 #include <vector>
 
-#include "client/python/cuda_exchange.h"
 #include "client/python/hook_binding.h"
 #include "kernels/common/check.h"
 #include "kernels/exchange/exchanger.h"
@@ -47,6 +49,10 @@
 
 #ifndef GEOFP8_PYTHON_CUDA
 #define GEOFP8_PYTHON_CUDA 0
+#endif
+#if GEOFP8_PYTHON_CUDA
+#include "kernels/exchange/cuda_backend.h"
+#include "kernels/exchange/nccl_communicator.h"
 #endif
 
 namespace py = pybind11;
@@ -147,18 +153,6 @@ py::dict ResultDict(const StepResult& r) {
   return d;
 }
 
-#if GEOFP8_PYTHON_CUDA
-// 64-bit mix (splitmix64's finalizer) for the CUDA path's bucket fingerprint.
-uint64_t Mix(uint64_t h, uint64_t v) {
-  h ^= v + 0x9e3779b97f4a7c15ULL + (h << 6) + (h >> 2);
-  h ^= h >> 30;
-  h *= 0xbf58476d1ce4e5b9ULL;
-  h ^= h >> 27;
-  h *= 0x94d049bb133111ebULL;
-  return h ^ (h >> 31);
-}
-#endif
-
 // The engine of one process group.
 class Engine {
  public:
@@ -170,7 +164,17 @@ class Engine {
     if (backend == "nccl") {
 #if GEOFP8_PYTHON_CUDA
       py::gil_scoped_release release;
-      cuda_ = std::make_unique<CudaExchange>(*store_, rank, size, device, timeout_);
+      const int devices = CudaDeviceCount();
+      GEOFP8_CHECK(devices > 0, "device: no CUDA device visible on rank ", rank);
+      const int dev = device >= 0 ? device : rank % devices;
+      GEOFP8_CHECK(dev < devices, "device: cuda:", dev, " out of range (", devices, " devices)");
+      NcclOptions no;
+      no.device = dev;
+      no.prefix = "geofp8";
+      no.timeout = timeout_;
+      comm_ = CreateNcclCommunicator(*store_, rank, size, no);
+      cuda_ = std::make_unique<cuda::CudaBackend>(dev);
+      plane_ = std::make_unique<StagedPlane>(*cuda_);
       return;
 #else
       GEOFP8_FAIL(
@@ -216,7 +220,7 @@ class Engine {
     comm_.reset();
   }
 
-  bool OnCuda() const { return cuda_ != nullptr; }
+  bool OnCuda() const { return plane_ != nullptr; }
   int rank() const { return rank_; }
   int size() const { return size_; }
   std::string backend() const { return OnCuda() ? "nccl" : "gloo"; }
@@ -269,13 +273,7 @@ class Engine {
   // The minimum of `value` over the ranks, as one small collective (the per-step agreement on
   // the newest policy version every rank holds, as the worker's trainer makes it).
   uint64_t AgreeMin(uint64_t value, uintptr_t stream) {
-#if GEOFP8_PYTHON_CUDA
-    if (cuda_) {
-      py::gil_scoped_release release;
-      return cuda_->MinOverRanks(value, stream);
-    }
-#endif
-    (void)stream;
+    (void)stream;  // the NCCL communicator orders its collectives on a stream of its own
     GEOFP8_CHECK(comm_, "agree_min: the engine has no communicator");
     Drain();  // the communicator runs one collective at a time
     uint64_t word = ~value;
@@ -319,46 +317,23 @@ class Engine {
   }
 
   // The CUDA path: averages the float32 device buffer at `ptr` (numel floats) over the ranks in
-  // place on CUDA stream `stream` (torch.cuda.current_stream().cuda_stream); layers and offsets
-  // as in exchange().
+  // place, after the work queued so far on CUDA stream `stream`
+  // (torch.cuda.current_stream().cuda_stream); layers and offsets as in exchange(). Returns once
+  // the result is in device memory.
   py::dict ExchangeCuda(uint64_t step, const std::vector<uint32_t>& layers, uintptr_t ptr,
                         int64_t numel, const std::vector<int64_t>& offsets, uintptr_t stream) {
-    GEOFP8_CHECK(OnCuda(),
-                 "device: this engine runs on CPU tensors (backend gloo); create it "
-                 "with backend 'nccl' for CUDA tensors");
-    GEOFP8_CHECK(plan_.has_value(), "exchange: set_policy first");
-    GEOFP8_CHECK(layers.size() == offsets.size() && !layers.empty(), "exchange: ", layers.size(),
-                 " layers but ", offsets.size(), " offsets");
-#if GEOFP8_PYTHON_CUDA
-    std::vector<CudaLayer> cl;
-    uint64_t fingerprint = Mix(Mix(step, version_), layers.size());
-    for (size_t i = 0; i < layers.size(); ++i) {
-      GEOFP8_CHECK(layers[i] < params_.size(), "exchange: layer index ", layers[i],
-                   " >= ", params_.size());
-      CudaLayer l;
-      l.id = layers[i];
-      l.offset = offsets[i];
-      l.count = params_[layers[i]].size();
-      l.policy = plan_->layers[layers[i]];
-      fingerprint = Mix(Mix(fingerprint, l.id), static_cast<uint64_t>(l.count));
-      cl.push_back(l);
-    }
-    CudaResult r;
-    {
-      py::gil_scoped_release release;
-      r = cuda_->Exchange(step, seed_, fingerprint, plan_->algorithm, ptr, numel, cl, stream);
-    }
-    py::dict d;
-    d["skipped"] = r.skipped;
-    d["bytes_sent"] = r.bytes_sent;
-    d["seconds"] = r.seconds;
-    d["refreshes"] = 0;
-    d["refreshes_from_inverse"] = 0;
-    return d;
-#else
-    (void)step, (void)ptr, (void)numel, (void)stream;
-    GEOFP8_FAIL("device: this geofp8 has no CUDA path");
-#endif
+    return ExchangeInCall(step, layers, DeviceBucketGrads(layers, ptr, numel, offsets), stream);
+  }
+
+  // submit() for a CUDA bucket: exchange_cuda() on the engine's exchange thread, after the work
+  // queued on `stream` by now (an event recorded here). The bucket's memory must stay valid and
+  // untouched until done(result, error) is called.
+  void SubmitCuda(uint64_t step, const std::vector<uint32_t>& layers, uintptr_t ptr, int64_t numel,
+                  const std::vector<int64_t>& offsets, uintptr_t stream, py::function done) {
+    std::unique_ptr<Job> job =
+        MakeJob(step, layers, DeviceBucketGrads(layers, ptr, numel, offsets), std::move(done));
+    job->event = RecordEvent(stream);
+    Enqueue(std::move(job));
   }
 
   // Averages the gradients of `layers` (indices into set_layers' list) over the ranks in place:
@@ -366,7 +341,14 @@ class Engine {
   // float32 buffer (a CPU tensor's numpy() view).
   py::dict Exchange(uint64_t step, const std::vector<uint32_t>& layers, py::buffer buffer,
                     const std::vector<int64_t>& offsets) {
-    std::vector<std::span<float>> grads = BucketGrads(layers, buffer, offsets);
+    return ExchangeInCall(step, layers, BucketGrads(layers, buffer, offsets), std::nullopt);
+  }
+
+  // exchange() and exchange_cuda(): the bucket on the calling thread, after the work queued on
+  // CUDA stream `stream` where there is one.
+  py::dict ExchangeInCall(uint64_t step, const std::vector<uint32_t>& layers,
+                          const std::vector<std::span<float>>& grads,
+                          std::optional<uintptr_t> stream) {
     // The buckets submitted before this one go first; their callbacks may still run meanwhile
     // (they touch no exchanger), and a new layout waits for those too.
     if (exchangers_.contains(layers)) {
@@ -383,6 +365,7 @@ class Engine {
     StepResult r;
     {
       py::gil_scoped_release release;
+      if (stream) WaitForEvent(RecordEvent(*stream));
       r = ex.Exchange(step, grads);
     }
     return ResultDict(r);
@@ -397,26 +380,10 @@ class Engine {
   // until then.
   void Submit(uint64_t step, const std::vector<uint32_t>& layers, py::buffer buffer,
               const std::vector<int64_t>& offsets, py::function done) {
-    std::vector<std::span<float>> grads = BucketGrads(layers, buffer, offsets);
-    // A new layout takes geometry over from exchangers that a queued bucket may be using.
-    if (!exchangers_.contains(layers)) Drain(/*forget_errors=*/false);
-    auto job = std::make_unique<Job>();
-    job->step = step;
-    job->exchanger = &ExchangerFor(layers);
-    job->grads = std::move(grads);
+    std::unique_ptr<Job> job =
+        MakeJob(step, layers, BucketGrads(layers, buffer, offsets), std::move(done));
     job->buffer = std::move(buffer);
-    job->done = std::move(done);
-    job->queued = std::chrono::steady_clock::now();
-    if (!exchange_thread_.joinable()) {
-      exchange_thread_ = std::thread([this] { ExchangeLoop(); });
-      completer_ = std::thread([q = q_] { CompleterLoop(q); });
-    }
-    {
-      std::lock_guard<std::mutex> lock(q_->mu);
-      q_->exchange.push_back(std::move(job));
-      ++q_->in_flight;
-    }
-    q_->work_cv.notify_one();
+    Enqueue(std::move(job));
   }
 
   // Waits, with the GIL released, until every submitted bucket is exchanged and its callback
@@ -473,15 +440,6 @@ class Engine {
       s.pending_from = t[2].cast<uint64_t>();
       s.sketch = FromBytes(t[3].cast<py::bytes>());
       all.push_back(std::move(s));
-    }
-    if (OnCuda()) {
-      // The CUDA path runs no geometry: only empty state fits it.
-      for (size_t i = 0; i < all.size(); ++i) {
-        GEOFP8_CHECK(all[i].active.empty() && all[i].pending.empty() && all[i].sketch.empty(),
-                     "geometry: layer '", params_[i].name,
-                     "' has saved geometry, which the CUDA path does not run");
-      }
-      return;
     }
     std::vector<uint32_t> every(params_.size());
     for (size_t i = 0; i < every.size(); ++i) every[i] = static_cast<uint32_t>(i);
@@ -598,8 +556,9 @@ class Engine {
     uint64_t step = 0;
     Exchanger* exchanger = nullptr;  // stays alive: layouts change only with the queue empty
     std::vector<std::span<float>> grads;
-    py::object buffer;  // keeps the bucket's memory alive
+    py::object buffer;  // keeps the bucket's memory alive (CPU; a CUDA bucket's caller keeps it)
     py::object done;
+    uintptr_t event = 0;  // CUDA: recorded on torch's stream at submit, waited for before the run
     std::chrono::steady_clock::time_point queued, started, finished;
     StepResult result;
     std::exception_ptr error;
@@ -618,10 +577,83 @@ class Engine {
     std::exception_ptr first_error;  // of a queued bucket, for the next exchange() to raise
   };
 
+  // A job for the exchange thread (submit() and submit_cuda()).
+  std::unique_ptr<Job> MakeJob(uint64_t step, const std::vector<uint32_t>& layers,
+                               std::vector<std::span<float>> grads, py::function done) {
+    // A new layout takes geometry over from exchangers that a queued bucket may be using.
+    if (!exchangers_.contains(layers)) Drain(/*forget_errors=*/false);
+    auto job = std::make_unique<Job>();
+    job->step = step;
+    job->exchanger = &ExchangerFor(layers);
+    job->grads = std::move(grads);
+    job->done = std::move(done);
+    return job;
+  }
+
+  // Queues a job for the exchange thread, starting the threads.
+  void Enqueue(std::unique_ptr<Job> job) {
+    job->queued = std::chrono::steady_clock::now();
+    if (!exchange_thread_.joinable()) {
+      exchange_thread_ = std::thread([this] { ExchangeLoop(); });
+      completer_ = std::thread([q = q_] { CompleterLoop(q); });
+    }
+    {
+      std::lock_guard<std::mutex> lock(q_->mu);
+      q_->exchange.push_back(std::move(job));
+      ++q_->in_flight;
+    }
+    q_->work_cv.notify_one();
+  }
+
+  // A CUDA bucket's layers as spans of device memory (exchange_cuda() and submit_cuda()).
+  std::vector<std::span<float>> DeviceBucketGrads(const std::vector<uint32_t>& layers,
+                                                  uintptr_t ptr, int64_t numel,
+                                                  const std::vector<int64_t>& offsets) {
+    GEOFP8_CHECK(OnCuda(),
+                 "device: this engine runs on CPU tensors (backend gloo); create it "
+                 "with backend 'nccl' for CUDA tensors");
+    GEOFP8_CHECK(plan_.has_value(), "exchange: set_policy first");
+    GEOFP8_CHECK(layers.size() == offsets.size() && !layers.empty(), "exchange: ", layers.size(),
+                 " layers but ", offsets.size(), " offsets");
+    GEOFP8_CHECK(numel >= 0, "exchange: numel must be >= 0 (", numel, ")");
+#if GEOFP8_PYTHON_CUDA
+    cuda_->CheckDeviceMemory(reinterpret_cast<const void*>(ptr), numel * sizeof(float), "bucket");
+#endif
+    float* data = reinterpret_cast<float*>(ptr);
+    std::vector<std::span<float>> grads;
+    for (size_t i = 0; i < layers.size(); ++i) {
+      GEOFP8_CHECK(layers[i] < params_.size(), "exchange: layer index ", layers[i],
+                   " >= ", params_.size());
+      const int64_t n = params_[layers[i]].size();
+      GEOFP8_CHECK(offsets[i] >= 0 && offsets[i] + n <= numel, "exchange: layer '",
+                   params_[layers[i]].name, "' at offset ", offsets[i], " + ", n,
+                   " is outside the bucket of ", numel, " floats");
+      grads.emplace_back(data + offsets[i], static_cast<size_t>(n));
+    }
+    return grads;
+  }
+
+  // A CUDA event recorded on `stream` now, and a wait for it on the device plane's stream.
+  uintptr_t RecordEvent(uintptr_t stream) {
+#if GEOFP8_PYTHON_CUDA
+    return cuda_->RecordEvent(stream);
+#else
+    (void)stream;
+    GEOFP8_FAIL("device: this geofp8 has no CUDA path");
+#endif
+  }
+  void WaitForEvent(uintptr_t event) {
+#if GEOFP8_PYTHON_CUDA
+    cuda_->WaitForEvent(event);
+#else
+    (void)event;
+#endif
+  }
+
   // The bucket's layers as spans into `buffer`, checked (exchange() and submit()).
   std::vector<std::span<float>> BucketGrads(const std::vector<uint32_t>& layers, py::buffer& buffer,
                                             const std::vector<int64_t>& offsets) {
-    GEOFP8_CHECK(comm_,
+    GEOFP8_CHECK(!OnCuda(),
                  "device: this engine runs on CUDA tensors (backend nccl); CPU tensors "
                  "need a gloo engine");
     GEOFP8_CHECK(plan_.has_value(), "exchange: set_policy first");
@@ -661,6 +693,7 @@ class Engine {
       }
       job->started = std::chrono::steady_clock::now();
       try {
+        if (job->event) WaitForEvent(std::exchange(job->event, 0));
         job->result = job->exchanger->Exchange(job->step, job->grads);
       } catch (...) {
         job->error = std::current_exception();
@@ -742,26 +775,14 @@ class Engine {
     GEOFP8_FAIL("policy kind: unknown value '", kind, "' (accepted: preset, file, text)");
   }
 
-  // The CUDA path runs each layer's format without geometry and no refreshes.
+  // The CUDA path runs every policy the host does but error feedback (data_plane.h): refused at
+  // set_policy, naming the layer, rather than when the first bucket forms its exchanger.
   void CheckCudaPlan(const ExchangePlan& plan) const {
     for (size_t i = 0; i < params_.size(); ++i) {
-      GEOFP8_CHECK(!params_[i].is_matrix() || plan.layers[i].geometry == GeometryMode::kNone,
-                   "policy: layer '", params_[i].name, "' uses geometry ",
-                   GeometryNameOf(plan.layers[i].geometry),
-                   ", which the CUDA path of geofp8.torch does not run yet (use geometry none "
-                   "there, e.g. the fp8 or nvfp4 preset, or CPU tensors)");
-      // Neither does it rotate or feed errors back: refused rather than silently left out.
-      GEOFP8_CHECK(!plan.layers[i].hadamard, "policy: layer '", params_[i].name,
-                   "' uses the hadamard rotation, which the CUDA path of geofp8.torch does not "
-                   "run yet (use CPU tensors)");
       GEOFP8_CHECK(!plan.layers[i].error_feedback, "policy: layer '", params_[i].name,
                    "': error_feedback, which the CUDA path of geofp8.torch does not run yet (use "
                    "CPU tensors)");
     }
-    GEOFP8_CHECK(plan.algorithm == Algorithm::kAuto || plan.algorithm == Algorithm::kTwoPhase ||
-                     plan.algorithm == Algorithm::kAllGather || plan.algorithm == Algorithm::kFp32,
-                 "exchange.algorithm: ", AlgorithmNameOf(plan.algorithm),
-                 " is not available on CUDA tensors (accepted: auto, two_phase, allgather, fp32)");
   }
 
   std::unique_ptr<Exchanger> MakeExchanger(const std::vector<uint32_t>& layers) const {
@@ -792,6 +813,7 @@ class Engine {
     // pay for it: about a twelfth of an EMA refresh at the GPT example's shapes.
     eo.measure_drift = false;
     eo.trace = trace_.get();
+    eo.plane = plane_.get();  // null: host memory
     return std::make_unique<Exchanger>(*comm_, std::move(specs), eo, std::move(schedule));
   }
 
@@ -855,12 +877,11 @@ class Engine {
   }
 
   std::unique_ptr<PyStore> store_;
-  std::unique_ptr<Communicator> comm_;  // backend gloo
+  std::unique_ptr<Communicator> comm_;  // gloo, or nccl for CUDA tensors
 #if GEOFP8_PYTHON_CUDA
-  std::unique_ptr<CudaExchange> cuda_;  // backend nccl
-#else
-  std::nullptr_t cuda_ = nullptr;  // no CUDA path in this build
+  std::unique_ptr<cuda::CudaBackend> cuda_;  // backend nccl: the device plane's kernels
 #endif
+  std::unique_ptr<StagedPlane> plane_;  // backend nccl; null: CPU tensors (the host plane)
   uint64_t seed_ = 0;
   int rank_ = 0, size_ = 1;
   std::chrono::milliseconds timeout_{kDefaultCollectiveTimeout};
@@ -929,7 +950,12 @@ PYBIND11_MODULE(_geofp8, m) {
       .def_property_readonly("in_flight", &Engine::in_flight,
                              "Buckets submitted whose callback has not yet returned.")
       .def("exchange_cuda", &Engine::ExchangeCuda, py::arg("step"), py::arg("layers"),
-           py::arg("ptr"), py::arg("numel"), py::arg("offsets"), py::arg("stream"))
+           py::arg("ptr"), py::arg("numel"), py::arg("offsets"), py::arg("stream"),
+           "exchange() of a CUDA bucket (device pointer, float count), after the work queued on "
+           "CUDA stream `stream`; returns once the result is in device memory.")
+      .def("submit_cuda", &Engine::SubmitCuda, py::arg("step"), py::arg("layers"), py::arg("ptr"),
+           py::arg("numel"), py::arg("offsets"), py::arg("stream"), py::arg("done"),
+           "submit() of a CUDA bucket: exchange_cuda() on the engine's exchange thread.")
       .def("export_geometry", &Engine::ExportGeometry)
       .def("import_geometry", &Engine::ImportGeometry, py::arg("state"))
       .def("export_residuals", &Engine::ExportResiduals)

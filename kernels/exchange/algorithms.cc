@@ -25,57 +25,6 @@
 namespace geofp8 {
 namespace {
 
-// out[i] = in[i] / divisor, the IEEE quotient every reference computes; in may be out. Returns
-// whether in holds a NaN or inf. One pass, vectorized (this library is built with -O3), in an AVX2
-// clone where the CPU has it. For a power-of-two divisor (N = 2, 4, 8, ...) it multiplies by the
-// exact reciprocal instead: both round the same real number, so the bits are the same.
-// ThreadSanitizer builds get the default clone only: their instrumented ifunc resolver would run
-// before the sanitizer runtime is up.
-#if defined(__SANITIZE_THREAD__)
-#define GEOFP8_DIVIDE_CLONES
-#else
-#define GEOFP8_DIVIDE_CLONES __attribute__((target_clones("avx2", "default")))
-#endif
-GEOFP8_DIVIDE_CLONES bool Divide(std::span<const float> in, float divisor, std::span<float> out) {
-  const float* x = in.data();
-  float* y = out.data();
-  const size_t n = in.size();
-  int exp = 0;
-  const bool pow2 = std::frexp(divisor, &exp) == 0.5f && exp > -125 && exp < 126;
-  const float inv = 1.f / divisor;
-  uint32_t bad = 0;
-  if (pow2) {
-    for (size_t i = 0; i < n; ++i) {
-      uint32_t bits;
-      std::memcpy(&bits, &x[i], 4);
-      bad |= (bits & 0x7f800000u) == 0x7f800000u;
-      y[i] = x[i] * inv;
-    }
-  } else {
-    for (size_t i = 0; i < n; ++i) {
-      uint32_t bits;
-      std::memcpy(&bits, &x[i], 4);
-      bad |= (bits & 0x7f800000u) == 0x7f800000u;
-      y[i] = x[i] / divisor;
-    }
-  }
-  return bad != 0;
-}
-
-uint64_t FlagBit(const BucketLayer& l) { return uint64_t{1} << l.flag_bit; }
-
-// The layer's transform on its (divided) input: the geometry, then the rotation; and its inverse
-// on the reduced output, in the opposite order.
-void ApplyTransform(const BucketLayer& l) {
-  if (l.geometry) ApplyGeometry(*l.geometry, l.in);
-  if (l.hadamard_block) HadamardForward(l.in, int(l.hadamard_block), l.hadamard_seed);
-}
-
-void InvertTransform(const BucketLayer& l) {
-  if (l.hadamard_block) HadamardInverse(l.out, int(l.hadamard_block), l.hadamard_seed);
-  if (l.geometry) InvertGeometry(*l.geometry, l.out, l.products);
-}
-
 // Whether this run's check rides in its data (AlgorithmOptions::check_record) rather than a
 // round of its own (before_data): asked for by the caller and possible on this backend.
 bool FusedCheck(const Communicator& comm, const AlgorithmOptions& ao) {
@@ -147,49 +96,56 @@ uint64_t AgreeFlags(Communicator& comm, uint64_t mine) {
   return any;
 }
 
-// The baselines reduce the whole bucket as one flat buffer, as DDP does, dividing as they copy.
-// Returns the flag bits of layers whose input holds a NaN or inf.
-uint64_t Flatten(std::span<const BucketLayer> layers, float divisor,
+// The baselines reduce the whole bucket as one flat host buffer, as DDP does, dividing as they
+// copy. Returns the flag bits of layers whose input holds a NaN or inf.
+uint64_t Flatten(DataPlane& plane, std::span<const BucketLayer> layers, float divisor,
                  UninitializedVector<float>& flat) {
   size_t total = 0;
   for (const auto& l : layers) total += l.in.size();
   flat.resize(total);
   size_t off = 0;
-  uint64_t bad = 0;
   for (const auto& l : layers) {
-    // Geometry layers were divided (and transformed) in place already.
-    if (Divide(l.in, Transformed(l) ? 1.f : divisor, std::span(flat).subspan(off, l.in.size()))) {
-      bad |= FlagBit(l);
-    }
+    // Transformed layers were divided (and transformed) in place already.
+    plane.ReadDivided(l.in, Transformed(l) ? 1.f : divisor, l.flag_bit,
+                      std::span(flat).subspan(off, l.in.size()));
     off += l.in.size();
   }
-  return bad;
+  return plane.TakeFlags();
 }
 
-void Unflatten(std::span<const float> flat, std::span<const BucketLayer> layers) {
+void Unflatten(DataPlane& plane, std::span<const float> flat, std::span<const BucketLayer> layers) {
   size_t off = 0;
   for (const auto& l : layers) {
-    std::copy_n(flat.begin() + off, l.out.size(), l.out.begin());
+    plane.Write(flat.subspan(off, l.out.size()), l.out);
     off += l.out.size();
   }
 }
 
-uint64_t RunFp32(Communicator& comm, std::span<const BucketLayer> layers, float divisor,
-                 ExchangeWorkspace& ws) {
-  const uint64_t bad = Flatten(layers, divisor, ws.flat);
+uint64_t RunFp32(Communicator& comm, DataPlane& plane, std::span<const BucketLayer> layers,
+                 float divisor, ExchangeWorkspace& ws) {
+  const uint64_t bad = Flatten(plane, layers, divisor, ws.flat);
   comm.AllReduceSum(ws.flat);
-  Unflatten(ws.flat, layers);
+  Unflatten(plane, ws.flat, layers);
   return bad;
 }
 
-uint64_t RunBf16(Communicator& comm, std::span<const BucketLayer> layers, float divisor,
-                 ExchangeWorkspace& ws) {
+uint64_t RunBf16(Communicator& comm, DataPlane& plane, std::span<const BucketLayer> layers,
+                 float divisor, ExchangeWorkspace& ws) {
   size_t total = 0;
   for (const auto& l : layers) total += l.in.size();
   auto& flat = ws.flat_bf16;
   flat.resize(total);
-  size_t off = 0;
   uint64_t bad = 0;
+  if (!plane.host_memory()) {
+    // Device memory: the divided floats through a host copy, then the same conversions.
+    bad = Flatten(plane, layers, divisor, ws.flat);
+    for (size_t i = 0; i < total; ++i) flat[i] = FloatToBf16(ws.flat[i]);
+    comm.AllReduceSumBf16(flat);
+    for (size_t i = 0; i < total; ++i) ws.flat[i] = Bf16ToFloat(flat[i]);
+    Unflatten(plane, ws.flat, layers);
+    return bad;
+  }
+  size_t off = 0;
   for (const auto& l : layers) {
     const float d = Transformed(l) ? 1.f : divisor;  // transformed layers were divided in place
     uint32_t layer_bad = 0;
@@ -210,12 +166,12 @@ uint64_t RunBf16(Communicator& comm, std::span<const BucketLayer> layers, float 
 }
 
 // Flattens the bucket, hands it to the backend's FP8 all-reduce, copies back.
-uint64_t RunNative(Communicator& comm, std::span<const BucketLayer> layers, float divisor,
-                   ExchangeWorkspace& ws) {
+uint64_t RunNative(Communicator& comm, DataPlane& plane, std::span<const BucketLayer> layers,
+                   float divisor, ExchangeWorkspace& ws) {
   if (!comm.HasNativeFp8()) comm.AllReduceSumNativeFp8({});  // throws the backend's message
-  const uint64_t bad = Flatten(layers, divisor, ws.flat);
+  const uint64_t bad = Flatten(plane, layers, divisor, ws.flat);
   comm.AllReduceSumNativeFp8(ws.flat);
-  Unflatten(ws.flat, layers);
+  Unflatten(plane, ws.flat, layers);
   return bad;
 }
 
@@ -242,7 +198,6 @@ struct Group {
   size_t SendOffset(int j) const { return WireOffset(j) + (j + 1) * prefix; }
   // Workspace buffers (ExchangeWorkspace), each fully written before it is read.
   UninitializedVector<uint8_t>*send = nullptr, *recv = nullptr, *mine = nullptr, *all = nullptr;
-  UninitializedVector<float>* acc = nullptr;  // the sum of this rank's chunk of one layer
 };
 
 class Pipeline {
@@ -255,7 +210,8 @@ class Pipeline {
         two_phase_(two_phase),
         n_(comm.size()),
         r_(comm.rank()),
-        fused_(FusedCheck(comm, ao)) {
+        fused_(FusedCheck(comm, ao)),
+        plane_(ao.plane ? *ao.plane : ws.host) {
     const size_t L = layers.size();
     chunk_.assign(L, std::vector<ChunkRange>(n_));
     bytes_.assign(L, std::vector<size_t>(n_));
@@ -299,18 +255,13 @@ class Pipeline {
     }
     // Group s always uses the same workspace buffers, so sizes repeat from step to step.
     if (ws.bytes.size() < 4 * groups_.size()) ws.bytes.resize(4 * groups_.size());
-    if (ws.floats.size() < groups_.size()) ws.floats.resize(groups_.size());
     for (size_t s = 0; s < groups_.size(); ++s) {
       Group& g = groups_[s];
       g.send = &ws.bytes[4 * s];
       g.recv = &ws.bytes[4 * s + 1];
       g.mine = &ws.bytes[4 * s + 2];
       g.all = &ws.bytes[4 * s + 3];
-      g.acc = &ws.floats[s];
     }
-    divided_ = &ws.divided;
-    feedback_ = &ws.feedback;
-    feedback_decoded_ = &ws.feedback_decoded;
     state_.assign(groups_.size(), 0);
   }
 
@@ -534,51 +485,14 @@ class Pipeline {
                              static_cast<uint32_t>(rank), phase, static_cast<uint32_t>(chunk));
   }
 
-  // Elements c of layer i's input divided by N, ready to encode. A layer with geometry was
-  // divided and transformed in place as a whole; the others are divided here, chunk by chunk into
-  // a buffer that stays in cache for the encode, so the gradient is read from memory once.
-  std::span<const float> Divided(size_t i, ChunkRange c) {
-    const std::span<const float> x = layers_[i].in.subspan(c.begin, c.size());
-    if (Transformed(layers_[i])) return x;
-    divided_->resize(c.size());
-    if (Divide(x, ao_.divisor, *divided_)) nonfinite_ |= FlagBit(layers_[i]);
-    return *divided_;
-  }
-
-  // Encodes elements c of layer i's divided input into `out`. With error feedback, the residual
-  // of this rank's last applied step is added first (none at the first), and what this encode
-  // loses is kept: residual_out = (x + residual_in) - Decode(Encode(x + residual_in)).
+  // Encodes elements c of layer i's input, divided by N, into `out` (data_plane.h).
   void EncodeChunk(size_t i, ChunkRange c, const CodecOptions& o, std::span<uint8_t> out) {
-    const BucketLayer& l = layers_[i];
-    const std::span<const float> x = Divided(i, c);
-    if (!l.residual_out) {
-      Encode(x, o, out);
-      return;
-    }
-    auto& sum = *feedback_;
-    sum.resize(c.size());
-    if (l.residual_in) {
-      for (size_t k = 0; k < c.size(); ++k) sum[k] = x[k] + l.residual_in[c.begin + k];
-    } else {
-      std::copy(x.begin(), x.end(), sum.begin());
-    }
-    Encode(sum, o, out);
-    Lost(out, sum, l.residual_out + c.begin);
-  }
-
-  // dst[k] = x[k] - Decode(encoded)[k]: what an encode of x lost.
-  void Lost(std::span<const uint8_t> encoded, std::span<const float> x, float* dst) {
-    auto& dec = *feedback_decoded_;
-    dec.resize(x.size());
-    Decode(encoded, dec);
-    for (size_t k = 0; k < x.size(); ++k) dst[k] = x[k] - dec[k];
+    plane_.EncodeChunk(layers_[i], c, ao_.divisor, o, out);
   }
 
   void Encode1(Group& g) {
     for (size_t i = g.first; i < g.last; ++i) {
-      if (!Transformed(layers_[i])) continue;
-      if (Divide(layers_[i].in, ao_.divisor, layers_[i].in)) nonfinite_ |= FlagBit(layers_[i]);
-      ApplyTransform(layers_[i]);
+      if (Transformed(layers_[i])) plane_.DivideTransform(layers_[i], ao_.divisor);
     }
     if (!two_phase_) {  // allgather: this rank's whole layers, once
       g.mine->resize(g.prefix + g.WireCount(r_));
@@ -589,7 +503,10 @@ class Pipeline {
                     std::span(*g.mine).subspan(off, bytes_[i][r_]));
         off += bytes_[i][r_];
       }
-      if (g.tail) WriteFlags(g, *g.mine, 1);
+      if (g.tail) {
+        nonfinite_ |= plane_.TakeFlags();
+        WriteFlags(g, *g.mine, 1);
+      }
       return;
     }
     g.send->resize(g.total + n_ * (g.tail + g.prefix));
@@ -602,29 +519,23 @@ class Pipeline {
         off += bytes_[i][j];
       }
     }
-    if (g.tail) WriteFlags(g, *g.send, n_);
+    if (g.tail) {
+      nonfinite_ |= plane_.TakeFlags();
+      WriteFlags(g, *g.send, n_);
+    }
   }
 
   // Sum this rank's chunk of each layer over sources in rank order, then requantize.
   void SumRequantize(Group& g) {
     g.mine->resize(g.counts[r_]);
     size_t off = 0;
-    auto& acc = *g.acc;
+    std::vector<std::span<const uint8_t>> parts(n_);
     for (size_t i = g.first; i < g.last; ++i) {
-      acc.assign(chunk_[i][r_].size(), 0.f);
       for (int src = 0; src < n_; ++src) {
-        DecodeAccumulate(
-            std::span<const uint8_t>(*g.recv).subspan(RecvAt(g, src) + off, bytes_[i][r_]), acc);
+        parts[src] = std::span<const uint8_t>(*g.recv).subspan(RecvAt(g, src) + off, bytes_[i][r_]);
       }
-      // Error feedback: the owner adds what its last requantization of this chunk lost.
-      const BucketLayer& l = layers_[i];
-      const size_t c0 = chunk_[i][r_].begin;
-      if (l.owner_in) {
-        for (size_t k = 0; k < acc.size(); ++k) acc[k] += l.owner_in[c0 + k];
-      }
-      const auto mine = std::span(*g.mine).subspan(off, bytes_[i][r_]);
-      Encode(acc, Options(i, r_, 2, r_), mine);
-      if (l.owner_out) Lost(mine, acc, l.owner_out + c0);
+      plane_.SumRequantize(layers_[i], chunk_[i][r_], parts, Options(i, r_, 2, r_),
+                           std::span(*g.mine).subspan(off, bytes_[i][r_]));
       off += bytes_[i][r_];
     }
   }
@@ -633,28 +544,27 @@ class Pipeline {
     if (!two_phase_) {
       // allgather: every rank sums the same bytes in the same (rank) order.
       size_t layer_off = 0;
+      std::vector<std::span<const uint8_t>> parts(n_);
       for (size_t i = g.first; i < g.last; ++i) {
-        std::fill(layers_[i].out.begin(), layers_[i].out.end(), 0.f);
         for (int src = 0; src < n_; ++src) {
-          DecodeAccumulate(
-              std::span<const uint8_t>(*g.all).subspan(RecvAt(g, src) + layer_off, bytes_[i][src]),
-              layers_[i].out);
+          parts[src] =
+              std::span<const uint8_t>(*g.all).subspan(RecvAt(g, src) + layer_off, bytes_[i][src]);
         }
+        plane_.DecodeSum(layers_[i], {0, layers_[i].out.size()}, parts);
         layer_off += bytes_[i][r_];
-        InvertTransform(layers_[i]);
+        plane_.InvertTransform(layers_[i]);
       }
       return;
     }
     for (int j = 0; j < n_; ++j) {
       size_t off = g.dest_offset[j];
       for (size_t i = g.first; i < g.last; ++i) {
-        const ChunkRange c = chunk_[i][j];
-        Decode(std::span<const uint8_t>(*g.all).subspan(off, bytes_[i][j]),
-               layers_[i].out.subspan(c.begin, c.size()));
+        plane_.Decode(layers_[i], chunk_[i][j],
+                      std::span<const uint8_t>(*g.all).subspan(off, bytes_[i][j]));
         off += bytes_[i][j];
       }
     }
-    for (size_t i = g.first; i < g.last; ++i) InvertTransform(layers_[i]);
+    for (size_t i = g.first; i < g.last; ++i) plane_.InvertTransform(layers_[i]);
   }
 
   // Codec work, most advanced stage first so the wire never waits on a backlog of encodes.
@@ -782,10 +692,7 @@ class Pipeline {
   std::vector<std::vector<ChunkRange>> chunk_;  // [layer][rank]
   std::vector<std::vector<size_t>> bytes_;      // [layer][rank] encoded bytes of that chunk
   std::vector<Group> groups_;
-  UninitializedVector<float>* divided_ = nullptr;  // Divided()'s buffer: helper thread only
-  // EncodeChunk's and SumRequantize's error-feedback buffers: helper thread only.
-  UninitializedVector<float>* feedback_ = nullptr;
-  UninitializedVector<float>* feedback_decoded_ = nullptr;
+  DataPlane& plane_;  // helper thread only (the calling thread when inline)
   // Flag bits of layers whose input held a NaN or inf: written by the helper while encoding, read
   // once every group is encoded.
   uint64_t nonfinite_ = 0;
@@ -802,16 +709,11 @@ class Pipeline {
 
 }  // namespace
 
-uint64_t ExchangeBucketData(Communicator& comm, Algorithm algorithm,
-                            const AlgorithmOptions& options, std::span<const BucketLayer> layers) {
-  algorithm = ResolveAlgorithm(algorithm, comm.size());
-  for (const auto& l : layers) {
-    GEOFP8_CHECK(l.in.size() == l.out.size(), "layer ", l.layer, ": input has ", l.in.size(),
-                 " elements, output ", l.out.size());
-    GEOFP8_CHECK(l.flag_bit < 64, "layer ", l.layer, ": flag_bit must be < 64 (", l.flag_bit, ")");
-  }
-  ExchangeWorkspace local;
-  ExchangeWorkspace& ws = options.workspace ? *options.workspace : local;
+namespace {
+
+uint64_t RunAlgorithm(Communicator& comm, Algorithm algorithm, const AlgorithmOptions& options,
+                      std::span<const BucketLayer> layers, ExchangeWorkspace& ws,
+                      DataPlane& plane) {
   if (algorithm == Algorithm::kTwoPhase || algorithm == Algorithm::kAllGather) {
     // Geometry transforms run inside the pipeline, per group.
     if (layers.empty()) {  // every rank has the same (fingerprinted) layers: nothing to agree on
@@ -830,28 +732,61 @@ uint64_t ExchangeBucketData(Communicator& comm, Algorithm algorithm,
   }
   CheckBeforeData(comm, options, layers, ws);
   TraceScope span(options.trace, "all_reduce", ExchangeTrace::kMainLane, options.step);
-  uint64_t bad = 0;
   for (const auto& l : layers) {
-    if (!Transformed(l)) continue;
-    if (Divide(l.in, options.divisor, l.in)) bad |= FlagBit(l);
-    ApplyTransform(l);
+    if (Transformed(l)) plane.DivideTransform(l, options.divisor);
   }
+  uint64_t bad = plane.TakeFlags();
   switch (algorithm) {
     case Algorithm::kFp32:
-      bad |= RunFp32(comm, layers, options.divisor, ws);
+      bad |= RunFp32(comm, plane, layers, options.divisor, ws);
       break;
     case Algorithm::kBf16:
-      bad |= RunBf16(comm, layers, options.divisor, ws);
+      bad |= RunBf16(comm, plane, layers, options.divisor, ws);
       break;
     case Algorithm::kNative:
-      bad |= RunNative(comm, layers, options.divisor, ws);
+      bad |= RunNative(comm, plane, layers, options.divisor, ws);
       break;
     default:
       GEOFP8_FAIL("algorithm: unknown value ", static_cast<int>(algorithm),
                   " (accepted: ", AcceptedAlgorithms(), ")");
   }
-  for (const auto& l : layers) InvertTransform(l);
+  for (const auto& l : layers) plane.InvertTransform(l);
   return AgreeFlags(comm, bad);
+}
+
+}  // namespace
+
+uint64_t ExchangeBucketData(Communicator& comm, Algorithm algorithm,
+                            const AlgorithmOptions& options, std::span<const BucketLayer> layers) {
+  algorithm = ResolveAlgorithm(algorithm, comm.size());
+  for (const auto& l : layers) {
+    GEOFP8_CHECK(l.in.size() == l.out.size(), "layer ", l.layer, ": input has ", l.in.size(),
+                 " elements, output ", l.out.size());
+    GEOFP8_CHECK(l.flag_bit < 64, "layer ", l.layer, ": flag_bit must be < 64 (", l.flag_bit, ")");
+  }
+  ExchangeWorkspace local;
+  ExchangeWorkspace& ws = options.workspace ? *options.workspace : local;
+  DataPlane& plane = options.plane ? *options.plane : ws.host;
+  if (!plane.host_memory()) {
+    for (const auto& l : layers) {
+      const std::string why = plane.Unsupported(l);
+      GEOFP8_CHECK(why.empty(), "layer ", l.layer, ": ", why);
+    }
+  }
+  plane.TakeFlags();  // nothing left over from a run that failed midway
+  uint64_t flags = 0;
+  try {
+    flags = RunAlgorithm(comm, algorithm, options, layers, ws, plane);
+  } catch (...) {
+    // Device work in flight must not outlive the caller's buffers.
+    try {
+      plane.Flush();
+    } catch (...) {
+    }
+    throw;
+  }
+  plane.Flush();
+  return flags;
 }
 
 }  // namespace geofp8

@@ -14,52 +14,19 @@
 
 #include "kernels/common/uninitialized.h"
 #include "kernels/exchange/communicator.h"
+#include "kernels/exchange/data_plane.h"
 #include "kernels/exchange/policy.h"
 #include "kernels/exchange/trace.h"
 #include "kernels/geometry/geometry.h"
 
 namespace geofp8 {
 
-struct BucketLayer {
-  uint32_t layer = 0;  // model layer index: part of the stochastic-rounding stream key
-  LayerPolicy policy;  // format, scaling, block, rounding
-  const Geometry* geometry = nullptr;  // applied to `in`, inverted on `out`; null: identity
-  // This rank's contribution before the division. Clobbered (divided and transformed in place)
-  // when the layer has a geometry or a rotation (Transformed). May be the same memory as `out`: a
-  // group's inputs are all read before any of its outputs is written.
-  std::span<float> in;
-  std::span<float> out;  // the reduced result in gradient coordinates (same size)
-  // When not null and the layer has a lowrank geometry: filled by the inverse transform with what
-  // it learnt of `out` (geometry.h InverseProducts), for the factor sketch that reads it next.
-  InverseProducts* products = nullptr;
-  // Which bit of ExchangeBucketData's result reports a NaN or inf in this layer's input (< 64):
-  // the exchanger gives each bucket of a coalesced exchange its own bit.
-  uint32_t flag_bit = 0;
-  // The block random Hadamard rotation after the geometry (0: none), with its signs' seed.
-  uint32_t hadamard_block = 0;
-  uint64_t hadamard_seed = 0;
-  // Error feedback (LayerPolicy::error_feedback), each null or one float per element of `in`, in
-  // the coordinates the codec sees: residual_in is added to this rank's input before its encode
-  // and residual_out receives what that encode lost (input + residual - decoded); owner_in and
-  // owner_out do the same for two_phase's requantization of the chunk this rank owns.
-  const float* residual_in = nullptr;
-  float* residual_out = nullptr;
-  const float* owner_in = nullptr;
-  float* owner_out = nullptr;
-};
-
-// Whether the layer is divided and transformed in place before its encode.
-inline bool Transformed(const BucketLayer& l) { return l.geometry || l.hadamard_block; }
-
 // Buffers that outlive one bucket, so a steady-state exchange allocates nothing: fresh multi-MiB
 // allocations come from mmap and cost a page fault per 4 KiB on every step. Not thread-safe; one
 // per Exchanger (used on its worker thread).
 struct ExchangeWorkspace {
   std::vector<UninitializedVector<uint8_t>> bytes;  // per pipeline group: send, recv, mine, all
-  std::vector<UninitializedVector<float>> floats;   // per pipeline group: sum accumulator
-  UninitializedVector<float> divided;               // one chunk of input, divided, to encode
-  UninitializedVector<float> feedback;              // error feedback: input + residual
-  UninitializedVector<float> feedback_decoded;      // error feedback: what its encode decodes to
+  HostPlane host;                                   // the plane of runs that name none
   UninitializedVector<float> flat;                  // the fp32 baseline's flattened bucket
   UninitializedVector<uint16_t> flat_bf16;          // the bf16 baseline's flattened bucket
 };
@@ -90,6 +57,9 @@ struct AlgorithmOptions {
   ExchangeTrace* trace = nullptr;
   // Reused buffers; null: the call allocates its own (tests, one-off calls).
   ExchangeWorkspace* workspace = nullptr;
+  // Where the layers' floats live and what runs the codec on them (data_plane.h). Null: the
+  // workspace's HostPlane.
+  DataPlane* plane = nullptr;
   // Run on the calling thread before the first collective that moves data (the exchanger's
   // fingerprint check, as a round of its own); two_phase and allgather encode their first groups
   // meanwhile. If it throws, nothing is sent and the exception propagates. Not run when the

@@ -114,6 +114,15 @@ Exchanger::Exchanger(Communicator& comm, std::vector<LayerSpec> layers, Exchange
         "': error_feedback: needs a quantizing algorithm (two_phase or allgather), not ",
         AlgorithmName(a));
   }
+  if (options_.plane && !options_.plane->host_memory()) {
+    for (const auto& l : layers_) {
+      BucketLayer probe;
+      probe.policy = l.policy;
+      if (std::string why = options_.plane->Unsupported(probe); !why.empty()) {
+        GEOFP8_FAIL("layer '", l.name, "': ", why);
+      }
+    }
+  }
   comm_.set_timeout(options_.timeout);
   buckets_ = MakeBuckets(layers_, options_.bucket_cap_bytes);
   bucket_of_.assign(layers_.size(), 0);
@@ -564,7 +573,10 @@ std::vector<BucketResult> Exchanger::RunBuckets(uint64_t step, size_t first, siz
       // The sketch that refreshes this layer after the exchange can take G V, U^T G and ||G||^2
       // from the inverse instead of reading the result for them.
       st.products.valid = false;
-      if (w.geometry && options_.estimator == GeometryEstimator::kFactorEma && RefreshesAt(l, step))
+      // (On a device plane the sketch reads the host copy of the result instead.)
+      const bool host = !options_.plane || options_.plane->host_memory();
+      if (host && w.geometry && options_.estimator == GeometryEstimator::kFactorEma &&
+          RefreshesAt(l, step))
         w.products = &st.products;
       work.push_back(w);
     }
@@ -583,6 +595,7 @@ std::vector<BucketResult> Exchanger::RunBuckets(uint64_t step, size_t first, siz
   ao.inline_bytes = options_.inline_bytes;
   ao.trace = options_.trace;
   ao.workspace = &workspace_;
+  ao.plane = options_.plane;
   // The fingerprints are compared while the first groups are encoded, in one collective for
   // every bucket of the run; nothing moves before. Once a check of a run with this layout (layer
   // sizes, grouping options) has passed on this communicator, every rank is known to have
@@ -667,19 +680,28 @@ std::vector<RefreshRecord> Exchanger::RunRefreshes(uint64_t step,
                                                    const std::vector<std::span<float>>& grads) {
   TraceScope span(options_.trace, "geometry_refresh", ExchangeTrace::kMainLane, step);
   std::vector<RefreshRecord> out;
+  const bool device = options_.plane && !options_.plane->host_memory();
+  std::vector<float> host_copy;  // a device plane's averaged gradient, read to the host
   for (uint32_t l = 0; l < layers_.size(); ++l) {
     if (!UsesGeometry(l) || !RefreshesAt(l, step)) continue;
     const RefreshSchedule& s = schedule_[l];
     const LayerSpec& spec = layers_[l];
     LayerState& st = state_[l];
+    std::span<const float> grad = grads[l];
+    if (device &&
+        (options_.estimator == GeometryEstimator::kFactorEma || comm_.rank() == s.owner)) {
+      host_copy.resize(grad.size());
+      options_.plane->Read(grads[l], host_copy);
+      grad = host_copy;
+    }
     RefreshRecord rec;
     rec.layer = l;
     if (options_.estimator == GeometryEstimator::kFactorEma) {
       // Every rank holds the same averaged gradient and runs the same fixed-order arithmetic, so
       // every rank derives the same geometry; the fingerprint's digest checks it at its first use.
       const auto start = std::chrono::steady_clock::now();
-      rec.from_inverse = UpdateFactorSketch(st.sketch, grads[l], spec.rows, spec.cols,
-                                            spec.policy.rank, SketchOptions(l), &st.products);
+      rec.from_inverse = UpdateFactorSketch(st.sketch, grad, spec.rows, spec.cols, spec.policy.rank,
+                                            SketchOptions(l), &st.products);
       st.products.valid = false;
       SketchGeometryOptions go;
       go.rank = spec.policy.rank;
@@ -712,7 +734,7 @@ std::vector<RefreshRecord> Exchanger::RunRefreshes(uint64_t step,
         const Geometry* previous = st.has_pending          ? &st.pending
                                    : st.active.version > 0 ? &st.active
                                                            : nullptr;
-        RefreshResult r = EstimateGeometry(grads[l], spec.rows, spec.cols, go, previous);
+        RefreshResult r = EstimateGeometry(grad, spec.rows, spec.cols, go, previous);
         rec.drift = r.drift;
         rec.seconds = r.seconds;
         bytes = SerializeGeometry(r.geometry);

@@ -72,6 +72,13 @@ struct ExchangeOptions {
   // Exchanger over a subset of a model's layers (geofp8.torch has one per DDP bucket) sets it
   // so a layer's streams do not depend on which layers share its Exchanger.
   std::vector<uint32_t> layer_ids;
+  // Where the gradients handed to Submit/Exchange live and what runs the codec on them
+  // (data_plane.h): null, host memory and the CPU engine; a StagedPlane, device memory (every
+  // span a device pointer and a length) with the codec on the device and the wire staged through
+  // host memory. Not owned: it must outlive the Exchanger. Every rank uses the same kind. Layers
+  // whose policy the plane cannot run are refused at construction, naming the layer and field;
+  // geometry refreshes read the averaged gradient through a host copy.
+  DataPlane* plane = nullptr;
 };
 
 // Buckets: layers in reverse order (the order backward produces them), greedily packed.

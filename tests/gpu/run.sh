@@ -44,8 +44,10 @@ else
   log "python CUDA hook: skipped (no python3 with a CUDA torch and pybind11 on this machine)"
 fi
 # The GPU benchmarks (bench/gpu_bench_main.cc): codec against device memcpy, the lowrank
-# transform against a cuBLAS sgemm of equal FLOPs, after a bit-for-bit device/host check of both
-# codecs (a mismatch fails the run).
+# transform against a cuBLAS sgemm of equal FLOPs, the sketch update against the transform, and a
+# 4-rank exchange of device memory (the device plane, ranks as threads over Gloo) against host
+# memory, after bit-for-bit device/host checks of both codecs and of the two exchanges (a
+# mismatch fails the run).
 log "gpu benchmarks"
 timeout 120 build-gpu/bench/geofp8-gpu-bench --reps 20 > "$OUT/bench.log" 2>&1
 bench_rc=$?

@@ -1,5 +1,6 @@
-"""geofp8.torch on CUDA tensors (label gpu): the NCCL communicator and the CUDA codec kernels,
-bootstrapped from the c10d store, on torch's current stream.
+"""geofp8.torch on CUDA tensors (label gpu): the engine's device plane (the CUDA codec, geometry
+and rotation kernels) over an NCCL communicator bootstrapped from the c10d store, after the work
+on torch's current stream.
 
 Skips (exit 77) unless torch has CUDA and a device, and this geofp8 was built with its CUDA path
 (-DGEOFP8_ENABLE_CUDA=ON with NCCL). Runs 2 processes when 2 devices are visible (NCCL takes one
@@ -8,6 +9,9 @@ all-reduce of a copy of the bucket, divided by N):
 
 - policy fp32: within fp32 round-off of the exact average;
 - policy fp8 (E4M3, 128-element blocks, geometry none): relF within the E4M3 bound derived below;
+- policy geofp8 (lowrank geometry refreshed on the host from a copy of the averaged gradient,
+  applied with cuBLAS): no error bound here (the whitening's amplification depends on the
+  gradients), but every rank must still end with the same bits;
 - every rank ends with the same bits;
 - a NaN in one rank's gradient skips the bucket on every rank (filled with NaN);
 - agree_min (a command job's per-step policy agreement) gives the minimum over the ranks.
@@ -77,7 +81,9 @@ def work(rank, world, policy):
         norms = torch.tensor([float(mine.double().norm()) / world], device=device,
                              dtype=torch.float64)
         dist.all_reduce(norms)  # sum over ranks of ||g_r / N||
-        if policy == "fp32":
+        if policy == "geofp8":
+            bound = float("inf")  # bits only (the docstring)
+        elif policy == "fp32":
             # Each g_r / N is rounded once and the sum adds N - 1 roundings: every element is
             # within N * 2^-24 of sum_r |g_r / N|, so the norm within N * 2^-24 * sum_r ||g_r/N||
             # (x2 for the order NCCL sums in).
@@ -140,7 +146,7 @@ def main():
     world = 2 if torch.cuda.device_count() >= 2 else 1
     print("CUDA path: %d rank(s) on %d device(s)" % (world, torch.cuda.device_count()))
     failures = []
-    for policy in ("fp32", "fp8"):
+    for policy in ("fp32", "fp8", "geofp8"):
         with tempfile.TemporaryDirectory(prefix="geofp8-cudatest-") as d:
             mp.spawn(_entry, args=(world, os.path.join(d, "store"), d, policy), nprocs=world,
                      join=True)

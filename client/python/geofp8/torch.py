@@ -116,11 +116,11 @@ class GeoFP8State:
     through (default: the group's default store). model_name: what errors call the model
     ("matches no layer of <model_name>"), here and, under a `command:` job, in the coordinator's
     messages (the catalog carries it); default: the script's file name (sys.argv[0]).
-    synchronous: False (the default for CPU
-    tensors) queues each bucket on the engine's exchange thread and returns a Future the engine
+    synchronous: False (the default)
+    queues each bucket on the engine's exchange thread and returns a Future the engine
     completes, so DDP goes on with backward while the bucket is on the wire; True exchanges the
     bucket inside the hook call and returns a completed Future (the same bits, no overlap).
-    None: GEOFP8_HOOK_SYNCHRONOUS (0 or 1; unset: False). The CUDA path is synchronous.
+    None: GEOFP8_HOOK_SYNCHRONOUS (0 or 1; unset: False). On CUDA tensors too.
     trace_buckets: keep one record per bucket in `bucket_trace` (time.monotonic() seconds:
     called, started, finished, returned, completed; docs/pytorch.md).
     """
@@ -161,8 +161,6 @@ class GeoFP8State:
         if synchronous not in (True, False):
             raise ValueError("synchronous: True, False or None (GEOFP8_HOOK_SYNCHRONOUS), not %r"
                              % (synchronous,))
-        if device.type == "cuda":
-            synchronous = True  # the CUDA path exchanges on the caller's stream, in the call
         self.synchronous = synchronous
         self.bucket_trace = [] if trace_buckets else None
         if model_name is None:
@@ -522,7 +520,7 @@ def _end_bucket(state, bucket):
 
 def geofp8_hook(state, bucket):
     """DDP comm hook: averages the bucket over the group with GeoFP8's engine and returns a
-    Future holding the averaged bucket. On CPU tensors (unless the state is synchronous) each
+    Future holding the averaged bucket. Unless the state is synchronous, each
     bucket but the step's last is queued on the engine's exchange thread, which exchanges the
     buckets in the order DDP hands them over, and the engine completes the Future, so DDP's
     backward goes on meanwhile (the last bucket is exchanged in the call, after them); errors (timeouts, fingerprint mismatches) complete it with the engine's
@@ -569,7 +567,14 @@ def geofp8_hook(state, bucket):
             fut.set_result(buf)
 
         record = {"step": step, "bucket": index, "called": called}
-        state._engine.submit(step, layers, buf.numpy(), offsets, done)
+        if buf.device.type == "cuda":
+            # Device pointer and torch's current stream as integers: the engine's stream waits
+            # for the backward kernels queued by now, and `done` keeps the bucket alive.
+            stream = torch.cuda.current_stream(buf.device).cuda_stream
+            state._engine.submit_cuda(step, layers, buf.data_ptr(), buf.numel(), offsets, stream,
+                                      done)
+        else:
+            state._engine.submit(step, layers, buf.numpy(), offsets, done)
         _end_bucket(state, bucket)
         # DDP reads the Future from C++, where set_exception's value would be a failed cast to
         # Tensor: the chained Future turns it into a real error, which backward() raises.

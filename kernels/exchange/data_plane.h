@@ -1,0 +1,233 @@
+// Where an exchange's floats live, and what runs the per-element work on them: the division by N,
+// the geometry and the rotation, the encode, the decode and the sums. The algorithms
+// (algorithms.cc) touch a gradient or a decoded value only through a DataPlane; their wire
+// buffers are host memory whichever plane runs, as the Communicator's contract says.
+//   HostPlane: the floats are host memory and the work runs on the calling thread (the CPU
+//   engine, unchanged: the same bits and the same passes as before planes existed).
+//   StagedPlane: the floats are device memory behind a DeviceBackend (CUDA: cuda_backend.h). The
+//   codec runs on the device. Each encode's bytes are copied to the host wire, and each received
+//   block to the device before its decode: 4-7x fewer bytes than the floats would be. The
+//   non-finite flags stay in a device word until the algorithm asks for them.
+// One Exchanger, one plane: every rank of an exchange runs the same plane kind, so every rank
+// computes the same bits (the CUDA codec is bit-identical to the host's; see codec_cuda.h).
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+#include <span>
+#include <string>
+
+#include "kernels/codec/codec.h"
+#include "kernels/common/uninitialized.h"
+#include "kernels/exchange/chunking.h"
+#include "kernels/exchange/policy.h"
+#include "kernels/geometry/geometry.h"
+
+namespace geofp8 {
+
+struct BucketLayer {
+  uint32_t layer = 0;  // model layer index: part of the stochastic-rounding stream key
+  LayerPolicy policy;  // format, scaling, block, rounding
+  const Geometry* geometry = nullptr;  // applied to `in`, inverted on `out`; null: identity
+  // This rank's contribution before the division. Clobbered (divided and transformed in place)
+  // when the layer has a geometry or a rotation (Transformed). May be the same memory as `out`: a
+  // group's inputs are all read before any of its outputs is written. Memory of the run's plane
+  // (DataPlane::host_memory): on a device plane the span is a device pointer and a length.
+  std::span<float> in;
+  std::span<float> out;  // the reduced result in gradient coordinates (same size)
+  // When not null and the layer has a lowrank geometry: filled by the inverse transform with what
+  // it learnt of `out` (geometry.h InverseProducts), for the factor sketch that reads it next.
+  // Host planes only.
+  InverseProducts* products = nullptr;
+  // Which bit of ExchangeBucketData's result reports a NaN or inf in this layer's input (< 64):
+  // the exchanger gives each bucket of a coalesced exchange its own bit.
+  uint32_t flag_bit = 0;
+  // The block random Hadamard rotation after the geometry (0: none), with its signs' seed.
+  uint32_t hadamard_block = 0;
+  uint64_t hadamard_seed = 0;
+  // Error feedback (LayerPolicy::error_feedback), each null or one float per element of `in`, in
+  // the coordinates the codec sees: residual_in is added to this rank's input before its encode
+  // and residual_out receives what that encode lost (input + residual - decoded); owner_in and
+  // owner_out do the same for two_phase's requantization of the chunk this rank owns. Host
+  // memory; host planes only.
+  const float* residual_in = nullptr;
+  float* residual_out = nullptr;
+  const float* owner_in = nullptr;
+  float* owner_out = nullptr;
+};
+
+// Whether the layer is divided and transformed in place before its encode.
+inline bool Transformed(const BucketLayer& l) { return l.geometry || l.hadamard_block; }
+
+inline uint64_t FlagBit(const BucketLayer& l) { return uint64_t{1} << l.flag_bit; }
+
+// out[i] = in[i] / divisor, the IEEE quotient every reference computes; in may be out. Returns
+// whether in holds a NaN or inf. Host memory.
+bool Divide(std::span<const float> in, float divisor, std::span<float> out);
+
+// The per-element stages of an exchange over one kind of memory. One thread at a time: an
+// algorithm calls it from its codec thread (or the calling thread when it runs inline).
+class DataPlane {
+ public:
+  virtual ~DataPlane() = default;
+
+  virtual std::string name() const = 0;  // "host", "cuda:0"
+  // Whether BucketLayer::in/out are host memory, which the algorithms' baselines may then read
+  // directly.
+  virtual bool host_memory() const = 0;
+  // "" if the plane runs everything `layer` asks for, else one line naming the field, for the
+  // exchanger's validation.
+  virtual std::string Unsupported(const BucketLayer& layer) const = 0;
+
+  // In place on l.in: divides by `divisor` and applies the layer's transform (the geometry, then
+  // the rotation). Notes a NaN or inf in l's flag bit.
+  virtual void DivideTransform(const BucketLayer& l, float divisor) = 0;
+  // Encodes elements c of l.in into the host buffer `out` (EncodedBytes(o, c.size()) bytes):
+  // divided by `divisor` first unless the layer was transformed in place (DivideTransform), which
+  // divided it already; noting a NaN or inf. With error feedback, encodes in + residual_in and
+  // keeps what the encode lost in residual_out.
+  virtual void EncodeChunk(const BucketLayer& l, ChunkRange c, float divisor, const CodecOptions& o,
+                           std::span<uint8_t> out) = 0;
+  // two_phase's owner: sums the decoded `parts` (host, encoded chunks c of every rank's l) in
+  // order from zero, adds owner_in, encodes the sum into the host buffer `out` with `o` and keeps
+  // what that lost in owner_out.
+  virtual void SumRequantize(const BucketLayer& l, ChunkRange c,
+                             std::span<const std::span<const uint8_t>> parts, const CodecOptions& o,
+                             std::span<uint8_t> out) = 0;
+  // l.out[c] = the decode of the host bytes `in`.
+  virtual void Decode(const BucketLayer& l, ChunkRange c, std::span<const uint8_t> in) = 0;
+  // l.out[c] = 0, then each part's decode added in order (allgather: every rank's copy).
+  virtual void DecodeSum(const BucketLayer& l, ChunkRange c,
+                         std::span<const std::span<const uint8_t>> parts) = 0;
+  // In place on l.out: the rotation's inverse, then the geometry's (filling l.products).
+  virtual void InvertTransform(const BucketLayer& l) = 0;
+
+  // host[i] = in[i] / divisor, noting a NaN or inf in flag bit `bit` (the baselines' flatten).
+  virtual void ReadDivided(std::span<const float> in, float divisor, uint32_t bit,
+                           std::span<float> host) = 0;
+  // out = host (the baselines' unflatten).
+  virtual void Write(std::span<const float> host, std::span<float> out) = 0;
+  // host = in, exactly (an exchanger's geometry refresh reads the averaged gradient).
+  virtual void Read(std::span<const float> in, std::span<float> host) = 0;
+  // Every float of `out` set to a quiet NaN (all bits set), as a skipped bucket is handed back.
+  virtual void FillNaN(std::span<float> out) = 0;
+
+  // The OR of the flag bits noted since the last call.
+  virtual uint64_t TakeFlags() = 0;
+  // Returns once every output written so far is in place (device work done).
+  virtual void Flush() = 0;
+};
+
+// The host's plane: the CPU engine's passes, with buffers reused from call to call.
+class HostPlane final : public DataPlane {
+ public:
+  std::string name() const override { return "host"; }
+  bool host_memory() const override { return true; }
+  std::string Unsupported(const BucketLayer&) const override { return ""; }
+  void DivideTransform(const BucketLayer& l, float divisor) override;
+  void EncodeChunk(const BucketLayer& l, ChunkRange c, float divisor, const CodecOptions& o,
+                   std::span<uint8_t> out) override;
+  void SumRequantize(const BucketLayer& l, ChunkRange c,
+                     std::span<const std::span<const uint8_t>> parts, const CodecOptions& o,
+                     std::span<uint8_t> out) override;
+  void Decode(const BucketLayer& l, ChunkRange c, std::span<const uint8_t> in) override;
+  void DecodeSum(const BucketLayer& l, ChunkRange c,
+                 std::span<const std::span<const uint8_t>> parts) override;
+  void InvertTransform(const BucketLayer& l) override;
+  void ReadDivided(std::span<const float> in, float divisor, uint32_t bit,
+                   std::span<float> host) override;
+  void Write(std::span<const float> host, std::span<float> out) override;
+  void Read(std::span<const float> in, std::span<float> host) override;
+  void FillNaN(std::span<float> out) override;
+  uint64_t TakeFlags() override;
+  void Flush() override {}
+
+ private:
+  // dst[k] = x[k] - Decode(encoded)[k]: what an encode of x lost.
+  void Lost(std::span<const uint8_t> encoded, std::span<const float> x, float* dst);
+
+  uint64_t flags_ = 0;
+  UninitializedVector<float> divided_;           // one chunk of input, divided, to encode
+  UninitializedVector<float> feedback_;          // error feedback: input + residual
+  UninitializedVector<float> feedback_decoded_;  // error feedback: what its encode decodes to
+  UninitializedVector<float> acc_;               // two_phase: the sum of this rank's chunk
+};
+
+// What a StagedPlane needs of a device: memory, copies and the per-element kernels, each in the
+// order issued (one stream). Pointers named `device` or taken as device floats are the backend's
+// memory; `host` ones are host memory. Errors throw geofp8::Error naming the operation.
+class DeviceBackend {
+ public:
+  virtual ~DeviceBackend() = default;
+  virtual std::string name() const = 0;  // "cuda:0"
+  virtual void* Allocate(size_t bytes) = 0;
+  virtual void Free(void* device) = 0;
+  // Returns once `host` holds the bytes.
+  virtual void ToHost(void* host, const void* device, size_t bytes) = 0;
+  // `host` may be reused as soon as this returns.
+  virtual void ToDevice(void* device, const void* host, size_t bytes) = 0;
+  // y = x / divisor (IEEE, as Divide; x may be y); ORs `bit` into the device word *flags if x
+  // holds a NaN or inf.
+  virtual void Divide(const float* x, float* y, size_t n, float divisor, uint64_t bit,
+                      uint64_t* flags) = 0;
+  // The codec (codec.h) from device floats into device bytes, and back (accumulate: out +=).
+  virtual void Encode(const float* x, size_t n, const CodecOptions& o, uint8_t* out,
+                      size_t bytes) = 0;
+  virtual void Decode(const uint8_t* in, size_t bytes, float* out, size_t n, bool accumulate) = 0;
+  // x[i] = the float with bits `bits`.
+  virtual void Fill(float* x, size_t n, uint32_t bits) = 0;
+  // The layer's geometry and rotation on its whole device buffer x (l.in or l.out), forward
+  // (geometry, then rotation) or inverse (rotation's, then geometry's).
+  virtual void Transform(const BucketLayer& l, float* x, bool inverse) = 0;
+  // Returns once everything issued is done.
+  virtual void Synchronize() = 0;
+};
+
+// A plane over a DeviceBackend's memory, staging encoded bytes through host memory for the
+// Communicator. Error feedback is not run on it yet (Unsupported says so).
+class StagedPlane final : public DataPlane {
+ public:
+  explicit StagedPlane(DeviceBackend& device);
+  ~StagedPlane() override;
+  StagedPlane(const StagedPlane&) = delete;
+  StagedPlane& operator=(const StagedPlane&) = delete;
+
+  std::string name() const override { return device_.name(); }
+  bool host_memory() const override { return false; }
+  std::string Unsupported(const BucketLayer& layer) const override;
+  void DivideTransform(const BucketLayer& l, float divisor) override;
+  void EncodeChunk(const BucketLayer& l, ChunkRange c, float divisor, const CodecOptions& o,
+                   std::span<uint8_t> out) override;
+  void SumRequantize(const BucketLayer& l, ChunkRange c,
+                     std::span<const std::span<const uint8_t>> parts, const CodecOptions& o,
+                     std::span<uint8_t> out) override;
+  void Decode(const BucketLayer& l, ChunkRange c, std::span<const uint8_t> in) override;
+  void DecodeSum(const BucketLayer& l, ChunkRange c,
+                 std::span<const std::span<const uint8_t>> parts) override;
+  void InvertTransform(const BucketLayer& l) override;
+  void ReadDivided(std::span<const float> in, float divisor, uint32_t bit,
+                   std::span<float> host) override;
+  void Write(std::span<const float> host, std::span<float> out) override;
+  void Read(std::span<const float> in, std::span<float> host) override;
+  void FillNaN(std::span<float> out) override;
+  uint64_t TakeFlags() override;
+  void Flush() override;
+
+  DeviceBackend& device() { return device_; }
+
+ private:
+  // A grow-only device buffer.
+  struct Scratch {
+    void* p = nullptr;
+    size_t bytes = 0;
+  };
+  void* Reserve(Scratch& s, size_t bytes);
+  // The device copy of host bytes `in`, in scratch `s`.
+  const uint8_t* Stage(Scratch& s, std::span<const uint8_t> in);
+
+  DeviceBackend& device_;
+  uint64_t* flags_ = nullptr;  // device word: the flag bits noted since TakeFlags
+  Scratch divided_, encoded_, received_, acc_;
+};
+
+}  // namespace geofp8

@@ -1,0 +1,84 @@
+// The exchange engine on device memory (label `gpu`; skips without a device): a StagedPlane over
+// the CUDA backend (kernels/exchange/cuda_backend.h) against the host plane on the same inputs,
+// ranks as threads over Gloo on one GPU, each with a stream of its own. The codec and the
+// rotation are bit-identical to the host's, so every algorithm's output must be too; the lowrank
+// geometry's products run on cuBLAS, so there the device outputs must agree across ranks bit for
+// bit and with the host's within the format's step.
+#include <gtest/gtest.h>
+
+#include <cmath>
+
+#include "kernels/exchange/cuda_backend.h"
+#include "kernels/geometry/geometry_cuda.h"
+#include "tests/exchange/plane_harness.h"
+
+namespace geofp8 {
+namespace {
+
+using namespace geofp8::testing;
+
+BackendFactory OnDevice0() {
+  return [](int) { return std::make_unique<cuda::CudaBackend>(0); };
+}
+
+TEST(CudaPlane, EveryAlgorithmBitIdenticalToTheHost) {
+  if (!cuda::HaveDevice()) GTEST_SKIP() << "no CUDA device";
+  const auto layers = MixedLayers();
+  for (Algorithm a :
+       {Algorithm::kTwoPhase, Algorithm::kAllGather, Algorithm::kFp32, Algorithm::kBf16}) {
+    for (int n : {2, 4}) {
+      ExchangeOptions options;
+      options.algorithm = a;
+      options.seed = 11;
+      options.segment_bytes = 16 << 10;
+      options.bucket_cap_bytes = 24 << 10;
+      const Runs runs = RunBothPlanes(OnDevice0(), {}, n, layers, options, 2);
+      ExpectSame(runs, layers, std::string(AlgorithmName(a)) + " " + std::to_string(n) + " ranks");
+    }
+  }
+}
+
+TEST(CudaPlane, NonFiniteSkipsTheSameBuckets) {
+  if (!cuda::HaveDevice()) GTEST_SKIP() << "no CUDA device";
+  const auto layers = MixedLayers();
+  ExchangeOptions options;
+  options.bucket_cap_bytes = 24 << 10;
+  const Runs runs =
+      RunBothPlanes(OnDevice0(), {}, 3, layers, options, 1, {}, [](int r, uint64_t, Tensors& t) {
+        if (r == 2) t[2][7] = std::nanf("");
+      });
+  ExpectSame(runs, layers, "two_phase with a NaN");
+  for (int r = 0; r < 3; ++r) EXPECT_TRUE(runs.results[1][r][0].skipped) << "rank " << r;
+}
+
+TEST(CudaPlane, LowRankGeometryAgreesAcrossRanksAndWithTheHost) {
+  if (!cuda::HaveDevice()) GTEST_SKIP() << "no CUDA device";
+  LayerPolicy lowrank;
+  lowrank.geometry = GeometryMode::kLowRank;
+  lowrank.rank = 8;
+  const std::vector<LayerSpec> layers = {{"w", 256, 192, lowrank}};
+  ExchangeOptions options;
+  options.algorithm = Algorithm::kTwoPhase;
+  options.estimator = GeometryEstimator::kFactorEma;
+  const int steps = 4;
+  const Runs runs = RunBothPlanes(OnDevice0(), {}, 4, layers, options, steps, {{0, 1, 0}});
+  for (int s = 0; s < steps; ++s) {
+    for (int r = 1; r < 4; ++r) {
+      ASSERT_TRUE(SameBytes(runs.outputs[1][r][s][0], runs.outputs[1][0][s][0]))
+          << "step " << s << ": rank " << r << " differs from rank 0 on the device";
+    }
+    // Against the host: the same quantization of a transform that differs in round-off, so
+    // within two format steps (two_phase quantizes twice) of the output's largest value.
+    const auto& d = runs.outputs[1][0][s][0];
+    const auto& h = runs.outputs[0][0][s][0];
+    double amax = 0, worst = 0;
+    for (size_t i = 0; i < h.size(); ++i) {
+      amax = std::max(amax, std::fabs(double(h[i])));
+      worst = std::max(worst, std::fabs(double(d[i]) - double(h[i])));
+    }
+    EXPECT_LE(worst, 2 * 0.0625 * amax) << "step " << s;
+  }
+}
+
+}  // namespace
+}  // namespace geofp8

@@ -1,0 +1,304 @@
+// The device path of the exchange engine (StagedPlane, data_plane.h) without a device: a
+// DeviceBackend whose "device memory" is host memory kept scrambled (every byte XORed with a
+// key), so any read or write of it that bypasses the backend yields garbage and a wrong result.
+// Its kernels unscramble, run the host codec and transforms, and scramble back. Through it the
+// whole device dispatch and staging logic (what is copied when, flags, scratch) runs on the CPU,
+// and each algorithm must give bit for bit what the host plane gives on the same inputs. The
+// CUDA backend runs the same tests on a GPU (tests/gpu).
+#include "kernels/exchange/data_plane.h"
+
+#include <gtest/gtest.h>
+
+#include <cstring>
+#include <map>
+#include <mutex>
+#include <set>
+
+#include "kernels/exchange/exchanger.h"
+#include "kernels/geometry/hadamard.h"
+#include "tests/exchange/plane_harness.h"
+
+namespace geofp8 {
+namespace {
+
+using namespace geofp8::testing;
+
+constexpr uint8_t kKey = 0xA5;
+
+class ScrambledBackend final : public DeviceBackend {
+ public:
+  ~ScrambledBackend() override = default;
+  std::string name() const override { return "scrambled"; }
+
+  void* Allocate(size_t bytes) override {
+    auto* p = new uint8_t[bytes];
+    std::memset(p, kKey, bytes);  // scrambled zeros
+    std::lock_guard<std::mutex> lock(mu_);
+    live_[p] = bytes;
+    ++allocations_;
+    return p;
+  }
+  void Free(void* p) override {
+    std::lock_guard<std::mutex> lock(mu_);
+    ASSERT_EQ(live_.erase(p), 1u) << "free of memory this backend did not allocate";
+    delete[] static_cast<uint8_t*>(p);
+  }
+  void ToHost(void* host, const void* device, size_t bytes) override {
+    Check(device, bytes);
+    Unscramble(host, device, bytes);
+    ++to_host_bytes_;
+  }
+  void ToDevice(void* device, const void* host, size_t bytes) override {
+    Check(device, bytes);
+    Scramble(device, host, bytes);
+  }
+  void Divide(const float* x, float* y, size_t n, float divisor, uint64_t bit,
+              uint64_t* flags) override {
+    std::vector<float> t = Load(x, n);
+    if (geofp8::Divide(t, divisor, t)) {
+      uint64_t w;
+      ToHost(&w, flags, 8);
+      w |= bit;
+      ToDevice(flags, &w, 8);
+    }
+    Store(y, t);
+  }
+  void Encode(const float* x, size_t n, const CodecOptions& o, uint8_t* out,
+              size_t bytes) override {
+    std::vector<float> t = Load(x, n);
+    std::vector<uint8_t> e(bytes);
+    geofp8::Encode(t, o, e);
+    ToDevice(out, e.data(), bytes);
+  }
+  void Decode(const uint8_t* in, size_t bytes, float* out, size_t n, bool accumulate) override {
+    std::vector<uint8_t> e(bytes);
+    ToHost(e.data(), in, bytes);
+    std::vector<float> t = accumulate ? Load(out, n) : std::vector<float>(n);
+    if (accumulate) {
+      DecodeAccumulate(e, t);
+    } else {
+      geofp8::Decode(e, t);
+    }
+    Store(out, t);
+  }
+  void Fill(float* x, size_t n, uint32_t bits) override {
+    float v;
+    std::memcpy(&v, &bits, 4);
+    Store(x, std::vector<float>(n, v));
+  }
+  void Transform(const BucketLayer& l, float* x, bool inverse) override {
+    std::vector<float> t = Load(x, l.in.size());
+    if (!inverse) {
+      if (l.geometry) ApplyGeometry(*l.geometry, t);
+      if (l.hadamard_block) HadamardForward(t, int(l.hadamard_block), l.hadamard_seed);
+    } else {
+      if (l.hadamard_block) HadamardInverse(t, int(l.hadamard_block), l.hadamard_seed);
+      if (l.geometry) InvertGeometry(*l.geometry, t);
+    }
+    Store(x, t);
+  }
+  void Synchronize() override { ++syncs_; }
+
+  size_t live() const {
+    std::lock_guard<std::mutex> lock(mu_);
+    return live_.size();
+  }
+  int syncs() const { return syncs_; }
+
+ private:
+  // Every access must fall inside one allocation.
+  void Check(const void* device, size_t bytes) const {
+    std::lock_guard<std::mutex> lock(mu_);
+    auto it = live_.upper_bound(const_cast<void*>(device));
+    ASSERT_NE(it, live_.begin()) << "access to memory outside the backend's";
+    --it;
+    const auto* base = static_cast<const uint8_t*>(it->first);
+    const auto* p = static_cast<const uint8_t*>(device);
+    ASSERT_LE(p + bytes, base + it->second) << "access past the end of a device buffer";
+  }
+  static void Scramble(void* dst, const void* src, size_t bytes) {
+    auto* d = static_cast<uint8_t*>(dst);
+    const auto* s = static_cast<const uint8_t*>(src);
+    for (size_t i = 0; i < bytes; ++i) d[i] = s[i] ^ kKey;
+  }
+  static void Unscramble(void* dst, const void* src, size_t bytes) { Scramble(dst, src, bytes); }
+  std::vector<float> Load(const float* x, size_t n) {
+    std::vector<float> t(n);
+    ToHost(t.data(), x, n * 4);
+    return t;
+  }
+  void Store(float* x, const std::vector<float>& t) { ToDevice(x, t.data(), t.size() * 4); }
+
+  mutable std::mutex mu_;
+  std::map<void*, size_t, std::less<>> live_;
+  int allocations_ = 0;
+  int syncs_ = 0;
+  size_t to_host_bytes_ = 0;
+};
+
+Runs RunBothPlanes(int n, const std::vector<LayerSpec>& layers, const ExchangeOptions& options,
+                   int steps, const std::vector<RefreshSchedule>& schedule = {},
+                   const Mutate& mutate = {}) {
+  return testing::RunBothPlanes([](int) { return std::make_unique<ScrambledBackend>(); },
+                                [](int r, DeviceBackend& b) {
+                                  EXPECT_EQ(static_cast<ScrambledBackend&>(b).live(), 0u)
+                                      << "rank " << r << ": device buffers leaked";
+                                },
+                                n, layers, options, steps, schedule, mutate);
+}
+
+struct Case {
+  Algorithm algorithm;
+  int ranks;
+  size_t inline_bytes;
+};
+
+class StagedPlaneAlgorithms : public ::testing::TestWithParam<Case> {};
+
+TEST_P(StagedPlaneAlgorithms, BitIdenticalToTheHostPlane) {
+  const Case c = GetParam();
+  const auto layers = MixedLayers();
+  ExchangeOptions options;
+  options.algorithm = c.algorithm;
+  options.seed = 7;
+  options.inline_bytes = c.inline_bytes;
+  options.segment_bytes = 16 << 10;  // several pipeline groups
+  options.bucket_cap_bytes = 24 << 10;
+  const Runs runs = RunBothPlanes(c.ranks, layers, options, 2);
+  ExpectSame(runs, layers, std::string(AlgorithmName(c.algorithm)));
+}
+
+INSTANTIATE_TEST_SUITE_P(
+    Cases, StagedPlaneAlgorithms,
+    ::testing::Values(Case{Algorithm::kTwoPhase, 2, 0}, Case{Algorithm::kTwoPhase, 3, 0},
+                      Case{Algorithm::kTwoPhase, 3, size_t{1} << 30},
+                      Case{Algorithm::kAllGather, 2, 0}, Case{Algorithm::kAllGather, 3, 0},
+                      Case{Algorithm::kAllGather, 2, size_t{1} << 30}, Case{Algorithm::kAuto, 4, 0},
+                      Case{Algorithm::kFp32, 3, 0}, Case{Algorithm::kBf16, 2, 0}),
+    [](const auto& info) {
+      return std::string(AlgorithmName(info.param.algorithm)) + "_" +
+             std::to_string(info.param.ranks) + "ranks" +
+             (info.param.inline_bytes ? "_inline" : "");
+    });
+
+TEST(StagedPlane, NonFiniteOnOneRankSkipsTheSameBucketsEverywhere) {
+  const auto layers = MixedLayers();
+  for (Algorithm a : {Algorithm::kTwoPhase, Algorithm::kAllGather, Algorithm::kFp32}) {
+    ExchangeOptions options;
+    options.algorithm = a;
+    options.bucket_cap_bytes = 24 << 10;
+    const Runs runs = RunBothPlanes(3, layers, options, 2, {}, [](int r, uint64_t s, Tensors& t) {
+      if (r == 1 && s == 0) t[2][5] = std::numeric_limits<float>::infinity();
+    });
+    ExpectSame(runs, layers, std::string(AlgorithmName(a)) + " with an inf");
+    for (int r = 0; r < 3; ++r) {
+      EXPECT_TRUE(runs.results[1][r][0].skipped) << AlgorithmName(a) << " rank " << r;
+      EXPECT_FALSE(runs.results[1][r][1].skipped) << AlgorithmName(a) << " rank " << r;
+      // Only the bucket holding mlp.w.
+      int skipped = 0;
+      for (const auto& b : runs.results[1][r][0].buckets) skipped += b.skipped;
+      EXPECT_EQ(skipped, 1) << AlgorithmName(a) << " rank " << r;
+    }
+  }
+}
+
+TEST(StagedPlane, GeometryRefreshedFromAHostCopyMatchesTheHostPlane) {
+  // The owner estimates the geometry from a host copy of the averaged gradient (instant
+  // estimator), so both planes derive the same geometries and the same bits.
+  LayerPolicy lowrank = Policy(Format::kFp8E4M3, Scaling::kBlock, 32);
+  lowrank.geometry = GeometryMode::kLowRank;
+  lowrank.rank = 4;
+  LayerPolicy diag = lowrank;
+  diag.geometry = GeometryMode::kDiag;
+  LayerPolicy both = lowrank;
+  both.hadamard = true;
+  const std::vector<LayerSpec> layers = {
+      {"w1", 64, 48, lowrank}, {"w2", 32, 64, diag}, {"w3", 48, 64, both}, {"b", 48, 1, lowrank}};
+  const std::vector<RefreshSchedule> schedule = {{1, 1, 0}, {0, 2, 0}, {2, 1, 0}, {0, 1, 0}};
+  for (Algorithm a : {Algorithm::kTwoPhase, Algorithm::kAllGather}) {
+    ExchangeOptions options;
+    options.algorithm = a;
+    options.seed = 3;
+    const Runs runs = RunBothPlanes(3, layers, options, 4, schedule);
+    ExpectSame(runs, layers, std::string(AlgorithmName(a)) + " with geometry");
+    EXPECT_FALSE(runs.results[1][0][3].refreshes.empty());
+  }
+}
+
+TEST(StagedPlane, FactorSketchReadsTheHostCopyAndEveryRankAgrees) {
+  // The sketch takes its products from the inverse transform on the host plane only; on a
+  // device plane it reads the copied result, so the geometries may differ from the host plane's
+  // in round-off but must agree across ranks (the digest check would fail otherwise).
+  LayerPolicy lowrank = Policy(Format::kNvfp4, Scaling::kBlock, 16);
+  lowrank.geometry = GeometryMode::kLowRank;
+  lowrank.rank = 4;
+  const std::vector<LayerSpec> layers = {{"w", 64, 48, lowrank}};
+  ExchangeOptions options;
+  options.algorithm = Algorithm::kTwoPhase;
+  options.estimator = GeometryEstimator::kFactorEma;
+  const Runs runs = RunBothPlanes(2, layers, options, 5, {{0, 1, 0}});
+  for (int r = 0; r < 2; ++r) {
+    for (int s = 0; s < 5; ++s) {
+      ASSERT_EQ(runs.results[1][r][s].refreshes.size(), 1u) << "rank " << r << " step " << s;
+      EXPECT_FALSE(runs.results[1][r][s].refreshes[0].from_inverse);
+      EXPECT_TRUE(SameBytes(runs.outputs[1][r][s][0], runs.outputs[1][0][s][0]))
+          << "rank " << r << " step " << s;
+    }
+  }
+}
+
+TEST(StagedPlane, FingerprintMismatchIsReportedAsOnTheHost) {
+  const auto layers = MixedLayers();
+  std::vector<std::string> messages;
+  const auto errors = RunRanks(2, [&](Communicator& comm) {
+    ScrambledBackend backend;
+    StagedPlane plane(backend);
+    ExchangeOptions o;
+    o.plane = &plane;
+    o.policy_version = comm.rank() == 1 ? 2 : 1;
+    Exchanger ex(comm, layers, o);
+    DeviceTensors dev(backend, MakeInputs(comm.rank(), layers));
+    ex.Exchange(0, dev.spans());
+  });
+  for (const auto& e : errors) {
+    EXPECT_NE(e.find("exchange fingerprint mismatch"), std::string::npos) << e;
+    EXPECT_NE(e.find("policy version"), std::string::npos) << e;
+  }
+}
+
+TEST(StagedPlane, ErrorFeedbackIsRefusedNamingTheLayer) {
+  LayerPolicy ef = Policy(Format::kNvfp4, Scaling::kBlock, 16);
+  ef.error_feedback = true;
+  const std::vector<LayerSpec> layers = {{"blocks.0.mlp.w", 16, 16, ef}};
+  const auto errors = RunRanks(1, [&](Communicator& comm) {
+    ScrambledBackend backend;
+    StagedPlane plane(backend);
+    ExchangeOptions o;
+    o.plane = &plane;
+    Exchanger ex(comm, layers, o);
+  });
+  EXPECT_NE(errors[0].find("layer 'blocks.0.mlp.w': error_feedback: not available on device "
+                           "memory (scrambled)"),
+            std::string::npos)
+      << errors[0];
+}
+
+TEST(StagedPlane, FillNaNAndReadGoThroughTheBackend) {
+  ScrambledBackend backend;
+  StagedPlane plane(backend);
+  DeviceTensors dev(backend, {{1.f, 2.f, 3.f}});
+  plane.FillNaN(dev.spans()[0]);
+  const Tensors back = dev.Download();
+  for (float v : back[0]) {
+    uint32_t bits;
+    std::memcpy(&bits, &v, 4);
+    EXPECT_EQ(bits, 0xFFFFFFFFu);
+  }
+  HostPlane host;
+  std::vector<float> h = {1.f, -0.f, 3.f};
+  host.FillNaN(h);
+  for (float v : h) EXPECT_TRUE(std::isnan(v));
+}
+
+}  // namespace
+}  // namespace geofp8

@@ -1,0 +1,140 @@
+// Test harness for the exchange engine's device plane (data_plane.h): the same steps through the
+// host plane and through a StagedPlane over a DeviceBackend, compared. Used with a scrambled
+// host-memory backend (data_plane_test.cc) and with the CUDA backend (cuda_plane_test.cc).
+#pragma once
+
+#include <gtest/gtest.h>
+
+#include <functional>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "kernels/exchange/data_plane.h"
+#include "kernels/exchange/exchanger.h"
+#include "tests/exchange/exchange_harness.h"
+
+namespace geofp8::testing {
+
+// A rank's gradients in a backend's memory.
+struct DeviceTensors {
+  DeviceBackend& backend;
+  std::vector<float*> ptrs;
+  std::vector<size_t> sizes;
+  DeviceTensors(DeviceBackend& b, const Tensors& host) : backend(b) {
+    for (const auto& t : host) {
+      ptrs.push_back(static_cast<float*>(b.Allocate(std::max<size_t>(t.size(), 1) * 4)));
+      sizes.push_back(t.size());
+      b.ToDevice(ptrs.back(), t.data(), t.size() * 4);
+    }
+  }
+  ~DeviceTensors() {
+    for (float* p : ptrs) backend.Free(p);
+  }
+  std::vector<std::span<float>> spans() const {
+    std::vector<std::span<float>> s;
+    for (size_t l = 0; l < ptrs.size(); ++l) s.emplace_back(ptrs[l], sizes[l]);
+    return s;
+  }
+  Tensors Download() const {
+    Tensors out(ptrs.size());
+    for (size_t l = 0; l < ptrs.size(); ++l) {
+      out[l].resize(sizes[l]);
+      backend.ToHost(out[l].data(), ptrs[l], sizes[l] * 4);
+    }
+    return out;
+  }
+};
+
+// Both planes over the same inputs and steps: outputs [plane][rank][step][layer], results.
+struct Runs {
+  std::vector<std::vector<std::vector<Tensors>>> outputs;
+  std::vector<std::vector<std::vector<StepResult>>> results;
+};
+
+using Mutate = std::function<void(int rank, uint64_t step, Tensors&)>;
+// Each rank's backend (its own stream, on a GPU); `after` checks it once its plane is gone.
+using BackendFactory = std::function<std::unique_ptr<DeviceBackend>(int rank)>;
+using BackendCheck = std::function<void(int rank, DeviceBackend&)>;
+
+// `steps` steps of the same inputs through the host plane, then through a StagedPlane over each
+// rank's backend, ranks as threads over Gloo.
+inline Runs RunBothPlanes(const BackendFactory& make_backend, const BackendCheck& after, int n,
+                          const std::vector<LayerSpec>& layers, const ExchangeOptions& options,
+                          int steps, const std::vector<RefreshSchedule>& schedule = {},
+                          const Mutate& mutate = {}) {
+  Runs runs;
+  runs.outputs.assign(2, std::vector<std::vector<Tensors>>(n));
+  runs.results.assign(2, std::vector<std::vector<StepResult>>(n));
+  for (int staged = 0; staged < 2; ++staged) {
+    const auto errors = RunRanks(n, [&](Communicator& comm) {
+      const int r = comm.rank();
+      std::unique_ptr<DeviceBackend> owned = make_backend(r);
+      DeviceBackend& backend = *owned;
+      {
+        StagedPlane plane(backend);
+        ExchangeOptions o = options;
+        if (staged) o.plane = &plane;
+        Exchanger ex(comm, layers, o, schedule);
+        for (int s = 0; s < steps; ++s) {
+          Tensors data = MakeInputs(r, layers, s);
+          if (mutate) mutate(r, s, data);
+          if (staged) {
+            DeviceTensors dev(backend, data);
+            runs.results[1][r].push_back(ex.Exchange(s, dev.spans()));
+            runs.outputs[1][r].push_back(dev.Download());
+          } else {
+            std::vector<std::span<float>> grads;
+            for (auto& t : data) grads.emplace_back(t);
+            runs.results[0][r].push_back(ex.Exchange(s, grads));
+            runs.outputs[0][r].push_back(data);
+          }
+        }
+      }
+      if (after) after(r, backend);
+    });
+    EXPECT_EQ(JoinErrors(errors), "") << (staged ? "staged plane" : "host plane");
+  }
+  return runs;
+}
+
+inline void ExpectSame(const Runs& runs, const std::vector<LayerSpec>& layers,
+                       const std::string& what) {
+  const size_t n = runs.outputs[0].size();
+  for (size_t r = 0; r < n; ++r) {
+    ASSERT_EQ(runs.outputs[1][r].size(), runs.outputs[0][r].size()) << what;
+    for (size_t s = 0; s < runs.outputs[0][r].size(); ++s) {
+      const StepResult& a = runs.results[0][r][s];
+      const StepResult& b = runs.results[1][r][s];
+      EXPECT_EQ(b.skipped, a.skipped) << what << " rank " << r << " step " << s;
+      EXPECT_EQ(b.bytes_sent, a.bytes_sent) << what << " rank " << r << " step " << s;
+      ASSERT_EQ(b.buckets.size(), a.buckets.size());
+      for (size_t k = 0; k < a.buckets.size(); ++k) {
+        EXPECT_EQ(b.buckets[k].skipped, a.buckets[k].skipped) << what << " bucket " << k;
+      }
+      EXPECT_EQ(b.refreshes.size(), a.refreshes.size()) << what << " rank " << r << " step " << s;
+      for (size_t l = 0; l < layers.size(); ++l) {
+        if (a.skipped) continue;  // a skipped bucket's values have no meaning
+        ASSERT_TRUE(SameBytes(runs.outputs[1][r][s][l], runs.outputs[0][r][s][l]))
+            << what << ": rank " << r << " step " << s << " layer " << layers[l].name
+            << " differs from the host plane at element "
+            << FirstBitDifference(runs.outputs[1][r][s][l], runs.outputs[0][r][s][l]);
+      }
+    }
+  }
+}
+
+inline std::vector<LayerSpec> MixedLayers() {
+  LayerPolicy rotated = Policy(Format::kFp8E4M3, Scaling::kBlock, 32);
+  rotated.hadamard = true;
+  LayerPolicy stochastic = Policy(Format::kNvfp4, Scaling::kBlock, 16, Rounding::kStochastic);
+  return {
+      {"embed", 40, 96, Policy(Format::kFp8E4M3, Scaling::kBlock, 128)},
+      {"attn.w", 32, 64, rotated},
+      {"mlp.w", 48, 80, stochastic},
+      {"head.w", 24, 50, Policy(Format::kFp8E5M2, Scaling::kTensor, 0)},
+      {"norm", 77, 1, Policy(Format::kFp8E4M3, Scaling::kBlock, 128)},
+  };
+}
+
+}  // namespace geofp8::testing
