@@ -140,16 +140,17 @@ double SteadySeconds(std::chrono::steady_clock::time_point t) {
   return std::chrono::duration<double>(t.time_since_epoch()).count();
 }
 
-// An exchange's figures for Python (exchange()'s and submit()'s result).
-py::dict ResultDict(const StepResult& r) {
+// An exchange's figures for Python (exchange()'s and submit()'s result), with the deferred
+// refreshes run since the last dict (`deferred`, `deferred_from_inverse`), which it takes.
+py::dict ResultDict(const StepResult& r, size_t& deferred, size_t& deferred_from_inverse) {
   py::dict d;
   d["skipped"] = r.skipped;
   d["bytes_sent"] = r.bytes_sent;
   d["seconds"] = r.seconds;
-  d["refreshes"] = r.refreshes.size();
   size_t from_inverse = 0;  // refreshes whose sketch took its projections from the inverse
   for (const RefreshRecord& rec : r.refreshes) from_inverse += rec.from_inverse;
-  d["refreshes_from_inverse"] = from_inverse;
+  d["refreshes"] = r.refreshes.size() + std::exchange(deferred, 0);
+  d["refreshes_from_inverse"] = from_inverse + std::exchange(deferred_from_inverse, 0);
   return d;
 }
 
@@ -366,9 +367,24 @@ class Engine {
     {
       py::gil_scoped_release release;
       if (stream) WaitForEvent(RecordEvent(*stream));
-      r = ex.Exchange(step, grads);
+      // A bucket exchanged in the hook call (the step's last, or every one when synchronous)
+      // leaves its sketch updates to the engine's exchange thread, off the step's critical
+      // path. The instant estimator's broadcast cannot wait.
+      r = ex.Exchange(step, grads,
+                      plan_->refresh.estimator == GeometryEstimator::kFactorEma
+                          ? Refreshes::kDeferred
+                          : Refreshes::kNow);
     }
-    return ResultDict(r);
+    if (ex.has_pending_refreshes()) {
+      // The step's refreshes run on the exchange thread after this returns, while the optimizer
+      // and the next forward run; the next exchange waits for them.
+      auto job = std::make_unique<Job>();
+      job->step = step;
+      job->exchanger = &ex;
+      job->refresh_only = true;
+      Enqueue(std::move(job));
+    }
+    return ResultDict(r, q_->deferred_refreshes, q_->deferred_from_inverse);
   }
 
   // exchange() without waiting: queues the bucket for the engine's exchange thread, which runs
@@ -559,6 +575,10 @@ class Engine {
     py::object buffer;  // keeps the bucket's memory alive (CPU; a CUDA bucket's caller keeps it)
     py::object done;
     uintptr_t event = 0;  // CUDA: recorded on torch's stream at submit, waited for before the run
+    // The deferred geometry refreshes of a bucket exchanged in the hook call
+    // (ExchangeOptions::defer_refreshes): no data, no callback; an error is raised by the next
+    // exchange.
+    bool refresh_only = false;
     std::chrono::steady_clock::time_point queued, started, finished;
     StepResult result;
     std::exception_ptr error;
@@ -575,6 +595,8 @@ class Engine {
     bool running = false;                             // the exchange thread is inside an exchange
     bool stop = false;
     std::exception_ptr first_error;  // of a queued bucket, for the next exchange() to raise
+    // Deferred refreshes run since the last result dict, added to the next one. Under the GIL.
+    size_t deferred_refreshes = 0, deferred_from_inverse = 0;
   };
 
   // A job for the exchange thread (submit() and submit_cuda()).
@@ -693,8 +715,12 @@ class Engine {
       }
       job->started = std::chrono::steady_clock::now();
       try {
-        if (job->event) WaitForEvent(std::exchange(job->event, 0));
-        job->result = job->exchanger->Exchange(job->step, job->grads);
+        if (job->refresh_only) {
+          job->result.refreshes = job->exchanger->RunPendingRefreshes();
+        } else {
+          if (job->event) WaitForEvent(std::exchange(job->event, 0));
+          job->result = job->exchanger->Exchange(job->step, job->grads);
+        }
       } catch (...) {
         job->error = std::current_exception();
       }
@@ -723,7 +749,7 @@ class Engine {
       }
       {
         py::gil_scoped_acquire gil;
-        Complete(*job);
+        Complete(*q, *job);
         job.reset();
       }
       {
@@ -735,7 +761,14 @@ class Engine {
   }
 
   // With the GIL held.
-  static void Complete(Job& job) {
+  static void Complete(Queue& q, Job& job) {
+    if (job.refresh_only) {
+      for (const RefreshRecord& rec : job.result.refreshes) {
+        ++q.deferred_refreshes;
+        q.deferred_from_inverse += rec.from_inverse;
+      }
+      return;  // an error waits in first_error for the next exchange
+    }
     try {
       py::object result = py::none(), error = py::none();
       if (job.error) {
@@ -747,7 +780,7 @@ class Engine {
           error = py::reinterpret_borrow<py::object>(PyExc_RuntimeError)(e.what());
         }
       } else {
-        py::dict d = ResultDict(job.result);
+        py::dict d = ResultDict(job.result, q.deferred_refreshes, q.deferred_from_inverse);
         d["queued"] = SteadySeconds(job.queued);
         d["started"] = SteadySeconds(job.started);
         d["finished"] = SteadySeconds(job.finished);

@@ -224,6 +224,7 @@ std::shared_future<BucketResult> Exchanger::Submit(uint64_t step, size_t bucket,
                                                    std::vector<std::span<float>> grads) {
   GEOFP8_CHECK(bucket < buckets_.size(), "submit: bucket ", bucket, " out of range (",
                buckets_.size(), " buckets)");
+  if (deferred_) RunPendingRefreshes();
   GEOFP8_CHECK(grads.size() == layers_.size(), "submit: ", grads.size(), " gradients for ",
                layers_.size(), " layers");
   auto& pending = steps_[step];
@@ -246,6 +247,7 @@ void Exchanger::BeginStep(uint64_t step, std::vector<std::span<float>> grads) {
                layers_.size(), " layers");
   GEOFP8_CHECK(steps_.find(step) == steps_.end(), "begin step: step ", step,
                " already has submitted buckets");
+  if (deferred_) RunPendingRefreshes();
   Pending& pending = steps_[step];
   pending.grads = std::move(grads);
   pending.unready.resize(buckets_.size());
@@ -338,10 +340,16 @@ StepResult Exchanger::Finish(uint64_t step) {
   return result;
 }
 
-StepResult Exchanger::Exchange(uint64_t step, std::vector<std::span<float>> grads) {
+StepResult Exchanger::Exchange(uint64_t step, std::vector<std::span<float>> grads,
+                               Refreshes refreshes) {
+  GEOFP8_CHECK(refreshes == Refreshes::kNow || options_.estimator == GeometryEstimator::kFactorEma,
+               "exchange: deferred refreshes need estimator ema (the instant estimator's owner "
+               "broadcasts each refresh, a collective that cannot wait), not ",
+               GeometryEstimatorName(options_.estimator));
   GEOFP8_CHECK(grads.size() == layers_.size(), "exchange: ", grads.size(), " gradients for ",
                layers_.size(), " layers");
   GEOFP8_CHECK(!steps_.contains(step), "exchange: step ", step, " already has submitted buckets");
+  if (deferred_ && steps_.empty()) RunPendingRefreshes();
   // Every bucket is here at once, on every rank: run them as one pipeline (up to 64 buckets per
   // run, one non-finite flag bit each), so there is one fill and one drain instead of one per
   // bucket. Results and errors are per bucket, as with Submit.
@@ -360,7 +368,13 @@ StepResult Exchanger::Exchange(uint64_t step, std::vector<std::span<float>> grad
       }
     }
     CommitResiduals(result.skipped);
-    if (!result.skipped && !schedule_.empty()) result.refreshes = RunRefreshes(step, grads);
+    if (!result.skipped && !schedule_.empty()) {
+      if (refreshes == Refreshes::kDeferred) {
+        Defer(step, grads);
+      } else {
+        result.refreshes = RunRefreshes(step, grads);
+      }
+    }
     result.seconds =
         std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
     return result;
@@ -384,8 +398,53 @@ StepResult Exchanger::Exchange(uint64_t step, std::vector<std::span<float>> grad
   return Finish(step);
 }
 
+void Exchanger::Defer(uint64_t step, const std::vector<std::span<float>>& grads) {
+  Deferred d;
+  d.step = step;
+  d.grads.resize(layers_.size());
+  bool any = false;
+  for (uint32_t l = 0; l < layers_.size(); ++l) {
+    if (!UsesGeometry(l) || !RefreshesAt(l, step)) continue;
+    if (options_.plane && !options_.plane->host_memory()) {
+      d.grads[l].resize(grads[l].size());
+      options_.plane->Read(grads[l], d.grads[l]);
+    } else {
+      d.grads[l].assign(grads[l].begin(), grads[l].end());
+    }
+    // The inverse's products describe this gradient, which the copy is bit for bit.
+    if (state_[l].products.data == grads[l].data()) state_[l].products.data = d.grads[l].data();
+    any = true;
+  }
+  if (any) deferred_ = std::move(d);
+}
+
+std::vector<RefreshRecord> Exchanger::RunPendingRefreshes() {
+  if (!deferred_) return {};
+  GEOFP8_CHECK(steps_.empty(), "RunPendingRefreshes: step ", steps_.begin()->first,
+               " is in flight");
+  Deferred d = std::move(*deferred_);
+  deferred_.reset();
+  std::vector<std::span<float>> grads(layers_.size());
+  for (size_t l = 0; l < layers_.size(); ++l) grads[l] = d.grads[l];
+  // RunRefreshes reads the gradients from host memory here, whatever the plane.
+  DataPlane* plane = std::exchange(options_.plane, nullptr);
+  std::vector<RefreshRecord> out;
+  try {
+    out = RunRefreshes(d.step, grads);
+  } catch (...) {
+    options_.plane = plane;
+    throw;
+  }
+  options_.plane = plane;
+  return out;
+}
+
 std::vector<LayerGeometryState> Exchanger::ExportGeometry() const {
   if (!steps_.empty()) GEOFP8_FAIL("ExportGeometry: step ", steps_.begin()->first, " is in flight");
+  if (deferred_) {
+    GEOFP8_FAIL("ExportGeometry: the refreshes of step ", deferred_->step,
+                " are deferred and have not run (RunPendingRefreshes)");
+  }
   std::vector<LayerGeometryState> out(layers_.size());
   for (size_t l = 0; l < layers_.size(); ++l) {
     const LayerState& st = state_[l];
@@ -425,6 +484,10 @@ std::string Exchanger::PolicyMismatch(uint32_t l, const Geometry& g) const {
 std::vector<uint32_t> Exchanger::ImportGeometry(const std::vector<LayerGeometryState>& state,
                                                 GeometryImport mode) {
   if (!steps_.empty()) GEOFP8_FAIL("ImportGeometry: step ", steps_.begin()->first, " is in flight");
+  if (deferred_) {
+    GEOFP8_FAIL("ImportGeometry: the refreshes of step ", deferred_->step,
+                " are deferred and have not run (RunPendingRefreshes)");
+  }
   GEOFP8_CHECK(state.size() == layers_.size(), "ImportGeometry: ", state.size(),
                " layer states for ", layers_.size(), " layers");
   std::vector<LayerState> next(layers_.size());

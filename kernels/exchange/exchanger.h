@@ -11,6 +11,7 @@
 #include <future>
 #include <map>
 #include <mutex>
+#include <optional>
 #include <span>
 #include <string>
 #include <thread>
@@ -79,6 +80,18 @@ struct ExchangeOptions {
   // whose policy the plane cannot run are refused at construction, naming the layer and field;
   // geometry refreshes read the averaged gradient through a host copy.
   DataPlane* plane = nullptr;
+};
+
+// When Exchange runs the step's geometry refreshes.
+enum class Refreshes {
+  kNow,
+  // estimator kFactorEma only: Exchange leaves them pending (each refreshed layer's averaged
+  // gradient is copied for them) and returns no RefreshRecords; RunPendingRefreshes runs them,
+  // and so does the next Exchange, Submit or BeginStep before anything else (dropping their
+  // records). Every step still uses the geometry it would have, bit for bit. For a caller with a
+  // thread to spare (geofp8.torch's engine runs them on its exchange thread while the optimizer
+  // and the next forward run): the sketch's update leaves the step's critical path.
+  kDeferred,
 };
 
 // Buckets: layers in reverse order (the order backward produces them), greedily packed.
@@ -189,13 +202,20 @@ class Exchanger {
   // buckets share one pipeline run (one fill and one drain), as nothing has to overlap a backward
   // pass. When no other step is in flight it runs on the calling thread (the exchanger's own
   // thread is idle then), saving two thread handoffs per call.
-  StepResult Exchange(uint64_t step, std::vector<std::span<float>> grads);
+  StepResult Exchange(uint64_t step, std::vector<std::span<float>> grads,
+                      Refreshes refreshes = Refreshes::kNow);
+
+  // Refreshes::kDeferred: whether a step's refreshes wait, and running them (their records;
+  // empty when none wait). Not while a step is in flight.
+  bool has_pending_refreshes() const { return deferred_.has_value(); }
+  std::vector<RefreshRecord> RunPendingRefreshes();
 
   // The geometry layer l uses at `step` (after activations up to it). For tests and metrics.
   const Geometry& active_geometry(uint32_t layer) const { return state_[layer].active; }
 
   // Every layer's geometry state (one entry per layer), for a checkpoint or a policy change.
-  // Only between steps: throws if a step was submitted and not finished.
+  // Only between steps: throws if a step was submitted and not finished, or its deferred
+  // refreshes have not run.
   std::vector<LayerGeometryState> ExportGeometry() const;
 
   // Takes in state from ExportGeometry (one entry per layer), between steps. Every non-empty
@@ -247,6 +267,8 @@ class Exchanger {
                                        const std::vector<std::span<float>>& grads);
   std::vector<RefreshRecord> RunRefreshes(uint64_t step,
                                           const std::vector<std::span<float>>& grads);
+  // Refreshes::kDeferred: keeps copies of the gradients the step's refreshes read, for later.
+  void Defer(uint64_t step, const std::vector<std::span<float>>& grads);
   // The rotation block the layer's exchange uses (0: none): matrices under a compressed algorithm,
   // as for geometry.
   uint32_t HadamardBlockOf(uint32_t layer) const;
@@ -276,6 +298,12 @@ class Exchanger {
     std::vector<bool> ready;  // per layer
   };
   std::map<uint64_t, Pending> steps_;
+  // Refreshes::kDeferred: the step whose refreshes wait, with copies of their layers' gradients.
+  struct Deferred {
+    uint64_t step = 0;
+    std::vector<std::vector<float>> grads;  // per layer; empty where the layer does not refresh
+  };
+  std::optional<Deferred> deferred_;
 
   std::mutex mu_;
   std::condition_variable cv_;

@@ -197,6 +197,77 @@ TEST(ExchangeSketch, DriftOffChangesOnlyTheDrift) {
     }
 }
 
+// defer_refreshes: the refreshes of a step run later (explicitly after odd steps, at the start
+// of the next exchange after even ones) from a copy of the average, and the inverse's products
+// follow the copy, so every step's geometry and output are the bits of the immediate run, on
+// every rank, with the same records where they are returned.
+TEST(ExchangeSketch, DeferredRefreshesGiveTheSameBits) {
+  const int N = 3;
+  const int64_t m = 48, n = 40;
+  EmaCase setup = EmaSetup(m, n);
+  setup.options.sketch.width = 3;  // = k: refreshes take the inverse's products
+  const int steps = 6;
+  const EmaRun now = RunEma(N, setup, m, n, steps);
+  EmaRun later;
+  later.active.resize(N);
+  later.outputs.resize(N);
+  later.results.resize(N);
+  std::vector<std::string> export_errors(N);
+  const EmaCase& deferred = setup;
+  const auto errors = RunRanks(N, [&](Communicator& comm) {
+    const int r = comm.rank();
+    Exchanger ex(comm, deferred.layers, deferred.options, deferred.schedule);
+    for (int s = 0; s < steps; ++s) {
+      auto w = Persistent(r, s, m, n);
+      std::vector<float> b(n, 0.5f * r);
+      StepResult res =
+          ex.Exchange(s, {std::span<float>(w), std::span<float>(b)}, Refreshes::kDeferred);
+      EXPECT_TRUE(res.refreshes.empty()) << "step " << s;
+      EXPECT_TRUE(ex.has_pending_refreshes()) << "step " << s;
+      if (s == 2) {
+        try {
+          ex.ExportGeometry();
+        } catch (const Error& e) {
+          export_errors[r] = e.what();
+        }
+      }
+      if (s % 2 == 1) res.refreshes = ex.RunPendingRefreshes();
+      later.results[r].push_back(res);
+      later.active[r].push_back(SerializeGeometry(ex.active_geometry(0)));
+      later.outputs[r].push_back(w);
+    }
+  });
+  ASSERT_EQ(JoinErrors(errors), "");
+  for (int r = 0; r < N; ++r) {
+    EXPECT_NE(export_errors[r].find("the refreshes of step 2 are deferred"), std::string::npos)
+        << export_errors[r];
+    for (int s = 0; s < steps; ++s) {
+      EXPECT_EQ(later.active[r][s], now.active[r][s]) << "rank " << r << " step " << s;
+      EXPECT_TRUE(SameBytes(later.outputs[r][s], now.outputs[r][s]))
+          << "rank " << r << " step " << s;
+      if (s % 2 == 0) continue;
+      ASSERT_EQ(later.results[r][s].refreshes.size(), 1u) << "rank " << r << " step " << s;
+      const RefreshRecord& a = now.results[r][s].refreshes[0];
+      const RefreshRecord& d = later.results[r][s].refreshes[0];
+      EXPECT_EQ(d.version, a.version);
+      EXPECT_EQ(d.active_from, a.active_from);
+      EXPECT_EQ(d.drift, a.drift);
+      EXPECT_TRUE(d.from_inverse) << "rank " << r << " step " << s;
+    }
+  }
+  // The instant estimator's owner broadcasts: it cannot defer.
+  EmaCase instant = deferred;
+  instant.options.estimator = GeometryEstimator::kInstant;
+  const auto refused = RunRanks(1, [&](Communicator& comm) {
+    Exchanger ex(comm, instant.layers, instant.options, instant.schedule);
+    auto w = Persistent(0, 0, m, n);
+    std::vector<float> b(n, 0.f);
+    ex.Exchange(0, {std::span<float>(w), std::span<float>(b)}, Refreshes::kDeferred);
+  });
+  EXPECT_NE(refused[0].find("deferred refreshes need estimator ema"), std::string::npos)
+      << refused[0];
+}
+
 TEST(ExchangeSketch, ExportImportContinuesExactly) {
   const int N = 2;
   const int64_t m = 40, n = 24;
