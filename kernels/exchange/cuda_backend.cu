@@ -160,17 +160,29 @@ DeviceGeometry& CudaBackend::GeometryOf(const BucketLayer& l) {
   return *u.geometry;
 }
 
-void CudaBackend::Transform(const BucketLayer& l, float* x, bool inverse) {
-  GEOFP8_CUDA_CHECK(cudaSetDevice(device_));
-  const size_t n = l.in.size();
-  if (l.geometry && !l.geometry->is_identity() && !cublas_) {
+void* CudaBackend::Cublas() {
+  if (!cublas_) {
     cublasHandle_t h = nullptr;
     GEOFP8_CHECK(cublasCreate(&h) == CUBLAS_STATUS_SUCCESS, "cuBLAS: cublasCreate failed on ",
                  name());
     cublasSetStream(h, S(stream_));
     cublas_ = h;
   }
-  auto* handle = reinterpret_cast<cublasContext*>(cublas_);
+  return cublas_;
+}
+
+std::unique_ptr<GradientProducts> CudaBackend::Products(const float* g, int64_t m, int64_t n) {
+  GEOFP8_CUDA_CHECK(cudaSetDevice(device_));
+  return std::make_unique<DeviceGradient>(g, m, n, S(stream_),
+                                          reinterpret_cast<cublasContext*>(Cublas()));
+}
+
+void CudaBackend::Transform(const BucketLayer& l, float* x, bool inverse) {
+  GEOFP8_CUDA_CHECK(cudaSetDevice(device_));
+  const size_t n = l.in.size();
+  auto* handle = l.geometry && !l.geometry->is_identity()
+                     ? reinterpret_cast<cublasContext*>(Cublas())
+                     : nullptr;
   if (!inverse) {
     if (l.geometry && !l.geometry->is_identity()) GeometryOf(l).Apply(x, S(stream_), handle);
     if (l.hadamard_block) {

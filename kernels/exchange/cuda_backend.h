@@ -60,6 +60,8 @@ class CudaBackend final : public DeviceBackend {
   void Fill(float* x, size_t n, uint32_t bits) override;
   void Transform(const BucketLayer& l, float* x, bool inverse) override;
   void Synchronize() override;
+  // cuda::DeviceGradient (geometry_cuda.h) on this backend's stream.
+  std::unique_ptr<GradientProducts> Products(const float* g, int64_t m, int64_t n) override;
 
  private:
   struct Uploaded {
@@ -67,6 +69,7 @@ class CudaBackend final : public DeviceBackend {
     std::unique_ptr<DeviceGeometry> geometry;
   };
   DeviceGeometry& GeometryOf(const BucketLayer& l);
+  void* Cublas();  // cublasHandle_t on stream_, created on first use
 
   int device_ = 0;
   void* stream_ = nullptr;  // cudaStream_t

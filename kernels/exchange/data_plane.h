@@ -14,6 +14,7 @@
 
 #include <cstddef>
 #include <cstdint>
+#include <memory>
 #include <span>
 #include <string>
 
@@ -21,6 +22,7 @@
 #include "kernels/common/uninitialized.h"
 #include "kernels/exchange/chunking.h"
 #include "kernels/exchange/policy.h"
+#include "kernels/geometry/factor_sketch.h"
 #include "kernels/geometry/geometry.h"
 
 namespace geofp8 {
@@ -111,6 +113,10 @@ class DataPlane {
   virtual void Read(std::span<const float> in, std::span<float> host) = 0;
   // Every float of `out` set to a quiet NaN (all bits set), as a skipped bucket is handed back.
   virtual void FillNaN(std::span<float> out) = 0;
+  // The factor sketch's access to the m x n gradient g (an exchanger's refresh): its products
+  // where g lives. Null: the plane has none, and the caller reads g to the host instead.
+  virtual std::unique_ptr<GradientProducts> Products(std::span<const float> g, int64_t m,
+                                                     int64_t n) = 0;
 
   // The OR of the flag bits noted since the last call.
   virtual uint64_t TakeFlags() = 0;
@@ -139,6 +145,10 @@ class HostPlane final : public DataPlane {
   void Write(std::span<const float> host, std::span<float> out) override;
   void Read(std::span<const float> in, std::span<float> host) override;
   void FillNaN(std::span<float> out) override;
+  std::unique_ptr<GradientProducts> Products(std::span<const float> g, int64_t m,
+                                             int64_t n) override {
+    return std::make_unique<HostGradient>(g.data(), m, n);
+  }
   uint64_t TakeFlags() override;
   void Flush() override {}
 
@@ -181,6 +191,12 @@ class DeviceBackend {
   virtual void Transform(const BucketLayer& l, float* x, bool inverse) = 0;
   // Returns once everything issued is done.
   virtual void Synchronize() = 0;
+  // The factor sketch's products over the m x n device gradient g (DataPlane::Products); null:
+  // none, the gradient is read to the host instead.
+  virtual std::unique_ptr<GradientProducts> Products(const float* g, int64_t m, int64_t n) {
+    (void)g, (void)m, (void)n;
+    return nullptr;
+  }
 };
 
 // A plane over a DeviceBackend's memory, staging encoded bytes through host memory for the
@@ -210,6 +226,10 @@ class StagedPlane final : public DataPlane {
   void Write(std::span<const float> host, std::span<float> out) override;
   void Read(std::span<const float> in, std::span<float> host) override;
   void FillNaN(std::span<float> out) override;
+  std::unique_ptr<GradientProducts> Products(std::span<const float> g, int64_t m,
+                                             int64_t n) override {
+    return device_.Products(g.data(), m, n);
+  }
   uint64_t TakeFlags() override;
   void Flush() override;
 

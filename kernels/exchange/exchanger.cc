@@ -751,7 +751,13 @@ std::vector<RefreshRecord> Exchanger::RunRefreshes(uint64_t step,
     const LayerSpec& spec = layers_[l];
     LayerState& st = state_[l];
     std::span<const float> grad = grads[l];
-    if (device &&
+    // A device plane's sketch runs its products where the gradient lives, where it can; the
+    // instant estimator (and a plane without products) reads a host copy.
+    std::unique_ptr<GradientProducts> products;
+    if (device && options_.estimator == GeometryEstimator::kFactorEma) {
+      products = options_.plane->Products(grads[l], spec.rows, spec.cols);
+    }
+    if (device && !products &&
         (options_.estimator == GeometryEstimator::kFactorEma || comm_.rank() == s.owner)) {
       host_copy.resize(grad.size());
       options_.plane->Read(grads[l], host_copy);
@@ -763,8 +769,11 @@ std::vector<RefreshRecord> Exchanger::RunRefreshes(uint64_t step,
       // Every rank holds the same averaged gradient and runs the same fixed-order arithmetic, so
       // every rank derives the same geometry; the fingerprint's digest checks it at its first use.
       const auto start = std::chrono::steady_clock::now();
-      rec.from_inverse = UpdateFactorSketch(st.sketch, grad, spec.rows, spec.cols, spec.policy.rank,
-                                            SketchOptions(l), &st.products);
+      rec.from_inverse = products
+                             ? UpdateFactorSketch(st.sketch, *products, spec.rows, spec.cols,
+                                                  spec.policy.rank, SketchOptions(l), nullptr)
+                             : UpdateFactorSketch(st.sketch, grad, spec.rows, spec.cols,
+                                                  spec.policy.rank, SketchOptions(l), &st.products);
       st.products.valid = false;
       SketchGeometryOptions go;
       go.rank = spec.policy.rank;

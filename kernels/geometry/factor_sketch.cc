@@ -189,10 +189,44 @@ bool Matches(const FactorSketch& s, const InverseProducts* known, const float* G
 
 }  // namespace
 
+double HostGradient::ProductAndNorm(const float* x, int ldx, float* y) {
+  return geometry::ThinProductAndNorm(g_, m_, n_, x, ldx, y);
+}
+
+void HostGradient::TransposeProduct(const float* q, int c, float* bt) {
+  if (c == 8) {  // an update without probes: 8 columns, one register-blocked read of G
+    q8_.resize(size_t(m_) * 8);
+    bt8_.resize(size_t(n_) * 8);
+    for (int64_t r = 0; r < m_; ++r)
+      for (int j = 0; j < 8; ++j) q8_[r * 8 + j] = q[int64_t(j) * m_ + r];
+    if (geometry::ThinBothSides(g_, m_, n_, q8_.data(), nullptr, 8, nullptr, bt8_.data(), false)) {
+      for (int j = 0; j < 8; ++j)
+        for (int64_t h = 0; h < n_; ++h) bt[int64_t(j) * n_ + h] = bt8_[h * 8 + j];
+      return;
+    }
+  }
+  cblas_sgemm(CblasColMajor, CblasNoTrans, CblasNoTrans, n_, c, m_, 1.f, g_, n_, q, m_, 0.f, bt,
+              n_);
+}
+
+int64_t HostGradient::FindNonFinite() {
+  for (int64_t i = 0; i < m_ * n_; ++i) {
+    if (!std::isfinite(g_[i])) return i;
+  }
+  return -1;
+}
+
 bool UpdateFactorSketch(FactorSketch& s, std::span<const float> G, int64_t m, int64_t n, int k,
                         const FactorSketchOptions& o, const InverseProducts* known) {
   GEOFP8_CHECK(m > 0 && n > 0 && static_cast<int64_t>(G.size()) == m * n,
                "UpdateFactorSketch: G has ", G.size(), " elements, shape ", m, "x", n);
+  HostGradient g(G.data(), m, n);
+  return UpdateFactorSketch(s, g, m, n, k, o, known);
+}
+
+bool UpdateFactorSketch(FactorSketch& s, GradientProducts& G, int64_t m, int64_t n, int k,
+                        const FactorSketchOptions& o, const InverseProducts* known) {
+  GEOFP8_CHECK(m > 0 && n > 0, "UpdateFactorSketch: shape ", m, "x", n);
   GEOFP8_CHECK(o.width >= 1 && o.probes >= 0 && o.probe_every >= 1 && o.beta >= 0.f && o.beta < 1.f,
                "FactorSketchOptions: width ", o.width, ", probes ", o.probes, ", probe_every ",
                o.probe_every, ", beta ", o.beta,
@@ -215,7 +249,7 @@ bool UpdateFactorSketch(FactorSketch& s, std::span<const float> G, int64_t m, in
   // non-finite, and only then is G searched for the culprit. When the inverse transform that
   // produced G already knows G V and ||G||^2 for the held V, only the probes' columns are read,
   // and on an update without probes nothing.
-  const bool use_known = Matches(s, known, G.data(), m, n, held);
+  const bool use_known = G.host_data() && Matches(s, known, G.host_data(), m, n, held);
   double g2 = 0.0;
   if (use_known) {
     g2 = known->norm2;
@@ -226,7 +260,7 @@ bool UpdateFactorSketch(FactorSketch& s, std::span<const float> G, int64_t m, in
       for (int64_t r = 0; r < n; ++r) std::fill(&xp[r * ldp + p], &xp[r * ldp + ldp], 0.f);
       Probes(o.seed, updates, n, p, xp, ldp, 0);
       yp = Sized(sc.bf, m * ldp);  // bf is free until B is formed below
-      geometry::ThinProductAndNorm(G.data(), m, n, xp, ldp, yp);
+      G.ProductAndNorm(xp, ldp, yp);
     }
     for (int64_t r = 0; r < m; ++r) {
       float* __restrict out = y + r * ldx;
@@ -242,13 +276,15 @@ bool UpdateFactorSketch(FactorSketch& s, std::span<const float> G, int64_t m, in
       std::fill(&x[r * ldx + cx], &x[r * ldx + ldx], 0.f);
     }
     if (p > 0) Probes(o.seed, updates, n, p, x, ldx, held);
-    g2 = geometry::ThinProductAndNorm(G.data(), m, n, x, ldx, y);
+    g2 = G.ProductAndNorm(x, ldx, y);
   }
   if (!std::isfinite(g2)) {
-    for (size_t i = 0; i < G.size(); ++i) {
-      if (!std::isfinite(G[i])) {
-        GEOFP8_FAIL("UpdateFactorSketch: G holds a non-finite value (", G[i], ") at index ", i);
-      }
+    const int64_t i = G.FindNonFinite();
+    if (i >= 0) {
+      const float* h = G.host_data();
+      if (h)
+        GEOFP8_FAIL("UpdateFactorSketch: G holds a non-finite value (", h[i], ") at index ", i);
+      GEOFP8_FAIL("UpdateFactorSketch: G holds a non-finite value at index ", i);
     }
   }
   if (fresh) s = FactorSketch{};
@@ -277,20 +313,8 @@ bool UpdateFactorSketch(FactorSketch& s, std::span<const float> G, int64_t m, in
   const int from = use_known ? held : 0;
   float* bf = Sized(sc.bf, int64_t(ca) * n);
   double* bd = Sized(sc.bd, int64_t(ca) * n);  // B^T in double, column-major n x ca
-  bool thin = false;
-  if (ca - from == 8) {  // an update without probes: 8 columns, one register-blocked read of G
-    float* q8 = Sized(sc.x, m * 8);  // X is not read again
-    for (int64_t r = 0; r < m; ++r)
-      for (int c = 0; c < 8; ++c) q8[r * 8 + c] = qf[int64_t(from + c) * m + r];
-    thin = geometry::ThinBothSides(G.data(), m, n, q8, nullptr, 8, nullptr, bf, false);
-    if (thin) {
-      for (int c = 0; c < 8; ++c)
-        for (int64_t h = 0; h < n; ++h) bd[int64_t(from + c) * n + h] = bf[h * 8 + c];
-    }
-  }
-  if (!thin && ca > from) {
-    cblas_sgemm(CblasColMajor, CblasNoTrans, CblasNoTrans, n, ca - from, m, 1.f, G.data(), n,
-                qf + int64_t(from) * m, m, 0.f, bf + int64_t(from) * n, n);
+  if (ca > from) {
+    G.TransposeProduct(qf + int64_t(from) * m, ca - from, bf + int64_t(from) * n);
     for (int64_t i = int64_t(from) * n; i < int64_t(ca) * n; ++i) bd[i] = bf[i];
   }
   if (use_known) {

@@ -84,6 +84,44 @@ struct FactorSketch {
 bool UpdateFactorSketch(FactorSketch& sketch, std::span<const float> G, int64_t m, int64_t n, int k,
                         const FactorSketchOptions& options, const InverseProducts* known = nullptr);
 
+// The only ways an update reads G: two thin products and a norm, wherever G lives. The host's
+// (HostGradient) is what the span overload above uses; a device's (geometry_cuda.h,
+// cuda::DeviceGradient) runs the products there and moves only the thin factors, so a refresh of
+// a device gradient copies (m + n) (held + probes) floats instead of m n.
+class GradientProducts {
+ public:
+  virtual ~GradientProducts() = default;
+  // y = G x and ||G||_F^2 in double (non-finite when G holds a NaN or inf): x is n x ldx and y
+  // m x ldx, row-major, host memory.
+  virtual double ProductAndNorm(const float* x, int ldx, float* y) = 0;
+  // bt = G^T q: q is m x c and bt n x c, column-major, host memory.
+  virtual void TransposeProduct(const float* q, int c, float* bt) = 0;
+  // The index of a NaN or inf in G, or -1 (the error message's).
+  virtual int64_t FindNonFinite() = 0;
+  // G's host address, which `known` products are matched against; null: none match.
+  virtual const float* host_data() const { return nullptr; }
+};
+
+// G in host memory (row-major m x n): the CPU's thin products (thin_product.h) and sgemm.
+class HostGradient final : public GradientProducts {
+ public:
+  HostGradient(const float* g, int64_t m, int64_t n) : g_(g), m_(m), n_(n) {}
+  double ProductAndNorm(const float* x, int ldx, float* y) override;
+  void TransposeProduct(const float* q, int c, float* bt) override;
+  int64_t FindNonFinite() override;
+  const float* host_data() const override { return g_; }
+
+ private:
+  const float* g_;
+  int64_t m_, n_;
+  std::vector<float> q8_, bt8_;  // the width-8 path's row-major operands
+};
+
+// The update over any GradientProducts of an m x n gradient; the span overload is this with a
+// HostGradient, bit for bit.
+bool UpdateFactorSketch(FactorSketch& sketch, GradientProducts& G, int64_t m, int64_t n, int k,
+                        const FactorSketchOptions& options, const InverseProducts* known = nullptr);
+
 // How the whitening strength follows the sketch's fit to the last gradient.
 struct SketchGeometryOptions {
   int rank = 8;         // k: directions whitened per side, <= sketch width

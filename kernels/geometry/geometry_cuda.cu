@@ -338,4 +338,114 @@ void DeviceGeometry::EncodeFused(const float* dG, std::span<DeviceEncodeTarget> 
   if (transformed) GEOFP8_CUDA_CHECK(cudaFreeAsync(transformed, stream));
 }
 
+// ---- DeviceGradient ----
+
+namespace {
+
+constexpr int kNormBlocks = 1024, kNormThreads = 256;
+
+// partial[b] = sum of g[i]^2 over block b's elements, in double: each thread sums its strided
+// elements in order, then a fixed tree over the block's threads. No atomics: the same g gives
+// the same partials.
+__global__ void SumSquaresKernel(const float* g, int64_t total, double* partial) {
+  __shared__ double sums[kNormThreads];
+  double acc = 0.0;
+  for (int64_t i = blockIdx.x * int64_t{blockDim.x} + threadIdx.x; i < total;
+       i += int64_t{gridDim.x} * blockDim.x) {
+    const double v = g[i];
+    acc += v * v;
+  }
+  sums[threadIdx.x] = acc;
+  __syncthreads();
+  for (int half = kNormThreads / 2; half > 0; half /= 2) {
+    if (threadIdx.x < half) sums[threadIdx.x] += sums[threadIdx.x + half];
+    __syncthreads();
+  }
+  if (threadIdx.x == 0) partial[blockIdx.x] = sums[0];
+}
+
+// The index of the first NaN or inf, or total: a min over blocks of each block's first.
+__global__ void FirstNonFiniteKernel(const float* g, int64_t total, unsigned long long* first) {
+  for (int64_t i = blockIdx.x * int64_t{blockDim.x} + threadIdx.x; i < total;
+       i += int64_t{gridDim.x} * blockDim.x) {
+    if (!isfinite(g[i])) atomicMin(first, static_cast<unsigned long long>(i));
+  }
+}
+
+}  // namespace
+
+DeviceGradient::DeviceGradient(const float* dG, int64_t m, int64_t n, cudaStream_t stream,
+                               cublasContext* handle)
+    : dG_(dG), m_(m), n_(n), stream_(stream), handle_(handle) {
+  GEOFP8_CHECK(m > 0 && n > 0, "DeviceGradient: shape ", m, "x", n);
+  GEOFP8_CUDA_CHECK(cudaMalloc(reinterpret_cast<void**>(&partial_), kNormBlocks * sizeof(double)));
+}
+
+DeviceGradient::~DeviceGradient() {
+  cudaStreamSynchronize(stream_);
+  cudaFree(scratch_);
+  cudaFree(partial_);
+}
+
+float* DeviceGradient::Scratch(size_t floats) {
+  if (floats > scratch_floats_) {
+    GEOFP8_CUDA_CHECK(cudaStreamSynchronize(stream_));
+    cudaFree(scratch_);
+    scratch_ = nullptr;
+    GEOFP8_CUDA_CHECK(cudaMalloc(reinterpret_cast<void**>(&scratch_), floats * sizeof(float)));
+    scratch_floats_ = floats;
+  }
+  return scratch_;
+}
+
+double DeviceGradient::ProductAndNorm(const float* x, int ldx, float* y) {
+  auto h = reinterpret_cast<cublasHandle_t>(handle_);
+  GEOFP8_CHECK(cublasSetStream(h, stream_) == CUBLAS_STATUS_SUCCESS, "cublasSetStream failed");
+  const size_t nx = size_t(n_) * ldx, ny = size_t(m_) * ldx;
+  float* dx = Scratch(nx + ny);
+  float* dy = dx + nx;
+  GEOFP8_CUDA_CHECK(cudaMemcpyAsync(dx, x, nx * sizeof(float), cudaMemcpyHostToDevice, stream_));
+  // Y (m x ldx) = G (m x n) X (n x ldx), row-major.
+  RowMajorGemm(h, false, false, m_, ldx, n_, 1.f, dG_, n_, dx, ldx, 0.f, dy, ldx);
+  SumSquaresKernel<<<kNormBlocks, kNormThreads, 0, stream_>>>(dG_, m_ * n_, partial_);
+  GEOFP8_CUDA_CHECK(cudaGetLastError());
+  std::vector<double> partial(kNormBlocks);
+  GEOFP8_CUDA_CHECK(cudaMemcpyAsync(y, dy, ny * sizeof(float), cudaMemcpyDeviceToHost, stream_));
+  GEOFP8_CUDA_CHECK(cudaMemcpyAsync(partial.data(), partial_, kNormBlocks * sizeof(double),
+                                    cudaMemcpyDeviceToHost, stream_));
+  GEOFP8_CUDA_CHECK(cudaStreamSynchronize(stream_));
+  double g2 = 0.0;
+  for (double p : partial) g2 += p;
+  return g2;
+}
+
+void DeviceGradient::TransposeProduct(const float* q, int c, float* bt) {
+  auto h = reinterpret_cast<cublasHandle_t>(handle_);
+  GEOFP8_CHECK(cublasSetStream(h, stream_) == CUBLAS_STATUS_SUCCESS, "cublasSetStream failed");
+  const size_t nq = size_t(m_) * c, nb = size_t(n_) * c;
+  float* dq = Scratch(nq + nb);
+  float* db = dq + nq;
+  GEOFP8_CUDA_CHECK(cudaMemcpyAsync(dq, q, nq * sizeof(float), cudaMemcpyHostToDevice, stream_));
+  // B^T (n x c, column-major) = G^T Q: G row-major is G^T column-major (n x m, leading dim n).
+  const float one = 1.f, zero = 0.f;
+  GEOFP8_CUBLAS_CHECK(cublasSgemm(h, CUBLAS_OP_N, CUBLAS_OP_N, static_cast<int>(n_), c,
+                                  static_cast<int>(m_), &one, dG_, static_cast<int>(n_), dq,
+                                  static_cast<int>(m_), &zero, db, static_cast<int>(n_)));
+  GEOFP8_CUDA_CHECK(cudaMemcpyAsync(bt, db, nb * sizeof(float), cudaMemcpyDeviceToHost, stream_));
+  GEOFP8_CUDA_CHECK(cudaStreamSynchronize(stream_));
+}
+
+int64_t DeviceGradient::FindNonFinite() {
+  const int64_t total = m_ * n_;
+  unsigned long long* d = reinterpret_cast<unsigned long long*>(partial_);
+  const unsigned long long init = static_cast<unsigned long long>(total);
+  GEOFP8_CUDA_CHECK(cudaMemcpyAsync(d, &init, sizeof init, cudaMemcpyHostToDevice, stream_));
+  FirstNonFiniteKernel<<<kNormBlocks, kNormThreads, 0, stream_>>>(dG_, total, d);
+  GEOFP8_CUDA_CHECK(cudaGetLastError());
+  unsigned long long first = init;
+  GEOFP8_CUDA_CHECK(cudaMemcpyAsync(&first, d, sizeof first, cudaMemcpyDeviceToHost, stream_));
+  GEOFP8_CUDA_CHECK(cudaStreamSynchronize(stream_));
+  return first < init ? static_cast<int64_t>(first) : -1;
+}
+
 }  // namespace geofp8::cuda

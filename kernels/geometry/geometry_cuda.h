@@ -10,6 +10,7 @@
 #include <span>
 
 #include "kernels/codec/codec.h"
+#include "kernels/geometry/factor_sketch.h"
 #include "kernels/geometry/geometry.h"
 
 // cuBLAS handle type without including cublas_v2.h in every consumer.
@@ -76,6 +77,35 @@ class DeviceGeometry {
   float* col_ = nullptr;  // diag: n
   float* scratch_ =
       nullptr;  // W (k x n), X (m x k), C, AbC, T (k x k), left (m x 2k), right (2k x n)
+};
+
+// G in device memory (row-major m x n at dG) for the factor sketch's update (factor_sketch.h):
+// both thin products run on the device with cuBLAS, and only their thin operands and results
+// cross to the host, (m + n) c floats for c columns instead of G's m n. ||G||^2 is a fixed-order
+// reduction (per-block sums of squares in double, then summed on the host in block order), so
+// one dG gives the same bits on every run and every rank of one GPU model. Ordered on `stream`;
+// each call returns with its results on the host. Not thread-safe.
+class DeviceGradient final : public GradientProducts {
+ public:
+  DeviceGradient(const float* dG, int64_t m, int64_t n, cudaStream_t stream, cublasContext* handle);
+  ~DeviceGradient() override;
+  DeviceGradient(const DeviceGradient&) = delete;
+  DeviceGradient& operator=(const DeviceGradient&) = delete;
+
+  double ProductAndNorm(const float* x, int ldx, float* y) override;
+  void TransposeProduct(const float* q, int c, float* bt) override;
+  int64_t FindNonFinite() override;
+
+ private:
+  float* Scratch(size_t floats);  // device: operand then result, grown as needed
+
+  const float* dG_;
+  int64_t m_, n_;
+  cudaStream_t stream_;
+  cublasContext* handle_;
+  float* scratch_ = nullptr;
+  size_t scratch_floats_ = 0;
+  double* partial_ = nullptr;  // kNormBlocks sums of squares
 };
 
 }  // namespace geofp8::cuda

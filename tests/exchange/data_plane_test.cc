@@ -98,6 +98,25 @@ class ScrambledBackend final : public DeviceBackend {
     Store(x, t);
   }
   void Synchronize() override { ++syncs_; }
+  // The sketch's products over an unscrambled copy, through the host's code: the bits of a
+  // refresh that reads a host copy.
+  std::unique_ptr<GradientProducts> Products(const float* g, int64_t m, int64_t n) override {
+    struct Copy final : GradientProducts {
+      std::vector<float> host;
+      HostGradient g;
+      Copy(std::vector<float> h, int64_t m, int64_t n) : host(std::move(h)), g(host.data(), m, n) {}
+      double ProductAndNorm(const float* x, int ldx, float* y) override {
+        return g.ProductAndNorm(x, ldx, y);
+      }
+      void TransposeProduct(const float* q, int c, float* bt) override {
+        g.TransposeProduct(q, c, bt);
+      }
+      int64_t FindNonFinite() override { return g.FindNonFinite(); }
+    };
+    ++products_;
+    return std::make_unique<Copy>(Load(g, size_t(m * n)), m, n);
+  }
+  int products() const { return products_; }
 
   size_t live() const {
     std::lock_guard<std::mutex> lock(mu_);
@@ -133,6 +152,7 @@ class ScrambledBackend final : public DeviceBackend {
   std::map<void*, size_t, std::less<>> live_;
   int allocations_ = 0;
   int syncs_ = 0;
+  int products_ = 0;
   size_t to_host_bytes_ = 0;
 };
 
@@ -225,10 +245,11 @@ TEST(StagedPlane, GeometryRefreshedFromAHostCopyMatchesTheHostPlane) {
   }
 }
 
-TEST(StagedPlane, FactorSketchReadsTheHostCopyAndEveryRankAgrees) {
+TEST(StagedPlane, FactorSketchWithoutTheInversesProductsAgreesAcrossRanks) {
   // The sketch takes its products from the inverse transform on the host plane only; on a
-  // device plane it reads the copied result, so the geometries may differ from the host plane's
-  // in round-off but must agree across ranks (the digest check would fail otherwise).
+  // device plane it runs its own over the result through the backend, so at width = k the
+  // geometries may differ from the host plane's in round-off but must agree across ranks (the
+  // digest check would fail otherwise).
   LayerPolicy lowrank = Policy(Format::kNvfp4, Scaling::kBlock, 16);
   lowrank.geometry = GeometryMode::kLowRank;
   lowrank.rank = 4;
@@ -243,6 +264,32 @@ TEST(StagedPlane, FactorSketchReadsTheHostCopyAndEveryRankAgrees) {
       EXPECT_FALSE(runs.results[1][r][s].refreshes[0].from_inverse);
       EXPECT_TRUE(SameBytes(runs.outputs[1][r][s][0], runs.outputs[1][0][s][0]))
           << "rank " << r << " step " << s;
+    }
+  }
+}
+
+TEST(StagedPlane, SketchProductsRunThroughTheBackendWithTheHostsBits) {
+  // Sketch wider than k: the host plane's refreshes never take the inverse's products either, so
+  // a refresh through the backend's GradientProducts must give the host plane's bits.
+  LayerPolicy lowrank = Policy(Format::kFp8E4M3, Scaling::kBlock, 32);
+  lowrank.geometry = GeometryMode::kLowRank;
+  lowrank.rank = 4;
+  const std::vector<LayerSpec> layers = {{"w1", 64, 48, lowrank}, {"w2", 40, 72, lowrank}};
+  ExchangeOptions options;
+  options.algorithm = Algorithm::kTwoPhase;
+  options.estimator = GeometryEstimator::kFactorEma;
+  options.sketch.width = 6;
+  std::vector<int> products(3, 0);
+  const Runs runs = testing::RunBothPlanes(
+      [](int) { return std::make_unique<ScrambledBackend>(); },
+      [&](int r, DeviceBackend& b) { products[r] = static_cast<ScrambledBackend&>(b).products(); },
+      3, layers, options, 4, {{0, 1, 0}, {0, 1, 0}});
+  ExpectSame(runs, layers, "factor_ema through the backend's products");
+  for (int r = 0; r < 3; ++r) {
+    EXPECT_EQ(products[r], 2 * 4) << "rank " << r;  // two layers, four steps
+    for (int s = 0; s < 4; ++s) {
+      ASSERT_EQ(runs.results[1][r][s].refreshes.size(), 2u);
+      EXPECT_FALSE(runs.results[0][r][s].refreshes[0].from_inverse);
     }
   }
 }

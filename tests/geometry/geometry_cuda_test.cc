@@ -158,3 +158,53 @@ TEST_F(GeometryCudaTest, FusedEncodeMatchesItsHostReference) {
 
 }  // namespace
 }  // namespace geofp8
+
+namespace geofp8 {
+namespace {
+
+// The factor sketch's products over a device gradient (cuda::DeviceGradient) against the host's
+// (HostGradient) on the same G: within the float products' round-off (n resp. m terms), the norm
+// within double round-off, the same bits on a second call, a NaN found at its index, and a whole
+// sketch update within round-off of the host's.
+TEST_F(GeometryCudaTest, DeviceGradientProductsMatchTheHost) {
+  const int64_t m = 300, n = 257;
+  std::vector<float> g(size_t(m * n));
+  for (size_t i = 0; i < g.size(); ++i) g[i] = float(std::sin(0.37 * double(i)) * (1 + i % 7));
+  float* dg = nullptr;
+  ASSERT_EQ(cudaMalloc(&dg, g.size() * 4), cudaSuccess);
+  cudaMemcpy(dg, g.data(), g.size() * 4, cudaMemcpyHostToDevice);
+  cuda::DeviceGradient dev(dg, m, n, nullptr, reinterpret_cast<cublasContext*>(handle_));
+  HostGradient host(g.data(), m, n);
+  const int ldx = 16;
+  std::vector<float> x(size_t(n) * ldx), yd(size_t(m) * ldx), yh(size_t(m) * ldx), y2(yd.size());
+  for (size_t i = 0; i < x.size(); ++i) x[i] = float(std::cos(0.11 * double(i)));
+  const double nd = dev.ProductAndNorm(x.data(), ldx, yd.data());
+  const double nh = host.ProductAndNorm(x.data(), ldx, yh.data());
+  EXPECT_NEAR(nd, nh, 6e-8 * double(n) * nh);   // float-sized, whichever way the host sums
+  EXPECT_LT(RelDiff(yd, yh), 16.0 * n * 6e-8);  // n-term float sums, some cancellation
+  EXPECT_EQ(dev.ProductAndNorm(x.data(), ldx, y2.data()), nd);  // a fixed-order reduction
+  EXPECT_EQ(y2, yd);
+  const int c = 8;
+  std::vector<float> q(size_t(m) * c), bd(size_t(n) * c), bh(size_t(n) * c);
+  for (size_t i = 0; i < q.size(); ++i) q[i] = float(std::sin(0.05 * double(i)));
+  dev.TransposeProduct(q.data(), c, bd.data());
+  host.TransposeProduct(q.data(), c, bh.data());
+  EXPECT_LT(RelDiff(bd, bh), 16.0 * m * 6e-8);
+  EXPECT_EQ(dev.FindNonFinite(), -1);
+  FactorSketch sd, sh;
+  FactorSketchOptions o;
+  o.width = 8;
+  UpdateFactorSketch(sd, dev, m, n, 8, o);
+  UpdateFactorSketch(sh, g, m, n, 8, o);
+  EXPECT_NEAR(sd.energy, sh.energy, 1e-5 * sh.energy);
+  for (int i = 0; i < 8; ++i) {
+    EXPECT_NEAR(sd.left_energy[i], sh.left_energy[i], 1e-4 * sh.left_energy[0]) << i;
+  }
+  const float nan = std::nanf("");
+  cudaMemcpy(dg + 1234, &nan, 4, cudaMemcpyHostToDevice);
+  EXPECT_EQ(dev.FindNonFinite(), 1234);
+  cudaFree(dg);
+}
+
+}  // namespace
+}  // namespace geofp8
