@@ -214,6 +214,12 @@ class Engine {
           completer_.join();
         }
       }
+#if GEOFP8_PYTHON_CUDA
+      // CUDA buckets dropped unexchanged: their events are released, never waited for.
+      for (const auto& job : q_->exchange) {
+        if (job->event) cuda_->ReleaseEvent(job->event);
+      }
+#endif
       q_->exchange.clear();  // their Python objects are released with the GIL held
       q_->done.clear();
     }

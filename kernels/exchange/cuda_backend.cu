@@ -86,6 +86,11 @@ void CudaBackend::WaitForEvent(uintptr_t event) {
   GEOFP8_CUDA_CHECK(wait);
 }
 
+void CudaBackend::ReleaseEvent(uintptr_t event) noexcept {
+  cudaSetDevice(device_);
+  cudaEventDestroy(reinterpret_cast<cudaEvent_t>(event));
+}
+
 void CudaBackend::CheckDeviceMemory(const void* p, size_t bytes, const std::string& what) const {
   cudaPointerAttributes attr{};
   const cudaError_t err = cudaPointerGetAttributes(&attr, p);

@@ -46,6 +46,8 @@ class CudaBackend final : public DeviceBackend {
   // WaitForEvent destroys the event. Either may be called from any thread.
   uintptr_t RecordEvent(uintptr_t stream);
   void WaitForEvent(uintptr_t event);
+  // Destroys an event of RecordEvent that will not be waited for. Never throws.
+  void ReleaseEvent(uintptr_t event) noexcept;
   // Throws geofp8::Error naming `what` unless [p, p + bytes) is device memory of this device.
   void CheckDeviceMemory(const void* p, size_t bytes, const std::string& what) const;
 
