@@ -125,6 +125,13 @@ def work(rank, world):
            "policy.default.scaling", "diagonal")
     expect(failures, "set_policy past step", lambda: state.set_policy("fp32", -1),
            "effective_step")
+    # The engine's CUDA entry points on a CPU (gloo) engine, in any build.
+    expect(failures, "exchange_cuda, gloo engine",
+           lambda: state._engine.exchange_cuda(0, [0], 0, 16, [0], 0),
+           "device", "runs on CPU tensors (backend gloo)", "backend 'nccl'")
+    expect(failures, "submit_cuda, gloo engine",
+           lambda: state._engine.submit_cuda(0, [0], 0, 16, [0], 0, lambda r, e: None),
+           "device", "runs on CPU tensors (backend gloo)", "backend 'nccl'")
     sd = state.state_dict()
     sd2 = dict(sd, names=sd["names"][:-1])
     expect(failures, "state of another model", lambda: state.load_state_dict(sd2), "state.names")
