@@ -8,7 +8,7 @@
 //     4096x4096 and 4096x11008, k 8 and 32;
 //   - the EMA sketch update of a 4096x4096 layer against that layer's transform (k 8): with its
 //     products on the device (cuda::DeviceGradient, as the device plane runs a refresh), and
-//     from a device-to-host copy of the gradient (as a deferred refresh does);
+//     from a device-to-host copy of the gradient (as the instant estimator's owner reads it);
 //   - a 4-rank exchange (fp8_e4m3 block 128, auto = two_phase) of 256 MiB of gradient per rank
 //     in device memory (the device plane, kernels/exchange/data_plane.h, over the CUDA backend),
 //     ranks as threads on one GPU over Gloo with host staging, against the same exchange of host

@@ -64,6 +64,8 @@ class CudaBackend final : public DeviceBackend {
   void Synchronize() override;
   // cuda::DeviceGradient (geometry_cuda.h) on this backend's stream.
   std::unique_ptr<GradientProducts> Products(const float* g, int64_t m, int64_t n) override;
+  // The same over a device copy of g (device-to-device, on the stream), freed with it.
+  std::unique_ptr<GradientProducts> Snapshot(const float* g, int64_t m, int64_t n) override;
 
  private:
   struct Uploaded {

@@ -129,6 +129,11 @@ void HostPlane::Read(std::span<const float> in, std::span<float> host) {
 
 void HostPlane::FillNaN(std::span<float> out) { std::memset(out.data(), 0xFF, out.size_bytes()); }
 
+std::unique_ptr<GradientProducts> HostPlane::Snapshot(std::span<const float> g, int64_t m,
+                                                      int64_t n) {
+  return std::make_unique<HostSnapshot>(std::vector<float>(g.begin(), g.end()), m, n);
+}
+
 uint64_t HostPlane::TakeFlags() { return std::exchange(flags_, 0); }
 
 // ---- StagedPlane ----
@@ -252,6 +257,14 @@ uint64_t StagedPlane::TakeFlags() {
   const uint64_t zero = 0;
   if (word) device_.ToDevice(flags_, &zero, sizeof zero);
   return word;
+}
+
+std::unique_ptr<GradientProducts> StagedPlane::Snapshot(std::span<const float> g, int64_t m,
+                                                        int64_t n) {
+  if (auto on_device = device_.Snapshot(g.data(), m, n)) return on_device;
+  std::vector<float> host(g.size());
+  device_.ToHost(host.data(), g.data(), g.size_bytes());
+  return std::make_unique<HostSnapshot>(std::move(host), m, n);
 }
 
 void StagedPlane::Flush() { device_.Synchronize(); }

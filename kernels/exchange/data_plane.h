@@ -17,6 +17,7 @@
 #include <memory>
 #include <span>
 #include <string>
+#include <vector>
 
 #include "kernels/codec/codec.h"
 #include "kernels/common/uninitialized.h"
@@ -117,6 +118,10 @@ class DataPlane {
   // where g lives. Null: the plane has none, and the caller reads g to the host instead.
   virtual std::unique_ptr<GradientProducts> Products(std::span<const float> g, int64_t m,
                                                      int64_t n) = 0;
+  // The same over a copy of g taken now, which the products own: a deferred refresh's, run after
+  // g's memory has moved on. Never null.
+  virtual std::unique_ptr<GradientProducts> Snapshot(std::span<const float> g, int64_t m,
+                                                     int64_t n) = 0;
 
   // The OR of the flag bits noted since the last call.
   virtual uint64_t TakeFlags() = 0;
@@ -149,6 +154,8 @@ class HostPlane final : public DataPlane {
                                              int64_t n) override {
     return std::make_unique<HostGradient>(g.data(), m, n);
   }
+  std::unique_ptr<GradientProducts> Snapshot(std::span<const float> g, int64_t m,
+                                             int64_t n) override;
   uint64_t TakeFlags() override;
   void Flush() override {}
 
@@ -197,6 +204,32 @@ class DeviceBackend {
     (void)g, (void)m, (void)n;
     return nullptr;
   }
+  // Products over a device copy of g made now, owning it; null: none (the plane copies g to the
+  // host instead).
+  virtual std::unique_ptr<GradientProducts> Snapshot(const float* g, int64_t m, int64_t n) {
+    (void)g, (void)m, (void)n;
+    return nullptr;
+  }
+};
+
+// A HostGradient over a copy of G that it owns (HostPlane::Snapshot, and a device plane's
+// fallback).
+class HostSnapshot final : public GradientProducts {
+ public:
+  HostSnapshot(std::vector<float> g, int64_t m, int64_t n)
+      : copy_(std::move(g)), g_(copy_.data(), m, n) {}
+  double ProductAndNorm(const float* x, int ldx, float* y) override {
+    return g_.ProductAndNorm(x, ldx, y);
+  }
+  void TransposeProduct(const float* q, int c, float* bt) override {
+    g_.TransposeProduct(q, c, bt);
+  }
+  int64_t FindNonFinite() override { return g_.FindNonFinite(); }
+  const float* host_data() const override { return copy_.data(); }
+
+ private:
+  std::vector<float> copy_;
+  HostGradient g_;
 };
 
 // A plane over a DeviceBackend's memory, staging encoded bytes through host memory for the
@@ -230,6 +263,8 @@ class StagedPlane final : public DataPlane {
                                              int64_t n) override {
     return device_.Products(g.data(), m, n);
   }
+  std::unique_ptr<GradientProducts> Snapshot(std::span<const float> g, int64_t m,
+                                             int64_t n) override;
   uint64_t TakeFlags() override;
   void Flush() override;
 

@@ -401,18 +401,16 @@ StepResult Exchanger::Exchange(uint64_t step, std::vector<std::span<float>> grad
 void Exchanger::Defer(uint64_t step, const std::vector<std::span<float>>& grads) {
   Deferred d;
   d.step = step;
-  d.grads.resize(layers_.size());
+  d.snapshots.resize(layers_.size());
+  DataPlane& plane = options_.plane ? *options_.plane : workspace_.host;
   bool any = false;
   for (uint32_t l = 0; l < layers_.size(); ++l) {
     if (!UsesGeometry(l) || !RefreshesAt(l, step)) continue;
-    if (options_.plane && !options_.plane->host_memory()) {
-      d.grads[l].resize(grads[l].size());
-      options_.plane->Read(grads[l], d.grads[l]);
-    } else {
-      d.grads[l].assign(grads[l].begin(), grads[l].end());
-    }
-    // The inverse's products describe this gradient, which the copy is bit for bit.
-    if (state_[l].products.data == grads[l].data()) state_[l].products.data = d.grads[l].data();
+    const LayerSpec& spec = layers_[l];
+    d.snapshots[l] = plane.Snapshot(grads[l], spec.rows, spec.cols);
+    // The inverse's products describe this gradient, which a host copy is bit for bit.
+    if (state_[l].products.data == grads[l].data())
+      state_[l].products.data = d.snapshots[l]->host_data();
     any = true;
   }
   if (any) deferred_ = std::move(d);
@@ -424,19 +422,7 @@ std::vector<RefreshRecord> Exchanger::RunPendingRefreshes() {
                " is in flight");
   Deferred d = std::move(*deferred_);
   deferred_.reset();
-  std::vector<std::span<float>> grads(layers_.size());
-  for (size_t l = 0; l < layers_.size(); ++l) grads[l] = d.grads[l];
-  // RunRefreshes reads the gradients from host memory here, whatever the plane.
-  DataPlane* plane = std::exchange(options_.plane, nullptr);
-  std::vector<RefreshRecord> out;
-  try {
-    out = RunRefreshes(d.step, grads);
-  } catch (...) {
-    options_.plane = plane;
-    throw;
-  }
-  options_.plane = plane;
-  return out;
+  return RunRefreshes(d.step, std::vector<std::span<float>>(layers_.size()), &d.snapshots);
 }
 
 std::vector<LayerGeometryState> Exchanger::ExportGeometry() const {
@@ -739,8 +725,9 @@ FactorSketchOptions Exchanger::SketchOptions(uint32_t layer) const {
   return o;
 }
 
-std::vector<RefreshRecord> Exchanger::RunRefreshes(uint64_t step,
-                                                   const std::vector<std::span<float>>& grads) {
+std::vector<RefreshRecord> Exchanger::RunRefreshes(
+    uint64_t step, const std::vector<std::span<float>>& grads,
+    const std::vector<std::unique_ptr<GradientProducts>>* snapshots) {
   TraceScope span(options_.trace, "geometry_refresh", ExchangeTrace::kMainLane, step);
   std::vector<RefreshRecord> out;
   const bool device = options_.plane && !options_.plane->host_memory();
@@ -753,9 +740,11 @@ std::vector<RefreshRecord> Exchanger::RunRefreshes(uint64_t step,
     std::span<const float> grad = grads[l];
     // A device plane's sketch runs its products where the gradient lives, where it can; the
     // instant estimator (and a plane without products) reads a host copy.
-    std::unique_ptr<GradientProducts> products;
-    if (device && options_.estimator == GeometryEstimator::kFactorEma) {
-      products = options_.plane->Products(grads[l], spec.rows, spec.cols);
+    std::unique_ptr<GradientProducts> own;
+    GradientProducts* products = snapshots ? (*snapshots)[l].get() : nullptr;
+    if (!products && device && options_.estimator == GeometryEstimator::kFactorEma) {
+      own = options_.plane->Products(grads[l], spec.rows, spec.cols);
+      products = own.get();
     }
     if (device && !products &&
         (options_.estimator == GeometryEstimator::kFactorEma || comm_.rank() == s.owner)) {
@@ -769,11 +758,12 @@ std::vector<RefreshRecord> Exchanger::RunRefreshes(uint64_t step,
       // Every rank holds the same averaged gradient and runs the same fixed-order arithmetic, so
       // every rank derives the same geometry; the fingerprint's digest checks it at its first use.
       const auto start = std::chrono::steady_clock::now();
-      rec.from_inverse = products
-                             ? UpdateFactorSketch(st.sketch, *products, spec.rows, spec.cols,
-                                                  spec.policy.rank, SketchOptions(l), nullptr)
-                             : UpdateFactorSketch(st.sketch, grad, spec.rows, spec.cols,
-                                                  spec.policy.rank, SketchOptions(l), &st.products);
+      rec.from_inverse =
+          products
+              ? UpdateFactorSketch(st.sketch, *products, spec.rows, spec.cols, spec.policy.rank,
+                                   SketchOptions(l), products->host_data() ? &st.products : nullptr)
+              : UpdateFactorSketch(st.sketch, grad, spec.rows, spec.cols, spec.policy.rank,
+                                   SketchOptions(l), &st.products);
       st.products.valid = false;
       SketchGeometryOptions go;
       go.rank = spec.policy.rank;

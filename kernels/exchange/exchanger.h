@@ -265,8 +265,11 @@ class Exchanger {
   // Buckets [first, last) of `step` (at most 64) through one run of the algorithm.
   std::vector<BucketResult> RunBuckets(uint64_t step, size_t first, size_t last,
                                        const std::vector<std::span<float>>& grads);
-  std::vector<RefreshRecord> RunRefreshes(uint64_t step,
-                                          const std::vector<std::span<float>>& grads);
+  // `snapshots` (deferred refreshes): per layer, the products over the gradient as it was; null
+  // entries and null: read `grads`.
+  std::vector<RefreshRecord> RunRefreshes(
+      uint64_t step, const std::vector<std::span<float>>& grads,
+      const std::vector<std::unique_ptr<GradientProducts>>* snapshots = nullptr);
   // Refreshes::kDeferred: keeps copies of the gradients the step's refreshes read, for later.
   void Defer(uint64_t step, const std::vector<std::span<float>>& grads);
   // The rotation block the layer's exchange uses (0: none): matrices under a compressed algorithm,
@@ -298,10 +301,11 @@ class Exchanger {
     std::vector<bool> ready;  // per layer
   };
   std::map<uint64_t, Pending> steps_;
-  // Refreshes::kDeferred: the step whose refreshes wait, with copies of their layers' gradients.
+  // Refreshes::kDeferred: the step whose refreshes wait, with copies of their layers' gradients
+  // where the plane keeps them (DataPlane::Snapshot: device memory on a device plane).
   struct Deferred {
     uint64_t step = 0;
-    std::vector<std::vector<float>> grads;  // per layer; empty where the layer does not refresh
+    std::vector<std::unique_ptr<GradientProducts>> snapshots;  // per layer; null: no refresh
   };
   std::optional<Deferred> deferred_;
 

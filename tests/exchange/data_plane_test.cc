@@ -117,6 +117,29 @@ class ScrambledBackend final : public DeviceBackend {
     return std::make_unique<Copy>(Load(g, size_t(m * n)), m, n);
   }
   int products() const { return products_; }
+  // A scrambled device copy, owned by the products over it.
+  std::unique_ptr<GradientProducts> Snapshot(const float* g, int64_t m, int64_t n) override {
+    struct Owned final : GradientProducts {
+      ScrambledBackend& b;
+      float* copy;
+      std::unique_ptr<GradientProducts> p;
+      Owned(ScrambledBackend& b, float* c, int64_t m, int64_t n)
+          : b(b), copy(c), p(b.Products(c, m, n)) {}
+      ~Owned() override { b.Free(copy); }
+      double ProductAndNorm(const float* x, int ldx, float* y) override {
+        return p->ProductAndNorm(x, ldx, y);
+      }
+      void TransposeProduct(const float* q, int c, float* bt) override {
+        p->TransposeProduct(q, c, bt);
+      }
+      int64_t FindNonFinite() override { return p->FindNonFinite(); }
+    };
+    ++snapshots_;
+    auto* copy = static_cast<float*>(Allocate(size_t(m * n) * 4));
+    Store(copy, Load(g, size_t(m * n)));
+    return std::make_unique<Owned>(*this, copy, m, n);
+  }
+  int snapshots() const { return snapshots_; }
 
   size_t live() const {
     std::lock_guard<std::mutex> lock(mu_);
@@ -153,6 +176,7 @@ class ScrambledBackend final : public DeviceBackend {
   int allocations_ = 0;
   int syncs_ = 0;
   int products_ = 0;
+  int snapshots_ = 0;
   size_t to_host_bytes_ = 0;
 };
 
@@ -290,6 +314,51 @@ TEST(StagedPlane, SketchProductsRunThroughTheBackendWithTheHostsBits) {
     for (int s = 0; s < 4; ++s) {
       ASSERT_EQ(runs.results[1][r][s].refreshes.size(), 2u);
       EXPECT_FALSE(runs.results[0][r][s].refreshes[0].from_inverse);
+    }
+  }
+}
+
+TEST(StagedPlane, DeferredRefreshesRunOnADeviceSnapshotWithTheHostsBits) {
+  // Refreshes::kDeferred on a device plane keeps a device copy of each refreshed layer
+  // (DeviceBackend::Snapshot) and runs the sketch's products over it later: the geometry and
+  // outputs of every step are those of the host plane refreshing at once.
+  LayerPolicy lowrank = Policy(Format::kNvfp4, Scaling::kBlock, 16);
+  lowrank.geometry = GeometryMode::kLowRank;
+  lowrank.rank = 4;
+  const std::vector<LayerSpec> layers = {{"w", 64, 48, lowrank}, {"b", 48, 1, lowrank}};
+  ExchangeOptions options;
+  options.estimator = GeometryEstimator::kFactorEma;
+  options.sketch.width = 6;  // > k: the host plane reads the average too
+  const int N = 2, steps = 5;
+  const Runs host = RunBothPlanes(N, layers, options, steps, {{0, 1, 0}, {0, 1, 0}});
+  std::vector<std::vector<Tensors>> out(N);
+  std::vector<int> snapshots(N, 0);
+  const auto errors = RunRanks(N, [&](Communicator& comm) {
+    const int r = comm.rank();
+    ScrambledBackend backend;
+    {
+      StagedPlane plane(backend);
+      ExchangeOptions o = options;
+      o.plane = &plane;
+      Exchanger ex(comm, layers, o, {{0, 1, 0}, {0, 1, 0}});
+      for (int s = 0; s < steps; ++s) {
+        DeviceTensors dev(backend, MakeInputs(r, layers, s));
+        ex.Exchange(s, dev.spans(), Refreshes::kDeferred);
+        out[r].push_back(dev.Download());
+        if (s == 2) ex.RunPendingRefreshes();
+      }
+      ex.RunPendingRefreshes();
+    }
+    snapshots[r] = backend.snapshots();
+    EXPECT_EQ(backend.live(), 0u) << "rank " << r << ": device buffers leaked";
+  });
+  ASSERT_EQ(JoinErrors(errors), "");
+  for (int r = 0; r < N; ++r) {
+    EXPECT_EQ(snapshots[r], steps) << "rank " << r;  // one matrix layer refreshed every step
+    for (int s = 0; s < steps; ++s) {
+      EXPECT_TRUE(SameBytes(out[r][s][0], host.outputs[0][r][s][0]))
+          << "rank " << r << " step " << s << " differs from the host plane at element "
+          << FirstBitDifference(out[r][s][0], host.outputs[0][r][s][0]);
     }
   }
 }
