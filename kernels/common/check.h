@@ -44,16 +44,30 @@ template <typename E = Error, typename... Args>
   throw E(os.str(), std::string(base) + ":" + std::to_string(line));
 }
 
+// GEOFP8_CHECK's: the message parts, or the condition's text when there are none.
+template <typename... Args>
+[[noreturn]] inline void ThrowCheck(const char* file, int line, const char* condition,
+                                    const Args&... args) {
+  if constexpr (sizeof...(Args) == 0) {
+    ThrowError(file, line, condition);
+  } else {
+    ThrowError(file, line, args...);
+  }
+}
+
 }  // namespace detail
 }  // namespace geofp8
 
-// GEOFP8_CHECK(cond, "message parts", value, ...): throw geofp8::Error if cond is false.
-#define GEOFP8_CHECK(cond, ...)                                                             \
-  do {                                                                                      \
-    if (!(cond)) [[unlikely]] {                                                             \
-      ::geofp8::detail::ThrowError(__FILE__, __LINE__,                                      \
-                                   "check failed: " #cond ": " __VA_OPT__(, ) __VA_ARGS__); \
-    }                                                                                       \
+// GEOFP8_CHECK(cond, "message parts", value, ...): throw geofp8::Error if cond is false. The
+// message is the parts alone, written for the user (name the field and the value); the
+// condition's text appears only in a check without parts ("check failed: <cond>"). where()
+// locates either.
+#define GEOFP8_CHECK(cond, ...)                                                        \
+  do {                                                                                 \
+    if (!(cond)) [[unlikely]] {                                                        \
+      ::geofp8::detail::ThrowCheck(__FILE__, __LINE__,                                 \
+                                   "check failed: " #cond __VA_OPT__(, ) __VA_ARGS__); \
+    }                                                                                  \
   } while (0)
 
 // GEOFP8_FAIL("message parts", ...): unconditional error (bad input reached the core).

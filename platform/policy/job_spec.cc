@@ -1000,7 +1000,7 @@ std::vector<RefreshSchedule> RefreshScheduleOf(const std::vector<int>& intervals
 }
 
 std::string_view AcceptedPolicyPresets() {
-  return "fp32, bf16, fp8, geofp8, nvfp4, geonvfp4, fp8-ef, nvfp4-ef, fp8-ef, nvfp4-ef";
+  return "fp32, bf16, fp8, geofp8, nvfp4, geonvfp4, fp8-ef, nvfp4-ef";
 }
 
 std::optional<std::string> PresetPolicyFile(std::string_view name) {

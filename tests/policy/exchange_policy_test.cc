@@ -8,6 +8,7 @@
 #include <cmath>
 #include <filesystem>
 #include <fstream>
+#include <set>
 
 #include "kernels/common/check.h"
 #include "platform/policy/policy.h"
@@ -124,8 +125,14 @@ TEST_F(PolicyFileTest, ErrorsCarryNoSourceLocationAndNoDoubledPrefix) {
     GEOFP8_CHECK(1 + 1 == 3, "arithmetic: ", 2);
     FAIL() << "no error";
   } catch (const Error& e) {
-    EXPECT_STREQ(e.what(), "check failed: 1 + 1 == 3: arithmetic: 2");
+    EXPECT_STREQ(e.what(), "arithmetic: 2");  // the user's message only, no condition text
     EXPECT_EQ(e.where().rfind("exchange_policy_test.cc:", 0), 0u) << e.where();
+  }
+  try {
+    GEOFP8_CHECK(1 + 1 == 3);
+    FAIL() << "no error";
+  } catch (const Error& e) {
+    EXPECT_STREQ(e.what(), "check failed: 1 + 1 == 3");  // no parts: the condition says it
   }
   const std::string file = ErrorOf("policy:\n  default: {format: fp9}\n");
   EXPECT_EQ(file.rfind("policy: /", 0), 0u) << file;  // "policy: <path>: line 2: ..."
@@ -442,6 +449,27 @@ geometry_refresh: {estimator: instant, interval: 12, power_iters: 2}
   EXPECT_EQ(matched, job_schedule.size());
   EXPECT_GT(matched, 8u);
   EXPECT_EQ(patched, 4);  // layers.1.attn.{wq,wk,wv,wo}
+}
+
+}  // namespace
+}  // namespace geofp8
+
+namespace geofp8 {
+namespace {
+
+// The presets an error lists are the ones that resolve, each once.
+TEST(PolicyPresets, AcceptedListNamesEachResolvablePresetOnce) {
+  std::set<std::string> seen;
+  const std::string list(AcceptedPolicyPresets());
+  size_t start = 0;
+  while (start < list.size()) {
+    const size_t end = std::min(list.find(", ", start), list.size());
+    const std::string name = list.substr(start, end - start);
+    EXPECT_TRUE(seen.insert(name).second) << name << " listed twice in: " << list;
+    EXPECT_TRUE(PresetPolicyFile(name).has_value()) << name << " does not resolve";
+    start = end + 2;
+  }
+  EXPECT_EQ(seen.size(), 8u) << list;
 }
 
 }  // namespace
