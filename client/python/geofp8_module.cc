@@ -582,7 +582,7 @@ class Engine {
     py::object done;
     uintptr_t event = 0;  // CUDA: recorded on torch's stream at submit, waited for before the run
     // The deferred geometry refreshes of a bucket exchanged in the hook call
-    // (ExchangeOptions::defer_refreshes): no data, no callback; an error is raised by the next
+    // (Refreshes::kDeferred): no data, no callback; an error is raised by the next
     // exchange.
     bool refresh_only = false;
     std::chrono::steady_clock::time_point queued, started, finished;
@@ -641,24 +641,11 @@ class Engine {
                  "device: this engine runs on CPU tensors (backend gloo); create it "
                  "with backend 'nccl' for CUDA tensors");
     GEOFP8_CHECK(plan_.has_value(), "exchange: set_policy first");
-    GEOFP8_CHECK(layers.size() == offsets.size() && !layers.empty(), "exchange: ", layers.size(),
-                 " layers but ", offsets.size(), " offsets");
     GEOFP8_CHECK(numel >= 0, "exchange: numel must be >= 0 (", numel, ")");
 #if GEOFP8_PYTHON_CUDA
-    cuda_->CheckDeviceMemory(reinterpret_cast<const void*>(ptr), numel * sizeof(float), "bucket");
+    cuda_->CheckDeviceMemory(reinterpret_cast<const void*>(ptr), "bucket");
 #endif
-    float* data = reinterpret_cast<float*>(ptr);
-    std::vector<std::span<float>> grads;
-    for (size_t i = 0; i < layers.size(); ++i) {
-      GEOFP8_CHECK(layers[i] < params_.size(), "exchange: layer index ", layers[i],
-                   " >= ", params_.size());
-      const int64_t n = params_[layers[i]].size();
-      GEOFP8_CHECK(offsets[i] >= 0 && offsets[i] + n <= numel, "exchange: layer '",
-                   params_[layers[i]].name, "' at offset ", offsets[i], " + ", n,
-                   " is outside the bucket of ", numel, " floats");
-      grads.emplace_back(data + offsets[i], static_cast<size_t>(n));
-    }
-    return grads;
+    return LayerSpans(layers, reinterpret_cast<float*>(ptr), numel, offsets);
   }
 
   // A CUDA event recorded on `stream` now, and a wait for it on the device plane's stream.
@@ -691,17 +678,22 @@ class Engine {
     GEOFP8_CHECK(f32, "gradient dtype: must be float32 (buffer format '", info.format, "')");
     GEOFP8_CHECK(info.ndim == 1 && info.strides[0] == 4,
                  "gradient buffer: must be one contiguous 1-D array");
+    return LayerSpans(layers, static_cast<float*>(info.ptr), info.shape[0], offsets);
+  }
+
+  // Layer layers[i] as data[offsets[i] .. + its size), each inside the bucket of numel floats.
+  std::vector<std::span<float>> LayerSpans(const std::vector<uint32_t>& layers, float* data,
+                                           int64_t numel, const std::vector<int64_t>& offsets) {
     GEOFP8_CHECK(layers.size() == offsets.size() && !layers.empty(), "exchange: ", layers.size(),
                  " layers but ", offsets.size(), " offsets");
-    float* data = static_cast<float*>(info.ptr);
     std::vector<std::span<float>> grads;
     for (size_t i = 0; i < layers.size(); ++i) {
       GEOFP8_CHECK(layers[i] < params_.size(), "exchange: layer index ", layers[i],
                    " >= ", params_.size());
       const int64_t n = params_[layers[i]].size();
-      GEOFP8_CHECK(offsets[i] >= 0 && offsets[i] + n <= info.shape[0], "exchange: layer '",
+      GEOFP8_CHECK(offsets[i] >= 0 && offsets[i] + n <= numel, "exchange: layer '",
                    params_[layers[i]].name, "' at offset ", offsets[i], " + ", n,
-                   " is outside the bucket of ", info.shape[0], " floats");
+                   " is outside the bucket of ", numel, " floats");
       grads.emplace_back(data + offsets[i], static_cast<size_t>(n));
     }
     return grads;

@@ -91,14 +91,13 @@ void CudaBackend::ReleaseEvent(uintptr_t event) noexcept {
   cudaEventDestroy(reinterpret_cast<cudaEvent_t>(event));
 }
 
-void CudaBackend::CheckDeviceMemory(const void* p, size_t bytes, const std::string& what) const {
+void CudaBackend::CheckDeviceMemory(const void* p, const std::string& what) const {
   cudaPointerAttributes attr{};
   const cudaError_t err = cudaPointerGetAttributes(&attr, p);
   if (err != cudaSuccess) (void)cudaGetLastError();
   GEOFP8_CHECK(err == cudaSuccess && attr.type == cudaMemoryTypeDevice && attr.device == device_,
                what, ": not device memory of cuda:", device_,
                " (the device this rank's exchange runs on)");
-  (void)bytes;
 }
 
 void* CudaBackend::Allocate(size_t bytes) {
@@ -183,34 +182,14 @@ std::unique_ptr<GradientProducts> CudaBackend::Products(const float* g, int64_t 
 }
 
 std::unique_ptr<GradientProducts> CudaBackend::Snapshot(const float* g, int64_t m, int64_t n) {
-  // DeviceGradient over a copy this object owns: freed after the products' scratch, once the
-  // stream has finished with it.
-  class Owned final : public GradientProducts {
-   public:
-    Owned(CudaBackend& b, float* copy, int64_t m, int64_t n)
-        : backend_(b),
-          copy_(copy),
-          products_(copy, m, n, S(b.stream_), reinterpret_cast<cublasContext*>(b.Cublas())) {}
-    ~Owned() override { backend_.Free(copy_); }
-    double ProductAndNorm(const float* x, int ldx, float* y) override {
-      return products_.ProductAndNorm(x, ldx, y);
-    }
-    void TransposeProduct(const float* q, int c, float* bt) override {
-      products_.TransposeProduct(q, c, bt);
-    }
-    int64_t FindNonFinite() override { return products_.FindNonFinite(); }
-
-   private:
-    CudaBackend& backend_;
-    float* copy_;
-    DeviceGradient products_;
-  };
   const size_t bytes = size_t(m) * size_t(n) * sizeof(float);
   auto* copy = static_cast<float*>(Allocate(bytes));
   const cudaError_t err = cudaMemcpyAsync(copy, g, bytes, cudaMemcpyDeviceToDevice, S(stream_));
   if (err != cudaSuccess) Free(copy);
   GEOFP8_CUDA_CHECK(err);
-  return std::make_unique<Owned>(*this, copy, m, n);
+  return std::make_unique<DeviceGradient>(copy, m, n, S(stream_),
+                                          reinterpret_cast<cublasContext*>(Cublas()),
+                                          /*owns=*/true);
 }
 
 void CudaBackend::Transform(const BucketLayer& l, float* x, bool inverse) {

@@ -48,8 +48,8 @@ class CudaBackend final : public DeviceBackend {
   void WaitForEvent(uintptr_t event);
   // Destroys an event of RecordEvent that will not be waited for. Never throws.
   void ReleaseEvent(uintptr_t event) noexcept;
-  // Throws geofp8::Error naming `what` unless [p, p + bytes) is device memory of this device.
-  void CheckDeviceMemory(const void* p, size_t bytes, const std::string& what) const;
+  // Throws geofp8::Error naming `what` unless p points into device memory of this device.
+  void CheckDeviceMemory(const void* p, const std::string& what) const;
 
   void* Allocate(size_t bytes) override;
   void Free(void* device) override;
@@ -64,7 +64,8 @@ class CudaBackend final : public DeviceBackend {
   void Synchronize() override;
   // cuda::DeviceGradient (geometry_cuda.h) on this backend's stream.
   std::unique_ptr<GradientProducts> Products(const float* g, int64_t m, int64_t n) override;
-  // The same over a device copy of g (device-to-device, on the stream), freed with it.
+  // The same over a device copy of g (device-to-device, on the stream), freed with it
+  // (DeviceGradient's `owns`).
   std::unique_ptr<GradientProducts> Snapshot(const float* g, int64_t m, int64_t n) override;
 
  private:

@@ -127,8 +127,6 @@ void HostPlane::Read(std::span<const float> in, std::span<float> host) {
   std::copy(in.begin(), in.end(), host.begin());
 }
 
-void HostPlane::FillNaN(std::span<float> out) { std::memset(out.data(), 0xFF, out.size_bytes()); }
-
 std::unique_ptr<GradientProducts> HostPlane::Snapshot(std::span<const float> g, int64_t m,
                                                       int64_t n) {
   return std::make_unique<HostSnapshot>(std::vector<float>(g.begin(), g.end()), m, n);
@@ -231,12 +229,7 @@ void StagedPlane::InvertTransform(const BucketLayer& l) {
 void StagedPlane::ReadDivided(std::span<const float> in, float divisor, uint32_t bit,
                               std::span<float> host) {
   device_.ToHost(host.data(), in.data(), in.size_bytes());
-  if (geofp8::Divide(host, divisor, host)) {
-    uint64_t word = 0;
-    device_.ToHost(&word, flags_, sizeof word);
-    word |= uint64_t{1} << bit;
-    device_.ToDevice(flags_, &word, sizeof word);
-  }
+  if (geofp8::Divide(host, divisor, host)) host_flags_ |= uint64_t{1} << bit;
 }
 
 void StagedPlane::Write(std::span<const float> host, std::span<float> out) {
@@ -247,21 +240,28 @@ void StagedPlane::Read(std::span<const float> in, std::span<float> host) {
   device_.ToHost(host.data(), in.data(), in.size_bytes());
 }
 
-void StagedPlane::FillNaN(std::span<float> out) {
-  device_.Fill(out.data(), out.size(), 0xFFFFFFFFu);
-}
-
 uint64_t StagedPlane::TakeFlags() {
   uint64_t word = 0;
   device_.ToHost(&word, flags_, sizeof word);  // after every kernel issued before it
   const uint64_t zero = 0;
   if (word) device_.ToDevice(flags_, &zero, sizeof zero);
-  return word;
+  return word | std::exchange(host_flags_, 0);
+}
+
+std::unique_ptr<GradientProducts> StagedPlane::Products(std::span<const float> g, int64_t m,
+                                                        int64_t n) {
+  if (auto on_device = device_.Products(g.data(), m, n)) return on_device;
+  return HostCopy(g, m, n);
 }
 
 std::unique_ptr<GradientProducts> StagedPlane::Snapshot(std::span<const float> g, int64_t m,
                                                         int64_t n) {
   if (auto on_device = device_.Snapshot(g.data(), m, n)) return on_device;
+  return HostCopy(g, m, n);
+}
+
+std::unique_ptr<GradientProducts> StagedPlane::HostCopy(std::span<const float> g, int64_t m,
+                                                        int64_t n) {
   std::vector<float> host(g.size());
   device_.ToHost(host.data(), g.data(), g.size_bytes());
   return std::make_unique<HostSnapshot>(std::move(host), m, n);

@@ -112,10 +112,8 @@ class DataPlane {
   virtual void Write(std::span<const float> host, std::span<float> out) = 0;
   // host = in, exactly (an exchanger's geometry refresh reads the averaged gradient).
   virtual void Read(std::span<const float> in, std::span<float> host) = 0;
-  // Every float of `out` set to a quiet NaN (all bits set), as a skipped bucket is handed back.
-  virtual void FillNaN(std::span<float> out) = 0;
   // The factor sketch's access to the m x n gradient g (an exchanger's refresh): its products
-  // where g lives. Null: the plane has none, and the caller reads g to the host instead.
+  // where g lives, or over a host copy where the plane has none there. Never null.
   virtual std::unique_ptr<GradientProducts> Products(std::span<const float> g, int64_t m,
                                                      int64_t n) = 0;
   // The same over a copy of g taken now, which the products own: a deferred refresh's, run after
@@ -149,7 +147,6 @@ class HostPlane final : public DataPlane {
                    std::span<float> host) override;
   void Write(std::span<const float> host, std::span<float> out) override;
   void Read(std::span<const float> in, std::span<float> host) override;
-  void FillNaN(std::span<float> out) override;
   std::unique_ptr<GradientProducts> Products(std::span<const float> g, int64_t m,
                                              int64_t n) override {
     return std::make_unique<HostGradient>(g.data(), m, n);
@@ -199,7 +196,7 @@ class DeviceBackend {
   // Returns once everything issued is done.
   virtual void Synchronize() = 0;
   // The factor sketch's products over the m x n device gradient g (DataPlane::Products); null:
-  // none, the gradient is read to the host instead.
+  // none, the plane reads the gradient to the host instead.
   virtual std::unique_ptr<GradientProducts> Products(const float* g, int64_t m, int64_t n) {
     (void)g, (void)m, (void)n;
     return nullptr;
@@ -258,11 +255,8 @@ class StagedPlane final : public DataPlane {
                    std::span<float> host) override;
   void Write(std::span<const float> host, std::span<float> out) override;
   void Read(std::span<const float> in, std::span<float> host) override;
-  void FillNaN(std::span<float> out) override;
   std::unique_ptr<GradientProducts> Products(std::span<const float> g, int64_t m,
-                                             int64_t n) override {
-    return device_.Products(g.data(), m, n);
-  }
+                                             int64_t n) override;
   std::unique_ptr<GradientProducts> Snapshot(std::span<const float> g, int64_t m,
                                              int64_t n) override;
   uint64_t TakeFlags() override;
@@ -277,11 +271,16 @@ class StagedPlane final : public DataPlane {
     size_t bytes = 0;
   };
   void* Reserve(Scratch& s, size_t bytes);
+  // Products over a host copy of the device gradient g (no device products).
+  std::unique_ptr<GradientProducts> HostCopy(std::span<const float> g, int64_t m, int64_t n);
   // The device copy of host bytes `in`, in scratch `s`.
   const uint8_t* Stage(Scratch& s, std::span<const uint8_t> in);
 
   DeviceBackend& device_;
-  uint64_t* flags_ = nullptr;  // device word: the flag bits noted since TakeFlags
+  // The flag bits noted since TakeFlags: by the device's kernels in a device word, and by
+  // ReadDivided's host pass.
+  uint64_t* flags_ = nullptr;
+  uint64_t host_flags_ = 0;
   Scratch divided_, encoded_, received_, acc_;
 };
 

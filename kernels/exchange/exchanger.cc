@@ -402,12 +402,11 @@ void Exchanger::Defer(uint64_t step, const std::vector<std::span<float>>& grads)
   Deferred d;
   d.step = step;
   d.snapshots.resize(layers_.size());
-  DataPlane& plane = options_.plane ? *options_.plane : workspace_.host;
   bool any = false;
   for (uint32_t l = 0; l < layers_.size(); ++l) {
     if (!UsesGeometry(l) || !RefreshesAt(l, step)) continue;
     const LayerSpec& spec = layers_[l];
-    d.snapshots[l] = plane.Snapshot(grads[l], spec.rows, spec.cols);
+    d.snapshots[l] = plane().Snapshot(grads[l], spec.rows, spec.cols);
     // The inverse's products describe this gradient, which a host copy is bit for bit.
     if (state_[l].products.data == grads[l].data())
       state_[l].products.data = d.snapshots[l]->host_data();
@@ -622,7 +621,7 @@ std::vector<BucketResult> Exchanger::RunBuckets(uint64_t step, size_t first, siz
       // The sketch that refreshes this layer after the exchange can take G V, U^T G and ||G||^2
       // from the inverse instead of reading the result for them.
       st.products.valid = false;
-      // (On a device plane the sketch reads the host copy of the result instead.)
+      // (On a device plane the sketch runs its own products over the result instead.)
       const bool host = !options_.plane || options_.plane->host_memory();
       if (host && w.geometry && options_.estimator == GeometryEstimator::kFactorEma &&
           RefreshesAt(l, step))
@@ -737,33 +736,22 @@ std::vector<RefreshRecord> Exchanger::RunRefreshes(
     const RefreshSchedule& s = schedule_[l];
     const LayerSpec& spec = layers_[l];
     LayerState& st = state_[l];
-    std::span<const float> grad = grads[l];
-    // A device plane's sketch runs its products where the gradient lives, where it can; the
-    // instant estimator (and a plane without products) reads a host copy.
-    std::unique_ptr<GradientProducts> own;
-    GradientProducts* products = snapshots ? (*snapshots)[l].get() : nullptr;
-    if (!products && device && options_.estimator == GeometryEstimator::kFactorEma) {
-      own = options_.plane->Products(grads[l], spec.rows, spec.cols);
-      products = own.get();
-    }
-    if (device && !products &&
-        (options_.estimator == GeometryEstimator::kFactorEma || comm_.rank() == s.owner)) {
-      host_copy.resize(grad.size());
-      options_.plane->Read(grads[l], host_copy);
-      grad = host_copy;
-    }
     RefreshRecord rec;
     rec.layer = l;
     if (options_.estimator == GeometryEstimator::kFactorEma) {
       // Every rank holds the same averaged gradient and runs the same fixed-order arithmetic, so
       // every rank derives the same geometry; the fingerprint's digest checks it at its first use.
       const auto start = std::chrono::steady_clock::now();
-      rec.from_inverse =
-          products
-              ? UpdateFactorSketch(st.sketch, *products, spec.rows, spec.cols, spec.policy.rank,
-                                   SketchOptions(l), products->host_data() ? &st.products : nullptr)
-              : UpdateFactorSketch(st.sketch, grad, spec.rows, spec.cols, spec.policy.rank,
-                                   SketchOptions(l), &st.products);
+      // The sketch's products where the gradient lives (the plane's), or over the copy a
+      // deferred refresh took. The inverse's products are only ever valid on the host.
+      std::unique_ptr<GradientProducts> own;
+      GradientProducts* products = snapshots ? (*snapshots)[l].get() : nullptr;
+      if (!products) {
+        own = plane().Products(grads[l], spec.rows, spec.cols);
+        products = own.get();
+      }
+      rec.from_inverse = UpdateFactorSketch(st.sketch, *products, spec.rows, spec.cols,
+                                            spec.policy.rank, SketchOptions(l), &st.products);
       st.products.valid = false;
       SketchGeometryOptions go;
       go.rank = spec.policy.rank;
@@ -796,6 +784,13 @@ std::vector<RefreshRecord> Exchanger::RunRefreshes(
         const Geometry* previous = st.has_pending          ? &st.pending
                                    : st.active.version > 0 ? &st.active
                                                            : nullptr;
+        // The owner reads a device plane's gradient to the host.
+        std::span<const float> grad = grads[l];
+        if (device) {
+          host_copy.resize(grad.size());
+          options_.plane->Read(grads[l], host_copy);
+          grad = host_copy;
+        }
         RefreshResult r = EstimateGeometry(grad, spec.rows, spec.cols, go, previous);
         rec.drift = r.drift;
         rec.seconds = r.seconds;

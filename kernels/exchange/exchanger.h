@@ -77,8 +77,9 @@ struct ExchangeOptions {
   // (data_plane.h): null, host memory and the CPU engine; a StagedPlane, device memory (every
   // span a device pointer and a length) with the codec on the device and the wire staged through
   // host memory. Not owned: it must outlive the Exchanger. Every rank uses the same kind. Layers
-  // whose policy the plane cannot run are refused at construction, naming the layer and field;
-  // geometry refreshes read the averaged gradient through a host copy.
+  // whose policy the plane cannot run are refused at construction, naming the layer and field.
+  // The ema sketch runs its products over the averaged gradient on the plane
+  // (DataPlane::Products); the instant estimator's owner reads it to the host.
   DataPlane* plane = nullptr;
 };
 
@@ -270,6 +271,8 @@ class Exchanger {
   std::vector<RefreshRecord> RunRefreshes(
       uint64_t step, const std::vector<std::span<float>>& grads,
       const std::vector<std::unique_ptr<GradientProducts>>* snapshots = nullptr);
+  // The plane the gradients live on: options_.plane, or the workspace's host plane.
+  DataPlane& plane() { return options_.plane ? *options_.plane : workspace_.host; }
   // Refreshes::kDeferred: keeps copies of the gradients the step's refreshes read, for later.
   void Defer(uint64_t step, const std::vector<std::span<float>>& grads);
   // The rotation block the layer's exchange uses (0: none): matrices under a compressed algorithm,

@@ -375,8 +375,8 @@ __global__ void FirstNonFiniteKernel(const float* g, int64_t total, unsigned lon
 }  // namespace
 
 DeviceGradient::DeviceGradient(const float* dG, int64_t m, int64_t n, cudaStream_t stream,
-                               cublasContext* handle)
-    : dG_(dG), m_(m), n_(n), stream_(stream), handle_(handle) {
+                               cublasContext* handle, bool owns)
+    : dG_(dG), owns_(owns), m_(m), n_(n), stream_(stream), handle_(handle) {
   GEOFP8_CHECK(m > 0 && n > 0, "DeviceGradient: shape ", m, "x", n);
   GEOFP8_CUDA_CHECK(cudaMalloc(reinterpret_cast<void**>(&partial_), kNormBlocks * sizeof(double)));
 }
@@ -385,6 +385,7 @@ DeviceGradient::~DeviceGradient() {
   cudaStreamSynchronize(stream_);
   cudaFree(scratch_);
   cudaFree(partial_);
+  if (owns_) cudaFree(const_cast<float*>(dG_));
 }
 
 float* DeviceGradient::Scratch(size_t floats) {
@@ -398,9 +399,14 @@ float* DeviceGradient::Scratch(size_t floats) {
   return scratch_;
 }
 
+cublasContext* DeviceGradient::Handle() {
+  GEOFP8_CHECK(cublasSetStream(handle_, stream_) == CUBLAS_STATUS_SUCCESS,
+               "cublasSetStream failed");
+  return handle_;
+}
+
 double DeviceGradient::ProductAndNorm(const float* x, int ldx, float* y) {
-  auto h = reinterpret_cast<cublasHandle_t>(handle_);
-  GEOFP8_CHECK(cublasSetStream(h, stream_) == CUBLAS_STATUS_SUCCESS, "cublasSetStream failed");
+  cublasHandle_t h = Handle();
   const size_t nx = size_t(n_) * ldx, ny = size_t(m_) * ldx;
   float* dx = Scratch(nx + ny);
   float* dy = dx + nx;
@@ -420,17 +426,14 @@ double DeviceGradient::ProductAndNorm(const float* x, int ldx, float* y) {
 }
 
 void DeviceGradient::TransposeProduct(const float* q, int c, float* bt) {
-  auto h = reinterpret_cast<cublasHandle_t>(handle_);
-  GEOFP8_CHECK(cublasSetStream(h, stream_) == CUBLAS_STATUS_SUCCESS, "cublasSetStream failed");
+  cublasHandle_t h = Handle();
   const size_t nq = size_t(m_) * c, nb = size_t(n_) * c;
   float* dq = Scratch(nq + nb);
   float* db = dq + nq;
   GEOFP8_CUDA_CHECK(cudaMemcpyAsync(dq, q, nq * sizeof(float), cudaMemcpyHostToDevice, stream_));
-  // B^T (n x c, column-major) = G^T Q: G row-major is G^T column-major (n x m, leading dim n).
-  const float one = 1.f, zero = 0.f;
-  GEOFP8_CUBLAS_CHECK(cublasSgemm(h, CUBLAS_OP_N, CUBLAS_OP_N, static_cast<int>(n_), c,
-                                  static_cast<int>(m_), &one, dG_, static_cast<int>(n_), dq,
-                                  static_cast<int>(m_), &zero, db, static_cast<int>(n_)));
+  // B^T (n x c, column-major) is B = Q^T G (c x n) row-major, and Q (m x c, column-major) is
+  // Q^T (c x m) row-major.
+  RowMajorGemm(h, false, false, c, n_, m_, 1.f, dq, m_, dG_, n_, 0.f, db, n_);
   GEOFP8_CUDA_CHECK(cudaMemcpyAsync(bt, db, nb * sizeof(float), cudaMemcpyDeviceToHost, stream_));
   GEOFP8_CUDA_CHECK(cudaStreamSynchronize(stream_));
 }

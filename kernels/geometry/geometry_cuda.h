@@ -84,10 +84,12 @@ class DeviceGeometry {
 // cross to the host, (m + n) c floats for c columns instead of G's m n. ||G||^2 is a fixed-order
 // reduction (per-block sums of squares in double, then summed on the host in block order), so
 // one dG gives the same bits on every run and every rank of one GPU model. Ordered on `stream`;
-// each call returns with its results on the host. Not thread-safe.
+// each call returns with its results on the host. Not thread-safe. `owns`: dG is a cudaMalloc'd
+// copy (a deferred refresh's snapshot) that the destructor frees.
 class DeviceGradient final : public GradientProducts {
  public:
-  DeviceGradient(const float* dG, int64_t m, int64_t n, cudaStream_t stream, cublasContext* handle);
+  DeviceGradient(const float* dG, int64_t m, int64_t n, cudaStream_t stream, cublasContext* handle,
+                 bool owns = false);
   ~DeviceGradient() override;
   DeviceGradient(const DeviceGradient&) = delete;
   DeviceGradient& operator=(const DeviceGradient&) = delete;
@@ -98,8 +100,10 @@ class DeviceGradient final : public GradientProducts {
 
  private:
   float* Scratch(size_t floats);  // device: operand then result, grown as needed
+  cublasContext* Handle();        // the handle, set to stream_
 
   const float* dG_;
+  bool owns_;
   int64_t m_, n_;
   cudaStream_t stream_;
   cublasContext* handle_;

@@ -99,45 +99,15 @@ class ScrambledBackend final : public DeviceBackend {
   }
   void Synchronize() override { ++syncs_; }
   // The sketch's products over an unscrambled copy, through the host's code: the bits of a
-  // refresh that reads a host copy.
+  // refresh that reads a host copy. A snapshot is the same copy, taken when asked.
   std::unique_ptr<GradientProducts> Products(const float* g, int64_t m, int64_t n) override {
-    struct Copy final : GradientProducts {
-      std::vector<float> host;
-      HostGradient g;
-      Copy(std::vector<float> h, int64_t m, int64_t n) : host(std::move(h)), g(host.data(), m, n) {}
-      double ProductAndNorm(const float* x, int ldx, float* y) override {
-        return g.ProductAndNorm(x, ldx, y);
-      }
-      void TransposeProduct(const float* q, int c, float* bt) override {
-        g.TransposeProduct(q, c, bt);
-      }
-      int64_t FindNonFinite() override { return g.FindNonFinite(); }
-    };
     ++products_;
-    return std::make_unique<Copy>(Load(g, size_t(m * n)), m, n);
+    return std::make_unique<HostSnapshot>(Load(g, size_t(m * n)), m, n);
   }
   int products() const { return products_; }
-  // A scrambled device copy, owned by the products over it.
   std::unique_ptr<GradientProducts> Snapshot(const float* g, int64_t m, int64_t n) override {
-    struct Owned final : GradientProducts {
-      ScrambledBackend& b;
-      float* copy;
-      std::unique_ptr<GradientProducts> p;
-      Owned(ScrambledBackend& b, float* c, int64_t m, int64_t n)
-          : b(b), copy(c), p(b.Products(c, m, n)) {}
-      ~Owned() override { b.Free(copy); }
-      double ProductAndNorm(const float* x, int ldx, float* y) override {
-        return p->ProductAndNorm(x, ldx, y);
-      }
-      void TransposeProduct(const float* q, int c, float* bt) override {
-        p->TransposeProduct(q, c, bt);
-      }
-      int64_t FindNonFinite() override { return p->FindNonFinite(); }
-    };
     ++snapshots_;
-    auto* copy = static_cast<float*>(Allocate(size_t(m * n) * 4));
-    Store(copy, Load(g, size_t(m * n)));
-    return std::make_unique<Owned>(*this, copy, m, n);
+    return std::make_unique<HostSnapshot>(Load(g, size_t(m * n)), m, n);
   }
   int snapshots() const { return snapshots_; }
 
@@ -319,7 +289,7 @@ TEST(StagedPlane, SketchProductsRunThroughTheBackendWithTheHostsBits) {
 }
 
 TEST(StagedPlane, DeferredRefreshesRunOnADeviceSnapshotWithTheHostsBits) {
-  // Refreshes::kDeferred on a device plane keeps a device copy of each refreshed layer
+  // Refreshes::kDeferred on a device plane keeps a copy of each refreshed layer through the backend
   // (DeviceBackend::Snapshot) and runs the sketch's products over it later: the geometry and
   // outputs of every step are those of the host plane refreshing at once.
   LayerPolicy lowrank = Policy(Format::kNvfp4, Scaling::kBlock, 16);
@@ -397,23 +367,6 @@ TEST(StagedPlane, ErrorFeedbackIsRefusedNamingTheLayer) {
                            "memory (scrambled)"),
             std::string::npos)
       << errors[0];
-}
-
-TEST(StagedPlane, FillNaNAndReadGoThroughTheBackend) {
-  ScrambledBackend backend;
-  StagedPlane plane(backend);
-  DeviceTensors dev(backend, {{1.f, 2.f, 3.f}});
-  plane.FillNaN(dev.spans()[0]);
-  const Tensors back = dev.Download();
-  for (float v : back[0]) {
-    uint32_t bits;
-    std::memcpy(&bits, &v, 4);
-    EXPECT_EQ(bits, 0xFFFFFFFFu);
-  }
-  HostPlane host;
-  std::vector<float> h = {1.f, -0.f, 3.f};
-  host.FillNaN(h);
-  for (float v : h) EXPECT_TRUE(std::isnan(v));
 }
 
 }  // namespace
