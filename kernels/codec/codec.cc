@@ -66,6 +66,11 @@ std::atomic<bool> g_vectorized{true};
 }
 void SetVectorizedEnabled(bool enabled) { g_vectorized.store(enabled); }
 bool VectorizedEnabled() { return g_vectorized.load(std::memory_order_relaxed); }
+namespace {
+std::atomic<bool> g_avx512{true};
+}
+void SetAvx512Enabled(bool enabled) { g_avx512.store(enabled); }
+bool Avx512Enabled() { return VectorizedEnabled() && g_avx512.load(std::memory_order_relaxed); }
 
 }  // namespace detail
 

@@ -448,6 +448,13 @@ GEOFP8_AVX2 void DecodeNv(const Layout& l, const uint8_t* scales, const uint8_t*
 bool EncodeFp8Avx2(const float* x, const Layout& l, uint8_t* scales, uint8_t* payload,
                    EncodeStats* st) {
   if (!CpuHasAvx2()) return false;
+  // Whole blocks by the AVX-512 path where it runs, the last partial block here.
+  if (const size_t done = EncodeWholeBlocksAvx512(x, l, scales, payload, st); done) {
+    if (done == l.count) return true;
+    const Layout tail = MakeLayout(l.format, l.scaling, l.block, l.count - done);
+    const size_t scale_bytes = l.format == Format::kMxfp8 ? 1 : 4;
+    return EncodeFp8Avx2(x + done, tail, scales + done / l.block * scale_bytes, payload + done, st);
+  }
   if (l.format == Format::kFp8E4M3) {
     EncodeFp8<Format::kFp8E4M3>(x, l, scales, payload, st);
   } else if (l.format == Format::kFp8E5M2) {

@@ -47,11 +47,21 @@ inline uint8_t EncodeFp8Element(float x, float scale, bool stochastic, uint32_t 
 bool CpuHasAvx2();
 bool EncodeFp8Avx2(const float* x, const Layout& layout, uint8_t* scales, uint8_t* payload,
                    EncodeStats* stats);
+// The AVX-512 encode of the whole blocks of an fp8 block-scaled (blocks 16, 32, 64, 128) or
+// mxfp8 layout, nearest rounding, into the layout's scales and payload; codec_avx512.cc. Returns
+// how many leading elements it encoded (a multiple of the block), 0 when it declines (no
+// AVX-512, Avx512Enabled() false, or a case it does not cover). Bit-identical to the scalar path.
+size_t EncodeWholeBlocksAvx512(const float* x, const Layout& layout, uint8_t* scales,
+                               uint8_t* payload, EncodeStats* stats);
 bool DecodeFp8Avx2(const Layout& layout, const uint8_t* scales, const uint8_t* payload, float* out,
                    bool accumulate);
 
 // Runtime switch for tests and the bench: false forces the scalar reference everywhere.
 void SetVectorizedEnabled(bool enabled);
 bool VectorizedEnabled();
+// Runtime switch for the AVX-512 paths (tests and the bench compare them with AVX2): false keeps
+// AVX2 where both exist. Avx512Enabled() is false whenever VectorizedEnabled() is.
+void SetAvx512Enabled(bool enabled);
+bool Avx512Enabled();
 
 }  // namespace geofp8::detail

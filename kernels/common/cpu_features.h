@@ -24,4 +24,17 @@ inline bool CpuHasAvx2Fma() {
 #endif
 }
 
+// True on an x86-64 CPU with AVX-512 F, BW, DQ and VL, and FMA, whose OS saves the 512-bit
+// state (GCC's check reads XGETBV); false elsewhere.
+inline bool CpuHasAvx512() {
+#if defined(__x86_64__) && defined(__GNUC__)
+  static const bool yes = __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+                          __builtin_cpu_supports("avx512dq") &&
+                          __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("fma");
+  return yes;
+#else
+  return false;
+#endif
+}
+
 }  // namespace geofp8

@@ -15,6 +15,7 @@
 #include "kernels/codec/codec_internal.h"
 #include "kernels/common/check.h"
 #include "kernels/common/cpu_features.h"
+#include "kernels/geometry/hadamard_avx512.h"
 #include "kernels/geometry/hadamard_math.h"
 
 namespace geofp8 {
@@ -225,12 +226,19 @@ EncodeStats EncodeRotated(std::span<const float> x, int block, uint64_t seed,
   // Tiles of whole codec blocks (each a whole number of rotation blocks), 32 KiB of floats: the
   // rotated tile is encoded while it is in L1/L2.
   const size_t tile = size_t(l.block) * std::max<size_t>(1, 8192 / l.block);
-  std::vector<float> buf(tile);
   uint8_t* scales = out.data() + sizeof(EncodedHeader);
   uint8_t* payload = scales + l.scale_bytes;
   EncodeStats st;
   const float scale = BlockScale(block);
-  for (size_t t0 = 0; t0 < x.size(); t0 += tile) {
+  // Whole codec blocks in registers where the CPU has AVX-512; the rest (or everything, where it
+  // declines) in tiles.
+  size_t start = 0;
+  if (const size_t whole = x.size() / l.block * l.block;
+      whole && detail::EncodeRotatedAvx512(x.data(), whole, block, seed, l, scales, payload, &st)) {
+    start = whole;
+  }
+  std::vector<float> buf(start < x.size() ? tile : 0);
+  for (size_t t0 = start; t0 < x.size(); t0 += tile) {
     const size_t len = std::min(tile, x.size() - t0);
     const size_t whole = len / size_t(block) * size_t(block);
     for (size_t i = 0; i < whole; i += size_t(block)) {

@@ -1,5 +1,6 @@
-// The AVX2 fp8 path against the scalar reference: identical encoded bytes, and identical decode
-// and decode-accumulate bits, over random, wide-range and special inputs at many sizes.
+// The AVX2 fp8 path, and the AVX-512 block encode ahead of it where the CPU has AVX-512, against
+// the scalar reference: identical encoded bytes, and identical decode and decode-accumulate bits,
+// over random, wide-range and special inputs at many sizes.
 #include <gtest/gtest.h>
 
 #include <cmath>
@@ -11,6 +12,7 @@
 #include "kernels/codec/codec.h"
 #include "kernels/codec/codec_internal.h"
 #include "kernels/codec/element.h"
+#include "kernels/common/cpu_features.h"
 
 namespace geofp8 {
 namespace {
@@ -108,15 +110,18 @@ std::vector<float> MakeData(Data kind, size_t n, uint32_t seed) {
   return x;
 }
 
-TEST(CodecAvx2, BitIdenticalToScalar) {
-  if (!detail::CpuHasAvx2()) GTEST_SKIP() << "processor lacks AVX2";
-  const size_t sizes[] = {0, 1, 7, 8, 15, 17, 31, 32, 33, 127, 128, 129, 1000, 4101, 2560};
+// Every format, scaling, block and data kind at many sizes (several 2048-element tiles of the
+// AVX-512 path, a partial last tile, a partial last block), with the AVX-512 path on or off.
+void ExpectVectorizedMatchesScalar(bool avx512) {
+  detail::SetAvx512Enabled(avx512);
+  const size_t sizes[] = {0,   1,   7,   8,    15,   17,   31,   32,  33,
+                          127, 128, 129, 1000, 4101, 2560, 6149, 8192};
   for (Format f :
        {Format::kFp8E4M3, Format::kFp8E5M2, Format::kMxfp8, Format::kNvfp4, Format::kBf16}) {
     for (Scaling s : {Scaling::kNone, Scaling::kTensor, Scaling::kBlock}) {
       const bool own_blocks = f == Format::kMxfp8 || f == Format::kNvfp4 || f == Format::kBf16;
       if (own_blocks && s != Scaling::kBlock) continue;  // mxfp8/nvfp4 ignore scaling
-      for (uint32_t block : {1u, 16u, 32u, 100u, 128u}) {
+      for (uint32_t block : {1u, 16u, 32u, 64u, 100u, 128u}) {
         if ((s != Scaling::kBlock || own_blocks) && block != 128) continue;
         for (Data d :
              {Data::kGaussian, Data::kWideRange, Data::kRandomBits, Data::kSpecials, Data::kTies}) {
@@ -131,9 +136,9 @@ TEST(CodecAvx2, BitIdenticalToScalar) {
             const auto vec = EncodeWith(true, x, o, &sv);
             const auto ref = EncodeWith(false, x, o, &ss);
             const std::string where =
-                std::string(FormatName(f)) + "/" + std::string(ScalingName(s)) + " block " +
-                std::to_string(block) + " data " + std::to_string(static_cast<int>(d)) + " n " +
-                std::to_string(n);
+                std::string(avx512 ? "avx512 " : "avx2 ") + std::string(FormatName(f)) + "/" +
+                std::string(ScalingName(s)) + " block " + std::to_string(block) + " data " +
+                std::to_string(static_cast<int>(d)) + " n " + std::to_string(n);
             ASSERT_EQ(vec, ref) << where;
             ASSERT_EQ(sv.nonfinite, ss.nonfinite) << where;
             ASSERT_EQ(sv.saturated, ss.saturated) << where;
@@ -144,6 +149,53 @@ TEST(CodecAvx2, BitIdenticalToScalar) {
           }
         }
       }
+    }
+  }
+}
+
+TEST(CodecAvx2, BitIdenticalToScalar) {
+  if (!detail::CpuHasAvx2()) GTEST_SKIP() << "processor lacks AVX2";
+  ExpectVectorizedMatchesScalar(false);
+  detail::SetAvx512Enabled(true);
+}
+
+TEST(CodecAvx512, BitIdenticalToScalar) {
+  if (!detail::CpuHasAvx2() || !CpuHasAvx512()) GTEST_SKIP() << "processor lacks AVX-512";
+  ExpectVectorizedMatchesScalar(true);
+}
+
+// Every finite float as a block's values, one value per 16-element block next to 15 copies of a
+// fixed amax (so the scale is the same for all): the AVX-512 conversion, its normal, subnormal
+// and zero cases and every rounding tie, against the scalar rule for all 2^32 bit patterns in
+// steps of a prime (about 34 million values).
+TEST(CodecAvx512, EveryRoundingCaseMatchesScalar) {
+  if (!detail::CpuHasAvx2() || !CpuHasAvx512()) GTEST_SKIP() << "processor lacks AVX-512";
+  for (Format f : {Format::kFp8E4M3, Format::kFp8E5M2, Format::kMxfp8}) {
+    CodecOptions o;
+    o.format = f;
+    o.scaling = Scaling::kBlock;
+    o.block = f == Format::kMxfp8 ? 32 : 16;
+    const uint32_t block = o.block;
+    const size_t per = 4096;  // blocks per encode
+    std::vector<float> x(per * block);
+    uint64_t bits = 0;
+    while (bits < (1ull << 32)) {
+      for (size_t b = 0; b < per; ++b) {
+        // The block's amax is 2^k for k in [-20, 20] cycling, so the scale varies too.
+        const float amax = std::ldexp(1.f, int(b % 41) - 20);
+        for (uint32_t i = 0; i < block; ++i) x[b * block + i] = i % 2 ? amax : -amax;
+        uint32_t v = uint32_t(bits);
+        bits += 383;
+        float y = element::BitsFloat(v);
+        if (!element::IsFinite(y)) y = amax / 3;
+        if (element::AbsF(y) > amax) y = std::ldexp(y, -200);  // now below 2^-70
+        x[b * block + 3] = y;
+      }
+      EncodeStats sv, ss;
+      const auto vec = EncodeWith(true, x, o, &sv);
+      const auto ref = EncodeWith(false, x, o, &ss);
+      ASSERT_EQ(vec, ref) << FormatName(f) << " near bits " << bits;
+      ASSERT_EQ(sv.saturated, ss.saturated);
     }
   }
 }

@@ -1,0 +1,242 @@
+// The AVX-512 fp8 encode, shared by the plain codec (codec_avx512.cc) and the rotated one
+// (kernels/geometry/hadamard_avx512.cc): the per-lane conversion, the per-block scales 16 at a
+// time, and the tile driver that makes blocks independent. Internal; every function here matches
+// the scalar reference (element.h) bit for bit, and tests compare the paths.
+#pragma once
+
+// GCC 12's AVX-512 headers build their "undefined" vectors from a self-initialized variable,
+// which -Wmaybe-uninitialized reports at every inlined use (GCC bug 105593, fixed in GCC 13).
+#pragma GCC diagnostic push
+#pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
+#pragma GCC diagnostic ignored "-Wuninitialized"
+#include <immintrin.h>
+
+#include <algorithm>
+#include <cstddef>
+#include <cstdint>
+#include <cstring>
+
+#include "kernels/codec/codec.h"
+#include "kernels/codec/element.h"
+
+namespace geofp8::detail::avx512 {
+
+#define GEOFP8_AVX512 __attribute__((target("avx512f,avx512bw,avx512dq,avx512vl,fma")))
+
+// Element constants, as in element::FloatToSmall (and codec_avx2.cc's Fp8Params).
+template <Format F>
+struct Fp8 {
+  static constexpr int M = F == Format::kFp8E5M2 ? 2 : 3;
+  static constexpr int B = F == Format::kFp8E5M2 ? 15 : 7;
+  static constexpr uint32_t kMaxCode = F == Format::kFp8E5M2 ? 0x7Bu : 0x7Eu;
+  static constexpr float kMax = F == Format::kFp8E5M2 ? 57344.f : 448.f;
+};
+
+// Sixteen finite scaled values -> sixteen codes, element::FloatToSmall's nearest rule by the
+// float adder: with e = max(exponent of |y|, the smallest normal's), c = 2^(e + 23 - M) has an
+// ulp of 2^(e - M), the element's quantum at |y| (normal or subnormal alike), and |y| < 2c, so
+// |y| + c rounds |y| half-even to k quanta in one rounding: bits(|y| + c) - bits(c) = k, and the
+// code is (e + B - 1) 2^M + k (k = 2^(M+1) carries into the next exponent, as it should).
+// kCanSaturate clamps to the largest finite code and counts values above the format's max.
+template <Format F, bool kCanSaturate>
+GEOFP8_AVX512 inline __m128i Convert16(__m512 y, __m512i* saturated) {
+  using P = Fp8<F>;
+  constexpr int kMinNormalExp = (127 + 1 - P::B) << 23;
+  constexpr int kCodeBias = (151 - P::M - P::B) << P::M;
+  const __m512i u = _mm512_castps_si512(y);
+  const __m512i a = _mm512_and_si512(u, _mm512_set1_epi32(0x7FFFFFFF));
+  if constexpr (kCanSaturate) {
+    const __mmask16 over =
+        _mm512_cmpgt_epi32_mask(a, _mm512_set1_epi32(int(element::FloatBits(P::kMax))));
+    *saturated = _mm512_mask_sub_epi32(*saturated, over, *saturated, _mm512_set1_epi32(-1));
+  }
+  const __m512i c =
+      _mm512_add_epi32(_mm512_max_epi32(_mm512_and_si512(u, _mm512_set1_epi32(0x7F800000)),
+                                        _mm512_set1_epi32(kMinNormalExp)),
+                       _mm512_set1_epi32((23 - P::M) << 23));
+  const __m512i sum =
+      _mm512_castps_si512(_mm512_add_ps(_mm512_castsi512_ps(a), _mm512_castsi512_ps(c)));
+  // (e + B - 1) 2^M - bits(c): c's mantissa is zero, so c >> (23 - M) is its exponent times 2^M.
+  const __m512i offset = _mm512_sub_epi32(_mm512_sub_epi32(_mm512_srli_epi32(c, 23 - P::M), c),
+                                          _mm512_set1_epi32(kCodeBias));
+  __m512i magnitude = _mm512_add_epi32(sum, offset);
+  if constexpr (kCanSaturate) {
+    magnitude = _mm512_min_epi32(magnitude, _mm512_set1_epi32(int(P::kMaxCode)));
+  }
+  // code = magnitude | ((u >> 24) & 0x80): 0xF8 is A | (B & C).
+  const __m512i code =
+      _mm512_ternarylogic_epi32(magnitude, _mm512_srli_epi32(u, 24), _mm512_set1_epi32(0x80), 0xF8);
+  return _mm512_cvtepi32_epi8(code);
+}
+
+// max(m, |v|) as integers on the float bits: finite non-negative floats order like their bits, so
+// the max is exact, and a NaN or infinite v leaves a lane at 0x7F800000 or above, which is how
+// the callers detect a block holding a non-finite value. (VRANGEPS would save the AND but
+// returns the other operand when one is a quiet NaN, hiding it.)
+GEOFP8_AVX512 inline __m512i MaxAbsBits(__m512i m, __m512 v) {
+  return _mm512_max_epu32(m,
+                          _mm512_and_si512(_mm512_castps_si512(v), _mm512_set1_epi32(0x7FFFFFFF)));
+}
+
+// The per-block scale rules covered: fp8 with an fp32 scale per block, and mxfp8's E8M0.
+enum class Rule { kFp8Block, kMx };
+
+// element::ScaleFromAmax for 16 finite amaxes at once, operation for operation.
+template <Format F>
+GEOFP8_AVX512 inline __m512 ScalesFromAmax(__m512i amax_bits) {
+  const __m512 amax = _mm512_castsi512_ps(amax_bits);
+  const __m512 fmt_max = _mm512_set1_ps(Fp8<F>::kMax);
+  const __m512 flt_max = _mm512_set1_ps(3.4028234663852886e38f);
+  __m512 s = _mm512_div_ps(fmt_max, amax);
+  s = _mm512_mask_blend_ps(_mm512_cmp_ps_mask(s, flt_max, _CMP_LE_OQ), flt_max, s);
+  const __mmask16 over = _mm512_cmp_ps_mask(_mm512_mul_ps(amax, s), fmt_max, _CMP_GT_OQ);
+  s = _mm512_castsi512_ps(_mm512_mask_sub_epi32(_mm512_castps_si512(s), over,
+                                                _mm512_castps_si512(s), _mm512_set1_epi32(1)));
+  const __mmask16 positive = _mm512_cmp_ps_mask(amax, _mm512_setzero_ps(), _CMP_GT_OQ);
+  return _mm512_mask_blend_ps(positive, _mm512_set1_ps(1.f), s);
+}
+
+// element::MxScaleCode for 16 finite amaxes and the multiplier EncodeMx derives from each code
+// (2^(127 - e) exactly, as a subnormal for the largest code). Lanes with a subnormal amax are
+// left to the scalar rule: their mask bit is returned set.
+GEOFP8_AVX512 inline __mmask16 MxScales(__m512i amax_bits, __m512i* codes, __m512* inv) {
+  const __m512i biased = _mm512_srli_epi32(amax_bits, 23);
+  __m512i code = _mm512_add_epi32(biased, _mm512_set1_epi32(-8));  // (biased - 127) - 8 + 127
+  code = _mm512_min_epi32(_mm512_max_epi32(code, _mm512_setzero_si512()), _mm512_set1_epi32(254));
+  const __mmask16 zero = _mm512_cmpeq_epi32_mask(amax_bits, _mm512_setzero_si512());
+  code = _mm512_mask_blend_epi32(zero, code, _mm512_set1_epi32(127));
+  *codes = code;
+  const __m512i inv_bits = _mm512_slli_epi32(_mm512_sub_epi32(_mm512_set1_epi32(254), code), 23);
+  *inv = _mm512_castsi512_ps(
+      _mm512_mask_blend_epi32(_mm512_cmpeq_epi32_mask(code, _mm512_set1_epi32(254)), inv_bits,
+                              _mm512_set1_epi32(0x00400000)));
+  return _mm512_mask_cmpeq_epi32_mask(~zero, biased, _mm512_setzero_si512());
+}
+
+// The scalar rule for one block of CB values y (its amax over the finite ones), exactly as the
+// codec's non-finite branch encodes it: the path for blocks holding a non-finite value.
+template <Format F, Rule R>
+inline void EncodeBlockScalar(const float* y, int cb, uint8_t* scale_out, uint8_t* payload,
+                              EncodeStats* st) {
+  float amax = 0.f;
+  for (int i = 0; i < cb; ++i) {
+    if (element::IsFinite(y[i]))
+      amax = std::max(amax, element::AbsF(y[i]));
+    else
+      ++st->nonfinite;
+  }
+  float s;
+  if constexpr (R == Rule::kFp8Block) {
+    s = element::ScaleFromAmax(amax, Fp8<F>::kMax);
+    std::memcpy(scale_out, &s, 4);
+  } else {
+    const uint8_t code = element::MxScaleCode(amax);
+    *scale_out = code;
+    s = code == 254 ? element::BitsFloat(0x00400000u)
+                    : element::BitsFloat(static_cast<uint32_t>(254 - code) << 23);
+  }
+  for (int i = 0; i < cb; ++i) {
+    bool sat = false;
+    payload[i] = element::EncodeFp8Scaled(F == Format::kFp8E5M2, y[i], s, false, 0, &sat);
+    st->saturated += sat;
+  }
+}
+
+// Encodes the whole blocks x[0..n) (n a multiple of CB) in tiles of 2048 elements (8 KiB, in
+// L1): first every block of the tile is prepared and reduced to its amax, then the tile's scales
+// are computed 16 at a time, then its values converted. The passes make the blocks independent,
+// so their latencies (the reduction, the division, a rotation's butterflies) overlap instead of
+// adding up. `Source` provides the block values:
+//   template <int K> void Prepare(const float* x, uint64_t first, float* buf, uint32_t* amax):
+//       for K consecutive blocks (x[0..K CB), tensor elements from `first`), the bits of each
+//       block's largest magnitude (>= 0x7F800000 when a value is not finite), leaving the values
+//       where Values finds them. The driver asks for 16 vectors' worth at a time, so that blocks
+//       too short to fill the out-of-order window on their own (a reduction and a division per
+//       block) overlap;
+//   const float* Values(const float* x, const float* buf): where they are (x itself or buf);
+//   void Reference(const float* x, uint64_t first, float* y): the block's values by the scalar
+//       reference, for a block holding a non-finite value.
+inline constexpr int kPrefetchBytes = 8192;
+
+template <Format F, Rule R, int CB, class Source>
+GEOFP8_AVX512 void EncodeTiles(const float* x, size_t n, const Source& src, uint8_t* scales,
+                               uint8_t* payload, EncodeStats* st) {
+  static_assert(CB % 16 == 0 && CB <= 128);
+  constexpr int kTileBlocks = 2048 / CB;  // a multiple of 16
+  constexpr int kGroup = 256 / CB;        // blocks per Prepare: 16 vectors, 1 KiB
+  constexpr bool kMx = R == Rule::kMx;
+  constexpr size_t kScaleBytes = kMx ? 1 : 4;
+  alignas(64) float buf[kTileBlocks * CB];
+  alignas(64) uint32_t amax[kTileBlocks];
+  alignas(64) float mult[kTileBlocks];
+  __m512i saturated = _mm512_setzero_si512();  // per-lane counts
+  for (size_t t0 = 0; t0 < n; t0 += size_t(kTileBlocks) * CB) {
+    const size_t bi0 = t0 / CB;
+    const int nb = int(std::min<size_t>(kTileBlocks, (n - t0) / CB));
+    int j = 0;
+    for (; j + kGroup <= nb; j += kGroup) {
+      // The lines kPrefetchBytes ahead requested as these are read: the hardware prefetcher
+      // alone leaves the plain encode waiting on memory (about 20% slower at 64 MiB, dev VM).
+      const char* ahead = reinterpret_cast<const char*>(x + t0 + size_t(j) * CB) + kPrefetchBytes;
+      for (int off = 0; off < 1024; off += 64) _mm_prefetch(ahead + off, _MM_HINT_T0);
+      src.template Prepare<kGroup>(x + t0 + size_t(j) * CB, t0 + size_t(j) * CB, buf + j * CB,
+                                   amax + j);
+    }
+    for (; j < nb; ++j) {
+      src.template Prepare<1>(x + t0 + size_t(j) * CB, t0 + size_t(j) * CB, buf + j * CB, amax + j);
+    }
+    bool nonfinite = false;
+    for (int j = 0; j < nb; j += 16) {
+      const __mmask16 live = __mmask16((1u << std::min(16, nb - j)) - 1);
+      const __m512i a = _mm512_maskz_load_epi32(live, amax + j);
+      nonfinite |= _mm512_mask_cmpge_epu32_mask(live, a, _mm512_set1_epi32(0x7F800000)) != 0;
+      if constexpr (kMx) {
+        __m512i codes;
+        __m512 inv;
+        const __mmask16 subnormal = MxScales(a, &codes, &inv);
+        _mm512_store_ps(mult + j, inv);
+        _mm_mask_storeu_epi8(scales + bi0 + j, live, _mm512_cvtepi32_epi8(codes));
+        for (unsigned m = subnormal & live; m; m &= m - 1) {  // rare: the scalar rule
+          const int k = j + __builtin_ctz(m);
+          const uint8_t code = element::MxScaleCode(element::BitsFloat(amax[k]));
+          scales[bi0 + k] = code;
+          mult[k] = code == 254 ? element::BitsFloat(0x00400000u)
+                                : element::BitsFloat(static_cast<uint32_t>(254 - code) << 23);
+        }
+      } else {
+        const __m512 sc = ScalesFromAmax<F>(a);
+        _mm512_store_ps(mult + j, sc);
+        _mm512_mask_storeu_ps(scales + 4 * (bi0 + j), live, sc);
+      }
+    }
+    for (int j = 0; j < nb; ++j) {
+      if (amax[j] >= 0x7F800000u) continue;  // below, by the scalar rule
+      const __m512 m = _mm512_set1_ps(mult[j]);
+      const float* v = src.Values(x + t0 + size_t(j) * CB, buf + j * CB);
+      uint8_t* p = payload + t0 + size_t(j) * CB;
+#pragma GCC unroll 8
+      for (int q = 0; q < CB / 16; ++q) {
+        // A scale from ScaleFromAmax cannot saturate (|x| s <= amax s <= max); the mx one can.
+        const __m128i codes =
+            Convert16<F, kMx>(_mm512_mul_ps(_mm512_loadu_ps(v + 16 * q), m), &saturated);
+        _mm_storeu_si128(reinterpret_cast<__m128i*>(p + 16 * q), codes);
+      }
+    }
+    if (nonfinite) {
+      for (int j = 0; j < nb; ++j) {
+        if (amax[j] < 0x7F800000u) continue;
+        const size_t b0 = t0 + size_t(j) * CB;
+        float y[CB];
+        src.Reference(x + b0, b0, y);
+        EncodeBlockScalar<F, R>(y, CB, scales + kScaleBytes * (bi0 + j), payload + b0, st);
+      }
+    }
+  }
+  alignas(64) uint32_t lanes[16];
+  _mm512_store_si512(lanes, saturated);
+  for (uint32_t c : lanes) st->saturated += c;
+}
+
+}  // namespace geofp8::detail::avx512
+
+#pragma GCC diagnostic pop
