@@ -94,14 +94,19 @@ struct Rotation {
     const __m512 rs = _mm512_set1_ps(rot_scale);
 #pragma GCC unroll 16
     for (int b = 0; b < K; ++b) {
-      __m512i m = _mm512_setzero_si512();
+      // Two running maxima, to halve the reduction's dependency chain.
+      __m512i m0 = _mm512_setzero_si512(), m1 = m0;
 #pragma GCC unroll 8
       for (int q = b * CB / 16; q < (b + 1) * CB / 16; ++q) {
         v[q] = _mm512_mul_ps(v[q], rs);
         _mm512_store_ps(out + 16 * q, v[q]);
-        m = avx512::MaxAbsBits(m, v[q]);
+        if (q % 2) {
+          m1 = avx512::MaxAbsBits(m1, v[q]);
+        } else {
+          m0 = avx512::MaxAbsBits(m0, v[q]);
+        }
       }
-      amax[b] = _mm512_reduce_max_epu32(m);
+      amax[b] = _mm512_reduce_max_epu32(_mm512_max_epu32(m0, m1));
     }
   }
 
