@@ -462,6 +462,7 @@ bool EncodeFp8Avx2(const float* x, const Layout& l, uint8_t* scales, uint8_t* pa
   } else if (l.format == Format::kMxfp8) {
     EncodeMx(x, l, scales, payload, st);
   } else if (l.format == Format::kNvfp4) {
+    if (EncodeNvAvx512(x, l, scales, payload, st)) return true;
     return EncodeNv(x, l, scales, payload, st);
   } else if (l.format == Format::kBf16) {
     EncodeBf16(x, l, payload, st);

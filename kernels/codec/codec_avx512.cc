@@ -54,6 +54,23 @@ bool EncodeFp8Block(uint32_t cb, const float* x, size_t n, uint8_t* scales, uint
 
 }  // namespace
 
+bool EncodeNvAvx512(const float* x, const Layout& l, uint8_t* scales, uint8_t* payload,
+                    EncodeStats* st) {
+  if (!Avx512Enabled() || !CpuHasAvx512() || l.format != Format::kNvfp4) return false;
+  const size_t n = l.count, whole = n / 16 * 16;
+  uint32_t amax = avx512::AmaxBits(x, whole, Identity<16>{});
+  for (size_t i = whole; i < n; ++i) amax = std::max(amax, element::FloatBits(x[i]) & 0x7FFFFFFFu);
+  if (amax >= 0x7F800000u) return false;  // the scalar path poisons the blocks concerned
+  const float g = element::NvTensorScale(element::BitsFloat(amax));
+  std::memcpy(scales, &g, 4);
+  if (!avx512::EncodeNvTiles(x, whole, Identity<16>{}, g, scales + 4, payload, st)) return false;
+  if (whole < n) {
+    avx512::EncodeNvPartialBlock(x + whole, n - whole, g, scales + 4 + whole / 16,
+                                 payload + whole / 2, st);
+  }
+  return true;
+}
+
 size_t EncodeWholeBlocksAvx512(const float* x, const Layout& l, uint8_t* scales, uint8_t* payload,
                                EncodeStats* st) {
   if (!Avx512Enabled() || !CpuHasAvx512() || l.scaling != Scaling::kBlock || l.block == 0) {

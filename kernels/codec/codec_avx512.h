@@ -23,13 +23,16 @@ namespace geofp8::detail::avx512 {
 
 #define GEOFP8_AVX512 __attribute__((target("avx512f,avx512bw,avx512dq,avx512vl,fma")))
 
-// Element constants, as in element::FloatToSmall (and codec_avx2.cc's Fp8Params).
+// Element constants, as in element::FloatToSmall (and codec_avx2.cc's Fp8Params); kNvfp4 means
+// its E2M1 elements.
 template <Format F>
 struct Fp8 {
-  static constexpr int M = F == Format::kFp8E5M2 ? 2 : 3;
-  static constexpr int B = F == Format::kFp8E5M2 ? 15 : 7;
-  static constexpr uint32_t kMaxCode = F == Format::kFp8E5M2 ? 0x7Bu : 0x7Eu;
-  static constexpr float kMax = F == Format::kFp8E5M2 ? 57344.f : 448.f;
+  static constexpr bool kE2M1 = F == Format::kNvfp4;
+  static constexpr int M = kE2M1 ? 1 : F == Format::kFp8E5M2 ? 2 : 3;
+  static constexpr int B = kE2M1 ? 1 : F == Format::kFp8E5M2 ? 15 : 7;
+  static constexpr int kSignBit = kE2M1 ? 3 : 7;
+  static constexpr uint32_t kMaxCode = kE2M1 ? 0x7u : F == Format::kFp8E5M2 ? 0x7Bu : 0x7Eu;
+  static constexpr float kMax = kE2M1 ? 6.f : F == Format::kFp8E5M2 ? 57344.f : 448.f;
 };
 
 // Sixteen finite scaled values -> sixteen codes, element::FloatToSmall's nearest rule by the
@@ -39,7 +42,7 @@ struct Fp8 {
 // code is (e + B - 1) 2^M + k (k = 2^(M+1) carries into the next exponent, as it should).
 // kCanSaturate clamps to the largest finite code and counts values above the format's max.
 template <Format F, bool kCanSaturate>
-GEOFP8_AVX512 inline __m128i Convert16(__m512 y, __m512i* saturated) {
+GEOFP8_AVX512 inline __m512i Codes16(__m512 y, __m512i* saturated) {
   using P = Fp8<F>;
   constexpr int kMinNormalExp = (127 + 1 - P::B) << 23;
   constexpr int kCodeBias = (151 - P::M - P::B) << P::M;
@@ -68,10 +71,15 @@ GEOFP8_AVX512 inline __m128i Convert16(__m512 y, __m512i* saturated) {
     // sum - c + exponent_part and sum + exponent_part agree in it: one subtraction fewer.
     magnitude = _mm512_add_epi32(sum, exponent_part);
   }
-  // code = magnitude | ((u >> 24) & 0x80): 0xF8 is A | (B & C).
-  const __m512i code =
-      _mm512_ternarylogic_epi32(magnitude, _mm512_srli_epi32(u, 24), _mm512_set1_epi32(0x80), 0xF8);
-  return _mm512_cvtepi32_epi8(code);
+  // code = magnitude | (sign at kSignBit): 0xF8 is A | (B & C).
+  return _mm512_ternarylogic_epi32(magnitude, _mm512_srli_epi32(u, 31 - P::kSignBit),
+                                   _mm512_set1_epi32(1 << P::kSignBit), 0xF8);
+}
+
+// Codes16 packed to sixteen bytes (VPMOVDB keeps each lane's low byte).
+template <Format F, bool kCanSaturate>
+GEOFP8_AVX512 inline __m128i Convert16(__m512 y, __m512i* saturated) {
+  return _mm512_cvtepi32_epi8(Codes16<F, kCanSaturate>(y, saturated));
 }
 
 // max(m, |v|) as integers on the float bits: finite non-negative floats order like their bits, so
@@ -256,6 +264,110 @@ GEOFP8_AVX512 void EncodeTiles(const float* x, size_t n, const Source& src, uint
   alignas(64) uint32_t lanes[16];
   _mm512_store_si512(lanes, saturated);
   for (uint32_t c : lanes) st->saturated += c;
+}
+
+// The largest magnitude's bits over the whole 16-element blocks x[0..n) as `src` prepares them
+// (>= 0x7F800000 when a value is not finite).
+template <class Source>
+GEOFP8_AVX512 uint32_t AmaxBits(const float* x, size_t n, const Source& src) {
+  alignas(64) float buf[256];
+  alignas(64) uint32_t a[16];
+  __m512i m = _mm512_setzero_si512();
+  size_t i = 0;
+  for (; i + 256 <= n; i += 256) {
+    src.template Prepare<16>(x + i, i, buf, a);
+    m = _mm512_max_epu32(m, _mm512_load_si512(a));
+  }
+  uint32_t best = _mm512_reduce_max_epu32(m);
+  for (; i + 16 <= n; i += 16) {
+    src.template Prepare<1>(x + i, i, buf, a);
+    best = std::max(best, a[0]);
+  }
+  return best;
+}
+
+// The scalar rule for nvfp4's last, partial block: len < 16 values y (as the codec's AVX2 path
+// does it), its scale code to *code, its nibbles to payload (zeroed first).
+inline void EncodeNvPartialBlock(const float* y, size_t len, float g, uint8_t* code,
+                                 uint8_t* payload, EncodeStats* st) {
+  float amax = 0.f;
+  for (size_t i = 0; i < len; ++i) amax = std::max(amax, element::AbsF(y[i]));
+  *code = element::NvBlockScaleCode(amax, g);
+  const float den = element::NvDenominator(*code, g);
+  std::memset(payload, 0, (len + 1) / 2);
+  for (size_t i = 0; i < len; ++i) {
+    bool s;
+    const uint8_t e = element::EncodeNvElement(y[i], den, false, 0, &s);
+    st->saturated += s;
+    payload[i / 2] |= static_cast<uint8_t>(e << (4 * (i & 1)));
+  }
+}
+
+// nvfp4 (element.h's rule) for the whole 16-element blocks x[0..n) of a tensor whose finite
+// tensor scale g is known, from the same block sources as EncodeTiles (CB = 16): per block the
+// E4M3 scale code of amax / (6 g) (16 blocks at a time, by Codes16), den = E4M3ToFloat(code) g,
+// and the elements E2M1(x / den) with the scalar path's IEEE division, two per byte. Returns
+// false, having written garbage, if a block holds a non-finite value: callers check the tensor
+// first, so that does not happen.
+template <class Source>
+GEOFP8_AVX512 bool EncodeNvTiles(const float* x, size_t n, const Source& src, float g,
+                                 uint8_t* codes_out, uint8_t* payload, EncodeStats* st) {
+  constexpr int kTileBlocks = 128;  // 2048 elements
+  alignas(64) float buf[kTileBlocks * 16];
+  alignas(64) uint32_t amax[kTileBlocks];
+  alignas(64) float den[kTileBlocks];
+  const __m512 six_g = _mm512_set1_ps(6.f * g);
+  const __m512 gv = _mm512_set1_ps(g);
+  __m512i saturated = _mm512_setzero_si512();
+  __m512i unused = _mm512_setzero_si512();  // block codes cannot saturate the count that matters
+  for (size_t t0 = 0; t0 < n; t0 += size_t(kTileBlocks) * 16) {
+    const size_t bi0 = t0 / 16;
+    const int nb = int(std::min<size_t>(kTileBlocks, (n - t0) / 16));
+    int j = 0;
+    for (; j + 16 <= nb; j += 16) {
+      src.template Prepare<16>(x + t0 + size_t(j) * 16, t0 + size_t(j) * 16, buf + j * 16,
+                               amax + j);
+    }
+    for (; j < nb; ++j) {
+      src.template Prepare<1>(x + t0 + size_t(j) * 16, t0 + size_t(j) * 16, buf + j * 16, amax + j);
+    }
+    for (j = 0; j < nb; j += 16) {
+      const __mmask16 live = __mmask16((1u << std::min(16, nb - j)) - 1);
+      const __m512i a = _mm512_maskz_load_epi32(live, amax + j);
+      if (_mm512_mask_cmpge_epu32_mask(live, a, _mm512_set1_epi32(0x7F800000))) return false;
+      // NvBlockScaleCode: E4M3 of amax / (6 g) (nearest; above 464 saturates to 0x7E, which the
+      // clamp gives), and 0x38 (1.0) for a code of zero magnitude.
+      __m512i code =
+          Codes16<Format::kFp8E4M3, true>(_mm512_div_ps(_mm512_castsi512_ps(a), six_g), &unused);
+      code = _mm512_mask_blend_epi32(_mm512_cmpeq_epi32_mask(code, _mm512_setzero_si512()), code,
+                                     _mm512_set1_epi32(0x38));
+      _mm_mask_storeu_epi8(codes_out + bi0 + j, live, _mm512_cvtepi32_epi8(code));
+      // E4M3ToFloat (codes 1..0x7E, sign clear): mag * 2^-9 below 8, else the bits directly.
+      const __m512 sub = _mm512_mul_ps(_mm512_cvtepi32_ps(code), _mm512_set1_ps(0.001953125f));
+      const __m512 normal = _mm512_castsi512_ps(
+          _mm512_add_epi32(_mm512_slli_epi32(code, 20), _mm512_set1_epi32(120 << 23)));
+      const __m512 scale =
+          _mm512_mask_blend_ps(_mm512_cmplt_epi32_mask(code, _mm512_set1_epi32(8)), normal, sub);
+      _mm512_store_ps(den + j, _mm512_mul_ps(scale, gv));
+    }
+    const float* v = src.Values(x + t0, buf);
+    uint8_t* p = payload + t0 / 2;
+    const char* ahead = reinterpret_cast<const char*>(x + t0) + kPrefetchBytes;
+#pragma GCC unroll 4
+    for (j = 0; j < nb; ++j) {
+      _mm_prefetch(ahead + 64 * j, _MM_HINT_T0);
+      const __m512 y = _mm512_div_ps(_mm512_loadu_ps(v + 16 * j), _mm512_set1_ps(den[j]));
+      const __m512i c = Codes16<Format::kNvfp4, true>(y, &saturated);
+      // Lanes 2i and 2i+1 -> one byte, the even element in the low nibble: OR each 64-bit lane
+      // with itself shifted down by 28, then keep each 64-bit lane's low byte.
+      const __m512i pairs = _mm512_or_si512(c, _mm512_srli_epi64(c, 28));
+      _mm_storel_epi64(reinterpret_cast<__m128i*>(p + 8 * j), _mm512_cvtepi64_epi8(pairs));
+    }
+  }
+  alignas(64) uint32_t lanes[16];
+  _mm512_store_si512(lanes, saturated);
+  for (uint32_t c : lanes) st->saturated += c;
+  return true;
 }
 
 }  // namespace geofp8::detail::avx512

@@ -53,6 +53,11 @@ bool EncodeFp8Avx2(const float* x, const Layout& layout, uint8_t* scales, uint8_
 // AVX-512, Avx512Enabled() false, or a case it does not cover). Bit-identical to the scalar path.
 size_t EncodeWholeBlocksAvx512(const float* x, const Layout& layout, uint8_t* scales,
                                uint8_t* payload, EncodeStats* stats);
+// The AVX-512 nvfp4 encode of a whole tensor (nearest rounding); codec_avx512.cc. False, having
+// written nothing that counts, without AVX-512, when Avx512Enabled() is false, or when the tensor
+// holds a non-finite value (the scalar path's case).
+bool EncodeNvAvx512(const float* x, const Layout& layout, uint8_t* scales, uint8_t* payload,
+                    EncodeStats* stats);
 bool DecodeFp8Avx2(const Layout& layout, const uint8_t* scales, const uint8_t* payload, float* out,
                    bool accumulate);
 

@@ -215,12 +215,33 @@ EncodeStats EncodeRotated(std::span<const float> x, int block, uint64_t seed,
                             l.format == Format::kMxfp8) &&
                            options.rounding == Rounding::kNearest && detail::VectorizedEnabled() &&
                            CpuHasAvx2();
+  const size_t total = sizeof(EncodedHeader) + l.scale_bytes + l.payload_bytes;
+  auto write_header = [&](const EncodeStats& st) {
+    EncodedHeader h;
+    h.format = static_cast<uint8_t>(l.format);
+    h.scaling = static_cast<uint8_t>(l.scaling);
+    h.block = l.block;
+    h.count = x.size();
+    if (st.nonfinite) h.flags |= kFlagNonFinite;
+    std::memcpy(out.data(), &h, sizeof(h));
+    return st;
+  };
+  if (l.format == Format::kNvfp4 && options.rounding == Rounding::kNearest &&
+      detail::VectorizedEnabled()) {
+    GEOFP8_CHECK(out.size() >= total, "encode: output buffer holds ", out.size(), " bytes, needs ",
+                 total);
+    uint8_t* scales = out.data() + sizeof(EncodedHeader);
+    EncodeStats st;
+    if (detail::EncodeRotatedNvAvx512(x.data(), x.size(), block, seed, l, scales,
+                                      scales + l.scale_bytes, &st)) {
+      return write_header(st);
+    }
+  }
   if (!block_local) {
     std::vector<float> copy(x.begin(), x.end());
     HadamardForward(copy, block, seed);
     return Encode(copy, options, out);
   }
-  const size_t total = sizeof(EncodedHeader) + l.scale_bytes + l.payload_bytes;
   GEOFP8_CHECK(out.size() >= total, "encode: output buffer holds ", out.size(), " bytes, needs ",
                total);
   // Tiles of whole codec blocks (each a whole number of rotation blocks), 32 KiB of floats: the
@@ -261,14 +282,7 @@ EncodeStats EncodeRotated(std::span<const float> x, int block, uint64_t seed,
     st.nonfinite += ts.nonfinite;
     st.saturated += ts.saturated;
   }
-  EncodedHeader h;
-  h.format = static_cast<uint8_t>(l.format);
-  h.scaling = static_cast<uint8_t>(l.scaling);
-  h.block = l.block;
-  h.count = x.size();
-  if (st.nonfinite) h.flags |= kFlagNonFinite;
-  std::memcpy(out.data(), &h, sizeof(h));
-  return st;
+  return write_header(st);
 }
 
 }  // namespace geofp8

@@ -149,6 +149,31 @@ bool DispatchCodecBlock(uint32_t cb, int rb, const float* x, size_t n, uint64_t 
 
 }  // namespace
 
+bool EncodeRotatedNvAvx512(const float* x, size_t n, int rb, uint64_t seed, const Layout& l,
+                           uint8_t* scales, uint8_t* payload, EncodeStats* st) {
+  if (!Avx512Enabled() || !CpuHasAvx512() || l.format != Format::kNvfp4 || rb != 16) return false;
+  const size_t whole = n / 16 * 16;
+  const Rotation<16, 16> rotation{seed};
+  // The tensor scale needs the whole rotated tensor's amax: a first rotation pass that keeps only
+  // the block maxima (rotating twice costs less than writing and reading the rotated copy).
+  uint32_t amax = avx512::AmaxBits(x, whole, rotation);
+  float tail[16];
+  std::memcpy(tail, x + whole, (n - whole) * sizeof(float));
+  hadamard::SignsOnly(tail, int(n - whole), seed, whole);  // the n % b tail is only signed
+  for (size_t i = 0; i < n - whole; ++i) {
+    amax = std::max(amax, element::FloatBits(tail[i]) & 0x7FFFFFFFu);
+  }
+  if (amax >= 0x7F800000u) return false;  // the reference path poisons the blocks concerned
+  const float g = element::NvTensorScale(element::BitsFloat(amax));
+  std::memcpy(scales, &g, 4);
+  if (!avx512::EncodeNvTiles(x, whole, rotation, g, scales + 4, payload, st)) return false;
+  if (whole < n) {
+    avx512::EncodeNvPartialBlock(tail, n - whole, g, scales + 4 + whole / 16, payload + whole / 2,
+                                 st);
+  }
+  return true;
+}
+
 bool EncodeRotatedAvx512(const float* x, size_t n, int rb, uint64_t seed, const Layout& l,
                          uint8_t* scales, uint8_t* payload, EncodeStats* st) {
   if (!Avx512Enabled() || !CpuHasAvx512() || l.block == 0 || n % l.block != 0) return false;

@@ -19,4 +19,10 @@ namespace geofp8::detail {
 bool EncodeRotatedAvx512(const float* x, size_t n, int rb, uint64_t seed, const Layout& l,
                          uint8_t* scales, uint8_t* payload, EncodeStats* stats);
 
+// nvfp4 at nearest rounding and rotation block 16, the whole tensor (two rotation passes: the
+// tensor amax, then the blocks). Returns false, with nothing written that counts, without
+// AVX-512, for another rotation block, or when a rotated value is not finite.
+bool EncodeRotatedNvAvx512(const float* x, size_t n, int rb, uint64_t seed, const Layout& l,
+                           uint8_t* scales, uint8_t* payload, EncodeStats* stats);
+
 }  // namespace geofp8::detail

@@ -165,12 +165,13 @@ TEST(CodecAvx512, BitIdenticalToScalar) {
 }
 
 // Every finite float as a block's values, one value per 16-element block next to 15 copies of a
-// fixed amax (so the scale is the same for all): the AVX-512 conversion, its normal, subnormal
+// fixed amax (so the scale is the same for all; nvfp4's block scales then differ only with the
+// amax, cycling over 41 powers of two): the AVX-512 conversion, its normal, subnormal
 // and zero cases and every rounding tie, against the scalar rule for all 2^32 bit patterns in
 // steps of a prime (about 34 million values).
 TEST(CodecAvx512, EveryRoundingCaseMatchesScalar) {
   if (!detail::CpuHasAvx2() || !CpuHasAvx512()) GTEST_SKIP() << "processor lacks AVX-512";
-  for (Format f : {Format::kFp8E4M3, Format::kFp8E5M2, Format::kMxfp8}) {
+  for (Format f : {Format::kFp8E4M3, Format::kFp8E5M2, Format::kMxfp8, Format::kNvfp4}) {
     CodecOptions o;
     o.format = f;
     o.scaling = Scaling::kBlock;

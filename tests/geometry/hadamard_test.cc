@@ -188,7 +188,7 @@ TEST(Hadamard, RotateAndEncodeEqualsRotateThenEncode) {
 // code, then Encode with vectorization off). Every rotation block the AVX-512 path takes at
 // every codec block it takes, on data with zeros, all-zero blocks, non-finite values, values
 // whose rotation overflows, subnormals and a 2^60 spread of magnitudes, at sizes with several
-// 2048-element tiles, a partial tile and a partial last block.
+// 2048-element tiles, a partial tile and a partial last block; and nvfp4 on finite data.
 TEST(Hadamard, Avx512RotateAndEncodeIsBitIdenticalToAvx2AndTheReference) {
   if (!CpuHasAvx512() || !CpuHasAvx2()) GTEST_SKIP() << "processor lacks AVX-512";
   std::mt19937_64 rng(5);
@@ -248,6 +248,28 @@ TEST(Hadamard, Avx512RotateAndEncodeIsBitIdenticalToAvx2AndTheReference) {
   }
   EXPECT_EQ(covered, cases);  // the non-finite blocks were in every case
   EXPECT_EQ(cases, 18);
+  // nvfp4 takes the AVX-512 path only for a finite tensor (the reference path poisons the blocks
+  // of a non-finite one): the same comparison on the data made finite, at lengths with and
+  // without a partial last block and over several tiles.
+  std::vector<float> finite = x;
+  for (float& v : finite) {
+    if (!std::isfinite(v) || std::fabs(v) > 1e30f) v = 1.f;
+  }
+  CodecOptions nv;
+  nv.format = Format::kNvfp4;
+  for (size_t n : {size_t(5), size_t(16), size_t(4096), finite.size()}) {
+    const std::span<const float> in(finite.data(), n);
+    std::vector<uint8_t> fast(EncodedBytes(nv, n)), ref(fast.size());
+    const EncodeStats sf = EncodeRotated(in, 16, 31, nv, fast);
+    std::vector<float> rotated(in.begin(), in.end());
+    HadamardForward(rotated, 16, 31, 0, /*reference=*/true);
+    detail::SetVectorizedEnabled(false);
+    const EncodeStats sr = Encode(rotated, nv, ref);
+    detail::SetVectorizedEnabled(true);
+    ASSERT_EQ(fast, ref) << "nvfp4 n " << n;
+    EXPECT_EQ(sf.saturated, sr.saturated) << n;
+    EXPECT_EQ(sf.nonfinite, 0u);
+  }
 }
 
 TEST(Hadamard, BlocksThatAreNotPowersOfTwoOrDoNotDivideTheCodecBlockAreRefused) {
