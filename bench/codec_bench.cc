@@ -14,6 +14,7 @@
 #include "bench/registry.h"
 #include "kernels/codec/codec.h"
 #include "kernels/codec/codec_internal.h"
+#include "kernels/common/cpu_features.h"
 #include "kernels/geometry/hadamard.h"
 
 namespace geofp8 {
@@ -62,6 +63,7 @@ int RunCodecBench(int argc, char** argv) {
   uint32_t block = 128;
   bool json = false;
   bool scalar = false;
+  bool no_avx512 = false;
   bool hadamard = false;
   app.add_option("--size-mib", size_mib, "input size in MiB of float32")->capture_default_str();
   app.add_option("--reps", reps, "timed repetitions per measurement (median)")
@@ -72,7 +74,10 @@ int RunCodecBench(int argc, char** argv) {
       ->capture_default_str();
   app.add_option("--block", block, "block size for block scaling")->capture_default_str();
   app.add_flag("--json", json, "machine-readable output");
-  app.add_flag("--scalar", scalar, "force the scalar reference (no AVX2)");
+  app.add_flag("--scalar", scalar, "force the scalar reference (no AVX2 or AVX-512)");
+  app.add_flag("--no-avx512", no_avx512,
+               "keep the AVX2 path where the CPU also has AVX-512 (fp8/mxfp8 block and nvfp4 "
+               "encode, and rotate-and-encode, take AVX-512 when it is there)");
   app.add_flag("--hadamard", hadamard,
                "also time rotate-and-encode (block random Hadamard over the codec's scale block, "
                "or --block where the codec has none) against the same memcpy");
@@ -112,6 +117,7 @@ int RunCodecBench(int argc, char** argv) {
     }
   }
   detail::SetVectorizedEnabled(!scalar);
+  detail::SetAvx512Enabled(!no_avx512);
 
   // Element count: a multiple of every block size in use times the largest thread count, so
   // each thread gets whole blocks and the split does not change the encoding.
@@ -203,11 +209,12 @@ int RunCodecBench(int argc, char** argv) {
     return 0;
   };
   const bool avx2 = !scalar && detail::CpuHasAvx2();
+  const bool avx512 = avx2 && !no_avx512 && CpuHasAvx512();
   if (json) {
     std::printf(
         "{\"bench\": \"codec\", \"elements\": %zu, \"input_bytes\": %zu, \"reps\": %d, "
-        "\"block\": %u, \"avx2\": %s, \"results\": [",
-        n, n * 4, reps, block, avx2 ? "true" : "false");
+        "\"block\": %u, \"avx2\": %s, \"avx512\": %s, \"results\": [",
+        n, n * 4, reps, block, avx2 ? "true" : "false", avx512 ? "true" : "false");
     for (size_t i = 0; i < rows.size(); ++i) {
       const Row& r = rows[i];
       std::printf(
@@ -234,7 +241,10 @@ int RunCodecBench(int argc, char** argv) {
     return 0;
   }
   std::printf("codec bench: %zu floats (%.1f MiB), block %u, median of %d, %s path\n", n,
-              n * 4.0 / (1 << 20), block, reps, avx2 ? "AVX2" : "scalar");
+              n * 4.0 / (1 << 20), block, reps,
+              avx512 ? "AVX-512 (fp8/mxfp8 block and nvfp4 encode) and AVX2"
+              : avx2 ? "AVX2"
+                     : "scalar");
   std::printf(
       "GB/s count bytes read + written; ratios are against memcpy at the same thread "
       "count, measured in this run\n\n");
