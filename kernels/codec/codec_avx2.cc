@@ -30,17 +30,6 @@ namespace {
 
 #define GEOFP8_AVX2 __attribute__((target("avx2,fma,f16c")))
 
-// Format constants, as in element::FloatToSmall: M mantissa bits, bias B.
-template <Format F>
-struct Fp8Params {
-  static constexpr bool kE2M1 = F == Format::kNvfp4;  // nvfp4 elements
-  static constexpr int M = kE2M1 ? 1 : F == Format::kFp8E5M2 ? 2 : 3;
-  static constexpr int B = kE2M1 ? 1 : F == Format::kFp8E5M2 ? 15 : 7;
-  static constexpr int kSignBit = kE2M1 ? 3 : 7;
-  static constexpr uint32_t kMaxCode = kE2M1 ? 0x7u : F == Format::kFp8E5M2 ? 0x7Bu : 0x7Eu;
-  static constexpr float kMax = kE2M1 ? 6.f : F == Format::kFp8E5M2 ? 57344.f : 448.f;
-};
-
 // Eight finite scaled values (bits u, magnitude bits a = u & 0x7FFFFFFF) -> eight codes in the
 // low byte of each 32-bit lane. Same cases as element::FloatToSmall (nearest):
 // - normal range: integer round-half-even on the float bits, with the exponent rebias folded
@@ -275,8 +264,7 @@ GEOFP8_AVX2 void EncodeMx(const float* x, const Layout& l, uint8_t* scales, uint
     }
     const uint8_t code = element::MxScaleCode(amax);
     scales[bi] = code;
-    const float inv = code == 254 ? element::BitsFloat(0x00400000u)
-                                  : element::BitsFloat(static_cast<uint32_t>(254 - code) << 23);
+    const float inv = MxInverseScale(code);
     if (finite) {
       st->saturated += EncodeRun<Format::kFp8E4M3, true>(x + b0, len, inv, payload + b0);
     } else {
@@ -334,20 +322,7 @@ GEOFP8_AVX2 bool EncodeNv(const float* x, const Layout& l, uint8_t* scales, uint
   alignas(32) uint32_t lanes[8];
   _mm256_store_si256(reinterpret_cast<__m256i*>(lanes), sat);
   for (uint32_t c : lanes) st->saturated += c;
-  if (b0 < n) {  // final partial block, as the scalar path does it
-    float amax = 0.f;
-    for (size_t i = b0; i < n; ++i) amax = std::max(amax, element::AbsF(x[i]));
-    const uint8_t code = element::NvBlockScaleCode(amax, g);
-    scales[4 + bi] = code;
-    const float den = element::NvDenominator(code, g);
-    std::memset(payload + b0 / 2, 0, (n - b0 + 1) / 2);
-    for (size_t i = b0; i < n; ++i) {
-      bool s;
-      const uint8_t e = element::EncodeNvElement(x[i], den, false, 0, &s);
-      st->saturated += s;
-      payload[i / 2] |= static_cast<uint8_t>(e << (4 * (i & 1)));
-    }
-  }
+  if (b0 < n) EncodeNvPartialBlock(x + b0, n - b0, g, scales + 4 + bi, payload + b0 / 2, st);
   return true;
 }
 

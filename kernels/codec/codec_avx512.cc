@@ -65,8 +65,7 @@ bool EncodeNvAvx512(const float* x, const Layout& l, uint8_t* scales, uint8_t* p
   std::memcpy(scales, &g, 4);
   if (!avx512::EncodeNvTiles(x, whole, Identity<16>{}, g, scales + 4, payload, st)) return false;
   if (whole < n) {
-    avx512::EncodeNvPartialBlock(x + whole, n - whole, g, scales + 4 + whole / 16,
-                                 payload + whole / 2, st);
+    EncodeNvPartialBlock(x + whole, n - whole, g, scales + 4 + whole / 16, payload + whole / 2, st);
   }
   return true;
 }

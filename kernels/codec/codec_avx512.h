@@ -17,23 +17,12 @@
 #include <cstring>
 
 #include "kernels/codec/codec.h"
+#include "kernels/codec/codec_internal.h"
 #include "kernels/codec/element.h"
 
 namespace geofp8::detail::avx512 {
 
 #define GEOFP8_AVX512 __attribute__((target("avx512f,avx512bw,avx512dq,avx512vl,fma")))
-
-// Element constants, as in element::FloatToSmall (and codec_avx2.cc's Fp8Params); kNvfp4 means
-// its E2M1 elements.
-template <Format F>
-struct Fp8 {
-  static constexpr bool kE2M1 = F == Format::kNvfp4;
-  static constexpr int M = kE2M1 ? 1 : F == Format::kFp8E5M2 ? 2 : 3;
-  static constexpr int B = kE2M1 ? 1 : F == Format::kFp8E5M2 ? 15 : 7;
-  static constexpr int kSignBit = kE2M1 ? 3 : 7;
-  static constexpr uint32_t kMaxCode = kE2M1 ? 0x7u : F == Format::kFp8E5M2 ? 0x7Bu : 0x7Eu;
-  static constexpr float kMax = kE2M1 ? 6.f : F == Format::kFp8E5M2 ? 57344.f : 448.f;
-};
 
 // Sixteen finite scaled values -> sixteen codes, element::FloatToSmall's nearest rule by the
 // float adder: with e = max(exponent of |y|, the smallest normal's), c = 2^(e + 23 - M) has an
@@ -43,7 +32,7 @@ struct Fp8 {
 // kCanSaturate clamps to the largest finite code and counts values above the format's max.
 template <Format F, bool kCanSaturate>
 GEOFP8_AVX512 inline __m512i Codes16(__m512 y, __m512i* saturated) {
-  using P = Fp8<F>;
+  using P = Fp8Params<F>;
   constexpr int kMinNormalExp = (127 + 1 - P::B) << 23;
   constexpr int kCodeBias = (151 - P::M - P::B) << P::M;
   const __m512i u = _mm512_castps_si512(y);
@@ -98,7 +87,7 @@ enum class Rule { kFp8Block, kMx };
 template <Format F>
 GEOFP8_AVX512 inline __m512 ScalesFromAmax(__m512i amax_bits) {
   const __m512 amax = _mm512_castsi512_ps(amax_bits);
-  const __m512 fmt_max = _mm512_set1_ps(Fp8<F>::kMax);
+  const __m512 fmt_max = _mm512_set1_ps(Fp8Params<F>::kMax);
   const __m512 flt_max = _mm512_set1_ps(3.4028234663852886e38f);
   __m512 s = _mm512_div_ps(fmt_max, amax);
   s = _mm512_mask_blend_ps(_mm512_cmp_ps_mask(s, flt_max, _CMP_LE_OQ), flt_max, s);
@@ -140,13 +129,12 @@ inline void EncodeBlockScalar(const float* y, int cb, uint8_t* scale_out, uint8_
   }
   float s;
   if constexpr (R == Rule::kFp8Block) {
-    s = element::ScaleFromAmax(amax, Fp8<F>::kMax);
+    s = element::ScaleFromAmax(amax, Fp8Params<F>::kMax);
     std::memcpy(scale_out, &s, 4);
   } else {
     const uint8_t code = element::MxScaleCode(amax);
     *scale_out = code;
-    s = code == 254 ? element::BitsFloat(0x00400000u)
-                    : element::BitsFloat(static_cast<uint32_t>(254 - code) << 23);
+    s = MxInverseScale(code);
   }
   for (int i = 0; i < cb; ++i) {
     bool sat = false;
@@ -212,8 +200,7 @@ GEOFP8_AVX512 void EncodeTiles(const float* x, size_t n, const Source& src, uint
           const int k = j + __builtin_ctz(m);
           const uint8_t code = element::MxScaleCode(element::BitsFloat(amax[k]));
           scales[bi0 + k] = code;
-          mult[k] = code == 254 ? element::BitsFloat(0x00400000u)
-                                : element::BitsFloat(static_cast<uint32_t>(254 - code) << 23);
+          mult[k] = MxInverseScale(code);
         }
       } else {
         const __m512 sc = ScalesFromAmax<F>(a);
@@ -284,23 +271,6 @@ GEOFP8_AVX512 uint32_t AmaxBits(const float* x, size_t n, const Source& src) {
     best = std::max(best, a[0]);
   }
   return best;
-}
-
-// The scalar rule for nvfp4's last, partial block: len < 16 values y (as the codec's AVX2 path
-// does it), its scale code to *code, its nibbles to payload (zeroed first).
-inline void EncodeNvPartialBlock(const float* y, size_t len, float g, uint8_t* code,
-                                 uint8_t* payload, EncodeStats* st) {
-  float amax = 0.f;
-  for (size_t i = 0; i < len; ++i) amax = std::max(amax, element::AbsF(y[i]));
-  *code = element::NvBlockScaleCode(amax, g);
-  const float den = element::NvDenominator(*code, g);
-  std::memset(payload, 0, (len + 1) / 2);
-  for (size_t i = 0; i < len; ++i) {
-    bool s;
-    const uint8_t e = element::EncodeNvElement(y[i], den, false, 0, &s);
-    st->saturated += s;
-    payload[i / 2] |= static_cast<uint8_t>(e << (4 * (i & 1)));
-  }
 }
 
 // nvfp4 (element.h's rule) for the whole 16-element blocks x[0..n) of a tensor whose finite

@@ -2,8 +2,10 @@
 // (codec_avx2.cc) and the CUDA kernels: the resolved layout of one encoded tensor.
 #pragma once
 
+#include <algorithm>
 #include <cstddef>
 #include <cstdint>
+#include <cstring>
 
 #include "kernels/codec/codec.h"
 #include "kernels/codec/element.h"
@@ -28,6 +30,43 @@ Layout MakeLayout(const CodecOptions& options, size_t n);
 // Checks a header (magic, version, enums, block consistency); returns the total encoded bytes it
 // implies. Throws geofp8::Error naming the problem.
 size_t ValidateHeader(const EncodedHeader& header);
+
+// Element constants of the vector paths, as in element::FloatToSmall: M mantissa bits, bias B,
+// the sign's bit in the code; kNvfp4 means its E2M1 elements.
+template <Format F>
+struct Fp8Params {
+  static constexpr bool kE2M1 = F == Format::kNvfp4;
+  static constexpr int M = kE2M1 ? 1 : F == Format::kFp8E5M2 ? 2 : 3;
+  static constexpr int B = kE2M1 ? 1 : F == Format::kFp8E5M2 ? 15 : 7;
+  static constexpr int kSignBit = kE2M1 ? 3 : 7;
+  static constexpr uint32_t kMaxCode = kE2M1 ? 0x7u : F == Format::kFp8E5M2 ? 0x7Bu : 0x7Eu;
+  static constexpr float kMax = kE2M1 ? 6.f : F == Format::kFp8E5M2 ? 57344.f : 448.f;
+};
+
+// 1 / X for an mxfp8 scale code (X = E8M0ToFloat(code)), exactly: X is 2^(code - 127), so its
+// inverse is the E8M0 value of 254 - code (2^-127, a float subnormal, for code 254). The vector
+// paths multiply by it; the quotient x / X equals the product since both are one rounding of
+// the same exact value.
+inline float MxInverseScale(uint8_t code) {
+  return element::E8M0ToFloat(static_cast<uint8_t>(254 - code));
+}
+
+// nvfp4's last, partial block by the scalar rule: len < 16 values y, its scale code to *code and
+// its nibbles to payload (zeroed first); the vector paths end with it.
+inline void EncodeNvPartialBlock(const float* y, size_t len, float g, uint8_t* code,
+                                 uint8_t* payload, EncodeStats* st) {
+  float amax = 0.f;
+  for (size_t i = 0; i < len; ++i) amax = std::max(amax, element::AbsF(y[i]));
+  *code = element::NvBlockScaleCode(amax, g);
+  const float den = element::NvDenominator(*code, g);
+  std::memset(payload, 0, (len + 1) / 2);
+  for (size_t i = 0; i < len; ++i) {
+    bool s;
+    const uint8_t e = element::EncodeNvElement(y[i], den, false, 0, &s);
+    st->saturated += s;
+    payload[i / 2] |= static_cast<uint8_t>(e << (4 * (i & 1)));
+  }
+}
 
 // One fp8 element (scalar reference; the AVX2 path uses it for blocks with non-finite values).
 template <Format F>

@@ -216,6 +216,8 @@ EncodeStats EncodeRotated(std::span<const float> x, int block, uint64_t seed,
                            options.rounding == Rounding::kNearest && detail::VectorizedEnabled() &&
                            CpuHasAvx2();
   const size_t total = sizeof(EncodedHeader) + l.scale_bytes + l.payload_bytes;
+  GEOFP8_CHECK(out.size() >= total, "encode: output buffer holds ", out.size(), " bytes, needs ",
+               total);
   auto write_header = [&](const EncodeStats& st) {
     EncodedHeader h;
     h.format = static_cast<uint8_t>(l.format);
@@ -228,8 +230,6 @@ EncodeStats EncodeRotated(std::span<const float> x, int block, uint64_t seed,
   };
   if (l.format == Format::kNvfp4 && options.rounding == Rounding::kNearest &&
       detail::VectorizedEnabled()) {
-    GEOFP8_CHECK(out.size() >= total, "encode: output buffer holds ", out.size(), " bytes, needs ",
-                 total);
     uint8_t* scales = out.data() + sizeof(EncodedHeader);
     EncodeStats st;
     if (detail::EncodeRotatedNvAvx512(x.data(), x.size(), block, seed, l, scales,
@@ -242,8 +242,6 @@ EncodeStats EncodeRotated(std::span<const float> x, int block, uint64_t seed,
     HadamardForward(copy, block, seed);
     return Encode(copy, options, out);
   }
-  GEOFP8_CHECK(out.size() >= total, "encode: output buffer holds ", out.size(), " bytes, needs ",
-               total);
   // Tiles of whole codec blocks (each a whole number of rotation blocks), 32 KiB of floats: the
   // rotated tile is encoded while it is in L1/L2.
   const size_t tile = size_t(l.block) * std::max<size_t>(1, 8192 / l.block);

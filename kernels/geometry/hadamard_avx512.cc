@@ -168,8 +168,7 @@ bool EncodeRotatedNvAvx512(const float* x, size_t n, int rb, uint64_t seed, cons
   std::memcpy(scales, &g, 4);
   if (!avx512::EncodeNvTiles(x, whole, rotation, g, scales + 4, payload, st)) return false;
   if (whole < n) {
-    avx512::EncodeNvPartialBlock(tail, n - whole, g, scales + 4 + whole / 16, payload + whole / 2,
-                                 st);
+    EncodeNvPartialBlock(tail, n - whole, g, scales + 4 + whole / 16, payload + whole / 2, st);
   }
   return true;
 }
