@@ -14,6 +14,7 @@
 
 #include "CLI/CLI.hpp"
 #include "absl/status/statusor.h"
+#include "platform/common/flag_paths.h"
 #include "platform/common/log.h"
 #include "platform/common/ready_file.h"
 #include "server/coordinator/coordinator.h"
@@ -272,6 +273,19 @@ int main(int argc, char** argv) {
   DefineFlags(app, flags);
   if (std::optional<int> exit_code = ParseFlags(app, argc, argv)) return *exit_code;
   if (!ConfigureLogging(flags.log_format)) return 2;
+  // Every path flag against the directory the coordinator started in, once: the logs and the
+  // ready file then name each file unambiguously.
+  if (std::string e =
+          geofp8::MakeFlagPathsAbsolute({{"--data-dir", &flags.data_dir},
+                                         {"--ready-file", &flags.ready_file},
+                                         {"--token-file", &flags.token_file},
+                                         {"--tls-cert", &flags.server.tls_cert},
+                                         {"--tls-key", &flags.server.tls_key},
+                                         {"--tls-client-ca", &flags.server.tls_client_ca}});
+      !e.empty()) {
+    std::fprintf(stderr, "geofp8-coordinator: error: %s\n", e.c_str());
+    return 2;
+  }
   if (!ReadToken(flags.token_file, &flags.server.token)) return 2;
   if (!InstallSignalHandlers()) return Fail("pipe() failed");
   return Serve(flags);

@@ -11,6 +11,7 @@ import sys
 import tempfile
 import threading
 import time
+import types
 import unittest
 import urllib.request
 
@@ -243,6 +244,31 @@ class ApiTest(Base):
         with self.assertRaises(grpc.RpcError) as e:
             self.get("job-424242")
         self.assertEqual(e.exception.code(), grpc.StatusCode.NOT_FOUND)
+
+    def test_relative_path_flags_are_resolved_where_the_coordinator_starts(self):
+        # Issue #40 item 1: every path flag may be relative to the directory it starts in.
+        cwd = os.path.join(self.tmp.name, "cwd")
+        os.makedirs(cwd)
+        with open(os.path.join(cwd, "token"), "w") as f:
+            f.write("t0ken\n")
+        proc = subprocess.Popen(
+            [COORDINATOR, "--listen", "127.0.0.1:0", "--metrics-listen", "", "--data-dir", "state",
+             "--ready-file", "ready.json", "--token-file", "token"],
+            cwd=cwd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        try:
+            ready = os.path.join(cwd, "ready.json")
+            wait_for(lambda: os.path.exists(ready) or proc.poll() is not None, timeout=20,
+                     what="the ready file")
+            self.assertIsNone(proc.poll())
+            self.assertTrue(os.path.exists(os.path.join(cwd, "state", "coordinator.db")))
+            with open(ready) as f:
+                address = json.load(f)["grpc"]
+            rc, _, err = ctl(types.SimpleNamespace(address=address), "get", "jobs", token="t0ken")
+            self.assertEqual(rc, 0, err)
+        finally:
+            proc.send_signal(signal.SIGTERM)
+            out, _ = proc.communicate(timeout=30)
+        self.assertIn("(data %s/state, auth token" % os.path.realpath(cwd), out)
 
     def test_validation_errors_name_field_paths_and_server_keeps_serving(self):
         with open(os.path.join(EXAMPLES, "invalid.yaml")) as f:

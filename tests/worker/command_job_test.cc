@@ -303,6 +303,46 @@ TEST_F(CommandJobTest, TwoRanksRunToSuccessAndApplyALivePolicyAtTheSameStep) {
   EXPECT_GE(std::stod(metrics.substr(at + counter.size())), 40.0);
 }
 
+// A worker started with a relative --data-dir (the default, geofp8-worker-data, is one) runs
+// command jobs (issue #40 item 1): the worker resolves its path flags where it starts, so the
+// program, which runs in its job's directory, gets working paths for its output, the hook socket,
+// the spec and the checkpoints.
+TEST_F(CommandJobTest, AWorkerWithARelativeDataDirRunsCommandJobs) {
+  TempDir cwd("geofp8-worker-cwd");
+  ChildProcess worker({GEOFP8_WORKER_BIN, "--coordinator", coordinator_->address(), "--name", "rel",
+                       "--metrics-port", "-1", "--allow-commands", "--data-dir", "worker-data",
+                       "--ready-file", "ready.json"},
+                      cwd.path());
+  ASSERT_TRUE(client_->WaitIdle(1, seconds(30))) << worker.output();
+  const std::string data = cwd.path() + "/worker-data";
+  EXPECT_NE(worker.output().find("(device cpu, data " + data + ")"), std::string::npos)
+      << worker.output();
+  EXPECT_TRUE(std::filesystem::exists(cwd.path() + "/ready.json")) << worker.output();
+
+  v1::Job job = client_->Submit("name: rel-true\ncommand: [/bin/true]\n");
+  job = client_->WaitFinal(job.id(), seconds(60));
+  ASSERT_EQ(job.state(), v1::JOB_SUCCEEDED) << job.reason() << "\n" << worker.output();
+
+  ASSERT_TRUE(client_->WaitIdle(1, seconds(30)));
+  job = client_->Submit(
+      "name: rel-sh\ncommand: [/bin/sh, -c, 'echo out of rank $RANK; echo to stderr >&2; "
+      "test -r \"$GEOFP8_JOB_SPEC\" && test -d \"$GEOFP8_CHECKPOINT_DIR\" && "
+      "test -S \"${GEOFP8_HOOK_ADDRESS#unix:}\"']\n");
+  job = client_->WaitFinal(job.id(), seconds(60));
+  ASSERT_EQ(job.state(), v1::JOB_SUCCEEDED) << job.reason() << "\n" << worker.output();
+  const std::string dir = data + "/jobs/" + job.id() + "/0";
+  EXPECT_EQ(ReadFile(dir + "/rank0.out"), "out of rank 0\n");
+  EXPECT_EQ(ReadFile(dir + "/rank0.err"), "to stderr\n");
+
+  // A program on the hook: it attaches, reports steps and checkpoints.
+  ASSERT_TRUE(client_->WaitIdle(1, seconds(30)));
+  job = client_->Submit(Spec("rel-hook", 1, 10, 0));
+  job = client_->WaitFinal(job.id(), seconds(60));
+  ASSERT_EQ(job.state(), v1::JOB_SUCCEEDED) << job.reason() << "\n" << worker.output();
+  EXPECT_EQ(job.progress().step(), 9);
+  EXPECT_EQ(job.progress().checkpoint_step(), 10);
+}
+
 TEST_F(CommandJobTest, GpuWorkersReportTheirGpuAndHandItToTheProgram) {
   // Two GPUs as the driver lists them (GEOFP8_NVIDIA_GPUS_DIR stands in for
   // /proc/driver/nvidia/gpus); both workers offer the second.

@@ -20,10 +20,11 @@
 
 namespace geofp8::testing {
 
-// Runs `argv` with stdout+stderr into a pipe read by a thread; lines are kept.
+// Runs `argv` with stdout+stderr into a pipe read by a thread; lines are kept. `cwd`: the
+// directory it starts in (empty: this process's).
 class ChildProcess {
  public:
-  explicit ChildProcess(std::vector<std::string> argv) {
+  explicit ChildProcess(std::vector<std::string> argv, const std::string& cwd = "") {
     int fds[2];
     if (::pipe(fds) != 0) throw std::runtime_error("pipe failed");
     pid_ = ::fork();
@@ -33,6 +34,10 @@ class ChildProcess {
       ::dup2(fds[1], 2);
       ::close(fds[0]);
       ::close(fds[1]);
+      if (!cwd.empty() && ::chdir(cwd.c_str()) != 0) {
+        std::fprintf(stderr, "chdir %s failed\n", cwd.c_str());
+        ::_exit(127);
+      }
       std::vector<char*> args;
       for (auto& a : argv) args.push_back(a.data());
       args.push_back(nullptr);

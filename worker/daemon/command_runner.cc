@@ -117,12 +117,45 @@ std::string WriteJobSpec(const std::string& dir, const std::string& spec_yaml) {
   return spec_path;
 }
 
-// Starts `args` (args[0] looked up in PATH) in `dir` with exactly `env`, stdin /dev/null and
-// stdout/stderr appended to out_path/err_path, in a process group of its own. Returns its pid.
-pid_t SpawnProgram(std::vector<std::string> args, const std::map<std::string, std::string>& env,
+// Opens `path` for the program, close-on-exec (posix_spawn duplicates it onto 0, 1 or 2). An
+// error names `what` and the file: opened here rather than by posix_spawn, whose failure could not
+// tell a file it cannot open from a program it cannot run.
+int OpenForProgram(const char* what, const std::string& path, int flags, mode_t mode) {
+  const int fd = ::open(path.c_str(), flags | O_CLOEXEC, mode);
+  Require(fd >= 0, what, ": cannot open ", path, ": ", std::strerror(errno));
+  return fd;
+}
+
+// Closes the descriptors it holds when it goes.
+struct Fds {
+  std::vector<int> fds;
+  ~Fds() {
+    for (int fd : fds) ::close(fd);
+  }
+  int Add(int fd) {
+    fds.push_back(fd);
+    return fd;
+  }
+};
+
+}  // namespace
+
+pid_t SpawnCommand(std::vector<std::string> args, const std::map<std::string, std::string>& env,
                    const std::string& dir, const std::string& out_path,
                    const std::string& err_path) {
+  Require(!args.empty(), "command: empty");
   const std::string& program = args[0];
+  // Every file the program starts with is opened here, relative to the worker's own working
+  // directory: the child changes into `dir` only after (by descriptor).
+  Fds fds;
+  const int dir_fd = fds.Add(OpenForProgram("job directory", dir, O_RDONLY | O_DIRECTORY, 0));
+  const int null_fd = fds.Add(OpenForProgram("stdin", "/dev/null", O_RDONLY, 0));
+  // Only the worker's user reads a program's output (it may print anything it can read).
+  const int out_fd =
+      fds.Add(OpenForProgram("stdout", out_path, O_WRONLY | O_CREAT | O_APPEND, 0600));
+  const int err_fd =
+      fds.Add(OpenForProgram("stderr", err_path, O_WRONLY | O_CREAT | O_APPEND, 0600));
+
   std::vector<std::string> env_text;
   for (const auto& [k, v] : env) env_text.push_back(k + "=" + v);
   std::vector<char*> envp, argv;
@@ -135,11 +168,10 @@ pid_t SpawnProgram(std::vector<std::string> args, const std::map<std::string, st
   posix_spawnattr_t attr;
   posix_spawn_file_actions_init(&fa);
   posix_spawnattr_init(&attr);
-  posix_spawn_file_actions_addchdir_np(&fa, dir.c_str());
-  posix_spawn_file_actions_addopen(&fa, 0, "/dev/null", O_RDONLY, 0);
-  // Only the worker's user reads a program's output (it may print anything it can read).
-  posix_spawn_file_actions_addopen(&fa, 1, out_path.c_str(), O_WRONLY | O_CREAT | O_APPEND, 0600);
-  posix_spawn_file_actions_addopen(&fa, 2, err_path.c_str(), O_WRONLY | O_CREAT | O_APPEND, 0600);
+  posix_spawn_file_actions_addfchdir_np(&fa, dir_fd);
+  posix_spawn_file_actions_adddup2(&fa, null_fd, 0);
+  posix_spawn_file_actions_adddup2(&fa, out_fd, 1);
+  posix_spawn_file_actions_adddup2(&fa, err_fd, 2);
   // Its own process group (a Stop signals the whole tree), default signal dispositions and
   // an empty mask whatever the daemon's threads use.
   sigset_t none, defaults;
@@ -165,6 +197,8 @@ pid_t SpawnProgram(std::vector<std::string> args, const std::map<std::string, st
   }
   return pid;
 }
+
+namespace {
 
 // <data_dir>/results/<job>.attempt<N>.txt: the attempt's end, one key=value a line.
 void WriteResultFile(const std::string& data_dir, const v1::Assignment& a, const std::string& dir,
@@ -223,6 +257,11 @@ CommandRunner::CommandRunner(std::shared_ptr<Connection> connection, v1::Assignm
       options_(std::move(options)),
       send_(std::move(send)),
       metrics_(metrics) {
+  // The program runs in a directory of its own and gets these paths: relative ones would name
+  // other files from there (the daemon resolves --data-dir; this holds for any caller).
+  std::error_code ec;
+  const auto data_dir = std::filesystem::absolute(options_.job.data_dir, ec);
+  if (!ec) options_.job.data_dir = data_dir.lexically_normal().string();
   for (const auto& p : assignment_.policy_history()) policies_.emplace(p.version(), p);
   policies_.emplace(assignment_.policy().version(), assignment_.policy());
   for (const auto& [v, p] : policies_) RememberEffectiveStep(p);
@@ -646,7 +685,7 @@ void CommandRunner::RunProgram(Attempt* at, JobOutcome* out) {
 
   at->out_path = at->dir + "/rank" + at->rank + ".out";
   at->err_path = at->dir + "/rank" + at->rank + ".err";
-  const pid_t pid = SpawnProgram(spec.command, ProgramEnvironment(spec, *at), at->dir, at->out_path,
+  const pid_t pid = SpawnCommand(spec.command, ProgramEnvironment(spec, *at), at->dir, at->out_path,
                                  at->err_path);
   Log("job " + a.job_id() + " rank " + at->rank + ": started '" + at->program + "' as pid " +
       std::to_string(pid) + " (MASTER_ADDR " + at->master_addr + ":" +

@@ -68,6 +68,16 @@ std::string CommandJobDir(const std::string& data_dir, const std::string& job_id
 std::map<std::string, std::string> CommandEnvironment(char** environ_,
                                                       const std::vector<std::string>& pass);
 
+// Starts `args` (args[0] looked up in PATH) in `dir` with exactly `env`, stdin /dev/null and
+// stdout/stderr appended to `out_path`/`err_path` (created 0600), in a process group of its own.
+// Every path is opened by the caller before the program starts, relative to the caller's working
+// directory. Returns the pid. Throws std::runtime_error naming the file when `dir`, `out_path` or
+// `err_path` cannot be opened ("stdout: cannot open PATH: ..."), and command[0] only when the
+// program itself cannot be run.
+pid_t SpawnCommand(std::vector<std::string> args, const std::map<std::string, std::string>& env,
+                   const std::string& dir, const std::string& out_path,
+                   const std::string& err_path);
+
 class CommandRunner final : public RankRunner {
  public:
   using SendFn = std::function<bool(v1::WorkerMessage message, bool reliable)>;

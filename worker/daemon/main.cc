@@ -13,6 +13,7 @@
 #include <fstream>
 #include <string>
 
+#include "platform/common/flag_paths.h"
 #include "platform/common/log.h"
 #include "platform/common/ready_file.h"
 #include "worker/daemon/device.h"
@@ -212,32 +213,43 @@ std::string ApplyToken(const CLI::App& app, const std::string& token_file, std::
   return "";
 }
 
-// Checks the parsed flags and completes `o` from them (and `format` from --log-format).
-// Returns the usage error, or "".
-std::string ApplyFlags(const CLI::App& app, const Flags& f, geofp8::worker::WorkerOptions* o,
+// Checks the parsed flags, makes every path flag absolute and completes `o` from them (and
+// `format` from --log-format). Returns the usage error, or "".
+std::string ApplyFlags(const CLI::App& app, Flags* f, geofp8::worker::WorkerOptions* o,
                        geofp8::log::Format* format) {
-  const auto parsed = geofp8::log::ParseFormat(f.log_format);
-  if (!parsed) return "--log-format: unknown value (" + f.log_format + "); accepted: text, json";
+  const auto parsed = geofp8::log::ParseFormat(f->log_format);
+  if (!parsed) return "--log-format: unknown value (" + f->log_format + "); accepted: text, json";
   *format = *parsed;
   if (o->job.log_progress_every < 0) {
     return "--log-progress-every: must be >= 0 (" + std::to_string(o->job.log_progress_every) + ")";
   }
-  if (std::string e = ApplyDevice(f.device, o); !e.empty()) return e;
-  o->hook_attach_timeout =
-      std::chrono::milliseconds(static_cast<int64_t>(std::llround(f.hook_attach_timeout_s * 1000)));
+  if (std::string e = ApplyDevice(f->device, o); !e.empty()) return e;
+  o->hook_attach_timeout = std::chrono::milliseconds(
+      static_cast<int64_t>(std::llround(f->hook_attach_timeout_s * 1000)));
   if (std::string e = CheckLimits(*o); !e.empty()) return e;
-  if (std::string e = ApplyToken(app, f.token_file, &o->connection.token); !e.empty()) return e;
-  if (f.capacity.empty()) {
+  // Every path flag, against the directory the worker started in: command jobs run in
+  // directories of their own and get paths under --data-dir.
+  if (std::string e = geofp8::MakeFlagPathsAbsolute({{"--data-dir", &o->job.data_dir},
+                                                     {"--token-file", &f->token_file},
+                                                     {"--tls-ca", &o->connection.tls_ca},
+                                                     {"--tls-cert", &o->connection.tls_cert},
+                                                     {"--tls-key", &o->connection.tls_key},
+                                                     {"--ready-file", &f->ready_file}});
+      !e.empty()) {
+    return e;
+  }
+  if (std::string e = ApplyToken(app, f->token_file, &o->connection.token); !e.empty()) return e;
+  if (f->capacity.empty()) {
     struct sysinfo si {};
     if (sysinfo(&si) == 0) o->session.memory_bytes = uint64_t(si.totalram) * si.mem_unit;
-  } else if (!ParseBytes(f.capacity, &o->session.memory_bytes)) {
-    return "--capacity: expected bytes with an optional KiB/MiB/GiB/TiB suffix (" + f.capacity +
+  } else if (!ParseBytes(f->capacity, &o->session.memory_bytes)) {
+    return "--capacity: expected bytes with an optional KiB/MiB/GiB/TiB suffix (" + f->capacity +
            ")";
   }
   if (o->session.name.empty()) o->session.name = o->session.host + ":" + std::to_string(getpid());
   o->job.worker_name = o->session.name;
-  o->job.debug_step_delay = std::chrono::milliseconds(f.step_delay_ms);
-  o->job.debug_policy_delay = std::chrono::milliseconds(f.policy_delay_ms);
+  o->job.debug_step_delay = std::chrono::milliseconds(f->step_delay_ms);
+  o->job.debug_policy_delay = std::chrono::milliseconds(f->policy_delay_ms);
   return "";
 }
 
@@ -314,7 +326,7 @@ int main(int argc, char** argv) {
     return UsageError(e.what());
   }
   geofp8::log::Format format = geofp8::log::Format::kText;
-  if (std::string e = ApplyFlags(app, f, &o, &format); !e.empty()) return UsageError(e);
+  if (std::string e = ApplyFlags(app, &f, &o, &format); !e.empty()) return UsageError(e);
   geofp8::log::Configure(format, {{"worker", o.session.name}});
   if (!CatchSignals()) return UsageError("pipe() failed");
   return Serve(o, f);
