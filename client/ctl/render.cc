@@ -40,6 +40,13 @@ std::string TotalText(const v1::JobProgress& p) {
   return p.total_steps() > 0 ? std::to_string(p.total_steps()) : "?";
 }
 
+// The loss as `format` prints it, or "-" while no rank has reported a step: a job whose program
+// crashes before its first step has no loss, not a loss of 0.
+std::string LossText(const v1::JobProgress& p, const char* format) {
+  const bool reported = p.updated_unix_ms() > 0 || p.step() > 0;
+  return reported ? Fmt(format, p.loss()) : "-";
+}
+
 // "3.412 after step 200" or "-" before the first validation.
 std::string ValidationText(const v1::JobProgress& p) {
   if (!p.has_val_loss()) return "-";
@@ -390,7 +397,7 @@ std::string DescribeJob(const v1::Job& j, const v1::Policy* policy, int64_t now_
      << "Attempt:      " << j.attempt() << "  (restarts " << j.restarts() << "/" << j.max_restarts()
      << ")\n"
      << "Progress:     step " << StepsDone(j) << "/" << TotalText(pr) << ", loss "
-     << Fmt("%.4f", pr.loss()) << ", " << Fmt("%.0f", pr.tokens_per_second()) << " tok/s\n"
+     << LossText(pr, "%.4f") << ", " << Fmt("%.0f", pr.tokens_per_second()) << " tok/s\n"
      << "Validation:   " << ValidationText(pr) << "\n"
      << "Noise scale:  " << NoiseScaleText(j) << "\n"
      << "Checkpoint:   " << CheckpointText(j) << "\n";
@@ -464,7 +471,7 @@ std::string ProgressLine(const v1::Job& job, double steps_per_second, int bar_wi
   std::string line = "[" + std::string(filled, '#') + std::string(bar_width - filled, '.') + "] ";
   line += std::to_string(done) + "/" + TotalText(p);
   line += "  " + (p.total_steps() > 0 ? Fmt("%3.0f%%", 100 * frac) : std::string("   -"));
-  line += "  loss " + Fmt("%.4g", p.loss());
+  line += "  loss " + LossText(p, "%.4g");
   const double tps = p.tokens_per_second();
   line += "  " + (tps >= 1000 ? Fmt("%.1fk", tps / 1000) : Fmt("%.0f", tps)) + " tok/s";
   if (p.bytes_baseline() > 0) {
@@ -538,7 +545,7 @@ std::string JobsWideTable(const std::vector<v1::Job>& jobs, int64_t now_ms) {
          std::to_string(j.world_size()),
          std::to_string(j.restarts()) + "/" + std::to_string(j.max_restarts()),
          "v" + std::to_string(j.policy_version()), Age(j.created_unix_ms(), now_ms),
-         StepsDone(j) > 0 ? Fmt("%.4g", p.loss()) : "-",
+         LossText(p, "%.4g"),
          p.has_val_loss() ? Fmt("%.4g", p.val_loss()) + " @" + std::to_string(p.val_step() + 1)
                           : "-",
          Fmt("%.0f", p.tokens_per_second()), saved, CheckpointText(j),

@@ -4,6 +4,7 @@
 
 #include <algorithm>
 #include <optional>
+#include <sstream>
 
 #include "client/ctl/render.h"
 #include "yaml-cpp/yaml.h"
@@ -69,6 +70,35 @@ TEST(Render, ProgressLine) {
   job.set_state(v1::JOB_PENDING);
   p->set_step(0);
   EXPECT_NE(ProgressLine(job, 0, 20).find("0/1000"), std::string::npos);
+}
+
+// Issue #40 item 3: a job no rank has reported a step for (a program that crashes at start)
+// shows no loss, rather than a loss of 0; once a report arrives its loss shows, 0 included.
+TEST(Render, ALossNeverReportedShowsADash) {
+  v1::Job job;
+  job.set_id("job-7");
+  job.set_state(v1::JOB_RUNNING);
+  job.mutable_progress()->set_total_steps(100);
+  EXPECT_NE(ProgressLine(job, 0, 20).find("  loss -  "), std::string::npos)
+      << ProgressLine(job, 0, 20);
+  EXPECT_NE(DescribeJob(job, nullptr, 0).find(", loss -, "), std::string::npos)
+      << DescribeJob(job, nullptr, 0);
+  // The LOSS column, the 9th of the wide table's row.
+  auto wide_loss = [&job] {
+    const std::string wide = JobsWideTable({job}, 0);
+    std::istringstream row(wide.substr(wide.find('\n') + 1));
+    std::string cell;
+    for (int i = 0; i < 9; ++i) row >> cell;
+    return cell;
+  };
+  job.set_name("j");
+  EXPECT_EQ(wide_loss(), "-") << JobsWideTable({job}, 0);
+  // Step 0's report, with its loss of 0.
+  job.mutable_progress()->set_updated_unix_ms(1);
+  EXPECT_NE(ProgressLine(job, 0, 20).find("  loss 0  "), std::string::npos)
+      << ProgressLine(job, 0, 20);
+  EXPECT_NE(DescribeJob(job, nullptr, 0).find(", loss 0.0000, "), std::string::npos);
+  EXPECT_EQ(wide_loss(), "0") << JobsWideTable({job}, 0);
 }
 
 TEST(Render, DescribeShowsCheckpointsOffAndStepsDone) {

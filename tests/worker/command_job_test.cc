@@ -416,8 +416,10 @@ TEST_F(CommandJobTest, ExitCodesAndMissingProgramsFailWithTheirReason) {
   job = client_->WaitFinal(job.id(), seconds(60));
   ASSERT_EQ(job.state(), v1::JOB_FAILED) << Everything(job);
   const std::string dir = workers_[0]->data_dir() + "/jobs/" + job.id() + "/0";
+  // ... and the command that shows it (issue #40 item 3).
   EXPECT_NE(job.reason().find("exited with code 3; its output stays on worker w0 (" + dir +
-                              "/rank0.err, " + dir + "/rank0.out)"),
+                              "/rank0.err, " + dir + "/rank0.out): geofp8ctl logs " + job.id() +
+                              " --rank 0 --attempt 0 --stderr; no restarts left"),
             std::string::npos)
       << job.reason();
   EXPECT_EQ(job.reason().find("failing on purpose"), std::string::npos) << job.reason();

@@ -652,14 +652,17 @@ void CommandRunner::JudgeExit(int status, Attempt* at, JobOutcome* out) const {
                   std::to_string(out->steps) + " steps";
   } else {
     at->restartable = true;
-    // The status and where the output is, never the output itself: the reason is shown to
-    // every reader of the job, and the program may print anything it can read.
+    // The status, where the output is and the command that shows it, never the output itself:
+    // the reason is shown to every reader of the job, and the program may print anything it can
+    // read (`logs` needs the token). The job's id and the attempt, since a name may be reused and
+    // a restart makes another attempt the newest.
     out->reason =
         (WIFEXITED(status)
              ? "command '" + program + "' exited with code " + std::to_string(WEXITSTATUS(status))
              : "command '" + program + "' was killed by " + SignalName(WTERMSIG(status))) +
         "; its output stays on worker " + options_.job.worker_name + " (" + at->err_path + ", " +
-        at->out_path + ")";
+        at->out_path + "): geofp8ctl logs " + assignment_.job_id() + " --rank " + at->rank +
+        " --attempt " + std::to_string(assignment_.attempt()) + " --stderr";
   }
 }
 
