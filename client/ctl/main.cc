@@ -14,6 +14,7 @@
 #include <filesystem>
 #include <fstream>
 #include <iostream>
+#include <optional>
 #include <sstream>
 #include <thread>
 
@@ -426,21 +427,69 @@ class Client {
     return Resolve(ref, id);
   }
 
-  // The rank's output as it is, on stdout; -o does not apply (it is the program's text).
+  // The rank's output as it is, on stdout; -o does not apply (it is the program's text). With
+  // -f and no --attempt it follows the job, not one attempt: when the attempt ends and the job
+  // restarts it says so on stderr and goes on with the next attempt's output, until the job is
+  // final.
   int Logs(const std::string& ref, const LogsFlags& f) {
     if (g_.output != "table") {
       return Error(kUsage, "-o: not for logs (it prints the program's output as it is)");
     }
     std::string id;
     if (int rc = ResolveForStream(ref, &id); rc != kOk) return rc;
+    if (f.tail == 0) return kOk;  // kubectl: --tail 0 prints nothing
+    if (!f.follow || f.attempt >= 0) {
+      const grpc::Status s =
+          StreamLog(id, f, f.attempt >= 0 ? std::optional<int>(f.attempt) : std::nullopt, f.tail);
+      return s.ok() ? kOk : FromStatus(s, g_);
+    }
+    // The attempt to follow: the job's, or while a restart waits to be placed the one before
+    // it; a job not placed yet is waited for. Unset (the newest placed, as the coordinator knows
+    // it) for a final job.
+    v1::Job job;
+    v1::GetJobRequest get;
+    get.set_job_id(id);
+    if (grpc::Status s = jobs_->GetJob(Context().get(), get, &job); !s.ok()) {
+      return FromStatus(s, g_);
+    }
+    if (job.state() == v1::JOB_PENDING && job.attempt() == 0) {
+      if (int rc = WaitForNextAttempt(id, -1, &job); rc != kOk) return rc;
+    }
+    std::optional<int> attempt;
+    if (!IsFinal(job.state())) {
+      attempt = job.state() == v1::JOB_PENDING ? job.attempt() - 1 : job.attempt();
+    }
+    int tail = f.tail;
+    for (bool first = true;; first = false) {
+      const grpc::Status s = StreamLog(id, f, attempt, tail);
+      // A later attempt that was never placed (cancelled while pending): nothing to print.
+      const bool never_placed = !first && s.error_code() == grpc::StatusCode::FAILED_PRECONDITION;
+      if (!s.ok() && !never_placed) return FromStatus(s, g_);
+      tail = -1;  // the next attempts' output whole
+      const int done = attempt.value_or(job.attempt());
+      if (int rc = WaitForNextAttempt(id, done, &job); rc != kOk) return rc;
+      if (job.attempt() <= done) return kOk;  // final, with no restart after `done`
+      // The reason the job recorded when it restarted: only the newest restart's is at hand.
+      const std::string why =
+          done + 1 == job.attempt() ? " (" + RestartReason(id, job) + ")" : std::string();
+      std::fprintf(stderr, "geofp8ctl: job %s attempt %d ended%s; following attempt %d\n",
+                   id.c_str(), done, why.c_str(), done + 1);
+      std::fflush(stderr);
+      attempt = done + 1;
+    }
+  }
+
+  // One attempt's output (the newest placed when `attempt` is unset) on stdout until the server
+  // ends the stream: at its end, or with -f when the rank has ended and its output is drained.
+  grpc::Status StreamLog(const std::string& id, const LogsFlags& f, std::optional<int> attempt,
+                         int tail) {
     v1::LogsRequest req;
     req.set_job_id(id);
     req.set_rank(f.rank);
-    if (f.attempt >= 0) req.set_attempt(f.attempt);
+    if (attempt) req.set_attempt(*attempt);
     req.set_follow(f.follow);
-    req.set_tail_lines(std::max(f.tail, 0));
+    req.set_tail_lines(std::max(tail, 0));
     req.set_stream(f.stderr_stream ? v1::LOG_STDERR : v1::LOG_STDOUT);
-    if (f.tail == 0) return kOk;  // kubectl: --tail 0 prints nothing
     // A long file or -f outlives any deadline; the server ends the stream.
     auto ctx = Context(false);
     auto reader = jobs_->Logs(ctx.get(), req);
@@ -449,8 +498,52 @@ class Client {
       std::fwrite(chunk.data().data(), 1, chunk.data().size(), stdout);
       std::fflush(stdout);
     }
+    return reader->Finish();
+  }
+
+  // Why the job restarted last: its newest PENDING event ("...; restart 1/3 from checkpoint
+  // step 40"), else its reason.
+  std::string RestartReason(const std::string& id, const v1::Job& job) {
+    v1::GetJobRequest get;
+    get.set_job_id(id);
+    v1::Job full;
+    if (jobs_->GetJob(Context().get(), get, &full).ok()) {
+      for (auto e = full.events().rbegin(); e != full.events().rend(); ++e) {
+        if (e->state() != v1::JOB_PENDING) continue;
+        const std::string prefix = "PENDING: ";  // the event names its state first
+        const std::string& m = e->message();
+        return m.rfind(prefix, 0) == 0 ? m.substr(prefix.size()) : m;
+      }
+    }
+    return job.reason();
+  }
+
+  static bool IsFinal(v1::JobState state) {
+    return state == v1::JOB_SUCCEEDED || state == v1::JOB_FAILED || state == v1::JOB_CANCELLED;
+  }
+
+  // After `attempt`'s rank output ended (-1: before the first): watches the job until it is
+  // final, or attempt + 1 has been placed (its ranks assigned) or has ended already (a later one
+  // exists), leaving that snapshot in `job`.
+  int WaitForNextAttempt(const std::string& id, int attempt, v1::Job* job) {
+    auto ctx = Context(false);
+    v1::WatchJobRequest req;
+    req.set_job_id(id);
+    auto reader = jobs_->WatchJob(ctx.get(), req);
+    v1::WatchJobResponse msg;
+    while (reader->Read(&msg)) {
+      *job = msg.job();
+      const bool placed = job->ranks_size() > 0 &&
+                          (job->state() == v1::JOB_SCHEDULED || job->state() == v1::JOB_RUNNING);
+      if (IsFinal(job->state()) || job->attempt() > attempt + 1 ||
+          (job->attempt() == attempt + 1 && placed)) {
+        break;
+      }
+    }
+    ctx->TryCancel();
     grpc::Status s = reader->Finish();
-    return s.ok() ? kOk : FromStatus(s, g_);
+    if (!s.ok() && s.error_code() != grpc::StatusCode::CANCELLED) return FromStatus(s, g_);
+    return kOk;
   }
 
   // On a TTY: one status line redrawn in place (at most 10 times a second), events above it.

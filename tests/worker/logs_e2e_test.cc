@@ -7,6 +7,8 @@
 
 #include <filesystem>
 #include <fstream>
+#include <iterator>
+#include <sstream>
 #include <thread>
 
 #include "tests/worker/worker_process.h"
@@ -156,6 +158,67 @@ TEST_F(LogsTest, AStalledReaderDoesNotHoldBackTheWorker) {
   stalled->Kill(SIGCONT);
   EXPECT_EQ(stalled->Wait(std::chrono::milliseconds(60000)), 0);
   EXPECT_NE(stalled->output().find("done\n"), std::string::npos);
+}
+
+// A script that crashes on its first attempt (issue #40 items 3 and 4): the job's event names
+// the command that shows the crashed attempt's stderr, and that command shows it; `logs -f`
+// says on stderr that the attempt ended and the job restarts, then prints the next attempt's
+// output, and ends with the job.
+TEST_F(LogsTest, FollowGoesOnIntoTheNextAttemptAndTheReasonNamesTheLogsCommand) {
+  const std::string go = dir_.path() + "/go";
+  const std::string script_path = dir_.path() + "/crash-once.sh";
+  std::ofstream(script_path) << "echo \"attempt $GEOFP8_ATTEMPT starts\"\n"
+                                "echo \"stderr of attempt $GEOFP8_ATTEMPT\" >&2\n"
+                                "if [ \"$GEOFP8_ATTEMPT\" = 0 ]; then\n"
+                                "  while [ ! -e " +
+                                    go +
+                                    " ]; do sleep 0.05; done\n"
+                                    "  exit 3\n"
+                                    "fi\n"
+                                    "echo \"attempt $GEOFP8_ATTEMPT done\"\n";
+  const std::string id = client_
+                             ->Submit("name: crash-once\ncommand: [/bin/sh, " + script_path +
+                                      "]\nrestarts: {max_restarts: 1}\n")
+                             .id();
+  // geofp8ctl's stderr into a file of its own, to tell its note from the program's output.
+  const std::string note_file = dir_.path() + "/follow.err";
+  ChildProcess follow({"/bin/sh", "-c", "exec \"$0\" \"$@\" 2>" + note_file, GEOFP8CTL_BIN, "-s",
+                       coordinator_->address(), "--token-file", token_file_, "logs", "-f",
+                       "crash-once"});
+  ASSERT_TRUE(follow.WaitFor("attempt 0 starts\n", std::chrono::milliseconds(30000)))
+      << follow.output() << worker_->process().output();
+  std::ofstream(go) << "1";
+  EXPECT_EQ(follow.Wait(std::chrono::milliseconds(90000)), 0) << follow.output();
+  EXPECT_EQ(follow.output(), "attempt 0 starts\nattempt 1 starts\nattempt 1 done\n");
+  std::ifstream note_in(note_file);
+  std::string note((std::istreambuf_iterator<char>(note_in)), std::istreambuf_iterator<char>());
+  EXPECT_EQ(note.rfind("geofp8ctl: job " + id +
+                           " attempt 0 ended (rank 0 failed: command '/bin/sh' exited with "
+                           "code 3; its output stays on worker w0 (",
+                       0),
+            0u)
+      << note;
+  EXPECT_NE(note.find("; restart 1/1"), std::string::npos) << note;
+  EXPECT_NE(note.find("); following attempt 1\n"), std::string::npos) << note;
+  const v1::Job job = client_->WaitFinal(id, seconds(30));
+  ASSERT_EQ(job.state(), v1::JOB_SUCCEEDED) << job.reason();
+
+  // The restart's event names the command that shows the crash; run as it says, it does.
+  std::string command;
+  const v1::Job with_events = client_->Get(id);
+  for (const auto& e : with_events.events()) {
+    const size_t at = e.message().find("geofp8ctl logs ");
+    if (at != std::string::npos) command = e.message().substr(at, e.message().find(';', at) - at);
+  }
+  ASSERT_EQ(command, "geofp8ctl logs " + id + " --rank 0 --attempt 0 --stderr");
+  std::vector<std::string> args;
+  std::istringstream words(command.substr(std::string("geofp8ctl ").size()));
+  for (std::string w; words >> w;) args.push_back(w);
+  int rc = -1;
+  EXPECT_EQ(Output(args, &rc), "stderr of attempt 0\n");
+  EXPECT_EQ(rc, 0);
+  // Without -f: the newest attempt only.
+  EXPECT_EQ(Output({"logs", "crash-once"}, &rc), "attempt 1 starts\nattempt 1 done\n");
 }
 
 }  // namespace
