@@ -55,7 +55,21 @@ struct Globals {
   std::string output = "table";  // table, wide, name, json, yaml or jsonpath
   std::string jsonpath;          // the template of -o jsonpath=...
   double watch_every = 10;       // watch, not a TTY: a line per this many % of the steps
+  // Where the token came from ("--token-file /path", "env GEOFP8_TOKEN", ...); empty: none was
+  // given. An UNAUTHENTICATED answer names it.
+  std::string token_source;
 };
+
+// What an UNAUTHENTICATED answer adds: where the refused token came from, and every way to give
+// one.
+std::string TokenHint(const Globals& g) {
+  const std::string ways =
+      "give the coordinator's token with --token-file FILE, env GEOFP8_TOKEN or a context's "
+      "token file (geofp8ctl config set-context NAME --server ADDRESS --token-file FILE, then "
+      "--context NAME or config use-context NAME); --token TOKEN works too but shows in ps";
+  if (g.token_source.empty()) return "; no token was given: " + ways;
+  return "; the token from " + g.token_source + " was refused: " + ways;
+}
 
 int64_t NowMs() {
   return std::chrono::duration_cast<std::chrono::milliseconds>(
@@ -89,7 +103,7 @@ int FromStatus(const grpc::Status& s, const Globals& g) {
       return Error(kRejected, s.error_message());
     case grpc::StatusCode::UNAUTHENTICATED:
     case grpc::StatusCode::PERMISSION_DENIED:
-      return Error(kUnauthenticated, s.error_message() + " (set --token or GEOFP8_TOKEN)");
+      return Error(kUnauthenticated, s.error_message() + TokenHint(g));
     default:
       return Error(kFailure, s.error_message());
   }
@@ -161,7 +175,9 @@ CLI::App* AddLogsCommand(CLI::App& app, std::string* id, LogsFlags* f) {
   logs->add_option("--attempt", f->attempt, "Attempt (0 is the first; default: the newest)")
       ->check(CLI::NonNegativeNumber);
   logs->add_flag("-f,--follow", f->follow,
-                 "Keep printing what the rank writes until it ends (Ctrl-C stops)");
+                 "Keep printing what the rank writes until it ends; without --attempt, go on "
+                 "into the next attempt's output when the job restarts (saying so on stderr), "
+                 "until the job is final (Ctrl-C stops)");
   logs->add_option("--tail", f->tail, "Only the last N lines (-1: all)")
       ->capture_default_str()
       ->check(CLI::Range(-1, 1 << 30));
@@ -861,8 +877,9 @@ void AddGlobalFlags(CLI::App& app, Flags* f, Globals* g) {
                  "Coordinator address (env GEOFP8_SERVER, else the context's, else "
                  "127.0.0.1:7070)");
   app.add_option("--token", f->token,
-                 "Bearer token for mutating calls (visible in ps: prefer --token-file or env "
-                 "GEOFP8_TOKEN)");
+                 "Bearer token for every call to a coordinator that requires one, reads "
+                 "included (visible in ps: prefer --token-file, env GEOFP8_TOKEN or a "
+                 "context's token-file)");
   app.add_option("--token-file", f->token_file, "File whose first line is the bearer token");
   app.add_option("--tls-ca", f->tls_ca, "PEM CA that signed the server certificate (enables TLS)");
   app.add_option("--tls-cert", f->tls_cert, "PEM client certificate for mutual TLS");
@@ -1089,13 +1106,17 @@ int Settings(const Flags& f, const Config& config, const std::string& config_pat
                  "geofp8ctl: warning: --token: other users can read it in the process list; use "
                  "--token-file or GEOFP8_TOKEN\n");
     g->token = f.token;
+    g->token_source = "--token";
   } else if (!f.token_file.empty()) {
+    g->token_source = "--token-file " + f.token_file;
     return ReadToken("--token-file", f.token_file, &g->token);
   } else if (env_token && *env_token) {
     g->token = env_token;
+    g->token_source = "env GEOFP8_TOKEN";
   } else if (ctx && !ctx->token_file.empty()) {
-    return ReadToken(config_path + ": context " + ctx->name + ": token-file",
-                     ResolvePath(config_path, ctx->token_file), &g->token);
+    const std::string path = ResolvePath(config_path, ctx->token_file);
+    g->token_source = "context " + ctx->name + "'s token-file " + path;
+    return ReadToken(config_path + ": context " + ctx->name + ": token-file", path, &g->token);
   }
   return kOk;
 }

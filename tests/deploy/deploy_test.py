@@ -318,6 +318,29 @@ class ManifestTest(unittest.TestCase):
                     self.assertIn("--token-file", args,
                                   "%s listens on all addresses without auth" % c["name"])
 
+    def test_raw_manifest_matches_the_charts_security_and_flags(self):
+        # Issue #40 item 7: the raw manifest runs the daemons as the chart does (with a token):
+        # the same pod and container security contexts (seccomp included) and the same flags
+        # with the same values, except these, which the chart derives from its release or passes
+        # at the daemons' own defaults.
+        differ = {"--coordinator",  # the chart's Service is named after the release
+                  "--log-format",  # text: the daemons' default
+                  "--heartbeat-timeout-ms"}  # 6000: the coordinator's default
+        raw = [d for d in yaml.safe_load_all(read(RAW_MANIFEST)) if d["kind"] != "Namespace"]
+        chart = [d for _, d in render({"tokenSecret": "geofp8-token"})]
+        for component in ("coordinator", "worker"):
+            raw_pod, (raw_c,) = containers_of(workload(raw, component))
+            chart_pod, (chart_c,) = containers_of(workload(chart, component))
+            self.assertEqual(raw_pod["securityContext"], chart_pod["securityContext"], component)
+            self.assertEqual(raw_c["securityContext"], chart_c["securityContext"], component)
+            raw_args = split_args(raw_c["args"])
+            chart_args = split_args(chart_c["args"])
+            for flag in set(raw_args) | set(chart_args):
+                if flag in differ:
+                    continue
+                self.assertEqual(raw_args.get(flag, "absent"), chart_args.get(flag, "absent"),
+                                 "%s %s" % (component, flag))
+
     def test_helm_values_read_by_templates_are_defined(self):
         values = yaml.safe_load(read(os.path.join(CHART, "values.yaml")))
         for f in os.listdir(TEMPLATES):
@@ -1112,6 +1135,120 @@ class DashboardQueryTest(unittest.TestCase):
         info = prom.query("geofp8_build_info")
         self.assertEqual(len(info), 3)
         self.assertTrue(all(v == 1 for v in info.values()))
+
+
+# The documents that show the daemons' and geofp8ctl's command lines.
+DOCS = sorted([os.path.join(ROOT, "docs", f) for f in os.listdir(os.path.join(ROOT, "docs"))
+               if f.endswith(".md")] +
+              [os.path.join(ROOT, p) for p in ("README.md", "worker/daemon/README.md")])
+PROGRAM_RE = re.compile(r"(?:^|[\s/`(])(geofp8-coordinator|geofp8-worker|geofp8ctl)(?=\s|$)")
+FLAG_RE = re.compile(r"(?<![\w-])(--[a-z][a-z0-9-]*)")
+# Where one command of a line ends and the next begins.
+COMMAND_END_RE = re.compile(r"\s(?:\||\|\||&&|;|#)\s|\$\(|\)")
+
+
+def ctl_help_flags():
+    """geofp8ctl's flags: those of --help and of every subcommand's, down the tree."""
+    flags = set()
+
+    def walk(path):
+        out = subprocess.run([CTL, *path, "--help"], capture_output=True, text=True).stdout
+        flags.update(FLAG_RE.findall(out))
+        section = out.split("Subcommands:\n", 1)
+        if len(section) == 2:
+            for line in section[1].splitlines():
+                m = re.match(r"  ([a-z][a-z-]*)\s", line)
+                if m:
+                    walk(path + [m.group(1)])
+    walk([])
+    return flags
+
+
+def command_texts(text):
+    """The texts that may hold a command line: each line of a fenced block (backslash
+    continuations joined) and each inline code span."""
+    out = []
+    fenced = False
+    pending = ""
+    for line in text.splitlines():
+        if line.lstrip().startswith("```"):
+            fenced = not fenced
+            continue
+        if fenced:
+            pending += line
+            if pending.endswith("\\"):
+                pending = pending[:-1] + " "
+                continue
+            out.append(pending)
+            pending = ""
+        else:
+            out.extend(re.findall(r"`([^`]+)`", line))
+    return out
+
+
+def doc_flag_mentions(path):
+    """(program, flag, where) for every flag a command line of the document passes to one of
+    the programs, and for worker/daemon/README.md every flag of its flag table."""
+    text = read(path)
+    found = []
+    for cmd in command_texts(text):
+        for m in PROGRAM_RE.finditer(cmd):
+            rest = cmd[m.end():]
+            end = COMMAND_END_RE.search(rest)
+            rest = rest[:end.start()] if end else rest
+            nested = PROGRAM_RE.search(rest)
+            rest = rest[:nested.start()] if nested else rest
+            for flag in FLAG_RE.findall(rest):
+                found.append((m.group(1), flag, cmd.strip()))
+    if path.endswith("worker/daemon/README.md"):
+        for line in text.splitlines():
+            if line.startswith("| `--"):
+                cell = line.split("|")[1]
+                for flag in FLAG_RE.findall(cell):
+                    found.append(("geofp8-worker", flag, line[:60]))
+    return found
+
+
+class DocsFlagsTest(unittest.TestCase):
+    """Every flag the docs pass to geofp8-coordinator, geofp8-worker or geofp8ctl on a command
+    line (and every flag of the worker's flag table) is one its --help lists (issue #40)."""
+
+    @classmethod
+    def setUpClass(cls):
+        cls.help = {"geofp8-coordinator": help_flags(COORDINATOR),
+                    "geofp8-worker": help_flags(WORKER),
+                    "geofp8ctl": ctl_help_flags()}
+
+    def test_scanner_finds_flags_on_command_lines(self):
+        text = ("```sh\ngeofp8-worker --coordinator a:1 \\\n  --data-dir d | geofp8ctl get jobs "
+                "--watch\n```\nRun `build/client/ctl/geofp8ctl logs JOB --stderr` or "
+                "`geofp8-train --steps 3`.\n")
+        with tempfile.NamedTemporaryFile("w", suffix=".md") as f:
+            f.write(text)
+            f.flush()
+            found = sorted((p, flag) for p, flag, _ in doc_flag_mentions(f.name))
+        self.assertEqual(found, [("geofp8-worker", "--coordinator"),
+                                 ("geofp8-worker", "--data-dir"), ("geofp8ctl", "--stderr"),
+                                 ("geofp8ctl", "--watch")])
+
+    def test_every_documented_flag_exists(self):
+        problems = []
+        counts = {p: 0 for p in self.help}
+        for path in DOCS:
+            for program, flag, where in doc_flag_mentions(path):
+                counts[program] += 1
+                if flag not in self.help[program]:
+                    problems.append("%s: %s has no flag %s (in: %s)" % (
+                        os.path.relpath(path, ROOT), program, flag, where))
+        self.assertEqual(problems, [])
+        # The scan found the programs' command lines at all.
+        for program, n in counts.items():
+            self.assertGreater(n, 5, program)
+
+    def test_every_help_flag_of_the_worker_is_in_its_table(self):
+        table = {flag for p, flag, _ in doc_flag_mentions(
+            os.path.join(ROOT, "worker/daemon/README.md")) if p == "geofp8-worker"}
+        self.assertEqual(sorted(self.help["geofp8-worker"] - table - {"--help"}), [])
 
 
 if __name__ == "__main__":

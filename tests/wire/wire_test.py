@@ -682,6 +682,39 @@ class AuthTest(Base):
                            token="s3cret")
         self.assertEqual(rc, 0, err)
 
+    def test_a_missing_or_refused_token_names_every_way_to_give_one(self):
+        # Issue #40 item 7: a read needs the token too, and the error says where the refused one
+        # came from and lists the flag, the environment and a context's token file.
+        env = {"GEOFP8_CONFIG": os.path.join(self.tmp.name, "ctl-config.yaml")}
+        ways = ("--token-file FILE", "env GEOFP8_TOKEN", "geofp8ctl config set-context NAME",
+                "--token-file FILE, then --context NAME", "--token TOKEN")
+        rc, _, err = ctl(self.server, "get", "jobs", extra_env=env)
+        self.assertEqual(rc, 6, err)
+        self.assertIn("missing bearer token (this coordinator requires one); no token was given: "
+                      "give the coordinator's token with", err)
+        for way in ways:
+            self.assertIn(way, err)
+        rc, _, err = ctl(self.server, "get", "jobs", token="wrong", extra_env=env)
+        self.assertEqual(rc, 6, err)
+        self.assertIn("; the token from env GEOFP8_TOKEN was refused: give", err)
+        wrong = os.path.join(self.tmp.name, "wrong-token")
+        with open(wrong, "w") as f:
+            f.write("wrong\n")
+        rc, _, err = ctl(self.server, "get", "jobs", "--token-file", wrong, extra_env=env)
+        self.assertEqual(rc, 6, err)
+        self.assertIn("; the token from --token-file %s was refused: give" % wrong, err)
+        rc, _, err = ctl(self.server, "config", "set-context", "c", "--server", self.server.address,
+                         "--token-file", wrong, extra_env=env)
+        self.assertEqual(rc, 0, err)
+        rc, _, err = ctl(self.server, "--context", "c", "get", "jobs", extra_env=env)
+        self.assertEqual(rc, 6, err)
+        self.assertIn("; the token from context c's token-file %s was refused: give" % wrong, err)
+        for way in ways:
+            self.assertIn(way, err)
+        # --help says reads need it too.
+        out = subprocess.run([CTL, "--help"], capture_output=True, text=True).stdout
+        self.assertIn("every call to a coordinator that requires one, reads", " ".join(out.split()))
+
 
 class TlsTest(Base):
     @classmethod
