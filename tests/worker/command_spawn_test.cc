@@ -88,5 +88,27 @@ TEST_F(CommandSpawnTest, AFileThatCannotBeOpenedIsNamedNotTheProgram) {
             "(searched PATH)");
 }
 
+// --command-uid-base (issue #41 item 4): a job's uid and gid from its number, wrapping at 65536.
+TEST(CommandIdentityTest, IsTheBasePlusTheJobsNumber) {
+  EXPECT_EQ(CommandIdentity(200000, "job-000012"), std::make_pair(uid_t(200012), gid_t(200012)));
+  EXPECT_EQ(CommandIdentity(200000, "job-065541").first, uid_t(200005));
+  EXPECT_NE(CommandIdentity(200000, "job-000001"), CommandIdentity(200000, "job-000002"));
+}
+
+// The limits reach the program (lowered from the worker's own, never raised).
+TEST_F(CommandSpawnTest, TheProgramRunsUnderItsLimits) {
+  std::filesystem::create_directories("job");
+  CommandLimits limits;
+  limits.max_open_files = 100;
+  limits.max_processes = 0;  // as is
+  limits.max_memory_bytes = uint64_t(1) << 40;
+  const pid_t pid = SpawnCommand({"/bin/sh", "-c", "ulimit -n; ulimit -d"}, {}, "job", "job/out",
+                                 "job/err", limits);
+  int status = 0;
+  ASSERT_EQ(::waitpid(pid, &status, 0), pid);
+  // ulimit -d is in KiB.
+  EXPECT_EQ(ReadFile("job/out"), "100\n" + std::to_string((uint64_t(1) << 40) / 1024) + "\n");
+}
+
 }  // namespace
 }  // namespace geofp8::worker

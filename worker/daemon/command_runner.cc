@@ -1,19 +1,22 @@
 // A `command:` job's rank (see command_runner.h): rendezvous for MASTER_ADDR/MASTER_PORT, the
-// hook server, posix_spawn into a new process group, then a wait loop that also carries out a
+// hook server, fork and exec into a new process group (as the job's own uid with
+// --command-uid-base), then a wait loop that also carries out a
 // Stop (SIGTERM to the group, SIGKILL after the grace).
 #include "worker/daemon/command_runner.h"
 
 #include <arpa/inet.h>
 #include <fcntl.h>
+#include <grp.h>
 #include <netinet/in.h>
 #include <signal.h>
-#include <spawn.h>
+#include <sys/resource.h>
 #include <sys/socket.h>
 #include <sys/stat.h>
 #include <sys/wait.h>
 #include <unistd.h>
 
 #include <algorithm>
+#include <cctype>
 #include <cerrno>
 #include <cstring>
 #include <filesystem>
@@ -138,11 +141,103 @@ struct Fds {
   }
 };
 
+// What the child failed at before its program ran, sent to the parent over a pipe.
+struct ChildFailure {
+  int stage;  // 0 chdir, 1 groups, 2 gid, 3 uid, 4 memory limit, 5 process limit, 6 file limit,
+              // 7 exec
+  int error;  // errno
+};
+
+// In the child between fork and exec: only async-signal-safe calls. Sets up and execs; on a
+// failure writes it to `report` and exits 127.
+[[noreturn]] void ChildExec(const std::vector<const char*>& candidates, char* const* argv,
+                            char* const* envp, int dir_fd, int null_fd, int out_fd, int err_fd,
+                            const CommandLimits& limits, int report) {
+  auto fail = [report](int stage) {
+    const ChildFailure f{stage, errno};
+    [[maybe_unused]] ssize_t n = ::write(report, &f, sizeof f);
+    ::_exit(127);
+  };
+  ::setpgid(0, 0);
+  struct sigaction dfl {};
+  dfl.sa_handler = SIG_DFL;
+  for (int sig : {SIGTERM, SIGINT, SIGPIPE, SIGHUP, SIGCHLD, SIGQUIT, SIGUSR1, SIGUSR2}) {
+    ::sigaction(sig, &dfl, nullptr);
+  }
+  sigset_t none;
+  sigemptyset(&none);
+  ::sigprocmask(SIG_SETMASK, &none, nullptr);
+  ::dup2(null_fd, 0);
+  ::dup2(out_fd, 1);
+  ::dup2(err_fd, 2);
+  if (::fchdir(dir_fd) != 0) fail(0);
+  if (limits.run_as) {
+    if (::setgroups(0, nullptr) != 0) fail(1);
+    if (::setgid(limits.run_as->second) != 0) fail(2);
+    if (::setuid(limits.run_as->first) != 0) fail(3);
+  }
+  const std::pair<int, uint64_t> rlimits[] = {{RLIMIT_DATA, limits.max_memory_bytes},
+                                              {RLIMIT_NPROC, limits.max_processes},
+                                              {RLIMIT_NOFILE, limits.max_open_files}};
+  for (int i = 0; i < 3; ++i) {
+    if (rlimits[i].second == 0) continue;
+    struct rlimit r = {rlimits[i].second, rlimits[i].second};
+    // A limit only ever lowers the worker's own hard one (raising it needs CAP_SYS_RESOURCE,
+    // which a container's root often lacks).
+    struct rlimit now {};
+    if (::getrlimit(rlimits[i].first, &now) == 0 && now.rlim_max < r.rlim_max) {
+      r.rlim_cur = r.rlim_max = now.rlim_max;
+    }
+    if (::setrlimit(rlimits[i].first, &r) != 0) fail(4 + i);
+  }
+  // As execvp: the first candidate that runs; else the most telling error (not ENOENT).
+  int error = ENOENT;
+  for (const char* path : candidates) {
+    ::execve(path, argv, envp);
+    if (errno != ENOENT && errno != ENOTDIR) error = errno;
+  }
+  errno = error;
+  fail(7);
+  ::_exit(127);  // not reached: fail exits
+}
+
+// Where `program` may be: itself when it holds a '/', else each directory of the worker's PATH.
+std::vector<std::string> ProgramCandidates(const std::string& program) {
+  if (program.find('/') != std::string::npos) return {program};
+  const char* path = std::getenv("PATH");
+  std::string dirs = path && *path ? path : "/usr/local/bin:/usr/bin:/bin";
+  std::vector<std::string> out;
+  size_t start = 0;
+  for (;;) {
+    const size_t colon = dirs.find(':', start);
+    const std::string dir = dirs.substr(start, colon - start);
+    out.push_back((dir.empty() ? "." : dir) + "/" + program);
+    if (colon == std::string::npos) break;
+    start = colon + 1;
+  }
+  return out;
+}
+
 }  // namespace
 
+std::pair<uid_t, gid_t> CommandIdentity(uint32_t base, const std::string& job_id) {
+  uint32_t number = 0;
+  size_t digits = job_id.size();
+  while (digits > 0 && std::isdigit(static_cast<unsigned char>(job_id[digits - 1]))) --digits;
+  if (digits < job_id.size()) {
+    for (size_t i = digits; i < job_id.size() && i < digits + 9; ++i) {
+      number = number * 10 + uint32_t(job_id[i] - '0');
+    }
+  } else {
+    number = uint32_t(std::hash<std::string>()(job_id));  // not a coordinator's id
+  }
+  const uint32_t id = base + number % 65536;
+  return {uid_t(id), gid_t(id)};
+}
+
 pid_t SpawnCommand(std::vector<std::string> args, const std::map<std::string, std::string>& env,
-                   const std::string& dir, const std::string& out_path,
-                   const std::string& err_path) {
+                   const std::string& dir, const std::string& out_path, const std::string& err_path,
+                   const CommandLimits& limits) {
   Require(!args.empty(), "command: empty");
   const std::string& program = args[0];
   // Every file the program starts with is opened here, relative to the worker's own working
@@ -156,6 +251,7 @@ pid_t SpawnCommand(std::vector<std::string> args, const std::map<std::string, st
   const int err_fd =
       fds.Add(OpenForProgram("stderr", err_path, O_WRONLY | O_CREAT | O_APPEND, 0600));
 
+  // Everything the child needs is built before fork: after it, only system calls.
   std::vector<std::string> env_text;
   for (const auto& [k, v] : env) env_text.push_back(k + "=" + v);
   std::vector<char*> envp, argv;
@@ -163,39 +259,54 @@ pid_t SpawnCommand(std::vector<std::string> args, const std::map<std::string, st
   envp.push_back(nullptr);
   for (auto& s : args) argv.push_back(s.data());
   argv.push_back(nullptr);
-
-  posix_spawn_file_actions_t fa;
-  posix_spawnattr_t attr;
-  posix_spawn_file_actions_init(&fa);
-  posix_spawnattr_init(&attr);
-  posix_spawn_file_actions_addfchdir_np(&fa, dir_fd);
-  posix_spawn_file_actions_adddup2(&fa, null_fd, 0);
-  posix_spawn_file_actions_adddup2(&fa, out_fd, 1);
-  posix_spawn_file_actions_adddup2(&fa, err_fd, 2);
-  // Its own process group (a Stop signals the whole tree), default signal dispositions and
-  // an empty mask whatever the daemon's threads use.
-  sigset_t none, defaults;
-  sigemptyset(&none);
-  sigemptyset(&defaults);
-  for (int sig : {SIGTERM, SIGINT, SIGPIPE, SIGHUP, SIGCHLD}) sigaddset(&defaults, sig);
-  posix_spawnattr_setflags(&attr,
-                           POSIX_SPAWN_SETPGROUP | POSIX_SPAWN_SETSIGMASK | POSIX_SPAWN_SETSIGDEF);
-  posix_spawnattr_setpgroup(&attr, 0);
-  posix_spawnattr_setsigmask(&attr, &none);
-  posix_spawnattr_setsigdefault(&attr, &defaults);
-  pid_t pid = -1;
-  const int rc = posix_spawnp(&pid, argv[0], &fa, &attr, argv.data(), envp.data());
-  posix_spawn_file_actions_destroy(&fa);
-  posix_spawnattr_destroy(&attr);
-  if (rc != 0) {
-    std::string where;
-    if (program.find('/') == std::string::npos)
-      where = " (searched PATH)";
-    else if (program[0] != '/')
-      where = " (relative to " + dir + ")";
-    Fail("command[0]: cannot run '", program, "': ", std::strerror(rc), where);
+  const std::vector<std::string> candidates = ProgramCandidates(program);
+  std::vector<const char*> candidate_ptrs;
+  for (const auto& c : candidates) candidate_ptrs.push_back(c.c_str());
+  int report[2];
+  Require(::pipe2(report, O_CLOEXEC) == 0, "command: pipe: ", std::strerror(errno));
+  fds.Add(report[0]);
+  const pid_t pid = ::fork();
+  if (pid == 0) {
+    ChildExec(candidate_ptrs, argv.data(), envp.data(), dir_fd, null_fd, out_fd, err_fd, limits,
+              report[1]);
   }
-  return pid;
+  ::close(report[1]);
+  Require(pid > 0, "command: fork: ", std::strerror(errno));
+  ::setpgid(pid, pid);  // also here, so a Stop right away reaches the group
+  ChildFailure f{};
+  ssize_t n;
+  while ((n = ::read(report[0], &f, sizeof f)) < 0 && errno == EINTR) {
+  }
+  if (n <= 0) return pid;  // the pipe closed at exec: the program runs
+  int status = 0;
+  ::waitpid(pid, &status, 0);
+  const std::string error = std::strerror(f.error);
+  const std::string who = limits.run_as ? std::to_string(limits.run_as->first) + ":" +
+                                              std::to_string(limits.run_as->second)
+                                        : std::string();
+  switch (f.stage) {
+    case 0:
+      Fail("job directory: cannot enter ", dir, ": ", error);
+    case 1:
+    case 2:
+    case 3:
+      Fail("command: cannot run as uid:gid ", who, " (--command-uid-base needs a worker run as ",
+           "root): ", error);
+    case 4:
+      Fail("command: cannot limit memory to ", limits.max_memory_bytes, " bytes: ", error);
+    case 5:
+      Fail("command: cannot limit processes to ", limits.max_processes, ": ", error);
+    case 6:
+      Fail("command: cannot limit open files to ", limits.max_open_files, ": ", error);
+    default: {
+      std::string where;
+      if (program.find('/') == std::string::npos)
+        where = " (searched PATH)";
+      else if (program[0] != '/')
+        where = " (relative to " + dir + ")";
+      Fail("command[0]: cannot run '", program, "': ", error, where);
+    }
+  }
 }
 
 namespace {
@@ -206,6 +317,7 @@ void WriteResultFile(const std::string& data_dir, const v1::Assignment& a, const
   std::error_code ec;
   const std::filesystem::path results = std::filesystem::path(data_dir) / "results";
   std::filesystem::create_directories(results, ec);
+  ::chmod(results.c_str(), 0700);  // the worker's alone, even where jobs run as other uids
   std::ofstream f(results / (a.job_id() + ".attempt" + std::to_string(a.attempt()) + ".txt"));
   f << "job=" << a.job_id() << "\nattempt=" << a.attempt() << "\nrank=" << a.rank()
     << "\nsuccess=" << (out.success ? 1 : 0) << "\nstopped=" << (out.stopped ? 1 : 0)
@@ -688,8 +800,14 @@ void CommandRunner::RunProgram(Attempt* at, JobOutcome* out) {
 
   at->out_path = at->dir + "/rank" + at->rank + ".out";
   at->err_path = at->dir + "/rank" + at->rank + ".err";
-  const pid_t pid = SpawnCommand(spec.command, ProgramEnvironment(spec, *at), at->dir, at->out_path,
-                                 at->err_path);
+  CommandLimits limits = options_.limits;
+  auto env = ProgramEnvironment(spec, *at);
+  if (options_.command_uid_base > 0) {
+    limits.run_as = CommandIdentity(options_.command_uid_base, a.job_id());
+    GiveToProgram(*at, *limits.run_as);
+    env["HOME"] = at->dir;  // the worker's own is not the job's to write
+  }
+  const pid_t pid = SpawnCommand(spec.command, env, at->dir, at->out_path, at->err_path, limits);
   Log("job " + a.job_id() + " rank " + at->rank + ": started '" + at->program + "' as pid " +
       std::to_string(pid) + " (MASTER_ADDR " + at->master_addr + ":" +
       std::to_string(at->master_port) + "; output in " + at->dir + ")");
@@ -704,6 +822,32 @@ void CommandRunner::RunProgram(Attempt* at, JobOutcome* out) {
   // Whatever the program left behind in its group goes with it.
   ::kill(-pid, SIGKILL);
   JudgeExit(status, at, out);
+}
+
+void CommandRunner::GiveToProgram(const Attempt& at, std::pair<uid_t, gid_t> id) const {
+  const auto [uid, gid] = id;
+  const std::filesystem::path data = options_.job.data_dir;
+  // The folders on the way may be passed through, never listed: the data directory, jobs/ and
+  // the job's, and those above the checkpoint directory.
+  std::vector<std::filesystem::path> passed = {data, data / "jobs",
+                                               data / "jobs" / assignment_.job_id()};
+  for (auto p = std::filesystem::path(at.checkpoint_dir).parent_path();
+       p.string().size() > data.string().size() && p != p.parent_path(); p = p.parent_path()) {
+    passed.push_back(p);
+  }
+  for (const auto& p : passed) {
+    Require(::chmod(p.c_str(), 0711) == 0, "job directory: cannot chmod ", p.string(), ": ",
+            std::strerror(errno));
+  }
+  // What the program may use: its directories (0700), its token, its spec and the hook socket.
+  for (const std::string& p : {at.dir, at.checkpoint_dir, at.token_file, at.spec_path, at.socket}) {
+    if (p.empty()) continue;
+    Require(::chown(p.c_str(), uid, gid) == 0, "command: cannot give ", p, " to uid ",
+            std::to_string(uid),
+            " (--command-uid-base needs a worker run as root): ", std::strerror(errno));
+  }
+  ::chmod(at.dir.c_str(), 0700);
+  ::chmod(at.checkpoint_dir.c_str(), 0700);
 }
 
 void CommandRunner::EndAttempt(const Attempt& at, JobOutcome* out) {

@@ -32,6 +32,21 @@ struct JobSpec;
 
 namespace geofp8::worker {
 
+// Who a command job's program runs as and what it may use (SpawnCommand).
+struct CommandLimits {
+  // The uid and gid the program runs as, with no supplementary groups; unset: the worker's own.
+  // Only a worker running as root can switch (CommandIdentity).
+  std::optional<std::pair<uid_t, gid_t>> run_as;
+  uint64_t max_memory_bytes = 0;    // RLIMIT_DATA (heap and private writable mappings); 0: as is
+  uint64_t max_processes = 4096;    // RLIMIT_NPROC (per uid: the job's own with run_as); 0: as is
+  uint64_t max_open_files = 65536;  // RLIMIT_NOFILE; 0: as is
+};
+
+// The identity of `job_id`'s programs under --command-uid-base BASE: uid and gid BASE + the job's
+// number modulo 65536 ("job-000012" -> BASE + 12), the same on every worker and attempt, so that
+// two jobs' programs never share a uid (until 65536 jobs later) and a job's ranks on one host do.
+std::pair<uid_t, gid_t> CommandIdentity(uint32_t base, const std::string& job_id);
+
 struct CommandRunnerOptions {
   JobRunnerOptions job;     // worker_name, data_dir, advertise_host
   std::string coordinator;  // GEOFP8_COORDINATOR: the worker's --coordinator
@@ -47,6 +62,10 @@ struct CommandRunnerOptions {
   // The worker's GPU (--device cuda:N), or -1: the program gets CUDA_VISIBLE_DEVICES=N (so it
   // sees that one GPU as cuda:0, LOCAL_RANK 0) and GEOFP8_DEVICE=cuda:0. -1 leaves both alone.
   int cuda_device = -1;
+  // --command-uid-base: run each job's program as its own uid (CommandIdentity), in files only
+  // that uid (and the worker) can read; 0: as the worker's user. Needs a worker run as root.
+  uint32_t command_uid_base = 0;
+  CommandLimits limits;                                 // rlimits (run_as is set per job)
   std::chrono::milliseconds kill_grace{5000};           // after SIGTERM, before SIGKILL
   std::chrono::milliseconds rendezvous_timeout{60000};  // ranks > 0 wait for rank 0's address
   // How long the program may run without opening the hook channel before the rank reports it
@@ -69,14 +88,15 @@ std::map<std::string, std::string> CommandEnvironment(char** environ_,
                                                       const std::vector<std::string>& pass);
 
 // Starts `args` (args[0] looked up in PATH) in `dir` with exactly `env`, stdin /dev/null and
-// stdout/stderr appended to `out_path`/`err_path` (created 0600), in a process group of its own.
-// Every path is opened by the caller before the program starts, relative to the caller's working
-// directory. Returns the pid. Throws std::runtime_error naming the file when `dir`, `out_path` or
-// `err_path` cannot be opened ("stdout: cannot open PATH: ..."), and command[0] only when the
-// program itself cannot be run.
+// stdout/stderr appended to `out_path`/`err_path` (created 0600), in a process group of its own,
+// under `limits` (its uid and gid, then its rlimits). Every path is opened by the caller before
+// the program starts, relative to the caller's working directory. Returns the pid. Throws
+// std::runtime_error naming the file when `dir`, `out_path` or `err_path` cannot be opened
+// ("stdout: cannot open PATH: ..."), the uid or limit it could not set, and command[0] only when
+// the program itself cannot be run.
 pid_t SpawnCommand(std::vector<std::string> args, const std::map<std::string, std::string>& env,
-                   const std::string& dir, const std::string& out_path,
-                   const std::string& err_path);
+                   const std::string& dir, const std::string& out_path, const std::string& err_path,
+                   const CommandLimits& limits = {});
 
 class CommandRunner final : public RankRunner {
  public:
@@ -120,6 +140,9 @@ class CommandRunner final : public RankRunner {
   int WaitForExit(pid_t pid, Clock::time_point spawned, Attempt* at);
   // The outcome of a program that exited with `status`, or of a Stop.
   void JudgeExit(int status, Attempt* at, JobOutcome* out) const;
+  // With --command-uid-base: gives the attempt's directory, checkpoint directory, token file,
+  // spec and hook socket to the job's uid:gid `id`, and lets it pass (0711) the folders above.
+  void GiveToProgram(const Attempt& at, std::pair<uid_t, gid_t> id) const;
   // Removes the token file, closes the hook, completes `out`, and reports the end to the
   // metrics and (without a Stop) the coordinator.
   void EndAttempt(const Attempt& at, JobOutcome* out);

@@ -1,6 +1,7 @@
 // geofp8-worker: registers with the coordinator, runs the ranks it is assigned (trainer +
 // exchange engine over Gloo), streams progress, and serves Prometheus /metrics.
 #include <signal.h>
+#include <sys/stat.h>
 #include <sys/sysinfo.h>
 #include <unistd.h>
 
@@ -64,6 +65,7 @@ bool ParseBytes(const std::string& text, uint64_t* out) {
 // The flags that are not WorkerOptions fields themselves, at their defaults.
 struct Flags {
   std::string token_file, capacity, device = "cpu", log_format = "text";
+  std::string command_max_memory;  // default: --capacity
   double hook_attach_timeout_s = 120;
   int grace_ms = 10000;
   int step_delay_ms = 0;
@@ -114,8 +116,27 @@ void AddFlags(CLI::App& app, geofp8::worker::WorkerOptions* o, Flags* f) {
       ->capture_default_str();
   app.add_flag("--allow-commands", o->session.accepts_commands,
                "Run `command:` jobs: any program whoever holds the coordinator's token submits, "
-               "as this worker's user (docs/reliability.md, \"Threat model\"). Off: the "
+               "as this worker's user or, with --command-uid-base, as the job's own "
+               "(docs/reliability.md, \"Threat model\"). Off: the "
                "coordinator places no command job here");
+  app.add_option("--command-uid-base", o->command_uid_base,
+                 "Run each command job's program as its own uid and gid, BASE + the job's number "
+                 "modulo 65536, in files only it and the worker can read (needs a worker run as "
+                 "root; docs/reliability.md, \"Threat model\"). 0: as the worker's user")
+      ->capture_default_str()
+      ->check(CLI::Range(0u, 4294901759u));
+  app.add_option("--command-max-memory", f->command_max_memory,
+                 "A command job's program's data limit (RLIMIT_DATA), e.g. 8GiB (default: "
+                 "--capacity)");
+  app.add_option("--command-max-processes", o->command_limits.max_processes,
+                 "A command job's processes and threads (RLIMIT_NPROC, counted per uid: the "
+                 "job's own under --command-uid-base, else all of the worker user's)")
+      ->capture_default_str()
+      ->check(CLI::Range(uint64_t(1), uint64_t(1) << 32));
+  app.add_option("--command-max-open-files", o->command_limits.max_open_files,
+                 "A command job's open files per process (RLIMIT_NOFILE)")
+      ->capture_default_str()
+      ->check(CLI::Range(uint64_t(16), uint64_t(1) << 30));
   app.add_option("--command-env", o->command_env,
                  "Also pass this variable of the worker's environment to command jobs "
                  "(repeatable; the fixed list is in docs/job-spec.md)");
@@ -246,6 +267,17 @@ std::string ApplyFlags(const CLI::App& app, Flags* f, geofp8::worker::WorkerOpti
     return "--capacity: expected bytes with an optional KiB/MiB/GiB/TiB suffix (" + f->capacity +
            ")";
   }
+  o->command_limits.max_memory_bytes = o->session.memory_bytes;
+  if (!f->command_max_memory.empty() &&
+      !ParseBytes(f->command_max_memory, &o->command_limits.max_memory_bytes)) {
+    return "--command-max-memory: expected bytes with an optional KiB/MiB/GiB/TiB suffix (" +
+           f->command_max_memory + ")";
+  }
+  if (o->command_uid_base > 0 && ::geteuid() != 0) {
+    return "--command-uid-base: the worker must run as root to run jobs as other uids (it runs "
+           "as uid " +
+           std::to_string(::geteuid()) + ")";
+  }
   if (o->session.name.empty()) o->session.name = o->session.host + ":" + std::to_string(getpid());
   o->job.worker_name = o->session.name;
   o->job.debug_step_delay = std::chrono::milliseconds(f->step_delay_ms);
@@ -328,6 +360,9 @@ int main(int argc, char** argv) {
   geofp8::log::Format format = geofp8::log::Format::kText;
   if (std::string e = ApplyFlags(app, &f, &o, &format); !e.empty()) return UsageError(e);
   geofp8::log::Configure(format, {{"worker", o.session.name}});
+  // Jobs run as other uids pass through the data directory: whatever the worker writes there
+  // (ready file, results, the built-in trainer's checkpoints) is its own alone.
+  if (o.command_uid_base > 0) ::umask(077);
   if (!CatchSignals()) return UsageError("pipe() failed");
   return Serve(o, f);
 }

@@ -106,6 +106,8 @@ void Worker::StartRunner(const v1::Assignment& a) {
     co.pass_env = options_.command_env;
     co.hook_attach_timeout = options_.hook_attach_timeout;
     co.cuda_device = options_.cuda_device;
+    co.command_uid_base = options_.command_uid_base;
+    co.limits = options_.command_limits;
     runner_ = std::make_unique<CommandRunner>(connection_, a, co, send, metrics_.get());
   } else {
     if (options_.cuda_device >= 0) {

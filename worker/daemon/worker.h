@@ -12,6 +12,7 @@
 #include <thread>
 #include <vector>
 
+#include "worker/daemon/command_runner.h"
 #include "worker/daemon/connection.h"
 #include "worker/daemon/job_runner.h"
 #include "worker/daemon/metrics.h"
@@ -33,6 +34,9 @@ struct WorkerOptions {
   // --device cuda:N: the GPU a `command:` job's program gets (CUDA_VISIBLE_DEVICES=N); -1: cpu.
   // The built-in trainer runs on CPU whatever the device.
   int cuda_device = -1;
+  // --command-uid-base and the command jobs' rlimits (CommandRunnerOptions).
+  uint32_t command_uid_base = 0;
+  CommandLimits command_limits;
   std::string metrics_host = "127.0.0.1";
   int metrics_port = 9465;  // 0: a free port; -1: no /metrics
 };
