@@ -60,7 +60,8 @@ TEST(IsolationFaultTest, ACommandJobReadsNoneOfTheWorkersOrAnotherJobsFiles) {
   // Job A leaves output, a checkpoint and its spec behind.
   v1::Job a = client.Submit(
       "name: iso-a\ncommand: [/bin/sh, -c, 'echo a-secret; echo a-ckpt > "
-      "\"$GEOFP8_CHECKPOINT_DIR/ckpt.bin\"; id -u > \"$GEOFP8_CHECKPOINT_DIR/uid\"']\n");
+      "\"$GEOFP8_CHECKPOINT_DIR/ckpt.bin\"; id -u > \"$GEOFP8_CHECKPOINT_DIR/uid\"; "
+      "cat /proc/self/limits > \"$GEOFP8_CHECKPOINT_DIR/limits\"']\n");
   a = client.WaitFinal(a.id(), seconds(60));
   ASSERT_EQ(a.state(), v1::JOB_SUCCEEDED) << Describe(a, coordinator, {&worker});
   const std::string data = worker.data_dir();
@@ -68,6 +69,10 @@ TEST(IsolationFaultTest, ACommandJobReadsNoneOfTheWorkersOrAnotherJobsFiles) {
   const std::string a_ckpt = data + "/jobs/" + a.id() + "/checkpoints";
   // A ran as its own uid, and its files are its own.
   EXPECT_EQ(ReadFile(a_ckpt + "/uid"), std::to_string(kUidBase + 1) + "\n");
+  // ... under the job's limits (the worker's defaults; processes counted on its own uid).
+  const std::string limits = ReadFile(a_ckpt + "/limits");
+  EXPECT_NE(limits.find("Max processes             4096                 4096"), std::string::npos)
+      << limits;
   struct stat st {};
   ASSERT_EQ(::stat(a_dir.c_str(), &st), 0);
   EXPECT_EQ(st.st_uid, uid_t(kUidBase + 1));

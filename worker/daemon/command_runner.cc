@@ -802,7 +802,11 @@ void CommandRunner::RunProgram(Attempt* at, JobOutcome* out) {
   at->err_path = at->dir + "/rank" + at->rank + ".err";
   CommandLimits limits = options_.limits;
   auto env = ProgramEnvironment(spec, *at);
+  // RLIMIT_NPROC counts a uid's processes host-wide: under the worker's own uid it would count
+  // the worker's threads and every other process of that user, so it applies to a job's own uid.
+  limits.max_processes = 0;
   if (options_.command_uid_base > 0) {
+    limits.max_processes = options_.limits.max_processes;
     limits.run_as = CommandIdentity(options_.command_uid_base, a.job_id());
     GiveToProgram(*at, *limits.run_as);
     env["HOME"] = at->dir;  // the worker's own is not the job's to write

@@ -129,8 +129,8 @@ void AddFlags(CLI::App& app, geofp8::worker::WorkerOptions* o, Flags* f) {
                  "A command job's program's data limit (RLIMIT_DATA), e.g. 8GiB (default: "
                  "--capacity)");
   app.add_option("--command-max-processes", o->command_limits.max_processes,
-                 "A command job's processes and threads (RLIMIT_NPROC, counted per uid: the "
-                 "job's own under --command-uid-base, else all of the worker user's)")
+                 "A command job's processes and threads (RLIMIT_NPROC, counted per uid: set "
+                 "only with --command-uid-base, on the job's own uid)")
       ->capture_default_str()
       ->check(CLI::Range(uint64_t(1), uint64_t(1) << 32));
   app.add_option("--command-max-open-files", o->command_limits.max_open_files,
