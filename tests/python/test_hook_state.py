@@ -124,6 +124,9 @@ def work(rank, world):
     # Reference: the uninterrupted run's next two steps (the resumed DDP runs its first step on
     # one bucket, then rebuilds: both layouts take the restored geometry).
     reference = run_steps(rank, ddp, model, opt, WARM, 2)
+    # The figure report() sends (describe's "saved N%"), after the same WARM + 2 steps.
+    figures = {"reference": state.report(0.0)}
+    step_bytes = state.last_step["bytes_sent"]
     # Resume into new objects.
     buf.seek(0)
     ckpt = torch.load(buf)
@@ -132,6 +135,7 @@ def work(rank, world):
     opt2.load_state_dict(ckpt["opt"])
     state2.load_state_dict(ckpt["hook"])
     resumed = run_steps(rank, ddp2, model2, opt2, WARM, 2)
+    figures["resumed"] = state2.report(0.0)
     # Control: the same weights without the hook state (identity geometry, step 0 again).
     model3, ddp3, state3, opt3 = fresh("geofp8")
     model3.load_state_dict(ckpt["model"])
@@ -174,12 +178,16 @@ def work(rank, world):
         buf6.seek(0)
         ck = torch.load(buf6)
         if not keep:
+            # A format 1 state: no residuals and no counters (they start again from zero).
             del ck["hook"]["residuals"]
+            ck["hook"].pop("stats", None)
+            ck["hook"]["format"] = 1
         m, d, st, o = fresh(ef_policy)
         m.load_state_dict(ck["model"])
         o.load_state_dict(ck["opt"])
         st.load_state_dict(ck["hook"])
         ef_runs[name] = run_steps(rank, d, m, o, WARM, 2)
+        figures["ef_" + name] = st.report(0.0)
     buf6.seek(0)
     ef_held = sum(1 for r in torch.load(buf6)["hook"]["residuals"] if r[1])
     geometry_layers = sum(1 for g in ckpt["hook"]["geometry"] if g[0])
@@ -194,7 +202,42 @@ def work(rank, world):
             "ef_same": all(torch.equal(a, b) for a, b in zip(ef_reference, ef_runs["resumed"])),
             "ef_without_same": all(torch.equal(a, b)
                                    for a, b in zip(ef_reference, ef_runs["without"])),
-            "ef_held": ef_held}
+            "ef_held": ef_held, "figures": figures, "step_bytes": step_bytes}
+
+
+def saved(figure):
+    return 1.0 - figure["bytes_sent"] / figure["bytes_baseline"]
+
+
+def figure_failures(rank, r):
+    """A resumed run reports the bytes saved of the run without the restart (issue #40): the
+    same wire bytes within one step's and the same fp32 baseline, so the same saved fraction. An
+    old state without the counters counts both from the resume."""
+    f = r["figures"]
+    out = []
+    ref, res = f["reference"], f["resumed"]
+    if res["bytes_baseline"] != ref["bytes_baseline"] or \
+            abs(res["bytes_sent"] - ref["bytes_sent"]) > r["step_bytes"]:
+        out.append("rank %d: resumed run reports %d of %d bytes (saved %.1f%%), the run without "
+                   "the restart %d of %d (saved %.1f%%)"
+                   % (rank, res["bytes_sent"], res["bytes_baseline"], 100 * saved(res),
+                      ref["bytes_sent"], ref["bytes_baseline"], 100 * saved(ref)))
+    # The baseline is WARM + 2 steps of an fp32 ring all-reduce of every gradient float.
+    floats = sum(t.numel() for t in r["reference"])
+    if ref["bytes_baseline"] != (WARM + 2) * 4 * floats:
+        out.append("rank %d: baseline %d bytes after %d steps, expected %d"
+                   % (rank, ref["bytes_baseline"], WARM + 2, (WARM + 2) * 4 * floats))
+    full, old = f["ef_resumed"], f["ef_without"]
+    if full["bytes_baseline"] != ref["bytes_baseline"]:
+        out.append("rank %d: error-feedback run resumed: baseline %d, expected %d"
+                   % (rank, full["bytes_baseline"], ref["bytes_baseline"]))
+    if old["bytes_baseline"] != 2 * 4 * floats or \
+            not 0 < old["bytes_sent"] < old["bytes_baseline"]:
+        out.append("rank %d: a format 1 state, 2 steps after the resume: %d of %d bytes, "
+                   "expected a baseline of the 2 steps, %d" % (rank, old["bytes_sent"],
+                                                              old["bytes_baseline"],
+                                                              2 * 4 * floats))
+    return out
 
 
 def main():
@@ -243,10 +286,15 @@ def main():
             failures.append("rank %d: (skipped, all-NaN grads) by step %s, expected skip at step"
                             " 1 only" % (rank, r["skips"]))
         failures += ["rank %d: %s" % (rank, e) for e in r["layout"]]
+        failures += figure_failures(rank, r)
         if r["version"] != 2:
             failures.append("rank %d: policy version %d, expected 2" % (rank, r["version"]))
     print("resume exact over %d buckets, set_policy at step 2: formats %s"
           % (results[0]["buckets"], results[0]["formats"]))
+    for k, f in sorted(results[0]["figures"].items()):
+        print("rank 0 %-12s %8d of %8d bytes: saved %.1f%%" % (k, f["bytes_sent"],
+                                                             f["bytes_baseline"],
+                                                             100 * saved(f)))
     for f in failures:
         print("FAIL:", f)
     sys.exit(1 if failures else 0)

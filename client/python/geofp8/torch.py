@@ -28,7 +28,10 @@ from . import _geofp8, policy_source
 __all__ = ["GeoFP8State", "geofp8_hook"]
 
 _states_created = 0  # per process: each state's store prefix (same order on every rank)
-_STATE_FORMAT = 2
+_STATE_FORMAT = 3
+# The counters a state_dict carries (format 3): the saved-bytes figure spans the restarts.
+_CARRIED_STATS = ("bytes_sent", "bytes_baseline", "seconds", "skipped_buckets", "refreshes",
+                  "refreshes_from_inverse")
 
 
 def _local_hostname():
@@ -204,12 +207,13 @@ class GeoFP8State:
         self.step = 0
         self._in_step = False
         self._scheduled = []  # [(effective_step, kind, spec)], applied in order
-        self.stats = {"bytes_sent": 0, "seconds": 0.0, "skipped_buckets": 0, "refreshes": 0,
-                      "refreshes_from_inverse": 0}
+        # bytes_sent and bytes_baseline count the same buckets (those this state exchanged, and
+        # those of the run a state_dict came from): the saved fraction is their ratio.
+        self.stats = {"bytes_sent": 0, "bytes_baseline": 0, "seconds": 0.0,
+                      "skipped_buckets": 0, "refreshes": 0, "refreshes_from_inverse": 0}
         self.last_step = {"bytes_sent": 0, "seconds": 0.0, "skipped": False}
-        # What an fp32 ring all-reduce of the same parameters sends per rank and step.
-        numel = sum(r * c for r, c in shapes)
-        self._baseline_per_step = 2.0 * (size - 1) / size * 4.0 * numel if size > 1 else 0.0
+        # What an fp32 ring all-reduce sends per rank and gradient float.
+        self._baseline_per_float = 2.0 * (size - 1) / size * 4.0 if size > 1 else 0.0
         self._reported_at = time.perf_counter()
         self._layer_errors = []  # this step's (layer, rel_fro_error), measured steps only
         self._measure = False
@@ -316,13 +320,12 @@ class GeoFP8State:
             val_loss = float(val_loss.item() if hasattr(val_loss, "item") else val_loss)
             if not math.isfinite(val_loss):
                 raise ValueError("val_loss: must be finite (%r)" % val_loss)
-        done = step + 1
         record = {
             "step": step, "loss": loss, "step_seconds": seconds,
             "exchange_seconds": self.last_step["seconds"],
             "tokens_per_second": (tokens / seconds) if tokens and seconds > 0 else 0.0,
             "bytes_sent": self.stats["bytes_sent"],
-            "bytes_baseline": int(self._baseline_per_step * done),
+            "bytes_baseline": self.stats["bytes_baseline"],
             "layer_errors": list(self._layer_errors),
             "val_loss": val_loss,
         }
@@ -413,13 +416,16 @@ class GeoFP8State:
             # error_feedback's residuals (format 2): without them a resume would drop what the
             # last step's quantization lost, and differ from a run without the restart
             "residuals": [tuple(r) for r in self._engine.export_residuals()],
+            # stats (format 3): the wire bytes and their fp32 baseline over every step so far,
+            # so that a resumed run reports the same bytes saved as one without the restart
+            "stats": {k: self.stats[k] for k in _CARRIED_STATS},
         }
 
     def load_state_dict(self, state):
         """Restores state_dict()'s output; the model must have the same parameters."""
-        if state.get("format") not in (1, _STATE_FORMAT):
-            raise ValueError("state.format: %r is not 1 or %d" % (state.get("format"),
-                                                                  _STATE_FORMAT))
+        if state.get("format") not in (1, 2, _STATE_FORMAT):
+            raise ValueError("state.format: %r is not 1, 2 or %d" % (state.get("format"),
+                                                                     _STATE_FORMAT))
         if list(state["names"]) != self.names:
             raise ValueError("state.names: the saved parameters (%d) differ from the model's (%d)"
                              % (len(state["names"]), len(self.names)))
@@ -437,6 +443,11 @@ class GeoFP8State:
             self._engine.import_residuals([tuple(r) for r in state["residuals"]])
         self._scheduled = [tuple(t) for t in state["scheduled"]]
         self.step = int(state["step"])
+        # Formats 1 and 2 carry no counters: both start again from zero, so bytes_sent and
+        # bytes_baseline still span the same steps (those since this resume).
+        saved = state.get("stats") or {}
+        for k in _CARRIED_STATS:
+            self.stats[k] = type(self.stats[k])(saved.get(k, 0))
         self._in_step = False
 
 
@@ -501,6 +512,7 @@ def _account(state, result, buf, layers, offsets, sizes, exact):
         state.stats["skipped_buckets"] += 1
         state.last_step["skipped"] = True
     state.stats["bytes_sent"] += result["bytes_sent"]
+    state.stats["bytes_baseline"] += int(round(state._baseline_per_float * sum(sizes)))
     state.stats["seconds"] += result["seconds"]
     state.stats["refreshes"] += result["refreshes"]
     state.stats["refreshes_from_inverse"] += result["refreshes_from_inverse"]
