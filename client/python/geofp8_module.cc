@@ -429,6 +429,15 @@ class Engine {
     q_->idle_cv.wait(lock, [this] { return q_->exchange.empty() && !q_->running; });
   }
 
+  // Makes the collective in flight, and every later one, throw with an error carrying `reason`
+  // (Communicator::Abort), from any thread: geofp8.torch's bucket watch ends the wait for a
+  // bucket that another rank will never exchange. The engine is broken afterwards. False: the
+  // communicator cannot interrupt a collective, which then ends at its timeout.
+  bool Abort(const std::string& reason) {
+    py::gil_scoped_release release;
+    return comm_ && comm_->Abort(reason);
+  }
+
   size_t in_flight() {
     std::lock_guard<std::mutex> lock(q_->mu);
     return q_->in_flight;
@@ -978,6 +987,10 @@ PYBIND11_MODULE(_geofp8, m) {
       .def("drain", &Engine::Drain, py::arg("forget_errors") = true,
            "Waits until every submitted bucket's callback has returned; forget_errors: the next "
            "exchange() does not raise a queued bucket's error again.")
+      .def("abort", &Engine::Abort, py::arg("reason"),
+           "From any thread: the exchange in flight, and every later one, raise an error "
+           "carrying `reason` (the peers see the connections close); the engine is broken "
+           "afterwards. False where the communicator cannot interrupt a collective.")
       .def_property_readonly("in_flight", &Engine::in_flight,
                              "Buckets submitted whose callback has not yet returned.")
       .def("exchange_cuda", &Engine::ExchangeCuda, py::arg("step"), py::arg("layers"),

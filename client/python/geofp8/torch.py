@@ -15,10 +15,13 @@ step) and reports its catalog, steps (state.report(loss) once per step), per-lay
 checkpoints (state.report_checkpoint). See docs/pytorch.md.
 """
 
+import itertools
 import math
 import os
 import sys
+import threading
 import time
+import weakref
 
 import torch
 import torch.distributed as dist
@@ -197,7 +200,8 @@ class GeoFP8State:
         backend = "nccl" if device.type == "cuda" else "gloo"
         if timeout_s is None:
             timeout_s = _environment_timeout()
-        self._engine = _geofp8.Engine(dist.PrefixStore(prefix, base), rank, size,
+        store = dist.PrefixStore(prefix, base)
+        self._engine = _geofp8.Engine(store, rank, size,
                                       hostname or _local_hostname(), float(timeout_s), int(seed),
                                       backend, device.index if device.index is not None else -1)
         self._engine.set_layers(self.names, shapes)
@@ -220,6 +224,11 @@ class GeoFP8State:
         # DDP bucket layouts already mapped to layers: (buffer address, numel, parameter ids)
         # -> (layers, offsets, sizes) (_bucket_layout).
         self._layouts = {}
+        # A bucket that some rank's backward never hands over (a parameter without a gradient
+        # there): found through the store within seconds rather than at the timeout.
+        self._watch = _BucketWatch(self, store, rank, size)
+        if hasattr(model, "register_forward_hook"):
+            self._watch.attach(model)
 
     # ---- the coordinator (a GeoFP8 `command:` job) ------------------------------------------
 
@@ -453,6 +462,166 @@ class GeoFP8State:
 
 _LAYOUT_CACHE_MAX = 64  # bucket layouts a state remembers (DDP keeps a handful at a time)
 
+# The unused-parameter watch (_BucketWatch): a bucket waited for this long is looked into, every
+# _WATCH_POLL_S; a peer seen to have ended this backward pass without it on two looks in a row
+# ends the wait.
+_WATCH_AFTER_S = 2.0
+_WATCH_POLL_S = 1.0
+_WATCH_NAMES = 6  # layers an error names, of the bucket
+
+
+def _output_tensors(value, depth=0):
+    """The tensors that require a gradient in a module's output (a tensor, or tuples, lists and
+    dicts of them, as DDP looks for them)."""
+    if isinstance(value, torch.Tensor):
+        return [value] if value.requires_grad else []
+    if depth > 4:
+        return []
+    if isinstance(value, (list, tuple)):
+        items = value
+    elif isinstance(value, dict):
+        items = value.values()
+    else:
+        return []
+    return [t for v in items for t in _output_tensors(v, depth + 1)]
+
+
+class _BucketWatch:
+    """Ends, within seconds, the wait for a DDP bucket that another rank will never exchange.
+
+    Without find_unused_parameters=True, DDP hands a bucket to the hook only once every one of
+    its parameters has a gradient. A parameter that one rank's forward did not use keeps that
+    rank's bucket back for good: its backward pass ends without it, while the other ranks wait in
+    the bucket's exchange (the engine's fingerprint, which compares the ranks' buckets, is never
+    reached) until the timeout, typically while that rank waits in a collective of its own.
+
+    So each rank counts its backward passes through the model (a gradient hook on the model's
+    outputs, so a backward nested inside one, as reentrant activation checkpointing runs, is not
+    counted again) and, when a pass ends (an autograd engine callback) without the hook having
+    been handed the step's last bucket, posts the pass's number under the key unused/<rank> of
+    the state's store: nothing is posted for a pass that completes its step, and a no_sync() pass
+    costs one store add. A rank whose oldest bucket has waited _WATCH_AFTER_S reads its peers'
+    keys every _WATCH_POLL_S; a peer that posted the pass the bucket belongs to, on two reads in
+    a row with the bucket still waiting, will not send it, and the wait ends with an error naming
+    the bucket's layers, that peer and find_unused_parameters (Engine.abort, which the peers see
+    as closed connections). The second read leaves room for a DDP that hands buckets over in its
+    own end-of-backward callback (static_graph's first step). A model whose outputs carry no
+    tensor this finds (a custom object) posts nothing, and keeps the plain timeout."""
+
+    def __init__(self, state, store, rank, size):
+        self.state = weakref.ref(state)
+        self.store = store
+        self.rank, self.size = rank, size
+        self.passes = 0  # backward passes through the model
+        self.open = False  # inside one
+        self.handed = 0  # buckets handed to the hook in the pass now open
+        self.posted = 0  # the value of unused/<rank>
+        self.lock = threading.Lock()
+        self.pending = {}  # token -> (pass, step, bucket index, layers, time.monotonic())
+        self.tokens = itertools.count()
+        self.suspect = None  # (token, ranks) seen on the last read
+        self.error = None  # the message that ended a wait
+        self.thread = None
+
+    def attach(self, model):
+        ref = weakref.ref(self)
+
+        def on_forward(module, inputs, output):
+            watch = ref()
+            if watch is None or not torch.is_grad_enabled():
+                return
+            for t in _output_tensors(output):
+                t.register_hook(watch.on_output_grad)
+
+        handle = model.register_forward_hook(on_forward)
+        weakref.finalize(self, handle.remove)
+
+    def on_output_grad(self, grad):
+        # The first output gradient of a backward pass: the pass starts.
+        if not self.open:
+            self.open = True
+            self.passes += 1
+            self.handed = 0
+            torch.autograd.Variable._execution_engine.queue_callback(self.on_backward_end)
+
+    def on_backward_end(self):
+        self.open = False
+        state = self.state()
+        if state is None or (self.handed > 0 and not state._in_step):
+            return
+        # No bucket (no_sync(), or the first bucket held back) or not the step's last one.
+        self.store.add("unused/%d" % self.rank, self.passes - self.posted)
+        self.posted = self.passes
+
+    def handing(self, step, bucket_index, layers):
+        """A bucket goes to the engine; returns the token for done()."""
+        self.handed += 1
+        token = next(self.tokens)
+        with self.lock:
+            self.pending[token] = (self.passes if self.open else None, step, bucket_index,
+                                   layers, time.monotonic())
+        if self.thread is None and self.size > 1:
+            self.thread = threading.Thread(target=_watch_loop, args=(weakref.ref(self),),
+                                           name="geofp8-bucket-watch", daemon=True)
+            self.thread.start()
+        return token
+
+    def done(self, token):
+        with self.lock:
+            self.pending.pop(token, None)
+
+    def check(self):
+        """One look (the watch thread): ends the oldest bucket's wait if a peer will not come."""
+        with self.lock:
+            if not self.pending:
+                self.suspect = None
+                return
+            token, (passes, step, index, layers, since) = min(self.pending.items(),
+                                                              key=lambda kv: kv[1][4])
+        if passes is None or time.monotonic() - since < _WATCH_AFTER_S:
+            return
+        short = tuple(r for r in range(self.size)
+                      if r != self.rank and self.store.add("unused/%d" % r, 0) == passes)
+        if not short:
+            self.suspect = None
+            return
+        if self.suspect != (token, short):
+            self.suspect = (token, short)
+            return
+        state = self.state()
+        with self.lock:
+            if state is None or token not in self.pending:
+                return
+            names = [state.names[i] for i in layers]
+            shown = ", ".join(names[:_WATCH_NAMES]) + (
+                ", ... (%d layers)" % len(names) if len(names) > _WATCH_NAMES else "")
+            self.error = (
+                "unused parameters: rank%s %s ended backward pass %d without handing DDP's "
+                "bucket %d (%s) to the hook, which rank %d waits for in step %d: a parameter of "
+                "that bucket got no gradient there (the forward did not use it on that rank), or "
+                "that rank ran the pass under no_sync(). DDP holds a bucket back until every "
+                "parameter in it has a gradient unless it is built with "
+                "find_unused_parameters=True: pass that to DistributedDataParallel, or use every "
+                "parameter on every rank" % ("s" if len(short) > 1 else "",
+                                             ", ".join(map(str, short)), passes, index, shown,
+                                             self.rank, step))
+        state._engine.abort(self.error)
+
+
+def _watch_loop(ref):
+    while True:
+        time.sleep(_WATCH_POLL_S)
+        watch = ref()
+        if watch is None:
+            return
+        try:
+            watch.check()
+        except Exception as e:  # noqa: BLE001 - a broken store ends the watch, not the run
+            print("geofp8: rank %d: the bucket watch stopped: %s" % (watch.rank, e),
+                  file=sys.stderr, flush=True)
+            return
+        del watch
+
 
 def _bucket_layout(state, bucket, buf):
     """The bucket's layers (indices into state.names), their offsets in the bucket buffer and
@@ -556,6 +725,8 @@ def geofp8_hook(state, bucket):
     layers, offsets, sizes = _bucket_layout(state, bucket, buf)
     exact = _exact_average(state, buf) if state._measure else None
     step, index = state.step, bucket.index()
+    watch = state._watch
+    token = watch.handing(step, index, layers)
     fut = torch.futures.Future()
     trace = state.bucket_trace
     # The step's last bucket is exchanged in this call, after the queued ones: no backward is
@@ -564,8 +735,9 @@ def geofp8_hook(state, bucket):
     if not state.synchronous and not bucket.is_last():
         def done(result, error):
             # The engine's completer thread, with the GIL.
+            watch.done(token)
             if error is not None:
-                fut.set_exception(error)
+                fut.set_exception(RuntimeError(watch.error) if watch.error else error)
                 return
             try:
                 _account(state, result, buf, layers, offsets, sizes, exact)
@@ -594,14 +766,21 @@ def geofp8_hook(state, bucket):
         record["returned"] = time.monotonic()
         return chained
     started = time.monotonic()
-    if buf.device.type == "cuda":
-        # Device pointers and torch's current stream as integers: the work is ordered after
-        # the backward kernels that wrote the bucket, and done when this returns.
-        stream = torch.cuda.current_stream(buf.device).cuda_stream
-        result = state._engine.exchange_cuda(step, layers, buf.data_ptr(), buf.numel(),
-                                             offsets, stream)
-    else:
-        result = state._engine.exchange(step, layers, buf.numpy(), offsets)
+    try:
+        if buf.device.type == "cuda":
+            # Device pointers and torch's current stream as integers: the work is ordered after
+            # the backward kernels that wrote the bucket, and done when this returns.
+            stream = torch.cuda.current_stream(buf.device).cuda_stream
+            result = state._engine.exchange_cuda(step, layers, buf.data_ptr(), buf.numel(),
+                                                 offsets, stream)
+        else:
+            result = state._engine.exchange(step, layers, buf.numpy(), offsets)
+    except Exception as e:
+        if watch.error:
+            raise RuntimeError(watch.error) from e
+        raise
+    finally:
+        watch.done(token)
     finished = time.monotonic()
     _account(state, result, buf, layers, offsets, sizes, exact)
     _end_bucket(state, bucket)
