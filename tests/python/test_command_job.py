@@ -268,8 +268,9 @@ class CommandJobTest(unittest.TestCase):
             "training: {steps: 30}\n"
             "policy: {default: {format: fp8_e4m3}}\n"
             "restarts: {max_restarts: 1}\n")
-        self.wait(job_id, lambda j: int(j.get("progress", {}).get("checkpoint_step", 0)) >= 5,
-                  "a checkpoint")
+        before = self.wait(
+            job_id, lambda j: int(j.get("progress", {}).get("checkpoint_step", 0)) >= 5,
+            "a checkpoint")["progress"]
         pid = self.rank_pid(job_id, 1)
         os.kill(pid, signal.SIGKILL)
         j = self.wait_final(job_id)
@@ -284,6 +285,18 @@ class CommandJobTest(unittest.TestCase):
             self.assertGreaterEqual(int(m.group(1)), 5)
             self.assertEqual(int(m.group(1)) % 5, 0)
         self.assertEqual(int(j["progress"]["step"]), 30)
+        # Issue #40 item 2: bytes saved as without the restart. Every step of this policy puts
+        # the same bytes on the wire (the first, before DDP rebuilds its buckets, may differ by
+        # a few), so the whole run's bytes are the first steps' share of the baseline times the
+        # whole baseline, within one step's; before, they counted from the restart only.
+        sent, base = int(j["progress"]["bytes_sent"]), int(j["progress"]["bytes_baseline"])
+        share = int(before["bytes_sent"]) / int(before["bytes_baseline"])
+        expected = share * base
+        print("bytes: %d of %d after 30 steps (saved %.1f%%), %.1f%% saved before the kill"
+              % (sent, base, 100 * (1 - sent / base), 100 * (1 - share)))
+        self.assertLessEqual(abs(sent - expected), expected / 30,
+                             "%d bytes of %d sent; the steps before the kill sent %s of %s"
+                             % (sent, base, before["bytes_sent"], before["bytes_baseline"]))
 
     def test_3_world_size_mismatch_is_named(self):
         # A 2-rank job whose script makes a 1-rank torch group on each rank.
