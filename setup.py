@@ -9,6 +9,10 @@ client/python/geofp8. Environment:
   GEOFP8_ENABLE_CUDA      ON to configure a new tree with the CUDA kernels (default OFF)
   GEOFP8_CMAKE_ARGS       more arguments for configuring a new tree (shell words)
   CMAKE_BUILD_PARALLEL_LEVEL  build jobs (CMake's own variable; default: all CPUs)
+
+A new tree is a Release build, and the extension is stripped of its debug information as it is
+copied into the package (binutils' strip), whichever tree built it. CMake's and Ninja's output
+(a line per compiled file) goes to pip's log: `pip install -v` shows it as it comes.
 """
 
 import glob
@@ -18,6 +22,7 @@ import shlex
 import shutil
 import subprocess
 import sys
+import time
 
 from setuptools import Extension, setup
 from setuptools.command.build_ext import build_ext
@@ -36,6 +41,25 @@ def project_version():
     return m.group(1)
 
 
+def progress(line):
+    """A line of build progress, flushed at once: pip shows the backend's output as it comes
+    with -v (and spins its spinner per line without)."""
+    print("geofp8: " + line, flush=True)
+
+
+def strip(path):
+    """Drops the extension's debug information (a RelWithDebInfo tree's is most of its size);
+    the symbols Python needs (PyInit__geofp8) are dynamic and stay."""
+    tool = shutil.which("strip")
+    if tool is None:
+        raise RuntimeError("strip: not found (binutils); it removes the extension's debug "
+                           "information from %s" % path)
+    before = os.path.getsize(path)
+    subprocess.check_call([tool, "--strip-unneeded", path])
+    progress("stripped %s: %.1f MB -> %.1f MB" % (os.path.basename(path), before / 1e6,
+                                                  os.path.getsize(path) / 1e6))
+
+
 class CMakeBuild(build_ext):
     """Configures (when the tree is new) and builds the geofp8_python target, then copies the
     extension and the generated _version.py next to the package's .py files."""
@@ -50,19 +74,22 @@ class CMakeBuild(build_ext):
             if cuda not in ("ON", "OFF"):
                 raise RuntimeError("GEOFP8_ENABLE_CUDA: must be ON or OFF (got %r)"
                                    % os.environ["GEOFP8_ENABLE_CUDA"])
-            args = ["cmake", "-S", ROOT, "-B", build_dir, "-DCMAKE_BUILD_TYPE=RelWithDebInfo",
+            args = ["cmake", "-S", ROOT, "-B", build_dir, "-DCMAKE_BUILD_TYPE=Release",
                     "-DGEOFP8_ENABLE_CUDA=" + cuda, "-DGEOFP8_BUILD_TESTS=OFF",
                     "-DGEOFP8_BUILD_BENCH=OFF", "-DPython_EXECUTABLE=" + sys.executable]
             if shutil.which("ninja"):
                 args += ["-G", "Ninja"]
             args += shlex.split(os.environ.get("GEOFP8_CMAKE_ARGS", ""))
-            self.announce("configuring " + " ".join(args), level=2)
+            progress("configuring: " + " ".join(args))
             subprocess.check_call(args)
         build = ["cmake", "--build", build_dir, "--target", "geofp8_python"]
         if "CMAKE_BUILD_PARALLEL_LEVEL" not in os.environ:
             build += ["-j", str(os.cpu_count() or 1)]
-        self.announce("building " + " ".join(build), level=2)
+        progress("building the C++ extension (minutes on a few cores; a line per file "
+                 "follows): " + " ".join(build))
+        started = time.monotonic()
         subprocess.check_call(build)
+        progress("built in %.0f s" % (time.monotonic() - started))
 
         pkg = os.path.join(build_dir, "client", "python", "geofp8")
         built = glob.glob(os.path.join(pkg, "_geofp8*.so"))
@@ -75,6 +102,7 @@ class CMakeBuild(build_ext):
             dest = self.get_ext_fullpath(ext.name)
             os.makedirs(os.path.dirname(dest), exist_ok=True)
             shutil.copyfile(built[0], dest)
+            strip(dest)
             shutil.copyfile(os.path.join(pkg, "_version.py"),
                             os.path.join(os.path.dirname(dest), "_version.py"))
 
