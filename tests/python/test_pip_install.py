@@ -3,15 +3,18 @@ setuptools/wheel/build, the wheel installs into a fresh venv (--system-site-pack
 Debian's torch), and a 2-rank DDP step with the geofp8 hook runs under torchrun from a directory
 outside the source tree, importing the installed copy; under policy fp32 the gradients equal
 the exact fp32 mean with DDP's defaults, a frozen parameter + find_unused_parameters=True,
-gradient_as_bucket_view=True and no_sync() accumulation.
+gradient_as_bucket_view=True and no_sync() accumulation. The installed extension carries no
+debug sections (the ctest tree it comes from is RelWithDebInfo), and the build prints progress.
 
 Environment: GEOFP8_SOURCE (repository root), GEOFP8_CMAKE_BUILD_DIR (the ctest build tree,
 reused so the test does not rebuild the engine), GEOFP8CTL (geofp8ctl, whose version the
 package's must equal). Exit 77 (skipped) without torch, venv or build.
 """
 
+import glob
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -126,6 +129,47 @@ def run(cmd, **kw):
     subprocess.run(cmd, check=True, **kw)
 
 
+# readelf -S -W: "[Nr] Name Type Address Off Size ES Flg Lk Inf Al" (Flg may be empty).
+SECTION = re.compile(r"^\s*\[\s*\d+\]\s+(\S+)\s+(\S+)\s+[0-9a-f]+\s+([0-9a-f]+)\s+([0-9a-f]+)"
+                     r"\s+[0-9a-f]+\s+([A-Za-z]*)\s+\d+\s+\d+\s+\d+\s*$")
+
+
+def sections(path):
+    """(name, type, file offset, size, flags) of every named section of an ELF file."""
+    out = subprocess.run(["readelf", "-S", "-W", path], check=True, capture_output=True,
+                         text=True).stdout
+    found = []
+    for line in out.splitlines():
+        m = SECTION.match(line)
+        if m:
+            found.append((m.group(1), m.group(2), int(m.group(3), 16), int(m.group(4), 16),
+                          m.group(5)))
+    if not found:
+        raise RuntimeError("readelf -S -W %s: no section table read:\n%s" % (path, out))
+    return found
+
+
+def loaded_extent(path):
+    """Where the file's last section that the loader maps ends: what a stripped file holds, but
+    for a few small tables (section names, headers)."""
+    return max(off + size for _, kind, off, size, flags in sections(path)
+               if "A" in flags and kind != "NOBITS")
+
+
+def check_stripped(installed, built):
+    """The installed extension (issue #40 item 8): no debug sections, and no bigger than what
+    the loader maps of the build tree's extension plus 64 KiB of tables."""
+    names = [name for name, _, _, _, _ in sections(installed)]
+    debug = [n for n in names if n.startswith((".debug", ".zdebug"))]
+    assert not debug, "%s carries debug sections %s" % (installed, debug)
+    bound = loaded_extent(built) + 64 * 1024
+    size = os.path.getsize(installed)
+    assert size <= bound, ("%s: %d bytes, more than the %d the loader maps of %s plus 64 KiB"
+                           % (installed, size, bound - 64 * 1024, built))
+    print("installed extension: %d bytes, no debug sections (the build tree's: %d bytes, %d "
+          "of them loaded)" % (size, os.path.getsize(built), bound - 64 * 1024))
+
+
 def main():
     try:
         import torch  # noqa: F401
@@ -151,8 +195,16 @@ def main():
                         os.path.join(copy, "client", "python", "geofp8"),
                         ignore=shutil.ignore_patterns("__pycache__"))
         dist_dir = os.path.join(tmp, "dist")
-        run([sys.executable, "-m", "build", "--no-isolation", "--wheel", "--outdir", dist_dir,
-             copy])
+        cmd = [sys.executable, "-m", "build", "--no-isolation", "--wheel", "--outdir", dist_dir,
+               copy]
+        print("+", " ".join(cmd), flush=True)
+        built = subprocess.run(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        print(built.stdout, flush=True)
+        assert built.returncode == 0, "the wheel build failed (exit %d)" % built.returncode
+        # What the build says while it runs (pip -v shows these lines as they come).
+        for line in ("geofp8: building the C++ extension", "geofp8: built in",
+                     "geofp8: stripped _geofp8"):
+            assert line in built.stdout, "the build's output lacks %r" % line
         wheels = [f for f in os.listdir(dist_dir) if f.endswith(".whl")]
         assert len(wheels) == 1, wheels
         assert wheels[0].startswith("geofp8-%s-" % want_version), (wheels, want_version)
@@ -162,6 +214,12 @@ def main():
         py = os.path.join(venv_dir, "bin", "python")
         run([py, "-m", "pip", "install", "--no-index", "--no-deps", "-q",
              os.path.join(dist_dir, wheels[0])])
+        installed = glob.glob(os.path.join(venv_dir, "lib", "python*", "site-packages", "geofp8",
+                                           "_geofp8*.so"))
+        tree = glob.glob(os.path.join(os.environ["GEOFP8_CMAKE_BUILD_DIR"], "client", "python",
+                                      "geofp8", "_geofp8*.so"))
+        assert len(installed) == 1 and len(tree) == 1, (installed, tree)
+        check_stripped(installed[0], tree[0])
 
         work = os.path.join(tmp, "work")
         os.makedirs(work)
