@@ -5,6 +5,9 @@ with an error naming the bucket's layers, the rank and find_unused_parameters. T
 the default timeout; one model in a single bucket (the skipping rank hands the hook nothing in
 that step) and one in several buckets (it hands over the buckets before the held one).
 
+A rank that is only late (rank 1 starting its backward 6 s after rank 0, after a no_sync()
+micro-batch) raises nothing.
+
 The skipping rank then waits in a torch collective (the all-reduce of its loss, say), the case
 where nothing else would end the wait: the waiting rank joins that collective once its backward
 has failed, so both finish."""
@@ -65,11 +68,54 @@ def run(rank, world, buckets):
     return {"error": error, "took": took, "step": step}
 
 
+def slow_peer(rank, world):
+    """No false alarm: every parameter used, a no_sync() micro-batch before each synced one (its
+    pass is posted: no bucket), and rank 1 starting its synced backward 3 * _WATCH_AFTER_S late,
+    so rank 0 waits in the first bucket well past the point where the watch reads the posts."""
+    import torch
+    from torch.nn.parallel import DistributedDataParallel as DDP
+    import geofp8.torch as gt
+    torch.manual_seed(0)
+    model = L.tiny_model()
+    ddp = DDP(model)
+    state = gt.GeoFP8State(model=model, policy="fp8")
+    ddp.register_comm_hook(state, gt.geofp8_hook)
+    error = None
+    for step in range(2):
+        x, y = L.batch(rank, step)
+        with ddp.no_sync():
+            ((ddp(x) - y) ** 2).mean().backward()
+        loss = ((ddp(x) - y) ** 2).mean()
+        if rank == 1:
+            time.sleep(3 * gt._WATCH_AFTER_S)
+        try:
+            loss.backward()
+        except RuntimeError as e:
+            error = str(e)
+            break
+    return {"error": error, "waited": state._watch.passes}
+
+
+def work(rank, world):
+    # One group for the three cases (torch's import is most of the time): the late peer first,
+    # the held buckets after it (rank 0's engines end aborted).
+    return {"slow": slow_peer(rank, world), "one": run(rank, world, "one"),
+            "several": run(rank, world, "several")}
+
+
 def main():
     L.require_torch()
     failures = []
+    results = L.spawn(2, work)
+    for rank, r in enumerate(r["slow"] for r in results):
+        print("slow peer: rank %d: %s" % (rank, r))
+        if r["error"] is not None:
+            failures.append("slow peer: rank %d's backward failed: %s" % (rank, r["error"]))
+        if r["waited"] != 4:
+            failures.append("slow peer: rank %d counted %d backward passes, not 4"
+                            % (rank, r["waited"]))
     for buckets in ("one", "several"):
-        r0, r1 = L.spawn(2, run, buckets)
+        r0, r1 = (r[buckets] for r in results)
         print("%s bucket(s): rank 0 %s after %s s: %s" % (buckets, "failed" if r0["error"]
                                                           else "did not fail", r0["took"],
                                                           (r0["error"] or "")[:400]))
