@@ -468,6 +468,11 @@ _LAYOUT_CACHE_MAX = 64  # bucket layouts a state remembers (DDP keeps a handful 
 _WATCH_AFTER_S = 2.0
 _WATCH_POLL_S = 1.0
 _WATCH_NAMES = 6  # layers an error names, of the bucket
+_POST_PASS = 1 << 16  # unused/<rank> holds pass * _POST_PASS + the buckets handed over in it
+
+
+def _post(passes, handed):
+    return passes * _POST_PASS + min(handed, _POST_PASS - 1)
 
 
 def _output_tensors(value, depth=0):
@@ -498,11 +503,12 @@ class _BucketWatch:
     So each rank counts its backward passes through the model (a gradient hook on the model's
     outputs, so a backward nested inside one, as reentrant activation checkpointing runs, is not
     counted again) and, when a pass ends (an autograd engine callback) without the hook having
-    been handed the step's last bucket, posts the pass's number under the key unused/<rank> of
-    the state's store: nothing is posted for a pass that completes its step, and a no_sync() pass
-    costs one store add. A rank whose oldest bucket has waited _WATCH_AFTER_S reads its peers'
-    keys every _WATCH_POLL_S; a peer that posted the pass the bucket belongs to, on two reads in
-    a row with the bucket still waiting, will not send it, and the wait ends with an error naming
+    been handed the step's last bucket, posts the pass's number and how many buckets it handed
+    over under the key unused/<rank> of the state's store: nothing is posted for a pass that
+    completes its step, and a no_sync() pass costs one store add. A rank with a bucket waiting
+    _WATCH_AFTER_S reads its peers' keys every _WATCH_POLL_S; a peer that posted the pass the
+    bucket belongs to, having handed over fewer buckets in it than come before this one, will
+    not send it, and if so on two reads in a row, the wait ends with an error naming
     the bucket's layers, that peer and find_unused_parameters (Engine.abort, which the peers see
     as closed connections). The second read leaves room for a DDP that hands buckets over in its
     own end-of-backward callback (static_graph's first step). A model whose outputs carry no
@@ -515,9 +521,10 @@ class _BucketWatch:
         self.passes = 0  # backward passes through the model
         self.open = False  # inside one
         self.handed = 0  # buckets handed to the hook in the pass now open
-        self.posted = 0  # the value of unused/<rank>
+        self.posted = 0  # the value of unused/<rank>: _post(pass, buckets handed in it)
         self.lock = threading.Lock()
-        self.pending = {}  # token -> (pass, step, bucket index, layers, time.monotonic())
+        # token -> (pass, the bucket's place in it, step, bucket index, layers, handed at)
+        self.pending = {}
         self.tokens = itertools.count()
         self.suspect = None  # (token, ranks) seen on the last read
         self.error = None  # the message that ended a wait
@@ -550,16 +557,17 @@ class _BucketWatch:
         if state is None or (self.handed > 0 and not state._in_step):
             return
         # No bucket (no_sync(), or the first bucket held back) or not the step's last one.
-        self.store.add("unused/%d" % self.rank, self.passes - self.posted)
-        self.posted = self.passes
+        value = _post(self.passes, self.handed)
+        self.store.add("unused/%d" % self.rank, value - self.posted)
+        self.posted = value
 
     def handing(self, step, bucket_index, layers):
         """A bucket goes to the engine; returns the token for done()."""
-        self.handed += 1
         token = next(self.tokens)
         with self.lock:
-            self.pending[token] = (self.passes if self.open else None, step, bucket_index,
-                                   layers, time.monotonic())
+            self.pending[token] = (self.passes if self.open else None, self.handed, step,
+                                   bucket_index, layers, time.monotonic())
+        self.handed += 1
         if self.thread is None and self.size > 1:
             self.thread = threading.Thread(target=_watch_loop, args=(weakref.ref(self),),
                                            name="geofp8-bucket-watch", daemon=True)
@@ -571,18 +579,23 @@ class _BucketWatch:
             self.pending.pop(token, None)
 
     def check(self):
-        """One look (the watch thread): ends the oldest bucket's wait if a peer will not come."""
+        """One look (the watch thread): ends a bucket's wait if a peer will not send it."""
+        now = time.monotonic()
         with self.lock:
-            if not self.pending:
-                self.suspect = None
-                return
-            token, (passes, step, index, layers, since) = min(self.pending.items(),
-                                                              key=lambda kv: kv[1][4])
-        if passes is None or time.monotonic() - since < _WATCH_AFTER_S:
+            waiting = sorted((v[5], token, v) for token, v in self.pending.items()
+                             if v[0] is not None and now - v[5] >= _WATCH_AFTER_S)
+        if not waiting:
+            self.suspect = None
             return
-        short = tuple(r for r in range(self.size)
-                      if r != self.rank and self.store.add("unused/%d" % r, 0) == passes)
-        if not short:
+        peers = {r: divmod(self.store.add("unused/%d" % r, 0), _POST_PASS)
+                 for r in range(self.size) if r != self.rank}
+        # The oldest bucket that some peer ended its pass without (it handed over fewer buckets
+        # in that pass than this bucket's place): a bucket a peer did hand over is only slow.
+        for _, token, (passes, place, step, index, layers, _) in waiting:
+            short = tuple(r for r, (p, handed) in peers.items() if p == passes and handed <= place)
+            if short:
+                break
+        else:
             self.suspect = None
             return
         if self.suspect != (token, short):
