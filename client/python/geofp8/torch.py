@@ -15,6 +15,7 @@ step) and reports its catalog, steps (state.report(loss) once per step), per-lay
 checkpoints (state.report_checkpoint). See docs/pytorch.md.
 """
 
+import atexit
 import itertools
 import math
 import os
@@ -571,6 +572,7 @@ class _BucketWatch:
         if self.thread is None and self.size > 1:
             self.thread = threading.Thread(target=_watch_loop, args=(weakref.ref(self),),
                                            name="geofp8-bucket-watch", daemon=True)
+            _watch_threads.add(self.thread)
             self.thread.start()
         return token
 
@@ -621,19 +623,43 @@ class _BucketWatch:
         state._engine.abort(self.error)
 
 
+# The watch threads, stopped and joined at exit: a daemon thread still inside a C++ call (a store
+# read, or an engine it held the last reference to being destroyed) when the interpreter
+# finalizes would be ended by the GIL inside a destructor, which aborts the process.
+_watch_stop = threading.Event()
+_watch_threads = set()
+
+
+def _stop_watches():
+    _watch_stop.set()
+    for t in list(_watch_threads):
+        t.join(timeout=10.0)
+
+
+atexit.register(_stop_watches)
+
+
 def _watch_loop(ref):
-    while True:
-        time.sleep(_WATCH_POLL_S)
-        watch = ref()
-        if watch is None:
-            return
-        try:
-            watch.check()
-        except Exception as e:  # noqa: BLE001 - a broken store ends the watch, not the run
-            print("geofp8: rank %d: the bucket watch stopped: %s" % (watch.rank, e),
-                  file=sys.stderr, flush=True)
-            return
-        del watch
+    try:
+        while not _watch_stop.wait(_WATCH_POLL_S):
+            if not _watch_once(ref):
+                return
+    finally:
+        _watch_threads.discard(threading.current_thread())
+
+
+def _watch_once(ref):
+    """One look of the watch thread; False when the watch is gone or broken."""
+    watch = ref()
+    if watch is None:
+        return False
+    try:
+        watch.check()
+    except Exception as e:  # noqa: BLE001 - a broken store ends the watch, not the run
+        print("geofp8: rank %d: the bucket watch stopped: %s" % (watch.rank, e),
+              file=sys.stderr, flush=True)
+        return False
+    return True
 
 
 def _bucket_layout(state, bucket, buf):
