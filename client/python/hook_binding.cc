@@ -101,20 +101,10 @@ CoordinatorPlan PlanFromCoordinator(const std::string& policy_bytes,
   GEOFP8_CHECK(spec.exchange.algorithm != Algorithm::kNative,
                "spec.exchange.algorithm: native needs NCCL on a GPU; geofp8.torch on CPU accepts "
                "two_phase, allgather, fp32, bf16 (native)");
-  std::vector<LayerPolicy> layers = ValueOrThrow(ResolveLayers(policy, params));
-
   CoordinatorPlan out;
   out.version = policy.version();
-  ExchangePlan& plan = out.plan;
-  plan.name = what;
-  plan.algorithm = spec.exchange.algorithm;
-  plan.bucket_cap_bytes = size_t(std::max(1.0, spec.exchange.bucket_mb * 1024 * 1024));
-  plan.layers = std::move(layers);
-  plan.refresh = spec.geometry_refresh;
-  for (const model::ParamInfo& p : params) {
-    plan.refresh_intervals.push_back(ResolveLayer(policy, p.name).refresh_interval);
-    plan.matrices.push_back(p.is_matrix() && p.rows > 1 && p.cols > 1);
-  }
+  out.plan = PlanFrom(policy, spec.exchange, spec.geometry_refresh, params, what);
+  const ExchangePlan& plan = out.plan;
   if (!plan.uses_geometry()) return out;
 
   // The coordinator's schedules by layer name, as the worker's trainer takes them.

@@ -78,8 +78,7 @@ Exchanger::Exchanger(Communicator& comm, std::vector<LayerSpec> layers, Exchange
     : comm_(comm),
       layers_(std::move(layers)),
       options_(options),
-      schedule_(std::move(schedule)),
-      state_(layers_.size()) {
+      schedule_(std::move(schedule)) {
   options_.algorithm = ResolveAlgorithm(options_.algorithm, comm_.size());
   GEOFP8_CHECK(options_.bucket_cap_bytes > 0, "bucket_cap_bytes: must be positive (0)");
   GEOFP8_CHECK(options_.timeout.count() > 0, "timeout: must be positive (",
@@ -130,6 +129,7 @@ Exchanger::Exchanger(Communicator& comm, std::vector<LayerSpec> layers, Exchange
     for (uint32_t l : buckets_[b].layers) bucket_of_[l] = b;
   }
   for (const auto& l : layers_) layer_names_.push_back(l.name);
+  AttachStates();
   worker_ = std::thread([this] { WorkerLoop(); });
 }
 
@@ -175,9 +175,40 @@ bool Exchanger::UsesErrorFeedback(uint32_t layer) const {
                                                   options_.algorithm == Algorithm::kAllGather);
 }
 
+void Exchanger::AttachStates() {
+  LayerStateTable* table = options_.states;
+  if (!table) {
+    owned_states_ = std::make_unique<LayerStateTable>();
+    table = owned_states_.get();
+  }
+  std::vector<bool> seen;
+  for (uint32_t l = 0; l < layers_.size(); ++l) {
+    const uint32_t id = LayerId(l);
+    if (id >= seen.size()) seen.resize(id + 1, false);
+    GEOFP8_CHECK(!seen[id], "layer_ids: layer '", layers_[l].name, "' has id ", id,
+                 ", which another layer has too");
+    seen[id] = true;
+    state_.push_back(&table->at(id));
+  }
+  if (!options_.states) return;
+  // A shared table may hold what another policy left (a policy change): what no longer fits this
+  // policy restarts from identity, as ImportGeometry's kDropMismatched would, and residuals go
+  // where the layer keeps none.
+  for (uint32_t l = 0; l < layers_.size(); ++l) {
+    LayerState& st = *state_[l];
+    const bool stale_sketch = st.sketch.updates > 0 &&
+                              (!UsesGeometry(l) || options_.estimator != GeometryEstimator::kFactorEma);
+    if (stale_sketch || (!st.active.is_identity() && !PolicyMismatch(l, st.active).empty()) ||
+        (st.has_pending && !PolicyMismatch(l, st.pending).empty())) {
+      st.ResetGeometry();
+    }
+    if (!UsesErrorFeedback(l)) st.residual = LayerResidual{};
+  }
+}
+
 std::vector<LayerResidual> Exchanger::ExportResiduals() const {
   std::vector<LayerResidual> out(layers_.size());
-  for (size_t l = 0; l < layers_.size(); ++l) out[l] = state_[l].residual;
+  for (size_t l = 0; l < layers_.size(); ++l) out[l] = state_[l]->residual;
   return out;
 }
 
@@ -195,7 +226,7 @@ void Exchanger::ImportResiduals(const std::vector<LayerResidual>& residuals) {
   }
   for (size_t l = 0; l < layers_.size(); ++l) {
     // A layer without error feedback has nothing to continue.
-    state_[l].residual = UsesErrorFeedback(uint32_t(l)) ? residuals[l] : LayerResidual{};
+    state_[l]->residual = UsesErrorFeedback(uint32_t(l)) ? residuals[l] : LayerResidual{};
   }
 }
 
@@ -203,7 +234,7 @@ void Exchanger::CommitResiduals(bool skipped) {
   // A skipped step is not applied, so neither is what its quantization lost.
   if (skipped) return;
   for (uint32_t l = 0; l < layers_.size(); ++l) {
-    if (UsesErrorFeedback(l)) std::swap(state_[l].residual, state_[l].next_residual);
+    if (UsesErrorFeedback(l)) std::swap(state_[l]->residual, state_[l]->next_residual);
   }
 }
 
@@ -408,8 +439,8 @@ void Exchanger::Defer(uint64_t step, const std::vector<std::span<float>>& grads)
     const LayerSpec& spec = layers_[l];
     d.snapshots[l] = plane().Snapshot(grads[l], spec.rows, spec.cols);
     // The inverse's products describe this gradient, which a host copy is bit for bit.
-    if (state_[l].products.data == grads[l].data())
-      state_[l].products.data = d.snapshots[l]->host_data();
+    if (state_[l]->products.data == grads[l].data())
+      state_[l]->products.data = d.snapshots[l]->host_data();
     any = true;
   }
   if (any) deferred_ = std::move(d);
@@ -431,15 +462,18 @@ std::vector<LayerGeometryState> Exchanger::ExportGeometry() const {
                 " are deferred and have not run (RunPendingRefreshes)");
   }
   std::vector<LayerGeometryState> out(layers_.size());
-  for (size_t l = 0; l < layers_.size(); ++l) {
-    const LayerState& st = state_[l];
-    if (!st.active.is_identity()) out[l].active = SerializeGeometry(st.active);
-    if (st.has_pending) {
-      out[l].pending = SerializeGeometry(st.pending);
-      out[l].pending_from = st.pending_from;
-    }
-    if (st.sketch.updates > 0) out[l].sketch = SerializeFactorSketch(st.sketch);
+  for (size_t l = 0; l < layers_.size(); ++l) out[l] = ExportLayerGeometry(*state_[l]);
+  return out;
+}
+
+LayerGeometryState ExportLayerGeometry(const LayerState& st) {
+  LayerGeometryState out;
+  if (!st.active.is_identity()) out.active = SerializeGeometry(st.active);
+  if (st.has_pending) {
+    out.pending = SerializeGeometry(st.pending);
+    out.pending_from = st.pending_from;
   }
+  if (st.sketch.updates > 0) out.sketch = SerializeFactorSketch(st.sketch);
   return out;
 }
 
@@ -550,7 +584,7 @@ std::vector<uint32_t> Exchanger::ImportGeometry(const std::vector<LayerGeometryS
     next[l].has_pending = has_pending;
     next[l].sketch = std::move(sketch);
   }
-  state_ = std::move(next);
+  for (uint32_t l = 0; l < layers_.size(); ++l) *state_[l] = std::move(next[l]);
   return reset;
 }
 
@@ -572,7 +606,7 @@ std::vector<BucketResult> Exchanger::RunBuckets(uint64_t step, size_t first, siz
       GEOFP8_CHECK(grads[l].size() == static_cast<size_t>(spec.count()), "layer '", spec.name,
                    "': gradient has ", grads[l].size(), " elements, shape ", spec.rows, "x",
                    spec.cols, " needs ", spec.count());
-      LayerState& st = state_[l];
+      LayerState& st = *state_[l];
       if (st.has_pending && step >= st.pending_from) Activate(l, st);
       LayerRecord rec;
       rec.layer = l;
@@ -735,7 +769,7 @@ std::vector<RefreshRecord> Exchanger::RunRefreshes(
     if (!UsesGeometry(l) || !RefreshesAt(l, step)) continue;
     const RefreshSchedule& s = schedule_[l];
     const LayerSpec& spec = layers_[l];
-    LayerState& st = state_[l];
+    LayerState& st = *state_[l];
     RefreshRecord rec;
     rec.layer = l;
     if (options_.estimator == GeometryEstimator::kFactorEma) {

@@ -19,6 +19,7 @@
 
 #include "kernels/exchange/algorithms.h"
 #include "kernels/exchange/communicator.h"
+#include "kernels/exchange/layer_state.h"
 #include "kernels/exchange/policy.h"
 #include "kernels/exchange/trace.h"
 #include "kernels/geometry/factor_sketch.h"
@@ -81,6 +82,14 @@ struct ExchangeOptions {
   // The ema sketch runs its products over the averaged gradient on the plane
   // (DataPlane::Products); the instant estimator's owner reads it to the host.
   DataPlane* plane = nullptr;
+  // Where each layer's state lives (layer_state.h), keyed by its layer id (layer_ids, else its
+  // position): an Exchanger that shares a table with others over other groupings of the same
+  // layers continues each layer's geometry, sketch and residuals where the last one left them.
+  // Not owned: it must outlive the Exchanger. Null: the Exchanger keeps a table of its own.
+  // A shared layer's state that no longer fits its policy here (a policy change) is reset at
+  // construction as ImportGeometry's kDropMismatched resets it, and residuals of a layer without
+  // error feedback here are dropped.
+  LayerStateTable* states = nullptr;
 };
 
 // When Exchange runs the step's geometry refreshes.
@@ -142,15 +151,8 @@ struct LayerGeometryState {
   std::vector<uint8_t> sketch;   // the ema estimator's FactorSketch wire form (empty: none)
 };
 
-// One layer's error-feedback residuals on this rank (LayerPolicy::error_feedback), in the
-// coordinates the codec sees (divided by N, transformed): what this rank's own quantization lost
-// at its last applied step, and, two_phase, what its requantization of the chunk it owns lost.
-// They differ between ranks, so a checkpoint keeps one set per rank. Empty vectors: zero.
-struct LayerResidual {
-  uint64_t geometry_version = 0;  // the active geometry they were taken under
-  std::vector<float> local;       // one per element of the layer
-  std::vector<float> owner;       // one per element; only this rank's two_phase chunk is used
-};
+// One layer's state in ExportGeometry's form.
+LayerGeometryState ExportLayerGeometry(const LayerState& state);
 
 // How ImportGeometry treats a layer whose saved geometry disagrees with the layer's policy.
 enum class GeometryImport {
@@ -212,7 +214,7 @@ class Exchanger {
   std::vector<RefreshRecord> RunPendingRefreshes();
 
   // The geometry layer l uses at `step` (after activations up to it). For tests and metrics.
-  const Geometry& active_geometry(uint32_t layer) const { return state_[layer].active; }
+  const Geometry& active_geometry(uint32_t layer) const { return state_[layer]->active; }
 
   // Every layer's geometry state (one entry per layer), for a checkpoint or a policy change.
   // Only between steps: throws if a step was submitted and not finished, or its deferred
@@ -237,20 +239,11 @@ class Exchanger {
                                        GeometryImport mode = GeometryImport::kStrict);
 
  private:
-  struct LayerState {
-    Geometry active;            // in use now (version 0: identity)
-    Geometry pending;           // broadcast, waits for activation
-    uint64_t pending_from = 0;  // step at which pending becomes active
-    bool has_pending = false;
-    uint64_t active_digest = 0;  // GeometryDigest(active), compared across ranks every step
-    FactorSketch sketch;         // estimator kFactorEma: the same on every rank
-    InverseProducts products;    // kFactorEma: this step's inverse transform's, for the sketch
-    // Error feedback: the residuals of the last applied step, and this step's new ones, which
-    // Finish keeps only when the step is not skipped.
-    LayerResidual residual, next_residual;
-  };
   // Whether layer's exchange adds its residuals (policy and a quantizing algorithm).
   bool UsesErrorFeedback(uint32_t layer) const;
+  // Points state_ at each layer's entry in options_.states (reconciled with this policy), or at
+  // a table of its own.
+  void AttachStates();
   // After a step: its new residuals become the current ones unless it was skipped.
   void CommitResiduals(bool skipped);
   // Makes the pending geometry the active one, carrying the layer's error-feedback residuals
@@ -291,7 +284,10 @@ class Exchanger {
   std::vector<Bucket> buckets_;
   std::vector<size_t> bucket_of_;         // layer -> its bucket
   std::vector<std::string> layer_names_;  // layers_[i].name, for fingerprint messages
-  std::vector<LayerState> state_;         // touched only on the worker thread while tasks run
+  // Each layer's state, in options_.states or owned_states_: touched only on the worker thread
+  // while tasks run.
+  std::unique_ptr<LayerStateTable> owned_states_;
+  std::vector<LayerState*> state_;
   ExchangeWorkspace workspace_;  // the algorithms' buffers, reused every step: worker thread only
 
   // Per-step bookkeeping on the caller's thread.

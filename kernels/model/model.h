@@ -45,6 +45,10 @@ struct ParamInfo {
   int64_t cols = 0;    // 1-D parameters have rows = 1
   bool is_matrix() const { return rows > 1; }
   int64_t size() const { return rows * cols; }
+  // The gradient's shape as the exchange takes it (LayerSpec, EngineLayer): a matrix as it is,
+  // a 1-D parameter of n elements as (n, 1).
+  int64_t exchange_rows() const { return is_matrix() ? rows : size(); }
+  int64_t exchange_cols() const { return is_matrix() ? cols : 1; }
 };
 
 // The parameters of a model of this shape, names and offsets, in forward order, without

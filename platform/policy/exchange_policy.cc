@@ -71,26 +71,7 @@ ExchangePlan PlanFromText(std::string_view text, const std::string& name, const 
 
   // Resolved as the worker resolves a job's policy version 1.
   const v1::Policy policy = InitialPolicy("geofp8-train", file.policy, 0);
-  std::vector<LayerPolicy> layers = ValueOrThrow(ResolveLayers(policy, params), where);
-
-  ExchangePlan plan;
-  plan.name = name;
-  plan.algorithm = file.exchange.algorithm;
-  plan.bucket_cap_bytes = size_t(std::max(1.0, file.exchange.bucket_mb * 1024 * 1024));
-  plan.layers = std::move(layers);
-  plan.refresh = file.geometry_refresh;
-  for (size_t i = 0; i < params.size(); ++i) {
-    // What the exchange engine would refuse later, refused here naming the file and layer.
-    const model::ParamInfo& p = params[i];
-    const LayerSpec spec{p.name, p.is_matrix() ? p.rows : p.size(), p.is_matrix() ? p.cols : 1,
-                         plan.layers[i]};
-    if (std::string err = ValidateLayerPolicy(spec); !err.empty()) GEOFP8_FAIL(where, err);
-  }
-  for (const model::ParamInfo& p : params) {
-    plan.refresh_intervals.push_back(ResolveLayer(policy, p.name).refresh_interval);
-    plan.matrices.push_back(p.is_matrix() && p.rows > 1 && p.cols > 1);
-  }
-  return plan;
+  return PlanFrom(policy, file.exchange, file.geometry_refresh, params, name, where);
 }
 
 }  // namespace
@@ -117,6 +98,26 @@ ExchangePlan MakeExchangePlanFromText(std::string_view yaml, const std::string& 
   return PlanFromText(yaml, name.empty() ? "policy" : name,
                       name.empty() ? "policy: " : "policy: " + name + ": ", params,
                       model.empty() ? std::string_view("the model") : model);
+}
+
+ExchangePlan PlanFrom(const v1::Policy& policy, const ExchangeSpec& exchange,
+                      const RefreshSpec& refresh, const std::vector<model::ParamInfo>& params,
+                      const std::string& name, const std::string& where) {
+  ExchangePlan plan;
+  plan.name = name;
+  plan.algorithm = exchange.algorithm;
+  plan.bucket_cap_bytes = size_t(std::max(1.0, exchange.bucket_mb * 1024 * 1024));
+  plan.layers = ValueOrThrow(ResolveLayers(policy, params), where);
+  plan.refresh = refresh;
+  for (size_t i = 0; i < params.size(); ++i) {
+    // What the exchange engine would refuse later, refused here naming the source and layer.
+    const model::ParamInfo& p = params[i];
+    const LayerSpec spec{p.name, p.exchange_rows(), p.exchange_cols(), plan.layers[i]};
+    if (std::string err = ValidateLayerPolicy(spec); !err.empty()) GEOFP8_FAIL(where, err);
+    plan.refresh_intervals.push_back(ResolveLayer(policy, p.name).refresh_interval);
+    plan.matrices.push_back(p.rows > 1 && p.cols > 1);
+  }
+  return plan;
 }
 
 ExchangeOptions MakeExchangeOptions(const ExchangePlan& plan) {

@@ -15,6 +15,10 @@
 
 namespace geofp8 {
 
+namespace v1 {
+class Policy;  // geofp8/v1/geofp8.pb.h, which PlanFrom's callers include
+}  // namespace v1
+
 // Plain struct: what the Exchanger needs besides the communicator.
 struct ExchangePlan {
   std::string name;  // preset name or file path
@@ -43,6 +47,14 @@ ExchangePlan MakeExchangePlan(const std::string& spec, const std::vector<model::
 ExchangePlan MakeExchangePlanFromText(std::string_view yaml, const std::string& name,
                                       const std::vector<model::ParamInfo>& params,
                                       std::string_view model = "");
+
+// The plan of policy version `policy` for `params` under a job spec's exchange and
+// geometry_refresh sections: the one place a plan is built, for geofp8-train's --policy, the
+// worker's rank attempts and the Python hook's presets, files and coordinator versions. Resolves
+// each layer's policy and refuses one the engine would refuse, each error prefixed by `where`.
+ExchangePlan PlanFrom(const v1::Policy& policy, const ExchangeSpec& exchange,
+                      const RefreshSpec& refresh, const std::vector<model::ParamInfo>& params,
+                      const std::string& name, const std::string& where = "");
 
 // The Exchanger options the plan decides (algorithm, bucket cap, estimator and its knobs); the
 // caller adds what the run decides (seed, timeout, policy version, trace).

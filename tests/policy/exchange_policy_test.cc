@@ -411,8 +411,8 @@ geometry_refresh: {estimator: instant, interval: 12, power_iters: 2}
   for (const auto& p : params) {  // as JobRunner sends it
     v1::LayerInfo li;
     li.set_name(p.name);
-    li.set_rows(p.is_matrix() ? p.rows : p.size());
-    li.set_cols(p.is_matrix() ? p.cols : 1);
+    li.set_rows(p.exchange_rows());
+    li.set_cols(p.exchange_cols());
     catalog.push_back(li);
   }
   const auto job_schedule = ComputeSchedules(catalog, policy, world, spec->geometry_refresh);

@@ -129,7 +129,9 @@ def work(rank, world):
     step_bytes = state.last_step["bytes_sent"]
     # Resume into new objects.
     buf.seek(0)
-    ckpt = torch.load(buf)
+    # weights_only on torch 2.x (its default from 2.6): the hook's state loads as torch's own
+    # checkpoints do. (torch 1.13's weights-only loader takes no floats.)
+    ckpt = torch.load(buf, **({"weights_only": True} if torch.__version__ >= "2" else {}))
     model2, ddp2, state2, opt2 = fresh("geofp8")
     model2.load_state_dict(ckpt["model"])
     opt2.load_state_dict(ckpt["opt"])
@@ -189,8 +191,8 @@ def work(rank, world):
         ef_runs[name] = run_steps(rank, d, m, o, WARM, 2)
         figures["ef_" + name] = st.report(0.0)
     buf6.seek(0)
-    ef_held = sum(1 for r in torch.load(buf6)["hook"]["residuals"] if r[1])
-    geometry_layers = sum(1 for g in ckpt["hook"]["geometry"] if g[0])
+    ef_held = sum(1 for r in torch.load(buf6)["hook"]["residuals"] if len(r[1]))
+    geometry_layers = sum(1 for g in ckpt["hook"]["geometry"] if len(g[0]))
     return {"reference": reference, "resumed": resumed, "control": control,
             "formats": formats, "version": state4.policy_version,
             "geometry_layers": geometry_layers, "step": ckpt["hook"]["step"],

@@ -779,7 +779,7 @@ TEST(Trainer, LayerErrorsMatchEachFormatsRounding) {
     double worst_ratio = 0;
     for (size_t l = 0; l < params.size(); ++l) {
       const model::ParamInfo& p = params[l];
-      const int64_t m = p.is_matrix() ? p.rows : p.size(), n = p.is_matrix() ? p.cols : 1;
+      const int64_t m = p.exchange_rows(), n = p.exchange_cols();
       const Geometry& geo = geos[l];
       const bool lowrank = geo.mode == GeometryMode::kLowRank && !geo.is_identity();
       with_geometry += lowrank;

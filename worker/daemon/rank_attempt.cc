@@ -228,13 +228,10 @@ void RankAttempt::Begin(const train::TrainOptions& to, int64_t start) {
       ctx_.inbox.TakeStart(start, resumed ? resumed->policy_version : 0);
   GEOFP8_CHECK(first.has_value(), "policy: no version in force at step ", start);
   {
-    ExchangePlan plan;
-    plan.name = "policy v" + std::to_string(first->version());
-    plan.algorithm = spec_.exchange.algorithm;
-    plan.bucket_cap_bytes = size_t(std::max(1.0, spec_.exchange.bucket_mb * 1024 * 1024));
     std::vector<RefreshSchedule> schedule = Resolve(*first);
-    plan.layers = layer_policies_;
-    plan.refresh = spec_.geometry_refresh;
+    const std::string name = "policy v" + std::to_string(first->version());
+    ExchangePlan plan =
+        PlanFrom(*first, spec_.exchange, spec_.geometry_refresh, params_, name);
     trainer_ = std::make_unique<train::Trainer>(to, *comm_, std::move(plan), std::move(schedule),
                                                 first->version());
   }

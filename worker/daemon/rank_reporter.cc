@@ -41,8 +41,8 @@ void RankReporter::Catalog(const std::vector<model::ParamInfo>& params) {
   for (const auto& p : params) {
     auto* li = m.mutable_catalog()->add_layers();
     li->set_name(p.name);
-    li->set_rows(p.is_matrix() ? p.rows : p.size());
-    li->set_cols(p.is_matrix() ? p.cols : 1);
+    li->set_rows(p.exchange_rows());
+    li->set_cols(p.exchange_cols());
   }
   Send(std::move(m), true);
 }

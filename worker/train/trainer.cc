@@ -155,8 +155,8 @@ void Trainer::BuildExchanger(std::vector<RefreshSchedule> schedule) {
     const model::ParamInfo& p = model_.params()[i];
     LayerSpec spec;
     spec.name = p.name;
-    spec.rows = p.is_matrix() ? p.rows : p.size();  // the engine's 1-D layers have cols == 1
-    spec.cols = p.is_matrix() ? p.cols : 1;
+    spec.rows = p.exchange_rows();
+    spec.cols = p.exchange_cols();
     spec.policy = plan_.layers[i];
     layers.push_back(spec);
   }
@@ -189,7 +189,7 @@ void Trainer::SetPolicies(uint64_t from_step, std::vector<LayerPolicy> policies,
   // Validate now, so a bad policy fails where it is set rather than at its step.
   for (size_t i = 0; i < policies.size(); ++i) {
     const model::ParamInfo& p = model_.params()[i];
-    LayerSpec spec{p.name, p.is_matrix() ? p.rows : p.size(), p.is_matrix() ? p.cols : 1,
+    LayerSpec spec{p.name, p.exchange_rows(), p.exchange_cols(),
                    policies[i]};
     if (std::string err = ValidateLayerPolicy(spec); !err.empty()) {
       GEOFP8_FAIL("policy v", policy_version, ": ", err);
@@ -382,7 +382,7 @@ void Trainer::LayerErrors(StepRecord& rec) {
     // The step's basis: a pending refresh activates only at a later step.
     const Geometry& geo = exchanger_->active_geometry(uint32_t(l));
     const bool basis = geo.mode == GeometryMode::kLowRank && !geo.is_identity();
-    const int64_t rows = p.is_matrix() ? p.rows : p.size(), cols = p.is_matrix() ? p.cols : 1;
+    const int64_t rows = p.exchange_rows(), cols = p.exchange_cols();
     const std::optional<double> residual = ResidualSubspaceError(
         g, g_hat, rows, cols, basis ? std::span<const float>(geo.U) : std::span<const float>(),
         basis ? std::span<const float>(geo.V) : std::span<const float>(), basis ? geo.k : 0);

@@ -140,6 +140,8 @@ class GeoFP8State:
         if model is None:
             raise ValueError("model: required (the module DDP wraps), to name the parameters")
         if isinstance(model, torch.nn.parallel.DistributedDataParallel):
+            if getattr(model, "_use_python_reducer", False):
+                raise RuntimeError(_COMPILED_DDP_REFUSED)
             model = model.module
         if not dist.is_initialized():
             raise RuntimeError("process_group: torch.distributed is not initialized "
@@ -415,7 +417,7 @@ class GeoFP8State:
         geometry. Only between steps."""
         if self._in_step:
             raise RuntimeError("state_dict: step %d is in progress" % self.step)
-        return {
+        return _tensors_for_bytes({
             "format": _STATE_FORMAT,
             "step": self.step,
             "names": list(self.names),
@@ -429,10 +431,11 @@ class GeoFP8State:
             # stats (format 3): the wire bytes and their fp32 baseline over every step so far,
             # so that a resumed run reports the same bytes saved as one without the restart
             "stats": {k: self.stats[k] for k in _CARRIED_STATS},
-        }
+        })
 
     def load_state_dict(self, state):
         """Restores state_dict()'s output; the model must have the same parameters."""
+        state = _bytes_for_tensors(state)
         if state.get("format") not in (1, 2, _STATE_FORMAT):
             raise ValueError("state.format: %r is not 1, 2 or %d" % (state.get("format"),
                                                                      _STATE_FORMAT))
@@ -459,6 +462,32 @@ class GeoFP8State:
         for k in _CARRIED_STATS:
             self.stats[k] = type(self.stats[k])(saved.get(k, 0))
         self._in_step = False
+
+
+def _tensors_for_bytes(value):
+    """state_dict's byte strings (serialized geometry, residuals, coordinator policies) as uint8
+    tensors, recursively: torch.load's default weights_only=True (torch >= 2.6) refuses bytes,
+    and a checkpoint must load as torch's own do."""
+    if isinstance(value, (bytes, bytearray)):
+        if not value:
+            return torch.empty(0, dtype=torch.uint8)
+        return torch.frombuffer(bytearray(value), dtype=torch.uint8)
+    if isinstance(value, (list, tuple)):
+        return type(value)(_tensors_for_bytes(v) for v in value)
+    if isinstance(value, dict):
+        return {k: _tensors_for_bytes(v) for k, v in value.items()}
+    return value
+
+
+def _bytes_for_tensors(value):
+    """The inverse of _tensors_for_bytes; bytes (a checkpoint saved before it) pass as they are."""
+    if isinstance(value, torch.Tensor) and value.dtype == torch.uint8 and value.dim() == 1:
+        return value.cpu().numpy().tobytes()
+    if isinstance(value, (list, tuple)):
+        return type(value)(_bytes_for_tensors(v) for v in value)
+    if isinstance(value, dict):
+        return {k: _bytes_for_tensors(v) for k, v in value.items()}
+    return value
 
 
 _LAYOUT_CACHE_MAX = 64  # bucket layouts a state remembers (DDP keeps a handful at a time)
@@ -738,6 +767,17 @@ def _end_bucket(state, bucket):
         state._in_step = False
 
 
+# Compiled DDP (torch 2.x: torch._dynamo.config.optimize_ddp = "python_reducer" with compiled
+# autograd) calls a comm hook once per parameter with (grad, param) and ignores what it returns
+# (torch/nn/parallel/distributed.py, _register_accum_grad_hook): no buckets to exchange, and a
+# hook traced into the compiled backward graph. Refused, naming the setting and what works.
+_COMPILED_DDP_REFUSED = (
+    "torch._dynamo.config.optimize_ddp = 'python_reducer' (compiled DDP) calls comm hooks per "
+    "parameter, which the GeoFP8 hook does not take: it exchanges DDP's buckets. Use "
+    "optimize_ddp = True (the default, DDPOptimizer: torch.compile(model) under DDP works with "
+    "the hook) or leave compiled autograd off")
+
+
 def geofp8_hook(state, bucket):
     """DDP comm hook: averages the bucket over the group with GeoFP8's engine and returns a
     Future holding the averaged bucket. Unless the state is synchronous, each
@@ -748,6 +788,8 @@ def geofp8_hook(state, bucket):
     gradient comes back as NaN (the engine skips it on every rank), so a GradScaler or a
     finiteness check skips the optimizer step."""
     called = time.monotonic()
+    if isinstance(bucket, tuple):
+        raise RuntimeError(_COMPILED_DDP_REFUSED)
     buf = bucket.buffer()
     if buf.device != state.device:
         if buf.device.type == "cuda" and not _geofp8.has_cuda:
@@ -821,6 +863,9 @@ def geofp8_hook(state, bucket):
     finally:
         watch.done(token)
     finished = time.monotonic()
+    # When the engine began it, after the buckets queued before it (a CPU build from before
+    # "started" was reported: when the call began).
+    started = result.get("started", started)
     _account(state, result, buf, layers, offsets, sizes, exact)
     _end_bucket(state, bucket)
     fut.set_result(buf)
