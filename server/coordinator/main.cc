@@ -156,6 +156,9 @@ bool InstallSignalHandlers() {
   sigemptyset(&action.sa_mask);
   sigaction(SIGTERM, &action, nullptr);
   sigaction(SIGINT, &action, nullptr);
+  // A write to a socket or pipe whose reader is gone (a reset client, a closed log pipe) must
+  // fail with EPIPE, not end the daemon silently.
+  signal(SIGPIPE, SIG_IGN);
   return true;
 }
 
