@@ -141,16 +141,16 @@ double SteadySeconds(std::chrono::steady_clock::time_point t) {
 }
 
 // An exchange's figures for Python (exchange()'s and submit()'s result), with the deferred
-// refreshes run since the last dict (`deferred`, `deferred_from_inverse`), which it takes.
-py::dict ResultDict(const StepResult& r, size_t& deferred, size_t& deferred_from_inverse) {
+// refreshes run since the last exchange() (`deferred`, `deferred_from_inverse`).
+py::dict ResultDict(const StepResult& r, size_t deferred, size_t deferred_from_inverse) {
   py::dict d;
   d["skipped"] = r.skipped;
   d["bytes_sent"] = r.bytes_sent;
   d["seconds"] = r.seconds;
   size_t from_inverse = 0;  // refreshes whose sketch took its projections from the inverse
   for (const RefreshRecord& rec : r.refreshes) from_inverse += rec.from_inverse;
-  d["refreshes"] = r.refreshes.size() + std::exchange(deferred, 0);
-  d["refreshes_from_inverse"] = from_inverse + std::exchange(deferred_from_inverse, 0);
+  d["refreshes"] = r.refreshes.size() + deferred;
+  d["refreshes_from_inverse"] = from_inverse + deferred_from_inverse;
   return d;
 }
 
@@ -370,6 +370,8 @@ class Engine {
     if (q_->first_error) std::rethrow_exception(std::exchange(q_->first_error, nullptr));
     Exchanger& ex = ExchangerFor(layers);
     StepResult r;
+    // After the wait for the queued buckets: the trace's start of this bucket's own exchange.
+    const auto started = std::chrono::steady_clock::now();
     {
       py::gil_scoped_release release;
       if (stream) WaitForEvent(RecordEvent(*stream));
@@ -381,6 +383,11 @@ class Engine {
                           ? Refreshes::kDeferred
                           : Refreshes::kNow);
     }
+    // The refreshes deferred by earlier calls have run (the queue was waited for above): this
+    // dict counts them, and the next exchange() counts this call's. Only here, never in a
+    // submitted bucket's dict, so the count after a step does not depend on when the completer
+    // thread ran (sync and async paths count the same refreshes at the same call).
+    const auto [deferred, deferred_from_inverse] = TakeDeferred(*q_);
     if (ex.has_pending_refreshes()) {
       // The step's refreshes run on the exchange thread after this returns, while the optimizer
       // and the next forward run; the next exchange waits for them.
@@ -390,7 +397,9 @@ class Engine {
       job->refresh_only = true;
       Enqueue(std::move(job));
     }
-    return ResultDict(r, q_->deferred_refreshes, q_->deferred_from_inverse);
+    py::dict d = ResultDict(r, deferred, deferred_from_inverse);
+    d["started"] = SteadySeconds(started);
+    return d;
   }
 
   // exchange() without waiting: queues the bucket for the engine's exchange thread, which runs
@@ -601,7 +610,9 @@ class Engine {
     bool running = false;                             // the exchange thread is inside an exchange
     bool stop = false;
     std::exception_ptr first_error;  // of a queued bucket, for the next exchange() to raise
-    // Deferred refreshes run since the last result dict, added to the next one. Under the GIL.
+    // Deferred refreshes run since the last exchange() dict, added to the next one. Counted by
+    // the exchange thread as it finishes them (under mu), not by the completer: an exchange()
+    // that waited for the queue then sees them all, however late the completer gets the GIL.
     size_t deferred_refreshes = 0, deferred_from_inverse = 0;
   };
 
@@ -727,6 +738,12 @@ class Engine {
         std::lock_guard<std::mutex> lock(q_->mu);
         q_->running = false;
         if (job->error && !q_->first_error) q_->first_error = job->error;
+        if (job->refresh_only) {
+          q_->deferred_refreshes += job->result.refreshes.size();
+          for (const RefreshRecord& rec : job->result.refreshes) {
+            q_->deferred_from_inverse += rec.from_inverse;
+          }
+        }
         q_->done.push_back(std::move(job));
       }
       q_->done_cv.notify_one();
@@ -758,15 +775,16 @@ class Engine {
     }
   }
 
+  // The deferred refreshes counted since the last exchange() dict (refreshes, from the inverse).
+  static std::pair<size_t, size_t> TakeDeferred(Queue& q) {
+    std::lock_guard<std::mutex> lock(q.mu);
+    return {std::exchange(q.deferred_refreshes, 0), std::exchange(q.deferred_from_inverse, 0)};
+  }
+
   // With the GIL held.
   static void Complete(Queue& q, Job& job) {
-    if (job.refresh_only) {
-      for (const RefreshRecord& rec : job.result.refreshes) {
-        ++q.deferred_refreshes;
-        q.deferred_from_inverse += rec.from_inverse;
-      }
-      return;  // an error waits in first_error for the next exchange
-    }
+    // Counted by the exchange thread; an error waits in first_error for the next exchange.
+    if (job.refresh_only) return;
     try {
       py::object result = py::none(), error = py::none();
       if (job.error) {
@@ -778,7 +796,7 @@ class Engine {
           error = py::reinterpret_borrow<py::object>(PyExc_RuntimeError)(e.what());
         }
       } else {
-        py::dict d = ResultDict(job.result, q.deferred_refreshes, q.deferred_from_inverse);
+        py::dict d = ResultDict(job.result, 0, 0);
         d["queued"] = SteadySeconds(job.queued);
         d["started"] = SteadySeconds(job.started);
         d["finished"] = SteadySeconds(job.finished);
@@ -969,7 +987,10 @@ PYBIND11_MODULE(_geofp8, m) {
       .def("check_policy", &Engine::CheckPolicy, py::arg("kind"), py::arg("spec"),
            py::arg("model") = "model")
       .def("exchange", &Engine::Exchange, py::arg("step"), py::arg("layers"), py::arg("buffer"),
-           py::arg("offsets"))
+           py::arg("offsets"),
+           "Averages the bucket now, after the submitted ones; returns skipped, bytes_sent, "
+           "seconds, refreshes, refreshes_from_inverse and started (time.monotonic() seconds "
+           "when its own exchange began).")
       .def("submit", &Engine::Submit, py::arg("step"), py::arg("layers"), py::arg("buffer"),
            py::arg("offsets"), py::arg("done"),
            "exchange() on the engine's exchange thread, in submission order; returns at once and "

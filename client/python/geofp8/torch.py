@@ -596,6 +596,8 @@ def geofp8_hook(state, bucket):
     fut.set_result(buf)
     if trace is not None:
         now = time.monotonic()
+        # The engine's start: after the queued buckets it waited for, not when this call began.
+        started = result.get("started", started)
         trace.append({"step": step, "bucket": index, "called": called, "started": started,
                       "finished": finished, "returned": now, "completed": now,
                       "skipped": result["skipped"]})
