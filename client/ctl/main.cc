@@ -158,6 +158,17 @@ std::string ReadPem(const std::string& flag, const std::string& path, const std:
   return "";
 }
 
+// A whole number >= 0, refused as `--flag: must be a whole number >= 0 (-1)`. CLI11's
+// NonNegativeNumber names its range as 0 to DBL_MAX, printed with all 309 digits.
+const CLI::Validator kNonNegative(
+    [](std::string& value) -> std::string {
+      int64_t v = -1;
+      return CLI::detail::lexical_cast(value, v) && v >= 0
+                 ? std::string()
+                 : "must be a whole number >= 0 (" + value + ")";
+    },
+    "NONNEGATIVE");
+
 // `logs`' flags, kubectl's conventions (docs/logs.md).
 struct LogsFlags {
   int rank = 0;
@@ -171,9 +182,9 @@ CLI::App* AddLogsCommand(CLI::App& app, std::string* id, LogsFlags* f) {
   auto* logs = app.add_subcommand(
       "logs", "Print a command job's rank output (stdout, or --stderr), read from its worker");
   logs->add_option("job", *id, "Job id or name")->required();
-  logs->add_option("--rank", f->rank, "Rank")->capture_default_str()->check(CLI::NonNegativeNumber);
+  logs->add_option("--rank", f->rank, "Rank")->capture_default_str()->check(kNonNegative);
   logs->add_option("--attempt", f->attempt, "Attempt (0 is the first; default: the newest)")
-      ->check(CLI::NonNegativeNumber);
+      ->check(kNonNegative);
   logs->add_flag("-f,--follow", f->follow,
                  "Keep printing what the rank writes until it ends; without --attempt, go on "
                  "into the next attempt's output when the job restarts (saying so on stderr), "
@@ -909,7 +920,7 @@ void AddJobCommands(CLI::App& app, Flags* f, Globals* g, Commands* c) {
   get->require_subcommand(1);
   c->get_jobs = get->add_subcommand("jobs", "List jobs, newest first");
   c->get_jobs->add_option("--state", f->states, "Only these states (repeatable)");
-  c->get_jobs->add_option("--limit", f->limit, "At most this many")->check(CLI::NonNegativeNumber);
+  c->get_jobs->add_option("--limit", f->limit, "At most this many")->check(kNonNegative);
   c->get_job = get->add_subcommand("job", "Show one job");
   c->get_job->add_option("job", f->id, "Job id or name")->required();
   c->get_workers = get->add_subcommand("workers", "List workers");

@@ -1,5 +1,6 @@
 // geofp8-coordinator: the control-plane daemon. Serves the geofp8.v1 gRPC API and grpc.health.v1,
 // keeps durable state in SQLite under --data-dir, and exposes Prometheus /metrics.
+#include <malloc.h>
 #include <signal.h>
 #include <unistd.h>
 
@@ -8,6 +9,7 @@
 #include <cerrno>
 #include <chrono>
 #include <cstdio>
+#include <fstream>
 #include <optional>
 #include <string>
 #include <thread>
@@ -156,6 +158,9 @@ bool InstallSignalHandlers() {
   sigemptyset(&action.sa_mask);
   sigaction(SIGTERM, &action, nullptr);
   sigaction(SIGINT, &action, nullptr);
+  // A write to a socket or pipe whose reader is gone (a reset client, a closed log pipe) must
+  // fail with EPIPE, not end the daemon silently.
+  signal(SIGPIPE, SIG_IGN);
   return true;
 }
 
@@ -176,6 +181,43 @@ absl::StatusOr<std::string> ServeMetrics(geofp8::coordinator::Metrics& metrics,
   std::string address = listen.substr(0, listen.rfind(':')) + ":" + std::to_string(*port);
   std::printf("geofp8-coordinator: metrics on http://%s/metrics\n", address.c_str());
   return address;
+}
+
+// Resident bytes of this process (/proc/self/statm); 0 if unreadable.
+uint64_t ResidentBytes() {
+  std::ifstream statm("/proc/self/statm");
+  uint64_t size_pages = 0, resident_pages = 0;
+  if (!(statm >> size_pages >> resident_pages)) return 0;
+  return resident_pages * uint64_t(sysconf(_SC_PAGESIZE));
+}
+
+// A burst of large requests (a policy flood, a fuzzing client) is parsed on gRPC's threads, each
+// with its own malloc arena, and glibc keeps what they freed for reuse: the resident size stayed
+// at the burst's peak (66-87 MB against 22 MB idle). Once a second: when it has grown by more
+// than kTrimAbove since the last look after a trim, free pages go back to the kernel
+// (malloc_trim), and the size after that is the new reference.
+std::thread StartMemoryReturner(const std::atomic<bool>& stopping) {
+  return std::thread([&stopping] {
+    constexpr uint64_t kTrimAbove = 16ull << 20;
+    uint64_t reference = ResidentBytes();
+    auto next = std::chrono::steady_clock::now();
+    while (!stopping.load()) {
+      std::this_thread::sleep_for(std::chrono::milliseconds(100));  // shutdown is not held up
+      if (std::chrono::steady_clock::now() < next) continue;
+      next = std::chrono::steady_clock::now() + std::chrono::seconds(1);
+      const uint64_t rss = ResidentBytes();
+      if (rss > reference + kTrimAbove) {
+        malloc_trim(0);
+        reference = ResidentBytes();
+        geofp8::log::Debug("coordinator.memory_returned")
+            .F("rss_before", rss)
+            .F("rss_after", reference)
+            .Msg("freed memory handed back to the kernel");
+      } else if (rss < reference) {
+        reference = rss;
+      }
+    }
+  });
 }
 
 // Writes --ready-file; returns the error, empty on success.
@@ -248,6 +290,7 @@ int Serve(const Flags& f) {
 
   std::atomic<bool> stopping{false};
   std::thread ticker = StartTicker(coordinator, stopping, f.tick_ms, f.coord.heartbeat_interval_ms);
+  std::thread memory_returner = StartMemoryReturner(stopping);
   const int sig = WaitForSignal();
   std::printf("geofp8-coordinator: %s received, shutting down\n",
               sig == SIGTERM ? "SIGTERM" : "SIGINT");
@@ -259,6 +302,7 @@ int Serve(const Flags& f) {
   coordinator.Shutdown();  // wakes watchers and rendezvous waiters
   (*srv)->Shutdown(f.grace_ms);
   ticker.join();
+  memory_returner.join();
   if (!f.ready_file.empty()) std::remove(f.ready_file.c_str());
   std::printf("geofp8-coordinator: stopped\n");
   geofp8::log::Info("coordinator.stopped").Msg("stopped");

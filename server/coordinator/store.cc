@@ -11,6 +11,7 @@
 #include <filesystem>
 #include <fstream>
 #include <optional>
+#include <set>
 #include <sstream>
 #include <unordered_map>
 #include <utility>
@@ -261,12 +262,43 @@ absl::StatusOr<std::unique_ptr<Store>> Store::Open(const std::string& data_dir,
     if (auto s = store->Exec("PRAGMA journal_mode=WAL"); !s.ok()) return s;
   }
   if (auto s = store->Exec("PRAGMA synchronous=FULL"); !s.ok()) return s;
+  if (!data_dir.empty()) {
+    if (auto s = store->CheckTables(path, options); !s.ok()) return s;
+  }
   if (auto s = store->Exec(kSchema); !s.ok()) return s;
   if (auto s = store->Migrate(); !s.ok()) return s;
   if (!data_dir.empty()) {
     if (auto s = store->CheckIntegrity(data_dir, options); !s.ok()) return s;
   }
   return store;
+}
+
+absl::Status Store::CheckTables(const std::string& path, const StoreOptions& options) {
+  std::set<std::string> tables;
+  Stmt st(db_, "SELECT name FROM sqlite_master WHERE type = 'table'");
+  if (!st.ok()) return Error("prepare list tables");
+  int rc;
+  while ((rc = st.Step()) == SQLITE_ROW) {
+    tables.insert(reinterpret_cast<const char*>(sqlite3_column_text(st.get(), 0)));
+  }
+  if (rc != SQLITE_DONE) return Error("list tables");
+  if (tables.empty()) return absl::OkStatus();  // a new file: the schema creates them all
+  // Every layout since the first has these four (meta came later and is created when absent).
+  // CREATE TABLE IF NOT EXISTS would make a dropped one anew, and the jobs it held would be
+  // served as if there had never been any.
+  for (const char* table : {"jobs", "job_events", "policies", "workers"}) {
+    if (tables.count(table)) continue;
+    const std::string problem = path + " has no '" + table + "' table: it was dropped";
+    if (!options.accept_loss) {
+      return absl::DataLossError("store: " + problem +
+                                 ". Restore the database from a backup, or start with "
+                                 "--accept-store-loss to create it empty");
+    }
+    log::Warn("store.loss_accepted")
+        .F("table", table)
+        .Msg(problem + "; created empty (--accept-store-loss)");
+  }
+  return absl::OkStatus();
 }
 
 absl::StatusOr<std::string> Store::GetMeta(const std::string& key) {

@@ -62,7 +62,8 @@ struct StoreOptions {
 // Beside coordinator.db, coordinator.seal (fsynced, replaced atomically) holds the database's
 // identity and how many job ids it has issued. At start the database must pass PRAGMA
 // quick_check, carry the seal's identity, and have issued at least as many job ids as the seal
-// says; otherwise Open refuses (DATA_LOSS) with what is missing, unless accept_loss.
+// says, and a database that has tables must have all of its tables (a dropped one is not made
+// anew as empty); otherwise Open refuses (DATA_LOSS) with what is missing, unless accept_loss.
 class Store {
  public:
   // Opens (creating if needed) <data_dir>/coordinator.db. An empty data_dir keeps everything in
@@ -130,6 +131,9 @@ class Store {
   explicit Store(sqlite3* db) : db_(db) {}
   // quick_check, then the identity and job-id checks against the seal (see the class comment).
   absl::Status CheckIntegrity(const std::string& data_dir, const StoreOptions& options);
+  // Before the schema is applied: a database with tables but without one of the first layout's
+  // (`path` names it in the error).
+  absl::Status CheckTables(const std::string& path, const StoreOptions& options);
   absl::StatusOr<std::string> GetMeta(const std::string& key);
   absl::Status SetMeta(const std::string& key, const std::string& value);
   // Rewrites the seal with jobs_issued (mu_ not held).

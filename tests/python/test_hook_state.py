@@ -113,9 +113,77 @@ def layout_errors():
     return errors
 
 
+def same(a, b):
+    """Deep equality of state_dict values: tensors and arrays by value and dtype, containers
+    element by element (a tuple and a list of the same elements are the same: torch.save may
+    turn one into the other), NaN equal to NaN."""
+    import numpy as np
+    import torch
+    if isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor):
+        return (isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor)
+                and a.dtype == b.dtype and a.shape == b.shape and torch.equal(a, b))
+    if isinstance(a, np.ndarray) or isinstance(b, np.ndarray):
+        return (isinstance(a, np.ndarray) and isinstance(b, np.ndarray) and a.dtype == b.dtype
+                and np.array_equal(a, b))
+    if isinstance(a, dict) and isinstance(b, dict):
+        return a.keys() == b.keys() and all(same(a[k], b[k]) for k in a)
+    if isinstance(a, (list, tuple)) and isinstance(b, (list, tuple)):
+        return len(a) == len(b) and all(same(x, y) for x, y in zip(a, b))
+    if isinstance(a, float) and isinstance(b, float) and a != a and b != b:
+        return True
+    return type(a) is type(b) and a == b
+
+
+def state_field_errors(rank):
+    """Every field of the hook's state_dict, whatever fields it has: a round trip through
+    torch.save brings each back equal. The state is made so that a field left unrestored would
+    show: each differs from a fresh state's (steps taken, error-feedback residuals and geometry
+    held, a policy change taken, version 2, and another one scheduled), or, where it cannot (the
+    format, the parameter names), load_state_dict refuses a state without it."""
+    import torch
+    ef_policy = {"exchange": {"algorithm": "allgather"},
+                 "policy": {"default": {"format": "nvfp4", "error_feedback": True},
+                            "layers": [{"match": "*", "geometry": "lowrank", "rank": 4}]},
+                 "geometry_refresh": {"estimator": "ema", "interval": 1}}
+    model, ddp, state, opt = fresh("fp8")
+    state.set_policy(ef_policy, effective_step=1)
+    state.set_policy("fp8", effective_step=100)
+    run_steps(rank, ddp, model, opt, 0, WARM)
+    saved = state.state_dict()
+    buf = io.BytesIO()
+    torch.save(saved, buf)
+    errors = []
+    buf.seek(0)
+    _, _, loaded, _ = fresh("fp8")
+    loaded.load_state_dict(torch.load(buf))
+    back = loaded.state_dict()
+    if set(back) != set(saved):
+        errors.append("state_dict fields %s after a round trip, %s before"
+                      % (sorted(back), sorted(saved)))
+    for key in saved:
+        if key in back and not same(saved[key], back[key]):
+            errors.append("state_dict field %r does not survive a round trip" % key)
+    _, _, blank, _ = fresh("fp8")
+    fresh_state = blank.state_dict()
+    for key in saved:
+        if key in fresh_state and same(fresh_state[key], saved[key]):
+            # Equal to a fresh state's (the format, the model's names): the round trip above
+            # cannot tell it was restored, so it must be required: a state without it refused.
+            partial = {k: v for k, v in saved.items() if k != key}
+            _, _, other, _ = fresh("fp8")
+            try:
+                other.load_state_dict(partial)
+            except (KeyError, ValueError):
+                continue
+            errors.append("state_dict field %r keeps its fresh value in the test state and is "
+                          "not required by load_state_dict: its round trip proves nothing" % key)
+    return sorted(saved), errors
+
+
 def work(rank, world):
     import torch
     layout = layout_errors()
+    fields, field_errors = state_field_errors(rank)
     model, ddp, state, opt = fresh("geofp8")
     run_steps(rank, ddp, model, opt, 0, WARM)
     buf = io.BytesIO()
@@ -204,7 +272,8 @@ def work(rank, world):
             "ef_same": all(torch.equal(a, b) for a, b in zip(ef_reference, ef_runs["resumed"])),
             "ef_without_same": all(torch.equal(a, b)
                                    for a, b in zip(ef_reference, ef_runs["without"])),
-            "ef_held": ef_held, "figures": figures, "step_bytes": step_bytes}
+            "ef_held": ef_held, "figures": figures, "step_bytes": step_bytes,
+            "fields": fields, "field_errors": field_errors}
 
 
 def saved(figure):
@@ -289,8 +358,10 @@ def main():
                             " 1 only" % (rank, r["skips"]))
         failures += ["rank %d: %s" % (rank, e) for e in r["layout"]]
         failures += figure_failures(rank, r)
+        failures += ["rank %d: %s" % (rank, e) for e in r["field_errors"]]
         if r["version"] != 2:
             failures.append("rank %d: policy version %d, expected 2" % (rank, r["version"]))
+    print("state_dict fields checked by round trip: %s" % ", ".join(results[0]["fields"]))
     print("resume exact over %d buckets, set_policy at step 2: formats %s"
           % (results[0]["buckets"], results[0]["formats"]))
     for k, f in sorted(results[0]["figures"].items()):

@@ -3,6 +3,7 @@
 // or damaged database is refused with what is missing, and job ids never repeat, not even after
 // --accept-store-loss.
 #include <gtest/gtest.h>
+#include <sqlite3.h>
 #include <stdlib.h>
 
 #include <filesystem>
@@ -155,6 +156,40 @@ TEST_F(StoreIntegrityTest, ADamagedSealIsRefusedNotIgnored) {
   ASSERT_EQ(refused.status().code(), absl::StatusCode::kDataLoss) << refused.status();
   EXPECT_NE(refused.status().message().find("coordinator.seal is damaged"), std::string::npos)
       << refused.status();
+}
+
+// Issue #41: with CREATE TABLE IF NOT EXISTS, a dropped table came back empty and its jobs were
+// served as if there had never been any.
+TEST_F(StoreIntegrityTest, ADroppedTableIsRefusedByName) {
+  IssueJobs(dir, 3);
+  for (const char* table : {"jobs", "job_events", "policies", "workers"}) {
+    const std::string copy = dir + "/" + table;
+    fs::create_directories(copy);
+    CopyDb(dir, copy);
+    fs::copy_file(fs::path(dir) / "coordinator.seal", fs::path(copy) / "coordinator.seal");
+    {
+      sqlite3* db = nullptr;
+      ASSERT_EQ(sqlite3_open((fs::path(copy) / "coordinator.db").c_str(), &db), SQLITE_OK);
+      const std::string drop = std::string("DROP TABLE ") + table;
+      EXPECT_EQ(sqlite3_exec(db, drop.c_str(), nullptr, nullptr, nullptr), SQLITE_OK) << table;
+      sqlite3_close(db);
+    }
+    auto refused = Store::Open(copy);
+    ASSERT_EQ(refused.status().code(), absl::StatusCode::kDataLoss) << table;
+    EXPECT_NE(refused.status().message().find(std::string("no '") + table + "' table"),
+              std::string::npos)
+        << refused.status();
+    // Accepted, it is created empty, and the store opens.
+    StoreOptions accept;
+    accept.accept_loss = true;
+    EXPECT_TRUE(Store::Open(copy, accept).ok()) << table;
+  }
+  // The untouched store still opens with its 3 jobs.
+  auto store = Store::Open(dir);
+  ASSERT_TRUE(store.ok()) << store.status();
+  auto snapshot = (*store)->Load();
+  ASSERT_TRUE(snapshot.ok()) << snapshot.status();
+  EXPECT_EQ(snapshot->jobs.size(), 3u);
 }
 
 }  // namespace

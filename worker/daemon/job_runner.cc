@@ -124,6 +124,8 @@ JobOutcome JobRunner::Run() {
   } catch (const std::exception& e) {
     out.success = false;
     out.reason = e.what();
+    // Left inside a step (a collective that a stop or a lost peer ended): the steps it did run.
+    out.steps = reporter.steps_done();
     // The reason is the user's (no source location); where the core raised it, for debugging.
     // A failed Status raised on the way (StatusError) adds its code: classified by type.
     if (const auto* core = dynamic_cast<const geofp8::Error*>(&e); core && !core->where().empty()) {

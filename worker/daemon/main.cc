@@ -293,6 +293,10 @@ bool CatchSignals() {
   sigemptyset(&action.sa_mask);
   sigaction(SIGTERM, &action, nullptr);
   sigaction(SIGINT, &action, nullptr);
+  // Gloo writes with writev, without MSG_NOSIGNAL: a write to a peer's reset socket would end the
+  // worker silently. Ignored, it fails with EPIPE and the collective reports it. Command jobs get
+  // the default back (command_runner.cc).
+  signal(SIGPIPE, SIG_IGN);
   return true;
 }
 

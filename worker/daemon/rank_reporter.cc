@@ -34,7 +34,8 @@ RankReporter::RankReporter(const v1::Assignment& assignment, const JobRunner::Se
       send_(send),
       metrics_(metrics),
       data_dir_(std::move(data_dir)),
-      log_progress_every_(log_progress_every) {}
+      log_progress_every_(log_progress_every),
+      steps_done_(assignment.resume_step()) {}
 
 void RankReporter::Catalog(const std::vector<model::ParamInfo>& params) {
   v1::WorkerMessage m;
@@ -118,6 +119,7 @@ void RankReporter::StepMetrics(int64_t step, const train::StepRecord& rec, doubl
 void RankReporter::Progress(int64_t step, int64_t steps, double loss, double tokens_per_second,
                             uint64_t bytes_sent, uint64_t bytes_baseline, uint64_t policy_version,
                             double val_loss, double gradient_noise_scale) {
+  steps_done_ = step + 1;
   if (!std::isnan(val_loss)) {
     if (metrics_) metrics_->ValidationLoss(step, val_loss);
     last_val_loss_ = val_loss;

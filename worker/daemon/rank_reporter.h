@@ -60,6 +60,9 @@ class RankReporter {
               double last_step_seconds);
 
   void Started();
+  // Steps this attempt has completed (the last step reported to Progress + 1; the resume step
+  // before any): what an attempt that ended by an exception ran, for its outcome.
+  int64_t steps_done() const { return steps_done_; }
   // Metrics end, Finished (unless stopped: the coordinator ended it), a log line and
   // <data_dir>/results/<job_id>.attempt<n>.txt.
   void Ended(const JobOutcome& out, double seconds);
@@ -74,6 +77,7 @@ class RankReporter {
   const int log_progress_every_;
   double last_val_loss_ = 0;  // the last validation (for the progress log line)
   int64_t last_val_step_ = -1;
+  int64_t steps_done_;
 };
 
 }  // namespace geofp8::worker

@@ -1,6 +1,7 @@
 // geofp8-train: trains a Llama-style model data-parallel through the compressed gradient
 // exchange, standalone (ranks as threads, or as processes over Gloo on loopback).
 
+#include <signal.h>
 #include <sys/wait.h>
 #include <unistd.h>
 
@@ -270,6 +271,9 @@ int main(int argc, char** argv) {
   // PreferredBlasCore). The variable is then set, so this cannot loop.
   std::string blas_warning;
   geofp8::model::ReexecWithPreferredBlasCore(argv, &blas_warning);
+  // Ranks as processes talk over Gloo, which writes without MSG_NOSIGNAL: a rank that dies would
+  // otherwise end its peers by SIGPIPE, with no error printed, instead of failing their exchange.
+  signal(SIGPIPE, SIG_IGN);
   if (!blas_warning.empty()) std::cerr << kProgram << ": warning: " << blas_warning << "\n";
   CLI::App app{"Train a Llama-style model data-parallel through the GeoFP8 gradient exchange"};
   TrainOptions o;
