@@ -112,6 +112,8 @@ int FromStatus(const grpc::Status& s, const Globals& g) {
 // Largest file geofp8ctl reads (specs, patches, PEM files): a spec is a few KB, and a bound keeps
 // `-f /dev/zero` or a wrong multi-GB path from hanging or exhausting memory.
 constexpr size_t kMaxFileBytes = 4 << 20;
+// Jobs or workers asked for per page of a listing (the server's bound is 1000).
+constexpr int kListPageSize = 500;
 
 // Reads a regular file (or a pipe, or /dev/stdin) of at most kMaxFileBytes. Returns "" or the
 // error line "FLAG: problem (PATH)".
@@ -273,16 +275,25 @@ class Client {
       return kOk;
     }
     if (s.error_code() != grpc::StatusCode::NOT_FOUND) return FromStatus(s, g_);
-    v1::ListJobsResponse all;
-    s = jobs_->ListJobs(Context().get(), v1::ListJobsRequest(), &all);
-    if (!s.ok()) return FromStatus(s, g_);
-    // ListJobs answers newest first.
-    auto newest = std::find_if(all.jobs().begin(), all.jobs().end(),
-                               [&](const v1::Job& j) { return j.name() == ref; });
-    if (newest == all.jobs().end()) {
-      return Error(kNotFound, "job " + ref + " not found (no job has this id or name)");
-    }
-    *id = newest->id();
+    // ListJobs answers newest first, a page at a time: the first job of that name is the one.
+    v1::ListJobsRequest list;
+    list.set_name(ref);
+    list.set_page_size(1);
+    std::optional<std::string> newest;
+    do {
+      v1::ListJobsResponse page;
+      s = jobs_->ListJobs(Context().get(), list, &page);
+      if (!s.ok()) return FromStatus(s, g_);
+      for (const auto& j : page.jobs()) {
+        if (j.name() == ref) {
+          newest = j.id();
+          break;
+        }
+      }
+      list.set_page_token(page.next_page_token());
+    } while (!newest && !list.page_token().empty());
+    if (!newest) return Error(kNotFound, "job " + ref + " not found (no job has this id or name)");
+    *id = *newest;
     if (!job) return kOk;
     req.set_job_id(*id);
     s = jobs_->GetJob(Context().get(), req, job);
@@ -322,10 +333,17 @@ class Client {
       }
       req.add_states(st);
     }
-    req.set_limit(limit);
+    // Page by page (each under gRPC's message limit), printed as one list; --limit stops early.
     v1::ListJobsResponse resp;
-    grpc::Status s = jobs_->ListJobs(Context().get(), req, &resp);
-    if (!s.ok()) return FromStatus(s, g_);
+    do {
+      const int left = limit > 0 ? limit - resp.jobs_size() : kListPageSize;
+      req.set_page_size(std::min(left, kListPageSize));
+      v1::ListJobsResponse page;
+      grpc::Status s = jobs_->ListJobs(Context().get(), req, &page);
+      if (!s.ok()) return FromStatus(s, g_);
+      for (auto& j : *page.mutable_jobs()) *resp.add_jobs() = std::move(j);
+      req.set_page_token(page.next_page_token());
+    } while (!req.page_token().empty() && (limit == 0 || resp.jobs_size() < limit));
     const std::vector<v1::Job> jobs(resp.jobs().begin(), resp.jobs().end());
     std::string names;
     for (const auto& j : jobs) names += "job/" + j.id() + "\n";
@@ -350,8 +368,15 @@ class Client {
 
   int GetWorkers() {
     v1::ListWorkersResponse resp;
-    grpc::Status s = workers_->ListWorkers(Context().get(), v1::ListWorkersRequest(), &resp);
-    if (!s.ok()) return FromStatus(s, g_);
+    v1::ListWorkersRequest req;
+    req.set_page_size(kListPageSize);
+    do {
+      v1::ListWorkersResponse page;
+      grpc::Status s = workers_->ListWorkers(Context().get(), req, &page);
+      if (!s.ok()) return FromStatus(s, g_);
+      for (auto& w : *page.mutable_workers()) *resp.add_workers() = std::move(w);
+      req.set_page_token(page.next_page_token());
+    } while (!req.page_token().empty());
     std::string names;
     for (const auto& w : resp.workers()) names += "worker/" + w.id() + "\n";
     return Print(resp, WorkersTable(resp, NowMs()), WorkersWideTable(resp, NowMs()), names);
@@ -370,15 +395,25 @@ class Client {
                  "", "job/" + job.id() + "\n");
   }
 
-  // kubectl's `delete`: "job/ID deleted"; the server refuses a job that is not finished.
+  // kubectl's `delete`: "job/ID deleted"; the server refuses a job that is not finished. A name
+  // reaches only the newest job ever submitted with it: once that one is deleted, the server
+  // refuses (NOT_FOUND) rather than delete an older job of the name, which only its id reaches.
   int Delete(const std::string& ref) {
-    std::string id;
-    if (int rc = Resolve(ref, &id); rc != kOk) return rc;
+    v1::GetJobRequest get;
+    get.set_job_id(ref);
+    v1::Job found;
+    grpc::Status s = jobs_->GetJob(Context().get(), get, &found);
+    if (!s.ok() && s.error_code() != grpc::StatusCode::NOT_FOUND) return FromStatus(s, g_);
     v1::DeleteJobRequest req;
-    req.set_job_id(id);
+    if (s.ok()) {
+      req.set_job_id(ref);
+    } else {
+      req.set_name(ref);
+    }
     v1::DeleteJobResponse resp;
-    grpc::Status s = jobs_->DeleteJob(Context().get(), req, &resp);
+    s = jobs_->DeleteJob(Context().get(), req, &resp);
     if (!s.ok()) return FromStatus(s, g_);
+    const std::string id = resp.job().id();
     return Print(resp, "job/" + id + " deleted\n", "", "job/" + id + "\n");
   }
 

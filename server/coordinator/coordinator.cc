@@ -137,13 +137,26 @@ absl::StatusOr<v1::Job> Coordinator::GetJob(const v1::GetJobRequest& request) {
   return Details(*rec);
 }
 
-absl::StatusOr<v1::ListJobsResponse> Coordinator::ListJobs(const v1::ListJobsRequest& request) {
-  if (request.limit() < 0) {
-    return absl::InvalidArgumentError("limit: must be >= 0 (" + std::to_string(request.limit()) +
-                                      ")");
+namespace {
+
+// A page size in [0, kMaxJobsPageSize] (0: the default), or INVALID_ARGUMENT naming `field`.
+absl::StatusOr<size_t> PageSizeOf(const char* field, int32_t value) {
+  if (value < 0 || value > kMaxJobsPageSize) {
+    return absl::InvalidArgumentError(
+        std::string(field) + ": must be in [0, " + std::to_string(kMaxJobsPageSize) +
+        "], 0 = " + std::to_string(kDefaultJobsPageSize) + " (" + std::to_string(value) + ")");
   }
+  return value == 0 ? kDefaultJobsPageSize : value;
+}
+
+}  // namespace
+
+absl::StatusOr<v1::ListJobsResponse> Coordinator::ListJobs(const v1::ListJobsRequest& request) {
+  GEOFP8_ASSIGN_OR_RETURN(const size_t limit, PageSizeOf("limit", request.limit()));
+  GEOFP8_ASSIGN_OR_RETURN(size_t page_size, PageSizeOf("page_size", request.page_size()));
+  if (request.page_size() == 0) page_size = limit;  // limit: the older name of page_size
   std::lock_guard<std::mutex> lock(mu_);
-  return jobs_.List(request);
+  return jobs_.List(request, page_size);
 }
 
 absl::StatusOr<v1::Job> Coordinator::CancelJob(const v1::CancelJobRequest& request) {
@@ -167,8 +180,12 @@ absl::StatusOr<std::optional<v1::WatchJobResponse>> Coordinator::WatchNext(
 }
 
 absl::StatusOr<v1::DeleteJobResponse> Coordinator::DeleteJob(const v1::DeleteJobRequest& request) {
+  if (!request.job_id().empty() && !request.name().empty()) {
+    return absl::InvalidArgumentError("job_id, name: give one of them, not both");
+  }
   std::lock_guard<std::mutex> lock(mu_);
-  GEOFP8_ASSIGN_OR_RETURN(JobRec * rec, jobs_.Find(request.job_id()));
+  GEOFP8_ASSIGN_OR_RETURN(JobRec * rec, request.name().empty() ? jobs_.Find(request.job_id())
+                                                               : jobs_.NewestNamed(request.name()));
   const std::string id = rec->job.id();
   GEOFP8_ASSIGN_OR_RETURN(v1::DeleteJobResponse response, jobs_.Delete(rec));
   policies_.Erase(id);
@@ -295,6 +312,31 @@ void Coordinator::CloseSession(const std::string& worker_id, uint64_t generation
 v1::ListWorkersResponse Coordinator::ListWorkers() {
   std::lock_guard<std::mutex> lock(mu_);
   return workers_.List();
+}
+
+absl::StatusOr<v1::ListWorkersResponse> Coordinator::ListWorkers(
+    const v1::ListWorkersRequest& request) {
+  GEOFP8_ASSIGN_OR_RETURN(const size_t page_size, PageSizeOf("page_size", request.page_size()));
+  v1::ListWorkersResponse all;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    all = workers_.List();
+  }
+  // In id order; the token is the last id of the previous page (this page starts after it).
+  v1::ListWorkersResponse page;
+  size_t bytes = 0;
+  for (auto& w : *all.mutable_workers()) {
+    if (!request.page_token().empty() && w.id() <= request.page_token()) continue;
+    const size_t add = w.ByteSizeLong() + 6;
+    if (page.workers_size() > 0 && (static_cast<size_t>(page.workers_size()) >= page_size ||
+                                    bytes + add > kMaxJobsPageBytes)) {
+      page.set_next_page_token(page.workers().rbegin()->id());
+      break;
+    }
+    *page.add_workers() = std::move(w);
+    bytes += add;
+  }
+  return page;
 }
 
 void Coordinator::CreditPause(int64_t paused_ms) {

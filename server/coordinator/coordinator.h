@@ -148,6 +148,9 @@ class Coordinator {
   // session never owned, changes nothing.
   void CloseSession(const std::string& worker_id, uint64_t generation,
                     const std::shared_ptr<SessionSink>& sink);
+  // One page of the workers, in id order (a page ends as ListJobs' do, kMaxJobsPageBytes).
+  absl::StatusOr<v1::ListWorkersResponse> ListWorkers(const v1::ListWorkersRequest& request);
+  // Every worker on one page (in-process callers only: no transport limit applies).
   v1::ListWorkersResponse ListWorkers();
 
   // Declares workers dead whose heartbeats stopped; restarts or fails their jobs. Called by a

@@ -7,6 +7,7 @@
 #include <grpcpp/health_check_service_interface.h>
 #include <grpcpp/security/server_credentials.h>
 #include <grpcpp/support/server_interceptor.h>
+#include <malloc.h>
 
 #include <chrono>
 #include <cstdio>
@@ -18,6 +19,7 @@
 #include "absl/synchronization/mutex.h"
 #include "geofp8/v1/geofp8.grpc.pb.h"
 #include "platform/common/log.h"
+#include "proto/bounds.h"
 #include "server/coordinator/grpc_status.h"
 #include "server/coordinator/secrets.h"
 #include "server/coordinator/session_stream.h"
@@ -30,6 +32,10 @@ namespace {
 // the log handler keeps that name for the thread (the sync server parses the request and sends
 // its status on one thread), and the interceptor turns the answer into INVALID_ARGUMENT naming it.
 thread_local std::string t_invalid_utf8_field;
+
+// A request refused by its bounds at least this large is followed by malloc_trim (about a
+// millisecond, small next to receiving such a request).
+constexpr size_t kTrimAfterRefusedBytes = size_t{64} << 10;
 
 void ProtobufLog(google::protobuf::LogLevel level, const char* file, int line,
                  const std::string& message) {
@@ -94,14 +100,21 @@ class Common {
   }
 
   // Authorizes (every geofp8.v1 call, reads included: a job's events and reason, its spec and
-  // the worker list are the token holder's; only grpc.health.v1 and /metrics are open), runs fn
+  // the worker list are the token holder's; only grpc.health.v1 and /metrics are open), checks
+  // the request against its bounds (proto/bounds.h: INVALID_ARGUMENT naming the field), runs fn
   // (returning grpc::Status) and records method, code and latency.
   template <typename Fn>
-  grpc::Status Call(const char* method, grpc::ServerContext* ctx, Fn&& fn) {
+  grpc::Status Call(const char* method, grpc::ServerContext* ctx,
+                    const google::protobuf::Message& request, Fn&& fn) {
     const auto start = std::chrono::steady_clock::now();
     grpc::Status s = Authorize(ctx);
     if (!s.ok()) {
       log::Warn("auth.refused").F("peer", ctx->peer()).F("method", method).Msg(s.error_message());
+    } else if (absl::Status bounded = bounds::Check(request); !bounded.ok()) {
+      s = ToGrpc(bounded);
+      // A large refused request leaves its buffers in malloc's free lists, where glibc keeps them
+      // (issue #31 item 7): give the free memory back, as SubmitJob does for a refused spec.
+      if (request.ByteSizeLong() >= kTrimAfterRefusedBytes) malloc_trim(0);
     } else {
       s = fn();
     }
@@ -129,27 +142,27 @@ class JobServiceImpl final : public v1::JobService::Service {
   explicit JobServiceImpl(Common* k) : k_(k) {}
   grpc::Status SubmitJob(grpc::ServerContext* ctx, const v1::SubmitJobRequest* req,
                          v1::SubmitJobResponse* resp) override {
-    return k_->Call("JobService/SubmitJob", ctx,
+    return k_->Call("JobService/SubmitJob", ctx, *req,
                     [&] { return Common::Reply(k_->c_->SubmitJob(*req), resp); });
   }
   grpc::Status GetJob(grpc::ServerContext* ctx, const v1::GetJobRequest* req,
                       v1::Job* resp) override {
-    return k_->Call("JobService/GetJob", ctx,
+    return k_->Call("JobService/GetJob", ctx, *req,
                     [&] { return Common::Reply(k_->c_->GetJob(*req), resp); });
   }
   grpc::Status ListJobs(grpc::ServerContext* ctx, const v1::ListJobsRequest* req,
                         v1::ListJobsResponse* resp) override {
-    return k_->Call("JobService/ListJobs", ctx,
+    return k_->Call("JobService/ListJobs", ctx, *req,
                     [&] { return Common::Reply(k_->c_->ListJobs(*req), resp); });
   }
   grpc::Status CancelJob(grpc::ServerContext* ctx, const v1::CancelJobRequest* req,
                          v1::Job* resp) override {
-    return k_->Call("JobService/CancelJob", ctx,
+    return k_->Call("JobService/CancelJob", ctx, *req,
                     [&] { return Common::Reply(k_->c_->CancelJob(*req), resp); });
   }
   grpc::Status WatchJob(grpc::ServerContext* ctx, const v1::WatchJobRequest* req,
                         grpc::ServerWriter<v1::WatchJobResponse>* writer) override {
-    return k_->Call("JobService/WatchJob", ctx, [&]() -> grpc::Status {
+    return k_->Call("JobService/WatchJob", ctx, *req, [&]() -> grpc::Status {
       WatchCursor cursor;
       while (!ctx->IsCancelled()) {
         auto next = k_->c_->WatchNext(req->job_id(), &cursor, 500);
@@ -166,14 +179,14 @@ class JobServiceImpl final : public v1::JobService::Service {
   }
   grpc::Status DeleteJob(grpc::ServerContext* ctx, const v1::DeleteJobRequest* req,
                          v1::DeleteJobResponse* resp) override {
-    return k_->Call("JobService/DeleteJob", ctx,
+    return k_->Call("JobService/DeleteJob", ctx, *req,
                     [&] { return Common::Reply(k_->c_->DeleteJob(*req), resp); });
   }
   // Write blocks while the client is slow (gRPC flow control): that holds back this stream's next
   // read from the worker, and nothing else.
   grpc::Status Logs(grpc::ServerContext* ctx, const v1::LogsRequest* req,
                     grpc::ServerWriter<v1::LogsChunk>* writer) override {
-    return k_->Call("JobService/Logs", ctx, [&] {
+    return k_->Call("JobService/Logs", ctx, *req, [&] {
       return ToGrpc(k_->c_->StreamLogs(
           *req, [&](const v1::LogsChunk& chunk) { return writer->Write(chunk); },
           [&] { return ctx->IsCancelled(); }));
@@ -189,18 +202,18 @@ class PolicyServiceImpl final : public v1::PolicyService::Service {
   explicit PolicyServiceImpl(Common* k) : k_(k) {}
   grpc::Status GetPolicy(grpc::ServerContext* ctx, const v1::GetPolicyRequest* req,
                          v1::Policy* resp) override {
-    return k_->Call("PolicyService/GetPolicy", ctx,
+    return k_->Call("PolicyService/GetPolicy", ctx, *req,
                     [&] { return Common::Reply(k_->c_->GetPolicy(*req), resp); });
   }
   grpc::Status UpdatePolicy(grpc::ServerContext* ctx, const v1::UpdatePolicyRequest* req,
                             v1::UpdatePolicyResponse* resp) override {
-    return k_->Call("PolicyService/UpdatePolicy", ctx,
+    return k_->Call("PolicyService/UpdatePolicy", ctx, *req,
                     [&] { return Common::Reply(k_->c_->UpdatePolicy(*req), resp); });
   }
   grpc::Status ListPolicyVersions(grpc::ServerContext* ctx,
                                   const v1::ListPolicyVersionsRequest* req,
                                   v1::ListPolicyVersionsResponse* resp) override {
-    return k_->Call("PolicyService/ListPolicyVersions", ctx,
+    return k_->Call("PolicyService/ListPolicyVersions", ctx, *req,
                     [&] { return Common::Reply(k_->c_->ListPolicyVersions(*req), resp); });
   }
 
@@ -215,19 +228,17 @@ class WorkerServiceImpl final
   WorkerServiceImpl(Common* k, SessionPool* pool) : k_(k), pool_(pool) {}
   grpc::Status Register(grpc::ServerContext* ctx, const v1::RegisterRequest* req,
                         v1::RegisterResponse* resp) override {
-    return k_->Call("WorkerService/Register", ctx,
+    return k_->Call("WorkerService/Register", ctx, *req,
                     [&] { return Common::Reply(k_->c_->Register(*req), resp); });
   }
   grpc::Status Leave(grpc::ServerContext* ctx, const v1::LeaveRequest* req,
                      v1::LeaveResponse*) override {
-    return k_->Call("WorkerService/Leave", ctx, [&] { return ToGrpc(k_->c_->Leave(*req)); });
+    return k_->Call("WorkerService/Leave", ctx, *req, [&] { return ToGrpc(k_->c_->Leave(*req)); });
   }
-  grpc::Status ListWorkers(grpc::ServerContext* ctx, const v1::ListWorkersRequest*,
+  grpc::Status ListWorkers(grpc::ServerContext* ctx, const v1::ListWorkersRequest* req,
                            v1::ListWorkersResponse* resp) override {
-    return k_->Call("WorkerService/ListWorkers", ctx, [&] {
-      *resp = k_->c_->ListWorkers();
-      return grpc::Status::OK;
-    });
+    return k_->Call("WorkerService/ListWorkers", ctx, *req,
+                    [&] { return Common::Reply(k_->c_->ListWorkers(*req), resp); });
   }
   grpc::ServerBidiReactor<v1::WorkerMessage, v1::CoordinatorMessage>* Session(
       grpc::CallbackServerContext* ctx) override {
@@ -263,14 +274,14 @@ class RendezvousServiceImpl final : public v1::RendezvousService::Service {
   explicit RendezvousServiceImpl(Common* k) : k_(k) {}
   grpc::Status Set(grpc::ServerContext* ctx, const v1::KvSetRequest* req,
                    v1::KvSetResponse*) override {
-    return k_->Call("RendezvousService/Set", ctx, [&] {
+    return k_->Call("RendezvousService/Set", ctx, *req, [&] {
       return ToGrpc(LogKvRefusal("RendezvousService/Set", ctx, req->job_id(), req->key(),
                                  k_->c_->kv().Set(req->job_id(), req->key(), req->value())));
     });
   }
   grpc::Status Get(grpc::ServerContext* ctx, const v1::KvGetRequest* req,
                    v1::KvGetResponse* resp) override {
-    return k_->Call("RendezvousService/Get", ctx, [&]() -> grpc::Status {
+    return k_->Call("RendezvousService/Get", ctx, *req, [&]() -> grpc::Status {
       auto v = k_->c_->kv().Get(req->job_id(), req->key(), req->wait_ms());
       if (!v.ok()) {
         return ToGrpc(
@@ -282,7 +293,7 @@ class RendezvousServiceImpl final : public v1::RendezvousService::Service {
   }
   grpc::Status Wait(grpc::ServerContext* ctx, const v1::KvWaitRequest* req,
                     v1::KvWaitResponse*) override {
-    return k_->Call("RendezvousService/Wait", ctx, [&] {
+    return k_->Call("RendezvousService/Wait", ctx, *req, [&] {
       std::vector<std::string> keys(req->keys().begin(), req->keys().end());
       return ToGrpc(LogKvRefusal("RendezvousService/Wait", ctx, req->job_id(),
                                  keys.empty() ? std::string() : keys.front(),
@@ -291,7 +302,7 @@ class RendezvousServiceImpl final : public v1::RendezvousService::Service {
   }
   grpc::Status Add(grpc::ServerContext* ctx, const v1::KvAddRequest* req,
                    v1::KvAddResponse* resp) override {
-    return k_->Call("RendezvousService/Add", ctx, [&]() -> grpc::Status {
+    return k_->Call("RendezvousService/Add", ctx, *req, [&]() -> grpc::Status {
       auto v = k_->c_->kv().Add(req->job_id(), req->key(), req->delta());
       if (!v.ok()) {
         return ToGrpc(

@@ -16,6 +16,16 @@ std::string StateName(v1::JobState s) {
   return n.rfind("JOB_", 0) == 0 ? n.substr(4) : n;
 }
 
+uint64_t JobNumber(const std::string& id) {
+  if (id.size() < 5 || id.size() > 24 || id.compare(0, 4, "job-") != 0) return 0;
+  uint64_t n = 0;
+  for (size_t i = 4; i < id.size(); ++i) {
+    if (id[i] < '0' || id[i] > '9') return 0;
+    n = n * 10 + static_cast<uint64_t>(id[i] - '0');
+  }
+  return n;
+}
+
 JobTable::JobTable(Store* store, Clock* clock, RendezvousKv* kv, WorkerRegistry* workers)
     : store_(store), clock_(clock), kv_(kv), workers_(workers) {}
 
@@ -47,6 +57,7 @@ std::map<std::string, std::string> JobTable::Load(Store::Snapshot& snap) {
     jobs_[rec->job.id()] = std::move(rec);
   }
   deleted_ = snap.deleted;
+  deleted_names_ = snap.deleted_names;
   return invalid_specs;
 }
 
@@ -259,16 +270,45 @@ absl::StatusOr<JobRec*> JobTable::Submit(
   return raw;
 }
 
-absl::StatusOr<v1::ListJobsResponse> JobTable::List(const v1::ListJobsRequest& request) const {
+absl::StatusOr<v1::ListJobsResponse> JobTable::List(const v1::ListJobsRequest& request,
+                                                    size_t page_size) const {
+  for (int i = 0; i < request.states_size(); ++i) {
+    if (request.states(i) == v1::JOB_STATE_UNSPECIFIED) {
+      return absl::InvalidArgumentError("states[" + std::to_string(i) +
+                                        "]: JOB_STATE_UNSPECIFIED is no state");
+    }
+  }
+  // The token is the number of the last job of the previous page: this page starts below it.
+  // Numbers only grow, so it keeps its meaning while jobs are submitted or deleted.
+  uint64_t below = UINT64_MAX;
+  if (!request.page_token().empty()) {
+    below = JobNumber("job-" + request.page_token());
+    if (below == 0) {
+      const std::string& t = request.page_token();
+      return absl::InvalidArgumentError("page_token: not a token ListJobs issued (" +
+                                        (t.size() <= 64 ? t : t.substr(0, 64) + "...") + ")");
+    }
+  }
   v1::ListJobsResponse response;
+  size_t bytes = 0;
   for (auto it = job_order_.rbegin(); it != job_order_.rend(); ++it) {
     const JobRec& rec = **it;
+    const uint64_t number = JobNumber(rec.job.id());
+    if (number >= below) continue;
     if (request.states_size() > 0 && std::find(request.states().begin(), request.states().end(),
                                                rec.job.state()) == request.states().end()) {
       continue;
     }
+    if (!request.name().empty() && rec.job.name() != request.name()) continue;
+    // Tag, length and body of the job as an element of `jobs`.
+    const size_t add = rec.job.ByteSizeLong() + 6;
+    if (response.jobs_size() > 0 && (static_cast<size_t>(response.jobs_size()) >= page_size ||
+                                     bytes + add > kMaxJobsPageBytes)) {
+      response.set_next_page_token(std::to_string(JobNumber(response.jobs().rbegin()->id())));
+      break;
+    }
     *response.add_jobs() = Snapshot(rec, false);
-    if (request.limit() > 0 && response.jobs_size() >= request.limit()) break;
+    bytes += add;
   }
   return response;
 }
@@ -315,6 +355,23 @@ const JobRec* JobTable::LiveJobNamed(const std::string& name) const {
   return nullptr;
 }
 
+absl::StatusOr<JobRec*> JobTable::NewestNamed(const std::string& name) {
+  JobRec* newest = nullptr;
+  for (auto it = job_order_.rbegin(); it != job_order_.rend() && !newest; ++it) {
+    if ((*it)->job.name() == name) newest = *it;
+  }
+  auto deleted = deleted_names_.find(name);
+  if (deleted != deleted_names_.end() &&
+      (!newest || JobNumber(deleted->second) > JobNumber(newest->job.id()))) {
+    return absl::NotFoundError(
+        "job " + name + ": the newest job of this name, " + deleted->second +
+        ", was deleted already" +
+        (newest ? "; an older one, " + newest->job.id() + ", is deleted only by its id" : ""));
+  }
+  if (!newest) return absl::NotFoundError("job " + name + " not found (no job has this name)");
+  return newest;
+}
+
 std::vector<JobRec*> JobTable::Pending() const {
   std::vector<JobRec*> pending;
   for (JobRec* rec : job_order_) {
@@ -330,7 +387,11 @@ absl::StatusOr<v1::DeleteJobResponse> JobTable::Delete(JobRec* rec) {
         "; only a finished job (SUCCEEDED, FAILED, CANCELLED) can be deleted: cancel it first");
   }
   // The store first: if it cannot be written, nothing changes and the caller may retry.
-  GEOFP8_RETURN_IF_ERROR(store_->DeleteJob(rec->job));
+  auto named = deleted_names_.find(rec->job.name());
+  const bool newest_deleted_of_name =
+      named == deleted_names_.end() || JobNumber(named->second) < JobNumber(rec->job.id());
+  GEOFP8_RETURN_IF_ERROR(store_->DeleteJob(rec->job, newest_deleted_of_name));
+  if (newest_deleted_of_name) deleted_names_[rec->job.name()] = rec->job.id();
   v1::DeleteJobResponse response;
   *response.mutable_job() = Snapshot(*rec, false);
   ++deleted_.by_state[rec->job.state()];

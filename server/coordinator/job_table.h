@@ -64,6 +64,16 @@ struct JobRec {
 
 std::string StateName(v1::JobState s);
 
+// ListJobs pages (AIP-158): page_size jobs, 0 = kDefaultJobsPageSize, at most kMaxJobsPageSize;
+// a page also ends before kMaxJobsPageBytes (it holds at least one job, and a job is at most a
+// spec of kMaxSpecBytes and fields bounded at the edge), so an answer stays under gRPC's 4 MiB.
+inline constexpr int kDefaultJobsPageSize = 100;
+inline constexpr int kMaxJobsPageSize = 1000;
+inline constexpr size_t kMaxJobsPageBytes = size_t{1} << 20;
+
+// The number of a job id ("job-000042" -> 42); 0 for anything else.
+uint64_t JobNumber(const std::string& id);
+
 // Locking: none of its own; every call runs under the coordinator's mutex, which WatchNext
 // releases while it waits (on changed_).
 class JobTable {
@@ -88,7 +98,9 @@ class JobTable {
       const v1::SubmitJobRequest& request, const JobSpec& spec,
       const std::function<absl::Status(const v1::Job& job, int64_t now)>& put_policy,
       bool* created);
-  absl::StatusOr<v1::ListJobsResponse> List(const v1::ListJobsRequest& request) const;
+  // One page of the jobs, newest first (see kMaxJobsPageBytes); the caller checked page_size.
+  absl::StatusOr<v1::ListJobsResponse> List(const v1::ListJobsRequest& request,
+                                            size_t page_size) const;
   absl::Status Cancel(JobRec& rec, const std::string& request_reason, Outbox& out);
   // See Coordinator::WatchNext; `lock` holds the coordinator's mutex.
   absl::StatusOr<std::optional<v1::WatchJobResponse>> WatchNext(std::unique_lock<std::mutex>& lock,
@@ -103,6 +115,9 @@ class JobTable {
   JobRec* FindOrNull(const std::string& job_id);
   // The job that is not finished and has `name`, if any (names are unique among those).
   const JobRec* LiveJobNamed(const std::string& name) const;
+  // The newest job ever submitted with `name`: NOT_FOUND when there is none, or when that job
+  // was deleted (naming it, and the newest older job of the name, which only its id reaches).
+  absl::StatusOr<JobRec*> NewestNamed(const std::string& name);
   // PENDING jobs in submission order.
   std::vector<JobRec*> Pending() const;
 
@@ -161,6 +176,9 @@ class JobTable {
   std::vector<JobRec*> job_order_;  // submission order: scheduling is first come, first served
   std::map<std::string, std::string> by_idempotency_key_;
   Store::DeletedTotals deleted_;  // of jobs deleted, ever (persisted with each delete)
+  // Name -> id of the newest deleted job of that name (persisted with each delete): a delete by
+  // name never reaches past it to an older job (NewestNamed).
+  std::map<std::string, std::string> deleted_names_;
 };
 
 }  // namespace geofp8::coordinator

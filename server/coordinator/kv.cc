@@ -78,6 +78,9 @@ absl::Status RendezvousKv::Set(const std::string& job_id, const std::string& key
 absl::StatusOr<std::string> RendezvousKv::Get(const std::string& job_id, const std::string& key,
                                               int64_t wait_ms) {
   if (auto s = CheckIds(job_id, key); !s.ok()) return s;
+  if (wait_ms < 0) {
+    return absl::InvalidArgumentError("wait_ms: must be >= 0 (" + std::to_string(wait_ms) + ")");
+  }
   if (wait_ms > 0) {
     if (auto s = Wait(job_id, {key}, wait_ms); !s.ok()) return s;
   }
@@ -94,7 +97,11 @@ absl::StatusOr<std::string> RendezvousKv::Get(const std::string& job_id, const s
 absl::Status RendezvousKv::Wait(const std::string& job_id, const std::vector<std::string>& keys,
                                 int64_t timeout_ms) {
   if (job_id.empty()) return absl::InvalidArgumentError("job_id: required");
-  if (timeout_ms <= 0) timeout_ms = 30000;
+  if (timeout_ms < 0) {
+    return absl::InvalidArgumentError("timeout_ms: must be >= 0, 0 = 30000 (" +
+                                      std::to_string(timeout_ms) + ")");
+  }
+  if (timeout_ms == 0) timeout_ms = 30000;
   // steady_clock counts nanoseconds in int64: now + 2^63-1 ms would wrap into the past.
   timeout_ms = std::min(timeout_ms, kMaxWaitMs);
   const auto deadline = std::chrono::steady_clock::now() + std::chrono::milliseconds(timeout_ms);

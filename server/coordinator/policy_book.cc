@@ -410,11 +410,17 @@ absl::StatusOr<PolicyUpdate> PolicyBook::ParseUpdate(const v1::UpdatePolicyReque
   PolicyUpdate update;
   if (request.has_default_policy()) {
     GEOFP8_ASSIGN_OR_RETURN(auto typed, FromProto(request.default_policy(), "default_policy"));
+    // A default replaces the whole policy: its values are taken as sent, never swapped for the
+    // defaults (FromProto reads 0 as "unset", and a negative rank or a NaN would slip past).
+    const v1::LayerPolicy& sent = request.default_policy();
     LayerPatchSpec ranges;
     ranges.match = "*";
-    ranges.block = typed.block;
-    ranges.rank = typed.rank;
-    ranges.alpha = typed.alpha;
+    ranges.block = sent.block();
+    ranges.rank = sent.rank();
+    ranges.alpha = sent.alpha();
+    typed.block = sent.block();
+    typed.rank = sent.rank();
+    typed.alpha = sent.alpha();
     if (std::string e = ValidateLayerPatch(ranges, "default_policy"); !e.empty()) {
       return absl::InvalidArgumentError(e);
     }

@@ -7,6 +7,7 @@
 #include <utility>
 
 #include "platform/common/log.h"
+#include "proto/bounds.h"
 #include "server/coordinator/grpc_status.h"
 #include "server/coordinator/session.h"
 
@@ -154,6 +155,15 @@ class SessionReactor final : public Reactor, public StreamWriter {
         return;
       }
       pool_->Post([this] { End(absl::OkStatus()); });
+      return;
+    }
+    // A message past its bounds (proto/bounds.h) ends the stream, naming the field.
+    if (absl::Status bounded = bounds::Check(in_); !bounded.ok()) {
+      if (!sink_) {
+        Finish(ToGrpc(bounded));
+      } else {
+        pool_->Post([this, bounded] { End(bounded); });
+      }
       return;
     }
     if (!sink_) {

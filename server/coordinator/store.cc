@@ -597,9 +597,11 @@ namespace {
 // meta keys of the deleted-job totals: "deleted.<state number>" and "deleted.restarts".
 constexpr char kDeletedPrefix[] = "deleted.";
 constexpr char kDeletedRestartsKey[] = "deleted.restarts";
+// meta key of a name's newest deleted job: "deleted-name:<name>" = its id.
+constexpr char kDeletedNamePrefix[] = "deleted-name:";
 }  // namespace
 
-absl::Status Store::DeleteJob(const v1::Job& job) {
+absl::Status Store::DeleteJob(const v1::Job& job, bool newest_of_name) {
   return Transaction([&]() -> absl::Status {
     {
       Stmt st(db_, "DELETE FROM jobs WHERE id = ?1");
@@ -628,6 +630,13 @@ absl::Status Store::DeleteJob(const v1::Job& job) {
       st.Text(1, key);
       st.Int(2, delta);
       if (st.Step() != SQLITE_DONE) return Error("count deleted job " + job.id());
+    }
+    if (newest_of_name) {
+      Stmt st(db_, "INSERT OR REPLACE INTO meta(key, value) VALUES(?1, ?2)");
+      if (!st.ok()) return Error("prepare record deleted name");
+      st.Text(1, kDeletedNamePrefix + job.name());
+      st.Text(2, job.id());
+      if (st.Step() != SQLITE_DONE) return Error("record deleted name of job " + job.id());
     }
     return absl::OkStatus();
   });
@@ -702,6 +711,20 @@ absl::StatusOr<Store::Snapshot> Store::Load() {
       }
     }
     if (rc != SQLITE_DONE) return Error("load deleted totals");
+  }
+  {
+    Stmt st(db_, "SELECT key, value FROM meta WHERE substr(key, 1, ?1) = ?2");
+    if (!st.ok()) return Error("prepare load deleted names");
+    const size_t prefix = std::strlen(kDeletedNamePrefix);
+    st.Int(1, static_cast<int64_t>(prefix));
+    st.Text(2, kDeletedNamePrefix);
+    int rc;
+    while ((rc = st.Step()) == SQLITE_ROW) {
+      const std::string key(reinterpret_cast<const char*>(sqlite3_column_text(st.get(), 0)));
+      snap.deleted_names[key.substr(prefix)] =
+          reinterpret_cast<const char*>(sqlite3_column_text(st.get(), 1));
+    }
+    if (rc != SQLITE_DONE) return Error("load deleted names");
   }
   return snap;
 }

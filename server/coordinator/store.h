@@ -109,8 +109,10 @@ class Store {
   absl::StatusOr<uint64_t> NextJobNumber();
   // Removes a job's row, its events and its policy versions in one transaction, and adds the
   // job to the totals of deleted jobs (Snapshot::deleted). The job-id counter and the seal stay
-  // as they are, so the id is never issued again. NOT_FOUND when no such row exists.
-  absl::Status DeleteJob(const v1::Job& job);
+  // as they are, so the id is never issued again. NOT_FOUND when no such row exists. With
+  // `newest_of_name`, the job is recorded as its name's newest deleted job
+  // (Snapshot::deleted_names).
+  absl::Status DeleteJob(const v1::Job& job, bool newest_of_name = false);
   // This database's identity (32 hex digits; empty for an in-memory store).
   const std::string& store_id() const { return store_id_; }
 
@@ -124,6 +126,7 @@ class Store {
     std::vector<v1::Job> jobs;         // oldest first, events filled in
     std::vector<v1::Policy> policies;  // by job, then version
     DeletedTotals deleted;
+    std::map<std::string, std::string> deleted_names;  // name -> its newest deleted job's id
   };
   absl::StatusOr<Snapshot> Load();
 

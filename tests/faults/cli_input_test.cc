@@ -215,5 +215,64 @@ TEST(CliInputTest, ToolRejectsADirectoryAsInput) {
             "geofp8-tool: error: in: is a directory, expected a file (" + dir.path() + ")\n");
 }
 
+// #40 item 5: `delete job NAME` twice never deletes an older job of the name. #41 item 1: with
+// more than gRPC's 4 MiB of jobs (eight 900 KB specs), listings and name resolution still work.
+TEST(CliInputTest, DeleteByNameReachesOnlyTheNewestJobAndListingsPage) {
+  TempDir dir("geofp8-cli");
+  CoordinatorProcess coordinator;
+  const std::vector<std::string> ctl = {GEOFP8CTL_BIN, "-s", coordinator.address()};
+  auto run = [&](std::vector<std::string> args) {
+    std::vector<std::string> argv = ctl;
+    argv.insert(argv.end(), args.begin(), args.end());
+    return RunProgram(argv);
+  };
+  // No worker runs: the jobs stay PENDING until cancelled.
+  const std::string spec = WriteFile(dir, "twice.yaml", "name: twice\nworld_size: 1\n");
+  for (const char* id : {"job-000001", "job-000002"}) {
+    Result r = run({"submit", "-f", spec});
+    ASSERT_EQ(r.code, 0) << r.output;
+    r = run({"cancel", "twice"});
+    ASSERT_EQ(r.code, 0) << r.output;
+    EXPECT_NE(r.output.find(std::string("job/") + id + " CANCELLED"), std::string::npos)
+        << r.output;
+  }
+  Result r = run({"delete", "job", "twice"});
+  EXPECT_EQ(r.code, 0) << r.output;
+  EXPECT_EQ(r.output, "job/job-000002 deleted\n");
+  r = run({"delete", "job", "twice"});  // the newest is gone: refused, the older one stays
+  EXPECT_EQ(r.code, 3) << r.output;
+  EXPECT_NE(r.output.find("job twice: the newest job of this name, job-000002, was deleted "
+                          "already; an older one, job-000001, is deleted only by its id"),
+            std::string::npos)
+      << r.output;
+  r = run({"get", "job", "job-000001", "-o", "name"});
+  EXPECT_EQ(r.code, 0) << r.output;
+  r = run({"delete", "job", "job-000001"});  // by its id
+  EXPECT_EQ(r.code, 0) << r.output;
+  EXPECT_EQ(r.output, "job/job-000001 deleted\n");
+
+  const std::string filler = "# " + std::string(900 * 1000, 'x') + "\n";
+  for (int i = 0; i < 8; ++i) {
+    const std::string big = WriteFile(dir, "big" + std::to_string(i) + ".yaml",
+                                      filler + "name: big" + std::to_string(i) + "\n");
+    r = run({"submit", "-f", big});
+    ASSERT_EQ(r.code, 0) << r.output;
+  }
+  r = run({"get", "jobs", "-o", "name"});
+  EXPECT_EQ(r.code, 0) << r.output.substr(0, 500);
+  EXPECT_EQ(r.output,
+            "job/job-000010\njob/job-000009\njob/job-000008\njob/job-000007\njob/job-000006\n"
+            "job/job-000005\njob/job-000004\njob/job-000003\n");
+  r = run({"get", "jobs", "--limit", "3", "-o", "name"});
+  EXPECT_EQ(r.output, "job/job-000010\njob/job-000009\njob/job-000008\n") << r.code;
+  r = run({"get", "job", "big0", "-o", "name"});  // the oldest, by its name
+  EXPECT_EQ(r.code, 0) << r.output.substr(0, 500);
+  EXPECT_EQ(r.output, "job/job-000003\n");
+  r = run({"cancel", "big0"});
+  EXPECT_EQ(r.code, 0) << r.output.substr(0, 500);
+  r = run({"get", "workers"});
+  EXPECT_EQ(r.code, 0) << r.output;
+}
+
 }  // namespace
 }  // namespace geofp8::testing

@@ -43,7 +43,7 @@ TEST(SpecFloodFaultTest, FortyRefusedLargeSpecsCostNeitherTimeNorMemory) {
   while (hostile.size() < 3'000'000) hostile += "1, ";
   hostile += "1]\n";
   const std::string expected =
-      "spec: at most 1048576 bytes (" + std::to_string(hostile.size()) + ")";
+      "spec_yaml: at most 1048576 bytes (" + std::to_string(hostile.size()) + ")";
   // Under the size bound, a million entries by shape: parsed, half a second and 160 MB each.
   std::string dense = "name: flood\nx: [";
   while (dense.size() < 1'000'000) dense += "1, ";

@@ -5,6 +5,7 @@
 
 #include <chrono>
 #include <filesystem>
+#include <set>
 #include <thread>
 
 #include "server/coordinator/coordinator.h"
@@ -229,6 +230,131 @@ TEST_F(JobDeleteTest, AWatcherOfADeletedJobGetsNotFound) {
   EXPECT_EQ(watched.code(), absl::StatusCode::kNotFound) << watched;
   // Woken by the delete, not by its 5 s timeout.
   EXPECT_LT(std::chrono::steady_clock::now() - start, std::chrono::seconds(4));
+}
+
+// Issue #40 item 5: `geofp8ctl delete job NAME` twice must not reach an older job of the name.
+TEST_F(JobDeleteTest, ADeleteByNameReachesOnlyTheNewestJobOfThatNameEver) {
+  OpenTempDir();
+  const std::string older = Submit("name: twice\nworld_size: 1\n");
+  Cancel(older);
+  const std::string newer = Submit("name: twice\nworld_size: 1\n");
+  Cancel(newer);
+  auto by_name = [&](const std::string& name) {
+    v1::DeleteJobRequest req;
+    req.set_name(name);
+    return coordinator->DeleteJob(req);
+  };
+  auto first = by_name("twice");
+  ASSERT_TRUE(first.ok()) << first.status();
+  EXPECT_EQ(first->job().id(), newer);
+  // The second delete by name is refused, naming the deleted job and the older one's id.
+  auto second = by_name("twice");
+  ASSERT_EQ(second.status().code(), absl::StatusCode::kNotFound) << second.status();
+  EXPECT_NE(second.status().message().find("the newest job of this name, " + newer +
+                                           ", was deleted already; an older one, " + older +
+                                           ", is deleted only by its id"),
+            std::string::npos)
+      << second.status();
+  EXPECT_EQ(GetCode(older), absl::StatusCode::kOk);
+  // So after a coordinator restart (the record is in the store).
+  Open(dir);
+  EXPECT_EQ(by_name("twice").status().code(), absl::StatusCode::kNotFound);
+  EXPECT_EQ(GetCode(older), absl::StatusCode::kOk);
+  // Deleting the older one by id does not make it the name's newest deleted job.
+  ASSERT_TRUE(Delete(older).ok());
+  Open(dir);
+  auto third = by_name("twice");
+  EXPECT_NE(third.status().message().find(newer + ", was deleted already"), std::string::npos)
+      << third.status();
+  // A new job of the name is the newest again, and a delete by name reaches it.
+  const std::string newest = Submit("name: twice\nworld_size: 1\n");
+  Cancel(newest);
+  auto fourth = by_name("twice");
+  ASSERT_TRUE(fourth.ok()) << fourth.status();
+  EXPECT_EQ(fourth->job().id(), newest);
+  // Unknown names, and a request naming both, are refused.
+  EXPECT_EQ(by_name("never").status().code(), absl::StatusCode::kNotFound);
+  v1::DeleteJobRequest both;
+  both.set_job_id(newest);
+  both.set_name("twice");
+  EXPECT_EQ(coordinator->DeleteJob(both).status().code(), absl::StatusCode::kInvalidArgument);
+}
+
+// Issue #41 item 1: listings are paged, by count and by bytes, so no answer passes gRPC's 4 MiB
+// whatever is stored, including oversized idempotency keys a store holds from before the bounds.
+TEST_F(JobDeleteTest, ListingsArePagedWhateverTheStoreHolds) {
+  OpenTempDir();
+  for (int i = 0; i < 5; ++i) Submit("name: big" + std::to_string(i) + "\nworld_size: 1\n");
+  for (int i = 0; i < 150; ++i) Submit("name: small" + std::to_string(i) + "\nworld_size: 1\n");
+  // Five jobs as an older coordinator stored them: 1 MiB idempotency keys (ListJobs was 5.2 MB).
+  {
+    auto snap = store->Load();
+    ASSERT_TRUE(snap.ok()) << snap.status();
+    for (int i = 0; i < 5; ++i) {
+      v1::Job job = snap->jobs[i];
+      job.clear_events();
+      job.set_idempotency_key(std::string(size_t{1} << 20, 'k') + std::to_string(i));
+      ASSERT_TRUE(store->PutJob(job).ok());
+    }
+  }
+  Open(dir);
+  auto all_pages = [&](v1::ListJobsRequest req) {
+    std::vector<std::string> ids;
+    int pages = 0;
+    do {
+      auto page = coordinator->ListJobs(req);
+      EXPECT_TRUE(page.ok()) << page.status();
+      if (!page.ok()) break;
+      EXPECT_LT(page->ByteSizeLong(), size_t{4} << 20);
+      EXPECT_GT(page->jobs_size(), 0);
+      for (const auto& j : page->jobs()) ids.push_back(j.id());
+      req.set_page_token(page->next_page_token());
+      ++pages;
+    } while (!req.page_token().empty() && pages < 1000);
+    return std::make_pair(ids, pages);
+  };
+  auto [ids, pages] = all_pages(v1::ListJobsRequest());
+  ASSERT_EQ(ids.size(), 155u);
+  EXPECT_EQ(ids.front(), "job-000155");  // newest first, each once
+  EXPECT_EQ(ids.back(), "job-000001");
+  EXPECT_EQ(std::set<std::string>(ids.begin(), ids.end()).size(), 155u);
+  EXPECT_EQ(pages, 2 + 5);  // 100 and 50 small ones; the 1 MiB ones one a page
+  v1::ListJobsRequest small;
+  small.set_page_size(7);
+  EXPECT_EQ(all_pages(small).second, 150 / 7 + 1 + 5);
+  // The name filter (how geofp8ctl resolves a name), states, and refused values.
+  v1::ListJobsRequest named;
+  named.set_name("small17");
+  named.set_page_size(1);
+  auto one = coordinator->ListJobs(named);
+  ASSERT_TRUE(one.ok()) << one.status();
+  ASSERT_EQ(one->jobs_size(), 1);
+  EXPECT_EQ(one->jobs(0).name(), "small17");
+  EXPECT_TRUE(one->next_page_token().empty());
+  v1::ListJobsRequest bad;
+  bad.set_page_size(1001);
+  EXPECT_NE(coordinator->ListJobs(bad).status().message().find("page_size: must be in [0, 1000]"),
+            std::string::npos);
+  bad.set_page_size(0);
+  bad.set_page_token("x");
+  EXPECT_NE(coordinator->ListJobs(bad).status().message().find("page_token: not a token"),
+            std::string::npos);
+  bad.clear_page_token();
+  bad.add_states(v1::JOB_STATE_UNSPECIFIED);
+  EXPECT_NE(coordinator->ListJobs(bad).status().message().find("states[0]: JOB_STATE_UNSPECIFIED"),
+            std::string::npos);
+  // Workers too, in id order.
+  for (int i = 0; i < 5; ++i) Join("w" + std::to_string(i));
+  v1::ListWorkersRequest wreq;
+  wreq.set_page_size(2);
+  std::vector<std::string> workers;
+  do {
+    auto page = coordinator->ListWorkers(wreq);
+    ASSERT_TRUE(page.ok()) << page.status();
+    for (const auto& w : page->workers()) workers.push_back(w.id());
+    wreq.set_page_token(page->next_page_token());
+  } while (!wreq.page_token().empty());
+  EXPECT_EQ(workers, (std::vector<std::string>{"w0", "w1", "w2", "w3", "w4"}));
 }
 
 }  // namespace

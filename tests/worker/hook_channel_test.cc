@@ -2,6 +2,7 @@
 // real Unix socket. Policy versions come down and are handed out at their effective step with
 // per-layer resolution; reports go up; a restarted server is reattached to and gets the catalog
 // again; a client whose server is gone still closes promptly.
+#include <grpcpp/grpcpp.h>
 #include <gtest/gtest.h>
 #include <stdlib.h>
 
@@ -12,6 +13,7 @@
 #include <mutex>
 #include <thread>
 
+#include "geofp8/v1/geofp8.grpc.pb.h"
 #include "kernels/common/check.h"
 #include "platform/policy/policy.h"
 #include "worker/daemon/hook_server.h"
@@ -29,6 +31,14 @@ class Relay {
       std::lock_guard<std::mutex> lock(mu_);
       got_.push_back(m);
     };
+  }
+  // Whether a message that `pred` accepts was relayed already.
+  bool Seen(const std::function<bool(const v1::HookMessage&)>& pred) {
+    std::lock_guard<std::mutex> lock(mu_);
+    for (const auto& m : got_) {
+      if (pred(m)) return true;
+    }
+    return false;
   }
   // Waits up to 5 s for a message that `pred` accepts.
   bool WaitFor(const std::function<bool(const v1::HookMessage&)>& pred) {
@@ -137,6 +147,40 @@ TEST_F(HookChannelTest, TheCatalogCarriesTheModelNameAndAttachesAreCounted) {
   }
   EXPECT_EQ((*again)->attached(), 0);
   EXPECT_EQ((*again)->attaches(), 1);
+}
+
+// #41 item 1: the hook socket checks what a program sends against the request bounds
+// (proto/bounds.h): a message past them ends the stream naming the field, and none of it is
+// relayed to the coordinator (which would end the worker's session for it).
+TEST_F(HookChannelTest, AMessagePastItsBoundsEndsTheStreamAndIsNotRelayed) {
+  auto server = Serve({MakePolicy(1, 0, "")});
+  ASSERT_NE(server, nullptr);
+  auto stub = v1::HookService::NewStub(
+      grpc::CreateChannel("unix:" + socket_, grpc::InsecureChannelCredentials()));
+  grpc::ClientContext ctx;
+  ctx.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(30));
+  auto stream = stub->Attach(&ctx);
+  v1::HookMessage fine, bad;
+  fine.mutable_catalog()->set_model_name("fine");
+  fine.mutable_catalog()->add_layers()->set_name("layers.0.w");
+  bad.mutable_catalog()->set_model_name("bad");
+  bad.mutable_catalog()->add_layers()->set_name("layers.0.w\x1b[2J");
+  ASSERT_TRUE(stream->Write(fine));
+  ASSERT_TRUE(
+      relay_.WaitFor([](const v1::HookMessage& m) { return m.catalog().model_name() == "fine"; }));
+  stream->Write(bad);
+  stream->WritesDone();
+  v1::HookCommand c;
+  while (stream->Read(&c)) {
+  }
+  const grpc::Status s = stream->Finish();
+  EXPECT_EQ(s.error_code(), grpc::StatusCode::INVALID_ARGUMENT);
+  EXPECT_EQ(s.error_message(),
+            "catalog.layers[0].name: must be one line of text, no control codes (byte 10 is 0x1b)");
+  // The server relays a message before it reads the next, and ended the stream after reading
+  // this one: had it been relayed, it would be there now.
+  EXPECT_FALSE(
+      relay_.Seen([](const v1::HookMessage& m) { return m.catalog().model_name() == "bad"; }));
 }
 
 TEST_F(HookChannelTest, PoliciesComeDownAtTheirStepReportsGoUpAndTheClientReattaches) {

@@ -10,6 +10,8 @@
 #include <filesystem>
 #include <optional>
 
+#include "proto/bounds.h"
+
 namespace geofp8::worker {
 
 class HookServer::Service final : public v1::HookService::Service {
@@ -40,9 +42,15 @@ class HookServer::Service final : public v1::HookService::Service {
       ++attaches_;
     }
     v1::HookMessage m;
-    while (stream->Read(&m)) relay_(m);
+    absl::Status bounded;
+    // A message past its bounds (proto/bounds.h) ends the stream naming the field; nothing of it
+    // is relayed to the coordinator, which would end the worker's session for it.
+    while (stream->Read(&m) && (bounded = bounds::Check(m)).ok()) relay_(m);
     std::lock_guard<std::mutex> lock(mu_);
     streams_.erase(stream);
+    if (!bounded.ok()) {
+      return grpc::Status(grpc::StatusCode::INVALID_ARGUMENT, std::string(bounded.message()));
+    }
     return grpc::Status::OK;
   }
 

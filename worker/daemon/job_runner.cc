@@ -9,6 +9,7 @@
 
 #include "kernels/common/check.h"
 #include "platform/common/status_error.h"
+#include "proto/bounds.h"
 #include "worker/daemon/log.h"
 #include "worker/daemon/rank_attempt.h"
 #include "worker/daemon/rank_reporter.h"
@@ -35,7 +36,8 @@ absl::StatusOr<model::ModelConfig> ModelConfigFor(const JobSpec& spec) {
 v1::WorkerMessage FinishedMessage(const v1::Assignment& assignment, const JobOutcome& out) {
   v1::WorkerMessage m;
   m.mutable_finished()->set_success(out.success);
-  m.mutable_finished()->set_reason(out.reason);
+  // Within the coordinator's bound, or it would refuse the report (and end the session) for it.
+  m.mutable_finished()->set_reason(bounds::Fit(out.reason, "JobFinished", "reason"));
   m.mutable_finished()->set_job_id(assignment.job_id());
   m.mutable_finished()->set_attempt(assignment.attempt());
   m.mutable_finished()->set_steps(out.steps);
