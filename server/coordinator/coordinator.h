@@ -72,8 +72,8 @@ struct CoordinatorOptions {
   int64_t restart_backoff_max_ms = 300000;
   // A dead worker's entry (name, last generation, back-off) is dropped this long after its death.
   int64_t dead_worker_retention_ms = 600000;
-  // More than this share of at least kHoldOffMinWorkers live workers missing their heartbeat
-  // deadline at once holds off fencing (WorkerRegistry::Tick); >= 1 turns the hold-off off.
+  // More than this share of at least kHoldOffMinWorkers live workers not heard for two heartbeat
+  // intervals at once holds off fencing (WorkerRegistry::Tick); >= 1 turns the hold-off off.
   double fencing_holdoff_share = 0.5;
 };
 

@@ -99,8 +99,9 @@ void DefineFlags(CLI::App& app, Flags& f) {
       ->capture_default_str()
       ->check(CLI::Range(int64_t{0}, int64_t{604800000}));
   app.add_option("--fencing-holdoff-share", f.coord.fencing_holdoff_share,
-                 "When more than this share of the live workers (10 or more) miss their heartbeat "
-                 "deadline at once, hold off fencing until they are heard again (1: never hold)")
+                 "When more than this share of the live workers (10 or more) have not been heard "
+                 "for two heartbeat intervals, the coordinator is behind: hold off fencing until "
+                 "they are heard again (1: never hold)")
       ->capture_default_str()
       ->check(CLI::Range(0.0, 1.0));
   app.add_option("--tick-ms", f.tick_ms, "Period of the dead-worker check")

@@ -291,7 +291,11 @@ void WorkerRegistry::Tick(Outbox& out) {
   const int64_t lag = HeartbeatLagMs();
   const int64_t deadline = heartbeat_timeout_ms_ + lag;
   std::vector<std::pair<WorkerRec*, int64_t>> missing;  // and how long each was silent
-  int live = 0;
+  // A healthy coordinator hears every live worker once an interval. When most have not been heard
+  // for two (or the timeout, if shorter), it is behind on its own queues, whatever it measured of
+  // the beats it did handle: the silences are its own.
+  const int64_t behind_after = std::min<int64_t>(2 * heartbeat_interval_ms_, heartbeat_timeout_ms_);
+  int live = 0, unheard = 0;
   for (auto it = workers_.begin(); it != workers_.end();) {
     WorkerRec& w = it->second;
     if (!w.fenced_reason.empty()) {
@@ -310,30 +314,41 @@ void WorkerRegistry::Tick(Outbox& out) {
     ++live;
     const int64_t silent = now - LastSeen(it->first);
     if (silent > deadline) missing.emplace_back(&w, silent);
+    if (silent > behind_after) ++unheard;
     ++it;
   }
   const bool mass = live >= kHoldOffMinWorkers &&
-                    static_cast<double>(missing.size()) > options_.fencing_holdoff_share * live;
+                    static_cast<double>(unheard) > options_.fencing_holdoff_share * live;
   if (mass) {
     if (!fencing_held_) {
       fencing_held_ = true;
       held_since_ms_ = now;
+      hold_keeping_up_since_ms_ = now;
       ++fencing_holds_;
+      char share[16];
+      std::snprintf(share, sizeof share, "%g", options_.fencing_holdoff_share);
       log::Warn("fencing.held")
+          .F("unheard", unheard)
           .F("missing", missing.size())
           .F("live", live)
           .F("heartbeat_lag_ms", lag)
-          .Msg(std::to_string(missing.size()) + " of " + std::to_string(live) +
-               " workers missed their heartbeat deadline at once, more than the share of " +
-               std::to_string(options_.fencing_holdoff_share) +
-               ": the coordinator is likelier starved than they are dead; holding off fencing");
+          .Msg(std::to_string(unheard) + " of " + std::to_string(live) +
+               " live workers were not heard for " + std::to_string(behind_after) +
+               " ms, more than the share of " + share +
+               ": the coordinator is behind on its own queues; holding off fencing");
     }
-    if (now - held_since_ms_ < int64_t{kMaxHoldTimeouts} * heartbeat_timeout_ms_) return;
-    // Held as long as it may be: a mass failure after all. Fence as before.
+    // While the beats it does handle come late, the coordinator is still behind and keeps holding;
+    // once it keeps up with them (lag within an interval) for kMaxHoldTimeouts timeouts, the
+    // workers still silent are a mass failure after all, and are fenced as before.
+    if (lag > heartbeat_interval_ms_) hold_keeping_up_since_ms_ = now;
+    if (now - hold_keeping_up_since_ms_ < int64_t{kMaxHoldTimeouts} * heartbeat_timeout_ms_) {
+      return;
+    }
   }
   if (fencing_held_) {
     fencing_held_ = false;
     log::Info("fencing.resumed")
+        .F("unheard", unheard)
         .F("missing", missing.size())
         .F("live", live)
         .F("held_ms", now - held_since_ms_)

@@ -46,7 +46,8 @@ inline constexpr int64_t kWorkerBackoffMaxMs = 300000;
 // worker and job (JobTable::FailAttempt).
 inline constexpr int64_t kUnchargedLossWindowMs = 10000;
 // Fencing hold-off (docs/reliability.md, "A starved coordinator"): applies to fleets of at least
-// this many live workers, and lasts at most this many heartbeat timeouts.
+// this many live workers, and lasts at most this many heartbeat timeouts once the coordinator
+// keeps up with the heartbeats it does get.
 inline constexpr int kHoldOffMinWorkers = 10;
 inline constexpr int kMaxHoldTimeouts = 10;
 
@@ -56,8 +57,8 @@ struct LivenessOptions {
   int heartbeat_timeout_ms = 6000;
   // A dead worker's entry is dropped from the registry this long after it was declared dead.
   int64_t dead_worker_retention_ms = 600000;
-  // When more than this share of the live workers miss their heartbeat deadline in one check,
-  // the coordinator holds off fencing (its own starvation is the likelier cause); >= 1: never.
+  // When more than this share of the live workers have not been heard for two heartbeat
+  // intervals in one check, the coordinator is behind: it holds off fencing; >= 1: never.
   double fencing_holdoff_share = 0.5;
 };
 
@@ -111,9 +112,12 @@ class WorkerRegistry {
 
   // Declares dead the workers whose heartbeats stopped: silent for longer than the heartbeat
   // timeout plus the coordinator's own heartbeat processing lag (HeartbeatLagMs). When more than
-  // fencing_holdoff_share of the live workers miss at once, it holds off (logged, counted) until
-  // fewer miss, then gives every live worker a fresh timeout; at most kMaxHoldTimeouts timeouts.
-  // Drops dead workers' entries after dead_worker_retention_ms.
+  // fencing_holdoff_share of the live workers (kHoldOffMinWorkers or more) have not been heard
+  // for two heartbeat intervals (or the timeout, if shorter), the coordinator is behind: it holds
+  // off fencing (logged, counted) until fewer are, then gives every live worker a fresh timeout;
+  // once it keeps up with the beats it does get (HeartbeatLagMs within an interval) for
+  // kMaxHoldTimeouts timeouts, the silent ones are fenced. Drops dead workers' entries after
+  // dead_worker_retention_ms.
   void Tick(Outbox& out);
   // How late the coordinator handles heartbeats now: the median, over the last full second, of
   // each beat's (arrival - Heartbeat.unix_ms) less the least such transit seen from that worker
@@ -194,6 +198,7 @@ class WorkerRegistry {
   // Fencing hold-off (Tick).
   bool fencing_held_ = false;
   int64_t held_since_ms_ = 0;
+  int64_t hold_keeping_up_since_ms_ = 0;  // since when the hold saw no lag over an interval
   uint64_t fencing_holds_ = 0;
   std::atomic<uint64_t> fenced_messages_{0};
   std::mutex live_mu_;

@@ -262,6 +262,33 @@ TEST_F(WorkerLivenessTest, AMassMissHoldsFencingOffUntilCaughtUp) {
   EXPECT_FALSE(coordinator->GetCounts().fencing_held);
 }
 
+// A hold while the beats that do arrive are handled late (the coordinator behind): it lasts as long
+// as that lag does, past 10 timeouts, and resumes without a death once all are heard again.
+TEST_F(WorkerLivenessTest, AHoldLastsWhileTheCoordinatorIsBehind) {
+  std::vector<Worker> ws;
+  for (int i = 0; i < 20; ++i) ws.push_back(Join("w" + std::to_string(100 + i)));
+  auto beat = [&](int from, int to, int64_t late_ms) {
+    for (int i = from; i < to; ++i) {
+      v1::WorkerMessage m;
+      m.mutable_heartbeat()->set_unix_ms(clock.now - late_ms);
+      ASSERT_TRUE(Send(ws[i], m).ok());
+    }
+  };
+  beat(0, 20, 0);                  // the least transit of each
+  for (int t = 1; t <= 30; ++t) {  // 30 timeouts: 15 unheard, the others' beats 5 s late
+    clock.now += 1000;
+    beat(15, 20, 5000);
+    coordinator->Tick();
+    ASSERT_EQ(DeadCount(), 0) << "after " << t << " s";
+  }
+  EXPECT_TRUE(coordinator->GetCounts().fencing_held);
+  clock.now += 100;
+  beat(0, 20, 0);
+  coordinator->Tick();
+  EXPECT_FALSE(coordinator->GetCounts().fencing_held);
+  EXPECT_EQ(DeadCount(), 0);
+}
+
 TEST_F(WorkerLivenessTest, ASmallFleetIsFencedAsBefore) {
   // Under kHoldOffMinWorkers live workers, even all of them missing is fenced (a partition of a
   // small cluster restarts its jobs as it always did).
