@@ -167,6 +167,9 @@ class Coordinator {
   // VM pause, starvation): the workers' silence is ours, not theirs. Every live worker's
   // heartbeat clock restarts now, so no worker is declared dead for it (a false death).
   void CreditPause(int64_t paused_ms);
+  // A worker's message (its session's first) waited `lag_ms` between being read and handled:
+  // counted in the heartbeat lag that extends every deadline (WorkerRegistry::HeartbeatLagMs).
+  void RecordHandlingLag(int64_t lag_ms) { workers_.RecordHandlingLag(lag_ms); }
 
   RendezvousKv& kv() { return kv_; }
 

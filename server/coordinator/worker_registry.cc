@@ -396,6 +396,11 @@ void WorkerRegistry::RecordLagLocked(int64_t now, int64_t lag_ms) {
   }
 }
 
+void WorkerRegistry::RecordHandlingLag(int64_t lag_ms) {
+  std::lock_guard<std::mutex> lock(live_mu_);
+  RecordLagLocked(clock_->NowMs(), lag_ms);
+}
+
 int64_t WorkerRegistry::HeartbeatLagMs() {
   std::lock_guard<std::mutex> lock(live_mu_);
   // No beat handled for two windows: nothing measured lately (an idle fleet, or none at all).

@@ -123,6 +123,9 @@ class WorkerRegistry {
   // each beat's (arrival - Heartbeat.unix_ms) less the least such transit seen from that worker
   // (its clock skew and network time). Beats that wait in the coordinator's queues show here.
   int64_t HeartbeatLagMs();
+  // A message that waited `lag_ms` in the coordinator before it was handled (a session's first,
+  // whose transit cannot be told from clock skew): a sample of the same lag. Takes live_mu_ only.
+  void RecordHandlingLag(int64_t lag_ms);
   // Every live worker's heartbeat clock restarts now (Coordinator::CreditPause).
   void CreditPause(int64_t paused_ms);
   // Fences w's generation: a Stop to its stream, and its rank (if any) is lost (RankLost).
