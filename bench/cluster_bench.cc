@@ -196,8 +196,8 @@ class HealthProbe {
     }
   }
 
-  // One round trip in ms; negative when the call failed.
-  double RoundTripMs() {
+  // One round trip in ms; negative when the call failed (then *error says why).
+  double RoundTripMs(std::string* error) {
     grpc::ClientContext ctx;
     ctx.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(10));
     grpc::Slice empty;
@@ -211,7 +211,11 @@ class HealthProbe {
     bool ok;
     cq_.Next(&tag, &ok);
     const double ms = Ms(Clock::now() - t0);
-    return status.ok() ? ms : -1;
+    if (!status.ok()) {
+      *error = std::to_string(status.error_code()) + " " + status.error_message();
+      return -1;
+    }
+    return ms;
   }
 
  private:
@@ -462,7 +466,10 @@ class FleetThread {
     m.set_generation(w->generation);
     m.set_seq(++w->seq);
     if (heartbeat) {
-      m.mutable_heartbeat()->set_unix_ms(0);
+      // The send time, as the real worker stamps it: the coordinator measures its own lag by it.
+      m.mutable_heartbeat()->set_unix_ms(std::chrono::duration_cast<std::chrono::milliseconds>(
+                                             std::chrono::system_clock::now().time_since_epoch())
+                                             .count());
       w->beats.push_back({w->seq, Clock::now(), recording_->load()});
       if (w->beats.back().recorded) {
         std::lock_guard<std::mutex> lock(stats_->mu);
@@ -643,7 +650,9 @@ struct Options {
 struct Beats {
   uint64_t sent = 0, acked = 0, skipped = 0;
   double p50 = 0, p99 = 0, max = 0, lag_max = 0;
-  double probe_p50 = 0, probe_p99 = 0;
+  double probe_p50 = -1, probe_p99 = -1;  // -1: no probe answered
+  int probes = 0, probes_failed = 0;
+  std::string probe_error;
   uint64_t unacked() const { return sent - acked; }
 };
 
@@ -661,7 +670,12 @@ struct LevelResult {
   double update_rate = 0, update_p50 = 0, update_p99 = 0;
   uint64_t updates = 0, update_failures = 0, policies_expected = 0, policies_delivered = 0;
   std::string update_error;
+  std::vector<std::string> update_jobs;
   Beats during_updates;
+  // No simulated worker dies: every worker the coordinator declared dead is a false death, and
+  // every restart of the bench's jobs was caused by one.
+  int false_deaths = 0, fencing_holds = 0;
+  int job_restarts = 0;
   double sqlite_commits = 0;
   CoordinatorProcess::Usage usage_end;
   std::string first_error;
@@ -680,10 +694,16 @@ Beats MeasureBeats(Fleet& fleet, HealthProbe& probe, double seconds,
   }
   fleet.set_recording(true);
   std::vector<double> probes;
+  int failed = 0;
+  std::string error;
   const auto until = Clock::now() + std::chrono::duration<double>(seconds);
   while (Clock::now() < until) {
-    const double ms = probe.RoundTripMs();
-    if (ms >= 0) probes.push_back(ms);
+    const double ms = probe.RoundTripMs(&error);
+    if (ms >= 0) {
+      probes.push_back(ms);
+    } else {
+      ++failed;
+    }
     if (during) during();
     std::this_thread::sleep_for(std::chrono::milliseconds(10));
   }
@@ -698,8 +718,13 @@ Beats MeasureBeats(Fleet& fleet, HealthProbe& probe, double seconds,
   b.p99 = Percentile(s.beat_ms, 0.99);
   b.max = s.beat_ms.empty() ? 0 : *std::max_element(s.beat_ms.begin(), s.beat_ms.end());
   b.lag_max = s.max_lag_ms;
-  b.probe_p50 = Percentile(probes, 0.5);
-  b.probe_p99 = Percentile(probes, 0.99);
+  b.probes = static_cast<int>(probes.size()) + failed;
+  b.probes_failed = failed;
+  b.probe_error = error;
+  if (!probes.empty()) {
+    b.probe_p50 = Percentile(probes, 0.5);
+    b.probe_p99 = Percentile(probes, 0.99);
+  }
   return b;
 }
 
@@ -723,10 +748,12 @@ bool WaitFor(const std::function<bool()>& pred, double timeout_s,
 void PrintBeats(const char* what, const Beats& b) {
   std::printf(
       "%s: sent %llu, acked %llu, skipped %llu, unacked %llu; ack round trip p50 %.3f ms, "
-      "p99 %.3f ms, max %.1f ms; probe p50 %.3f ms, p99 %.3f ms; simulator lag max %.1f ms\n",
+      "p99 %.3f ms, max %.1f ms; probe p50 %s ms, p99 %s ms (%d probes, %d failed%s%s); "
+      "simulator lag max %.1f ms\n",
       what, static_cast<unsigned long long>(b.sent), static_cast<unsigned long long>(b.acked),
       static_cast<unsigned long long>(b.skipped), static_cast<unsigned long long>(b.unacked()),
-      b.p50, b.p99, b.max, b.probe_p50, b.probe_p99, b.lag_max);
+      b.p50, b.p99, b.max, Time(b.probe_p50, 3).c_str(), Time(b.probe_p99, 3).c_str(), b.probes,
+      b.probes_failed, b.probe_error.empty() ? "" : ": ", b.probe_error.c_str(), b.lag_max);
 }
 
 // Submits a job of `world` ranks and returns its id, or an error sentence after "!".
@@ -738,6 +765,24 @@ std::string Submit(v1::JobService::Stub* jobs, const std::string& name, int worl
   ctx.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(60));
   const grpc::Status s = jobs->SubmitJob(&ctx, req, &resp);
   return s.ok() ? resp.job().id() : "!" + s.error_message();
+}
+
+// Restarts the job has used so far; 0 when it cannot be read.
+int JobRestarts(v1::JobService::Stub* jobs, const std::string& id) {
+  v1::GetJobRequest req;
+  req.set_job_id(id);
+  v1::Job job;
+  grpc::ClientContext ctx;
+  ctx.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(30));
+  return jobs->GetJob(&ctx, req, &job).ok() ? job.restarts() : 0;
+}
+
+// Lines of the coordinator's log that hold `text`.
+int CountLogLines(const std::string& path, const std::string& text) {
+  std::ifstream in(path);
+  int n = 0;
+  for (std::string line; std::getline(in, line);) n += line.find(text) != std::string::npos;
+  return n;
 }
 
 v1::JobState JobStateOf(v1::JobService::Stub* jobs, const std::string& id) {
@@ -814,6 +859,7 @@ void PolicyUpdates(const Options& o, Fleet& fleet, HealthProbe& probe, v1::JobSe
       r->update_error = "submit: " + ids.back().substr(1);
       return;
     }
+    r->update_jobs.push_back(ids.back());
   }
   if (!WaitFor([&] { return s.assignments.load() - assigned0 >= ranks_per_job * o.update_callers; },
                60, nullptr)) {
@@ -979,6 +1025,14 @@ LevelResult RunLevel(const Options& o, int n, const std::string& dir) {
   std::printf("baseline: %.0f SQLite WAL+FULL commits/s on the same disk\n", r.sqlite_commits);
   r.usage_end = coordinator.ReadUsage();
   r.sessions_lost = s.sessions_lost.load();
+  for (const std::string& id : r.update_jobs) r.job_restarts += JobRestarts(jobs.get(), id);
+  r.false_deaths = CountLogLines(coordinator.log_path(), "event=worker.dead");
+  r.fencing_holds = CountLogLines(coordinator.log_path(), "event=fencing.held");
+  std::printf(
+      "liveness: %d sessions lost (%.2f%%), %d workers declared dead (all false: no simulated "
+      "worker dies), %d restarts of the update jobs, fencing held off %d times\n",
+      r.sessions_lost, n > 0 ? 100.0 * r.sessions_lost / n : 0.0, r.false_deaths, r.job_restarts,
+      r.fencing_holds);
   {
     std::lock_guard<std::mutex> lock(s.mu);
     if (r.first_error.empty()) r.first_error = s.first_error;
@@ -994,9 +1048,9 @@ LevelResult RunLevel(const Options& o, int n, const std::string& dir) {
   // One line for scripts (tests/bench/cluster_bench_test.sh).
   std::printf(
       "result workers=%d registered=%d sessions=%d register_failed=%d sessions_lost=%d "
-      "beats_sent=%llu beats_acked=%llu beats_skipped=%llu beats_unacked=%llu assigned=%d/%d "
-      "updates=%llu\n\n",
-      n, r.registered, r.opened, r.register_failed, r.sessions_lost,
+      "false_deaths=%d job_restarts=%d beats_sent=%llu beats_acked=%llu beats_skipped=%llu "
+      "beats_unacked=%llu assigned=%d/%d updates=%llu\n\n",
+      n, r.registered, r.opened, r.register_failed, r.sessions_lost, r.false_deaths, r.job_restarts,
       static_cast<unsigned long long>(r.steady.sent),
       static_cast<unsigned long long>(r.steady.acked),
       static_cast<unsigned long long>(r.steady.skipped),
@@ -1012,17 +1066,21 @@ void PrintSummary(const std::vector<LevelResult>& results) {
   std::printf(
       "| workers | register all s | Register p99 s | sessions open | hb p50 ms | hb p99 ms | "
       "probe p99 ms | unacked | assign all s | RUNNING s | updates/s | update p99 ms | "
-      "hb p99 during ms | SQLite commits/s | load (start) |\n");
-  std::printf("|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|\n");
+      "hb p99 during ms | SQLite commits/s | sessions lost | false deaths | job restarts | "
+      "load (start) |\n");
+  std::printf(
+      "|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"
+      "\n");
   for (const LevelResult& r : results) {
     std::printf(
-        "| %d | %s | %.2f | %d/%d in %s | %.3f | %.3f | %.3f | %llu | %s | %s | %.0f | %.2f | "
-        "%.3f | %.0f | %s |\n",
+        "| %d | %s | %.2f | %d/%d in %s | %.3f | %.3f | %s | %llu | %s | %s | %.0f | %.2f | "
+        "%.3f | %.0f | %d | %d | %d | %s |\n",
         r.workers, Time(r.register_all_s, 2).c_str(), r.register_p99_s, r.opened, r.workers,
-        Time(r.sessions_all_s, 2).c_str(), r.steady.p50, r.steady.p99, r.steady.probe_p99,
-        static_cast<unsigned long long>(r.steady.unacked()), Time(r.all_assign_s, 3).c_str(),
-        Time(r.running_s, 3).c_str(), r.update_rate, r.update_p99, r.during_updates.p99,
-        r.sqlite_commits, r.load_start.c_str());
+        Time(r.sessions_all_s, 2).c_str(), r.steady.p50, r.steady.p99,
+        Time(r.steady.probe_p99, 3).c_str(), static_cast<unsigned long long>(r.steady.unacked()),
+        Time(r.all_assign_s, 3).c_str(), Time(r.running_s, 3).c_str(), r.update_rate, r.update_p99,
+        r.during_updates.p99, r.sqlite_commits, r.sessions_lost, r.false_deaths, r.job_restarts,
+        r.load_start.c_str());
   }
   std::printf("\n");
   for (const LevelResult& r : results) {
@@ -1036,12 +1094,17 @@ void PrintSummary(const std::vector<LevelResult>& results) {
                     (r.steady.p99 < 10 || r.steady.p99 < 2 * r.steady.probe_p99);
     std::printf(
         "verdict %d: heartbeat p99 < 10 ms or < 2x probe p99, every beat acked: %s (p99 %.3f ms, "
-        "probe p99 %.3f ms, %llu unacked, %llu skipped, over %d open sessions)\n",
-        n, Verdict(hb), r.steady.p99, r.steady.probe_p99,
+        "probe p99 %s ms, %llu unacked, %llu skipped, over %d open sessions)\n",
+        n, Verdict(hb), r.steady.p99, Time(r.steady.probe_p99, 3).c_str(),
         static_cast<unsigned long long>(r.steady.unacked()),
         static_cast<unsigned long long>(r.steady.skipped), r.opened);
     std::printf("verdict %d: >= 1000 policy updates/s: %s (%.0f/s)\n", n,
                 Verdict(r.update_rate >= 1000), r.update_rate);
+    const bool live = r.sessions_lost * 100 <= n && r.job_restarts == 0;
+    std::printf(
+        "verdict %d: at most 1%% of sessions lost, no job restarted by a false death: %s (%d "
+        "lost, %d false deaths, %d restarts)\n",
+        n, Verdict(live), r.sessions_lost, r.false_deaths, r.job_restarts);
     const bool placed = r.all_assign_s >= 0 && r.all_assign_s <= 5;
     std::printf("verdict %d: %d-rank job assigned within 5 s: %s (%s s)\n", n, r.job_ranks,
                 Verdict(placed), Time(r.all_assign_s, 3).c_str());

@@ -390,6 +390,11 @@ std::string DescribeJob(const v1::Job& j, const v1::Policy* policy, int64_t now_
   if (j.state() == v1::JOB_PENDING && !j.scheduling().empty()) {
     os << "Scheduling:   " << j.scheduling() << "\n";
   }
+  if (j.state() == v1::JOB_PENDING && j.next_attempt_unix_ms() > now_ms) {
+    // A restart backing off after failures in a row (CrashLoopBackOff).
+    os << "Next try:     in " << Fmt("%.1f", (j.next_attempt_unix_ms() - now_ms) / 1000.0)
+       << " s, backing off after " << j.consecutive_failures() << " failed attempts in a row\n";
+  }
   if (const std::string command = CommandText(j); !command.empty()) {
     os << "Command:      " << command << "\n";
   }

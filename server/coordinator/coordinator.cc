@@ -37,11 +37,16 @@ Coordinator::Coordinator(Store* store, Clock* clock, CoordinatorOptions options)
     : store_(store),
       clock_(clock),
       options_(options),
-      workers_(store, clock, options.heartbeat_interval_ms, options.heartbeat_timeout_ms,
-               [this](const std::string& job_id, const std::string& reason, Outbox& out) {
-                 OnRankLost(job_id, reason, out);
-               }),
-      jobs_(store, clock, &kv_, &workers_),
+      workers_(store, clock,
+               {.heartbeat_interval_ms = options.heartbeat_interval_ms,
+                .heartbeat_timeout_ms = options.heartbeat_timeout_ms,
+                .dead_worker_retention_ms = options.dead_worker_retention_ms,
+                .fencing_holdoff_share = options.fencing_holdoff_share},
+               [this](const std::string& job_id, const std::string& reason,
+                      const std::string& early_leaver,
+                      Outbox& out) { OnRankLost(job_id, reason, early_leaver, out); }),
+      jobs_(store, clock, &kv_, &workers_,
+            {.base_ms = options.restart_backoff_ms, .max_ms = options.restart_backoff_max_ms}),
       policies_(store, clock, &jobs_, &workers_) {
   // Rendezvous is for the ranks of a live attempt only (opened when scheduled, cleared when the
   // attempt ends), so keys of unknown or finished jobs cannot pile up.
@@ -50,9 +55,10 @@ Coordinator::Coordinator(Store* store, Clock* clock, CoordinatorOptions options)
 
 Coordinator::~Coordinator() { Shutdown(); }
 
-void Coordinator::OnRankLost(const std::string& job_id, const std::string& reason, Outbox& out) {
+void Coordinator::OnRankLost(const std::string& job_id, const std::string& reason,
+                             const std::string& early_leaver, Outbox& out) {
   if (JobRec* rec = jobs_.FindOrNull(job_id)) {
-    jobs_.FailAttempt(*rec, reason, /*restartable=*/true, out);
+    jobs_.FailAttempt(*rec, reason, /*restartable=*/true, out, early_leaver);
   }
 }
 
@@ -358,7 +364,11 @@ void Coordinator::Tick() {
 // Scheduling
 
 void Coordinator::TrySchedule(Outbox& out) {
+  const int64_t now = clock_->NowMs();
   std::vector<JobRec*> pending = jobs_.Pending();
+  // A job backing off after failures in a row waits out its time (its scheduling says until
+  // when) without holding back the jobs behind it.
+  std::erase_if(pending, [&](JobRec* rec) { return jobs_.BackingOff(*rec, now); });
   size_t from = 0;
   while (from < pending.size()) {
     std::vector<PendingJob> jobs;
@@ -370,7 +380,7 @@ void Coordinator::TrySchedule(Outbox& out) {
                       .needs_commands = !rec.spec.command.empty(),
                       .interrupted_workers = rec.interrupted_workers});
     }
-    const std::vector<Placement> placements = Place(jobs, workers_.Slots());
+    const std::vector<Placement> placements = Place(jobs, workers_.Slots(), now);
     const size_t first = from;
     from = pending.size();
     for (size_t i = 0; i < placements.size(); ++i) {
@@ -580,6 +590,10 @@ Coordinator::Counts Coordinator::GetCounts() {
   c.foreign_reports = foreign_reports_;
   c.refused_log_data = logs_.refused_answers();
   c.workers_declared_dead = workers_.workers_declared_dead();
+  c.workers_dropped = workers_.workers_dropped();
+  c.fencing_holds = workers_.fencing_holds();
+  c.fencing_held = workers_.fencing_held();
+  c.heartbeat_lag_ms = workers_.HeartbeatLagMs();
   return c;
 }
 

@@ -65,6 +65,16 @@ struct CoordinatorOptions {
   // and how long a worker has to answer one log read.
   int log_poll_ms = 500;
   int log_read_timeout_ms = 10000;
+  // Crash loops (RestartBackoff, docs/reliability.md): the second restartable failure in a row
+  // waits restart_backoff_ms before the next attempt, each further one twice as long, at most
+  // restart_backoff_max_ms; an attempt that ran twice the cap starts the count over. 0: off.
+  int64_t restart_backoff_ms = 10000;
+  int64_t restart_backoff_max_ms = 300000;
+  // A dead worker's entry (name, last generation, back-off) is dropped this long after its death.
+  int64_t dead_worker_retention_ms = 600000;
+  // More than this share of at least kHoldOffMinWorkers live workers not heard for two heartbeat
+  // intervals at once holds off fencing (WorkerRegistry::Tick); >= 1 turns the hold-off off.
+  double fencing_holdoff_share = 0.5;
 };
 
 // Durability (issue #30: group commit). The store batches writes that arrive together into one
@@ -160,6 +170,9 @@ class Coordinator {
   // VM pause, starvation): the workers' silence is ours, not theirs. Every live worker's
   // heartbeat clock restarts now, so no worker is declared dead for it (a false death).
   void CreditPause(int64_t paused_ms);
+  // A worker's message (its session's first) waited `lag_ms` between being read and handled:
+  // counted in the heartbeat lag that extends every deadline (WorkerRegistry::HeartbeatLagMs).
+  void RecordHandlingLag(int64_t lag_ms) { workers_.RecordHandlingLag(lag_ms); }
 
   RendezvousKv& kv() { return kv_; }
 
@@ -174,8 +187,12 @@ class Coordinator {
     uint64_t foreign_reports = 0;   // reports naming a job the worker is not a rank of
     uint64_t refused_log_data = 0;  // log answers for no read sent to that worker's session
     uint64_t workers_declared_dead = 0;
-    uint64_t job_restarts = 0;  // attempts ended by a restartable failure and restarted
-                                // (those of deleted jobs included)
+    uint64_t workers_dropped = 0;  // dead workers' entries dropped after the retention time
+    uint64_t fencing_holds = 0;    // times fencing was held off (WorkerRegistry::Tick)
+    bool fencing_held = false;     // held off now
+    int64_t heartbeat_lag_ms = 0;  // WorkerRegistry::HeartbeatLagMs
+    uint64_t job_restarts = 0;     // attempts ended by a restartable failure and restarted
+                                   // (those of deleted jobs included)
   };
   Counts GetCounts();
 
@@ -186,7 +203,8 @@ class Coordinator {
   // SubmitJob without its log line (the line says whether and why it was refused).
   absl::StatusOr<v1::SubmitJobResponse> SubmitJobUnlogged(const v1::SubmitJobRequest& request);
   // RankLost of the registry: the worker holding a rank of `job_id` was declared dead.
-  void OnRankLost(const std::string& job_id, const std::string& reason, Outbox& out);
+  void OnRankLost(const std::string& job_id, const std::string& reason,
+                  const std::string& early_leaver, Outbox& out);
   // Places what can be placed of the pending jobs (Place) and starts their attempts.
   void TrySchedule(Outbox& out);
   // Starts rec's next attempt on `workers` (by rank): assignments out, SCHEDULED. False if the

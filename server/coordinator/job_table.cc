@@ -4,12 +4,48 @@
 #include <algorithm>
 #include <chrono>
 #include <cstdio>
+#include <ctime>
 #include <set>
 
 #include "platform/common/log.h"
 #include "platform/common/status.h"
 
 namespace geofp8::coordinator {
+namespace {
+
+// "2026-12-07T04:31:05.250Z".
+std::string UtcText(int64_t unix_ms) {
+  const time_t secs = static_cast<time_t>(unix_ms / 1000);
+  tm t{};
+  gmtime_r(&secs, &t);
+  char buf[40];
+  std::snprintf(buf, sizeof buf, "%04d-%02d-%02dT%02d:%02d:%02d.%03dZ", t.tm_year + 1900,
+                t.tm_mon + 1, t.tm_mday, t.tm_hour, t.tm_min, t.tm_sec,
+                static_cast<int>(unix_ms % 1000));
+  return buf;
+}
+
+// "0.25 s", "20 s", "5 min".
+std::string DurationText(int64_t ms) {
+  char buf[32];
+  if (ms < 10000) {
+    std::snprintf(buf, sizeof buf, "%.2g s", static_cast<double>(ms) / 1000.0);
+  } else if (ms < 120000 || ms % 60000 != 0) {
+    std::snprintf(buf, sizeof buf, "%lld s", static_cast<long long>(ms / 1000));
+  } else {
+    std::snprintf(buf, sizeof buf, "%lld min", static_cast<long long>(ms / 60000));
+  }
+  return buf;
+}
+
+}  // namespace
+
+int64_t RestartBackoff::Delay(int failures) const {
+  if (base_ms <= 0 || failures <= 1) return 0;
+  int64_t delay = base_ms;
+  for (int i = 2; i < failures && delay < max_ms; ++i) delay *= 2;
+  return std::min(delay, max_ms);
+}
 
 std::string StateName(v1::JobState s) {
   std::string n = v1::JobState_Name(s);
@@ -26,8 +62,9 @@ uint64_t JobNumber(const std::string& id) {
   return n;
 }
 
-JobTable::JobTable(Store* store, Clock* clock, RendezvousKv* kv, WorkerRegistry* workers)
-    : store_(store), clock_(clock), kv_(kv), workers_(workers) {}
+JobTable::JobTable(Store* store, Clock* clock, RendezvousKv* kv, WorkerRegistry* workers,
+                   RestartBackoff backoff)
+    : store_(store), clock_(clock), kv_(kv), workers_(workers), backoff_(backoff) {}
 
 bool JobTable::IsFinal(v1::JobState s) {
   return s == v1::JOB_SUCCEEDED || s == v1::JOB_FAILED || s == v1::JOB_CANCELLED;
@@ -137,7 +174,10 @@ void JobTable::SetState(JobRec& rec, v1::JobState state, const std::string& reas
   const int64_t now = clock_->NowMs();
   rec.job.set_state(state);
   rec.job.set_reason(reason);
-  if (state != v1::JOB_PENDING) rec.job.clear_scheduling();
+  if (state != v1::JOB_PENDING) {
+    rec.job.clear_scheduling();
+    rec.job.clear_next_attempt_unix_ms();
+  }
   rec.job.set_updated_unix_ms(now);
   v1::JobEvent event;
   event.set_unix_ms(now);
@@ -425,7 +465,8 @@ void JobTable::ReleaseRanks(JobRec& rec, const std::string& stop_reason, v1::Sto
   rec.job.clear_ranks();
 }
 
-void JobTable::FailAttempt(JobRec& rec, const std::string& reason, bool restartable, Outbox& out) {
+void JobTable::FailAttempt(JobRec& rec, const std::string& reason, bool restartable, Outbox& out,
+                           const std::string& early_leaver) {
   if (IsFinal(rec.job.state())) return;
   if (restartable) {
     // The ranks of this attempt may keep training while cut off (a partition longer than the
@@ -439,15 +480,46 @@ void JobTable::FailAttempt(JobRec& rec, const std::string& reason, bool restarta
       rec.interrupted_workers[r] = rec.ranks[r].worker_id;
     }
   }
+  // A worker that went before its rank ran anything (no progress, no program started) soon
+  // after its assignment: the job never ran there.
+  bool early = false;
+  if (restartable && !early_leaver.empty()) {
+    early = std::any_of(rec.ranks.begin(), rec.ranks.end(), [&](const RankState& r) {
+      return r.worker_id == early_leaver && r.step < 0 && !r.process_started;
+    });
+  }
   ReleaseRanks(rec, reason, v1::STOP_ATTEMPT_ENDED, out);
   kv_->Clear(rec.job.id());
-  if (restartable && rec.job.restarts() < rec.job.max_restarts()) {
-    rec.job.set_restarts(rec.job.restarts() + 1);
+  const std::string from =
+      " from checkpoint step " + std::to_string(rec.job.progress().checkpoint_step());
+  if (early && rec.uncharged_workers.insert(early_leaver).second) {
+    // The worker's fault, not the job's (a flapping worker): the job keeps its restarts, and
+    // the failure does not count towards the back-off. Once per worker, so a job that itself
+    // brings its workers down still runs out of restarts.
     rec.job.set_attempt(rec.job.attempt() + 1);
     SetState(rec, v1::JOB_PENDING,
-             reason + "; restart " + std::to_string(rec.job.restarts()) + "/" +
-                 std::to_string(rec.job.max_restarts()) + " from checkpoint step " +
-                 std::to_string(rec.job.progress().checkpoint_step()));
+             reason + "; not charged to the job (worker " + early_leaver + " left within " +
+                 DurationText(kUnchargedLossWindowMs) +
+                 " of its assignment; once per worker): restarts used " +
+                 std::to_string(rec.job.restarts()) + "/" + std::to_string(rec.job.max_restarts()) +
+                 "; restarting" + from);
+  } else if (restartable && rec.job.restarts() < rec.job.max_restarts()) {
+    const int64_t now = clock_->NowMs();
+    rec.job.set_restarts(rec.job.restarts() + 1);
+    rec.job.set_attempt(rec.job.attempt() + 1);
+    // An attempt that ran for the reset window failed on its own; one that did not continues
+    // the run of failures, and each one in a row doubles the wait (CrashLoopBackOff).
+    const bool ran_clean = now - rec.attempt_started_ms >= 2 * backoff_.max_ms;
+    const int failures = ran_clean ? 1 : rec.job.consecutive_failures() + 1;
+    rec.job.set_consecutive_failures(failures);
+    std::string text = reason + "; restart " + std::to_string(rec.job.restarts()) + "/" +
+                       std::to_string(rec.job.max_restarts()) + from;
+    if (const int64_t delay = backoff_.Delay(failures); delay > 0) {
+      rec.job.set_next_attempt_unix_ms(now + delay);
+      text += "; backing off " + DurationText(delay) + " after " + std::to_string(failures) +
+              " failed attempts in a row: next try at " + UtcText(now + delay);
+    }
+    SetState(rec, v1::JOB_PENDING, text);
   } else if (restartable) {
     SetState(rec, v1::JOB_FAILED,
              reason + "; no restarts left (max_restarts " + std::to_string(rec.job.max_restarts()) +
@@ -537,6 +609,16 @@ void JobTable::BindRanks(JobRec& rec, const std::vector<std::string>& workers) {
     ra->set_generation(w.info.generation());
   }
   rec.attempt_workers[rec.job.attempt()] = workers;
+  rec.attempt_started_ms = clock_->NowMs();
+}
+
+bool JobTable::BackingOff(JobRec& rec, int64_t now_ms) const {
+  const int64_t next = rec.job.next_attempt_unix_ms();
+  if (rec.job.state() != v1::JOB_PENDING || next <= now_ms) return false;
+  rec.job.set_scheduling("backing off after " + std::to_string(rec.job.consecutive_failures()) +
+                         " failed attempts in a row (CrashLoopBackOff): next try at " +
+                         UtcText(next));
+  return true;
 }
 
 bool JobTable::SameAttempt(const JobRec& rec, const std::string& job_id, int32_t attempt) {

@@ -9,6 +9,7 @@
 #include <memory>
 #include <mutex>
 #include <optional>
+#include <set>
 #include <string>
 #include <vector>
 
@@ -60,6 +61,21 @@ struct JobRec {
   // the one a restart interrupted (from the stored ranks): where `geofp8ctl logs` reads a rank's
   // output from. In memory only: attempts that ended before a restart are not here.
   std::map<int32_t, std::vector<std::string>> attempt_workers;
+  // When the current (or last) attempt was placed: an attempt that ran for the back-off's reset
+  // window before failing starts the count of failures in a row over.
+  int64_t attempt_started_ms = 0;
+  // Workers whose early departure restarted this job without charging it (once per worker).
+  std::set<std::string> uncharged_workers;
+};
+
+// Restarts after restartable failures in a row back off (docs/reliability.md, "Crash loops"),
+// as Kubernetes' CrashLoopBackOff does, except that the first restart is at once: a single
+// failure (a lost peer) is common and says nothing of a loop.
+struct RestartBackoff {
+  int64_t base_ms = 10000;  // the wait before the second restart in a row; 0: no back-off
+  int64_t max_ms = 300000;  // the cap; an attempt that ran 2 * max_ms resets the count
+  // The wait before the next attempt after `failures` restartable failures in a row.
+  int64_t Delay(int failures) const;
 };
 
 std::string StateName(v1::JobState s);
@@ -78,7 +94,8 @@ uint64_t JobNumber(const std::string& id);
 // releases while it waits (on changed_).
 class JobTable {
  public:
-  JobTable(Store* store, Clock* clock, RendezvousKv* kv, WorkerRegistry* workers);
+  JobTable(Store* store, Clock* clock, RendezvousKv* kv, WorkerRegistry* workers,
+           RestartBackoff backoff);
 
   static bool IsFinal(v1::JobState s);
 
@@ -130,7 +147,14 @@ class JobTable {
   void WakeWatchers() { changed_.notify_all(); }
 
   void ReleaseRanks(JobRec& rec, const std::string& stop_reason, v1::StopCause cause, Outbox& out);
-  void FailAttempt(JobRec& rec, const std::string& reason, bool restartable, Outbox& out);
+  // Ends the current attempt. A restartable failure restarts the job while max_restarts allows
+  // (backing off after failures in a row, RestartBackoff), else fails it. `early_leaver` names
+  // the worker that left within kUnchargedLossWindowMs of its assignment, if that was the cause:
+  // the first such restart per worker is not charged to the job.
+  void FailAttempt(JobRec& rec, const std::string& reason, bool restartable, Outbox& out,
+                   const std::string& early_leaver = "");
+  // Whether rec is PENDING but backing off until after `now_ms` (its Job.scheduling says so).
+  bool BackingOff(JobRec& rec, int64_t now_ms) const;
   // The newest step past the persisted recovery point that every rank of the interrupted
   // attempt reported holding, when one of `chosen` is such a rank (it broadcasts the
   // checkpoint); -1 otherwise.
@@ -170,6 +194,7 @@ class JobTable {
   Clock* clock_;
   RendezvousKv* kv_;
   WorkerRegistry* workers_;
+  const RestartBackoff backoff_;
 
   std::condition_variable changed_;
   std::map<std::string, std::unique_ptr<JobRec>> jobs_;

@@ -83,6 +83,27 @@ void DefineFlags(CLI::App& app, Flags& f) {
                  "Silence after which a worker is declared dead and fenced")
       ->capture_default_str()
       ->check(CLI::Range(50, 86400000));
+  app.add_option("--restart-backoff-ms", f.coord.restart_backoff_ms,
+                 "Crash loops: the second restartable failure of a job in a row waits this long "
+                 "before the next attempt, each further one twice as long (0: no back-off)")
+      ->capture_default_str()
+      ->check(CLI::Range(int64_t{0}, int64_t{86400000}));
+  app.add_option("--restart-backoff-max-ms", f.coord.restart_backoff_max_ms,
+                 "Cap of the restart back-off; an attempt that ran twice this long starts the "
+                 "count of failures over")
+      ->capture_default_str()
+      ->check(CLI::Range(int64_t{1}, int64_t{86400000}));
+  app.add_option("--dead-worker-retention-ms", f.coord.dead_worker_retention_ms,
+                 "A dead worker is dropped from the registry (get workers) this long after its "
+                 "death")
+      ->capture_default_str()
+      ->check(CLI::Range(int64_t{0}, int64_t{604800000}));
+  app.add_option("--fencing-holdoff-share", f.coord.fencing_holdoff_share,
+                 "When more than this share of the live workers (10 or more) have not been heard "
+                 "for two heartbeat intervals, the coordinator is behind: hold off fencing until "
+                 "they are heard again (1: never hold)")
+      ->capture_default_str()
+      ->check(CLI::Range(0.0, 1.0));
   app.add_option("--tick-ms", f.tick_ms, "Period of the dead-worker check")
       ->capture_default_str()
       ->check(CLI::Range(5, 60000));

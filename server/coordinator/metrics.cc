@@ -100,6 +100,24 @@ class Metrics::StateCollector : public prometheus::Collectable {
     counter("geofp8_workers_declared_dead_total",
             "Workers declared dead (heartbeat timeout or re-registration)",
             static_cast<double>(counts.workers_declared_dead));
+    counter("geofp8_workers_dropped_total",
+            "Dead workers dropped from the registry after --dead-worker-retention-ms",
+            static_cast<double>(counts.workers_dropped));
+    counter("geofp8_fencing_holds_total",
+            "Times the coordinator held off fencing because too many workers missed at once",
+            static_cast<double>(counts.fencing_holds));
+    auto gauge = [&](const char* name, const char* help, double v) {
+      prometheus::MetricFamily f{name, help, prometheus::MetricType::Gauge, {}};
+      f.metric.push_back(Value(v, {}));
+      out.push_back(std::move(f));
+    };
+    gauge("geofp8_fencing_held",
+          "1 while fencing is held off (too many workers missed their heartbeat deadline at once)",
+          counts.fencing_held ? 1 : 0);
+    gauge("geofp8_heartbeat_lag_seconds",
+          "How late the coordinator handles heartbeats (median over the last second); heartbeat "
+          "deadlines grow by it",
+          static_cast<double>(counts.heartbeat_lag_ms) / 1000.0);
     return out;
   }
 

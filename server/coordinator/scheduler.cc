@@ -35,7 +35,7 @@ std::vector<const WorkerSlot*> KeepOldRanks(const PendingJob& job,
 }  // namespace
 
 std::vector<Placement> Place(const std::vector<PendingJob>& jobs,
-                             const std::vector<WorkerSlot>& workers) {
+                             const std::vector<WorkerSlot>& workers, int64_t now_ms) {
   std::vector<Placement> placements(jobs.size());
   std::vector<bool> taken(workers.size(), false);
   std::string blocked_by;  // the first job that fits the fleet but waits for busy workers
@@ -44,7 +44,8 @@ std::vector<Placement> Place(const std::vector<PendingJob>& jobs,
     const bool needs_gpu = job.needs_gpu;
     const bool needs_commands = job.needs_commands;
     std::vector<const WorkerSlot*> idle;
-    int able = 0;  // connected workers that could run a rank of this job, idle or busy
+    int able = 0;         // connected workers that could run a rank of this job, idle or busy
+    int backing_off = 0;  // idle ones of those that flapped lately
     for (size_t i = 0; i < workers.size(); ++i) {
       const WorkerSlot& w = workers[i];
       if (!w.connected || w.fenced || (needs_gpu && w.device.rfind("cuda", 0) != 0) ||
@@ -52,8 +53,17 @@ std::vector<Placement> Place(const std::vector<PendingJob>& jobs,
         continue;
       }
       ++able;
-      if (w.idle && !taken[i]) idle.push_back(&w);
+      if (!w.idle || taken[i]) continue;
+      if (w.backoff_until_ms > now_ms) {
+        ++backing_off;
+        continue;
+      }
+      idle.push_back(&w);
     }
+    // Longest-held sessions first; ties keep the workers' (id) order.
+    std::stable_sort(idle.begin(), idle.end(), [](const WorkerSlot* a, const WorkerSlot* b) {
+      return a->registered_ms < b->registered_ms;
+    });
     const int world = job.world_size;
     std::string kind = needs_gpu ? " with a CUDA device" : "";
     if (needs_commands) kind += " that run command jobs (--allow-commands)";
@@ -73,8 +83,13 @@ std::vector<Placement> Place(const std::vector<PendingJob>& jobs,
       continue;
     }
     if (static_cast<int>(idle.size()) < world) {
-      placement.waiting = "waiting for " + std::to_string(world) + " idle workers" + kind + " (" +
-                          std::to_string(idle.size()) + " idle of " + std::to_string(able) + ")";
+      placement.waiting =
+          "waiting for " + std::to_string(world) + " idle workers" + kind + " (" +
+          std::to_string(idle.size()) + " idle of " + std::to_string(able) +
+          (backing_off ? "; " + std::to_string(backing_off) +
+                             " more backing off after leaving soon after registering"
+                       : std::string()) +
+          ")";
       blocked_by = job.id;
       continue;
     }

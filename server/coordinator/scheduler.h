@@ -31,7 +31,10 @@ struct Placement {
 // fits the fleet but waits for busy workers holds back every later job, so that a large job is
 // never starved by a stream of small ones; a job the connected workers can never hold (too few
 // of them able) is passed over. The workers a placement takes are no longer idle for later jobs.
+// Among idle workers, those that have held their session longest go first (a worker that just
+// registered may be flapping), and those backing off at `now_ms` (WorkerSlot.backoff_until_ms)
+// are not taken, though they count as able.
 std::vector<Placement> Place(const std::vector<PendingJob>& jobs,
-                             const std::vector<WorkerSlot>& workers);
+                             const std::vector<WorkerSlot>& workers, int64_t now_ms = 0);
 
 }  // namespace geofp8::coordinator

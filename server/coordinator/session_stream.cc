@@ -167,6 +167,7 @@ class SessionReactor final : public Reactor, public StreamWriter {
       return;
     }
     if (!sink_) {
+      read_at_ = std::chrono::steady_clock::now();
       pool_->Post([this] { Open(); });
       return;
     }
@@ -207,6 +208,11 @@ class SessionReactor final : public Reactor, public StreamWriter {
       End(status);
       return;
     }
+    // The hello waited for a pool thread and the coordinator's lock: at a cold start of
+    // thousands, that wait is the coordinator's lag, and no heartbeat has measured it yet.
+    c_->RecordHandlingLag(std::chrono::duration_cast<std::chrono::milliseconds>(
+                              std::chrono::steady_clock::now() - read_at_)
+                              .count());
     Handle();
   }
 
@@ -251,6 +257,7 @@ class SessionReactor final : public Reactor, public StreamWriter {
   std::string id_;
   uint64_t generation_ = 0;
   std::shared_ptr<QueuedSink> sink_;
+  std::chrono::steady_clock::time_point read_at_;  // when the first message was read
 };
 
 }  // namespace

@@ -2,6 +2,7 @@
 #include "server/coordinator/worker_registry.h"
 
 #include <algorithm>
+#include <climits>
 #include <cstdio>
 
 #include "platform/common/log.h"
@@ -9,12 +10,13 @@
 
 namespace geofp8::coordinator {
 
-WorkerRegistry::WorkerRegistry(Store* store, Clock* clock, int heartbeat_interval_ms,
-                               int heartbeat_timeout_ms, RankLost rank_lost)
+WorkerRegistry::WorkerRegistry(Store* store, Clock* clock, LivenessOptions options,
+                               RankLost rank_lost)
     : store_(store),
       clock_(clock),
-      heartbeat_interval_ms_(heartbeat_interval_ms),
-      heartbeat_timeout_ms_(heartbeat_timeout_ms),
+      heartbeat_interval_ms_(options.heartbeat_interval_ms),
+      heartbeat_timeout_ms_(options.heartbeat_timeout_ms),
+      options_(options),
       rank_lost_(std::move(rank_lost)) {}
 
 absl::Status WorkerRegistry::CheckName(const v1::RegisterRequest& request) const {
@@ -73,6 +75,10 @@ v1::RegisterResponse WorkerRegistry::Register(const v1::RegisterRequest& request
   w.fenced_reason.clear();
   w.held.assign(request.checkpoints().begin(), request.checkpoints().end());
   w.session_secret = RandomSecret();
+  w.registered_ms = clock_->NowMs();
+  w.assigned_ms = 0;
+  w.dead_ms = 0;
+  w.info.set_registered_unix_ms(w.registered_ms);
   SyncLive(w, /*touch=*/true);
   response.set_worker_id(w.info.id());
   response.set_generation(gen);
@@ -156,10 +162,12 @@ void WorkerRegistry::CloseSession(const std::string& worker_id, uint64_t generat
 
 v1::ListWorkersResponse WorkerRegistry::List() {
   v1::ListWorkersResponse response;
+  const int64_t now = clock_->NowMs();
   for (const auto& [id, w] : workers_) {
     v1::Worker* out = response.add_workers();
     *out = w.info;
     out->set_last_heartbeat_unix_ms(LastSeen(id));
+    out->set_backoff_until_unix_ms(w.backoff_until_ms > now ? w.backoff_until_ms : 0);
   }
   return response;
 }
@@ -193,6 +201,13 @@ absl::Status WorkerRegistry::Heartbeat(const v1::WorkerMessage& message) {
     }
     l.last_ms = now;
     sink = l.sink;
+    if (const int64_t sent = message.heartbeat().unix_ms(); sent > 0) {
+      // The clocks need not agree: the least transit seen is this worker's skew plus network
+      // time, and what a beat takes beyond it is time spent waiting to be handled.
+      const int64_t transit = now - sent;
+      l.min_transit_ms = std::min(l.min_transit_ms, transit);
+      RecordLagLocked(now, transit - l.min_transit_ms);
+    }
   }
   if (sink) {
     v1::CoordinatorMessage ack;
@@ -202,7 +217,24 @@ absl::Status WorkerRegistry::Heartbeat(const v1::WorkerMessage& message) {
   return absl::OkStatus();
 }
 
-void WorkerRegistry::DeclareDead(WorkerRec& w, const std::string& reason, Outbox& out) {
+void WorkerRegistry::DeclareDead(WorkerRec& w, const std::string& reason, Outbox& out,
+                                 int64_t gone_ms) {
+  const int64_t now = clock_->NowMs();
+  const int64_t gone = gone_ms >= 0 ? std::min(gone_ms, now) : now;
+  if (gone - w.registered_ms < kStableSessionMs) {
+    ++w.short_sessions;
+  } else {
+    w.short_sessions = 0;
+  }
+  if (w.short_sessions >= 2) {
+    int64_t delay = kWorkerBackoffBaseMs;
+    for (int i = 2; i < w.short_sessions && delay < kWorkerBackoffMaxMs; ++i) delay *= 2;
+    w.backoff_until_ms = now + std::min(delay, kWorkerBackoffMaxMs);
+  }
+  w.dead_ms = now;
+  // Alive at its assignment, gone soon after (one already silent when it was assigned is not).
+  const bool early = !w.info.job_id().empty() && gone >= w.assigned_ms &&
+                     gone - w.assigned_ms < kUnchargedLossWindowMs;
   {
     log::Event e(log::Level::kWarn, "worker.dead");
     e.F("worker", w.info.id()).F("generation", w.info.generation());
@@ -230,7 +262,7 @@ void WorkerRegistry::DeclareDead(WorkerRec& w, const std::string& reason, Outbox
     rank_lost_(job_id,
                "worker " + w.info.id() + " (rank " + std::to_string(rank) + ", generation " +
                    std::to_string(w.info.generation()) + ") " + reason,
-               out);
+               early ? w.info.id() : std::string(), out);
   }
 }
 
@@ -254,16 +286,126 @@ void WorkerRegistry::CreditPause(int64_t paused_ms) {
 
 void WorkerRegistry::Tick(Outbox& out) {
   const int64_t now = clock_->NowMs();
-  for (auto& [id, w] : workers_) {
-    if (!w.fenced_reason.empty()) continue;
-    const int64_t silent = now - LastSeen(id);
-    if (silent > heartbeat_timeout_ms_) {
-      DeclareDead(w,
-                  "missed heartbeats for " + std::to_string(silent) + " ms (timeout " +
-                      std::to_string(heartbeat_timeout_ms_) + " ms)",
-                  out);
+  // A beat that arrived but waited in our queues is not the worker's miss: the deadline grows by
+  // how late we handle heartbeats now.
+  const int64_t lag = HeartbeatLagMs();
+  const int64_t deadline = heartbeat_timeout_ms_ + lag;
+  std::vector<std::pair<WorkerRec*, int64_t>> missing;  // and how long each was silent
+  // A healthy coordinator hears every live worker once an interval. When most have not been heard
+  // for two (or the timeout, if shorter), it is behind on its own queues, whatever it measured of
+  // the beats it did handle: the silences are its own.
+  const int64_t behind_after = std::min<int64_t>(2 * heartbeat_interval_ms_, heartbeat_timeout_ms_);
+  int live = 0, unheard = 0;
+  for (auto it = workers_.begin(); it != workers_.end();) {
+    WorkerRec& w = it->second;
+    if (!w.fenced_reason.empty()) {
+      if (w.dead_ms > 0 && now - w.dead_ms > options_.dead_worker_retention_ms) {
+        {
+          std::lock_guard<std::mutex> lock(live_mu_);
+          live_.erase(it->first);
+        }
+        ++workers_dropped_;
+        it = workers_.erase(it);
+        continue;
+      }
+      ++it;
+      continue;
+    }
+    ++live;
+    const int64_t silent = now - LastSeen(it->first);
+    if (silent > deadline) missing.emplace_back(&w, silent);
+    if (silent > behind_after) ++unheard;
+    ++it;
+  }
+  const bool mass = live >= kHoldOffMinWorkers &&
+                    static_cast<double>(unheard) > options_.fencing_holdoff_share * live;
+  if (mass) {
+    if (!fencing_held_) {
+      fencing_held_ = true;
+      held_since_ms_ = now;
+      hold_keeping_up_since_ms_ = now;
+      ++fencing_holds_;
+      char share[16];
+      std::snprintf(share, sizeof share, "%g", options_.fencing_holdoff_share);
+      log::Warn("fencing.held")
+          .F("unheard", unheard)
+          .F("missing", missing.size())
+          .F("live", live)
+          .F("heartbeat_lag_ms", lag)
+          .Msg(std::to_string(unheard) + " of " + std::to_string(live) +
+               " live workers were not heard for " + std::to_string(behind_after) +
+               " ms, more than the share of " + share +
+               ": the coordinator is behind on its own queues; holding off fencing");
+    }
+    // While the beats it does handle come late, the coordinator is still behind and keeps holding;
+    // once it keeps up with them (lag within an interval) for kMaxHoldTimeouts timeouts, the
+    // workers still silent are a mass failure after all, and are fenced as before.
+    if (lag > heartbeat_interval_ms_) hold_keeping_up_since_ms_ = now;
+    if (now - hold_keeping_up_since_ms_ < int64_t{kMaxHoldTimeouts} * heartbeat_timeout_ms_) {
+      return;
     }
   }
+  if (fencing_held_) {
+    fencing_held_ = false;
+    log::Info("fencing.resumed")
+        .F("unheard", unheard)
+        .F("missing", missing.size())
+        .F("live", live)
+        .F("held_ms", now - held_since_ms_)
+        .Msg(mass ? "held for the longest allowed; fencing the workers still silent"
+                  : "caught up; every live worker gets a fresh heartbeat timeout");
+    if (!mass) {
+      // The silence during the hold was ours: as after a pause, every live worker's timeout
+      // starts now, and those really gone are found one timeout later.
+      std::lock_guard<std::mutex> lock(live_mu_);
+      for (auto& [id, l] : live_) {
+        if (l.fenced_reason.empty()) l.last_ms = std::max(l.last_ms, now);
+      }
+      return;
+    }
+  }
+  for (auto& [w, silent] : missing) {
+    DeclareDead(*w,
+                "missed heartbeats for " + std::to_string(silent) + " ms (timeout " +
+                    std::to_string(heartbeat_timeout_ms_) + " ms" +
+                    (lag > 0 ? " + " + std::to_string(lag) + " ms of the coordinator's own lag"
+                             : std::string()) +
+                    ")",
+                out, now - silent);
+  }
+}
+
+void WorkerRegistry::RecordLagLocked(int64_t now, int64_t lag_ms) {
+  if (now - lag_window_start_ms_ >= 1000) {
+    if (lag_samples_.empty()) {
+      lag_median_ms_ = 0;
+    } else {
+      auto mid = lag_samples_.begin() + lag_samples_.size() / 2;
+      std::nth_element(lag_samples_.begin(), mid, lag_samples_.end());
+      lag_median_ms_ = *mid;
+    }
+    lag_samples_.clear();
+    lag_window_start_ms_ = now;
+  }
+  // A bounded sample of the window (every beat up to the bound, then every other one's slot).
+  constexpr size_t kMaxSamples = 4096;
+  if (lag_samples_.size() < kMaxSamples) {
+    lag_samples_.push_back(lag_ms);
+  } else {
+    lag_samples_[static_cast<size_t>(now) % kMaxSamples] = lag_ms;
+  }
+}
+
+void WorkerRegistry::RecordHandlingLag(int64_t lag_ms) {
+  std::lock_guard<std::mutex> lock(live_mu_);
+  RecordLagLocked(clock_->NowMs(), lag_ms);
+}
+
+int64_t WorkerRegistry::HeartbeatLagMs() {
+  std::lock_guard<std::mutex> lock(live_mu_);
+  // No beat handled for two windows: nothing measured lately (an idle fleet, or none at all).
+  if (clock_->NowMs() - lag_window_start_ms_ >= 2000) return 0;
+  return lag_median_ms_;
 }
 
 WorkerRec* WorkerRegistry::Find(const std::string& worker_id) {
@@ -284,7 +426,9 @@ std::vector<WorkerSlot> WorkerRegistry::Slots() const {
                      .accepts_commands = w.info.accepts_commands(),
                      .connected = w.sink != nullptr,
                      .fenced = !w.fenced_reason.empty(),
-                     .idle = w.info.state() == v1::WORKER_IDLE});
+                     .idle = w.info.state() == v1::WORKER_IDLE,
+                     .registered_ms = w.registered_ms,
+                     .backoff_until_ms = w.backoff_until_ms});
   }
   return slots;
 }
@@ -295,6 +439,7 @@ void WorkerRegistry::Assign(const std::string& worker_id, const std::string& job
   w.info.set_job_id(job_id);
   w.info.set_rank(rank);
   w.info.set_last_step(-1);
+  w.assigned_ms = clock_->NowMs();
 }
 
 std::shared_ptr<SessionSink> WorkerRegistry::SinkOf(const std::string& worker_id,
@@ -330,8 +475,9 @@ void WorkerRegistry::CountStates(std::map<int, int64_t>* by_state) const {
 void WorkerRegistry::SyncLive(const WorkerRec& w, bool touch) {
   std::lock_guard<std::mutex> lock(live_mu_);
   Liveness& l = live_[w.info.id()];
-  l.generation = w.info.generation();
   l.fenced_reason = w.fenced_reason;
+  if (l.generation != w.info.generation()) l.min_transit_ms = INT64_MAX;
+  l.generation = w.info.generation();
   l.sink = w.sink;
   if (touch) l.last_ms = clock_->NowMs();
 }

@@ -61,8 +61,6 @@ class CoordinatorHarness : public ::testing::Test {
     auto s = Store::Open(dir);
     ASSERT_TRUE(s.ok()) << s.status();
     store = std::move(*s);
-    CoordinatorOptions options;
-    options.heartbeat_timeout_ms = 1000;
     coordinator = std::make_unique<Coordinator>(store.get(), &clock, options);
     ASSERT_TRUE(coordinator->Recover().ok());
   }
@@ -112,6 +110,12 @@ class CoordinatorHarness : public ::testing::Test {
   }
 
   FakeClock clock;
+  // What Open gives the Coordinator; a test may change it and Open again.
+  CoordinatorOptions options = [] {
+    CoordinatorOptions o;
+    o.heartbeat_timeout_ms = 1000;
+    return o;
+  }();
   std::unique_ptr<Store> store;
   std::unique_ptr<Coordinator> coordinator;
 };

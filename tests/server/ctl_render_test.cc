@@ -366,4 +366,25 @@ TEST(Render, DescribeShowsTheAutoEnginesVerdictPerLayer) {
 }
 
 }  // namespace
+// A restart backing off after failures in a row (#40 item 3): describe says when it is due.
+TEST(Render, DescribeSaysWhenABackedOffRestartIsDue) {
+  v1::Job job;
+  job.set_id("job-6");
+  job.set_state(v1::JOB_PENDING);
+  job.set_scheduling(
+      "backing off after 3 failed attempts in a row (CrashLoopBackOff): next try at "
+      "2026-12-07T04:31:05.000Z");
+  job.set_consecutive_failures(3);
+  job.set_next_attempt_unix_ms(1'000'000 + 20'000);
+  std::string out = DescribeJob(job, nullptr, 1'000'000);
+  EXPECT_NE(out.find("Next try:     in 20.0 s, backing off after 3 failed attempts in a row\n"),
+            std::string::npos)
+      << out;
+  EXPECT_NE(out.find("Scheduling:   backing off after 3"), std::string::npos) << out;
+  // Once the time has come, or for a job that is not pending, no such line.
+  EXPECT_EQ(DescribeJob(job, nullptr, 1'020'000).find("Next try:"), std::string::npos);
+  job.set_state(v1::JOB_SCHEDULED);
+  EXPECT_EQ(DescribeJob(job, nullptr, 1'000'000).find("Next try:"), std::string::npos);
+}
+
 }  // namespace geofp8::ctl
