@@ -25,7 +25,7 @@ void ExchangeEngine::Stop() {
   {
     std::lock_guard<std::mutex> lock(q_->mu);
     q_->stop = true;
-    if (q_->running) comm_.Abort("the geofp8 engine is being destroyed");
+    if (q_->running && !q_->running_local) comm_.Abort("the geofp8 engine is being destroyed");
   }
   q_->work_cv.notify_all();
   q_->done_cv.notify_all();
@@ -217,6 +217,7 @@ void ExchangeEngine::ExchangeLoop() {
       job = std::move(q_->exchange.front());
       q_->exchange.pop_front();
       q_->running = true;
+      q_->running_local = job->refresh_only;
     }
     job->started = std::chrono::steady_clock::now();
     std::vector<RefreshRecord> deferred;
@@ -234,6 +235,7 @@ void ExchangeEngine::ExchangeLoop() {
     {
       std::lock_guard<std::mutex> lock(q_->mu);
       q_->running = false;
+      q_->running_local = false;
       if (job->error && !q_->first_error) q_->first_error = job->error;
       // Deferred refreshes go with the next result handed out, in queue order: the same
       // accounting whatever the threads' timing.

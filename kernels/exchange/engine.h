@@ -94,8 +94,9 @@ class ExchangeEngine {
   ExchangeEngine& operator=(const ExchangeEngine&) = delete;
 
   // Stops the threads: a group still queued is not run; one on the wire is stopped through the
-  // communicator's Abort. Safe from a Done callback (the completion thread then ends on its own).
-  // The engine takes no more work afterwards.
+  // communicator's Abort (which leaves the communicator unusable), while deferred refreshes in
+  // progress, which use no collective, are let finish. Safe from a Done callback (the completion
+  // thread then ends on its own). The engine takes no more work afterwards.
   void Stop();
 
   // The model's layers; forgets the policy and every layer's state. Errors name the layer.
@@ -174,6 +175,7 @@ class ExchangeEngine {
     std::deque<std::unique_ptr<Job>> exchange, done;
     size_t in_flight = 0;  // submitted, Done not yet returned
     bool running = false;  // the exchange thread is inside a job
+    bool running_local = false;  // ... and it is deferred refreshes, which use no collective
     bool stop = false;
     std::exception_ptr first_error;  // of a submitted group, for the next Exchange()
     // Deferred refreshes run since the last result handed out, which the next one takes.

@@ -8,6 +8,7 @@
 #include <atomic>
 #include <cmath>
 #include <future>
+#include <thread>
 #include <string>
 #include <vector>
 
@@ -224,6 +225,34 @@ TEST(ExchangeEngine, ExportedStateResumesExactlyInANewEngine) {
   });
   ASSERT_EQ(JoinErrors(errors), "");
   for (int r = 0; r < 2; ++r) EXPECT_EQ(resumed[r], whole[r]) << r;
+}
+
+TEST(ExchangeEngine, AnEngineStoppedWhileItsRefreshesRunLeavesTheCommunicatorUsable) {
+  // The ema estimator's refreshes run on the exchange thread after Exchange() returns; an engine
+  // destroyed meanwhile lets them finish (they use no collective) instead of aborting the
+  // communicator, which another engine on it then uses. A layer large enough that the refresh
+  // is still running when the engine goes.
+  Model m;
+  m.specs = {{"big", 1024, 768, m.specs[0].policy}};
+  m.schedule = {{0, 1, 0}};
+  std::vector<uint64_t> agreed(2);
+  const auto errors = RunRanks(2, [&](Communicator& comm) {
+    const int r = comm.rank();
+    for (int round = 0; round < 5; ++round) {
+      ExchangeEngine engine(comm, Options(m));
+      engine.SetLayers(m.Layers());
+      engine.SetPolicy(m.Policy());
+      Tensors g = m.Grads(r, 0);
+      engine.Exchange(0, {0}, Spans(g, {0}));
+      // Time for the exchange thread to take the refresh up (a window, not a condition: the
+      // test holds either way once the refresh may finish).
+      std::this_thread::sleep_for(std::chrono::milliseconds(2));
+    }
+    ExchangeEngine last(comm, Options(m));
+    agreed[r] = last.AgreeMin(10 + r);
+  });
+  ASSERT_EQ(JoinErrors(errors), "");
+  EXPECT_EQ(agreed, (std::vector<uint64_t>{10, 10}));
 }
 
 TEST(ExchangeEngine, BadCallsAreRefusedNamingTheLayerAndField) {
