@@ -1,9 +1,10 @@
 // geofp8._geofp8.Engine: the exchange engine (kernels/exchange/engine.h) for Python, as
-// geofp8.torch's DDP comm hook drives it (the module itself: geofp8_module.cc). A thin binding: one Engine per process group holds a communicator
-// (Gloo, bootstrapped from a Python store object such as torch's c10d Store; or NCCL with the
-// device plane for CUDA tensors) and the kernels' ExchangeEngine, which owns the model's layers,
-// the policy, each layer's geometry, sketch and residuals, and the submitted buckets. Policies
-// are parsed by platform/policy (presets, YAML, coordinator versions).
+// geofp8.torch's DDP comm hook drives it (the module itself: geofp8_module.cc). A thin binding: one
+// Engine per process group holds a communicator (Gloo, bootstrapped from a Python store object such
+// as torch's c10d Store; or NCCL with the device plane for CUDA tensors) and the kernels'
+// ExchangeEngine, which owns the model's layers, the policy, each layer's geometry, sketch and
+// residuals, and the submitted buckets. Policies are parsed by platform/policy (presets, YAML,
+// coordinator versions).
 //
 // The GIL: every call into the Python store takes it; the rendezvous, the exchange and every
 // wait on the engine run with it released, so the store may be served by another Python thread
@@ -15,6 +16,8 @@
 // communicator, with the device plane (kernels/exchange/data_plane.h, StagedPlane over
 // cuda_backend.h): CUDA buckets are exchanged in place in device memory, the codec and geometry
 // on the device, after the work queued on the caller's CUDA stream.
+
+#include "client/python/engine_binding.h"
 
 #include <pybind11/pybind11.h>
 #include <pybind11/stl.h>
@@ -29,7 +32,6 @@
 #include <utility>
 #include <vector>
 
-#include "client/python/engine_binding.h"
 #include "client/python/hook_binding.h"
 #include "kernels/common/check.h"
 #include "kernels/exchange/engine.h"

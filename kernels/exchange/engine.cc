@@ -41,8 +41,8 @@ void ExchangeEngine::Stop() {
 void ExchangeEngine::SetLayers(std::vector<EngineLayer> layers) {
   GEOFP8_CHECK(!layers.empty(), "layers: the model has no parameter that requires a gradient");
   for (const EngineLayer& l : layers) {
-    GEOFP8_CHECK(l.rows >= 1 && l.cols >= 1, "layers: parameter '", l.name, "' has shape (",
-                 l.rows, ", ", l.cols, ")");
+    GEOFP8_CHECK(l.rows >= 1 && l.cols >= 1, "layers: parameter '", l.name, "' has shape (", l.rows,
+                 ", ", l.cols, ")");
   }
   Drain();
   exchangers_.clear();
@@ -89,8 +89,8 @@ std::vector<std::span<float>> ExchangeEngine::Checked(const std::vector<uint32_t
   GEOFP8_CHECK(!layers.empty() && layers.size() == grads.size(), "exchange: ", layers.size(),
                " layers but ", grads.size(), " gradients");
   for (size_t i = 0; i < layers.size(); ++i) {
-    GEOFP8_CHECK(layers[i] < layers_.size(), "exchange: layer index ", layers[i], " >= ",
-                 layers_.size());
+    GEOFP8_CHECK(layers[i] < layers_.size(), "exchange: layer index ", layers[i],
+                 " >= ", layers_.size());
     const EngineLayer& l = layers_[layers[i]];
     GEOFP8_CHECK(grads[i].size() == static_cast<size_t>(l.rows * l.cols), "exchange: layer '",
                  l.name, "' has ", l.rows * l.cols, " elements, its gradient ", grads[i].size());
@@ -103,8 +103,8 @@ std::unique_ptr<Exchanger> ExchangeEngine::MakeExchanger(const std::vector<uint3
   std::vector<LayerSpec> specs;
   std::vector<RefreshSchedule> schedule;
   for (uint32_t l : layers) {
-    specs.push_back(LayerSpec{layers_[l].name, layers_[l].rows, layers_[l].cols,
-                              policy_.layers[l]});
+    specs.push_back(
+        LayerSpec{layers_[l].name, layers_[l].rows, layers_[l].cols, policy_.layers[l]});
     if (!policy_.schedule.empty()) schedule.push_back(policy_.schedule[l]);
   }
   ExchangeOptions eo = policy_.options;
@@ -159,9 +159,10 @@ StepResult ExchangeEngine::Exchange(uint64_t step, const std::vector<uint32_t>& 
   if (before) before();
   // The ema estimator's refreshes run on the exchange thread after this returns, while the
   // optimizer and the next forward run; the instant estimator's broadcast cannot wait.
-  const bool defer = options_.defer_refreshes &&
-                     policy_.options.estimator == GeometryEstimator::kFactorEma;
-  StepResult r = ex.Exchange(step, std::move(grads), defer ? Refreshes::kDeferred : Refreshes::kNow);
+  const bool defer =
+      options_.defer_refreshes && policy_.options.estimator == GeometryEstimator::kFactorEma;
+  StepResult r =
+      ex.Exchange(step, std::move(grads), defer ? Refreshes::kDeferred : Refreshes::kNow);
   {
     // The deferred refreshes queued before this call have run (the queue was idle).
     std::lock_guard<std::mutex> lock(q_->mu);
@@ -292,8 +293,7 @@ void ExchangeEngine::Drain(bool forget_errors) {
 void ExchangeEngine::WaitForExchanges() {
   if (!exchange_thread_.joinable()) return;
   std::unique_lock<std::mutex> lock(q_->mu);
-  q_->idle_cv.wait(lock,
-                   [this] { return (q_->exchange.empty() && !q_->running) || q_->stop; });
+  q_->idle_cv.wait(lock, [this] { return (q_->exchange.empty() && !q_->running) || q_->stop; });
 }
 
 size_t ExchangeEngine::in_flight() const {

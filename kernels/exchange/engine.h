@@ -78,8 +78,8 @@ class ExchangeEngine {
  public:
   // A submitted group's end, as its Done sees it on the completion thread.
   struct Completion {
-    StepResult* result = nullptr;  // null when it failed
-    std::exception_ptr error;      // null when it succeeded
+    StepResult* result = nullptr;                                     // null when it failed
+    std::exception_ptr error;                                         // null when it succeeded
     std::chrono::steady_clock::time_point queued, started, finished;  // Submit, run, end
   };
   using Done = std::function<void(const Completion&)>;
@@ -173,8 +173,8 @@ class ExchangeEngine {
     std::mutex mu;
     std::condition_variable work_cv, done_cv, idle_cv;
     std::deque<std::unique_ptr<Job>> exchange, done;
-    size_t in_flight = 0;  // submitted, Done not yet returned
-    bool running = false;  // the exchange thread is inside a job
+    size_t in_flight = 0;        // submitted, Done not yet returned
+    bool running = false;        // the exchange thread is inside a job
     bool running_local = false;  // ... and it is deferred refreshes, which use no collective
     bool stop = false;
     std::exception_ptr first_error;  // of a submitted group, for the next Exchange()

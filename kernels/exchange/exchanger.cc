@@ -75,10 +75,7 @@ std::vector<Bucket> MakeBuckets(std::span<const LayerSpec> layers, size_t cap_by
 
 Exchanger::Exchanger(Communicator& comm, std::vector<LayerSpec> layers, ExchangeOptions options,
                      std::vector<RefreshSchedule> schedule)
-    : comm_(comm),
-      layers_(std::move(layers)),
-      options_(options),
-      schedule_(std::move(schedule)) {
+    : comm_(comm), layers_(std::move(layers)), options_(options), schedule_(std::move(schedule)) {
   options_.algorithm = ResolveAlgorithm(options_.algorithm, comm_.size());
   GEOFP8_CHECK(options_.bucket_cap_bytes > 0, "bucket_cap_bytes: must be positive (0)");
   GEOFP8_CHECK(options_.timeout.count() > 0, "timeout: must be positive (",
@@ -196,8 +193,9 @@ void Exchanger::AttachStates() {
   // where the layer keeps none.
   for (uint32_t l = 0; l < layers_.size(); ++l) {
     LayerState& st = *state_[l];
-    const bool stale_sketch = st.sketch.updates > 0 &&
-                              (!UsesGeometry(l) || options_.estimator != GeometryEstimator::kFactorEma);
+    const bool stale_sketch =
+        st.sketch.updates > 0 &&
+        (!UsesGeometry(l) || options_.estimator != GeometryEstimator::kFactorEma);
     if (stale_sketch || (!st.active.is_identity() && !PolicyMismatch(l, st.active).empty()) ||
         (st.has_pending && !PolicyMismatch(l, st.pending).empty())) {
       st.ResetGeometry();

@@ -8,8 +8,8 @@
 #include <atomic>
 #include <cmath>
 #include <future>
-#include <thread>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include "tests/exchange/exchange_harness.h"
@@ -272,8 +272,9 @@ TEST(ExchangeEngine, BadCallsAreRefusedNamingTheLayerAndField) {
   EXPECT_NE(message([&] { engine.SetPolicy(m.Policy()); }).find("set the layers first"),
             std::string::npos);
   engine.SetLayers(m.Layers());
-  EXPECT_NE(message([&] { engine.Exchange(0, {0}, {std::span<float>(g)}); })
-                .find("exchange: set_policy first"),
+  EXPECT_NE(message([&] {
+              engine.Exchange(0, {0}, {std::span<float>(g)});
+            }).find("exchange: set_policy first"),
             std::string::npos);
   EnginePolicy bad = m.Policy();
   bad.layers[2].error_feedback = true;
@@ -282,11 +283,12 @@ TEST(ExchangeEngine, BadCallsAreRefusedNamingTheLayerAndField) {
             std::string::npos);
   EXPECT_FALSE(engine.has_policy());  // a refused policy leaves none in force
   engine.SetPolicy(m.Policy());
-  EXPECT_NE(message([&] { engine.Exchange(0, {7}, {std::span<float>(g)}); })
-                .find("layer index 7 >= 3"),
-            std::string::npos);
-  EXPECT_NE(message([&] { engine.Exchange(0, {1}, {std::span<float>(g)}); })
-                .find("layer 'ef' has 320 elements, its gradient 384"),
+  EXPECT_NE(
+      message([&] { engine.Exchange(0, {7}, {std::span<float>(g)}); }).find("layer index 7 >= 3"),
+      std::string::npos);
+  EXPECT_NE(message([&] {
+              engine.Exchange(0, {1}, {std::span<float>(g)});
+            }).find("layer 'ef' has 320 elements, its gradient 384"),
             std::string::npos);
   std::vector<float> w(24 * 16), w2(24 * 16);
   EXPECT_NE(message([&] {
@@ -310,8 +312,8 @@ TEST(ExchangeEngine, GroupingsThatDifferAcrossRanksFailNamingTheLayerInsteadOfHa
         engine.SetPolicy(m.Policy());
         Tensors g = m.Grads(r, 0);
         // Rank 1 leaves layer 1 out of its group (a parameter it did not use).
-        const std::vector<uint32_t> group = r == 0 ? std::vector<uint32_t>{0, 1}
-                                                   : std::vector<uint32_t>{0};
+        const std::vector<uint32_t> group =
+            r == 0 ? std::vector<uint32_t>{0, 1} : std::vector<uint32_t>{0};
         engine.Exchange(0, group, Spans(g, group));
       },
       std::chrono::milliseconds(20000));

@@ -230,8 +230,7 @@ void RankAttempt::Begin(const train::TrainOptions& to, int64_t start) {
   {
     std::vector<RefreshSchedule> schedule = Resolve(*first);
     const std::string name = "policy v" + std::to_string(first->version());
-    ExchangePlan plan =
-        PlanFrom(*first, spec_.exchange, spec_.geometry_refresh, params_, name);
+    ExchangePlan plan = PlanFrom(*first, spec_.exchange, spec_.geometry_refresh, params_, name);
     trainer_ = std::make_unique<train::Trainer>(to, *comm_, std::move(plan), std::move(schedule),
                                                 first->version());
   }

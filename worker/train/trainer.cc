@@ -189,8 +189,7 @@ void Trainer::SetPolicies(uint64_t from_step, std::vector<LayerPolicy> policies,
   // Validate now, so a bad policy fails where it is set rather than at its step.
   for (size_t i = 0; i < policies.size(); ++i) {
     const model::ParamInfo& p = model_.params()[i];
-    LayerSpec spec{p.name, p.exchange_rows(), p.exchange_cols(),
-                   policies[i]};
+    LayerSpec spec{p.name, p.exchange_rows(), p.exchange_cols(), policies[i]};
     if (std::string err = ValidateLayerPolicy(spec); !err.empty()) {
       GEOFP8_FAIL("policy v", policy_version, ": ", err);
     }
