@@ -230,10 +230,14 @@ std::thread StartMemoryReturner(const std::atomic<bool>& stopping) {
       if (rss > reference + kTrimAbove) {
         malloc_trim(0);
         reference = ResidentBytes();
-        geofp8::log::Debug("coordinator.memory_returned")
-            .F("rss_before", rss)
-            .F("rss_after", reference)
-            .Msg("freed memory handed back to the kernel");
+        // Under a burst, other threads may allocate more than the trim gave back meanwhile:
+        // only a trim that left the process smaller is reported as memory handed back.
+        if (reference < rss) {
+          geofp8::log::Debug("coordinator.memory_returned")
+              .F("rss_before", rss)
+              .F("rss_after", reference)
+              .Msg("freed memory handed back to the kernel");
+        }
       } else if (rss < reference) {
         reference = rss;
       }
