@@ -398,7 +398,8 @@ class WorkerTest(Base):
             self.policies.UpdatePolicy(pb.UpdatePolicyRequest(
                 job_id=job_id, patches=[pb.LayerPatch(layer="x", geometry=99)]), timeout=5)
         self.assertEqual(e.exception.code(), grpc.StatusCode.INVALID_ARGUMENT)
-        self.assertIn("patches[0].geometry: unknown value (99)", e.exception.details())
+        self.assertIn("patches[0].geometry: unknown geofp8.v1.GeometryMode value (99)",
+                      e.exception.details())
         for w in (a, b):
             w.send(finished=pb.JobFinished(success=True))
         wait_for(lambda: self.get(job_id).state == pb.JOB_SUCCEEDED, what="SUCCEEDED")
@@ -461,6 +462,9 @@ class WorkerTest(Base):
 
     def test_dead_worker_restarts_job_then_fails(self):
         job_id, a, b = self.start_job()
+        # b's rank has run (a step reported): a worker that goes before its rank ran anything
+        # is not charged a restart (issue 41, flapping workers).
+        b.send(progress=pb.StepProgress(step=1, loss=3.0))
         # Only a keeps heartbeating; b is declared dead after 1.5 s and fenced.
         deadline = time.time() + 10
         while time.time() < deadline and self.get(job_id).restarts == 0:
@@ -636,7 +640,14 @@ class PersistenceTest(Base):
         self.server = Server(self.tmp.name)
         self.channel = self.server.channel()
         self.jobs = rpc.JobServiceStub(self.channel)
-        present = {j.id for j in self.jobs.ListJobs(pb.ListJobsRequest(), timeout=5).jobs}
+        present, token = set(), ""
+        while True:  # every page (ListJobs is paged, newest first)
+            page = self.jobs.ListJobs(pb.ListJobsRequest(page_size=1000, page_token=token),
+                                      timeout=5)
+            present |= {j.id for j in page.jobs}
+            token = page.next_page_token
+            if not token:
+                break
         self.assertTrue(set(acked) <= present, set(acked) - present)
 
 
