@@ -4,6 +4,7 @@ skips the step on every rank, and the hook's cached bucket layouts follow a buck
 parameters change while its buffer stays. Two gloo ranks."""
 
 import io
+import warnings
 import os
 import sys
 
@@ -163,6 +164,22 @@ def state_field_errors(rank):
     for key in saved:
         if key in back and not same(saved[key], back[key]):
             errors.append("state_dict field %r does not survive a round trip" % key)
+    # Residuals saved by another rank or at another world size are dropped with a warning, never
+    # applied; the geometry still loads.
+    for key, value in (("rank", 1 - rank), ("world_size", 4)):
+        moved = dict(saved, **{key: value})
+        _, _, other, _ = fresh("fp8")
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            other.load_state_dict(moved)
+        said = [str(w.message) for w in caught if "residuals" in str(w.message)]
+        if not said or "dropped" not in said[0]:
+            errors.append("a state saved with %s=%d loaded without a warning that drops its "
+                          "residuals (%s)" % (key, value, said))
+        if same(other.state_dict()["residuals"], saved["residuals"]):
+            errors.append("residuals saved with %s=%d were applied" % (key, value))
+        if not same(other.state_dict()["geometry"], saved["geometry"]):
+            errors.append("geometry saved with %s=%d was not loaded" % (key, value))
     _, _, blank, _ = fresh("fp8")
     fresh_state = blank.state_dict()
     for key in saved:

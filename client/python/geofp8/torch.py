@@ -22,6 +22,7 @@ import os
 import sys
 import threading
 import time
+import warnings
 import weakref
 
 import torch
@@ -29,10 +30,10 @@ import torch.distributed as dist
 
 from . import _geofp8, policy_source
 
-__all__ = ["GeoFP8State", "geofp8_hook"]
+__all__ = ["GeoFP8FSDPState", "GeoFP8State", "compress_fsdp", "geofp8_hook"]
 
 _states_created = 0  # per process: each state's store prefix (same order on every rank)
-_STATE_FORMAT = 3
+_STATE_FORMAT = 4
 # The counters a state_dict carries (format 3): the saved-bytes figure spans the restarts.
 _CARRIED_STATS = ("bytes_sent", "bytes_baseline", "seconds", "skipped_buckets", "refreshes",
                   "refreshes_from_inverse")
@@ -62,6 +63,11 @@ def _script_name():
     return os.path.basename(argv0) or "the model"
 
 
+# Gradient dtypes the hook takes. bfloat16 and float16 buckets are exchanged through an fp32 copy
+# of the bucket (the engine encodes from fp32, sums in fp32) and written back in their dtype.
+_GRAD_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+
 def _check_parameter(name, p, first, device):
     """first, device: the model's first trainable parameter's name and device."""
     if p.device != device:
@@ -80,9 +86,18 @@ def _check_parameter(name, p, first, device):
     if p.device.type not in ("cpu", "cuda"):
         raise RuntimeError("device: parameter '%s' is on %s; the GeoFP8 hook takes CPU or CUDA "
                            "tensors" % (name, p.device))
-    if p.dtype != torch.float32:
-        raise TypeError("gradient dtype: parameter '%s' is %s; the GeoFP8 hook takes float32 "
-                        "gradients" % (name, p.dtype))
+    if p.dtype not in _GRAD_DTYPES:
+        raise TypeError("gradient dtype: parameter '%s' is %s; the GeoFP8 hook takes float32, "
+                        "bfloat16 and float16 gradients" % (name, p.dtype))
+
+
+def _layer_shape(shape):
+    """A parameter as the engine's layer: a matrix of dim 0 by the rest, as K-FAC and Shampoo
+    see a conv weight (out, in * kh * kw); a 1-D parameter of n elements (or a scalar) is the
+    engine's (1, n) vector, which takes no geometry."""
+    if len(shape) < 2 or shape[0] == 0:
+        return 1, math.prod(shape)
+    return int(shape[0]), math.prod(shape) // int(shape[0])
 
 
 def _environment_synchronous():
@@ -132,6 +147,8 @@ class GeoFP8State:
     called, started, finished, returned, completed; docs/pytorch.md).
     """
 
+    _watch_buckets = True  # _BucketWatch on the model's forward passes (DDP's buckets)
+
     def __init__(self, process_group=None, model=None, policy="geofp8", *, seed=0,
                  timeout_s=None, store=None, hostname=None, model_name=None,
                  coordinator=None, summary_every=10, attach_timeout_s=60.0, blas_threads=None,
@@ -162,7 +179,7 @@ class GeoFP8State:
             _check_parameter(name, p, first, device)
             self._index[id(p)] = len(self.names)
             self.names.append(name)
-            shapes.append((p.shape[0], p.shape[1]) if p.dim() == 2 else (1, p.numel()))
+            shapes.append(_layer_shape(tuple(p.shape)))
         if not self.names:
             raise ValueError("model: has no parameter that requires a gradient")
         if synchronous is None:
@@ -230,7 +247,7 @@ class GeoFP8State:
         # A bucket that some rank's backward never hands over (a parameter without a gradient
         # there): found through the store within seconds rather than at the timeout.
         self._watch = _BucketWatch(self, store, rank, size)
-        if hasattr(model, "register_forward_hook"):
+        if self._watch_buckets and hasattr(model, "register_forward_hook"):
             self._watch.attach(model)
 
     # ---- the coordinator (a GeoFP8 `command:` job) ------------------------------------------
@@ -431,14 +448,18 @@ class GeoFP8State:
             # stats (format 3): the wire bytes and their fp32 baseline over every step so far,
             # so that a resumed run reports the same bytes saved as one without the restart
             "stats": {k: self.stats[k] for k in _CARRIED_STATS},
+            # who saved the residuals (format 4): they are this rank's own quantization errors,
+            # so another rank or world size drops them (load_state_dict); geometry is portable
+            "rank": self.rank,
+            "world_size": self.world_size,
         })
 
     def load_state_dict(self, state):
         """Restores state_dict()'s output; the model must have the same parameters."""
         state = _bytes_for_tensors(state)
-        if state.get("format") not in (1, 2, _STATE_FORMAT):
-            raise ValueError("state.format: %r is not 1, 2 or %d" % (state.get("format"),
-                                                                     _STATE_FORMAT))
+        if state.get("format") not in (1, 2, 3, _STATE_FORMAT):
+            raise ValueError("state.format: %r is not 1, 2, 3 or %d" % (state.get("format"),
+                                                                        _STATE_FORMAT))
         if list(state["names"]) != self.names:
             raise ValueError("state.names: the saved parameters (%d) differ from the model's (%d)"
                              % (len(state["names"]), len(self.names)))
@@ -452,7 +473,16 @@ class GeoFP8State:
                                                   self.policy_version)
         self._policy = policy
         self._engine.import_geometry([tuple(g) for g in state["geometry"]])
-        if "residuals" in state:  # format 1 has none: error feedback starts again from zero
+        saved_by = ((int(state["rank"]), int(state["world_size"])) if state["format"] >= 4
+                    else (self.rank, self.world_size))
+        if "residuals" not in state:  # format 1 has none: error feedback starts again from zero
+            pass
+        elif saved_by != (self.rank, self.world_size):
+            warnings.warn("load_state_dict: the error-feedback residuals were saved by rank %d "
+                          "of %d and this is rank %d of %d; they are dropped (error feedback "
+                          "starts again from zero), the geometry is kept"
+                          % (saved_by + (self.rank, self.world_size)), stacklevel=2)
+        else:
             self._engine.import_residuals([tuple(r) for r in state["residuals"]])
         self._scheduled = [tuple(t) for t in state["scheduled"]]
         self.step = int(state["step"])
@@ -712,7 +742,7 @@ def _bucket_layout(state, bucket, buf):
         layers.append(i)
     base = buf.data_ptr()
     grads = bucket.gradients()
-    offsets = [(g.data_ptr() - base) // 4 for g in grads]
+    offsets = [(g.data_ptr() - base) // buf.element_size() for g in grads]
     sizes = [g.numel() for g in grads]
     if len(state._layouts) >= _LAYOUT_CACHE_MAX:
         state._layouts.clear()
@@ -740,8 +770,10 @@ def _measure_layers(state, layers, exact, averaged, offsets, sizes):
             (state.names[i], math.sqrt(err / g2) if g2 > 0 else math.sqrt(err)))
 
 
-def _account(state, result, buf, layers, offsets, sizes, exact):
-    """A finished bucket: measured errors, the NaN fill of a skipped bucket, the statistics."""
+def _account(state, result, buf, layers, offsets, sizes, exact, elem_bytes=4):
+    """A finished bucket: measured errors, the NaN fill of a skipped bucket, the statistics.
+    elem_bytes: the gradients' own dtype's size; bytes_baseline counts the plain collective in
+    that dtype (an fp32, bf16 or fp16 all-reduce)."""
     if exact is not None and not result["skipped"]:
         _measure_layers(state, layers, exact, buf, offsets, sizes)
     if result["skipped"]:
@@ -749,7 +781,8 @@ def _account(state, result, buf, layers, offsets, sizes, exact):
         state.stats["skipped_buckets"] += 1
         state.last_step["skipped"] = True
     state.stats["bytes_sent"] += result["bytes_sent"]
-    state.stats["bytes_baseline"] += int(round(state._baseline_per_float * sum(sizes)))
+    state.stats["bytes_baseline"] += int(round(state._baseline_per_float * sum(sizes) *
+                                               elem_bytes / 4.0))
     state.stats["seconds"] += result["seconds"]
     state.stats["refreshes"] += result["refreshes"]
     state.stats["refreshes_from_inverse"] += result["refreshes_from_inverse"]
@@ -798,12 +831,15 @@ def geofp8_hook(state, bucket):
                                % (bucket.index(), buf.device))
         raise RuntimeError("device: bucket %d is on %s; this GeoFP8State was made for a model on "
                            "%s" % (bucket.index(), buf.device, state.device))
+    if buf.dtype not in _GRAD_DTYPES:
+        raise TypeError("gradient dtype: bucket %d is %s; the GeoFP8 hook takes float32, "
+                        "bfloat16 and float16 gradients" % (bucket.index(), buf.dtype))
+    out = buf
     if buf.dtype != torch.float32:
-        raise TypeError("gradient dtype: bucket %d is %s; the GeoFP8 hook takes float32 "
-                        "gradients" % (bucket.index(), buf.dtype))
+        buf = buf.float()  # exchanged in fp32, written back into DDP's bucket at the end
     if not state._in_step:
         state._begin_step()
-    layers, offsets, sizes = _bucket_layout(state, bucket, buf)
+    layers, offsets, sizes = _bucket_layout(state, bucket, out)
     exact = _exact_average(state, buf) if state._measure else None
     step, index = state.step, bucket.index()
     watch = state._watch
@@ -821,7 +857,9 @@ def geofp8_hook(state, bucket):
                 fut.set_exception(RuntimeError(watch.error) if watch.error else error)
                 return
             try:
-                _account(state, result, buf, layers, offsets, sizes, exact)
+                _account(state, result, buf, layers, offsets, sizes, exact, out.element_size())
+                if out is not buf:
+                    out.copy_(buf)
                 if trace is not None:
                     record.update(started=result["started"], finished=result["finished"],
                                   completed=time.monotonic(), skipped=result["skipped"])
@@ -829,7 +867,7 @@ def geofp8_hook(state, bucket):
             except BaseException as e:  # noqa: BLE001 - it belongs to the Future
                 fut.set_exception(e)
                 return
-            fut.set_result(buf)
+            fut.set_result(out)
 
         record = {"step": step, "bucket": index, "called": called}
         if buf.device.type == "cuda":
@@ -866,12 +904,18 @@ def geofp8_hook(state, bucket):
     # When the engine began it, after the buckets queued before it (a CPU build from before
     # "started" was reported: when the call began).
     started = result.get("started", started)
-    _account(state, result, buf, layers, offsets, sizes, exact)
+    _account(state, result, buf, layers, offsets, sizes, exact, out.element_size())
+    if out is not buf:
+        out.copy_(buf)
     _end_bucket(state, bucket)
-    fut.set_result(buf)
+    fut.set_result(out)
     if trace is not None:
         now = time.monotonic()
         trace.append({"step": step, "bucket": index, "called": called, "started": started,
                       "finished": finished, "returned": now, "completed": now,
                       "skipped": result["skipped"]})
     return fut
+
+
+# FSDP2's reduce-scatter over the same state (after GeoFP8State, which it extends).
+from ._fsdp import GeoFP8FSDPState, compress_fsdp  # noqa: E402
