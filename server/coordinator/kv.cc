@@ -49,16 +49,19 @@ absl::Status RendezvousKv::Put(const std::string& job_id, const std::string& key
   const size_t old = it == job.keys.end() ? 0 : key.size() + it->second.size();
   if (it == job.keys.end() && job.keys.size() >= limits_.max_keys_per_job) {
     if (job.keys.empty()) jobs_.erase(job_id);
-    return absl::ResourceExhaustedError("job " + job_id + ": rendezvous holds the most keys " +
-                                        "allowed (" + std::to_string(limits_.max_keys_per_job) +
+    return absl::ResourceExhaustedError("job " + job_id + ": rendezvous would hold more than " +
+                                        std::to_string(limits_.max_keys_per_job) + " keys (" +
+                                        std::to_string(job.keys.size() + 1) + " with key " + key +
                                         ")");
   }
-  if (job.bytes - old + key.size() + value.size() > limits_.max_bytes_per_job) {
+  const size_t bytes = job.bytes - old + key.size() + value.size();
+  if (bytes > limits_.max_bytes_per_job) {
     if (job.keys.empty()) jobs_.erase(job_id);
     return absl::ResourceExhaustedError("job " + job_id + ": rendezvous would hold more than " +
-                                        std::to_string(limits_.max_bytes_per_job) + " bytes");
+                                        std::to_string(limits_.max_bytes_per_job) + " bytes (" +
+                                        std::to_string(bytes) + " with key " + key + ")");
   }
-  job.bytes = job.bytes - old + key.size() + value.size();
+  job.bytes = bytes;
   job.keys[key] = std::move(value);
   return absl::OkStatus();
 }

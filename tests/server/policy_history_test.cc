@@ -1,10 +1,13 @@
 // Bounded policy history (issue #31 item 4) at the coordinator, with fakes: updates that would
 // make a resumed rank's Assignment undeliverable are refused with the bound and the size, the
-// Assignment after a rank's death stays under gRPC's limit, and ListPolicyVersions pages.
+// Assignment after a rank's death stays under gRPC's limit, and ListPolicyVersions pages. The
+// bounds on history bytes and on patches per update and per version hold at their limit and
+// refuse one past it.
 #include <gtest/gtest.h>
 #include <unistd.h>
 
 #include <filesystem>
+#include <set>
 #include <string>
 #include <vector>
 
@@ -179,6 +182,132 @@ TEST_F(PolicyHistoryTest, TheBoundCountsBytesNotPatches) {
   auto fits = coordinator->UpdatePolicy(req);
   ASSERT_TRUE(fits.ok()) << fits.status();
   EXPECT_EQ(fits->policy().version(), 2u);
+}
+
+// Bytes of policy versions an Assignment resuming at step 0 carries: every version in
+// `policy_history`, and the latest once more in `policy` (each a field of 1-byte tag).
+size_t AssignmentPolicyBytes(const std::vector<v1::Policy>& versions) {
+  v1::Assignment a;
+  *a.mutable_policy() = versions.back();
+  for (const auto& p : versions) *a.add_policy_history() = p;
+  return a.ByteSizeLong();
+}
+
+// The bound holds at its byte and refuses the one past it. Every byte of a new version counts
+// twice (as `policy` and in `policy_history`), so one job reaches only even or only odd totals:
+// the job with an even v1 + v2 lands on 2097152 exactly (accepted), the other on 2097153
+// (refused). The size a glob length gives is read from a refusal's message, then checked
+// against the Assignment the versions accepted would make.
+TEST_F(PolicyHistoryTest, TheBoundHoldsAtItsByteAndRefusesTheNextOne) {
+  constexpr size_t kBound = kMaxPolicyHistoryBytes;
+  ASSERT_EQ(kBound, 2097152u) << "docs/job-spec.md gives 2 MiB";
+  std::set<size_t> landed;
+  for (int k = 0; k < 2; ++k) {
+    SCOPED_TRACE("v2 of glob layers.*" + std::string(1 + k, '*'));
+    const std::string id = Submit("name: h" + std::to_string(k) + std::string(kSpec).substr(7));
+    v1::UpdatePolicyRequest v2;
+    v2.set_job_id(id);
+    v2.add_patches()->set_layer("layers.*" + std::string(1 + k, '*'));
+    v2.mutable_patches(0)->set_format(v1::FORMAT_FP8_E4M3);
+    ASSERT_TRUE(coordinator->UpdatePolicy(v2).ok());
+    // v3: 190 distinct globs of 5000 to 5189 bytes (about 1 MB) and one of `last` bytes, whose
+    // length varint stays 3 bytes long, so that each byte more of it adds 2 to the total.
+    const auto v3 = [&](size_t last) {
+      v1::UpdatePolicyRequest req;
+      req.set_job_id(id);
+      for (int i = 0; i < 191; ++i) {
+        v1::LayerPatch* p = req.add_patches();
+        p->set_layer("layers.*" + std::string(i < 190 ? 5000 + i : last - 8, '*'));
+        p->set_format(v1::FORMAT_BF16);
+      }
+      return coordinator->UpdatePolicy(req);
+    };
+    const auto total = [](const absl::Status& s) -> size_t {
+      const std::string m(s.message());
+      const std::string at = "(v1 to v3, from the recovery point at step 0) to ";
+      const size_t pos = m.find(at);
+      return pos == std::string::npos ? 0 : std::stoull(m.substr(pos + at.size()));
+    };
+    constexpr size_t kProbe = 200000;
+    auto r = v3(kProbe);
+    ASSERT_EQ(r.status().code(), absl::StatusCode::kResourceExhausted) << r.status();
+    const size_t probed = total(r.status());
+    ASSERT_GT(probed, kBound + 2) << r.status();
+    const size_t target = kBound + (probed - kBound) % 2;  // the bound, or the byte past it
+    const size_t last = kProbe - (probed - target) / 2;
+    ASSERT_GT(last, 16384u) << "the glob's length varint must not shrink";
+    const std::string over = " bytes, over the bound of 2097152 bytes; ";
+    size_t accepted_at = 0;
+    if (target == kBound) {
+      r = v3(last + 1);
+      ASSERT_EQ(r.status().code(), absl::StatusCode::kResourceExhausted) << r.status();
+      EXPECT_NE(r.status().message().find(") to 2097154" + over), std::string::npos) << r.status();
+      accepted_at = last;
+    } else {
+      r = v3(last);
+      ASSERT_EQ(r.status().code(), absl::StatusCode::kResourceExhausted) << r.status();
+      EXPECT_EQ(r.status().message().rfind(
+                    "policy history: v3 would bring the policy versions a resumed rank can need "
+                    "(v1 to v3, from the recovery point at step 0) to 2097153" +
+                        over,
+                    0),
+                0u)
+          << r.status();
+      accepted_at = last - 1;
+    }
+    EXPECT_EQ(Get(id).policy_version(), 2u) << "a refused update makes no version";
+    r = v3(accepted_at);
+    ASSERT_TRUE(r.ok()) << r.status();
+    EXPECT_EQ(r->policy().version(), 3u);
+    std::vector<v1::Policy> versions;
+    for (const auto& page : Pages(id, 0)) {
+      for (const auto& p : page.policies()) versions.push_back(p);
+    }
+    ASSERT_EQ(versions.size(), 3u);
+    EXPECT_EQ(AssignmentPolicyBytes(versions), target == kBound ? kBound : kBound - 1);
+    landed.insert(target);
+  }
+  EXPECT_EQ(landed, (std::set<size_t>{kBound, kBound + 1}));
+}
+
+// One UpdatePolicy takes at most 256 patches, and a version holds at most 4096 after
+// compaction: each bound holds at its limit and refuses one past it, naming the bound and the
+// count.
+TEST_F(PolicyHistoryTest, PatchesPerUpdateAndPerVersionHoldAtTheBoundAndRefuseOnePast) {
+  ASSERT_EQ(kMaxPatchesPerUpdate, 256) << "docs/job-spec.md and docs/api-limits.md give 256";
+  ASSERT_EQ(kMaxPatchesPerVersion, 4096) << "docs/job-spec.md gives 4096";
+  const std::string id = Submit(kSpec);
+  Worker a = Join("a");
+  v1::GetPolicyRequest get;
+  get.set_job_id(id);
+  ASSERT_EQ(coordinator->GetPolicy(get)->patches_size(), 0);
+  auto r = AddGlobs(id, 0, 257);
+  EXPECT_EQ(r.status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(r.status().message(), "patches: at most 256 per update (257)");
+  EXPECT_EQ(Get(id).policy_version(), 1u);
+  // 16 updates of 256 new globs each: v17 holds 4096 patches. The glob patches are about 21 bytes
+  // each, so the versions stay well within the history bound without a checkpoint.
+  for (int u = 0; u < 16; ++u) {
+    r = AddGlobs(id, 256 * u, 256);
+    ASSERT_TRUE(r.ok()) << "update " << u << ": " << r.status();
+  }
+  EXPECT_EQ(r->policy().version(), 17u);
+  EXPECT_EQ(r->policy().patches_size(), 4096);
+  r = AddGlobs(id, 4096, 1);
+  EXPECT_EQ(r.status().code(), absl::StatusCode::kResourceExhausted);
+  EXPECT_EQ(r.status().message(),
+            "patches: policy v18 would hold 4097 patches after compaction, at most 4096; patch "
+            "broader globs or fewer distinct layers");
+  EXPECT_EQ(Get(id).policy_version(), 17u);
+  // The count is taken after compaction: a glob the version holds, set again, replaces its patch.
+  v1::UpdatePolicyRequest again;
+  again.set_job_id(id);
+  again.add_patches()->set_layer(Glob(0));
+  again.mutable_patches(0)->set_format(v1::FORMAT_BF16);
+  r = coordinator->UpdatePolicy(again);
+  ASSERT_TRUE(r.ok()) << r.status();
+  EXPECT_EQ(r->policy().version(), 18u);
+  EXPECT_EQ(r->policy().patches_size(), 4096);
 }
 
 TEST_F(PolicyHistoryTest, HistoryPagesByCountAndBytesAndFollowsTokens) {
