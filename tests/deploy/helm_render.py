@@ -423,12 +423,12 @@ class Renderer:
         return {name: self._run(nodes, self.root, "templates/" + name)
                 for name, nodes in self.templates.items() if not name.startswith("_")}
 
-    def documents(self):
+    def documents(self, rendered=None):
         """[(template name, text)] of every non-empty YAML document in template order, split on
         "---" lines as helm splits them; documents that are empty or only comments are dropped,
         as `helm template` drops them. NOTES.txt and other non-YAML files are not documents."""
         docs = []
-        for name, text in sorted(self.render().items()):
+        for name, text in sorted((rendered or self.render()).items()):
             if not name.endswith((".yaml", ".yml")):
                 continue
             for piece in re.split(r"(?m)^---[ \t]*(?:#.*)?$", text):
@@ -525,8 +525,8 @@ def main(argv):
             raise RenderError("values don't meet the specifications of %s/values.schema.json:\n"
                               % os.path.basename(os.path.normpath(chart))
                               + "\n".join("- " + e for e in errs))
-        docs = r.documents()
         rendered = r.render()
+        docs = r.documents(rendered)
     except RenderError as e:
         print("helm_render.py: error: %s" % e, file=sys.stderr)
         return 1
