@@ -2,7 +2,9 @@
 # Checks the deployment assets against the programs they deploy: manifests parse, every flag they
 # pass exists in the binary's --help, every metric the dashboard queries is exported, every Helm
 # value a template reads is defined, and a real Prometheus server scrapes a real coordinator.
+import contextlib
 import http.client
+import io
 import json
 import math
 import os
@@ -112,6 +114,8 @@ world_size: 2
 backend: gloo
 command: [python3, /opt/job/train.py, --steps, "20"]
 """
+# The coordinator alone, for clusters that bring their own launcher (issue 43).
+COORDINATOR_ONLY = {"worker": {"enabled": False}}
 # Value sets the chart must refuse, and the message that says why.
 BAD_TLS = {
     "server cert without CA": ({"tls": {"serverSecret": "s"}}, "tls.caSecret is required"),
@@ -708,6 +712,24 @@ class HelmChartTest(unittest.TestCase):
         self.assertEqual(r.returncode, 4, "%s: %s" % (line, r.stderr))
         self.assertIn("unreachable", r.stderr)
 
+    def test_coordinator_only_passes_real_flags(self):
+        # worker.enabled: false (issue 43): the coordinator's flags are real, and so is every flag
+        # of the geofp8-worker line the NOTES tell users to run against it.
+        for overrides in (COORDINATOR_ONLY, {"worker": {"enabled": False}, "tokenSecret": "t",
+                                             "tls": MTLS}):
+            with self.subTest(values=overrides):
+                r = helm_render.Renderer(CHART, [overrides])
+                self.assertEqual(self.schema_errors(r.values), [])
+                docs = [d for _, d in r.manifests()]
+                self.assertEqual([d["kind"] for d in docs].count("StatefulSet"), 1)
+                self.assertEqual(validate(docs), [])
+                self.assertEqual(flag_problems(docs, self.help), [])
+                notes = r.render()["NOTES.txt"]
+                told = set(re.findall(r"(--[a-z][a-z0-9-]*)", "\n".join(
+                    l for l in notes.splitlines() if "geofp8ctl" not in l)))
+                self.assertIn("--coordinator", told)
+                self.assertEqual(sorted(told - self.help["geofp8-worker"]), [])
+
     def test_schema_rejects_bad_values(self):
         for bad in ({"worker": {"replicas": 0}}, {"coordinator": {"grpcPort": "7070"}},
                     {"tls": {"mutual": "yes"}}, {"tokenSecret": "Not A Name"},
@@ -734,6 +756,113 @@ class HelmChartTest(unittest.TestCase):
         self.assertTrue(os.path.isfile(os.path.join(TEMPLATES, "NOTES.txt")))
         self.assertEqual(self.schema_errors(yaml.safe_load(read(os.path.join(CHART, "values.yaml")))),
                          [])
+
+
+class HelmRenderCliTest(unittest.TestCase):
+    """tests/deploy/helm_render.py as docs/deploy.md offers it (issue 43): like `helm template`,
+    its stdout is manifests only, fit for `kubectl apply -f -`, and values that break
+    values.schema.json fail the render naming the value path. Needs no built binaries."""
+
+    SCRIPT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "helm_render.py")
+    NOTES_LINES = ("is installed as release", "port-forward", "WARNING:", "geofp8ctl ")
+
+    def cli(self, *args):
+        # One short process each; the timeout only guards a hang on a loaded machine.
+        return subprocess.run([sys.executable, self.SCRIPT, CHART] + list(args),
+                              capture_output=True, text=True, timeout=120)
+
+    def cli_in_process(self, overrides):
+        out, err = io.StringIO(), io.StringIO()
+        with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+            rc = helm_render.main([CHART, "--set-json", json.dumps(overrides)])
+        return rc, out.getvalue(), err.getvalue()
+
+    def assert_manifests_only(self, stdout, label):
+        for line in self.NOTES_LINES:  # assertFalse: a failure should not print every manifest
+            self.assertFalse(line in stdout, "%s: NOTES.txt (%r) in the manifests" % (label, line))
+        docs = list(yaml.safe_load_all(stdout))
+        self.assertTrue(docs, label)
+        for d in docs:
+            self.assertIsInstance(d, dict, "%s: a document that is not an object: %r" % (label, d))
+            self.assertIn("apiVersion", d, label)
+            self.assertIn("kind", d, label)
+        return docs
+
+    def test_output_is_manifests_without_notes(self):
+        r = self.cli()
+        self.assertEqual(r.returncode, 0, r.stderr)
+        self.assertEqual(r.stderr, "")
+        docs = self.assert_manifests_only(r.stdout, "defaults")
+        self.assertEqual(sorted(d["kind"] for d in docs).count("StatefulSet"), 2)
+        self.assertEqual(validate(docs), [])
+        # --notes puts NOTES.txt on stderr and leaves stdout as it was.
+        n = self.cli("--notes")
+        self.assertEqual((n.returncode, n.stdout), (0, r.stdout))
+        self.assertIn("is installed as release", n.stderr)
+        for label, overrides in dict(VALUE_SETS, **{"coordinator-only": COORDINATOR_ONLY}).items():
+            with self.subTest(values=label):
+                rc, out, err = self.cli_in_process(overrides)
+                self.assertEqual((rc, err), (0, ""))
+                self.assert_manifests_only(out, label)
+
+    def test_wrong_type_fails_naming_the_path(self):
+        for overrides, path, words in (
+                ({"worker": {"replicas": "four"}}, "worker.replicas",
+                 "'four' is not of type 'integer'"),
+                ({"tls": {"mutual": "yes"}}, "tls.mutual", "'yes' is not of type 'boolean'"),
+                ({"worker": {"enabled": "no"}}, "worker.enabled", "'no' is not of type 'boolean'"),
+                ({"coordinator": {"env": [{"name": "A", "value": 1}]}},
+                 "coordinator.env[0].value", "1 is not of type 'string'")):
+            with self.subTest(values=overrides):
+                r = self.cli("--set-json", json.dumps(overrides))
+                self.assertEqual(r.returncode, 1, r.stderr)
+                self.assertEqual(r.stdout, "")
+                self.assertIn("values.schema.json", r.stderr)
+                self.assertIn("- %s: %s" % (path, words), r.stderr)
+
+    def test_unknown_key_fails_naming_the_path(self):
+        with tempfile.TemporaryDirectory() as tmp:
+            values = os.path.join(tmp, "my-values.yaml")
+            with open(values, "w") as f:
+                f.write("worker:\n  replcias: 8\n")
+            for args, path in (
+                    (["-f", values], "worker.replcias"),
+                    (["--set-json", '{"wroker": {"replicas": 8}}'], "wroker"),
+                    (["--set-json", '{"securityContext": {"readOnlyRootFileSystem": true}}'],
+                     "securityContext.readOnlyRootFileSystem"),
+                    (["--set-json",
+                      '{"worker": {"tolerations": [{"key": "a", "operater": "Exists"}]}}'],
+                     "worker.tolerations[0].operater")):
+                with self.subTest(args=args):
+                    r = self.cli(*args)
+                    self.assertEqual(r.returncode, 1, r.stderr)
+                    self.assertEqual(r.stdout, "")
+                    self.assertIn("- %s: unknown key" % path, r.stderr)
+
+    def test_coordinator_only_renders_no_workers(self):
+        for label, overrides in (
+                ("coordinator-only", COORDINATOR_ONLY),
+                ("coordinator-only+pdb+token+mtls",
+                 {"worker": {"enabled": False, "podDisruptionBudget": {"enabled": True}},
+                  "tokenSecret": "geofp8-token", "tls": MTLS,
+                  "metrics": {"serviceMonitor": True}})):
+            with self.subTest(values=label):
+                rc, out, err = self.cli_in_process(overrides)
+                self.assertEqual((rc, err), (0, ""))
+                docs = self.assert_manifests_only(out, label)
+                self.assertEqual(validate(docs), [])
+                pods = [d for d in docs
+                        if d["kind"] in ("Deployment", "StatefulSet", "DaemonSet", "Job", "Pod")]
+                self.assertEqual([d["metadata"]["name"] for d in pods], ["geofp8-coordinator"])
+                for d in docs:
+                    self.assertNotEqual(d["metadata"].get("labels", {}).get(
+                        "app.kubernetes.io/component"), "worker", d["kind"])
+                    self.assertNotIn("worker", d["metadata"]["name"], d["kind"])
+                notes = helm_render.Renderer(CHART, [overrides]).render()["NOTES.txt"]
+                self.assertIn("worker.enabled is false", notes)
+                self.assertIn("geofp8-worker --coordinator=geofp8-coordinator.default.svc:7070",
+                              notes)
+                self.assertNotIn("statefulset/geofp8-worker", notes)
 
 
 class PrometheusConfigTest(unittest.TestCase):

@@ -18,8 +18,16 @@ Deliberate strictness beyond Helm: printing a missing value is an error (Helm pr
 "<no value>"), and printing an integer >= 1e6 taken from values is an error, because Helm holds
 values.yaml numbers as float64 and would print 1e+06.
 
-Usage as a program: helm_render.py CHART [-f overrides.yaml]... [--set-json '{...}'] prints the
-manifests like `helm template`.
+Usage as a program, like `helm template`:
+
+  helm_render.py CHART [-f overrides.yaml]... [--set-json '{...}'] [--notes]
+
+validates the merged values against CHART/values.schema.json (python3-jsonschema, Draft 7, as
+helm does before rendering), then prints the manifests on stdout: one "---" and "# Source:" line
+per non-empty YAML document, so the output can go to `kubectl apply -f -`. NOTES.txt is rendered
+(a `fail` in it fails the render, as in helm) but not printed; --notes prints it on stderr.
+Values that break the schema (a wrong type, an unknown key, a value out of range) are listed one
+per line as "path: message" on stderr, and the exit status is 1, as for any render error.
 """
 import copy
 import json
@@ -264,6 +272,14 @@ class Renderer:
             with open(os.path.join(tdir, f)) as fh:
                 self.templates[f] = parse(fh.read(), "templates/" + f, self.defines)
 
+    def schema_errors(self):
+        """The merged values' schema violations (see schema_errors); [] without a schema."""
+        path = os.path.join(self.chart_dir, "values.schema.json")
+        if not os.path.isfile(path):
+            return []
+        with open(path) as f:
+            return schema_errors(json.load(f), self.values)
+
     def _yaml(self, rel):
         with open(os.path.join(self.chart_dir, rel)) as f:
             return yaml.safe_load(f)
@@ -407,6 +423,24 @@ class Renderer:
         return {name: self._run(nodes, self.root, "templates/" + name)
                 for name, nodes in self.templates.items() if not name.startswith("_")}
 
+    def documents(self, rendered=None):
+        """[(template name, text)] of every non-empty YAML document in template order, split on
+        "---" lines as helm splits them; documents that are empty or only comments are dropped,
+        as `helm template` drops them. NOTES.txt and other non-YAML files are not documents."""
+        docs = []
+        for name, text in sorted((rendered or self.render()).items()):
+            if not name.endswith((".yaml", ".yml")):
+                continue
+            for piece in re.split(r"(?m)^---[ \t]*(?:#.*)?$", text):
+                try:
+                    parsed = yaml.safe_load(piece)
+                except yaml.YAMLError as e:
+                    raise RenderError("templates/%s renders invalid YAML: %s\n%s"
+                                      % (name, e, piece))
+                if parsed is not None:
+                    docs.append((name, piece.strip("\n")))
+        return docs
+
     def manifests(self):
         """[(template name, document)] of every non-empty YAML document, as helm installs them."""
         docs = []
@@ -419,6 +453,37 @@ class Renderer:
                 raise RenderError("templates/%s renders invalid YAML: %s\n%s" % (name, e, text))
             docs += [(name, d) for d in parsed if d is not None]
         return docs
+
+
+def _value_path(path):
+    """worker.env[0].name for the deque ["worker", "env", 0, "name"]; (root) for the top."""
+    out = ""
+    for p in path:
+        out += "[%d]" % p if isinstance(p, int) else ("." if out else "") + str(p)
+    return out or "(root)"
+
+
+def schema_errors(schema, values):
+    """["path: message"] for every way `values` breaks the JSON schema (Draft 7), sorted by path;
+    an unknown key is named by its own path."""
+    import jsonschema  # python3-jsonschema (scripts/lib/common.sh installs it)
+    errs = []
+    for e in jsonschema.Draft7Validator(schema).iter_errors(values):
+        where = list(e.absolute_path)
+        if e.validator == "additionalProperties" and e.validator_value is False \
+                and isinstance(e.instance, dict):
+            known = e.schema.get("properties", {})
+            patterns = list(e.schema.get("patternProperties", {}))
+            for key in sorted(e.instance):
+                if key in known or any(re.search(p, key) for p in patterns):
+                    continue
+                errs.append((where + [key], "unknown key; %s: %s" % (
+                    "%s takes" % _value_path(where) if where else "the top level takes",
+                    ", ".join(sorted(known)) or "no keys")))
+        else:
+            errs.append((where, e.message))
+    errs.sort(key=lambda pe: (_value_path(pe[0]), pe[1]))
+    return ["%s: %s" % (_value_path(p), m) for p, m in errs]
 
 
 def merge(base, override):
@@ -438,8 +503,12 @@ def main(argv):
     if not argv or argv[0] in ("-h", "--help"):
         print(__doc__)
         return 0 if argv else 2
-    chart, overrides, i = argv[0], [], 1
+    chart, overrides, notes, i = argv[0], [], False, 1
     while i < len(argv):
+        if argv[i] == "--notes":
+            notes = True
+            i += 1
+            continue
         if argv[i] == "-f" and i + 1 < len(argv):
             with open(argv[i + 1]) as f:
                 overrides.append(yaml.safe_load(f) or {})
@@ -451,11 +520,20 @@ def main(argv):
         i += 2
     try:
         r = Renderer(chart, overrides)
-        for name, text in sorted(r.render().items()):
-            print("---\n# Source: geofp8/templates/%s\n%s" % (name, text))
+        errs = r.schema_errors()
+        if errs:
+            raise RenderError("values don't meet the specifications of %s/values.schema.json:\n"
+                              % os.path.basename(os.path.normpath(chart))
+                              + "\n".join("- " + e for e in errs))
+        rendered = r.render()
+        docs = r.documents(rendered)
     except RenderError as e:
         print("helm_render.py: error: %s" % e, file=sys.stderr)
         return 1
+    for name, text in docs:
+        print("---\n# Source: %s/templates/%s\n%s" % (r.root["Chart"]["Name"], name, text))
+    if notes and "NOTES.txt" in rendered:
+        print(rendered["NOTES.txt"], file=sys.stderr)
     return 0
 
 
