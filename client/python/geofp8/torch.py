@@ -66,6 +66,7 @@ def _script_name():
 # Gradient dtypes the hook takes. bfloat16 and float16 buckets are exchanged through an fp32 copy
 # of the bucket (the engine encodes from fp32, sums in fp32) and written back in their dtype.
 _GRAD_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+_TORCH_MAJOR = int(torch.__version__.split(".")[0])
 
 
 def _check_parameter(name, p, first, device):
@@ -89,6 +90,12 @@ def _check_parameter(name, p, first, device):
     if p.dtype not in _GRAD_DTYPES:
         raise TypeError("gradient dtype: parameter '%s' is %s; the GeoFP8 hook takes float32, "
                         "bfloat16 and float16 gradients" % (name, p.dtype))
+    if p.dtype == torch.bfloat16 and p.device.type == "cpu" and _TORCH_MAJOR < 2:
+        # Said here, as DDP's own constructor fails first with only "Invalid scalar type".
+        raise TypeError("gradient dtype: parameter '%s' is torch.bfloat16, and torch %s's gloo "
+                        "has no bfloat16 collectives, so DistributedDataParallel cannot "
+                        "broadcast this model (its constructor fails with 'Invalid scalar "
+                        "type'); use torch 2.x, or float32 parameters" % (name, torch.__version__))
 
 
 def _layer_shape(shape):
