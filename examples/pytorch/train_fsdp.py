@@ -106,7 +106,12 @@ def main():
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--log-every", type=int, default=10)
     ap.add_argument("--threads", type=int, default=1, help="torch threads per rank")
+    ap.add_argument("--summary-every", type=int, default=0,
+                    help="measure each layer's exchange error every N steps and print the "
+                         "worst layers (one extra fp32 all-reduce on those steps; 0: never)")
     args = ap.parse_args()
+    if args.summary_every < 0:
+        ap.error("--summary-every: must be >= 0 (%d)" % args.summary_every)
     for name in ("steps", "batch", "seq", "layers", "d_model", "heads", "log_every", "threads"):
         if getattr(args, name) < 1:
             ap.error("--%s: must be >= 1 (%d)" % (name.replace("_", "-"), getattr(args, name)))
@@ -126,7 +131,8 @@ def main():
     state = None
     if args.policy != "native":
         import geofp8.torch
-        state = geofp8.torch.compress_fsdp(model, policy=args.policy, seed=args.seed)
+        state = geofp8.torch.compress_fsdp(model, policy=args.policy, seed=args.seed,
+                                           summary_every=args.summary_every)
     params = sum(p.numel() for p in model.parameters())
     if rank == 0:
         print("llama: %d layers, d_model %d, %.2fM parameters, %d ranks, reduce %s, policy %s"
@@ -144,7 +150,9 @@ def main():
         opt.step()
         times.append(time.perf_counter() - t0)
         if state is not None:
-            state.report(loss)
+            summary = state.layer_summary(state.report(loss))
+            if rank == 0 and summary:
+                print(summary, flush=True)
         if rank == 0 and (step % args.log_every == 0 or step == args.steps - 1):
             wire = ""
             if state is not None and state.stats["bytes_baseline"]:

@@ -186,6 +186,30 @@ def _bounded_shards(rank, world):
             failures.append("fp8 shard of %s: relative error %.4f >= 0.125" % (name, err))
     if state.step != 1:
         failures.append("state.step is %d after one backward, not 1" % state.step)
+    # Without a coordinator, nothing is measured by default; summary_every=1 measures each
+    # layer's exchange error every step, and layers show the effective geometry.
+    if state.report(0.0)["layer_errors"]:
+        failures.append("layer errors measured by default without a coordinator")
+    measured = _shard(Net.make())
+    sm = gt.compress_fsdp(measured, policy="geofp8", summary_every=1)
+    torch.nn.functional.mse_loss(measured(x), y).backward()
+    record = sm.report(0.0)
+    names = [n for n, _ in measured.named_parameters()]
+    got = dict(record["layer_errors"])
+    if sorted(got) != sorted(names):
+        failures.append("summary_every=1: layer errors for %s, not every layer %s"
+                        % (sorted(got), sorted(names)))
+    # geofp8 is fp8 e4m3 in lowrank coordinates: the same bound as plain fp8 above.
+    bad = {n: e for n, e in got.items() if not 0 <= e < 0.125}
+    if bad:
+        failures.append("summary_every=1: layer errors out of [0, 0.125): %s" % bad)
+    text = sm.layer_summary(record)
+    if "exchange error" not in text or names[0] not in text and len(names) <= 8:
+        failures.append("layer_summary: %r" % text)
+    effective = {l["name"]: l["effective_geometry"] for l in sm.layers}
+    want = {n: ("none" if p.dim() < 2 else "lowrank") for n, p in measured.named_parameters()}
+    if effective != want:
+        failures.append("effective geometry %s, want %s" % (effective, want))
     dist.barrier()
     # Refusals (every rank the same, so no collective is left waiting).
     try:

@@ -158,7 +158,7 @@ class GeoFP8State:
 
     def __init__(self, process_group=None, model=None, policy="geofp8", *, seed=0,
                  timeout_s=None, store=None, hostname=None, model_name=None,
-                 coordinator=None, summary_every=10, attach_timeout_s=60.0, blas_threads=None,
+                 coordinator=None, summary_every=None, attach_timeout_s=60.0, blas_threads=None,
                  synchronous=None, trace_buckets=False):
         global _states_created
         if model is None:
@@ -206,7 +206,13 @@ class GeoFP8State:
         # process group before the engine's rendezvous (a wrong world size would hang it).
         self._hook = None
         self._job_spec = ""
-        self.summary_every = int(summary_every)
+        # None: every 10 steps under a GeoFP8 job (the coordinator shows it), never outside one
+        # (each measured step costs an extra fp32 all-reduce); N > 0 also measures outside.
+        if summary_every is not None and (not isinstance(summary_every, int)
+                                          or summary_every < 0):
+            raise ValueError("summary_every: must be None or an integer >= 0 (%r)"
+                             % (summary_every,))
+        self.summary_every = summary_every
         self.attach_timeout_s = float(attach_timeout_s)
         if blas_threads is not None:
             # Process-wide: the geometry's products over each gradient run on OpenBLAS, which
@@ -234,7 +240,8 @@ class GeoFP8State:
         self._engine.set_layers(self.names, shapes)
         self._policy = (kind, spec)
         self.policy_version = 1
-        self.layers = self._engine.set_policy(kind, spec, self.model_name, self.policy_version)
+        self._vector = [r == 1 or c == 1 for r, c in shapes]
+        self._layers = self._engine.set_policy(kind, spec, self.model_name, self.policy_version)
         self.step = 0
         self._in_step = False
         self._scheduled = []  # [(effective_step, kind, spec)], applied in order
@@ -331,7 +338,7 @@ class GeoFP8State:
                                    "coordinator within %g s" % (change["version"],
                                                                self.attach_timeout_s))
             refresh = list(got)
-        self.layers = self._engine.set_coordinator_policy(change["policy"], refresh,
+        self._layers = self._engine.set_coordinator_policy(change["policy"], refresh,
                                                           self._job_spec)
         self.policy_version = change["version"]
         self._policy = ("coordinator", change["policy"], refresh)
@@ -388,6 +395,28 @@ class GeoFP8State:
             self._hook = None
 
     @property
+    def layers(self):
+        """The policy in force, one dict per layer (name, algorithm, format, scaling, block,
+        rounding, geometry, rank, alpha, refresh_interval), with `effective_geometry`: what the
+        layer really gets, "none" for a vector (a bias, a norm's gain: 1-D, or a matrix with one
+        row or column), which takes no geometry whatever the policy asks."""
+        return [dict(l, effective_geometry="none" if v else l["geometry"])
+                for l, v in zip(self._layers, self._vector)]
+
+    def layer_summary(self, record):
+        """report()'s layer_errors as text: the worst layers first, each with its effective
+        geometry and format (empty on steps that measured nothing)."""
+        errors = sorted(record.get("layer_errors") or [], key=lambda t: -t[1])
+        if not errors:
+            return ""
+        info = {l["name"]: l for l in self.layers}
+        worst = ", ".join("%s %.4f (%s, %s)" % (n, e, info[n]["format"],
+                                                info[n]["effective_geometry"])
+                          for n, e in errors[:8])
+        return ("geofp8: step %d: exchange error (relative Frobenius, %d layers; worst first): %s"
+                % (record["step"], len(errors), worst))
+
+    @property
     def rank(self):
         return self._engine.rank
 
@@ -416,7 +445,7 @@ class GeoFP8State:
         while self._scheduled and self._scheduled[0][0] <= self.step:
             _, kind, spec = self._scheduled.pop(0)
             self.policy_version += 1
-            self.layers = self._engine.set_policy(kind, spec, self.model_name,
+            self._layers = self._engine.set_policy(kind, spec, self.model_name,
                                                   self.policy_version)
             self._policy = (kind, spec)
         if self._hook is not None:
@@ -431,8 +460,10 @@ class GeoFP8State:
             if change is not None:
                 self._apply_change(change)
         self._in_step = True
-        self._measure = (self._hook is not None and self.summary_every > 0
-                         and self.step % self.summary_every == 0)
+        every = self.summary_every
+        if every is None:
+            every = 10 if self._hook is not None else 0
+        self._measure = every > 0 and self.step % every == 0
         self._layer_errors = []
         self.last_step = {"bytes_sent": 0, "seconds": 0.0, "skipped": False}
 
@@ -473,10 +504,10 @@ class GeoFP8State:
         policy = tuple(state["policy"])
         self.policy_version = int(state["policy_version"])
         if policy[0] == "coordinator":
-            self.layers = self._engine.set_coordinator_policy(policy[1], list(policy[2]),
+            self._layers = self._engine.set_coordinator_policy(policy[1], list(policy[2]),
                                                               self._job_spec)
         else:
-            self.layers = self._engine.set_policy(policy[0], policy[1], self.model_name,
+            self._layers = self._engine.set_policy(policy[0], policy[1], self.model_name,
                                                   self.policy_version)
         self._policy = policy
         self._engine.import_geometry([tuple(g) for g in state["geometry"]])
