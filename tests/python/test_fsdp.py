@@ -238,6 +238,22 @@ def _bounded_shards(rank, world):
     return failures
 
 
+def _runs(rank, world):
+    steps = STEPS if world == 2 else 10
+    out = {"native": _train(rank, world, None, steps),
+           "fp32": _train(rank, world, "fp32", steps)}
+    if world == 2:
+        for factor in (1.0, 4.0):
+            out["native/%g" % factor] = _train(rank, world, None, 3, factor)
+            out["fp32/%g" % factor] = _train(rank, world, "fp32", 3, factor)
+        out["native/accum"] = _train(rank, world, None, 4, None, True)
+        out["fp32/accum"] = _train(rank, world, "fp32", 4, None, True)
+        for policy in ("fp8", "geofp8"):
+            out[policy] = _train(rank, world, policy, 20)
+        out["bounded"] = _bounded_shards(rank, world)
+    return out
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--world", type=int, default=2)
@@ -265,8 +281,10 @@ def main():
     world = args.world
     failures = []
     steps = STEPS if world == 2 else 10
-    native = L.spawn(world, _train, None, steps)
-    fp32 = L.spawn(world, _train, "fp32", steps)
+    # Every run in one process group (a spawn costs each rank a torch import).
+    res = L.spawn(world, _runs)
+    native = [r["native"] for r in res]
+    fp32 = [r["fp32"] for r in res]
     for r in range(world):
         a, b = fp32[r], native[r]
         if world == 2:
@@ -293,37 +311,35 @@ def main():
     if world == 2:
         # SUM and PREMUL_SUM: a divide factor of 1 (SUM) and of 4 (PREMUL_SUM(1/4)).
         for factor in (1.0, 4.0):
-            n = L.spawn(world, _train, None, 3, factor)
-            g = L.spawn(world, _train, "fp32", 3, factor)
             for r in range(world):
-                if g[r]["losses"] != n[r]["losses"]:
+                g, n = res[r]["fp32/%g" % factor], res[r]["native/%g" % factor]
+                if g["losses"] != n["losses"]:
                     failures.append("rank %d: divide factor %g: losses %s vs FSDP2's %s"
-                                    % (r, factor, g[r]["losses"], n[r]["losses"]))
+                                    % (r, factor, g["losses"], n["losses"]))
         # Accumulation: two micro-batches per step, one reduce-scatter.
-        n = L.spawn(world, _train, None, 4, None, True)
-        g = L.spawn(world, _train, "fp32", 4, None, True)
         for r in range(world):
-            if g[r]["losses"] != n[r]["losses"]:
+            g, n = res[r]["fp32/accum"], res[r]["native/accum"]
+            if g["losses"] != n["losses"]:
                 failures.append("rank %d: accumulation: losses %s vs FSDP2's %s"
-                                % (r, g[r]["losses"], n[r]["losses"]))
-            if g[r]["step"] != 4:
+                                % (r, g["losses"], n["losses"]))
+            if g["step"] != 4:
                 failures.append("rank %d: accumulation counted %d steps, not 4"
-                                % (r, g[r]["step"]))
+                                % (r, g["step"]))
         for policy in ("fp8", "geofp8"):
-            q = L.spawn(world, _train, policy, 20)
             for r in range(world):
-                ls = q[r]["losses"]
+                q = res[r][policy]
+                ls = q["losses"]
                 if not ls[-1] < 0.8 * ls[0]:
                     failures.append("rank %d: %s did not train: %.4f -> %.4f"
                                     % (r, policy, ls[0], ls[-1]))
-                st = q[r]["stats"]
+                st = q["stats"]
                 ratio = st["bytes_sent"] / max(st["bytes_baseline"], 1)
                 if not 0.2 < ratio < 0.6:
                     failures.append("rank %d: %s sent %.3f of an fp32 reduce-scatter's bytes"
                                     % (r, policy, ratio))
-                if q[r]["roundtrip"]:
-                    failures.append("rank %d: %s: %s" % (r, policy, q[r]["roundtrip"]))
-        failures += L.spawn(world, _bounded_shards)[0]
+                if q["roundtrip"]:
+                    failures.append("rank %d: %s: %s" % (r, policy, q["roundtrip"]))
+        failures += res[0]["bounded"]
     for f in failures:
         print("FAIL:", f)
     if not failures:

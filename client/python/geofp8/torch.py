@@ -22,21 +22,16 @@ import os
 import sys
 import threading
 import time
-import warnings
 import weakref
 
 import torch
 import torch.distributed as dist
 
-from . import _geofp8, policy_source
+from . import _checkpoint, _geofp8, _job, policy_source
 
 __all__ = ["GeoFP8FSDPState", "GeoFP8State", "compress_fsdp", "geofp8_hook"]
 
 _states_created = 0  # per process: each state's store prefix (same order on every rank)
-_STATE_FORMAT = 4
-# The counters a state_dict carries (format 3): the saved-bytes figure spans the restarts.
-_CARRIED_STATS = ("bytes_sent", "bytes_baseline", "seconds", "skipped_buckets", "refreshes",
-                  "refreshes_from_inverse")
 
 
 def _local_hostname():
@@ -133,26 +128,60 @@ def _environment_timeout():
     return value
 
 
+def _model_layers(model):
+    """The model (unwrapped from DDP) and its trainable parameters as the engine's layers:
+    (model, names, shapes, index by id(parameter), device)."""
+    if model is None:
+        raise ValueError("model: required (the module DDP wraps), to name the parameters")
+    if isinstance(model, torch.nn.parallel.DistributedDataParallel):
+        if getattr(model, "_use_python_reducer", False):
+            raise RuntimeError(_COMPILED_DDP_REFUSED)
+        model = model.module
+    names, shapes, index = [], [], {}
+    device = first = None
+    for name, p in model.named_parameters():
+        if not p.requires_grad:
+            continue
+        if device is None:
+            device, first = p.device, name
+        _check_parameter(name, p, first, device)
+        index[id(p)] = len(names)
+        names.append(name)
+        shapes.append(_layer_shape(tuple(p.shape)))
+    if not names:
+        raise ValueError("model: has no parameter that requires a gradient")
+    return model, names, shapes, index, device
+
+
+def _checked_options(synchronous, summary_every, blas_threads, coordinator):
+    """GeoFP8State's keyword checks; returns synchronous with None resolved."""
+    if synchronous is None:
+        synchronous = _environment_synchronous()
+    if synchronous not in (True, False):
+        raise ValueError("synchronous: True, False or None (GEOFP8_HOOK_SYNCHRONOUS), not %r"
+                         % (synchronous,))
+    if summary_every is not None and (not isinstance(summary_every, int) or summary_every < 0):
+        raise ValueError("summary_every: must be None or an integer >= 0 (%r)" % (summary_every,))
+    if blas_threads is not None:
+        # Process-wide: the geometry's products over each gradient run on OpenBLAS, which
+        # otherwise uses one thread per core in every rank (docs/pytorch.md, "The state").
+        if not isinstance(blas_threads, int) or blas_threads < 1:
+            raise ValueError("blas_threads: must be an integer >= 1 (%r)" % (blas_threads,))
+        _geofp8.set_blas_threads(blas_threads)
+    if coordinator not in (None, True, False):
+        raise ValueError("coordinator: None (attach when GEOFP8_HOOK_ADDRESS is set), True "
+                         "(require it) or False (never attach), not %r" % (coordinator,))
+    return synchronous
+
+
 class GeoFP8State:
     """The hook's state: the engine (communicator, per-layer policy, geometry) and the step.
-
-    process_group: the DDP group (None: the default group). model: the module DDP wraps (or the
-    DDP module); its named_parameters() name the layers that policy globs match. policy: a
-    preset name, a YAML path, YAML text or a dict in geofp8-train's --policy schema
-    (docs/pytorch.md). seed: stochastic rounding and geometry cold starts derive from it.
-    timeout_s: every collective's timeout (default: the job spec's exchange.timeout_s under a
-    GeoFP8 `command:` job, GEOFP8_EXCHANGE_TIMEOUT_S; else 300). store: a c10d Store to meet
-    through (default: the group's default store). model_name: what errors call the model
-    ("matches no layer of <model_name>"), here and, under a `command:` job, in the coordinator's
-    messages (the catalog carries it); default: the script's file name (sys.argv[0]).
-    synchronous: False (the default)
-    queues each bucket on the engine's exchange thread and returns a Future the engine
-    completes, so DDP goes on with backward while the bucket is on the wire; True exchanges the
-    bucket inside the hook call and returns a completed Future (the same bits, no overlap).
-    None: GEOFP8_HOOK_SYNCHRONOUS (0 or 1; unset: False). On CUDA tensors too.
-    trace_buckets: keep one record per bucket in `bucket_trace` (time.monotonic() seconds:
-    called, started, finished, returned, completed; docs/pytorch.md).
-    """
+    model: the module DDP wraps (or the DDP module), whose named_parameters() name the layers;
+    policy: a preset, YAML path or text, or dict; timeout_s: each collective's (default: the
+    job's exchange.timeout_s, GEOFP8_EXCHANGE_TIMEOUT_S, else 300); coordinator: None attaches
+    under a job, True requires one, False never; summary_every: measure each layer's error every
+    N steps (None: 10 under a job, else never); synchronous: exchange inside the hook call (None:
+    GEOFP8_HOOK_SYNCHRONOUS). Every keyword is in docs/pytorch.md, "The state"."""
 
     _watch_buckets = True  # _BucketWatch on the model's forward passes (DDP's buckets)
 
@@ -161,268 +190,93 @@ class GeoFP8State:
                  coordinator=None, summary_every=None, attach_timeout_s=60.0, blas_threads=None,
                  synchronous=None, trace_buckets=False):
         global _states_created
-        if model is None:
-            raise ValueError("model: required (the module DDP wraps), to name the parameters")
-        if isinstance(model, torch.nn.parallel.DistributedDataParallel):
-            if getattr(model, "_use_python_reducer", False):
-                raise RuntimeError(_COMPILED_DDP_REFUSED)
-            model = model.module
+        model, self.names, shapes, self._index, self.device = _model_layers(model)
         if not dist.is_initialized():
             raise RuntimeError("process_group: torch.distributed is not initialized "
                                "(call init_process_group first)")
+        self.synchronous = _checked_options(synchronous, summary_every, blas_threads,
+                                            coordinator)
         self.process_group = process_group
         group = process_group if process_group is not None else dist.group.WORLD
-        rank = dist.get_rank(group)
-        size = dist.get_world_size(group)
-        self.names = []
-        shapes = []
-        self._index = {}
-        device = first = None
-        for name, p in model.named_parameters():
-            if not p.requires_grad:
-                continue
-            if device is None:
-                device, first = p.device, name
-            _check_parameter(name, p, first, device)
-            self._index[id(p)] = len(self.names)
-            self.names.append(name)
-            shapes.append(_layer_shape(tuple(p.shape)))
-        if not self.names:
-            raise ValueError("model: has no parameter that requires a gradient")
-        if synchronous is None:
-            synchronous = _environment_synchronous()
-        if synchronous not in (True, False):
-            raise ValueError("synchronous: True, False or None (GEOFP8_HOOK_SYNCHRONOUS), not %r"
-                             % (synchronous,))
-        self.synchronous = synchronous
-        self.bucket_trace = [] if trace_buckets else None
-        if model_name is None:
-            model_name = _script_name()
-        self.model_name = str(model_name)
-        # The policy is parsed in C++ once the layers are known (set_policy below); a bad one
-        # fails the same way on every rank.
-        kind, spec = policy_source(policy)
-        # Under a GeoFP8 `command:` job: the channel to the coordinator, checked against this
-        # process group before the engine's rendezvous (a wrong world size would hang it).
-        self._hook = None
-        self._job_spec = ""
-        # None: every 10 steps under a GeoFP8 job (the coordinator shows it), never outside one
-        # (each measured step costs an extra fp32 all-reduce); N > 0 also measures outside.
-        if summary_every is not None and (not isinstance(summary_every, int)
-                                          or summary_every < 0):
-            raise ValueError("summary_every: must be None or an integer >= 0 (%r)"
-                             % (summary_every,))
+        rank, size = dist.get_rank(group), dist.get_world_size(group)
         self.summary_every = summary_every
-        self.attach_timeout_s = float(attach_timeout_s)
-        if blas_threads is not None:
-            # Process-wide: the geometry's products over each gradient run on OpenBLAS, which
-            # otherwise uses one thread per core in every rank (docs/pytorch.md, "The state").
-            if not isinstance(blas_threads, int) or blas_threads < 1:
-                raise ValueError("blas_threads: must be an integer >= 1 (%r)" % (blas_threads,))
-            _geofp8.set_blas_threads(blas_threads)
-        if coordinator not in (None, True, False):
-            raise ValueError("coordinator: None (attach when GEOFP8_HOOK_ADDRESS is set), True "
-                             "(require it) or False (never attach), not %r" % (coordinator,))
-        if coordinator is not False:
-            self._attach(coordinator is True, rank, size, shapes)
+        self.bucket_trace = [] if trace_buckets else None
+        self.model_name = str(model_name if model_name is not None else _script_name())
+        # The policy is parsed in C++ once the layers are known; a bad one fails the same way
+        # on every rank.
+        kind, spec = policy_source(policy)
+        self._job = None if coordinator is False else _job.JobLink.attach(
+            coordinator is True, rank, size, self.names, shapes, self.model_name,
+            float(attach_timeout_s))
         base = store if store is not None else dist.distributed_c10d._get_default_store()
-        prefix = "geofp8/hook/%d/" % _states_created
+        store = dist.PrefixStore("geofp8/hook/%d/" % _states_created, base)
         _states_created += 1
         # CUDA parameters: the NCCL communicator and the CUDA codec kernels, on that device.
-        self.device = device
-        backend = "nccl" if device.type == "cuda" else "gloo"
-        if timeout_s is None:
-            timeout_s = _environment_timeout()
-        store = dist.PrefixStore(prefix, base)
-        self._engine = _geofp8.Engine(store, rank, size,
-                                      hostname or _local_hostname(), float(timeout_s), int(seed),
-                                      backend, device.index if device.index is not None else -1)
+        self._engine = _geofp8.Engine(
+            store, rank, size, hostname or _local_hostname(),
+            float(timeout_s if timeout_s is not None else _environment_timeout()), int(seed),
+            "nccl" if self.device.type == "cuda" else "gloo",
+            self.device.index if self.device.index is not None else -1)
         self._engine.set_layers(self.names, shapes)
-        self._policy = (kind, spec)
-        self.policy_version = 1
+        self._policy, self.policy_version = (kind, spec), 1
         self._vector = [r == 1 or c == 1 for r, c in shapes]
         self._layers = self._engine.set_policy(kind, spec, self.model_name, self.policy_version)
-        self.step = 0
-        self._in_step = False
+        self.step, self._in_step = 0, False
         self._scheduled = []  # [(effective_step, kind, spec)], applied in order
         # bytes_sent and bytes_baseline count the same buckets (those this state exchanged, and
         # those of the run a state_dict came from): the saved fraction is their ratio.
-        self.stats = {"bytes_sent": 0, "bytes_baseline": 0, "seconds": 0.0,
-                      "skipped_buckets": 0, "refreshes": 0, "refreshes_from_inverse": 0}
+        self.stats = dict(dict.fromkeys(_checkpoint.CARRIED_STATS, 0), seconds=0.0)
         self.last_step = {"bytes_sent": 0, "seconds": 0.0, "skipped": False}
         # What an fp32 ring all-reduce sends per rank and gradient float.
         self._baseline_per_float = 2.0 * (size - 1) / size * 4.0 if size > 1 else 0.0
         self._reported_at = time.perf_counter()
-        self._layer_errors = []  # this step's (layer, rel_fro_error), measured steps only
-        self._measure = False
-        # DDP bucket layouts already mapped to layers: (buffer address, numel, parameter ids)
-        # -> (layers, offsets, sizes) (_bucket_layout).
-        self._layouts = {}
-        # A bucket that some rank's backward never hands over (a parameter without a gradient
-        # there): found through the store within seconds rather than at the timeout.
+        self._layer_errors, self._measure = [], False  # this step's (layer, rel_fro_error)
+        self._layouts = {}  # DDP bucket layouts mapped to layers (_bucket_layout)
+        # A bucket that some rank's backward never hands over: found within seconds.
         self._watch = _BucketWatch(self, store, rank, size)
         if self._watch_buckets and hasattr(model, "register_forward_hook"):
             self._watch.attach(model)
 
-    # ---- the coordinator (a GeoFP8 `command:` job) ------------------------------------------
+    attached = property(lambda self: self._job is not None,
+                        doc="True when the state reports to a GeoFP8 coordinator (a job).")
+    rank = property(lambda self: self._engine.rank)
+    world_size = property(lambda self: self._engine.size)
+    job_id = property(lambda self: self._job.job_id if self._job else None)
 
-    def _attach(self, required, rank, size, shapes):
-        hook = _geofp8.HookClient.from_environment()
-        if hook is None:
-            if required:
-                raise RuntimeError("coordinator: GEOFP8_HOOK_ADDRESS is not set; the script is "
-                                   "not running under a GeoFP8 command job")
-            return
-        address = os.environ.get("GEOFP8_HOOK_ADDRESS")
-        try:
-            welcome = hook.wait_for_welcome(self.attach_timeout_s)
-            if welcome is None:
-                raise RuntimeError("coordinator: no answer on the worker's hook socket %s within "
-                                   "%g s (attach_timeout_s)" % (address, self.attach_timeout_s))
-            if welcome["world_size"] != size:
-                raise ValueError(
-                    "world size: torch's process group has %d ranks (WORLD_SIZE=%s) but GeoFP8 "
-                    "job %s has %d (its spec.world_size); launch the script with one process per "
-                    "rank of the job" % (size, os.environ.get("WORLD_SIZE", "unset"),
-                                         welcome["job_id"], welcome["world_size"]))
-            if welcome["rank"] != rank:
-                raise ValueError("rank: torch's rank is %d but the GeoFP8 worker runs rank %d of "
-                                 "job %s" % (rank, welcome["rank"], welcome["job_id"]))
-            if not hook.wait_for_policy(self.attach_timeout_s):
-                raise RuntimeError("coordinator: no policy version of job %s arrived within %g s"
-                                   % (welcome["job_id"], self.attach_timeout_s))
-            path = os.environ.get("GEOFP8_JOB_SPEC")
-            if path:
-                with open(path) as f:
-                    self._job_spec = f.read()
-            # Every rank resolves the versions against the catalog; the worker forwards rank
-            # 0's to the coordinator (which computes the refresh schedules from it).
-            hook.send_catalog([(n, r, c) if r > 1 else (n, r * c, 1)
-                               for n, (r, c) in zip(self.names, shapes)], self.model_name)
-        except BaseException:
-            hook.close()
-            raise
-        self._hook = hook
-        self.job_id = welcome["job_id"]
-        print("geofp8: rank %d attached to job %s (attempt %d, resume step %d)"
-              % (rank, welcome["job_id"], welcome["attempt"], welcome["resume_step"]),
-              flush=True)
-
-    @property
-    def attached(self):
-        """True when the state reports to a GeoFP8 coordinator (under a `command:` job)."""
-        return self._hook is not None
-
-    @property
-    def resume_step(self):
-        """The step a restarted attempt resumes at (GEOFP8_RESUME_STEP; 0: a fresh start)."""
-        return self._hook.resume_step if self._hook else int(os.environ.get(
-            "GEOFP8_RESUME_STEP", "0") or 0)
-
-    @property
-    def checkpoint_dir(self):
-        """Where the job keeps checkpoints (GEOFP8_CHECKPOINT_DIR), or None."""
-        return (self._hook.checkpoint_dir if self._hook else
-                os.environ.get("GEOFP8_CHECKPOINT_DIR")) or None
-
-    def _apply_change(self, change):
-        if (self._policy[0] == "coordinator" and self.policy_version == change["version"]
-                and self._policy[1] == change["policy"]):
-            return  # resumed from a checkpoint written under this very version
-        refresh = list(change["refresh"])
-        if not refresh and any(l["geometry"] != "none" for l in change["layers"]):
-            # The coordinator computes the schedules once rank 0's catalog reaches it.
-            got = self._hook.wait_for_refresh(self.attach_timeout_s)
-            if got is None:
-                raise RuntimeError("policy v%d: no geometry refresh schedule arrived from the "
-                                   "coordinator within %g s" % (change["version"],
-                                                               self.attach_timeout_s))
-            refresh = list(got)
-        self._layers = self._engine.set_coordinator_policy(change["policy"], refresh,
-                                                          self._job_spec)
-        self.policy_version = change["version"]
-        self._policy = ("coordinator", change["policy"], refresh)
-        print("geofp8: rank %d: policy v%d (%s) in force from step %d"
-              % (self.rank, change["version"], change["reason"], self.step), flush=True)
-
-    def report(self, loss, step=None, tokens=None, val_loss=None):
-        """Call once per step, after the optimizer step: reports the step's loss (a float or a
-        0-d tensor), this rank's wire bytes, the step time (since the previous call) and the
-        exchange's share to the coordinator, and on rank 0 the per-layer errors measured this
-        step. `step` defaults to the step the hook just ran; `tokens` (this rank's tokens in the
-        step) gives tokens/s; `val_loss`, on the steps that validated, is the validation loss
-        after this step (describe's `Validation:`, `get -o wide`'s VAL-LOSS,
-        geofp8_worker_val_loss). Outside a GeoFP8 job it only returns what it would send."""
-        now = time.perf_counter()
-        seconds = now - self._reported_at
-        self._reported_at = now
-        if step is None:
-            step = self.step - 1
-        loss = float(loss.item() if hasattr(loss, "item") else loss)
-        if val_loss is not None:
-            val_loss = float(val_loss.item() if hasattr(val_loss, "item") else val_loss)
-            if not math.isfinite(val_loss):
-                raise ValueError("val_loss: must be finite (%r)" % val_loss)
-        record = {
-            "step": step, "loss": loss, "step_seconds": seconds,
-            "exchange_seconds": self.last_step["seconds"],
-            "tokens_per_second": (tokens / seconds) if tokens and seconds > 0 else 0.0,
-            "bytes_sent": self.stats["bytes_sent"],
-            "bytes_baseline": self.stats["bytes_baseline"],
-            "layer_errors": list(self._layer_errors),
-            "val_loss": val_loss,
-        }
-        if self._hook is not None:
-            self._hook.report_step(step, loss, record["tokens_per_second"],
-                                   record["bytes_sent"], record["bytes_baseline"], seconds,
-                                   record["exchange_seconds"], val_loss)
-            if self.rank == 0 and self._layer_errors:
-                self._hook.report_layers([(n, step, e, 0.0) for n, e in self._layer_errors])
-        self._layer_errors = []
-        return record
-
-    def report_checkpoint(self, step, path):
-        """Tells the coordinator that the job can resume at `step` (the next step to run) from
-        checkpoints like `path`. Call it on every rank once every rank has written its file (rank
-        0's report moves the job's recovery point, GEOFP8_RESUME_STEP of a restart)."""
-        if self._hook is not None:
-            self._hook.report_checkpoint(int(step), str(path))
-
-    def close(self):
-        """Closes the channel to the coordinator (what was reported is delivered first)."""
-        if self._hook is not None:
-            self._hook.close()
-            self._hook = None
+    resume_step = property(lambda self: self._job.hook.resume_step if self._job else int(
+        os.environ.get("GEOFP8_RESUME_STEP", "0") or 0), doc="The step an attempt resumes at.")
+    checkpoint_dir = property(lambda self: (self._job.hook.checkpoint_dir if self._job else
+                                            os.environ.get("GEOFP8_CHECKPOINT_DIR")) or None,
+                              doc="Where the job keeps checkpoints, or None.")
 
     @property
     def layers(self):
         """The policy in force, one dict per layer (name, algorithm, format, scaling, block,
-        rounding, geometry, rank, alpha, refresh_interval), with `effective_geometry`: what the
-        layer really gets, "none" for a vector (a bias, a norm's gain: 1-D, or a matrix with one
-        row or column), which takes no geometry whatever the policy asks."""
+        rounding, geometry, rank, alpha, refresh_interval) and its `effective_geometry`: "none"
+        for a vector (1-D, or one row or column), which takes none whatever the policy asks."""
         return [dict(l, effective_geometry="none" if v else l["geometry"])
                 for l, v in zip(self._layers, self._vector)]
 
+    def report(self, loss, step=None, tokens=None, val_loss=None):
+        """Once per step, after the optimizer step: the step's loss, this rank's wire bytes, the
+        step time and the exchange's share, and on measured steps the per-layer errors; sent to
+        the coordinator under a job (docs/pytorch.md, "Reports"). Returns the record."""
+        return _job.report(self, loss, step, tokens, val_loss)
+
     def layer_summary(self, record):
-        """report()'s layer_errors as text: the worst layers first, each with its effective
-        geometry and format (empty on steps that measured nothing)."""
-        errors = sorted(record.get("layer_errors") or [], key=lambda t: -t[1])
-        if not errors:
-            return ""
-        info = {l["name"]: l for l in self.layers}
-        worst = ", ".join("%s %.4f (%s, %s)" % (n, e, info[n]["format"],
-                                                info[n]["effective_geometry"])
-                          for n, e in errors[:8])
-        return ("geofp8: step %d: exchange error (relative Frobenius, %d layers; worst first): %s"
-                % (record["step"], len(errors), worst))
+        """report()'s layer_errors as one line, worst first ("" on steps that measured none)."""
+        return _job.layer_summary(self, record)
 
-    @property
-    def rank(self):
-        return self._engine.rank
+    def report_checkpoint(self, step, path):
+        """The job can resume at `step` from files like `path` (every rank, once all wrote)."""
+        if self._job is not None:
+            self._job.hook.report_checkpoint(int(step), str(path))
 
-    @property
-    def world_size(self):
-        return self._engine.size
+    def close(self):
+        """Closes the channel to the coordinator (what was reported is delivered first)."""
+        if self._job is not None:
+            self._job.hook.close()
+            self._job = None
 
     def set_policy(self, policy, effective_step=None):
         """Applies `policy` at the start of step `effective_step` (default: the next step that
@@ -446,116 +300,26 @@ class GeoFP8State:
             _, kind, spec = self._scheduled.pop(0)
             self.policy_version += 1
             self._layers = self._engine.set_policy(kind, spec, self.model_name,
-                                                  self.policy_version)
+                                                   self.policy_version)
             self._policy = (kind, spec)
-        if self._hook is not None:
-            # The coordinator's versions, as the worker's trainer takes them: one small
-            # collective agrees on the newest version every rank holds, and the hook client puts
-            # a version in force at the first step at or after its effective step where all do
-            # (hook_client.h, PolicyAgreedAt), on every rank at the same step.
-            stream = (torch.cuda.current_stream(self.device).cuda_stream
-                      if self.device.type == "cuda" else 0)
-            agreed = self._engine.agree_min(self._hook.newest_held(), stream)
-            change = self._hook.policy_agreed_at(self.step, agreed)
-            if change is not None:
-                self._apply_change(change)
+        if self._job is not None:
+            self._job.take_agreed(self, torch.cuda.current_stream(self.device).cuda_stream
+                                  if self.device.type == "cuda" else 0)
         self._in_step = True
-        every = self.summary_every
-        if every is None:
-            every = 10 if self._hook is not None else 0
+        every = self.summary_every if self.summary_every is not None else (
+            10 if self._job is not None else 0)
         self._measure = every > 0 and self.step % every == 0
         self._layer_errors = []
         self.last_step = {"bytes_sent": 0, "seconds": 0.0, "skipped": False}
 
     def state_dict(self):
         """Everything a resume needs: step, policy (and scheduled changes), every layer's
-        geometry. Only between steps."""
-        if self._in_step:
-            raise RuntimeError("state_dict: step %d is in progress" % self.step)
-        return _tensors_for_bytes({
-            "format": _STATE_FORMAT,
-            "step": self.step,
-            "names": list(self.names),
-            "policy": list(self._policy),
-            "policy_version": self.policy_version,
-            "scheduled": [list(t) for t in self._scheduled],
-            "geometry": [tuple(g) for g in self._engine.export_geometry()],
-            # error_feedback's residuals (format 2): without them a resume would drop what the
-            # last step's quantization lost, and differ from a run without the restart
-            "residuals": [tuple(r) for r in self._engine.export_residuals()],
-            # stats (format 3): the wire bytes and their fp32 baseline over every step so far,
-            # so that a resumed run reports the same bytes saved as one without the restart
-            "stats": {k: self.stats[k] for k in _CARRIED_STATS},
-            # who saved the residuals (format 4): they are this rank's own quantization errors,
-            # so another rank or world size drops them (load_state_dict); geometry is portable
-            "rank": self.rank,
-            "world_size": self.world_size,
-        })
+        geometry and residuals, the counters, who saved it. Only between steps."""
+        return _checkpoint.save(self)
 
     def load_state_dict(self, state):
         """Restores state_dict()'s output; the model must have the same parameters."""
-        state = _bytes_for_tensors(state)
-        if state.get("format") not in (1, 2, 3, _STATE_FORMAT):
-            raise ValueError("state.format: %r is not 1, 2, 3 or %d" % (state.get("format"),
-                                                                        _STATE_FORMAT))
-        if list(state["names"]) != self.names:
-            raise ValueError("state.names: the saved parameters (%d) differ from the model's (%d)"
-                             % (len(state["names"]), len(self.names)))
-        policy = tuple(state["policy"])
-        self.policy_version = int(state["policy_version"])
-        if policy[0] == "coordinator":
-            self._layers = self._engine.set_coordinator_policy(policy[1], list(policy[2]),
-                                                              self._job_spec)
-        else:
-            self._layers = self._engine.set_policy(policy[0], policy[1], self.model_name,
-                                                  self.policy_version)
-        self._policy = policy
-        self._engine.import_geometry([tuple(g) for g in state["geometry"]])
-        saved_by = ((int(state["rank"]), int(state["world_size"])) if state["format"] >= 4
-                    else (self.rank, self.world_size))
-        if "residuals" not in state:  # format 1 has none: error feedback starts again from zero
-            pass
-        elif saved_by != (self.rank, self.world_size):
-            warnings.warn("load_state_dict: the error-feedback residuals were saved by rank %d "
-                          "of %d and this is rank %d of %d; they are dropped (error feedback "
-                          "starts again from zero), the geometry is kept"
-                          % (saved_by + (self.rank, self.world_size)), stacklevel=2)
-        else:
-            self._engine.import_residuals([tuple(r) for r in state["residuals"]])
-        self._scheduled = [tuple(t) for t in state["scheduled"]]
-        self.step = int(state["step"])
-        # Formats 1 and 2 carry no counters: both start again from zero, so bytes_sent and
-        # bytes_baseline still span the same steps (those since this resume).
-        saved = state.get("stats") or {}
-        for k in _CARRIED_STATS:
-            self.stats[k] = type(self.stats[k])(saved.get(k, 0))
-        self._in_step = False
-
-
-def _tensors_for_bytes(value):
-    """state_dict's byte strings (serialized geometry, residuals, coordinator policies) as uint8
-    tensors, recursively: torch.load's default weights_only=True (torch >= 2.6) refuses bytes,
-    and a checkpoint must load as torch's own do."""
-    if isinstance(value, (bytes, bytearray)):
-        if not value:
-            return torch.empty(0, dtype=torch.uint8)
-        return torch.frombuffer(bytearray(value), dtype=torch.uint8)
-    if isinstance(value, (list, tuple)):
-        return type(value)(_tensors_for_bytes(v) for v in value)
-    if isinstance(value, dict):
-        return {k: _tensors_for_bytes(v) for k, v in value.items()}
-    return value
-
-
-def _bytes_for_tensors(value):
-    """The inverse of _tensors_for_bytes; bytes (a checkpoint saved before it) pass as they are."""
-    if isinstance(value, torch.Tensor) and value.dtype == torch.uint8 and value.dim() == 1:
-        return value.cpu().numpy().tobytes()
-    if isinstance(value, (list, tuple)):
-        return type(value)(_bytes_for_tensors(v) for v in value)
-    if isinstance(value, dict):
-        return {k: _bytes_for_tensors(v) for k, v in value.items()}
-    return value
+        _checkpoint.load(self, state)
 
 
 _LAYOUT_CACHE_MAX = 64  # bucket layouts a state remembers (DDP keeps a handful at a time)
