@@ -271,7 +271,7 @@ def predict(setup, x, model=MODEL, hide_codec=False):
             E = e4 if key == "nvfp4" else e8
             frac = x["encode_nvfp4"] if key == "nvfp4" else x["encode_fp8"]
             wire, sent, ib, last = two_phase(E)
-            codec = codec_two_phase(E, frac) if t.N > 1 else 0.0
+            codec = codec_two_phase(E, frac)
             if key == "fp8_lowrank":
                 codec += transform_time(s, x, M)[0]
         else:  # fp8_2level: only where there are both NVLink peers and other nodes
@@ -288,6 +288,8 @@ def predict(setup, x, model=MODEL, hide_codec=False):
             # one more sum-requantize, at the node level (reads g parts of a 1/g shard)
             codec = (codec_two_phase(e8, x["encode_fp8"]) +
                      (e8 / t.g + e8 / t.N) / (hbm * x["encode_fp8"]))
+        if t.N == 1:  # nothing to exchange, nothing to encode
+            wire = last = codec = sent = ib = 0.0
         total = wire + codec
         if hide_codec:
             last_total = last + codec / nb
