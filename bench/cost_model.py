@@ -315,7 +315,8 @@ def verdict(rows, meta, s):
     out = []
     f8, bf, nat, lr, nv = (rows[k] for k in ("fp8", "bf16", "native", "fp8_lowrank", "nvfp4"))
     for name, r in (("fp8", f8), ("fp8 + lowrank", lr), ("nvfp4", nv)):
-        beats = [peer for peer in ("fp32", "bf16", "native") if r["exposed"] < rows[peer]["exposed"]]
+        beats = [peer for peer in ("fp32", "bf16", "native")
+                 if r["exposed"] < rows[peer]["exposed"]]
         out.append(f"- GeoFP8 {name}: exposed {ms(r['exposed'])} ms against fp32 "
                    f"{ms(rows['fp32']['exposed'])}, bf16 {ms(bf['exposed'])} and native fp8 "
                    f"{ms(nat['exposed'])}: "

@@ -29,7 +29,7 @@ def close(a, b, rel=1e-12):
 X = {k: v[0] for k, v in cm.INPUTS.items()}
 ts = cm.tensors()
 P = sum(r * c for r, c in ts)
-# The same count as kernels/model/model.cc ParameterCount for llama-600m (and scripts/projection.py).
+# kernels/model/model.cc ParameterCount for llama-600m (and scripts/projection.py).
 check(P == 595_395_072, f"llama-600m parameter count {P}")
 # Byte ratios from the formats: fp8 block 128 = 1 byte + a 4-byte scale per 128 (per tensor,
 # partial blocks rounded up); nvfp4 = half a byte + an E4M3 scale per 16 + one fp32 per tensor.
