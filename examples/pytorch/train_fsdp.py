@@ -106,6 +106,9 @@ def main():
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--log-every", type=int, default=10)
     ap.add_argument("--threads", type=int, default=1, help="torch threads per rank")
+    ap.add_argument("--init-method", default="env://",
+                    help="torch.distributed's rendezvous (env:// under torchrun; a file:// URL "
+                         "with RANK and WORLD_SIZE set, as bench/fsdp_netem.sh runs it)")
     ap.add_argument("--summary-every", type=int, default=0,
                     help="measure each layer's exchange error every N steps and print the "
                          "worst layers (one extra fp32 all-reduce on those steps; 0: never)")
@@ -120,7 +123,16 @@ def main():
 
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
     torch.set_num_threads(args.threads)
-    dist.init_process_group("gloo")
+    if args.init_method == "env://":
+        dist.init_process_group("gloo")
+    else:
+        for var in ("RANK", "WORLD_SIZE"):
+            if not os.environ.get(var, "").isdigit():
+                ap.error("--init-method %s: set %s (%r)" % (args.init_method, var,
+                                                            os.environ.get(var)))
+        dist.init_process_group("gloo", init_method=args.init_method,
+                                rank=int(os.environ["RANK"]),
+                                world_size=int(os.environ["WORLD_SIZE"]))
     rank, world = dist.get_rank(), dist.get_world_size()
     torch.manual_seed(args.seed)
     model = Llama(args.layers, args.d_model, args.heads)
@@ -161,6 +173,17 @@ def main():
             print("step %d loss %.4f, %.3f s/step (median so far)%s"
                   % (step, loss.item(), sorted(times)[len(times) // 2], wire), flush=True)
     dist.barrier()
+    if rank == 0:
+        # The bench's line: the median step after the first two (warm-up), and the exchange's
+        # own seconds per step (GeoFP8's engine time; FSDP2's own is not measured here).
+        tail = sorted(times[2:] or times)
+        ex = (state.stats["seconds"] / args.steps) if state is not None else float("nan")
+        print("result: policy %s, %d ranks, %.2fM parameters: median step %.3f s, exchange "
+              "%.3f s/step, wire %s" % (args.policy, world, params / 1e6, tail[len(tail) // 2],
+                                        ex, "%.3f of fp32" % (state.stats["bytes_sent"] /
+                                                             state.stats["bytes_baseline"])
+                                        if state is not None and state.stats["bytes_baseline"]
+                                        else "fp32 (FSDP2's own)"), flush=True)
     if state is not None:
         state.close()
     dist.destroy_process_group()
