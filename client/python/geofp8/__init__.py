@@ -25,6 +25,11 @@ build_info = {
     "cuda_architectures": _version.cuda_architectures,
 }
 
+# How to get the CUDA build, for the errors that a CPU build gives on CUDA tensors.
+_CUDA_BUILD_HINT = ("reinstall geofp8 where the CUDA toolkit's nvcc and NCCL are found, "
+                   "forcing the CUDA build with GEOFP8_ENABLE_CUDA=ON pip install "
+                   "--no-build-isolation . (docs/pytorch.md, \"CUDA\")")
+
 
 def policy_source(policy):
     """(kind, spec) for Engine.set_policy from what a user passes as a policy:
