@@ -73,8 +73,9 @@ CUDA_ROOT = "/usr/local/cuda"
 def find_cuda(cuda_root=CUDA_ROOT, path=None, system_dirs=None):
     """What a CUDA build needs, found as CMake finds it: nvcc under cuda_root/bin, else on the
     PATH; nccl.h and libnccl.so under the toolkit (cuda_root's or the found nvcc's) or in the
-    system's directories. Returns ({"nvcc", "nccl.h", "libnccl"}: path found, [what is missing,
-    with where it was looked for])."""
+    system's directories (libnccl.so itself, as CMake's find_library: libnccl.so.2 alone is a
+    runtime without the development link). Returns ({"nvcc", "nccl.h", "libnccl"}: path found,
+    [what is missing, with where it was looked for])."""
     found, missing = {}, []
     nvcc = os.path.join(cuda_root, "bin", "nvcc")
     if not os.access(nvcc, os.X_OK):
@@ -95,7 +96,7 @@ def find_cuda(cuda_root=CUDA_ROOT, path=None, system_dirs=None):
     include_dirs = [os.path.join(r, "include") for r in roots + system_dirs]
     lib_dirs = [os.path.join(r, sub) for r in roots for sub in ("lib64", "lib")] + system_libs
     for name, dirs, patterns in (("nccl.h", include_dirs, ["nccl.h"]),
-                                 ("libnccl", lib_dirs, ["libnccl.so", "libnccl.so.*"])):
+                                 ("libnccl", lib_dirs, ["libnccl.so"])):
         hits = [h for d in dict.fromkeys(dirs) for pat in patterns
                 for h in sorted(glob.glob(os.path.join(d, pat)))]
         if hits:
