@@ -186,9 +186,9 @@ class Engine {
 #else
       (void)device;
       GEOFP8_FAIL(
-          "device: CUDA tensors need a CUDA build of geofp8 (configure with "
-          "-DGEOFP8_ENABLE_CUDA=ON where nvcc and NCCL are found); this build has the Gloo "
-          "engine on CPU tensors only");
+          "device: CUDA tensors need a CUDA build of geofp8 (where nvcc and NCCL are found: "
+          "GEOFP8_ENABLE_CUDA=ON pip install --no-build-isolation ., or configure CMake with "
+          "-DGEOFP8_ENABLE_CUDA=ON); this is the cpu build, the Gloo engine on CPU tensors only");
 #endif
     } else {
       GlooOptions go;

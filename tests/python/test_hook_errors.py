@@ -145,22 +145,29 @@ def work(rank, world):
     expect(failures, "state of another model", lambda: state.load_state_dict(sd2), "state.names")
     sd3 = dict(sd, geometry=[(b"junk", b"", 0, b"")] + sd["geometry"][1:])
     expect(failures, "corrupt geometry", lambda: state.load_state_dict(sd3), "0.weight")
-    # Issue 28's bad input: CUDA tensors in a CPU build, a model on two devices.
-    if not gt._geofp8.has_cuda:
+    # Issue 28's bad input: CUDA tensors in a CPU build, a model on two devices. The errors
+    # name the build and how to get the CUDA one (issue 44); a CUDA build is made to look like a
+    # CPU one for these checks (the checks are in geofp8.torch, before the engine).
+    real_build = (gt._geofp8.has_cuda, gt.build_info["build"])
+    gt._geofp8.has_cuda, gt.build_info["build"] = False, "cpu"
+    try:
+        how = ("the cpu build", "GEOFP8_ENABLE_CUDA=ON pip install", "nvcc and NCCL")
         expect(failures, "cuda model, CPU build",
                lambda: gt.GeoFP8State(model=FakeModel([("a.weight", FakeParam("cuda:0"))]),
                                       policy="fp8"),
-               "device", "parameter 'a.weight' is on cuda:0", "CUDA build")
+               "device", "parameter 'a.weight' is on cuda:0", "CUDA build", *how)
         expect(failures, "mixed cpu/cuda model",
                lambda: gt.GeoFP8State(model=FakeModel([("a.weight", FakeParam("cpu")),
                                                        ("b.weight", FakeParam("cuda:1"))]),
                                       policy="fp8"),
                "device", "more than one device", "'b.weight' is on cuda:1", "'a.weight' on cpu",
-               "CUDA build")
+               "CUDA build", "(build cpu)", *how[1:])
         cpu_state = gt.GeoFP8State(model=model, policy="fp8")
         expect(failures, "cuda bucket, CPU build",
                lambda: gt.geofp8_hook(cpu_state, FakeBucket(3, "cuda:0")),
-               "device", "bucket 3 is on cuda:0", "CUDA build")
+               "device", "bucket 3 is on cuda:0", "CUDA build", *how)
+    finally:
+        gt._geofp8.has_cuda, gt.build_info["build"] = real_build
     mixed = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 4, device="meta"))
     expect(failures, "mixed cpu/meta model", lambda: gt.GeoFP8State(model=mixed, policy="fp8"),
            "device", "more than one device", "'1.weight' is on meta", "'0.weight' on cpu")

@@ -5,6 +5,10 @@ outside the source tree, importing the installed copy; under policy fp32 the gra
 the exact fp32 mean with DDP's defaults, a frozen parameter + find_unused_parameters=True,
 gradient_as_bucket_view=True and no_sync() accumulation. The installed extension carries no
 debug sections (the ctest tree it comes from is RelWithDebInfo), and the build prints progress.
+The wheel is the auto-detected build (issue 44): the CUDA one where nvcc and NCCL are found (the
+tree's CUDA objects are nvcc's, no device needed), and the installed copy reports it
+(geofp8.has_cuda, geofp8.build_info); setup.py's detection agrees with the tree's CMake, its
+GEOFP8_ENABLE_CUDA values are checked, and forcing the other build against the tree is refused.
 
 Environment: GEOFP8_SOURCE (repository root), GEOFP8_CMAKE_BUILD_DIR (the ctest build tree,
 reused so the test does not rebuild the engine), GEOFP8CTL (geofp8ctl, whose version the
@@ -12,6 +16,7 @@ package's must equal). Exit 77 (skipped) without torch, venv or build.
 """
 
 import glob
+import importlib.util
 import json
 import os
 import re
@@ -46,7 +51,8 @@ for w in want:
     dist.all_reduce(w)
     w /= world
 
-out = {"file": geofp8.__file__, "version": geofp8.__version__}
+out = {"file": geofp8.__file__, "version": geofp8.__version__, "has_cuda": geofp8.has_cuda,
+       "build_info": geofp8.build_info}
 for policy in ("fp32", "geofp8"):
     m = torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.ReLU(), torch.nn.Linear(64, 8))
     m.load_state_dict(ref.state_dict())
@@ -170,6 +176,73 @@ def check_stripped(installed, built):
           "of them loaded)" % (size, os.path.getsize(built), bound - 64 * 1024))
 
 
+def load_setup(copy):
+    """The copy's setup.py as a module (its setup() runs only as __main__)."""
+    spec = importlib.util.spec_from_file_location("geofp8_setup", os.path.join(copy, "setup.py"))
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def expected_build(setup_py, tree):
+    """The build the wheel must be (issue 44): the tree's CMake auto-detects CUDA unless it was
+    configured with GEOFP8_ENABLE_CUDA=OFF, and setup.py's find_cuda must find what CMake found
+    on this machine, so a new tree (pip install from a clone) gets the same build. The CUDA
+    build is "cuda" + the toolkit's version, read from nvcc here."""
+    with open(os.path.join(tree, "CMakeCache.txt")) as f:
+        m = re.search(r"^GEOFP8_ENABLE_CUDA:BOOL=(\S+)$", f.read(), re.M)
+    tree_cuda = m is None or m.group(1).upper() in ("ON", "1", "TRUE", "YES")
+    found, missing = setup_py.find_cuda()
+    print("setup.py's find_cuda: found %s, missing %s; the tree's GEOFP8_ENABLE_CUDA %s"
+          % (found, missing, "ON" if tree_cuda else "OFF"))
+    if not tree_cuda or missing:
+        return "cpu"
+    out = subprocess.run([found["nvcc"], "--version"], check=True, capture_output=True,
+                         text=True).stdout
+    release = re.search(r"release (\d+\.\d+)", out)
+    assert release, "nvcc --version: no 'release X.Y' in %r" % out
+    return "cuda" + release.group(1)
+
+
+def check_cuda_choice(setup_py, tmp):
+    """setup.py's GEOFP8_ENABLE_CUDA: auto, ON or OFF in any case; a bad value names the
+    variable and the value; ON where nvcc or NCCL is missing names what is, auto builds the CPU
+    engine there. A fake toolkit with nvcc and nccl.h but no libnccl stands in for one."""
+    for bad in ("maybe", "1"):
+        try:
+            setup_py.cuda_mode(bad)
+        except RuntimeError as e:
+            assert "GEOFP8_ENABLE_CUDA" in str(e) and repr(bad) in str(e), e
+        else:
+            raise AssertionError("GEOFP8_ENABLE_CUDA=%s: accepted" % bad)
+    for value, mode in ((None, "auto"), ("", "auto"), ("Auto", "auto"), ("ON", "on"),
+                        (" off ", "off")):
+        assert setup_py.cuda_mode(value) == mode, (value, setup_py.cuda_mode(value))
+    root = os.path.join(tmp, "fake-cuda")
+    os.makedirs(os.path.join(root, "bin"))
+    os.makedirs(os.path.join(root, "include"))
+    with open(os.path.join(root, "bin", "nvcc"), "w") as f:
+        f.write("#!/bin/sh\n")
+    os.chmod(os.path.join(root, "bin", "nvcc"), 0o755)
+    open(os.path.join(root, "include", "nccl.h"), "w").close()
+    nowhere = [os.path.join(tmp, "no-system")]
+    for cuda_root, want_missing in ((root, ["libnccl"]),
+                                    (os.path.join(tmp, "none"), ["nvcc", "nccl.h", "libnccl"])):
+        found, missing = setup_py.find_cuda(cuda_root, path="", system_dirs=nowhere)
+        assert [m.split()[0] for m in missing] == want_missing, (cuda_root, missing)
+        assert setup_py.cuda_choice("auto", missing) == "OFF"
+        assert setup_py.cuda_choice("off", missing) == "OFF"
+        try:
+            setup_py.cuda_choice("on", missing)
+        except RuntimeError as e:
+            assert "GEOFP8_ENABLE_CUDA=ON" in str(e), e
+            assert all(w + " (not in " in str(e) for w in want_missing), e
+        else:
+            raise AssertionError("GEOFP8_ENABLE_CUDA=ON with %s missing: accepted" % missing)
+    assert setup_py.cuda_choice("auto", []) == "ON" and setup_py.cuda_choice("on", []) == "ON"
+    print("ok: GEOFP8_ENABLE_CUDA auto/ON/OFF, a bad value, ON with libnccl or all missing")
+
+
 def main():
     try:
         import torch  # noqa: F401
@@ -194,16 +267,35 @@ def main():
         shutil.copytree(os.path.join(src, "client", "python", "geofp8"),
                         os.path.join(copy, "client", "python", "geofp8"),
                         ignore=shutil.ignore_patterns("__pycache__"))
+        setup_py = load_setup(copy)
+        check_cuda_choice(setup_py, tmp)
+        tree = os.environ["GEOFP8_CMAKE_BUILD_DIR"]
+        want_build = expected_build(setup_py, tree)
+        build_env = {k: v for k, v in os.environ.items() if k != "GEOFP8_ENABLE_CUDA"}
+        # GEOFP8_ENABLE_CUDA=OFF against a reused CUDA tree (or ON against a CPU one) is
+        # refused, naming the tree's build, before anything is packaged.
+        other = "OFF" if want_build != "cpu" else "ON"
+        cmd = [sys.executable, "setup.py", "-q", "build_ext", "--build-temp",
+               os.path.join(tmp, "bt"), "--build-lib", os.path.join(tmp, "bl")]
+        print("+ GEOFP8_ENABLE_CUDA=%s %s" % (other, " ".join(cmd)), flush=True)
+        refused = subprocess.run(cmd, cwd=copy, env=dict(build_env, GEOFP8_ENABLE_CUDA=other),
+                                 stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        assert refused.returncode != 0 and ("GEOFP8_ENABLE_CUDA=%s" % other) in refused.stdout \
+            and ("the %s build" % want_build if other == "OFF" else "the cpu build") \
+            in refused.stdout, refused.stdout
+        print("ok: GEOFP8_ENABLE_CUDA=%s refused against the %s tree" % (other, want_build))
+
         dist_dir = os.path.join(tmp, "dist")
         cmd = [sys.executable, "-m", "build", "--no-isolation", "--wheel", "--outdir", dist_dir,
                copy]
         print("+", " ".join(cmd), flush=True)
-        built = subprocess.run(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        built = subprocess.run(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                               env=build_env)
         print(built.stdout, flush=True)
         assert built.returncode == 0, "the wheel build failed (exit %d)" % built.returncode
         # What the build says while it runs (pip -v shows these lines as they come).
         for line in ("geofp8: building the C++ extension", "geofp8: built in",
-                     "geofp8: stripped _geofp8"):
+                     "geofp8: stripped _geofp8", "geofp8: the %s build" % want_build):
             assert line in built.stdout, "the build's output lacks %r" % line
         wheels = [f for f in os.listdir(dist_dir) if f.endswith(".whl")]
         assert len(wheels) == 1, wheels
@@ -216,10 +308,9 @@ def main():
              os.path.join(dist_dir, wheels[0])])
         installed = glob.glob(os.path.join(venv_dir, "lib", "python*", "site-packages", "geofp8",
                                            "_geofp8*.so"))
-        tree = glob.glob(os.path.join(os.environ["GEOFP8_CMAKE_BUILD_DIR"], "client", "python",
-                                      "geofp8", "_geofp8*.so"))
-        assert len(installed) == 1 and len(tree) == 1, (installed, tree)
-        check_stripped(installed[0], tree[0])
+        tree_so = glob.glob(os.path.join(tree, "client", "python", "geofp8", "_geofp8*.so"))
+        assert len(installed) == 1 and len(tree_so) == 1, (installed, tree_so)
+        check_stripped(installed[0], tree_so[0])
 
         work = os.path.join(tmp, "work")
         os.makedirs(work)
@@ -241,13 +332,18 @@ def main():
                 "rank %d imported %s, not the copy installed under %s" % (rank, r["file"],
                                                                           venv_real)
             assert r["version"] == want_version, (r["version"], want_version)
+            # The build it reports (issue 44): the CUDA one where nvcc and NCCL are found.
+            assert r["build_info"]["build"] == want_build, (r["build_info"], want_build)
+            assert r["has_cuda"] == want_build.startswith("cuda"), (r["has_cuda"], want_build)
+            assert r["build_info"]["version"] == want_version, r["build_info"]
             assert r["fp32_exact"], "policy fp32: gradients differ from the fp32 mean"
             assert r["geofp8_finite"] and r["geofp8_same_on_ranks"], r
             for option, ok in r["ddp_options"].items():
                 assert ok, "DDP %s: gradients differ from the fp32 mean" % option
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
-    print("ok: wheel %s installed and ran 2 ranks from outside the tree" % wheels[0])
+    print("ok: wheel %s (the %s build) installed and ran 2 ranks from outside the tree"
+          % (wheels[0], want_build))
     return 0
 
 

@@ -8,11 +8,27 @@ From a build tree: PYTHONPATH=build/client/python /usr/bin/python3 -c 'import ge
 import json
 import os
 
-from ._geofp8 import Engine, Error, HookClient, accepted_presets, layer_matches
+from . import _version
+from ._geofp8 import Engine, Error, HookClient, accepted_presets, has_cuda, layer_matches
 from ._version import __version__
 
-__all__ = ["Engine", "Error", "HookClient", "__version__", "accepted_presets", "layer_matches",
-           "policy_source"]
+__all__ = ["Engine", "Error", "HookClient", "__version__", "accepted_presets", "build_info",
+           "has_cuda", "layer_matches", "policy_source"]
+
+# Which build this is (docs/pytorch.md, "CUDA"): has_cuda is True in a CUDA build (CUDA tensors
+# go through NCCL and the device plane), False in a CPU one (the Gloo engine on CPU tensors).
+# build_info["build"] is "cuda<major.minor>" (the CUDA toolkit it was compiled with) or "cpu".
+build_info = {
+    "version": __version__,
+    "build": _version.build,
+    "cuda": _version.cuda_version,
+    "cuda_architectures": _version.cuda_architectures,
+}
+
+# How to get the CUDA build, for the errors that a CPU build gives on CUDA tensors.
+_CUDA_BUILD_HINT = ("reinstall geofp8 where the CUDA toolkit's nvcc and NCCL are found, "
+                   "forcing the CUDA build with GEOFP8_ENABLE_CUDA=ON pip install "
+                   "--no-build-isolation . (docs/pytorch.md, \"CUDA\")")
 
 
 def policy_source(policy):

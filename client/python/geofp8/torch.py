@@ -27,7 +27,7 @@ import weakref
 import torch
 import torch.distributed as dist
 
-from . import _checkpoint, _geofp8, _job, policy_source
+from . import _CUDA_BUILD_HINT, _checkpoint, _geofp8, _job, build_info, policy_source
 
 __all__ = ["GeoFP8FSDPState", "GeoFP8State", "compress_fsdp", "geofp8_hook"]
 
@@ -72,13 +72,15 @@ def _check_parameter(name, p, first, device):
             "parameter '%s' on %s; the GeoFP8 hook takes a model on one device (move it with "
             "model.to(device))%s" % (name, p.device, first, device,
                                      "; CUDA tensors also need a CUDA build of geofp8, which "
-                                     "this is not" if "cuda" in (p.device.type, device.type)
+                                     "this is not (build %s): %s" % (build_info["build"],
+                                                                    _CUDA_BUILD_HINT)
+                                     if "cuda" in (p.device.type, device.type)
                                      and not _geofp8.has_cuda else ""))
     if p.device.type == "cuda" and not _geofp8.has_cuda:
         raise RuntimeError(
             "device: parameter '%s' is on %s; CUDA tensors need a CUDA build of geofp8 and torch "
-            "(this geofp8 was built without CUDA/NCCL, so it runs the Gloo engine on CPU tensors)"
-            % (name, p.device))
+            "(this geofp8 is the %s build, without CUDA/NCCL, so it runs the Gloo engine on CPU "
+            "tensors): %s" % (name, p.device, build_info["build"], _CUDA_BUILD_HINT))
     if p.device.type not in ("cpu", "cuda"):
         raise RuntimeError("device: parameter '%s' is on %s; the GeoFP8 hook takes CPU or CUDA "
                            "tensors" % (name, p.device))
@@ -629,8 +631,9 @@ def geofp8_hook(state, bucket):
     if buf.device != state.device:
         if buf.device.type == "cuda" and not _geofp8.has_cuda:
             raise RuntimeError("device: bucket %d is on %s; CUDA tensors need a CUDA build of "
-                               "geofp8 and torch (this geofp8 was built without CUDA/NCCL)"
-                               % (bucket.index(), buf.device))
+                               "geofp8 and torch (this geofp8 is the %s build, without "
+                               "CUDA/NCCL): %s" % (bucket.index(), buf.device,
+                                                   build_info["build"], _CUDA_BUILD_HINT))
         raise RuntimeError("device: bucket %d is on %s; this GeoFP8State was made for a model on "
                            "%s" % (bucket.index(), buf.device, state.device))
     if buf.dtype not in _GRAD_DTYPES:
