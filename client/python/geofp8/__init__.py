@@ -5,10 +5,22 @@ Installed: /usr/bin/python3 -m pip install --no-build-isolation . (pyproject.tom
 From a build tree: PYTHONPATH=build/client/python /usr/bin/python3 -c 'import geofp8.torch'
 """
 
+import importlib
 import json
 import os
 
 from . import _version
+
+if _version.build != "cpu":
+    # torch first, where it is installed: PyPI's torch CUDA wheel ships its own NCCL, newer than
+    # the toolkit's this build links, and the process keeps whichever libnccl.so.2 loads first.
+    # Loaded after ours, torch fails to import (undefined symbol: ncclCommResume); ours runs on
+    # torch's newer one.
+    # (importlib: the name `torch` in this package is geofp8.torch, the hook module.)
+    try:
+        importlib.import_module("torch")
+    except ImportError:
+        pass
 from ._geofp8 import Engine, Error, HookClient, accepted_presets, has_cuda, layer_matches
 from ._version import __version__
 
