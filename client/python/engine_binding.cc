@@ -315,8 +315,8 @@ class Engine {
       const int64_t c = (l.rows + size() - 1) / size();
       const int64_t mine = std::clamp<int64_t>(l.rows - c * rank_, 0, c) * l.cols;
       GEOFP8_CHECK(out_offsets[i] >= 0 && out_offsets[i] + mine <= info.shape[0],
-                   "reduce-scatter: layer '", l.name, "' at output offset ", out_offsets[i],
-                   " + ", mine, " is outside the output of ", info.shape[0], " floats");
+                   "reduce-scatter: layer '", l.name, "' at output offset ", out_offsets[i], " + ",
+                   mine, " is outside the output of ", info.shape[0], " floats");
       outs.emplace_back(static_cast<float*>(info.ptr) + out_offsets[i], static_cast<size_t>(mine));
     }
     StepResult r;
