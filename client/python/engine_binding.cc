@@ -22,6 +22,7 @@
 #include <pybind11/pybind11.h>
 #include <pybind11/stl.h>
 
+#include <algorithm>
 #include <chrono>
 #include <cstring>
 #include <fstream>
@@ -293,6 +294,37 @@ class Engine {
     py::dict d = ResultDict(r);
     d["started"] = SteadySeconds(started);
     return d;
+  }
+
+  // exchange() as a reduce-scatter (ExchangeEngine::ReduceScatter): layer layers[i] is read from
+  // buffer[offsets[i] ..] (and clobbered), and this rank's rows of its average (FSDP's dim-0
+  // chunk, ceil(rows / N) rows, fewer or none at the end) are written to out[out_offsets[i] ..].
+  py::dict ReduceScatter(uint64_t step, const std::vector<uint32_t>& layers, py::buffer buffer,
+                         const std::vector<int64_t>& offsets, py::buffer out,
+                         const std::vector<int64_t>& out_offsets) {
+    std::vector<std::span<float>> grads = BucketGrads(layers, buffer, offsets);
+    py::buffer_info info = out.request(/*writable=*/true);
+    GEOFP8_CHECK(info.itemsize == 4 && info.format.find('f') != std::string::npos &&
+                     info.ndim == 1 && info.strides[0] == 4,
+                 "reduce-scatter output: must be one contiguous 1-D float32 array");
+    GEOFP8_CHECK(out_offsets.size() == layers.size(), "reduce-scatter: ", layers.size(),
+                 " layers but ", out_offsets.size(), " output offsets");
+    std::vector<std::span<float>> outs;
+    for (size_t i = 0; i < layers.size(); ++i) {
+      const EngineLayer& l = engine_->layers()[layers[i]];
+      const int64_t c = (l.rows + size() - 1) / size();
+      const int64_t mine = std::clamp<int64_t>(l.rows - c * rank_, 0, c) * l.cols;
+      GEOFP8_CHECK(out_offsets[i] >= 0 && out_offsets[i] + mine <= info.shape[0],
+                   "reduce-scatter: layer '", l.name, "' at output offset ", out_offsets[i], " + ",
+                   mine, " is outside the output of ", info.shape[0], " floats");
+      outs.emplace_back(static_cast<float*>(info.ptr) + out_offsets[i], static_cast<size_t>(mine));
+    }
+    StepResult r;
+    {
+      py::gil_scoped_release release;
+      r = engine_->ReduceScatter(step, layers, std::move(grads), std::move(outs));
+    }
+    return ResultDict(r);
   }
 
   // exchange() without waiting: the bucket goes to the engine's exchange thread, which runs the
@@ -646,6 +678,8 @@ void BindEngine(py::module_& m) {
            "stream (as an integer) the NCCL engine runs it on; ignored by the Gloo engine.")
       .def("check_policy", &Engine::CheckPolicy, py::arg("kind"), py::arg("spec"),
            py::arg("model") = "model")
+      .def("reduce_scatter", &Engine::ReduceScatter, py::arg("step"), py::arg("layers"),
+           py::arg("buffer"), py::arg("offsets"), py::arg("out"), py::arg("out_offsets"))
       .def("exchange", &Engine::Exchange, py::arg("step"), py::arg("layers"), py::arg("buffer"),
            py::arg("offsets"))
       .def("submit", &Engine::Submit, py::arg("step"), py::arg("layers"), py::arg("buffer"),

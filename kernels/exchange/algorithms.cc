@@ -207,7 +207,8 @@ class Pipeline {
       : comm_(comm),
         ao_(ao),
         layers_(layers),
-        two_phase_(two_phase),
+        two_phase_(two_phase || ao.reduce_scatter),
+        rs_(ao.reduce_scatter),
         n_(comm.size()),
         r_(comm.rank()),
         fused_(FusedCheck(comm, ao)),
@@ -219,8 +220,10 @@ class Pipeline {
       const CodecOptions o = Options(i, r_, 1, 0);
       for (int j = 0; j < n_; ++j) {
         // allgather: every rank's "chunk" is its whole layer.
-        chunk_[i][j] = two_phase ? ChunkOf(layers[i].in.size(), ChunkAlignment(o), n_, j)
-                                 : ChunkRange{0, layers[i].in.size()};
+        // reduce-scatter: FSDP's dim-0 chunks.
+        chunk_[i][j] = rs_         ? RowChunkOf(layers[i].in.size(), layers[i].cols, n_, j)
+                       : two_phase ? ChunkOf(layers[i].in.size(), ChunkAlignment(o), n_, j)
+                                   : ChunkRange{0, layers[i].in.size()};
         // Encoded sizes depend only on the policy and chunk length: every rank knows them all.
         bytes_[i][j] = EncodedBytes(o, chunk_[i][j].size());
       }
@@ -285,6 +288,12 @@ class Pipeline {
           First(comm_, s);
         }
         if (s + 1 == G) agreed_ = ReadFlags(*g.recv, g);
+        if (rs_) {
+          TraceScope span(ao_.trace, "sum", ExchangeTrace::kCodecLane, ao_.step,
+                          static_cast<int>(s));
+          SumOwn(g);
+          continue;
+        }
         {
           TraceScope span(ao_.trace, "sum_requantize", ExchangeTrace::kCodecLane, ao_.step,
                           static_cast<int>(s));
@@ -311,7 +320,8 @@ class Pipeline {
   // Returns the OR over ranks of the flag bits (BucketLayer::flag_bit) of layers whose input held
   // a NaN or inf: the same answer on every rank.
   uint64_t Run() {
-    Communicator* side = comm_.side_channel();
+    // reduce-scatter: one collective per group, nothing for a second lane.
+    Communicator* side = rs_ ? nullptr : comm_.side_channel();
     const int lanes = side ? 2 : 1;
     std::thread helper([this] {
       LowerThreadPriority(ao_.helper_nice);
@@ -377,7 +387,7 @@ class Pipeline {
       }
       return;
     }
-    const bool exchanges = lane == 0, gathers = lanes == 1 || lane == 1;
+    const bool exchanges = lane == 0, gathers = !rs_ && (lanes == 1 || lane == 1);
     for (size_t s = 0; s <= G; ++s) {
       if (s < G && exchanges) {
         WaitFor(s, kEncoded);
@@ -540,6 +550,31 @@ class Pipeline {
     }
   }
 
+  // Reduce-scatter: this rank's rows of each layer, the sum over sources in rank order, with the
+  // geometry's inverse where it is row-local (a lowrank one's waits for FinishRows).
+  void SumOwn(Group& g) {
+    size_t off = 0;
+    std::vector<std::span<const uint8_t>> parts(n_);
+    for (size_t i = g.first; i < g.last; ++i) {
+      const BucketLayer& l = layers_[i];
+      for (int src = 0; src < n_; ++src) {
+        parts[src] = std::span<const uint8_t>(*g.recv).subspan(RecvAt(g, src) + off, bytes_[i][r_]);
+      }
+      plane_.DecodeSum(l, {0, chunk_[i][r_].size()}, parts);
+      off += bytes_[i][r_];
+      if (l.geometry && ShardProductRows(*l.geometry) == 0) {
+        plane_.InvertRows(l, FirstRow(i), {});
+      }
+    }
+  }
+
+ public:
+  // This rank's first row of layer i (reduce-scatter).
+  int64_t FirstRow(size_t i) const {
+    return static_cast<int64_t>(chunk_[i][r_].begin) / std::max<int64_t>(layers_[i].cols, 1);
+  }
+
+ private:
   void DecodeAll(Group& g) {
     if (!two_phase_) {
       // allgather: every rank sums the same bytes in the same (rank) order.
@@ -596,15 +631,19 @@ class Pipeline {
           if (abort_ || pick == G) return;
         }
         Group& g = groups_[pick];
-        const int done = stage == 0 ? kEncoded : stage == kExchanged ? kRequantized : kDecoded;
+        const int done = stage == 0            ? kEncoded
+                         : stage == kExchanged ? (rs_ ? kDecoded : kRequantized)
+                                               : kDecoded;
         {
           const char* what = stage == 0            ? "encode"
-                             : stage == kExchanged ? "sum_requantize"
+                             : stage == kExchanged ? (rs_ ? "sum" : "sum_requantize")
                                                    : "decode";
           TraceScope span(ao_.trace, what, ExchangeTrace::kCodecLane, ao_.step,
                           static_cast<int>(pick));
           if (stage == 0) {
             Encode1(g);
+          } else if (stage == kExchanged && rs_) {
+            SumOwn(g);
           } else if (stage == kExchanged) {
             SumRequantize(g);
           } else {
@@ -687,6 +726,7 @@ class Pipeline {
   const AlgorithmOptions& ao_;
   std::span<const BucketLayer> layers_;
   const bool two_phase_;
+  const bool rs_;  // reduce-scatter: two_phase's first half over row chunks
   const int n_, r_;
   const bool fused_;  // group 0's first collective carries the records (check_record)
   std::vector<std::vector<ChunkRange>> chunk_;  // [layer][rank]
@@ -711,9 +751,80 @@ class Pipeline {
 
 namespace {
 
+// Reduce-scatter's lowrank layers after the pipeline: each owner's share of U^T D, one fp32
+// all-reduce of them all (in layer order, the same on every rank), then each owner's rows.
+void FinishLowRankRows(Communicator& comm, const AlgorithmOptions& ao,
+                       std::span<const BucketLayer> layers, DataPlane& plane) {
+  const int n = comm.size(), r = comm.rank();
+  std::vector<size_t> at(layers.size(), 0);
+  size_t total = 0;
+  for (size_t i = 0; i < layers.size(); ++i) {
+    const BucketLayer& l = layers[i];
+    at[i] = total;
+    if (l.geometry) total += static_cast<size_t>(ShardProductRows(*l.geometry)) * l.cols;
+  }
+  if (total == 0) return;
+  TraceScope span(ao.trace, "shard_products", ExchangeTrace::kMainLane, ao.step);
+  std::vector<float> w(total, 0.f);
+  auto first_row = [&](const BucketLayer& l) {
+    return static_cast<int64_t>(RowChunkOf(l.in.size(), l.cols, n, r).begin) / l.cols;
+  };
+  auto share = [&](size_t i) {
+    const BucketLayer& l = layers[i];
+    return std::span(w).subspan(at[i], static_cast<size_t>(ShardProductRows(*l.geometry)) * l.cols);
+  };
+  for (size_t i = 0; i < layers.size(); ++i) {
+    if (layers[i].geometry && ShardProductRows(*layers[i].geometry) > 0) {
+      plane.ShardProducts(layers[i], first_row(layers[i]), share(i));
+    }
+  }
+  comm.AllReduceSum(w);
+  for (size_t i = 0; i < layers.size(); ++i) {
+    if (layers[i].geometry && ShardProductRows(*layers[i].geometry) > 0) {
+      plane.InvertRows(layers[i], first_row(layers[i]), share(i));
+    }
+  }
+}
+
+uint64_t RunReduceScatter(Communicator& comm, Algorithm algorithm, const AlgorithmOptions& options,
+                          std::span<const BucketLayer> in_layers, ExchangeWorkspace& ws,
+                          DataPlane& plane) {
+  GEOFP8_CHECK(algorithm != Algorithm::kNative,
+               "reduce-scatter: algorithm native is an all-reduce (accepted: two_phase, "
+               "allgather, auto, fp32, bf16)");
+  GEOFP8_CHECK(plane.host_memory(), "reduce-scatter: runs on host memory only (plane ",
+               plane.name(), ")");
+  std::vector<BucketLayer> layers(in_layers.begin(), in_layers.end());
+  const bool baseline = algorithm == Algorithm::kFp32 || algorithm == Algorithm::kBf16;
+  for (BucketLayer& l : layers) {
+    if (!baseline) continue;
+    // The baselines: every chunk in that format, summed in rank order (fp32: exactly).
+    l.policy.format = algorithm == Algorithm::kFp32 ? Format::kFp32 : Format::kBf16;
+    l.policy.scaling = Scaling::kTensor;
+    l.policy.rounding = Rounding::kNearest;
+  }
+  if (layers.empty()) {
+    CheckBeforeData(comm, options, layers, ws);
+    return 0;
+  }
+  size_t fp32 = 0;
+  for (const auto& l : layers) fp32 += l.in.size() * sizeof(float);
+  uint64_t flags = 0;
+  if (fp32 > options.inline_bytes) {
+    flags = Pipeline(comm, options, layers, true, ws).Run();
+  } else {
+    AlgorithmOptions one = options;
+    one.segment_bytes = std::max(options.segment_bytes, fp32);
+    flags = Pipeline(comm, one, layers, true, ws).RunInline();
+  }
+  FinishLowRankRows(comm, options, layers, plane);
+  return flags;
+}
+
 uint64_t RunAlgorithm(Communicator& comm, Algorithm algorithm, const AlgorithmOptions& options,
                       std::span<const BucketLayer> layers, ExchangeWorkspace& ws,
                       DataPlane& plane) {
+  if (options.reduce_scatter) return RunReduceScatter(comm, algorithm, options, layers, ws, plane);
   if (algorithm == Algorithm::kTwoPhase || algorithm == Algorithm::kAllGather) {
     // Geometry transforms run inside the pipeline, per group.
     if (layers.empty()) {  // every rank has the same (fingerprinted) layers: nothing to agree on
@@ -760,6 +871,17 @@ uint64_t ExchangeBucketData(Communicator& comm, Algorithm algorithm,
                             const AlgorithmOptions& options, std::span<const BucketLayer> layers) {
   algorithm = ResolveAlgorithm(algorithm, comm.size());
   for (const auto& l : layers) {
+    if (options.reduce_scatter) {
+      GEOFP8_CHECK(l.cols >= 1 && l.in.size() % static_cast<size_t>(l.cols) == 0, "layer ", l.layer,
+                   ": ", l.in.size(), " elements are not rows of ", l.cols);
+      const ChunkRange mine = RowChunkOf(l.in.size(), l.cols, comm.size(), comm.rank());
+      GEOFP8_CHECK(l.out.size() == mine.size(), "layer ", l.layer, ": reduce-scatter output has ",
+                   l.out.size(), " elements, this rank's rows ", mine.size());
+      GEOFP8_CHECK(l.hadamard_block == 0, "layer ", l.layer,
+                   ": the block Hadamard rotation mixes rows across the reduce-scatter's shards "
+                   "(use geometry none, diag or lowrank without hadamard)");
+      continue;
+    }
     GEOFP8_CHECK(l.in.size() == l.out.size(), "layer ", l.layer, ": input has ", l.in.size(),
                  " elements, output ", l.out.size());
     GEOFP8_CHECK(l.flag_bit < 64, "layer ", l.layer, ": flag_bit must be < 64 (", l.flag_bit, ")");

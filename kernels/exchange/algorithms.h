@@ -82,10 +82,22 @@ struct AlgorithmOptions {
   // exchanger compares them with before_data first): capacities are derived from them.
   std::vector<uint8_t> check_record;
   std::function<void()> diagnose;
+  // Reduce-scatter instead of all-reduce: two_phase's first half over FSDP's dim-0 chunks
+  // (BucketLayer::cols; chunking.h RowChunkOf). Each rank transforms, divides and encodes (with
+  // its error feedback, as two_phase does) chunk j of every layer for rank j; one all-to-all;
+  // the owner decodes the N contributions, sums them in rank order in fp32 into `out` (its rows
+  // only) and inverts the geometry there: diag's inverse is row-local, lowrank's needs U^T D
+  // summed over every owner, one fp32 all-reduce of k x n per such layer after the pipeline
+  // (geometry.h InvertGeometryRows). No requantization, no all-gather. Any algorithm but native:
+  // the compressed ones run this, fp32 and bf16 the same with each layer sent in that format (an
+  // exact sum in rank order). The block Hadamard rotation mixes rows across shards: refused.
+  // Host planes only.
+  bool reduce_scatter = false;
 };
 
 // Runs `algorithm` over the bucket's layers. Every rank ends with byte-identical outputs: the sum
-// over ranks of the inputs, through the algorithm's quantization. Each rank notes a NaN or inf in
+// over ranks of the inputs, through the algorithm's quantization (reduce_scatter: each rank its
+// own rows of that sum). Each rank notes a NaN or inf in
 // a layer's input as it reads it and sets that layer's flag_bit; the result is the OR of those
 // bits over ranks, the same on every rank (two_phase and allgather send the flags in the last
 // group's first collective, the baselines with one small all-gather). Outputs of layers whose bit

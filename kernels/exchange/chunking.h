@@ -41,6 +41,18 @@ inline ChunkRange ChunkOf(size_t n, size_t align, int parts, int j) {
   return {std::min(b0 * align, n), std::min(b1 * align, n)};
 }
 
+// Reduce-scatter's chunk j of `parts` over a layer of n elements in rows of `cols`: whole rows
+// [j c, min((j + 1) c, rows)) with c = ceil(rows / parts), FSDP's dim-0 chunks (the last ones
+// may be short or empty).
+inline ChunkRange RowChunkOf(size_t n, size_t cols, int parts, int j) {
+  cols = std::max<size_t>(cols, 1);
+  const size_t rows = n / cols;
+  const size_t c = (rows + static_cast<size_t>(parts) - 1) / static_cast<size_t>(parts);
+  const size_t r0 = std::min(rows, c * static_cast<size_t>(j));
+  const size_t r1 = std::min(rows, c * static_cast<size_t>(j + 1));
+  return {r0 * cols, r1 * cols};
+}
+
 // Stochastic rounding streams: every (phase, chunk) of a rank gets its own seed so no two encodes
 // in one step reuse random bits. Phase 1 is the first quantization, phase 2 the requantization.
 inline uint64_t StreamSeed(uint64_t seed, uint32_t phase, uint32_t chunk) {

@@ -114,6 +114,22 @@ void HostPlane::InvertTransform(const BucketLayer& l) {
   if (l.geometry) InvertGeometry(*l.geometry, l.out, l.products);
 }
 
+void DataPlane::InvertRows(const BucketLayer& l, int64_t, std::span<const float>) {
+  GEOFP8_FAIL("layer ", l.layer, ": reduce-scatter runs on host memory only (plane ", name(), ")");
+}
+
+void DataPlane::ShardProducts(const BucketLayer& l, int64_t, std::span<float>) {
+  GEOFP8_FAIL("layer ", l.layer, ": reduce-scatter runs on host memory only (plane ", name(), ")");
+}
+
+void HostPlane::InvertRows(const BucketLayer& l, int64_t first_row, std::span<const float> w) {
+  if (l.geometry) InvertGeometryRows(*l.geometry, first_row, l.out, w);
+}
+
+void HostPlane::ShardProducts(const BucketLayer& l, int64_t first_row, std::span<float> w) {
+  if (l.geometry) ShardColumnProducts(*l.geometry, first_row, l.out, w);
+}
+
 void HostPlane::ReadDivided(std::span<const float> in, float divisor, uint32_t bit,
                             std::span<float> host) {
   if (geofp8::Divide(in, divisor, host)) flags_ |= uint64_t{1} << bit;

@@ -57,6 +57,10 @@ struct BucketLayer {
   float* residual_out = nullptr;
   const float* owner_in = nullptr;
   float* owner_out = nullptr;
+  // Reduce-scatter (AlgorithmOptions::reduce_scatter): the layer is rows x `cols` row-major
+  // (in.size() = rows * cols) and rank j owns rows [j c, min((j + 1) c, rows)), c = ceil(rows /
+  // N), FSDP's dim-0 chunks; `out` is this rank's rows only (possibly none).
+  int64_t cols = 1;
 };
 
 // Whether the layer is divided and transformed in place before its encode.
@@ -104,6 +108,11 @@ class DataPlane {
                          std::span<const std::span<const uint8_t>> parts) = 0;
   // In place on l.out: the rotation's inverse, then the geometry's (filling l.products).
   virtual void InvertTransform(const BucketLayer& l) = 0;
+  // Reduce-scatter: the geometry's inverse on l.out, the layer's rows from `first_row` on
+  // (geometry.h InvertGeometryRows; `w` the summed ShardColumnProducts, empty when none), and
+  // this shard's share of those products (ShardColumnProducts into `w`). Host planes only.
+  virtual void InvertRows(const BucketLayer& l, int64_t first_row, std::span<const float> w);
+  virtual void ShardProducts(const BucketLayer& l, int64_t first_row, std::span<float> w);
 
   // host[i] = in[i] / divisor, noting a NaN or inf in flag bit `bit` (the baselines' flatten).
   virtual void ReadDivided(std::span<const float> in, float divisor, uint32_t bit,
@@ -143,6 +152,8 @@ class HostPlane final : public DataPlane {
   void DecodeSum(const BucketLayer& l, ChunkRange c,
                  std::span<const std::span<const uint8_t>> parts) override;
   void InvertTransform(const BucketLayer& l) override;
+  void InvertRows(const BucketLayer& l, int64_t first_row, std::span<const float> w) override;
+  void ShardProducts(const BucketLayer& l, int64_t first_row, std::span<float> w) override;
   void ReadDivided(std::span<const float> in, float divisor, uint32_t bit,
                    std::span<float> host) override;
   void Write(std::span<const float> host, std::span<float> out) override;

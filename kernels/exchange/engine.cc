@@ -179,6 +179,38 @@ StepResult ExchangeEngine::Exchange(uint64_t step, const std::vector<uint32_t>& 
   return r;
 }
 
+StepResult ExchangeEngine::ReduceScatter(uint64_t step, const std::vector<uint32_t>& layers,
+                                         std::vector<std::span<float>> grads,
+                                         std::vector<std::span<float>> outs) {
+  grads = Checked(layers, std::move(grads));
+  GEOFP8_CHECK(outs.size() == layers.size(), "reduce-scatter: ", layers.size(), " layers but ",
+               outs.size(), " outputs");
+  if (exchangers_.contains(layers)) {
+    WaitForExchanges();
+  } else {
+    Drain(/*forget_errors=*/false);
+  }
+  if (q_->first_error) std::rethrow_exception(std::exchange(q_->first_error, nullptr));
+  Exchanger& ex = ExchangerFor(layers);
+  const bool defer =
+      options_.defer_refreshes && policy_.options.estimator == GeometryEstimator::kFactorEma;
+  StepResult r = ex.ReduceScatter(step, std::move(grads), std::move(outs),
+                                  defer ? Refreshes::kDeferred : Refreshes::kNow);
+  {
+    std::lock_guard<std::mutex> lock(q_->mu);
+    r.refreshes.insert(r.refreshes.end(), q_->deferred.begin(), q_->deferred.end());
+    q_->deferred.clear();
+  }
+  if (ex.has_pending_refreshes()) {
+    auto job = std::make_unique<Job>();
+    job->step = step;
+    job->exchanger = &ex;
+    job->refresh_only = true;
+    Enqueue(std::move(job));
+  }
+  return r;
+}
+
 void ExchangeEngine::Submit(uint64_t step, const std::vector<uint32_t>& layers,
                             std::vector<std::span<float>> grads, Done done, Before before) {
   grads = Checked(layers, std::move(grads));

@@ -8,6 +8,7 @@
 //   engine.SetPolicy(policy);                  // one LayerPolicy per layer, the algorithm, ...
 //   engine.Exchange(step, {1, 0}, {g1, g0});   // any grouping, averaged in place
 //   engine.Submit(step, {1}, {g1}, done);      // the same on the engine's exchange thread
+//   engine.ReduceScatter(step, {1, 0}, {g1, g0}, {rows1, rows0});  // this rank's rows only
 //
 // Each layer's geometry, sketch and error-feedback residuals live in one LayerStateTable keyed by
 // the layer's index, so they continue whatever grouping the next call uses, and across policy
@@ -119,6 +120,13 @@ class ExchangeEngine {
   StepResult Exchange(uint64_t step, const std::vector<uint32_t>& layers,
                       std::vector<std::span<float>> grads, const Before& before = {},
                       std::chrono::steady_clock::time_point* started = nullptr);
+
+  // Exchange() as a reduce-scatter (Exchanger::ReduceScatter): outs[i] receives this rank's rows
+  // of layer layers[i]'s average, FSDP's dim-0 chunk (rows [r c, min((r + 1) c, rows)) with
+  // c = ceil(rows / N)); grads[i] is clobbered and must not overlap any output. Runs on the
+  // calling thread as Exchange() does. Host memory only.
+  StepResult ReduceScatter(uint64_t step, const std::vector<uint32_t>& layers,
+                           std::vector<std::span<float>> grads, std::vector<std::span<float>> outs);
 
   // Exchange() on the exchange thread, in submission order, without waiting. The gradients must
   // stay valid and untouched until `done` is called.

@@ -586,8 +586,55 @@ std::vector<uint32_t> Exchanger::ImportGeometry(const std::vector<LayerGeometryS
   return reset;
 }
 
+StepResult Exchanger::ReduceScatter(uint64_t step, std::vector<std::span<float>> grads,
+                                    std::vector<std::span<float>> outs, Refreshes refreshes) {
+  GEOFP8_CHECK(refreshes == Refreshes::kNow || options_.estimator == GeometryEstimator::kFactorEma,
+               "reduce-scatter: deferred refreshes need estimator ema, not ",
+               GeometryEstimatorName(options_.estimator));
+  GEOFP8_CHECK(grads.size() == layers_.size() && outs.size() == layers_.size(),
+               "reduce-scatter: ", grads.size(), " gradients and ", outs.size(), " outputs for ",
+               layers_.size(), " layers");
+  GEOFP8_CHECK(steps_.empty(), "reduce-scatter: a submitted step is still in flight");
+  GEOFP8_CHECK(!options_.plane || options_.plane->host_memory(),
+               "reduce-scatter: runs on host memory only (plane ", options_.plane->name(), ")");
+  for (uint32_t l = 0; l < layers_.size(); ++l) {
+    const LayerSpec& spec = layers_[l];
+    GEOFP8_CHECK(HadamardBlockOf(l) == 0, "layer '", spec.name,
+                 "': the block Hadamard rotation mixes rows across the reduce-scatter's shards; "
+                 "under sharding use geometry none, diag or lowrank without hadamard");
+    const ChunkRange mine = RowChunkOf(static_cast<size_t>(spec.count()),
+                                       static_cast<size_t>(spec.cols), comm_.size(), comm_.rank());
+    GEOFP8_CHECK(outs[l].size() == mine.size(), "layer '", spec.name, "': output has ",
+                 outs[l].size(), " elements, this rank's rows of ", spec.rows, "x", spec.cols,
+                 " have ", mine.size());
+  }
+  if (deferred_) RunPendingRefreshes();
+  StepResult result;
+  result.step = step;
+  const auto start = std::chrono::steady_clock::now();
+  for (size_t first = 0; first < buckets_.size(); first += kBucketsPerRun) {
+    const size_t last = std::min(buckets_.size(), first + kBucketsPerRun);
+    for (BucketResult& r : RunBuckets(step, first, last, grads, &outs)) {
+      result.skipped = result.skipped || r.skipped;
+      result.bytes_sent += r.bytes_sent;
+      result.buckets.push_back(r);
+    }
+  }
+  CommitResiduals(result.skipped);
+  if (!result.skipped && !schedule_.empty()) {
+    if (refreshes == Refreshes::kDeferred) {
+      Defer(step, grads);
+    } else {
+      result.refreshes = RunRefreshes(step, grads);
+    }
+  }
+  result.seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+  return result;
+}
+
 std::vector<BucketResult> Exchanger::RunBuckets(uint64_t step, size_t first, size_t last,
-                                                const std::vector<std::span<float>>& grads) {
+                                                const std::vector<std::span<float>>& grads,
+                                                const std::vector<std::span<float>>* outs) {
   const auto start = std::chrono::steady_clock::now();
   const uint64_t bytes_before = comm_.stats().bytes_sent;
   GEOFP8_CHECK(first < last && last <= buckets_.size() && last - first <= kBucketsPerRun,
@@ -632,6 +679,11 @@ std::vector<BucketResult> Exchanger::RunBuckets(uint64_t step, size_t first, siz
       w.hadamard_seed = HadamardLayerSeed(options_.seed, LayerId(l));
       w.in = grads[l];
       w.out = grads[l];
+      w.cols = spec.cols;
+      // Reduce-scatter: this rank's rows only, unless the layer refreshes now (its refresh reads
+      // the whole average, so it is all-reduced).
+      const bool scatter = outs && !(UsesGeometry(l) && RefreshesAt(l, step));
+      if (scatter) w.out = (*outs)[l];
       if (UsesErrorFeedback(l)) {
         // The residuals live in the codec's coordinates: under a newer basis they no longer
         // apply, and the layer starts again from none.
@@ -643,7 +695,9 @@ std::vector<BucketResult> Exchanger::RunBuckets(uint64_t step, size_t first, siz
         if (next.local.size() != n) next.local.assign(n, 0.f);
         w.residual_in = cur.local.empty() ? nullptr : cur.local.data();
         w.residual_out = next.local.data();
-        if (options_.algorithm == Algorithm::kTwoPhase) {
+        if (scatter) {
+          next.owner.clear();  // no requantization: the owner loses nothing more
+        } else if (options_.algorithm == Algorithm::kTwoPhase) {
           if (next.owner.size() != n) next.owner.assign(n, 0.f);
           w.owner_in = cur.owner.empty() ? nullptr : cur.owner.data();
           w.owner_out = next.owner.data();
@@ -655,7 +709,7 @@ std::vector<BucketResult> Exchanger::RunBuckets(uint64_t step, size_t first, siz
       st.products.valid = false;
       // (On a device plane the sketch runs its own products over the result instead.)
       const bool host = !options_.plane || options_.plane->host_memory();
-      if (host && w.geometry && options_.estimator == GeometryEstimator::kFactorEma &&
+      if (host && !scatter && w.geometry && options_.estimator == GeometryEstimator::kFactorEma &&
           RefreshesAt(l, step))
         w.products = &st.products;
       work.push_back(w);
@@ -691,7 +745,36 @@ std::vector<BucketResult> Exchanger::RunBuckets(uint64_t step, size_t first, siz
     ao.check_record.assign(bytes, bytes + sizeof run);
     ao.diagnose = [&] { DiagnoseFingerprints(comm_, prints, layer_names_); };
   }
-  const uint64_t nonfinite = ExchangeBucketData(comm_, options_.algorithm, ao, work);
+  uint64_t nonfinite = 0;
+  if (!outs) {
+    nonfinite = ExchangeBucketData(comm_, options_.algorithm, ao, work);
+  } else {
+    // The reduce-scatter (with the check), then the layers that refresh now as an all-reduce.
+    std::vector<BucketLayer> scattered, reduced;
+    for (const BucketLayer& w : work) {
+      (w.out.data() == w.in.data() && w.out.size() == w.in.size() ? reduced : scattered)
+          .push_back(w);
+    }
+    AlgorithmOptions rs = ao;
+    rs.reduce_scatter = true;
+    nonfinite = ExchangeBucketData(comm_, options_.algorithm, rs, scattered);
+    if (!reduced.empty()) {
+      AlgorithmOptions ar = ao;
+      ar.before_data = {};
+      ar.check_record.clear();
+      ar.diagnose = {};
+      nonfinite |= ExchangeBucketData(comm_, options_.algorithm, ar, reduced);
+      for (const BucketLayer& w : reduced) {
+        const ChunkRange mine =
+            RowChunkOf(w.in.size(), static_cast<size_t>(w.cols), comm_.size(), comm_.rank());
+        for (uint32_t l = 0; l < layers_.size(); ++l) {
+          if (grads[l].data() != w.in.data()) continue;
+          std::copy(w.out.begin() + mine.begin, w.out.begin() + mine.end, (*outs)[l].begin());
+          break;
+        }
+      }
+    }
+  }
   comm_.AddAgreedLayout(layout);
   // One run moved every bucket's bytes: each bucket is charged its share of the fp32 size.
   const uint64_t bytes = comm_.stats().bytes_sent - bytes_before;
@@ -718,6 +801,7 @@ uint64_t Exchanger::RunLayoutDigest(std::span<const BucketLayer> work) const {
   // FNV-1a over what decides the messages' largest sizes and grouping, whatever the policies and
   // the algorithm (the fused check's receives are sized for every algorithm, algorithms.h).
   std::vector<uint64_t> words = {options_.segment_bytes, options_.inline_bytes, work.size()};
+  for (const BucketLayer& l : work) words.push_back(l.in.size() == l.out.size() ? 0 : 1);
   for (const BucketLayer& l : work) words.push_back(l.in.size());
   return Fnv1a(words.data(), words.size() * sizeof(uint64_t));
 }

@@ -208,6 +208,17 @@ class Exchanger {
   StepResult Exchange(uint64_t step, std::vector<std::span<float>> grads,
                       Refreshes refreshes = Refreshes::kNow);
 
+  // Exchange() as a reduce-scatter (AlgorithmOptions::reduce_scatter): outs[l] receives this
+  // rank's rows of layer l's average (FSDP's dim-0 chunk: rows [r c, min((r + 1) c, rows)),
+  // c = ceil(rows / N)); grads[l] is clobbered. A layer whose geometry refreshes at this step is
+  // all-reduced instead (the same algorithm, in a second run after the reduce-scatter), since its
+  // refresh reads the whole averaged gradient, and its rows are copied out; grads[l] then holds
+  // that average, which the refresh reads. Host memory only, and no step may be in flight. A
+  // layer with the block Hadamard rotation is refused, naming it.
+  StepResult ReduceScatter(uint64_t step, std::vector<std::span<float>> grads,
+                           std::vector<std::span<float>> outs,
+                           Refreshes refreshes = Refreshes::kNow);
+
   // Refreshes::kDeferred: whether a step's refreshes wait, and running them (their records;
   // empty when none wait). Not while a step is in flight.
   bool has_pending_refreshes() const { return deferred_.has_value(); }
@@ -257,8 +268,10 @@ class Exchanger {
   }
 
   // Buckets [first, last) of `step` (at most 64) through one run of the algorithm.
+  // outs: reduce-scatter's outputs (ReduceScatter); null: all-reduce in place.
   std::vector<BucketResult> RunBuckets(uint64_t step, size_t first, size_t last,
-                                       const std::vector<std::span<float>>& grads);
+                                       const std::vector<std::span<float>>& grads,
+                                       const std::vector<std::span<float>>* outs = nullptr);
   // `snapshots` (deferred refreshes): per layer, the products over the gradient as it was; null
   // entries and null: read `grads`.
   std::vector<RefreshRecord> RunRefreshes(

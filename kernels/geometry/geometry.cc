@@ -525,6 +525,112 @@ void InvertGeometry(const Geometry& geometry, std::span<float> G, InverseProduct
   Transform(geometry, G, true, products);
 }
 
+namespace {
+// Whether a lowrank geometry's inverse changes anything (some whitening factor is not 1), after
+// the same checks PrepareLowRank makes.
+bool LowRankInverseActs(const Geometry& g) {
+  if (g.is_identity() || g.mode != GeometryMode::kLowRank) return false;
+  GEOFP8_CHECK(g.k >= 0 && static_cast<int64_t>(g.U.size()) == g.m * g.k &&
+                   static_cast<int64_t>(g.V.size()) == g.n * g.k &&
+                   static_cast<int64_t>(g.sigma.size()) == g.k,
+               "lowrank geometry arrays do not match m=", g.m, " n=", g.n, " k=", g.k);
+  if (g.k == 0 || g.m == 0 || g.n == 0) return false;
+  const std::vector<float> fl = geometry::WhitenFactors(g, /*left=*/true);
+  const std::vector<float> fr = geometry::WhitenFactors(g, /*left=*/false);
+  for (int i = 0; i < g.k; ++i) {
+    if (fl[i] != 1.f || fr[i] != 1.f) return true;
+  }
+  return false;
+}
+
+// The shard's first row and row count, checked against the geometry's shape.
+int64_t ShardRows(const Geometry& g, int64_t r0, size_t elements) {
+  GEOFP8_CHECK(g.n > 0 && elements % static_cast<size_t>(g.n) == 0 && r0 >= 0 &&
+                   r0 + static_cast<int64_t>(elements / g.n) <= g.m,
+               "geometry is for ", g.m, "x", g.n, " but the shard at row ", r0, " has ", elements,
+               " elements");
+  return static_cast<int64_t>(elements / g.n);
+}
+}  // namespace
+
+int ShardProductRows(const Geometry& geometry) {
+  return LowRankInverseActs(geometry) ? geometry.k : 0;
+}
+
+void ShardColumnProducts(const Geometry& g, int64_t r0, std::span<const float> rows,
+                         std::span<float> w) {
+  const int k = ShardProductRows(g);
+  GEOFP8_CHECK(w.size() == static_cast<size_t>(k) * static_cast<size_t>(std::max<int64_t>(g.n, 0)),
+               "shard products: ", w.size(), " floats for ", k, "x", g.n);
+  if (k == 0) return;
+  const int64_t len = rows.empty() ? 0 : ShardRows(g, r0, rows.size());
+  if (len == 0) {
+    std::fill(w.begin(), w.end(), 0.f);
+    return;
+  }
+  cblas_sgemm(CblasRowMajor, CblasTrans, CblasNoTrans, k, g.n, len, 1.f, g.U.data() + r0 * k, k,
+              rows.data(), g.n, 0.f, w.data(), g.n);
+}
+
+void InvertGeometryRows(const Geometry& g, int64_t r0, std::span<float> rows,
+                        std::span<const float> w) {
+  if (g.is_identity() || rows.empty()) return;
+  const int64_t len = ShardRows(g, r0, rows.size());
+  switch (g.mode) {
+    case GeometryMode::kNone:
+      return;
+    case GeometryMode::kDiag:
+      geometry::CheckDiag(g);
+      for (int64_t i = 0; i < len; ++i) {
+        float* row = rows.data() + i * g.n;
+        const float rs = g.row_scale[r0 + i];
+        for (int64_t j = 0; j < g.n; ++j)
+          row[j] = geometry::DiagInverse(row[j], rs, g.col_scale[j]);
+      }
+      return;
+    case GeometryMode::kLowRank:
+      break;
+    default:
+      GEOFP8_FAIL("geometry.mode: unknown value (", static_cast<int>(g.mode),
+                  "); accepted: ", AcceptedGeometryModes());
+  }
+  const int k = ShardProductRows(g);
+  if (k == 0) return;
+  const int64_t n = g.n;
+  GEOFP8_CHECK(w.size() == static_cast<size_t>(k * n), "shard inverse: ", w.size(),
+               " floats of U^T D for ", k, "x", n);
+  const std::vector<float> fl = geometry::WhitenFactors(g, /*left=*/true);
+  const std::vector<float> fr = geometry::WhitenFactors(g, /*left=*/false);
+  const std::vector<float> ab = geometry::SideCore(g.U, g.m, k, fl, /*inverse=*/true);
+  const std::vector<float> bb = geometry::SideCore(g.V, n, k, fr, /*inverse=*/true);
+  const int k2 = 2 * k;
+  std::vector<float> x(static_cast<size_t>(len * k)), c(static_cast<size_t>(k * k)),
+      abc(static_cast<size_t>(k * k)), t(static_cast<size_t>(k * k)),
+      left(static_cast<size_t>(len * k2)), right(static_cast<size_t>(k2 * n));
+  const float* u = g.U.data() + r0 * k;
+  // X = D_rows V, C = W V, t = Ab C Bb.
+  cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, len, k, n, 1.f, rows.data(), n, g.V.data(),
+              k, 0.f, x.data(), k);
+  cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, k, k, n, 1.f, w.data(), n, g.V.data(), k,
+              0.f, c.data(), k);
+  cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, k, k, k, 1.f, ab.data(), k, c.data(), k,
+              0.f, abc.data(), k);
+  cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, k, k, k, 1.f, abc.data(), k, bb.data(), k,
+              0.f, t.data(), k);
+  // left = [U_rows | X Bb - U_rows t], right = [Ab W ; V^T].
+  for (int64_t i = 0; i < len; ++i) std::memcpy(left.data() + i * k2, u + i * k, k * sizeof(float));
+  cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, len, k, k, 1.f, x.data(), k, bb.data(), k,
+              0.f, left.data() + k, k2);
+  cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, len, k, k, -1.f, u, k, t.data(), k, 1.f,
+              left.data() + k, k2);
+  cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, k, n, k, 1.f, ab.data(), k, w.data(), n,
+              0.f, right.data(), n);
+  for (int64_t j = 0; j < n; ++j)
+    for (int i = 0; i < k; ++i) right[(k + i) * n + j] = g.V[j * k + i];
+  cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, len, n, k2, -1.f, left.data(), k2,
+              right.data(), n, 1.f, rows.data(), n);
+}
+
 double SubspaceDrift(const Geometry& a, const Geometry& b) {
   if (a.is_identity() && b.is_identity()) return 0.0;
   if (a.is_identity() || b.is_identity() || a.mode != b.mode) return 1.0;

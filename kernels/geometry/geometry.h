@@ -96,6 +96,23 @@ struct InverseProducts {
 // computing it from G, relative to ||G|| times the inverse's amplification 1 / min f.
 void InvertGeometry(const Geometry& geometry, std::span<float> G, InverseProducts* products);
 
+// T^-1 on a shard: rows [r0, r0 + rows.size() / n) of the m x n transformed matrix D, as an
+// owner holds them after a reduce-scatter. diag's inverse is row-local, and so is the right factor
+// of lowrank's; its left factor is not: with W = U^T D (k x n, summed over every row) it is, per
+// row block, D_rows - [U_rows | D_rows V Bb - U_rows Ab (W V) Bb] [Ab W ; V^T] (the Woodbury
+// cores Ab, Bb of InvertGeometry), so each owner finishes its rows once the k x n sums of
+// ShardColumnProducts over every owner are in (one fp32 all-reduce of k/m of the layer).
+// The rows of W that InvertGeometryRows needs (k for a lowrank geometry whose inverse is not the
+// identity, else 0: no products, the inverse is row-local).
+int ShardProductRows(const Geometry& geometry);
+// w (ShardProductRows x n) = U[r0 .., :]^T rows: this shard's share of W.
+void ShardColumnProducts(const Geometry& geometry, int64_t r0, std::span<const float> rows,
+                         std::span<float> w);
+// In place T^-1 on the shard; w = the sum of every shard's ShardColumnProducts (empty when
+// ShardProductRows is 0). Matches InvertGeometry's rows up to float summation order.
+void InvertGeometryRows(const Geometry& geometry, int64_t r0, std::span<float> rows,
+                        std::span<const float> w);
+
 // Subspace distance between two bases of equal shape: ||sin Theta||_2-style, in [0, 1].
 double SubspaceDrift(const Geometry& a, const Geometry& b);
 

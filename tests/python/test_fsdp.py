@@ -334,9 +334,16 @@ def main():
                                     % (r, policy, ls[0], ls[-1]))
                 st = q["stats"]
                 ratio = st["bytes_sent"] / max(st["bytes_baseline"], 1)
-                if not 0.2 < ratio < 0.6:
-                    failures.append("rank %d: %s sent %.3f of an fp32 reduce-scatter's bytes"
-                                    % (r, policy, ratio))
+                # fp8: the engine's reduce-scatter, 1 byte per element plus scales and a 24-byte
+                # header per chunk, which on this model's small layers (a 45-element bias sends
+                # chunks of 23) is 0.289 at 2 ranks; issue 42's 0.27 is for >= 20M parameters.
+                # geofp8 refreshes every layer's geometry every step (ema, interval 1), and a
+                # layer is all-reduced on its refresh steps.
+                top = 0.30 if policy == "fp8" else 0.6
+                print("%s rank %d: %.3f of an fp32 reduce-scatter's bytes" % (policy, r, ratio))
+                if not 0.2 < ratio <= top:
+                    failures.append("rank %d: %s sent %.3f of an fp32 reduce-scatter's bytes "
+                                    "(> %.2f)" % (r, policy, ratio, top))
                 if q["roundtrip"]:
                     failures.append("rank %d: %s: %s" % (r, policy, q["roundtrip"]))
         failures += res[0]["bounded"]

@@ -11,11 +11,14 @@ gathers each layer's chunks back into the layer's full gradient, averages the la
 ranks with the same engine, policy schema, geometry and error feedback as the DDP hook (each
 layer's state keyed by its parameter name), and writes this rank's rows into FSDP's output.
 
-What this costs (docs/pytorch.md, "FSDP2"): the layers travel as an all-reduce of the compressed
-bytes (two_phase: a compressed reduce-scatter, then an all-gather of the requantized sums), so
-each rank sends about 2(N-1)/N bytes per gradient element at fp8, half of an fp32 reduce-scatter's
-4(N-1)/N, and every rank's geometry inverse sees the whole layer, exactly as under DDP. Each rank
-keeps its error-feedback residual at the layer's full size (fp32, N times its shard).
+What this costs (docs/pytorch.md, "FSDP2"): on CPU the layers travel as the engine's
+reduce-scatter (ExchangeEngine::ReduceScatter: chunk r of every layer, quantized after its
+geometry and error feedback, to rank r, which sums its rows in fp32), about (N-1)/N bytes per
+gradient element at fp8, a quarter of an fp32 reduce-scatter's 4(N-1)/N. A lowrank layer adds a
+k x n fp32 all-reduce for its inverse, and on the steps its geometry refreshes it is all-reduced
+instead (the refresh reads the whole average). CUDA tensors still take the all-reduce (twice the
+bytes). Each rank keeps its error-feedback residual at the layer's full size (fp32, N times its
+shard).
 """
 
 import math
@@ -58,6 +61,7 @@ class GeoFP8FSDPState(_gt.GeoFP8State):
         super().__init__(*args, **kwargs)
         size = self.world_size
         self._fsdp_full = torch.zeros(0)
+        self._fsdp_rows = torch.zeros(0)  # this rank's rows of a module's layers (CPU)
         self._baseline_per_float = (size - 1) / size * 4.0 if size > 1 else 0.0
 
     def _end_step(self):
@@ -171,22 +175,39 @@ class _GeoFP8ReduceScatter:
         for o, fo, q in zip(lay.row_offsets, lay.full_offsets, lay.chunks):
             full[fo:fo + world * q].view(world, q).copy_(rows[:, o:o + q])
         exact = _gt._exact_average(state, full) if state._measure else None
+        out = output_tensor.view(lay.row)
         if full.device.type == "cuda":
             # The reduce-scatter stream FSDP calls this on orders the work after the copies.
+            # (The device plane has no reduce-scatter mode yet: an all-reduce, own rows kept.)
             stream = torch.cuda.current_stream(full.device).cuda_stream
             result = state._engine.exchange_cuda(state.step, lay.layers, full.data_ptr(),
                                                  full.numel(), lay.full_offsets, stream)
+            _gt._account(state, result, full, lay.layers, lay.full_offsets, lay.sizes, exact,
+                         input_tensor.element_size())
+            for o, fo, q in zip(lay.row_offsets, lay.full_offsets, lay.chunks):
+                mine = full[fo + rank * q:fo + (rank + 1) * q]
+                if scale != 1.0:
+                    mine = mine * scale
+                out[o:o + q].copy_(mine)
         else:
-            result = state._engine.exchange(state.step, lay.layers, full.numpy(),
-                                            lay.full_offsets)
-        _gt._account(state, result, full, lay.layers, lay.full_offsets, lay.sizes, exact,
-                     input_tensor.element_size())
-        out = output_tensor.view(lay.row)
-        for o, fo, q in zip(lay.row_offsets, lay.full_offsets, lay.chunks):
-            mine = full[fo + rank * q:fo + (rank + 1) * q]
-            if scale != 1.0:
-                mine = mine * scale
-            out[o:o + q].copy_(mine)
+            # The engine's reduce-scatter: each layer's chunk r goes to rank r, which sums its
+            # rows; FSDP's padding rows stay zero.
+            if state._fsdp_rows.numel() < lay.row:
+                state._fsdp_rows = torch.zeros(lay.row, dtype=torch.float32)
+            mine = state._fsdp_rows[:lay.row]
+            mine.zero_()
+            result = state._engine.reduce_scatter(state.step, lay.layers, full.numpy(),
+                                                  lay.full_offsets, mine.numpy(),
+                                                  lay.row_offsets)
+            own = [max(0, min(q, n - rank * q)) for n, q in zip(lay.sizes, lay.chunks)]
+            if exact is not None and not result["skipped"]:
+                rows_exact = torch.zeros_like(mine)
+                for o, fo, q in zip(lay.row_offsets, lay.full_offsets, lay.chunks):
+                    rows_exact[o:o + q] = exact[fo + rank * q:fo + (rank + 1) * q]
+                _gt._measure_layers(state, lay.layers, rows_exact, mine, lay.row_offsets, own)
+            _gt._account(state, result, mine, lay.layers, lay.row_offsets, lay.sizes, None,
+                         input_tensor.element_size())
+            out.copy_(mine * scale if scale != 1.0 else mine)
         if end_here:
             state._end_step()
         return None
