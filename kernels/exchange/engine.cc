@@ -142,6 +142,21 @@ Exchanger& ExchangeEngine::ExchangerFor(const std::vector<uint32_t>& layers) {
 StepResult ExchangeEngine::Exchange(uint64_t step, const std::vector<uint32_t>& layers,
                                     std::vector<std::span<float>> grads, const Before& before,
                                     std::chrono::steady_clock::time_point* started) {
+  return Run(step, layers, std::move(grads), nullptr, before, started);
+}
+
+StepResult ExchangeEngine::ReduceScatter(uint64_t step, const std::vector<uint32_t>& layers,
+                                         std::vector<std::span<float>> grads,
+                                         std::vector<std::span<float>> outs) {
+  GEOFP8_CHECK(outs.size() == layers.size(), "reduce-scatter: ", layers.size(), " layers but ",
+               outs.size(), " outputs");
+  return Run(step, layers, std::move(grads), &outs, {}, nullptr);
+}
+
+StepResult ExchangeEngine::Run(uint64_t step, const std::vector<uint32_t>& layers,
+                               std::vector<std::span<float>> grads,
+                               std::vector<std::span<float>>* outs, const Before& before,
+                               std::chrono::steady_clock::time_point* started) {
   grads = Checked(layers, std::move(grads));
   // The groups submitted before this one go first; their callbacks may still run meanwhile
   // (they touch no exchanger), and a new grouping waits for those too.
@@ -161,42 +176,11 @@ StepResult ExchangeEngine::Exchange(uint64_t step, const std::vector<uint32_t>& 
   // optimizer and the next forward run; the instant estimator's broadcast cannot wait.
   const bool defer =
       options_.defer_refreshes && policy_.options.estimator == GeometryEstimator::kFactorEma;
-  StepResult r =
-      ex.Exchange(step, std::move(grads), defer ? Refreshes::kDeferred : Refreshes::kNow);
+  const Refreshes refreshes = defer ? Refreshes::kDeferred : Refreshes::kNow;
+  StepResult r = outs ? ex.ReduceScatter(step, std::move(grads), std::move(*outs), refreshes)
+                      : ex.Exchange(step, std::move(grads), refreshes);
   {
     // The deferred refreshes queued before this call have run (the queue was idle).
-    std::lock_guard<std::mutex> lock(q_->mu);
-    r.refreshes.insert(r.refreshes.end(), q_->deferred.begin(), q_->deferred.end());
-    q_->deferred.clear();
-  }
-  if (ex.has_pending_refreshes()) {
-    auto job = std::make_unique<Job>();
-    job->step = step;
-    job->exchanger = &ex;
-    job->refresh_only = true;
-    Enqueue(std::move(job));
-  }
-  return r;
-}
-
-StepResult ExchangeEngine::ReduceScatter(uint64_t step, const std::vector<uint32_t>& layers,
-                                         std::vector<std::span<float>> grads,
-                                         std::vector<std::span<float>> outs) {
-  grads = Checked(layers, std::move(grads));
-  GEOFP8_CHECK(outs.size() == layers.size(), "reduce-scatter: ", layers.size(), " layers but ",
-               outs.size(), " outputs");
-  if (exchangers_.contains(layers)) {
-    WaitForExchanges();
-  } else {
-    Drain(/*forget_errors=*/false);
-  }
-  if (q_->first_error) std::rethrow_exception(std::exchange(q_->first_error, nullptr));
-  Exchanger& ex = ExchangerFor(layers);
-  const bool defer =
-      options_.defer_refreshes && policy_.options.estimator == GeometryEstimator::kFactorEma;
-  StepResult r = ex.ReduceScatter(step, std::move(grads), std::move(outs),
-                                  defer ? Refreshes::kDeferred : Refreshes::kNow);
-  {
     std::lock_guard<std::mutex> lock(q_->mu);
     r.refreshes.insert(r.refreshes.end(), q_->deferred.begin(), q_->deferred.end());
     q_->deferred.clear();

@@ -190,6 +190,10 @@ class ExchangeEngine {
     std::vector<RefreshRecord> deferred;
   };
 
+  // Exchange() (outs null) and ReduceScatter() (outs: this rank's rows of each layer).
+  StepResult Run(uint64_t step, const std::vector<uint32_t>& layers,
+                 std::vector<std::span<float>> grads, std::vector<std::span<float>>* outs,
+                 const Before& before, std::chrono::steady_clock::time_point* started);
   Exchanger& ExchangerFor(const std::vector<uint32_t>& layers);
   // An exchanger over `layers` under the policy in force, on the engine's layer states (or, for
   // validation alone, on a table of its own).

@@ -385,28 +385,7 @@ StepResult Exchanger::Exchange(uint64_t step, std::vector<std::span<float>> grad
   if (steps_.empty()) {
     // Nothing queued: the worker thread is idle (Submit and Finish run on this caller's thread,
     // and Finish waits for every task it queued), so the caller runs the tasks itself.
-    StepResult result;
-    result.step = step;
-    const auto start = std::chrono::steady_clock::now();
-    for (size_t first = 0; first < buckets_.size(); first += kBucketsPerRun) {
-      const size_t last = std::min(buckets_.size(), first + kBucketsPerRun);
-      for (BucketResult& r : RunBuckets(step, first, last, grads)) {
-        result.skipped = result.skipped || r.skipped;
-        result.bytes_sent += r.bytes_sent;
-        result.buckets.push_back(r);
-      }
-    }
-    CommitResiduals(result.skipped);
-    if (!result.skipped && !schedule_.empty()) {
-      if (refreshes == Refreshes::kDeferred) {
-        Defer(step, grads);
-      } else {
-        result.refreshes = RunRefreshes(step, grads);
-      }
-    }
-    result.seconds =
-        std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
-    return result;
+    return RunAll(step, grads, nullptr, refreshes);
   }
   auto& pending = steps_[step];
   pending.start = std::chrono::steady_clock::now();
@@ -586,6 +565,33 @@ std::vector<uint32_t> Exchanger::ImportGeometry(const std::vector<LayerGeometryS
   return reset;
 }
 
+// Every bucket on the calling thread, up to kBucketsPerRun per pipeline run, then the step's
+// residuals and refreshes (Exchange with nothing queued, and ReduceScatter).
+StepResult Exchanger::RunAll(uint64_t step, const std::vector<std::span<float>>& grads,
+                             const std::vector<std::span<float>>* outs, Refreshes refreshes) {
+  StepResult result;
+  result.step = step;
+  const auto start = std::chrono::steady_clock::now();
+  for (size_t first = 0; first < buckets_.size(); first += kBucketsPerRun) {
+    const size_t last = std::min(buckets_.size(), first + kBucketsPerRun);
+    for (BucketResult& r : RunBuckets(step, first, last, grads, outs)) {
+      result.skipped = result.skipped || r.skipped;
+      result.bytes_sent += r.bytes_sent;
+      result.buckets.push_back(r);
+    }
+  }
+  CommitResiduals(result.skipped);
+  if (!result.skipped && !schedule_.empty()) {
+    if (refreshes == Refreshes::kDeferred) {
+      Defer(step, grads);
+    } else {
+      result.refreshes = RunRefreshes(step, grads);
+    }
+  }
+  result.seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+  return result;
+}
+
 StepResult Exchanger::ReduceScatter(uint64_t step, std::vector<std::span<float>> grads,
                                     std::vector<std::span<float>> outs, Refreshes refreshes) {
   GEOFP8_CHECK(refreshes == Refreshes::kNow || options_.estimator == GeometryEstimator::kFactorEma,
@@ -609,27 +615,7 @@ StepResult Exchanger::ReduceScatter(uint64_t step, std::vector<std::span<float>>
                  " have ", mine.size());
   }
   if (deferred_) RunPendingRefreshes();
-  StepResult result;
-  result.step = step;
-  const auto start = std::chrono::steady_clock::now();
-  for (size_t first = 0; first < buckets_.size(); first += kBucketsPerRun) {
-    const size_t last = std::min(buckets_.size(), first + kBucketsPerRun);
-    for (BucketResult& r : RunBuckets(step, first, last, grads, &outs)) {
-      result.skipped = result.skipped || r.skipped;
-      result.bytes_sent += r.bytes_sent;
-      result.buckets.push_back(r);
-    }
-  }
-  CommitResiduals(result.skipped);
-  if (!result.skipped && !schedule_.empty()) {
-    if (refreshes == Refreshes::kDeferred) {
-      Defer(step, grads);
-    } else {
-      result.refreshes = RunRefreshes(step, grads);
-    }
-  }
-  result.seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
-  return result;
+  return RunAll(step, grads, &outs, refreshes);
 }
 
 std::vector<BucketResult> Exchanger::RunBuckets(uint64_t step, size_t first, size_t last,

@@ -267,6 +267,9 @@ class Exchanger {
     return options_.layer_ids.empty() ? layer : options_.layer_ids[layer];
   }
 
+  // Every bucket of `step` on the calling thread, then its residuals and refreshes.
+  StepResult RunAll(uint64_t step, const std::vector<std::span<float>>& grads,
+                    const std::vector<std::span<float>>* outs, Refreshes refreshes);
   // Buckets [first, last) of `step` (at most 64) through one run of the algorithm.
   // outs: reduce-scatter's outputs (ReduceScatter); null: all-reduce in place.
   std::vector<BucketResult> RunBuckets(uint64_t step, size_t first, size_t last,
