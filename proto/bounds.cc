@@ -114,6 +114,14 @@ const std::vector<Bound>& Table() {
       Str("JobFinished.reason", 4 * kKiB, Chars::kText),
       Str("LogData.data", 64 * kKiB, Chars::kBinary),  // a LogRead's max_bytes, capped
       Str("LogData.error", 4 * kKiB, Chars::kText),
+      Str("RankAttach.job", 64, Chars::kName),
+      Int("RankAttach.rank", 0, kMaxRank),
+      Int("RankAttach.world_size", 1, kMaxRank + 1),
+      Str("HookAttach.job", 64, Chars::kName),
+      Int("HookAttach.rank", 0, kMaxRank),
+      Int("HookAttach.world_size", 1, kMaxRank + 1),
+      Str("HookAttach.token", 4 * kKiB, Chars::kToken),
+      Str("HookFinished.reason", 4 * kKiB, Chars::kText),
       // RendezvousService
       Str("KvSetRequest.value", 1 * kMiB, Chars::kBinary),  // KvLimits::max_value_bytes
       Strings("KvWaitRequest.keys", 4096, 1 * kKiB, Chars::kLine),

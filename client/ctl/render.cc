@@ -26,7 +26,7 @@ std::string Fmt(const char* fmt, double v) {
 std::string CheckpointText(const v1::Job& j) {
   auto spec = ParseJobSpec(j.spec_yaml());
   // A command job's program writes checkpoints of its own accord and reports them.
-  if (spec.ok() && !spec->command.empty()) {
+  if (spec.ok() && RunsOwnScript(*spec)) {
     return j.progress().checkpoint_step() > 0
                ? "step " + std::to_string(j.progress().checkpoint_step())
                : "none reported";
@@ -66,7 +66,7 @@ std::string NoiseScaleText(const v1::Job& j) {
   };
   std::string out = "B_simple " + tokens(p.gradient_noise_scale()) + " tokens";
   auto spec = ParseJobSpec(j.spec_yaml());
-  if (spec.ok() && spec->command.empty() && j.world_size() > 0) {
+  if (spec.ok() && !RunsOwnScript(*spec) && j.world_size() > 0) {
     const double batch =
         double(j.world_size()) * spec->training.batch_size * spec->training.seq_len;
     out += ", global batch " + tokens(batch) + " tokens (B/B_simple " +
@@ -397,6 +397,9 @@ std::string DescribeJob(const v1::Job& j, const v1::Policy* policy, int64_t now_
   }
   if (const std::string command = CommandText(j); !command.empty()) {
     os << "Command:      " << command << "\n";
+  }
+  if (auto spec = ParseJobSpec(j.spec_yaml()); spec.ok() && IsExternal(*spec)) {
+    os << "Launcher:     external (its ranks attach to attach-only workers)\n";
   }
   os << "World size:   " << j.world_size() << "\n"
      << "Attempt:      " << j.attempt() << "  (restarts " << j.restarts() << "/" << j.max_restarts()

@@ -246,6 +246,15 @@ void BindHookClient(py::module_& m) {
           py::arg("step"), py::arg("agreed"),
           "The version to put in force from `step` given `agreed`, the minimum of newest_held() "
           "over the ranks (hook_client.h); a dict or None. Acknowledged with the step taken.")
+      .def_property_readonly("attach_mode", [](PyHookClient& h) { return h.c().attach_mode(); })
+      .def_property_readonly("refused", [](PyHookClient& h) { return h.c().refused(); })
+      .def(
+          "finish",
+          [](PyHookClient& h, bool success, const std::string& reason) {
+            h.c().Finish(success, reason);
+          },
+          py::arg("success"), py::arg("reason") = "",
+          "Attach mode: the rank is done (success) or failed (reason); sent before close.")
       .def("close", &PyHookClient::Close);
 }
 

@@ -224,6 +224,8 @@ def train(args):
         print("GPT: %d layers, d=%d, %d parameters; %d ranks; hook %s"
               % (args.layers, args.d_model, n, world, what), flush=True)
     ckpt_dir = args.checkpoint_dir or (state.checkpoint_dir if state is not None else None)
+    if ckpt_dir and args.checkpoint_every > 0:
+        os.makedirs(ckpt_dir, exist_ok=True)
     first = 0
     resume = state.resume_step if state is not None else 0
     if resume > 0:

@@ -579,13 +579,16 @@ namespace {
 
 // A command job's user program trains its own model on its own data: the built-in trainer's
 // fields would be ignored, which must never happen silently. `program` is command[0].
+// `with`: what excludes the trainer's fields, as the errors name it ("command (train.py)",
+// "launcher: external").
 void RejectTrainerFields(Reader& r, const YAML::Node& root, const std::string& p,
-                         const std::string& program, TrainingSpec* training) {
+                         const std::string& with, const std::string& kind,
+                         TrainingSpec* training) {
   for (const char* field : {"model", "data"}) {
     if (YAML::Node n = root[field]; n.IsDefined()) {
       r.Error(n, p + "." + field,
-              std::string("not allowed with command (") + Clip(program) +
-                  "): the built-in trainer's field; a command job trains its own model");
+              "not allowed with " + with +
+                  ": the built-in trainer's field; the job's own script trains its own model");
     }
   }
   if (YAML::Node n = root["training"]; n.IsDefined() && n.IsMap()) {
@@ -593,7 +596,7 @@ void RejectTrainerFields(Reader& r, const YAML::Node& root, const std::string& p
       const std::string key = kv.first.IsScalar() ? kv.first.Scalar() : "?";
       if (key != "steps") {
         r.Error(kv.first, p + ".training." + Clip(key),
-                "not allowed with command (accepted: steps); the built-in trainer's field");
+                "not allowed with " + kind + " (accepted: steps); the built-in trainer's field");
       }
     }
   }
@@ -614,6 +617,11 @@ void ReadJobScalars(Reader& r, const YAML::Node& root, const std::string& p, Job
   if (backend.IsDefined() && spec->backend != "gloo" && spec->backend != "nccl") {
     r.Error(backend, p + ".backend",
             "unknown value (" + Clip(spec->backend) + "); accepted: gloo, nccl");
+  }
+  YAML::Node launcher = r.Get(root, "launcher", p, &spec->launcher, "a string");
+  if (launcher.IsDefined() && spec->launcher != "worker" && spec->launcher != "external") {
+    r.Error(launcher, p + ".launcher",
+            "unknown value (" + Clip(spec->launcher) + "); accepted: worker, external");
   }
 }
 
@@ -820,14 +828,26 @@ absl::StatusOr<JobSpec> ParseJobSpec(std::string_view yaml) {
   JobSpec spec;
   const std::string p = "spec";
   if (!r.Map(root, p,
-             {"name", "world_size", "backend", "command", "model", "data", "training", "exchange",
-              "policy", "auto_policy", "geometry_refresh", "checkpoint", "restarts"})) {
+             {"name", "world_size", "backend", "launcher", "command", "model", "data", "training",
+              "exchange", "policy", "auto_policy", "geometry_refresh", "checkpoint", "restarts"})) {
     return Invalid(r.errors);
   }
   ReadCommand(r, root, p, &spec.command);
-  const bool command_job = !spec.command.empty();
-  if (command_job) RejectTrainerFields(r, root, p, spec.command[0], &spec.training);
   ReadJobScalars(r, root, p, &spec);
+  const bool external = IsExternal(spec);
+  if (external && !spec.command.empty()) {
+    r.Error(root["command"], p + ".command",
+            "not allowed with launcher: external: your launcher starts the script (" +
+                Clip(spec.command[0]) + "); remove command, or the launcher line");
+  }
+  // An external job runs the user's own script, as a command job does.
+  const bool command_job = !spec.command.empty() || external;
+  if (command_job) {
+    RejectTrainerFields(
+        r, root, p,
+        external ? std::string("launcher: external") : "command (" + Clip(spec.command[0]) + ")",
+        external ? "launcher: external" : "command", &spec.training);
+  }
   ReadModel(r, root, p, &spec.model);
   ReadData(r, root, p, &spec.data);
   if (command_job) {

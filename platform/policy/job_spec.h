@@ -148,6 +148,11 @@ struct JobSpec {
   // set, `model` and `data` are refused, `training` accepts `steps` only, and training.steps is
   // 0 unless given (the script decides when it is done).
   std::vector<std::string> command;
+  // Who starts the ranks: "worker" (GeoFP8's workers run the built-in trainer or `command`) or
+  // "external" (the user's launcher starts the script, torchrun, srun or a PyTorchJob, and each
+  // rank attaches to an attach-only worker's hook socket; docs/launchers.md). An external job
+  // takes no `command`, `model` or `data`, as a command job's script trains its own model.
+  std::string launcher = "worker";
   ModelSpec model;
   DataSpec data;
   TrainingSpec training;
@@ -163,6 +168,11 @@ struct JobSpec {
 // `default`, when present, replaces the default policy (fields it leaves out take the
 // LayerPolicy defaults, as in a job spec's policy.default). `geofp8ctl policy get -o yaml`
 // prints a version in this form, and applying it back changes nothing.
+inline bool IsExternal(const JobSpec& spec) { return spec.launcher == "external"; }
+// The job runs the user's own script (a `command:` or an external job), not the built-in
+// trainer: its layers, steps and checkpoints are the ones the script reports.
+inline bool RunsOwnScript(const JobSpec& spec) { return !spec.command.empty() || IsExternal(spec); }
+
 struct PolicyPatchSpec {
   std::string reason;
   std::optional<LayerPolicy> defaults;

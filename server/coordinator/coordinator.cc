@@ -374,11 +374,20 @@ void Coordinator::TrySchedule(Outbox& out) {
     std::vector<PendingJob> jobs;
     for (size_t i = from; i < pending.size(); ++i) {
       const JobRec& rec = *pending[i];
+      std::vector<std::string> attached;
+      if (IsExternal(rec.spec)) {
+        attached.resize(rec.job.world_size());
+        for (const auto& [r, worker] : rec.attached) {
+          if (r >= 0 && r < rec.job.world_size()) attached[r] = worker;
+        }
+      }
       jobs.push_back({.id = rec.job.id(),
                       .world_size = rec.job.world_size(),
                       .needs_gpu = rec.spec.backend == "nccl",
                       .needs_commands = !rec.spec.command.empty(),
-                      .interrupted_workers = rec.interrupted_workers});
+                      .interrupted_workers = rec.interrupted_workers,
+                      .external = IsExternal(rec.spec),
+                      .attached = std::move(attached)});
     }
     const std::vector<Placement> placements = Place(jobs, workers_.Slots(), now);
     const size_t first = from;
@@ -431,6 +440,7 @@ bool Coordinator::StartAttempt(JobRec& rec, const std::vector<std::string>& work
     return false;
   }
   jobs_.BindRanks(rec, workers);
+  rec.attached.clear();  // the claims are this attempt's ranks now
   for (int r = 0; r < world; ++r) {
     const WorkerRec& w = *workers_.Find(workers[r]);
     v1::CoordinatorMessage m;
@@ -555,8 +565,108 @@ absl::Status Coordinator::Dispatch(const v1::WorkerMessage& message, WorkerRec& 
         GEOFP8_RETURN_IF_ERROR(policies_.OnPolicyAck(*rec, message.policy_ack()));
       }
       break;
+    case v1::WorkerMessage::kAttach:
+      HandleAttach(message.attach(), w, out);
+      break;
   }
   return absl::OkStatus();
+}
+
+std::string Coordinator::AttachProblem(const v1::RankAttach& a, const WorkerRec& w,
+                                       const JobRec* rec) {
+  if (!w.info.attach_only()) {
+    return "worker " + w.info.id() + " was not started with --attach, so it attaches no rank";
+  }
+  if (!rec) {
+    return "job " + a.job() + ": no such job (GEOFP8_JOB names an external job: submit its spec " +
+           "with launcher: external first)";
+  }
+  const v1::Job& j = rec->job;
+  const std::string job = "job " + j.name() + " (" + j.id() + ")";
+  if (!IsExternal(rec->spec)) {
+    return job + " is not external (its spec's launcher is worker): GeoFP8's workers start its " +
+           "ranks; submit a spec with launcher: external for ranks your launcher starts";
+  }
+  if (JobTable::IsFinal(j.state())) {
+    return job + " is " + StateName(j.state()) + " (" + j.reason() +
+           "); submit it again to run it again";
+  }
+  if (a.world_size() != j.world_size()) {
+    return "world size: the launcher's is " + std::to_string(a.world_size()) +
+           " (WORLD_SIZE) but " + job + " has " + std::to_string(j.world_size()) +
+           " ranks (its spec.world_size)";
+  }
+  if (a.rank() < 0 || a.rank() >= j.world_size()) {
+    return "rank " + std::to_string(a.rank()) + ": " + job + " has ranks 0.." +
+           std::to_string(j.world_size() - 1);
+  }
+  if (j.state() != v1::JOB_PENDING) {
+    const std::string where =
+        a.rank() < int(rec->ranks.size()) ? rec->ranks[a.rank()].worker_id : std::string("?");
+    return "rank " + std::to_string(a.rank()) + " of " + job + " already runs, in attempt " +
+           std::to_string(j.attempt()) + " at worker " + where +
+           ": another launch holds the job; cancel it or wait for it to end";
+  }
+  if (auto it = rec->attached.find(a.rank());
+      it != rec->attached.end() && it->second != w.info.id()) {
+    const WorkerRec* other = workers_.Find(it->second);
+    if (other && other->sink && other->info.state() == v1::WORKER_IDLE) {
+      return "rank " + std::to_string(a.rank()) + " of " + job +
+             " is already attached, at worker " + it->second + " (host " + other->info.host() +
+             "): another launch holds the job; cancel it or wait for it to end";
+    }
+  }
+  return "";
+}
+
+void Coordinator::HandleAttach(const v1::RankAttach& a, WorkerRec& w, Outbox& out) {
+  JobRec* rec = jobs_.FindOrNull(a.job());
+  if (!rec) {
+    if (const JobRec* live = jobs_.LiveJobNamed(a.job())) rec = jobs_.FindOrNull(live->job.id());
+  }
+  // A worker holds one claim: a new attach or a withdrawal replaces the one it held.
+  for (JobRec* p : jobs_.Pending()) {
+    std::erase_if(p->attached, [&](const auto& kv) { return kv.second == w.info.id(); });
+  }
+  if (a.withdraw()) {
+    log::Info("rank.attach_withdrawn")
+        .F("worker", w.info.id())
+        .F("job", a.job())
+        .F("rank", a.rank())
+        .Msg("rank " + std::to_string(a.rank()) + " of job " + a.job() +
+             " left before its attempt was placed");
+    TrySchedule(out);
+    return;
+  }
+  // A repeat of a claim that is now the rank of the attempt placed on this worker (the worker
+  // repeats its claim while its program waits, and the Assignment may still be on its way).
+  if (rec && rec->job.state() != v1::JOB_PENDING && a.rank() >= 0 &&
+      a.rank() < int(rec->ranks.size()) && rec->ranks[a.rank()].worker_id == w.info.id()) {
+    return;
+  }
+  if (std::string problem = AttachProblem(a, w, rec); !problem.empty()) {
+    log::Warn("rank.attach_refused")
+        .F("worker", w.info.id())
+        .F("job", a.job())
+        .F("rank", a.rank())
+        .Msg(problem);
+    if (!w.sink) return;
+    v1::CoordinatorMessage m;
+    m.mutable_attach_refused()->set_job(a.job());
+    m.mutable_attach_refused()->set_rank(a.rank());
+    m.mutable_attach_refused()->set_reason(problem);
+    out.emplace_back(w.sink, std::move(m));
+    return;
+  }
+  rec->attached[a.rank()] = w.info.id();
+  log::Info("rank.attached")
+      .F("worker", w.info.id())
+      .F("job", rec->job.id())
+      .F("rank", a.rank())
+      .Msg("rank " + std::to_string(a.rank()) + " of job " + rec->job.id() +
+           " attached at worker " + w.info.id() + " (" + std::to_string(rec->attached.size()) +
+           " of " + std::to_string(rec->job.world_size()) + ")");
+  TrySchedule(out);
 }
 
 void Coordinator::Ack(const v1::WorkerMessage& message, const WorkerRec& w, const JobRec* rec,

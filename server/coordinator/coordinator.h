@@ -217,6 +217,11 @@ class Coordinator {
   JobRec* ReportedJob(const WorkerRec& w, const v1::WorkerMessage& message);
   // The case of HandleWorkerMessage for message's body, handed to the concern that owns it.
   absl::Status Dispatch(const v1::WorkerMessage& message, WorkerRec& w, JobRec* rec, Outbox& out);
+  // A RankAttach from an attach-only worker: the rank's claim is recorded (and the attempt placed
+  // once every rank has one), or refused with an AttachRefused naming what differs.
+  void HandleAttach(const v1::RankAttach& attach, WorkerRec& w, Outbox& out);
+  // "" when `attach` may claim its rank of `rec`, else why not.
+  std::string AttachProblem(const v1::RankAttach& attach, const WorkerRec& w, const JobRec* rec);
   // The Ack of a want_ack message, once handled (and persisted where it changed the job).
   void Ack(const v1::WorkerMessage& message, const WorkerRec& w, const JobRec* rec, Outbox& out);
   // StreamLogs' steps (coordinator_logs.cc): the request's target (holding one of the worker's

@@ -31,6 +31,12 @@ void SleepUnless(int ms, const std::function<bool()>& cancelled) {
 // A request the job can answer: a command job, a rank and an attempt it has, a tail >= 0.
 absl::Status CheckLogsRequest(const JobRec& rec, const v1::LogsRequest& request) {
   const std::string& id = rec.job.id();
+  if (IsExternal(rec.spec)) {
+    return absl::FailedPreconditionError(
+        "job " + id +
+        " is external: its launcher (torchrun, srun, a PyTorchJob) keeps its ranks' output; logs "
+        "shows a command: job's output");
+  }
   if (rec.spec.command.empty()) {
     return absl::FailedPreconditionError(
         "job " + id +

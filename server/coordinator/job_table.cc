@@ -275,8 +275,11 @@ absl::StatusOr<JobRec*> JobTable::Submit(
   v1::Job& job = rec->job;
   job.set_name(spec.name);
   job.set_state(v1::JOB_PENDING);
-  job.set_reason("submitted; waiting for " + std::to_string(spec.world_size) + " idle workers" +
-                 (spec.backend == "nccl" ? " with a CUDA device" : ""));
+  job.set_reason(IsExternal(spec)
+                     ? "submitted; waiting for its " + std::to_string(spec.world_size) +
+                           " ranks to attach (launcher: external)"
+                     : "submitted; waiting for " + std::to_string(spec.world_size) +
+                           " idle workers" + (spec.backend == "nccl" ? " with a CUDA device" : ""));
   job.set_spec_yaml(request.spec_yaml());
   job.set_world_size(spec.world_size);
   job.set_max_restarts(spec.restarts.max_restarts);

@@ -66,6 +66,10 @@ struct JobRec {
   int64_t attempt_started_ms = 0;
   // Workers whose early departure restarted this job without charging it (once per worker).
   std::set<std::string> uncharged_workers;
+  // An external job while PENDING: the attach-only worker each rank's program attached to (rank
+  // -> worker id), until every rank has and the attempt is placed. In memory only: a rank whose
+  // claim a coordinator restart lost attaches again (docs/launchers.md).
+  std::map<int32_t, std::string> attached;
 };
 
 // Restarts after restartable failures in a row back off (docs/reliability.md, "Crash loops"),

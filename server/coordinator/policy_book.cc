@@ -53,7 +53,8 @@ void CompactPatches(google::protobuf::RepeatedPtrField<v1::LayerPatch>* patches)
 // `/opt/bin/trainer --x` -> "trainer".
 std::string ModelNameForGlobs(const JobSpec& spec, const std::string& catalog_model) {
   if (!catalog_model.empty()) return catalog_model;
-  if (spec.command.empty()) return spec.model.preset;
+  if (!RunsOwnScript(spec)) return spec.model.preset;
+  if (spec.command.empty()) return "the script";  // an external job: its launcher names it
   const auto base = [](const std::string& path) {
     const size_t slash = path.rfind('/');
     return slash == std::string::npos ? path : path.substr(slash + 1);
@@ -74,7 +75,7 @@ std::string ModelNameForGlobs(const JobSpec& spec, const std::string& catalog_mo
 // `catalog`: then "spec.policy.layers[I].match: matches no layer of SCRIPT (GLOB); ...", the
 // message GeoFP8State gives for the same policy.
 std::string CommandSpecGlobProblem(const JobSpec& spec, const v1::LayerCatalog& catalog) {
-  if (spec.command.empty() || catalog.layers().empty()) return "";
+  if (!RunsOwnScript(spec) || catalog.layers().empty()) return "";
   std::vector<model::ParamInfo> layers;
   for (const auto& l : catalog.layers()) layers.push_back({.name = l.name()});
   for (size_t i = 0; i < spec.policy.layers.size(); ++i) {
@@ -454,7 +455,7 @@ absl::StatusOr<v1::UpdatePolicyResponse> PolicyBook::Update(JobRec& rec, const P
   std::vector<model::ParamInfo> layers;
   for (const auto& l : jp.catalog) layers.push_back({.name = l.name()});
   // A command job's layers are known only from its script's catalog.
-  if (layers.empty() && rec.spec.command.empty()) {
+  if (layers.empty() && !RunsOwnScript(rec.spec)) {
     if (auto mc = model::PresetConfig(rec.spec.model.preset)) layers = model::ParamLayout(*mc);
   }
   for (size_t i = 0; i < patches.size() && !layers.empty(); ++i) {

@@ -32,6 +32,44 @@ std::vector<const WorkerSlot*> KeepOldRanks(const PendingJob& job,
   return ordered;
 }
 
+// An external job: on the workers its ranks attached to, once all have; else why it waits.
+Placement PlaceAttached(const PendingJob& job, const std::vector<WorkerSlot>& workers,
+                        std::vector<bool>& taken) {
+  Placement placement;
+  const int world = job.world_size;
+  std::vector<size_t> at(world, workers.size());
+  int attached = 0;
+  std::string missing;
+  for (int r = 0; r < world; ++r) {
+    const std::string id = r < int(job.attached.size()) ? job.attached[r] : std::string();
+    for (size_t i = 0; i < workers.size() && !id.empty(); ++i) {
+      const WorkerSlot& w = workers[i];
+      if (w.id == id && w.connected && !w.fenced && w.idle && w.attach_only && !taken[i]) at[r] = i;
+    }
+    if (at[r] < workers.size()) {
+      ++attached;
+    } else if (missing.size() < 64) {
+      missing += (missing.empty() ? "" : ", ") + std::to_string(r);
+    } else if (missing.back() != '.') {
+      missing += ", ...";
+    }
+  }
+  if (attached < world) {
+    placement.waiting = "waiting for its ranks to attach: " + std::to_string(attached) + " of " +
+                        std::to_string(world) + " attached (missing rank" +
+                        (world - attached > 1 ? "s " : " ") + missing +
+                        "); launch the script with GEOFP8_JOB=" + job.id +
+                        " beside attach-only workers (docs/launchers.md)";
+    return placement;
+  }
+  placement.placed = true;
+  for (int r = 0; r < world; ++r) {
+    placement.workers.push_back(workers[at[r]].id);
+    taken[at[r]] = true;
+  }
+  return placement;
+}
+
 }  // namespace
 
 std::vector<Placement> Place(const std::vector<PendingJob>& jobs,
@@ -41,6 +79,10 @@ std::vector<Placement> Place(const std::vector<PendingJob>& jobs,
   std::string blocked_by;  // the first job that fits the fleet but waits for busy workers
   for (size_t j = 0; j < jobs.size(); ++j) {
     const PendingJob& job = jobs[j];
+    if (job.external) {
+      placements[j] = PlaceAttached(job, workers, taken);
+      continue;
+    }
     const bool needs_gpu = job.needs_gpu;
     const bool needs_commands = job.needs_commands;
     std::vector<const WorkerSlot*> idle;
@@ -48,7 +90,8 @@ std::vector<Placement> Place(const std::vector<PendingJob>& jobs,
     int backing_off = 0;  // idle ones of those that flapped lately
     for (size_t i = 0; i < workers.size(); ++i) {
       const WorkerSlot& w = workers[i];
-      if (!w.connected || w.fenced || (needs_gpu && w.device.rfind("cuda", 0) != 0) ||
+      if (!w.connected || w.fenced || w.attach_only ||
+          (needs_gpu && w.device.rfind("cuda", 0) != 0) ||
           (needs_commands && !w.accepts_commands)) {
         continue;
       }

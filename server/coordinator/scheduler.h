@@ -18,6 +18,10 @@ struct PendingJob {
   // By rank, the workers of the attempt that was interrupted (a coordinator restart, a lost
   // worker), empty if none: they go first, each to its old rank where it can.
   std::vector<std::string> interrupted_workers;
+  // `launcher: external`: the ranks are placed where they attached, never by the scheduler.
+  // `attached` holds, by rank, the worker each rank attached to ("" for a rank not attached).
+  bool external = false;
+  std::vector<std::string> attached;
 };
 
 // A job's placement: the worker ids of ranks 0..world_size-1, or why it waits.
@@ -33,7 +37,9 @@ struct Placement {
 // of them able) is passed over. The workers a placement takes are no longer idle for later jobs.
 // Among idle workers, those that have held their session longest go first (a worker that just
 // registered may be flapping), and those backing off at `now_ms` (WorkerSlot.backoff_until_ms)
-// are not taken, though they count as able.
+// are not taken, though they count as able. Attach-only workers take no job but the external
+// ones, and an external job is placed once each of its ranks has attached to an idle, connected
+// attach-only worker, on those workers; it holds back no other job.
 std::vector<Placement> Place(const std::vector<PendingJob>& jobs,
                              const std::vector<WorkerSlot>& workers, int64_t now_ms = 0);
 

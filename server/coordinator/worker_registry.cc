@@ -66,6 +66,7 @@ v1::RegisterResponse WorkerRegistry::Register(const v1::RegisterRequest& request
   w.info.set_device(request.device());
   w.info.set_memory_bytes(request.memory_bytes());
   w.info.set_accepts_commands(request.accepts_commands());
+  w.info.set_attach_only(request.attach_only());
   w.info.set_generation(gen);
   w.info.set_state(v1::WORKER_DISCONNECTED);
   w.info.clear_job_id();
@@ -424,6 +425,7 @@ std::vector<WorkerSlot> WorkerRegistry::Slots() const {
     slots.push_back({.id = id,
                      .device = w.info.device(),
                      .accepts_commands = w.info.accepts_commands(),
+                     .attach_only = w.info.attach_only(),
                      .connected = w.sink != nullptr,
                      .fenced = !w.fenced_reason.empty(),
                      .idle = w.info.state() == v1::WORKER_IDLE,

@@ -67,7 +67,8 @@ struct WorkerSlot {
   std::string id;
   std::string device;
   bool accepts_commands = false;
-  bool connected = false;  // has a session stream
+  bool attach_only = false;  // --attach: runs only the external job ranks that attached to it
+  bool connected = false;    // has a session stream
   bool fenced = false;
   bool idle = false;
   int64_t registered_ms = 0;     // placement prefers the oldest sessions

@@ -1338,6 +1338,30 @@ def doc_flag_mentions(path):
     return found
 
 
+class LauncherRecipeTest(unittest.TestCase):
+    """examples/launchers/pytorchjob.yaml (issue 43): the sidecar's flags are the worker's, the
+    training container finds the sidecar's socket, and both run as the chart's uid."""
+
+    def test_pytorchjob_sidecar(self):
+        doc = yaml.safe_load(read(os.path.join(ROOT, "examples/launchers/pytorchjob.yaml")))
+        self.assertEqual(doc["kind"], "PyTorchJob")
+        help_of = {"geofp8-worker": help_flags(WORKER)}
+        for role, replica in doc["spec"]["pytorchReplicaSpecs"].items():
+            pod = replica["template"]["spec"]
+            self.assertEqual(pod["securityContext"]["runAsUser"], 10001, role)
+            containers = {c["name"]: c for c in pod["containers"]}
+            sidecar = containers["geofp8-worker"]
+            self.assertEqual(flag_problems([{"spec": {"template": {"spec": {
+                "containers": [sidecar]}}}}], help_of), [], role)
+            args = split_args(sidecar["args"])
+            self.assertNotIn("--allow-commands", args)
+            env = {e["name"]: e.get("value") for e in containers["pytorch"]["env"]}
+            socket = env["GEOFP8_HOOK_ADDRESS"].replace("{local_rank}", "0")
+            self.assertEqual(socket, "unix:" + args["--attach"], role)
+            self.assertEqual(env["GEOFP8_JOB"], doc["metadata"]["name"])
+            self.assertEqual(env["GEOFP8_TOKEN_FILE"], args["--token-file"])
+
+
 class DocsFlagsTest(unittest.TestCase):
     """Every flag the docs pass to geofp8-coordinator, geofp8-worker or geofp8ctl on a command
     line (and every flag of the worker's flag table) is one its --help lists (issue #40)."""

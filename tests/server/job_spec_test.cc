@@ -411,5 +411,26 @@ TEST(JobSpec, CommandErrorsNameTheFieldAndValue) {
             std::string::npos);
 }
 
+TEST(JobSpec, AnExternalJobTakesNoCommandModelOrData) {
+  auto spec = ParseJobSpec("name: ext\nworld_size: 2\nlauncher: external\ntraining: {steps: 5}\n");
+  ASSERT_TRUE(spec.ok()) << spec.status();
+  EXPECT_TRUE(IsExternal(*spec));
+  EXPECT_TRUE(RunsOwnScript(*spec));
+  EXPECT_EQ(spec->training.steps, 5);
+  EXPECT_FALSE(IsExternal(*ParseJobSpec("name: a\n")));
+  EXPECT_NE(ErrorOf("name: a\nlauncher: slurm\n")
+                .find("line 2: spec.launcher: unknown value (slurm); accepted: worker, external"),
+            std::string::npos);
+  EXPECT_NE(ErrorOf("name: a\nlauncher: external\ncommand: [prog]\n")
+                .find("spec.command: not allowed with launcher: external"),
+            std::string::npos);
+  EXPECT_NE(ErrorOf("name: a\nlauncher: external\nmodel: {preset: llama-tiny}\n")
+                .find("spec.model: not allowed with launcher: external"),
+            std::string::npos);
+  EXPECT_NE(ErrorOf("name: a\nlauncher: external\ntraining: {lr: 0.1}\n")
+                .find("spec.training.lr: not allowed with launcher: external (accepted: steps)"),
+            std::string::npos);
+}
+
 }  // namespace
 }  // namespace geofp8

@@ -76,5 +76,36 @@ TEST(SchedulerTest, TheInterruptedAttemptsWorkersKeepTheirRanks) {
   EXPECT_EQ(p[0].workers, (std::vector<std::string>{"w3", "w2", "w1"}));
 }
 
+TEST(SchedulerTest, AnExternalJobGoesWhereItsRanksAttachedAndNowhereElse) {
+  WorkerSlot a0 = Idle("a0"), a1 = Idle("a1"), a2 = Idle("a2");
+  a0.attach_only = a1.attach_only = a2.attach_only = true;
+  PendingJob ext = Job("ext", 2);
+  ext.external = true;
+  ext.attached = {"a1", ""};
+  // One rank attached: it waits, naming the missing rank, and holds back no later job.
+  auto p = Place({ext, Job("plain", 1)}, {a0, a1, a2, Idle("w")});
+  EXPECT_FALSE(p[0].placed);
+  EXPECT_NE(p[0].waiting.find("waiting for its ranks to attach: 1 of 2 attached (missing rank 1)"),
+            std::string::npos)
+      << p[0].waiting;
+  // A plain job never takes an attach-only worker.
+  EXPECT_EQ(p[1].workers, (std::vector<std::string>{"w"}));
+  p = Place({Job("plain", 1)}, {a0});
+  EXPECT_FALSE(p[0].placed);
+  // Both attached: placed by rank on the workers they attached to.
+  ext.attached = {"a2", "a0"};
+  p = Place({ext}, {a0, a1, a2});
+  ASSERT_TRUE(p[0].placed) << p[0].waiting;
+  EXPECT_EQ(p[0].workers, (std::vector<std::string>{"a2", "a0"}));
+  // A claim on a worker that is busy, gone or not attach-only does not count.
+  WorkerSlot busy = a0;
+  busy.idle = false;
+  p = Place({ext}, {busy, a1, a2});
+  EXPECT_FALSE(p[0].placed);
+  WorkerSlot plain = Idle("a0");
+  p = Place({ext}, {plain, a1, a2});
+  EXPECT_FALSE(p[0].placed);
+}
+
 }  // namespace
 }  // namespace geofp8::coordinator

@@ -455,7 +455,7 @@ void CommandRunner::SendStatus(v1::CommandPhase phase, double seconds) {
 
 bool CommandRunner::WatchAttach(Clock::time_point spawned, bool* noted) {
   const double seconds = std::chrono::duration<double>(Clock::now() - spawned).count();
-  if (hook_->attaches() > 0) {
+  if (channel_->attaches() > 0) {
     SendStatus(v1::COMMAND_HOOK_ATTACHED, seconds);
     return true;
   }
@@ -467,7 +467,7 @@ bool CommandRunner::WatchAttach(Clock::time_point spawned, bool* noted) {
         .F("attempt", assignment_.attempt())
         .F("rank", assignment_.rank())
         .F("seconds", seconds)
-        .Msg("the program has not attached to the GeoFP8 hook (" + hook_->address() + ")");
+        .Msg("the program has not attached to the GeoFP8 hook (" + channel_->address() + ")");
     SendStatus(v1::COMMAND_HOOK_NOT_ATTACHED, seconds);
   }
   return false;
@@ -498,13 +498,13 @@ void CommandRunner::OfferPolicy(const v1::Policy& policy) {
   std::lock_guard<std::mutex> lock(mu_);
   if (!policies_.emplace(policy.version(), policy).second) return;
   RememberEffectiveStep(policy);
-  if (hook_) hook_->OfferPolicy(policy);
+  if (channel_) channel_->OfferPolicy(policy);
 }
 
 void CommandRunner::OfferRefresh(const v1::RefreshSchedules& refresh) {
   std::lock_guard<std::mutex> lock(mu_);
   refresh_ = refresh;
-  if (hook_) hook_->OfferRefresh(refresh);
+  if (channel_) channel_->OfferRefresh(refresh);
 }
 
 void CommandRunner::RequestStop(const std::string& reason, v1::StopCause cause) {
@@ -603,6 +603,11 @@ void CommandRunner::Relay(const v1::HookMessage& h) {
       if (metrics_) metrics_->Checkpoint(h.checkpoint().step());
       reliable = true;
       break;
+    case v1::HookMessage::kFinished: {
+      std::lock_guard<std::mutex> lock(effective_mu_);
+      finished_ = h.finished();
+      return;
+    }
     case v1::HookMessage::kPolicyAck:
       version_in_force_ = h.policy_ack().version();
       if (metrics_) metrics_->PolicyVersion(h.policy_ack().version());
@@ -688,6 +693,7 @@ std::string CommandRunner::StartHook(const Attempt& at) {
   for (const auto& [v, p] : policies_) policies.push_back(p);
   hook_ = ValueOrThrow(HookServer::Start(socket, w, std::move(policies),
                                          [this](const v1::HookMessage& m) { Relay(m); }));
+  channel_ = hook_.get();
   if (refresh_) hook_->OfferRefresh(*refresh_);
   return socket;
 }
@@ -778,11 +784,112 @@ void CommandRunner::JudgeExit(int status, Attempt* at, JobOutcome* out) const {
   }
 }
 
+int AttachedExitCode(v1::StopCause cause) {
+  switch (cause) {
+    case v1::STOP_JOB_SUCCEEDED:
+      return 0;
+    case v1::STOP_CANCELLED:
+      return kExitCancelled;
+    default:
+      return kExitAttemptEnded;
+  }
+}
+
+void CommandRunner::RunAttached(const JobSpec& spec, Attempt* at, JobOutcome* out) {
+  const v1::Assignment& a = assignment_;
+  Require(options_.gate != nullptr, "worker ", options_.job.worker_name,
+          " has no hook socket for external jobs (start geofp8-worker with --attach)");
+  total_steps_ = spec.training.steps;
+  at->program = "rank " + at->rank + "'s program";
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    v1::HookWelcome w;
+    w.set_job_id(a.job_id());
+    w.set_attempt(a.attempt());
+    w.set_rank(a.rank());
+    w.set_world_size(a.world_size());
+    w.set_resume_step(a.resume_step());
+    std::vector<v1::Policy> policies;
+    for (const auto& [v, p] : policies_) policies.push_back(p);
+    at->restartable = true;
+    Require(
+        options_.gate->Open(w, std::move(policies), [this](const v1::HookMessage& m) { Relay(m); }),
+        "rank ", at->rank, "'s program left before its attempt was placed");
+    channel_ = options_.gate;
+    if (refresh_) channel_->OfferRefresh(*refresh_);
+  }
+  Log("job " + a.job_id() + " rank " + at->rank + ": attached program admitted (attempt " +
+      std::to_string(a.attempt()) + ")");
+  at->ran = true;
+  SendStatus(v1::COMMAND_PROCESS_STARTED, 0);
+  const auto opened = Clock::now();
+  std::optional<Clock::time_point> stopped_at;
+  for (;;) {
+    const int64_t attaches = channel_->attaches();
+    if (attaches > 0 && !at->attached) {
+      at->attached = true;
+      SendStatus(v1::COMMAND_HOOK_ATTACHED, 0);
+    }
+    // Ended: its stream closed, or never reopened after the admission (it left meanwhile).
+    if ((attaches > 0 && channel_->attached() == 0) ||
+        (attaches == 0 && Clock::now() - opened > std::chrono::seconds(10))) {
+      break;
+    }
+    std::string reason;
+    if (StopRequested(&reason)) {
+      if (!stopped_at) {
+        v1::HookStop stop;
+        stop.set_reason(reason);
+        {
+          std::lock_guard<std::mutex> lock(mu_);
+          stop.set_cause(stop_.cause);
+        }
+        stop.set_exit_code(AttachedExitCode(stop.cause()));
+        Log("job " + a.job_id() + " rank " + at->rank + ": stop (" + reason +
+            "): the attached program is told to exit with code " +
+            std::to_string(stop.exit_code()));
+        channel_->Stop(stop);
+        stopped_at = Clock::now();
+      } else if (Clock::now() - *stopped_at >= options_.kill_grace) {
+        break;  // EndAttempt cancels its stream
+      }
+    }
+    std::unique_lock<std::mutex> lock(mu_);
+    cv_.wait_for(lock, kPollInterval);
+  }
+  out->steps = last_step_.load() + 1;
+  std::optional<v1::HookFinished> finished;
+  {
+    std::lock_guard<std::mutex> lock(effective_mu_);
+    finished = finished_;
+  }
+  std::string stop;
+  if (StopRequested(&stop)) {
+    out->stopped = true;
+    out->reason = "stopped (" + stop + ")";
+  } else if (finished && finished->success()) {
+    out->success = true;
+    out->reason =
+        "rank " + at->rank + "'s program finished after " + std::to_string(out->steps) + " steps";
+  } else if (finished) {
+    out->reason = "rank " + at->rank + "'s program failed: " + finished->reason() +
+                  "; its output is with its launcher";
+  } else {
+    out->reason = "rank " + at->rank + "'s program left without finishing: its hook channel to " +
+                  "worker " + options_.job.worker_name +
+                  " closed (a crash, a kill or a lost worker); its output is with its launcher";
+  }
+}
+
 void CommandRunner::RunProgram(Attempt* at, JobOutcome* out) {
   const v1::Assignment& a = assignment_;
+  const JobSpec spec = ValueOrThrow(ParseJobSpec(a.spec_yaml()), "spec: ");
+  if (IsExternal(spec)) {
+    RunAttached(spec, at, out);
+    return;
+  }
   Require(options_.allow_commands, "worker ", options_.job.worker_name,
           " does not run command: jobs (start geofp8-worker with --allow-commands)");
-  const JobSpec spec = ValueOrThrow(ParseJobSpec(a.spec_yaml()), "spec: ");
   Require(!spec.command.empty(), "spec.command: missing");
   at->program = spec.command[0];
   total_steps_ = spec.training.steps;
@@ -860,11 +967,15 @@ void CommandRunner::EndAttempt(const Attempt& at, JobOutcome* out) {
   relay_open_ = false;
   {
     std::unique_ptr<HookServer> hook;
+    HookServer* gate = nullptr;
     {
       std::lock_guard<std::mutex> lock(mu_);
       hook = std::move(hook_);
+      if (channel_ == options_.gate) gate = options_.gate;
+      channel_ = nullptr;
     }
     hook.reset();  // outside mu_: shutting down waits for Relay calls in flight
+    if (gate) gate->EndAttempt(std::chrono::milliseconds(200));
   }
   out->policy_version = version_in_force_.load();
   // Before the coordinator hears of the end: a scrape after it sees the job's gauges gone.

@@ -71,7 +71,18 @@ struct CommandRunnerOptions {
   // How long the program may run without opening the hook channel before the rank reports it
   // (CommandStatus COMMAND_HOOK_NOT_ATTACHED: the job's note and an event). 0: never.
   std::chrono::milliseconds hook_attach_timeout{120000};
+  // An attach-only worker's hook socket (--attach): an external job's rank is the program
+  // waiting there, not one the worker starts (RunAttached).
+  HookServer* gate = nullptr;
 };
+
+// How an attached program (an external job's rank) exits when its rank is stopped
+// (docs/launchers.md, "Exit codes"): 0 when the job succeeded meanwhile, kExitCancelled when it
+// was cancelled, kExitAttemptEnded when the attempt ended otherwise (a rank failed, a worker was
+// lost): its launcher restarts it as the job's next attempt.
+inline constexpr int kExitCancelled = 3;
+inline constexpr int kExitAttemptEnded = 75;  // EX_TEMPFAIL
+int AttachedExitCode(v1::StopCause cause);
 
 // Where a rank of (job, attempt) keeps its files: <data_dir>/jobs/<job>/<attempt>/ (mode 0700),
 // holding rank<R>.out and rank<R>.err (0600), the hook socket hook<R>.sock and, while the rank
@@ -128,6 +139,9 @@ class CommandRunner final : public RankRunner {
   // The spec's checks, the attempt's files, the hook channel, the rendezvous, the program's
   // spawn and its wait; fills in `out` from its exit. Throws on a failure on the way.
   void RunProgram(Attempt* at, JobOutcome* out);
+  // An external job's rank: the program waiting on the gate is admitted, and its stream's end
+  // (with or without its HookFinished) is the attempt's end. A Stop is sent down the stream.
+  void RunAttached(const JobSpec& spec, Attempt* at, JobOutcome* out);
   // The job's checkpoint directory, created: the spec's checkpoint.dir or one in the job's.
   std::string CreateCheckpointDir(const JobSpec& spec) const;
   // Starts hook_ on the attempt's socket (a /tmp one when its path is too long). Returns it.
@@ -175,6 +189,7 @@ class CommandRunner final : public RankRunner {
   std::map<uint64_t, v1::Policy> policies_;  // every version known, by version
   std::optional<v1::RefreshSchedules> refresh_;
   std::unique_ptr<HookServer> hook_;
+  HookServer* channel_ = nullptr;       // hook_, or the gate of an external job's rank; under mu_
   StopRequest stop_;                    // under mu_
   std::atomic<bool> relay_open_{true};  // false once the attempt has ended
   std::atomic<int64_t> last_step_{-1};
@@ -190,6 +205,7 @@ class CommandRunner final : public RankRunner {
   // The job.progress line's last validation loss (rank 0), under effective_mu_.
   double last_val_loss_ = 0;
   int64_t last_val_step_ = -1;
+  std::optional<v1::HookFinished> finished_;  // an attached program's end, under effective_mu_
   std::atomic<bool> done_{false};
   JobOutcome outcome_;
   std::thread thread_;

@@ -23,6 +23,11 @@ class HookServer {
  public:
   // Called for every report a program sends, on a gRPC thread.
   using RelayFn = std::function<void(const v1::HookMessage& message)>;
+  // Gate mode (an attach-only worker, --attach): a program's first message is its HookAttach.
+  // AttachFn returns "" when the worker forwards it to the coordinator (the stream then waits for
+  // Open or Refuse), else why it is refused at once. WithdrawFn: the waiting program left.
+  using AttachFn = std::function<std::string(const v1::HookAttach& attach)>;
+  using WithdrawFn = std::function<void(const v1::HookAttach& attach)>;
 
   // Serves on `socket_path` (removed first if it exists). `welcome` is sent first on every
   // stream, then `policies` (every version known, oldest first) and the refresh schedule.
@@ -30,7 +35,22 @@ class HookServer {
                                                            v1::HookWelcome welcome,
                                                            std::vector<v1::Policy> policies,
                                                            RelayFn relay);
+  // Gate mode: serves on `socket_path` for the worker's lifetime, one rank at a time. Each
+  // attempt of the rank that attached is an Open ... EndAttempt.
+  static absl::StatusOr<std::unique_ptr<HookServer>> StartGate(const std::string& socket_path,
+                                                               AttachFn on_attach,
+                                                               WithdrawFn on_withdraw);
   ~HookServer();  // Shutdown()
+
+  // Gate mode. Open: the waiting program's attempt was placed; it gets `welcome`, `policies` and
+  // its reports go to `relay`. False when no program waits (it left). Refuse: the waiting
+  // program is told why and its stream ends. Stop: the open streams are told to stop (the
+  // program exits). EndAttempt: the attempt's streams end (cancelled after `grace`).
+  bool Open(v1::HookWelcome welcome, std::vector<v1::Policy> policies, RelayFn relay);
+  void Refuse(const std::string& reason);
+  void Stop(const v1::HookStop& stop);
+  void EndAttempt(std::chrono::milliseconds grace);
+  bool waiting() const;  // a program waits for its attempt
 
   // New coordinator messages, kept for later streams and sent to the open ones.
   void OfferPolicy(const v1::Policy& policy);

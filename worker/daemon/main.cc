@@ -119,6 +119,11 @@ void AddFlags(CLI::App& app, geofp8::worker::WorkerOptions* o, Flags* f) {
                "as this worker's user or, with --command-uid-base, as the job's own "
                "(docs/reliability.md, \"Threat model\"). Off: the "
                "coordinator places no command job here");
+  app.add_option("--attach", o->hook_socket,
+                 "Attach-only: serve the GeoFP8 hook on this Unix socket to the ranks of external "
+                 "jobs that your launcher starts (torchrun, srun, a PyTorchJob), one rank at a "
+                 "time (docs/launchers.md); the coordinator places no other job here")
+      ->expected(1);
   app.add_option("--command-uid-base", o->command_uid_base,
                  "Run each command job's program as its own uid and gid, BASE + the job's number "
                  "modulo 65536, in files only it and the worker can read (needs a worker run as "
@@ -250,7 +255,12 @@ std::string ApplyFlags(const CLI::App& app, Flags* f, geofp8::worker::WorkerOpti
   if (std::string e = CheckLimits(*o); !e.empty()) return e;
   // Every path flag, against the directory the worker started in: command jobs run in
   // directories of their own and get paths under --data-dir.
+  if (!o->hook_socket.empty() && o->session.accepts_commands) {
+    return "--attach: an attach-only worker runs no command: job (drop --allow-commands)";
+  }
+  o->session.attach_only = !o->hook_socket.empty();
   if (std::string e = geofp8::MakeFlagPathsAbsolute({{"--data-dir", &o->job.data_dir},
+                                                     {"--attach", &o->hook_socket},
                                                      {"--token-file", &f->token_file},
                                                      {"--tls-ca", &o->connection.tls_ca},
                                                      {"--tls-cert", &o->connection.tls_cert},

@@ -117,6 +117,7 @@ bool SessionClient::Register(std::string* error) {
   req.set_device(options_.device);
   req.set_memory_bytes(options_.memory_bytes);
   req.set_accepts_commands(options_.accepts_commands);
+  req.set_attach_only(options_.attach_only);
   if (events_.held_checkpoints) {
     for (auto& h : events_.held_checkpoints()) *req.add_checkpoints() = std::move(h);
   }

@@ -25,6 +25,7 @@ struct SessionOptions {
   std::string device = "cpu";
   uint64_t memory_bytes = 0;
   bool accepts_commands = false;                   // --allow-commands: reported at registration
+  bool attach_only = false;                        // --attach: reported at registration
   std::chrono::milliseconds backoff_initial{200};  // first reconnect delay, doubled per failure
   // At most this long between tries: a coordinator back from an outage sees its workers, and
   // resumes their jobs, within it (the recovery target is 5 s after it returns).

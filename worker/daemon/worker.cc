@@ -46,9 +46,57 @@ absl::Status Worker::Start() {
     return out;
   };
   session_ = std::make_unique<SessionClient>(connection_, options_.session, std::move(events));
+  if (!options_.hook_socket.empty()) {
+    GEOFP8_ASSIGN_OR_RETURN(gate_,
+                            HookServer::StartGate(
+                                options_.hook_socket,
+                                [this](const v1::HookAttach& a) { return ForwardAttach(a, false); },
+                                [this](const v1::HookAttach& a) { ForwardAttach(a, true); }));
+  }
   session_->Start();
   supervisor_ = std::thread([this] { Supervise(); });
   return absl::OkStatus();
+}
+
+namespace {
+
+// Equal, in a time that does not depend on where they differ.
+bool SameSecret(const std::string& a, const std::string& b) {
+  if (a.size() != b.size()) return false;
+  unsigned char diff = 0;
+  for (size_t i = 0; i < a.size(); ++i) diff |= static_cast<unsigned char>(a[i] ^ b[i]);
+  return diff == 0;
+}
+
+}  // namespace
+
+std::string Worker::ForwardAttach(const v1::HookAttach& a, bool withdraw) {
+  if (!withdraw && !options_.connection.token.empty() &&
+      !SameSecret(a.token(), options_.connection.token)) {
+    log::Warn("rank.attach_refused")
+        .F("job", a.job())
+        .F("rank", a.rank())
+        .Msg("a program attached with a token that is not this worker's");
+    return a.token().empty()
+               ? "token: this worker needs the cluster's token: set GEOFP8_TOKEN_FILE (or "
+                 "GEOFP8_TOKEN) for the launcher's processes"
+               : "token: the token given (GEOFP8_TOKEN_FILE or GEOFP8_TOKEN) is not this "
+                 "worker's";
+  }
+  v1::WorkerMessage m;
+  m.mutable_attach()->set_job(a.job());
+  m.mutable_attach()->set_rank(a.rank());
+  m.mutable_attach()->set_world_size(a.world_size());
+  m.mutable_attach()->set_withdraw(withdraw);
+  log::Info(withdraw ? "rank.attach_withdrawn" : "rank.attach")
+      .F("job", a.job())
+      .F("rank", a.rank())
+      .F("world_size", a.world_size())
+      .Msg(withdraw ? "the attached program left before its attempt was placed"
+                    : "a program attached as rank " + std::to_string(a.rank()) + " of job " +
+                          a.job() + "; asking the coordinator");
+  session_->Send(std::move(m), true);
+  return "";
 }
 
 bool Worker::Shutdown(std::chrono::milliseconds grace, const std::string& reason) {
@@ -82,6 +130,7 @@ bool Worker::Shutdown(std::chrono::milliseconds grace, const std::string& reason
   }
   if (session_) session_->Stop();
   runner_.reset();
+  gate_.reset();
   return true;
 }
 
@@ -97,7 +146,7 @@ void Worker::StartRunner(const v1::Assignment& a) {
   // A `command:` job runs the user's program; a spec that does not parse goes to the trainer,
   // which reports the error as the rank's failure.
   auto spec = ParseJobSpec(a.spec_yaml());
-  if (spec.ok() && !spec->command.empty()) {
+  if (spec.ok() && RunsOwnScript(*spec)) {
     CommandRunnerOptions co;
     co.job = o;
     co.coordinator = options_.connection.address;
@@ -108,6 +157,7 @@ void Worker::StartRunner(const v1::Assignment& a) {
     co.cuda_device = options_.cuda_device;
     co.command_uid_base = options_.command_uid_base;
     co.limits = options_.command_limits;
+    co.gate = gate_.get();
     runner_ = std::make_unique<CommandRunner>(connection_, a, co, send, metrics_.get());
   } else {
     if (options_.cuda_device >= 0) {
@@ -185,6 +235,9 @@ void Worker::OnMessage(const v1::CoordinatorMessage& message) {
       if (runner_ && runner_->assignment().job_id() == message.ack().job_id()) {
         runner_->OnCheckpointAcknowledged(message.ack().checkpoint_step());
       }
+      return;
+    case v1::CoordinatorMessage::kAttachRefused:
+      if (gate_) gate_->Refuse(message.attach_refused().reason());
       return;
     case v1::CoordinatorMessage::kStop: {
       const v1::Stop& s = message.stop();

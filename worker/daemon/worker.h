@@ -37,6 +37,8 @@ struct WorkerOptions {
   // --command-uid-base and the command jobs' rlimits (CommandRunnerOptions).
   uint32_t command_uid_base = 0;
   CommandLimits command_limits;
+  // --attach PATH: an attach-only worker's hook socket (HookServer::StartGate); empty: none.
+  std::string hook_socket;
   std::string metrics_host = "127.0.0.1";
   int metrics_port = 9465;  // 0: a free port; -1: no /metrics
 };
@@ -62,6 +64,9 @@ class Worker {
  private:
   void OnMessage(const v1::CoordinatorMessage& message);
   void OnGenerationLost(const std::string& reason);
+  // The gate's callbacks: a program's attach (or its withdrawal) to the coordinator, after the
+  // token check. Returns why the attach is refused, or "".
+  std::string ForwardAttach(const v1::HookAttach& attach, bool withdraw);
   void StartRunner(const v1::Assignment& assignment);  // mu_ held
   void Supervise();
 
@@ -74,6 +79,7 @@ class Worker {
   std::mutex mu_;
   std::condition_variable cv_;
   bool stopping_ = false;
+  std::unique_ptr<HookServer> gate_;       // --attach: the hook socket ranks attach to
   std::unique_ptr<RankRunner> runner_;     // the trainer or a command job's program
   std::optional<v1::Assignment> pending_;  // arrived while the previous rank was winding down
   std::thread supervisor_;

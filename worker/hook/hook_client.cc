@@ -9,6 +9,7 @@
 #include <condition_variable>
 #include <cstdlib>
 #include <deque>
+#include <fstream>
 #include <map>
 #include <mutex>
 #include <thread>
@@ -27,6 +28,7 @@ constexpr milliseconds kBackoffInitial{50};
 constexpr milliseconds kBackoffMax{1000};
 // On destruction, how long the worker may take to confirm it has read everything written.
 constexpr milliseconds kCloseWait{2000};
+constexpr int kExitAttemptEnded = 75;  // worker/daemon/command_runner.h
 
 std::string Env(const char* name) {
   const char* v = std::getenv(name);
@@ -59,6 +61,11 @@ struct HookClient::Impl {
   std::string model_name;
   bool catalog_set = false;
   std::deque<v1::HookMessage> pending;  // reliable reports waiting for a stream
+  // Attach mode (GEOFP8_JOB set): the first message of every channel, the worker's refusal,
+  // and whether a welcome came (after which a lost channel ends the program: its rank is gone).
+  std::optional<v1::HookAttach> attach;
+  std::string refused;
+  bool welcomed = false;
 
   std::mutex write_mu_;  // one writer at a time; guards stream and context
   std::unique_ptr<grpc::ClientContext> context;
@@ -93,6 +100,18 @@ struct HookClient::Impl {
     return m;
   }
 
+  // An attached rank that is to stop: says why on stderr and ends the process with `code`, as
+  // docs/launchers.md ("Exit codes") documents, so its launcher sees a failure, never a hang in a
+  // collective whose peers are gone.
+  [[noreturn]] void Exit(const std::string& reason, int code) {
+    std::fprintf(stderr, "geofp8: rank %d of job %s: %s; exiting with code %d\n",
+                 attach ? attach->rank() : 0, attach ? attach->job().c_str() : "?", reason.c_str(),
+                 code);
+    std::fflush(stderr);
+    std::fflush(stdout);
+    std::_Exit(code);
+  }
+
   void Loop() {
     milliseconds backoff = kBackoffInitial;
     for (;;) {
@@ -102,6 +121,11 @@ struct HookClient::Impl {
         if (closing) return;
         context = std::make_unique<grpc::ClientContext>();
         stream = stub->Attach(context.get());
+        if (attach) {
+          v1::HookMessage first;
+          *first.mutable_attach() = *attach;
+          stream->Write(first);  // a broken stream fails its Read below
+        }
       }
       v1::HookCommand c;
       bool attached = false;
@@ -130,8 +154,17 @@ struct HookClient::Impl {
             }
           }
         }
+        if (c.has_stop()) Exit(c.stop().reason(), c.stop().exit_code());
         std::lock_guard<std::mutex> lock(mu_);
-        if (c.has_welcome()) welcome = c.welcome();
+        if (c.has_refused()) {
+          refused = c.refused();
+          cv_.notify_all();
+          break;
+        }
+        if (c.has_welcome()) {
+          welcome = c.welcome();
+          welcomed = true;
+        }
         // A version resent on a new channel may now carry its taken_step: keep the newest copy.
         if (c.has_policy()) policies[c.policy().version()] = c.policy();
         if (c.has_refresh()) refresh = c.refresh();
@@ -147,6 +180,14 @@ struct HookClient::Impl {
       }
       cv_.notify_all();
       std::unique_lock<std::mutex> lock(mu_);
+      if (!refused.empty()) return;  // the worker said why; no point trying again
+      if (attach && welcomed && !closing) {
+        lock.unlock();
+        Exit(
+            "the hook channel to its attach-only worker closed (the worker left or its attempt "
+            "ended)",
+            kExitAttemptEnded);
+      }
       if (cv_.wait_for(lock, backoff, [&] { return closing; })) return;
       backoff = std::min(backoff * 2, kBackoffMax);
     }
@@ -154,8 +195,14 @@ struct HookClient::Impl {
 };
 
 std::unique_ptr<HookClient> HookClient::FromEnvironment() {
-  const std::string address = Env("GEOFP8_HOOK_ADDRESS");
+  std::string address = Env("GEOFP8_HOOK_ADDRESS");
   if (address.empty()) return nullptr;
+  // One attach-only worker per local rank: torchrun gives every rank the same environment.
+  static constexpr std::string_view kLocalRank = "{local_rank}";
+  if (const size_t at = address.find(kLocalRank); at != std::string::npos) {
+    const std::string local = Env("LOCAL_RANK");
+    address.replace(at, kLocalRank.size(), local.empty() ? "0" : local);
+  }
   return Connect(address);
 }
 
@@ -168,6 +215,22 @@ std::unique_ptr<HookClient> HookClient::Connect(const std::string& address) {
   c->resume_step_ = EnvInt("GEOFP8_RESUME_STEP", 0);
   c->checkpoint_dir_ = Env("GEOFP8_CHECKPOINT_DIR");
   c->impl_ = std::make_unique<Impl>();
+  // Attach mode: the launcher started this process; it names its external job (GEOFP8_JOB),
+  // and RANK/WORLD_SIZE are the launcher's.
+  if (const std::string job = Env("GEOFP8_JOB"); !job.empty()) {
+    v1::HookAttach a;
+    a.set_job(job);
+    a.set_rank(c->rank_);
+    a.set_world_size(c->world_size_);
+    std::string token = Env("GEOFP8_TOKEN");
+    if (const std::string file = Env("GEOFP8_TOKEN_FILE"); !file.empty()) {
+      std::ifstream in(file);
+      std::getline(in, token);
+      while (!token.empty() && (token.back() == '\r' || token.back() == ' ')) token.pop_back();
+    }
+    a.set_token(token);
+    c->impl_->attach = a;
+  }
   // A local socket: when the worker restarts its server, reconnect within about a second rather
   // than after gRPC's default backoff (up to two minutes).
   grpc::ChannelArguments args;
@@ -347,10 +410,30 @@ std::optional<PolicyChange> HookClient::PolicyAgreedAt(int64_t step, uint64_t ag
 
 std::optional<v1::HookWelcome> HookClient::WaitForWelcome(std::chrono::milliseconds timeout) {
   std::unique_lock<std::mutex> lock(impl_->mu_);
-  if (!impl_->cv_.wait_for(lock, timeout, [&] { return impl_->welcome.has_value(); })) {
+  if (!impl_->cv_.wait_for(lock, timeout,
+                           [&] { return impl_->welcome.has_value() || !impl_->refused.empty(); })) {
     return std::nullopt;
   }
   return impl_->welcome;
+}
+
+int64_t HookClient::resume_step() const {
+  std::lock_guard<std::mutex> lock(impl_->mu_);
+  return impl_->attach && impl_->welcome ? impl_->welcome->resume_step() : resume_step_;
+}
+
+std::string HookClient::refused() const {
+  std::lock_guard<std::mutex> lock(impl_->mu_);
+  return impl_->refused;
+}
+
+bool HookClient::attach_mode() const { return impl_->attach.has_value(); }
+
+void HookClient::Finish(bool success, const std::string& reason) {
+  v1::HookMessage m;
+  m.mutable_finished()->set_success(success);
+  m.mutable_finished()->set_reason(reason.substr(0, 4096));
+  impl_->Write(m);
 }
 
 std::optional<std::vector<v1::RefreshSchedule>> HookClient::WaitForRefresh(

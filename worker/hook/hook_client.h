@@ -4,7 +4,8 @@
 // policy versions, each to be put in force at its effective step on every rank.
 //
 // Contract (the Python binding in client/python wraps exactly this):
-//  - FromEnvironment() reads GEOFP8_HOOK_ADDRESS ("unix:<path>", set by the worker) and the
+//  - FromEnvironment() reads GEOFP8_HOOK_ADDRESS ("unix:<path>", set by the worker, or by the
+//    user for an attach-only worker, where "{local_rank}" stands for LOCAL_RANK) and the
 //    GEOFP8_JOB_ID / GEOFP8_ATTEMPT / RANK / WORLD_SIZE / GEOFP8_RESUME_STEP /
 //    GEOFP8_CHECKPOINT_DIR variables; nullptr when GEOFP8_HOOK_ADDRESS is unset (the program
 //    runs outside a GeoFP8 job, e.g. under plain torchrun). It never blocks: the channel is
@@ -95,7 +96,8 @@ class HookClient {
   int attempt() const { return attempt_; }
   int rank() const { return rank_; }
   int world_size() const { return world_size_; }
-  int64_t resume_step() const { return resume_step_; }  // 0: a fresh start
+  // 0: a fresh start. In attach mode, the welcome's (the launcher sets no GEOFP8_RESUME_STEP).
+  int64_t resume_step() const;
   const std::string& checkpoint_dir() const { return checkpoint_dir_; }
 
   // Rank 0: the layers (sent once per channel; a later call replaces the list), and the name of
@@ -145,7 +147,18 @@ class HookClient {
   std::optional<PolicyChange> PolicyAgreedAt(int64_t step, uint64_t agreed);
   // The worker's welcome (the job as the coordinator assigned it: job_id, attempt, rank,
   // world_size, resume_step), once the channel has opened; nullopt after `timeout`.
+  // In attach mode it also returns (nullopt) once the worker refused the attach: refused() says
+  // why.
   std::optional<v1::HookWelcome> WaitForWelcome(std::chrono::milliseconds timeout);
+  std::string refused() const;
+  // Attach mode: GEOFP8_JOB was set, so the launcher started this process and each channel opens
+  // with a HookAttach (job, RANK, WORLD_SIZE, the token of GEOFP8_TOKEN_FILE or GEOFP8_TOKEN).
+  // Once welcomed, a HookStop or a lost channel ends the process (docs/launchers.md, "Exit
+  // codes").
+  bool attach_mode() const;
+  // The program is done (attach mode): its rank succeeded, or failed with `reason`. A channel
+  // that closes without it is a rank that failed.
+  void Finish(bool success, const std::string& reason = "");
   // The refresh schedules the coordinator computed for the catalog, once they have arrived;
   // nullopt after `timeout`. A version that uses geometry needs them (the coordinator computes
   // them when rank 0's catalog reaches it).

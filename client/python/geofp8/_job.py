@@ -2,11 +2,38 @@
 the worker that started the script): the attach and its checks, the coordinator's policy
 versions, agreed per step, and the reports (docs/pytorch.md, "Under the coordinator")."""
 
+import atexit
 import math
 import os
+import sys
 import time
 
 from . import _geofp8
+
+# Attach mode (GEOFP8_JOB set: the user's launcher started this process, docs/launchers.md): the
+# links stay open until the interpreter exits, and then report the rank's end. An uncaught
+# exception (sys.excepthook) makes it a failure; the launcher still sees the exit code.
+_attached_links = []
+_uncaught = []
+
+
+def _note_uncaught(previous):
+    def hook(kind, value, tb):
+        _uncaught.append("%s: %s" % (kind.__name__, value))
+        previous(kind, value, tb)
+    return hook
+
+
+def _finish_attached():
+    for link in _attached_links:
+        link.finish()
+
+
+def _keep_until_exit(link):
+    if not _attached_links:
+        sys.excepthook = _note_uncaught(sys.excepthook)
+        atexit.register(_finish_attached)
+    _attached_links.append(link)
 
 
 class JobLink:
@@ -17,6 +44,21 @@ class JobLink:
         self.job_id = job_id
         self.job_spec = job_spec  # the job's spec (GEOFP8_JOB_SPEC), for coordinator policies
         self.timeout_s = timeout_s
+        self.finished = False
+
+    def close(self):
+        """GeoFP8State.close: a command job's channel closes now; an attached rank's stays open
+        until the interpreter exits, when finish() reports how the rank ended."""
+        if not self.hook.attach_mode:
+            self.hook.close()
+
+    def finish(self):
+        """Attach mode, at exit: the rank's end (a failure after an uncaught exception)."""
+        if self.finished or self.hook.closed:
+            return
+        self.finished = True
+        self.hook.finish(not _uncaught, _uncaught[0] if _uncaught else "")
+        self.hook.close()
 
     @classmethod
     def attach(cls, required, rank, size, names, shapes, model_name, timeout_s):
@@ -31,6 +73,16 @@ class JobLink:
         address = os.environ.get("GEOFP8_HOOK_ADDRESS")
         try:
             welcome = hook.wait_for_welcome(timeout_s)
+            if welcome is None and hook.attach_mode:
+                if hook.refused:
+                    raise RuntimeError("attach: rank %d of job %s was refused: %s"
+                                       % (rank, os.environ.get("GEOFP8_JOB"), hook.refused))
+                raise RuntimeError(
+                    "attach: rank %d of job %s was not placed within %g s (attach_timeout_s): "
+                    "either no attach-only worker serves %s, or the job's other ranks have not "
+                    "all attached (geofp8ctl describe %s shows which)"
+                    % (rank, os.environ.get("GEOFP8_JOB"), timeout_s, address,
+                       os.environ.get("GEOFP8_JOB")))
             if welcome is None:
                 raise RuntimeError("coordinator: no answer on the worker's hook socket %s within "
                                    "%g s (attach_timeout_s)" % (address, timeout_s))
@@ -61,7 +113,10 @@ class JobLink:
         print("geofp8: rank %d attached to job %s (attempt %d, resume step %d)"
               % (rank, welcome["job_id"], welcome["attempt"], welcome["resume_step"]),
               flush=True)
-        return cls(hook, welcome["job_id"], spec, timeout_s)
+        link = cls(hook, welcome["job_id"], spec, timeout_s)
+        if hook.attach_mode:
+            _keep_until_exit(link)
+        return link
 
     def take_agreed(self, state, stream):
         """At the start of a step: the coordinator's versions, as the worker's trainer takes

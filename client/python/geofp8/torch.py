@@ -34,6 +34,12 @@ __all__ = ["GeoFP8FSDPState", "GeoFP8State", "compress_fsdp", "geofp8_hook"]
 _states_created = 0  # per process: each state's store prefix (same order on every rank)
 
 
+def _restart_prefix():
+    """"" outside torchrun's restarts, else "r<TORCHELASTIC_RESTART_COUNT>/"."""
+    count = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+    return "" if count in ("", "0") else "r%s/" % count
+
+
 def _local_hostname():
     """Address this rank's Gloo listens on: GEOFP8_HOSTNAME, else loopback when every rank runs
     on this host (torchrun's LOCAL_WORLD_SIZE == WORLD_SIZE, or no launcher), else the host's
@@ -211,7 +217,9 @@ class GeoFP8State:
             coordinator is True, rank, size, self.names, shapes, self.model_name,
             float(attach_timeout_s))
         base = store if store is not None else dist.distributed_c10d._get_default_store()
-        store = dist.PrefixStore("geofp8/hook/%d/" % _states_created, base)
+        # torchrun's restarts keep its store: each restart's keys apart (a restarted rank would
+        # otherwise find the addresses the last one published).
+        store = dist.PrefixStore("geofp8/hook/%s%d/" % (_restart_prefix(), _states_created), base)
         _states_created += 1
         # CUDA parameters: the NCCL communicator and the CUDA codec kernels, on that device.
         self._engine = _geofp8.Engine(
@@ -277,7 +285,7 @@ class GeoFP8State:
     def close(self):
         """Closes the channel to the coordinator (what was reported is delivered first)."""
         if self._job is not None:
-            self._job.hook.close()
+            self._job.close()
             self._job = None
 
     def set_policy(self, policy, effective_step=None):
