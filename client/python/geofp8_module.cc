@@ -1,5 +1,5 @@
 // geofp8._geofp8: GeoFP8 for Python. The exchange engine (engine_binding.cc, over the kernels'
-// ExchangeEngine), a command job's channel to the coordinator (hook_binding.cc), and a few
+// HookSession), a command job's channel to the coordinator (hook_binding.cc), and a few
 // module functions. geofp8.torch (geofp8/torch.py) drives them as a DDP comm hook.
 
 #include <pybind11/pybind11.h>
@@ -9,12 +9,9 @@
 #include "client/python/engine_binding.h"
 #include "client/python/hook_binding.h"
 #include "kernels/common/check.h"
+#include "kernels/exchange/hook_session.h"
 #include "kernels/model/ops.h"
 #include "platform/policy/job_spec.h"
-
-#ifndef GEOFP8_PYTHON_CUDA
-#define GEOFP8_PYTHON_CUDA 0
-#endif
 
 namespace py = pybind11;
 
@@ -36,7 +33,7 @@ PYBIND11_MODULE(_geofp8, m) {
   geofp8::python::BindHookClient(m);
   m.def("layer_matches", &geofp8::LayerMatches, py::arg("pattern"), py::arg("name"),
         "True when `name` matches the layer pattern (exact, or a shell glob), as in job specs.");
-  m.attr("has_cuda") = py::bool_(GEOFP8_PYTHON_CUDA != 0);
+  m.attr("has_cuda") = py::bool_(geofp8::HookSession::kHasDevicePlane);
   m.def(
       "set_blas_threads",
       [](int threads) {

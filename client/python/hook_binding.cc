@@ -8,10 +8,11 @@
 #include <chrono>
 #include <memory>
 #include <optional>
+#include <string>
+#include <tuple>
+#include <vector>
 
 #include "kernels/common/check.h"
-#include "platform/common/status_error.h"
-#include "platform/policy/job_spec.h"
 #include "platform/policy/policy.h"
 #include "worker/hook/hook_client.h"
 
@@ -86,40 +87,6 @@ py::object ChangeDict(const std::optional<hook::PolicyChange>& change) {
 }
 
 }  // namespace
-
-CoordinatorPlan PlanFromCoordinator(const std::string& policy_bytes,
-                                    const std::vector<std::string>& refresh,
-                                    const std::string& spec_yaml,
-                                    const std::vector<model::ParamInfo>& params) {
-  v1::Policy policy;
-  GEOFP8_CHECK(policy.ParseFromString(policy_bytes), "coordinator policy: not a v1.Policy");
-  const std::string what = "policy v" + std::to_string(policy.version());
-  JobSpec spec;
-  if (!spec_yaml.empty()) {
-    spec = ValueOrThrow(ParseJobSpec(spec_yaml), "GEOFP8_JOB_SPEC: ");
-  }
-  GEOFP8_CHECK(spec.exchange.algorithm != Algorithm::kNative,
-               "spec.exchange.algorithm: native needs NCCL on a GPU; geofp8.torch on CPU accepts "
-               "two_phase, allgather, fp32, bf16 (native)");
-  CoordinatorPlan out;
-  out.version = policy.version();
-  out.plan = PlanFrom(policy, spec.exchange, spec.geometry_refresh, params, what);
-  const ExchangePlan& plan = out.plan;
-  if (!plan.uses_geometry()) return out;
-
-  // The coordinator's schedules by layer name, as the worker's trainer takes them.
-  std::vector<v1::RefreshSchedule> schedules;
-  for (const std::string& b : refresh) {
-    GEOFP8_CHECK(schedules.emplace_back().ParseFromString(b), what,
-                 ": a refresh schedule is not a v1.RefreshSchedule");
-  }
-  bool missing = false;
-  std::string which;
-  out.schedule = ScheduleFor(v1::Policy(), schedules, params, plan.layers, &missing, &which);
-  GEOFP8_CHECK(!missing, what, ": no geometry refresh schedule from the coordinator for layer ",
-               which);
-  return out;
-}
 
 void BindHookClient(py::module_& m) {
   py::class_<PyHookClient>(m, "HookClient",

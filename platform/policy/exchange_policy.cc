@@ -15,7 +15,9 @@
 
 #include <fstream>
 #include <sstream>
+#include <utility>
 
+#include "geofp8/v1/geofp8.pb.h"
 #include "kernels/common/check.h"
 #include "platform/common/status_error.h"
 #include "platform/policy/policy.h"
@@ -100,6 +102,54 @@ ExchangePlan MakeExchangePlanFromText(std::string_view yaml, const std::string& 
                       model.empty() ? std::string_view("the model") : model);
 }
 
+ExchangePlan MakeExchangePlanOf(const std::string& kind, const std::string& spec,
+                                const std::vector<model::ParamInfo>& params,
+                                std::string_view model) {
+  if (kind == "preset") return MakeExchangePlan(spec, params);
+  if (kind == "text") return MakeExchangePlanFromText(spec, "", params, model);
+  if (kind == "file") return MakeExchangePlanFromText(ReadPolicyFile(spec), spec, params, model);
+  GEOFP8_FAIL("policy kind: unknown value '", kind, "' (accepted: preset, file, text)");
+}
+
+VersionPlan PlanOfVersion(const v1::Policy& policy,
+                          const std::vector<v1::RefreshSchedule>& schedules,
+                          const ExchangeSpec& exchange, const RefreshSpec& refresh,
+                          const std::vector<model::ParamInfo>& params) {
+  VersionPlan out;
+  out.version = policy.version();
+  out.plan = PlanFrom(policy, exchange, refresh, params, "policy v" + std::to_string(out.version));
+  if (!out.plan.uses_geometry()) return out;
+  bool missing = false;
+  out.schedule =
+      ScheduleFor(policy, schedules, params, out.plan.layers, &missing, &out.unscheduled);
+  return out;
+}
+
+VersionPlan PlanOfCoordinatorVersion(const std::string& policy_bytes,
+                                     const std::vector<std::string>& refresh,
+                                     const std::string& spec_yaml,
+                                     const std::vector<model::ParamInfo>& params) {
+  v1::Policy policy;
+  GEOFP8_CHECK(policy.ParseFromString(policy_bytes), "coordinator policy: not a v1.Policy");
+  const std::string what = "policy v" + std::to_string(policy.version());
+  JobSpec spec;
+  if (!spec_yaml.empty()) {
+    spec = ValueOrThrow(ParseJobSpec(spec_yaml), "GEOFP8_JOB_SPEC: ");
+  }
+  GEOFP8_CHECK(spec.exchange.algorithm != Algorithm::kNative,
+               "spec.exchange.algorithm: native needs NCCL on a GPU; geofp8.torch on CPU accepts "
+               "two_phase, allgather, fp32, bf16 (native)");
+  std::vector<v1::RefreshSchedule> schedules;
+  for (const std::string& b : refresh) {
+    GEOFP8_CHECK(schedules.emplace_back().ParseFromString(b), what,
+                 ": a refresh schedule is not a v1.RefreshSchedule");
+  }
+  VersionPlan out = PlanOfVersion(policy, schedules, spec.exchange, spec.geometry_refresh, params);
+  GEOFP8_CHECK(out.unscheduled.empty(), what,
+               ": no geometry refresh schedule from the coordinator for layer ", out.unscheduled);
+  return out;
+}
+
 ExchangePlan PlanFrom(const v1::Policy& policy, const ExchangeSpec& exchange,
                       const RefreshSpec& refresh, const std::vector<model::ParamInfo>& params,
                       const std::string& name, const std::string& where) {
@@ -150,6 +200,11 @@ std::vector<RefreshSchedule> MakeRefreshSchedule(const ExchangePlan& plan, int r
   for (RefreshSchedule& s : schedule) s.interval = plan.refresh.interval;
   for (size_t j = 0; j < matrices.size(); ++j) schedule[matrices[j]] = staggered[j];
   return schedule;
+}
+
+EnginePolicy EnginePolicyOf(const ExchangePlan& plan, std::vector<RefreshSchedule> schedule,
+                            uint64_t version) {
+  return EnginePolicy{plan.layers, MakeExchangeOptions(plan), std::move(schedule), version};
 }
 
 }  // namespace geofp8

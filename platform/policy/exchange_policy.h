@@ -1,13 +1,16 @@
 // An exchange plan: one LayerPolicy per model parameter plus the algorithm and the geometry
 // refresh cadence, from a preset name (AcceptedPolicyPresets in job_spec.h) or a YAML file with
 // per-layer globs. Parsed and validated here, at the edge, for geofp8-train, the worker daemon,
-// the Python hook and geofp8-bench trajectory.
+// the Python hook and geofp8-bench trajectory; and the plans of coordinator policy versions for the
+// worker's rank attempts and the Python hook.
 #pragma once
 
+#include <cstdint>
 #include <string>
 #include <string_view>
 #include <vector>
 
+#include "kernels/exchange/engine.h"
 #include "kernels/exchange/exchanger.h"
 #include "kernels/exchange/policy.h"
 #include "kernels/model/model.h"
@@ -16,7 +19,8 @@
 namespace geofp8 {
 
 namespace v1 {
-class Policy;  // geofp8/v1/geofp8.pb.h, which PlanFrom's callers include
+class Policy;           // geofp8/v1/geofp8.pb.h, which PlanFrom's callers include
+class RefreshSchedule;  // the same
 }  // namespace v1
 
 // Plain struct: what the Exchanger needs besides the communicator.
@@ -56,6 +60,39 @@ ExchangePlan PlanFrom(const v1::Policy& policy, const ExchangeSpec& exchange,
                       const RefreshSpec& refresh, const std::vector<model::ParamInfo>& params,
                       const std::string& name, const std::string& where = "");
 
+// A policy as geofp8.torch names it: kind "preset" (MakeExchangePlan: a name, or a FILE.yaml),
+// "file" (a policy file at path `spec`, whatever its name) or "text" (YAML; errors "policy: line
+// 1: ..."). `model` names the model in an unmatched glob's error of a file or text.
+ExchangePlan MakeExchangePlanOf(const std::string& kind, const std::string& spec,
+                                const std::vector<model::ParamInfo>& params,
+                                std::string_view model = "");
+
+// A coordinator policy version resolved for a rank (PlanFrom) with the geometry refresh schedule
+// it runs under: the worker's rank attempts and the Python hook's coordinator versions.
+struct VersionPlan {
+  ExchangePlan plan;                      // named "policy v<version>"
+  std::vector<RefreshSchedule> schedule;  // one per parameter; empty when no layer uses geometry
+  std::string unscheduled;  // a layer that uses geometry but has no schedule yet; empty: none
+  uint64_t version = 0;
+};
+// `schedules`: the coordinator's for the layer catalog; the version's own (policy.refresh) win
+// (ScheduleFor).
+VersionPlan PlanOfVersion(const v1::Policy& policy,
+                          const std::vector<v1::RefreshSchedule>& schedules,
+                          const ExchangeSpec& exchange, const RefreshSpec& refresh,
+                          const std::vector<model::ParamInfo>& params);
+
+// PlanOfVersion for the Python hook, from what its HookClient hands over:
+//   policy:    a serialized v1::Policy (the change's "policy")
+//   refresh:   serialized v1::RefreshSchedule, the schedules in force (the change's "refresh")
+//   spec_yaml: the job's spec (GEOFP8_JOB_SPEC); empty: the spec's defaults
+// A layer that uses geometry without a schedule is an error, as is algorithm native (no NCCL on
+// the CPU path). Errors name the version and the field or layer.
+VersionPlan PlanOfCoordinatorVersion(const std::string& policy,
+                                     const std::vector<std::string>& refresh,
+                                     const std::string& spec_yaml,
+                                     const std::vector<model::ParamInfo>& params);
+
 // The Exchanger options the plan decides (algorithm, bucket cap, estimator and its knobs); the
 // caller adds what the run decides (seed, timeout, policy version, trace).
 ExchangeOptions MakeExchangeOptions(const ExchangePlan& plan);
@@ -63,5 +100,9 @@ ExchangeOptions MakeExchangeOptions(const ExchangePlan& plan);
 // The geometry refresh schedule of `ranks` ranks, one entry per parameter, by the coordinator's
 // algorithm (platform/policy RefreshScheduleOf). Empty when the plan uses no geometry.
 std::vector<RefreshSchedule> MakeRefreshSchedule(const ExchangePlan& plan, int ranks);
+
+// What ExchangeEngine::SetPolicy takes: the plan's layers and options, under `schedule`.
+EnginePolicy EnginePolicyOf(const ExchangePlan& plan, std::vector<RefreshSchedule> schedule,
+                            uint64_t version);
 
 }  // namespace geofp8

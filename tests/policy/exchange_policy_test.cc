@@ -11,6 +11,7 @@
 #include <set>
 
 #include "kernels/common/check.h"
+#include "platform/common/status_error.h"
 #include "platform/policy/policy.h"
 
 namespace geofp8 {
@@ -137,6 +138,101 @@ TEST_F(PolicyFileTest, ErrorsCarryNoSourceLocationAndNoDoubledPrefix) {
   const std::string file = ErrorOf("policy:\n  default: {format: fp9}\n");
   EXPECT_EQ(file.rfind("policy: /", 0), 0u) << file;  // "policy: <path>: line 2: ..."
   EXPECT_EQ(file.find(".cc:"), std::string::npos) << file;
+}
+
+// Each layer's format, geometry and rank, for comparing plans.
+std::string Describe(const ExchangePlan& plan) {
+  std::string out;
+  for (const LayerPolicy& l : plan.layers) {
+    out += std::string(FormatNameOf(l.format)) + "/" + std::string(GeometryNameOf(l.geometry)) +
+           "/" + std::to_string(l.rank) + " ";
+  }
+  return out;
+}
+
+// geofp8.torch's set_policy names a policy by kind; each kind is the builder it names, and a
+// file is read whatever its name (a preset name ending in .yaml is a path too).
+TEST_F(PolicyFileTest, KindsNameAPresetAFileOrText) {
+  const auto params = Params();
+  const std::string text = "policy:\n  default: {format: nvfp4}\n";
+  EXPECT_EQ(Describe(MakeExchangePlanOf("preset", "geofp8", params)),
+            Describe(MakeExchangePlan("geofp8", params)));
+  const ExchangePlan from_text = MakeExchangePlanOf("text", text, params);
+  EXPECT_EQ(from_text.layers[0].format, Format::kNvfp4);
+  const std::string path = Write(text) + ".txt";
+  fs::rename(path.substr(0, path.size() - 4), path);
+  paths_.push_back(path);
+  EXPECT_EQ(Describe(MakeExchangePlanOf("file", path, params)), Describe(from_text));
+  auto error = [&](const std::string& kind, const std::string& spec) {
+    try {
+      MakeExchangePlanOf(kind, spec, params, "gpt");
+    } catch (const Error& e) {
+      return std::string(e.what());
+    }
+    return std::string();
+  };
+  EXPECT_EQ(error("url", "x"), "policy kind: unknown value 'url' (accepted: preset, file, text)");
+  EXPECT_EQ(error("file", "/nonexistent/p.txt"), "policy: cannot read file /nonexistent/p.txt");
+  EXPECT_EQ(error("text", "policy:\n  layers: [{match: \"nope.*\", format: fp32}]\n")
+                .rfind("policy: spec.policy.layers[0].match: ", 0),
+            0u);
+}
+
+// A coordinator version's plan and schedule, as the worker's rank attempt and the Python hook both
+// take them: the schedules by layer name, the version's own winning, and a matrix with a geometry
+// but no schedule named.
+TEST(ExchangePolicy, AVersionPlanTakesItsScheduleByLayerName) {
+  const auto params = Params();
+  const PolicyFileSpec file =
+      ValueOrThrow(ParsePolicyFile("policy:\n  default: {geometry: lowrank, rank: 2}\n"));
+  v1::Policy policy = InitialPolicy("job", file.policy, 0);
+  policy.set_version(3);
+  std::vector<v1::RefreshSchedule> catalog;
+  for (const auto& p : params) {
+    if (!p.is_matrix()) continue;
+    v1::RefreshSchedule& s = catalog.emplace_back();
+    s.set_layer(p.name);
+    s.set_interval(5);
+    s.set_owner(1);
+  }
+  *policy.add_refresh() = catalog.front();
+  policy.mutable_refresh(0)->set_interval(7);  // the version's own wins over the catalog's
+  const VersionPlan v = PlanOfVersion(policy, catalog, ExchangeSpec{}, RefreshSpec{}, params);
+  EXPECT_EQ(v.version, 3u);
+  EXPECT_EQ(v.plan.name, "policy v3");
+  EXPECT_TRUE(v.unscheduled.empty()) << v.unscheduled;
+  ASSERT_EQ(v.schedule.size(), params.size());
+  for (size_t i = 0; i < params.size(); ++i) {
+    if (!params[i].is_matrix()) continue;
+    EXPECT_EQ(v.schedule[i].interval, params[i].name == catalog.front().layer() ? 7 : 5);
+    EXPECT_EQ(v.schedule[i].owner, 1);
+  }
+  // The Python hook's form: serialized, with the schedules in force.
+  std::vector<std::string> refresh;
+  for (const auto& s : catalog) refresh.push_back(s.SerializeAsString());
+  const VersionPlan py = PlanOfCoordinatorVersion(policy.SerializeAsString(), refresh, "", params);
+  EXPECT_EQ(Describe(py.plan), Describe(v.plan));
+  EXPECT_EQ(py.version, 3u);
+  // A matrix without a schedule: named by the plan, refused by the Python form.
+  const std::string last = catalog.back().layer();
+  catalog.pop_back();
+  refresh.pop_back();
+  policy.clear_refresh();
+  EXPECT_EQ(PlanOfVersion(policy, catalog, ExchangeSpec{}, RefreshSpec{}, params).unscheduled,
+            last);
+  try {
+    PlanOfCoordinatorVersion(policy.SerializeAsString(), refresh, "", params);
+    FAIL() << "no error";
+  } catch (const Error& e) {
+    EXPECT_EQ(std::string(e.what()),
+              "policy v3: no geometry refresh schedule from the coordinator for layer " + last);
+  }
+  try {
+    PlanOfCoordinatorVersion("\xff", {}, "", params);
+    FAIL() << "no error";
+  } catch (const Error& e) {
+    EXPECT_STREQ(e.what(), "coordinator policy: not a v1.Policy");
+  }
 }
 
 TEST_F(PolicyFileTest, GlobsOverrideInOrderAndOneDLayersStayEuclidean) {

@@ -85,36 +85,27 @@ RankAttempt::Agreed RankAttempt::Control() {
   return {ControlWord(words[0]), ~words[1]};
 }
 
-bool RankAttempt::UsesGeometry() const {
-  for (const auto& p : layer_policies_) {
-    if (p.geometry != GeometryMode::kNone) return true;
+VersionPlan RankAttempt::Resolve(const v1::Policy& p) {
+  VersionPlan v = PlanOfVersion(p, ctx_.inbox.InitialSchedule(), spec_.exchange,
+                                spec_.geometry_refresh, params_);
+  if (!v.unscheduled.empty()) {
+    // The schedule follows rank 0's layer catalog; wait for it (same answer on every rank).
+    ctx_.inbox.WaitForInitialSchedule(ctx_.options.schedule_wait);
+    v = PlanOfVersion(p, ctx_.inbox.InitialSchedule(), spec_.exchange, spec_.geometry_refresh,
+                      params_);
+    GEOFP8_CHECK(v.unscheduled.empty(), "policy v", p.version(),
+                 ": no geometry refresh schedule for layer ", v.unscheduled, " arrived within ",
+                 ctx_.options.schedule_wait.count(), " ms");
   }
-  return false;
-}
-
-std::vector<RefreshSchedule> RankAttempt::Resolve(const v1::Policy& p) {
-  layer_policies_ = ValueOrThrow(ResolveLayers(p, params_));
-  schedule_.clear();
-  if (UsesGeometry()) {
-    bool missing = false;
-    std::string which;
-    schedule_ =
-        ScheduleFor(p, ctx_.inbox.InitialSchedule(), params_, layer_policies_, &missing, &which);
-    if (missing) {
-      // The schedule follows rank 0's layer catalog; wait for it (same answer on every rank).
-      ctx_.inbox.WaitForInitialSchedule(ctx_.options.schedule_wait);
-      schedule_ =
-          ScheduleFor(p, ctx_.inbox.InitialSchedule(), params_, layer_policies_, &missing, &which);
-      GEOFP8_CHECK(!missing, "policy v", p.version(), ": no geometry refresh schedule for layer ",
-                   which, " arrived within ", ctx_.options.schedule_wait.count(), " ms");
-    }
-  }
-  return schedule_;
+  layer_policies_ = v.plan.layers;
+  schedule_ = v.schedule;
+  return v;
 }
 
 void RankAttempt::Apply(const v1::Policy& p, int64_t step) {
-  std::vector<RefreshSchedule> schedule = Resolve(p);
-  trainer_->SetPolicies(uint64_t(step), layer_policies_, std::move(schedule), p.version());
+  VersionPlan v = Resolve(p);
+  trainer_->SetPolicies(uint64_t(step), std::move(v.plan.layers), std::move(v.schedule),
+                        p.version());
   Announce(p, step, step);
 }
 
@@ -228,11 +219,9 @@ void RankAttempt::Begin(const train::TrainOptions& to, int64_t start) {
       ctx_.inbox.TakeStart(start, resumed ? resumed->policy_version : 0);
   GEOFP8_CHECK(first.has_value(), "policy: no version in force at step ", start);
   {
-    std::vector<RefreshSchedule> schedule = Resolve(*first);
-    const std::string name = "policy v" + std::to_string(first->version());
-    ExchangePlan plan = PlanFrom(*first, spec_.exchange, spec_.geometry_refresh, params_, name);
-    trainer_ = std::make_unique<train::Trainer>(to, *comm_, std::move(plan), std::move(schedule),
-                                                first->version());
+    VersionPlan v = Resolve(*first);
+    trainer_ = std::make_unique<train::Trainer>(to, *comm_, std::move(v.plan),
+                                                std::move(v.schedule), first->version());
   }
   if (spec_.auto_policy.enabled && rank_ == 0) {
     ProbeSettings ps;

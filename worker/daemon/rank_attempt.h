@@ -18,6 +18,7 @@
 #include "kernels/exchange/communicator.h"
 #include "kernels/exchange/policy.h"
 #include "kernels/model/model.h"
+#include "platform/policy/exchange_policy.h"
 #include "platform/policy/job_spec.h"
 #include "worker/daemon/connection.h"
 #include "worker/daemon/geometry_probe.h"
@@ -71,10 +72,10 @@ class RankAttempt {
   // One step of the loop; false: the ranks agreed to stop (`out` says why).
   bool Step(int64_t step, int64_t steps, double baseline_per_step, JobOutcome& out);
 
-  // Every layer's policy under `p` and the refresh schedule (empty when no layer uses geometry),
-  // kept as the ones in force: Apply hands them to the trainer for the step about to run.
-  std::vector<RefreshSchedule> Resolve(const v1::Policy& p);
-  bool UsesGeometry() const;
+  // The plan of `p` and its refresh schedule (empty when no layer uses geometry), waiting for
+  // the coordinator's schedule where it has not arrived; its layers and schedule are kept as the
+  // ones in force: Apply hands them to the trainer for the step about to run.
+  VersionPlan Resolve(const v1::Policy& p);
   // Puts `p` in force from `step`: the trainer switches its exchange at that step boundary,
   // keeping the geometry of layers whose mode and rank stay (Trainer::SetPolicies).
   void Apply(const v1::Policy& p, int64_t step);
