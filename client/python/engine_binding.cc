@@ -280,11 +280,13 @@ class Engine {
 
   // Averages the gradients of `layers` (indices into set_layers' list) over the ranks in place:
   // layer layers[i] is buffer[offsets[i] .. + its size). `buffer` is a writable, contiguous
-  // float32 buffer (a CPU tensor's numpy() view). The result's "started" (time.monotonic()
-  // seconds) is when the exchange began, after the buckets submitted before it.
+  // buffer of `dtype` (a CPU tensor's numpy() view; a bfloat16 or float16 one viewed as int16):
+  // the engine reads it as it encodes and writes the average back rounded to it. The result's
+  // "started" (time.monotonic() seconds) is when the exchange began, after the buckets
+  // submitted before it.
   py::dict Exchange(uint64_t step, const std::vector<uint32_t>& layers, py::buffer buffer,
-                    const std::vector<int64_t>& offsets) {
-    std::vector<std::span<float>> grads = BucketGrads(layers, buffer, offsets);
+                    const std::vector<int64_t>& offsets, const std::string& dtype) {
+    GradSpans grads = BucketGrads(layers, buffer, offsets, dtype);
     StepResult r;
     std::chrono::steady_clock::time_point started;
     {
@@ -298,26 +300,28 @@ class Engine {
 
   // exchange() as a reduce-scatter (ExchangeEngine::ReduceScatter): layer layers[i] is read from
   // buffer[offsets[i] ..] (and clobbered), and this rank's rows of its average (FSDP's dim-0
-  // chunk, ceil(rows / N) rows, fewer or none at the end) are written to out[out_offsets[i] ..].
+  // chunk, ceil(rows / N) rows, fewer or none at the end) are written to out[out_offsets[i] ..],
+  // a float32 buffer or one of `dtype`, as buffer is.
   py::dict ReduceScatter(uint64_t step, const std::vector<uint32_t>& layers, py::buffer buffer,
                          const std::vector<int64_t>& offsets, py::buffer out,
-                         const std::vector<int64_t>& out_offsets) {
-    std::vector<std::span<float>> grads = BucketGrads(layers, buffer, offsets);
+                         const std::vector<int64_t>& out_offsets, const std::string& dtype) {
+    GradSpans grads = BucketGrads(layers, buffer, offsets, dtype);
     py::buffer_info info = out.request(/*writable=*/true);
-    GEOFP8_CHECK(info.itemsize == 4 && info.format.find('f') != std::string::npos &&
-                     info.ndim == 1 && info.strides[0] == 4,
-                 "reduce-scatter output: must be one contiguous 1-D float32 array");
+    const GradDtype out_dtype = BufferDtype(info, info.itemsize == 4 ? "float32" : dtype);
+    GEOFP8_CHECK(info.ndim == 1 && info.strides[0] == info.itemsize,
+                 "reduce-scatter output: must be one contiguous 1-D array");
     GEOFP8_CHECK(out_offsets.size() == layers.size(), "reduce-scatter: ", layers.size(),
                  " layers but ", out_offsets.size(), " output offsets");
-    std::vector<std::span<float>> outs;
+    GradSpans outs;
     for (size_t i = 0; i < layers.size(); ++i) {
       const EngineLayer& l = engine_->layers()[layers[i]];
       const int64_t c = (l.rows + size() - 1) / size();
       const int64_t mine = std::clamp<int64_t>(l.rows - c * rank_, 0, c) * l.cols;
       GEOFP8_CHECK(out_offsets[i] >= 0 && out_offsets[i] + mine <= info.shape[0],
                    "reduce-scatter: layer '", l.name, "' at output offset ", out_offsets[i], " + ",
-                   mine, " is outside the output of ", info.shape[0], " floats");
-      outs.emplace_back(static_cast<float*>(info.ptr) + out_offsets[i], static_cast<size_t>(mine));
+                   mine, " is outside the output of ", info.shape[0], " elements");
+      outs.emplace_back(static_cast<uint8_t*>(info.ptr) + out_offsets[i] * info.itemsize,
+                        static_cast<size_t>(mine), out_dtype);
     }
     StepResult r;
     {
@@ -334,8 +338,8 @@ class Engine {
   // (steady_clock seconds, Python's time.monotonic()) and error None, or result None and error
   // the exception (geofp8.Error for the engine's own). The buffer must not be touched until then.
   void Submit(uint64_t step, const std::vector<uint32_t>& layers, py::buffer buffer,
-              const std::vector<int64_t>& offsets, py::function done) {
-    std::vector<std::span<float>> grads = BucketGrads(layers, buffer, offsets);
+              const std::vector<int64_t>& offsets, py::function done, const std::string& dtype) {
+    GradSpans grads = BucketGrads(layers, buffer, offsets, dtype);
     auto callback = Callback(std::move(done), std::move(buffer));
     py::gil_scoped_release release;
     engine_->Submit(step, layers, std::move(grads), std::move(callback));
@@ -347,7 +351,7 @@ class Engine {
   // the result is in device memory.
   py::dict ExchangeCuda(uint64_t step, const std::vector<uint32_t>& layers, uintptr_t ptr,
                         int64_t numel, const std::vector<int64_t>& offsets, uintptr_t stream) {
-    std::vector<std::span<float>> grads = DeviceBucketGrads(layers, ptr, numel, offsets);
+    GradSpans grads = DeviceBucketGrads(layers, ptr, numel, offsets);
     StepResult r;
     std::chrono::steady_clock::time_point started;
     {
@@ -364,7 +368,7 @@ class Engine {
   // untouched until done(result, error) is called.
   void SubmitCuda(uint64_t step, const std::vector<uint32_t>& layers, uintptr_t ptr, int64_t numel,
                   const std::vector<int64_t>& offsets, uintptr_t stream, py::function done) {
-    std::vector<std::span<float>> grads = DeviceBucketGrads(layers, ptr, numel, offsets);
+    GradSpans grads = DeviceBucketGrads(layers, ptr, numel, offsets);
     auto callback = Callback(std::move(done), py::object());
     py::gil_scoped_release release;
     engine_->Submit(step, layers, std::move(grads), std::move(callback), AfterStream(stream));
@@ -594,9 +598,8 @@ class Engine {
   }
 
   // A CUDA bucket's layers as spans of device memory (exchange_cuda() and submit_cuda()).
-  std::vector<std::span<float>> DeviceBucketGrads(const std::vector<uint32_t>& layers,
-                                                  uintptr_t ptr, int64_t numel,
-                                                  const std::vector<int64_t>& offsets) {
+  GradSpans DeviceBucketGrads(const std::vector<uint32_t>& layers, uintptr_t ptr, int64_t numel,
+                              const std::vector<int64_t>& offsets) {
     GEOFP8_CHECK(OnCuda(),
                  "device: this engine runs on CPU tensors (backend gloo); create it "
                  "with backend 'nccl' for CUDA tensors");
@@ -605,39 +608,58 @@ class Engine {
 #if GEOFP8_PYTHON_CUDA
     cuda_->CheckDeviceMemory(reinterpret_cast<const void*>(ptr), "bucket");
 #endif
-    return LayerSpans(layers, reinterpret_cast<float*>(ptr), numel, offsets);
+    return LayerSpans(layers, reinterpret_cast<void*>(ptr), GradDtype::kFp32, numel, offsets);
   }
 
   // The bucket's layers as spans into `buffer`, checked (exchange() and submit()).
-  std::vector<std::span<float>> BucketGrads(const std::vector<uint32_t>& layers, py::buffer& buffer,
-                                            const std::vector<int64_t>& offsets) {
+  GradSpans BucketGrads(const std::vector<uint32_t>& layers, py::buffer& buffer,
+                        const std::vector<int64_t>& offsets, const std::string& dtype) {
     GEOFP8_CHECK(!OnCuda(),
                  "device: this engine runs on CUDA tensors (backend nccl); CPU tensors "
                  "need a gloo engine");
     GEOFP8_CHECK(engine_->has_policy(), "exchange: set_policy first");
     py::buffer_info info = buffer.request(/*writable=*/true);
-    const bool f32 =
-        info.itemsize == 4 && (info.format == "f" || info.format == "<f" || info.format == "=f");
-    GEOFP8_CHECK(f32, "gradient dtype: must be float32 (buffer format '", info.format, "')");
-    GEOFP8_CHECK(info.ndim == 1 && info.strides[0] == 4,
+    const GradDtype d = BufferDtype(info, dtype);
+    GEOFP8_CHECK(info.ndim == 1 && info.strides[0] == info.itemsize,
                  "gradient buffer: must be one contiguous 1-D array");
-    return LayerSpans(layers, static_cast<float*>(info.ptr), info.shape[0], offsets);
+    return LayerSpans(layers, info.ptr, d, info.shape[0], offsets);
   }
 
-  // Layer layers[i] as data[offsets[i] .. + its size), each inside the bucket of numel floats.
-  std::vector<std::span<float>> LayerSpans(const std::vector<uint32_t>& layers, float* data,
-                                           int64_t numel, const std::vector<int64_t>& offsets) {
+  // A buffer's gradient dtype: `dtype` ("float32", "bfloat16" or "float16"), checked against
+  // its items (4-byte floats, or 2-byte items: numpy has no bfloat16, so torch's is viewed as
+  // int16 on the way).
+  static GradDtype BufferDtype(const py::buffer_info& info, const std::string& dtype) {
+    const std::string f = info.format.empty() ? "" : info.format.substr(info.format.size() - 1);
+    if (dtype == "float32") {
+      GEOFP8_CHECK(info.itemsize == 4 && f == "f",
+                   "gradient dtype: float32 needs a float32 "
+                   "buffer (buffer format '",
+                   info.format, "')");
+      return GradDtype::kFp32;
+    }
+    GEOFP8_CHECK(dtype == "bfloat16" || dtype == "float16", "gradient dtype: unknown value '",
+                 dtype, "' (accepted: float32, bfloat16, float16)");
+    GEOFP8_CHECK(info.itemsize == 2 && (f == "e" || f == "h" || f == "H"),
+                 "gradient dtype: ", dtype, " needs a buffer of 2-byte items (buffer format '",
+                 info.format, "')");
+    return dtype == "bfloat16" ? GradDtype::kBf16 : GradDtype::kFp16;
+  }
+
+  // Layer layers[i] as data[offsets[i] .. + its size), each inside the bucket of numel elements.
+  GradSpans LayerSpans(const std::vector<uint32_t>& layers, void* data, GradDtype dtype,
+                       int64_t numel, const std::vector<int64_t>& offsets) {
     GEOFP8_CHECK(layers.size() == offsets.size() && !layers.empty(), "exchange: ", layers.size(),
                  " layers but ", offsets.size(), " offsets");
-    std::vector<std::span<float>> grads;
+    GradSpans grads;
+    const GradSpan all(data, static_cast<size_t>(numel), dtype);
     for (size_t i = 0; i < layers.size(); ++i) {
       GEOFP8_CHECK(layers[i] < params_.size(), "exchange: layer index ", layers[i],
                    " >= ", params_.size());
       const int64_t n = params_[layers[i]].size();
       GEOFP8_CHECK(offsets[i] >= 0 && offsets[i] + n <= numel, "exchange: layer '",
                    params_[layers[i]].name, "' at offset ", offsets[i], " + ", n,
-                   " is outside the bucket of ", numel, " floats");
-      grads.emplace_back(data + offsets[i], static_cast<size_t>(n));
+                   " is outside the bucket of ", numel, " elements");
+      grads.push_back(all.subspan(static_cast<size_t>(offsets[i]), static_cast<size_t>(n)));
     }
     return grads;
   }
@@ -679,11 +701,12 @@ void BindEngine(py::module_& m) {
       .def("check_policy", &Engine::CheckPolicy, py::arg("kind"), py::arg("spec"),
            py::arg("model") = "model")
       .def("reduce_scatter", &Engine::ReduceScatter, py::arg("step"), py::arg("layers"),
-           py::arg("buffer"), py::arg("offsets"), py::arg("out"), py::arg("out_offsets"))
+           py::arg("buffer"), py::arg("offsets"), py::arg("out"), py::arg("out_offsets"),
+           py::arg("dtype") = "float32")
       .def("exchange", &Engine::Exchange, py::arg("step"), py::arg("layers"), py::arg("buffer"),
-           py::arg("offsets"))
+           py::arg("offsets"), py::arg("dtype") = "float32")
       .def("submit", &Engine::Submit, py::arg("step"), py::arg("layers"), py::arg("buffer"),
-           py::arg("offsets"), py::arg("done"),
+           py::arg("offsets"), py::arg("done"), py::arg("dtype") = "float32",
            "exchange() on the engine's exchange thread, in submission order; returns at once and "
            "calls done(result, error) with the GIL when the bucket is averaged (result: "
            "exchange()'s dict plus queued/started/finished, time.monotonic() seconds).")
