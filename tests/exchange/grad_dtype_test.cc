@@ -439,5 +439,65 @@ TEST(GradDtype, BaselinesTakeLowpGradients) {
   }
 }
 
+// Geometry refreshes on bf16 gradients, both estimators (the ema one deferred to the engine's
+// thread), read the rounded average; every step refreshes, so the reduce-scatter all-reduces the
+// layer and hands out the all-reduce's rows, rounded.
+TEST(GradDtype, GeometryRefreshesReadTheRoundedAverage) {
+  const int n = 2;
+  const int64_t rows = 32, cols = 24;
+  const size_t count = static_cast<size_t>(rows * cols);
+  for (GeometryEstimator est : {GeometryEstimator::kFactorEma, GeometryEstimator::kInstant}) {
+    std::vector<std::vector<uint16_t>> all_reduced(n), scattered(n);
+    std::vector<size_t> refreshes(n, 0);
+    const auto errors = RunRanks(n, [&](Communicator& comm) {
+      const int r = comm.rank();
+      EnginePolicy policy;
+      LayerPolicy p = Policy(Format::kFp8E4M3, Scaling::kBlock, 32);
+      p.geometry = GeometryMode::kLowRank;
+      p.rank = 2;
+      policy.layers = {p};
+      policy.options.estimator = est;
+      policy.schedule = {RefreshSchedule{0, 1, 0}};
+      ExchangeEngine ar(comm, EngineOptions{.seed = 1}), rs(comm, EngineOptions{.seed = 1});
+      for (ExchangeEngine* e : {&ar, &rs}) {
+        e->SetLayers({{"w", rows, cols}});
+        e->SetPolicy(policy);
+      }
+      const ChunkRange mine = RowChunkOf(count, size_t(cols), n, r);
+      for (uint64_t s = 0; s < 4; ++s) {
+        std::vector<uint16_t> g = LowpInput(GradDtype::kBf16, r, 0, count, s), h = g;
+        std::vector<uint16_t> out(mine.size());
+        const StepResult a = ar.Exchange(s, {0}, {GradSpan(g.data(), count, GradDtype::kBf16)});
+        rs.ReduceScatter(s, {0}, {GradSpan(h.data(), count, GradDtype::kBf16)},
+                         {GradSpan(out.data(), out.size(), GradDtype::kBf16)});
+        refreshes[r] += a.refreshes.size();
+        ASSERT_EQ(out, std::vector<uint16_t>(g.begin() + mine.begin, g.begin() + mine.end))
+            << "step " << s;
+        all_reduced[r] = g;
+      }
+      ar.Drain();
+      rs.Drain();
+      EXPECT_GT(ar.ExportGeometry()[0].active.size(), 0u) << "a refreshed geometry is active";
+    });
+    ASSERT_EQ(JoinErrors(errors), "");
+    EXPECT_GT(refreshes[0], 0u);
+    EXPECT_EQ(all_reduced[0], all_reduced[1]);
+    // The last step's average against fp64, through the active geometry: within fp8's error.
+    std::vector<double> exact(count, 0.0);
+    for (int src = 0; src < n; ++src) {
+      const std::vector<float> x =
+          ToFloat(LowpInput(GradDtype::kBf16, src, 0, count, 3), GradDtype::kBf16);
+      for (size_t i = 0; i < count; ++i) exact[i] += double(x[i]) / n;
+    }
+    const std::vector<float> got = ToFloat(all_reduced[0], GradDtype::kBf16);
+    double e = 0, w = 0;
+    for (size_t i = 0; i < count; ++i) {
+      e += (got[i] - exact[i]) * (got[i] - exact[i]);
+      w += exact[i] * exact[i];
+    }
+    EXPECT_LT(std::sqrt(e / w), 2 * FormatRelStep(Format::kFp8E4M3) + std::ldexp(1.0, -8));
+  }
+}
+
 }  // namespace
 }  // namespace geofp8::testing
