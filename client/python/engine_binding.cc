@@ -167,23 +167,43 @@ ExchangeEngine::Done Callback(py::function done, py::object buffer) {
 
 // A CPU bucket: layers, a writable contiguous 1-D float32 buffer (a CPU tensor's numpy() view)
 // and each layer's offset in it.
-FlatBucket HostBucket(std::vector<uint32_t> layers, py::buffer& buffer,
-                      std::vector<int64_t> offsets) {
+// A buffer's gradient dtype: `dtype` ("float32", "bfloat16" or "float16"), checked against its
+// items (4-byte floats, or 2-byte items: numpy has no bfloat16, so torch's is viewed as int16).
+GradDtype BufferDtype(const py::buffer_info& info, const std::string& dtype) {
+  const std::string f = info.format.empty() ? "" : info.format.substr(info.format.size() - 1);
+  if (dtype == "float32") {
+    GEOFP8_CHECK(info.itemsize == 4 && f == "f",
+                 "gradient dtype: float32 needs a float32 buffer (buffer format '", info.format,
+                 "')");
+    return GradDtype::kFp32;
+  }
+  GEOFP8_CHECK(dtype == "bfloat16" || dtype == "float16", "gradient dtype: unknown value '", dtype,
+               "' (accepted: float32, bfloat16, float16)");
+  GEOFP8_CHECK(info.itemsize == 2 && (f == "e" || f == "h" || f == "H"), "gradient dtype: ", dtype,
+               " needs a buffer of 2-byte items (buffer format '", info.format, "')");
+  return dtype == "bfloat16" ? GradDtype::kBf16 : GradDtype::kFp16;
+}
+
+// A host buffer of `dtype` as one contiguous 1-D gradient span.
+GradSpan HostSpan(py::buffer& buffer, const std::string& dtype, const char* what) {
   py::buffer_info info = buffer.request(/*writable=*/true);
-  const bool f32 =
-      info.itemsize == 4 && (info.format == "f" || info.format == "<f" || info.format == "=f");
-  GEOFP8_CHECK(f32, "gradient dtype: must be float32 (buffer format '", info.format, "')");
-  GEOFP8_CHECK(info.ndim == 1 && info.strides[0] == 4,
-               "gradient buffer: must be one contiguous 1-D array");
-  std::span<float> data(static_cast<float*>(info.ptr), static_cast<size_t>(info.shape[0]));
-  return FlatBucket{std::move(layers), data, std::move(offsets)};
+  const GradDtype d = BufferDtype(info, dtype);
+  GEOFP8_CHECK(info.ndim == 1 && info.strides[0] == info.itemsize, what,
+               ": must be one contiguous 1-D array");
+  return GradSpan(info.ptr, static_cast<size_t>(info.shape[0]), d);
+}
+
+FlatBucket HostBucket(std::vector<uint32_t> layers, py::buffer& buffer,
+                      std::vector<int64_t> offsets, const std::string& dtype) {
+  return FlatBucket{std::move(layers), HostSpan(buffer, dtype, "gradient buffer"),
+                    std::move(offsets)};
 }
 
 // A CUDA bucket: numel floats of device memory at `ptr`, after the work queued on `stream`.
 FlatBucket DeviceBucket(std::vector<uint32_t> layers, uintptr_t ptr, int64_t numel,
                         std::vector<int64_t> offsets, uintptr_t stream) {
   GEOFP8_CHECK(numel >= 0, "exchange: numel must be >= 0 (", numel, ")");
-  std::span<float> data(reinterpret_cast<float*>(ptr), static_cast<size_t>(numel));
+  GradSpan data(reinterpret_cast<void*>(ptr), static_cast<size_t>(numel), GradDtype::kFp32);
   return FlatBucket{std::move(layers), data, std::move(offsets), /*on_device=*/true, stream};
 }
 
@@ -240,15 +260,17 @@ class Engine {
     s_->CheckPolicy(MakeExchangePlanOf(kind, spec, s_->params(), model).layers);
   }
 
-  py::dict Exchange(uint64_t step, Layers layers, py::buffer buffer, Offsets offsets) {
-    return Run(step, HostBucket(std::move(layers), buffer, std::move(offsets)));
+  py::dict Exchange(uint64_t step, Layers layers, py::buffer buffer, Offsets offsets,
+                    const std::string& dtype) {
+    return Run(step, HostBucket(std::move(layers), buffer, std::move(offsets), dtype));
   }
   py::dict ExchangeCuda(uint64_t step, Layers layers, uintptr_t ptr, int64_t numel, Offsets offsets,
                         uintptr_t stream) {
     return Run(step, DeviceBucket(std::move(layers), ptr, numel, std::move(offsets), stream));
   }
-  void Submit(uint64_t step, Layers layers, py::buffer buffer, Offsets offsets, py::function done) {
-    const FlatBucket b = HostBucket(std::move(layers), buffer, std::move(offsets));
+  void Submit(uint64_t step, Layers layers, py::buffer buffer, Offsets offsets, py::function done,
+              const std::string& dtype) {
+    const FlatBucket b = HostBucket(std::move(layers), buffer, std::move(offsets), dtype);
     Queue(step, b, Callback(std::move(done), std::move(buffer)));
   }
   void SubmitCuda(uint64_t step, Layers layers, uintptr_t ptr, int64_t numel, Offsets offsets,
@@ -257,13 +279,11 @@ class Engine {
     Queue(step, b, Callback(std::move(done), py::object()));
   }
   py::dict ReduceScatter(uint64_t step, Layers layers, py::buffer buffer, Offsets offsets,
-                         py::buffer out, const Offsets& out_offsets) {
-    const FlatBucket b = HostBucket(std::move(layers), buffer, std::move(offsets));
-    py::buffer_info info = out.request(/*writable=*/true);
-    GEOFP8_CHECK(info.itemsize == 4 && info.format.find('f') != std::string::npos &&
-                     info.ndim == 1 && info.strides[0] == 4,
-                 "reduce-scatter output: must be one contiguous 1-D float32 array");
-    std::span<float> o(static_cast<float*>(info.ptr), static_cast<size_t>(info.shape[0]));
+                         py::buffer out, const Offsets& out_offsets, const std::string& dtype) {
+    const FlatBucket b = HostBucket(std::move(layers), buffer, std::move(offsets), dtype);
+    // float32 rows, or rows of the gradients' own dtype.
+    const bool f32 = out.request().itemsize == 4;
+    const GradSpan o = HostSpan(out, f32 ? "float32" : dtype, "reduce-scatter output");
     return ResultDict(Released([&] { return s_->ReduceScatter(step, b, o, out_offsets); }));
   }
 
@@ -363,12 +383,15 @@ void BindEngine(py::module_& m) {
       .def(
           "reduce_scatter", &Engine::ReduceScatter, py::arg("step"), py::arg("layers"),
           py::arg("buffer"), py::arg("offsets"), py::arg("out"), py::arg("out_offsets"),
-          "exchange() whose average's rows of this rank (FSDP's chunk) go to out; clobbers buffer.")
+          py::arg("dtype") = "float32",
+          "exchange() whose average's rows of this rank (FSDP's chunk) go to out (float32 or "
+          "dtype); clobbers buffer.")
       .def("exchange", &Engine::Exchange, py::arg("step"), py::arg("layers"), py::arg("buffer"),
-           py::arg("offsets"),
-           "Averages layers[i] at buffer[offsets[i]..] (float32) over the ranks in place.")
+           py::arg("offsets"), py::arg("dtype") = "float32",
+           "Averages layers[i] at buffer[offsets[i]..] over the ranks in place; dtype float32, "
+           "bfloat16 or float16 (2-byte ones viewed as int16), read and written back in it.")
       .def("submit", &Engine::Submit, py::arg("step"), py::arg("layers"), py::arg("buffer"),
-           py::arg("offsets"), py::arg("done"),
+           py::arg("offsets"), py::arg("done"), py::arg("dtype") = "float32",
            "exchange() on the engine's thread, in order; then done(result, error) with the GIL.")
       .def("drain", &Engine::Drain, nogil, py::arg("forget_errors") = true,
            "Waits for every submitted bucket's callback; forget_errors: not raised again.")

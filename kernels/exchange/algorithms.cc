@@ -106,7 +106,8 @@ uint64_t Flatten(DataPlane& plane, std::span<const BucketLayer> layers, float di
   size_t off = 0;
   for (const auto& l : layers) {
     // Transformed layers were divided (and transformed) in place already.
-    plane.ReadDivided(l.in, Transformed(l) ? 1.f : divisor, l.flag_bit,
+    plane.ReadDivided(Transformed(l) ? GradSpan(TransformSpan(l)) : l.in,
+                      Transformed(l) ? 1.f : divisor, l.flag_bit,
                       std::span(flat).subspan(off, l.in.size()));
     off += l.in.size();
   }
@@ -136,7 +137,9 @@ uint64_t RunBf16(Communicator& comm, DataPlane& plane, std::span<const BucketLay
   auto& flat = ws.flat_bf16;
   flat.resize(total);
   uint64_t bad = 0;
-  if (!plane.host_memory()) {
+  bool lowp = false;  // some layer is bf16 or fp16: read and written through the plane
+  for (const auto& l : layers) lowp = lowp || !l.in.fp32() || !l.out.fp32();
+  if (!plane.host_memory() || lowp) {
     // Device memory: the divided floats through a host copy, then the same conversions.
     bad = Flatten(plane, layers, divisor, ws.flat);
     for (size_t i = 0; i < total; ++i) flat[i] = FloatToBf16(ws.flat[i]);
@@ -149,7 +152,7 @@ uint64_t RunBf16(Communicator& comm, DataPlane& plane, std::span<const BucketLay
   for (const auto& l : layers) {
     const float d = Transformed(l) ? 1.f : divisor;  // transformed layers were divided in place
     uint32_t layer_bad = 0;
-    for (float v : l.in) {
+    for (float v : l.in.f32()) {
       uint32_t bits;
       std::memcpy(&bits, &v, 4);
       layer_bad |= (bits & 0x7f800000u) == 0x7f800000u;
@@ -160,7 +163,7 @@ uint64_t RunBf16(Communicator& comm, DataPlane& plane, std::span<const BucketLay
   comm.AllReduceSumBf16(flat);
   off = 0;
   for (const auto& l : layers) {
-    for (float& v : l.out) v = Bf16ToFloat(flat[off++]);
+    for (float& v : l.out.f32()) v = Bf16ToFloat(flat[off++]);
   }
   return bad;
 }

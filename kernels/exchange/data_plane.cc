@@ -50,19 +50,27 @@ GEOFP8_DIVIDE_CLONES bool Divide(std::span<const float> in, float divisor, std::
 // ---- HostPlane ----
 
 void HostPlane::DivideTransform(const BucketLayer& l, float divisor) {
-  if (geofp8::Divide(l.in, divisor, l.in)) flags_ |= FlagBit(l);
-  if (l.geometry) ApplyGeometry(*l.geometry, l.in);
-  if (l.hadamard_block) HadamardForward(l.in, int(l.hadamard_block), l.hadamard_seed);
+  // A bf16 or fp16 gradient is read straight into its fp32 work memory as it is divided.
+  const std::span<float> x = TransformSpan(l);
+  GEOFP8_CHECK(x.size() == l.in.size(), "layer ", l.layer, ": a ", GradDtypeName(l.in.dtype),
+               " gradient with a transform needs fp32 work memory of ", l.in.size(),
+               " floats (has ", x.size(), ")");
+  if (LoadDivided(l.in, divisor, x)) flags_ |= FlagBit(l);
+  if (l.geometry) ApplyGeometry(*l.geometry, x);
+  if (l.hadamard_block) HadamardForward(x, int(l.hadamard_block), l.hadamard_seed);
 }
 
 void HostPlane::EncodeChunk(const BucketLayer& l, ChunkRange c, float divisor,
                             const CodecOptions& o, std::span<uint8_t> out) {
   // A transformed layer was divided in place as a whole; the others are divided here, chunk by
   // chunk into a buffer that stays in cache for the encode, so the gradient is read once.
-  std::span<const float> x = l.in.subspan(c.begin, c.size());
-  if (!Transformed(l)) {
+  // A bf16 or fp16 one is converted in that same pass: no fp32 copy of the layer.
+  std::span<const float> x;
+  if (Transformed(l)) {
+    x = TransformSpan(l).subspan(c.begin, c.size());
+  } else {
     divided_.resize(c.size());
-    if (geofp8::Divide(x, divisor, divided_)) flags_ |= FlagBit(l);
+    if (LoadDivided(l.in.subspan(c.begin, c.size()), divisor, divided_)) flags_ |= FlagBit(l);
     x = divided_;
   }
   if (!l.residual_out) {
@@ -99,19 +107,35 @@ void HostPlane::SumRequantize(const BucketLayer& l, ChunkRange c,
 }
 
 void HostPlane::Decode(const BucketLayer& l, ChunkRange c, std::span<const uint8_t> in) {
-  geofp8::Decode(in, l.out.subspan(c.begin, c.size()));
+  const GradSpan out = l.out.subspan(c.begin, c.size());
+  if (out.fp32()) {
+    geofp8::Decode(in, out.f32());
+    return;
+  }
+  decoded_.resize(c.size());
+  geofp8::Decode(in, decoded_);
+  StoreRounded(decoded_, out);
 }
 
 void HostPlane::DecodeSum(const BucketLayer& l, ChunkRange c,
                           std::span<const std::span<const uint8_t>> parts) {
-  const std::span<float> out = l.out.subspan(c.begin, c.size());
-  std::fill(out.begin(), out.end(), 0.f);
-  for (const auto& part : parts) DecodeAccumulate(part, out);
+  // A bf16 or fp16 output is summed in fp32 and rounded once, at the end.
+  const GradSpan out = l.out.subspan(c.begin, c.size());
+  std::span<float> acc = out.fp32() ? out.f32() : std::span<float>();
+  if (!out.fp32()) {
+    decoded_.resize(c.size());
+    acc = decoded_;
+  }
+  std::fill(acc.begin(), acc.end(), 0.f);
+  for (const auto& part : parts) DecodeAccumulate(part, acc);
+  if (!out.fp32()) StoreRounded(acc, out);
 }
 
 void HostPlane::InvertTransform(const BucketLayer& l) {
-  if (l.hadamard_block) HadamardInverse(l.out, int(l.hadamard_block), l.hadamard_seed);
-  if (l.geometry) InvertGeometry(*l.geometry, l.out, l.products);
+  if (!Transformed(l)) return;
+  const std::span<float> out = l.out.f32();
+  if (l.hadamard_block) HadamardInverse(out, int(l.hadamard_block), l.hadamard_seed);
+  if (l.geometry) InvertGeometry(*l.geometry, out, l.products);
 }
 
 void DataPlane::InvertRows(const BucketLayer& l, int64_t, std::span<const float>) {
@@ -123,21 +147,18 @@ void DataPlane::ShardProducts(const BucketLayer& l, int64_t, std::span<float>) {
 }
 
 void HostPlane::InvertRows(const BucketLayer& l, int64_t first_row, std::span<const float> w) {
-  if (l.geometry) InvertGeometryRows(*l.geometry, first_row, l.out, w);
+  if (l.geometry) InvertGeometryRows(*l.geometry, first_row, l.out.f32(), w);
 }
 
 void HostPlane::ShardProducts(const BucketLayer& l, int64_t first_row, std::span<float> w) {
-  if (l.geometry) ShardColumnProducts(*l.geometry, first_row, l.out, w);
+  if (l.geometry) ShardColumnProducts(*l.geometry, first_row, l.out.f32(), w);
 }
 
-void HostPlane::ReadDivided(std::span<const float> in, float divisor, uint32_t bit,
-                            std::span<float> host) {
-  if (geofp8::Divide(in, divisor, host)) flags_ |= uint64_t{1} << bit;
+void HostPlane::ReadDivided(GradSpan in, float divisor, uint32_t bit, std::span<float> host) {
+  if (LoadDivided(in, divisor, host)) flags_ |= uint64_t{1} << bit;
 }
 
-void HostPlane::Write(std::span<const float> host, std::span<float> out) {
-  std::copy(host.begin(), host.end(), out.begin());
-}
+void HostPlane::Write(std::span<const float> host, GradSpan out) { StoreRounded(host, out); }
 
 void HostPlane::Read(std::span<const float> in, std::span<float> host) {
   std::copy(in.begin(), in.end(), host.begin());
@@ -184,6 +205,11 @@ const uint8_t* StagedPlane::Stage(Scratch& s, std::span<const uint8_t> in) {
 }
 
 std::string StagedPlane::Unsupported(const BucketLayer& l) const {
+  if (!l.in.fp32() || !l.out.fp32()) {
+    return "gradient dtype: " + GradDtypeName(l.in.fp32() ? l.out.dtype : l.in.dtype) +
+           " is not available on device memory (" + device_.name() +
+           ") yet; exchange float32 device tensors or host tensors";
+  }
   if (l.policy.error_feedback) {
     return "error_feedback: not available on device memory (" + device_.name() +
            ") yet; turn it off for this layer or exchange host tensors";
@@ -192,14 +218,15 @@ std::string StagedPlane::Unsupported(const BucketLayer& l) const {
 }
 
 void StagedPlane::DivideTransform(const BucketLayer& l, float divisor) {
-  device_.Divide(l.in.data(), l.in.data(), l.in.size(), divisor, FlagBit(l), flags_);
-  if (Transformed(l)) device_.Transform(l, l.in.data(), /*inverse=*/false);
+  float* x = l.in.f32().data();
+  device_.Divide(x, x, l.in.size(), divisor, FlagBit(l), flags_);
+  if (Transformed(l)) device_.Transform(l, x, /*inverse=*/false);
 }
 
 void StagedPlane::EncodeChunk(const BucketLayer& l, ChunkRange c, float divisor,
                               const CodecOptions& o, std::span<uint8_t> out) {
   GEOFP8_CHECK(!l.residual_out, "layer ", l.layer, ": ", Unsupported(l));
-  const float* x = l.in.data() + c.begin;
+  const float* x = l.in.f32().data() + c.begin;
   if (!Transformed(l)) {
     auto* d = static_cast<float*>(Reserve(divided_, c.size() * sizeof(float)));
     device_.Divide(x, d, c.size(), divisor, FlagBit(l), flags_);
@@ -225,13 +252,13 @@ void StagedPlane::SumRequantize(const BucketLayer& l, ChunkRange c,
 }
 
 void StagedPlane::Decode(const BucketLayer& l, ChunkRange c, std::span<const uint8_t> in) {
-  device_.Decode(Stage(received_, in), in.size(), l.out.data() + c.begin, c.size(),
+  device_.Decode(Stage(received_, in), in.size(), l.out.f32().data() + c.begin, c.size(),
                  /*accumulate=*/false);
 }
 
 void StagedPlane::DecodeSum(const BucketLayer& l, ChunkRange c,
                             std::span<const std::span<const uint8_t>> parts) {
-  float* out = l.out.data() + c.begin;
+  float* out = l.out.f32().data() + c.begin;
   device_.Fill(out, c.size(), 0u);
   for (const auto& part : parts) {
     device_.Decode(Stage(received_, part), part.size(), out, c.size(), /*accumulate=*/true);
@@ -239,17 +266,16 @@ void StagedPlane::DecodeSum(const BucketLayer& l, ChunkRange c,
 }
 
 void StagedPlane::InvertTransform(const BucketLayer& l) {
-  if (Transformed(l)) device_.Transform(l, l.out.data(), /*inverse=*/true);
+  if (Transformed(l)) device_.Transform(l, l.out.f32().data(), /*inverse=*/true);
 }
 
-void StagedPlane::ReadDivided(std::span<const float> in, float divisor, uint32_t bit,
-                              std::span<float> host) {
-  device_.ToHost(host.data(), in.data(), in.size_bytes());
+void StagedPlane::ReadDivided(GradSpan in, float divisor, uint32_t bit, std::span<float> host) {
+  device_.ToHost(host.data(), in.f32().data(), in.size_bytes());
   if (geofp8::Divide(host, divisor, host)) host_flags_ |= uint64_t{1} << bit;
 }
 
-void StagedPlane::Write(std::span<const float> host, std::span<float> out) {
-  device_.ToDevice(out.data(), host.data(), host.size_bytes());
+void StagedPlane::Write(std::span<const float> host, GradSpan out) {
+  device_.ToDevice(out.f32().data(), host.data(), host.size_bytes());
 }
 
 void StagedPlane::Read(std::span<const float> in, std::span<float> host) {

@@ -22,6 +22,7 @@
 #include "kernels/codec/codec.h"
 #include "kernels/common/uninitialized.h"
 #include "kernels/exchange/chunking.h"
+#include "kernels/exchange/grad_span.h"
 #include "kernels/exchange/policy.h"
 #include "kernels/geometry/factor_sketch.h"
 #include "kernels/geometry/geometry.h"
@@ -32,12 +33,20 @@ struct BucketLayer {
   uint32_t layer = 0;  // model layer index: part of the stochastic-rounding stream key
   LayerPolicy policy;  // format, scaling, block, rounding
   const Geometry* geometry = nullptr;  // applied to `in`, inverted on `out`; null: identity
-  // This rank's contribution before the division. Clobbered (divided and transformed in place)
-  // when the layer has a geometry or a rotation (Transformed). May be the same memory as `out`: a
+  // This rank's contribution before the division, in its dtype (fp32, bf16 or fp16: read
+  // straight into fp32 as it is divided). An fp32 one is clobbered (divided and transformed in
+  // place) when the layer has a geometry or a rotation (Transformed); a bf16 or fp16 one is
+  // divided into `work` for that instead, and left as it was. May be the same memory as `out`: a
   // group's inputs are all read before any of its outputs is written. Memory of the run's plane
-  // (DataPlane::host_memory): on a device plane the span is a device pointer and a length.
-  std::span<float> in;
-  std::span<float> out;  // the reduced result in gradient coordinates (same size)
+  // (DataPlane::host_memory): on a device plane the span is a device pointer and a length (fp32
+  // only there).
+  GradSpan in;
+  // The reduced result in gradient coordinates (same size), summed in fp32 and rounded to its
+  // dtype as it is written. A transformed layer's must be fp32 (the inverse runs in place).
+  GradSpan out;
+  // A transformed layer whose `in` is bf16 or fp16: fp32 memory of in.size() floats that it is
+  // divided and transformed in. Empty otherwise. Host planes only.
+  std::span<float> work;
   // When not null and the layer has a lowrank geometry: filled by the inverse transform with what
   // it learnt of `out` (geometry.h InverseProducts), for the factor sketch that reads it next.
   // Host planes only.
@@ -65,6 +74,12 @@ struct BucketLayer {
 
 // Whether the layer is divided and transformed in place before its encode.
 inline bool Transformed(const BucketLayer& l) { return l.geometry || l.hadamard_block; }
+
+// The fp32 memory a transformed layer is divided and transformed in: `in` itself, or `work` when
+// `in` is bf16 or fp16.
+inline std::span<float> TransformSpan(const BucketLayer& l) {
+  return l.in.fp32() ? l.in.f32() : l.work;
+}
 
 inline uint64_t FlagBit(const BucketLayer& l) { return uint64_t{1} << l.flag_bit; }
 
@@ -115,10 +130,9 @@ class DataPlane {
   virtual void ShardProducts(const BucketLayer& l, int64_t first_row, std::span<float> w);
 
   // host[i] = in[i] / divisor, noting a NaN or inf in flag bit `bit` (the baselines' flatten).
-  virtual void ReadDivided(std::span<const float> in, float divisor, uint32_t bit,
-                           std::span<float> host) = 0;
-  // out = host (the baselines' unflatten).
-  virtual void Write(std::span<const float> host, std::span<float> out) = 0;
+  virtual void ReadDivided(GradSpan in, float divisor, uint32_t bit, std::span<float> host) = 0;
+  // out = host, rounded to out's dtype (the baselines' unflatten).
+  virtual void Write(std::span<const float> host, GradSpan out) = 0;
   // host = in, exactly (an exchanger's geometry refresh reads the averaged gradient).
   virtual void Read(std::span<const float> in, std::span<float> host) = 0;
   // The factor sketch's access to the m x n gradient g (an exchanger's refresh): its products
@@ -154,9 +168,8 @@ class HostPlane final : public DataPlane {
   void InvertTransform(const BucketLayer& l) override;
   void InvertRows(const BucketLayer& l, int64_t first_row, std::span<const float> w) override;
   void ShardProducts(const BucketLayer& l, int64_t first_row, std::span<float> w) override;
-  void ReadDivided(std::span<const float> in, float divisor, uint32_t bit,
-                   std::span<float> host) override;
-  void Write(std::span<const float> host, std::span<float> out) override;
+  void ReadDivided(GradSpan in, float divisor, uint32_t bit, std::span<float> host) override;
+  void Write(std::span<const float> host, GradSpan out) override;
   void Read(std::span<const float> in, std::span<float> host) override;
   std::unique_ptr<GradientProducts> Products(std::span<const float> g, int64_t m,
                                              int64_t n) override {
@@ -176,6 +189,7 @@ class HostPlane final : public DataPlane {
   UninitializedVector<float> feedback_;          // error feedback: input + residual
   UninitializedVector<float> feedback_decoded_;  // error feedback: what its encode decodes to
   UninitializedVector<float> acc_;               // two_phase: the sum of this rank's chunk
+  UninitializedVector<float> decoded_;  // a bf16 or fp16 output's chunk, in fp32 until rounded
 };
 
 // What a StagedPlane needs of a device: memory, copies and the per-element kernels, each in the
@@ -262,9 +276,8 @@ class StagedPlane final : public DataPlane {
   void DecodeSum(const BucketLayer& l, ChunkRange c,
                  std::span<const std::span<const uint8_t>> parts) override;
   void InvertTransform(const BucketLayer& l) override;
-  void ReadDivided(std::span<const float> in, float divisor, uint32_t bit,
-                   std::span<float> host) override;
-  void Write(std::span<const float> host, std::span<float> out) override;
+  void ReadDivided(GradSpan in, float divisor, uint32_t bit, std::span<float> host) override;
+  void Write(std::span<const float> host, GradSpan out) override;
   void Read(std::span<const float> in, std::span<float> host) override;
   std::unique_ptr<GradientProducts> Products(std::span<const float> g, int64_t m,
                                              int64_t n) override;

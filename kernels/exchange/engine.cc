@@ -83,8 +83,7 @@ void ExchangeEngine::RequirePolicy(const char* what) const {
   GEOFP8_CHECK(has_policy_, what, ": set_policy first");
 }
 
-std::vector<std::span<float>> ExchangeEngine::Checked(const std::vector<uint32_t>& layers,
-                                                      std::vector<std::span<float>> grads) const {
+GradSpans ExchangeEngine::Checked(const std::vector<uint32_t>& layers, GradSpans grads) const {
   RequirePolicy("exchange");
   GEOFP8_CHECK(!layers.empty() && layers.size() == grads.size(), "exchange: ", layers.size(),
                " layers but ", grads.size(), " gradients");
@@ -140,22 +139,20 @@ Exchanger& ExchangeEngine::ExchangerFor(const std::vector<uint32_t>& layers) {
 }
 
 StepResult ExchangeEngine::Exchange(uint64_t step, const std::vector<uint32_t>& layers,
-                                    std::vector<std::span<float>> grads, const Before& before,
+                                    GradSpans grads, const Before& before,
                                     std::chrono::steady_clock::time_point* started) {
   return Run(step, layers, std::move(grads), nullptr, before, started);
 }
 
 StepResult ExchangeEngine::ReduceScatter(uint64_t step, const std::vector<uint32_t>& layers,
-                                         std::vector<std::span<float>> grads,
-                                         std::vector<std::span<float>> outs) {
+                                         GradSpans grads, GradSpans outs) {
   GEOFP8_CHECK(outs.size() == layers.size(), "reduce-scatter: ", layers.size(), " layers but ",
                outs.size(), " outputs");
   return Run(step, layers, std::move(grads), &outs, {}, nullptr);
 }
 
-StepResult ExchangeEngine::Run(uint64_t step, const std::vector<uint32_t>& layers,
-                               std::vector<std::span<float>> grads,
-                               std::vector<std::span<float>>* outs, const Before& before,
+StepResult ExchangeEngine::Run(uint64_t step, const std::vector<uint32_t>& layers, GradSpans grads,
+                               GradSpans* outs, const Before& before,
                                std::chrono::steady_clock::time_point* started) {
   grads = Checked(layers, std::move(grads));
   // The groups submitted before this one go first; their callbacks may still run meanwhile
@@ -195,8 +192,8 @@ StepResult ExchangeEngine::Run(uint64_t step, const std::vector<uint32_t>& layer
   return r;
 }
 
-void ExchangeEngine::Submit(uint64_t step, const std::vector<uint32_t>& layers,
-                            std::vector<std::span<float>> grads, Done done, Before before) {
+void ExchangeEngine::Submit(uint64_t step, const std::vector<uint32_t>& layers, GradSpans grads,
+                            Done done, Before before) {
   grads = Checked(layers, std::move(grads));
   // A new grouping takes layers over from exchangers that a queued group may be using.
   if (!exchangers_.contains(layers)) Drain(/*forget_errors=*/false);

@@ -112,26 +112,29 @@ class ExchangeEngine {
   const EnginePolicy& policy() const { return policy_; }
 
   // Averages the gradients of `layers` (indices into SetLayers' list, distinct) over the ranks in
-  // place: grads[i] is layer layers[i]'s gradient. Runs on the calling thread once the groups
+  // place: grads[i] is layer layers[i]'s gradient, fp32, or bf16 or fp16 in host memory (read
+  // straight into fp32 as it is encoded, summed in fp32 and written back rounded to nearest even
+  // in its dtype; grad_span.h). Runs on the calling thread once the groups
   // submitted before it are done; rethrows the first error of a submitted group that failed since
   // the last Drain (that group's Done got it too). `before` runs first (as Submit's).
   // The result's refreshes include those deferred refreshes that ran since the last result.
   // `started`, if given, is set to when the exchange began, after the wait for the queue.
-  StepResult Exchange(uint64_t step, const std::vector<uint32_t>& layers,
-                      std::vector<std::span<float>> grads, const Before& before = {},
+  StepResult Exchange(uint64_t step, const std::vector<uint32_t>& layers, GradSpans grads,
+                      const Before& before = {},
                       std::chrono::steady_clock::time_point* started = nullptr);
 
   // Exchange() as a reduce-scatter (Exchanger::ReduceScatter): outs[i] receives this rank's rows
   // of layer layers[i]'s average, FSDP's dim-0 chunk (rows [r c, min((r + 1) c, rows)) with
-  // c = ceil(rows / N)); grads[i] is clobbered and must not overlap any output. Runs on the
-  // calling thread as Exchange() does. Host memory only.
-  StepResult ReduceScatter(uint64_t step, const std::vector<uint32_t>& layers,
-                           std::vector<std::span<float>> grads, std::vector<std::span<float>> outs);
+  // c = ceil(rows / N)); grads[i] is clobbered and must not overlap any output. Each output has a
+  // dtype of its own (fp32, bf16 or fp16), whatever its gradient's. Runs on the calling thread as
+  // Exchange() does. Host memory only.
+  StepResult ReduceScatter(uint64_t step, const std::vector<uint32_t>& layers, GradSpans grads,
+                           GradSpans outs);
 
   // Exchange() on the exchange thread, in submission order, without waiting. The gradients must
   // stay valid and untouched until `done` is called.
-  void Submit(uint64_t step, const std::vector<uint32_t>& layers,
-              std::vector<std::span<float>> grads, Done done, Before before = {});
+  void Submit(uint64_t step, const std::vector<uint32_t>& layers, GradSpans grads, Done done,
+              Before before = {});
 
   // Waits until every submitted group's Done has returned. forget_errors: the next Exchange()
   // does not rethrow a submitted group's error.
@@ -167,7 +170,7 @@ class ExchangeEngine {
   struct Job {
     uint64_t step = 0;
     Exchanger* exchanger = nullptr;  // alive: groupings change only with the queue empty
-    std::vector<std::span<float>> grads;
+    GradSpans grads;
     Done done;
     Before before;
     bool refresh_only = false;  // an Exchange()'s deferred refreshes: no data, no callback
@@ -191,16 +194,15 @@ class ExchangeEngine {
   };
 
   // Exchange() (outs null) and ReduceScatter() (outs: this rank's rows of each layer).
-  StepResult Run(uint64_t step, const std::vector<uint32_t>& layers,
-                 std::vector<std::span<float>> grads, std::vector<std::span<float>>* outs,
-                 const Before& before, std::chrono::steady_clock::time_point* started);
+  StepResult Run(uint64_t step, const std::vector<uint32_t>& layers, GradSpans grads,
+                 GradSpans* outs, const Before& before,
+                 std::chrono::steady_clock::time_point* started);
   Exchanger& ExchangerFor(const std::vector<uint32_t>& layers);
   // An exchanger over `layers` under the policy in force, on the engine's layer states (or, for
   // validation alone, on a table of its own).
   std::unique_ptr<Exchanger> MakeExchanger(const std::vector<uint32_t>& layers,
                                            bool shared_states = true);
-  std::vector<std::span<float>> Checked(const std::vector<uint32_t>& layers,
-                                        std::vector<std::span<float>> grads) const;
+  GradSpans Checked(const std::vector<uint32_t>& layers, GradSpans grads) const;
   void Enqueue(std::unique_ptr<Job> job);
   void WaitForExchanges();
   void RequirePolicy(const char* what) const;

@@ -249,8 +249,7 @@ bool Exchanger::RefreshesAt(uint32_t layer, uint64_t step) const {
   return step >= static_cast<uint64_t>(s.offset) && (step - s.offset) % s.interval == 0;
 }
 
-std::shared_future<BucketResult> Exchanger::Submit(uint64_t step, size_t bucket,
-                                                   std::vector<std::span<float>> grads) {
+std::shared_future<BucketResult> Exchanger::Submit(uint64_t step, size_t bucket, GradSpans grads) {
   GEOFP8_CHECK(bucket < buckets_.size(), "submit: bucket ", bucket, " out of range (",
                buckets_.size(), " buckets)");
   if (deferred_) RunPendingRefreshes();
@@ -271,7 +270,7 @@ std::shared_future<BucketResult> Exchanger::Submit(uint64_t step, size_t bucket,
   return future;
 }
 
-void Exchanger::BeginStep(uint64_t step, std::vector<std::span<float>> grads) {
+void Exchanger::BeginStep(uint64_t step, GradSpans grads) {
   GEOFP8_CHECK(grads.size() == layers_.size(), "begin step: ", grads.size(), " gradients for ",
                layers_.size(), " layers");
   GEOFP8_CHECK(steps_.find(step) == steps_.end(), "begin step: step ", step,
@@ -369,8 +368,7 @@ StepResult Exchanger::Finish(uint64_t step) {
   return result;
 }
 
-StepResult Exchanger::Exchange(uint64_t step, std::vector<std::span<float>> grads,
-                               Refreshes refreshes) {
+StepResult Exchanger::Exchange(uint64_t step, GradSpans grads, Refreshes refreshes) {
   GEOFP8_CHECK(refreshes == Refreshes::kNow || options_.estimator == GeometryEstimator::kFactorEma,
                "exchange: deferred refreshes need estimator ema (the instant estimator's owner "
                "broadcasts each refresh, a collective that cannot wait), not ",
@@ -406,7 +404,14 @@ StepResult Exchanger::Exchange(uint64_t step, std::vector<std::span<float>> grad
   return Finish(step);
 }
 
-void Exchanger::Defer(uint64_t step, const std::vector<std::span<float>>& grads) {
+// A bf16 or fp16 gradient's products, over an fp32 copy of it that they own (host memory only).
+std::unique_ptr<GradientProducts> Exchanger::LowpProducts(GradSpan g, int64_t m, int64_t n) {
+  std::vector<float> copy(g.size());
+  LoadDivided(g, 1.f, copy);  // exact: x / 1 is x
+  return std::make_unique<HostSnapshot>(std::move(copy), m, n);
+}
+
+void Exchanger::Defer(uint64_t step, const GradSpans& grads) {
   Deferred d;
   d.step = step;
   d.snapshots.resize(layers_.size());
@@ -414,9 +419,14 @@ void Exchanger::Defer(uint64_t step, const std::vector<std::span<float>>& grads)
   for (uint32_t l = 0; l < layers_.size(); ++l) {
     if (!UsesGeometry(l) || !RefreshesAt(l, step)) continue;
     const LayerSpec& spec = layers_[l];
-    d.snapshots[l] = plane().Snapshot(grads[l], spec.rows, spec.cols);
+    if (!grads[l].fp32()) {
+      d.snapshots[l] = LowpProducts(grads[l], spec.rows, spec.cols);
+      any = true;
+      continue;
+    }
+    d.snapshots[l] = plane().Snapshot(grads[l].f32(), spec.rows, spec.cols);
     // The inverse's products describe this gradient, which a host copy is bit for bit.
-    if (state_[l]->products.data == grads[l].data())
+    if (state_[l]->products.data == grads[l].data)
       state_[l]->products.data = d.snapshots[l]->host_data();
     any = true;
   }
@@ -429,7 +439,7 @@ std::vector<RefreshRecord> Exchanger::RunPendingRefreshes() {
                " is in flight");
   Deferred d = std::move(*deferred_);
   deferred_.reset();
-  return RunRefreshes(d.step, std::vector<std::span<float>>(layers_.size()), &d.snapshots);
+  return RunRefreshes(d.step, GradSpans(layers_.size()), &d.snapshots);
 }
 
 std::vector<LayerGeometryState> Exchanger::ExportGeometry() const {
@@ -567,8 +577,8 @@ std::vector<uint32_t> Exchanger::ImportGeometry(const std::vector<LayerGeometryS
 
 // Every bucket on the calling thread, up to kBucketsPerRun per pipeline run, then the step's
 // residuals and refreshes (Exchange with nothing queued, and ReduceScatter).
-StepResult Exchanger::RunAll(uint64_t step, const std::vector<std::span<float>>& grads,
-                             const std::vector<std::span<float>>* outs, Refreshes refreshes) {
+StepResult Exchanger::RunAll(uint64_t step, const GradSpans& grads, const GradSpans* outs,
+                             Refreshes refreshes) {
   StepResult result;
   result.step = step;
   const auto start = std::chrono::steady_clock::now();
@@ -592,8 +602,8 @@ StepResult Exchanger::RunAll(uint64_t step, const std::vector<std::span<float>>&
   return result;
 }
 
-StepResult Exchanger::ReduceScatter(uint64_t step, std::vector<std::span<float>> grads,
-                                    std::vector<std::span<float>> outs, Refreshes refreshes) {
+StepResult Exchanger::ReduceScatter(uint64_t step, GradSpans grads, GradSpans outs,
+                                    Refreshes refreshes) {
   GEOFP8_CHECK(refreshes == Refreshes::kNow || options_.estimator == GeometryEstimator::kFactorEma,
                "reduce-scatter: deferred refreshes need estimator ema, not ",
                GeometryEstimatorName(options_.estimator));
@@ -619,8 +629,7 @@ StepResult Exchanger::ReduceScatter(uint64_t step, std::vector<std::span<float>>
 }
 
 std::vector<BucketResult> Exchanger::RunBuckets(uint64_t step, size_t first, size_t last,
-                                                const std::vector<std::span<float>>& grads,
-                                                const std::vector<std::span<float>>* outs) {
+                                                const GradSpans& grads, const GradSpans* outs) {
   const auto start = std::chrono::steady_clock::now();
   const uint64_t bytes_before = comm_.stats().bytes_sent;
   GEOFP8_CHECK(first < last && last <= buckets_.size() && last - first <= kBucketsPerRun,
@@ -630,6 +639,22 @@ std::vector<BucketResult> Exchanger::RunBuckets(uint64_t step, size_t first, siz
   // overflow) and note any NaN or inf on the way, in the bucket's own flag bit; the ranks agree on
   // the flags after the data has moved. One pass over the gradient.
   std::vector<BucketLayer> work;
+  // Per entry of `work`: whether a reduce-scatter all-reduces it (it refreshes now), and the fp32
+  // memory of a bf16 or fp16 layer's transformed result, rounded into its gradient (whole) and
+  // output rows (rows) after the run.
+  std::vector<uint32_t> work_layer;  // the layer of each entry
+  std::vector<bool> reduced;
+  struct LowpResult {
+    std::span<float> whole, rows;
+  };
+  std::vector<LowpResult> lowp;
+  size_t pool_used = 0;
+  auto take = [&](size_t n) {
+    if (pool_used == lowp_work_.size()) lowp_work_.emplace_back();
+    UninitializedVector<float>& v = lowp_work_[pool_used++];
+    v.resize(n);
+    return std::span<float>(v.data(), n);
+  };
   for (size_t bucket = first; bucket < last; ++bucket) {
     BucketFingerprint fp;
     for (uint32_t l : buckets_[bucket].layers) {
@@ -670,6 +695,22 @@ std::vector<BucketResult> Exchanger::RunBuckets(uint64_t step, size_t first, siz
       // the whole average, so it is all-reduced).
       const bool scatter = outs && !(UsesGeometry(l) && RefreshesAt(l, step));
       if (scatter) w.out = (*outs)[l];
+      // A transform runs in place in fp32: a bf16 or fp16 layer is read into work memory for it
+      // (with its division), and its result is rounded back after the run. Other bf16 and fp16
+      // layers are read and written by the plane as they are encoded and decoded.
+      LowpResult lr;
+      if (Transformed(w) && !w.in.fp32()) {
+        w.work = take(w.in.size());
+        if (!scatter) {
+          w.out = lr.whole = w.work;  // the inputs are all read before the outputs are written
+        } else if (!w.out.fp32()) {
+          w.out = lr.rows = take(w.out.size());
+        }
+      } else if (Transformed(w) && scatter && !w.out.fp32()) {
+        w.out = lr.rows = take(w.out.size());
+      }
+      reduced.push_back(outs && !scatter);
+      lowp.push_back(lr);
       if (UsesErrorFeedback(l)) {
         // The residuals live in the codec's coordinates: under a newer basis they no longer
         // apply, and the layer starts again from none.
@@ -694,11 +735,13 @@ std::vector<BucketResult> Exchanger::RunBuckets(uint64_t step, size_t first, siz
       // from the inverse instead of reading the result for them.
       st.products.valid = false;
       // (On a device plane the sketch runs its own products over the result instead.)
+      // A bf16 or fp16 layer's refresh reads its rounded average, which the inverse never saw.
       const bool host = !options_.plane || options_.plane->host_memory();
       if (host && !scatter && w.geometry && options_.estimator == GeometryEstimator::kFactorEma &&
-          RefreshesAt(l, step))
+          RefreshesAt(l, step) && w.in.fp32())
         w.products = &st.products;
       work.push_back(w);
+      work_layer.push_back(l);
     }
     fp.header.policy_version = options_.policy_version;
     fp.header.step = step;
@@ -736,30 +779,34 @@ std::vector<BucketResult> Exchanger::RunBuckets(uint64_t step, size_t first, siz
     nonfinite = ExchangeBucketData(comm_, options_.algorithm, ao, work);
   } else {
     // The reduce-scatter (with the check), then the layers that refresh now as an all-reduce.
-    std::vector<BucketLayer> scattered, reduced;
-    for (const BucketLayer& w : work) {
-      (w.out.data() == w.in.data() && w.out.size() == w.in.size() ? reduced : scattered)
-          .push_back(w);
+    std::vector<BucketLayer> scattered, whole;
+    std::vector<GradSpan> whole_outs;  // the reduce-scatter outputs of `whole`
+    for (size_t k = 0; k < work.size(); ++k) {
+      (reduced[k] ? whole : scattered).push_back(work[k]);
+      if (reduced[k]) whole_outs.push_back((*outs)[work_layer[k]]);
     }
     AlgorithmOptions rs = ao;
     rs.reduce_scatter = true;
     nonfinite = ExchangeBucketData(comm_, options_.algorithm, rs, scattered);
-    if (!reduced.empty()) {
+    if (!whole.empty()) {
       AlgorithmOptions ar = ao;
       ar.before_data = {};
       ar.check_record.clear();
       ar.diagnose = {};
-      nonfinite |= ExchangeBucketData(comm_, options_.algorithm, ar, reduced);
-      for (const BucketLayer& w : reduced) {
+      nonfinite |= ExchangeBucketData(comm_, options_.algorithm, ar, whole);
+      for (size_t k = 0; k < whole.size(); ++k) {
+        const BucketLayer& w = whole[k];
         const ChunkRange mine =
             RowChunkOf(w.in.size(), static_cast<size_t>(w.cols), comm_.size(), comm_.rank());
-        for (uint32_t l = 0; l < layers_.size(); ++l) {
-          if (grads[l].data() != w.in.data()) continue;
-          std::copy(w.out.begin() + mine.begin, w.out.begin() + mine.end, (*outs)[l].begin());
-          break;
-        }
+        // These layers are transformed: their average is fp32 (the gradient or its work memory).
+        StoreRounded(w.out.f32().subspan(mine.begin, mine.size()), whole_outs[k]);
       }
     }
+  }
+  // bf16 and fp16 layers that were transformed in fp32 work memory: their results, rounded.
+  for (size_t k = 0; k < work.size(); ++k) {
+    if (!lowp[k].whole.empty()) StoreRounded(lowp[k].whole, work[k].in);
+    if (!lowp[k].rows.empty()) StoreRounded(lowp[k].rows, (*outs)[work_layer[k]]);
   }
   comm_.AddAgreedLayout(layout);
   // One run moved every bucket's bytes: each bucket is charged its share of the fp32 size.
@@ -827,7 +874,7 @@ FactorSketchOptions Exchanger::SketchOptions(uint32_t layer) const {
 }
 
 std::vector<RefreshRecord> Exchanger::RunRefreshes(
-    uint64_t step, const std::vector<std::span<float>>& grads,
+    uint64_t step, const GradSpans& grads,
     const std::vector<std::unique_ptr<GradientProducts>>* snapshots) {
   TraceScope span(options_.trace, "geometry_refresh", ExchangeTrace::kMainLane, step);
   std::vector<RefreshRecord> out;
@@ -849,7 +896,8 @@ std::vector<RefreshRecord> Exchanger::RunRefreshes(
       std::unique_ptr<GradientProducts> own;
       GradientProducts* products = snapshots ? (*snapshots)[l].get() : nullptr;
       if (!products) {
-        own = plane().Products(grads[l], spec.rows, spec.cols);
+        own = grads[l].fp32() ? plane().Products(grads[l].f32(), spec.rows, spec.cols)
+                              : LowpProducts(grads[l], spec.rows, spec.cols);
         products = own.get();
       }
       rec.from_inverse = UpdateFactorSketch(st.sketch, *products, spec.rows, spec.cols,
@@ -887,11 +935,18 @@ std::vector<RefreshRecord> Exchanger::RunRefreshes(
                                    : st.active.version > 0 ? &st.active
                                                            : nullptr;
         // The owner reads a device plane's gradient to the host.
-        std::span<const float> grad = grads[l];
+        std::span<const float> grad;
         if (device) {
-          host_copy.resize(grad.size());
-          options_.plane->Read(grads[l], host_copy);
+          host_copy.resize(grads[l].size());
+          options_.plane->Read(grads[l].f32(), host_copy);
           grad = host_copy;
+        } else if (!grads[l].fp32()) {
+          // A bf16 or fp16 average: the estimate reads it in fp32, exactly.
+          host_copy.resize(grads[l].size());
+          LoadDivided(grads[l], 1.f, host_copy);
+          grad = host_copy;
+        } else {
+          grad = grads[l].f32();
         }
         RefreshResult r = EstimateGeometry(grad, spec.rows, spec.cols, go, previous);
         rec.drift = r.drift;

@@ -19,6 +19,7 @@
 
 #include "kernels/exchange/algorithms.h"
 #include "kernels/exchange/communicator.h"
+#include "kernels/exchange/grad_span.h"
 #include "kernels/exchange/layer_state.h"
 #include "kernels/exchange/policy.h"
 #include "kernels/exchange/trace.h"
@@ -182,7 +183,7 @@ class Exchanger {
   // bucket goes to the exchange as soon as it and every bucket before it are complete, so the
   // caller keeps no bucket bookkeeping. Each layer once per step; Finish names any layer that
   // never came. Not to be mixed with Submit within one step.
-  void BeginStep(uint64_t step, std::vector<std::span<float>> grads);
+  void BeginStep(uint64_t step, GradSpans grads);
   void LayerReady(uint64_t step, uint32_t layer);
 
   // What this rank sent for each layer in `result` (one entry per layer, in bytes): each
@@ -190,12 +191,13 @@ class Exchanger {
   // policies. Layers of buckets absent from `result` get 0.
   std::vector<double> LayerBytesSent(const StepResult& result) const;
 
-  // Queues bucket `bucket` of `step`. grads[l] is layer l's gradient (count() floats) for every
-  // l; only the bucket's layers are read and replaced by the average over ranks (by values with
-  // no meaning if the bucket is skipped). They must stay valid until the future is ready. Buckets
+  // Queues bucket `bucket` of `step`. grads[l] is layer l's gradient (count() elements: fp32, or
+  // bf16 or fp16 in host memory, summed in fp32 and written back rounded to its dtype; a
+  // transformed one is read into fp32 work memory that the exchanger keeps) for every l; only the
+  // bucket's layers are read and replaced by the average over ranks (by values with no meaning if
+  // the bucket is skipped). They must stay valid until the future is ready. Buckets
   // of a step are submitted in bucket order, each once.
-  std::shared_future<BucketResult> Submit(uint64_t step, size_t bucket,
-                                          std::vector<std::span<float>> grads);
+  std::shared_future<BucketResult> Submit(uint64_t step, size_t bucket, GradSpans grads);
 
   // Waits for every bucket of `step` (all must have been submitted), then runs the step's
   // scheduled geometry refreshes (skipped on a skipped step). Rethrows the first bucket error.
@@ -205,18 +207,17 @@ class Exchanger {
   // buckets share one pipeline run (one fill and one drain), as nothing has to overlap a backward
   // pass. When no other step is in flight it runs on the calling thread (the exchanger's own
   // thread is idle then), saving two thread handoffs per call.
-  StepResult Exchange(uint64_t step, std::vector<std::span<float>> grads,
-                      Refreshes refreshes = Refreshes::kNow);
+  StepResult Exchange(uint64_t step, GradSpans grads, Refreshes refreshes = Refreshes::kNow);
 
   // Exchange() as a reduce-scatter (AlgorithmOptions::reduce_scatter): outs[l] receives this
   // rank's rows of layer l's average (FSDP's dim-0 chunk: rows [r c, min((r + 1) c, rows)),
-  // c = ceil(rows / N)); grads[l] is clobbered. A layer whose geometry refreshes at this step is
+  // c = ceil(rows / N), in its own dtype); grads[l] is clobbered. A layer whose geometry
+  // refreshes at this step is
   // all-reduced instead (the same algorithm, in a second run after the reduce-scatter), since its
   // refresh reads the whole averaged gradient, and its rows are copied out; grads[l] then holds
   // that average, which the refresh reads. Host memory only, and no step may be in flight. A
   // layer with the block Hadamard rotation is refused, naming it.
-  StepResult ReduceScatter(uint64_t step, std::vector<std::span<float>> grads,
-                           std::vector<std::span<float>> outs,
+  StepResult ReduceScatter(uint64_t step, GradSpans grads, GradSpans outs,
                            Refreshes refreshes = Refreshes::kNow);
 
   // Refreshes::kDeferred: whether a step's refreshes wait, and running them (their records;
@@ -268,22 +269,23 @@ class Exchanger {
   }
 
   // Every bucket of `step` on the calling thread, then its residuals and refreshes.
-  StepResult RunAll(uint64_t step, const std::vector<std::span<float>>& grads,
-                    const std::vector<std::span<float>>* outs, Refreshes refreshes);
+  StepResult RunAll(uint64_t step, const GradSpans& grads, const GradSpans* outs,
+                    Refreshes refreshes);
   // Buckets [first, last) of `step` (at most 64) through one run of the algorithm.
   // outs: reduce-scatter's outputs (ReduceScatter); null: all-reduce in place.
   std::vector<BucketResult> RunBuckets(uint64_t step, size_t first, size_t last,
-                                       const std::vector<std::span<float>>& grads,
-                                       const std::vector<std::span<float>>* outs = nullptr);
+                                       const GradSpans& grads, const GradSpans* outs = nullptr);
   // `snapshots` (deferred refreshes): per layer, the products over the gradient as it was; null
   // entries and null: read `grads`.
   std::vector<RefreshRecord> RunRefreshes(
-      uint64_t step, const std::vector<std::span<float>>& grads,
+      uint64_t step, const GradSpans& grads,
       const std::vector<std::unique_ptr<GradientProducts>>* snapshots = nullptr);
   // The plane the gradients live on: options_.plane, or the workspace's host plane.
   DataPlane& plane() { return options_.plane ? *options_.plane : workspace_.host; }
+  // The factor sketch's products over a bf16 or fp16 gradient, through an fp32 copy.
+  static std::unique_ptr<GradientProducts> LowpProducts(GradSpan g, int64_t m, int64_t n);
   // Refreshes::kDeferred: keeps copies of the gradients the step's refreshes read, for later.
-  void Defer(uint64_t step, const std::vector<std::span<float>>& grads);
+  void Defer(uint64_t step, const GradSpans& grads);
   // The rotation block the layer's exchange uses (0: none): matrices under a compressed algorithm,
   // as for geometry.
   uint32_t HadamardBlockOf(uint32_t layer) const;
@@ -305,11 +307,14 @@ class Exchanger {
   std::unique_ptr<LayerStateTable> owned_states_;
   std::vector<LayerState*> state_;
   ExchangeWorkspace workspace_;  // the algorithms' buffers, reused every step: worker thread only
+  // The fp32 work memory of a run's transformed bf16 and fp16 layers (BucketLayer::work), reused
+  // from run to run; a deque, so taking one more keeps the others in place. One run at a time.
+  std::deque<UninitializedVector<float>> lowp_work_;
 
   // Per-step bookkeeping on the caller's thread.
   struct Pending {
     std::vector<std::shared_future<BucketResult>> futures;
-    std::vector<std::span<float>> grads;
+    GradSpans grads;
     std::chrono::steady_clock::time_point start;
     // BeginStep / LayerReady: layers not yet ready in each bucket (empty when driven by Submit).
     std::vector<size_t> unready;

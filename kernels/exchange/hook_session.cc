@@ -118,7 +118,7 @@ void HookSession::SetPolicy(EnginePolicy policy) {
   engine_->SetPolicy(std::move(policy));
 }
 
-std::vector<std::span<float>> HookSession::Spans(const FlatBucket& b) const {
+GradSpans HookSession::Spans(const FlatBucket& b) const {
   if (b.on_device) {
     GEOFP8_CHECK(on_device(),
                  "device: this engine runs on CPU tensors (backend gloo); create it "
@@ -130,19 +130,19 @@ std::vector<std::span<float>> HookSession::Spans(const FlatBucket& b) const {
   }
   GEOFP8_CHECK(engine_->has_policy(), "exchange: set_policy first");
 #if GEOFP8_HOOK_SESSION_CUDA
-  if (b.on_device) cuda_->CheckDeviceMemory(b.data.data(), "bucket");
+  if (b.on_device) cuda_->CheckDeviceMemory(b.data.data, "bucket");
 #endif
   GEOFP8_CHECK(b.layers.size() == b.offsets.size() && !b.layers.empty(),
                "exchange: ", b.layers.size(), " layers but ", b.offsets.size(), " offsets");
   const int64_t numel = static_cast<int64_t>(b.data.size());
-  std::vector<std::span<float>> grads;
+  GradSpans grads;
   for (size_t i = 0; i < b.layers.size(); ++i) {
     GEOFP8_CHECK(b.layers[i] < params_.size(), "exchange: layer index ", b.layers[i],
                  " >= ", params_.size());
     const model::ParamInfo& p = params_[b.layers[i]];
     GEOFP8_CHECK(b.offsets[i] >= 0 && b.offsets[i] + p.size() <= numel, "exchange: layer '", p.name,
                  "' at offset ", b.offsets[i], " + ", p.size(), " is outside the bucket of ", numel,
-                 " floats");
+                 " elements");
     grads.push_back(b.data.subspan(static_cast<size_t>(b.offsets[i]), size_t(p.size())));
   }
   return grads;
@@ -167,31 +167,31 @@ ExchangeEngine::Before HookSession::AfterStream(const FlatBucket& b) {
 
 StepResult HookSession::Exchange(uint64_t step, const FlatBucket& b,
                                  std::chrono::steady_clock::time_point* started) {
-  std::vector<std::span<float>> grads = Spans(b);
+  GradSpans grads = Spans(b);
   return engine_->Exchange(step, b.layers, std::move(grads), AfterStream(b), started);
 }
 
-StepResult HookSession::ReduceScatter(uint64_t step, const FlatBucket& b, std::span<float> out,
+StepResult HookSession::ReduceScatter(uint64_t step, const FlatBucket& b, GradSpan out,
                                       const std::vector<int64_t>& out_offsets) {
-  std::vector<std::span<float>> grads = Spans(b);
+  GradSpans grads = Spans(b);
   GEOFP8_CHECK(out_offsets.size() == b.layers.size(), "reduce-scatter: ", b.layers.size(),
                " layers but ", out_offsets.size(), " output offsets");
   const int64_t n = size(), room = static_cast<int64_t>(out.size());
-  std::vector<std::span<float>> outs;
+  GradSpans outs;
   for (size_t i = 0; i < b.layers.size(); ++i) {
     const EngineLayer& l = engine_->layers()[b.layers[i]];
     const int64_t c = (l.rows + n - 1) / n;
     const int64_t mine = std::clamp<int64_t>(l.rows - c * rank_, 0, c) * l.cols;
     GEOFP8_CHECK(out_offsets[i] >= 0 && out_offsets[i] + mine <= room, "reduce-scatter: layer '",
                  l.name, "' at output offset ", out_offsets[i], " + ", mine,
-                 " is outside the output of ", room, " floats");
+                 " is outside the output of ", room, " elements");
     outs.push_back(out.subspan(static_cast<size_t>(out_offsets[i]), static_cast<size_t>(mine)));
   }
   return engine_->ReduceScatter(step, b.layers, std::move(grads), std::move(outs));
 }
 
 void HookSession::Submit(uint64_t step, const FlatBucket& b, ExchangeEngine::Done done) {
-  std::vector<std::span<float>> grads = Spans(b);
+  GradSpans grads = Spans(b);
   engine_->Submit(step, b.layers, std::move(grads), std::move(done), AfterStream(b));
 }
 

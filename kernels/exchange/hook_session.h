@@ -45,10 +45,11 @@ struct HookSessionOptions {
   uint64_t seed = 0;  // stochastic rounding streams and geometry cold starts
 };
 
-// One bucket as a framework hands it over: one flat float32 buffer holding some layers.
+// One bucket as a framework hands it over: one flat buffer holding some layers, float32, or
+// bfloat16/float16 on the host (read and written back in that dtype, grad_span.h).
 struct FlatBucket {
   std::vector<uint32_t> layers;  // indices into SetLayers' list, distinct
-  std::span<float> data;         // host memory; device memory when on_device
+  GradSpan data;                 // host memory; device memory (float32) when on_device
   std::vector<int64_t> offsets;  // layer layers[i] is data[offsets[i] .. + its size)
   bool on_device = false;        // data is CUDA memory (backend nccl only)
   // on_device: the CUDA stream (a cudaStream_t as an integer) whose work queued by the time of
@@ -96,7 +97,7 @@ class HookSession {
   // ExchangeEngine::ReduceScatter of a host bucket: this rank's rows of layer layers[i] (FSDP's
   // dim-0 chunk, ceil(rows / N) rows, fewer or none at the end) go to out[out_offsets[i] ..];
   // the bucket is clobbered.
-  StepResult ReduceScatter(uint64_t step, const FlatBucket& bucket, std::span<float> out,
+  StepResult ReduceScatter(uint64_t step, const FlatBucket& bucket, GradSpan out,
                            const std::vector<int64_t>& out_offsets);
   // ExchangeEngine::Submit of a flat bucket: its memory must stay valid and untouched until
   // `done` is called. Checked before anything is queued.
@@ -117,7 +118,7 @@ class HookSession {
 
  private:
   // The bucket's layers as spans of its buffer, checked against the layers and the plane.
-  std::vector<std::span<float>> Spans(const FlatBucket& bucket) const;
+  GradSpans Spans(const FlatBucket& bucket) const;
   // Orders a device bucket's exchange after the work queued on its stream by now; empty for a
   // host bucket. An event whose bucket is dropped unexchanged is released, never waited for.
   ExchangeEngine::Before AfterStream(const FlatBucket& bucket);

@@ -22,7 +22,7 @@ expect() {
 expect 0 "exchange" --help
 expect 2 "subcommand"
 expect 2 "nosuch" nosuch
-for cmd in cluster codec collectives coordinator exchange geometry model trajectory; do
+for cmd in cluster codec collectives coordinator exchange geometry grad_dtype model trajectory; do
   expect 0 "--help" "$cmd" --help
   expect 2 "--no-such-flag" "$cmd" --no-such-flag
 done

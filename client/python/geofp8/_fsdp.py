@@ -164,14 +164,17 @@ class _GeoFP8ReduceScatter:
                 torch.autograd.Variable._execution_engine.queue_callback(state._end_step)
             except RuntimeError:  # called outside a backward pass: a step of its own
                 end_here = True
-        # One fp32 buffer for every module of the state (they reduce one at a time), the size of
-        # the largest module's unsharded gradients.
-        if state._fsdp_full.numel() < world * lay.row:
-            state._fsdp_full = torch.zeros(world * lay.row, dtype=torch.float32,
-                                           device=state.device)
+        # One buffer for every module of the state (they reduce one at a time), the size of the
+        # largest module's unsharded gradients: in the gradients' dtype on CPU (the engine reads
+        # bfloat16 and float16 as they are), fp32 on CUDA (the device plane takes fp32).
+        cuda = state.device.type == "cuda"
+        dtype = torch.float32 if cuda else input_tensor.dtype
+        if state._fsdp_full.numel() < world * lay.row or state._fsdp_full.dtype != dtype:
+            state._fsdp_full = torch.zeros(world * lay.row, dtype=dtype, device=state.device)
         full = state._fsdp_full[:world * lay.row]
         rows = input_tensor.view(world, lay.row)
-        # Layer p's chunks, row after row, are its padded gradient (cast to fp32 on the way).
+        # Layer p's chunks, row after row, are its padded gradient (cast to fp32 on the way to a
+        # CUDA exchange).
         for o, fo, q in zip(lay.row_offsets, lay.full_offsets, lay.chunks):
             full[fo:fo + world * q].view(world, q).copy_(rows[:, o:o + q])
         exact = _gt._exact_average(state, full) if state._measure else None
@@ -191,17 +194,20 @@ class _GeoFP8ReduceScatter:
                 out[o:o + q].copy_(mine)
         else:
             # The engine's reduce-scatter: each layer's chunk r goes to rank r, which sums its
-            # rows; FSDP's padding rows stay zero.
-            if state._fsdp_rows.numel() < lay.row:
-                state._fsdp_rows = torch.zeros(lay.row, dtype=torch.float32)
+            # rows in fp32 and writes them rounded to the output's dtype: the gradients', or fp32
+            # where a SUM or PREMUL_SUM scales them afterwards (one rounding, at the end); FSDP's
+            # padding rows stay zero.
+            rows_dtype = dtype if scale == 1.0 else torch.float32
+            if state._fsdp_rows.numel() < lay.row or state._fsdp_rows.dtype != rows_dtype:
+                state._fsdp_rows = torch.zeros(lay.row, dtype=rows_dtype)
             mine = state._fsdp_rows[:lay.row]
             mine.zero_()
-            result = state._engine.reduce_scatter(state.step, lay.layers, full.numpy(),
-                                                  lay.full_offsets, mine.numpy(),
-                                                  lay.row_offsets)
+            result = state._engine.reduce_scatter(state.step, lay.layers, _gt._host_buffer(full),
+                                                  lay.full_offsets, _gt._host_buffer(mine),
+                                                  lay.row_offsets, dtype=_gt._DTYPE_NAMES[dtype])
             own = [max(0, min(q, n - rank * q)) for n, q in zip(lay.sizes, lay.chunks)]
             if exact is not None and not result["skipped"]:
-                rows_exact = torch.zeros_like(mine)
+                rows_exact = torch.zeros(lay.row, dtype=torch.float32)
                 for o, fo, q in zip(lay.row_offsets, lay.full_offsets, lay.chunks):
                     rows_exact[o:o + q] = exact[fo + rank * q:fo + (rank + 1) * q]
                 _gt._measure_layers(state, lay.layers, rows_exact, mine, lay.row_offsets, own)

@@ -64,10 +64,19 @@ def _script_name():
     return os.path.basename(argv0) or "the model"
 
 
-# Gradient dtypes the hook takes. bfloat16 and float16 buckets are exchanged through an fp32 copy
-# of the bucket (the engine encodes from fp32, sums in fp32) and written back in their dtype.
+# Gradient dtypes the hook takes. A CPU bucket of bfloat16 or float16 goes to the engine as it is:
+# the engine reads it straight into fp32 as it encodes, sums in fp32 and writes the average back
+# rounded to the bucket's dtype (no fp32 copy of the bucket). A CUDA one is still exchanged through
+# an fp32 copy (the device plane takes fp32) and written back in its dtype.
 _GRAD_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+_DTYPE_NAMES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
 _TORCH_MAJOR = int(torch.__version__.split(".")[0])
+
+
+def _host_buffer(t):
+    """A CPU tensor as the engine's buffer argument: its numpy() view, a bfloat16 or float16 one
+    viewed as int16 (numpy has no bfloat16; the engine is told the dtype)."""
+    return t.numpy() if t.dtype == torch.float32 else t.view(torch.int16).numpy()
 
 
 def _check_parameter(name, p, first, device):
@@ -566,7 +575,7 @@ def _exact_average(state, buf):
     """The bucket's exact fp32 average over the group (one gloo all-reduce of a copy, as the
     worker's trainer measures), taken on the hook's thread so that every rank issues it in the
     order DDP hands the buckets over."""
-    exact = buf / state.world_size
+    exact = buf.float() / state.world_size
     dist.all_reduce(exact, group=state.process_group)
     return exact
 
@@ -648,7 +657,7 @@ def geofp8_hook(state, bucket):
         raise TypeError("gradient dtype: bucket %d is %s; the GeoFP8 hook takes float32, "
                         "bfloat16 and float16 gradients" % (bucket.index(), buf.dtype))
     out = buf
-    if buf.dtype != torch.float32:
+    if buf.dtype != torch.float32 and buf.device.type == "cuda":
         buf = buf.float()  # exchanged in fp32, written back into DDP's bucket at the end
     if not state._in_step:
         state._begin_step()
@@ -690,7 +699,8 @@ def geofp8_hook(state, bucket):
             state._engine.submit_cuda(step, layers, buf.data_ptr(), buf.numel(), offsets, stream,
                                       done)
         else:
-            state._engine.submit(step, layers, buf.numpy(), offsets, done)
+            state._engine.submit(step, layers, _host_buffer(buf), offsets, done,
+                                 dtype=_DTYPE_NAMES[buf.dtype])
         _end_bucket(state, bucket)
         # DDP reads the Future from C++, where set_exception's value would be a failed cast to
         # Tensor: the chained Future turns it into a real error, which backward() raises.
@@ -706,7 +716,8 @@ def geofp8_hook(state, bucket):
             result = state._engine.exchange_cuda(step, layers, buf.data_ptr(), buf.numel(),
                                                  offsets, stream)
         else:
-            result = state._engine.exchange(step, layers, buf.numpy(), offsets)
+            result = state._engine.exchange(step, layers, _host_buffer(buf), offsets,
+                                            dtype=_DTYPE_NAMES[buf.dtype])
     except Exception as e:
         if watch.error:
             raise RuntimeError(watch.error) from e
