@@ -8,8 +8,8 @@
 # As root, on Debian 12: installs podman, runc and debootstrap when missing. The base is BASE when
 # set, else localhost/geofp8-debian:12 when it exists, else debian:12 from a registry, else one
 # made here with debootstrap (kept as localhost/geofp8-debian:12 and reused). torch's wheels are
-# downloaded once into $GEOFP8_CACHE/wheels and installed from there. Without --rebuild a run
-# whose sources match the image's label (org.geofp8.source) builds nothing.
+# downloaded once into $GEOFP8_CACHE/wheels and installed from there. Without --rebuild an image
+# built here from the same sources (a hash kept in $GEOFP8_CACHE/podman) is not built again.
 # Podman runs with runc and default_ulimits = [] (CONTAINERS_CONF, written by this script), and
 # builds with chroot isolation: where setting RLIMIT_NPROC is refused, podman's defaults fail.
 # Run the images: docs/deploy.md, "Image".
@@ -142,8 +142,11 @@ built=()
 dangling_before="$(pod images -q --no-trunc -f dangling=true | sort)"
 for target in "${targets[@]}"; do
   name="localhost/geofp8-$target:$tag"
-  if [ "$rebuild" = 0 ] && pod image exists "$name" \
-      && [ "$(pod image inspect -f '{{index .Labels "org.geofp8.source"}}' "$name")" = "$id" ]; then
+  # "IMAGE-ID SOURCE-ID" of the last build of this name here. (Not an image label: podman 4.3's
+  # layer cache ignores a build argument's value in a LABEL step, so the label would go stale.)
+  state="$GEOFP8_CACHE/podman/geofp8-$target-$tag.source"
+  if [ "$rebuild" = 0 ] && pod image exists "$name" && [ -f "$state" ] \
+      && [ "$(cat "$state")" = "$(pod image inspect -f '{{.Id}}' "$name") $id" ]; then
     log "$name is up to date (source $id)"
     continue
   fi
@@ -158,7 +161,8 @@ for target in "${targets[@]}"; do
   pod build --isolation chroot --network host --layers \
     -f "$GEOFP8_ROOT/deploy/docker/Dockerfile" --target "$target" \
     --build-arg "BASE=$base" --build-arg "TORCH_VERSION=$torch_version" \
-    --build-arg "SOURCE_ID=$id" "${extra[@]}" -t "$name" "$GEOFP8_ROOT"
+    "${extra[@]}" -t "$name" "$GEOFP8_ROOT"
+  echo "$(pod image inspect -f '{{.Id}}' "$name") $id" >"$state"
   log "built $name in $((SECONDS - t0)) s"
   built+=("$name")
 done
