@@ -120,13 +120,13 @@ ensure_wheels() {
 }
 
 # What the images are built from: the git blob of every file in the build context that git
-# tracks or would track, committed or not, docs/ excepted (.dockerignore leaves it out), and the
-# torch version. Outside git: a new id every time.
+# tracks or would track, committed or not, docs/ and tests/ excepted (.dockerignore leaves them
+# out), and the torch version. Outside git: a new id every time.
 source_id() {
   ( cd "$GEOFP8_ROOT"
     if ! git rev-parse --verify -q HEAD >/dev/null 2>&1; then date +%s%N; exit; fi
     local files
-    files="$(git ls-files -co --exclude-standard | grep -v '^docs/' | sort -u \
+    files="$(git ls-files -co --exclude-standard | grep -Ev '^(docs|tests)/' | sort -u \
                | while read -r f; do [ -f "$f" ] && echo "$f"; done)"
     { paste <(echo "$files") <(echo "$files" | git hash-object --stdin-paths)
       echo "torch $torch_version"; } | sha256sum | cut -c1-16 )

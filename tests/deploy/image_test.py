@@ -157,8 +157,9 @@ class ImageTest(unittest.TestCase):
                              "no-python; geofp8-coordinator --help >/dev/null && echo help-ok")
         self.assertEqual(out.split(), ["geofp8-coordinator", "geofp8ctl", "no-python", "help-ok"])
         # The worker: the programs, and the torch the tests pin with the geofp8 package.
-        out = self.image_run(WORKER_IMAGE, "ls /usr/local/bin; python3 -c 'import torch, "
-                             "geofp8.torch; print(torch.__version__.split(\"+\")[0])'")
+        # (torch's own scripts, torchrun and the like, are in /usr/local/bin too.)
+        out = self.image_run(WORKER_IMAGE, "cd /usr/local/bin && ls geofp8*; python3 -c 'import "
+                             "torch, geofp8.torch; print(torch.__version__.split(\"+\")[0])'")
         self.assertEqual(out.split(), ["geofp8-coordinator", "geofp8-tool", "geofp8-train",
                                        "geofp8-worker", "geofp8ctl",
                                        common_sh("$GEOFP8_TORCH_VERSION")])
