@@ -560,19 +560,27 @@ class HelmChartTest(unittest.TestCase):
         (sm,) = [d for d in docs if d["kind"] == "ServiceMonitor"]
         self.assertEqual(sm["metadata"]["labels"]["release"], "kube-prometheus")
         self.assertEqual({e["interval"] for e in sm["spec"]["endpoints"]}, {"30s"})
-        # Defaults: global image, no PDB, no /dev/shm volume, the 10s interval.
+        # Defaults: the global repository with each component's suffix (the two images
+        # scripts/image.sh builds), no PDB, no /dev/shm volume, the 10s interval.
         docs = [d for _, d in render({"metrics": {"serviceMonitor": True}})]
+        self.assertEqual(containers_of(workload(docs, "coordinator"))[1][0]["image"],
+                         "geofp8-coordinator:0.1.0")
         spec, (c,) = containers_of(workload(docs, "worker"))
-        self.assertEqual(c["image"], "geofp8:0.1.0")
+        self.assertEqual(c["image"], "geofp8-worker:0.1.0")
         self.assertNotIn("shm", [v["name"] for v in spec["volumes"]])
         self.assertNotIn("PodDisruptionBudget", [d["kind"] for d in docs])
         (sm,) = [d for d in docs if d["kind"] == "ServiceMonitor"]
         self.assertEqual({e["interval"] for e in sm["spec"]["endpoints"]}, {"10s"})
         # Only the worker's image overridden: the coordinator keeps the global one.
         docs = [d for _, d in render({"worker": {"image": {"tag": "gpu"}}})]
-        self.assertEqual(containers_of(workload(docs, "worker"))[1][0]["image"], "geofp8:gpu")
+        self.assertEqual(containers_of(workload(docs, "worker"))[1][0]["image"],
+                         "geofp8-worker:gpu")
         self.assertEqual(containers_of(workload(docs, "coordinator"))[1][0]["image"],
-                         "geofp8:0.1.0")
+                         "geofp8-coordinator:0.1.0")
+        # A component's own repository is taken as it is, without a suffix.
+        docs = [d for _, d in render({"coordinator": {"image": {"repository": "mine/coord"}}})]
+        self.assertEqual(containers_of(workload(docs, "coordinator"))[1][0]["image"],
+                         "mine/coord:0.1.0")
 
     def test_schema_rejects_bad_pod_extras(self):
         for bad in ({"worker": {"shmSize": "1GB"}}, {"worker": {"env": [{"value": "x"}]}},

@@ -11,13 +11,25 @@ app.kubernetes.io/name: geofp8
 app.kubernetes.io/instance: {{ .Release.Name }}
 {{- end -}}
 
-{{/* Each component's image: its own image.repository / image.tag where set, else the global one. */}}
+{{/* Each component's image: its own image.repository / image.tag where set, else the global
+repository with the component's suffix (geofp8-coordinator, geofp8-worker: the two images
+deploy/docker/Dockerfile builds) and the global tag. */}}
 {{- define "geofp8.coordinatorImage" -}}
-{{ .Values.coordinator.image.repository | default .Values.image.repository }}:{{ .Values.coordinator.image.tag | default .Values.image.tag }}
+{{- if .Values.coordinator.image.repository -}}
+{{ .Values.coordinator.image.repository }}
+{{- else -}}
+{{ .Values.image.repository }}-coordinator
+{{- end -}}
+:{{ .Values.coordinator.image.tag | default .Values.image.tag }}
 {{- end -}}
 
 {{- define "geofp8.workerImage" -}}
-{{ .Values.worker.image.repository | default .Values.image.repository }}:{{ .Values.worker.image.tag | default .Values.image.tag }}
+{{- if .Values.worker.image.repository -}}
+{{ .Values.worker.image.repository }}
+{{- else -}}
+{{ .Values.image.repository }}-worker
+{{- end -}}
+:{{ .Values.worker.image.tag | default .Values.image.tag }}
 {{- end -}}
 
 {{- define "geofp8.coordinator" -}}

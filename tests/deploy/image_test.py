@@ -1,0 +1,259 @@
+#!/usr/bin/python3
+# The images scripts/image.sh builds, run as the Helm chart runs them: a coordinator container
+# and two worker containers (host network) with the chart's arguments, user, read-only root and
+# dropped capabilities, and a 2-rank command: job of torch DDP with the geofp8 hook through them.
+# Label "image"; it builds the images when they are missing or stale (tens of minutes the first
+# time), so it runs only with GEOFP8_IMAGE_TEST=1 and is skipped (77) otherwise.
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+import unittest
+
+import yaml
+
+ROOT = os.environ.get("GEOFP8_SOURCE_DIR") or os.path.dirname(
+    os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import helm_render  # noqa: E402  (tests/deploy/helm_render.py)
+
+
+def common_sh(expr):
+    """A value of scripts/lib/common.sh, the one place it is set (cache dir, torch version)."""
+    return subprocess.run(["bash", "-c", 'source "$1/scripts/lib/common.sh"; echo "%s"' % expr,
+                           "-", ROOT], capture_output=True, text=True, check=True).stdout.strip()
+
+
+TAG = subprocess.run(["sed", "-n", r"s/^project(geofp8 VERSION \([0-9.]*\).*/\1/p",
+                      os.path.join(ROOT, "CMakeLists.txt")],
+                     capture_output=True, text=True, check=True).stdout.strip()
+WORKER_IMAGE = "localhost/geofp8-worker:" + TAG
+COORDINATOR_IMAGE = "localhost/geofp8-coordinator:" + TAG
+# The job's program, mounted read-only into the workers as the chart's ConfigMap example does: it
+# says who and what it runs with, then trains the image's example GPT for a few steps over gloo
+# with the geofp8 comm hook attached to the worker.
+JOB_SCRIPT = r"""
+import json, os, runpy, sys
+import torch, geofp8, geofp8.torch
+print("IDENTITY " + json.dumps({
+    "uid": os.getuid(), "gid": os.getgid(), "groups": os.getgroups(),
+    "torch": torch.__version__.split("+")[0], "geofp8": geofp8.__version__,
+    "build": geofp8.build_info["build"], "rank": int(os.environ["RANK"])}), flush=True)
+sys.argv = ["/usr/share/geofp8/examples/pytorch/train_gpt.py", "--steps", "12",
+            "--log-every", "4", "--eval-every", "6"]
+runpy.run_path(sys.argv[0], run_name="__main__")
+print("TRAINED", flush=True)
+"""
+JOB_SPEC = """
+name: image-test
+world_size: 2
+backend: gloo
+command: [/usr/bin/python3, /opt/job/train.py]
+training: {steps: 12}
+policy:
+  default: {format: fp8_e4m3, scaling: block, block: 128, geometry: lowrank, rank: 8}
+"""
+
+
+class Podman:
+    """podman with the configuration scripts/image.sh writes (runc, no default ulimits) and its
+    storage driver (GEOFP8_PODMAN_STORAGE)."""
+
+    def __init__(self):
+        self.env = dict(os.environ, CONTAINERS_CONF=os.path.join(
+            common_sh("$GEOFP8_CACHE"), "podman", "containers.conf"))
+        driver = os.environ.get("GEOFP8_PODMAN_STORAGE")
+        self.podman = ["podman"] + (["--storage-driver", driver] if driver else [])
+        self.names = []
+
+    def __call__(self, *args, check=True, timeout=120):
+        r = subprocess.run(self.podman + list(args), env=self.env, capture_output=True,
+                           text=True, timeout=timeout)
+        if check and r.returncode != 0:
+            raise AssertionError("podman %s: exit %d\n%s%s" % (" ".join(args), r.returncode,
+                                                                r.stdout, r.stderr))
+        return r
+
+    def start(self, name, run_args, image, args):
+        self.names.append(name)
+        self("run", "-d", "--name", name, *run_args, image, *args)
+
+    def cleanup(self):
+        for name in self.names:
+            self("rm", "-f", "-t", "5", name, check=False)
+
+
+def chart_container(docs, component):
+    """The pod spec and the one container of the chart's StatefulSet for component."""
+    sts = next(d for d in docs if d["kind"] == "StatefulSet"
+               and d["metadata"]["name"].endswith(component))
+    spec = sts["spec"]["template"]["spec"]
+    (c,) = spec["containers"]
+    return spec, c
+
+
+def run_args(test, spec, c, mounts):
+    """podman run flags for the chart's security settings (checked to be the ones this test
+    knows how to translate) and the given host directories."""
+    pod, sec = spec["securityContext"], c["securityContext"]
+    test.assertEqual((pod["runAsNonRoot"], pod["runAsUser"], pod["runAsGroup"]),
+                     (True, 10001, 10001))
+    test.assertEqual(pod["seccompProfile"], {"type": "RuntimeDefault"})
+    test.assertEqual(sec, {"allowPrivilegeEscalation": False, "readOnlyRootFilesystem": True,
+                           "capabilities": {"drop": ["ALL"]}})
+    args = ["--runtime", "runc", "--ulimit", "host", "--network", "host",
+            "--user", "%d:%d" % (pod["runAsUser"], pod["runAsGroup"]),
+            "--read-only", "--read-only-tmpfs=false", "--tmpfs", "/tmp",
+            "--cap-drop", "all", "--security-opt", "no-new-privileges"]
+    for host, path, ro in mounts:
+        args += ["-v", "%s:%s:%s" % (host, path, "ro" if ro else "rw")]
+    return args
+
+
+def chart_args(c, replace, extra=()):
+    out = []
+    for a in c["args"]:
+        flag, eq, value = a.partition("=")
+        out.append("%s=%s" % (flag, replace.get(flag, value)) if eq else a)
+    return out + list(extra)
+
+
+def wait_file(path, what, container, podman, timeout=60):
+    deadline = time.time() + timeout
+    while not os.path.exists(path):
+        if time.time() > deadline:
+            logs = podman("logs", container, check=False)
+            raise AssertionError("%s did not write %s in %d s\n%s%s"
+                                 % (what, path, timeout, logs.stdout, logs.stderr))
+        time.sleep(0.1)
+    time.sleep(0.1)
+    with open(path) as f:
+        return json.load(f)
+
+
+class ImageTest(unittest.TestCase):
+    @classmethod
+    def setUpClass(cls):
+        started = time.time()
+        subprocess.run([os.path.join(ROOT, "scripts/image.sh")], check=True)
+        print("images ready in %.0f s" % (time.time() - started), flush=True)
+        cls.podman = Podman()
+
+    def image_run(self, image, script):
+        r = self.podman("run", "--rm", "--runtime", "runc", "--ulimit", "host", "--read-only",
+                        "--cap-drop", "all", "--entrypoint", "/bin/sh", image, "-c", script)
+        return r.stdout
+
+    def test_images_identity_and_contents(self):
+        # Both: uid and gid 10001 (the chart's runAsUser and runAsGroup), an existing HOME.
+        for image in (WORKER_IMAGE, COORDINATOR_IMAGE):
+            out = self.image_run(image, 'id -u; id -g; echo "$HOME"; test -d "$HOME" && echo ok')
+            self.assertEqual(out.split(), ["10001", "10001", "/home/geofp8", "ok"], image)
+        # The coordinator: its daemon and geofp8ctl, no Python, no torch.
+        out = self.image_run(COORDINATOR_IMAGE, "ls /usr/local/bin; command -v python3 || echo "
+                             "no-python; geofp8-coordinator --help >/dev/null && echo help-ok")
+        self.assertEqual(out.split(), ["geofp8-coordinator", "geofp8ctl", "no-python", "help-ok"])
+        # The worker: the programs, and the torch the tests pin with the geofp8 package.
+        # (torch's own scripts, torchrun and the like, are in /usr/local/bin too.)
+        out = self.image_run(WORKER_IMAGE, "cd /usr/local/bin && ls geofp8*; python3 -c 'import "
+                             "torch, geofp8.torch; print(torch.__version__.split(\"+\")[0])'")
+        self.assertEqual(out.split(), ["geofp8-coordinator", "geofp8-tool", "geofp8-train",
+                                       "geofp8-worker", "geofp8ctl",
+                                       common_sh("$GEOFP8_TORCH_VERSION")])
+
+    def test_command_job_across_containers(self):
+        docs = [d for _, d in helm_render.Renderer(
+            os.path.join(ROOT, "helm/geofp8"), [{"tokenSecret": "geofp8-token"}]).manifests()]
+        cspec, cc = chart_container(docs, "coordinator")
+        wspec, wc = chart_container(docs, "worker")
+        self.assertIn("--allow-commands", wc["args"])
+        tag = "geofp8-imagetest-%d" % os.getpid()
+        tmp = tempfile.mkdtemp(prefix=tag + "-")
+        try:
+            # Host directories for the chart's volumes, owned by the pods' fsGroup as a
+            # PersistentVolume with fsGroup 10001 would be; the token as its Secret mounts it.
+            dirs = {n: os.path.join(tmp, n) for n in ("token", "job", "coord", "w0", "w1")}
+            for d in dirs.values():
+                os.makedirs(d)
+            with open(os.path.join(dirs["token"], "token"), "w") as f:
+                f.write("imagetest-" + os.urandom(16).hex() + "\n")
+            with open(os.path.join(dirs["job"], "train.py"), "w") as f:
+                f.write(JOB_SCRIPT)
+            with open(os.path.join(dirs["job"], "job.yaml"), "w") as f:
+                f.write(JOB_SPEC)
+            for n in ("coord", "w0", "w1"):
+                shutil.chown(dirs[n], 10001, 10001)
+            os.chmod(dirs["token"], 0o755)
+            os.chmod(os.path.join(dirs["token"], "token"), 0o644)
+            token_mount = (dirs["token"], "/etc/geofp8/token", True)
+            self.assertIn("--token-file=/etc/geofp8/token/token", cc["args"])
+
+            coord = tag + "-coordinator"
+            self.podman.start(
+                coord, run_args(self, cspec, cc, [(dirs["coord"], "/var/lib/geofp8", False),
+                                                  token_mount]),
+                COORDINATOR_IMAGE,
+                chart_args(cc, {"--listen": "127.0.0.1:0", "--metrics-listen": "127.0.0.1:0"},
+                           ["--ready-file=/var/lib/geofp8/ready.json"]))
+            address = wait_file(os.path.join(dirs["coord"], "ready.json"), "coordinator",
+                                coord, self.podman)["grpc"]
+            for i in range(2):
+                name = "%s-w%d" % (tag, i)
+                self.podman.start(
+                    name, run_args(self, wspec, wc, [
+                        (dirs["w%d" % i], "/var/lib/geofp8", False), token_mount,
+                        (dirs["job"], "/opt/job", True)]),
+                    WORKER_IMAGE,
+                    chart_args(wc, {"--coordinator": address, "--name": "w%d" % i,
+                                    "--advertise-host": "127.0.0.1", "--metrics-host": "127.0.0.1",
+                                    "--metrics-port": "0"},
+                               ["--ready-file=/var/lib/geofp8/ready.json"]))
+                wait_file(os.path.join(dirs["w%d" % i], "ready.json"), "worker %d" % i, name,
+                          self.podman)
+
+            def ctl(*args):
+                # geofp8ctl of the coordinator's image, in its container.
+                return self.podman("exec", coord, "geofp8ctl", "-s", address, "--token-file",
+                                   "/etc/geofp8/token/token", *args).stdout
+
+            # geofp8ctl reads the spec in the coordinator's container: a copy in its data
+            # directory, the one directory it has besides the token.
+            shutil.copy(os.path.join(dirs["job"], "job.yaml"), dirs["coord"])
+            job_id = json.loads(ctl("-o", "json", "submit", "-f",
+                                    "/var/lib/geofp8/job.yaml"))["job"]["id"]
+            deadline = time.time() + 600
+            while time.time() < deadline:
+                j = json.loads(ctl("-o", "json", "get", "job", job_id))
+                if j.get("state") in ("succeeded", "failed", "cancelled"):
+                    break
+                time.sleep(1)
+            outs = [ctl("logs", job_id, "--rank", str(r)) for r in range(2)]
+            self.assertEqual(j.get("state"), "succeeded",
+                             (j, outs, [ctl("logs", job_id, "--rank", str(r), "--stderr")
+                                        for r in range(2)]))
+            for rank, out in enumerate(outs):
+                ident = json.loads(next(line for line in out.splitlines()
+                                        if line.startswith("IDENTITY "))[len("IDENTITY "):])
+                self.assertLessEqual(set(ident.pop("groups")), {10001}, out)
+                self.assertEqual(ident, {"uid": 10001, "gid": 10001,
+                                         "torch": common_sh("$GEOFP8_TORCH_VERSION"),
+                                         "geofp8": TAG, "build": "cpu", "rank": rank}, out)
+                self.assertIn("TRAINED", out)
+            print(outs[0], flush=True)
+        finally:
+            self.podman.cleanup()
+            shutil.rmtree(tmp, ignore_errors=True)
+
+
+if __name__ == "__main__":
+    if os.environ.get("GEOFP8_IMAGE_TEST") != "1":
+        print("skipped: builds and runs the container images (scripts/image.sh, tens of minutes "
+              "the first time); run with GEOFP8_IMAGE_TEST=1")
+        sys.exit(77)
+    if os.geteuid() != 0:
+        print("skipped: needs root (podman's system store, chown of the volumes to 10001)")
+        sys.exit(77)
+    unittest.main()
