@@ -380,12 +380,11 @@ void BindEngine(py::module_& m) {
            py::arg("model") = "model", "set_policy's checks without applying it.")
       .def("agree_min", &Engine::AgreeMin, nogil, py::arg("value"), py::arg("stream") = 0,
            "The minimum of `value` over the ranks (one small collective); `stream` is unused.")
-      .def(
-          "reduce_scatter", &Engine::ReduceScatter, py::arg("step"), py::arg("layers"),
-          py::arg("buffer"), py::arg("offsets"), py::arg("out"), py::arg("out_offsets"),
-          py::arg("dtype") = "float32",
-          "exchange() whose average's rows of this rank (FSDP's chunk) go to out (float32 or "
-          "dtype); clobbers buffer.")
+      .def("reduce_scatter", &Engine::ReduceScatter, py::arg("step"), py::arg("layers"),
+           py::arg("buffer"), py::arg("offsets"), py::arg("out"), py::arg("out_offsets"),
+           py::arg("dtype") = "float32",
+           "exchange() whose average's rows of this rank (FSDP's chunk) go to out (float32 or "
+           "dtype); clobbers buffer.")
       .def("exchange", &Engine::Exchange, py::arg("step"), py::arg("layers"), py::arg("buffer"),
            py::arg("offsets"), py::arg("dtype") = "float32",
            "Averages layers[i] at buffer[offsets[i]..] over the ranks in place; dtype float32, "

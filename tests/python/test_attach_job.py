@@ -195,6 +195,7 @@ class AttachJobTest(unittest.TestCase):
                               .read().decode() for a in self.worker_metrics)
             self.assertRegex(scraped, r'geofp8_worker_step\{[^}]*job_id="%s"' % j["id"])
 
+            asked = time.time()
             self.ctl("policy", "set", name, "--layer", "*", "--format", "nvfp4", "--reason",
                      "test: nvfp4")
             # Both ranks take v2 at one step (the script's log lines), then rank 1 is killed.
@@ -206,6 +207,10 @@ class AttachJobTest(unittest.TestCase):
                     taken[int(m.group(1))] = int(m.group(2))
                 time.sleep(0.1)
             self.assertEqual(len(taken), 2, self.everything(name, run))
+            # The issue's target (2 s plus the margin of 3 steps) is reported, not asserted: a
+            # loaded machine stretches steps. Within 0.1 s (the polling of the ranks' output).
+            print("policy v2 in force on both ranks %.2f s after geofp8ctl policy set (margin "
+                  "3 steps of about 0.1 s)" % (time.time() - asked), flush=True)
             self.assertEqual(taken[0], taken[1], self.everything(name, run))
             v2 = json.loads(self.ctl("-o", "json", "policy", "get", name, "--version", "2"))
             self.assertEqual(int(v2["taken_step"]), taken[0], v2)
