@@ -116,10 +116,10 @@ const std::vector<Bound>& Table() {
       Str("LogData.error", 4 * kKiB, Chars::kText),
       Str("RankAttach.job", 64, Chars::kName),
       Int("RankAttach.rank", 0, kMaxRank),
-      Int("RankAttach.world_size", 1, kMaxRank + 1),
+      Int("RankAttach.world_size", 0, kMaxRank + 1),
       Str("HookAttach.job", 64, Chars::kName),
       Int("HookAttach.rank", 0, kMaxRank),
-      Int("HookAttach.world_size", 1, kMaxRank + 1),
+      Int("HookAttach.world_size", 0, kMaxRank + 1),
       Str("HookAttach.token", 4 * kKiB, Chars::kToken),
       Str("HookFinished.reason", 4 * kKiB, Chars::kText),
       // RendezvousService

@@ -149,7 +149,7 @@ TEST(HookSession, BucketChecksNameTheLayerAndOffset) {
     const std::span<float> all(buf.data);
     auto error = [&](const FlatBucket& b) { return ErrorOf([&] { s.Exchange(1, b); }); };
     EXPECT_EQ(error({{0}, all, {10}}),
-              "exchange: layer 'w' at offset 10 + 24 is outside the bucket of 33 floats");
+              "exchange: layer 'w' at offset 10 + 24 is outside the bucket of 33 elements");
     EXPECT_EQ(error({{0, 1}, all, {0}}), "exchange: 2 layers but 1 offsets");
     EXPECT_EQ(error({{}, all, {}}), "exchange: 0 layers but 0 offsets");
     EXPECT_EQ(error({{3}, all, {0}}), "exchange: layer index 3 >= 3");

@@ -12,7 +12,8 @@ Checked:
   2. `geofp8ctl cancel` ends the ranks with exit code 3 and a message saying why, so torchrun
      fails rather than hangs;
   3. attaches that cannot be taken are refused naming what differs: an unknown job, a world size
-     other than the spec's, a job that is not external, a rank another launch holds.
+     other than the spec's, a job that is not external, a missing or wrong token, a rank another
+     launch holds.
 
 Usage: test_attach_job.py (env GEOFP8_COORDINATOR, GEOFP8_WORKER, GEOFP8CTL, GEOFP8_EXAMPLE,
 PYTHONPATH=<build>/client/python). Exits 77 (skipped) without torch.
@@ -117,6 +118,17 @@ class AttachJobTest(unittest.TestCase):
                                      os.path.join(wdir, "ready.json")]))
             cls.worker_metrics.append(wait_file(os.path.join(wdir, "ready.json"))["metrics"])
         cls.hook_address = "unix:" + os.path.join(root, "hook.{local_rank}.sock")
+        # A third attach-only worker with a token: a rank must present it.
+        token = os.path.join(root, "token")
+        with open(token, "w") as f:
+            f.write("s3cret-token\n")
+        wdir = os.path.join(root, "a2")
+        os.makedirs(wdir)
+        cls.workers.append(Proc([WORKER, "--coordinator", cls.address, "--name", "a2",
+                                 "--attach", os.path.join(root, "hook.2.sock"), "--token-file",
+                                 token, "--metrics-port", "-1", "--data-dir", wdir,
+                                 "--ready-file", os.path.join(wdir, "ready.json")]))
+        wait_file(os.path.join(wdir, "ready.json"))
 
     @classmethod
     def tearDownClass(cls):
@@ -289,6 +301,15 @@ class AttachJobTest(unittest.TestCase):
         self.assertIn("world size: the launcher's is 3 (WORLD_SIZE) but job held",
                       refusal("held", 0, 3))
         self.assertIn("is not external", refusal("own", 0, 1))
+        # The token: the worker's own check, before anything reaches the coordinator.
+        os.environ.pop("GEOFP8_TOKEN", None)
+        self.assertIn("token: this worker needs the cluster's token", refusal("held", 0, 2, 2))
+        os.environ["GEOFP8_TOKEN"] = "wrong"
+        try:
+            self.assertIn("token: the token given (GEOFP8_TOKEN_FILE or GEOFP8_TOKEN) is not "
+                          "this worker's", refusal("held", 0, 2, 2))
+        finally:
+            del os.environ["GEOFP8_TOKEN"]
         # Two launches claim rank 0 of one job: the second is refused naming the first's worker.
         first = attach("held", 0, 2, 0)
         try:

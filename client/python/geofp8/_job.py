@@ -49,7 +49,7 @@ class JobLink:
     def close(self):
         """GeoFP8State.close: a command job's channel closes now; an attached rank's stays open
         until the interpreter exits, when finish() reports how the rank ended."""
-        if not self.hook.attach_mode:
+        if not getattr(self.hook, "attach_mode", False):
             self.hook.close()
 
     def finish(self):
@@ -73,7 +73,8 @@ class JobLink:
         address = os.environ.get("GEOFP8_HOOK_ADDRESS")
         try:
             welcome = hook.wait_for_welcome(timeout_s)
-            if welcome is None and hook.attach_mode:
+            attach_mode = getattr(hook, "attach_mode", False)  # False for older or fake hooks
+            if welcome is None and attach_mode:
                 if hook.refused:
                     raise RuntimeError("attach: rank %d of job %s was refused: %s"
                                        % (rank, os.environ.get("GEOFP8_JOB"), hook.refused))
@@ -114,7 +115,7 @@ class JobLink:
               % (rank, welcome["job_id"], welcome["attempt"], welcome["resume_step"]),
               flush=True)
         link = cls(hook, welcome["job_id"], spec, timeout_s)
-        if hook.attach_mode:
+        if attach_mode:
             _keep_until_exit(link)
         return link
 
