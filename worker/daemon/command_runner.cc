@@ -675,6 +675,23 @@ std::string CommandRunner::CreateCheckpointDir(const JobSpec& spec) const {
   return ckpt.string();
 }
 
+v1::HookWelcome CommandRunner::Welcome() const {
+  const v1::Assignment& a = assignment_;
+  v1::HookWelcome w;
+  w.set_job_id(a.job_id());
+  w.set_attempt(a.attempt());
+  w.set_rank(a.rank());
+  w.set_world_size(a.world_size());
+  w.set_resume_step(a.resume_step());
+  return w;
+}
+
+std::vector<v1::Policy> CommandRunner::KnownPolicies() const {
+  std::vector<v1::Policy> policies;
+  for (const auto& [v, p] : policies_) policies.push_back(p);
+  return policies;
+}
+
 std::string CommandRunner::StartHook(const Attempt& at) {
   const v1::Assignment& a = assignment_;
   std::string socket = at.dir + "/hook" + at.rank + ".sock";
@@ -683,15 +700,7 @@ std::string CommandRunner::StartHook(const Attempt& at) {
              std::to_string(a.attempt()) + "-" + at.rank + ".sock";
   }
   std::lock_guard<std::mutex> lock(mu_);
-  v1::HookWelcome w;
-  w.set_job_id(a.job_id());
-  w.set_attempt(a.attempt());
-  w.set_rank(a.rank());
-  w.set_world_size(a.world_size());
-  w.set_resume_step(a.resume_step());
-  std::vector<v1::Policy> policies;
-  for (const auto& [v, p] : policies_) policies.push_back(p);
-  hook_ = ValueOrThrow(HookServer::Start(socket, w, std::move(policies),
+  hook_ = ValueOrThrow(HookServer::Start(socket, Welcome(), KnownPolicies(),
                                          [this](const v1::HookMessage& m) { Relay(m); }));
   channel_ = hook_.get();
   if (refresh_) hook_->OfferRefresh(*refresh_);
@@ -803,18 +812,10 @@ void CommandRunner::RunAttached(const JobSpec& spec, Attempt* at, JobOutcome* ou
   at->program = "rank " + at->rank + "'s program";
   {
     std::lock_guard<std::mutex> lock(mu_);
-    v1::HookWelcome w;
-    w.set_job_id(a.job_id());
-    w.set_attempt(a.attempt());
-    w.set_rank(a.rank());
-    w.set_world_size(a.world_size());
-    w.set_resume_step(a.resume_step());
-    std::vector<v1::Policy> policies;
-    for (const auto& [v, p] : policies_) policies.push_back(p);
     at->restartable = true;
-    Require(
-        options_.gate->Open(w, std::move(policies), [this](const v1::HookMessage& m) { Relay(m); }),
-        "rank ", at->rank, "'s program left before its attempt was placed");
+    Require(options_.gate->Open(Welcome(), KnownPolicies(),
+                                [this](const v1::HookMessage& m) { Relay(m); }),
+            "rank ", at->rank, "'s program left before its attempt was placed");
     channel_ = options_.gate;
     if (refresh_) channel_->OfferRefresh(*refresh_);
   }

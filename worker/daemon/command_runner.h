@@ -146,6 +146,9 @@ class CommandRunner final : public RankRunner {
   std::string CreateCheckpointDir(const JobSpec& spec) const;
   // Starts hook_ on the attempt's socket (a /tmp one when its path is too long). Returns it.
   std::string StartHook(const Attempt& at);
+  // What a hook channel gets when it opens: the welcome, and every policy version known (mu_).
+  v1::HookWelcome Welcome() const;
+  std::vector<v1::Policy> KnownPolicies() const;
   // The program's whole environment (CommandEnvironment, torchrun's and the GEOFP8_* ones).
   std::map<std::string, std::string> ProgramEnvironment(const JobSpec& spec,
                                                         const Attempt& at) const;
