@@ -2,6 +2,8 @@
 #include "server/coordinator/scheduler.h"
 
 #include <algorithm>
+#include <string_view>
+#include <unordered_map>
 
 namespace geofp8::coordinator {
 namespace {
@@ -33,7 +35,9 @@ std::vector<const WorkerSlot*> KeepOldRanks(const PendingJob& job,
 }
 
 // An external job: on the workers its ranks attached to, once all have; else why it waits.
+// `index`: each worker's position in `workers` by id, built once per Place.
 Placement PlaceAttached(const PendingJob& job, const std::vector<WorkerSlot>& workers,
+                        const std::unordered_map<std::string_view, size_t>& index,
                         std::vector<bool>& taken) {
   Placement placement;
   const int world = job.world_size;
@@ -41,10 +45,13 @@ Placement PlaceAttached(const PendingJob& job, const std::vector<WorkerSlot>& wo
   int attached = 0;
   std::string missing;
   for (int r = 0; r < world; ++r) {
-    const std::string id = r < int(job.attached.size()) ? job.attached[r] : std::string();
-    for (size_t i = 0; i < workers.size() && !id.empty(); ++i) {
-      const WorkerSlot& w = workers[i];
-      if (w.id == id && w.connected && !w.fenced && w.idle && w.attach_only && !taken[i]) at[r] = i;
+    const std::string_view id =
+        r < int(job.attached.size()) ? std::string_view(job.attached[r]) : std::string_view();
+    if (auto it = index.find(id); !id.empty() && it != index.end()) {
+      const WorkerSlot& w = workers[it->second];
+      if (w.connected && !w.fenced && w.idle && w.attach_only && !taken[it->second]) {
+        at[r] = it->second;
+      }
     }
     if (at[r] < workers.size()) {
       ++attached;
@@ -76,11 +83,15 @@ std::vector<Placement> Place(const std::vector<PendingJob>& jobs,
                              const std::vector<WorkerSlot>& workers, int64_t now_ms) {
   std::vector<Placement> placements(jobs.size());
   std::vector<bool> taken(workers.size(), false);
+  std::unordered_map<std::string_view, size_t> index;  // by id, for external jobs only
   std::string blocked_by;  // the first job that fits the fleet but waits for busy workers
   for (size_t j = 0; j < jobs.size(); ++j) {
     const PendingJob& job = jobs[j];
     if (job.external) {
-      placements[j] = PlaceAttached(job, workers, taken);
+      if (index.empty()) {
+        for (size_t i = 0; i < workers.size(); ++i) index.emplace(workers[i].id, i);
+      }
+      placements[j] = PlaceAttached(job, workers, index, taken);
       continue;
     }
     const bool needs_gpu = job.needs_gpu;
