@@ -754,38 +754,52 @@ class Pipeline {
 
 namespace {
 
-// Reduce-scatter's lowrank layers after the pipeline: each owner's share of U^T D, one fp32
+// Reduce-scatter's lowrank layers after the pipeline: each owner's share of U^T D, one
 // all-reduce of them all (in layer order, the same on every rank), then each owner's rows.
+// An 8- or 4-bit layer's share travels as bf16: its rounding (2^-9 of W) is far below the codec's
+// own error (2^-4 and up per element), and it halves the bytes the sharded inverse adds (k/m of
+// the layer in fp32: 8k/m of an fp8 layer's wire, 4k/m in bf16). An fp32 or bf16 layer's stays
+// fp32, so the baselines keep their precision.
 void FinishLowRankRows(Communicator& comm, const AlgorithmOptions& ao,
                        std::span<const BucketLayer> layers, DataPlane& plane) {
   const int n = comm.size(), r = comm.rank();
+  auto rows_of = [](const BucketLayer& l) {
+    return l.geometry ? static_cast<size_t>(ShardProductRows(*l.geometry)) : size_t{0};
+  };
+  auto in_bf16 = [](const BucketLayer& l) {
+    return l.policy.format != Format::kFp32 && l.policy.format != Format::kBf16;
+  };
+  // Each layer's share at[i] within its wire's buffer: w32 (fp32) or w16 (bf16 on the wire).
   std::vector<size_t> at(layers.size(), 0);
-  size_t total = 0;
+  size_t total32 = 0, total16 = 0;
   for (size_t i = 0; i < layers.size(); ++i) {
-    const BucketLayer& l = layers[i];
+    size_t& total = in_bf16(layers[i]) ? total16 : total32;
     at[i] = total;
-    if (l.geometry) total += static_cast<size_t>(ShardProductRows(*l.geometry)) * l.cols;
+    total += rows_of(layers[i]) * static_cast<size_t>(layers[i].cols);
   }
-  if (total == 0) return;
+  if (total32 + total16 == 0) return;
   TraceScope span(ao.trace, "shard_products", ExchangeTrace::kMainLane, ao.step);
-  std::vector<float> w(total, 0.f);
+  std::vector<float> w32(total32, 0.f), w16(total16, 0.f);
   auto first_row = [&](const BucketLayer& l) {
     return static_cast<int64_t>(RowChunkOf(l.in.size(), l.cols, n, r).begin) / l.cols;
   };
   auto share = [&](size_t i) {
     const BucketLayer& l = layers[i];
-    return std::span(w).subspan(at[i], static_cast<size_t>(ShardProductRows(*l.geometry)) * l.cols);
+    return std::span(in_bf16(l) ? w16 : w32)
+        .subspan(at[i], rows_of(l) * static_cast<size_t>(l.cols));
   };
   for (size_t i = 0; i < layers.size(); ++i) {
-    if (layers[i].geometry && ShardProductRows(*layers[i].geometry) > 0) {
-      plane.ShardProducts(layers[i], first_row(layers[i]), share(i));
-    }
+    if (rows_of(layers[i]) > 0) plane.ShardProducts(layers[i], first_row(layers[i]), share(i));
   }
-  comm.AllReduceSum(w);
+  if (total32) comm.AllReduceSum(w32);
+  if (total16) {
+    std::vector<uint16_t> bits(total16);
+    for (size_t q = 0; q < total16; ++q) bits[q] = FloatToBf16(w16[q]);
+    comm.AllReduceSumBf16(bits);
+    for (size_t q = 0; q < total16; ++q) w16[q] = Bf16ToFloat(bits[q]);
+  }
   for (size_t i = 0; i < layers.size(); ++i) {
-    if (layers[i].geometry && ShardProductRows(*layers[i].geometry) > 0) {
-      plane.InvertRows(layers[i], first_row(layers[i]), share(i));
-    }
+    if (rows_of(layers[i]) > 0) plane.InvertRows(layers[i], first_row(layers[i]), share(i));
   }
 }
 

@@ -22,7 +22,8 @@ expect() {
 expect 0 "exchange" --help
 expect 2 "subcommand"
 expect 2 "nosuch" nosuch
-for cmd in cluster codec collectives coordinator exchange geometry grad_dtype model trajectory; do
+for cmd in cluster codec collectives coordinator exchange geometry grad_dtype model shard_geometry \
+    trajectory; do
   expect 0 "--help" "$cmd" --help
   expect 2 "--no-such-flag" "$cmd" --no-such-flag
 done
@@ -36,4 +37,7 @@ expect 2 "--mode" geometry --mode fast
 expect 2 "--families" geometry --families spectral,nosuch
 expect 2 "--band-k" trajectory somedir --steps 1-2 --band-k 0
 expect 2 "--steps" trajectory somedir --steps 5
+expect 2 "--shapes" shard_geometry --shapes 1x64
+expect 2 "--formats" shard_geometry --formats fp8,nosuch
+expect 2 "--grads" shard_geometry --grads /nonexistent
 exit $fail

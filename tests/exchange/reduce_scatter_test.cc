@@ -195,6 +195,18 @@ TEST(ReduceScatter, LowRankGeometryUnderShardingMatchesTheAllReducePath) {
       const auto ar = Scatter(comm, Algorithm::kTwoPhase, shapes, fp8, false, &geometry);
       const auto ar_none = Scatter(comm, Algorithm::kTwoPhase, shapes, fp8, false);
       const auto rs_diag = Scatter(comm, Algorithm::kTwoPhase, shapes, fp8, true, &diag);
+      // The sharded inverse adds one all-reduce of every layer's k x cols share of W, as bf16 for
+      // an fp8 layer: the bytes of that collective on its own, measured here.
+      size_t w_elements = 0;
+      for (uint32_t l = 0; l < shapes.size(); ++l) {
+        w_elements += size_t(ShardProductRows(geometry[l])) * size_t(shapes[l].cols);
+      }
+      std::vector<uint16_t> w_bf16(w_elements, 0);
+      const uint64_t before_w = comm.stats().bytes_sent;
+      comm.AllReduceSumBf16(w_bf16);
+      EXPECT_EQ(b_lr - b_none, comm.stats().bytes_sent - before_w)
+          << "the sharded inverse's extra bytes are not one bf16 all-reduce of W (" << w_elements
+          << " elements)";
       const auto ar_diag = Scatter(comm, Algorithm::kTwoPhase, shapes, fp8, false, &diag);
       // Per layer, summed over the owners with one small all-reduce: squared errors and norms.
       std::vector<float> sums;
