@@ -179,7 +179,7 @@ StepResult ExchangeEngine::Run(uint64_t step, const std::vector<uint32_t>& layer
   {
     // The deferred refreshes queued before this call have run (the queue was idle).
     std::lock_guard<std::mutex> lock(q_->mu);
-    r.refreshes.insert(r.refreshes.end(), q_->deferred.begin(), q_->deferred.end());
+    AddRefreshes(r, q_->deferred);
     q_->deferred.clear();
   }
   if (ex.has_pending_refreshes()) {
@@ -256,7 +256,7 @@ void ExchangeEngine::ExchangeLoop() {
       auto& pool = q_->deferred;
       pool.insert(pool.end(), deferred.begin(), deferred.end());
       if (!job->refresh_only && !job->error) {
-        job->result.refreshes.insert(job->result.refreshes.end(), pool.begin(), pool.end());
+        AddRefreshes(job->result, pool);
         pool.clear();
       }
       q_->done.push_back(std::move(job));

@@ -12,6 +12,7 @@
 #include "kernels/exchange/algorithms.h"
 #include "kernels/exchange/chunking.h"
 #include "kernels/exchange/fingerprint.h"
+#include "kernels/exchange/sharded_gradient.h"
 #include "kernels/geometry/hadamard.h"
 
 namespace geofp8 {
@@ -361,7 +362,7 @@ StepResult Exchanger::Finish(uint64_t step) {
         [this, step, grads = pending.grads] { return RunRefreshes(step, grads); });
     auto f = task->get_future();
     Enqueue([task] { (*task)(); });
-    result.refreshes = f.get();
+    AddRefreshes(result, f.get());
   }
   result.seconds =
       std::chrono::duration<double>(std::chrono::steady_clock::now() - pending.start).count();
@@ -411,7 +412,44 @@ std::unique_ptr<GradientProducts> Exchanger::LowpProducts(GradSpan g, int64_t m,
   return std::make_unique<HostSnapshot>(std::move(copy), m, n);
 }
 
-void Exchanger::Defer(uint64_t step, const GradSpans& grads) {
+bool Exchanger::ShardedRefresh(uint32_t l) const {
+  if (options_.estimator != GeometryEstimator::kFactorEma) return false;
+  const LayerSpec& spec = layers_[l];
+  const FactorSketchOptions o = SketchOptions(l);
+  // Per update on average: probes join every probe_every-th update only.
+  const double held = double((o.width + 7) / 8 * 8),
+               probing = double((o.width + o.probes + 7) / 8 * 8);
+  const double ldx = held + (probing - held) / o.probe_every;
+  const double c = 2.0 * o.width + double(o.probes) / o.probe_every;
+  const double m = double(spec.rows), n = double(spec.cols);
+  double per_element = 1.0;  // fp8 and mxfp8
+  switch (spec.policy.format) {
+    case Format::kFp32:
+      per_element = 4.0;
+      break;
+    case Format::kBf16:
+      per_element = 2.0;
+      break;
+    case Format::kNvfp4:
+      per_element = 0.5;
+      break;
+    default:
+      break;
+  }
+  return 4.0 * (m * ldx + 2.0 * n * c) < m * n * per_element;
+}
+
+std::unique_ptr<GradientProducts> Exchanger::ShardProducts(uint32_t l, GradSpan rows, bool copy) {
+  const LayerSpec& spec = layers_[l];
+  if (!copy && rows.fp32()) {
+    return std::make_unique<ShardedGradient>(comm_, rows.f32(), spec.rows, spec.cols);
+  }
+  std::vector<float> fp32(rows.size());
+  LoadDivided(rows, 1.f, fp32);  // exact: x / 1 is x
+  return std::make_unique<ShardedGradient>(comm_, std::move(fp32), spec.rows, spec.cols);
+}
+
+void Exchanger::Defer(uint64_t step, const GradSpans& grads, const GradSpans* outs) {
   Deferred d;
   d.step = step;
   d.snapshots.resize(layers_.size());
@@ -419,6 +457,11 @@ void Exchanger::Defer(uint64_t step, const GradSpans& grads) {
   for (uint32_t l = 0; l < layers_.size(); ++l) {
     if (!UsesGeometry(l) || !RefreshesAt(l, step)) continue;
     const LayerSpec& spec = layers_[l];
+    if (outs && ShardedRefresh(l)) {  // a reduce-scatter's: this rank's rows, copied
+      d.snapshots[l] = ShardProducts(l, (*outs)[l], /*copy=*/true);
+      any = true;
+      continue;
+    }
     if (!grads[l].fp32()) {
       d.snapshots[l] = LowpProducts(grads[l], spec.rows, spec.cols);
       any = true;
@@ -593,9 +636,9 @@ StepResult Exchanger::RunAll(uint64_t step, const GradSpans& grads, const GradSp
   CommitResiduals(result.skipped);
   if (!result.skipped && !schedule_.empty()) {
     if (refreshes == Refreshes::kDeferred) {
-      Defer(step, grads);
+      Defer(step, grads, outs);
     } else {
-      result.refreshes = RunRefreshes(step, grads);
+      AddRefreshes(result, RunRefreshes(step, grads, nullptr, outs));
     }
   }
   result.seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
@@ -691,9 +734,10 @@ std::vector<BucketResult> Exchanger::RunBuckets(uint64_t step, size_t first, siz
       w.in = grads[l];
       w.out = grads[l];
       w.cols = spec.cols;
-      // Reduce-scatter: this rank's rows only, unless the layer refreshes now (its refresh reads
-      // the whole average, so it is all-reduced).
-      const bool scatter = outs && !(UsesGeometry(l) && RefreshesAt(l, step));
+      // Reduce-scatter: this rank's rows only, unless the layer refreshes now under the instant
+      // estimator (its owner reads the whole average, so it is all-reduced). The ema sketch reads
+      // the owners' rows where that moves fewer bytes (ShardedRefresh).
+      const bool scatter = outs && !(UsesGeometry(l) && RefreshesAt(l, step) && !ShardedRefresh(l));
       if (scatter) w.out = (*outs)[l];
       // A transform runs in place in fp32: a bf16 or fp16 layer is read into work memory for it
       // (with its division), and its result is rounded back after the run. Other bf16 and fp16
@@ -875,7 +919,7 @@ FactorSketchOptions Exchanger::SketchOptions(uint32_t layer) const {
 
 std::vector<RefreshRecord> Exchanger::RunRefreshes(
     uint64_t step, const GradSpans& grads,
-    const std::vector<std::unique_ptr<GradientProducts>>* snapshots) {
+    const std::vector<std::unique_ptr<GradientProducts>>* snapshots, const GradSpans* outs) {
   TraceScope span(options_.trace, "geometry_refresh", ExchangeTrace::kMainLane, step);
   std::vector<RefreshRecord> out;
   const bool device = options_.plane && !options_.plane->host_memory();
@@ -887,6 +931,7 @@ std::vector<RefreshRecord> Exchanger::RunRefreshes(
     LayerState& st = *state_[l];
     RefreshRecord rec;
     rec.layer = l;
+    const uint64_t bytes_before = comm_.stats().bytes_sent;
     if (options_.estimator == GeometryEstimator::kFactorEma) {
       // Every rank holds the same averaged gradient and runs the same fixed-order arithmetic, so
       // every rank derives the same geometry; the fingerprint's digest checks it at its first use.
@@ -896,8 +941,9 @@ std::vector<RefreshRecord> Exchanger::RunRefreshes(
       std::unique_ptr<GradientProducts> own;
       GradientProducts* products = snapshots ? (*snapshots)[l].get() : nullptr;
       if (!products) {
-        own = grads[l].fp32() ? plane().Products(grads[l].f32(), spec.rows, spec.cols)
-                              : LowpProducts(grads[l], spec.rows, spec.cols);
+        own = outs && ShardedRefresh(l) ? ShardProducts(l, (*outs)[l], /*copy=*/false)
+              : grads[l].fp32()         ? plane().Products(grads[l].f32(), spec.rows, spec.cols)
+                                        : LowpProducts(grads[l], spec.rows, spec.cols);
         products = own.get();
       }
       rec.from_inverse = UpdateFactorSketch(st.sketch, *products, spec.rows, spec.cols,
@@ -917,6 +963,7 @@ std::vector<RefreshRecord> Exchanger::RunRefreshes(
       st.has_pending = true;
       rec.version = st.pending.version;
       rec.active_from = st.pending_from;
+      rec.bytes_sent = comm_.stats().bytes_sent - bytes_before;
       out.push_back(rec);
       continue;
     }
@@ -976,6 +1023,7 @@ std::vector<RefreshRecord> Exchanger::RunRefreshes(
     st.has_pending = true;
     rec.version = st.pending.version;
     rec.active_from = st.pending_from;
+    rec.bytes_sent = comm_.stats().bytes_sent - bytes_before;
     out.push_back(rec);
   }
   return out;

@@ -131,16 +131,26 @@ struct RefreshRecord {
   // of reading G for them (factor_sketch.h), as it does whenever the geometry in force is the one
   // its last update derived.
   bool from_inverse = false;
+  // What the refresh's own collectives sent from this rank: an instant owner's broadcast, or a
+  // sharded sketch's thin products (ShardedGradient). Counted in the result that carries it.
+  uint64_t bytes_sent = 0;
 };
 
 struct StepResult {
   uint64_t step = 0;
-  bool skipped = false;  // any bucket skipped: the same decision on every rank
-  uint64_t bytes_sent = 0;
-  double seconds = 0.0;  // wall time from the first submit to the end of the refreshes
+  bool skipped = false;     // any bucket skipped: the same decision on every rank
+  uint64_t bytes_sent = 0;  // the buckets', plus the refreshes' it carries
+  double seconds = 0.0;     // wall time from the first submit to the end of the refreshes
   std::vector<BucketResult> buckets;
   std::vector<RefreshRecord> refreshes;
 };
+
+// Appends `records` to r's refreshes and their bytes to r's (a deferred refresh's go with the
+// next result handed out).
+inline void AddRefreshes(StepResult& r, const std::vector<RefreshRecord>& records) {
+  for (const RefreshRecord& rec : records) r.bytes_sent += rec.bytes_sent;
+  r.refreshes.insert(r.refreshes.end(), records.begin(), records.end());
+}
 
 // One layer's geometry state in the checksummed wire form of kernels/geometry
 // (SerializeGeometry), for checkpoints and policy changes. Empty bytes mean identity (never
@@ -276,16 +286,32 @@ class Exchanger {
   std::vector<BucketResult> RunBuckets(uint64_t step, size_t first, size_t last,
                                        const GradSpans& grads, const GradSpans* outs = nullptr);
   // `snapshots` (deferred refreshes): per layer, the products over the gradient as it was; null
-  // entries and null: read `grads`.
+  // entries and null: read `grads`, or with `outs` (a reduce-scatter's) the ema sketch reads this
+  // rank's rows of the average there, through ShardedGradient's collectives.
   std::vector<RefreshRecord> RunRefreshes(
       uint64_t step, const GradSpans& grads,
-      const std::vector<std::unique_ptr<GradientProducts>>* snapshots = nullptr);
+      const std::vector<std::unique_ptr<GradientProducts>>* snapshots = nullptr,
+      const GradSpans* outs = nullptr);
+  // Whether a reduce-scatter's layer that refreshes at a step stays a reduce-scatter, its ema
+  // sketch reading the owners' rows (ShardedGradient), or is all-reduced at that step. The
+  // instant estimator's owner reads the whole average: always all-reduced. Under ema, whichever
+  // moves fewer bytes on average per update: the sketch's thin products (about 4 (m ldx + 2 n c)
+  // bytes: ldx the columns of Y, the sketch's width padded to 8, plus its probes on every
+  // probe_every-th update; c the columns of G^T Q, twice the width plus those probes) or the
+  // all-reduce's second pass over the layer (m n times the format's bytes per element). The same
+  // choice on every rank: it depends on the shape and the policy only.
+  bool ShardedRefresh(uint32_t layer) const;
+  // The sketch's products over this rank's rows `rows` of layer l's average (a reduce-scatter's
+  // output), owning an fp32 copy of them when `copy` (a deferred refresh) or when they are bf16
+  // or fp16.
+  std::unique_ptr<GradientProducts> ShardProducts(uint32_t l, GradSpan rows, bool copy);
   // The plane the gradients live on: options_.plane, or the workspace's host plane.
   DataPlane& plane() { return options_.plane ? *options_.plane : workspace_.host; }
   // The factor sketch's products over a bf16 or fp16 gradient, through an fp32 copy.
   static std::unique_ptr<GradientProducts> LowpProducts(GradSpan g, int64_t m, int64_t n);
-  // Refreshes::kDeferred: keeps copies of the gradients the step's refreshes read, for later.
-  void Defer(uint64_t step, const GradSpans& grads);
+  // Refreshes::kDeferred: keeps copies of the gradients the step's refreshes read (with `outs`,
+  // of this rank's rows of them), for later.
+  void Defer(uint64_t step, const GradSpans& grads, const GradSpans* outs = nullptr);
   // The rotation block the layer's exchange uses (0: none): matrices under a compressed algorithm,
   // as for geometry.
   uint32_t HadamardBlockOf(uint32_t layer) const;

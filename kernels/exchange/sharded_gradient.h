@@ -28,6 +28,11 @@ class ShardedGradient final : public GradientProducts {
  public:
   // `rows`: this rank's rows, row-major fp32 host memory, alive while the products are used.
   ShardedGradient(Communicator& comm, std::span<const float> rows, int64_t m, int64_t n);
+  // Over rows it owns (a copy taken by the caller).
+  ShardedGradient(Communicator& comm, std::vector<float> rows, int64_t m, int64_t n)
+      : ShardedGradient(comm, std::span<const float>(rows), m, n) {
+    own_ = std::move(rows);  // moving a vector keeps its buffer, so rows_ still points at it
+  }
 
   double ProductAndNorm(const float* x, int ldx, float* y) override;
   void TransposeProduct(const float* q, int c, float* bt) override;
@@ -39,6 +44,7 @@ class ShardedGradient final : public GradientProducts {
   int64_t m_, n_;
   std::vector<int64_t> first_row_;  // per rank, and m at the end
   std::vector<uint8_t> send_, recv_;
+  std::vector<float> own_;  // the rows, when the products own them
 };
 
 }  // namespace geofp8

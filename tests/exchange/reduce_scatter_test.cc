@@ -273,8 +273,8 @@ TEST(ReduceScatter, TheHadamardRotationIsRefusedNamingTheLayer) {
 
 // The engine over steps: error feedback keeps the sum of the outputs within one step's error of
 // the sum of the exact averages (without it, the same rounding adds up step after step), and a
-// lowrank layer refreshed every other step (all-reduced on those steps, reduce-scattered with the
-// sharded inverse between) stays within the format's bound.
+// lowrank layer refreshed every other step (its ema sketch fed from the owners' rows, the
+// sharded inverse every step) stays within the format's bound.
 TEST(ReduceScatter, EngineErrorFeedbackAcrossStepsAndRefreshedGeometry) {
   const std::vector<Shape> shapes = {{21, 24}, {40, 32}, {9, 1}};
   const int n = 3, steps = 8;
@@ -356,6 +356,65 @@ TEST(ReduceScatter, EngineErrorFeedbackAcrossStepsAndRefreshedGeometry) {
     });
     EXPECT_EQ(JoinErrors(errors), "") << "feedback " << feedback;
   }
+}
+
+// A layer refreshed every step under the ema estimator stays a reduce-scatter: the sketch reads
+// the owners' rows through ShardedGradient (its collectives give every rank the same sketch; the
+// fingerprint's geometry digest would refuse a step otherwise). In fp32 both paths average
+// exactly up to summation order, so the geometry equals the all-reduce engine's to round-off, and
+// a step moves fewer bytes than the all-reduce's.
+TEST(ReduceScatter, EveryStepEmaRefreshesReadTheShardsAndMatchTheAllReducesGeometry) {
+  const Shape shape{96, 64};
+  const int n = 3, steps = 4;
+  std::vector<std::vector<LayerGeometryState>> geometry(2);
+  std::vector<uint64_t> bytes(2, 0);
+  for (int scatter = 0; scatter < 2; ++scatter) {
+    const auto errors = RunRanks(n, [&](Communicator& comm) {
+      const int r = comm.rank();
+      EngineOptions eo;
+      eo.seed = 3;
+      ExchangeEngine engine(comm, eo);
+      engine.SetLayers({{"w", shape.rows, shape.cols}});
+      EnginePolicy p;
+      LayerPolicy w = Policy(Format::kFp32, Scaling::kNone, 0);
+      w.geometry = GeometryMode::kLowRank;
+      w.rank = 3;
+      p.layers = {w};
+      p.options.algorithm = Algorithm::kTwoPhase;
+      p.options.estimator = GeometryEstimator::kFactorEma;
+      p.options.sketch.width = 4;
+      p.schedule = {{0, 1, 0}};
+      engine.SetPolicy(p);
+      size_t refreshes = 0;
+      for (int s = 0; s < steps; ++s) {
+        std::vector<float> in = Grad(r, 0, shape, s);
+        const ChunkRange mine = RowChunkOf(in.size(), shape.cols, n, r);
+        std::vector<float> out(mine.size());
+        const StepResult res =
+            scatter ? engine.ReduceScatter(s, {0}, {in}, {out}) : engine.Exchange(s, {0}, {in});
+        ASSERT_FALSE(res.skipped);
+        refreshes += res.refreshes.size();
+        if (r == 0 && s == steps - 1) bytes[scatter] = res.bytes_sent;
+      }
+      engine.Drain();
+      EXPECT_EQ(refreshes, size_t(steps - 1)) << "the last step's refresh is deferred";
+      if (r == 0) geometry[scatter] = engine.ExportGeometry();
+    });
+    ASSERT_EQ(JoinErrors(errors), "") << (scatter ? "reduce-scatter" : "all-reduce");
+  }
+  const Geometry ar = DeserializeGeometry(geometry[0][0].active);
+  const Geometry rs = DeserializeGeometry(geometry[1][0].active);
+  ASSERT_FALSE(ar.is_identity());
+  // Float round-off of a 96x64 average over the relative eigengap of a rank-2-plus-noise
+  // gradient: far below 1e-3.
+  EXPECT_LT(SubspaceDrift(ar, rs), 1e-3);
+  EXPECT_EQ(ar.version, rs.version);
+  // The all-reduce moves the layer twice ((N-1)/N each way); the reduce-scatter once, plus the
+  // sketch's thin products and the inverse's W, a few columns of m and n.
+  EXPECT_LT(bytes[1], bytes[0] * 3 / 4)
+      << "reduce-scatter " << bytes[1] << ", all-reduce " << bytes[0];
+  std::printf("bytes of a refreshing step: reduce-scatter %llu, all-reduce %llu\n",
+              (unsigned long long)bytes[1], (unsigned long long)bytes[0]);
 }
 
 }  // namespace

@@ -337,8 +337,10 @@ def main():
                 # fp8: the engine's reduce-scatter, 1 byte per element plus scales and a 24-byte
                 # header per chunk, which on this model's small layers (a 45-element bias sends
                 # chunks of 23) is 0.289 at 2 ranks; issue 42's 0.27 is for >= 20M parameters.
-                # geofp8 refreshes every layer's geometry every step (ema, interval 1), and a
-                # layer is all-reduced on its refresh steps.
+                # geofp8 refreshes every layer's geometry every step (ema, interval 1). A layer
+                # stays a reduce-scatter on its refresh steps when its sketch's thin products
+                # move fewer bytes than an all-reduce's second pass (Exchanger::ShardedRefresh);
+                # on this model's small layers they do not, so they are all-reduced.
                 top = 0.30 if policy == "fp8" else 0.6
                 print("%s rank %d: %.3f of an fp32 reduce-scatter's bytes" % (policy, r, ratio))
                 if not 0.2 < ratio <= top:
