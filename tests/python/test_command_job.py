@@ -13,8 +13,8 @@ Checked:
      resumes from the last checkpoint rank 0 reported, and the job succeeds;
   3. a script whose torch world size differs from the job's fails with an error naming both;
   4. a SIGSTOPped rank is found within the spec's exchange.timeout_s (GEOFP8_EXCHANGE_TIMEOUT_S);
-  5. only with GEOFP8_TEST_FSDP_JOB=1 (one more job of two torch 2.x processes, about 90 s at
-     load 15, which CI's time budget leaves out): the FSDP2 example (train_fsdp.py,
+  5. only with GEOFP8_TEST_FSDP_JOB=1 (one more job of two torch 2.x processes: 23 s more at
+     load 20, which CI's time budget leaves out): the FSDP2 example (train_fsdp.py,
      compress_fsdp) as a job on this interpreter's torch (>= 2.9): a live `policy set` in force
      on both ranks at the step the coordinator records, per-layer errors in /metrics and in the
      job, its torch.distributed.checkpoint checkpoints reported.
