@@ -8,7 +8,10 @@ FSDP2's own for comparison. CPU and gloo; torch >= 2.9.
     torchrun --nproc_per_node 2 examples/pytorch/train_fsdp.py --policy native
 
 Each log line gives the loss, the step time and, under GeoFP8, the wire bytes as a share of an
-fp32 reduce-scatter's (FSDP2's own at --reduce-dtype float32). docs/pytorch.md, "FSDP2".
+fp32 reduce-scatter's (FSDP2's own at --reduce-dtype float32). --checkpoint-every K saves the
+model, optimizer and GeoFP8 state with torch.distributed.checkpoint. The same script runs as a
+GeoFP8 `command:` job (live policies, per-layer errors, restarts from its checkpoints).
+docs/pytorch.md, "FSDP2".
 """
 
 import argparse
@@ -76,16 +79,30 @@ class Llama(nn.Module):
         return self.out(self.norm(x))
 
 
-def batches(path, batch, seq, rank, seed):
+def batches(path, batch, seq, gen):
+    """Random sequences of the file's bytes, drawn with `gen` (this rank's: a checkpoint keeps
+    its state, so a resumed run draws what the uninterrupted one would)."""
     with open(path, "rb") as f:
         data = torch.frombuffer(bytearray(f.read()), dtype=torch.uint8).long()
     if data.numel() < seq + 2:
         sys.exit("--data: %s has %d bytes; need at least %d" % (path, data.numel(), seq + 2))
-    gen = torch.Generator().manual_seed(seed * 1000 + rank)
     while True:
         ix = torch.randint(0, data.numel() - seq - 1, (batch,), generator=gen)
         yield (torch.stack([data[i:i + seq] for i in ix]),
                torch.stack([data[i + 1:i + seq + 1] for i in ix]))
+
+
+def checkpoint_dict(model, opt, state, gen, rank):
+    """What a checkpoint holds, for torch.distributed.checkpoint (docs/pytorch.md, "Checkpoints
+    with torch.distributed.checkpoint"): the sharded model and optimizer, this rank's data
+    generator under its rank's key, and the GeoFP8 state itself, which DCP saves and restores
+    through its state_dict() and load_state_dict() (its residuals are per rank, keyed so)."""
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+    m, o = get_state_dict(model, opt)
+    sd = {"model": m, "optim": o, "data": {str(rank): gen.get_state()}}
+    if state is not None:
+        sd["geofp8"] = state
+    return sd
 
 
 def main():
@@ -109,12 +126,23 @@ def main():
     ap.add_argument("--init-method", default="env://",
                     help="torch.distributed's rendezvous (env:// under torchrun; a file:// URL "
                          "with RANK and WORLD_SIZE set, as bench/fsdp_netem.sh runs it)")
-    ap.add_argument("--summary-every", type=int, default=0,
+    ap.add_argument("--summary-every", type=int, default=None,
                     help="measure each layer's exchange error every N steps and print the "
-                         "worst layers (one extra fp32 all-reduce on those steps; 0: never)")
+                         "worst layers (one extra fp32 all-reduce on those steps; 0: never; "
+                         "default: every 10 steps under a GeoFP8 job, which reports them, else "
+                         "never)")
+    ap.add_argument("--checkpoint-every", type=int, default=0,
+                    help="save model, optimizer, data position and GeoFP8 state with "
+                         "torch.distributed.checkpoint every K steps into --checkpoint-dir "
+                         "(default: GEOFP8_CHECKPOINT_DIR under a GeoFP8 job; every rank must "
+                         "see the same directory); a restarted job resumes from the last one")
+    ap.add_argument("--checkpoint-dir", default=None)
+    ap.add_argument("--step-sleep", type=float, default=0.0,
+                    help="seconds to sleep per step (tests: time to act mid-run)")
     args = ap.parse_args()
-    if args.summary_every < 0:
-        ap.error("--summary-every: must be >= 0 (%d)" % args.summary_every)
+    for name in ("summary_every", "checkpoint_every"):
+        if getattr(args, name) is not None and getattr(args, name) < 0:
+            ap.error("--%s: must be >= 0 (%d)" % (name.replace("_", "-"), getattr(args, name)))
     for name in ("steps", "batch", "seq", "layers", "d_model", "heads", "log_every", "threads"):
         if getattr(args, name) < 1:
             ap.error("--%s: must be >= 1 (%d)" % (name.replace("_", "-"), getattr(args, name)))
@@ -151,9 +179,22 @@ def main():
               % (args.layers, args.d_model, params / 1e6, world, args.reduce_dtype, args.policy),
               flush=True)
     opt = torch.optim.AdamW(model.parameters(), lr=args.lr)
-    data = batches(args.data, args.batch, args.seq, rank, args.seed)
+    gen = torch.Generator().manual_seed(args.seed * 1000 + rank)
+    data = batches(args.data, args.batch, args.seq, gen)
+    ckpt_dir = args.checkpoint_dir or (state.checkpoint_dir if state is not None else None)
+    first = state.resume_step if state is not None else 0
+    if first > 0:
+        # A restarted GeoFP8 job: every rank loads the recovery point; DCP calls
+        # state.load_state_dict, and reshards the model and optimizer.
+        import torch.distributed.checkpoint as dcp
+        from torch.distributed.checkpoint.state_dict import set_state_dict
+        sd = checkpoint_dict(model, opt, state, gen, rank)
+        dcp.load(sd, checkpoint_id=os.path.join(ckpt_dir, "step%d" % first))
+        set_state_dict(model, opt, model_state_dict=sd["model"], optim_state_dict=sd["optim"])
+        gen.set_state(sd["data"][str(rank)])
+        print("rank %d: resumed from step %d" % (rank, first), flush=True)
     times = []
-    for step in range(args.steps):
+    for step in range(first, args.steps):
         t0 = time.perf_counter()
         x, y = next(data)
         loss = F.cross_entropy(model(x).flatten(0, 1), y.flatten())
@@ -162,9 +203,19 @@ def main():
         opt.step()
         times.append(time.perf_counter() - t0)
         if state is not None:
-            summary = state.layer_summary(state.report(loss))
+            # To the coordinator under a GeoFP8 job (step, loss, bytes, layer errors).
+            summary = state.layer_summary(state.report(loss, tokens=args.batch * args.seq))
             if rank == 0 and summary:
                 print(summary, flush=True)
+        if args.checkpoint_every and ckpt_dir and (step + 1) % args.checkpoint_every == 0:
+            import torch.distributed.checkpoint as dcp
+            path = os.path.join(ckpt_dir, "step%d" % (step + 1))
+            # A collective: when it returns, every rank's part and the metadata are written.
+            dcp.save(checkpoint_dict(model, opt, state, gen, rank), checkpoint_id=path)
+            if state is not None:
+                state.report_checkpoint(step + 1, path)
+        if args.step_sleep:
+            time.sleep(args.step_sleep)
         if rank == 0 and (step % args.log_every == 0 or step == args.steps - 1):
             wire = ""
             if state is not None and state.stats["bytes_baseline"]:

@@ -11,13 +11,19 @@ gloo.
 - fp8 and geofp8 (lowrank geometry, error feedback) train, and each exchanged shard is within
   the format's bound of the exact average;
 - state_dict round trip, and the refusals: a model without FSDP modules, installing twice, a
-  reduce_dtype outside fp32/bf16/fp16.
+  reduce_dtype outside fp32/bf16/fp16;
+- torch.distributed.checkpoint with the state beside the model and optimizer: at 2 ranks a run
+  saved at step DCP_AT and resumed into fresh objects is bit-identical to the uninterrupted one
+  (and is not without the residuals); at 4 ranks a checkpoint loaded at 2 drops its residuals
+  with a warning and keeps the geometry, and one saved at 2 and loaded at 4 is refused by DCP or,
+  with allow_partial_load, drops them with a warning.
 Usage: test_fsdp.py --world N. On a torch without FSDP2's custom reduce-scatter (torch 1.13) it
 checks only that compress_fsdp refuses, naming torch 2.9 and the DDP hook."""
 
 import argparse
 import os
 import sys
+import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import hook_testlib as L  # noqa: E402
@@ -62,11 +68,12 @@ class Net:
         return Model()
 
 
-def _shard(model, reduce_dtype=None):
-    import torch
+def _shard(model, reduce_dtype=None, mesh=None):
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
     mp = MixedPrecisionPolicy(reduce_dtype=reduce_dtype) if reduce_dtype else None
     kw = {"mp_policy": mp} if mp else {}
+    if mesh is not None:
+        kw["mesh"] = mesh
     for b in model.blocks:
         fully_shard(b, **kw)
     fully_shard(model, **kw)
@@ -238,6 +245,233 @@ def _bounded_shards(rank, world):
     return failures
 
 
+# The distributed-checkpoint runs: error feedback (nvfp4, whose residuals are large) and lowrank
+# geometry refreshed every other step, so that steps alternate between the engine's
+# reduce-scatter and its all-reduce, and the residuals, the geometry and the refresh schedule
+# all decide the next steps' bits. SGD with momentum, so the optimizer's state matters too.
+EF_POLICY = {"policy": {"default": {"format": "nvfp4", "error_feedback": True},
+                        "layers": [{"match": "*", "geometry": "lowrank", "rank": 4}]},
+             "geometry_refresh": {"estimator": "ema", "interval": 2}}
+DCP_STEPS, DCP_AT = 6, 3  # steps of the uninterrupted run; the step the checkpoint is taken at
+
+
+def _dcp_fresh(group=None):
+    """A fresh model, optimizer and GeoFP8 state over `group` (default: the whole world)."""
+    import torch
+    import geofp8.torch as gt
+    mesh = None
+    if group is not None:
+        from torch.distributed.device_mesh import DeviceMesh
+        mesh = DeviceMesh.from_group(group, "cpu")
+    model = _shard(Net.make(), mesh=mesh)
+    state = gt.compress_fsdp(model, policy=EF_POLICY, process_group=group)
+    opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+    return model, opt, state
+
+
+def _dcp_dict(model, opt, geofp8):
+    """What an FSDP2 trainer saves (docs/pytorch.md, "FSDP2"): the model's and optimizer's
+    sharded state dicts and the GeoFP8 state itself, which DCP treats as Stateful."""
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+    m, o = get_state_dict(model, opt)
+    return {"model": m, "optim": o, "geofp8": geofp8}
+
+
+def _dcp_restore(model, opt, sd):
+    from torch.distributed.checkpoint.state_dict import set_state_dict
+    set_state_dict(model, opt, model_state_dict=sd["model"], optim_state_dict=sd["optim"])
+
+
+def _dcp_steps(rank, model, opt, first, last, losses):
+    import torch
+    for step in range(first, last):
+        opt.zero_grad()
+        x, y = L.batch(rank, step)
+        loss = torch.nn.functional.mse_loss(model(x), y)
+        loss.backward()
+        opt.step()
+        losses.append(loss.item())
+
+
+def _dcp_directory(rank):
+    """A directory every rank sees (rank 0 makes it)."""
+    import tempfile
+    import torch.distributed as dist
+    box = [tempfile.mkdtemp(prefix="geofp8-dcp-") if rank == 0 else None]
+    dist.broadcast_object_list(box, src=0)
+    return box[0]
+
+
+def _dcp_resume(rank, world):
+    """Saved with DCP at step DCP_AT and resumed into a fresh model, optimizer and state, a run
+    gives the uninterrupted run's losses and parameters bit for bit; resumed without this rank's
+    residuals it does not (so the residuals are what the comparison sees)."""
+    import hashlib
+    import shutil
+    import torch.distributed as dist
+    import torch.distributed.checkpoint as dcp
+    path = _dcp_directory(rank)
+    try:
+        model, opt, state = _dcp_fresh()
+        straight = []
+        _dcp_steps(rank, model, opt, 0, DCP_AT, straight)
+        # DCP keeps one copy of the geometry, which every rank saves under one key: it must be
+        # the same on every rank.
+        geometry = repr(_plain(state.state_dict()["geometry"]))
+        dcp.save(_dcp_dict(model, opt, state), checkpoint_id=path)
+        _dcp_steps(rank, model, opt, DCP_AT, DCP_STEPS, straight)
+        out = {"straight": straight, "straight_params": _full_params(model),
+               "geometry": hashlib.sha256(geometry.encode()).hexdigest()}
+        keys = sorted(dcp.FileSystemReader(path).read_metadata().state_dict_metadata)
+        out["residual_keys"] = [k for k in keys if k.startswith("geofp8.") and
+                                k.endswith(".residuals")]
+        for name, keep in (("resumed", True), ("without", False)):
+            model, opt, state = _dcp_fresh()
+            if keep:
+                sd = _dcp_dict(model, opt, state)
+                dcp.load(sd, checkpoint_id=path)
+            else:
+                # The GeoFP8 state as a plain dict, its residuals taken out before it is loaded.
+                sd = _dcp_dict(model, opt, state.state_dict())
+                dcp.load(sd, checkpoint_id=path)
+                own = sd["geofp8"]["per_rank"][str(rank)]
+                out["held"] = sum(1 for r in own["residuals"] if len(r[1]))
+                own["residuals"] = [(r[0], r[1][:0], r[2][:0]) for r in own["residuals"]]
+                state.load_state_dict(sd["geofp8"])
+            _dcp_restore(model, opt, sd)
+            losses = list(straight[:DCP_AT])
+            if state.step != DCP_AT:
+                out["step_" + name] = state.step
+            _dcp_steps(rank, model, opt, DCP_AT, DCP_STEPS, losses)
+            out[name] = losses
+            out[name + "_params"] = _full_params(model)
+        return out
+    finally:
+        dist.barrier()
+        if rank == 0:
+            shutil.rmtree(path, ignore_errors=True)
+
+
+def _dcp_other_world(rank, world):
+    """A checkpoint saved at `world` (4) ranks and loaded at 2 (ranks 0 and 1 in a group of
+    their own) drops its residuals with a warning and keeps the geometry; one saved at 2 and
+    loaded at 4 fails naming the first missing rank's key, and with allow_partial_load drops
+    them with a warning on every rank."""
+    import shutil
+    import warnings
+    import torch.distributed as dist
+    import torch.distributed.checkpoint as dcp
+    path = _dcp_directory(rank)
+    wide, narrow = os.path.join(path, "wide"), os.path.join(path, "narrow")
+    out = {}
+
+    def said(caught):
+        return [str(w.message) for w in caught if "residuals" in str(w.message)]
+    try:
+        model, opt, state = _dcp_fresh()
+        _dcp_steps(rank, model, opt, 0, DCP_AT, [])
+        geometry = state.state_dict()["geometry"]
+        dcp.save(_dcp_dict(model, opt, state), checkpoint_id=wide)
+        pair = dist.new_group([0, 1])
+        if rank < 2:
+            m2, o2, s2 = _dcp_fresh(pair)
+            sd = _dcp_dict(m2, o2, s2)
+            with warnings.catch_warnings(record=True) as caught:
+                warnings.simplefilter("always")
+                dcp.load(sd, checkpoint_id=wide, process_group=pair)
+            _dcp_restore(m2, o2, sd)
+            after = s2.state_dict()
+            out["down"] = {
+                "said": said(caught), "step": s2.step,
+                "geometry": repr(_plain(after["geometry"])) == repr(_plain(geometry)),
+                "residuals": sum(1 for r in after["per_rank"][str(rank)]["residuals"]
+                                 if len(r[1]))}
+            _dcp_steps(rank, m2, o2, DCP_AT, DCP_AT + 1, out["down"].setdefault("loss", []))
+            dcp.save(_dcp_dict(m2, o2, s2), checkpoint_id=narrow, process_group=pair)
+        dist.barrier()
+        try:
+            dcp.load(_dcp_dict(model, opt, state), checkpoint_id=narrow)
+            out["up_strict"] = None
+        except dcp.api.CheckpointException as e:  # every rank's, naming each one's failure
+            out["up_strict"] = str(e)
+        sd = _dcp_dict(model, opt, state)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            dcp.load(sd, checkpoint_id=narrow,
+                     planner=dcp.DefaultLoadPlanner(allow_partial_load=True))
+        _dcp_restore(model, opt, sd)
+        out["up"] = {"said": said(caught), "step": state.step}
+        return out
+    finally:
+        dist.barrier()
+        if rank == 0:
+            shutil.rmtree(path, ignore_errors=True)
+
+
+def _dcp_world_failures(res, world):
+    failures = []
+    for r in range(world):
+        d = res[r]["dcp_world"]
+        if r < 2:
+            down = d["down"]
+            if len(down["said"]) != 1 or "dropped" not in down["said"][0] or \
+                    ("saved by rank %d of %d" % (r, world)) not in down["said"][0]:
+                failures.append("rank %d: a checkpoint of %d ranks loaded at 2 warned %s, not "
+                                "that its residuals saved by rank %d of %d are dropped"
+                                % (r, world, down["said"], r, world))
+            if down["residuals"]:
+                failures.append("rank %d: loaded at 2 ranks, %d layers took residuals saved "
+                                "at %d" % (r, down["residuals"], world))
+            if not down["geometry"]:
+                failures.append("rank %d: loaded at 2 ranks, the geometry is not the one saved "
+                                "at %d" % (r, world))
+            if down["step"] != DCP_AT or not all(0 < x < 10 for x in down["loss"]):
+                failures.append("rank %d: loaded at 2 ranks: step %d, then loss %s"
+                                % (r, down["step"], down["loss"]))
+        strict = d["up_strict"] or ""
+        if "Missing key in checkpoint state_dict: geofp8.per_rank.2." not in strict:
+            failures.append("rank %d: a checkpoint of 2 ranks loaded at %d: %r, not DCP's "
+                            "missing key geofp8.per_rank.2.*" % (r, world, strict[:300]))
+        up = d["up"]
+        want = "saved by rank %d of 2" % r if r < 2 else "saved at world size 2"
+        if len(up["said"]) != 1 or "dropped" not in up["said"][0] or want not in up["said"][0]:
+            failures.append("rank %d: loaded at %d with allow_partial_load, warned %s, not %r "
+                            "... dropped" % (r, world, up["said"], want))
+        if up["step"] != DCP_AT + 1:
+            failures.append("rank %d: loaded at %d: step %d, not %d" % (r, world, up["step"],
+                                                                        DCP_AT + 1))
+    return failures
+
+
+def _dcp_failures(res, world):
+    import torch
+    failures = []
+    if len({r["dcp"]["geometry"] for r in res}) != 1:
+        failures.append("DCP checkpoint: the ranks' geometry differs, and DCP keeps one copy")
+    keys = res[0]["dcp"]["residual_keys"]
+    want = ["geofp8.per_rank.%d.residuals" % r for r in range(world)]
+    if keys != want:
+        failures.append("DCP checkpoint: residual keys %s, want one per rank %s" % (keys, want))
+    for r in range(world):
+        d = res[r]["dcp"]
+        if not d.get("held"):
+            failures.append("rank %d: the checkpoint holds no error-feedback residual" % r)
+        for name in ("resumed", "without"):
+            if "step_" + name in d:
+                failures.append("rank %d: %s at step %d, not %d" % (r, name, d["step_" + name],
+                                                                   DCP_AT))
+        same = d["resumed"] == d["straight"] and all(
+            torch.equal(a, b) for a, b in zip(d["resumed_params"], d["straight_params"]))
+        if not same:
+            failures.append("rank %d: resumed from DCP at step %d: losses %s, the uninterrupted "
+                            "run's %s (or the parameters differ)"
+                            % (r, DCP_AT, d["resumed"][DCP_AT:], d["straight"][DCP_AT:]))
+        if all(torch.equal(a, b) for a, b in zip(d["without_params"], d["straight_params"])):
+            failures.append("rank %d: resumed without the residuals, the parameters are the "
+                            "uninterrupted run's: the comparison does not see them" % r)
+    return failures
+
+
 def _runs(rank, world):
     steps = STEPS if world == 2 else 10
     out = {"native": _train(rank, world, None, steps),
@@ -251,6 +485,13 @@ def _runs(rank, world):
         for policy in ("fp8", "geofp8"):
             out[policy] = _train(rank, world, policy, 20)
         out["bounded"] = _bounded_shards(rank, world)
+    # The distributed-checkpoint checks, timed (their share of the test's time).
+    began = time.monotonic()
+    if world == 2:
+        out["dcp"] = _dcp_resume(rank, world)
+    else:
+        out["dcp_world"] = _dcp_other_world(rank, world)
+    out["dcp_s"] = time.monotonic() - began
     return out
 
 
@@ -349,6 +590,10 @@ def main():
                 if q["roundtrip"]:
                     failures.append("rank %d: %s: %s" % (r, policy, q["roundtrip"]))
         failures += res[0]["bounded"]
+        failures += _dcp_failures(res, world)
+    else:
+        failures += _dcp_world_failures(res, world)
+    print("DCP checkpoint checks: %.1f s (rank 0)" % res[0]["dcp_s"])
     for f in failures:
         print("FAIL:", f)
     if not failures:

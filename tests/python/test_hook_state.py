@@ -166,8 +166,12 @@ def state_field_errors(rank):
             errors.append("state_dict field %r does not survive a round trip" % key)
     # Residuals saved by another rank or at another world size are dropped with a warning, never
     # applied; the geometry still loads.
+    own = saved["per_rank"][str(rank)]
     for key, value in (("rank", 1 - rank), ("world_size", 4)):
-        moved = dict(saved, **{key: value})
+        if key == "rank":  # this rank's file loaded by the other rank
+            moved = dict(saved, per_rank={str(value): own})
+        else:
+            moved = dict(saved, world_size=value)
         _, _, other, _ = fresh("fp8")
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
@@ -176,10 +180,18 @@ def state_field_errors(rank):
         if not said or "dropped" not in said[0]:
             errors.append("a state saved with %s=%d loaded without a warning that drops its "
                           "residuals (%s)" % (key, value, said))
-        if same(other.state_dict()["residuals"], saved["residuals"]):
+        if same(other.state_dict()["per_rank"][str(rank)]["residuals"], own["residuals"]):
             errors.append("residuals saved with %s=%d were applied" % (key, value))
         if not same(other.state_dict()["geometry"], saved["geometry"]):
             errors.append("geometry saved with %s=%d was not loaded" % (key, value))
+    # A format 4 state (one rank's residuals and counters at the top level, beside the rank and
+    # world size that saved them) still loads, its residuals on the rank that saved them.
+    four = {k: v for k, v in saved.items() if k != "per_rank"}
+    four.update(format=4, rank=rank, residuals=own["residuals"], stats=own["stats"])
+    _, _, other, _ = fresh("fp8")
+    other.load_state_dict(four)
+    if not same(other.state_dict()["per_rank"][str(rank)], own):
+        errors.append("a format 4 state's residuals or counters did not load on its own rank")
     _, _, blank, _ = fresh("fp8")
     fresh_state = blank.state_dict()
     for key in saved:
@@ -266,8 +278,7 @@ def work(rank, world):
         ck = torch.load(buf6)
         if not keep:
             # A format 1 state: no residuals and no counters (they start again from zero).
-            del ck["hook"]["residuals"]
-            ck["hook"].pop("stats", None)
+            del ck["hook"]["per_rank"]
             ck["hook"]["format"] = 1
         m, d, st, o = fresh(ef_policy)
         m.load_state_dict(ck["model"])
@@ -276,7 +287,8 @@ def work(rank, world):
         ef_runs[name] = run_steps(rank, d, m, o, WARM, 2)
         figures["ef_" + name] = st.report(0.0)
     buf6.seek(0)
-    ef_held = sum(1 for r in torch.load(buf6)["hook"]["residuals"] if len(r[1]))
+    ef_held = sum(1 for r in torch.load(buf6)["hook"]["per_rank"][str(rank)]["residuals"]
+                  if len(r[1]))
     geometry_layers = sum(1 for g in ckpt["hook"]["geometry"] if len(g[0]))
     return {"reference": reference, "resumed": resumed, "control": control,
             "formats": formats, "version": state4.policy_version,

@@ -222,7 +222,8 @@ class _GeoFP8ReduceScatter:
 def compress_fsdp(model, policy="geofp8", *, process_group=None, **kwargs):
     """Installs GeoFP8's reduce-scatter on every FSDP module of `model` (fully_shard'ed, torch >=
     2.9) and returns its GeoFP8FSDPState (state_dict, set_policy, report, stats as the DDP
-    hook's). kwargs: GeoFP8State's (seed, timeout_s, coordinator, summary_every, ...).
+    hook's; the state goes into torch.distributed.checkpoint's dict beside the model and
+    optimizer). kwargs: GeoFP8State's (seed, timeout_s, coordinator, summary_every, ...).
     process_group: the group FSDP shards over (default: the default group). A collective: every
     rank calls it, in the same order."""
     FSDPModule, ReduceScatter = _fsdp_api()

@@ -333,7 +333,10 @@ class GeoFP8State:
 
     def state_dict(self):
         """Everything a resume needs: step, policy (and scheduled changes), every layer's
-        geometry and residuals, the counters, who saved it. Only between steps."""
+        geometry, the world size, and this rank's residuals and counters under its rank's key.
+        Only between steps. With load_state_dict it makes the state a torch.distributed.checkpoint
+        Stateful: put the state itself in dcp.save's and dcp.load's dict (docs/pytorch.md,
+        "Checkpoints with torch.distributed.checkpoint")."""
         return _checkpoint.save(self)
 
     def load_state_dict(self, state):
