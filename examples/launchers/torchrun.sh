@@ -18,6 +18,9 @@ for ((i = 0; i < nproc; i++)); do
     --data-dir "$run/worker.$i" --metrics-port $((9465 + i)) "${token[@]}" &
   pids+=("$!")
 done
+# A store per torchrun restart: with the one torchrun shares by default, a restarted rank can read
+# its dead peer's Gloo address and fail in init_process_group (docs/launchers.md).
 GEOFP8_JOB=$job GEOFP8_HOOK_ADDRESS="unix:$run/hook.{local_rank}.sock" \
+  TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 \
   torchrun --standalone --nproc-per-node "$nproc" --max-restarts 3 \
   examples/pytorch/train_gpt.py --steps 200 --checkpoint-every 20 --checkpoint-dir "$run/ckpt"

@@ -6,14 +6,16 @@ external job (spec `launcher: external`).
 Checked:
   1. the job runs with torchrun's two processes as its ranks; a live `geofp8ctl policy set` is
      put in force by both ranks at one step; the workers' /metrics carry the job; a rank killed
-     with SIGKILL fails the launch, and the launcher's next start (as a Slurm requeue, or
-     torchrun's --max-restarts) is the job's attempt 1, with the same policy version, resumed
-     from the last checkpoint, and succeeds;
+     with SIGKILL under `torchrun --max-restarts 1` is restarted by torchrun as the job's
+     attempt 1, with the same policy version, resumed from the last checkpoint, and the job and
+     torchrun succeed;
   2. `geofp8ctl cancel` ends the ranks with exit code 3 and a message saying why, so torchrun
      fails rather than hangs;
   3. attaches that cannot be taken are refused naming what differs: an unknown job, a world size
      other than the spec's, a job that is not external, a missing or wrong token, a rank another
-     launch holds.
+     launch holds;
+  4. rank 0's note when torchrun would restart its ranks onto the store their last attempt
+     wrote (TORCH_DISABLE_SHARE_RDZV_TCP_STORE unset), and only then.
 
 Usage: test_attach_job.py (env GEOFP8_COORDINATOR, GEOFP8_WORKER, GEOFP8CTL, GEOFP8_EXAMPLE,
 PYTHONPATH=<build>/client/python). Exits 77 (skipped) without torch.
@@ -78,21 +80,23 @@ def wait_file(path, deadline_s=30):
         return json.load(f)
 
 
-def rank_pid(job, rank):
-    """The pid of the script process torchrun started as `rank` of `job` (from /proc)."""
-    for pid in os.listdir("/proc"):
-        if not pid.isdigit():
-            continue
+def rank_pid(launcher, rank):
+    """The pid of the script process that torchrun (pid `launcher`) started as `rank`: among its
+    children only, since reading every process's environment is slow on a loaded machine."""
+    for task in os.listdir("/proc/%d/task" % launcher):
         try:
-            with open("/proc/%s/environ" % pid, "rb") as f:
-                env = dict(kv.split(b"=", 1) for kv in f.read().split(b"\0") if b"=" in kv)
-            with open("/proc/%s/cmdline" % pid, "rb") as f:
-                cmd = f.read()
+            with open("/proc/%d/task/%s/children" % (launcher, task)) as f:
+                children = f.read().split()
         except OSError:
             continue
-        if (env.get(b"GEOFP8_JOB") == job.encode() and env.get(b"RANK") == str(rank).encode()
-                and EXAMPLE.encode() in cmd and b"torch.distributed.run" not in cmd):
-            return int(pid)
+        for pid in children:
+            try:
+                with open("/proc/%s/environ" % pid, "rb") as f:
+                    env = dict(kv.split(b"=", 1) for kv in f.read().split(b"\0") if b"=" in kv)
+            except OSError:
+                continue
+            if env.get(b"RANK") == str(rank).encode():
+                return int(pid)
     return None
 
 
@@ -155,8 +159,10 @@ class AttachJobTest(unittest.TestCase):
         return json.loads(self.ctl("-o", "json", "submit", "-f", spec))["job"]["id"]
 
     def torchrun(self, name, args, max_restarts=0):
+        # Each of torchrun's restarts gets a store of its own: with the one it shares by default,
+        # a restarted rank can read its dead peer's Gloo address (docs/launchers.md).
         env = dict(os.environ, OMP_NUM_THREADS="1", GEOFP8_JOB=name,
-                   GEOFP8_HOOK_ADDRESS=self.hook_address)
+                   GEOFP8_HOOK_ADDRESS=self.hook_address, TORCH_DISABLE_SHARE_RDZV_TCP_STORE="1")
         return Proc([sys.executable, "-m", "torch.distributed.run", "--standalone",
                      "--nproc-per-node", "2", "--max-restarts", str(max_restarts), EXAMPLE,
                      "--data", DATA, "--layers", "1", "--d-model", "32", "--seq", "16",
@@ -186,79 +192,86 @@ class AttachJobTest(unittest.TestCase):
     def step_of(self, j):
         return int(j.get("progress", {}).get("step", -1))
 
-    def test_1_torchrun_job_takes_policy_and_restarts_as_the_next_attempt(self):
-        name = "attached"
-        self.submit(name, "training: {steps: 40}\n"
+    def test_1_torchrun_job_takes_policy_and_its_restart_is_the_next_attempt(self):
+        name, steps, every = "attached", 80, 5
+        self.submit(name, "training: {steps: %d}\n"
                           "policy:\n"
                           "  default: {format: fp8_e4m3, scaling: block, block: 64}\n"
                           "  margin: 3\n"
-                          "restarts: {max_restarts: 1}\n")
+                          "restarts: {max_restarts: 1}\n" % steps)
         self.assertIn("waiting for its ranks to attach: 0 of 2",
                       self.ctl("describe", "job", name))
         ckpt = os.path.join(self.tmp.name, "ckpt")
-        args = ["--steps", "40", "--step-sleep", "0.1", "--checkpoint-every", "5",
+        args = ["--steps", str(steps), "--step-sleep", "0.1", "--checkpoint-every", str(every),
                 "--checkpoint-dir", ckpt]
-        run = self.torchrun(name, args)
+        run = self.torchrun(name, args, max_restarts=1)
         try:
-            j = self.wait(name, lambda j: self.step_of(j) >= 5, "step 5", run)
-            self.assertEqual(j["state"], "running", self.everything(name, run))
-            self.assertEqual({r["worker_id"] for r in j["ranks"]}, {"a0", "a1"}, j)
-            scraped = "".join(urllib.request.urlopen("http://%s/metrics" % a, timeout=10)
-                              .read().decode() for a in self.worker_metrics)
-            self.assertRegex(scraped, r'geofp8_worker_step\{[^}]*job_id="%s"' % j["id"])
-
+            j = self.wait(name, lambda j: self.step_of(j) >= 3, "step 3", run)
             asked = time.time()
             self.ctl("policy", "set", name, "--layer", "*", "--format", "nvfp4", "--reason",
                      "test: nvfp4")
-            # Both ranks take v2 at one step (the script's log lines), then rank 1 is killed.
+            pid = rank_pid(run.proc.pid, 1)
+            self.assertIsNotNone(pid, self.everything(name, run))
+            # Both ranks take v2 at one step (the script's log lines).
             taken = {}
             end = time.time() + DEADLINE_S
             while len(taken) < 2 and time.time() < end:
                 for m in re.finditer(r"geofp8: rank (\d): policy v2 \(.*\) in force from step "
                                      r"(\d+)", run.text()):
                     taken[int(m.group(1))] = int(m.group(2))
-                time.sleep(0.1)
+                time.sleep(0.05)
+            in_force_s = time.time() - asked
             self.assertEqual(len(taken), 2, self.everything(name, run))
-            # The issue's target (2 s plus the margin of 3 steps) is reported, not asserted: a
-            # loaded machine stretches steps. Within 0.1 s (the polling of the ranks' output).
-            print("policy v2 in force on both ranks %.2f s after geofp8ctl policy set (margin "
-                  "3 steps of about 0.1 s)" % (time.time() - asked), flush=True)
             self.assertEqual(taken[0], taken[1], self.everything(name, run))
+            # Rank 1 is stopped (SIGSTOP) once it writes the second checkpoint after v2: rank 0
+            # reported the first one before either wrote the second, and the run cannot end
+            # while rank 1 is stopped, however slowly a loaded machine runs the checks below.
+            second = (taken[0] // every + 2) * every
+            self.assertLess(second, steps, "v2 came too late to checkpoint twice after it")
+            written = os.path.join(ckpt, "rank1.step%d.pt" % second)
+            while not os.path.exists(written):
+                self.assertIsNone(run.proc.poll(), self.everything(name, run))
+                self.assertLess(time.time(), end, self.everything(name, run))
+                time.sleep(0.02)
+            os.kill(pid, signal.SIGSTOP)
+
+            # The issue's target (2 s plus the margin of 3 steps) is reported, not asserted: a
+            # loaded machine stretches steps. Within 0.05 s (the polling of the ranks' output).
+            print("policy v2 in force on both ranks %.2f s after geofp8ctl policy set (margin "
+                  "3 steps of about 0.1 s)" % in_force_s, flush=True)
             v2 = json.loads(self.ctl("-o", "json", "policy", "get", name, "--version", "2"))
             self.assertEqual(int(v2["taken_step"]), taken[0], v2)
-
+            j = self.job(name)
+            self.assertEqual(j["state"], "running", self.everything(name, run))
+            self.assertEqual({r["worker_id"] for r in j["ranks"]}, {"a0", "a1"}, j)
+            scraped = "".join(urllib.request.urlopen("http://%s/metrics" % a, timeout=10)
+                              .read().decode() for a in self.worker_metrics)
+            self.assertRegex(scraped, r'geofp8_worker_step\{[^}]*job_id="%s"' % j["id"])
             self.wait(name, lambda j: int(j["progress"].get("checkpoint_step", 0)) > taken[0],
                       "a checkpoint after v2", run)
-            pid = rank_pid(name, 1)
-            self.assertIsNotNone(pid, self.everything(name, run))
+            killed_at = len(run.lines)
             os.kill(pid, signal.SIGKILL)
-            # The launcher fails; the job waits for its next attempt's ranks.
-            self.assertNotEqual(run.proc.wait(120), 0, self.everything(name, run))
-            j = self.wait(name, lambda j: int(j["attempt"]) == 1 and j["state"] == "pending",
-                          "attempt 1 pending", run)
+            # torchrun restarts both ranks (TORCHELASTIC_RESTART_COUNT=1); they attach again as
+            # the job's attempt 1, resumed from the checkpoint, with v2 in force.
+            j = self.wait(name, lambda j: j["state"] == "succeeded", "success", run)
+            self.assertEqual(run.proc.wait(60), 0, self.everything(name, run))
         finally:
             run.stop()
-        self.assertIn("waiting for its ranks to attach", j.get("scheduling", ""), j)
-        # The launcher starts the ranks again (a requeue, or torchrun's --max-restarts): the job's
-        # attempt 1, resumed from the checkpoint, with v2 in force.
-        again = self.torchrun(name, args)
-        try:
-            j = self.wait(name, lambda j: j["state"] == "succeeded", "success", again)
-            self.assertEqual(again.proc.wait(60), 0, self.everything(name, again))
-        finally:
-            again.stop()
+        again = "".join(run.lines[killed_at:])
         self.assertEqual(int(j["attempt"]), 1, j)
         self.assertEqual(int(j["restarts"]), 1, j)
         self.assertEqual(int(j["policy_version"]), 2, j)
-        self.assertEqual(self.step_of(j), 40, j)
+        self.assertEqual(self.step_of(j), steps, j)
         self.assertIn("restart 1/1 from checkpoint step", json.dumps(j.get("events", [])))
-        resumed = re.findall(r"rank (\d): resumed from step (\d+)", again.text())
-        self.assertEqual(sorted(int(r) for r, _ in resumed), [0, 1], again.text()[-4000:])
+        resumed = re.findall(r"rank (\d): resumed from step (\d+)", again)
+        self.assertEqual(sorted(int(r) for r, _ in resumed), [0, 1], again[-4000:])
         for _, step in resumed:
             self.assertGreater(int(step), taken[0])
-        self.assertRegex(again.text(), r"rank 0 attached to job %s \(attempt 1" % j["id"])
-        self.assertRegex(again.text(), r"geofp8: rank 0: policy v2 .* in force from step %s"
+        self.assertRegex(again, r"rank 0 attached to job %s \(attempt 1" % j["id"])
+        self.assertRegex(again, r"geofp8: rank 0: policy v2 .* in force from step %s"
                          % resumed[0][1])
+        # Each attempt had a store of its own: no note about torchrun's shared one.
+        self.assertNotIn("keeps one rendezvous store", run.text())
 
     def test_2_cancel_ends_the_ranks_with_exit_code_3(self):
         name = "cancelled"
@@ -327,6 +340,17 @@ class AttachJobTest(unittest.TestCase):
             self.assertLess(time.time(), end, self.everything("held"))
             time.sleep(0.1)
         self.ctl("cancel", "held")
+
+    def test_4_a_torchrun_store_shared_across_restarts_is_noted(self):
+        from geofp8 import _job
+        shared = {"TORCHELASTIC_USE_AGENT_STORE": "True", "TORCHELASTIC_MAX_RESTARTS": "3",
+                  "TORCHELASTIC_RESTART_COUNT": "1"}
+        self.assertIn("TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1",
+                      _job.torchrun_restart_note(shared) or "")
+        # A store per attempt, no restart left, or no torchrun: nothing to say.
+        for env in (dict(shared, TORCHELASTIC_USE_AGENT_STORE="False"),
+                    dict(shared, TORCHELASTIC_RESTART_COUNT="3"), {}):
+            self.assertIsNone(_job.torchrun_restart_note(env), env)
 
 
 if __name__ == "__main__":

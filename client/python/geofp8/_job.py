@@ -36,6 +36,30 @@ def _keep_until_exit(link):
     _attached_links.append(link)
 
 
+def torchrun_restart_note(env):
+    """The line rank 0 prints at attach when torchrun can restart its ranks onto the store their
+    last attempt wrote, else None (docs/launchers.md, "torchrun's restarts").
+
+    torchrun hands its workers one rendezvous store for all its restarts
+    (TORCHELASTIC_USE_AGENT_STORE=True), and init_process_group keys nothing by attempt, so a
+    restarted rank can read the Gloo address its dead peer published and fail in
+    connectFullMesh (Connection refused) before GeoFP8 runs. The c10d rendezvous
+    (--standalone or --rdzv-backend c10d) gives each attempt a store of its own with
+    TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1; the static one has no such switch."""
+    try:
+        restarts_left = (int(env.get("TORCHELASTIC_MAX_RESTARTS", "0"))
+                         - int(env.get("TORCHELASTIC_RESTART_COUNT", "0")))
+    except ValueError:
+        return None
+    if env.get("TORCHELASTIC_USE_AGENT_STORE") != "True" or restarts_left <= 0:
+        return None
+    return ("geofp8: torchrun --max-restarts %s keeps one rendezvous store across its restarts, "
+            "so a restarted rank can read its dead peer's Gloo address and fail in "
+            "init_process_group (connectFullMesh ... Connection refused); run torchrun with "
+            "TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 and --standalone or --rdzv-backend c10d "
+            "(docs/launchers.md)" % env.get("TORCHELASTIC_MAX_RESTARTS"))
+
+
 class JobLink:
     """The hook socket to this rank's worker, once attached."""
 
@@ -117,6 +141,9 @@ class JobLink:
         link = cls(hook, welcome["job_id"], spec, timeout_s)
         if attach_mode:
             _keep_until_exit(link)
+            note = torchrun_restart_note(os.environ) if rank == 0 else None
+            if note:
+                print(note, file=sys.stderr, flush=True)
         return link
 
     def take_agreed(self, state, stream):
