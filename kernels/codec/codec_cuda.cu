@@ -208,13 +208,23 @@ bool DeviceAvailable() {
   return cudaGetDeviceCount(&count) == cudaSuccess && count > 0;
 }
 
-EncodeStats Encode(const float* x, size_t n, const CodecOptions& options, uint8_t* out,
-                   size_t out_bytes, void* stream_ptr) {
+namespace {
+
+// Writes the header of an EncodeAsync: `h` with the non-finite flag its kernels counted.
+__global__ void HeaderKernel(EncodedHeader h, const Counters* c, uint8_t* out) {
+  h.flags = c->nonfinite ? kFlagNonFinite : 0;
+  const auto* bytes = reinterpret_cast<const uint8_t*>(&h);
+  for (size_t i = 0; i < sizeof h; ++i) out[i] = bytes[i];  // `out` may be unaligned
+}
+
+// The encode's kernels on `stream`, into counters of its own (returned, stream-ordered memory):
+// everything but the header.
+Counters* LaunchEncode(const float* x, size_t n, const CodecOptions& options, uint8_t* out,
+                       size_t out_bytes, cudaStream_t stream) {
   const Layout l = detail::MakeLayout(options, n);
   const size_t total = sizeof(EncodedHeader) + l.scale_bytes + l.payload_bytes;
   GEOFP8_CHECK(out_bytes >= total, "cuda encode: output buffer holds ", out_bytes, " bytes, needs ",
                total);
-  cudaStream_t stream = static_cast<cudaStream_t>(stream_ptr);
   uint8_t* scales = out + sizeof(EncodedHeader);
   uint8_t* payload = scales + l.scale_bytes;
   const bool stochastic = options.rounding == Rounding::kStochastic;
@@ -268,16 +278,31 @@ EncodeStats Encode(const float* x, size_t n, const CodecOptions& options, uint8_
       break;
   }
   GEOFP8_CUDA_CHECK(cudaGetLastError());
-  Counters host{};
-  GEOFP8_CUDA_CHECK(cudaMemcpyAsync(&host, c, sizeof(Counters), cudaMemcpyDeviceToHost, stream));
-  GEOFP8_CUDA_CHECK(cudaStreamSynchronize(stream));
-  GEOFP8_CUDA_CHECK(cudaFreeAsync(c, stream));
+  return c;
+}
 
+EncodedHeader HeaderOf(const CodecOptions& options, size_t n) {
+  const Layout l = detail::MakeLayout(options, n);
   EncodedHeader h;
   h.format = static_cast<uint8_t>(l.format);
   h.scaling = static_cast<uint8_t>(l.scaling);
   h.block = l.block;
   h.count = n;
+  return h;
+}
+
+}  // namespace
+
+EncodeStats Encode(const float* x, size_t n, const CodecOptions& options, uint8_t* out,
+                   size_t out_bytes, void* stream_ptr) {
+  cudaStream_t stream = static_cast<cudaStream_t>(stream_ptr);
+  Counters* c = LaunchEncode(x, n, options, out, out_bytes, stream);
+  Counters host{};
+  GEOFP8_CUDA_CHECK(cudaMemcpyAsync(&host, c, sizeof(Counters), cudaMemcpyDeviceToHost, stream));
+  GEOFP8_CUDA_CHECK(cudaStreamSynchronize(stream));
+  GEOFP8_CUDA_CHECK(cudaFreeAsync(c, stream));
+
+  EncodedHeader h = HeaderOf(options, n);
   h.flags = host.nonfinite ? kFlagNonFinite : 0;
   GEOFP8_CUDA_CHECK(cudaMemcpyAsync(out, &h, sizeof(h), cudaMemcpyHostToDevice, stream));
   GEOFP8_CUDA_CHECK(cudaStreamSynchronize(stream));  // h lives on this stack frame
@@ -285,6 +310,30 @@ EncodeStats Encode(const float* x, size_t n, const CodecOptions& options, uint8_
   st.nonfinite = host.nonfinite;
   st.saturated = host.saturated;
   return st;
+}
+
+void EncodeAsync(const float* x, size_t n, const CodecOptions& options, uint8_t* out,
+                 size_t out_bytes, void* stream_ptr) {
+  cudaStream_t stream = static_cast<cudaStream_t>(stream_ptr);
+  Counters* c = LaunchEncode(x, n, options, out, out_bytes, stream);
+  HeaderKernel<<<1, 1, 0, stream>>>(HeaderOf(options, n), c, out);
+  GEOFP8_CUDA_CHECK(cudaGetLastError());
+  GEOFP8_CUDA_CHECK(cudaFreeAsync(c, stream));
+}
+
+void DecodeAs(const uint8_t* in, size_t in_bytes, const CodecOptions& options, float* out, size_t n,
+              bool accumulate, void* stream_ptr) {
+  cudaStream_t stream = static_cast<cudaStream_t>(stream_ptr);
+  const Layout l = detail::MakeLayout(options, n);
+  const size_t need = sizeof(EncodedHeader) + l.scale_bytes + l.payload_bytes;
+  GEOFP8_CHECK(in_bytes >= need, "cuda decode: truncated buffer (", in_bytes, " bytes, need ", need,
+               ")");
+  if (n == 0) return;
+  const uint8_t* scales = in + sizeof(EncodedHeader);
+  DecodeKernel<<<Grid(n), kThreads, 0, stream>>>(
+      static_cast<int>(l.format), static_cast<int>(l.scaling), l.block ? l.block : 1, scales,
+      scales + l.scale_bytes, n, out, accumulate);
+  GEOFP8_CUDA_CHECK(cudaGetLastError());
 }
 
 void Decode(const uint8_t* in, size_t in_bytes, float* out, size_t n, bool accumulate,

@@ -26,9 +26,11 @@ namespace geofp8 {
 namespace {
 
 // Whether this run's check rides in its data (AlgorithmOptions::check_record) rather than a
-// round of its own (before_data): asked for by the caller and possible on this backend.
+// round of its own (before_data): asked for by the caller and possible on this backend. Not on a
+// device wire, whose records the host would have to read back mid-run.
 bool FusedCheck(const Communicator& comm, const AlgorithmOptions& ao) {
-  return !ao.check_record.empty() && comm.SupportsBoundedReceive();
+  return !ao.check_record.empty() && comm.SupportsBoundedReceive() &&
+         !(ao.plane && ao.plane->device_wire());
 }
 
 // The check as a round of its own, where the caller gave one.
@@ -199,8 +201,10 @@ struct Group {
   size_t prefix = 0, slot = 0;
   // two_phase: where destination j's block starts in the send buffer (after its record).
   size_t SendOffset(int j) const { return WireOffset(j) + (j + 1) * prefix; }
-  // Workspace buffers (ExchangeWorkspace), each fully written before it is read.
-  UninitializedVector<uint8_t>*send = nullptr, *recv = nullptr, *mine = nullptr, *all = nullptr;
+  // The wire (ExchangeWorkspace's buffers, or a device wire's), sized when the pipeline is built
+  // and each fully written before it is read: send and recv, two_phase's all-to-all; mine and
+  // all, the all-gather (allgather's first collective).
+  std::span<uint8_t> send, recv, mine, all;
 };
 
 class Pipeline {
@@ -215,7 +219,8 @@ class Pipeline {
         n_(comm.size()),
         r_(comm.rank()),
         fused_(FusedCheck(comm, ao)),
-        plane_(ao.plane ? *ao.plane : ws.host) {
+        plane_(ao.plane ? *ao.plane : ws.host),
+        device_wire_(plane_.device_wire()) {
     const size_t L = layers.size();
     chunk_.assign(L, std::vector<ChunkRange>(n_));
     bytes_.assign(L, std::vector<size_t>(n_));
@@ -259,14 +264,27 @@ class Pipeline {
       g.slot = g.prefix + g.tail;
       for (size_t k = g.first; k < g.last; ++k) g.slot += MaxEncodedBytes(layers[k].in.size());
     }
-    // Group s always uses the same workspace buffers, so sizes repeat from step to step.
-    if (ws.bytes.size() < 4 * groups_.size()) ws.bytes.resize(4 * groups_.size());
+    // Every size follows from the layers' shapes and formats, so the whole wire is laid out now.
+    // Group s always uses the same buffers, so sizes repeat from step to step.
+    if (!device_wire_ && ws.bytes.size() < 4 * groups_.size()) ws.bytes.resize(4 * groups_.size());
+    auto wire = [&](size_t slot, size_t bytes) -> std::span<uint8_t> {
+      if (device_wire_) return plane_.WireBuffer(slot, bytes);
+      ws.bytes[slot].resize(bytes);
+      return ws.bytes[slot];
+    };
     for (size_t s = 0; s < groups_.size(); ++s) {
       Group& g = groups_[s];
-      g.send = &ws.bytes[4 * s];
-      g.recv = &ws.bytes[4 * s + 1];
-      g.mine = &ws.bytes[4 * s + 2];
-      g.all = &ws.bytes[4 * s + 3];
+      if (two_phase_) {
+        g.send = wire(4 * s, g.total + n_ * (g.tail + g.prefix));
+        g.recv = wire(4 * s + 1, g.slot ? g.slot * n_ : g.WireCount(r_) * n_);
+        if (!rs_) {
+          g.mine = wire(4 * s + 2, g.counts[r_]);
+          g.all = wire(4 * s + 3, g.total);  // its flags went with the all-to-all
+        }
+      } else {
+        g.mine = wire(4 * s + 2, g.prefix + g.WireCount(r_));
+        g.all = wire(4 * s + 3, g.slot ? g.slot * n_ : g.total + n_ * g.tail);
+      }
     }
     state_.assign(groups_.size(), 0);
   }
@@ -290,7 +308,7 @@ class Pipeline {
                           static_cast<int>(s));
           First(comm_, s);
         }
-        if (s + 1 == G) agreed_ = ReadFlags(*g.recv, g);
+        if (s + 1 == G) ReadFlags(g.recv, g);
         if (rs_) {
           TraceScope span(ao_.trace, "sum", ExchangeTrace::kCodecLane, ao_.step,
                           static_cast<int>(s));
@@ -312,16 +330,17 @@ class Pipeline {
           First(comm_, s);
         }
       }
-      if (!two_phase_ && s + 1 == G) agreed_ = ReadFlags(*g.all, g);
+      if (!two_phase_ && s + 1 == G) ReadFlags(g.all, g);
       TraceScope span(ao_.trace, "decode", ExchangeTrace::kCodecLane, ao_.step,
                       static_cast<int>(s));
       DecodeAll(g);
     }
-    return agreed_;
+    return Agreed();
   }
 
   // Returns the OR over ranks of the flag bits (BucketLayer::flag_bit) of layers whose input held
-  // a NaN or inf: the same answer on every rank.
+  // a NaN or inf: the same answer on every rank. On a device wire, reading them is the run's one
+  // wait for the device, once everything is issued.
   uint64_t Run() {
     // reduce-scatter: one collective per group, nothing for a second lane.
     Communicator* side = rs_ ? nullptr : comm_.side_channel();
@@ -361,7 +380,7 @@ class Pipeline {
     if (lane.joinable()) lane.join();
     if (helper_error_) std::rethrow_exception(helper_error_);
     if (lane_error_) std::rethrow_exception(lane_error_);
-    return agreed_;
+    return Agreed();
   }
 
  private:
@@ -385,7 +404,7 @@ class Pipeline {
           TraceScope span(ao_.trace, "all_gather", trace_lane, ao_.step, static_cast<int>(s));
           First(comm, s);
         }
-        if (s + 1 == G) agreed_ = ReadFlags(*groups_[s].all, groups_[s]);
+        if (s + 1 == G) ReadFlags(groups_[s].all, groups_[s]);
         Mark(s, kGathered);
       }
       return;
@@ -398,7 +417,7 @@ class Pipeline {
           TraceScope span(ao_.trace, "all_to_all", trace_lane, ao_.step, static_cast<int>(s));
           First(comm, s);
         }
-        if (s + 1 == G) agreed_ = ReadFlags(*groups_[s].recv, groups_[s]);
+        if (s + 1 == G) ReadFlags(groups_[s].recv, groups_[s]);
         Mark(s, kExchanged);
       }
       if (s >= 1 && gathers) {
@@ -425,16 +444,15 @@ class Pipeline {
       return;
     }
     Group& g = groups_[s];
-    UninitializedVector<uint8_t>& staging = two_phase_ ? *g.recv : *g.all;
-    staging.resize(g.slot * n_);
+    const std::span<uint8_t> staging = two_phase_ ? g.recv : g.all;
     std::vector<std::span<const uint8_t>> send(n_);
     std::vector<std::span<uint8_t>> recv(n_);
     for (int j = 0; j < n_; ++j) {
       // two_phase: record and block j; allgather: record and this rank's block, to everyone.
-      send[j] = two_phase_ ? std::span<const uint8_t>(*g.send).subspan(g.SendOffset(j) - g.prefix,
-                                                                       g.prefix + g.WireCount(j))
-                           : std::span<const uint8_t>(*g.mine);
-      recv[j] = std::span(staging).subspan(j * g.slot, g.slot);
+      send[j] = two_phase_ ? std::span<const uint8_t>(g.send).subspan(g.SendOffset(j) - g.prefix,
+                                                                      g.prefix + g.WireCount(j))
+                           : std::span<const uint8_t>(g.mine);
+      recv[j] = staging.subspan(j * g.slot, g.slot);
     }
     comm.ExchangeBounded(send, recv);
     std::copy(send[r_].begin(), send[r_].end(), recv[r_].begin());  // our own block
@@ -454,8 +472,7 @@ class Pipeline {
     auto& g = groups_[s];
     std::vector<size_t> send_counts(n_);
     for (int j = 0; j < n_; ++j) send_counts[j] = g.WireCount(j);
-    g.recv->resize(g.WireCount(r_) * n_);
-    comm.AllToAllV(*g.send, send_counts, *g.recv, std::vector<size_t>(n_, g.WireCount(r_)));
+    comm.AllToAllV(g.send, send_counts, g.recv, std::vector<size_t>(n_, g.WireCount(r_)));
   }
 
   // Group s's block of this rank to every rank: the requantized chunks (two_phase's second
@@ -465,29 +482,53 @@ class Pipeline {
     const size_t tail = two_phase_ ? 0 : g.tail;  // two_phase's flags went with its all-to-all
     std::vector<size_t> counts(n_);
     for (int j = 0; j < n_; ++j) counts[j] = g.counts[j] + tail;
-    g.all->resize(g.total + n_ * tail);
-    comm.AllGatherV(*g.mine, *g.all, counts);
+    comm.AllGatherV(g.mine, g.all, counts);
   }
 
-  // The flags of every rank, from the tails of the last group's first collective: block j of
-  // `wire` came from rank j (the all-to-all's receive buffer, or the all-gather's).
-  uint64_t ReadFlags(const UninitializedVector<uint8_t>& wire, const Group& g) const {
-    uint64_t any = 0;
+  uint64_t Agreed() { return device_wire_ ? plane_.AgreedFlags() : agreed_; }
+
+  // The 8 bytes of rank j's flags in the last group's first collective: block j of `wire` came
+  // from rank j (the all-to-all's receive buffer, or the all-gather's).
+  std::vector<std::span<const uint8_t>> FlagTails(std::span<const uint8_t> wire,
+                                                  const Group& g) const {
+    std::vector<std::span<const uint8_t>> tails(n_);
     for (int j = 0; j < n_; ++j) {
       const size_t end = RecvAt(g, j) + (two_phase_ ? g.WireCount(r_) : g.WireCount(j));
+      tails[j] = wire.subspan(end - sizeof(uint64_t), sizeof(uint64_t));
+    }
+    return tails;
+  }
+
+  // The OR of every rank's flags, into agreed_ as soon as the collective that carries them is
+  // done. A device wire's are not read here: the codec thread keeps them on the device (KeepFlags)
+  // for the plane's AgreedFlags at the run's end.
+  void ReadFlags(std::span<const uint8_t> wire, const Group& g) {
+    if (device_wire_) return;
+    uint64_t any = 0;
+    for (const auto& tail : FlagTails(wire, g)) {
       uint64_t flags;
-      std::memcpy(&flags, wire.data() + end - sizeof flags, sizeof flags);
+      std::memcpy(&flags, tail.data(), sizeof flags);
       any |= flags;
     }
-    return any;
+    agreed_ = any;
+  }
+  void KeepFlags(std::span<const uint8_t> wire, const Group& g) {
+    if (device_wire_ && g.tail) plane_.KeepFlags(FlagTails(wire, g));
   }
 
   // Appends this rank's flags after each block of the last group's first collective: every
-  // group is encoded by now (the helper encodes in order), so nonfinite_ is complete.
-  void WriteFlags(Group& g, UninitializedVector<uint8_t>& wire, int blocks) {
+  // group is encoded by now (the helper encodes in order), so the flags are complete. A device
+  // wire's are copied there on the device, unread.
+  void WriteFlags(Group& g, std::span<uint8_t> wire, int blocks) {
+    if (!device_wire_) nonfinite_ |= plane_.TakeFlags();
     for (int j = 0; j < blocks; ++j) {
       const size_t end = blocks == 1 ? wire.size() : g.SendOffset(j) + g.WireCount(j);
-      std::memcpy(wire.data() + end - sizeof nonfinite_, &nonfinite_, sizeof nonfinite_);
+      const std::span<uint8_t> tail = wire.subspan(end - sizeof nonfinite_, sizeof nonfinite_);
+      if (device_wire_) {
+        plane_.WriteFlags(tail);
+      } else {
+        std::memcpy(tail.data(), &nonfinite_, sizeof nonfinite_);
+      }
     }
   }
 
@@ -508,47 +549,39 @@ class Pipeline {
       if (Transformed(layers_[i])) plane_.DivideTransform(layers_[i], ao_.divisor);
     }
     if (!two_phase_) {  // allgather: this rank's whole layers, once
-      g.mine->resize(g.prefix + g.WireCount(r_));
-      std::copy_n(ao_.check_record.begin(), g.prefix, g.mine->begin());
+      std::copy_n(ao_.check_record.begin(), g.prefix, g.mine.begin());
       size_t off = g.prefix;
       for (size_t i = g.first; i < g.last; ++i) {
         EncodeChunk(i, {0, layers_[i].in.size()}, Options(i, r_, 1, 0),
-                    std::span(*g.mine).subspan(off, bytes_[i][r_]));
+                    g.mine.subspan(off, bytes_[i][r_]));
         off += bytes_[i][r_];
       }
-      if (g.tail) {
-        nonfinite_ |= plane_.TakeFlags();
-        WriteFlags(g, *g.mine, 1);
-      }
+      if (g.tail) WriteFlags(g, g.mine, 1);
       return;
     }
-    g.send->resize(g.total + n_ * (g.tail + g.prefix));
     for (int j = 0; j < n_; ++j) {
-      std::copy_n(ao_.check_record.begin(), g.prefix, g.send->begin() + g.SendOffset(j) - g.prefix);
+      std::copy_n(ao_.check_record.begin(), g.prefix, g.send.begin() + g.SendOffset(j) - g.prefix);
       size_t off = g.SendOffset(j);
       for (size_t i = g.first; i < g.last; ++i) {
         const ChunkRange c = chunk_[i][j];
-        EncodeChunk(i, c, Options(i, r_, 1, j), std::span(*g.send).subspan(off, bytes_[i][j]));
+        EncodeChunk(i, c, Options(i, r_, 1, j), g.send.subspan(off, bytes_[i][j]));
         off += bytes_[i][j];
       }
     }
-    if (g.tail) {
-      nonfinite_ |= plane_.TakeFlags();
-      WriteFlags(g, *g.send, n_);
-    }
+    if (g.tail) WriteFlags(g, g.send, n_);
   }
 
   // Sum this rank's chunk of each layer over sources in rank order, then requantize.
   void SumRequantize(Group& g) {
-    g.mine->resize(g.counts[r_]);
+    KeepFlags(g.recv, g);
     size_t off = 0;
     std::vector<std::span<const uint8_t>> parts(n_);
     for (size_t i = g.first; i < g.last; ++i) {
       for (int src = 0; src < n_; ++src) {
-        parts[src] = std::span<const uint8_t>(*g.recv).subspan(RecvAt(g, src) + off, bytes_[i][r_]);
+        parts[src] = std::span<const uint8_t>(g.recv).subspan(RecvAt(g, src) + off, bytes_[i][r_]);
       }
       plane_.SumRequantize(layers_[i], chunk_[i][r_], parts, Options(i, r_, 2, r_),
-                           std::span(*g.mine).subspan(off, bytes_[i][r_]));
+                           g.mine.subspan(off, bytes_[i][r_]));
       off += bytes_[i][r_];
     }
   }
@@ -561,7 +594,7 @@ class Pipeline {
     for (size_t i = g.first; i < g.last; ++i) {
       const BucketLayer& l = layers_[i];
       for (int src = 0; src < n_; ++src) {
-        parts[src] = std::span<const uint8_t>(*g.recv).subspan(RecvAt(g, src) + off, bytes_[i][r_]);
+        parts[src] = std::span<const uint8_t>(g.recv).subspan(RecvAt(g, src) + off, bytes_[i][r_]);
       }
       plane_.DecodeSum(l, {0, chunk_[i][r_].size()}, parts);
       off += bytes_[i][r_];
@@ -580,13 +613,14 @@ class Pipeline {
  private:
   void DecodeAll(Group& g) {
     if (!two_phase_) {
+      KeepFlags(g.all, g);
       // allgather: every rank sums the same bytes in the same (rank) order.
       size_t layer_off = 0;
       std::vector<std::span<const uint8_t>> parts(n_);
       for (size_t i = g.first; i < g.last; ++i) {
         for (int src = 0; src < n_; ++src) {
           parts[src] =
-              std::span<const uint8_t>(*g.all).subspan(RecvAt(g, src) + layer_off, bytes_[i][src]);
+              std::span<const uint8_t>(g.all).subspan(RecvAt(g, src) + layer_off, bytes_[i][src]);
         }
         plane_.DecodeSum(layers_[i], {0, layers_[i].out.size()}, parts);
         layer_off += bytes_[i][r_];
@@ -598,7 +632,7 @@ class Pipeline {
       size_t off = g.dest_offset[j];
       for (size_t i = g.first; i < g.last; ++i) {
         plane_.Decode(layers_[i], chunk_[i][j],
-                      std::span<const uint8_t>(*g.all).subspan(off, bytes_[i][j]));
+                      std::span<const uint8_t>(g.all).subspan(off, bytes_[i][j]));
         off += bytes_[i][j];
       }
     }
@@ -735,7 +769,8 @@ class Pipeline {
   std::vector<std::vector<ChunkRange>> chunk_;  // [layer][rank]
   std::vector<std::vector<size_t>> bytes_;      // [layer][rank] encoded bytes of that chunk
   std::vector<Group> groups_;
-  DataPlane& plane_;  // helper thread only (the calling thread when inline)
+  DataPlane& plane_;        // helper thread only (the calling thread when inline)
+  const bool device_wire_;  // the wire is in plane_'s device memory (DataPlane::device_wire)
   // Flag bits of layers whose input held a NaN or inf: written by the helper while encoding, read
   // once every group is encoded.
   uint64_t nonfinite_ = 0;
@@ -884,6 +919,13 @@ uint64_t RunAlgorithm(Communicator& comm, Algorithm algorithm, const AlgorithmOp
 
 }  // namespace
 
+void CheckWire(const Communicator& comm, const DataPlane& plane) {
+  GEOFP8_CHECK(!plane.device_wire() || comm.TakesDeviceSpans(), "plane ", plane.name(),
+               ": its wire is device memory, but communicator ", comm.backend(),
+               " takes host spans only (a device plane stages its wire through host memory for "
+               "it: WireMemory::kHost)");
+}
+
 uint64_t ExchangeBucketData(Communicator& comm, Algorithm algorithm,
                             const AlgorithmOptions& options, std::span<const BucketLayer> layers) {
   algorithm = ResolveAlgorithm(algorithm, comm.size());
@@ -906,13 +948,14 @@ uint64_t ExchangeBucketData(Communicator& comm, Algorithm algorithm,
   ExchangeWorkspace local;
   ExchangeWorkspace& ws = options.workspace ? *options.workspace : local;
   DataPlane& plane = options.plane ? *options.plane : ws.host;
+  CheckWire(comm, plane);
   if (!plane.host_memory()) {
     for (const auto& l : layers) {
       const std::string why = plane.Unsupported(l);
       GEOFP8_CHECK(why.empty(), "layer ", l.layer, ": ", why);
     }
   }
-  plane.TakeFlags();  // nothing left over from a run that failed midway
+  plane.ClearFlags();  // nothing left over from a run that failed midway
   uint64_t flags = 0;
   try {
     flags = RunAlgorithm(comm, algorithm, options, layers, ws, plane);
@@ -924,7 +967,11 @@ uint64_t ExchangeBucketData(Communicator& comm, Algorithm algorithm,
     }
     throw;
   }
-  plane.Flush();
+  // A device wire's pipeline ended with its flags' read, which waited for everything.
+  const bool pipelined =
+      (algorithm == Algorithm::kTwoPhase || algorithm == Algorithm::kAllGather) &&
+      !options.reduce_scatter && !layers.empty();
+  if (!(plane.device_wire() && pipelined)) plane.Flush();
   return flags;
 }
 

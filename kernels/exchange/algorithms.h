@@ -95,6 +95,10 @@ struct AlgorithmOptions {
   bool reduce_scatter = false;
 };
 
+// Throws geofp8::Error, naming both, unless `comm` can move `plane`'s wire: a device wire
+// (DataPlane::device_wire) needs a communicator that TakesDeviceSpans.
+void CheckWire(const Communicator& comm, const DataPlane& plane);
+
 // Runs `algorithm` over the bucket's layers. Every rank ends with byte-identical outputs: the sum
 // over ranks of the inputs, through the algorithm's quantization (reduce_scatter: each rank its
 // own rows of that sum). Each rank notes a NaN or inf in

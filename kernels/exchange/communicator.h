@@ -1,5 +1,8 @@
-// The collective operations the exchange algorithms need, over host memory, behind one
-// interface with a Gloo (CPU, TCP) and an NCCL (GPU) backend. Every call honours timeout().
+// The collective operations the exchange algorithms need, behind one interface with a Gloo (CPU,
+// TCP) and an NCCL (GPU) backend. Every call honours timeout(). Spans are host memory, except
+// that a backend which TakesDeviceSpans() also moves the byte collectives' device memory where
+// it lies: NCCL reads and writes a device plane's wire with no host copy; Gloo takes host memory
+// only, and a device plane stages its wire through host memory for it (data_plane.h).
 #pragma once
 
 #include <algorithm>
@@ -28,9 +31,9 @@ struct CommStats {
   std::atomic<uint64_t> collectives{0};
 };
 
-// All spans are host memory. Every rank must issue the same collectives in the same order. A
-// failure or timeout throws geofp8::Error naming the operation; the communicator is then broken
-// and every later call throws as well.
+// All spans are host memory, but see TakesDeviceSpans. Every rank must issue the same collectives
+// in the same order. A failure or timeout throws geofp8::Error naming the operation; the
+// communicator is then broken and every later call throws as well.
 class Communicator {
  public:
   virtual ~Communicator() = default;
@@ -104,6 +107,14 @@ class Communicator {
     (void)reason;
     return false;
   }
+
+  // Whether AllToAllV and AllGatherV also take spans of device memory (a device plane's wire,
+  // DataPlane::device_wire), read and written in place, ordered after the device work issued on
+  // that memory before the call and before the work issued after it, with no host copy. Host
+  // spans work as always: the backend tells them apart by address (send and recv must be of the
+  // same kind). False (Gloo): host spans only; a device plane whose wire is in device memory is
+  // refused with such a communicator before anything is read.
+  virtual bool TakesDeviceSpans() const { return false; }
 
   void set_timeout(std::chrono::milliseconds timeout) {
     timeout_ = timeout;

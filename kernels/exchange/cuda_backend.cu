@@ -110,13 +110,27 @@ void* CudaBackend::Allocate(size_t bytes) {
 void CudaBackend::Free(void* device) {
   cudaSetDevice(device_);
   cudaStreamSynchronize(S(stream_));  // no kernel of ours still reads or writes it
+  ++host_syncs_;
   cudaFree(device);
 }
 
 void CudaBackend::ToHost(void* host, const void* device, size_t bytes) {
   GEOFP8_CUDA_CHECK(cudaSetDevice(device_));
   GEOFP8_CUDA_CHECK(cudaMemcpyAsync(host, device, bytes, cudaMemcpyDeviceToHost, S(stream_)));
+  ++host_syncs_;
   GEOFP8_CUDA_CHECK(cudaStreamSynchronize(S(stream_)));
+}
+
+void CudaBackend::Copy(void* dst, const void* src, size_t bytes) {
+  GEOFP8_CUDA_CHECK(cudaSetDevice(device_));
+  if (bytes) {
+    GEOFP8_CUDA_CHECK(cudaMemcpyAsync(dst, src, bytes, cudaMemcpyDeviceToDevice, S(stream_)));
+  }
+}
+
+void CudaBackend::Zero(void* device, size_t bytes) {
+  GEOFP8_CUDA_CHECK(cudaSetDevice(device_));
+  if (bytes) GEOFP8_CUDA_CHECK(cudaMemsetAsync(device, 0, bytes, S(stream_)));
 }
 
 void CudaBackend::ToDevice(void* device, const void* host, size_t bytes) {
@@ -137,12 +151,13 @@ void CudaBackend::Divide(const float* x, float* y, size_t n, float divisor, uint
 void CudaBackend::Encode(const float* x, size_t n, const CodecOptions& o, uint8_t* out,
                          size_t bytes) {
   GEOFP8_CUDA_CHECK(cudaSetDevice(device_));
-  cuda::Encode(x, n, o, out, bytes, stream_);
+  cuda::EncodeAsync(x, n, o, out, bytes, stream_);
 }
 
-void CudaBackend::Decode(const uint8_t* in, size_t bytes, float* out, size_t n, bool accumulate) {
+void CudaBackend::Decode(const uint8_t* in, size_t bytes, const CodecOptions& o, float* out,
+                         size_t n, bool accumulate) {
   GEOFP8_CUDA_CHECK(cudaSetDevice(device_));
-  cuda::Decode(in, bytes, out, n, accumulate, stream_);
+  cuda::DecodeAs(in, bytes, o, out, n, accumulate, stream_);
 }
 
 void CudaBackend::Fill(float* x, size_t n, uint32_t bits) {
@@ -157,6 +172,7 @@ DeviceGeometry& CudaBackend::GeometryOf(const BucketLayer& l) {
   const uint64_t digest = GeometryDigest(*l.geometry);
   Uploaded& u = geometries_[l.layer];
   if (!u.geometry || u.digest != digest) {
+    ++host_syncs_;
     GEOFP8_CUDA_CHECK(cudaStreamSynchronize(S(stream_)));  // the old one may be in use
     u.geometry = std::make_unique<DeviceGeometry>(*l.geometry);
     u.digest = digest;
@@ -213,6 +229,7 @@ void CudaBackend::Transform(const BucketLayer& l, float* x, bool inverse) {
 
 void CudaBackend::Synchronize() {
   GEOFP8_CUDA_CHECK(cudaSetDevice(device_));
+  ++host_syncs_;
   GEOFP8_CUDA_CHECK(cudaStreamSynchronize(S(stream_)));
 }
 

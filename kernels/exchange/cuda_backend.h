@@ -39,6 +39,9 @@ class CudaBackend final : public DeviceBackend {
 
   std::string name() const override { return "cuda:" + std::to_string(device_); }
   int device() const { return device_; }
+  // This backend's stream (a cudaStream_t as an integer), which NCCL's byte collectives order
+  // with when they move its memory (NcclOptions::stream).
+  uintptr_t stream() const { return reinterpret_cast<uintptr_t>(stream_); }
 
   // An event (cudaEvent_t as an integer) recorded now on `stream` (a cudaStream_t as an integer;
   // 0: the legacy default stream), after the backward kernels that wrote a bucket, say; and a
@@ -55,10 +58,13 @@ class CudaBackend final : public DeviceBackend {
   void Free(void* device) override;
   void ToHost(void* host, const void* device, size_t bytes) override;
   void ToDevice(void* device, const void* host, size_t bytes) override;
+  void Copy(void* dst, const void* src, size_t bytes) override;
+  void Zero(void* device, size_t bytes) override;
   void Divide(const float* x, float* y, size_t n, float divisor, uint64_t bit,
               uint64_t* flags) override;
   void Encode(const float* x, size_t n, const CodecOptions& o, uint8_t* out, size_t bytes) override;
-  void Decode(const uint8_t* in, size_t bytes, float* out, size_t n, bool accumulate) override;
+  void Decode(const uint8_t* in, size_t bytes, const CodecOptions& o, float* out, size_t n,
+              bool accumulate) override;
   void Fill(float* x, size_t n, uint32_t bits) override;
   void Transform(const BucketLayer& l, float* x, bool inverse) override;
   void Synchronize() override;

@@ -171,17 +171,35 @@ std::unique_ptr<GradientProducts> HostPlane::Snapshot(std::span<const float> g, 
 
 uint64_t HostPlane::TakeFlags() { return std::exchange(flags_, 0); }
 
+std::span<uint8_t> DataPlane::WireBuffer(size_t, size_t) {
+  GEOFP8_FAIL("plane ", name(), ": its wire is host memory (no device wire buffers)");
+}
+
+void DataPlane::WriteFlags(std::span<uint8_t>) {
+  GEOFP8_FAIL("plane ", name(), ": its wire is host memory (no device wire flags)");
+}
+
+void DataPlane::KeepFlags(std::span<const std::span<const uint8_t>>) {
+  GEOFP8_FAIL("plane ", name(), ": its wire is host memory (no device wire flags)");
+}
+
+uint64_t DataPlane::AgreedFlags() {
+  GEOFP8_FAIL("plane ", name(), ": its wire is host memory (no device wire flags)");
+}
+
 // ---- StagedPlane ----
 
-StagedPlane::StagedPlane(DeviceBackend& device) : device_(device) {
+StagedPlane::StagedPlane(DeviceBackend& device, WireMemory wire) : device_(device), wire_(wire) {
   flags_ = static_cast<uint64_t*>(device_.Allocate(sizeof(uint64_t)));
-  const uint64_t zero = 0;
-  device_.ToDevice(flags_, &zero, sizeof zero);
+  device_.Zero(flags_, sizeof(uint64_t));
 }
 
 StagedPlane::~StagedPlane() {
-  for (Scratch* s : {&divided_, &encoded_, &received_, &acc_}) {
+  for (Scratch* s : {&divided_, &encoded_, &received_, &acc_, &kept_flags_}) {
     if (s->p) device_.Free(s->p);
+  }
+  for (Scratch& s : wire_buffers_) {
+    if (s.p) device_.Free(s.p);
   }
   device_.Free(flags_);
 }
@@ -199,9 +217,19 @@ void* StagedPlane::Reserve(Scratch& s, size_t bytes) {
 }
 
 const uint8_t* StagedPlane::Stage(Scratch& s, std::span<const uint8_t> in) {
+  if (device_wire()) return in.data();
   auto* d = static_cast<uint8_t*>(Reserve(s, in.size()));
   device_.ToDevice(d, in.data(), in.size());
   return d;
+}
+
+uint8_t* StagedPlane::EncodeTarget(std::span<uint8_t> out) {
+  if (device_wire()) return out.data();
+  return static_cast<uint8_t*>(Reserve(encoded_, out.size()));
+}
+
+void StagedPlane::Done(std::span<uint8_t> out, const uint8_t* encoded) {
+  if (!device_wire()) device_.ToHost(out.data(), encoded, out.size());
 }
 
 std::string StagedPlane::Unsupported(const BucketLayer& l) const {
@@ -232,9 +260,9 @@ void StagedPlane::EncodeChunk(const BucketLayer& l, ChunkRange c, float divisor,
     device_.Divide(x, d, c.size(), divisor, FlagBit(l), flags_);
     x = d;
   }
-  auto* e = static_cast<uint8_t*>(Reserve(encoded_, out.size()));
+  uint8_t* e = EncodeTarget(out);
   device_.Encode(x, c.size(), o, e, out.size());
-  device_.ToHost(out.data(), e, out.size());
+  Done(out, e);
 }
 
 void StagedPlane::SumRequantize(const BucketLayer& l, ChunkRange c,
@@ -244,24 +272,31 @@ void StagedPlane::SumRequantize(const BucketLayer& l, ChunkRange c,
   auto* acc = static_cast<float*>(Reserve(acc_, c.size() * sizeof(float)));
   device_.Fill(acc, c.size(), 0u);
   for (const auto& part : parts) {
-    device_.Decode(Stage(received_, part), part.size(), acc, c.size(), /*accumulate=*/true);
+    device_.Decode(Stage(received_, part), part.size(), o, acc, c.size(), /*accumulate=*/true);
   }
-  auto* e = static_cast<uint8_t*>(Reserve(encoded_, out.size()));
+  uint8_t* e = EncodeTarget(out);
   device_.Encode(acc, c.size(), o, e, out.size());
-  device_.ToHost(out.data(), e, out.size());
+  Done(out, e);
+}
+
+// The layout of a layer's encoded chunks: its policy's format, scaling and block (the seeds and
+// stream keys do not change it).
+static CodecOptions WireLayout(const BucketLayer& l) {
+  return LayerCodecOptions(l.policy, 0, 0, 0, 0, 0, 0);
 }
 
 void StagedPlane::Decode(const BucketLayer& l, ChunkRange c, std::span<const uint8_t> in) {
-  device_.Decode(Stage(received_, in), in.size(), l.out.f32().data() + c.begin, c.size(),
-                 /*accumulate=*/false);
+  device_.Decode(Stage(received_, in), in.size(), WireLayout(l), l.out.f32().data() + c.begin,
+                 c.size(), /*accumulate=*/false);
 }
 
 void StagedPlane::DecodeSum(const BucketLayer& l, ChunkRange c,
                             std::span<const std::span<const uint8_t>> parts) {
   float* out = l.out.f32().data() + c.begin;
   device_.Fill(out, c.size(), 0u);
+  const CodecOptions o = WireLayout(l);
   for (const auto& part : parts) {
-    device_.Decode(Stage(received_, part), part.size(), out, c.size(), /*accumulate=*/true);
+    device_.Decode(Stage(received_, part), part.size(), o, out, c.size(), /*accumulate=*/true);
   }
 }
 
@@ -285,9 +320,51 @@ void StagedPlane::Read(std::span<const float> in, std::span<float> host) {
 uint64_t StagedPlane::TakeFlags() {
   uint64_t word = 0;
   device_.ToHost(&word, flags_, sizeof word);  // after every kernel issued before it
-  const uint64_t zero = 0;
-  if (word) device_.ToDevice(flags_, &zero, sizeof zero);
+  if (word) device_.Zero(flags_, sizeof word);
   return word | std::exchange(host_flags_, 0);
+}
+
+void StagedPlane::ClearFlags() {
+  device_.Zero(flags_, sizeof(uint64_t));
+  host_flags_ = 0;
+  kept_ = 0;
+}
+
+std::span<uint8_t> StagedPlane::WireBuffer(size_t slot, size_t bytes) {
+  GEOFP8_CHECK(device_wire(), "plane ", name(), ": its wire is host memory (WireMemory::kHost)");
+  if (wire_buffers_.size() <= slot) wire_buffers_.resize(slot + 1);
+  return {static_cast<uint8_t*>(Reserve(wire_buffers_[slot], bytes)), bytes};
+}
+
+void StagedPlane::WriteFlags(std::span<uint8_t> tail) {
+  GEOFP8_CHECK(device_wire() && tail.size() == sizeof(uint64_t), "plane ", name(),
+               ": flags go into 8 bytes of a device wire (", tail.size(), " bytes, wire ",
+               device_wire() ? "device" : "host", ")");
+  device_.Copy(tail.data(), flags_, sizeof(uint64_t));
+}
+
+void StagedPlane::KeepFlags(std::span<const std::span<const uint8_t>> tails) {
+  GEOFP8_CHECK(device_wire(), "plane ", name(), ": its wire is host memory (WireMemory::kHost)");
+  auto* kept = static_cast<uint8_t*>(Reserve(kept_flags_, tails.size() * sizeof(uint64_t)));
+  for (size_t j = 0; j < tails.size(); ++j) {
+    GEOFP8_CHECK(tails[j].size() == sizeof(uint64_t), "plane ", name(), ": rank ", j,
+                 "'s flags are ", tails[j].size(), " bytes, not 8");
+    device_.Copy(kept + j * sizeof(uint64_t), tails[j].data(), sizeof(uint64_t));
+  }
+  kept_ = tails.size();
+}
+
+uint64_t StagedPlane::AgreedFlags() {
+  if (kept_ == 0) {
+    device_.Synchronize();
+    return 0;
+  }
+  // After every kernel and collective issued before it: the run's one wait for the device.
+  std::vector<uint64_t> words(kept_);
+  device_.ToHost(words.data(), kept_flags_.p, kept_ * sizeof(uint64_t));
+  uint64_t any = 0;
+  for (uint64_t w : words) any |= w;
+  return any;
 }
 
 std::unique_ptr<GradientProducts> StagedPlane::Products(std::span<const float> g, int64_t m,

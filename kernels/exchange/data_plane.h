@@ -1,17 +1,24 @@
 // Where an exchange's floats live, and what runs the per-element work on them: the division by N,
 // the geometry and the rotation, the encode, the decode and the sums. The algorithms
-// (algorithms.cc) touch a gradient or a decoded value only through a DataPlane; their wire
-// buffers are host memory whichever plane runs, as the Communicator's contract says.
-//   HostPlane: the floats are host memory and the work runs on the calling thread (the CPU
-//   engine, unchanged: the same bits and the same passes as before planes existed).
-//   StagedPlane: the floats are device memory behind a DeviceBackend (CUDA: cuda_backend.h). The
-//   codec runs on the device. Each encode's bytes are copied to the host wire, and each received
-//   block to the device before its decode: 4-7x fewer bytes than the floats would be. The
-//   non-finite flags stay in a device word until the algorithm asks for them.
+// (algorithms.cc) touch a gradient or a decoded value only through a DataPlane, and the encoded
+// wire only through the plane and the Communicator: the plane says where the wire lives.
+//   HostPlane: the floats and the wire are host memory and the work runs on the calling thread
+//   (the CPU engine, unchanged: the same bits and the same passes as before planes existed).
+//   StagedPlane: the floats are device memory behind a DeviceBackend (CUDA: cuda_backend.h), and
+//   the codec runs on the device. Its wire is either
+//     host memory (WireMemory::kHost, for a Communicator that takes host spans only: Gloo): each
+//     encode's bytes are copied to the host wire, and each received block to the device before
+//     its decode, 4-7x fewer bytes than the floats would be; or
+//     device memory (WireMemory::kDevice, for one that TakesDeviceSpans: NCCL): the collectives
+//     move the encoded bytes where they lie, and a two_phase or allgather run makes the host wait
+//     for the device once, at its end, to read every rank's non-finite flags: the flags travel in
+//     the wire and are kept on the device, and every size is known from the layers' shapes and
+//     formats (EncodedBytes), so nothing is read back before.
 // One Exchanger, one plane: every rank of an exchange runs the same plane kind, so every rank
 // computes the same bits (the CUDA codec is bit-identical to the host's; see codec_cuda.h).
 #pragma once
 
+#include <atomic>
 #include <cstddef>
 #include <cstdint>
 #include <memory>
@@ -146,8 +153,24 @@ class DataPlane {
 
   // The OR of the flag bits noted since the last call.
   virtual uint64_t TakeFlags() = 0;
+  // Forgets the flag bits noted so far without reading them (a device plane: on the device).
+  virtual void ClearFlags() { TakeFlags(); }
   // Returns once every output written so far is in place (device work done).
   virtual void Flush() = 0;
+
+  // Whether the wire is in this plane's device memory (see the top of this file): the byte spans
+  // EncodeChunk and SumRequantize write and Decode, DecodeSum and SumRequantize read are then
+  // device memory from WireBuffer, and the flags move through the calls below. False: host memory.
+  virtual bool device_wire() const { return false; }
+  // The device wire's buffer `slot`, `bytes` long, kept from run to run so that a steady step
+  // allocates nothing. Its contents are undefined until written.
+  virtual std::span<uint8_t> WireBuffer(size_t slot, size_t bytes);
+  // The device wire's flags: the bits noted since ClearFlags, written into the 8 wire bytes
+  // `tail` on the device, unread; every rank's 8 bytes `tails` once received, kept on the device;
+  // and their OR, once every output written so far is in place: the run's one host wait.
+  virtual void WriteFlags(std::span<uint8_t> tail);
+  virtual void KeepFlags(std::span<const std::span<const uint8_t>> tails);
+  virtual uint64_t AgreedFlags();
 };
 
 // The host's plane: the CPU engine's passes, with buffers reused from call to call.
@@ -197,6 +220,11 @@ class HostPlane final : public DataPlane {
 // memory; `host` ones are host memory. Errors throw geofp8::Error naming the operation.
 class DeviceBackend {
  public:
+  // How many times a call has made the host wait for the device (ToHost, Synchronize, and the
+  // waits inside any other call), counted by each backend: the tests and the device check count
+  // a step's (0 inside a device-wire run's pipeline).
+  uint64_t host_syncs() const { return host_syncs_.load(); }
+
   virtual ~DeviceBackend() = default;
   virtual std::string name() const = 0;  // "cuda:0"
   virtual void* Allocate(size_t bytes) = 0;
@@ -205,14 +233,20 @@ class DeviceBackend {
   virtual void ToHost(void* host, const void* device, size_t bytes) = 0;
   // `host` may be reused as soon as this returns.
   virtual void ToDevice(void* device, const void* host, size_t bytes) = 0;
+  // Device to device, and zeroes, in stream order: the device wire's flags, with no host wait.
+  virtual void Copy(void* dst, const void* src, size_t bytes) = 0;
+  virtual void Zero(void* device, size_t bytes) = 0;
   // y = x / divisor (IEEE, as Divide; x may be y); ORs `bit` into the device word *flags if x
   // holds a NaN or inf.
   virtual void Divide(const float* x, float* y, size_t n, float divisor, uint64_t bit,
                       uint64_t* flags) = 0;
   // The codec (codec.h) from device floats into device bytes, and back (accumulate: out +=).
+  // Neither waits for the device: the decode takes the layout from `o` (the options, or any
+  // with the same format, scaling and block, of the encode that wrote `in`), not the header.
   virtual void Encode(const float* x, size_t n, const CodecOptions& o, uint8_t* out,
                       size_t bytes) = 0;
-  virtual void Decode(const uint8_t* in, size_t bytes, float* out, size_t n, bool accumulate) = 0;
+  virtual void Decode(const uint8_t* in, size_t bytes, const CodecOptions& o, float* out, size_t n,
+                      bool accumulate) = 0;
   // x[i] = the float with bits `bits`.
   virtual void Fill(float* x, size_t n, uint32_t bits) = 0;
   // The layer's geometry and rotation on its whole device buffer x (l.in or l.out), forward
@@ -232,6 +266,9 @@ class DeviceBackend {
     (void)g, (void)m, (void)n;
     return nullptr;
   }
+
+ protected:
+  std::atomic<uint64_t> host_syncs_{0};
 };
 
 // A HostGradient over a copy of G that it owns (HostPlane::Snapshot, and a device plane's
@@ -254,11 +291,15 @@ class HostSnapshot final : public GradientProducts {
   HostGradient g_;
 };
 
-// A plane over a DeviceBackend's memory, staging encoded bytes through host memory for the
-// Communicator. Error feedback is not run on it yet (Unsupported says so).
+// Where a StagedPlane's wire lives (see the top of this file).
+enum class WireMemory { kHost, kDevice };
+
+// A plane over a DeviceBackend's memory, its wire staged through host memory for the
+// Communicator or kept in device memory (`wire`). Error feedback is not run on it yet
+// (Unsupported says so).
 class StagedPlane final : public DataPlane {
  public:
-  explicit StagedPlane(DeviceBackend& device);
+  explicit StagedPlane(DeviceBackend& device, WireMemory wire = WireMemory::kHost);
   ~StagedPlane() override;
   StagedPlane(const StagedPlane&) = delete;
   StagedPlane& operator=(const StagedPlane&) = delete;
@@ -284,7 +325,13 @@ class StagedPlane final : public DataPlane {
   std::unique_ptr<GradientProducts> Snapshot(std::span<const float> g, int64_t m,
                                              int64_t n) override;
   uint64_t TakeFlags() override;
+  void ClearFlags() override;
   void Flush() override;
+  bool device_wire() const override { return wire_ == WireMemory::kDevice; }
+  std::span<uint8_t> WireBuffer(size_t slot, size_t bytes) override;
+  void WriteFlags(std::span<uint8_t> tail) override;
+  void KeepFlags(std::span<const std::span<const uint8_t>> tails) override;
+  uint64_t AgreedFlags() override;
 
   DeviceBackend& device() { return device_; }
 
@@ -297,15 +344,25 @@ class StagedPlane final : public DataPlane {
   void* Reserve(Scratch& s, size_t bytes);
   // Products over a host copy of the device gradient g (no device products).
   std::unique_ptr<GradientProducts> HostCopy(std::span<const float> g, int64_t m, int64_t n);
-  // The device copy of host bytes `in`, in scratch `s`.
+  // The bytes `in` where the device can read them: the device copy of host bytes in scratch `s`,
+  // or `in` itself on a device wire.
   const uint8_t* Stage(Scratch& s, std::span<const uint8_t> in);
+  // The encoded bytes `out` of an encode: written in place on a device wire; else into scratch
+  // and copied to the host by Done.
+  uint8_t* EncodeTarget(std::span<uint8_t> out);
+  void Done(std::span<uint8_t> out, const uint8_t* encoded);
 
   DeviceBackend& device_;
+  const WireMemory wire_;
   // The flag bits noted since TakeFlags: by the device's kernels in a device word, and by
   // ReadDivided's host pass.
   uint64_t* flags_ = nullptr;
   uint64_t host_flags_ = 0;
   Scratch divided_, encoded_, received_, acc_;
+  // The device wire: its buffers by slot, and every rank's flags (KeepFlags), `kept_` words.
+  std::vector<Scratch> wire_buffers_;
+  Scratch kept_flags_;
+  size_t kept_ = 0;
 };
 
 }  // namespace geofp8

@@ -111,6 +111,9 @@ Exchanger::Exchanger(Communicator& comm, std::vector<LayerSpec> layers, Exchange
         "': error_feedback: needs a quantizing algorithm (two_phase or allgather), not ",
         AlgorithmName(a));
   }
+  // A device wire over a communicator that reads host memory only is refused here, before a
+  // step could hand it device addresses.
+  if (options_.plane) CheckWire(comm_, *options_.plane);
   if (options_.plane && !options_.plane->host_memory()) {
     for (const auto& l : layers_) {
       BucketLayer probe;

@@ -78,8 +78,10 @@ struct ExchangeOptions {
   // Where the gradients handed to Submit/Exchange live and what runs the codec on them
   // (data_plane.h): null, host memory and the CPU engine; a StagedPlane, device memory (every
   // span a device pointer and a length) with the codec on the device and the wire staged through
-  // host memory. Not owned: it must outlive the Exchanger. Every rank uses the same kind. Layers
-  // whose policy the plane cannot run are refused at construction, naming the layer and field.
+  // host memory or kept in device memory (WireMemory). Not owned: it must outlive the Exchanger.
+  // Every rank uses the same kind. Layers whose policy the plane cannot run, and a device wire
+  // over a communicator that takes host spans only, are refused at construction, naming the
+  // layer and field, or the plane and communicator.
   // The ema sketch runs its products over the averaged gradient on the plane
   // (DataPlane::Products); the instant estimator's owner reads it to the host.
   DataPlane* plane = nullptr;

@@ -41,15 +41,17 @@ HookSession::HookSession(Store& store, const HookSessionOptions& o) : rank_(o.ra
     GEOFP8_CHECK(devices > 0, "device: no CUDA device visible on rank ", o.rank);
     const int dev = o.device >= 0 ? o.device : o.rank % devices;
     GEOFP8_CHECK(dev < devices, "device: cuda:", dev, " out of range (", devices, " devices)");
+    auto cuda = std::make_unique<cuda::CudaBackend>(dev);
+    // NCCL moves the encoded wire in device memory, ordered with the codec's stream.
     NcclOptions no;
     no.device = dev;
     no.prefix = "geofp8";
     no.timeout = eo.timeout;
+    no.stream = cuda->stream();
     comm_ = CreateNcclCommunicator(store, o.rank, o.size, no);
-    auto cuda = std::make_unique<cuda::CudaBackend>(dev);
     cuda_ = cuda.get();
     device_ = std::move(cuda);
-    plane_ = std::make_unique<StagedPlane>(*device_);
+    plane_ = std::make_unique<StagedPlane>(*device_, WireMemory::kDevice);
     eo.plane = plane_.get();
 #else
     GEOFP8_FAIL(

@@ -1,9 +1,14 @@
-// NCCL backend (see nccl_communicator.h). Every call copies host data to a device staging
-// buffer, runs the collective on this rank's stream and polls it against the timeout and the
-// abort flag, aborting the communicator (ncclCommAbort) instead of hanging. The communicator is
-// non-blocking (ncclConfig_t::blocking = 0): no NCCL call waits for a peer, so the rank's thread
-// is always in the polling loop while a peer hangs, and Abort() from another thread (a Stop, a
-// peer declared dead) takes effect within one poll.
+// NCCL backend (see nccl_communicator.h). A collective on host spans copies them to a device
+// staging buffer and back. The byte collectives also take device spans (TakesDeviceSpans: a
+// device plane's wire, data_plane.h), which NCCL reads and writes where they lie: no staging, no
+// host copy, ordered after the work issued so far on the engine's stream (NcclOptions::stream)
+// by an event that this rank's stream waits for on the device. Every collective then runs on
+// this rank's stream, which the calling thread polls against the timeout and the abort flag,
+// aborting the communicator (ncclCommAbort) instead of hanging: the one thread that issues
+// collectives waits for each, as the timeout needs, while the engine's stream runs on. The
+// communicator is non-blocking (ncclConfig_t::blocking = 0): no NCCL call waits for a peer, so
+// the rank's thread is always in the polling loop while a peer hangs, and Abort() from another
+// thread (a Stop, a peer declared dead) takes effect within one poll.
 #include "kernels/exchange/nccl_communicator.h"
 
 #include <cuda_runtime.h>
@@ -58,9 +63,9 @@ constexpr bool kNcclHasFp8 = false;
 
 class NcclCommunicator final : public Communicator {
  public:
-  NcclCommunicator(ncclComm_t comm, cudaStream_t stream, int device, int rank, int size,
-                   std::chrono::milliseconds timeout)
-      : comm_(comm), stream_(stream), device_(device), rank_(rank), size_(size) {
+  NcclCommunicator(ncclComm_t comm, cudaStream_t stream, cudaStream_t engine, int device, int rank,
+                   int size, std::chrono::milliseconds timeout)
+      : comm_(comm), stream_(stream), engine_(engine), device_(device), rank_(rank), size_(size) {
     timeout_ = timeout;
     int major = 0;
     cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device_);
@@ -77,6 +82,7 @@ class NcclCommunicator final : public Communicator {
       }
     }
     if (staging_) cudaFree(staging_);
+    if (ready_) cudaEventDestroy(ready_);
     cudaStreamDestroy(stream_);
   }
 
@@ -97,6 +103,7 @@ class NcclCommunicator final : public Communicator {
     return true;
   }
   bool HasNativeFp8() const override { return native_fp8_; }
+  bool TakesDeviceSpans() const override { return true; }
 
   void AllToAllV(std::span<const uint8_t> send, std::span<const size_t> send_counts,
                  std::span<uint8_t> recv, std::span<const size_t> recv_counts) override {
@@ -109,24 +116,31 @@ class NcclCommunicator final : public Communicator {
                  "alltoallv: buffers smaller than their counts");
     ++stats_->collectives;
     stats_->bytes_sent += send_total - send_counts[rank_];
-    uint8_t* d = Stage(send_total + recv_total);
-    Upload(d, send.data(), send_total);
+    const bool device = OnDevice("alltoallv", send.data(), recv.data());
+    uint8_t* d = nullptr;  // the staging buffer: send, then recv
+    if (device) {
+      Ready();
+    } else {
+      d = Stage(send_total + recv_total);
+    }
+    const uint8_t* from = device ? send.data() : d;
+    uint8_t* to = device ? recv.data() : d + send_total;
+    if (!device) Upload(d, send.data(), send_total);
     Run("alltoallv", [&] {
       GEOFP8_NCCL_QUEUE(ncclGroupStart());
       size_t so = 0, ro = 0;
       for (int p = 0; p < size_; ++p) {
         if (send_counts[p])
-          GEOFP8_NCCL_QUEUE(ncclSend(d + so, send_counts[p], ncclUint8, p, comm_, stream_));
+          GEOFP8_NCCL_QUEUE(ncclSend(from + so, send_counts[p], ncclUint8, p, comm_, stream_));
         if (recv_counts[p]) {
-          GEOFP8_NCCL_QUEUE(
-              ncclRecv(d + send_total + ro, recv_counts[p], ncclUint8, p, comm_, stream_));
+          GEOFP8_NCCL_QUEUE(ncclRecv(to + ro, recv_counts[p], ncclUint8, p, comm_, stream_));
         }
         so += send_counts[p];
         ro += recv_counts[p];
       }
       GEOFP8_NCCL_QUEUE(ncclGroupEnd());
     });
-    Download(recv.data(), d + send_total, recv_total);
+    if (!device) Download(recv.data(), to, recv_total);
   }
 
   void AllGatherV(std::span<const uint8_t> send, std::span<uint8_t> recv,
@@ -140,10 +154,20 @@ class NcclCommunicator final : public Communicator {
     ++stats_->collectives;
     stats_->bytes_sent += send.size() * (size_ - 1);
     if (total == 0) return;
-    uint8_t* d = Stage(total);
+    const bool device = OnDevice("allgatherv", send.data(), recv.data());
     size_t my_off = 0;
     for (int p = 0; p < rank_; ++p) my_off += recv_counts[p];
-    Upload(d + my_off, send.data(), send.size());
+    uint8_t* d = device ? recv.data() : Stage(total);
+    if (device) {
+      Ready();
+      // Each rank's block is broadcast in place from its slot: ours is put there on the device.
+      if (!send.empty() && send.data() != d + my_off) {
+        GEOFP8_CUDA_CHECK(cudaMemcpyAsync(d + my_off, send.data(), send.size(),
+                                          cudaMemcpyDeviceToDevice, stream_));
+      }
+    } else {
+      Upload(d + my_off, send.data(), send.size());
+    }
     // One broadcast per rank, fused in a group: NCCL has no all-gather with uneven parts.
     Run("allgatherv", [&] {
       GEOFP8_NCCL_QUEUE(ncclGroupStart());
@@ -157,7 +181,7 @@ class NcclCommunicator final : public Communicator {
       }
       GEOFP8_NCCL_QUEUE(ncclGroupEnd());
     });
-    Download(recv.data(), d, total);
+    if (!device) Download(recv.data(), d, total);
   }
 
   void AllReduceSum(std::span<float> data) override {
@@ -237,11 +261,51 @@ class NcclCommunicator final : public Communicator {
     Download(host, d, count * elem);
   }
 
-  uint8_t* Stage(size_t bytes) {
+  // Whether a byte collective's spans are device memory (then both must be, and of this rank's
+  // device). Empty spans count as the other's kind.
+  bool OnDevice(const char* op, const void* send, const void* recv) const {
+    const int s = Kind(send), r = Kind(recv);
+    const int kind = s >= 0 ? s : r;
+    GEOFP8_CHECK(s < 0 || r < 0 || s == r, "nccl ", op, " on rank ", rank_, ": send is ",
+                 s ? "device" : "host", " memory but recv is ", r ? "device" : "host",
+                 " memory (both must be one or the other)");
+    return kind == 1;
+  }
+  // 1: memory of this rank's device; 0: host memory; -1: no pointer.
+  int Kind(const void* p) const {
+    if (!p) return -1;
+    cudaPointerAttributes attr{};
+    if (cudaPointerGetAttributes(&attr, p) != cudaSuccess) {
+      (void)cudaGetLastError();  // older runtimes: unregistered host memory
+      return 0;
+    }
+    if (attr.type != cudaMemoryTypeDevice && attr.type != cudaMemoryTypeManaged) return 0;
+    GEOFP8_CHECK(attr.device == device_, "nccl on rank ", rank_, ": a span of cuda:", attr.device,
+                 " given to the communicator of cuda:", device_);
+    return 1;
+  }
+
+  // Before a collective on device spans: this rank's stream waits, on the device, for the work
+  // issued so far on the engine's stream (the encodes that wrote the send span, the decodes that
+  // read the recv span's last contents).
+  void Ready() {
+    Begin();
+    GEOFP8_CHECK(engine_ != nullptr, "nccl on rank ", rank_,
+                 ": device spans need the engine's stream (NcclOptions::stream) to order with");
+    if (!ready_) GEOFP8_CUDA_CHECK(cudaEventCreateWithFlags(&ready_, cudaEventDisableTiming));
+    GEOFP8_CUDA_CHECK(cudaEventRecord(ready_, engine_));
+    GEOFP8_CUDA_CHECK(cudaStreamWaitEvent(stream_, ready_, 0));
+  }
+
+  void Begin() {
     if (abort_requested_.load()) AbortNow("before the collective");
     GEOFP8_CHECK(!broken_, "nccl on rank ", rank_,
                  ": communicator is broken by an earlier failure");
     GEOFP8_CUDA_CHECK(cudaSetDevice(device_));
+  }
+
+  uint8_t* Stage(size_t bytes) {
+    Begin();
     if (bytes > staging_bytes_) {
       if (staging_) GEOFP8_CUDA_CHECK(cudaFree(staging_));
       staging_ = nullptr;
@@ -345,6 +409,8 @@ class NcclCommunicator final : public Communicator {
 
   ncclComm_t comm_;
   cudaStream_t stream_;
+  cudaStream_t engine_;          // NcclOptions::stream; null: none given (host spans only)
+  cudaEvent_t ready_ = nullptr;  // recorded on engine_ before a collective on device spans
   int device_, rank_, size_;
   bool native_fp8_ = false;
   bool broken_ = false;
@@ -391,7 +457,9 @@ std::unique_ptr<Communicator> CreateNcclCommunicator(Store& store, int rank, int
                            });
   cudaStream_t stream;
   GEOFP8_CUDA_CHECK(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
-  return std::make_unique<NcclCommunicator>(comm, stream, device, rank, size, options.timeout);
+  return std::make_unique<NcclCommunicator>(comm, stream,
+                                            reinterpret_cast<cudaStream_t>(options.stream), device,
+                                            rank, size, options.timeout);
 }
 
 }  // namespace geofp8

@@ -1,8 +1,10 @@
 // NCCL backend of the Communicator (built when GEOFP8_HAVE_NCCL): the unique id travels through
-// the same geofp8::Store as Gloo's rendezvous; host spans are staged through device memory.
+// the same geofp8::Store as Gloo's rendezvous; host spans are staged through device memory, and
+// the byte collectives move device spans (a device plane's wire) where they lie.
 #pragma once
 
 #include <chrono>
+#include <cstdint>
 #include <memory>
 #include <string>
 
@@ -18,6 +20,10 @@ struct NcclOptions {
   std::string prefix = "geofp8-nccl";
   // Rendezvous and collective timeout: a collective not finished by then aborts the communicator.
   std::chrono::milliseconds timeout = kDefaultCollectiveTimeout;
+  // The engine's stream (a cudaStream_t as an integer: cuda::CudaBackend::stream()) that writes
+  // and reads the device spans given to the byte collectives: each waits, on the device, for the
+  // work issued on it before the call. 0: none; device spans are then refused.
+  uintptr_t stream = 0;
 };
 
 // Number of CUDA devices visible (0 when there is no driver or no GPU): tests skip on 0.

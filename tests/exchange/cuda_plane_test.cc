@@ -3,14 +3,20 @@
 // ranks as threads over Gloo on one GPU, each with a stream of its own. The codec and the
 // rotation are bit-identical to the host's, so every algorithm's output must be too; the lowrank
 // geometry's products run on cuBLAS, so there the device outputs must agree across ranks bit for
-// bit and with the host's within the format's step.
+// bit and with the host's within the format's step. With NCCL, one rank (one GPU runs one NCCL
+// rank) also runs with its wire in device memory.
 #include <gtest/gtest.h>
 
 #include <cmath>
 
+#include "geofp8/config.h"
 #include "kernels/exchange/cuda_backend.h"
 #include "kernels/geometry/geometry_cuda.h"
 #include "tests/exchange/plane_harness.h"
+#if GEOFP8_HAVE_NCCL
+#include "kernels/exchange/nccl_communicator.h"
+#include "kernels/exchange/store.h"
+#endif
 
 namespace geofp8 {
 namespace {
@@ -79,6 +85,31 @@ TEST(CudaPlane, LowRankGeometryAgreesAcrossRanksAndWithTheHost) {
     EXPECT_LE(worst, 2 * 0.0625 * amax) << "step " << s;
   }
 }
+
+#if GEOFP8_HAVE_NCCL
+// World size 1 through NCCL on the device wire (WireMemory::kDevice): NCCL reads and writes the
+// encoded bytes in device memory, ordered with the backend's stream, and each step's run waits
+// for the device once, at its end, to read the flags.
+TEST(CudaPlane, DeviceWireThroughNcclBitIdenticalToTheHost) {
+  if (!cuda::HaveDevice()) GTEST_SKIP() << "no CUDA device";
+  const auto layers = MixedLayers();
+  const DeviceComm nccl = [](Communicator&, DeviceBackend& b) {
+    MemoryStore store;  // one rank: only its own unique id goes through it
+    NcclOptions o;
+    o.device = 0;
+    o.stream = static_cast<cuda::CudaBackend&>(b).stream();
+    return CreateNcclCommunicator(store, 0, 1, o);
+  };
+  for (Algorithm a : {Algorithm::kTwoPhase, Algorithm::kAllGather}) {
+    ExchangeOptions options;
+    options.algorithm = a;
+    options.seed = 11;
+    options.segment_bytes = 16 << 10;
+    const Runs runs = RunBothPlanes(OnDevice0(), {}, 1, layers, options, 2, {}, {}, nccl);
+    ExpectSame(runs, layers, std::string(AlgorithmName(a)) + " on the device wire");
+  }
+}
+#endif
 
 }  // namespace
 }  // namespace geofp8

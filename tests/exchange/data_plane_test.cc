@@ -3,8 +3,10 @@
 // key), so any read or write of it that bypasses the backend yields garbage and a wrong result.
 // Its kernels unscramble, run the host codec and transforms, and scramble back. Through it the
 // whole device dispatch and staging logic (what is copied when, flags, scratch) runs on the CPU,
-// and each algorithm must give bit for bit what the host plane gives on the same inputs. The
-// CUDA backend runs the same tests on a GPU (tests/gpu).
+// and each algorithm must give bit for bit what the host plane gives on the same inputs, with its
+// wire staged through host memory or kept in the scrambled memory (WireMemory::kDevice) for a
+// communicator that unscrambles at its boundary, as NCCL reads device memory: the algorithms run
+// exactly their device-wire code. The CUDA backend runs the same tests on a GPU (tests/gpu).
 #include "kernels/exchange/data_plane.h"
 
 #include <gtest/gtest.h>
@@ -14,6 +16,7 @@
 #include <mutex>
 #include <set>
 
+#include "kernels/exchange/algorithms.h"
 #include "kernels/exchange/exchanger.h"
 #include "kernels/geometry/hadamard.h"
 #include "tests/exchange/plane_harness.h"
@@ -44,20 +47,28 @@ class ScrambledBackend final : public DeviceBackend {
     delete[] static_cast<uint8_t*>(p);
   }
   void ToHost(void* host, const void* device, size_t bytes) override {
-    Check(device, bytes);
-    Unscramble(host, device, bytes);
-    ++to_host_bytes_;
+    Read(host, device, bytes);
+    ++host_syncs_;  // a GPU's copy to the host waits for the stream
   }
   void ToDevice(void* device, const void* host, size_t bytes) override {
     Check(device, bytes);
     Scramble(device, host, bytes);
+  }
+  void Copy(void* dst, const void* src, size_t bytes) override {
+    Check(dst, bytes);
+    Check(src, bytes);
+    std::memmove(dst, src, bytes);  // scrambled stays scrambled
+  }
+  void Zero(void* device, size_t bytes) override {
+    Check(device, bytes);
+    std::memset(device, kKey, bytes);
   }
   void Divide(const float* x, float* y, size_t n, float divisor, uint64_t bit,
               uint64_t* flags) override {
     std::vector<float> t = Load(x, n);
     if (geofp8::Divide(t, divisor, t)) {
       uint64_t w;
-      ToHost(&w, flags, 8);
+      Read(&w, flags, 8);
       w |= bit;
       ToDevice(flags, &w, 8);
     }
@@ -70,9 +81,16 @@ class ScrambledBackend final : public DeviceBackend {
     geofp8::Encode(t, o, e);
     ToDevice(out, e.data(), bytes);
   }
-  void Decode(const uint8_t* in, size_t bytes, float* out, size_t n, bool accumulate) override {
+  void Decode(const uint8_t* in, size_t bytes, const CodecOptions& o, float* out, size_t n,
+              bool accumulate) override {
     std::vector<uint8_t> e(bytes);
-    ToHost(e.data(), in, bytes);
+    Read(e.data(), in, bytes);
+    // The layout the plane names must be the header's: a GPU decodes by it alone.
+    EncodedHeader h;
+    std::memcpy(&h, e.data(), sizeof h);
+    EXPECT_EQ(EncodedBytes(o, n), bytes);
+    EXPECT_EQ(static_cast<Format>(h.format), o.format);
+    EXPECT_EQ(h.count, n);
     std::vector<float> t = accumulate ? Load(out, n) : std::vector<float>(n);
     if (accumulate) {
       DecodeAccumulate(e, t);
@@ -97,7 +115,10 @@ class ScrambledBackend final : public DeviceBackend {
     }
     Store(x, t);
   }
-  void Synchronize() override { ++syncs_; }
+  void Synchronize() override {
+    ++syncs_;
+    ++host_syncs_;
+  }
   // The sketch's products over an unscrambled copy, through the host's code: the bits of a
   // refresh that reads a host copy. A snapshot is the same copy, taken when asked.
   std::unique_ptr<GradientProducts> Products(const float* g, int64_t m, int64_t n) override {
@@ -116,6 +137,25 @@ class ScrambledBackend final : public DeviceBackend {
     return live_.size();
   }
   int syncs() const { return syncs_; }
+
+  // Whether [p, p + bytes) is this backend's memory (the communicator below tells device spans
+  // from host ones by it, as NCCL does by address).
+  bool Owns(const void* p) const {
+    std::lock_guard<std::mutex> lock(mu_);
+    auto it = live_.upper_bound(const_cast<void*>(p));
+    if (it == live_.begin()) return false;
+    --it;
+    return static_cast<const uint8_t*>(p) < static_cast<const uint8_t*>(it->first) + it->second;
+  }
+  // The backend's copies without a host wait: the kernels' own reads, and the communicator's.
+  void Read(void* host, const void* device, size_t bytes) const {
+    Check(device, bytes);
+    Unscramble(host, device, bytes);
+  }
+  void Write(void* device, const void* host, size_t bytes) {
+    Check(device, bytes);
+    Scramble(device, host, bytes);
+  }
 
  private:
   // Every access must fall inside one allocation.
@@ -136,7 +176,7 @@ class ScrambledBackend final : public DeviceBackend {
   static void Unscramble(void* dst, const void* src, size_t bytes) { Scramble(dst, src, bytes); }
   std::vector<float> Load(const float* x, size_t n) {
     std::vector<float> t(n);
-    ToHost(t.data(), x, n * 4);
+    Read(t.data(), x, n * 4);
     return t;
   }
   void Store(float* x, const std::vector<float>& t) { ToDevice(x, t.data(), t.size() * 4); }
@@ -147,24 +187,93 @@ class ScrambledBackend final : public DeviceBackend {
   int syncs_ = 0;
   int products_ = 0;
   int snapshots_ = 0;
-  size_t to_host_bytes_ = 0;
 };
 
+// A communicator over a ScrambledBackend's memory, as NCCL is over a GPU's: the byte collectives
+// take its spans (TakesDeviceSpans), unscramble them at the boundary, run the wrapped (Gloo)
+// communicator's collective on host copies and scramble the results into place. Everything
+// else is passed through, and like NCCL it has no bounded receive and no side channel.
+class ScrambledComm final : public Communicator {
+ public:
+  ScrambledComm(Communicator& inner, ScrambledBackend& backend) : inner_(inner), backend_(backend) {
+    stats_ = const_cast<CommStats*>(&inner.stats());  // the wrapped collectives count there
+  }
+  int rank() const override { return inner_.rank(); }
+  int size() const override { return inner_.size(); }
+  std::string_view backend() const override { return "scrambled"; }
+  bool TakesDeviceSpans() const override { return true; }
+
+  void AllToAllV(std::span<const uint8_t> send, std::span<const size_t> send_counts,
+                 std::span<uint8_t> recv, std::span<const size_t> recv_counts) override {
+    std::vector<uint8_t> in = In(send), out(recv.size());
+    inner_.AllToAllV(in, send_counts, out, recv_counts);
+    Out(out, recv);
+  }
+  void AllGatherV(std::span<const uint8_t> send, std::span<uint8_t> recv,
+                  std::span<const size_t> recv_counts) override {
+    std::vector<uint8_t> in = In(send), out(recv.size());
+    inner_.AllGatherV(in, out, recv_counts);
+    Out(out, recv);
+  }
+  void AllReduceSum(std::span<float> data) override { inner_.AllReduceSum(data); }
+  void AllReduceSumBf16(std::span<uint16_t> data) override { inner_.AllReduceSumBf16(data); }
+  void Broadcast(std::span<uint8_t> data, int root) override { inner_.Broadcast(data, root); }
+  uint32_t MaxReduce(uint32_t value) override { return inner_.MaxReduce(value); }
+  void MaxReduceWords(std::span<uint64_t> words) override { inner_.MaxReduceWords(words); }
+  void Barrier() override { inner_.Barrier(); }
+  bool Abort(const std::string& reason) override { return inner_.Abort(reason); }
+
+  // How many spans of the byte collectives were the backend's memory.
+  int device_spans() const { return device_spans_; }
+
+ private:
+  std::vector<uint8_t> In(std::span<const uint8_t> s) {
+    std::vector<uint8_t> host(s.size());
+    if (!s.empty() && backend_.Owns(s.data())) {
+      backend_.Read(host.data(), s.data(), s.size());
+      ++device_spans_;
+    } else if (!s.empty()) {
+      std::memcpy(host.data(), s.data(), s.size());
+    }
+    return host;
+  }
+  void Out(const std::vector<uint8_t>& host, std::span<uint8_t> s) {
+    if (s.empty()) return;
+    if (backend_.Owns(s.data())) {
+      backend_.Write(s.data(), host.data(), s.size());
+      ++device_spans_;
+    } else {
+      std::memcpy(s.data(), host.data(), s.size());
+    }
+  }
+
+  Communicator& inner_;
+  ScrambledBackend& backend_;
+  int device_spans_ = 0;
+};
+
+std::unique_ptr<Communicator> Scrambled(Communicator& gloo, DeviceBackend& b) {
+  return std::make_unique<ScrambledComm>(gloo, static_cast<ScrambledBackend&>(b));
+}
+
+// The staged run keeps its wire in the scrambled memory when `device_wire`.
 Runs RunBothPlanes(int n, const std::vector<LayerSpec>& layers, const ExchangeOptions& options,
                    int steps, const std::vector<RefreshSchedule>& schedule = {},
-                   const Mutate& mutate = {}) {
+                   const Mutate& mutate = {}, bool device_wire = false) {
   return testing::RunBothPlanes([](int) { return std::make_unique<ScrambledBackend>(); },
                                 [](int r, DeviceBackend& b) {
                                   EXPECT_EQ(static_cast<ScrambledBackend&>(b).live(), 0u)
                                       << "rank " << r << ": device buffers leaked";
                                 },
-                                n, layers, options, steps, schedule, mutate);
+                                n, layers, options, steps, schedule, mutate,
+                                device_wire ? Scrambled : DeviceComm());
 }
 
 struct Case {
   Algorithm algorithm;
   int ranks;
   size_t inline_bytes;
+  bool device_wire = false;
 };
 
 class StagedPlaneAlgorithms : public ::testing::TestWithParam<Case> {};
@@ -178,7 +287,7 @@ TEST_P(StagedPlaneAlgorithms, BitIdenticalToTheHostPlane) {
   options.inline_bytes = c.inline_bytes;
   options.segment_bytes = 16 << 10;  // several pipeline groups
   options.bucket_cap_bytes = 24 << 10;
-  const Runs runs = RunBothPlanes(c.ranks, layers, options, 2);
+  const Runs runs = RunBothPlanes(c.ranks, layers, options, 2, {}, {}, c.device_wire);
   ExpectSame(runs, layers, std::string(AlgorithmName(c.algorithm)));
 }
 
@@ -188,22 +297,36 @@ INSTANTIATE_TEST_SUITE_P(
                       Case{Algorithm::kTwoPhase, 3, size_t{1} << 30},
                       Case{Algorithm::kAllGather, 2, 0}, Case{Algorithm::kAllGather, 3, 0},
                       Case{Algorithm::kAllGather, 2, size_t{1} << 30}, Case{Algorithm::kAuto, 4, 0},
-                      Case{Algorithm::kFp32, 3, 0}, Case{Algorithm::kBf16, 2, 0}),
+                      Case{Algorithm::kFp32, 3, 0}, Case{Algorithm::kBf16, 2, 0},
+                      Case{Algorithm::kTwoPhase, 2, 0, true},
+                      Case{Algorithm::kTwoPhase, 3, 0, true},
+                      Case{Algorithm::kTwoPhase, 3, size_t{1} << 30, true},
+                      Case{Algorithm::kAllGather, 3, 0, true},
+                      Case{Algorithm::kAllGather, 2, size_t{1} << 30, true},
+                      Case{Algorithm::kAuto, 4, 0, true}, Case{Algorithm::kFp32, 3, 0, true}),
     [](const auto& info) {
       return std::string(AlgorithmName(info.param.algorithm)) + "_" +
              std::to_string(info.param.ranks) + "ranks" +
-             (info.param.inline_bytes ? "_inline" : "");
+             (info.param.inline_bytes ? "_inline" : "") +
+             (info.param.device_wire ? "_device_wire" : "");
     });
 
 TEST(StagedPlane, NonFiniteOnOneRankSkipsTheSameBucketsEverywhere) {
   const auto layers = MixedLayers();
-  for (Algorithm a : {Algorithm::kTwoPhase, Algorithm::kAllGather, Algorithm::kFp32}) {
+  for (const auto& [a, device_wire] : {std::pair{Algorithm::kTwoPhase, false},
+                                       {Algorithm::kAllGather, false},
+                                       {Algorithm::kFp32, false},
+                                       {Algorithm::kTwoPhase, true},
+                                       {Algorithm::kAllGather, true}}) {
     ExchangeOptions options;
     options.algorithm = a;
     options.bucket_cap_bytes = 24 << 10;
-    const Runs runs = RunBothPlanes(3, layers, options, 2, {}, [](int r, uint64_t s, Tensors& t) {
-      if (r == 1 && s == 0) t[2][5] = std::numeric_limits<float>::infinity();
-    });
+    const Runs runs = RunBothPlanes(
+        3, layers, options, 2, {},
+        [](int r, uint64_t s, Tensors& t) {
+          if (r == 1 && s == 0) t[2][5] = std::numeric_limits<float>::infinity();
+        },
+        device_wire);
     ExpectSame(runs, layers, std::string(AlgorithmName(a)) + " with an inf");
     for (int r = 0; r < 3; ++r) {
       EXPECT_TRUE(runs.results[1][r][0].skipped) << AlgorithmName(a) << " rank " << r;
@@ -229,11 +352,13 @@ TEST(StagedPlane, GeometryRefreshedFromAHostCopyMatchesTheHostPlane) {
   const std::vector<LayerSpec> layers = {
       {"w1", 64, 48, lowrank}, {"w2", 32, 64, diag}, {"w3", 48, 64, both}, {"b", 48, 1, lowrank}};
   const std::vector<RefreshSchedule> schedule = {{1, 1, 0}, {0, 2, 0}, {2, 1, 0}, {0, 1, 0}};
-  for (Algorithm a : {Algorithm::kTwoPhase, Algorithm::kAllGather}) {
+  for (const auto& [a, device_wire] : {std::pair{Algorithm::kTwoPhase, false},
+                                       {Algorithm::kAllGather, false},
+                                       {Algorithm::kTwoPhase, true}}) {
     ExchangeOptions options;
     options.algorithm = a;
     options.seed = 3;
-    const Runs runs = RunBothPlanes(3, layers, options, 4, schedule);
+    const Runs runs = RunBothPlanes(3, layers, options, 4, schedule, {}, device_wire);
     ExpectSame(runs, layers, std::string(AlgorithmName(a)) + " with geometry");
     EXPECT_FALSE(runs.results[1][0][3].refreshes.empty());
   }
@@ -365,6 +490,90 @@ TEST(StagedPlane, ErrorFeedbackIsRefusedNamingTheLayer) {
   });
   EXPECT_NE(errors[0].find("layer 'blocks.0.mlp.w': error_feedback: not available on device "
                            "memory (scrambled)"),
+            std::string::npos)
+      << errors[0];
+}
+
+// One bucket straight through ExchangeBucketData on each wire, counting the backend's host waits:
+// the staged wire waits for every encode it copies out; the device wire never inside the run,
+// and once at its end, to read the agreed flags. The outputs are the same bits.
+TEST(StagedPlane, DeviceWireWaitsForTheDeviceOnlyAtTheRunsEnd) {
+  const auto specs = MixedLayers();
+  const int N = 3;
+  for (Algorithm a : {Algorithm::kTwoPhase, Algorithm::kAllGather}) {
+    for (size_t inline_bytes : {size_t{0}, size_t{1} << 30}) {
+      const std::string what = std::string(AlgorithmName(a)) + (inline_bytes ? " inline" : "");
+      std::vector<Tensors> out[2];
+      out[0].resize(N);
+      out[1].resize(N);
+      for (int wire = 0; wire < 2; ++wire) {
+        const auto errors = RunRanks(N, [&](Communicator& gloo) {
+          const int r = gloo.rank();
+          ScrambledBackend backend;
+          ScrambledComm scrambled(gloo, backend);
+          Communicator& comm = wire ? static_cast<Communicator&>(scrambled) : gloo;
+          {
+            StagedPlane plane(backend, wire ? WireMemory::kDevice : WireMemory::kHost);
+            Tensors inputs = MakeInputs(r, specs, 0);
+            inputs[1][3] = std::numeric_limits<float>::quiet_NaN();  // layer 1 of every rank
+            DeviceTensors dev(backend, inputs);
+            std::vector<BucketLayer> layers(specs.size());
+            for (size_t l = 0; l < specs.size(); ++l) {
+              layers[l].layer = static_cast<uint32_t>(l);
+              layers[l].policy = specs[l].policy;
+              layers[l].in = layers[l].out = GradSpan(dev.spans()[l]);
+              layers[l].flag_bit = static_cast<uint32_t>(l);
+            }
+            AlgorithmOptions ao;
+            ao.seed = 5;
+            ao.divisor = float(N);
+            ao.segment_bytes = 16 << 10;  // several groups
+            ao.inline_bytes = inline_bytes;
+            ao.plane = &plane;
+            const uint64_t before = backend.host_syncs();
+            const uint64_t flags = ExchangeBucketData(comm, a, ao, layers);
+            const uint64_t syncs = backend.host_syncs() - before;
+            EXPECT_EQ(flags, uint64_t{1} << 1) << what << " rank " << r;
+            if (wire) {
+              EXPECT_EQ(syncs, 1u) << what << " rank " << r;
+              EXPECT_GT(scrambled.device_spans(), 0) << what << " rank " << r;
+            } else {
+              EXPECT_GT(syncs, specs.size()) << what << " rank " << r;  // per encode at least
+            }
+            out[wire][r] = dev.Download();
+          }
+          EXPECT_EQ(backend.live(), 0u) << what << " rank " << r;
+        });
+        ASSERT_EQ(JoinErrors(errors), "") << what << (wire ? " device wire" : " staged");
+      }
+      for (int r = 0; r < N; ++r) {
+        for (size_t l = 0; l < specs.size(); ++l) {
+          if (l == 1) continue;  // skipped: its values have no meaning
+          EXPECT_TRUE(SameBytes(out[1][r][l], out[0][r][l]))
+              << what << " rank " << r << " layer " << specs[l].name << " element "
+              << FirstBitDifference(out[1][r][l], out[0][r][l]);
+        }
+      }
+    }
+  }
+}
+
+TEST(StagedPlane, DeviceWireOverAHostOnlyCommunicatorIsRefusedBeforeAnyRead) {
+  const auto layers = MixedLayers();
+  const auto errors = RunRanks(1, [&](Communicator& gloo) {
+    ScrambledBackend backend;
+    StagedPlane plane(backend, WireMemory::kDevice);
+    ExchangeOptions o;
+    o.plane = &plane;
+    try {
+      Exchanger ex(gloo, layers, o);
+    } catch (...) {
+      EXPECT_EQ(backend.host_syncs(), 0u);
+      throw;
+    }
+  });
+  EXPECT_NE(errors[0].find("plane scrambled: its wire is device memory, but communicator gloo "
+                           "takes host spans only"),
             std::string::npos)
       << errors[0];
 }

@@ -50,29 +50,41 @@ struct DeviceTensors {
 struct Runs {
   std::vector<std::vector<std::vector<Tensors>>> outputs;
   std::vector<std::vector<std::vector<StepResult>>> results;
+  // The second run's communicator took device spans: it has no bounded receive (as NCCL), so
+  // from the second step its fingerprint check is a round of its own where the first run's rides
+  // in the data, and the bytes sent differ by that.
+  bool device_wire = false;
 };
 
 using Mutate = std::function<void(int rank, uint64_t step, Tensors&)>;
 // Each rank's backend (its own stream, on a GPU); `after` checks it once its plane is gone.
 using BackendFactory = std::function<std::unique_ptr<DeviceBackend>(int rank)>;
 using BackendCheck = std::function<void(int rank, DeviceBackend&)>;
+// A communicator that takes the backend's memory (Communicator::TakesDeviceSpans) over a rank's
+// Gloo one.
+using DeviceComm = std::function<std::unique_ptr<Communicator>(Communicator&, DeviceBackend&)>;
 
 // `steps` steps of the same inputs through the host plane, then through a StagedPlane over each
-// rank's backend, ranks as threads over Gloo.
+// rank's backend, ranks as threads over Gloo. With `device_comm`, the StagedPlane keeps its wire
+// in the backend's memory (WireMemory::kDevice) and the exchanger runs over that communicator.
 inline Runs RunBothPlanes(const BackendFactory& make_backend, const BackendCheck& after, int n,
                           const std::vector<LayerSpec>& layers, const ExchangeOptions& options,
                           int steps, const std::vector<RefreshSchedule>& schedule = {},
-                          const Mutate& mutate = {}) {
+                          const Mutate& mutate = {}, const DeviceComm& device_comm = {}) {
   Runs runs;
+  runs.device_wire = static_cast<bool>(device_comm);
   runs.outputs.assign(2, std::vector<std::vector<Tensors>>(n));
   runs.results.assign(2, std::vector<std::vector<StepResult>>(n));
   for (int staged = 0; staged < 2; ++staged) {
-    const auto errors = RunRanks(n, [&](Communicator& comm) {
-      const int r = comm.rank();
+    const auto errors = RunRanks(n, [&](Communicator& gloo) {
+      const int r = gloo.rank();
       std::unique_ptr<DeviceBackend> owned = make_backend(r);
       DeviceBackend& backend = *owned;
       {
-        StagedPlane plane(backend);
+        const bool device_wire = staged && device_comm;
+        std::unique_ptr<Communicator> wrapped = device_wire ? device_comm(gloo, backend) : nullptr;
+        Communicator& comm = device_wire ? *wrapped : gloo;
+        StagedPlane plane(backend, device_wire ? WireMemory::kDevice : WireMemory::kHost);
         ExchangeOptions o = options;
         if (staged) o.plane = &plane;
         Exchanger ex(comm, layers, o, schedule);
@@ -107,7 +119,9 @@ inline void ExpectSame(const Runs& runs, const std::vector<LayerSpec>& layers,
       const StepResult& a = runs.results[0][r][s];
       const StepResult& b = runs.results[1][r][s];
       EXPECT_EQ(b.skipped, a.skipped) << what << " rank " << r << " step " << s;
-      EXPECT_EQ(b.bytes_sent, a.bytes_sent) << what << " rank " << r << " step " << s;
+      if (!runs.device_wire || s == 0) {
+        EXPECT_EQ(b.bytes_sent, a.bytes_sent) << what << " rank " << r << " step " << s;
+      }
       ASSERT_EQ(b.buckets.size(), a.buckets.size());
       for (size_t k = 0; k < a.buckets.size(); ++k) {
         EXPECT_EQ(b.buckets[k].skipped, a.buckets[k].skipped) << what << " bucket " << k;
