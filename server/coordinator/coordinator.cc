@@ -622,7 +622,11 @@ std::string Coordinator::AttachProblem(const v1::RankAttach& a, const WorkerRec&
 void Coordinator::HandleAttach(const v1::RankAttach& a, WorkerRec& w, Outbox& out) {
   JobRec* rec = jobs_.FindOrNull(a.job());
   if (!rec) {
-    if (const JobRec* live = jobs_.LiveJobNamed(a.job())) rec = jobs_.FindOrNull(live->job.id());
+    if (const JobRec* live = jobs_.LiveJobNamed(a.job())) {
+      rec = jobs_.FindOrNull(live->job.id());
+    } else if (auto ended = jobs_.NewestNamed(a.job()); ended.ok()) {
+      rec = *ended;  // a launch of a job that has ended: AttachProblem names its state
+    }
   }
   // A worker holds one claim: a new attach or a withdrawal replaces the one it held.
   for (JobRec* p : jobs_.Pending()) {
@@ -640,8 +644,11 @@ void Coordinator::HandleAttach(const v1::RankAttach& a, WorkerRec& w, Outbox& ou
   }
   // A repeat of a claim that is now the rank of the attempt placed on this worker (the worker
   // repeats its claim while its program waits, and the Assignment may still be on its way).
-  if (rec && rec->job.state() != v1::JOB_PENDING && a.rank() >= 0 &&
-      a.rank() < int(rec->ranks.size()) && rec->ranks[a.rank()].worker_id == w.info.id()) {
+  // An ended job's claim is refused below, even from the worker that ran the rank: a launcher
+  // that starts it again would otherwise wait for an answer that never comes.
+  if (rec && rec->job.state() != v1::JOB_PENDING && !JobTable::IsFinal(rec->job.state()) &&
+      a.rank() >= 0 && a.rank() < int(rec->ranks.size()) &&
+      rec->ranks[a.rank()].worker_id == w.info.id()) {
     return;
   }
   if (std::string problem = AttachProblem(a, w, rec); !problem.empty()) {

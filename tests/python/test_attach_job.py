@@ -311,6 +311,9 @@ class AttachJobTest(unittest.TestCase):
                 hook.close()
 
         self.assertIn("job nosuch: no such job", refusal("nosuch", 0, 2))
+        # A launch of a job that has ended (test 2's, from the worker that ran its rank 0): its
+        # state, not "no such job", and not left waiting.
+        self.assertRegex(refusal("cancelled", 0, 2), r"job cancelled \(job-\d+\) is CANCELLED")
         self.assertIn("world size: the launcher's is 3 (WORLD_SIZE) but job held",
                       refusal("held", 0, 3))
         self.assertIn("is not external", refusal("own", 0, 1))
