@@ -132,6 +132,16 @@ uint64_t RunFp32(Communicator& comm, DataPlane& plane, std::span<const BucketLay
   return bad;
 }
 
+// x summed over ranks with bf16 on the wire: each value rounded to bf16 (nearest even), summed
+// as AllReduceSumBf16 sums, and read back into x; `bits` is the wire's scratch.
+template <typename Bits>
+void AllReduceSumAsBf16(Communicator& comm, std::span<float> x, Bits& bits) {
+  bits.resize(x.size());
+  for (size_t i = 0; i < x.size(); ++i) bits[i] = FloatToBf16(x[i]);
+  comm.AllReduceSumBf16(std::span<uint16_t>(bits.data(), x.size()));
+  for (size_t i = 0; i < x.size(); ++i) x[i] = Bf16ToFloat(bits[i]);
+}
+
 uint64_t RunBf16(Communicator& comm, DataPlane& plane, std::span<const BucketLayer> layers,
                  float divisor, ExchangeWorkspace& ws) {
   size_t total = 0;
@@ -144,9 +154,7 @@ uint64_t RunBf16(Communicator& comm, DataPlane& plane, std::span<const BucketLay
   if (!plane.host_memory() || lowp) {
     // Device memory: the divided floats through a host copy, then the same conversions.
     bad = Flatten(plane, layers, divisor, ws.flat);
-    for (size_t i = 0; i < total; ++i) flat[i] = FloatToBf16(ws.flat[i]);
-    comm.AllReduceSumBf16(flat);
-    for (size_t i = 0; i < total; ++i) ws.flat[i] = Bf16ToFloat(flat[i]);
+    AllReduceSumAsBf16(comm, ws.flat, flat);
     Unflatten(plane, ws.flat, layers);
     return bad;
   }
@@ -801,9 +809,7 @@ void FinishLowRankRows(Communicator& comm, const AlgorithmOptions& ao,
   auto rows_of = [](const BucketLayer& l) {
     return l.geometry ? static_cast<size_t>(ShardProductRows(*l.geometry)) : size_t{0};
   };
-  auto in_bf16 = [](const BucketLayer& l) {
-    return l.policy.format != Format::kFp32 && l.policy.format != Format::kBf16;
-  };
+  auto in_bf16 = [](const BucketLayer& l) { return FormatBits(l.policy.format) <= 8; };
   // Each layer's share at[i] within its wire's buffer: w32 (fp32) or w16 (bf16 on the wire).
   std::vector<size_t> at(layers.size(), 0);
   size_t total32 = 0, total16 = 0;
@@ -828,10 +834,8 @@ void FinishLowRankRows(Communicator& comm, const AlgorithmOptions& ao,
   }
   if (total32) comm.AllReduceSum(w32);
   if (total16) {
-    std::vector<uint16_t> bits(total16);
-    for (size_t q = 0; q < total16; ++q) bits[q] = FloatToBf16(w16[q]);
-    comm.AllReduceSumBf16(bits);
-    for (size_t q = 0; q < total16; ++q) w16[q] = Bf16ToFloat(bits[q]);
+    std::vector<uint16_t> bits;
+    AllReduceSumAsBf16(comm, w16, bits);
   }
   for (size_t i = 0; i < layers.size(); ++i) {
     if (rows_of(layers[i]) > 0) plane.InvertRows(layers[i], first_row(layers[i]), share(i));

@@ -425,20 +425,7 @@ bool Exchanger::ShardedRefresh(uint32_t l) const {
   const double ldx = held + (probing - held) / o.probe_every;
   const double c = 2.0 * o.width + double(o.probes) / o.probe_every;
   const double m = double(spec.rows), n = double(spec.cols);
-  double per_element = 1.0;  // fp8 and mxfp8
-  switch (spec.policy.format) {
-    case Format::kFp32:
-      per_element = 4.0;
-      break;
-    case Format::kBf16:
-      per_element = 2.0;
-      break;
-    case Format::kNvfp4:
-      per_element = 0.5;
-      break;
-    default:
-      break;
-  }
+  const double per_element = FormatBits(spec.policy.format) / 8.0;
   return 4.0 * (m * ldx + 2.0 * n * c) < m * n * per_element;
 }
 
