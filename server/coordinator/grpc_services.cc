@@ -221,11 +221,11 @@ class PolicyServiceImpl final : public v1::PolicyService::Service {
   Common* k_;
 };
 
-// Session is on the callback API (session_stream.h says why); the unary methods stay synchronous.
-class WorkerServiceImpl final
-    : public v1::WorkerService::WithCallbackMethod_Session<v1::WorkerService::Service> {
+// Session is on the asynchronous API (SessionServer; session_stream.h says why); the unary
+// methods stay synchronous.
+class WorkerServiceImpl final : public SessionServer::Service {
  public:
-  WorkerServiceImpl(Common* k, SessionPool* pool) : k_(k), pool_(pool) {}
+  explicit WorkerServiceImpl(Common* k) : k_(k) {}
   grpc::Status Register(grpc::ServerContext* ctx, const v1::RegisterRequest* req,
                         v1::RegisterResponse* resp) override {
     return k_->Call("WorkerService/Register", ctx, *req,
@@ -240,14 +240,9 @@ class WorkerServiceImpl final
     return k_->Call("WorkerService/ListWorkers", ctx, *req,
                     [&] { return Common::Reply(k_->c_->ListWorkers(*req), resp); });
   }
-  grpc::ServerBidiReactor<v1::WorkerMessage, v1::CoordinatorMessage>* Session(
-      grpc::CallbackServerContext* ctx) override {
-    return NewSessionReactor(ctx, k_->Authorize(ctx), k_->c_, k_->m_, pool_);
-  }
 
  private:
   Common* k_;
-  SessionPool* pool_;
 };
 
 // A rendezvous call the KV refused (not a key that is simply absent yet, nor a wait that timed
@@ -324,16 +319,24 @@ struct CoordinatorServer::Impl {
       : common(c, m, std::move(token)),
         jobs(&common),
         policies(&common),
-        workers(&common, &session_pool),
+        workers(&common),
         rendezvous(&common) {}
+  // A server never shut down is shut down now, cancelling its calls; the sessions stop once
+  // the server has ended them.
+  ~Impl() {
+    if (server) server->Shutdown(std::chrono::system_clock::now());
+    if (sessions) sessions->Stop();
+  }
   Common common;
-  // Runs the session work that may block (session_stream.h). Declared before the server, so it
-  // outlives it: the streams' last reactions run on it while the server shuts down.
+  // Runs the session work that may block (session_stream.h). Declared before the sessions and
+  // the server, so it outlives them: the streams' last steps run on it while the server shuts
+  // down.
   SessionPool session_pool{8};
   JobServiceImpl jobs;
   PolicyServiceImpl policies;
   WorkerServiceImpl workers;
   RendezvousServiceImpl rendezvous;
+  std::unique_ptr<SessionServer> sessions;
   std::unique_ptr<grpc::Server> server;
   int port = 0;
 };
@@ -391,25 +394,32 @@ absl::StatusOr<std::unique_ptr<CoordinatorServer>> CoordinatorServer::Start(
   // Idle streams must not be cut by keepalive defaults; workers keep their sessions for days.
   builder.AddChannelArgument(GRPC_ARG_KEEPALIVE_PERMIT_WITHOUT_CALLS, 1);
   builder.AddChannelArgument(GRPC_ARG_HTTP2_MIN_RECV_PING_INTERVAL_WITHOUT_DATA_MS, 10000);
+  std::vector<std::unique_ptr<grpc::ServerCompletionQueue>> queues;
+  for (int i = 0; i < kSessionQueues; ++i) queues.push_back(builder.AddCompletionQueue());
+  Common* common = &impl->common;
+  impl->sessions = std::make_unique<SessionServer>(
+      &impl->workers, std::move(queues),
+      [common](grpc::ServerContextBase* ctx) { return common->Authorize(ctx); }, coordinator,
+      metrics, &impl->session_pool);
   impl->server = builder.BuildAndStart();
   if (!impl->server || impl->port == 0) {
     return absl::UnavailableError("--listen: cannot listen on " + options.listen);
   }
+  impl->sessions->Start();
   impl->server->GetHealthCheckService()->SetServingStatus(true);
   return std::unique_ptr<CoordinatorServer>(new CoordinatorServer(std::move(impl)));
 }
 
 CoordinatorServer::CoordinatorServer(std::unique_ptr<Impl> impl) : impl_(std::move(impl)) {}
 
-CoordinatorServer::~CoordinatorServer() {
-  if (impl_ && impl_->server) impl_->server->Shutdown();
-}
+CoordinatorServer::~CoordinatorServer() = default;
 
 int CoordinatorServer::port() const { return impl_->port; }
 
 void CoordinatorServer::Shutdown(int grace_ms) {
   if (auto* health = impl_->server->GetHealthCheckService()) health->SetServingStatus(false);
   impl_->server->Shutdown(std::chrono::system_clock::now() + std::chrono::milliseconds(grace_ms));
+  impl_->sessions->Stop();
 }
 
 void CoordinatorServer::Wait() { impl_->server->Wait(); }

@@ -130,31 +130,111 @@ size_t QueuedSink::queued() {
   return queue_.size();
 }
 
+struct SessionServer::Shared {
+  Shared(Service* service, std::vector<std::unique_ptr<grpc::ServerCompletionQueue>> queues,
+         Authorize authorize, Coordinator* c, Metrics* m, SessionPool* pool)
+      : service(service),
+        queues(std::move(queues)),
+        authorize(std::move(authorize)),
+        c(c),
+        m(m),
+        pool(pool) {}
+  Service* service;
+  std::vector<std::unique_ptr<grpc::ServerCompletionQueue>> queues;
+  Authorize authorize;
+  Coordinator* c;
+  Metrics* m;
+  SessionPool* pool;
+
+  std::mutex mu;
+  std::condition_variable idle;  // open == 0
+  int open = 0;                  // SessionCalls alive: requested, running or finishing
+  bool stopping = false;         // no new call is requested
+};
+
 namespace {
 
-using Reactor = grpc::ServerBidiReactor<v1::WorkerMessage, v1::CoordinatorMessage>;
+// Calls requested ahead on each queue, so a cold start of thousands of workers is accepted
+// without waiting for each acceptance to request the next.
+constexpr int kRequestsPerQueue = 16;
 
-class SessionReactor final : public Reactor, public StreamWriter {
+class SessionCall;
+
+// A completion-queue tag: one kind of operation of one call.
+struct Op {
+  enum Kind { kRequest, kRead, kWrite, kFinish, kDone };
+  SessionCall* call;
+  Kind kind;
+};
+
+// One Session call, from its request to the end of its last operation. Each operation counts in
+// pending_ from its start to its completion; the call deletes itself once nothing is pending and
+// either it never started (the server shut down first) or its Finish has completed (the done
+// tag, counted from the start, has then come too). At most one Read and one Write or Finish are
+// in flight, as the asynchronous API requires: reads start only after a message is handled, and
+// QueuedSink starts one write at a time and the Finish once its queue has drained.
+class SessionCall final : public StreamWriter {
  public:
-  SessionReactor(grpc::CallbackServerContext* ctx, grpc::Status authorized, Coordinator* c,
-                 Metrics* m, SessionPool* pool)
-      : ctx_(ctx), c_(c), m_(m), pool_(pool) {
+  SessionCall(SessionServer::Shared* s, grpc::ServerCompletionQueue* cq)
+      : s_(s), cq_(cq), stream_(&ctx_) {
+    ctx_.AsyncNotifyWhenDone(&done_op_);
+    pending_ = 1;  // the request; the done tag comes only for a call that started
+    s_->service->RequestSession(&ctx_, &stream_, cq_, cq_, &request_op_);
+  }
+
+  // On the queue's thread: an operation of this call completed.
+  void Completed(Op::Kind kind, bool ok) {
+    switch (kind) {
+      case Op::kRequest:
+        Accepted(ok);
+        break;
+      case Op::kRead:
+        ReadDone(ok);
+        break;
+      case Op::kWrite:
+        sink_->WriteDone(ok);
+        break;
+      case Op::kFinish:
+      case Op::kDone:
+        break;
+    }
+    Release();
+  }
+
+  // StreamWriter, from QueuedSink (one write or the finish at a time).
+  void Write(const v1::CoordinatorMessage* message) override {
+    Acquire(false);
+    stream_.Write(*message, &write_op_);
+  }
+  void Close(const grpc::Status& status) override { Finish(status); }
+  void Cancel() override { ctx_.TryCancel(); }
+
+ private:
+  void Accepted(bool ok) {
+    if (!ok) return;  // the server is shutting down: the call never started
+    Acquire(false);   // the done tag
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      started_ = true;
+    }
+    Request(s_, cq_);  // the next call on this queue
+    grpc::Status authorized = s_->authorize(&ctx_);
     if (!authorized.ok()) {
-      m_->RecordRpc("WorkerService/Session", "UNAUTHENTICATED", 0);
+      s_->m->RecordRpc("WorkerService/Session", "UNAUTHENTICATED", 0);
       Finish(authorized);
       return;
     }
-    StartRead(&in_);
+    Read();
   }
 
-  void OnReadDone(bool ok) override {
+  void ReadDone(bool ok) {
     if (!ok) {
       if (!sink_) {
         Finish(grpc::Status(grpc::StatusCode::INVALID_ARGUMENT,
                             "session: stream ended before the first message"));
         return;
       }
-      pool_->Post([this] { End(absl::OkStatus()); });
+      s_->pool->Post([this] { End(absl::OkStatus()); });
       return;
     }
     // A message past its bounds (proto/bounds.h) ends the stream, naming the field.
@@ -162,46 +242,34 @@ class SessionReactor final : public Reactor, public StreamWriter {
       if (!sink_) {
         Finish(ToGrpc(bounded));
       } else {
-        pool_->Post([this, bounded] { End(bounded); });
+        s_->pool->Post([this, bounded] { End(bounded); });
       }
       return;
     }
     if (!sink_) {
       read_at_ = std::chrono::steady_clock::now();
-      pool_->Post([this] { Open(); });
+      s_->pool->Post([this] { Open(); });
       return;
     }
-    // A heartbeat takes only the registry's liveness lock: handled here, on gRPC's thread.
+    // A heartbeat takes only the registry's liveness lock: handled here, on the queue's thread.
     if (in_.body_case() == v1::WorkerMessage::kHeartbeat) {
       Handle();
     } else {
-      pool_->Post([this] { Handle(); });
+      s_->pool->Post([this] { Handle(); });
     }
   }
 
-  void OnWriteDone(bool ok) override { sink_->WriteDone(ok); }
-
-  void Write(const v1::CoordinatorMessage* message) override { StartWrite(message); }
-  void Close(const grpc::Status& status) override { Finish(status); }
-  void Cancel() override { ctx_->TryCancel(); }
-
-  void OnDone() override {
-    if (sink_) sink_->Detach();
-    delete this;
-  }
-
- private:
   // The first message: the stream belongs to the (worker, generation) it names and proves with
   // the generation's secret; every later message must name the same one.
   void Open() {
     id_ = in_.worker_id();
     generation_ = in_.generation();
     sink_ = std::make_shared<QueuedSink>(this, id_);
-    absl::Status status = c_->OpenSession(id_, generation_, in_.session_secret(), sink_);
+    absl::Status status = s_->c->OpenSession(id_, generation_, in_.session_secret(), sink_);
     if (!status.ok()) {
       if (status.code() == absl::StatusCode::kPermissionDenied) {
         log::Warn("session.refused")
-            .F("peer", ctx_->peer())
+            .F("peer", ctx_.peer())
             .F("worker", id_)
             .Msg(std::string(status.message()));
       }
@@ -210,9 +278,9 @@ class SessionReactor final : public Reactor, public StreamWriter {
     }
     // The hello waited for a pool thread and the coordinator's lock: at a cold start of
     // thousands, that wait is the coordinator's lag, and no heartbeat has measured it yet.
-    c_->RecordHandlingLag(std::chrono::duration_cast<std::chrono::milliseconds>(
-                              std::chrono::steady_clock::now() - read_at_)
-                              .count());
+    s_->c->RecordHandlingLag(std::chrono::duration_cast<std::chrono::milliseconds>(
+                                 std::chrono::steady_clock::now() - read_at_)
+                                 .count());
     Handle();
   }
 
@@ -227,32 +295,87 @@ class SessionReactor final : public Reactor, public StreamWriter {
                                            "; a message named worker " + in_.worker_id() +
                                            " generation " + std::to_string(in_.generation()));
       log::Warn("session.refused")
-          .F("peer", ctx_->peer())
+          .F("peer", ctx_.peer())
           .F("worker", id_)
           .Msg(std::string(status.message()));
     } else {
-      status = c_->HandleWorkerMessage(in_);
+      status = s_->c->HandleWorkerMessage(in_);
     }
-    m_->RecordRpc("WorkerService/Session", absl::StatusCodeToString(status.code()),
-                  std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count());
+    s_->m->RecordRpc(
+        "WorkerService/Session", absl::StatusCodeToString(status.code()),
+        std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count());
     if (status.ok()) {
-      StartRead(&in_);
+      Read();
     } else if (in_.body_case() == v1::WorkerMessage::kHeartbeat) {
-      pool_->Post([this, status] { End(status); });  // End takes the coordinator's lock
+      s_->pool->Post([this, status] { End(status); });  // End takes the coordinator's lock
     } else {
       End(status);
     }
   }
 
   void End(const absl::Status& status) {
-    c_->CloseSession(id_, generation_, sink_);
+    s_->c->CloseSession(id_, generation_, sink_);
     sink_->FinishWhenDrained(ToGrpc(status));
   }
 
-  grpc::CallbackServerContext* ctx_;
-  Coordinator* c_;
-  Metrics* m_;
-  SessionPool* pool_;
+  void Read() {
+    Acquire(false);
+    stream_.Read(&in_, &read_op_);
+  }
+
+  void Finish(const grpc::Status& status) {
+    Acquire(true);
+    stream_.Finish(status, &finish_op_);
+  }
+
+  void Acquire(bool finish) {
+    std::lock_guard<std::mutex> lock(mu_);
+    ++pending_;
+    if (finish) finishing_ = true;
+  }
+
+  void Release() {
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      if (--pending_ > 0 || (started_ && !finishing_)) return;
+    }
+    if (sink_) sink_->Detach();
+    Retire(s_);
+    delete this;
+  }
+
+ public:
+  // Requests a new call on `cq` unless the server is stopping.
+  static void Request(SessionServer::Shared* s, grpc::ServerCompletionQueue* cq) {
+    {
+      std::lock_guard<std::mutex> lock(s->mu);
+      if (s->stopping) return;
+      ++s->open;
+    }
+    new SessionCall(s, cq);
+  }
+
+ private:
+  static void Retire(SessionServer::Shared* s) {
+    std::lock_guard<std::mutex> lock(s->mu);
+    if (--s->open == 0) s->idle.notify_all();
+  }
+
+  SessionServer::Shared* s_;
+  grpc::ServerCompletionQueue* cq_;
+  grpc::ServerContext ctx_;
+  grpc::ServerAsyncReaderWriter<v1::CoordinatorMessage, v1::WorkerMessage> stream_;
+  Op request_op_{this, Op::kRequest};
+  Op read_op_{this, Op::kRead};
+  Op write_op_{this, Op::kWrite};
+  Op finish_op_{this, Op::kFinish};
+  Op done_op_{this, Op::kDone};
+
+  std::mutex mu_;
+  int pending_ = 0;
+  bool started_ = false;
+  bool finishing_ = false;
+
   v1::WorkerMessage in_;
   std::string id_;
   uint64_t generation_ = 0;
@@ -262,9 +385,56 @@ class SessionReactor final : public Reactor, public StreamWriter {
 
 }  // namespace
 
-Reactor* NewSessionReactor(grpc::CallbackServerContext* ctx, grpc::Status authorized,
-                           Coordinator* coordinator, Metrics* metrics, SessionPool* pool) {
-  return new SessionReactor(ctx, std::move(authorized), coordinator, metrics, pool);
+SessionServer::SessionServer(Service* service,
+                             std::vector<std::unique_ptr<grpc::ServerCompletionQueue>> queues,
+                             Authorize authorize, Coordinator* coordinator, Metrics* metrics,
+                             SessionPool* pool)
+    : shared_(std::make_unique<Shared>(service, std::move(queues), std::move(authorize),
+                                       coordinator, metrics, pool)) {}
+
+SessionServer::~SessionServer() { Stop(); }
+
+void SessionServer::Start() {
+  started_ = true;
+  for (auto& cq : shared_->queues) {
+    for (int i = 0; i < kRequestsPerQueue; ++i) SessionCall::Request(shared_.get(), cq.get());
+    threads_.emplace_back([cq = cq.get()] {
+      void* tag = nullptr;
+      bool ok = false;
+      while (cq->Next(&tag, &ok)) {
+        Op* op = static_cast<Op*>(tag);
+        op->call->Completed(op->kind, ok);
+      }
+    });
+  }
+}
+
+void SessionServer::Stop() {
+  if (stopped_) return;
+  stopped_ = true;
+  {
+    std::unique_lock<std::mutex> lock(shared_->mu);
+    shared_->stopping = true;
+    // The server's shutdown fails the requested calls and cancels the running ones at its
+    // deadline; each then finishes through its queue (and the pool) and retires.
+    if (started_) shared_->idle.wait(lock, [&] { return shared_->open == 0; });
+  }
+  for (auto& cq : shared_->queues) cq->Shutdown();
+  for (auto& t : threads_) t.join();
+  // Drain what a queue that never had a thread still holds (none once Start ran).
+  if (!started_) {
+    for (auto& cq : shared_->queues) {
+      void* tag = nullptr;
+      bool ok = false;
+      while (cq->Next(&tag, &ok)) {
+      }
+    }
+  }
+}
+
+int SessionServer::open_calls() {
+  std::lock_guard<std::mutex> lock(shared_->mu);
+  return shared_->open;
 }
 
 }  // namespace geofp8::coordinator

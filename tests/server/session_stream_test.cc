@@ -1,12 +1,14 @@
-// The Session streams on gRPC's callback API (server/coordinator/session_stream.h), through the
-// real server on loopback: no thread is parked per open stream, messages are answered in order,
-// and (QueuedSink against a fake writer) a worker that stops reading its stream has it ended
-// instead of queueing without bound.
+// The Session streams on gRPC's asynchronous API (server/coordinator/session_stream.h), through the
+// real server on loopback: no thread is parked per open stream, messages are answered in order, a
+// refused token ends the call, a shutdown ends open streams and retires every call, and (QueuedSink
+// against a fake writer) a worker that stops reading its stream has it ended instead of queueing
+// without bound.
 #include "server/coordinator/session_stream.h"
 
 #include <grpcpp/grpcpp.h>
 #include <gtest/gtest.h>
 
+#include <chrono>
 #include <fstream>
 #include <memory>
 #include <string>
@@ -120,7 +122,7 @@ TEST_F(SessionStreamTest, OpenSessionsParkNoThreadEach) {
   }
 }
 
-// Heartbeats (handled on gRPC's thread) and other messages (on the session pool) of one stream
+// Heartbeats (handled on a queue's thread) and other messages (on the session pool) of one stream
 // are answered in the order they were sent.
 TEST_F(SessionStreamTest, MessagesOfOneStreamAreAnsweredInOrder) {
   auto stub = v1::WorkerService::NewStub(Channel());
@@ -143,6 +145,89 @@ TEST_F(SessionStreamTest, MessagesOfOneStreamAreAnsweredInOrder) {
   }
   stream->WritesDone();
   EXPECT_TRUE(stream->Finish().ok());
+}
+
+// A SessionServer on a server of its own, against the fixture's coordinator: what CoordinatorServer
+// does, with the calls' count and the auth check in the test's hands.
+class OwnSessionServer {
+ public:
+  OwnSessionServer(Coordinator* c, Metrics* m, SessionServer::Authorize authorize) {
+    grpc::ServerBuilder builder;
+    builder.AddListeningPort("127.0.0.1:0", grpc::InsecureServerCredentials(), &port_);
+    builder.RegisterService(&service_);
+    std::vector<std::unique_ptr<grpc::ServerCompletionQueue>> queues;
+    for (int i = 0; i < kSessionQueues; ++i) queues.push_back(builder.AddCompletionQueue());
+    sessions_ = std::make_unique<SessionServer>(&service_, std::move(queues), std::move(authorize),
+                                                c, m, &pool_);
+    server_ = builder.BuildAndStart();
+    sessions_->Start();
+  }
+  ~OwnSessionServer() { Shutdown(); }
+  void Shutdown() {
+    if (!server_) return;
+    server_->Shutdown(std::chrono::system_clock::now());
+    sessions_->Stop();
+    server_.reset();
+  }
+  std::unique_ptr<v1::WorkerService::Stub> Stub() {
+    return v1::WorkerService::NewStub(grpc::CreateChannel("127.0.0.1:" + std::to_string(port_),
+                                                          grpc::InsecureChannelCredentials()));
+  }
+  SessionServer* sessions() { return sessions_.get(); }
+
+ private:
+  SessionPool pool_{2};
+  SessionServer::Service service_;
+  std::unique_ptr<SessionServer> sessions_;
+  std::unique_ptr<grpc::Server> server_;
+  int port_ = 0;
+};
+
+// Open streams hold their calls until the server shuts down; its shutdown ends them (each client
+// sees its stream end), and Stop returns with every call, running or only requested, retired.
+TEST_F(SessionStreamTest, AShutdownEndsOpenStreamsAndRetiresEveryCall) {
+  auto fixture_stub = v1::WorkerService::NewStub(Channel());
+  OwnSessionServer own(coordinator_.get(), metrics_.get(),
+                       [](grpc::ServerContextBase*) { return grpc::Status::OK; });
+  auto stub = own.Stub();
+  constexpr int kWorkers = 5;
+  std::vector<OpenStream> streams(kWorkers);
+  for (int i = 0; i < kWorkers; ++i) {
+    const v1::RegisterResponse r = Register(fixture_stub.get(), "s" + std::to_string(i));
+    streams[i].stream = stub->Session(streams[i].ctx.get());
+    ASSERT_TRUE(streams[i].stream->Write(Beat(r, 1)));
+    v1::CoordinatorMessage ack;
+    ASSERT_TRUE(streams[i].stream->Read(&ack));
+    EXPECT_EQ(ack.ack().seq(), 1u);
+  }
+  // Each open stream is a call, besides the calls requested ahead on every queue.
+  EXPECT_GE(own.sessions()->open_calls(), kWorkers + kSessionQueues);
+  own.Shutdown();
+  EXPECT_EQ(own.sessions()->open_calls(), 0);
+  for (auto& s : streams) {
+    v1::CoordinatorMessage m;
+    EXPECT_FALSE(s.stream->Read(&m));
+    EXPECT_FALSE(s.stream->Finish().ok());
+  }
+  // The coordinator saw each stream end: the workers are disconnected, not fenced.
+  auto counts = coordinator_->GetCounts();
+  EXPECT_EQ(counts.workers_by_state[v1::WORKER_DISCONNECTED], kWorkers);
+  EXPECT_EQ(counts.workers_by_state[v1::WORKER_DEAD], 0);
+}
+
+// A call the auth check refuses is finished with its status at once, before any read.
+TEST_F(SessionStreamTest, ARefusedTokenEndsTheCallWithItsStatus) {
+  OwnSessionServer own(coordinator_.get(), metrics_.get(), [](grpc::ServerContextBase*) {
+    return grpc::Status(grpc::StatusCode::UNAUTHENTICATED, "authorization: wrong token");
+  });
+  auto stub = own.Stub();
+  grpc::ClientContext ctx;
+  auto stream = stub->Session(&ctx);
+  v1::CoordinatorMessage m;
+  EXPECT_FALSE(stream->Read(&m));
+  const grpc::Status st = stream->Finish();
+  EXPECT_EQ(st.error_code(), grpc::StatusCode::UNAUTHENTICATED);
+  EXPECT_EQ(st.error_message(), "authorization: wrong token");
 }
 
 // QueuedSink against a writer that records what it is asked to do and completes nothing until
