@@ -333,20 +333,26 @@ class ImageTest(unittest.TestCase):
                 r = self.podman("logs", trainer, check=False)
                 return r.stdout + r.stderr
 
+            # (torchrun's output is read only for a failure's message: a podman call per poll
+            # would load the machine the test runs on.)
             deadline = time.time() + 300
             while True:
                 j = json.loads(ctl("-o", "json", "get", "job", job_id))
                 if int(j.get("progress", {}).get("step", -1)) >= 3:
                     break
-                self.assertNotIn(j.get("state"), ("succeeded", "failed", "cancelled"),
-                                 (j, logs()))
-                self.assertLess(time.time(), deadline, (j, logs()))
+                if (j.get("state") in ("succeeded", "failed", "cancelled")
+                        or time.time() > deadline):
+                    self.fail("job %s: %s before step 3\n%s\n%s"
+                              % (job_id, j.get("state"), j, logs()))
                 time.sleep(0.5)
             self.assertEqual(j["state"], "running", j)
             self.assertEqual({r["worker_id"] for r in j["ranks"]}, {"a0", "a1"}, j)
             ctl("policy", "set", job_id, "--layer", "*", "--format", "nvfp4", "--reason",
                 "image test: nvfp4")
-            code = self.podman("wait", trainer, timeout=300).stdout.strip()
+            try:
+                code = self.podman("wait", trainer, timeout=300).stdout.strip()
+            except subprocess.TimeoutExpired:
+                self.fail("torchrun did not exit within 300 s of the policy set\n" + logs())
             out = logs()
             self.assertEqual(code, "0", out)
             j = self.wait_final(ctl, job_id)
@@ -357,6 +363,9 @@ class ImageTest(unittest.TestCase):
                                     r"force from step (\d+)", out))
             self.assertEqual(set(taken), {"0", "1"}, out)
             self.assertEqual(taken["0"], taken["1"], out)
+            # ... the step the coordinator records for v2.
+            v2 = json.loads(ctl("-o", "json", "policy", "get", job_id, "--version", "2"))
+            self.assertEqual(int(v2["taken_step"]), int(taken["0"]), (v2, out))
             print(out[-3000:], flush=True)
         finally:
             self.podman.cleanup()
