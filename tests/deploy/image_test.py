@@ -1,11 +1,15 @@
 #!/usr/bin/python3
 # The images scripts/image.sh builds, run as the Helm chart runs them: a coordinator container
 # and two worker containers (host network) with the chart's arguments, user, read-only root and
-# dropped capabilities, and a 2-rank command: job of torch DDP with the geofp8 hook through them.
+# dropped capabilities, and a 2-rank command: job of torch DDP with the geofp8 hook through them;
+# then an external job (docs/launchers.md): two attach-only worker containers with the
+# PyTorchJob recipe's sidecar arguments, and torchrun in a container of the worker image whose
+# ranks attach to them, take a live policy set and succeed.
 # Label "image"; it builds the images when they are missing or stale (tens of minutes the first
 # time), so it runs only with GEOFP8_IMAGE_TEST=1 and is skipped (77) otherwise.
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -56,6 +60,17 @@ training: {steps: 12}
 policy:
   default: {format: fp8_e4m3, scaling: block, block: 128, geometry: lowrank, rank: 8}
 """
+# The external job torchrun's ranks attach to; train_gpt.py takes 0.1 s per step at least, so a
+# policy set after step 3 lands well before the last.
+ATTACH_SPEC = """
+name: image-attach
+world_size: 2
+launcher: external
+training: {steps: 60}
+policy:
+  default: {format: fp8_e4m3, scaling: block, block: 64}
+  margin: 3
+"""
 
 
 class Podman:
@@ -84,6 +99,12 @@ class Podman:
     def cleanup(self):
         for name in self.names:
             self("rm", "-f", "-t", "5", name, check=False)
+        self.names = []
+
+
+def token_mount(dirs):
+    """The token's mount, as the chart mounts its Secret."""
+    return (dirs["token"], "/etc/geofp8/token", True)
 
 
 def chart_container(docs, component):
@@ -115,7 +136,7 @@ def run_args(test, spec, c, mounts):
 
 def chart_args(c, replace, extra=()):
     out = []
-    for a in c["args"]:
+    for a in c.get("args", []):
         flag, eq, value = a.partition("=")
         out.append("%s=%s" % (flag, replace.get(flag, value)) if eq else a)
     return out + list(extra)
@@ -164,47 +185,76 @@ class ImageTest(unittest.TestCase):
                                        "geofp8-worker", "geofp8ctl",
                                        common_sh("$GEOFP8_TORCH_VERSION")])
 
-    def test_command_job_across_containers(self):
+    def start_coordinator(self, tag, tmp, names):
+        """The chart's coordinator container, with a token, and host directories for the volumes
+        (`names`, besides its own): returns the directories, the chart's worker pod spec and
+        container, the coordinator's address and geofp8ctl in its container."""
         docs = [d for _, d in helm_render.Renderer(
             os.path.join(ROOT, "helm/geofp8"), [{"tokenSecret": "geofp8-token"}]).manifests()]
         cspec, cc = chart_container(docs, "coordinator")
         wspec, wc = chart_container(docs, "worker")
-        self.assertIn("--allow-commands", wc["args"])
+        # Host directories for the chart's volumes, owned by the pods' fsGroup as a
+        # PersistentVolume with fsGroup 10001 would be; the token as its Secret mounts it.
+        dirs = {n: os.path.join(tmp, n) for n in ("token", "coord") + names}
+        for n, d in dirs.items():
+            os.makedirs(d)
+            if n != "token":
+                shutil.chown(d, 10001, 10001)
+        with open(os.path.join(dirs["token"], "token"), "w") as f:
+            f.write("imagetest-" + os.urandom(16).hex() + "\n")
+        os.chmod(dirs["token"], 0o755)
+        os.chmod(os.path.join(dirs["token"], "token"), 0o644)
+        self.assertIn("--token-file=/etc/geofp8/token/token", cc["args"])
+
+        coord = tag + "-coordinator"
+        self.podman.start(
+            coord, run_args(self, cspec, cc, [(dirs["coord"], "/var/lib/geofp8", False),
+                                              token_mount(dirs)]),
+            COORDINATOR_IMAGE,
+            chart_args(cc, {"--listen": "127.0.0.1:0", "--metrics-listen": "127.0.0.1:0"},
+                       ["--ready-file=/var/lib/geofp8/ready.json"]))
+        address = wait_file(os.path.join(dirs["coord"], "ready.json"), "coordinator",
+                            coord, self.podman)["grpc"]
+
+        def ctl(*args):
+            # geofp8ctl of the coordinator's image, in its container.
+            return self.podman("exec", coord, "geofp8ctl", "-s", address, "--token-file",
+                               "/etc/geofp8/token/token", *args).stdout
+        return dirs, (wspec, wc), address, ctl
+
+    def submit(self, ctl, dirs, spec):
+        # geofp8ctl reads the spec in the coordinator's container: a copy in its data
+        # directory, the one directory it has besides the token.
+        with open(os.path.join(dirs["coord"], "job.yaml"), "w") as f:
+            f.write(spec)
+        return json.loads(ctl("-o", "json", "submit", "-f",
+                              "/var/lib/geofp8/job.yaml"))["job"]["id"]
+
+    def wait_final(self, ctl, job_id, timeout=600):
+        deadline = time.time() + timeout
+        while time.time() < deadline:
+            j = json.loads(ctl("-o", "json", "get", "job", job_id))
+            if j.get("state") in ("succeeded", "failed", "cancelled"):
+                break
+            time.sleep(1)
+        return j
+
+    def test_command_job_across_containers(self):
         tag = "geofp8-imagetest-%d" % os.getpid()
         tmp = tempfile.mkdtemp(prefix=tag + "-")
         try:
-            # Host directories for the chart's volumes, owned by the pods' fsGroup as a
-            # PersistentVolume with fsGroup 10001 would be; the token as its Secret mounts it.
-            dirs = {n: os.path.join(tmp, n) for n in ("token", "job", "coord", "w0", "w1")}
-            for d in dirs.values():
-                os.makedirs(d)
-            with open(os.path.join(dirs["token"], "token"), "w") as f:
-                f.write("imagetest-" + os.urandom(16).hex() + "\n")
+            dirs, (wspec, wc), address, ctl = self.start_coordinator(tag, tmp, ("w0", "w1"))
+            self.assertIn("--allow-commands", wc["args"])
+            # The job's script, read-only as the chart's ConfigMap example mounts it.
+            dirs["job"] = os.path.join(tmp, "job")
+            os.makedirs(dirs["job"])
             with open(os.path.join(dirs["job"], "train.py"), "w") as f:
                 f.write(JOB_SCRIPT)
-            with open(os.path.join(dirs["job"], "job.yaml"), "w") as f:
-                f.write(JOB_SPEC)
-            for n in ("coord", "w0", "w1"):
-                shutil.chown(dirs[n], 10001, 10001)
-            os.chmod(dirs["token"], 0o755)
-            os.chmod(os.path.join(dirs["token"], "token"), 0o644)
-            token_mount = (dirs["token"], "/etc/geofp8/token", True)
-            self.assertIn("--token-file=/etc/geofp8/token/token", cc["args"])
-
-            coord = tag + "-coordinator"
-            self.podman.start(
-                coord, run_args(self, cspec, cc, [(dirs["coord"], "/var/lib/geofp8", False),
-                                                  token_mount]),
-                COORDINATOR_IMAGE,
-                chart_args(cc, {"--listen": "127.0.0.1:0", "--metrics-listen": "127.0.0.1:0"},
-                           ["--ready-file=/var/lib/geofp8/ready.json"]))
-            address = wait_file(os.path.join(dirs["coord"], "ready.json"), "coordinator",
-                                coord, self.podman)["grpc"]
             for i in range(2):
                 name = "%s-w%d" % (tag, i)
                 self.podman.start(
                     name, run_args(self, wspec, wc, [
-                        (dirs["w%d" % i], "/var/lib/geofp8", False), token_mount,
+                        (dirs["w%d" % i], "/var/lib/geofp8", False), token_mount(dirs),
                         (dirs["job"], "/opt/job", True)]),
                     WORKER_IMAGE,
                     chart_args(wc, {"--coordinator": address, "--name": "w%d" % i,
@@ -214,22 +264,8 @@ class ImageTest(unittest.TestCase):
                 wait_file(os.path.join(dirs["w%d" % i], "ready.json"), "worker %d" % i, name,
                           self.podman)
 
-            def ctl(*args):
-                # geofp8ctl of the coordinator's image, in its container.
-                return self.podman("exec", coord, "geofp8ctl", "-s", address, "--token-file",
-                                   "/etc/geofp8/token/token", *args).stdout
-
-            # geofp8ctl reads the spec in the coordinator's container: a copy in its data
-            # directory, the one directory it has besides the token.
-            shutil.copy(os.path.join(dirs["job"], "job.yaml"), dirs["coord"])
-            job_id = json.loads(ctl("-o", "json", "submit", "-f",
-                                    "/var/lib/geofp8/job.yaml"))["job"]["id"]
-            deadline = time.time() + 600
-            while time.time() < deadline:
-                j = json.loads(ctl("-o", "json", "get", "job", job_id))
-                if j.get("state") in ("succeeded", "failed", "cancelled"):
-                    break
-                time.sleep(1)
+            job_id = self.submit(ctl, dirs, JOB_SPEC)
+            j = self.wait_final(ctl, job_id)
             outs = [ctl("logs", job_id, "--rank", str(r)) for r in range(2)]
             self.assertEqual(j.get("state"), "succeeded",
                              (j, outs, [ctl("logs", job_id, "--rank", str(r), "--stderr")
@@ -243,6 +279,94 @@ class ImageTest(unittest.TestCase):
                                          "geofp8": TAG, "build": "cpu", "rank": rank}, out)
                 self.assertIn("TRAINED", out)
             print(outs[0], flush=True)
+        finally:
+            self.podman.cleanup()
+            shutil.rmtree(tmp, ignore_errors=True)
+
+    def test_attached_torchrun_job_across_containers(self):
+        # The sidecar of the PyTorchJob recipe (its flags are checked against --help by
+        # deploy_test.py), one per local rank, on a shared hook directory as on its emptyDir.
+        with open(os.path.join(ROOT, "examples/launchers/pytorchjob.yaml")) as f:
+            recipe = yaml.safe_load(f)
+        pod = recipe["spec"]["pytorchReplicaSpecs"]["Master"]["template"]["spec"]
+        sidecar = next(c for c in pod["containers"] if c["name"] == "geofp8-worker")
+        self.assertIn("--token-file=/etc/geofp8/token/token", sidecar["args"])
+        tag = "geofp8-imagetest-attach-%d" % os.getpid()
+        tmp = tempfile.mkdtemp(prefix=tag + "-")
+        try:
+            dirs, (wspec, wc), address, ctl = self.start_coordinator(tag, tmp, ("hook", "a0", "a1"))
+            for i in range(2):
+                name = "%s-a%d" % (tag, i)
+                self.podman.start(
+                    name, run_args(self, wspec, wc, [
+                        (dirs["a%d" % i], "/var/lib/geofp8", False), token_mount(dirs),
+                        (dirs["hook"], "/run/geofp8", False)]),
+                    WORKER_IMAGE,
+                    chart_args(sidecar, {"--coordinator": address, "--name": "a%d" % i,
+                                         "--attach": "/run/geofp8/hook.%d.sock" % i,
+                                         "--data-dir": "/var/lib/geofp8",
+                                         "--metrics-host": "127.0.0.1", "--metrics-port": "0"},
+                               ["--ready-file=/var/lib/geofp8/ready.json"]))
+                wait_file(os.path.join(dirs["a%d" % i], "ready.json"), "attach-only worker %d"
+                          % i, name, self.podman)
+            job_id = self.submit(ctl, dirs, ATTACH_SPEC)
+
+            # torchrun as examples/launchers/torchrun.sh runs it, in a container of the worker
+            # image with the chart's user, read-only root and dropped capabilities.
+            trainer = tag + "-torchrun"
+            env = {"GEOFP8_JOB": "image-attach", "OMP_NUM_THREADS": "1",
+                   "GEOFP8_HOOK_ADDRESS": "unix:/run/geofp8/hook.{local_rank}.sock",
+                   "GEOFP8_TOKEN_FILE": "/etc/geofp8/token/token",
+                   "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}
+            self.podman.start(
+                trainer, run_args(self, wspec, wc, [token_mount(dirs),
+                                                    (dirs["hook"], "/run/geofp8", False)])
+                + [a for k, v in env.items() for a in ("--env", "%s=%s" % (k, v))]
+                + ["--entrypoint", "torchrun"],
+                WORKER_IMAGE,
+                ["--standalone", "--nproc-per-node", "2", "--max-restarts", "0",
+                 "/usr/share/geofp8/examples/pytorch/train_gpt.py", "--steps", "60",
+                 "--step-sleep", "0.1", "--layers", "1", "--d-model", "32", "--seq", "16",
+                 "--batch", "4", "--log-every", "10", "--eval-every", "0"])
+
+            def logs():
+                r = self.podman("logs", trainer, check=False)
+                return r.stdout + r.stderr
+
+            # (torchrun's output is read only for a failure's message: a podman call per poll
+            # would load the machine the test runs on.)
+            deadline = time.time() + 300
+            while True:
+                j = json.loads(ctl("-o", "json", "get", "job", job_id))
+                if int(j.get("progress", {}).get("step", -1)) >= 3:
+                    break
+                if (j.get("state") in ("succeeded", "failed", "cancelled")
+                        or time.time() > deadline):
+                    self.fail("job %s: %s before step 3\n%s\n%s"
+                              % (job_id, j.get("state"), j, logs()))
+                time.sleep(0.5)
+            self.assertEqual(j["state"], "running", j)
+            self.assertEqual({r["worker_id"] for r in j["ranks"]}, {"a0", "a1"}, j)
+            ctl("policy", "set", job_id, "--layer", "*", "--format", "nvfp4", "--reason",
+                "image test: nvfp4")
+            try:
+                code = self.podman("wait", trainer, timeout=300).stdout.strip()
+            except subprocess.TimeoutExpired:
+                self.fail("torchrun did not exit within 300 s of the policy set\n" + logs())
+            out = logs()
+            self.assertEqual(code, "0", out)
+            j = self.wait_final(ctl, job_id)
+            self.assertEqual(j.get("state"), "succeeded", (j, out))
+            self.assertEqual(int(j["policy_version"]), 2, j)
+            self.assertEqual(int(j["progress"]["step"]), 60, j)
+            taken = dict(re.findall(r"geofp8: rank (\d): policy v2 \(image test: nvfp4\) in "
+                                    r"force from step (\d+)", out))
+            self.assertEqual(set(taken), {"0", "1"}, out)
+            self.assertEqual(taken["0"], taken["1"], out)
+            # ... the step the coordinator records for v2.
+            v2 = json.loads(ctl("-o", "json", "policy", "get", job_id, "--version", "2"))
+            self.assertEqual(int(v2["taken_step"]), int(taken["0"]), (v2, out))
+            print(out[-3000:], flush=True)
         finally:
             self.podman.cleanup()
             shutil.rmtree(tmp, ignore_errors=True)
