@@ -634,7 +634,11 @@ struct Options {
   std::vector<int> levels = {1000, 2000, 5000, 10000};
   std::string coordinator;
   std::vector<std::string> coordinator_flags;
-  int threads = 2;
+  // Completion queues (a thread each) of the simulated fleet. Eight, as the coordinator's session
+  // queues: Debian's libgrpc checks every completion against its queue's outstanding tags, so two
+  // queues of 5,000 streams each made the simulator, not the coordinator, the bottleneck at 10,000
+  // workers (beats skipped because their stream's last write had not completed).
+  int threads = 8;
   int workers_per_channel = 100;
   double seconds = 10;
   double settle_seconds = 2;
