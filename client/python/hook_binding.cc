@@ -1,7 +1,8 @@
-// See hook_binding.h. Every blocking call releases the GIL; the client's own threads never take
-// it (HookClient calls back into nothing), so the binding adds no lock order.
-#include "client/python/hook_binding.h"
-
+// geofp8._geofp8.HookClient: the Python binding of worker/hook/hook_client.h (a `command:` job's
+// channel to the coordinator through its worker). geofp8.torch drives it; see docs/pytorch.md.
+// Every blocking call releases the GIL; the client's own threads never take it (HookClient calls
+// back into nothing), so the binding adds no lock order.
+#include <pybind11/pybind11.h>
 #include <pybind11/stl.h>
 
 #include <algorithm>
@@ -12,6 +13,7 @@
 #include <tuple>
 #include <vector>
 
+#include "client/python/bindings.h"
 #include "kernels/common/check.h"
 #include "platform/policy/policy.h"
 #include "worker/hook/hook_client.h"
