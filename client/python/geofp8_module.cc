@@ -6,8 +6,7 @@
 
 #include <string>
 
-#include "client/python/engine_binding.h"
-#include "client/python/hook_binding.h"
+#include "client/python/bindings.h"
 #include "kernels/common/check.h"
 #include "kernels/exchange/hook_session.h"
 #include "kernels/model/ops.h"
@@ -18,14 +17,16 @@ namespace py = pybind11;
 PYBIND11_MODULE(_geofp8, m) {
   m.doc() = "GeoFP8's exchange engine (kernels/exchange) for Python; see geofp8.torch.";
   // geofp8.Error: the message for the user; the C++ source location that raised it, for
-  // debugging, in its `where` attribute ("exchange_policy.cc:103"), never in the message.
+  // debugging, in its `where` attribute ("exchange_policy.cc:103"), never in the message. Every
+  // geofp8::Error becomes one, a submitted bucket's too (engine_binding.cc, PyError).
   static py::exception<geofp8::Error> error(m, "Error", PyExc_RuntimeError);
-  geofp8::python::g_error_type = error;
   py::register_exception_translator([](std::exception_ptr p) {
     try {
       if (p) std::rethrow_exception(p);
     } catch (const geofp8::Error& e) {
-      PyErr_SetObject(error.ptr(), geofp8::python::ErrorObject(e).ptr());
+      py::object instance = py::handle(error)(e.what());
+      instance.attr("where") = e.where();
+      PyErr_SetObject(error.ptr(), instance.ptr());
     }
   });
 

@@ -18,12 +18,21 @@
 
 namespace geofp8 {
 
+GradDtype GradDtypeNamed(std::string_view name) {
+  for (GradDtype d : {GradDtype::kFp32, GradDtype::kBf16, GradDtype::kFp16}) {
+    if (name == GradDtypeName(d)) return d;
+  }
+  GEOFP8_FAIL("gradient dtype: unknown value '", name, "' (accepted: float32, bfloat16, float16)");
+}
+
 const bool HookSession::kHasDevicePlane = GEOFP8_HOOK_SESSION_CUDA != 0;
 
 HookSession::HookSession(Store& store, const HookSessionOptions& o) : rank_(o.rank) {
-  GEOFP8_CHECK(o.timeout.count() > 0, "timeout: must be positive (", o.timeout.count(), " ms)");
+  // Whole milliseconds, the collectives' unit; NaN fails the comparison too.
+  GEOFP8_CHECK(o.timeout.count() >= 0.001, "timeout: must be > 0 seconds, at least 0.001 (",
+               o.timeout.count(), ")");
   EngineOptions eo;
-  eo.timeout = o.timeout;
+  eo.timeout = std::chrono::duration_cast<std::chrono::milliseconds>(o.timeout);
   eo.seed = o.seed;
   // A DDP bucket up to this size runs on the hook's thread as one group, with no pipeline
   // threads: DDP's first bucket (1 MiB) and small models' buckets, where thread handoffs cost
@@ -67,6 +76,11 @@ HookSession::HookSession(Store& store, const HookSessionOptions& o) : rank_(o.ra
     comm_ = CreateGlooCommunicator(store, o.rank, o.size, go);
   }
   engine_ = std::make_unique<ExchangeEngine>(*comm_, eo);
+}
+
+HookSession::HookSession(std::unique_ptr<Store> store, const HookSessionOptions& o)
+    : HookSession(*store, o) {
+  store_ = std::move(store);
 }
 
 HookSession::~HookSession() {

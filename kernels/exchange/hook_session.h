@@ -19,6 +19,7 @@
 #include <memory>
 #include <span>
 #include <string>
+#include <string_view>
 #include <utility>
 #include <vector>
 
@@ -41,9 +42,15 @@ struct HookSessionOptions {
   std::string backend = "gloo";
   int device = -1;                     // backend nccl: the CUDA device; -1: rank % devices visible
   std::string hostname = "127.0.0.1";  // backend gloo: the address the peers reach this rank on
-  std::chrono::milliseconds timeout{300000};  // the rendezvous and every collective; > 0
+  // The rendezvous and every collective's, in seconds as a binding passes it: at least 0.001,
+  // kept in whole milliseconds.
+  std::chrono::duration<double> timeout{300.0};
   uint64_t seed = 0;  // stochastic rounding streams and geometry cold starts
 };
+
+// The gradient dtype of one of torch's names ("float32", "bfloat16", "float16": GradDtypeName's);
+// any other is an error that lists them.
+GradDtype GradDtypeNamed(std::string_view name);
 
 // One bucket as a framework hands it over: one flat buffer holding some layers, float32, or
 // bfloat16/float16 on the host (read and written back in that dtype, grad_span.h).
@@ -65,6 +72,9 @@ class HookSession {
   // Connects rank options.rank of options.size through `store` (which must outlive the session)
   // and blocks until all have joined. Errors name the field (backend, device, timeout).
   HookSession(Store& store, const HookSessionOptions& options);
+  // The same over a store the session keeps until it has closed its communicator (a binding's
+  // store, which nothing else owns).
+  HookSession(std::unique_ptr<Store> store, const HookSessionOptions& options);
   // The engine's Stop, then its queue dropped: a bucket still queued is dropped with its Done
   // uncalled; one on the wire is stopped through the communicator.
   ~HookSession();
@@ -123,6 +133,7 @@ class HookSession {
   // host bucket. An event whose bucket is dropped unexchanged is released, never waited for.
   ExchangeEngine::Before AfterStream(const FlatBucket& bucket);
 
+  std::unique_ptr<Store> store_;  // the owning constructor's; destroyed after the communicator
   int rank_ = 0;
   std::unique_ptr<Communicator> comm_;     // gloo, or nccl for device memory
   std::unique_ptr<DeviceBackend> device_;  // backend nccl: the device plane's kernels

@@ -6,6 +6,7 @@
 #include <gtest/gtest.h>
 
 #include <atomic>
+#include <cmath>
 #include <cstdio>
 #include <functional>
 #include <memory>
@@ -200,13 +201,76 @@ TEST(HookSession, OptionsAreChecked) {
   EXPECT_EQ(ErrorOf([&] { HookSession s(store, o); }),
             "backend: unknown value 'mpi' (accepted: gloo, nccl)");
   o.backend = "gloo";
-  o.timeout = std::chrono::milliseconds(0);
-  EXPECT_EQ(ErrorOf([&] { HookSession s(store, o); }), "timeout: must be positive (0 ms)");
+  for (double bad : {0.0, -1.0, 0.0004, std::nan("")}) {
+    o.timeout = std::chrono::duration<double>(bad);
+    EXPECT_EQ(ErrorOf([&] { HookSession s(store, o); }).rfind("timeout: must be > 0 seconds", 0),
+              0u)
+        << bad;
+  }
   // nccl: refused by name in a build without the device plane, or on a machine without a GPU.
   o.timeout = std::chrono::milliseconds(1000);
   o.backend = "nccl";
   if (!HookSession::kHasDevicePlane) {
     EXPECT_EQ(ErrorOf([&] { HookSession s(store, o); }).rfind("device: CUDA tensors need", 0), 0u);
+  }
+}
+
+// A rank's own store over the ranks' shared one, which says when it goes.
+class KeptStore final : public Store {
+ public:
+  KeptStore(Store& shared, std::atomic<int>& gone) : shared_(shared), gone_(gone) {}
+  ~KeptStore() override { ++gone_; }
+  void Set(const std::string& k, const std::vector<uint8_t>& v) override { shared_.Set(k, v); }
+  std::vector<uint8_t> Get(const std::string& k, std::chrono::milliseconds t) override {
+    return shared_.Get(k, t);
+  }
+  void Wait(const std::vector<std::string>& k, std::chrono::milliseconds t) override {
+    shared_.Wait(k, t);
+  }
+  int64_t Add(const std::string& k, int64_t d) override { return shared_.Add(k, d); }
+
+ private:
+  Store& shared_;
+  std::atomic<int>& gone_;
+};
+
+TEST(HookSession, AnOwnedStoreLivesAsLongAsTheSession) {
+  MemoryStore shared;
+  std::atomic<int> gone{0};
+  std::vector<std::string> errors(2);
+  std::vector<std::thread> threads;
+  for (int r = 0; r < 2; ++r) {
+    threads.emplace_back([&, r] {
+      try {
+        HookSessionOptions o;
+        o.rank = r;
+        o.size = 2;
+        auto s = std::make_unique<HookSession>(std::make_unique<KeptStore>(shared, gone), o);
+        s->SetLayers(kNames, kShapes);
+        s->SetPolicy(Fp32Policy());
+        Buffer buf(r);
+        s->Exchange(1, buf.Bucket());
+        buf.ExpectAveraged();
+        EXPECT_EQ(gone.load(), 0);
+        s->engine().AgreeMin(1);  // neither rank's session goes before both have exchanged
+        s.reset();
+      } catch (const std::exception& e) {
+        errors[r] = e.what();
+      }
+    });
+  }
+  for (auto& t : threads) t.join();
+  EXPECT_EQ(JoinErrors(errors), "");
+  EXPECT_EQ(gone.load(), 2);
+}
+
+TEST(HookSession, GradientDtypesByTorchsNames) {
+  for (GradDtype d : {GradDtype::kFp32, GradDtype::kBf16, GradDtype::kFp16}) {
+    EXPECT_EQ(GradDtypeNamed(GradDtypeName(d)), d) << GradDtypeName(d);
+  }
+  for (std::string bad : {"float64", "", "Float32", "bf16"}) {
+    EXPECT_EQ(ErrorOf([&] { GradDtypeNamed(bad); }),
+              "gradient dtype: unknown value '" + bad + "' (accepted: float32, bfloat16, float16)");
   }
 }
 

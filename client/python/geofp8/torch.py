@@ -191,6 +191,18 @@ def _checked_options(synchronous, summary_every, blas_threads, coordinator):
     return synchronous
 
 
+def _state_store(store):
+    """A new state's own store: `store` (default: torch's c10d store) under the prefix
+    "geofp8/hook/<n>/", n counting the states made in this process (the same on every rank).
+    torchrun's restarts keep its store: each restart's keys apart (a restarted rank would
+    otherwise find the addresses the last one published)."""
+    global _states_created
+    base = store if store is not None else dist.distributed_c10d._get_default_store()
+    prefixed = dist.PrefixStore("geofp8/hook/%s%d/" % (_restart_prefix(), _states_created), base)
+    _states_created += 1
+    return prefixed
+
+
 class GeoFP8State:
     """The hook's state: the engine (communicator, per-layer policy, geometry) and the step.
     model: the module DDP wraps (or the DDP module), whose named_parameters() name the layers;
@@ -206,7 +218,6 @@ class GeoFP8State:
                  timeout_s=None, store=None, hostname=None, model_name=None,
                  coordinator=None, summary_every=None, attach_timeout_s=60.0, blas_threads=None,
                  synchronous=None, trace_buckets=False):
-        global _states_created
         model, self.names, shapes, self._index, self.device = _model_layers(model)
         if not dist.is_initialized():
             raise RuntimeError("process_group: torch.distributed is not initialized "
@@ -225,11 +236,7 @@ class GeoFP8State:
         self._job = None if coordinator is False else _job.JobLink.attach(
             coordinator is True, rank, size, self.names, shapes, self.model_name,
             float(attach_timeout_s))
-        base = store if store is not None else dist.distributed_c10d._get_default_store()
-        # torchrun's restarts keep its store: each restart's keys apart (a restarted rank would
-        # otherwise find the addresses the last one published).
-        store = dist.PrefixStore("geofp8/hook/%s%d/" % (_restart_prefix(), _states_created), base)
-        _states_created += 1
+        store = _state_store(store)
         # CUDA parameters: the NCCL communicator and the CUDA codec kernels, on that device.
         self._engine = _geofp8.Engine(
             store, rank, size, hostname or _local_hostname(),
