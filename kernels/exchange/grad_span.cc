@@ -29,6 +29,13 @@ std::string GradDtypeName(GradDtype dtype) {
   return "unknown";
 }
 
+GradDtype GradDtypeNamed(std::string_view name) {
+  for (GradDtype d : {GradDtype::kFp32, GradDtype::kBf16, GradDtype::kFp16}) {
+    if (name == GradDtypeName(d)) return d;
+  }
+  GEOFP8_FAIL("gradient dtype: unknown value '", name, "' (accepted: float32, bfloat16, float16)");
+}
+
 namespace {
 
 // As Divide (data_plane.cc): a power-of-two divisor multiplies by its exact reciprocal, which

@@ -7,6 +7,7 @@
 #include <cstring>
 #include <span>
 #include <string>
+#include <string_view>
 #include <type_traits>
 #include <vector>
 
@@ -24,6 +25,8 @@ enum class GradDtype : uint8_t {
 
 // "float32", "bfloat16", "float16" (torch's names); "unknown" for anything else.
 std::string GradDtypeName(GradDtype dtype);
+// The dtype GradDtypeName names; any other name is an error that lists them.
+GradDtype GradDtypeNamed(std::string_view name);
 
 // binary16 -> float, exactly. A NaN stays NaN, quieted, with its payload (as F16C's VCVTPH2PS).
 GEOFP8_HD float HalfToFloat(uint16_t h) {

@@ -18,13 +18,6 @@
 
 namespace geofp8 {
 
-GradDtype GradDtypeNamed(std::string_view name) {
-  for (GradDtype d : {GradDtype::kFp32, GradDtype::kBf16, GradDtype::kFp16}) {
-    if (name == GradDtypeName(d)) return d;
-  }
-  GEOFP8_FAIL("gradient dtype: unknown value '", name, "' (accepted: float32, bfloat16, float16)");
-}
-
 const bool HookSession::kHasDevicePlane = GEOFP8_HOOK_SESSION_CUDA != 0;
 
 HookSession::HookSession(Store& store, const HookSessionOptions& o) : rank_(o.rank) {

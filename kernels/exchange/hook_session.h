@@ -19,7 +19,6 @@
 #include <memory>
 #include <span>
 #include <string>
-#include <string_view>
 #include <utility>
 #include <vector>
 
@@ -47,10 +46,6 @@ struct HookSessionOptions {
   std::chrono::duration<double> timeout{300.0};
   uint64_t seed = 0;  // stochastic rounding streams and geometry cold starts
 };
-
-// The gradient dtype of one of torch's names ("float32", "bfloat16", "float16": GradDtypeName's);
-// any other is an error that lists them.
-GradDtype GradDtypeNamed(std::string_view name);
 
 // One bucket as a framework hands it over: one flat buffer holding some layers, float32, or
 // bfloat16/float16 on the host (read and written back in that dtype, grad_span.h).

@@ -175,11 +175,14 @@ struct Op {
 // QueuedSink starts one write at a time and the Finish once its queue has drained.
 class SessionCall final : public StreamWriter {
  public:
-  SessionCall(SessionServer::Shared* s, grpc::ServerCompletionQueue* cq)
-      : s_(s), cq_(cq), stream_(&ctx_) {
-    ctx_.AsyncNotifyWhenDone(&done_op_);
-    pending_ = 1;  // the request; the done tag comes only for a call that started
-    s_->service->RequestSession(&ctx_, &stream_, cq_, cq_, &request_op_);
+  // Requests a new call on `cq` unless the server is stopping.
+  static void Request(SessionServer::Shared* s, grpc::ServerCompletionQueue* cq) {
+    {
+      std::lock_guard<std::mutex> lock(s->mu);
+      if (s->stopping) return;
+      ++s->open;
+    }
+    new SessionCall(s, cq);
   }
 
   // On the queue's thread: an operation of this call completed.
@@ -210,6 +213,13 @@ class SessionCall final : public StreamWriter {
   void Cancel() override { ctx_.TryCancel(); }
 
  private:
+  SessionCall(SessionServer::Shared* s, grpc::ServerCompletionQueue* cq)
+      : s_(s), cq_(cq), stream_(&ctx_) {
+    ctx_.AsyncNotifyWhenDone(&done_op_);
+    pending_ = 1;  // the request; the done tag comes only for a call that started
+    s_->service->RequestSession(&ctx_, &stream_, cq_, cq_, &request_op_);
+  }
+
   void Accepted(bool ok) {
     if (!ok) return;  // the server is shutting down: the call never started
     Acquire(false);   // the done tag
@@ -344,18 +354,6 @@ class SessionCall final : public StreamWriter {
     delete this;
   }
 
- public:
-  // Requests a new call on `cq` unless the server is stopping.
-  static void Request(SessionServer::Shared* s, grpc::ServerCompletionQueue* cq) {
-    {
-      std::lock_guard<std::mutex> lock(s->mu);
-      if (s->stopping) return;
-      ++s->open;
-    }
-    new SessionCall(s, cq);
-  }
-
- private:
   static void Retire(SessionServer::Shared* s) {
     std::lock_guard<std::mutex> lock(s->mu);
     if (--s->open == 0) s->idle.notify_all();
