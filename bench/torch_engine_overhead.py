@@ -56,7 +56,7 @@ def entry(rank, world, store, args):
         x = grad.clone()
         dist.barrier()
         t0 = time.perf_counter()
-        result = state._engine.exchange(it, layers, x.numpy(), offsets)
+        result = state._engine.exchange(it, layers, x, offsets)
         t_eng.append(time.perf_counter() - t0)
     if rank == 0:
         print("policy %s, %d layers, %d floats: fp32 all-reduce median %.2f ms (min %.2f); "

@@ -1,6 +1,6 @@
 // geofp8._geofp8.Engine: the exchange engine of one process group (kernels/exchange/hook_session.h)
 // for Python, as geofp8.torch's DDP comm hook and FSDP2 reduce-scatter drive it. Conversion only:
-// the store, buffers, results and callbacks between Python and the session, whose policies the
+// the store, tensors, results and callbacks between Python and the session, whose policies the
 // policy library builds (platform/policy/exchange_policy.h).
 //
 // The GIL: every call into the Python store takes it; the rendezvous, the exchange and every
@@ -152,31 +152,22 @@ ExchangeEngine::Done Callback(py::function done, py::object buffer) {
   };
 }
 
-// A host buffer of `dtype` (GradDtypeNamed) as one contiguous 1-D gradient span: 4-byte floats
-// for float32, else 2-byte items (numpy has no bfloat16, so torch's is viewed as int16).
-GradSpan HostSpan(py::buffer& buffer, const std::string& dtype, const char* what) {
-  const py::buffer_info info = buffer.request(/*writable=*/true);
-  const GradDtype d = GradDtypeNamed(dtype);
-  const char f = info.format.empty() ? ' ' : info.format.back();
-  const bool fits = d == GradDtype::kFp32
-                        ? info.itemsize == 4 && f == 'f'
-                        : info.itemsize == 2 && (f == 'e' || f == 'h' || f == 'H');
-  GEOFP8_CHECK(fits, "gradient dtype: ", dtype, " needs a ",
-               d == GradDtype::kFp32 ? "float32 buffer" : "buffer of 2-byte items",
-               " (buffer format '", info.format, "')");
-  GEOFP8_CHECK(info.ndim == 1 && info.strides[0] == info.itemsize, what,
-               ": must be one contiguous 1-D array");
-  return GradSpan(info.ptr, static_cast<size_t>(info.shape[0]), d);
+// A torch tensor (anything with its data_ptr(), numel(), dtype, is_cuda and is_contiguous()) as
+// one flat gradient span: float32, bfloat16 or float16, host or CUDA memory.
+GradSpan SpanOf(const py::handle& t, const char* what, bool* cuda = nullptr) {
+  GEOFP8_CHECK(t.attr("is_contiguous")().cast<bool>(), what, ": must be contiguous");
+  std::string dtype = py::str(t.attr("dtype"));
+  if (dtype.starts_with("torch.")) dtype.erase(0, 6);
+  if (cuda) *cuda = t.attr("is_cuda").cast<bool>();
+  return GradSpan(reinterpret_cast<void*>(t.attr("data_ptr")().cast<uintptr_t>()),
+                  t.attr("numel")().cast<size_t>(), GradDtypeNamed(dtype));
 }
-FlatBucket HostBucket(Layers layers, py::buffer& buffer, Offsets offsets, const std::string& d) {
-  return FlatBucket{std::move(layers), HostSpan(buffer, d, "gradient buffer"), std::move(offsets)};
-}
-// A CUDA bucket: numel floats of device memory at `ptr`, after the work queued on `stream`.
-FlatBucket DeviceBucket(Layers layers, uintptr_t ptr, int64_t numel, Offsets offsets,
-                        uintptr_t stream) {
-  GEOFP8_CHECK(numel >= 0, "exchange: numel must be >= 0 (", numel, ")");
-  GradSpan data(reinterpret_cast<void*>(ptr), static_cast<size_t>(numel), GradDtype::kFp32);
-  return FlatBucket{std::move(layers), data, std::move(offsets), /*on_device=*/true, stream};
+// A bucket over tensor `t`; a CUDA one's exchange follows the work queued on `stream` by now.
+FlatBucket BucketOf(Layers layers, const py::handle& t, Offsets offsets, uintptr_t stream) {
+  FlatBucket b{std::move(layers), {}, std::move(offsets)};
+  b.data = SpanOf(t, "gradient buffer", &b.on_device);
+  b.stream = stream;
+  return b;
 }
 
 // The methods of geofp8.Engine that convert more than their arguments; documented where BindEngine
@@ -190,39 +181,25 @@ Engine Connect(py::object store, int rank, int size, std::string hostname, doubl
   return Released([&] { return Engine(new HookSession(std::move(py_store), o)); });
 }
 
-py::dict Run(HookSession& s, uint64_t step, const FlatBucket& b) {
+py::dict Exchange(HookSession& s, uint64_t step, Layers layers, py::object grads, Offsets offsets,
+                  uintptr_t stream) {
+  const FlatBucket b = BucketOf(std::move(layers), grads, std::move(offsets), stream);
   std::chrono::steady_clock::time_point started;
   py::dict d = ResultDict(Released([&] { return s.Exchange(step, b, &started); }));
   d["started"] = SteadySeconds(started);
   return d;
 }
-py::dict Exchange(HookSession& s, uint64_t step, Layers layers, py::buffer buffer, Offsets offsets,
-                  const std::string& dtype) {
-  return Run(s, step, HostBucket(std::move(layers), buffer, std::move(offsets), dtype));
-}
-py::dict ExchangeCuda(HookSession& s, uint64_t step, Layers layers, uintptr_t ptr, int64_t numel,
-                      Offsets offsets, uintptr_t stream) {
-  return Run(s, step, DeviceBucket(std::move(layers), ptr, numel, std::move(offsets), stream));
-}
-void Submit(HookSession& s, uint64_t step, Layers layers, py::buffer buffer, Offsets offsets,
-            py::function done, const std::string& dtype) {
-  const FlatBucket b = HostBucket(std::move(layers), buffer, std::move(offsets), dtype);
-  ExchangeEngine::Done callback = Callback(std::move(done), std::move(buffer));
+void Submit(HookSession& s, uint64_t step, Layers layers, py::object grads, Offsets offsets,
+            py::function done, uintptr_t stream) {
+  const FlatBucket b = BucketOf(std::move(layers), grads, std::move(offsets), stream);
+  ExchangeEngine::Done callback = Callback(std::move(done), std::move(grads));
   Released([&] { s.Submit(step, b, std::move(callback)); });
 }
-void SubmitCuda(HookSession& s, uint64_t step, Layers layers, uintptr_t ptr, int64_t numel,
-                Offsets offsets, uintptr_t stream, py::function done) {
-  const FlatBucket b = DeviceBucket(std::move(layers), ptr, numel, std::move(offsets), stream);
-  ExchangeEngine::Done callback = Callback(std::move(done), py::object());
-  Released([&] { s.Submit(step, b, std::move(callback)); });
-}
-py::dict ReduceScatter(HookSession& s, uint64_t step, Layers layers, py::buffer buffer,
-                       Offsets offsets, py::buffer out, const Offsets& out_offsets,
-                       const std::string& dtype) {
-  const FlatBucket b = HostBucket(std::move(layers), buffer, std::move(offsets), dtype);
-  // float32 rows, or rows of the gradients' own dtype.
-  const GradSpan o =
-      HostSpan(out, out.request().itemsize == 4 ? "float32" : dtype, "reduce-scatter output");
+py::dict ReduceScatter(HookSession& s, uint64_t step, Layers layers, py::object grads,
+                       Offsets offsets, py::object out, const Offsets& out_offsets,
+                       uintptr_t stream) {
+  const FlatBucket b = BucketOf(std::move(layers), grads, std::move(offsets), stream);
+  const GradSpan o = SpanOf(out, "reduce-scatter output");
   return ResultDict(Released([&] { return s.ReduceScatter(step, b, o, out_offsets); }));
 }
 
@@ -328,16 +305,17 @@ void BindEngine(py::module_& m) {
            py::arg("model") = "model", "set_policy's checks without applying it.")
       .def("agree_min", &AgreeMin, nogil, py::arg("value"), py::arg("stream") = 0,
            "The minimum of `value` over the ranks (one small collective); `stream` is unused.")
-      .def("reduce_scatter", &ReduceScatter, py::arg("step"), py::arg("layers"), py::arg("buffer"),
-           py::arg("offsets"), py::arg("out"), py::arg("out_offsets"), py::arg("dtype") = "float32",
-           "exchange() whose average's rows of this rank (FSDP's chunk) go to out (float32 or "
-           "dtype); clobbers buffer.")
-      .def("exchange", &Exchange, py::arg("step"), py::arg("layers"), py::arg("buffer"),
-           py::arg("offsets"), py::arg("dtype") = "float32",
-           "Averages layers[i] at buffer[offsets[i]..] over the ranks in place; dtype float32, "
-           "bfloat16 or float16 (2-byte ones viewed as int16), read and written back in it.")
-      .def("submit", &Submit, py::arg("step"), py::arg("layers"), py::arg("buffer"),
-           py::arg("offsets"), py::arg("done"), py::arg("dtype") = "float32",
+      .def("reduce_scatter", &ReduceScatter, py::arg("step"), py::arg("layers"), py::arg("grads"),
+           py::arg("offsets"), py::arg("out"), py::arg("out_offsets"), py::arg("stream") = 0,
+           "exchange() whose average's rows of this rank (FSDP's chunk) go to tensor out (float32 "
+           "or grads' dtype); clobbers grads.")
+      .def("exchange", &Exchange, py::arg("step"), py::arg("layers"), py::arg("grads"),
+           py::arg("offsets"), py::arg("stream") = 0,
+           "Averages layers[i] at grads[offsets[i]..] over the ranks in place: one contiguous "
+           "float32, bfloat16 or float16 tensor, read and written back in its dtype; a CUDA one "
+           "after the work queued on `stream` (torch's cuda_stream) by now.")
+      .def("submit", &Submit, py::arg("step"), py::arg("layers"), py::arg("grads"),
+           py::arg("offsets"), py::arg("done"), py::arg("stream") = 0,
            "exchange() on the engine's thread, in order; then done(result, error) with the GIL.")
       .def("drain", &Drain, nogil, py::arg("forget_errors") = true,
            "Waits for every submitted bucket's callback; forget_errors: not raised again.")
@@ -345,12 +323,6 @@ void BindEngine(py::module_& m) {
            "From any thread: this exchange and every later one raise `reason`; False: cannot.")
       .def_property_readonly("in_flight", &InFlight,
                              "Buckets submitted whose callback has not yet returned.")
-      .def("exchange_cuda", &ExchangeCuda, py::arg("step"), py::arg("layers"), py::arg("ptr"),
-           py::arg("numel"), py::arg("offsets"), py::arg("stream"),
-           "exchange() of a CUDA bucket, after the work queued on `stream`.")
-      .def("submit_cuda", &SubmitCuda, py::arg("step"), py::arg("layers"), py::arg("ptr"),
-           py::arg("numel"), py::arg("offsets"), py::arg("stream"), py::arg("done"),
-           "submit() of a CUDA bucket.")
       .def("export_geometry", &ExportGeometry,
            "Every layer's geometry state: (active, pending, pending_from, sketch).")
       .def("import_geometry", &ImportGeometry, py::arg("state"),

@@ -476,8 +476,11 @@ TEST(ExamplePolicies, EveryFileResolvesAndTheSparseSketchesKeepTheMemoryInSteps)
     EXPECT_NEAR(eo.sketch.beta, std::pow(0.9, interval), 1e-6) << name;
     const auto schedule = MakeRefreshSchedule(plan, 2);
     ASSERT_EQ(schedule.size(), params.size());
-    for (size_t i = 0; i < params.size(); ++i)
-      if (params[i].is_matrix()) EXPECT_EQ(schedule[i].interval, interval) << params[i].name;
+    for (size_t i = 0; i < params.size(); ++i) {
+      if (params[i].is_matrix()) {
+        EXPECT_EQ(schedule[i].interval, interval) << params[i].name;
+      }
+    }
   }
 }
 

@@ -133,13 +133,37 @@ def work(rank, world):
            "policy.default.scaling", "diagonal")
     expect(failures, "set_policy past step", lambda: state.set_policy("fp32", -1),
            "effective_step")
-    # The engine's CUDA entry points on a CPU (gloo) engine, in any build.
-    expect(failures, "exchange_cuda, gloo engine",
-           lambda: state._engine.exchange_cuda(0, [0], 0, 16, [0], 0),
+    # What the engine reads of a tensor: its data_ptr(), numel(), dtype, is_cuda and contiguity.
+    # A CUDA tensor on a CPU (gloo) engine, in any build, with an object that says it is one.
+    class CudaLike:
+        dtype, is_cuda = torch.float32, True
+
+        def is_contiguous(self):
+            return True
+
+        def data_ptr(self):
+            return 0
+
+        def numel(self):
+            return 16
+
+    expect(failures, "exchange of a CUDA tensor, gloo engine",
+           lambda: state._engine.exchange(0, [0], CudaLike(), [0], 1),
            "device", "runs on CPU tensors (backend gloo)", "backend 'nccl'")
-    expect(failures, "submit_cuda, gloo engine",
-           lambda: state._engine.submit_cuda(0, [0], 0, 16, [0], 0, lambda r, e: None),
+    expect(failures, "submit of a CUDA tensor, gloo engine",
+           lambda: state._engine.submit(0, [0], CudaLike(), [0], lambda r, e: None, 1),
            "device", "runs on CPU tensors (backend gloo)", "backend 'nccl'")
+    n = sum(p.numel() for p in model.parameters())
+    expect(failures, "exchange of float64",
+           lambda: state._engine.exchange(0, [0], torch.zeros(n, dtype=torch.float64), [0]),
+           "gradient dtype", "'float64'", "float32, bfloat16, float16")
+    expect(failures, "exchange of a strided tensor",
+           lambda: state._engine.exchange(0, [0], torch.zeros(2 * n)[::2], [0]),
+           "gradient buffer", "must be contiguous")
+    expect(failures, "reduce_scatter into a strided tensor",
+           lambda: state._engine.reduce_scatter(0, [0], torch.zeros(n), [0],
+                                                torch.zeros(2 * n)[::2], [0]),
+           "reduce-scatter output", "must be contiguous")
     sd = state.state_dict()
     sd2 = dict(sd, names=sd["names"][:-1])
     expect(failures, "state of another model", lambda: state.load_state_dict(sd2), "state.names")

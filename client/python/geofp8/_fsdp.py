@@ -182,9 +182,8 @@ class _GeoFP8ReduceScatter:
         if full.device.type == "cuda":
             # The reduce-scatter stream FSDP calls this on orders the work after the copies.
             # (The device plane has no reduce-scatter mode yet: an all-reduce, own rows kept.)
-            stream = torch.cuda.current_stream(full.device).cuda_stream
-            result = state._engine.exchange_cuda(state.step, lay.layers, full.data_ptr(),
-                                                 full.numel(), lay.full_offsets, stream)
+            result = state._engine.exchange(state.step, lay.layers, full, lay.full_offsets,
+                                            _gt._stream(full))
             _gt._account(state, result, full, lay.layers, lay.full_offsets, lay.sizes, exact,
                          input_tensor.element_size())
             for o, fo, q in zip(lay.row_offsets, lay.full_offsets, lay.chunks):
@@ -202,9 +201,8 @@ class _GeoFP8ReduceScatter:
                 state._fsdp_rows = torch.zeros(lay.row, dtype=rows_dtype)
             mine = state._fsdp_rows[:lay.row]
             mine.zero_()
-            result = state._engine.reduce_scatter(state.step, lay.layers, _gt._host_buffer(full),
-                                                  lay.full_offsets, _gt._host_buffer(mine),
-                                                  lay.row_offsets, dtype=_gt._DTYPE_NAMES[dtype])
+            result = state._engine.reduce_scatter(state.step, lay.layers, full, lay.full_offsets,
+                                                  mine, lay.row_offsets)
             own = [max(0, min(q, n - rank * q)) for n, q in zip(lay.sizes, lay.chunks)]
             if exact is not None and not result["skipped"]:
                 rows_exact = torch.zeros(lay.row, dtype=torch.float32)

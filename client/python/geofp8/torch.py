@@ -69,14 +69,13 @@ def _script_name():
 # rounded to the bucket's dtype (no fp32 copy of the bucket). A CUDA one is still exchanged through
 # an fp32 copy (the device plane takes fp32) and written back in its dtype.
 _GRAD_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
-_DTYPE_NAMES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
 _TORCH_MAJOR = int(torch.__version__.split(".")[0])
 
 
-def _host_buffer(t):
-    """A CPU tensor as the engine's buffer argument: its numpy() view, a bfloat16 or float16 one
-    viewed as int16 (numpy has no bfloat16; the engine is told the dtype)."""
-    return t.numpy() if t.dtype == torch.float32 else t.view(torch.int16).numpy()
+def _stream(t):
+    """The engine's `stream` argument for tensor t: torch's current CUDA stream as an integer, whose
+    work queued by now (the backward kernels that wrote t) the exchange follows; 0 on CPU."""
+    return torch.cuda.current_stream(t.device).cuda_stream if t.device.type == "cuda" else 0
 
 
 def _check_parameter(name, p, first, device):
@@ -702,15 +701,8 @@ def geofp8_hook(state, bucket):
             fut.set_result(out)
 
         record = {"step": step, "bucket": index, "called": called}
-        if buf.device.type == "cuda":
-            # Device pointer and torch's current stream as integers: the engine's stream waits
-            # for the backward kernels queued by now, and `done` keeps the bucket alive.
-            stream = torch.cuda.current_stream(buf.device).cuda_stream
-            state._engine.submit_cuda(step, layers, buf.data_ptr(), buf.numel(), offsets, stream,
-                                      done)
-        else:
-            state._engine.submit(step, layers, _host_buffer(buf), offsets, done,
-                                 dtype=_DTYPE_NAMES[buf.dtype])
+        # `done` keeps the bucket alive until the engine is done with it.
+        state._engine.submit(step, layers, buf, offsets, done, _stream(buf))
         _end_bucket(state, bucket)
         # DDP reads the Future from C++, where set_exception's value would be a failed cast to
         # Tensor: the chained Future turns it into a real error, which backward() raises.
@@ -719,15 +711,7 @@ def geofp8_hook(state, bucket):
         return chained
     started = time.monotonic()
     try:
-        if buf.device.type == "cuda":
-            # Device pointers and torch's current stream as integers: the work is ordered after
-            # the backward kernels that wrote the bucket, and done when this returns.
-            stream = torch.cuda.current_stream(buf.device).cuda_stream
-            result = state._engine.exchange_cuda(step, layers, buf.data_ptr(), buf.numel(),
-                                                 offsets, stream)
-        else:
-            result = state._engine.exchange(step, layers, _host_buffer(buf), offsets,
-                                            dtype=_DTYPE_NAMES[buf.dtype])
+        result = state._engine.exchange(step, layers, buf, offsets, _stream(buf))
     except Exception as e:
         if watch.error:
             raise RuntimeError(watch.error) from e
