@@ -105,6 +105,61 @@ def checkpoint_dict(model, opt, state, gen, rank):
     return sd
 
 
+def timing(state, first, end, world, rank):
+    """The 'timing:' line of --timing, over steps [first, end): the GeoFP8 reduce-scatters' time
+    per step, split at the moment the last rank called (what a rank waited for a slower one,
+    which FSDP2's own reduce-scatter waits too, and what the exchange took after it), and an fp32
+    reduce-scatter of the same tensors in this run, each call after a barrier. The split compares
+    time.monotonic() across processes, so the ranks must share a host."""
+    import statistics
+    calls = [r for r in state.bucket_trace if first <= r["step"] < end]
+    if not calls:
+        raise SystemExit("--timing: no reduce-scatter after the warm-up steps (steps %d to %d); "
+                         "run at least 3 steps" % (first, end - 1))
+    every = [None] * world
+    dist.all_gather_object(every, [(r["started"], r["finished"]) for r in calls])
+    steps = max(1, end - first)
+    waited = after = 0.0
+    for k, (started, finished) in enumerate(every[rank]):
+        last = max(e[k][0] for e in every)
+        waited += last - started
+        after += finished - last
+    # The baseline: the last step's reduce-scatters again, fp32, FSDP's sizes, 5 times.
+    sizes = [r["numel"] for r in calls if r["step"] == end - 1]
+    # What the baseline puts on the wire, where the interface is known (bench/fsdp_netem.sh).
+    tx_path = "/sys/class/net/%s/statistics/tx_bytes" % os.environ.get("GLOO_SOCKET_IFNAME", "-")
+    tx = (lambda: int(open(tx_path).read())) if os.path.exists(tx_path) else (lambda: 0)
+    tx0 = tx()
+    reps = []
+    for _ in range(5):
+        total = 0.0
+        for n in sizes:
+            x, out = torch.randn(n), torch.empty(n // world)
+            dist.barrier()
+            t0 = time.perf_counter()
+            dist.reduce_scatter_tensor(out, x)
+            total += time.perf_counter() - t0
+        reps.append(total)
+    fp32 = statistics.median(reps)
+    # Sent per step by the baseline, against an fp32 reduce-scatter's 4 (N-1)/N bytes per element.
+    sent = (tx() - tx0) / 5 / max(1, 4 * (world - 1) / world * sum(sizes))
+    row = torch.tensor([waited / steps, after / steps, fp32, sent], dtype=torch.float64)
+    dist.all_reduce(row)
+    waited, after, fp32, sent = (row / world).tolist()
+    # A reduce-scatter's bytes at the link's rate as the baseline met it (gloo's fp32
+    # reduce-scatter sends about twice those bytes: `sent`); GeoFP8's share of those bytes.
+    rs = fp32 / sent if sent > 0 else fp32
+    ratio = state.stats["bytes_sent"] / max(1, state.stats["bytes_baseline"])
+    beyond = after - ratio * rs
+    if rank == 0:
+        print("timing: GeoFP8 exchange %.3f s/step: %.3f waiting for the last rank to call, %.3f "
+              "after it; fp32 reduce-scatter of the same tensors %.3f s/step (median of 5, this "
+              "run), %.2fx a reduce-scatter's bytes on the wire, so a reduce-scatter's bytes take "
+              "%.3f s; GeoFP8 sends %.3f of those bytes; beyond them: %.3f s/step, %.3f of a "
+              "reduce-scatter" % (waited + after, waited, after, fp32, sent, rs, ratio, beyond,
+                                  beyond / rs), flush=True)
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--policy", default="geofp8",
@@ -137,6 +192,10 @@ def main():
                          "(default: GEOFP8_CHECKPOINT_DIR under a GeoFP8 job; every rank must "
                          "see the same directory); a restarted job resumes from the last one")
     ap.add_argument("--checkpoint-dir", default=None)
+    ap.add_argument("--timing", action="store_true",
+                    help="time each GeoFP8 reduce-scatter (all ranks on one host: their clocks "
+                         "agree), and an fp32 reduce-scatter of the same tensors after training; "
+                         "prints a 'timing:' line (bench/fsdp_netem.sh)")
     ap.add_argument("--step-sleep", type=float, default=0.0,
                     help="seconds to sleep per step (tests: time to act mid-run)")
     args = ap.parse_args()
@@ -172,7 +231,8 @@ def main():
     if args.policy != "native":
         import geofp8.torch
         state = geofp8.torch.compress_fsdp(model, policy=args.policy, seed=args.seed,
-                                           summary_every=args.summary_every)
+                                           summary_every=args.summary_every,
+                                           trace_buckets=args.timing)
     params = sum(p.numel() for p in model.parameters())
     if rank == 0:
         print("llama: %d layers, d_model %d, %.2fM parameters, %d ranks, reduce %s, policy %s"
@@ -235,6 +295,8 @@ def main():
                                                              state.stats["bytes_baseline"])
                                         if state is not None and state.stats["bytes_baseline"]
                                         else "fp32 (FSDP2's own)"), flush=True)
+    if args.timing and state is not None:
+        timing(state, first + 2, args.steps, world, rank)
     if state is not None:
         state.close()
     dist.destroy_process_group()

@@ -180,9 +180,19 @@ def _bounded_shards(rank, world):
     import geofp8.torch as gt
     failures = []
     model = _shard(Net.make())
-    state = gt.compress_fsdp(model, policy="fp8")
+    state = gt.compress_fsdp(model, policy="fp8", trace_buckets=True)
     x, y = L.batch(rank, 0)
     torch.nn.functional.mse_loss(model(x), y).backward()
+    # trace_buckets: one record per FSDP module's reduce-scatter, as examples/pytorch/train_fsdp.py
+    # --timing reads them.
+    trace = state.bucket_trace
+    names = [r["module"] for r in trace]
+    if not trace or len(set(names)) != len(names):
+        failures.append("bucket_trace: not one record per module: %s" % names)
+    for r in trace:
+        if not (r["step"] == 0 and r["started"] <= r["finished"] and r["bytes_sent"] > 0
+                and r["numel"] > 0 and r["numel"] % world == 0 and not r["skipped"]):
+            failures.append("bucket_trace: record %s" % r)
     ref = _shard(Net.make())
     torch.nn.functional.mse_loss(ref(x), y).backward()
     for (name, p), q in zip(model.named_parameters(), ref.parameters()):

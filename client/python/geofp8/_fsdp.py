@@ -22,6 +22,7 @@ shard).
 """
 
 import math
+import time
 
 import torch
 import torch.distributed as dist
@@ -125,6 +126,15 @@ class _GeoFP8ReduceScatter:
             hit = self.layouts[key] = _Layout(self.state, params, world)
         return hit
 
+    def _note(self, started, result, input_tensor):
+        """trace_buckets=True: one record per reduce-scatter in state.bucket_trace."""
+        if self.state.bucket_trace is not None:
+            self.state.bucket_trace.append({
+                "step": self.state.step, "module": self.module_name,
+                "numel": input_tensor.numel(), "element_size": input_tensor.element_size(),
+                "started": started, "finished": time.monotonic(),
+                "bytes_sent": result["bytes_sent"], "skipped": result["skipped"]})
+
     def __call__(self, output_tensor, input_tensor, group, op, async_op=False):
         state = self.state
         world, rank = state.world_size, state.rank
@@ -182,8 +192,10 @@ class _GeoFP8ReduceScatter:
         if full.device.type == "cuda":
             # The reduce-scatter stream FSDP calls this on orders the work after the copies.
             # (The device plane has no reduce-scatter mode yet: an all-reduce, own rows kept.)
+            started = time.monotonic()
             result = state._engine.exchange(state.step, lay.layers, full, lay.full_offsets,
                                             _gt._stream(full))
+            self._note(started, result, input_tensor)
             _gt._account(state, result, full, lay.layers, lay.full_offsets, lay.sizes, exact,
                          input_tensor.element_size())
             for o, fo, q in zip(lay.row_offsets, lay.full_offsets, lay.chunks):
@@ -201,8 +213,10 @@ class _GeoFP8ReduceScatter:
                 state._fsdp_rows = torch.zeros(lay.row, dtype=rows_dtype)
             mine = state._fsdp_rows[:lay.row]
             mine.zero_()
+            started = time.monotonic()
             result = state._engine.reduce_scatter(state.step, lay.layers, full, lay.full_offsets,
                                                   mine, lay.row_offsets)
+            self._note(started, result, input_tensor)
             own = [max(0, min(q, n - rank * q)) for n, q in zip(lay.sizes, lay.chunks)]
             if exact is not None and not result["skipped"]:
                 rows_exact = torch.zeros(lay.row, dtype=torch.float32)
