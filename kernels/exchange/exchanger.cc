@@ -821,6 +821,7 @@ std::vector<BucketResult> Exchanger::RunBuckets(uint64_t step, size_t first, siz
     }
     AlgorithmOptions rs = ao;
     rs.reduce_scatter = true;
+    rs.segment_bytes = options_.reduce_scatter_segment_bytes;
     nonfinite = ExchangeBucketData(comm_, options_.algorithm, rs, scattered);
     if (!whole.empty()) {
       AlgorithmOptions ar = ao;
@@ -867,7 +868,8 @@ std::vector<BucketResult> Exchanger::RunBuckets(uint64_t step, size_t first, siz
 uint64_t Exchanger::RunLayoutDigest(std::span<const BucketLayer> work) const {
   // FNV-1a over what decides the messages' largest sizes and grouping, whatever the policies and
   // the algorithm (the fused check's receives are sized for every algorithm, algorithms.h).
-  std::vector<uint64_t> words = {options_.segment_bytes, options_.inline_bytes, work.size()};
+  std::vector<uint64_t> words = {options_.segment_bytes, options_.reduce_scatter_segment_bytes,
+                                 options_.inline_bytes, work.size()};
   for (const BucketLayer& l : work) words.push_back(l.in.size() == l.out.size() ? 0 : 1);
   for (const BucketLayer& l : work) words.push_back(l.in.size());
   return Fnv1a(words.data(), words.size() * sizeof(uint64_t));

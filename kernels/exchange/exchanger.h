@@ -43,6 +43,11 @@ struct ExchangeOptions {
   size_t bucket_cap_bytes = size_t{25} << 20;
   // two_phase pipelines groups of layers of about this many fp32 bytes within a bucket.
   size_t segment_bytes = size_t{1} << 20;
+  // The same for the reduce-scatter (ReduceScatter), whose groups are one all-to-all each: on a
+  // shared CPU each collective costs milliseconds of scheduling, which outweighed the encode that
+  // smaller groups overlap (FSDP2 over 1 Gbit/s, 20.7M parameters: docs/benchmarks.md, "FSDP2
+  // reduce-scatter segments").
+  size_t reduce_scatter_segment_bytes = size_t{16} << 20;
   // A run of buckets totalling at most this many fp32 bytes runs on one thread, with no pipeline
   // threads (AlgorithmOptions::inline_bytes). 0: never. Every rank must use the same value.
   size_t inline_bytes = 0;
