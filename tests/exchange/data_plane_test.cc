@@ -609,124 +609,27 @@ TEST(StagedPlane, DeviceWireWaitsForTheDeviceOnlyAtTheRunsEnd) {
 
 // ---- bf16 and fp16 gradients, and reduce-scatter, on the device plane ----
 
-using Bytes = std::vector<uint8_t>;
-
-// `values` rounded to `dtype` (fp32: as they are), as raw bytes.
-Bytes AsDtype(const std::vector<float>& values, GradDtype dtype) {
-  Bytes b(values.size() * (dtype == GradDtype::kFp32 ? 4 : 2));
-  StoreRounded(values, GradSpan(b.data(), values.size(), dtype));
-  return b;
-}
-
-size_t ElementBytes(GradDtype dtype) { return dtype == GradDtype::kFp32 ? 4 : 2; }
-
-struct DtypeRun {
-  std::vector<GradDtype> dtypes;  // each layer's gradient (and reduce-scatter output)
-  bool reduce_scatter = false;
-  bool device_wire = false;
-  std::vector<RefreshSchedule> schedule;
-  Mutate mutate;  // the fp32 inputs before they are rounded to their dtypes
-};
-
-// Outputs [plane][rank][step][layer] as raw bytes (the exchanged gradients, or a reduce-scatter's
-// rows), and the step results.
-struct ByteRuns {
-  std::vector<std::vector<std::vector<std::vector<Bytes>>>> outputs;
-  std::vector<std::vector<std::vector<StepResult>>> results;
-  // Per rank, the staged run's calls of the backend's reduce-scatter row inverse and shares.
+// The dtype harness (plane_harness.h RunDtypes) over a ScrambledBackend, counting its calls of
+// the reduce-scatter row inverse and shares per rank.
+struct ScrambledDtypeRuns : ByteRuns {
   std::vector<int> invert_rows, shard_products;
 };
 
-// `steps` steps of the same inputs with each layer in its dtype, through the host plane, then
-// through a StagedPlane over a ScrambledBackend (its wire staged, or in the scrambled memory).
-ByteRuns RunDtypes(int n, const std::vector<LayerSpec>& layers, const ExchangeOptions& options,
-                   int steps, const DtypeRun& run) {
-  ByteRuns runs;
-  runs.outputs.assign(2, std::vector<std::vector<std::vector<Bytes>>>(n));
-  runs.results.assign(2, std::vector<std::vector<StepResult>>(n));
+ScrambledDtypeRuns RunDtypes(int n, const std::vector<LayerSpec>& layers,
+                             const ExchangeOptions& options, int steps, const DtypeRun& run) {
+  ScrambledDtypeRuns runs;
   runs.invert_rows.assign(n, 0);
   runs.shard_products.assign(n, 0);
-  for (int staged = 0; staged < 2; ++staged) {
-    const auto errors = RunRanks(n, [&](Communicator& gloo) {
-      const int r = gloo.rank();
-      ScrambledBackend backend;
-      {
-        ScrambledComm scrambled(gloo, backend);
-        const bool device_wire = staged && run.device_wire;
-        Communicator& comm = device_wire ? static_cast<Communicator&>(scrambled) : gloo;
-        StagedPlane plane(backend, device_wire ? WireMemory::kDevice : WireMemory::kHost);
-        ExchangeOptions o = options;
-        if (staged) o.plane = &plane;
-        Exchanger ex(comm, layers, o, run.schedule);
-        for (int s = 0; s < steps; ++s) {
-          Tensors values = MakeInputs(r, layers, s);
-          if (run.mutate) run.mutate(r, s, values);
-          std::vector<Bytes> in(layers.size()), out(layers.size());
-          std::vector<void*> device;  // the staged run's buffers, in the order of `host`
-          std::vector<Bytes*> host;
-          auto place = [&](Bytes& b, size_t count, GradDtype d) {
-            if (!staged) return GradSpan(b.data(), count, d);
-            void* p = backend.Allocate(std::max<size_t>(b.size(), 1));
-            backend.ToDevice(p, b.data(), b.size());
-            device.push_back(p);
-            host.push_back(&b);
-            return GradSpan(p, count, d);
-          };
-          GradSpans grads, outs;
-          for (size_t l = 0; l < layers.size(); ++l) {
-            const GradDtype d = run.dtypes[l];
-            in[l] = AsDtype(values[l], d);
-            grads.push_back(place(in[l], values[l].size(), d));
-            if (run.reduce_scatter) {
-              const size_t mine = RowChunkOf(values[l].size(), size_t(layers[l].cols), n, r).size();
-              out[l].assign(mine * ElementBytes(d), 0xEE);
-              outs.push_back(place(out[l], mine, d));
-            }
-          }
-          runs.results[staged][r].push_back(run.reduce_scatter ? ex.ReduceScatter(s, grads, outs)
-                                                               : ex.Exchange(s, grads));
-          for (size_t k = 0; k < device.size(); ++k) {
-            backend.ToHost(host[k]->data(), device[k], host[k]->size());
-            backend.Free(device[k]);
-          }
-          runs.outputs[staged][r].push_back(run.reduce_scatter ? out : in);
-        }
-      }
-      if (staged) {
-        runs.invert_rows[r] = backend.invert_rows();
-        runs.shard_products[r] = backend.shard_products();
-      }
-      EXPECT_EQ(backend.live(), 0u) << "rank " << r << ": device buffers leaked";
-    });
-    EXPECT_EQ(JoinErrors(errors), "") << (staged ? "staged plane" : "host plane");
-  }
+  static_cast<ByteRuns&>(runs) = testing::RunDtypes(
+      [](int) { return std::make_unique<ScrambledBackend>(); },
+      [&](int r, DeviceBackend& b) {
+        auto& s = static_cast<ScrambledBackend&>(b);
+        EXPECT_EQ(s.live(), 0u) << "rank " << r << ": device buffers leaked";
+        runs.invert_rows[r] = s.invert_rows();
+        runs.shard_products[r] = s.shard_products();
+      },
+      n, layers, options, steps, run, run.device_wire ? Scrambled : DeviceComm());
   return runs;
-}
-
-void ExpectSameBytes(const ByteRuns& runs, const std::vector<LayerSpec>& layers,
-                     const std::string& what) {
-  for (size_t r = 0; r < runs.outputs[0].size(); ++r) {
-    ASSERT_EQ(runs.outputs[1][r].size(), runs.outputs[0][r].size()) << what;
-    for (size_t s = 0; s < runs.outputs[0][r].size(); ++s) {
-      const StepResult& a = runs.results[0][r][s];
-      const StepResult& b = runs.results[1][r][s];
-      EXPECT_EQ(b.skipped, a.skipped) << what << " rank " << r << " step " << s;
-      EXPECT_EQ(b.refreshes.size(), a.refreshes.size()) << what << " rank " << r << " step " << s;
-      if (a.skipped) continue;  // a skipped bucket's values have no meaning
-      for (size_t l = 0; l < layers.size(); ++l) {
-        const Bytes& x = runs.outputs[0][r][s][l];
-        const Bytes& y = runs.outputs[1][r][s][l];
-        ASSERT_EQ(y.size(), x.size()) << what << " layer " << layers[l].name;
-        size_t first = x.size();
-        for (size_t i = 0; i < x.size() && first == x.size(); ++i) {
-          if (x[i] != y[i]) first = i;
-        }
-        EXPECT_EQ(first, x.size())
-            << what << ": rank " << r << " step " << s << " layer " << layers[l].name
-            << " differs from the host plane at byte " << first << " of " << x.size();
-      }
-    }
-  }
 }
 
 // Each layer bf16 or fp16 in turn (`shift` swaps them), with every third one fp32.
@@ -784,7 +687,7 @@ TEST_P(StagedPlaneLowp, Bf16AndFp16BitIdenticalToTheHostPlane) {
     run.dtypes = MixedDtypes(layers.size(), shift);
     run.device_wire = c.device_wire;
     run.schedule = EveryOtherStep(layers.size());
-    const ByteRuns runs = RunDtypes(c.ranks, layers, options, 4, run);
+    const ScrambledDtypeRuns runs = RunDtypes(c.ranks, layers, options, 4, run);
     ExpectSameBytes(runs, layers, DtypeCaseName(c) + " dtypes " + std::to_string(shift));
   }
 }
@@ -816,7 +719,7 @@ TEST(StagedPlaneLowp, NonFiniteInALowpGradientSkipsTheSameBucketsEverywhere) {
         }
       };
       const std::string what = std::string(AlgorithmName(a)) + " " + GradDtypeName(d);
-      const ByteRuns runs = RunDtypes(3, layers, options, 2, run);
+      const ScrambledDtypeRuns runs = RunDtypes(3, layers, options, 2, run);
       ExpectSameBytes(runs, layers, what);
       for (int p = 0; p < 2; ++p) {
         for (int r = 0; r < 3; ++r) {
@@ -869,7 +772,7 @@ TEST_P(StagedPlaneReduceScatter, BitIdenticalToTheHostPlane) {
       run.reduce_scatter = true;
       run.device_wire = c.device_wire;
       if (geometry) run.schedule = EveryOtherStep(layers.size());
-      const ByteRuns runs = RunDtypes(c.ranks, layers, options, 4, run);
+      const ScrambledDtypeRuns runs = RunDtypes(c.ranks, layers, options, 4, run);
       const std::string what = DtypeCaseName(c) + " dtypes " + std::to_string(dtypes) +
                                (geometry ? " with geometry" : "");
       ExpectSameBytes(runs, layers, what);
@@ -912,7 +815,7 @@ TEST(StagedPlaneReduceScatter, ShardedFactorSketchReadsTheDeviceRowsWithTheHosts
     run.dtypes.assign(layers.size(), d);
     run.reduce_scatter = true;
     run.schedule = {{0, 1, 0}, {0, 1, 0}};
-    const ByteRuns runs = RunDtypes(3, layers, options, 4, run);
+    const ScrambledDtypeRuns runs = RunDtypes(3, layers, options, 4, run);
     ExpectSameBytes(runs, layers, "ema " + GradDtypeName(d));
     for (int s = 0; s < 4; ++s) EXPECT_EQ(runs.results[1][0][s].refreshes.size(), 1u) << s;
   }
