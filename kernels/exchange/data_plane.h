@@ -13,9 +13,10 @@
 //     move the encoded bytes where they lie, and a two_phase, allgather or reduce-scatter run
 //     makes the host wait for the device once, at its end, to read every rank's non-finite flags:
 //     the flags travel in the wire and are kept on the device, and every size is known from the
-//     layers' shapes and formats (EncodedBytes), so nothing is read back before. (A
-//     reduce-scatter's lowrank layers add one wait per layer after that, for their k x n shares of
-//     U^T D, which cross to the host for their all-reduce.)
+//     layers' shapes and formats (EncodedBytes), so nothing is read back before. (After it, a
+//     reduce-scatter's lowrank layers wait once each for their k x n shares of U^T D, which cross
+//     to the host for their all-reduce, and once for their inverses; an Exchanger whose run
+//     transformed a bf16 or fp16 layer in fp32 work memory waits once for its rounding back.)
 //   Gradients may be fp32, bf16 or fp16 on either plane, with the same bits: a bf16 or fp16 one
 //   is read straight into the division and encode and written back rounded, as on the host.
 // One Exchanger, one plane: every rank of an exchange runs the same plane kind, so every rank
