@@ -671,6 +671,9 @@ std::string DtypeCaseName(const DtypeCase& c) {
          (c.inline_bytes ? "_inline" : "") + (c.device_wire ? "_device_wire" : "");
 }
 
+// gtest prints a case by its name, not its bytes (padding included).
+void PrintTo(const DtypeCase& c, std::ostream* os) { *os << DtypeCaseName(c); }
+
 class StagedPlaneLowp : public ::testing::TestWithParam<DtypeCase> {};
 
 TEST_P(StagedPlaneLowp, Bf16AndFp16BitIdenticalToTheHostPlane) {
