@@ -597,6 +597,7 @@ class Pipeline {
   // Reduce-scatter: this rank's rows of each layer, the sum over sources in rank order, with the
   // geometry's inverse where it is row-local (a lowrank one's waits for FinishRows).
   void SumOwn(Group& g) {
+    KeepFlags(g.recv, g);
     size_t off = 0;
     std::vector<std::span<const uint8_t>> parts(n_);
     for (size_t i = g.first; i < g.last; ++i) {
@@ -802,8 +803,10 @@ namespace {
 // An 8- or 4-bit layer's share travels as bf16: its rounding (2^-9 of W) is far below the codec's
 // own error (2^-4 and up per element), and it halves the bytes the sharded inverse adds (k/m of
 // the layer in fp32: 8k/m of an fp8 layer's wire, 4k/m in bf16). An fp32 or bf16 layer's stays
-// fp32, so the baselines keep their precision.
-void FinishLowRankRows(Communicator& comm, const AlgorithmOptions& ao,
+// fp32, so the baselines keep their precision. The shares are host memory on every plane (a device
+// plane computes them on the device and reads them back, k x n floats a layer). Returns whether
+// there were any.
+bool FinishLowRankRows(Communicator& comm, const AlgorithmOptions& ao,
                        std::span<const BucketLayer> layers, DataPlane& plane) {
   const int n = comm.size(), r = comm.rank();
   auto rows_of = [](const BucketLayer& l) {
@@ -818,7 +821,7 @@ void FinishLowRankRows(Communicator& comm, const AlgorithmOptions& ao,
     at[i] = total;
     total += rows_of(layers[i]) * static_cast<size_t>(layers[i].cols);
   }
-  if (total32 + total16 == 0) return;
+  if (total32 + total16 == 0) return false;
   TraceScope span(ao.trace, "shard_products", ExchangeTrace::kMainLane, ao.step);
   std::vector<float> w32(total32, 0.f), w16(total16, 0.f);
   auto first_row = [&](const BucketLayer& l) {
@@ -840,6 +843,7 @@ void FinishLowRankRows(Communicator& comm, const AlgorithmOptions& ao,
   for (size_t i = 0; i < layers.size(); ++i) {
     if (rows_of(layers[i]) > 0) plane.InvertRows(layers[i], first_row(layers[i]), share(i));
   }
+  return true;
 }
 
 uint64_t RunReduceScatter(Communicator& comm, Algorithm algorithm, const AlgorithmOptions& options,
@@ -848,8 +852,6 @@ uint64_t RunReduceScatter(Communicator& comm, Algorithm algorithm, const Algorit
   GEOFP8_CHECK(algorithm != Algorithm::kNative,
                "reduce-scatter: algorithm native is an all-reduce (accepted: two_phase, "
                "allgather, auto, fp32, bf16)");
-  GEOFP8_CHECK(plane.host_memory(), "reduce-scatter: runs on host memory only (plane ",
-               plane.name(), ")");
   std::vector<BucketLayer> layers(in_layers.begin(), in_layers.end());
   const bool baseline = algorithm == Algorithm::kFp32 || algorithm == Algorithm::kBf16;
   for (BucketLayer& l : layers) {
@@ -873,7 +875,9 @@ uint64_t RunReduceScatter(Communicator& comm, Algorithm algorithm, const Algorit
     one.segment_bytes = std::max(options.segment_bytes, fp32);
     flags = Pipeline(comm, one, layers, true, ws).RunInline();
   }
-  FinishLowRankRows(comm, options, layers, plane);
+  // A device wire's run ended with its one wait (the agreed flags); the inverses issued after it
+  // are waited for here.
+  if (FinishLowRankRows(comm, options, layers, plane) && plane.device_wire()) plane.Flush();
   return flags;
 }
 
@@ -971,10 +975,12 @@ uint64_t ExchangeBucketData(Communicator& comm, Algorithm algorithm,
     }
     throw;
   }
-  // A device wire's pipeline ended with its flags' read, which waited for everything.
-  const bool pipelined =
-      (algorithm == Algorithm::kTwoPhase || algorithm == Algorithm::kAllGather) &&
-      !options.reduce_scatter && !layers.empty();
+  // A device wire's pipeline ended with its flags' read, which waited for everything (a
+  // reduce-scatter's, whatever the algorithm, runs the pipeline; RunReduceScatter waits for what
+  // it issues after).
+  const bool pipelined = (algorithm == Algorithm::kTwoPhase || algorithm == Algorithm::kAllGather ||
+                          options.reduce_scatter) &&
+                         !layers.empty();
   if (!(plane.device_wire() && pipelined)) plane.Flush();
   return flags;
 }

@@ -2,6 +2,8 @@
 #include <cublas_v2.h>
 #include <cuda_runtime.h>
 
+#include <algorithm>
+
 #include "kernels/codec/codec_cuda.h"
 #include "kernels/common/check.h"
 #include "kernels/common/cuda_check.h"
@@ -32,6 +34,29 @@ __global__ void DivideKernel(const float* x, float* y, size_t n, float divisor,
     y[i] = __fdiv_rn(v, divisor);
   }
   if (__syncthreads_or(bad) && threadIdx.x == 0) atomicOr(flags, bit);
+}
+
+// The same from bf16 or fp16 bits, converted exactly by the host's own per-element code
+// (grad_span.h LowpToFloat).
+__global__ void DivideLowpKernel(const uint16_t* x, GradDtype dtype, float* y, size_t n,
+                                 float divisor, unsigned long long bit, unsigned long long* flags) {
+  bool bad = false;
+  for (size_t i = blockIdx.x * size_t{blockDim.x} + threadIdx.x; i < n;
+       i += size_t{gridDim.x} * blockDim.x) {
+    const float v = LowpToFloat(x[i], dtype);
+    bad = bad || !isfinite(v);
+    y[i] = __fdiv_rn(v, divisor);
+  }
+  if (__syncthreads_or(bad) && threadIdx.x == 0) atomicOr(flags, bit);
+}
+
+// y = x rounded to nearest even in bf16 or fp16, as the host's StoreRounded (grad_span.h
+// FloatToLowp, its scalar reference).
+__global__ void RoundLowpKernel(const float* x, uint16_t* y, GradDtype dtype, size_t n) {
+  for (size_t i = blockIdx.x * size_t{blockDim.x} + threadIdx.x; i < n;
+       i += size_t{gridDim.x} * blockDim.x) {
+    y[i] = FloatToLowp(x[i], dtype);
+  }
 }
 
 __global__ void FillKernel(float* x, size_t n, unsigned bits) {
@@ -148,6 +173,22 @@ void CudaBackend::Divide(const float* x, float* y, size_t n, float divisor, uint
   GEOFP8_CUDA_CHECK(cudaGetLastError());
 }
 
+void CudaBackend::DivideLowp(const uint16_t* x, GradDtype dtype, float* y, size_t n, float divisor,
+                             uint64_t bit, uint64_t* flags) {
+  GEOFP8_CUDA_CHECK(cudaSetDevice(device_));
+  if (n == 0) return;
+  DivideLowpKernel<<<Blocks(n), kThreads, 0, S(stream_)>>>(
+      x, dtype, y, n, divisor, bit, reinterpret_cast<unsigned long long*>(flags));
+  GEOFP8_CUDA_CHECK(cudaGetLastError());
+}
+
+void CudaBackend::RoundLowp(const float* x, uint16_t* y, GradDtype dtype, size_t n) {
+  GEOFP8_CUDA_CHECK(cudaSetDevice(device_));
+  if (n == 0) return;
+  RoundLowpKernel<<<Blocks(n), kThreads, 0, S(stream_)>>>(x, y, dtype, n);
+  GEOFP8_CUDA_CHECK(cudaGetLastError());
+}
+
 void CudaBackend::Encode(const float* x, size_t n, const CodecOptions& o, uint8_t* out,
                          size_t bytes) {
   GEOFP8_CUDA_CHECK(cudaSetDevice(device_));
@@ -225,6 +266,26 @@ void CudaBackend::Transform(const BucketLayer& l, float* x, bool inverse) {
     }
     if (l.geometry && !l.geometry->is_identity()) GeometryOf(l).Invert(x, S(stream_), handle);
   }
+}
+
+void CudaBackend::ShardProducts(const BucketLayer& l, int64_t first_row, const float* x, size_t n,
+                                float* w) {
+  GEOFP8_CUDA_CHECK(cudaSetDevice(device_));
+  if (!l.geometry || l.geometry->is_identity()) return;
+  const int64_t rows = static_cast<int64_t>(n) / std::max<int64_t>(l.cols, 1);
+  GeometryOf(l).ShardProducts(first_row, x, rows, w, S(stream_),
+                              reinterpret_cast<cublasContext*>(Cublas()));
+}
+
+void CudaBackend::InvertRows(const BucketLayer& l, int64_t first_row, float* x, size_t n,
+                             const float* w) {
+  GEOFP8_CUDA_CHECK(cudaSetDevice(device_));
+  if (!l.geometry || l.geometry->is_identity() || n == 0) return;
+  const int64_t rows = static_cast<int64_t>(n) / std::max<int64_t>(l.cols, 1);
+  auto* handle = l.geometry->mode == GeometryMode::kLowRank
+                     ? reinterpret_cast<cublasContext*>(Cublas())
+                     : nullptr;
+  GeometryOf(l).InvertRows(first_row, x, rows, w, S(stream_), handle);
 }
 
 void CudaBackend::Synchronize() {

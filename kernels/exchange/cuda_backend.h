@@ -62,11 +62,19 @@ class CudaBackend final : public DeviceBackend {
   void Zero(void* device, size_t bytes) override;
   void Divide(const float* x, float* y, size_t n, float divisor, uint64_t bit,
               uint64_t* flags) override;
+  void DivideLowp(const uint16_t* x, GradDtype dtype, float* y, size_t n, float divisor,
+                  uint64_t bit, uint64_t* flags) override;
+  void RoundLowp(const float* x, uint16_t* y, GradDtype dtype, size_t n) override;
   void Encode(const float* x, size_t n, const CodecOptions& o, uint8_t* out, size_t bytes) override;
   void Decode(const uint8_t* in, size_t bytes, const CodecOptions& o, float* out, size_t n,
               bool accumulate) override;
   void Fill(float* x, size_t n, uint32_t bits) override;
   void Transform(const BucketLayer& l, float* x, bool inverse) override;
+  // DeviceGeometry::ShardProducts and InvertRows (cuBLAS for lowrank, the diag element kernel).
+  void ShardProducts(const BucketLayer& l, int64_t first_row, const float* x, size_t n,
+                     float* w) override;
+  void InvertRows(const BucketLayer& l, int64_t first_row, float* x, size_t n,
+                  const float* w) override;
   void Synchronize() override;
   // cuda::DeviceGradient (geometry_cuda.h) on this backend's stream.
   std::unique_ptr<GradientProducts> Products(const float* g, int64_t m, int64_t n) override;

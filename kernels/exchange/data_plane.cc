@@ -138,14 +138,6 @@ void HostPlane::InvertTransform(const BucketLayer& l) {
   if (l.geometry) InvertGeometry(*l.geometry, out, l.products);
 }
 
-void DataPlane::InvertRows(const BucketLayer& l, int64_t, std::span<const float>) {
-  GEOFP8_FAIL("layer ", l.layer, ": reduce-scatter runs on host memory only (plane ", name(), ")");
-}
-
-void DataPlane::ShardProducts(const BucketLayer& l, int64_t, std::span<float>) {
-  GEOFP8_FAIL("layer ", l.layer, ": reduce-scatter runs on host memory only (plane ", name(), ")");
-}
-
 void HostPlane::InvertRows(const BucketLayer& l, int64_t first_row, std::span<const float> w) {
   if (l.geometry) InvertGeometryRows(*l.geometry, first_row, l.out.f32(), w);
 }
@@ -160,8 +152,18 @@ void HostPlane::ReadDivided(GradSpan in, float divisor, uint32_t bit, std::span<
 
 void HostPlane::Write(std::span<const float> host, GradSpan out) { StoreRounded(host, out); }
 
-void HostPlane::Read(std::span<const float> in, std::span<float> host) {
-  std::copy(in.begin(), in.end(), host.begin());
+void HostPlane::Read(GradSpan in, std::span<float> host) {
+  if (in.fp32()) {
+    std::copy(in.f32().begin(), in.f32().end(), host.begin());
+  } else {
+    LoadDivided(in, 1.f, host);  // exact: the conversion, and x / 1 is x
+  }
+}
+
+std::span<float> HostPlane::WorkBuffer(size_t slot, size_t n) {
+  while (work_.size() <= slot) work_.emplace_back();
+  work_[slot].resize(n);
+  return {work_[slot].data(), n};
 }
 
 std::unique_ptr<GradientProducts> HostPlane::Snapshot(std::span<const float> g, int64_t m,
@@ -195,11 +197,13 @@ StagedPlane::StagedPlane(DeviceBackend& device, WireMemory wire) : device_(devic
 }
 
 StagedPlane::~StagedPlane() {
-  for (Scratch* s : {&divided_, &encoded_, &received_, &acc_, &kept_flags_}) {
+  for (Scratch* s : {&divided_, &encoded_, &received_, &acc_, &decoded_, &shares_, &kept_flags_}) {
     if (s->p) device_.Free(s->p);
   }
-  for (Scratch& s : wire_buffers_) {
-    if (s.p) device_.Free(s.p);
+  for (auto* buffers : {&wire_buffers_, &work_buffers_}) {
+    for (Scratch& s : *buffers) {
+      if (s.p) device_.Free(s.p);
+    }
   }
   device_.Free(flags_);
 }
@@ -233,11 +237,6 @@ void StagedPlane::Done(std::span<uint8_t> out, const uint8_t* encoded) {
 }
 
 std::string StagedPlane::Unsupported(const BucketLayer& l) const {
-  if (!l.in.fp32() || !l.out.fp32()) {
-    return "gradient dtype: " + GradDtypeName(l.in.fp32() ? l.out.dtype : l.in.dtype) +
-           " is not available on device memory (" + device_.name() +
-           ") yet; exchange float32 device tensors or host tensors";
-  }
   if (l.policy.error_feedback) {
     return "error_feedback: not available on device memory (" + device_.name() +
            ") yet; turn it off for this layer or exchange host tensors";
@@ -245,19 +244,35 @@ std::string StagedPlane::Unsupported(const BucketLayer& l) const {
   return "";
 }
 
+void StagedPlane::DivideInto(const BucketLayer& l, GradSpan in, float divisor, float* y) {
+  if (in.fp32()) {
+    device_.Divide(in.f32().data(), y, in.size(), divisor, FlagBit(l), flags_);
+  } else {
+    device_.DivideLowp(in.bits16().data(), in.dtype, y, in.size(), divisor, FlagBit(l), flags_);
+  }
+}
+
 void StagedPlane::DivideTransform(const BucketLayer& l, float divisor) {
-  float* x = l.in.f32().data();
-  device_.Divide(x, x, l.in.size(), divisor, FlagBit(l), flags_);
-  if (Transformed(l)) device_.Transform(l, x, /*inverse=*/false);
+  // A bf16 or fp16 gradient is read straight into its fp32 work memory as it is divided.
+  const std::span<float> x = TransformSpan(l);
+  GEOFP8_CHECK(x.size() == l.in.size(), "layer ", l.layer, ": a ", GradDtypeName(l.in.dtype),
+               " gradient with a transform needs fp32 work memory of ", l.in.size(),
+               " floats (has ", x.size(), ")");
+  DivideInto(l, l.in, divisor, x.data());
+  if (Transformed(l)) device_.Transform(l, x.data(), /*inverse=*/false);
 }
 
 void StagedPlane::EncodeChunk(const BucketLayer& l, ChunkRange c, float divisor,
                               const CodecOptions& o, std::span<uint8_t> out) {
   GEOFP8_CHECK(!l.residual_out, "layer ", l.layer, ": ", Unsupported(l));
-  const float* x = l.in.f32().data() + c.begin;
-  if (!Transformed(l)) {
+  // As on the host: a transformed layer was divided as a whole; the others chunk by chunk, a
+  // bf16 or fp16 one converted in that pass.
+  const float* x = nullptr;
+  if (Transformed(l)) {
+    x = TransformSpan(l).data() + c.begin;
+  } else {
     auto* d = static_cast<float*>(Reserve(divided_, c.size() * sizeof(float)));
-    device_.Divide(x, d, c.size(), divisor, FlagBit(l), flags_);
+    DivideInto(l, l.in.subspan(c.begin, c.size()), divisor, d);
     x = d;
   }
   uint8_t* e = EncodeTarget(out);
@@ -286,35 +301,108 @@ static CodecOptions WireLayout(const BucketLayer& l) {
 }
 
 void StagedPlane::Decode(const BucketLayer& l, ChunkRange c, std::span<const uint8_t> in) {
-  device_.Decode(Stage(received_, in), in.size(), WireLayout(l), l.out.f32().data() + c.begin,
-                 c.size(), /*accumulate=*/false);
+  // A bf16 or fp16 output: decoded into fp32 scratch, then rounded into place.
+  const GradSpan out = l.out.subspan(c.begin, c.size());
+  float* x = out.fp32() ? out.f32().data()
+                        : static_cast<float*>(Reserve(decoded_, c.size() * sizeof(float)));
+  device_.Decode(Stage(received_, in), in.size(), WireLayout(l), x, c.size(),
+                 /*accumulate=*/false);
+  if (!out.fp32()) device_.RoundLowp(x, out.bits16().data(), out.dtype, c.size());
 }
 
 void StagedPlane::DecodeSum(const BucketLayer& l, ChunkRange c,
                             std::span<const std::span<const uint8_t>> parts) {
-  float* out = l.out.f32().data() + c.begin;
-  device_.Fill(out, c.size(), 0u);
+  // A bf16 or fp16 output is summed in fp32 and rounded once, at the end.
+  const GradSpan out = l.out.subspan(c.begin, c.size());
+  float* acc = out.fp32() ? out.f32().data()
+                          : static_cast<float*>(Reserve(decoded_, c.size() * sizeof(float)));
+  device_.Fill(acc, c.size(), 0u);
   const CodecOptions o = WireLayout(l);
   for (const auto& part : parts) {
-    device_.Decode(Stage(received_, part), part.size(), o, out, c.size(), /*accumulate=*/true);
+    device_.Decode(Stage(received_, part), part.size(), o, acc, c.size(), /*accumulate=*/true);
   }
+  if (!out.fp32()) device_.RoundLowp(acc, out.bits16().data(), out.dtype, c.size());
 }
 
 void StagedPlane::InvertTransform(const BucketLayer& l) {
   if (Transformed(l)) device_.Transform(l, l.out.f32().data(), /*inverse=*/true);
 }
 
+void StagedPlane::ShardProducts(const BucketLayer& l, int64_t first_row, std::span<float> w) {
+  if (!l.geometry || w.empty()) return;
+  if (l.out.empty()) {  // no rows here: a share of zeros, as ShardColumnProducts gives
+    std::fill(w.begin(), w.end(), 0.f);
+    return;
+  }
+  // On the device; only the k x n share crosses to the host, for the all-reduce.
+  auto* d = static_cast<float*>(Reserve(shares_, w.size_bytes()));
+  const std::span<float> rows = l.out.f32();
+  device_.ShardProducts(l, first_row, rows.data(), rows.size(), d);
+  device_.ToHost(w.data(), d, w.size_bytes());
+}
+
+void StagedPlane::InvertRows(const BucketLayer& l, int64_t first_row, std::span<const float> w) {
+  if (!l.geometry || l.geometry->is_identity() || l.out.empty()) return;
+  float* d = nullptr;
+  if (!w.empty()) {
+    d = static_cast<float*>(Reserve(shares_, w.size_bytes()));
+    device_.ToDevice(d, w.data(), w.size_bytes());
+  }
+  const std::span<float> rows = l.out.f32();
+  device_.InvertRows(l, first_row, rows.data(), rows.size(), d);
+}
+
+std::span<const uint16_t> StagedPlane::LowpToHost(GradSpan in) {
+  staging_.resize(in.size());
+  device_.ToHost(staging_.data(), in.data, in.size_bytes());
+  return staging_;
+}
+
 void StagedPlane::ReadDivided(GradSpan in, float divisor, uint32_t bit, std::span<float> host) {
-  device_.ToHost(host.data(), in.f32().data(), in.size_bytes());
-  if (geofp8::Divide(host, divisor, host)) host_flags_ |= uint64_t{1} << bit;
+  // Read to the host as it is and divided there by the host's own code: the host plane's bits.
+  bool bad = false;
+  if (in.fp32()) {
+    device_.ToHost(host.data(), in.f32().data(), in.size_bytes());
+    bad = geofp8::Divide(host, divisor, host);
+  } else {
+    const std::span<const uint16_t> bits = LowpToHost(in);
+    bad = LoadDivided(GradSpan(const_cast<uint16_t*>(bits.data()), bits.size(), in.dtype), divisor,
+                      host);
+  }
+  if (bad) host_flags_ |= uint64_t{1} << bit;
 }
 
 void StagedPlane::Write(std::span<const float> host, GradSpan out) {
-  device_.ToDevice(out.f32().data(), host.data(), host.size_bytes());
+  if (out.fp32()) {
+    device_.ToDevice(out.f32().data(), host.data(), host.size_bytes());
+    return;
+  }
+  staging_.resize(host.size());
+  StoreRounded(host, GradSpan(staging_.data(), staging_.size(), out.dtype));
+  device_.ToDevice(out.data, staging_.data(), out.size_bytes());
 }
 
-void StagedPlane::Read(std::span<const float> in, std::span<float> host) {
-  device_.ToHost(host.data(), in.data(), in.size_bytes());
+void StagedPlane::Read(GradSpan in, std::span<float> host) {
+  if (in.fp32()) {
+    device_.ToHost(host.data(), in.f32().data(), in.size_bytes());
+    return;
+  }
+  const std::span<const uint16_t> bits = LowpToHost(in);
+  LoadDivided(GradSpan(const_cast<uint16_t*>(bits.data()), bits.size(), in.dtype), 1.f, host);
+}
+
+void StagedPlane::Round(std::span<const float> x, GradSpan out) {
+  GEOFP8_CHECK(x.size() == out.size(), "round: ", x.size(), " elements into ", out.size());
+  if (out.fp32()) {
+    device_.Copy(out.data, x.data(), x.size_bytes());
+  } else {
+    device_.RoundLowp(x.data(), out.bits16().data(), out.dtype, x.size());
+  }
+}
+
+std::span<float> StagedPlane::WorkBuffer(size_t slot, size_t n) {
+  if (work_buffers_.size() <= slot) work_buffers_.resize(slot + 1);
+  return {static_cast<float*>(Reserve(work_buffers_[slot], n * sizeof(float))), n};
 }
 
 uint64_t StagedPlane::TakeFlags() {

@@ -10,10 +10,15 @@
 //     encode's bytes are copied to the host wire, and each received block to the device before
 //     its decode, 4-7x fewer bytes than the floats would be; or
 //     device memory (WireMemory::kDevice, for one that TakesDeviceSpans: NCCL): the collectives
-//     move the encoded bytes where they lie, and a two_phase or allgather run makes the host wait
-//     for the device once, at its end, to read every rank's non-finite flags: the flags travel in
-//     the wire and are kept on the device, and every size is known from the layers' shapes and
-//     formats (EncodedBytes), so nothing is read back before.
+//     move the encoded bytes where they lie, and a two_phase, allgather or reduce-scatter run
+//     makes the host wait for the device once, at its end, to read every rank's non-finite flags:
+//     the flags travel in the wire and are kept on the device, and every size is known from the
+//     layers' shapes and formats (EncodedBytes), so nothing is read back before. (After it, a
+//     reduce-scatter's lowrank layers wait once each for their k x n shares of U^T D, which cross
+//     to the host for their all-reduce, and once for their inverses; an Exchanger whose run
+//     transformed a bf16 or fp16 layer in fp32 work memory waits once for its rounding back.)
+//   Gradients may be fp32, bf16 or fp16 on either plane, with the same bits: a bf16 or fp16 one
+//   is read straight into the division and encode and written back rounded, as on the host.
 // One Exchanger, one plane: every rank of an exchange runs the same plane kind, so every rank
 // computes the same bits (the CUDA codec is bit-identical to the host's; see codec_cuda.h).
 #pragma once
@@ -21,6 +26,7 @@
 #include <atomic>
 #include <cstddef>
 #include <cstdint>
+#include <deque>
 #include <memory>
 #include <span>
 #include <string>
@@ -45,14 +51,13 @@ struct BucketLayer {
   // place) when the layer has a geometry or a rotation (Transformed); a bf16 or fp16 one is
   // divided into `work` for that instead, and left as it was. May be the same memory as `out`: a
   // group's inputs are all read before any of its outputs is written. Memory of the run's plane
-  // (DataPlane::host_memory): on a device plane the span is a device pointer and a length (fp32
-  // only there).
+  // (DataPlane::host_memory): on a device plane the span is a device pointer and a length.
   GradSpan in;
   // The reduced result in gradient coordinates (same size), summed in fp32 and rounded to its
   // dtype as it is written. A transformed layer's must be fp32 (the inverse runs in place).
   GradSpan out;
   // A transformed layer whose `in` is bf16 or fp16: fp32 memory of in.size() floats that it is
-  // divided and transformed in. Empty otherwise. Host planes only.
+  // divided and transformed in (the plane's memory: DataPlane::WorkBuffer). Empty otherwise.
   std::span<float> work;
   // When not null and the layer has a lowrank geometry: filled by the inverse transform with what
   // it learnt of `out` (geometry.h InverseProducts), for the factor sketch that reads it next.
@@ -130,18 +135,27 @@ class DataPlane {
                          std::span<const std::span<const uint8_t>> parts) = 0;
   // In place on l.out: the rotation's inverse, then the geometry's (filling l.products).
   virtual void InvertTransform(const BucketLayer& l) = 0;
-  // Reduce-scatter: the geometry's inverse on l.out, the layer's rows from `first_row` on
+  // Reduce-scatter: the geometry's inverse on l.out (fp32), the layer's rows from `first_row` on
   // (geometry.h InvertGeometryRows; `w` the summed ShardColumnProducts, empty when none), and
-  // this shard's share of those products (ShardColumnProducts into `w`). Host planes only.
-  virtual void InvertRows(const BucketLayer& l, int64_t first_row, std::span<const float> w);
-  virtual void ShardProducts(const BucketLayer& l, int64_t first_row, std::span<float> w);
+  // this shard's share of those products (ShardColumnProducts into `w`). `w` is host memory on
+  // every plane: the shares are all-reduced through the host.
+  virtual void InvertRows(const BucketLayer& l, int64_t first_row, std::span<const float> w) = 0;
+  virtual void ShardProducts(const BucketLayer& l, int64_t first_row, std::span<float> w) = 0;
 
   // host[i] = in[i] / divisor, noting a NaN or inf in flag bit `bit` (the baselines' flatten).
   virtual void ReadDivided(GradSpan in, float divisor, uint32_t bit, std::span<float> host) = 0;
   // out = host, rounded to out's dtype (the baselines' unflatten).
   virtual void Write(std::span<const float> host, GradSpan out) = 0;
-  // host = in, exactly (an exchanger's geometry refresh reads the averaged gradient).
-  virtual void Read(std::span<const float> in, std::span<float> host) = 0;
+  // host = in in fp32, exactly (an exchanger's geometry refresh reads the averaged gradient).
+  virtual void Read(GradSpan in, std::span<float> host) = 0;
+  // out = x rounded to out's dtype (fp32: copied), both this plane's memory: an exchanger writes
+  // a bf16 or fp16 layer's result back from its fp32 work memory. In stream order on a device
+  // plane: Flush before the caller reads `out`.
+  virtual void Round(std::span<const float> x, GradSpan out) = 0;
+  // This plane's fp32 memory of n floats in slot `slot`, kept from run to run (an exchanger's
+  // work memory for BucketLayer::work and a transformed bf16 or fp16 layer's fp32 result). Its
+  // contents are undefined until written.
+  virtual std::span<float> WorkBuffer(size_t slot, size_t n) = 0;
   // The factor sketch's access to the m x n gradient g (an exchanger's refresh): its products
   // where g lives, or over a host copy where the plane has none there. Never null.
   virtual std::unique_ptr<GradientProducts> Products(std::span<const float> g, int64_t m,
@@ -193,7 +207,9 @@ class HostPlane final : public DataPlane {
   void ShardProducts(const BucketLayer& l, int64_t first_row, std::span<float> w) override;
   void ReadDivided(GradSpan in, float divisor, uint32_t bit, std::span<float> host) override;
   void Write(std::span<const float> host, GradSpan out) override;
-  void Read(std::span<const float> in, std::span<float> host) override;
+  void Read(GradSpan in, std::span<float> host) override;
+  void Round(std::span<const float> x, GradSpan out) override { StoreRounded(x, out); }
+  std::span<float> WorkBuffer(size_t slot, size_t n) override;
   std::unique_ptr<GradientProducts> Products(std::span<const float> g, int64_t m,
                                              int64_t n) override {
     return std::make_unique<HostGradient>(g.data(), m, n);
@@ -213,6 +229,7 @@ class HostPlane final : public DataPlane {
   UninitializedVector<float> feedback_decoded_;  // error feedback: what its encode decodes to
   UninitializedVector<float> acc_;               // two_phase: the sum of this rank's chunk
   UninitializedVector<float> decoded_;  // a bf16 or fp16 output's chunk, in fp32 until rounded
+  std::deque<UninitializedVector<float>> work_;  // WorkBuffer's slots
 };
 
 // What a StagedPlane needs of a device: memory, copies and the per-element kernels, each in the
@@ -240,6 +257,13 @@ class DeviceBackend {
   // holds a NaN or inf.
   virtual void Divide(const float* x, float* y, size_t n, float divisor, uint64_t bit,
                       uint64_t* flags) = 0;
+  // The same from a bf16 or fp16 gradient (`dtype`): y[i] = LowpToFloat(x[i]) / divisor, the
+  // conversion exact (grad_span.h, shared with the host's LoadDivided), into fp32 memory y.
+  virtual void DivideLowp(const uint16_t* x, GradDtype dtype, float* y, size_t n, float divisor,
+                          uint64_t bit, uint64_t* flags) = 0;
+  // y[i] = FloatToLowp(x[i], dtype): rounded to nearest even in bf16 or fp16, as the host's
+  // StoreRounded.
+  virtual void RoundLowp(const float* x, uint16_t* y, GradDtype dtype, size_t n) = 0;
   // The codec (codec.h) from device floats into device bytes, and back (accumulate: out +=).
   // Neither waits for the device: the decode takes the layout from `o` (the options, or any
   // with the same format, scaling and block, of the encode that wrote `in`), not the header.
@@ -252,6 +276,14 @@ class DeviceBackend {
   // The layer's geometry and rotation on its whole device buffer x (l.in or l.out), forward
   // (geometry, then rotation) or inverse (rotation's, then geometry's).
   virtual void Transform(const BucketLayer& l, float* x, bool inverse) = 0;
+  // Reduce-scatter (DataPlane::ShardProducts and InvertRows) on the device rows x of layer l,
+  // `n` floats from row `first_row` on: w (device, ShardProductRows x l.cols) = this shard's
+  // share of U^T D; and the geometry's inverse of those rows in place, with w the summed shares
+  // (device; null when ShardProductRows is 0).
+  virtual void ShardProducts(const BucketLayer& l, int64_t first_row, const float* x, size_t n,
+                             float* w) = 0;
+  virtual void InvertRows(const BucketLayer& l, int64_t first_row, float* x, size_t n,
+                          const float* w) = 0;
   // Returns once everything issued is done.
   virtual void Synchronize() = 0;
   // The factor sketch's products over the m x n device gradient g (DataPlane::Products); null:
@@ -296,7 +328,13 @@ enum class WireMemory { kHost, kDevice };
 
 // A plane over a DeviceBackend's memory, its wire staged through host memory for the
 // Communicator or kept in device memory (`wire`). Error feedback is not run on it yet
-// (Unsupported says so).
+// (Unsupported says so). bf16 and fp16 gradients: read into the division (DivideLowp) chunk by
+// chunk, or into the exchanger's fp32 work memory (WorkBuffer) for a transform, and decoded
+// outputs rounded into them (RoundLowp) through one chunk of fp32 scratch: no fp32 copy of a
+// bucket. Reduce-scatter: the owner's rows are summed into `out` on the device and the row-local
+// inverse runs there (DeviceBackend::InvertRows); a lowrank layer's k x n shares of U^T D are
+// computed on the device (DeviceBackend::ShardProducts) and cross to the host only for their
+// all-reduce.
 class StagedPlane final : public DataPlane {
  public:
   explicit StagedPlane(DeviceBackend& device, WireMemory wire = WireMemory::kHost);
@@ -317,9 +355,13 @@ class StagedPlane final : public DataPlane {
   void DecodeSum(const BucketLayer& l, ChunkRange c,
                  std::span<const std::span<const uint8_t>> parts) override;
   void InvertTransform(const BucketLayer& l) override;
+  void InvertRows(const BucketLayer& l, int64_t first_row, std::span<const float> w) override;
+  void ShardProducts(const BucketLayer& l, int64_t first_row, std::span<float> w) override;
   void ReadDivided(GradSpan in, float divisor, uint32_t bit, std::span<float> host) override;
   void Write(std::span<const float> host, GradSpan out) override;
-  void Read(std::span<const float> in, std::span<float> host) override;
+  void Read(GradSpan in, std::span<float> host) override;
+  void Round(std::span<const float> x, GradSpan out) override;
+  std::span<float> WorkBuffer(size_t slot, size_t n) override;
   std::unique_ptr<GradientProducts> Products(std::span<const float> g, int64_t m,
                                              int64_t n) override;
   std::unique_ptr<GradientProducts> Snapshot(std::span<const float> g, int64_t m,
@@ -351,6 +393,10 @@ class StagedPlane final : public DataPlane {
   // and copied to the host by Done.
   uint8_t* EncodeTarget(std::span<uint8_t> out);
   void Done(std::span<uint8_t> out, const uint8_t* encoded);
+  // y = in / divisor in fp32 device memory, whatever in's dtype, noting a NaN or inf in l's bit.
+  void DivideInto(const BucketLayer& l, GradSpan in, float divisor, float* y);
+  // A gradient's bf16 or fp16 bits in host staging_ (ReadDivided and Read).
+  std::span<const uint16_t> LowpToHost(GradSpan in);
 
   DeviceBackend& device_;
   const WireMemory wire_;
@@ -359,6 +405,13 @@ class StagedPlane final : public DataPlane {
   uint64_t* flags_ = nullptr;
   uint64_t host_flags_ = 0;
   Scratch divided_, encoded_, received_, acc_;
+  // A bf16 or fp16 output's decoded chunk in fp32 until it is rounded; reduce-scatter's shares
+  // of U^T D.
+  Scratch decoded_, shares_;
+  // WorkBuffer's slots.
+  std::vector<Scratch> work_buffers_;
+  // Host bits of a bf16 or fp16 gradient (ReadDivided, Write, Read).
+  std::vector<uint16_t> staging_;
   // The device wire: its buffers by slot, and every rank's flags (KeepFlags), `kept_` words.
   std::vector<Scratch> wire_buffers_;
   Scratch kept_flags_;

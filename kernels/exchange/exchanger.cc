@@ -408,10 +408,11 @@ StepResult Exchanger::Exchange(uint64_t step, GradSpans grads, Refreshes refresh
   return Finish(step);
 }
 
-// A bf16 or fp16 gradient's products, over an fp32 copy of it that they own (host memory only).
+// A bf16 or fp16 gradient's products, over a host fp32 copy of it that they own (read through
+// the plane: a device plane's gradient is device memory).
 std::unique_ptr<GradientProducts> Exchanger::LowpProducts(GradSpan g, int64_t m, int64_t n) {
   std::vector<float> copy(g.size());
-  LoadDivided(g, 1.f, copy);  // exact: x / 1 is x
+  plane().Read(g, copy);  // exact
   return std::make_unique<HostSnapshot>(std::move(copy), m, n);
 }
 
@@ -431,11 +432,12 @@ bool Exchanger::ShardedRefresh(uint32_t l) const {
 
 std::unique_ptr<GradientProducts> Exchanger::ShardProducts(uint32_t l, GradSpan rows, bool copy) {
   const LayerSpec& spec = layers_[l];
-  if (!copy && rows.fp32()) {
+  if (!copy && rows.fp32() && plane().host_memory()) {
     return std::make_unique<ShardedGradient>(comm_, rows.f32(), spec.rows, spec.cols);
   }
+  // A host fp32 copy of this rank's rows (a device plane's are device memory).
   std::vector<float> fp32(rows.size());
-  LoadDivided(rows, 1.f, fp32);  // exact: x / 1 is x
+  plane().Read(rows, fp32);  // exact
   return std::make_unique<ShardedGradient>(comm_, std::move(fp32), spec.rows, spec.cols);
 }
 
@@ -644,8 +646,6 @@ StepResult Exchanger::ReduceScatter(uint64_t step, GradSpans grads, GradSpans ou
                "reduce-scatter: ", grads.size(), " gradients and ", outs.size(), " outputs for ",
                layers_.size(), " layers");
   GEOFP8_CHECK(steps_.empty(), "reduce-scatter: a submitted step is still in flight");
-  GEOFP8_CHECK(!options_.plane || options_.plane->host_memory(),
-               "reduce-scatter: runs on host memory only (plane ", options_.plane->name(), ")");
   for (uint32_t l = 0; l < layers_.size(); ++l) {
     const LayerSpec& spec = layers_[l];
     GEOFP8_CHECK(HadamardBlockOf(l) == 0, "layer '", spec.name,
@@ -681,13 +681,9 @@ std::vector<BucketResult> Exchanger::RunBuckets(uint64_t step, size_t first, siz
     std::span<float> whole, rows;
   };
   std::vector<LowpResult> lowp;
+  // The plane's fp32 memory (a device plane's is device memory), kept from run to run.
   size_t pool_used = 0;
-  auto take = [&](size_t n) {
-    if (pool_used == lowp_work_.size()) lowp_work_.emplace_back();
-    UninitializedVector<float>& v = lowp_work_[pool_used++];
-    v.resize(n);
-    return std::span<float>(v.data(), n);
-  };
+  auto take = [&](size_t n) { return plane().WorkBuffer(pool_used++, n); };
   for (size_t bucket = first; bucket < last; ++bucket) {
     BucketFingerprint fp;
     for (uint32_t l : buckets_[bucket].layers) {
@@ -809,6 +805,7 @@ std::vector<BucketResult> Exchanger::RunBuckets(uint64_t step, size_t first, siz
     ao.diagnose = [&] { DiagnoseFingerprints(comm_, prints, layer_names_); };
   }
   uint64_t nonfinite = 0;
+  bool rounded = false;  // plane().Round wrote an output
   if (!outs) {
     nonfinite = ExchangeBucketData(comm_, options_.algorithm, ao, work);
   } else {
@@ -834,15 +831,19 @@ std::vector<BucketResult> Exchanger::RunBuckets(uint64_t step, size_t first, siz
         const ChunkRange mine =
             RowChunkOf(w.in.size(), static_cast<size_t>(w.cols), comm_.size(), comm_.rank());
         // These layers are transformed: their average is fp32 (the gradient or its work memory).
-        StoreRounded(w.out.f32().subspan(mine.begin, mine.size()), whole_outs[k]);
+        plane().Round(w.out.f32().subspan(mine.begin, mine.size()), whole_outs[k]);
+        rounded = true;
       }
     }
   }
   // bf16 and fp16 layers that were transformed in fp32 work memory: their results, rounded.
   for (size_t k = 0; k < work.size(); ++k) {
-    if (!lowp[k].whole.empty()) StoreRounded(lowp[k].whole, work[k].in);
-    if (!lowp[k].rows.empty()) StoreRounded(lowp[k].rows, (*outs)[work_layer[k]]);
+    if (!lowp[k].whole.empty()) plane().Round(lowp[k].whole, work[k].in);
+    if (!lowp[k].rows.empty()) plane().Round(lowp[k].rows, (*outs)[work_layer[k]]);
+    rounded = rounded || !lowp[k].whole.empty() || !lowp[k].rows.empty();
   }
+  // A device plane rounds in stream order: done before the caller reads the outputs.
+  if (rounded) plane().Flush();
   comm_.AddAgreedLayout(layout);
   // One run moved every bucket's bytes: each bucket is charged its share of the fp32 size.
   const uint64_t bytes = comm_.stats().bytes_sent - bytes_before;
@@ -973,16 +974,12 @@ std::vector<RefreshRecord> Exchanger::RunRefreshes(
         const Geometry* previous = st.has_pending          ? &st.pending
                                    : st.active.version > 0 ? &st.active
                                                            : nullptr;
-        // The owner reads a device plane's gradient to the host.
+        // The owner reads a device plane's gradient to the host, and a bf16 or fp16 average in
+        // fp32, exactly.
         std::span<const float> grad;
-        if (device) {
+        if (device || !grads[l].fp32()) {
           host_copy.resize(grads[l].size());
-          options_.plane->Read(grads[l].f32(), host_copy);
-          grad = host_copy;
-        } else if (!grads[l].fp32()) {
-          // A bf16 or fp16 average: the estimate reads it in fp32, exactly.
-          host_copy.resize(grads[l].size());
-          LoadDivided(grads[l], 1.f, host_copy);
+          plane().Read(grads[l], host_copy);
           grad = host_copy;
         } else {
           grad = grads[l].f32();

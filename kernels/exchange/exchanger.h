@@ -309,13 +309,13 @@ class Exchanger {
   // choice on every rank: it depends on the shape and the policy only.
   bool ShardedRefresh(uint32_t layer) const;
   // The sketch's products over this rank's rows `rows` of layer l's average (a reduce-scatter's
-  // output), owning an fp32 copy of them when `copy` (a deferred refresh) or when they are bf16
-  // or fp16.
+  // output), owning a host fp32 copy of them when `copy` (a deferred refresh), when they are bf16
+  // or fp16, or when they are device memory.
   std::unique_ptr<GradientProducts> ShardProducts(uint32_t l, GradSpan rows, bool copy);
   // The plane the gradients live on: options_.plane, or the workspace's host plane.
   DataPlane& plane() { return options_.plane ? *options_.plane : workspace_.host; }
-  // The factor sketch's products over a bf16 or fp16 gradient, through an fp32 copy.
-  static std::unique_ptr<GradientProducts> LowpProducts(GradSpan g, int64_t m, int64_t n);
+  // The factor sketch's products over a bf16 or fp16 gradient, through a host fp32 copy.
+  std::unique_ptr<GradientProducts> LowpProducts(GradSpan g, int64_t m, int64_t n);
   // Refreshes::kDeferred: keeps copies of the gradients the step's refreshes read (with `outs`,
   // of this rank's rows of them), for later.
   void Defer(uint64_t step, const GradSpans& grads, const GradSpans* outs = nullptr);
@@ -340,9 +340,6 @@ class Exchanger {
   std::unique_ptr<LayerStateTable> owned_states_;
   std::vector<LayerState*> state_;
   ExchangeWorkspace workspace_;  // the algorithms' buffers, reused every step: worker thread only
-  // The fp32 work memory of a run's transformed bf16 and fp16 layers (BucketLayer::work), reused
-  // from run to run; a deque, so taking one more keeps the others in place. One run at a time.
-  std::deque<UninitializedVector<float>> lowp_work_;
 
   // Per-step bookkeeping on the caller's thread.
   struct Pending {

@@ -224,6 +224,71 @@ void DeviceGeometry::Transform(float* dG, bool inverse, cudaStream_t stream,
   RowMajorGemm(handle, false, false, m, n, k2, -1.f, left, k2, right, n, 1.f, dG, n);
 }
 
+void DeviceGeometry::ShardProducts(int64_t r0, const float* rows, int64_t len, float* w,
+                                   cudaStream_t stream, cublasContext* handle) {
+  const int64_t k = ShardProductRows(host_), n = host_.n;
+  if (k == 0 || identity_) return;
+  GEOFP8_CHECK(r0 >= 0 && r0 + len <= host_.m, "shard products: rows [", r0, ", ", r0 + len,
+               ") of a ", host_.m, "x", n, " geometry");
+  if (len == 0) {
+    GEOFP8_CUDA_CHECK(cudaMemsetAsync(w, 0, k * n * sizeof(float), stream));
+    return;
+  }
+  GEOFP8_CHECK(handle != nullptr, "DeviceGeometry: a cuBLAS handle is required for lowrank");
+  GEOFP8_CUBLAS_CHECK(cublasSetStream(handle, stream));
+  RowMajorGemm(handle, true, false, k, n, len, 1.f, u_ + r0 * k, k, rows, n, 0.f, w, n);
+}
+
+void DeviceGeometry::InvertRows(int64_t r0, float* rows, int64_t len, const float* w,
+                                cudaStream_t stream, cublasContext* handle) {
+  if (identity_ || len == 0) return;
+  const int64_t m = host_.m, n = host_.n;
+  GEOFP8_CHECK(r0 >= 0 && r0 + len <= m, "shard inverse: rows [", r0, ", ", r0 + len, ") of a ", m,
+               "x", n, " geometry");
+  if (host_.mode == GeometryMode::kDiag) {
+    const int threads = 256;
+    const int blocks =
+        static_cast<int>(std::min<int64_t>((len * n + threads - 1) / threads, 65535));
+    DiagKernel<<<blocks, threads, 0, stream>>>(rows, row_ + r0, col_, len, n, true);
+    GEOFP8_CUDA_CHECK(cudaGetLastError());
+    return;
+  }
+  const int64_t k = ShardProductRows(host_), k2 = 2 * k;
+  if (k == 0) return;
+  GEOFP8_CHECK(w != nullptr, "shard inverse: the summed shares of U^T D are required");
+  GEOFP8_CHECK(handle != nullptr, "DeviceGeometry: a cuBLAS handle is required for lowrank");
+  cublasHandle_t h = handle;
+  GEOFP8_CUBLAS_CHECK(cublasSetStream(h, stream));
+  const float* ab = core_[2];
+  const float* bb = core_[3];
+  // The scratch of a whole-layer transform, of which the shard uses its first len rows.
+  float* x = scratch_ + k * n;   // len x k
+  float* c = x + m * k;          // k x k
+  float* abc = c + k * k;        // k x k
+  float* t = abc + k * k;        // k x k
+  float* left = t + k * k;       // len x 2k
+  float* right = left + m * k2;  // 2k x n
+  const float* u = u_ + r0 * k;
+  // The CPU path's sequence (geometry.cc InvertGeometryRows): X = D_rows V, C = W V,
+  // t = Ab C Bb, left = [U_rows | X Bb - U_rows t], right = [Ab W ; V^T], rows -= left right.
+  RowMajorGemm(h, false, false, len, k, n, 1.f, rows, n, v_, k, 0.f, x, k);
+  RowMajorGemm(h, false, false, k, k, n, 1.f, w, n, v_, k, 0.f, c, k);
+  RowMajorGemm(h, false, false, k, k, k, 1.f, ab, k, c, k, 0.f, abc, k);
+  RowMajorGemm(h, false, false, k, k, k, 1.f, abc, k, bb, k, 0.f, t, k);
+  GEOFP8_CUDA_CHECK(cudaMemcpy2DAsync(left, k2 * sizeof(float), u, k * sizeof(float),
+                                      k * sizeof(float), len, cudaMemcpyDeviceToDevice, stream));
+  RowMajorGemm(h, false, false, len, k, k, 1.f, x, k, bb, k, 0.f, left + k, k2);
+  RowMajorGemm(h, false, false, len, k, k, -1.f, u, k, t, k, 1.f, left + k, k2);
+  RowMajorGemm(h, false, false, k, n, k, 1.f, ab, k, w, n, 0.f, right, n);
+  const float one = 1.f, zero = 0.f;
+  GEOFP8_CUDA_CHECK(cudaMemsetAsync(right + k * n, 0, k * n * sizeof(float), stream));
+  GEOFP8_CUBLAS_CHECK(cublasSgeam(h, CUBLAS_OP_T, CUBLAS_OP_N, static_cast<int>(n),
+                                  static_cast<int>(k), &one, v_, static_cast<int>(k), &zero,
+                                  right + k * n, static_cast<int>(n), right + k * n,
+                                  static_cast<int>(n)));
+  RowMajorGemm(h, false, false, len, n, k2, -1.f, left, k2, right, n, 1.f, rows, n);
+}
+
 void DeviceGeometry::DownloadUpdate(const float* dG, std::vector<float>* left,
                                     std::vector<float>* right, cudaStream_t stream,
                                     cublasContext* handle) {

@@ -56,6 +56,17 @@ class DeviceGeometry {
   void EncodeFused(const float* dG, std::span<DeviceEncodeTarget> targets, cudaStream_t stream,
                    cublasContext* handle);
 
+  // A reduce-scatter's row-local pieces (geometry.h ShardColumnProducts and InvertGeometryRows)
+  // on `len` rows of the layer from row r0 (row-major, n columns, device memory), ordered on
+  // `stream`: w (device, ShardProductRows x n) = U[r0 .., :]^T rows, this shard's share of
+  // W = U^T D (zeros for no rows); and T^-1 in place on the rows, w the sum of every shard's
+  // share (lowrank; unused by diag, whose inverse is row-local). The same GEMM sequence as the
+  // CPU path, on cuBLAS (its round-off, as Invert's).
+  void ShardProducts(int64_t r0, const float* rows, int64_t len, float* w, cudaStream_t stream,
+                     cublasContext* handle);
+  void InvertRows(int64_t r0, float* rows, int64_t len, const float* w, cudaStream_t stream,
+                  cublasContext* handle);
+
   // The device's rank-2k update factors of T (left m x 2k, right 2k x n, row-major) for dG, as
   // EncodeFused uses them; for tests that rebuild its output on the host. Lowrank only.
   void DownloadUpdate(const float* dG, std::vector<float>* left, std::vector<float>* right,

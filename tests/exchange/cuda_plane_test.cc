@@ -86,6 +86,61 @@ TEST(CudaPlane, LowRankGeometryAgreesAcrossRanksAndWithTheHost) {
   }
 }
 
+// bf16 and fp16 gradients read into the device's division and encode and written back rounded
+// (grad_span.h's per-element conversions in the kernels), with a rotation and a diag geometry
+// (bit-identical to the host's): the host plane's bytes.
+TEST(CudaPlane, Bf16AndFp16GradientsBitIdenticalToTheHost) {
+  if (!cuda::HaveDevice()) GTEST_SKIP() << "no CUDA device";
+  std::vector<LayerSpec> layers = MixedLayers();
+  LayerPolicy diag = Policy(Format::kNvfp4, Scaling::kBlock, 16);
+  diag.geometry = GeometryMode::kDiag;
+  layers.push_back({"diag.w", 32, 64, diag});
+  for (Algorithm a :
+       {Algorithm::kTwoPhase, Algorithm::kAllGather, Algorithm::kFp32, Algorithm::kBf16}) {
+    for (GradDtype d : {GradDtype::kBf16, GradDtype::kFp16}) {
+      ExchangeOptions options;
+      options.algorithm = a;
+      options.seed = 11;
+      options.segment_bytes = 16 << 10;
+      DtypeRun run;
+      run.dtypes.assign(layers.size(), d);
+      run.schedule.assign(layers.size(), RefreshSchedule{0, 2, 0});
+      const ByteRuns runs = RunDtypes(OnDevice0(), {}, 3, layers, options, 3, run);
+      ExpectSameBytes(runs, layers, std::string(AlgorithmName(a)) + " " + GradDtypeName(d));
+    }
+  }
+}
+
+// Reduce-scatter on the device: rows that do not divide by 3 ranks (one rank owns none of
+// tiny.w), a diag geometry's row-local inverse on the device, fp32, bf16 and fp16: the host
+// plane's bytes. (A lowrank geometry's inverse runs on cuBLAS: its round-off is not the host's.)
+TEST(CudaPlane, ReduceScatterBitIdenticalToTheHost) {
+  if (!cuda::HaveDevice()) GTEST_SKIP() << "no CUDA device";
+  LayerPolicy diag = Policy(Format::kNvfp4, Scaling::kBlock, 16, Rounding::kStochastic);
+  diag.geometry = GeometryMode::kDiag;
+  const std::vector<LayerSpec> layers = {
+      {"diag.w", 22, 64, diag},
+      {"plain.w", 33, 40, Policy(Format::kFp8E5M2, Scaling::kTensor, 0)},
+      {"tiny.w", 2, 30, Policy(Format::kFp8E4M3, Scaling::kBlock, 128)},
+      {"bias", 5, 1, Policy(Format::kFp8E4M3, Scaling::kBlock, 128)},
+  };
+  for (Algorithm a : {Algorithm::kTwoPhase, Algorithm::kFp32, Algorithm::kBf16}) {
+    for (GradDtype d : {GradDtype::kFp32, GradDtype::kBf16, GradDtype::kFp16}) {
+      ExchangeOptions options;
+      options.algorithm = a;
+      options.seed = 5;
+      options.segment_bytes = 8 << 10;
+      DtypeRun run;
+      run.dtypes.assign(layers.size(), d);
+      run.reduce_scatter = true;
+      run.schedule.assign(layers.size(), RefreshSchedule{0, 2, 0});
+      const ByteRuns runs = RunDtypes(OnDevice0(), {}, 3, layers, options, 4, run);
+      ExpectSameBytes(runs, layers,
+                      std::string(AlgorithmName(a)) + " reduce-scatter " + GradDtypeName(d));
+    }
+  }
+}
+
 #if GEOFP8_HAVE_NCCL
 // World size 1 through NCCL on the device wire (WireMemory::kDevice): NCCL reads and writes the
 // encoded bytes in device memory, ordered with the backend's stream, and each step's run waits

@@ -5,11 +5,13 @@
 
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <functional>
 #include <memory>
 #include <string>
 #include <vector>
 
+#include "kernels/exchange/chunking.h"
 #include "kernels/exchange/data_plane.h"
 #include "kernels/exchange/exchanger.h"
 #include "tests/exchange/exchange_harness.h"
@@ -149,6 +151,123 @@ inline std::vector<LayerSpec> MixedLayers() {
       {"head.w", 24, 50, Policy(Format::kFp8E5M2, Scaling::kTensor, 0)},
       {"norm", 77, 1, Policy(Format::kFp8E4M3, Scaling::kBlock, 128)},
   };
+}
+
+// ---- bf16 and fp16 gradients, and reduce-scatter ----
+
+using Bytes = std::vector<uint8_t>;
+
+inline size_t ElementBytes(GradDtype dtype) { return dtype == GradDtype::kFp32 ? 4 : 2; }
+
+// `values` rounded to `dtype` (fp32: as they are), as raw bytes.
+inline Bytes AsDtype(const std::vector<float>& values, GradDtype dtype) {
+  Bytes b(values.size() * ElementBytes(dtype));
+  StoreRounded(values, GradSpan(b.data(), values.size(), dtype));
+  return b;
+}
+
+struct DtypeRun {
+  std::vector<GradDtype> dtypes;  // each layer's gradient (and reduce-scatter output)
+  bool reduce_scatter = false;    // ReduceScatter instead of Exchange
+  bool device_wire = false;       // for the caller: pass a DeviceComm to RunDtypes
+  std::vector<RefreshSchedule> schedule;
+  Mutate mutate;  // the fp32 inputs before they are rounded to their dtypes
+};
+
+// Outputs [plane][rank][step][layer] as raw bytes (the exchanged gradients, or a reduce-scatter's
+// rows), and the step results.
+struct ByteRuns {
+  std::vector<std::vector<std::vector<std::vector<Bytes>>>> outputs;
+  std::vector<std::vector<std::vector<StepResult>>> results;
+};
+
+// As RunBothPlanes, with each layer's gradient (and a reduce-scatter's output, this rank's rows)
+// in its dtype: the fp32 inputs rounded to it, the same bytes on both planes. `after` checks the
+// staged run's backend once its plane is gone.
+inline ByteRuns RunDtypes(const BackendFactory& make_backend, const BackendCheck& after, int n,
+                          const std::vector<LayerSpec>& layers, const ExchangeOptions& options,
+                          int steps, const DtypeRun& run, const DeviceComm& device_comm = {}) {
+  ByteRuns runs;
+  runs.outputs.assign(2, std::vector<std::vector<std::vector<Bytes>>>(n));
+  runs.results.assign(2, std::vector<std::vector<StepResult>>(n));
+  for (int staged = 0; staged < 2; ++staged) {
+    const auto errors = RunRanks(n, [&](Communicator& gloo) {
+      const int r = gloo.rank();
+      std::unique_ptr<DeviceBackend> owned = make_backend(r);
+      DeviceBackend& backend = *owned;
+      {
+        const bool device_wire = staged && device_comm;
+        std::unique_ptr<Communicator> wrapped = device_wire ? device_comm(gloo, backend) : nullptr;
+        Communicator& comm = device_wire ? *wrapped : gloo;
+        StagedPlane plane(backend, device_wire ? WireMemory::kDevice : WireMemory::kHost);
+        ExchangeOptions o = options;
+        if (staged) o.plane = &plane;
+        Exchanger ex(comm, layers, o, run.schedule);
+        for (int s = 0; s < steps; ++s) {
+          Tensors values = MakeInputs(r, layers, s);
+          if (run.mutate) run.mutate(r, s, values);
+          std::vector<Bytes> in(layers.size()), out(layers.size());
+          std::vector<void*> device;  // the staged run's buffers, in the order of `host`
+          std::vector<Bytes*> host;
+          auto place = [&](Bytes& b, size_t count, GradDtype d) {
+            if (!staged) return GradSpan(b.data(), count, d);
+            void* p = backend.Allocate(std::max<size_t>(b.size(), 1));
+            backend.ToDevice(p, b.data(), b.size());
+            device.push_back(p);
+            host.push_back(&b);
+            return GradSpan(p, count, d);
+          };
+          GradSpans grads, outs;
+          for (size_t l = 0; l < layers.size(); ++l) {
+            const GradDtype d = run.dtypes[l];
+            in[l] = AsDtype(values[l], d);
+            grads.push_back(place(in[l], values[l].size(), d));
+            if (run.reduce_scatter) {
+              const size_t mine = RowChunkOf(values[l].size(), size_t(layers[l].cols), n, r).size();
+              out[l].assign(mine * ElementBytes(d), 0xEE);
+              outs.push_back(place(out[l], mine, d));
+            }
+          }
+          runs.results[staged][r].push_back(run.reduce_scatter ? ex.ReduceScatter(s, grads, outs)
+                                                               : ex.Exchange(s, grads));
+          for (size_t k = 0; k < device.size(); ++k) {
+            backend.ToHost(host[k]->data(), device[k], host[k]->size());
+            backend.Free(device[k]);
+          }
+          runs.outputs[staged][r].push_back(run.reduce_scatter ? out : in);
+        }
+      }
+      if (staged && after) after(r, backend);
+    });
+    EXPECT_EQ(JoinErrors(errors), "") << (staged ? "staged plane" : "host plane");
+  }
+  return runs;
+}
+
+inline void ExpectSameBytes(const ByteRuns& runs, const std::vector<LayerSpec>& layers,
+                            const std::string& what) {
+  for (size_t r = 0; r < runs.outputs[0].size(); ++r) {
+    ASSERT_EQ(runs.outputs[1][r].size(), runs.outputs[0][r].size()) << what;
+    for (size_t s = 0; s < runs.outputs[0][r].size(); ++s) {
+      const StepResult& a = runs.results[0][r][s];
+      const StepResult& b = runs.results[1][r][s];
+      EXPECT_EQ(b.skipped, a.skipped) << what << " rank " << r << " step " << s;
+      EXPECT_EQ(b.refreshes.size(), a.refreshes.size()) << what << " rank " << r << " step " << s;
+      if (a.skipped) continue;  // a skipped bucket's values have no meaning
+      for (size_t l = 0; l < layers.size(); ++l) {
+        const Bytes& x = runs.outputs[0][r][s][l];
+        const Bytes& y = runs.outputs[1][r][s][l];
+        ASSERT_EQ(y.size(), x.size()) << what << " layer " << layers[l].name;
+        size_t first = x.size();
+        for (size_t i = 0; i < x.size() && first == x.size(); ++i) {
+          if (x[i] != y[i]) first = i;
+        }
+        EXPECT_EQ(first, x.size())
+            << what << ": rank " << r << " step " << s << " layer " << layers[l].name
+            << " differs from the host plane at byte " << first << " of " << x.size();
+      }
+    }
+  }
 }
 
 }  // namespace geofp8::testing

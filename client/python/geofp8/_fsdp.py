@@ -176,7 +176,8 @@ class _GeoFP8ReduceScatter:
                 end_here = True
         # One buffer for every module of the state (they reduce one at a time), the size of the
         # largest module's unsharded gradients: in the gradients' dtype on CPU (the engine reads
-        # bfloat16 and float16 as they are), fp32 on CUDA (the device plane takes fp32).
+        # bfloat16 and float16 as they are), fp32 on CUDA (the device plane reads them too, but
+        # that path has not run on a GPU yet).
         cuda = state.device.type == "cuda"
         dtype = torch.float32 if cuda else input_tensor.dtype
         if state._fsdp_full.numel() < world * lay.row or state._fsdp_full.dtype != dtype:
@@ -191,7 +192,9 @@ class _GeoFP8ReduceScatter:
         out = output_tensor.view(lay.row)
         if full.device.type == "cuda":
             # The reduce-scatter stream FSDP calls this on orders the work after the copies.
-            # (The device plane has no reduce-scatter mode yet: an all-reduce, own rows kept.)
+            # (An all-reduce, own rows kept: the engine's device plane has a reduce-scatter mode,
+            # but it has not run on a GPU yet, and HookSession's reduce-scatter does not order a
+            # CUDA bucket after its stream.)
             started = time.monotonic()
             result = state._engine.exchange(state.step, lay.layers, full, lay.full_offsets,
                                             _gt._stream(full))

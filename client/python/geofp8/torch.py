@@ -67,7 +67,8 @@ def _script_name():
 # Gradient dtypes the hook takes. A CPU bucket of bfloat16 or float16 goes to the engine as it is:
 # the engine reads it straight into fp32 as it encodes, sums in fp32 and writes the average back
 # rounded to the bucket's dtype (no fp32 copy of the bucket). A CUDA one is still exchanged through
-# an fp32 copy (the device plane takes fp32) and written back in its dtype.
+# an fp32 copy and written back in its dtype: the engine's device plane reads bf16 and fp16 device
+# gradients itself (kernels/exchange/data_plane.h), but that path has not run on a GPU yet.
 _GRAD_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 _TORCH_MAJOR = int(torch.__version__.split(".")[0])
 
