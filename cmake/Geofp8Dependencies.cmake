@@ -77,6 +77,13 @@ if(GEOFP8_ENABLE_CUDA)
     set(CMAKE_CUDA20_EXTENSION_COMPILE_OPTION "-std=c++20")
     set(CMAKE_CUDA_STANDARD 20)
     set(CMAKE_CUDA_STANDARD_REQUIRED ON)
+    # CMake 3.25.0 and 3.25.1 (Debian 12's) fail in FindCUDAToolkit where the toolkit has no
+    # libnvToolsExt (CUDA 13's toolkit, torch's CUDA wheels): it marks CUDA::nvToolsExt
+    # deprecated without checking that it exists. Nothing here links it; an empty stand-in lets
+    # the module finish (3.25.2 checks).
+    if(CMAKE_VERSION VERSION_LESS 3.25.2 AND NOT TARGET CUDA::nvToolsExt)
+      add_library(CUDA::nvToolsExt INTERFACE IMPORTED)
+    endif()
     find_package(CUDAToolkit REQUIRED)
     set(GEOFP8_HAVE_CUDA 1)
     if(TARGET CUDA::cublas)

@@ -1,14 +1,18 @@
 #!/usr/bin/env bash
-# Builds GeoFP8's two images with podman from deploy/docker/Dockerfile: geofp8-worker (daemons,
-# CLI, trainer, python3, torch, geofp8) and geofp8-coordinator (no Python, no torch).
-# Usage: scripts/image.sh [--only worker|coordinator] [--tag TAG] [--rebuild]
-#   --only     build one of the two (default: both)
+# Builds GeoFP8's images with podman from deploy/docker/Dockerfile: geofp8-worker (daemons,
+# CLI, trainer, python3, torch, geofp8), geofp8-coordinator (no Python, no torch) and, on request,
+# geofp8-worker-cuda (the worker with geofp8's CUDA build, for GPU workers).
+# Usage: scripts/image.sh [--only worker|coordinator|worker-cuda] [--cuda] [--tag TAG] [--rebuild]
+#   --only     build one of them (default: worker and coordinator)
+#   --cuda     build geofp8-worker-cuda too (it compiles the CUDA kernels: longer)
 #   --tag      the images' tag (default: the CMake project's version, e.g. 0.1.0)
 #   --rebuild  build again even when an image of that tag exists for this source tree
 # As root, on Debian 12: installs podman, runc and debootstrap when missing. The base is BASE when
 # set, else localhost/geofp8-debian:12 when it exists, else debian:12 from a registry, else one
 # made here with debootstrap (kept as localhost/geofp8-debian:12 and reused). torch's wheels are
-# downloaded once into $GEOFP8_CACHE/wheels and installed from there. Without --rebuild an image
+# downloaded once into $GEOFP8_CACHE/wheels and installed from there; geofp8-worker-cuda's build
+# adds the nvcc wheels of torch's CUDA version there (about 0.1 GB more) and compiles against
+# torch's CUDA and NCCL wheels, not a CUDA toolkit of the host's. Without --rebuild an image
 # built here from the same sources (a hash kept in $GEOFP8_CACHE/podman) is not built again.
 # Podman runs with runc and default_ulimits = [] (CONTAINERS_CONF, written by this script), and
 # builds with chroot isolation: where setting RLIMIT_NPROC is refused, podman's defaults fail.
@@ -16,22 +20,27 @@
 set -euo pipefail
 source "$(dirname "$0")/lib/common.sh"
 
-usage() { sed -n '4,7p' "$0" | sed 's/^# \{0,1\}//' >&2; exit 2; }
-only="" tag="" rebuild=0
+usage() { sed -n '5,9p' "$0" | sed 's/^# \{0,1\}//' >&2; exit 2; }
+only="" tag="" rebuild=0 cuda=0
 while [ $# -gt 0 ]; do
   case "$1" in
     --only) [ $# -ge 2 ] || usage; only="$2"; shift 2 ;;
     --tag) [ $# -ge 2 ] || usage; tag="$2"; shift 2 ;;
     --rebuild) rebuild=1; shift ;;
+    --cuda) cuda=1; shift ;;
     -h|--help) usage ;;
     *) echo "image.sh: error: unknown argument ($1)" >&2; usage ;;
   esac
 done
 case "$only" in
   "") targets=(worker coordinator) ;;
-  worker|coordinator) targets=("$only") ;;
-  *) echo "image.sh: error: --only: must be worker or coordinator ($only)" >&2; exit 2 ;;
+  worker|coordinator|worker-cuda) targets=("$only") ;;
+  *) echo "image.sh: error: --only: must be worker, coordinator or worker-cuda ($only)" >&2
+     exit 2 ;;
 esac
+if [ "$cuda" = 1 ] && [[ " ${targets[*]} " != *" worker-cuda "* ]]; then
+  targets+=(worker-cuda)
+fi
 [ -n "$tag" ] || tag="$(sed -n 's/^project(geofp8 VERSION \([0-9.]*\).*/\1/p' \
                           "$GEOFP8_ROOT/CMakeLists.txt")"
 torch_version="$GEOFP8_TORCH_VERSION"
@@ -100,21 +109,26 @@ ensure_base() {
 
 # pip's wheel, and torch's and its dependencies', downloaded once per torch version (about
 # 2.8 GB) for the image's Python (Debian 12: CPython 3.11, glibc 2.36), whatever the host's.
+# With "nvcc" (worker-cuda), also the nvcc wheels of the CUDA version torch pins (its
+# cuda-toolkit wheel's nvcc extra: nvcc, the crt headers, nvvm), into the same directory.
 ensure_wheels() {
-  local dir="$GEOFP8_CACHE/wheels/torch-$torch_version-cp311"
-  if [ ! -f "$dir/.geofp8-ready" ]; then
-    log "downloading pip, torch==$torch_version and its dependencies into $dir (once)"
+  local dir="$GEOFP8_CACHE/wheels/torch-$torch_version-cp311" reqs=(pip "torch==$torch_version")
+  local ready=.geofp8-ready
+  if [ "${1:-}" = nvcc ]; then reqs+=("cuda-toolkit[nvcc]"); ready=.geofp8-nvcc-ready; fi
+  if [ ! -f "$dir/$ready" ]; then
+    log "downloading ${reqs[*]} and their dependencies into $dir (once)"
     local pipenv="$GEOFP8_CACHE/wheels/pip-venv" platforms=() v
     [ -x "$pipenv/bin/pip" ] || /usr/bin/python3 -m venv "$pipenv" >&2
     # What pip on Debian 12 accepts: manylinux_2_5 to manylinux_2_36, and the legacy names of
     # 2_5, 2_12 and 2_17, which some wheels carry alone.
     for v in $(seq 5 36); do platforms+=(--platform "manylinux_2_${v}_x86_64"); done
     for v in 1 2010 2014; do platforms+=(--platform "manylinux${v}_x86_64"); done
-    rm -rf "$dir"
+    # The nvcc wheels join torch's: pip keeps the files already there.
+    [ -f "$dir/.geofp8-ready" ] || rm -rf "$dir"
     "$pipenv/bin/pip" download --disable-pip-version-check --progress-bar off --quiet \
       --only-binary=:all: --python-version 3.11 --implementation cp --abi cp311 \
-      "${platforms[@]}" -d "$dir" pip "torch==$torch_version" >&2
-    touch "$dir/.geofp8-ready"
+      "${platforms[@]}" -d "$dir" "${reqs[@]}" >&2
+    touch "$dir/$ready" "$dir/.geofp8-ready"
   fi
   echo "$dir"
 }
@@ -151,9 +165,10 @@ for target in "${targets[@]}"; do
     continue
   fi
   extra=()
-  if [ "$target" = worker ]; then
-    extra=(--build-context "wheels=$(ensure_wheels)")
-  fi
+  case "$target" in
+    worker) extra=(--build-context "wheels=$(ensure_wheels)") ;;
+    worker-cuda) extra=(--build-context "wheels=$(ensure_wheels nvcc)") ;;
+  esac
   log "building $name from $base (source $id; the first build compiles for many minutes)"
   t0=$SECONDS
   # --isolation chroot: the OCI isolation sets RLIMIT_NPROC, which may be refused; --layers

@@ -511,6 +511,8 @@ class HelmChartTest(unittest.TestCase):
         self.assertEqual(len(docs), 1)
         spec, containers = containers_of(docs[0])
         self.assertIn("--device=cuda", containers[0]["args"])
+        # GPU workers run the GPU image (geofp8's CUDA build), the CPU ones the CPU image.
+        self.assertEqual(containers[0]["image"], "geofp8-worker-cuda:0.1.0")
         res = containers[0]["resources"]
         self.assertEqual(res["limits"]["nvidia.com/gpu"], 1)
         self.assertEqual(res["limits"]["cpu"], "2")  # the default limits are kept
@@ -522,6 +524,45 @@ class HelmChartTest(unittest.TestCase):
         cpu = [d for _, d in render({}) if d["kind"] == "StatefulSet"
                and d["metadata"]["name"].endswith("-worker")]
         self.assertNotIn("nvidia.com/gpu", containers_of(cpu[0])[1][0]["resources"]["limits"])
+        self.assertEqual(containers_of(cpu[0])[1][0]["image"], "geofp8-worker:0.1.0")
+
+    def test_gpu_workers_refuse_the_cpu_image(self):
+        # The CPU image's geofp8 has has_cuda False: worker.device cuda with it is refused, by
+        # the schema (the default repository's name) and by the templates (image.repository +
+        # "-worker", whatever the repository), either naming worker.image.repository.
+        gpu = {"device": "cuda", "gpus": 1}
+        for repo in ("geofp8-worker", "registry.example.com/ml/geofp8-worker"):
+            with self.subTest(repository=repo):
+                values = helm_render.Renderer(
+                    CHART, [{"worker": dict(gpu, image={"repository": repo})}]).values
+                errs = self.schema_errors(values)
+                self.assertTrue(any(e.startswith("worker/image/repository:") for e in errs),
+                                errs)
+        for overrides in ({"image": {"repository": "reg.example/gfp"},
+                           "worker": dict(gpu, image={"repository": "reg.example/gfp-worker"})},
+                          {"worker": dict(gpu, image={"repository": "geofp8-worker"})}):
+            with self.subTest(templates=overrides):
+                with self.assertRaises(helm_render.RenderError) as cm:
+                    helm_render.Renderer(CHART, [overrides]).render()
+                self.assertIn("worker.device=cuda needs the GPU worker image", str(cm.exception))
+                self.assertIn("worker.image.repository", str(cm.exception))
+        # Accepted: the default (image.repository + "-worker-cuda", with a registry too), a
+        # GPU image named outright, and the CPU image's repository for CPU workers.
+        for overrides, image in (
+                ({"worker": gpu}, "geofp8-worker-cuda:0.1.0"),
+                ({"image": {"repository": "reg.example/gfp", "tag": "1.2.3"}, "worker": gpu},
+                 "reg.example/gfp-worker-cuda:1.2.3"),
+                ({"worker": dict(gpu, image={"repository": "reg.example/my-gpu-image",
+                                             "tag": "7"})}, "reg.example/my-gpu-image:7"),
+                ({"worker": {"image": {"repository": "geofp8-worker"}}}, "geofp8-worker:0.1.0")):
+            with self.subTest(accepted=overrides):
+                r = helm_render.Renderer(CHART, [overrides])
+                self.assertEqual(self.schema_errors(r.values), [])
+                rendered = r.render()
+                self.assertIn("(image %s)" % image, rendered["NOTES.txt"])
+                workers = [d for _, d in r.manifests() if d["kind"] == "StatefulSet"
+                           and d["metadata"]["name"].endswith("-worker")]
+                self.assertEqual(containers_of(workers[0])[1][0]["image"], image)
 
     def test_pod_extras_reach_both_pods(self):
         r = helm_render.Renderer(CHART, [VALUE_SETS["pod-extras"]])
@@ -827,6 +868,13 @@ class HelmRenderCliTest(unittest.TestCase):
                 self.assertEqual(r.stdout, "")
                 self.assertIn("values.schema.json", r.stderr)
                 self.assertIn("- %s: %s" % (path, words), r.stderr)
+
+    def test_cuda_with_the_cpu_image_fails_naming_the_value(self):
+        r = self.cli("--set-json", json.dumps(
+            {"worker": {"device": "cuda", "gpus": 1, "image": {"repository": "geofp8-worker"}}}))
+        self.assertEqual(r.returncode, 1, r.stderr)
+        self.assertEqual(r.stdout, "")
+        self.assertIn("- worker.image.repository: 'geofp8-worker' should not be valid", r.stderr)
 
     def test_unknown_key_fails_naming_the_path(self):
         with tempfile.TemporaryDirectory() as tmp:

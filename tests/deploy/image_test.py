@@ -5,8 +5,12 @@
 # then an external job (docs/launchers.md): two attach-only worker containers with the
 # PyTorchJob recipe's sidecar arguments, and torchrun in a container of the worker image whose
 # ranks attach to them, take a live policy set and succeed.
+# CudaImageTest: the GPU worker image (scripts/image.sh --only worker-cuda), on a machine without a
+# GPU: geofp8's CUDA build in it, in both import orders with torch, on torch's own CUDA and NCCL
+# libraries, and the CPU path (the same command: job) through containers of it.
 # Label "image"; it builds the images when they are missing or stale (tens of minutes the first
-# time), so it runs only with GEOFP8_IMAGE_TEST=1 and is skipped (77) otherwise.
+# time), so it runs only with GEOFP8_IMAGE_TEST=1 (CudaImageTest: GEOFP8_IMAGE_TEST_CUDA=1) and is
+# skipped (77) otherwise.
 import json
 import os
 import re
@@ -35,6 +39,7 @@ TAG = subprocess.run(["sed", "-n", r"s/^project(geofp8 VERSION \([0-9.]*\).*/\1/
                       os.path.join(ROOT, "CMakeLists.txt")],
                      capture_output=True, text=True, check=True).stdout.strip()
 WORKER_IMAGE = "localhost/geofp8-worker:" + TAG
+CUDA_WORKER_IMAGE = "localhost/geofp8-worker-cuda:" + TAG
 COORDINATOR_IMAGE = "localhost/geofp8-coordinator:" + TAG
 # The job's program, mounted read-only into the workers as the chart's ConfigMap example does: it
 # says who and what it runs with, then trains the image's example GPT for a few steps over gloo
@@ -185,10 +190,11 @@ class ImageTest(unittest.TestCase):
                                        "geofp8-worker", "geofp8ctl",
                                        common_sh("$GEOFP8_TORCH_VERSION")])
 
-    def start_coordinator(self, tag, tmp, names):
+    def start_coordinator(self, tag, tmp, names, image=COORDINATOR_IMAGE):
         """The chart's coordinator container, with a token, and host directories for the volumes
         (`names`, besides its own): returns the directories, the chart's worker pod spec and
-        container, the coordinator's address and geofp8ctl in its container."""
+        container, the coordinator's address and geofp8ctl in its container. A worker image
+        (which holds geofp8-coordinator and geofp8ctl too) runs it with that entrypoint."""
         docs = [d for _, d in helm_render.Renderer(
             os.path.join(ROOT, "helm/geofp8"), [{"tokenSecret": "geofp8-token"}]).manifests()]
         cspec, cc = chart_container(docs, "coordinator")
@@ -207,10 +213,11 @@ class ImageTest(unittest.TestCase):
         self.assertIn("--token-file=/etc/geofp8/token/token", cc["args"])
 
         coord = tag + "-coordinator"
+        entrypoint = [] if image == COORDINATOR_IMAGE else ["--entrypoint", "geofp8-coordinator"]
         self.podman.start(
             coord, run_args(self, cspec, cc, [(dirs["coord"], "/var/lib/geofp8", False),
-                                              token_mount(dirs)]),
-            COORDINATOR_IMAGE,
+                                              token_mount(dirs)]) + entrypoint,
+            image,
             chart_args(cc, {"--listen": "127.0.0.1:0", "--metrics-listen": "127.0.0.1:0"},
                        ["--ready-file=/var/lib/geofp8/ready.json"]))
         address = wait_file(os.path.join(dirs["coord"], "ready.json"), "coordinator",
@@ -240,10 +247,17 @@ class ImageTest(unittest.TestCase):
         return j
 
     def test_command_job_across_containers(self):
+        self.command_job(WORKER_IMAGE, COORDINATOR_IMAGE, "cpu")
+
+    def command_job(self, worker_image, coordinator_image, build):
+        """The 2-rank command: job of torch DDP on CPU tensors with the geofp8 hook, through a
+        coordinator container of coordinator_image and two of worker_image, whose geofp8 is
+        `build` (build_info["build"])."""
         tag = "geofp8-imagetest-%d" % os.getpid()
         tmp = tempfile.mkdtemp(prefix=tag + "-")
         try:
-            dirs, (wspec, wc), address, ctl = self.start_coordinator(tag, tmp, ("w0", "w1"))
+            dirs, (wspec, wc), address, ctl = self.start_coordinator(tag, tmp, ("w0", "w1"),
+                                                                     coordinator_image)
             self.assertIn("--allow-commands", wc["args"])
             # The job's script, read-only as the chart's ConfigMap example mounts it.
             dirs["job"] = os.path.join(tmp, "job")
@@ -256,7 +270,7 @@ class ImageTest(unittest.TestCase):
                     name, run_args(self, wspec, wc, [
                         (dirs["w%d" % i], "/var/lib/geofp8", False), token_mount(dirs),
                         (dirs["job"], "/opt/job", True)]),
-                    WORKER_IMAGE,
+                    worker_image,
                     chart_args(wc, {"--coordinator": address, "--name": "w%d" % i,
                                     "--advertise-host": "127.0.0.1", "--metrics-host": "127.0.0.1",
                                     "--metrics-port": "0"},
@@ -276,7 +290,7 @@ class ImageTest(unittest.TestCase):
                 self.assertLessEqual(set(ident.pop("groups")), {10001}, out)
                 self.assertEqual(ident, {"uid": 10001, "gid": 10001,
                                          "torch": common_sh("$GEOFP8_TORCH_VERSION"),
-                                         "geofp8": TAG, "build": "cpu", "rank": rank}, out)
+                                         "geofp8": TAG, "build": build, "rank": rank}, out)
                 self.assertIn("TRAINED", out)
             print(outs[0], flush=True)
         finally:
@@ -372,10 +386,112 @@ class ImageTest(unittest.TestCase):
             shutil.rmtree(tmp, ignore_errors=True)
 
 
+# ldd's "NAME => PATH" lines.
+LDD_LINE = re.compile(r"^\s*(\S+) => (.*?)(?: \(0x[0-9a-f]+\))?$", re.M)
+# Where torch's wheels put the CUDA libraries in the image (pip as root, Debian's python3).
+TORCH_NVIDIA = "/usr/local/lib/python3.11/dist-packages/nvidia/"
+
+
+class CudaImageTest(ImageTest):
+    """geofp8-worker-cuda, built here without a GPU (scripts/image.sh --only worker-cuda): the
+    CUDA build in it, on torch's CUDA and NCCL, and the CPU path through it."""
+
+    @classmethod
+    def setUpClass(cls):
+        if os.environ.get("GEOFP8_IMAGE_TEST_CUDA") != "1":
+            raise unittest.SkipTest("the GPU worker image: run with GEOFP8_IMAGE_TEST_CUDA=1")
+        started = time.time()
+        subprocess.run([os.path.join(ROOT, "scripts/image.sh"), "--only", "worker-cuda"],
+                       check=True)
+        print("image ready in %.0f s" % (time.time() - started), flush=True)
+        cls.podman = Podman()
+
+    def test_images_identity_and_contents(self):
+        out = self.image_run(CUDA_WORKER_IMAGE, 'id -u; id -g; echo "$HOME"; cd /usr/local/bin '
+                             '&& ls geofp8*')
+        self.assertEqual(out.split(), ["10001", "10001", "/home/geofp8", "geofp8-coordinator",
+                                       "geofp8-tool", "geofp8-train", "geofp8-worker",
+                                       "geofp8ctl"])
+
+    def test_cuda_build_in_both_import_orders(self):
+        # has_cuda and the build's name, with torch imported first and with geofp8 first; and
+        # the extension itself loaded (its libnccl with it) before torch is: the order that
+        # broke torch where geofp8 was linked against an older NCCL (undefined symbol
+        # ncclCommResume).
+        script = ("import json, sys, importlib\n"
+                  "label = first, second = sys.argv[1:]\n"
+                  "if first == 'extension':\n"
+                  "    import ctypes, glob\n"
+                  "    ctypes.CDLL(glob.glob('/usr/local/lib/python3.11/dist-packages/geofp8/"
+                  "_geofp8*.so')[0], mode=ctypes.RTLD_GLOBAL)\n"
+                  "    first = 'geofp8'\n"
+                  "a, b = importlib.import_module(first), importlib.import_module(second)\n"
+                  "torch, geofp8 = (a, b) if first == 'torch' else (b, a)\n"
+                  "print('ORDER', *label, geofp8.has_cuda, json.dumps(geofp8.build_info), "
+                  "torch.version.cuda, '.'.join(map(str, torch.cuda.nccl.version())))\n")
+        out = self.image_run(CUDA_WORKER_IMAGE, "cat >/tmp/o.py <<'EOF'\n%sEOF\n"
+                             "python3 /tmp/o.py torch geofp8 && python3 /tmp/o.py geofp8 torch "
+                             "&& python3 /tmp/o.py extension torch" % script)
+        lines = [line for line in out.splitlines() if line.startswith("ORDER ")]
+        self.assertEqual(len(lines), 3, out)
+        for line in lines:
+            print(line, flush=True)
+            _, first, second, has_cuda, rest = line.split(" ", 4)
+            info, torch_cuda, nccl = rest.rsplit(" ", 2)
+            info = json.loads(info)
+            self.assertEqual(has_cuda, "True", line)
+            self.assertEqual(info["build"], "cuda" + torch_cuda, line)
+            self.assertEqual(info["cuda"], torch_cuda, line)
+            self.assertEqual(info["version"], TAG, line)
+            self.assertTrue(info["cuda_architectures"], line)
+
+    def test_linked_against_torchs_cuda_libraries(self):
+        # The extension's CUDA libraries resolve to the ones torch's wheels installed (the same
+        # files torch loads); nothing the extension or the programs link is missing (the
+        # programs link no CUDA library: --as-needed drops them), and there is no CUDA toolkit.
+        out = self.image_run(CUDA_WORKER_IMAGE, "ldd /usr/local/lib/python3.11/dist-packages/"
+                             "geofp8/_geofp8*.so; echo ==; for f in /usr/local/bin/geofp8*; do "
+                             "echo \"$f:\"; ldd \"$f\"; done; "
+                             "echo ==; ldd /usr/local/lib/python3.11/dist-packages/torch/lib/"
+                             "libtorch_cuda.so; echo ==; ls -d /usr/local/cuda* 2>&1 || true")
+        ext, programs, torch_cuda, toolkit = out.split("==\n")
+        self.assertIn("/usr/local/bin/geofp8-worker:", programs)
+        self.assertNotIn("not found", ext + programs, out)
+        self.assertIn("No such file", toolkit)
+        libs = dict(LDD_LINE.findall(ext))
+        torch_libs = dict(LDD_LINE.findall(torch_cuda))
+        for name in ("libnccl.so.2", "libcudart.so.13", "libcublas.so.13"):
+            self.assertIn(name, libs, ext)
+            self.assertTrue(libs[name].startswith(TORCH_NVIDIA), (name, libs[name]))
+            print("%s => %s" % (name, libs[name]), flush=True)
+        self.assertIn("libnccl.so.2", torch_libs, torch_cuda)
+        for name in set(("libnccl.so.2", "libcudart.so.13")) & set(torch_libs):
+            # (torch's run path goes through torch/lib/../../nvidia/...)
+            self.assertEqual(os.path.normpath(libs[name]), os.path.normpath(torch_libs[name]),
+                             (name, ext, torch_cuda))
+        for name, path in LDD_LINE.findall(programs):
+            if "nccl" in name or "cuda" in name:
+                self.assertTrue(path.startswith(TORCH_NVIDIA), (name, path))
+
+    def test_command_job_across_containers(self):
+        # The CPU path: the command: job on CPU tensors, through the GPU image's coordinator and
+        # workers.
+        self.command_job(CUDA_WORKER_IMAGE, CUDA_WORKER_IMAGE,
+                         "cuda" + self.image_run(CUDA_WORKER_IMAGE, "python3 -c 'import torch; "
+                                                 "print(torch.version.cuda)'").strip())
+
+    def test_attached_torchrun_job_across_containers(self):
+        self.skipTest("ImageTest runs it on the CPU image")
+
+
 if __name__ == "__main__":
-    if os.environ.get("GEOFP8_IMAGE_TEST") != "1":
+    # CudaImageTest alone (deploy.CudaImageTest) has its own switch; without a class name both
+    # classes run under GEOFP8_IMAGE_TEST=1, CudaImageTest skipped unless its switch is set too.
+    switch = ("GEOFP8_IMAGE_TEST_CUDA" if sys.argv[1:] and "CudaImageTest" in sys.argv[1:]
+              and "ImageTest" not in sys.argv[1:] else "GEOFP8_IMAGE_TEST")
+    if os.environ.get(switch) != "1":
         print("skipped: builds and runs the container images (scripts/image.sh, tens of minutes "
-              "the first time); run with GEOFP8_IMAGE_TEST=1")
+              "the first time); run with %s=1" % switch)
         sys.exit(77)
     if os.geteuid() != 0:
         print("skipped: needs root (podman's system store, chown of the volumes to 10001)")

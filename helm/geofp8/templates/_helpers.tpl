@@ -12,8 +12,9 @@ app.kubernetes.io/instance: {{ .Release.Name }}
 {{- end -}}
 
 {{/* Each component's image: its own image.repository / image.tag where set, else the global
-repository with the component's suffix (geofp8-coordinator, geofp8-worker: the two images
-deploy/docker/Dockerfile builds) and the global tag. */}}
+repository with the component's suffix (geofp8-coordinator, geofp8-worker, and for
+worker.device cuda geofp8-worker-cuda: the images deploy/docker/Dockerfile builds) and the
+global tag. */}}
 {{- define "geofp8.coordinatorImage" -}}
 {{- if .Values.coordinator.image.repository -}}
 {{ .Values.coordinator.image.repository }}
@@ -26,10 +27,25 @@ deploy/docker/Dockerfile builds) and the global tag. */}}
 {{- define "geofp8.workerImage" -}}
 {{- if .Values.worker.image.repository -}}
 {{ .Values.worker.image.repository }}
+{{- else if eq .Values.worker.device "cuda" -}}
+{{ .Values.image.repository }}-worker-cuda
 {{- else -}}
 {{ .Values.image.repository }}-worker
 {{- end -}}
 :{{ .Values.worker.image.tag | default .Values.image.tag }}
+{{- end -}}
+
+{{/* The CPU worker image's repository (its geofp8 is the CPU build: has_cuda False). */}}
+{{- define "geofp8.cpuWorkerRepository" -}}
+{{ .Values.image.repository }}-worker
+{{- end -}}
+
+{{/* Fails the install on GPU workers given the CPU image, whose geofp8 cannot use the GPU
+(values.schema.json refuses the default repository's name too). */}}
+{{- define "geofp8.checkDevice" -}}
+{{- if and (eq .Values.worker.device "cuda") (eq .Values.worker.image.repository (include "geofp8.cpuWorkerRepository" .)) -}}
+{{- fail "worker.device=cuda needs the GPU worker image, but worker.image.repository is the CPU one (image.repository + \"-worker\", whose geofp8 has has_cuda False): leave worker.image.repository empty for image.repository + \"-worker-cuda\" (scripts/image.sh --only worker-cuda builds it), or name a GPU image" -}}
+{{- end -}}
 {{- end -}}
 
 {{- define "geofp8.coordinator" -}}
