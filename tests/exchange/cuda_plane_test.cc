@@ -130,6 +130,7 @@ TEST(CudaPlane, ReduceScatterBitIdenticalToTheHost) {
       options.algorithm = a;
       options.seed = 5;
       options.segment_bytes = 8 << 10;
+      options.reduce_scatter_segment_bytes = 8 << 10;
       DtypeRun run;
       run.dtypes.assign(layers.size(), d);
       run.reduce_scatter = true;

@@ -766,6 +766,7 @@ TEST_P(StagedPlaneReduceScatter, BitIdenticalToTheHostPlane) {
   options.seed = 5;
   options.inline_bytes = c.inline_bytes;
   options.segment_bytes = 8 << 10;  // several pipeline groups
+  options.reduce_scatter_segment_bytes = 8 << 10;
   options.bucket_cap_bytes = 16 << 10;
   for (int dtypes = 0; dtypes < 3; ++dtypes) {
     for (bool geometry : {false, true}) {
