@@ -4,6 +4,7 @@
 
 #include <atomic>
 #include <functional>
+#include <latch>
 #include <memory>
 #include <string>
 #include <thread>
@@ -24,17 +25,30 @@ inline std::vector<std::string> RunRanks(
   MemoryStore store;
   const std::string prefix = "test" + std::to_string(group++);
   std::vector<std::string> errors(n);
+  // Every rank has made its communicator, or failed to: none closes its own before then, since a
+  // peer still connecting to a closed one fails with "connection reset by peer" (a body that
+  // throws before any collective returns at once).
+  std::latch connected(n);
+  struct AfterAllConnected {
+    std::latch& l;
+    ~AfterAllConnected() { l.wait(); }
+  };
   std::vector<std::thread> threads;
   for (int r = 0; r < n; ++r) {
     threads.emplace_back([&, r] {
+      bool counted = false;
       try {
         GlooOptions options;
         options.prefix = prefix;
         options.timeout = timeout;
         options.channels = channels;
         auto comm = CreateGlooCommunicator(store, r, n, options);
+        connected.count_down();
+        counted = true;
+        AfterAllConnected wait{connected};  // destroyed before comm
         body(*comm);
       } catch (const std::exception& e) {
+        if (!counted) connected.count_down();
         errors[r] = e.what();
         if (errors[r].empty()) errors[r] = "(empty error message)";
       }
