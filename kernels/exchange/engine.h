@@ -127,9 +127,9 @@ class ExchangeEngine {
   // of layer layers[i]'s average, FSDP's dim-0 chunk (rows [r c, min((r + 1) c, rows)) with
   // c = ceil(rows / N)); grads[i] is clobbered and must not overlap any output. Each output has a
   // dtype of its own (fp32, bf16 or fp16), whatever its gradient's. Runs on the calling thread as
-  // Exchange() does. Host memory only.
+  // Exchange() does, `before` first. Memory of the exchangers' plane (host, or the device plane's).
   StepResult ReduceScatter(uint64_t step, const std::vector<uint32_t>& layers, GradSpans grads,
-                           GradSpans outs);
+                           GradSpans outs, const Before& before = {});
 
   // Exchange() on the exchange thread, in submission order, without waiting. The gradients must
   // stay valid and untouched until `done` is called.

@@ -185,6 +185,9 @@ StepResult HookSession::ReduceScatter(uint64_t step, const FlatBucket& b, GradSp
   GradSpans grads = Spans(b);
   GEOFP8_CHECK(out_offsets.size() == b.layers.size(), "reduce-scatter: ", b.layers.size(),
                " layers but ", out_offsets.size(), " output offsets");
+#if GEOFP8_HOOK_SESSION_CUDA
+  if (b.on_device) cuda_->CheckDeviceMemory(out.data, "reduce-scatter output");
+#endif
   const int64_t n = size(), room = static_cast<int64_t>(out.size());
   GradSpans outs;
   for (size_t i = 0; i < b.layers.size(); ++i) {
@@ -196,7 +199,8 @@ StepResult HookSession::ReduceScatter(uint64_t step, const FlatBucket& b, GradSp
                  " is outside the output of ", room, " elements");
     outs.push_back(out.subspan(static_cast<size_t>(out_offsets[i]), static_cast<size_t>(mine)));
   }
-  return engine_->ReduceScatter(step, b.layers, std::move(grads), std::move(outs));
+  return engine_->ReduceScatter(step, b.layers, std::move(grads), std::move(outs),
+                                AfterStream(b));
 }
 
 void HookSession::Submit(uint64_t step, const FlatBucket& b, ExchangeEngine::Done done) {

@@ -99,9 +99,9 @@ class HookSession {
   // ExchangeEngine::Exchange of a flat bucket; `started` as there.
   StepResult Exchange(uint64_t step, const FlatBucket& bucket,
                       std::chrono::steady_clock::time_point* started = nullptr);
-  // ExchangeEngine::ReduceScatter of a host bucket: this rank's rows of layer layers[i] (FSDP's
-  // dim-0 chunk, ceil(rows / N) rows, fewer or none at the end) go to out[out_offsets[i] ..];
-  // the bucket is clobbered.
+  // ExchangeEngine::ReduceScatter of a bucket: this rank's rows of layer layers[i] (FSDP's dim-0
+  // chunk, ceil(rows / N) rows, fewer or none at the end) go to out[out_offsets[i] ..], memory of
+  // the bucket's kind (a device bucket's: after its stream, as Exchange); the bucket is clobbered.
   StepResult ReduceScatter(uint64_t step, const FlatBucket& bucket, GradSpan out,
                            const std::vector<int64_t>& out_offsets);
   // ExchangeEngine::Submit of a flat bucket: its memory must stay valid and untouched until

@@ -14,7 +14,9 @@ all-reduce of a copy of the bucket, divided by N):
   gradients), but every rank must still end with the same bits;
 - every rank ends with the same bits;
 - a NaN in one rank's gradient skips the bucket on every rank (filled with NaN);
-- agree_min (a command job's per-step policy agreement) gives the minimum over the ranks.
+- agree_min (a command job's per-step policy agreement) gives the minimum over the ranks;
+- a bfloat16 model under policy fp32: within bf16's rounding of the exact (fp64) average, and
+  handed back in bfloat16.
 """
 
 import os
@@ -47,7 +49,7 @@ def require_cuda():
 FP8_REL = 2.0 ** -4 + 1e-6 + 1e-5
 
 
-def work(rank, world, policy):
+def work(rank, world, policy, dtype="float32"):
     import torch
     import torch.distributed as dist
     from torch.nn.parallel import DistributedDataParallel as DDP
@@ -55,7 +57,7 @@ def work(rank, world, policy):
 
     device = torch.device("cuda", rank)
     torch.cuda.set_device(device)
-    model = L.tiny_model().to(device)
+    model = L.tiny_model().to(device, getattr(torch, dtype))
     ddp = DDP(model, device_ids=[rank])
     state = gt.GeoFP8State(model=model, policy=policy)
     assert state._engine.backend == "nccl", state._engine.backend
@@ -65,7 +67,7 @@ def work(rank, world, policy):
     def hook(st, bucket):
         buf = bucket.buffer()
         mine = buf.clone()
-        exact = buf.clone()
+        exact = buf.double()
         dist.all_reduce(exact)
         exact /= world
         out = gt.geofp8_hook(st, bucket).wait()
@@ -90,6 +92,13 @@ def work(rank, world, policy):
             bound = 2 * world * 2.0 ** -24 * float(norms)
         else:
             bound = FP8_REL * float(norms)
+        if dtype == "bfloat16":
+            # Summed in fp32 and rounded once to bf16 (8 significant bits): within 2^-8 of each
+            # element of the average, on top of the fp32 sum's bound.
+            bound += 2.0 ** -8 * float(exact.norm())
+        if out.dtype != buf.dtype:
+            failures.append("bucket %d came back %s, handed over %s" % (bucket.index(), out.dtype,
+                                                                       buf.dtype))
         if err > bound:
             failures.append("%s: bucket %d off by %g > %g" % (policy, bucket.index(), err, bound))
         # Bitwise identical on every rank.
@@ -106,7 +115,7 @@ def work(rank, world, policy):
     opt = torch.optim.SGD(ddp.parameters(), lr=0.05)
     for step in range(4):
         x, y = L.batch(rank, step)
-        x, y = x.to(device), y.to(device)
+        x, y = x.to(device, getattr(torch, dtype)), y.to(device, getattr(torch, dtype))
         opt.zero_grad(set_to_none=True)
         loss = torch.nn.functional.mse_loss(ddp(x), y)
         seen["nan_step"] = step == 3
@@ -128,13 +137,13 @@ def work(rank, world, policy):
     return failures
 
 
-def _entry(rank, world, store_path, out_dir, policy):
+def _entry(rank, world, store_path, out_dir, policy, dtype):
     import torch
     import torch.distributed as dist
     dist.init_process_group("nccl", init_method="file://" + store_path, rank=rank,
                             world_size=world)
     try:
-        torch.save(work(rank, world, policy), os.path.join(out_dir, "rank%d.pt" % rank))
+        torch.save(work(rank, world, policy, dtype), os.path.join(out_dir, "rank%d.pt" % rank))
     finally:
         dist.destroy_process_group()
 
@@ -146,12 +155,14 @@ def main():
     world = 2 if torch.cuda.device_count() >= 2 else 1
     print("CUDA path: %d rank(s) on %d device(s)" % (world, torch.cuda.device_count()))
     failures = []
-    for policy in ("fp32", "fp8", "geofp8"):
+    # A bfloat16 model's buckets go to the device plane as they are (no fp32 copy).
+    for policy, dtype in (("fp32", "float32"), ("fp8", "float32"), ("geofp8", "float32"),
+                          ("fp32", "bfloat16")):
         with tempfile.TemporaryDirectory(prefix="geofp8-cudatest-") as d:
-            mp.spawn(_entry, args=(world, os.path.join(d, "store"), d, policy), nprocs=world,
-                     join=True)
+            mp.spawn(_entry, args=(world, os.path.join(d, "store"), d, policy, dtype),
+                     nprocs=world, join=True)
             for r in range(world):
-                failures += ["%s: %s" % (policy, f)
+                failures += ["%s %s: %s" % (policy, dtype, f)
                              for f in torch.load(os.path.join(d, "rank%d.pt" % r))]
     for f in failures:
         print("FAIL:", f)

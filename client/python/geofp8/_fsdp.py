@@ -11,13 +11,13 @@ gathers each layer's chunks back into the layer's full gradient, averages the la
 ranks with the same engine, policy schema, geometry and error feedback as the DDP hook (each
 layer's state keyed by its parameter name), and writes this rank's rows into FSDP's output.
 
-What this costs (docs/pytorch.md, "FSDP2"): on CPU the layers travel as the engine's
+What this costs (docs/pytorch.md, "FSDP2"): the layers travel as the engine's
 reduce-scatter (ExchangeEngine::ReduceScatter: chunk r of every layer, quantized after its
 geometry and error feedback, to rank r, which sums its rows in fp32), about (N-1)/N bytes per
 gradient element at fp8, a quarter of an fp32 reduce-scatter's 4(N-1)/N. A lowrank layer adds a
 k x n fp32 all-reduce for its inverse, and on the steps its geometry refreshes it is all-reduced
-instead (the refresh reads the whole average). CUDA tensors still take the all-reduce (twice the
-bytes). Each rank keeps its error-feedback residual at the layer's full size (fp32, N times its
+instead (the refresh reads the whole average). CUDA tensors take the same reduce-scatter on the
+engine's device plane. Each rank keeps its error-feedback residual at the layer's full size (fp32, N times its
 shard).
 """
 
@@ -62,7 +62,7 @@ class GeoFP8FSDPState(_gt.GeoFP8State):
         super().__init__(*args, **kwargs)
         size = self.world_size
         self._fsdp_full = torch.zeros(0)
-        self._fsdp_rows = torch.zeros(0)  # this rank's rows of a module's layers (CPU)
+        self._fsdp_rows = torch.zeros(0)  # this rank's rows of a module's layers
         self._baseline_per_float = (size - 1) / size * 4.0 if size > 1 else 0.0
 
     def _end_step(self):
@@ -175,60 +175,40 @@ class _GeoFP8ReduceScatter:
             except RuntimeError:  # called outside a backward pass: a step of its own
                 end_here = True
         # One buffer for every module of the state (they reduce one at a time), the size of the
-        # largest module's unsharded gradients: in the gradients' dtype on CPU (the engine reads
-        # bfloat16 and float16 as they are), fp32 on CUDA (the device plane reads them too, but
-        # that path has not run on a GPU yet).
-        cuda = state.device.type == "cuda"
-        dtype = torch.float32 if cuda else input_tensor.dtype
+        # largest module's unsharded gradients, in the gradients' dtype (the engine reads
+        # bfloat16 and float16 as they are, on the host and on the device).
+        dtype = input_tensor.dtype
         if state._fsdp_full.numel() < world * lay.row or state._fsdp_full.dtype != dtype:
             state._fsdp_full = torch.zeros(world * lay.row, dtype=dtype, device=state.device)
         full = state._fsdp_full[:world * lay.row]
         rows = input_tensor.view(world, lay.row)
-        # Layer p's chunks, row after row, are its padded gradient (cast to fp32 on the way to a
-        # CUDA exchange).
+        # Layer p's chunks, row after row, are its padded gradient.
         for o, fo, q in zip(lay.row_offsets, lay.full_offsets, lay.chunks):
             full[fo:fo + world * q].view(world, q).copy_(rows[:, o:o + q])
         exact = _gt._exact_average(state, full) if state._measure else None
         out = output_tensor.view(lay.row)
-        if full.device.type == "cuda":
-            # The reduce-scatter stream FSDP calls this on orders the work after the copies.
-            # (An all-reduce, own rows kept: the engine's device plane has a reduce-scatter mode,
-            # but it has not run on a GPU yet, and HookSession's reduce-scatter does not order a
-            # CUDA bucket after its stream.)
-            started = time.monotonic()
-            result = state._engine.exchange(state.step, lay.layers, full, lay.full_offsets,
-                                            _gt._stream(full))
-            self._note(started, result, input_tensor)
-            _gt._account(state, result, full, lay.layers, lay.full_offsets, lay.sizes, exact,
-                         input_tensor.element_size())
+        # The engine's reduce-scatter: each layer's chunk r goes to rank r, which sums its rows in
+        # fp32 and writes them rounded to the output's dtype: the gradients', or fp32 where a SUM
+        # or PREMUL_SUM scales them afterwards (one rounding, at the end); FSDP's padding rows stay
+        # zero. On CUDA the engine's stream follows the one FSDP calls this on (the copies above).
+        rows_dtype = dtype if scale == 1.0 else torch.float32
+        if state._fsdp_rows.numel() < lay.row or state._fsdp_rows.dtype != rows_dtype:
+            state._fsdp_rows = torch.zeros(lay.row, dtype=rows_dtype, device=state.device)
+        mine = state._fsdp_rows[:lay.row]
+        mine.zero_()
+        started = time.monotonic()
+        result = state._engine.reduce_scatter(state.step, lay.layers, full, lay.full_offsets, mine,
+                                              lay.row_offsets, _gt._stream(full))
+        self._note(started, result, input_tensor)
+        own = [max(0, min(q, n - rank * q)) for n, q in zip(lay.sizes, lay.chunks)]
+        if exact is not None and not result["skipped"]:
+            rows_exact = torch.zeros(lay.row, dtype=torch.float32, device=state.device)
             for o, fo, q in zip(lay.row_offsets, lay.full_offsets, lay.chunks):
-                mine = full[fo + rank * q:fo + (rank + 1) * q]
-                if scale != 1.0:
-                    mine = mine * scale
-                out[o:o + q].copy_(mine)
-        else:
-            # The engine's reduce-scatter: each layer's chunk r goes to rank r, which sums its
-            # rows in fp32 and writes them rounded to the output's dtype: the gradients', or fp32
-            # where a SUM or PREMUL_SUM scales them afterwards (one rounding, at the end); FSDP's
-            # padding rows stay zero.
-            rows_dtype = dtype if scale == 1.0 else torch.float32
-            if state._fsdp_rows.numel() < lay.row or state._fsdp_rows.dtype != rows_dtype:
-                state._fsdp_rows = torch.zeros(lay.row, dtype=rows_dtype)
-            mine = state._fsdp_rows[:lay.row]
-            mine.zero_()
-            started = time.monotonic()
-            result = state._engine.reduce_scatter(state.step, lay.layers, full, lay.full_offsets,
-                                                  mine, lay.row_offsets)
-            self._note(started, result, input_tensor)
-            own = [max(0, min(q, n - rank * q)) for n, q in zip(lay.sizes, lay.chunks)]
-            if exact is not None and not result["skipped"]:
-                rows_exact = torch.zeros(lay.row, dtype=torch.float32)
-                for o, fo, q in zip(lay.row_offsets, lay.full_offsets, lay.chunks):
-                    rows_exact[o:o + q] = exact[fo + rank * q:fo + (rank + 1) * q]
-                _gt._measure_layers(state, lay.layers, rows_exact, mine, lay.row_offsets, own)
-            _gt._account(state, result, mine, lay.layers, lay.row_offsets, lay.sizes, None,
-                         input_tensor.element_size())
-            out.copy_(mine * scale if scale != 1.0 else mine)
+                rows_exact[o:o + q] = exact[fo + rank * q:fo + (rank + 1) * q]
+            _gt._measure_layers(state, lay.layers, rows_exact, mine, lay.row_offsets, own)
+        _gt._account(state, result, mine, lay.layers, lay.row_offsets, lay.sizes, None,
+                     input_tensor.element_size())
+        out.copy_(mine * scale if scale != 1.0 else mine)
         if end_here:
             state._end_step()
         return None

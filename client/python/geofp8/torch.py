@@ -66,9 +66,8 @@ def _script_name():
 
 # Gradient dtypes the hook takes. A CPU bucket of bfloat16 or float16 goes to the engine as it is:
 # the engine reads it straight into fp32 as it encodes, sums in fp32 and writes the average back
-# rounded to the bucket's dtype (no fp32 copy of the bucket). A CUDA one is still exchanged through
-# an fp32 copy and written back in its dtype: the engine's device plane reads bf16 and fp16 device
-# gradients itself (kernels/exchange/data_plane.h), but that path has not run on a GPU yet.
+# rounded to the bucket's dtype (no fp32 copy of the bucket), on the host and on the device (the
+# device plane's, kernels/exchange/data_plane.h).
 _GRAD_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 _TORCH_MAJOR = int(torch.__version__.split(".")[0])
 
@@ -666,12 +665,9 @@ def geofp8_hook(state, bucket):
     if buf.dtype not in _GRAD_DTYPES:
         raise TypeError("gradient dtype: bucket %d is %s; the GeoFP8 hook takes float32, "
                         "bfloat16 and float16 gradients" % (bucket.index(), buf.dtype))
-    out = buf
-    if buf.dtype != torch.float32 and buf.device.type == "cuda":
-        buf = buf.float()  # exchanged in fp32, written back into DDP's bucket at the end
     if not state._in_step:
         state._begin_step()
-    layers, offsets, sizes = _bucket_layout(state, bucket, out)
+    layers, offsets, sizes = _bucket_layout(state, bucket, buf)
     exact = _exact_average(state, buf) if state._measure else None
     step, index = state.step, bucket.index()
     watch = state._watch
@@ -689,9 +685,7 @@ def geofp8_hook(state, bucket):
                 fut.set_exception(RuntimeError(watch.error) if watch.error else error)
                 return
             try:
-                _account(state, result, buf, layers, offsets, sizes, exact, out.element_size())
-                if out is not buf:
-                    out.copy_(buf)
+                _account(state, result, buf, layers, offsets, sizes, exact, buf.element_size())
                 if trace is not None:
                     record.update(started=result["started"], finished=result["finished"],
                                   completed=time.monotonic(), skipped=result["skipped"])
@@ -699,7 +693,7 @@ def geofp8_hook(state, bucket):
             except BaseException as e:  # noqa: BLE001 - it belongs to the Future
                 fut.set_exception(e)
                 return
-            fut.set_result(out)
+            fut.set_result(buf)
 
         record = {"step": step, "bucket": index, "called": called}
         # `done` keeps the bucket alive until the engine is done with it.
@@ -723,11 +717,9 @@ def geofp8_hook(state, bucket):
     # When the engine began it, after the buckets queued before it (a CPU build from before
     # "started" was reported: when the call began).
     started = result.get("started", started)
-    _account(state, result, buf, layers, offsets, sizes, exact, out.element_size())
-    if out is not buf:
-        out.copy_(buf)
+    _account(state, result, buf, layers, offsets, sizes, exact, buf.element_size())
     _end_bucket(state, bucket)
-    fut.set_result(out)
+    fut.set_result(buf)
     if trace is not None:
         now = time.monotonic()
         trace.append({"step": step, "bucket": index, "called": called, "started": started,
