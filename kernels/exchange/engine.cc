@@ -145,8 +145,7 @@ StepResult ExchangeEngine::Exchange(uint64_t step, const std::vector<uint32_t>& 
 }
 
 StepResult ExchangeEngine::ReduceScatter(uint64_t step, const std::vector<uint32_t>& layers,
-                                         GradSpans grads, GradSpans outs,
-                                         const Before& before) {
+                                         GradSpans grads, GradSpans outs, const Before& before) {
   GEOFP8_CHECK(outs.size() == layers.size(), "reduce-scatter: ", layers.size(), " layers but ",
                outs.size(), " outputs");
   return Run(step, layers, std::move(grads), &outs, before, nullptr);

@@ -199,8 +199,7 @@ StepResult HookSession::ReduceScatter(uint64_t step, const FlatBucket& b, GradSp
                  " is outside the output of ", room, " elements");
     outs.push_back(out.subspan(static_cast<size_t>(out_offsets[i]), static_cast<size_t>(mine)));
   }
-  return engine_->ReduceScatter(step, b.layers, std::move(grads), std::move(outs),
-                                AfterStream(b));
+  return engine_->ReduceScatter(step, b.layers, std::move(grads), std::move(outs), AfterStream(b));
 }
 
 void HookSession::Submit(uint64_t step, const FlatBucket& b, ExchangeEngine::Done done) {
