@@ -37,6 +37,33 @@ void RowMajorGemm(cublasHandle_t h, bool trans_a, bool trans_b, int64_t M, int64
       static_cast<int>(ldb), A, static_cast<int>(lda), &beta, C, static_cast<int>(ldc)));
 }
 
+// The factors of the low-rank update that the whole-matrix transform and the shard's row inverse
+// share (the CPU path's sequence, geometry.cc): from X (rows x k) and W (k x n), C = W V,
+// t = Ab C Bb, left = [U | X Bb - U t] (rows x 2k, U the same rows of U) and right = [Ab W ; V^T]
+// (2k x n).
+void LowRankFactors(cublasHandle_t h, cudaStream_t stream, int64_t rows, int64_t k, int64_t n,
+                    const float* u, const float* v, const float* ab, const float* bb,
+                    const float* w, const float* x, float* c, float* abc, float* t, float* left,
+                    float* right) {
+  const int64_t k2 = 2 * k;
+  RowMajorGemm(h, false, false, k, k, n, 1.f, w, n, v, k, 0.f, c, k);
+  RowMajorGemm(h, false, false, k, k, k, 1.f, ab, k, c, k, 0.f, abc, k);
+  RowMajorGemm(h, false, false, k, k, k, 1.f, abc, k, bb, k, 0.f, t, k);
+  GEOFP8_CUDA_CHECK(cudaMemcpy2DAsync(left, k2 * sizeof(float), u, k * sizeof(float),
+                                      k * sizeof(float), rows, cudaMemcpyDeviceToDevice, stream));
+  RowMajorGemm(h, false, false, rows, k, k, 1.f, x, k, bb, k, 0.f, left + k, k2);
+  RowMajorGemm(h, false, false, rows, k, k, -1.f, u, k, t, k, 1.f, left + k, k2);
+  RowMajorGemm(h, false, false, k, n, k, 1.f, ab, k, w, n, 0.f, right, n);
+  // right rows [k, 2k) = V^T: row-major V (n x k) is column-major k x n; transpose with geam.
+  const float one = 1.f, zero = 0.f;
+  // geam reads B (aliased to C here) even with beta = 0 on some versions: give it zeros, not NaNs.
+  GEOFP8_CUDA_CHECK(cudaMemsetAsync(right + k * n, 0, k * n * sizeof(float), stream));
+  GEOFP8_CUBLAS_CHECK(cublasSgeam(h, CUBLAS_OP_T, CUBLAS_OP_N, static_cast<int>(n),
+                                  static_cast<int>(k), &one, v, static_cast<int>(k), &zero,
+                                  right + k * n, static_cast<int>(n), right + k * n,
+                                  static_cast<int>(n)));
+}
+
 __global__ void DiagKernel(float* g, const float* row, const float* col, int64_t m, int64_t n,
                            bool inverse) {
   const int64_t total = m * n;
@@ -187,22 +214,7 @@ void DeviceGeometry::PrepareUpdate(const float* dG, bool inverse, cudaStream_t s
   // Same sequence as the CPU path (geometry.cc PrepareLowRank, without its row tiling).
   RowMajorGemm(h, true, false, k, n, m, 1.f, u_, k, dG, n, 0.f, w, n);
   RowMajorGemm(h, false, false, m, k, n, 1.f, dG, n, v_, k, 0.f, x, k);
-  RowMajorGemm(h, false, false, k, k, n, 1.f, w, n, v_, k, 0.f, c, k);
-  RowMajorGemm(h, false, false, k, k, k, 1.f, ab, k, c, k, 0.f, abc, k);
-  RowMajorGemm(h, false, false, k, k, k, 1.f, abc, k, bb, k, 0.f, t, k);
-  GEOFP8_CUDA_CHECK(cudaMemcpy2DAsync(left, k2 * sizeof(float), u_, k * sizeof(float),
-                                      k * sizeof(float), m, cudaMemcpyDeviceToDevice, stream));
-  RowMajorGemm(h, false, false, m, k, k, 1.f, x, k, bb, k, 0.f, left + k, k2);
-  RowMajorGemm(h, false, false, m, k, k, -1.f, u_, k, t, k, 1.f, left + k, k2);
-  RowMajorGemm(h, false, false, k, n, k, 1.f, ab, k, w, n, 0.f, right, n);
-  // right rows [k, 2k) = V^T: row-major V (n x k) is column-major k x n; transpose with geam.
-  const float one = 1.f, zero = 0.f;
-  // geam reads B (aliased to C here) even with beta = 0 on some versions: give it zeros, not NaNs.
-  GEOFP8_CUDA_CHECK(cudaMemsetAsync(right + k * n, 0, k * n * sizeof(float), stream));
-  GEOFP8_CUBLAS_CHECK(cublasSgeam(h, CUBLAS_OP_T, CUBLAS_OP_N, static_cast<int>(n),
-                                  static_cast<int>(k), &one, v_, static_cast<int>(k), &zero,
-                                  right + k * n, static_cast<int>(n), right + k * n,
-                                  static_cast<int>(n)));
+  LowRankFactors(h, stream, m, k, n, u_, v_, ab, bb, w, x, c, abc, t, left, right);
 }
 
 void DeviceGeometry::Transform(float* dG, bool inverse, cudaStream_t stream,
@@ -272,20 +284,7 @@ void DeviceGeometry::InvertRows(int64_t r0, float* rows, int64_t len, const floa
   // The CPU path's sequence (geometry.cc InvertGeometryRows): X = D_rows V, C = W V,
   // t = Ab C Bb, left = [U_rows | X Bb - U_rows t], right = [Ab W ; V^T], rows -= left right.
   RowMajorGemm(h, false, false, len, k, n, 1.f, rows, n, v_, k, 0.f, x, k);
-  RowMajorGemm(h, false, false, k, k, n, 1.f, w, n, v_, k, 0.f, c, k);
-  RowMajorGemm(h, false, false, k, k, k, 1.f, ab, k, c, k, 0.f, abc, k);
-  RowMajorGemm(h, false, false, k, k, k, 1.f, abc, k, bb, k, 0.f, t, k);
-  GEOFP8_CUDA_CHECK(cudaMemcpy2DAsync(left, k2 * sizeof(float), u, k * sizeof(float),
-                                      k * sizeof(float), len, cudaMemcpyDeviceToDevice, stream));
-  RowMajorGemm(h, false, false, len, k, k, 1.f, x, k, bb, k, 0.f, left + k, k2);
-  RowMajorGemm(h, false, false, len, k, k, -1.f, u, k, t, k, 1.f, left + k, k2);
-  RowMajorGemm(h, false, false, k, n, k, 1.f, ab, k, w, n, 0.f, right, n);
-  const float one = 1.f, zero = 0.f;
-  GEOFP8_CUDA_CHECK(cudaMemsetAsync(right + k * n, 0, k * n * sizeof(float), stream));
-  GEOFP8_CUBLAS_CHECK(cublasSgeam(h, CUBLAS_OP_T, CUBLAS_OP_N, static_cast<int>(n),
-                                  static_cast<int>(k), &one, v_, static_cast<int>(k), &zero,
-                                  right + k * n, static_cast<int>(n), right + k * n,
-                                  static_cast<int>(n)));
+  LowRankFactors(h, stream, len, k, n, u, v_, ab, bb, w, x, c, abc, t, left, right);
   RowMajorGemm(h, false, false, len, n, k2, -1.f, left, k2, right, n, 1.f, rows, n);
 }
 
