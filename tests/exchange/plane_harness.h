@@ -66,17 +66,17 @@ using BackendCheck = std::function<void(int rank, DeviceBackend&)>;
 // Gloo one.
 using DeviceComm = std::function<std::unique_ptr<Communicator>(Communicator&, DeviceBackend&)>;
 
-// `steps` steps of the same inputs through the host plane, then through a StagedPlane over each
-// rank's backend, ranks as threads over Gloo. With `device_comm`, the StagedPlane keeps its wire
-// in the backend's memory (WireMemory::kDevice) and the exchanger runs over that communicator.
-inline Runs RunBothPlanes(const BackendFactory& make_backend, const BackendCheck& after, int n,
-                          const std::vector<LayerSpec>& layers, const ExchangeOptions& options,
-                          int steps, const std::vector<RefreshSchedule>& schedule = {},
-                          const Mutate& mutate = {}, const DeviceComm& device_comm = {}) {
-  Runs runs;
-  runs.device_wire = static_cast<bool>(device_comm);
-  runs.outputs.assign(2, std::vector<std::vector<Tensors>>(n));
-  runs.results.assign(2, std::vector<std::vector<StepResult>>(n));
+// Runs `body` on each of n ranks (threads over Gloo) with an Exchanger over `layers`: first on the
+// host plane (staged 0), then on a StagedPlane over the rank's backend (staged 1), whose wire is
+// in the backend's memory over `device_comm` when one is given. `after` runs once the rank's
+// plane is gone, before its backend.
+using PlaneBody = std::function<void(int staged, int rank, Exchanger&, DeviceBackend&)>;
+using PlaneAfter = std::function<void(int staged, int rank, DeviceBackend&)>;
+inline void OnBothPlanes(const BackendFactory& make_backend, int n,
+                         const std::vector<LayerSpec>& layers, const ExchangeOptions& options,
+                         const std::vector<RefreshSchedule>& schedule,
+                         const DeviceComm& device_comm, const PlaneBody& body,
+                         const PlaneAfter& after) {
   for (int staged = 0; staged < 2; ++staged) {
     const auto errors = RunRanks(n, [&](Communicator& gloo) {
       const int r = gloo.rank();
@@ -90,6 +90,28 @@ inline Runs RunBothPlanes(const BackendFactory& make_backend, const BackendCheck
         ExchangeOptions o = options;
         if (staged) o.plane = &plane;
         Exchanger ex(comm, layers, o, schedule);
+        body(staged, r, ex, backend);
+      }
+      after(staged, r, backend);
+    });
+    EXPECT_EQ(JoinErrors(errors), "") << (staged ? "staged plane" : "host plane");
+  }
+}
+
+// `steps` steps of the same inputs through the host plane, then through a StagedPlane over each
+// rank's backend, ranks as threads over Gloo. With `device_comm`, the StagedPlane keeps its wire
+// in the backend's memory (WireMemory::kDevice) and the exchanger runs over that communicator.
+inline Runs RunBothPlanes(const BackendFactory& make_backend, const BackendCheck& after, int n,
+                          const std::vector<LayerSpec>& layers, const ExchangeOptions& options,
+                          int steps, const std::vector<RefreshSchedule>& schedule = {},
+                          const Mutate& mutate = {}, const DeviceComm& device_comm = {}) {
+  Runs runs;
+  runs.device_wire = static_cast<bool>(device_comm);
+  runs.outputs.assign(2, std::vector<std::vector<Tensors>>(n));
+  runs.results.assign(2, std::vector<std::vector<StepResult>>(n));
+  OnBothPlanes(
+      make_backend, n, layers, options, schedule, device_comm,
+      [&](int staged, int r, Exchanger& ex, DeviceBackend& backend) {
         for (int s = 0; s < steps; ++s) {
           Tensors data = MakeInputs(r, layers, s);
           if (mutate) mutate(r, s, data);
@@ -104,11 +126,10 @@ inline Runs RunBothPlanes(const BackendFactory& make_backend, const BackendCheck
             runs.outputs[0][r].push_back(data);
           }
         }
-      }
-      if (after) after(r, backend);
-    });
-    EXPECT_EQ(JoinErrors(errors), "") << (staged ? "staged plane" : "host plane");
-  }
+      },
+      [&](int, int r, DeviceBackend& backend) {
+        if (after) after(r, backend);
+      });
   return runs;
 }
 
@@ -190,19 +211,9 @@ inline ByteRuns RunDtypes(const BackendFactory& make_backend, const BackendCheck
   ByteRuns runs;
   runs.outputs.assign(2, std::vector<std::vector<std::vector<Bytes>>>(n));
   runs.results.assign(2, std::vector<std::vector<StepResult>>(n));
-  for (int staged = 0; staged < 2; ++staged) {
-    const auto errors = RunRanks(n, [&](Communicator& gloo) {
-      const int r = gloo.rank();
-      std::unique_ptr<DeviceBackend> owned = make_backend(r);
-      DeviceBackend& backend = *owned;
-      {
-        const bool device_wire = staged && device_comm;
-        std::unique_ptr<Communicator> wrapped = device_wire ? device_comm(gloo, backend) : nullptr;
-        Communicator& comm = device_wire ? *wrapped : gloo;
-        StagedPlane plane(backend, device_wire ? WireMemory::kDevice : WireMemory::kHost);
-        ExchangeOptions o = options;
-        if (staged) o.plane = &plane;
-        Exchanger ex(comm, layers, o, run.schedule);
+  OnBothPlanes(
+      make_backend, n, layers, options, run.schedule, device_comm,
+      [&](int staged, int r, Exchanger& ex, DeviceBackend& backend) {
         for (int s = 0; s < steps; ++s) {
           Tensors values = MakeInputs(r, layers, s);
           if (run.mutate) run.mutate(r, s, values);
@@ -236,11 +247,10 @@ inline ByteRuns RunDtypes(const BackendFactory& make_backend, const BackendCheck
           }
           runs.outputs[staged][r].push_back(run.reduce_scatter ? out : in);
         }
-      }
-      if (staged && after) after(r, backend);
-    });
-    EXPECT_EQ(JoinErrors(errors), "") << (staged ? "staged plane" : "host plane");
-  }
+      },
+      [&](int staged, int r, DeviceBackend& backend) {
+        if (staged && after) after(r, backend);
+      });
   return runs;
 }
 
