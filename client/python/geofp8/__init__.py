@@ -40,7 +40,8 @@ build_info = {
 # How to get the CUDA build, for the errors that a CPU build gives on CUDA tensors.
 _CUDA_BUILD_HINT = ("reinstall geofp8 where the CUDA toolkit's nvcc and NCCL are found, "
                    "forcing the CUDA build with GEOFP8_ENABLE_CUDA=ON pip install "
-                   "--no-build-isolation . (docs/pytorch.md, \"CUDA\")")
+                   "--no-build-isolation . (docs/pytorch.md, \"CUDA\"), or run in the GPU "
+                   "worker image, geofp8-worker-cuda (docs/deploy.md)")
 
 
 def policy_source(policy):
