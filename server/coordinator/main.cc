@@ -214,33 +214,38 @@ uint64_t ResidentBytes() {
 
 // A burst of large requests (a policy flood, a fuzzing client) is parsed on gRPC's threads, each
 // with its own malloc arena, and glibc keeps what they freed for reuse: the resident size stayed
-// at the burst's peak (66-87 MB against 22 MB idle). Once a second: when it has grown by more
-// than kTrimAbove since the last look after a trim, free pages go back to the kernel
-// (malloc_trim), and the size after that is the new reference.
+// at the burst's peak (66-87 MB against 22 MB idle). Once a second: when the resident size is more
+// than kTrimAbove above the lowest seen, free pages go back to the kernel (malloc_trim). A trim
+// that hands nothing back (the burst still allocating, or memory really in use) waits twice as
+// long before the next, up to kMaxWait: frees do not shrink the resident size, so a reference
+// raised by a trim during a burst would hide what the burst frees after it.
 std::thread StartMemoryReturner(const std::atomic<bool>& stopping) {
   return std::thread([&stopping] {
     constexpr uint64_t kTrimAbove = 16ull << 20;
-    uint64_t reference = ResidentBytes();
+    constexpr auto kMaxWait = std::chrono::seconds(8);
+    uint64_t lowest = ResidentBytes();
+    auto wait = std::chrono::seconds(1);
     auto next = std::chrono::steady_clock::now();
     while (!stopping.load()) {
       std::this_thread::sleep_for(std::chrono::milliseconds(100));  // shutdown is not held up
       if (std::chrono::steady_clock::now() < next) continue;
-      next = std::chrono::steady_clock::now() + std::chrono::seconds(1);
       const uint64_t rss = ResidentBytes();
-      if (rss > reference + kTrimAbove) {
+      lowest = std::min(lowest, rss);
+      if (rss > lowest + kTrimAbove) {
         malloc_trim(0);
-        reference = ResidentBytes();
-        // Under a burst, other threads may allocate more than the trim gave back meanwhile:
-        // only a trim that left the process smaller is reported as memory handed back.
-        if (reference < rss) {
+        const uint64_t after = ResidentBytes();
+        lowest = std::min(lowest, after);
+        if (after < rss) {
+          wait = std::chrono::seconds(1);
           geofp8::log::Debug("coordinator.memory_returned")
               .F("rss_before", rss)
-              .F("rss_after", reference)
+              .F("rss_after", after)
               .Msg("freed memory handed back to the kernel");
+        } else {
+          wait = std::min<std::chrono::seconds>(wait * 2, kMaxWait);
         }
-      } else if (rss < reference) {
-        reference = rss;
       }
+      next = std::chrono::steady_clock::now() + wait;
     }
   });
 }
