@@ -212,11 +212,12 @@ class AttachJobTest(unittest.TestCase):
                      "test: nvfp4")
             pid = rank_pid(run.proc.pid, 1)
             self.assertIsNotNone(pid, self.everything(name, run))
-            # Both ranks take v2 at one step (the script's log lines).
+            # Both ranks take v2 at one step (the script's log lines; the two ranks' writes can
+            # land on one line, so the reason's match stops at its own parenthesis).
             taken = {}
             end = time.time() + DEADLINE_S
             while len(taken) < 2 and time.time() < end:
-                for m in re.finditer(r"geofp8: rank (\d): policy v2 \(.*\) in force from step "
+                for m in re.finditer(r"geofp8: rank (\d): policy v2 \([^)]*\) in force from step "
                                      r"(\d+)", run.text()):
                     taken[int(m.group(1))] = int(m.group(2))
                 time.sleep(0.05)

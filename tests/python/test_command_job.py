@@ -208,7 +208,7 @@ class CommandJobTest(unittest.TestCase):
         taken = {}
         for rank in (0, 1):
             log = self.rank_file(job_id, rank, 0, "out") or ""
-            m = re.search(r"geofp8: rank %d: policy v2 \(.*\) in force from step (\d+)" % rank,
+            m = re.search(r"geofp8: rank %d: policy v2 \([^)]*\) in force from step (\d+)" % rank,
                           log)
             self.assertIsNotNone(m, "rank %d log:\n%s" % (rank, log))
             taken[rank] = int(m.group(1))

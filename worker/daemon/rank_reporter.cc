@@ -209,8 +209,28 @@ void RankReporter::Started() {
 }
 
 void RankReporter::Ended(const JobOutcome& out, double seconds) {
-  // Before the coordinator hears of the end: a scrape after it sees the job's gauges gone.
+  // Before the coordinator hears of the end: a scrape after it sees the job's gauges gone, and
+  // a reader who sees the job ended finds every rank's result file.
   if (metrics_) metrics_->JobEnded(out.success, out.stopped, out.cancelled);
+  {
+    // A small result file: tests and operators read the final checksum without scraping logs.
+    // Written whole under a temporary name, then renamed: never read half written.
+    std::error_code ec;
+    const std::filesystem::path dir = std::filesystem::path(data_dir_) / "results";
+    std::filesystem::create_directories(dir, ec);
+    const std::filesystem::path path =
+        dir / (a_.job_id() + ".attempt" + std::to_string(a_.attempt()) + ".txt");
+    const std::filesystem::path tmp = path.string() + ".tmp";
+    {
+      std::ofstream f(tmp);
+      f << "job=" << a_.job_id() << "\nattempt=" << a_.attempt() << "\nrank=" << a_.rank()
+        << "\nsuccess=" << (out.success ? 1 : 0) << "\nstopped=" << (out.stopped ? 1 : 0)
+        << "\nsteps=" << out.steps << "\nchecksum=" << HexChecksum(out.checksum)
+        << "\npolicy_version=" << out.policy_version << "\nfinished_unix_ms=" << NowUnixMs()
+        << "\nreason=" << out.reason << "\n";
+    }
+    std::filesystem::rename(tmp, path, ec);
+  }
   if (!out.stopped) Send(FinishedMessage(a_, out), true);
   {
     // Classified as WorkerMetrics::JobEnded counts it: a stop the coordinator sent for a cancel
@@ -224,16 +244,6 @@ void RankReporter::Ended(const JobOutcome& out, double seconds) {
     }
     e.F("seconds", seconds).Msg(out.reason);
   }
-  // A small result file: tests and operators read the final checksum without scraping logs.
-  std::error_code ec;
-  const std::filesystem::path dir = std::filesystem::path(data_dir_) / "results";
-  std::filesystem::create_directories(dir, ec);
-  std::ofstream f(dir / (a_.job_id() + ".attempt" + std::to_string(a_.attempt()) + ".txt"));
-  f << "job=" << a_.job_id() << "\nattempt=" << a_.attempt() << "\nrank=" << a_.rank()
-    << "\nsuccess=" << (out.success ? 1 : 0) << "\nstopped=" << (out.stopped ? 1 : 0)
-    << "\nsteps=" << out.steps << "\nchecksum=" << HexChecksum(out.checksum)
-    << "\npolicy_version=" << out.policy_version << "\nfinished_unix_ms=" << NowUnixMs()
-    << "\nreason=" << out.reason << "\n";
 }
 
 }  // namespace geofp8::worker
