@@ -425,6 +425,15 @@ std::unique_ptr<Communicator> CreateGlooCommunicator(geofp8::Store& store, int r
       ctx->connectFullMesh(prefixed, device);
       (c == 0 ? context : side) = std::move(ctx);
     }
+    // No rank returns before every rank has connected both meshes: one that closed its
+    // communicator at once (an error right after the rendezvous) reset a peer still connecting,
+    // whose error then read "connection reset by peer" instead of the real reason.
+    for (const auto& ctx : {context, side}) {
+      if (!ctx) continue;
+      gloo::BarrierOptions opts(ctx);
+      opts.setTimeout(options.timeout);
+      gloo::barrier(opts);
+    }
   });
   return std::make_unique<GlooCommunicator>(std::move(context), std::move(device), options.timeout,
                                             std::move(side));
