@@ -17,8 +17,8 @@ geometry and error feedback, to rank r, which sums its rows in fp32), about (N-1
 gradient element at fp8, a quarter of an fp32 reduce-scatter's 4(N-1)/N. A lowrank layer adds a
 k x n fp32 all-reduce for its inverse, and on the steps its geometry refreshes it is all-reduced
 instead (the refresh reads the whole average). CUDA tensors take the same reduce-scatter on the
-engine's device plane. Each rank keeps its error-feedback residual at the layer's full size (fp32, N times its
-shard).
+engine's device plane. Each rank keeps its error-feedback residual at the layer's full size
+(fp32, N times its shard).
 """
 
 import math
